@@ -1,0 +1,10 @@
+"""``python -m gpupool`` runs the command line (see :mod:`gpupool.cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+from gpupool.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The bound, the ceiling and the width decision: the heart of gpupool (pure core).
+
+For each device, from its census and the pool's measured terms::
+
+    room  = total - co_tenant - own_high_water - reserve
+    width = clamp(floor(room / ask), 1, ceiling)
+
+with ``ceiling`` the least of ``max_workers``, usable CPUs, host RAM at the
+children's RSS, and the work items still pending. The floor of 1 is for the
+pool as a whole (the serial path); with several devices, a device without
+room gets 0 while another has room. An unreadable device gets 1 with its
+reason, never a width computed from a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from gpupool._core.census import CardCensus
+from gpupool._core.units import format_size
+
+__all__ = [
+    "AskBasis",
+    "Bound",
+    "Ceiling",
+    "WidthDecision",
+    "admits",
+    "decide_width",
+    "decide_widths",
+    "derive_bound",
+    "derive_ceiling",
+    "live_gate_admits",
+]
+
+AskBasis = Literal["estimated", "measured"]
+
+#: Which limit set a width: the memory bound, one of the ceiling's terms, an
+#: unreadable card (width 1), the pool-wide floor of 1, or no room on this
+#: device while another had it.
+Limit = Literal[
+    "memory", "max_workers", "cpus", "host_ram", "pending", "unreadable", "floor", "no_room"
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bound:
+    """Every term of one device's memory bound.
+
+    ``room_bytes`` is ``None`` when the card is unreadable, and may be
+    negative: a card already oversubscribed by its residents is real, not
+    unknown.
+    """
+
+    device: int
+    total_bytes: int | None
+    co_tenant_bytes: int | None
+    own_high_water_bytes: int
+    reserve_bytes: int
+    ask_bytes: int
+    ask_basis: AskBasis
+    room_bytes: int | None
+
+    @property
+    def tasks_fit(self) -> int | None:
+        """``floor(room / ask)``, at least 0; ``None`` when unreadable."""
+        if self.room_bytes is None:
+            return None
+        return max(0, self.room_bytes // self.ask_bytes)
+
+    def describe(self) -> str:
+        """The bound in one sentence, every number in it."""
+        if self.room_bytes is None:
+            return f"card {self.device}: unreadable, so its room is unknown"
+        fits = self.tasks_fit
+        return (
+            f"card {self.device}: {format_size(self.room_bytes)} of room "
+            f"({format_size(self.total_bytes)} total - {format_size(self.co_tenant_bytes)} "
+            f"co-tenant - {format_size(self.own_high_water_bytes)} own high-water - "
+            f"{format_size(self.reserve_bytes)} reserve) holds {fits} "
+            f"task{'s' if fits != 1 else ''} at {format_size(self.ask_bytes)} ({self.ask_basis})"
+        )
+
+
+def derive_bound(
+    census: CardCensus,
+    *,
+    own_high_water_bytes: int,
+    reserve_bytes: int,
+    ask_bytes: int,
+    ask_basis: AskBasis,
+) -> Bound:
+    """Price one device: ``room = total - co_tenant - own_high_water - reserve``.
+
+    Args:
+        census: the device as it stood at construction.
+        own_high_water_bytes: this process's device high-water so far (it only
+            grows; at least the census' own bytes).
+        reserve_bytes: bytes kept free on purpose.
+        ask_bytes: the per-task price (positive).
+        ask_basis: ``"estimated"`` (the caller's ``task_peak``) or ``"measured"``.
+
+    Returns:
+        The bound, with ``room_bytes=None`` if the card is unreadable.
+    """
+    if ask_bytes <= 0:
+        raise ValueError(f"ask_bytes must be positive, got {ask_bytes}")
+    own_hw = max(own_high_water_bytes, census.own_bytes or 0)
+    co_tenant = census.co_tenant_bytes
+    room: int | None = None
+    if census.total_bytes is not None and co_tenant is not None:
+        room = census.total_bytes - co_tenant - own_hw - reserve_bytes
+    return Bound(
+        device=census.device,
+        total_bytes=census.total_bytes,
+        co_tenant_bytes=co_tenant,
+        own_high_water_bytes=own_hw,
+        reserve_bytes=reserve_bytes,
+        ask_bytes=ask_bytes,
+        ask_basis=ask_basis,
+        room_bytes=room,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ceiling:
+    """The pool-wide cap on width, and which term set it.
+
+    Unknown terms (``None``) do not cap.
+    """
+
+    max_workers: int
+    cpus: int | None
+    host_ram_bytes: int | None
+    child_rss_bytes: int | None
+    pending_items: int | None
+    value: int
+    limit: Literal["max_workers", "cpus", "host_ram", "pending"]
+
+    @property
+    def host_ram_fits(self) -> int | None:
+        """Children the host RAM holds at their RSS, or ``None`` if unknown."""
+        if self.host_ram_bytes is None or not self.child_rss_bytes:
+            return None
+        return max(1, self.host_ram_bytes // self.child_rss_bytes)
+
+
+def derive_ceiling(
+    *,
+    max_workers: int,
+    cpus: int | None = None,
+    host_ram_bytes: int | None = None,
+    child_rss_bytes: int | None = None,
+    pending_items: int | None = None,
+) -> Ceiling:
+    """The least of ``max_workers``, CPUs, host RAM at the children's RSS, pending items.
+
+    Each term is at least 1, so the ceiling never forbids the serial path.
+    Ties go to the earlier term in that order.
+    """
+    if max_workers < 1:
+        raise ValueError(f"max_workers must be at least 1, got {max_workers}")
+    ram_fits = None
+    if host_ram_bytes is not None and child_rss_bytes:
+        ram_fits = max(1, host_ram_bytes // child_rss_bytes)
+    terms: list[tuple[int, Literal["max_workers", "cpus", "host_ram", "pending"]]] = [
+        (max_workers, "max_workers")
+    ]
+    if cpus is not None:
+        terms.append((max(1, cpus), "cpus"))
+    if ram_fits is not None:
+        terms.append((ram_fits, "host_ram"))
+    if pending_items is not None:
+        terms.append((max(1, pending_items), "pending"))
+    value, limit = min(terms, key=lambda term: term[0])
+    return Ceiling(
+        max_workers=max_workers,
+        cpus=cpus,
+        host_ram_bytes=host_ram_bytes,
+        child_rss_bytes=child_rss_bytes,
+        pending_items=pending_items,
+        value=value,
+        limit=limit,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WidthDecision:
+    """A device's width and every term it came from."""
+
+    device: int
+    width: int
+    limit: Limit
+    bound: Bound
+    ceiling: Ceiling
+
+    def describe(self) -> str:
+        """The decision in one sentence, every number in it."""
+        why = {
+            "memory": "the memory bound",
+            "max_workers": f"max_workers={self.ceiling.max_workers}",
+            "cpus": f"{self.ceiling.cpus} usable CPUs",
+            "host_ram": (
+                f"host RAM ({format_size(self.ceiling.host_ram_bytes)} at "
+                f"{format_size(self.ceiling.child_rss_bytes)} per child)"
+            ),
+            "pending": f"{self.ceiling.pending_items} pending items",
+            "unreadable": "an unreadable card (width 1, never a guess)",
+            "floor": "the serial floor (no card has room for one task; running 1 at a time)",
+            "no_room": "no room on this card while another card has room",
+        }[self.limit]
+        return f"{self.bound.describe()}; width {self.width}, set by {why}"
+
+
+def decide_widths(bounds: Sequence[Bound], ceiling: Ceiling) -> tuple[WidthDecision, ...]:
+    """Split the pool's width over its devices, within each device's room and the ceiling.
+
+    Each readable device holds at most ``floor(room / ask)`` tasks; an
+    unreadable device holds 1. The total never passes ``ceiling.value``;
+    devices with the most room are filled first. When no device has room for
+    one task, the device with the most room (an unreadable one if none is
+    readable) gets the pool's serial width of 1.
+
+    Args:
+        bounds: one bound per device, in device order (may be empty: a pool
+            without devices has no device widths).
+        ceiling: the pool-wide cap.
+
+    Returns:
+        One decision per bound, in the same order.
+    """
+    fits: list[int] = []
+    for bound in bounds:
+        tasks = bound.tasks_fit
+        fits.append(1 if tasks is None else tasks)
+    order = sorted(
+        range(len(bounds)),
+        key=lambda i: (
+            bounds[i].room_bytes is None,
+            -(bounds[i].room_bytes or 0),
+            i,
+        ),
+    )
+    widths = [0] * len(bounds)
+    limits: list[Limit] = ["memory"] * len(bounds)
+    left = ceiling.value
+    for i in order:
+        take = min(fits[i], left)
+        widths[i] = take
+        left -= take
+        if bounds[i].room_bytes is None:
+            limits[i] = "unreadable"
+        elif take < fits[i]:
+            limits[i] = ceiling.limit
+        elif fits[i] == 0:
+            limits[i] = "no_room"
+    if bounds and sum(widths) == 0:
+        first = order[0]
+        widths[first] = 1
+        limits[first] = "unreadable" if bounds[first].room_bytes is None else "floor"
+    return tuple(
+        WidthDecision(
+            device=bound.device, width=widths[i], limit=limits[i], bound=bound, ceiling=ceiling
+        )
+        for i, bound in enumerate(bounds)
+    )
+
+
+def decide_width(bound: Bound, ceiling: Ceiling) -> WidthDecision:
+    """The width of a one-device pool: ``clamp(floor(room / ask), 1, ceiling)``."""
+    return decide_widths((bound,), ceiling)[0]
+
+
+def admits(ask_bytes: int, running_asks_bytes: Sequence[int], room_bytes: int | None) -> bool:
+    """May a task of ``ask_bytes`` start beside tasks booked at ``running_asks_bytes``?
+
+    Byte-level admission for mixed asks: the booked asks plus the new one
+    must fit in the room. An unreadable card (``room_bytes=None``) admits one
+    task at a time. For equal asks this admits exactly ``floor(room / ask)``.
+    """
+    if room_bytes is None:
+        return not running_asks_bytes
+    return sum(running_asks_bytes) + ask_bytes <= room_bytes
+
+
+def live_gate_admits(
+    *,
+    live_free_bytes: int | None,
+    ask_bytes: int,
+    unreached_bytes: int,
+    reserve_bytes: int,
+) -> bool:
+    """The live gate: does the card's free memory now cover a new task?
+
+    The live free reading must cover the new ask, plus the part of every
+    running task's ask that it has not reached yet, plus the reserve. This
+    prices what the census cannot see: a co-tenant that grew after it. An
+    unknown reading (``None``) does not gate: the static bound alone decides.
+    """
+    if live_free_bytes is None:
+        return True
+    return live_free_bytes >= ask_bytes + unreached_bytes + reserve_bytes

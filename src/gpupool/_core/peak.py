@@ -1,0 +1,36 @@
+"""What a child reports about one task: its device and host peaks, and how each was measured (pure core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PeakReport"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeakReport:
+    """One task's peaks, as its child process measured them.
+
+    Attributes:
+        device: the pool's device index the child is pinned to, or ``None``.
+        device_peak_bytes: the most device bytes the child process held during
+            the task (context and non-PyTorch allocations included), or
+            ``None`` when no source could tell.
+        device_source: how: ``"nvml-accounting"``, ``"nvml-sampled"``,
+            ``"torch+baseline"``, ``"simulator"``, or ``"none"``.
+        baseline_bytes: device bytes the child held when the task started (its
+            context, typically), or ``None``.
+        rss_peak_bytes: the child's host RSS high-water during the task.
+        rss_source: how (``"psutil-sampled"``, ``"ru_maxrss"``, ``"none"``).
+        oom: the task ended in a device out-of-memory.
+        oom_requested_bytes: the allocation that failed, when the error said.
+    """
+
+    device: int | None
+    device_peak_bytes: int | None
+    device_source: str
+    baseline_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    rss_source: str = "none"
+    oom: bool = False
+    oom_requested_bytes: int | None = None

@@ -1,0 +1,106 @@
+"""Byte sizes: parse what users write, format what the log prints (pure core)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from gpupool._errors import InvalidSizeError
+
+__all__ = ["GiB", "KiB", "MiB", "format_size", "parse_size"]
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024**4,
+}
+
+_SIZE_RE = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+_HOW = "write a non-negative number of bytes, optionally with a unit: 6GiB, 6.5 GB, 512MiB, 7e9"
+
+
+def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) -> int:
+    """Parse a byte size as users write it.
+
+    Binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``) are powers of 1024, decimal
+    units (``KB``, ``MB``, ``GB``, ``TB``) powers of 1000, units are
+    case-insensitive, and a bare number is bytes. Fractions round down to
+    whole bytes.
+
+    Args:
+        value: a ``str`` such as ``"6GiB"``, ``"6.5 GB"``, ``"7e9"``, or an
+            ``int``/``float`` number of bytes.
+        name: what the value is, for the error message (``"task_peak"``).
+        allow_zero: whether ``0`` is acceptable.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        InvalidSizeError: ``value`` is not a finite, non-negative size (a
+            ``ValueError``); the message quotes the input.
+    """
+    if isinstance(value, bool) or value is None:
+        raise InvalidSizeError(
+            f"{name}={value!r} is not a byte size; {_HOW}.", value=value
+        )
+    number: float
+    if isinstance(value, int):
+        number = float(value)
+        exact: int | None = value
+    elif isinstance(value, float):
+        number = value
+        exact = None
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group("unit").lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise InvalidSizeError(
+                f"{name}={value!r} is not a byte size; {_HOW}.", value=value
+            )
+        number = float(match.group("number")) * _UNITS[unit]
+        exact = None
+    else:
+        raise InvalidSizeError(
+            f"{name}={value!r} ({type(value).__name__}) is not a byte size; {_HOW}.",
+            value=value,
+        )
+    if not math.isfinite(number):
+        raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
+    if number < 0:
+        raise InvalidSizeError(f"{name}={value!r} is negative; {_HOW}.", value=value)
+    nbytes = exact if exact is not None else math.floor(number)
+    if nbytes == 0 and not allow_zero:
+        raise InvalidSizeError(f"{name}={value!r} is zero; {name} must be positive.", value=value)
+    return nbytes
+
+
+def format_size(nbytes: int | None) -> str:
+    """Format bytes for people: ``"9.90 GiB"``, ``"512.00 MiB"``, ``"unknown"`` for ``None``.
+
+    Negative values keep their sign (a negative room is a real, oversubscribed card).
+    """
+    if nbytes is None:
+        return "unknown"
+    sign = "-" if nbytes < 0 else ""
+    magnitude = abs(nbytes)
+    for unit, scale in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if magnitude >= scale:
+            return f"{sign}{magnitude / scale:.2f} {unit}"
+    return f"{sign}{magnitude} B"

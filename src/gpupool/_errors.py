@@ -1,0 +1,131 @@
+"""The exception tree of gpupool (pure: imports nothing from the I/O layers).
+
+::
+
+    GpuPoolError
+     +-- ConfigurationError (also ValueError)     a value given to gpupool is wrong
+     |    +-- InvalidSizeError                    a byte size could not be parsed
+     +-- SensorError                              a reading could not be taken
+     |    +-- NoDriverError                       no NVIDIA driver or library: no device
+     |    +-- DeviceUnreadableError               driver present, the reading failed
+     +-- WidthError (also RuntimeError)           strict mode refused to narrow
+     +-- DeviceOutOfMemoryError                   a task ran a card out of memory
+     +-- WorkerLostError (also BrokenProcessPool) a worker died while running a task
+
+Configuration errors are also :class:`ValueError`, as CPython's are, so
+existing ``except ValueError`` clauses keep working; a lost worker is a
+:class:`concurrent.futures.process.BrokenProcessPool`, as the standard
+library and loky raise for a dead worker.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+__all__ = [
+    "ConfigurationError",
+    "DeviceOutOfMemoryError",
+    "DeviceUnreadableError",
+    "GpuPoolError",
+    "InvalidSizeError",
+    "NoDriverError",
+    "SensorError",
+    "WidthError",
+    "WorkerLostError",
+]
+
+
+class GpuPoolError(Exception):
+    """Root of every error gpupool raises on its own account."""
+
+
+class ConfigurationError(GpuPoolError, ValueError):
+    """A value given to gpupool is wrong; the message names it and the fix."""
+
+
+class InvalidSizeError(ConfigurationError):
+    """A byte size could not be parsed.
+
+    Attributes:
+        value: the input exactly as given.
+    """
+
+    def __init__(self, message: str, *, value: object) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+class SensorError(GpuPoolError):
+    """A reading could not be taken."""
+
+
+class NoDriverError(SensorError):
+    """No NVIDIA driver or management library: the host has no device for us."""
+
+
+class DeviceUnreadableError(SensorError):
+    """A driver is present but a device's reading failed (never read as empty)."""
+
+
+class WidthError(GpuPoolError, RuntimeError):
+    """Strict mode: the bound would narrow the pool below the width asked for.
+
+    Attributes:
+        decision: the decision record (a dict of terms) that would have narrowed.
+    """
+
+    def __init__(self, message: str, *, decision: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+class DeviceOutOfMemoryError(GpuPoolError):
+    """A task ran its card out of memory and was not (or no longer) retried.
+
+    Attributes:
+        device: the device index the task ran on.
+        ask_bytes: the ask the task was booked at.
+        detail: the child's original error message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: int | None = None,
+        ask_bytes: int | None = None,
+        detail: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.device = device
+        self.ask_bytes = ask_bytes
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_oom,
+            (str(self), self.device, self.ask_bytes, self.detail),
+        )
+
+
+def _rebuild_oom(
+    message: str, device: int | None, ask_bytes: int | None, detail: str
+) -> DeviceOutOfMemoryError:
+    return DeviceOutOfMemoryError(message, device=device, ask_bytes=ask_bytes, detail=detail)
+
+
+class WorkerLostError(GpuPoolError, BrokenProcessPool):
+    """A worker process died while running a task; only that task fails.
+
+    Attributes:
+        exitcode: the worker's exit code (negative: killed by that signal).
+        signal_name: e.g. ``"SIGKILL"`` when a signal ended it, else ``None``.
+    """
+
+    def __init__(
+        self, message: str, *, exitcode: int | None = None, signal_name: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+        self.signal_name = signal_name

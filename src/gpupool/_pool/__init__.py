@@ -1,0 +1,1 @@
+"""The process layer: the only code that imports loky."""

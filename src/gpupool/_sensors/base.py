@@ -1,0 +1,139 @@
+"""The one sensor interface that the pool, the CLI, the probe and the simulator share (I/O edge).
+
+A sensor answers with a number, with ``None`` for a term documented as
+optional (the driver does not give it), or raises one of gpupool's own
+errors: :class:`~gpupool.NoDriverError` when there is no driver at all,
+:class:`~gpupool.DeviceUnreadableError` when a driver is present but the
+reading failed. Backend errors (``pynvml.NVMLError_*``) are mapped to these
+once, inside each sensor, and never escape it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpupool._core.census import HostCensus
+
+__all__ = ["DeviceInfo", "MemoryReading", "ProcessReading", "Sensor"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceInfo:
+    """A device as the driver names it.
+
+    Attributes:
+        index: the driver's index (NVML order, PCI bus order in practice);
+            for a MIG instance, the parent card's index.
+        uuid: ``GPU-...`` or ``MIG-...``; stable, and what children are pinned by.
+        name: the product name, for people only.
+        mig: whether this is a MIG instance.
+        mig_index: the instance's index on its parent card, for MIG devices.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    mig: bool = False
+    mig_index: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryReading:
+    """A device's memory right now.
+
+    Attributes:
+        total_bytes: capacity (NVML ``total``; ``MemTotal`` on unified memory).
+        free_bytes: free now (on unified memory: ``MemAvailable`` when nothing
+            else competes for the device, ``MemFree`` when something does).
+        used_bytes: allocated now.
+        reserved_bytes: kept by the driver or firmware (NVML v2), or ``None``
+            where the driver does not report it separately (v1, unified).
+        unified: the device shares host memory.
+        source: ``"nvml-v2"``, ``"nvml-v1"``, ``"meminfo"``, ``"simulator"``.
+    """
+
+    total_bytes: int
+    free_bytes: int
+    used_bytes: int
+    reserved_bytes: int | None
+    unified: bool
+    source: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessReading:
+    """One process's device bytes, as the driver lists them.
+
+    ``used_bytes`` is ``None`` where the driver does not say (Windows WDDM,
+    some MIG setups); in containers on some drivers it reads 0, which is why
+    co-tenant bytes never come from summing these rows.
+    """
+
+    pid: int
+    used_bytes: int | None
+    name: str | None = None
+
+
+class Sensor:
+    """Base class of every sensor: NVML, the simulator, or none.
+
+    Subclasses implement :meth:`read_devices`, :meth:`read_memory` and
+    :meth:`read_host`; the per-process methods default to "the driver does
+    not say" (``None``).
+    """
+
+    #: Short name recorded as the source of every figure.
+    name: str = "sensor"
+
+    def read_devices(self) -> tuple[DeviceInfo, ...]:
+        """Every device the driver lists (MIG instances as devices of their own).
+
+        Raises:
+            NoDriverError: no NVIDIA driver or library on this host.
+            SensorError: a driver is present but the list could not be read.
+        """
+        raise NotImplementedError
+
+    def read_memory(self, device: DeviceInfo) -> MemoryReading:
+        """The device's total, free, used and reserved bytes now.
+
+        Raises:
+            DeviceUnreadableError: the reading failed.
+        """
+        raise NotImplementedError
+
+    def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
+        """Per-process device bytes (compute and graphics, de-duplicated by PID).
+
+        Returns ``None`` when the driver does not give them.
+        """
+        return None
+
+    def read_process_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """One process's device bytes now, or ``None`` when its row cannot be found."""
+        rows = self.read_processes(device)
+        if rows is None:
+            return None
+        for row in rows:
+            if row.pid == pid:
+                return row.used_bytes
+        return None
+
+    def read_process_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """The process's exact device high-water since :meth:`reset_process_peak`.
+
+        ``None`` where the sensor cannot tell (the probe then samples).
+        """
+        return None
+
+    def reset_process_peak(self, device: DeviceInfo, pid: int) -> None:
+        """Start a new high-water window for ``pid`` (a no-op where unsupported)."""
+        return None
+
+    def read_host(self) -> HostCensus:
+        """Usable CPUs and available RAM."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the sensor holds (NVML's handle). Idempotent."""
+        return None
