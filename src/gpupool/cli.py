@@ -7,10 +7,32 @@ Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpupool._core.bound import (
+    Bound,
+    Ceiling,
+    WidthDecision,
+    decide_widths,
+    derive_bound,
+    derive_ceiling,
+)
+from gpupool._core.census import CardCensus, Census, HostCensus
+from gpupool._core.policy import DEFAULT_RESERVE_BYTES, Ask, AskTable, Policy
+from gpupool._core.units import format_size, parse_size
+from gpupool._errors import InvalidSizeError, SensorError
+
+if TYPE_CHECKING:
+    from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
 
 __all__ = ["build_parser", "main"]
+
+#: The environment variable a parent's own device restriction comes from.
+_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_census(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -31,6 +55,481 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = args.handler
     status: int = handler(args)
     return status
+
+
+def _out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _json_out(value: object) -> None:
+    sys.stdout.write(json.dumps(value, indent=2) + "\n")
+
+
+def _live_sensor_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
+    """The live census as a pool would take it: default sensor, this process's CUDA_VISIBLE_DEVICES."""
+    from gpupool._sensors.census import read_census
+    from gpupool._sensors.select import default_sensor
+
+    sensor = default_sensor()
+    try:
+        census, infos = read_census(sensor, visible_devices=os.environ.get(_VISIBLE_ENV))
+    except BaseException:
+        sensor.close()
+        raise
+    return sensor, census, infos
+
+
+# -- gpupool census ------------------------------------------------------------
+
+
+def _add_census(sub: Any) -> None:
+    census = sub.add_parser(
+        "census",
+        help="show every device's memory and the host's CPUs and RAM, with their sources",
+        description=(
+            "Read every device the pool could use (narrowed by CUDA_VISIBLE_DEVICES) as a "
+            "pool would at construction: total, reserved, used, free, this process's own "
+            "bytes and the co-tenants' (total - free - own), each with its source."
+        ),
+    )
+    census.add_argument("--json", action="store_true", help="print one JSON object")
+    census.set_defaults(handler=_cmd_census)
+
+
+def _host_json(host: HostCensus) -> dict[str, Any]:
+    return {
+        "cpus": host.cpus,
+        "cpu_source": host.cpu_source,
+        "available_ram_bytes": host.available_ram_bytes,
+        "ram_source": host.ram_source,
+    }
+
+
+def _card_json(
+    card: CardCensus, info: DeviceInfo, rows: tuple[ProcessReading, ...] | None, rows_note: str
+) -> dict[str, Any]:
+    return {
+        "device": card.device,
+        "index": info.index,
+        "mig_index": info.mig_index,
+        "uuid": card.uuid,
+        "name": card.name,
+        "mig": card.mig,
+        "unified": card.unified,
+        "total_bytes": card.total_bytes,
+        "reserved_bytes": card.reserved_bytes,
+        "used_bytes": card.used_bytes,
+        "free_bytes": card.free_bytes,
+        "own_bytes": card.own_bytes,
+        "co_tenant_bytes": card.co_tenant_bytes,
+        "sources": {
+            "total_bytes": card.source,
+            "reserved_bytes": card.source if card.reserved_bytes is not None else None,
+            "used_bytes": f"total - free ({card.source})",
+            "free_bytes": card.source,
+            "own_bytes": card.own_source,
+            "co_tenant_bytes": "total - free - own",
+            "processes": rows_note,
+        },
+        "processes": (
+            None
+            if rows is None
+            else [{"pid": row.pid, "used_bytes": row.used_bytes} for row in rows]
+        ),
+        "reason": card.reason,
+    }
+
+
+def _read_rows(
+    sensor: Sensor, info: DeviceInfo
+) -> tuple[tuple[ProcessReading, ...] | None, str]:
+    try:
+        rows = sensor.read_processes(info)
+    except SensorError as exc:
+        return None, f"unreadable: {exc}"
+    if rows is None:
+        return None, f"{sensor.name}: not given by the driver"
+    return rows, f"{sensor.name} per-process rows (compute and graphics, by PID)"
+
+
+def _cmd_census(args: argparse.Namespace) -> int:
+    try:
+        sensor, census, infos = _live_sensor_census()
+    except SensorError as exc:
+        sys.stderr.write(f"gpupool census: {exc}\n")
+        return 1
+    try:
+        devices = []
+        for card, info in zip(census.cards, infos):
+            rows, note = _read_rows(sensor, info)
+            devices.append(_card_json(card, info, rows, note))
+    finally:
+        sensor.close()
+    if args.json:
+        _json_out(
+            {
+                "driver": census.driver,
+                "sensor": census.sensor,
+                "reason": census.reason,
+                "device_count": len(census.cards),
+                "devices": devices,
+                "host": _host_json(census.host),
+            }
+        )
+        return 0
+    if not census.driver:
+        _out(f"no device: {census.reason}")
+        _out("a pool here is a host-bounded process pool (no card to pack).")
+    elif not census.cards:
+        _out(f"no device visible{f': {census.reason}' if census.reason else ''}")
+    elif census.reason:
+        _out(f"note: {census.reason}")
+    for device in devices:
+        _print_card(device)
+    host = census.host
+    _out("host:")
+    _out(f"  usable CPUs      {host.cpus:<12} {host.cpu_source}")
+    _out(f"  available RAM    {format_size(host.available_ram_bytes):<12} {host.ram_source}")
+    return 0
+
+
+def _print_card(device: dict[str, Any]) -> None:
+    kind = " (MIG instance)" if device["mig"] else ""
+    kind += " (unified memory)" if device["unified"] else ""
+    _out(
+        f"device {device['device']}: NVML index {device['index']}{kind}, "
+        f"{device['name']}, {device['uuid']}"
+    )
+    sources = device["sources"]
+    for label, key in (
+        ("total", "total_bytes"),
+        ("reserved", "reserved_bytes"),
+        ("used", "used_bytes"),
+        ("free", "free_bytes"),
+        ("own", "own_bytes"),
+        ("co-tenant", "co_tenant_bytes"),
+    ):
+        source = sources[key] or "not given by the driver"
+        _out(f"  {label:<16} {format_size(device[key]):<12} {source}")
+    if device["processes"] is None:
+        _out(f"  processes        {sources['processes']}")
+    else:
+        _out(f"  processes        {len(device['processes'])} ({sources['processes']})")
+        for row in device["processes"]:
+            _out(f"    pid {row['pid']:<10} {format_size(row['used_bytes'])}")
+    if device["reason"]:
+        _out(f"  note: {device['reason']}")
+
+
+# -- gpupool plan --------------------------------------------------------------
+
+
+def _size_type(flag: str, *, allow_zero: bool = True) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            return parse_size(text, name=flag, allow_zero=allow_zero)
+        except InvalidSizeError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _count_type(flag: str) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r} is not a whole number") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag}={text!r} must be at least 1")
+        return value
+
+    return convert
+
+
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="show the memory bound term by term and the width it implies",
+        description=(
+            "Price a pool: room = total - co-tenant - own high-water - reserve, width = "
+            "min(floor(room / ask), ceiling). With --total, plan from the numbers given "
+            "(what-if); without it, from this host's live census."
+        ),
+    )
+    size = _size_type
+    plan.add_argument("--total", type=size("--total"), help="card capacity (what-if mode)")
+    plan.add_argument(
+        "--co-tenant", type=size("--co-tenant"), help="bytes held by other processes (default 0)"
+    )
+    plan.add_argument(
+        "--own", type=size("--own"), help="this (parent) process's device high-water (default 0)"
+    )
+    plan.add_argument(
+        "--reserve",
+        type=size("--reserve"),
+        default=None,
+        help=f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
+    )
+    plan.add_argument(
+        "--task-peak",
+        type=size("--task-peak", allow_zero=False),
+        help="the estimated device peak of one task",
+    )
+    plan.add_argument(
+        "--measured-peak",
+        type=size("--measured-peak", allow_zero=False),
+        help="a child's measured device peak: also plan the width after children report",
+    )
+    plan.add_argument(
+        "--margin",
+        type=size("--margin"),
+        help="margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
+    )
+    plan.add_argument("--max-workers", type=_count_type("--max-workers"))
+    plan.add_argument(
+        "--cpus", type=_count_type("--cpus"), help="usable CPUs (default: this host's)"
+    )
+    plan.add_argument(
+        "--host-ram", type=size("--host-ram"), help="available host RAM (default: this host's)"
+    )
+    plan.add_argument(
+        "--child-rss",
+        type=size("--child-rss", allow_zero=False),
+        help="a child's host RSS high-water; with the host RAM it caps the width",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(handler=_cmd_plan, parser=plan)
+
+
+def _bound_json(decision: WidthDecision) -> dict[str, Any]:
+    bound = decision.bound
+    return {
+        "device": bound.device,
+        "width": decision.width,
+        "limit": decision.limit,
+        "total_bytes": bound.total_bytes,
+        "co_tenant_bytes": bound.co_tenant_bytes,
+        "own_high_water_bytes": bound.own_high_water_bytes,
+        "reserve_bytes": bound.reserve_bytes,
+        "room_bytes": bound.room_bytes,
+        "tasks_fit": bound.tasks_fit,
+        "describe": decision.describe(),
+    }
+
+
+def _ceiling_json(ceiling: Ceiling) -> dict[str, Any]:
+    return {
+        "value": ceiling.value,
+        "limit": ceiling.limit,
+        "max_workers": ceiling.max_workers,
+        "cpus": ceiling.cpus,
+        "host_ram_bytes": ceiling.host_ram_bytes,
+        "child_rss_bytes": ceiling.child_rss_bytes,
+    }
+
+
+def _phase(
+    cards: Sequence[CardCensus],
+    *,
+    ask: Ask | None,
+    own_high_water: Sequence[int],
+    reserve_bytes: int,
+    ceiling: Ceiling,
+) -> dict[str, Any]:
+    """One width decision (estimated or measured) as a JSON-ready dict with every term."""
+    phase: dict[str, Any] = {
+        "ask_bytes": None if ask is None else ask.ask_bytes,
+        "ask_basis": None if ask is None else ask.basis,
+        "ask": None if ask is None else ask.describe(),
+        "estimate_bytes": None if ask is None else ask.estimate_bytes,
+        "measured_peak_bytes": None if ask is None else ask.measured_peak_bytes,
+        "margin_bytes": None if ask is None else ask.margin_bytes,
+        "reserve_bytes": reserve_bytes,
+        "ceiling": _ceiling_json(ceiling),
+    }
+    if not cards or ask is None:
+        phase.update(width=ceiling.value, limit=ceiling.limit, devices=[])
+        return phase
+    bounds: list[Bound] = [
+        derive_bound(
+            card,
+            own_high_water_bytes=own,
+            reserve_bytes=reserve_bytes,
+            ask_bytes=ask.ask_bytes,
+            ask_basis=ask.basis,
+        )
+        for card, own in zip(cards, own_high_water)
+    ]
+    decisions = decide_widths(bounds, ceiling)
+    devices = [_bound_json(decision) for decision in decisions]
+    phase["width"] = sum(decision.width for decision in decisions)
+    phase["devices"] = devices
+    if len(devices) == 1:
+        only = devices[0]
+        for key in (
+            "limit",
+            "total_bytes",
+            "co_tenant_bytes",
+            "own_high_water_bytes",
+            "room_bytes",
+            "tasks_fit",
+        ):
+            phase[key] = only[key]
+    else:
+        phase["limit"] = "per-device"
+    return phase
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    what_if = args.total is not None
+    if not what_if:
+        for flag, value in (("--co-tenant", args.co_tenant), ("--own", args.own)):
+            if value is not None:
+                parser.error(f"{flag} is a what-if figure: give --total with it")
+    if args.margin is not None and args.measured_peak is None:
+        parser.error("--margin applies to a measured peak: give --measured-peak with it")
+    if args.measured_peak is not None and args.task_peak is None:
+        parser.error("--measured-peak needs --task-peak (the estimate it replaces)")
+    reserve = DEFAULT_RESERVE_BYTES if args.reserve is None else args.reserve
+    notes: list[str] = []
+    if what_if:
+        co_tenant = args.co_tenant or 0
+        own = args.own or 0
+        if co_tenant + own > args.total:
+            parser.error(
+                f"--co-tenant plus --own ({format_size(co_tenant + own)}) exceed --total "
+                f"({format_size(args.total)})"
+            )
+        cards: tuple[CardCensus, ...] = (
+            CardCensus(
+                device=0,
+                uuid="what-if",
+                name="what-if card",
+                total_bytes=args.total,
+                free_bytes=args.total - co_tenant - own,
+                own_bytes=own,
+                source="given",
+                own_source="given",
+            ),
+        )
+        driver = True
+        from gpupool._sensors.host import read_host_census
+
+        host = read_host_census() if args.cpus is None or args.host_ram is None else None
+    else:
+        try:
+            sensor, census, _infos = _live_sensor_census()
+        except SensorError as exc:
+            sys.stderr.write(f"gpupool plan: {exc}\n")
+            return 1
+        sensor.close()
+        cards = census.cards
+        driver = census.driver
+        host = census.host
+        if census.reason:
+            notes.append(census.reason)
+        if cards and args.task_peak is None:
+            parser.error("--task-peak is required to plan a pool on a device")
+    cpus = args.cpus if args.cpus is not None else (host.cpus if host else None)
+    host_ram = (
+        args.host_ram
+        if args.host_ram is not None
+        else (host.available_ram_bytes if host else None)
+    )
+    max_workers = args.max_workers if args.max_workers is not None else (cpus or 1)
+    ceiling = derive_ceiling(
+        max_workers=max_workers,
+        cpus=cpus,
+        host_ram_bytes=host_ram,
+        child_rss_bytes=args.child_rss,
+    )
+    if args.margin is not None:
+        policy = Policy(margin_bytes=args.margin, margin_fraction=0.0, reserve_bytes=reserve)
+    else:
+        policy = Policy(reserve_bytes=reserve)
+    estimated_ask: Ask | None = None
+    measured_ask: Ask | None = None
+    if args.task_peak is not None:
+        table = AskTable(policy=policy, default_estimate_bytes=args.task_peak)
+        estimated_ask = table.ask("plan")
+        if args.measured_peak is not None:
+            measured_ask = table.measure("plan", args.measured_peak)
+    own_high_water = [card.own_bytes or 0 for card in cards]
+    estimated = _phase(
+        cards, ask=estimated_ask, own_high_water=own_high_water, reserve_bytes=reserve,
+        ceiling=ceiling,
+    )
+    measured = (
+        None
+        if measured_ask is None
+        else _phase(
+            cards, ask=measured_ask, own_high_water=own_high_water, reserve_bytes=reserve,
+            ceiling=ceiling,
+        )
+    )
+    final = measured if measured is not None else estimated
+    if not cards:
+        notes.append(
+            "no device: a host-bounded process pool, as wide as the ceiling"
+            if not driver
+            else "no device is visible: a host-bounded process pool, as wide as the ceiling"
+        )
+    result: dict[str, Any] = {
+        "mode": "what-if" if what_if else "live",
+        "driver": driver,
+        "device_count": len(cards),
+        **final,
+        "estimated": estimated,
+        "measured": measured,
+        "notes": notes,
+    }
+    if args.json:
+        _json_out(result)
+    else:
+        _print_plan(result, cards)
+    return 0
+
+
+def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
+    _out(f"gpupool plan ({'what-if numbers' if result['mode'] == 'what-if' else 'live census'})")
+    for note in result["notes"]:
+        _out(f"note: {note}")
+    estimated = result["estimated"]
+    for card, device in zip(cards, estimated["devices"]):
+        _out(f"card {card.device} ({card.name}, {card.uuid}):")
+        _out(f"  total            {format_size(device['total_bytes']):>12}   {card.source}")
+        _out(
+            f"  co-tenant        {format_size(device['co_tenant_bytes']):>12}   "
+            "total - free - own"
+        )
+        _out(
+            f"  own high-water   {format_size(device['own_high_water_bytes']):>12}   "
+            f"{card.own_source}"
+        )
+        _out(f"  reserve          {format_size(device['reserve_bytes']):>12}")
+        _out(
+            f"  room             {format_size(device['room_bytes']):>12}   "
+            "= total - co-tenant - own high-water - reserve"
+        )
+        if card.reason:
+            _out(f"  note: {card.reason}")
+    ceiling = estimated["ceiling"]
+    _out(
+        f"ceiling          {ceiling['value']} (max_workers={ceiling['max_workers']}, "
+        f"cpus={ceiling['cpus']}, host RAM {format_size(ceiling['host_ram_bytes'])}, "
+        f"child RSS {format_size(ceiling['child_rss_bytes'])}), set by {ceiling['limit']}"
+    )
+    for label in ("estimated", "measured"):
+        phase = result[label]
+        if phase is None:
+            continue
+        ask = phase["ask"] or "none (no --task-peak)"
+        _out(f"{label}: ask {ask} -> width {phase['width']} (limit: {phase['limit']})")
+        for device in phase["devices"]:
+            _out(f"  {device['describe']}")
+    _out(f"width            {result['width']}")
 
 
 if __name__ == "__main__":  # pragma: no cover

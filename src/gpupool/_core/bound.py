@@ -37,8 +37,9 @@ __all__ = [
 AskBasis = Literal["estimated", "measured"]
 
 #: Which limit set a width: the memory bound, one of the ceiling's terms, an
-#: unreadable card (width 1), the pool-wide floor of 1, or no room on this
-#: device while another had it.
+#: unreadable card (width 1), the pool-wide floor of 1 (width 1 on the card
+#: with the most room, 0 on the others, when no card has room for one task),
+#: or no room on this device while another had it.
 Limit = Literal[
     "memory", "max_workers", "cpus", "host_ram", "pending", "unreadable", "floor", "no_room"
 ]
@@ -207,7 +208,12 @@ class WidthDecision:
             ),
             "pending": f"{self.ceiling.pending_items} pending items",
             "unreadable": "an unreadable card (width 1, never a guess)",
-            "floor": "the serial floor (no card has room for one task; running 1 at a time)",
+            "floor": (
+                "the serial floor (no card has room for one task; running 1 at a time)"
+                if self.width
+                else "the serial floor (no card has room for one task; "
+                "the one task runs on the card with the most room)"
+            ),
             "no_room": "no room on this card while another card has room",
         }[self.limit]
         return f"{self.bound.describe()}; width {self.width}, set by {why}"
@@ -256,6 +262,12 @@ def decide_widths(bounds: Sequence[Bound], ceiling: Ceiling) -> tuple[WidthDecis
         elif fits[i] == 0:
             limits[i] = "no_room"
     if bounds and sum(widths) == 0:
+        # No card has room for one task: the pool runs serially on the card
+        # with the most room, and every card's record names that floor (a
+        # "no_room" record would claim another card has room).
+        for i in order:
+            if bounds[i].room_bytes is not None:
+                limits[i] = "floor"
         first = order[0]
         widths[first] = 1
         limits[first] = "unreadable" if bounds[first].room_bytes is None else "floor"

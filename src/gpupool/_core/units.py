@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal, localcontext
 
 from gpupool._errors import InvalidSizeError
 
@@ -60,13 +61,17 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
         raise InvalidSizeError(
             f"{name}={value!r} is not a byte size; {_HOW}.", value=value
         )
-    number: float
+    # Exact arithmetic: a float product can land one byte short ("8.54 GB"
+    # was 8539999999), and float() overflows on a large int. The float is
+    # only the finiteness check, so "1e400GiB" is refused before any exact
+    # arithmetic is asked to build a 400-digit number.
+    number: Decimal | int
     if isinstance(value, int):
-        number = float(value)
-        exact: int | None = value
-    elif isinstance(value, float):
         number = value
-        exact = None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
+        number = Decimal(value)
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         unit = match.group("unit").lower() if match else ""
@@ -74,18 +79,20 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
             raise InvalidSizeError(
                 f"{name}={value!r} is not a byte size; {_HOW}.", value=value
             )
-        number = float(match.group("number")) * _UNITS[unit]
-        exact = None
+        text = match.group("number")
+        if not math.isfinite(float(text) * _UNITS[unit]):
+            raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
+        with localcontext() as context:
+            context.prec = len(text) + 20  # enough digits for an exact product
+            number = Decimal(text) * _UNITS[unit]
     else:
         raise InvalidSizeError(
             f"{name}={value!r} ({type(value).__name__}) is not a byte size; {_HOW}.",
             value=value,
         )
-    if not math.isfinite(number):
-        raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
     if number < 0:
         raise InvalidSizeError(f"{name}={value!r} is negative; {_HOW}.", value=value)
-    nbytes = exact if exact is not None else math.floor(number)
+    nbytes = math.floor(number)
     if nbytes == 0 and not allow_zero:
         raise InvalidSizeError(f"{name}={value!r} is zero; {name} must be positive.", value=value)
     return nbytes

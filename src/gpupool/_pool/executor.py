@@ -1,0 +1,1670 @@
+"""GpuPoolExecutor: the drop-in ``concurrent.futures`` pool that prices K children against the card.
+
+Data flow (one dispatcher thread per pool owns every scheduling decision)::
+
+    caller threads                 dispatcher thread                       workers (loky processes)
+    --------------                 -----------------                       -------------------------
+    submit(fn, *a) ->  pending  -> place: ceiling, byte bound per device,  -> send_bytes(task)
+      (future PENDING)  deque        live gate, a warm or new worker            probe.start(); fn(*a)
+                                     (future RUNNING once handed over)          probe.stop() -> report
+                      futures   <-  result / error / oom / worker death    <- send_bytes(kind, report)
+                                     asks learn from reports; width
+                                     decisions -> DecisionLog
+
+Tasks held back for memory stay PENDING in the parent, so ``cancel()`` works
+on them; a task becomes RUNNING only when it is handed to a worker, one task
+per worker at a time, so the pool always knows which task a dead worker was
+running. Workers are started lazily by loky's process backend with their
+device pinned in the environment before any import, kept warm, and retired
+when their device narrows.
+
+Why not ``loky.ProcessPoolExecutor`` itself: it starts every worker at the
+first submit, takes one environment per executor, hands queued work to
+workers where it can no longer be cancelled, and breaks the whole executor
+when one worker dies. gpupool needs the opposite on each count, so it uses
+loky's process backend (fork+exec with a per-process ``env``, cloudpickle)
+under a dispatcher of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from gpupool._core.bound import (
+    Bound,
+    Ceiling,
+    WidthDecision,
+    admits,
+    decide_widths,
+    derive_bound,
+    derive_ceiling,
+    live_gate_admits,
+)
+from gpupool._core.census import CardCensus, Census
+from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.peak import PeakReport
+from gpupool._core.policy import (
+    DEFAULT_MARGIN_BYTES,
+    DEFAULT_MARGIN_FRACTION,
+    DEFAULT_RESERVE_BYTES,
+    Ask,
+    AskTable,
+    Policy,
+)
+from gpupool._core.units import GiB, format_size, parse_size
+from gpupool._errors import (
+    ConfigurationError,
+    DeviceOutOfMemoryError,
+    WidthError,
+    WorkerLostError,
+)
+from gpupool._log import DecisionLog, check_log_path
+from gpupool._pool.worker import process_chunk, worker_main
+from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
+
+if TYPE_CHECKING:
+    from gpupool._sensors.base import DeviceInfo, Sensor
+
+__all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
+
+#: How often a dispatcher whose live gate is shut re-reads the card.
+LIVE_GATE_POLL_S = 0.05
+
+#: How often the parent's own device bytes are re-read (its high-water only grows).
+OWN_REREAD_INTERVAL_S = 0.5
+
+#: Estimate used when no ``task_peak`` is given and no card is readable.
+_UNKNOWN_ESTIMATE_BYTES = GiB
+
+_BROKEN_INIT = "A child process terminated abruptly, the process pool is not usable anymore"
+
+_dispatchers: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()
+_global_shutdown = False
+
+
+def _python_exit() -> None:
+    """At interpreter exit, let every pool finish its submitted work, as CPython's does."""
+    global _global_shutdown
+    _global_shutdown = True
+    for dispatcher in list(_dispatchers):
+        dispatcher.request_shutdown()
+    for dispatcher in list(_dispatchers):
+        dispatcher.join()
+
+
+threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskOptions:
+    """Per-call options: a task key and a peak hint (see :meth:`GpuPoolExecutor.options`).
+
+    Attributes:
+        key: tasks with the same key share one learned ask; by default the
+            key is the function's qualified name.
+        task_peak: an estimate of this key's device peak, used until a child
+            of the key reports a measurement.
+    """
+
+    key: str | None = None
+    task_peak: str | int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolStatistics:
+    """An immutable summary of a pool's run so far.
+
+    Attributes:
+        tasks_submitted: tasks given to the pool.
+        tasks_completed: tasks that returned a result.
+        tasks_failed: tasks whose future holds an exception.
+        tasks_cancelled: tasks cancelled before they started.
+        retries: re-runs after a device out-of-memory.
+        out_of_memory: device out-of-memory events.
+        workers_started: worker processes started.
+        workers_lost: workers that died while running a task.
+        live_gate_waits: times a task was held back by the live gate.
+        width: the current total width.
+        widths: ``(time_s, width)`` at every change of the total width.
+        asks: each task key's current ask, with its basis.
+    """
+
+    tasks_submitted: int
+    tasks_completed: int
+    tasks_failed: int
+    tasks_cancelled: int
+    retries: int
+    out_of_memory: int
+    workers_started: int
+    workers_lost: int
+    live_gate_waits: int
+    width: int
+    widths: tuple[tuple[float, int], ...]
+    asks: Mapping[str, Ask] = field(default_factory=dict)
+
+
+def _task_key(fn: Callable[..., Any]) -> str:
+    while isinstance(fn, partial):
+        fn = fn.func
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"
+
+
+class _WorkItem:
+    __slots__ = ("call", "future", "hint_bytes", "key", "started", "task_id", "tries")
+
+    def __init__(
+        self, task_id: int, future: Future[Any], call: bytes, key: str, hint_bytes: int | None
+    ) -> None:
+        self.task_id = task_id
+        self.future = future
+        self.call = call
+        self.key = key
+        self.hint_bytes = hint_bytes
+        self.started = False
+        self.tries = 0
+
+
+class _Worker:
+    __slots__ = ("conn", "device", "pid", "process", "task", "ask_bytes", "tasks_done", "retiring")
+
+    def __init__(self, process: Any, conn: Any, device: int | None) -> None:
+        self.process = process
+        self.conn = conn
+        self.device = device
+        self.pid: int = process.pid
+        self.task: _WorkItem | None = None
+        self.ask_bytes = 0
+        self.tasks_done = 0
+        self.retiring = False
+
+
+class _Device:
+    __slots__ = ("census", "gate_waiting", "index", "info", "oom_cap", "width", "workers")
+
+    def __init__(self, index: int, info: DeviceInfo, census: CardCensus) -> None:
+        self.index = index
+        self.info = info
+        self.census = census
+        self.workers: list[_Worker] = []
+        self.width = 0
+        self.oom_cap: int | None = None
+        self.gate_waiting = False
+
+    def running(self) -> list[_Worker]:
+        return [w for w in self.workers if w.task is not None]
+
+
+class _Dispatcher:
+    """Owns the scheduling state; only its thread changes it (submit only appends)."""
+
+    def __init__(
+        self,
+        *,
+        census: Census,
+        devices: list[_Device],
+        sensor: Sensor,
+        asks: AskTable,
+        policy: Policy,
+        max_workers: int,
+        fixed_width: int | None,
+        strict: bool,
+        retry_oom: bool,
+        max_tasks_per_child: int | None,
+        initializer: bytes | None,
+        log: DecisionLog,
+        env: Mapping[str, str],
+    ) -> None:
+        self.census = census
+        self.devices = devices
+        self.sensor = sensor
+        self.asks = asks
+        self.policy = policy
+        self.max_workers = max_workers
+        self.fixed_width = fixed_width
+        self.strict = strict
+        self.retry_oom = retry_oom
+        self.max_tasks_per_child = max_tasks_per_child
+        self.initializer = initializer
+        self.log = log
+        self.env = dict(env)
+        self.context = _loky_context()
+        self.t0 = time.monotonic()
+        self.lock = threading.Lock()
+        self.pending: collections.deque[_WorkItem] = collections.deque()
+        self.host_workers: list[_Worker] = []
+        self.processes: dict[int, Any] = {}
+        self.own_high_water: dict[int, int] = {
+            d.index: d.census.own_bytes or 0 for d in devices
+        }
+        self.last_own_read = self.t0
+        self.child_rss_bytes: int | None = None
+        self.shutdown_requested = False
+        self.broken: str | None = None
+        self.broken_exc: BaseException | None = None
+        self.wake_reader, self.wake_writer = multiprocessing.connection.Pipe(duplex=False)
+        self.wake_flag = False
+        self.ceiling = self._ceiling()
+        self.width = 0
+        self.widths: list[tuple[float, int]] = []
+        self.counts = collections.Counter[str]()
+        self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
+
+    # -- called from caller threads -------------------------------------------------
+
+    def start(self) -> None:
+        _dispatchers.add(self)
+        self.thread.start()
+
+    def wake(self) -> None:
+        if not self.wake_flag:
+            self.wake_flag = True
+            try:
+                self.wake_writer.send_bytes(b"")
+            except OSError:
+                pass
+
+    def enqueue(self, item: _WorkItem) -> None:
+        with self.lock:
+            self.pending.append(item)
+            self.counts["submitted"] += 1
+        self.wake()
+
+    def request_shutdown(self, cancel_futures: bool = False) -> None:
+        with self.lock:
+            self.shutdown_requested = True
+            if cancel_futures:
+                for item in self.pending:
+                    if not item.started and item.future.cancel():
+                        self.counts["cancelled"] += 1
+        self.wake()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    # -- the dispatcher thread --------------------------------------------------------
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def record(self, decision: Decision) -> None:
+        self.log.append(decision)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave a future pending
+            self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
+        finally:
+            self._stop_workers()
+            self.record(
+                Decision(
+                    event="shutdown",
+                    time_s=self.now(),
+                    device=None,
+                    width_before=self.width,
+                    width_after=0,
+                    reason=(
+                        f"pool shut down after {self.counts['completed']} completed, "
+                        f"{self.counts['failed']} failed, {self.counts['cancelled']} cancelled "
+                        f"tasks; {self.counts['oom']} out-of-memory, {self.counts['retries']} "
+                        f"retries, {self.counts['lost']} workers lost"
+                    ),
+                    extra={
+                        "tasks_completed": self.counts["completed"],
+                        "tasks_failed": self.counts["failed"],
+                        "tasks_cancelled": self.counts["cancelled"],
+                        "out_of_memory": self.counts["oom"],
+                        "retries": self.counts["retries"],
+                        "workers_lost": self.counts["lost"],
+                        "tasks_lost": 0,
+                    },
+                )
+            )
+            self.log.close()
+            self.wake_reader.close()
+            self.wake_writer.close()
+
+    def _all_workers(self) -> list[_Worker]:
+        workers = list(self.host_workers)
+        for device in self.devices:
+            workers.extend(device.workers)
+        return workers
+
+    def _loop(self) -> None:
+        while True:
+            while self.wake_reader.poll():
+                self.wake_reader.recv_bytes()
+            self.wake_flag = False
+            gated = self._schedule()
+            workers = self._all_workers()
+            busy = any(w.task is not None for w in workers)
+            with self.lock:
+                idle_pool = not self.pending and not busy
+                if self.shutdown_requested and idle_pool:
+                    return
+                if self.broken is not None and not busy:
+                    return
+            waitables: list[Any] = [self.wake_reader]
+            for worker in workers:
+                waitables.append(worker.conn)
+                waitables.append(worker.process.sentinel)
+            ready = multiprocessing.connection.wait(
+                waitables, timeout=LIVE_GATE_POLL_S if gated else None
+            )
+            ready_set = set(ready)
+            for worker in workers:
+                if worker.conn in ready_set:
+                    self._receive(worker)
+            for worker in workers:
+                if worker.process.sentinel in ready_set and worker.conn not in ready_set:
+                    self._reap(worker)
+
+    # -- placing tasks ----------------------------------------------------------------
+
+    def _ceiling(self) -> Ceiling:
+        host = self.census.host
+        return derive_ceiling(
+            max_workers=self.fixed_width or self.max_workers,
+            cpus=None if self.fixed_width else host.cpus,
+            host_ram_bytes=None if self.fixed_width else host.available_ram_bytes,
+            child_rss_bytes=self.child_rss_bytes,
+        )
+
+    def _own_high_water(self, device: _Device) -> int:
+        return self.own_high_water.get(device.index, 0)
+
+    def _bound(self, device: _Device, ask: Ask) -> Bound:
+        return derive_bound(
+            device.census,
+            own_high_water_bytes=self._own_high_water(device),
+            reserve_bytes=self.policy.reserve_bytes,
+            ask_bytes=ask.ask_bytes,
+            ask_basis=ask.basis,
+        )
+
+    def _representative_ask(self) -> Ask:
+        """The largest current ask over the keys seen: the pool's width is priced at it."""
+        keys = self.asks.keys()
+        if not keys:
+            return self.asks.ask("")
+        return max((self.asks.ask(k) for k in keys), key=lambda a: a.ask_bytes)
+
+    def decide(self, ask: Ask | None = None) -> tuple[WidthDecision, ...]:
+        ask = ask or self._representative_ask()
+        return decide_widths([self._bound(d, ask) for d in self.devices], self.ceiling)
+
+    def _running_count(self) -> int:
+        return sum(1 for w in self._all_workers() if w.task is not None)
+
+    def _schedule(self) -> bool:
+        """Start what fits; returns whether the live gate holds something back."""
+        gated = False
+        while True:
+            if self.broken is not None:
+                self._fail_pending()
+                return False
+            with self.lock:
+                if not self.pending:
+                    return gated
+                item = self.pending[0]
+                if not item.started and item.future.cancelled():
+                    self.pending.popleft()
+                    continue
+            placement = self._place(item)
+            if placement is None:
+                return gated
+            if placement == "gated":
+                return True
+            with self.lock:
+                self.pending.popleft()
+            if not item.started:
+                if not item.future.set_running_or_notify_cancel():
+                    continue
+                item.started = True
+            self._send(item, placement)
+
+    def _place(self, item: _WorkItem) -> _Worker | str | None:
+        running = self._running_count()
+        if running >= self.ceiling.value:
+            return None
+        if not self.devices:
+            return self._worker_for(None, self.host_workers)
+        ask = self._ask_for(item)
+        if self.fixed_width is not None:
+            device = min(self.devices, key=lambda d: (len(d.running()), d.index))
+            return self._worker_for(device, device.workers)
+        decisions = {d.device: d for d in self.decide(ask)}
+        candidates = sorted(
+            self.devices,
+            key=lambda d: -(
+                (decisions[d.index].bound.room_bytes or 0)
+                - sum(w.ask_bytes for w in d.running())
+            ),
+        )
+        gate_shut = False
+        for device in candidates:
+            busy = device.running()
+            cap = device.oom_cap
+            if cap is not None and len(busy) >= cap:
+                continue
+            bound = decisions[device.index].bound
+            if not admits(ask.ask_bytes, [w.ask_bytes for w in busy], bound.room_bytes):
+                continue
+            verdict = self._live_gate(device, ask, busy)
+            if verdict is not None and not verdict:
+                gate_shut = True
+                continue
+            device.gate_waiting = False
+            return self._worker_for(device, device.workers)
+        if running == 0:
+            # The serial path: nothing of the pool runs, so one task starts regardless.
+            device = candidates[0]
+            if gate_shut:
+                self.counts["serial_starts"] += 1
+                self._record_simple(
+                    "serial_start",
+                    device,
+                    ask,
+                    f"card {device.index}: the live gate is shut but nothing of the pool is "
+                    f"running, so one task of {item.key} starts regardless (the serial path is "
+                    f"never blocked); ask {ask.describe()}",
+                )
+            return self._worker_for(device, device.workers)
+        return "gated" if gate_shut else None
+
+    def _ask_for(self, item: _WorkItem) -> Ask:
+        if item.hint_bytes is not None:
+            self.asks.hint(item.key, item.hint_bytes)
+            item.hint_bytes = None
+        return self.asks.ask(item.key)
+
+    def _live_gate(self, device: _Device, ask: Ask, busy: list[_Worker]) -> bool | None:
+        """``None``: no live reading; else whether the card's free bytes cover the task."""
+        if not device.census.readable:
+            return None
+        try:
+            reading = self.sensor.read_memory(device.info)
+        except Exception:
+            return None
+        current: dict[int, int] = {}
+        if busy:
+            try:
+                rows = self.sensor.read_processes(device.info) or ()
+            except Exception:
+                rows = ()
+            current = {r.pid: r.used_bytes or 0 for r in rows}
+        unreached = sum(max(0, w.ask_bytes - current.get(w.pid, 0)) for w in busy)
+        ok = live_gate_admits(
+            live_free_bytes=reading.free_bytes,
+            ask_bytes=ask.ask_bytes,
+            unreached_bytes=unreached,
+            reserve_bytes=self.policy.reserve_bytes,
+        )
+        if not ok:
+            idle = [w for w in device.workers if w.task is None]
+            if idle:
+                # An idle worker's context is memory the card needs: give it back.
+                self._retire(idle[0])
+            if not device.gate_waiting:
+                device.gate_waiting = True
+                self.counts["gate_waits"] += 1
+                self._record_simple(
+                    "live_gate_wait",
+                    device,
+                    ask,
+                    f"card {device.index}: {format_size(reading.free_bytes)} free now does not "
+                    f"cover {format_size(ask.ask_bytes)} ask + {format_size(unreached)} not yet "
+                    f"reached by {len(busy)} running + {format_size(self.policy.reserve_bytes)} "
+                    f"reserve; the task waits",
+                    extra={
+                        "live_free_bytes": reading.free_bytes,
+                        "live_used_bytes": reading.used_bytes,
+                        "unreached_bytes": unreached,
+                        "running": len(busy),
+                    },
+                )
+        return ok
+
+    def _worker_for(self, device: _Device | None, pool: list[_Worker]) -> _Worker:
+        for worker in pool:
+            if worker.task is None and not worker.retiring:
+                return worker
+        worker = self._spawn(device)
+        pool.append(worker)
+        return worker
+
+    def _spawn(self, device: _Device | None) -> _Worker:
+        env = dict(self.env)
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device.info.uuid
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        parent_conn, child_conn = self.context.Pipe(duplex=True)
+        process = self.context.Process(
+            target=worker_main,
+            args=(
+                child_conn,
+                os.getpid(),
+                device.info if device is not None else None,
+                device.index if device is not None else None,
+                self.initializer,
+                self.max_tasks_per_child,
+            ),
+            env=env,
+            name="gpupool-worker",
+        )
+        process.start()
+        child_conn.close()
+        self.counts["workers_started"] += 1
+        worker = _Worker(process, parent_conn, device.index if device is not None else None)
+        self.processes[worker.pid] = process
+        return worker
+
+    def _send(self, item: _WorkItem, worker: _Worker) -> None:
+        ask = self.asks.ask(item.key)
+        worker.task = item
+        worker.ask_bytes = ask.ask_bytes if worker.device is not None else 0
+        item.tries += 1
+        try:
+            worker.conn.send_bytes(pickle.dumps((item.task_id, item.call)))
+        except OSError:
+            # The worker died before it could take the task: its sentinel will fire.
+            pass
+        self._update_width()
+
+    # -- results ----------------------------------------------------------------------
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._reap(worker)
+            return
+        kind, _task_id, report_tuple, payload = pickle.loads(message)
+        item = worker.task
+        worker.task = None
+        ask_bytes = worker.ask_bytes
+        worker.ask_bytes = 0
+        if kind == "init":
+            exc = _load_exception(payload)
+            self._break(
+                f"{_BROKEN_INIT}: a worker's initializer raised {exc!r}",
+                BrokenProcessPool(f"{_BROKEN_INIT}: the initializer raised {exc!r}"),
+            )
+            return
+        worker.tasks_done += 1
+        if item is None:
+            return
+        report = PeakReport(
+            device=report_tuple[0],
+            device_peak_bytes=report_tuple[1],
+            device_source=report_tuple[2],
+            baseline_bytes=report_tuple[3],
+            rss_peak_bytes=report_tuple[4],
+            rss_source=report_tuple[5],
+            oom=report_tuple[6],
+            oom_requested_bytes=report_tuple[7],
+        )
+        if (
+            self.max_tasks_per_child is not None
+            and worker.tasks_done >= self.max_tasks_per_child
+        ):
+            worker.retiring = True
+        if kind == "oom":
+            self._on_oom(worker, item, report, payload, ask_bytes)
+        else:
+            self._learn(item, report)
+            self._finish(item, kind, payload)
+        if worker.retiring:
+            self._retire(worker)
+
+    def _finish(self, item: _WorkItem, kind: str, payload: bytes) -> None:
+        future = item.future
+        if kind == "ok":
+            try:
+                result = cloudpickle.loads(payload)
+            except BaseException as exc:
+                error = BrokenProcessPool(
+                    "A result has failed to un-serialize in the parent. Please ensure that "
+                    "the objects returned by the function are always picklable."
+                )
+                error.__cause__ = exc
+                self.counts["failed"] += 1
+                _set_exception(future, error)
+                return
+            self.counts["completed"] += 1
+            _set_result(future, result)
+            return
+        if kind == "unpickle":
+            exc = _load_exception(payload)
+            error = BrokenProcessPool(
+                "A task has failed to un-serialize in the worker. Please ensure that the "
+                "arguments of the function are all picklable."
+            )
+            error.__cause__ = exc
+            self.counts["failed"] += 1
+            _set_exception(future, error)
+            return
+        self.counts["failed"] += 1
+        _set_exception(future, _load_exception(payload))
+
+    def _learn(self, item: _WorkItem, report: PeakReport) -> None:
+        if report.rss_peak_bytes is not None and (
+            self.child_rss_bytes is None or report.rss_peak_bytes > self.child_rss_bytes
+        ):
+            self.child_rss_bytes = report.rss_peak_bytes
+            before = self.ceiling
+            self.ceiling = self._ceiling()
+            if self.ceiling.value < before.value:
+                self._record_simple(
+                    "narrowed",
+                    None,
+                    self._representative_ask(),
+                    f"host RAM holds {self.ceiling.value} children at "
+                    f"{format_size(self.child_rss_bytes)} RSS each "
+                    f"({format_size(self.ceiling.host_ram_bytes)} available); the ceiling "
+                    f"goes {before.value} -> {self.ceiling.value}",
+                    width_before=before.value,
+                    width_after=self.ceiling.value,
+                )
+        if report.device_peak_bytes is None or report.device is None:
+            return
+        before = self.asks.ask(item.key)
+        after = self.asks.measure(item.key, report.device_peak_bytes)
+        self._reread_own()
+        if before.basis != after.basis or after.ask_bytes > before.ask_bytes:
+            self._redecide(item.key, before, after, report)
+
+    def _reread_own(self) -> None:
+        now = time.monotonic()
+        if now - self.last_own_read < OWN_REREAD_INTERVAL_S:
+            return
+        self.last_own_read = now
+        pid = os.getpid()
+        for device in self.devices:
+            try:
+                own = self.sensor.read_process_bytes(device.info, pid)
+            except Exception:
+                continue
+            if own is not None and own > self.own_high_water.get(device.index, 0):
+                self.own_high_water[device.index] = own
+
+    def _redecide(self, key: str, before: Ask, after: Ask, report: PeakReport) -> None:
+        """A key's ask changed: decide every device's width again and log what moved."""
+        decisions = self.decide()
+        changed = False
+        for decision in decisions:
+            device = self.devices[decision.device]
+            old = device.width
+            new = decision.width
+            if new == old:
+                continue
+            changed = True
+            event: EventName = "widened" if new > old else "narrowed"
+            if new < old and self.strict and new < min(self.max_workers, self.ceiling.value):
+                self._strict_refusal(decision, old)
+                return
+            capped = ""
+            if decision.limit == "memory" and new < self.ceiling.value:
+                capped = f" (the ceiling, {self.ceiling.limit}, allows {self.ceiling.value})"
+            device.width = new
+            self.record(
+                Decision.from_width(
+                    event,
+                    decision,
+                    time_s=self.now(),
+                    width_before=old,
+                    reason=(
+                        f"{decision.describe()}{capped}; {key} measured "
+                        f"{format_size(report.device_peak_bytes)} ({report.device_source}); "
+                        f"ask {before.describe()} -> {after.describe()}; width {old} -> {new}"
+                    ),
+                    key=key,
+                    extra=_report_extra(report),
+                )
+            )
+            if new < old:
+                self._retire_idle(device, new)
+        if self.fixed_width is not None:
+            self._check_fixed(decisions)
+        for decision in decisions:
+            device = self.devices[decision.device]
+            if (
+                not changed
+                and decision.limit == "memory"
+                and decision.width < self.ceiling.value
+                and after.ask_bytes < before.ask_bytes
+            ):
+                self.record(
+                    Decision.from_width(
+                        "widen_refused",
+                        decision,
+                        time_s=self.now(),
+                        width_before=device.width,
+                        reason=(
+                            f"{decision.describe()}; {key}'s smaller ask {after.describe()} "
+                            f"would allow {self.ceiling.value} by the ceiling but the room "
+                            f"holds {decision.width}"
+                        ),
+                        key=key,
+                    )
+                )
+        if not changed and before.basis != after.basis:
+            self._record_simple(
+                "measured",
+                None,
+                after,
+                f"{key}: ask {before.describe()} -> {after.describe()}; widths unchanged "
+                f"({', '.join(str(d.width) for d in decisions) or self.ceiling.value})",
+                extra=_report_extra(report),
+            )
+        self._update_width()
+
+    def _on_oom(
+        self,
+        worker: _Worker,
+        item: _WorkItem,
+        report: PeakReport,
+        payload: bytes,
+        ask_bytes: int,
+    ) -> None:
+        self.counts["oom"] += 1
+        exc = _load_exception(payload)
+        device = self.devices[worker.device] if worker.device is not None else None
+        reached = report.device_peak_bytes
+        lower_bound = (reached or 0) + (report.oom_requested_bytes or 0)
+        before = self.asks.ask(item.key)
+        if lower_bound > 0:
+            self.asks.measure(item.key, lower_bound)
+        after = self.asks.ask(item.key)
+        others = [w for w in device.running() if w is not worker] if device else []
+        live_free: int | None = None
+        live_used: int | None = None
+        if device is not None and device.census.readable:
+            try:
+                reading = self.sensor.read_memory(device.info)
+                live_free, live_used = reading.free_bytes, reading.used_bytes
+            except Exception:
+                pass
+        retry = self.retry_oom and bool(others)
+        running_then = len(others) + 1
+        new_cap = max(1, running_then - 1)
+        bound = self._bound(device, before) if device is not None else None
+        extra: dict[str, JsonValue] = {
+            "task_ask_bytes": ask_bytes,
+            "reached_bytes": reached,
+            "requested_bytes": report.oom_requested_bytes,
+            "live_free_bytes": live_free,
+            "live_used_bytes": live_used,
+            "census_co_tenant_bytes": device.census.co_tenant_bytes if device else None,
+            "booked_bytes": sum(w.ask_bytes for w in others) + ask_bytes,
+            "running": running_then,
+            "retry": retry,
+            "error": f"{type(exc).__name__}: {exc}"[:500],
+        }
+        self.record(
+            Decision(
+                event="out_of_memory",
+                time_s=self.now(),
+                device=device.index if device else None,
+                width_before=running_then,
+                width_after=new_cap if retry else running_then,
+                reason=(
+                    f"card {device.index if device else '-'}: a task of {item.key} ran out of "
+                    f"memory at {format_size(reached)} reached (asked for "
+                    f"{format_size(report.oom_requested_bytes)} more), booked at "
+                    f"{format_size(ask_bytes)} beside {len(others)} other running; live "
+                    f"{format_size(live_used)} used, {format_size(live_free)} free; "
+                    + (
+                        f"retrying at width {new_cap}"
+                        if retry
+                        else "it ran alone, so the error goes to its future"
+                        if self.retry_oom
+                        else "retries are off"
+                    )
+                ),
+                bound=bound,
+                key=item.key,
+                extra=extra,
+            )
+        )
+        if retry and device is not None:
+            if self.strict and new_cap < self.max_workers:
+                decision = self.decide(after)[device.index]
+                self._strict_refusal(decision, running_then)
+                return
+            old_cap = device.oom_cap
+            device.oom_cap = new_cap if old_cap is None else min(old_cap, new_cap)
+            old_width = device.width
+            device.width = min(device.width, device.oom_cap) if device.width else device.oom_cap
+            self.record(
+                Decision(
+                    event="narrowed",
+                    time_s=self.now(),
+                    device=device.index,
+                    width_before=old_width,
+                    width_after=device.width,
+                    reason=(
+                        f"card {device.index}: out of memory with {running_then} running; "
+                        f"at most {device.oom_cap} from now on; {item.key}'s ask "
+                        f"{before.describe()} -> {after.describe()}"
+                    ),
+                    bound=bound,
+                    key=item.key,
+                    limit="out_of_memory",
+                    extra={"oom_cap": device.oom_cap},
+                )
+            )
+            self._retire_idle(device, device.oom_cap)
+            self.counts["retries"] += 1
+            with self.lock:
+                self.pending.appendleft(item)
+            self._update_width()
+            return
+        self.counts["failed"] += 1
+        error = DeviceOutOfMemoryError(
+            f"card {device.index if device else '-'}: a task of {item.key} ran out of device "
+            f"memory {'alone on the card' if not others else 'and retries are off'} "
+            f"(booked at {format_size(ask_bytes)}, reached {format_size(reached)}); "
+            f"{bound.describe() if bound else ''}. Free the card, or give a larger task_peak.",
+            device=device.index if device else None,
+            ask_bytes=ask_bytes,
+            detail=str(exc),
+        )
+        error.__cause__ = exc
+        _set_exception(item.future, error)
+
+    # -- workers ending ---------------------------------------------------------------
+
+    def _reap(self, worker: _Worker) -> None:
+        """A worker's process ended: fail only the task it ran, and forget it."""
+        process = worker.process
+        process.join(timeout=1.0)
+        exitcode = process.exitcode
+        self._forget(worker)
+        item = worker.task
+        worker.task = None
+        if item is None or worker.retiring:
+            if item is not None:
+                with self.lock:
+                    self.pending.appendleft(item)
+            return
+        self.counts["lost"] += 1
+        self.counts["failed"] += 1
+        signal_name = None
+        if exitcode is not None and exitcode < 0:
+            try:
+                signal_name = signal.Signals(-exitcode).name
+            except ValueError:
+                signal_name = f"signal {-exitcode}"
+        how = f"killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
+        hint = (
+            " SIGKILL often means the host's out-of-memory killer; check host RAM."
+            if signal_name == "SIGKILL"
+            else ""
+        )
+        message = (
+            f"A worker process (pid {worker.pid}) running a task of {item.key} was {how}; "
+            f"only this task failed and the pool goes on.{hint}"
+        )
+        self._record_simple(
+            "worker_lost",
+            self.devices[worker.device] if worker.device is not None else None,
+            self.asks.ask(item.key),
+            message,
+            extra={"exitcode": exitcode, "signal": signal_name, "pid": worker.pid},
+        )
+        _set_exception(
+            item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
+        )
+        self._update_width()
+
+    def _forget(self, worker: _Worker) -> None:
+        self.processes.pop(worker.pid, None)
+        pool = self.host_workers if worker.device is None else self.devices[worker.device].workers
+        if worker in pool:
+            pool.remove(worker)
+        try:
+            worker.conn.close()
+        except OSError:
+            pass
+
+    def _retire(self, worker: _Worker) -> None:
+        """Ask a worker to exit once idle; its sentinel then tells the loop to forget it."""
+        worker.retiring = True
+        if worker.task is None:
+            try:
+                worker.conn.send_bytes(b"")
+            except OSError:
+                pass
+
+    def _retire_idle(self, device: _Device, keep: int) -> None:
+        idle = [w for w in device.workers if w.task is None and not w.retiring]
+        excess = sum(1 for w in device.workers if not w.retiring) - keep
+        for worker in idle[: max(0, excess)]:
+            self._retire(worker)
+
+    def _stop_workers(self) -> None:
+        workers = self._all_workers()
+        for worker in workers:
+            worker.retiring = True
+            try:
+                worker.conn.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10.0
+        for worker in workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.process.exitcode is None:
+                worker.process.kill()
+                worker.process.join(timeout=5.0)
+            if worker.task is not None:
+                _set_exception(
+                    worker.task.future,
+                    WorkerLostError("the pool stopped before this task finished"),
+                )
+            self._forget(worker)
+        self._fail_pending()
+
+    def _break(self, message: str, exc: BaseException) -> None:
+        with self.lock:
+            if self.broken is None:
+                self.broken = message
+                self.broken_exc = exc
+        self._fail_pending()
+        for worker in self._all_workers():
+            if worker.task is not None:
+                _set_exception(worker.task.future, _copy_broken(self.broken_exc, message))
+                worker.task = None
+
+    def _fail_pending(self) -> None:
+        with self.lock:
+            items = list(self.pending)
+            self.pending.clear()
+        for item in items:
+            if self.broken is not None:
+                _set_exception(item.future, _copy_broken(self.broken_exc, self.broken))
+            elif not item.future.cancel():
+                _set_exception(item.future, WorkerLostError("the pool stopped before this task ran"))
+
+    def _strict_refusal(self, decision: WidthDecision, width_before: int) -> None:
+        message = (
+            f"strict mode: {decision.describe()}, below the requested width "
+            f"{self.max_workers}; refusing to narrow. Free the card, lower max_workers, "
+            "or drop strict=True."
+        )
+        error = WidthError(message, decision=decision_dict(decision, width_before))
+        self._record_simple(
+            "narrowed",
+            self.devices[decision.device],
+            self._representative_ask(),
+            message,
+            width_before=width_before,
+            width_after=decision.width,
+        )
+        self._break(message, error)
+
+    def _check_fixed(self, decisions: Sequence[WidthDecision]) -> None:
+        assert self.fixed_width is not None
+        bound_width = sum(d.width for d in decisions)
+        if bound_width < self.fixed_width:
+            self.record(
+                Decision(
+                    event="fixed_width_over_bound",
+                    time_s=self.now(),
+                    device=None,
+                    width_before=self.fixed_width,
+                    width_after=self.fixed_width,
+                    reason=(
+                        f"fixed width {self.fixed_width} is wider than the bound allows "
+                        f"({bound_width}: "
+                        + "; ".join(d.describe() for d in decisions)
+                        + "); keeping the width you asked for"
+                    ),
+                    extra={"bound_width": bound_width},
+                )
+            )
+
+    def _update_width(self) -> None:
+        if self.fixed_width is not None:
+            width = self.fixed_width
+        elif self.devices:
+            width = max(1, min(self.ceiling.value, sum(d.width for d in self.devices)))
+        else:
+            width = self.ceiling.value
+        if width != self.width:
+            self.width = width
+            self.widths.append((round(self.now(), 6), width))
+
+    def _record_simple(
+        self,
+        event: EventName,
+        device: _Device | None,
+        ask: Ask,
+        reason: str,
+        *,
+        width_before: int | None = None,
+        width_after: int | None = None,
+        extra: Mapping[str, JsonValue] | None = None,
+    ) -> None:
+        bound = self._bound(device, ask) if device is not None else None
+        width = device.width if device is not None else self.width
+        self.record(
+            Decision(
+                event=event,
+                time_s=self.now(),
+                device=device.index if device is not None else None,
+                width_before=width if width_before is None else width_before,
+                width_after=width if width_after is None else width_after,
+                reason=reason,
+                bound=bound,
+                ceiling=self.ceiling,
+                key=ask.key or None,
+                extra=dict(extra or {}),
+            )
+        )
+
+
+def decision_dict(decision: WidthDecision, width_before: int) -> dict[str, Any]:
+    """A width decision as the decision log writes it."""
+    return Decision.from_width(
+        "narrowed", decision, time_s=0.0, width_before=width_before, reason=decision.describe()
+    ).to_dict()
+
+
+def _report_extra(report: PeakReport) -> dict[str, JsonValue]:
+    return {
+        "peak_bytes": report.device_peak_bytes,
+        "peak_source": report.device_source,
+        "baseline_bytes": report.baseline_bytes,
+        "rss_peak_bytes": report.rss_peak_bytes,
+    }
+
+
+def _copy_broken(exc: BaseException | None, message: str) -> BaseException:
+    if isinstance(exc, BrokenProcessPool):
+        return type(exc)(*exc.args)
+    if isinstance(exc, WidthError):
+        return WidthError(str(exc), decision=exc.decision)
+    error = BrokenProcessPool(message)
+    error.__cause__ = exc
+    return error
+
+
+def _load_exception(payload: bytes) -> BaseException:
+    try:
+        exc, tb = cloudpickle.loads(payload)
+    except BaseException as error:
+        broken = BrokenProcessPool(
+            "An exception raised by the task has failed to un-serialize in the parent."
+        )
+        broken.__cause__ = error
+        return broken
+    exc.__cause__ = _RemoteTraceback(tb)
+    return exc  # type: ignore[no-any-return]
+
+
+def _set_result(future: Future[Any], result: Any) -> None:
+    try:
+        future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _set_exception(future: Future[Any], exc: BaseException) -> None:
+    try:
+        future.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _loky_context() -> Any:
+    from loky.backend.context import get_context
+
+    return get_context("loky")
+
+
+class _OptionsView:
+    """``submit`` and ``map`` with per-call :class:`TaskOptions`; see :meth:`GpuPoolExecutor.options`."""
+
+    def __init__(self, executor: GpuPoolExecutor, options: TaskOptions) -> None:
+        self._executor = executor
+        self._options = options
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """As :meth:`GpuPoolExecutor.submit`, with this view's key and peak hint."""
+        return self._executor._submit(fn, args, kwargs, self._options)
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        buffersize: int | None = None,
+    ) -> Iterator[Any]:
+        """As :meth:`GpuPoolExecutor.map`, with this view's key and peak hint."""
+        return self._executor._map(fn, iterables, timeout, chunksize, buffersize, self._options)
+
+
+class GpuPoolExecutor(concurrent.futures.Executor):
+    """A process pool that runs as many tasks at once as the cards' memory holds.
+
+    A drop-in for :class:`concurrent.futures.ProcessPoolExecutor`: the same
+    positional parameters, ``submit``, ``map``, ``shutdown``, futures that work
+    with :func:`concurrent.futures.wait` and :func:`concurrent.futures.as_completed`,
+    and exceptions re-raised with the child's traceback as their cause.
+    Functions and arguments travel with cloudpickle, so lambdas, closures and
+    functions defined in ``__main__`` work.
+
+    Args:
+        max_workers: a ceiling on the width, never a promise; default: the
+            usable CPUs.
+        mp_context: accepted for compatibility; workers always start with
+            spawn semantics (loky's fork+exec), since CUDA does not survive
+            ``fork``. A ``fork`` context is refused.
+        initializer: called in each worker before its first task.
+        initargs: arguments for ``initializer``.
+        max_tasks_per_child: a worker exits after this many tasks and is
+            replaced when needed.
+        task_peak: the estimated device peak of one task (``"6GiB"``). Used
+            until children report measurements. ``None``: the first task of
+            each key runs alone until measured.
+        reserve: bytes kept free on every card (default 256 MiB).
+        margin: least margin over a measured peak (default 256 MiB).
+        margin_fraction: margin as a fraction of the measured peak, when larger
+            (default 0.10).
+        devices: device indexes or UUIDs the pool may use (default: all that
+            ``CUDA_VISIBLE_DEVICES`` leaves visible).
+        width: fixed-width mode: run exactly this many at once, whatever the
+            bound says (logged when it exceeds the bound).
+        strict: refuse to narrow below ``max_workers``: raise
+            :class:`~gpupool.WidthError` at construction, and break the pool
+            with it if a later measurement or out-of-memory would narrow.
+        retry_oom: retry a task that ran out of device memory at a narrower
+            width (default); it reaches its future only when it ran alone.
+        log_path: append every decision to this JSON Lines file.
+        env: extra environment variables for every worker.
+        sensor: where readings come from (default: NVML, or the simulator
+            inside a :class:`gpupool.testing.SimulatedHost`).
+
+    Raises:
+        ConfigurationError: a value is wrong; the message names it (also a
+            :class:`ValueError`).
+        WidthError: ``strict=True`` and the bound is narrower than ``max_workers``.
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+        *,
+        max_tasks_per_child: int | None = None,
+        task_peak: str | int | None = None,
+        reserve: str | int | None = None,
+        margin: str | int | None = None,
+        margin_fraction: float | None = None,
+        devices: Sequence[int | str] | None = None,
+        width: int | None = None,
+        strict: bool = False,
+        retry_oom: bool = True,
+        log_path: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        sensor: Sensor | None = None,
+    ) -> None:
+        if max_workers is not None:
+            if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+                raise TypeError(f"max_workers must be an int, got {max_workers!r}")
+            if max_workers <= 0:
+                raise ValueError("max_workers must be greater than 0")
+        if mp_context is not None:
+            method = mp_context.get_start_method(allow_none=False)
+            if method == "fork":
+                if max_tasks_per_child is not None:
+                    raise ValueError(
+                        "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
+                        "start method; supply a different mp_context."
+                    )
+                raise ConfigurationError(
+                    "mp_context uses 'fork', which CUDA does not survive; gpupool starts "
+                    "workers with spawn semantics. Pass mp_context=None or a spawn context."
+                )
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
+                raise TypeError("max_tasks_per_child must be an integer")
+            if max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+        if width is not None and (
+            isinstance(width, bool) or not isinstance(width, int) or width <= 0
+        ):
+            raise ConfigurationError(
+                f"width={width!r}: a fixed width must be a positive int, or None for the bound."
+            )
+        if margin_fraction is not None and not (
+            isinstance(margin_fraction, (int, float))
+            and not isinstance(margin_fraction, bool)
+            and math.isfinite(margin_fraction)
+            and 0 <= margin_fraction <= 10
+        ):
+            raise ConfigurationError(
+                f"margin_fraction={margin_fraction!r}: pass a fraction such as 0.10."
+            )
+        if strict and max_workers is None:
+            raise ConfigurationError(
+                "strict=True needs max_workers: the width that must not be narrowed."
+            )
+        peak_bytes = (
+            parse_size(task_peak, name="task_peak", allow_zero=False)
+            if task_peak is not None
+            else None
+        )
+        policy = Policy(
+            margin_bytes=(
+                parse_size(margin, name="margin") if margin is not None else DEFAULT_MARGIN_BYTES
+            ),
+            margin_fraction=(
+                float(margin_fraction) if margin_fraction is not None else DEFAULT_MARGIN_FRACTION
+            ),
+            reserve_bytes=(
+                parse_size(reserve, name="reserve")
+                if reserve is not None
+                else DEFAULT_RESERVE_BYTES
+            ),
+        )
+        path = check_log_path(log_path) if log_path is not None else None
+
+        self._max_workers_given = max_workers
+        self._mp_context = mp_context
+        self._shutdown_lock = threading.Lock()
+        self._shutdown = False
+        self._task_ids = itertools.count()
+        self._sensor = sensor if sensor is not None else default_sensor()
+
+        from gpupool._sensors.census import read_census
+
+        census, infos = read_census(
+            self._sensor,
+            devices=devices,
+            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            pid=os.getpid(),
+        )
+        self._census = census
+        for card in census.cards:
+            if card.total_bytes is not None and policy.reserve_bytes >= card.total_bytes:
+                raise ConfigurationError(
+                    f"reserve={format_size(policy.reserve_bytes)} is not smaller than card "
+                    f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
+                )
+        device_states = [
+            _Device(i, info, card) for i, (info, card) in enumerate(zip(infos, census.cards))
+        ]
+        estimate = peak_bytes
+        if estimate is None:
+            rooms = [
+                card.total_bytes - (card.co_tenant_bytes or 0) - (card.own_bytes or 0)
+                for card in census.cards
+                if card.total_bytes is not None
+            ]
+            estimate = max([*rooms, _UNKNOWN_ESTIMATE_BYTES])
+        self._max_workers = max_workers or census.host.cpus
+        asks = AskTable(policy=policy, default_estimate_bytes=estimate)
+        worker_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        simulator = os.environ.get(SIMULATOR_ENV)
+        if simulator:
+            worker_env[SIMULATOR_ENV] = simulator
+        worker_env.update(env or {})
+        init_bytes = (
+            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
+        )
+        log = DecisionLog(path)
+        self._log = log
+        self._dispatcher = _Dispatcher(
+            census=census,
+            devices=device_states,
+            sensor=self._sensor,
+            asks=asks,
+            policy=policy,
+            max_workers=self._max_workers,
+            fixed_width=width,
+            strict=strict,
+            retry_oom=retry_oom,
+            max_tasks_per_child=max_tasks_per_child,
+            initializer=init_bytes,
+            log=log,
+            env=worker_env,
+        )
+        self._construct(peak_bytes)
+        self._dispatcher.start()
+        weakref.finalize(self, self._dispatcher.request_shutdown)
+
+    def _construct(self, peak_bytes: int | None) -> None:
+        d = self._dispatcher
+        census = self._census
+        ask = d._representative_ask()
+        if not d.devices:
+            d._update_width()
+            reason = census.reason or "no device"
+            d.record(
+                Decision(
+                    event="constructed",
+                    time_s=d.now(),
+                    device=None,
+                    width_before=None,
+                    width_after=d.width,
+                    reason=(
+                        f"{reason}; a host-bounded pool of width {d.width}, set by "
+                        f"{d.ceiling.limit} ({d.ceiling.value})"
+                    ),
+                    ceiling=d.ceiling,
+                    limit=d.ceiling.limit,
+                    extra={"driver": census.driver, "sensor": census.sensor},
+                )
+            )
+            return
+        decisions = d.decide(ask)
+        for decision in decisions:
+            device = d.devices[decision.device]
+            device.width = decision.width
+            card = device.census
+            note = f"; {card.reason}" if card.reason else ""
+            basis = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
+            d.record(
+                Decision.from_width(
+                    "constructed",
+                    decision,
+                    time_s=d.now(),
+                    width_before=None,
+                    reason=f"{decision.describe()}{basis}{note}",
+                    extra={
+                        "uuid": card.uuid,
+                        "census_free_bytes": card.free_bytes,
+                        "census_own_bytes": card.own_bytes,
+                        "reserved_bytes": card.reserved_bytes,
+                        "source": card.source,
+                        "own_source": card.own_source,
+                        "unified": card.unified,
+                    },
+                )
+            )
+        d._update_width()
+        if d.fixed_width is not None:
+            d._check_fixed(decisions)
+        elif d.strict and d.width < min(self._max_workers, d.ceiling.value):
+            narrow = min(decisions, key=lambda x: x.width)
+            message = (
+                f"strict mode: the bound gives width {d.width}, below the requested "
+                f"{self._max_workers}: "
+                + "; ".join(x.describe() for x in decisions)
+                + ". Free the card, lower max_workers, or drop strict=True."
+            )
+            d.log.close()
+            raise WidthError(message, decision=decision_dict(narrow, self._max_workers))
+
+    # -- CPython compatibility attributes ------------------------------------------------
+
+    @property
+    def _processes(self) -> dict[int, Any]:
+        return self._dispatcher.processes
+
+    @property
+    def _broken(self) -> str | bool:
+        return self._dispatcher.broken or False
+
+    # -- the executor contract ----------------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`.
+
+        Raises:
+            BrokenProcessPool: the pool is broken (a failing initializer).
+            RuntimeError: the pool was shut down.
+        """
+        return self._submit(fn, args, kwargs, None)
+
+    def options(
+        self, *, key: str | None = None, task_peak: str | int | None = None
+    ) -> _OptionsView:
+        """``submit``/``map`` with a task key and a peak hint, keeping CPython's signatures.
+
+        ::
+
+            big = ex.options(key="big-model", task_peak="12GiB")
+            future = big.submit(compile_entry, entry)
+
+        Args:
+            key: tasks with the same key share one learned ask.
+            task_peak: this key's estimated peak until a child measures it.
+
+        Raises:
+            ConfigurationError: ``task_peak`` is not a positive size.
+        """
+        if task_peak is not None:
+            parse_size(task_peak, name="task_peak", allow_zero=False)
+        if key is not None and not isinstance(key, str):
+            raise ConfigurationError(f"key={key!r}: a task key must be a str.")
+        return _OptionsView(self, TaskOptions(key=key, task_peak=task_peak))
+
+    def _submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: TaskOptions | None,
+        key: str | None = None,
+    ) -> Future[Any]:
+        d = self._dispatcher
+        with self._shutdown_lock:
+            if d.broken is not None:
+                raise _copy_broken(d.broken_exc, d.broken)
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if _global_shutdown:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            future: Future[Any] = Future()
+            task_key = (options.key if options and options.key else None) or key or _task_key(fn)
+            hint = (
+                parse_size(options.task_peak, name="task_peak", allow_zero=False)
+                if options is not None and options.task_peak is not None
+                else None
+            )
+            try:
+                call = cloudpickle.dumps((fn, args, kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+                return future
+            d.enqueue(_WorkItem(next(self._task_ids), future, call, task_key, hint))
+            return future
+
+    def map(  # type: ignore[override]
+        self,
+        fn: Callable[..., Any],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        buffersize: int | None = None,
+    ) -> Iterator[Any]:
+        """Like :func:`map`, running ``fn`` in the pool; results come back in input order.
+
+        Args:
+            fn: the function.
+            *iterables: its arguments.
+            timeout: seconds from this call after which a result not yet
+                ready raises :class:`TimeoutError`.
+            chunksize: items per task; larger chunks cut per-task overhead.
+            buffersize: at most this many tasks are submitted ahead of the
+                results consumed (Python 3.14's parameter, on every version).
+
+        Raises:
+            ValueError: ``chunksize < 1`` or ``buffersize < 1``.
+        """
+        return self._map(fn, iterables, timeout, chunksize, buffersize, None)
+
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        iterables: Sequence[Iterable[Any]],
+        timeout: float | None,
+        chunksize: int,
+        buffersize: int | None,
+        options: TaskOptions | None,
+    ) -> Iterator[Any]:
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        if buffersize is not None and (not isinstance(buffersize, int) or buffersize < 1):
+            raise ValueError("buffersize must be None or >= 1.")
+        key = _task_key(fn)
+        end_time = None if timeout is None else timeout + time.monotonic()
+        args_iter = zip(*iterables)
+        if chunksize == 1:
+            submit_one: Callable[[tuple[Any, ...]], Future[Any]] = partial(
+                self._submit_args, fn, options, key
+            )
+            calls: Iterator[Future[Any]] = map(submit_one, args_iter)
+        else:
+            chunk_fn = partial(process_chunk, fn)
+            calls = (
+                self._submit(chunk_fn, (list(chunk),), {}, options, key)
+                for chunk in _batched(args_iter, chunksize)
+            )
+        futures: collections.deque[Future[Any]] = collections.deque(
+            calls if buffersize is None else itertools.islice(calls, buffersize)
+        )
+        return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
+
+    def _submit_args(
+        self, fn: Callable[..., Any], options: TaskOptions | None, key: str, args: tuple[Any, ...]
+    ) -> Future[Any]:
+        return self._submit(fn, args, {}, options, key)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking work; by default wait for what was submitted to finish.
+
+        Args:
+            wait: block until every running and pending task has finished and
+                the workers have exited.
+            cancel_futures: cancel every task that has not started yet.
+        """
+        with self._shutdown_lock:
+            self._shutdown = True
+        self._dispatcher.request_shutdown(cancel_futures)
+        if wait:
+            self._dispatcher.join()
+
+    def terminate_workers(self) -> None:
+        """Shut down without waiting, cancel what has not started, and SIGTERM the workers."""
+        self._force(signal.SIGTERM)
+
+    def kill_workers(self) -> None:
+        """Shut down without waiting, cancel what has not started, and SIGKILL the workers."""
+        self._force(signal.SIGKILL)
+
+    def _force(self, sig: signal.Signals) -> None:
+        processes = list(self._dispatcher.processes.values())
+        self.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            try:
+                os.kill(process.pid, sig)
+            except (ProcessLookupError, ValueError, TypeError):
+                pass
+
+    # -- what the pool decided ----------------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        """The current total width: how many tasks may run at once."""
+        return self._dispatcher.width
+
+    @property
+    def census(self) -> Census:
+        """The census taken at construction."""
+        return self._census
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        """Every decision so far, oldest first."""
+        return self._log.records()
+
+    def statistics(self) -> PoolStatistics:
+        """An immutable summary of the run so far."""
+        d = self._dispatcher
+        counts = d.counts
+        return PoolStatistics(
+            tasks_submitted=counts["submitted"],
+            tasks_completed=counts["completed"],
+            tasks_failed=counts["failed"],
+            tasks_cancelled=counts["cancelled"],
+            retries=counts["retries"],
+            out_of_memory=counts["oom"],
+            workers_started=counts["workers_started"],
+            workers_lost=counts["lost"],
+            live_gate_waits=counts["gate_waits"],
+            width=d.width,
+            widths=tuple(d.widths),
+            asks={k: d.asks.ask(k) for k in d.asks.keys()},
+        )
+
+
+def _batched(iterable: Iterator[tuple[Any, ...]], n: int) -> Iterator[tuple[tuple[Any, ...], ...]]:
+    while True:
+        chunk = tuple(itertools.islice(iterable, n))
+        if not chunk:
+            return
+        yield chunk
+
+
+def _results(
+    futures: collections.deque[Future[Any]],
+    more: Iterator[Future[Any]] | None,
+    end_time: float | None,
+    chunked: bool,
+) -> Iterator[Any]:
+    """Yield results in order; cancel what is left if the consumer stops early."""
+    try:
+        while futures:
+            future = futures.popleft()
+            if more is not None:
+                nxt = next(more, None)
+                if nxt is not None:
+                    futures.append(nxt)
+            try:
+                if end_time is None:
+                    result = future.result()
+                else:
+                    result = future.result(end_time - time.monotonic())
+            finally:
+                future.cancel()
+            del future
+            if chunked:
+                yield from result
+            else:
+                yield result
+    finally:
+        for future in futures:
+            future.cancel()
+

@@ -1,0 +1,146 @@
+"""Child side of the pool: the loop every worker process runs (process layer).
+
+A worker is started by loky's process backend with its environment set
+before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
+so nothing in it can touch the wrong card. It then runs one task at a time::
+
+    parent --send_bytes(cloudpickle((task_id, fn, args, kwargs)))--> worker
+    parent <--send_bytes(pickle((kind, task_id, report, payload)))-- worker
+
+``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
+the pickled exception and the formatted traceback), ``"oom"`` (a device
+out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
+task could not be unpickled) or ``"init"`` (the initializer raised; the
+worker then exits). An empty message asks the worker to exit. The outer
+tuple is plain pickle of plain values, so the parent always learns which
+task a message is about even when the payload cannot be unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from gpupool._sensors.base import DeviceInfo
+
+__all__ = ["process_chunk", "worker_main"]
+
+#: How often a worker checks that its parent is alive. A worker whose
+#: parent was SIGKILLed must exit soon, or it keeps device memory as an orphan.
+PARENT_CHECK_INTERVAL_S = 0.5
+
+_LOGGER = logging.getLogger("concurrent.futures")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        threading.Event().wait(PARENT_CHECK_INTERVAL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _dump_exception(exc: BaseException) -> bytes:
+    """Pickle an exception with its formatted traceback; survive one that cannot be pickled."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        return cloudpickle.dumps((exc, tb))
+    except BaseException as pickling_error:
+        stand_in = RuntimeError(
+            f"the task raised {type(exc).__name__}: {exc!s:.2000}, and that exception could "
+            f"not be pickled to send it back ({type(pickling_error).__name__}: {pickling_error})"
+        )
+        return cloudpickle.dumps((stand_in, tb))
+
+
+def worker_main(
+    conn: Connection,
+    parent_pid: int,
+    device: DeviceInfo | None,
+    device_index: int | None,
+    initializer: bytes | None,
+    max_tasks: int | None,
+) -> None:
+    """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if initializer is not None:
+        try:
+            fn, args = cloudpickle.loads(initializer)
+            fn(*args)
+        except BaseException as exc:
+            _LOGGER.critical("Exception in initializer:", exc_info=True)
+            conn.send_bytes(pickle.dumps(("init", None, None, _dump_exception(exc))))
+            return
+
+    from gpupool._probe import Probe, is_device_oom
+
+    sensor = None
+    if device is not None:
+        from gpupool._sensors.select import default_sensor
+
+        try:
+            sensor = default_sensor()
+        except Exception:
+            sensor = None
+    probe = Probe(sensor, device, device_index, os.getpid())
+    done = 0
+    while max_tasks is None or done < max_tasks:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if not message:
+            return
+        task_id, call = pickle.loads(message)
+        try:
+            fn, args, kwargs = cloudpickle.loads(call)
+        except BaseException as exc:
+            conn.send_bytes(pickle.dumps(("unpickle", task_id, None, _dump_exception(exc))))
+            continue
+        del call, message
+        probe.start()
+        kind, payload, failure = "ok", b"", None
+        try:
+            result: Any = fn(*args, **kwargs)
+        except BaseException as exc:
+            failure = exc
+        report = probe.stop(oom=failure if failure is not None and is_device_oom(failure) else None)
+        del fn, args, kwargs
+        if failure is None:
+            try:
+                payload = cloudpickle.dumps(result)
+            except BaseException as exc:
+                kind, payload = "error", _dump_exception(exc)
+            del result
+        else:
+            kind = "oom" if report.oom else "error"
+            payload = _dump_exception(failure)
+            failure = None
+        conn.send_bytes(pickle.dumps((kind, task_id, _report_tuple(report), payload)))
+        done += 1
+
+
+def _report_tuple(report: Any) -> tuple[Any, ...]:
+    return (
+        report.device,
+        report.device_peak_bytes,
+        report.device_source,
+        report.baseline_bytes,
+        report.rss_peak_bytes,
+        report.rss_source,
+        report.oom,
+        report.oom_requested_bytes,
+    )
+
+
+def process_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:
+    """Run ``fn`` over one chunk of ``map``'s argument tuples, in the worker."""
+    return [fn(*args) for args in chunk]

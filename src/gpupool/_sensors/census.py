@@ -1,0 +1,304 @@
+"""Take the census: which devices the pool may use and how full each is, once (I/O edge).
+
+::
+
+    sensor.read_devices()          every device the driver lists (NVML order)
+        | narrowed by the parent's CUDA_VISIBLE_DEVICES (indexes, GPU-/MIG- UUIDs)
+        | selected by the pool's devices= option (index or UUID)
+        v
+    per device: sensor.read_memory()      total, free, reserved   (unreadable -> None + reason)
+                sensor.read_processes()   this process's row -> own bytes
+        v
+    Census(cards=...), DeviceInfo per card (children are pinned by its UUID)
+
+Co-tenant bytes are ``total - free - own`` from the device's own totals,
+never a sum of per-process rows: inside containers the rows omit other
+containers' processes, or read 0 on some drivers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from gpupool._core.census import CardCensus, Census
+from gpupool._errors import ConfigurationError, NoDriverError, SensorError
+from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
+
+__all__ = [
+    "OWN_ROW_MISSING_REASON",
+    "OWN_ROWS_UNAVAILABLE_REASON",
+    "parse_visible_devices",
+    "read_census",
+]
+
+#: Our process has no row although the driver lists processes: either we
+#: hold no context (a pool parent never creates one) or the driver reports
+#: PIDs of another namespace (containers; DESIGN.md, "Where readings come from").
+OWN_ROW_MISSING_REASON = (
+    "this process's row was not found (container PID namespace?); using the measured "
+    "baseline of a parent that has created no CUDA context"
+)
+
+#: The driver gives no per-process rows on this device (MIG, WDDM, some drivers).
+OWN_ROWS_UNAVAILABLE_REASON = (
+    "per-process rows are unavailable on this device; using the measured baseline of "
+    "a parent that has created no CUDA context"
+)
+
+#: Values of CUDA_VISIBLE_DEVICES that hide every device.
+_HIDE_ALL = frozenset({"", "-1", "nodevfiles"})
+
+#: NVML presents MPS "locality domain" devices and MPS-provided memory
+#: figures when this is set (nvml.h); the census then reads MPS's view.
+_MPS_ENUMERATION_ENV = "NVML_MPS_DEVICE_ENUMERATION"
+
+
+def parse_visible_devices(
+    value: str | None, listed: Sequence[DeviceInfo]
+) -> tuple[tuple[DeviceInfo, ...], str | None]:
+    """Narrow ``listed`` to what a ``CUDA_VISIBLE_DEVICES`` value lets CUDA see.
+
+    Entries are NVML indexes (CUDA's order matches NVML's when
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``GPU-`` UUIDs or ``MIG-`` UUIDs,
+    each possibly a unique prefix. An index selects its card, or all its
+    MIG instances on a MIG-enabled card. As in CUDA, the first entry that
+    matches nothing (or several devices) hides itself and every entry after it.
+
+    Args:
+        value: the variable's value; ``None`` (unset) leaves every device.
+        listed: the devices the driver lists.
+
+    Returns:
+        The visible devices in the variable's order, and a note for the
+        census' reason when some entry was ignored or everything is hidden.
+    """
+    if value is None:
+        return tuple(listed), None
+    stripped = value.strip()
+    if stripped.lower() in _HIDE_ALL:
+        return (), f"CUDA_VISIBLE_DEVICES={value!r} hides every device"
+    chosen: list[DeviceInfo] = []
+    for raw in stripped.split(","):
+        entry = raw.strip()
+        matches = _match_entry(entry, listed)
+        if len(matches) == 0 or (not entry.isdigit() and len(matches) > 1):
+            why = "matches no device" if not matches else "is ambiguous"
+            note = (
+                f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; like CUDA, gpupool ignores it "
+                "and every entry after it"
+            )
+            return tuple(chosen), note
+        for info in matches:
+            if info not in chosen:
+                chosen.append(info)
+    if not chosen:
+        return (), f"CUDA_VISIBLE_DEVICES={value!r} hides every device"
+    return tuple(chosen), None
+
+
+def _match_entry(entry: str, listed: Sequence[DeviceInfo]) -> list[DeviceInfo]:
+    if entry.isdigit():
+        return [info for info in listed if info.index == int(entry)]
+    lowered = entry.lower()
+    if lowered.startswith(("gpu-", "mig-")):
+        exact = [info for info in listed if info.uuid.lower() == lowered]
+        if exact:
+            return exact
+        return [info for info in listed if info.uuid.lower().startswith(lowered)]
+    return []
+
+
+def _describe(listed: Sequence[DeviceInfo]) -> str:
+    if not listed:
+        return "no device is visible"
+    return ", ".join(
+        f"{info.index}{f'/MIG {info.mig_index}' if info.mig else ''} {info.uuid} ({info.name})"
+        for info in listed
+    )
+
+
+def _select(
+    wanted: Sequence[int | str], visible: Sequence[DeviceInfo], listed: Sequence[DeviceInfo]
+) -> tuple[DeviceInfo, ...]:
+    """Apply the pool's ``devices=`` option to the visible devices."""
+    chosen: list[DeviceInfo] = []
+    for want in wanted:
+        if isinstance(want, bool) or not isinstance(want, (int, str)):
+            raise ConfigurationError(
+                f"devices entry {want!r} is neither an index nor a UUID; "
+                f"visible devices: {_describe(visible)}"
+            )
+        key = want.strip() if isinstance(want, str) else str(want)
+        if not key.isdigit() and not key.lower().startswith(("gpu-", "mig-")):
+            raise ConfigurationError(
+                f"devices entry {want!r} is neither an index nor a GPU-/MIG- UUID; "
+                f"visible devices: {_describe(visible)}"
+            )
+        matches = _match_entry(key, visible)
+        if not key.isdigit() and len(matches) > 1:
+            raise ConfigurationError(
+                f"devices entry {want!r} matches {len(matches)} devices; give more of the "
+                f"UUID. Visible devices: {_describe(visible)}"
+            )
+        if not matches:
+            hidden = _match_entry(key, listed)
+            why = (
+                "is hidden by CUDA_VISIBLE_DEVICES"
+                if hidden
+                else "does not exist on this host"
+            )
+            raise ConfigurationError(
+                f"devices entry {want!r} {why}; visible devices: {_describe(visible)}"
+            )
+        for info in matches:
+            if info not in chosen:
+                chosen.append(info)
+    return tuple(chosen)
+
+
+def read_census(
+    sensor: Sensor,
+    *,
+    devices: Sequence[int | str] | None = None,
+    visible_devices: str | None = None,
+    pid: int | None = None,
+) -> tuple[Census, tuple[DeviceInfo, ...]]:
+    """Take the census of every device the pool may use, and of the host.
+
+    Call it once, before any child of the pool exists (``DESIGN.md``: the
+    census is never retaken).
+
+    Args:
+        sensor: where readings come from (NVML, the simulator).
+        devices: the pool's own selection, by NVML index (as ``gpupool
+            census`` and ``nvidia-smi`` number them) or by UUID (a unique
+            prefix is enough); ``None`` takes every visible device.
+        visible_devices: the parent's ``CUDA_VISIBLE_DEVICES`` (the caller
+            passes ``os.environ.get("CUDA_VISIBLE_DEVICES")``); it narrows
+            which devices may be used.
+        pid: the process whose device bytes are "own"; this process by default.
+
+    Returns:
+        ``(census, infos)``: ``infos[i]`` is the :class:`DeviceInfo` of
+        ``census.cards[i]``, whose pool index is ``i``. With no driver the
+        census has no cards and ``driver=False``; this is not an error.
+
+    Raises:
+        ConfigurationError: an entry of ``devices`` does not exist, is hidden
+            by ``CUDA_VISIBLE_DEVICES`` or is ambiguous; the message lists
+            the visible devices.
+        SensorError: a driver answered but its device list could not be read.
+    """
+    if pid is None:
+        pid = os.getpid()
+    host = sensor.read_host()
+    try:
+        listed = sensor.read_devices()
+    except NoDriverError as exc:
+        return (
+            Census(
+                cards=(),
+                host=host,
+                driver=False,
+                sensor=sensor.name,
+                reason=f"no NVIDIA driver or library: {exc}",
+            ),
+            (),
+        )
+    notes: list[str] = []
+    visible, note = parse_visible_devices(visible_devices, listed)
+    if note:
+        notes.append(note)
+    chosen = visible if devices is None else _select(devices, visible, listed)
+    if not listed:
+        notes.append("the driver lists no device")
+    mps = os.environ.get(_MPS_ENUMERATION_ENV)
+    if mps:
+        notes.append(
+            f"{_MPS_ENUMERATION_ENV}={mps} is set: NVML reports MPS devices and MPS-provided "
+            "memory figures"
+        )
+    cards = tuple(
+        _census_card(sensor, info, device=position, pid=pid)
+        for position, info in enumerate(chosen)
+    )
+    census = Census(
+        cards=cards,
+        host=host,
+        driver=True,
+        sensor=sensor.name,
+        reason="; ".join(notes) or None,
+    )
+    return census, tuple(chosen)
+
+
+def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> CardCensus:
+    """One device's census; an unreadable device is ``None``s and a reason, never empty."""
+    try:
+        memory = sensor.read_memory(info)
+    except NoDriverError:
+        raise
+    except SensorError as exc:  # DeviceUnreadableError, or a sensor's own failure
+        return CardCensus(
+            device=device,
+            uuid=info.uuid,
+            name=info.name,
+            total_bytes=None,
+            free_bytes=None,
+            own_bytes=None,
+            mig=info.mig,
+            source=sensor.name,
+            own_source="unknown",
+            reason=f"unreadable: {exc}",
+        )
+    rows: tuple[ProcessReading, ...] | None
+    rows_error: str | None = None
+    try:
+        rows = sensor.read_processes(info)
+    except NoDriverError:
+        raise
+    except SensorError as exc:
+        rows, rows_error = None, str(exc)
+    own_bytes, own_source, reason = _own_bytes(rows, pid)
+    if rows_error is not None:
+        reason = f"{OWN_ROWS_UNAVAILABLE_REASON} ({rows_error})"
+    return CardCensus(
+        device=device,
+        uuid=info.uuid,
+        name=info.name,
+        total_bytes=memory.total_bytes,
+        free_bytes=memory.free_bytes,
+        own_bytes=own_bytes,
+        reserved_bytes=memory.reserved_bytes,
+        unified=memory.unified,
+        mig=info.mig,
+        source=memory.source,
+        own_source=own_source,
+        reason=reason,
+    )
+
+
+def _own_bytes(
+    rows: tuple[ProcessReading, ...] | None, pid: int
+) -> tuple[int, str, str | None]:
+    """This process's bytes, where they came from, and why they are a baseline if so.
+
+    No rows at all on a device that lists processes means nothing holds a
+    context there, this process included: 0, read from the rows.
+    """
+    if rows is None:
+        return 0, "baseline", OWN_ROWS_UNAVAILABLE_REASON
+    for row in rows:
+        if row.pid == pid:
+            if row.used_bytes is None:
+                return (
+                    0,
+                    "baseline",
+                    "this process's row carries no byte count (the driver does not say); "
+                    "using the measured baseline of a parent that has created no CUDA context",
+                )
+            return row.used_bytes, "process-row", None
+    if not rows:
+        return 0, "process-row", None
+    return 0, "baseline", OWN_ROW_MISSING_REASON

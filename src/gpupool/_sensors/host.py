@@ -1,0 +1,240 @@
+"""Read the host's usable CPUs and available RAM from ``/proc`` and the cgroup files (I/O edge).
+
+Thin readers over :mod:`gpupool._core.host`: each file is read here and
+parsed there. ``root`` lets tests point every path at a fake tree built in
+``tmp_path``::
+
+    root/proc/meminfo
+    root/proc/self/cgroup
+    root/sys/fs/cgroup/<v2 path>/{memory.max, memory.current, memory.stat, cpu.max}
+    root/sys/fs/cgroup/memory/<v1 path>/{memory.limit_in_bytes, memory.usage_in_bytes, memory.stat}
+    root/sys/fs/cgroup/cpu/<v1 path>/{cpu.cfs_quota_us, cpu.cfs_period_us}
+
+psutil is not used: inside a container it reports the host's memory, not
+the container's limit (psutil #2100).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+from gpupool._core.census import HostCensus
+from gpupool._core.host import (
+    CgroupCpu,
+    CgroupMembership,
+    CgroupMemory,
+    MemInfo,
+    derive_available_ram,
+    derive_usable_cpus,
+    parse_cfs_quota,
+    parse_cgroup_int,
+    parse_cpu_max,
+    parse_memory_limit_in_bytes,
+    parse_memory_max,
+    parse_memory_stat,
+    parse_meminfo,
+    parse_proc_self_cgroup,
+)
+
+__all__ = ["read_affinity_count", "read_host_census", "read_meminfo"]
+
+#: Where a v1 controller may be mounted under ``/sys/fs/cgroup``: its own
+#: name, or a joint mount (``cpu,cpuacct``) that distributions name either way.
+_V1_MOUNTS = {
+    "memory": ("memory",),
+    "cpu": ("cpu", "cpu,cpuacct", "cpuacct,cpu"),
+}
+
+
+def read_meminfo(path: Path = Path("/proc/meminfo")) -> MemInfo:
+    """Read and parse ``/proc/meminfo``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it lacks ``MemTotal`` or ``MemFree``.
+    """
+    return parse_meminfo(path.read_text())
+
+
+def read_affinity_count() -> int | None:
+    """How many CPUs this process may run on (``os.sched_getaffinity(0)``), or ``None``."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is None:
+        return None
+    try:
+        return len(getaffinity(0))
+    except OSError:
+        return None
+
+
+def read_host_census(
+    root: Path = Path("/"), *, affinity_count: int | None = None
+) -> HostCensus:
+    """The host's usable CPUs and available RAM, honouring cgroup limits (v1, v2, hybrid).
+
+    Walks up this process's cgroup from its own level to the mount root,
+    reading each level's limit, so a limit on a parent (a systemd slice, a
+    Kubernetes pod) binds too. When the path from ``/proc/self/cgroup`` does
+    not exist under the mount (a container without a cgroup namespace sees
+    its own cgroup at the root), the mount root alone is read.
+
+    Args:
+        root: the filesystem root to read under (a fake tree in tests).
+        affinity_count: the CPU affinity to use; ``None`` reads
+            ``os.sched_getaffinity(0)`` of this process.
+
+    Returns:
+        The host census; ``available_ram_bytes`` is ``None`` only when
+        neither ``/proc/meminfo`` nor any cgroup limit could be read.
+    """
+    meminfo: MemInfo | None
+    try:
+        meminfo = read_meminfo(root / "proc" / "meminfo")
+    except (OSError, ValueError):
+        meminfo = None
+    membership = _read_membership(root)
+    cgroup_root = root / "sys" / "fs" / "cgroup"
+    memory_levels: list[CgroupMemory] = []
+    cpu_levels: list[CgroupCpu] = []
+    v2_mount = _v2_mount(cgroup_root)
+    if v2_mount is not None and membership.v2_path is not None:
+        for directory, path in _levels(v2_mount, membership.v2_path):
+            memory = _read_v2_memory(directory, path)
+            if memory is not None:
+                memory_levels.append(memory)
+            cpu = _read_v2_cpu(directory, path)
+            if cpu is not None:
+                cpu_levels.append(cpu)
+    for directory, path in _v1_levels(cgroup_root, membership, "memory"):
+        v1_memory = _read_v1_memory(directory, path)
+        if v1_memory is not None:
+            memory_levels.append(v1_memory)
+    for directory, path in _v1_levels(cgroup_root, membership, "cpu"):
+        v1_cpu = _read_v1_cpu(directory, path)
+        if v1_cpu is not None:
+            cpu_levels.append(v1_cpu)
+    if affinity_count is None:
+        affinity_count = read_affinity_count()
+    cpus, cpu_source = derive_usable_cpus(
+        affinity_count, cpu_levels, system_count=os.cpu_count()
+    )
+    ram_bytes, ram_source = derive_available_ram(meminfo, memory_levels)
+    return HostCensus(
+        cpus=cpus, available_ram_bytes=ram_bytes, cpu_source=cpu_source, ram_source=ram_source
+    )
+
+
+def _read_membership(root: Path) -> CgroupMembership:
+    try:
+        return parse_proc_self_cgroup((root / "proc" / "self" / "cgroup").read_text())
+    except OSError:
+        return CgroupMembership()
+
+
+def _v2_mount(cgroup_root: Path) -> Path | None:
+    """The unified hierarchy's mount: ``/sys/fs/cgroup`` (v2), or ``.../unified`` (hybrid)."""
+    for candidate in (cgroup_root, cgroup_root / "unified"):
+        if (candidate / "cgroup.controllers").is_file():
+            return candidate
+    return None
+
+
+def _v1_levels(
+    cgroup_root: Path, membership: CgroupMembership, controller: str
+) -> list[tuple[Path, str]]:
+    """The v1 ``controller`` hierarchy's levels for this process, or none without that controller."""
+    v1_path = membership.v1_paths.get(controller)
+    if v1_path is None:
+        return []
+    for mount_name in _V1_MOUNTS[controller]:
+        mount = cgroup_root / mount_name
+        if mount.is_dir():
+            return _levels(mount, v1_path)
+    return []
+
+
+def _levels(mount: Path, cgroup_path: str) -> list[tuple[Path, str]]:
+    """This cgroup's directory and each ancestor's up to the mount, leaf first.
+
+    A path that does not exist under the mount (no cgroup namespace in a
+    container, so the container's cgroup is the mount root) gives the root alone.
+    """
+    parts = [part for part in PurePosixPath(cgroup_path).parts if part not in ("/", "", "..")]
+    leaf = mount.joinpath(*parts)
+    if not leaf.is_dir():
+        return [(mount, "/")]
+    levels: list[tuple[Path, str]] = []
+    for depth in range(len(parts), -1, -1):
+        levels.append((mount.joinpath(*parts[:depth]), "/" + "/".join(parts[:depth])))
+    return levels
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _read_v2_memory(directory: Path, path: str) -> CgroupMemory | None:
+    text = _read_text(directory / "memory.max")
+    if text is None:
+        return None
+    try:
+        limit = parse_memory_max(text)
+    except ValueError:
+        return None
+    usage = _read_int(directory / "memory.current")
+    stat_text = _read_text(directory / "memory.stat")
+    inactive = parse_memory_stat(stat_text).get("inactive_file") if stat_text else None
+    return CgroupMemory(
+        version="v2", path=path, limit_bytes=limit, usage_bytes=usage, inactive_file_bytes=inactive
+    )
+
+
+def _read_v2_cpu(directory: Path, path: str) -> CgroupCpu | None:
+    text = _read_text(directory / "cpu.max")
+    if text is None:
+        return None
+    try:
+        return CgroupCpu(version="v2", path=path, quota_cpus=parse_cpu_max(text))
+    except ValueError:
+        return None
+
+
+def _read_v1_memory(directory: Path, path: str) -> CgroupMemory | None:
+    text = _read_text(directory / "memory.limit_in_bytes")
+    if text is None:
+        return None
+    try:
+        limit = parse_memory_limit_in_bytes(text)
+    except ValueError:
+        return None
+    usage = _read_int(directory / "memory.usage_in_bytes")
+    stat_text = _read_text(directory / "memory.stat")
+    inactive = parse_memory_stat(stat_text).get("total_inactive_file") if stat_text else None
+    return CgroupMemory(
+        version="v1", path=path, limit_bytes=limit, usage_bytes=usage, inactive_file_bytes=inactive
+    )
+
+
+def _read_v1_cpu(directory: Path, path: str) -> CgroupCpu | None:
+    quota = _read_text(directory / "cpu.cfs_quota_us")
+    period = _read_text(directory / "cpu.cfs_period_us")
+    if quota is None or period is None:
+        return None
+    try:
+        return CgroupCpu(version="v1", path=path, quota_cpus=parse_cfs_quota(quota, period))
+    except ValueError:
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(path)
+    if text is None:
+        return None
+    try:
+        return parse_cgroup_int(text)
+    except ValueError:
+        return None

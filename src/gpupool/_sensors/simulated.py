@@ -1,0 +1,589 @@
+"""The simulator's ledger and its sensor (I/O edge).
+
+A :class:`gpupool.testing.SimulatedHost` keeps its whole state in one small
+JSON file, the *ledger*, in a private temporary directory. Every process that
+shares the host (the test process, the pool's parent, every child) reads and
+changes the ledger through :class:`Ledger`, finds it through the
+``GPUPOOL_SIMULATOR`` environment variable, and reads it as a driver through
+:class:`SimulatedSensor`::
+
+    test process                 child (spawned)              child (spawned)
+    SimulatedHost.__enter__      hold("6GiB")                 hold("6GiB")
+      |  writes ledger.json        |                            |
+      |  sets GPUPOOL_SIMULATOR    v                            v
+      +---------------------> ledger.json  <--- flock(ledger.lock) ---+
+                                   ^
+    SimulatedSensor.read_memory ---+   (the pool, the CLI, the probe)
+
+One operation is one read-modify-write under an exclusive ``flock`` on a
+sibling lock file (plus a thread lock, since ``flock`` does not exclude two
+threads sharing one descriptor). The new state is written to a temporary file
+and renamed over the ledger, so a process killed mid-write never leaves a
+torn ledger behind. An operation costs tens of microseconds.
+
+As the driver frees a dead process's memory, every operation first drops the
+entries of processes that have exited (zombies included: the driver frees a
+process's memory when it exits, not when it is reaped), and of processes whose
+PID was reused (the start time recorded at first touch no longer matches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, TypeVar
+
+from gpupool._core.census import HostCensus
+from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
+from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+__all__ = [
+    "CO_TENANT_PID_BASE",
+    "DEVICE_NAME",
+    "LEDGER_VERSION",
+    "DeviceState",
+    "Ledger",
+    "LedgerGoneError",
+    "LedgerState",
+    "OutOfMemoryRecord",
+    "ProcessState",
+    "SimulatedSensor",
+    "device_used_bytes",
+    "forget_ledger",
+    "ledger_at",
+    "simulated_uuid",
+]
+
+#: Co-tenants get fake PIDs from here up. Linux never hands out a PID at or
+#: above ``PID_MAX_LIMIT`` (2**22), so a fake PID can never name a real process.
+CO_TENANT_PID_BASE = 2**22
+
+#: The product name every simulated device reports.
+DEVICE_NAME = "Simulated GPU"
+
+#: Bumped when the ledger's layout changes; a ledger of another version is refused.
+LEDGER_VERSION = 1
+
+_T = TypeVar("_T")
+
+
+class ProcessState(TypedDict):
+    """A real process's charge on one device, as the ledger keeps it."""
+
+    start: str  # identity token: start time, so a reused PID is not mistaken for us
+    name: str
+    context: int  # the one-off context charge, kept until the process dies
+    held: int  # bytes held by open ``hold()`` blocks
+    window: int  # high-water since the last reset_process_peak
+
+
+class DeviceState(TypedDict):
+    """One simulated device in the ledger."""
+
+    uuid: str
+    total: int
+    unified: bool
+    readable: bool
+    tenants: dict[str, list[int]]  # name -> [fake pid, bytes]
+    procs: dict[str, ProcessState]  # str(pid) -> charge
+    peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
+    peak: int  # the device's high-water of used bytes over the run
+
+
+class OutOfMemoryRecord(TypedDict):
+    """An allocation the simulated card refused (fields as ``OutOfMemoryEvent``)."""
+
+    pid: int
+    device: int
+    requested_bytes: int
+    used_bytes: int
+    total_bytes: int
+    time_s: float
+
+
+class LedgerState(TypedDict):
+    """The whole ledger: the host's options, its devices, and every refusal."""
+
+    version: int
+    driver: bool
+    container: bool
+    context: int
+    cpus: int | None
+    ram: int | None
+    next_fake_pid: int
+    devices: list[DeviceState]
+    ooms: list[OutOfMemoryRecord]
+
+
+class LedgerGoneError(SensorError):
+    """The ledger file does not exist: its ``SimulatedHost`` block has exited (or never ran)."""
+
+
+def simulated_uuid(index: int) -> str:
+    """The deterministic UUID of simulated device ``index`` (``GPU-51a1a7ed-...-00000000000N``)."""
+    return f"GPU-51a1a7ed-0000-4000-8000-{index:012d}"
+
+
+def device_used_bytes(device: DeviceState) -> int:
+    """Everything on the card now: co-tenants, plus every process's context and held bytes."""
+    used = sum(entry[1] for entry in device["tenants"].values())
+    for proc in device["procs"].values():
+        used += proc["context"] + proc["held"]
+    return used
+
+
+def _process_bytes(proc: ProcessState) -> int:
+    return proc["context"] + proc["held"]
+
+
+def _identity(pid: int) -> str | None:
+    """A token naming the running process ``pid`` (its start time), or ``None`` if it has exited.
+
+    A zombie counts as exited: the driver frees a process's memory at exit,
+    long before its parent reaps it, and ``os.kill(pid, 0)`` still succeeds on it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _identity_psutil(pid)
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rfind(b")") + 2 :].split()
+    state, start_ticks = fields[0], fields[19]
+    if state in (b"Z", b"X", b"x"):
+        return None
+    return start_ticks.decode()
+
+
+def _identity_psutil(pid: int) -> str | None:
+    """:func:`_identity` where there is no ``/proc`` (macOS)."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return repr(process.create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _own_name() -> str:
+    try:
+        return Path("/proc/self/comm").read_text().strip()
+    except OSError:
+        return Path(sys.executable).name
+
+
+class Ledger:
+    """Read and change one simulated host's ledger, one locked operation at a time.
+
+    Get one with :func:`ledger_at`, which keeps one per path and process.
+
+    Args:
+        path: the ledger file (the value of ``GPUPOOL_SIMULATOR``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock_path = path + ".lock"
+        self._tmp_path = path + ".tmp"
+        self._thread_lock = threading.Lock()
+        self._lock_fd: int | None = None
+        self._layout: tuple[bool, tuple[str, ...]] | None = None
+
+    @staticmethod
+    def create(path: str, state: LedgerState) -> Ledger:
+        """Write a new ledger (and its lock file) at ``path``; the directory must exist."""
+        with open(path + ".lock", "wb"):
+            pass
+        ledger = Ledger(path)
+        ledger._write(state)
+        return ledger
+
+    def close(self) -> None:
+        """Close the lock file descriptor (reopened on the next operation)."""
+        with self._thread_lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    # -- the locked read-modify-write ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            if self._lock_fd is None:
+                try:
+                    self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise self._gone() from None
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _gone(self) -> LedgerGoneError:
+        return LedgerGoneError(
+            f"the simulated host's ledger {self.path} is gone: its SimulatedHost block has "
+            "exited. Run simulated work inside `with gpupool.testing.SimulatedHost(...)`."
+        )
+
+    def _read(self) -> LedgerState:
+        try:
+            with open(self.path, "rb") as file:
+                state: LedgerState = json.loads(file.read())
+        except FileNotFoundError:
+            raise self._gone() from None
+        if state.get("version") != LEDGER_VERSION:
+            raise SensorError(
+                f"the simulated host's ledger {self.path} has version {state.get('version')!r}; "
+                f"this gpupool reads version {LEDGER_VERSION}"
+            )
+        return state
+
+    def _write(self, state: LedgerState) -> None:
+        with open(self._tmp_path, "w") as file:
+            file.write(json.dumps(state, separators=(",", ":")))
+        os.replace(self._tmp_path, self.path)
+
+    def _apply(self, change: Callable[[LedgerState], _T], *, writes: bool) -> _T:
+        """Run ``change`` on the current state under the lock, after dropping dead processes.
+
+        The state is written back when ``writes`` is true or when a dead
+        process was dropped.
+        """
+        with self._locked():
+            state = self._read()
+            pruned = _drop_dead(state)
+            result = change(state)
+            if writes or pruned:
+                self._write(state)
+            return result
+
+    # -- operations ------------------------------------------------------------------------
+
+    def snapshot(self) -> LedgerState:
+        """The whole state now, dead processes dropped (a copy: changing it changes nothing)."""
+        return self._apply(lambda state: state, writes=False)
+
+    def layout(self) -> tuple[bool, tuple[str, ...]]:
+        """Whether the host has a driver, and every device's UUID in index order.
+
+        Both are fixed for a ledger's life, so the first answer is kept.
+        """
+        if self._layout is None:
+            state = self.snapshot()
+            self._layout = (state["driver"], tuple(dev["uuid"] for dev in state["devices"]))
+        return self._layout
+
+    def allocate(self, device: int, pid: int, nbytes: int) -> OutOfMemoryRecord | None:
+        """Charge ``nbytes`` to ``pid`` on ``device``; the refusal when the card cannot hold it.
+
+        A process's first touch of a device also charges the host's context
+        size, which fits or fails on its own, as ``cuInit`` does: a context
+        that was created stays charged even when the allocation after it fails.
+        A refused allocation charges nothing and is recorded.
+        """
+        key = str(pid)
+
+        def change(state: LedgerState) -> OutOfMemoryRecord | None:
+            dev = _device(state, device)
+            proc = dev["procs"].get(key)
+            if proc is None:
+                identity = _identity(pid) if pid != os.getpid() else _own_identity()
+                if identity is None:
+                    raise ValueError(f"process {pid} does not exist; it cannot hold device bytes")
+                context = state["context"]
+                refusal = _refuse(state, device, pid, context)
+                if refusal is not None:
+                    return refusal
+                name = _own_name() if pid == os.getpid() else "python"
+                proc = ProcessState(start=identity, name=name, context=context, held=0, window=0)
+                dev["procs"][key] = proc
+                _note_peaks(dev, key, proc)
+            refusal = _refuse(state, device, pid, nbytes)
+            if refusal is not None:
+                return refusal
+            proc["held"] += nbytes
+            _note_peaks(dev, key, proc)
+            return None
+
+        return self._apply(change, writes=True)
+
+    def release(self, device: int, pid: int, nbytes: int) -> None:
+        """Give back ``nbytes`` that ``pid`` holds on ``device`` (its context stays)."""
+
+        def change(state: LedgerState) -> None:
+            proc = _device(state, device)["procs"].get(str(pid))
+            if proc is not None:
+                proc["held"] = max(0, proc["held"] - nbytes)
+
+        self._apply(change, writes=True)
+
+    def grow_tenant(self, device: int, name: str, nbytes: int) -> OutOfMemoryRecord | None:
+        """Add ``nbytes`` to co-tenant ``name`` (created if new); the refusal if it does not fit."""
+
+        def change(state: LedgerState) -> OutOfMemoryRecord | None:
+            dev = _device(state, device)
+            entry = dev["tenants"].get(name)
+            if entry is None:
+                entry = [state["next_fake_pid"], 0]
+                state["next_fake_pid"] += 1
+                dev["tenants"][name] = entry
+            refusal = _refuse(state, device, entry[0], nbytes)
+            if refusal is not None:
+                return refusal
+            entry[1] += nbytes
+            dev["peak"] = max(dev["peak"], device_used_bytes(dev))
+            return None
+
+        return self._apply(change, writes=True)
+
+    def shrink_tenant(self, device: int, name: str, nbytes: int) -> None:
+        """Take ``nbytes`` from co-tenant ``name``.
+
+        Raises:
+            ValueError: no such co-tenant, or it holds fewer than ``nbytes``.
+        """
+
+        def change(state: LedgerState) -> None:
+            entry = _device(state, device)["tenants"].get(name)
+            if entry is None:
+                raise ValueError(f"simulated device {device} has no co-tenant named {name!r}")
+            if nbytes > entry[1]:
+                raise ValueError(
+                    f"co-tenant {name!r} on simulated device {device} holds {entry[1]} bytes; "
+                    f"it cannot shrink by {nbytes}"
+                )
+            entry[1] -= nbytes
+
+        self._apply(change, writes=True)
+
+    def reset_window(self, device: int, pid: int) -> None:
+        """Start a new high-water window for ``pid`` on ``device`` at its bytes now."""
+
+        def change(state: LedgerState) -> None:
+            proc = _device(state, device)["procs"].get(str(pid))
+            if proc is not None:
+                proc["window"] = _process_bytes(proc)
+
+        self._apply(change, writes=True)
+
+
+def _own_identity() -> str:
+    identity = _identity(os.getpid())
+    assert identity is not None  # this process is running
+    return identity
+
+
+def _device(state: LedgerState, index: int) -> DeviceState:
+    devices = state["devices"]
+    if not 0 <= index < len(devices):
+        raise ValueError(
+            f"the simulated host has {len(devices)} device(s); there is no device {index}"
+        )
+    return devices[index]
+
+
+def _refuse(state: LedgerState, device: int, pid: int, nbytes: int) -> OutOfMemoryRecord | None:
+    """The refusal of ``nbytes`` more on ``device`` (recorded), or ``None`` if it fits."""
+    dev = state["devices"][device]
+    used = device_used_bytes(dev)
+    if used + nbytes <= dev["total"]:
+        return None
+    record = OutOfMemoryRecord(
+        pid=pid,
+        device=device,
+        requested_bytes=nbytes,
+        used_bytes=used,
+        total_bytes=dev["total"],
+        time_s=time.time(),
+    )
+    state["ooms"].append(record)
+    return record
+
+
+def _note_peaks(dev: DeviceState, key: str, proc: ProcessState) -> None:
+    now = _process_bytes(proc)
+    proc["window"] = max(proc["window"], now)
+    dev["peaks"][key] = max(dev["peaks"].get(key, 0), now)
+    dev["peak"] = max(dev["peak"], device_used_bytes(dev))
+
+
+def _drop_dead(state: LedgerState) -> bool:
+    """Drop every process that has exited or whose PID was reused; whether any was dropped."""
+    dropped = False
+    for dev in state["devices"]:
+        procs = dev["procs"]
+        for key in [key for key, proc in procs.items() if _identity(int(key)) != proc["start"]]:
+            del procs[key]
+            dropped = True
+    return dropped
+
+
+_LEDGERS: dict[str, Ledger] = {}
+
+
+def _forget_ledgers() -> None:
+    # A forked child must not share the parent's lock descriptor (flock locks
+    # belong to the open file, so parent and child would both "hold" it) nor a
+    # thread lock another thread held at the fork.
+    _LEDGERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_ledgers)
+
+
+def forget_ledger(path: str) -> None:
+    """Close and forget this process's :class:`Ledger` for ``path`` (when its host exits)."""
+    ledger = _LEDGERS.pop(path, None)
+    if ledger is not None:
+        ledger.close()
+
+
+def ledger_at(path: str) -> Ledger:
+    """This process's :class:`Ledger` for ``path`` (one per path, kept for reuse)."""
+    ledger = _LEDGERS.get(path)
+    if ledger is None:
+        ledger = _LEDGERS[path] = Ledger(path)
+    return ledger
+
+
+class SimulatedSensor(Sensor):
+    """The sensor of a simulated host: reads its ledger as NVML would read a card.
+
+    It is what :func:`~gpupool._sensors.select.default_sensor` returns inside a
+    :class:`gpupool.testing.SimulatedHost` block, in the parent and in every child.
+
+    Args:
+        ledger_path: the ledger file, the value of ``GPUPOOL_SIMULATOR``.
+    """
+
+    name = "simulator"
+
+    def __init__(self, ledger_path: str) -> None:
+        self._ledger = ledger_at(ledger_path)
+
+    @property
+    def ledger_path(self) -> str:
+        """The ledger this sensor reads."""
+        return self._ledger.path
+
+    def _state_of(self, device: DeviceInfo) -> DeviceState:
+        state = self._ledger.snapshot()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return _device(state, device.index)
+
+    def read_devices(self) -> tuple[DeviceInfo, ...]:
+        """Every simulated device, named ``"Simulated GPU"``.
+
+        Raises:
+            NoDriverError: the host was made with ``driver=False``.
+        """
+        state = self._ledger.snapshot()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return tuple(
+            DeviceInfo(index=index, uuid=dev["uuid"], name=DEVICE_NAME)
+            for index, dev in enumerate(state["devices"])
+        )
+
+    def read_memory(self, device: DeviceInfo) -> MemoryReading:
+        """Total, free and used bytes from the ledger (as ``/proc/meminfo`` for unified devices).
+
+        Raises:
+            DeviceUnreadableError: the device was made with ``readable=False``.
+            NoDriverError: the host was made with ``driver=False``.
+        """
+        dev = self._state_of(device)
+        if not dev["readable"]:
+            raise DeviceUnreadableError(
+                f"simulated device {device.index} is unreadable (SimulatedDevice(readable=False))"
+            )
+        used = device_used_bytes(dev)
+        return MemoryReading(
+            total_bytes=dev["total"],
+            free_bytes=dev["total"] - used,
+            used_bytes=used,
+            reserved_bytes=None,
+            unified=dev["unified"],
+            source="meminfo" if dev["unified"] else "simulator",
+        )
+
+    def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
+        """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
+
+        A co-tenant that has shrunk to 0 bytes has left the card and is not
+        listed. ``None`` for an unreadable device.
+        """
+        state = self._ledger.snapshot()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        dev = _device(state, device.index)
+        if not dev["readable"]:
+            return None
+        rows = [
+            ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
+            for name, entry in dev["tenants"].items()
+            if entry[1] > 0
+        ]
+        if not state["container"]:
+            rows.extend(
+                ProcessReading(pid=int(key), used_bytes=_process_bytes(proc), name=proc["name"])
+                for key, proc in dev["procs"].items()
+            )
+        return tuple(rows)
+
+    def read_process_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """``pid``'s exact device high-water since :meth:`reset_process_peak` (0: never touched).
+
+        It answers in container mode too: it stands for the process's own
+        report of itself (as ``torch.cuda`` statistics would), not a driver row.
+        """
+        proc = self._state_of(device)["procs"].get(str(pid))
+        return 0 if proc is None else proc["window"]
+
+    def reset_process_peak(self, device: DeviceInfo, pid: int) -> None:
+        """Start a new high-water window for ``pid`` at its bytes now."""
+        self._ledger.reset_window(device.index, pid)
+
+    def read_host(self) -> HostCensus:
+        """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
+        state = self._ledger.snapshot()
+        cpus, ram = state["cpus"], state["ram"]
+        cpu_source = ram_source = "simulator"
+        if cpus is None or ram is None:
+            real = _read_real_host()
+            if cpus is None:
+                cpus, cpu_source = real.cpus, real.cpu_source
+            if ram is None:
+                ram, ram_source = real.available_ram_bytes, real.ram_source
+        return HostCensus(
+            cpus=cpus, available_ram_bytes=ram, cpu_source=cpu_source, ram_source=ram_source
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the ledger is shared by every sensor of this process."""
+        return None
+
+
+def _read_real_host() -> HostCensus:
+    """The real host's figures, for the terms a ``SimulatedHost`` leaves as ``None``."""
+    # Imported here: the cgroup walk is only needed when a term was left to the host.
+    from gpupool._sensors.host import read_host_census
+
+    return read_host_census()

@@ -1,0 +1,158 @@
+"""The pure core stays pure: ``_core`` imports nothing that reads the world, and opens nothing.
+
+Each ``src/gpupool/_core/*.py`` is parsed with :mod:`ast` (never imported),
+so a forbidden import is caught even inside ``if TYPE_CHECKING:`` or a
+function body. Within gpupool, ``_core`` may import only itself and
+``gpupool._errors``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+CORE = Path(__file__).resolve().parents[1] / "src" / "gpupool" / "_core"
+
+#: Modules that read the clock, the environment, files, devices or processes,
+#: or start threads or processes. The core takes their answers as arguments.
+FORBIDDEN_TOP_LEVEL = frozenset(
+    {
+        "os",
+        "sys",
+        "time",
+        "subprocess",
+        "threading",
+        "logging",
+        "pathlib",
+        "pynvml",
+        "psutil",
+        "loky",
+        "torch",
+        "random",
+        "importlib",
+    }
+)
+
+#: The only gpupool modules the core may import.
+ALLOWED_GPUPOOL = ("gpupool._core", "gpupool._errors")
+
+#: Builtins that reach the world (``open``) or bypass the import rules above.
+FORBIDDEN_CALLS = frozenset({"open", "__import__", "exec", "eval", "input", "print"})
+
+
+def _absolute(module: str | None, level: int, package: str) -> str:
+    """Resolve ``from ..x import y`` (``level`` dots) against ``package``."""
+    if level == 0:
+        return module or ""
+    parts = package.split(".")
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def violations(source: str, *, package: str = "gpupool._core") -> list[str]:
+    """Every forbidden import or call in ``source``, as ``"line N: what"``."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        imported: list[str] = []
+        if isinstance(node, ast.Import):
+            imported = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module, node.level, package)
+            imported = [base]
+            if base == "gpupool":
+                # ``from gpupool import _pool`` imports a module by its attribute name.
+                imported += [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else None
+            if isinstance(func, ast.Attribute) and func.attr == "open":
+                name = "open"
+            if name in FORBIDDEN_CALLS:
+                found.append(f"line {node.lineno}: calls {name}()")
+        for name in imported:
+            top = name.split(".")[0]
+            if top in FORBIDDEN_TOP_LEVEL:
+                found.append(f"line {node.lineno}: imports {name}")
+            elif (
+                top == "gpupool"
+                and name != "gpupool"
+                and not name.startswith(ALLOWED_GPUPOOL)
+                and not _reexported_from_pure(name)
+            ):
+                found.append(f"line {node.lineno}: imports {name}")
+    return found
+
+
+def _reexported_from_pure(name: str) -> bool:
+    """``gpupool.parse_size`` is fine (it lives in _core); ``gpupool.GpuPoolExecutor`` is not."""
+    head, _, attr = name.rpartition(".")
+    if head != "gpupool":
+        return False
+    import gpupool
+
+    value = vars(gpupool).get(attr)
+    module = getattr(value, "__module__", "")
+    return isinstance(module, str) and module.startswith(ALLOWED_GPUPOOL)
+
+
+def core_files() -> list[Path]:
+    return sorted(CORE.glob("*.py"))
+
+
+def test_the_core_is_where_this_test_looks() -> None:
+    """The check is not vacuous: it finds the core's modules, bound.py among them."""
+    names = {path.name for path in core_files()}
+    assert {"__init__.py", "bound.py", "census.py", "units.py"} <= names
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda path: path.name)
+def test_core_module_imports_nothing_from_the_world(path: Path) -> None:
+    """No _core module imports an I/O, clock, process or device module, or an I/O layer of gpupool."""
+    assert violations(path.read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        pytest.param("import os", ["line 1: imports os"], id="import"),
+        pytest.param("import os.path", ["line 1: imports os.path"], id="dotted"),
+        pytest.param("from time import monotonic", ["line 1: imports time"], id="from"),
+        pytest.param("import pynvml as nv", ["line 1: imports pynvml"], id="aliased"),
+        pytest.param(
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch",
+            ["line 3: imports torch"],
+            id="type-checking-only",
+        ),
+        pytest.param("def f():\n    import psutil", ["line 2: imports psutil"], id="in-function"),
+        pytest.param(
+            "from gpupool._sensors.base import Sensor",
+            ["line 1: imports gpupool._sensors.base"],
+            id="sensors",
+        ),
+        pytest.param(
+            "from gpupool import _pool", ["line 1: imports gpupool._pool"], id="pool-by-attribute"
+        ),
+        pytest.param(
+            "from .. import testing", ["line 1: imports gpupool.testing"], id="relative-testing"
+        ),
+        pytest.param("import gpupool.cli", ["line 1: imports gpupool.cli"], id="cli"),
+        pytest.param(
+            "from gpupool import GpuPoolExecutor",
+            ["line 1: imports gpupool.GpuPoolExecutor"],
+            id="lazy-pool-name",
+        ),
+        pytest.param("text = open('x').read()", ["line 1: calls open()"], id="open"),
+        pytest.param("import io\nio.open('x')", ["line 2: calls open()"], id="io-open"),
+        pytest.param("__import__('os')", ["line 1: calls __import__()"], id="dunder-import"),
+        pytest.param("from gpupool._core.units import GiB", [], id="core-is-fine"),
+        pytest.param("from .census import CardCensus", [], id="relative-core-is-fine"),
+        pytest.param("from gpupool._errors import GpuPoolError", [], id="errors-are-fine"),
+        pytest.param("from gpupool import parse_size", [], id="reexported-core-name-is-fine"),
+        pytest.param("import math, re, dataclasses", [], id="pure-stdlib-is-fine"),
+    ],
+)
+def test_the_checker_catches_what_it_should(source: str, expected: list[str]) -> None:
+    """The checker flags each kind of forbidden import or call, and passes pure code."""
+    assert violations(source) == expected
