@@ -1,4 +1,6 @@
-"""The command line: ``gpupool plan | census | demo | postmortem | plot`` (the only module that prints).
+"""The command line: ``gpupool plan | census | demo | postmortem | plot``.
+
+The only module that prints.
 
 Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in
 :func:`build_parser`; ``main`` returns the exit status.
@@ -10,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bound import (
@@ -27,6 +28,8 @@ from gpupool._core.units import format_size, parse_size
 from gpupool._errors import InvalidSizeError, SensorError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
 
 __all__ = ["build_parser", "main"]
@@ -66,7 +69,7 @@ def _json_out(value: object) -> None:
 
 
 def _live_sensor_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
-    """The live census as a pool would take it: default sensor, this process's CUDA_VISIBLE_DEVICES."""
+    """The live census as a pool takes it: default sensor, this process's CUDA_VISIBLE_DEVICES."""
     from gpupool._sensors.census import read_census
     from gpupool._sensors.select import default_sensor
 
@@ -140,9 +143,7 @@ def _card_json(
     }
 
 
-def _read_rows(
-    sensor: Sensor, info: DeviceInfo
-) -> tuple[tuple[ProcessReading, ...] | None, str]:
+def _read_rows(sensor: Sensor, info: DeviceInfo) -> tuple[tuple[ProcessReading, ...] | None, str]:
     try:
         rows = sensor.read_processes(info)
     except SensorError as exc:
@@ -160,7 +161,7 @@ def _cmd_census(args: argparse.Namespace) -> int:
         return 1
     try:
         devices = []
-        for card, info in zip(census.cards, infos):
+        for card, info in zip(census.cards, infos, strict=False):
             rows, note = _read_rows(sensor, info)
             devices.append(_card_json(card, info, rows, note))
     finally:
@@ -359,7 +360,7 @@ def _phase(
             ask_bytes=ask.ask_bytes,
             ask_basis=ask.basis,
         )
-        for card, own in zip(cards, own_high_water)
+        for card, own in zip(cards, own_high_water, strict=False)
     ]
     decisions = decide_widths(bounds, ceiling)
     devices = [_bound_json(decision) for decision in decisions]
@@ -434,9 +435,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             parser.error("--task-peak is required to plan a pool on a device")
     cpus = args.cpus if args.cpus is not None else (host.cpus if host else None)
     host_ram = (
-        args.host_ram
-        if args.host_ram is not None
-        else (host.available_ram_bytes if host else None)
+        args.host_ram if args.host_ram is not None else (host.available_ram_bytes if host else None)
     )
     max_workers = args.max_workers if args.max_workers is not None else (cpus or 1)
     ceiling = derive_ceiling(
@@ -458,14 +457,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             measured_ask = table.measure("plan", args.measured_peak)
     own_high_water = [card.own_bytes or 0 for card in cards]
     estimated = _phase(
-        cards, ask=estimated_ask, own_high_water=own_high_water, reserve_bytes=reserve,
+        cards,
+        ask=estimated_ask,
+        own_high_water=own_high_water,
+        reserve_bytes=reserve,
         ceiling=ceiling,
     )
     measured = (
         None
         if measured_ask is None
         else _phase(
-            cards, ask=measured_ask, own_high_water=own_high_water, reserve_bytes=reserve,
+            cards,
+            ask=measured_ask,
+            own_high_water=own_high_water,
+            reserve_bytes=reserve,
             ceiling=ceiling,
         )
     )
@@ -497,12 +502,11 @@ def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
     for note in result["notes"]:
         _out(f"note: {note}")
     estimated = result["estimated"]
-    for card, device in zip(cards, estimated["devices"]):
+    for card, device in zip(cards, estimated["devices"], strict=False):
         _out(f"card {card.device} ({card.name}, {card.uuid}):")
         _out(f"  total            {format_size(device['total_bytes']):>12}   {card.source}")
         _out(
-            f"  co-tenant        {format_size(device['co_tenant_bytes']):>12}   "
-            "total - free - own"
+            f"  co-tenant        {format_size(device['co_tenant_bytes']):>12}   total - free - own"
         )
         _out(
             f"  own high-water   {format_size(device['own_high_water_bytes']):>12}   "

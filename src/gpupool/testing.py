@@ -327,7 +327,7 @@ class SimulatedHost:
         if ledger is None or directory is None:
             return
         try:
-            self._final = ledger.snapshot()
+            self._final = ledger.remove()
         finally:
             self._ledger = self._directory = None
             if self._saved_env is None:
@@ -572,7 +572,8 @@ def _pinned_device(uuids: tuple[str, ...]) -> int:
 def hold(size: int | float | str, device: int | None = None) -> _Hold:
     """Hold simulated device bytes for the duration of a ``with`` block, in this process.
 
-    The first allocation a process makes on a device also charges it the
+    ``with hold("6GiB") as device:`` allocates on entry, gives the device's
+    index, and releases on exit. The first allocation a process makes on a device also charges it the
     host's context size, which it keeps until it exits. When the process
     exits (or is killed), the host frees everything it held, as the driver does.
 
@@ -582,9 +583,6 @@ def hold(size: int | float | str, device: int | None = None) -> _Hold:
             CUDA ordinal); ``None``: the device this process is pinned to, the
             one whose UUID is ``CUDA_VISIBLE_DEVICES``, or device 0 when the
             variable is unset.
-
-    Returns:
-        A context manager; ``with hold(...) as device:`` gives the device index.
 
     Raises:
         SimulatedOutOfMemory: on entry, when the card cannot hold it; nothing

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gpupool._core import (
@@ -43,9 +43,7 @@ def card(
     )
 
 
-def bound_for(
-    census: CardCensus, *, ask: int, own_high_water: int = 0, reserve: int = 0
-) -> Bound:
+def bound_for(census: CardCensus, *, ask: int, own_high_water: int = 0, reserve: int = 0) -> Bound:
     return derive_bound(
         census,
         own_high_water_bytes=own_high_water,
@@ -213,7 +211,9 @@ def test_own_high_water_is_at_least_the_census_own_bytes(census: CardCensus, giv
         pytest.param(None, 40 * GiB, id="total-unreadable"),
     ],
 )
-def test_an_unreadable_card_runs_one_task_with_its_reason(total: int | None, free: int | None) -> None:
+def test_an_unreadable_card_runs_one_task_with_its_reason(
+    total: int | None, free: int | None
+) -> None:
     """Unreadable is not empty: width 1, limit "unreadable", room None (never -1 or 0)."""
     bound = bound_for(card(total=total, free=free, own=None), ask=1 * GiB)
     decision = decide_width(bound, derive_ceiling(max_workers=8))
@@ -373,7 +373,7 @@ def test_total_width_stays_within_the_ceiling_and_each_room(
 def test_all_oversubscribed_gives_one_task_to_the_card_with_most_room(
     rows: list[tuple[int, int]], ceiling: Ceiling
 ) -> None:
-    """When no card has room, exactly one gets width 1, the one with most room; all name the floor."""
+    """No card has room: exactly one gets width 1, the one with most room; all name the floor."""
     many = [
         bound_for(card(device=i, total=total, free=0, own=0), ask=GiB, own_high_water=over)
         for i, (total, over) in enumerate(rows)
@@ -432,7 +432,7 @@ def test_equal_asks_admit_exactly_floor_room_over_ask(ask: int, count: int, spar
     st.integers(min_value=-8 * GiB, max_value=64 * GiB),
 )
 def test_mixed_asks_are_admitted_only_while_their_sum_fits(asks: list[int], room: int) -> None:
-    """A task starts only if the booked asks plus its own fit in the room; a refusal would overflow."""
+    """A task starts only if booked asks plus its own fit the room; a refusal would overflow."""
     running: list[int] = []
     for ask in asks:
         if admits(ask, running, room):
@@ -458,7 +458,7 @@ def test_an_unreadable_card_admits_one_task_at_a_time() -> None:
     ],
 )
 def test_live_gate_covers_ask_unreached_and_reserve(live_free: int | None, expected: bool) -> None:
-    """The live free reading must cover the new ask, the in-flight unreached bytes and the reserve."""
+    """Live free bytes must cover the new ask, the in-flight unreached bytes and the reserve."""
     assert (
         live_gate_admits(
             live_free_bytes=live_free,

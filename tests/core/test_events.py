@@ -70,7 +70,7 @@ def test_to_dict_carries_every_term_under_its_own_name() -> None:
     """A width record's dict has the event, the widths, the reason and each bound term."""
     record = width_record()
     out = record.to_dict()
-    assert TERM_KEYS <= out.keys()
+    assert out.keys() >= TERM_KEYS
     assert out["schema"] == SCHEMA_VERSION
     assert out["event"] == "widened"
     assert out["device"] == 2
@@ -139,7 +139,9 @@ def test_a_pool_wide_record_has_no_bound_terms() -> None:
 def test_records_are_frozen() -> None:
     """A decision record cannot be changed after it is made."""
     record = width_record()
-    with pytest.raises(dataclasses.FrozenInstanceError, match=r"^cannot assign to field 'width_after'$"):
+    with pytest.raises(
+        dataclasses.FrozenInstanceError, match=r"^cannot assign to field 'width_after'$"
+    ):
         record.width_after = 99  # type: ignore[misc]
 
 

@@ -17,8 +17,8 @@ import pytest
 from gpupool._core import (
     DEFAULT_RESERVE_BYTES,
     CardCensus,
-    Census,
     Ceiling,
+    Census,
     HostCensus,
     WidthDecision,
     decide_widths,

@@ -31,7 +31,7 @@ def test_defaults_are_the_documented_constants() -> None:
 
 
 def test_margin_is_the_larger_of_bytes_and_fraction() -> None:
-    """margin_for is max(margin_bytes, fraction * peak): bytes for small peaks, fraction for large."""
+    """margin_for is max(margin_bytes, fraction * peak): bytes when small, fraction when large."""
     policy = Policy()
     assert policy.margin_for(1 * GiB) == 256 * MiB
     assert policy.margin_for(12 * GiB) == int(0.10 * 12 * GiB)
@@ -91,7 +91,7 @@ def test_a_measurement_may_raise_the_ask_above_the_estimate() -> None:
     st.lists(st.integers(min_value=0, max_value=64 * GiB), min_size=1, max_size=10),
 )
 def test_measured_ask_is_worst_peak_plus_margin(estimate: int, peaks: list[int]) -> None:
-    """For any reports, the ask is max(peaks) + margin_for(max(peaks)), regardless of the estimate."""
+    """For any reports the ask is max(peaks) + margin_for(max(peaks)), whatever the estimate."""
     policy = Policy()
     asks = table(estimate=estimate, policy=policy)
     for peak in peaks:

@@ -52,7 +52,7 @@ class NVMLError(Exception):
 
     _value_class: dict[int, type[NVMLError]] = {}  # noqa: RUF012
 
-    def __new__(cls, value: int) -> NVMLError:  # noqa: D102
+    def __new__(cls, value: int) -> NVMLError:
         if cls is NVMLError:
             cls = NVMLError._value_class.get(value, cls)
         obj = Exception.__new__(cls)
@@ -82,7 +82,7 @@ class NVMLLibraryMismatchError(Exception):
 nvmlMemory_v2 = 0x02000028
 
 
-class c_nvmlMemory_t:  # noqa: N801 (the binding's name)
+class c_nvmlMemory_t:
     """v1 memory info: ``used`` includes the reserved memory."""
 
     def __init__(self, total: int, free: int, used: int) -> None:
@@ -91,7 +91,7 @@ class c_nvmlMemory_t:  # noqa: N801 (the binding's name)
         self.used = used
 
 
-class c_nvmlMemory_v2_t:  # noqa: N801 (the binding's name)
+class c_nvmlMemory_v2_t:
     """v2 memory info: ``reserved`` is separate, ``used`` is allocated only."""
 
     def __init__(self, total: int, reserved: int, free: int, used: int) -> None:
@@ -174,45 +174,45 @@ class FakePynvml(types.ModuleType):
 
     # -- the binding's functions --
 
-    def nvmlInit(self) -> None:  # noqa: N802
+    def nvmlInit(self) -> None:
         self.calls.append("nvmlInit")
         if self.init_error is not None:
             raise NVMLError(self.init_error)
         self.init_calls += 1
 
-    def nvmlShutdown(self) -> None:  # noqa: N802
+    def nvmlShutdown(self) -> None:
         self.calls.append("nvmlShutdown")
         self.shutdown_calls += 1
 
-    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+    def nvmlDeviceGetCount(self) -> int:
         self._check(None, "nvmlDeviceGetCount")
         return len(self.cards)
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
         self._check(None, "nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.cards):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return _Handle(self.cards[index], is_mig=False)
 
-    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
         self._check(handle, "nvmlDeviceGetUUID")
         return handle.card.uuid
 
-    def nvmlDeviceGetName(self, handle: _Handle) -> str:  # noqa: N802
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
         self._check(handle, "nvmlDeviceGetName")
         return handle.card.name
 
-    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:  # noqa: N802
+    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
         self._check(handle, "nvmlDeviceGetMigMode")
         if handle.card.mig_slots is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return [1, 1]
 
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:  # noqa: N802
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
         self._check(handle, "nvmlDeviceGetMaxMigDeviceCount")
         return len(handle.card.mig_slots or [])
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:  # noqa: N802
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:
         self._check(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
         slots = handle.card.mig_slots or []
         if index >= len(slots) or slots[index] is None:
@@ -221,14 +221,16 @@ class FakePynvml(types.ModuleType):
         assert card is not None
         return _Handle(card, is_mig=True)
 
-    def nvmlDeviceIsMigDeviceHandle(self, handle: _Handle) -> ctypes.c_uint:  # noqa: N802
+    def nvmlDeviceIsMigDeviceHandle(self, handle: _Handle) -> ctypes.c_uint:
         self._check(handle, "nvmlDeviceIsMigDeviceHandle")
         return ctypes.c_uint(1 if handle.is_mig else 0)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:  # noqa: N802
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
         card = handle.card
         if version is not None and card.memory == "old-binding":
-            raise TypeError("nvmlDeviceGetMemoryInfo() got an unexpected keyword argument 'version'")
+            raise TypeError(
+                "nvmlDeviceGetMemoryInfo() got an unexpected keyword argument 'version'"
+            )
         self._check(handle, "nvmlDeviceGetMemoryInfo" + ("_v2" if version else ""))
         if card.memory == "unified":
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
@@ -241,7 +243,9 @@ class FakePynvml(types.ModuleType):
             return c_nvmlMemory_v2_t(card.total, card.reserved, card.free, used)
         return c_nvmlMemory_t(card.total, card.free, card.total - card.free)
 
-    def _processes(self, handle: _Handle, function: str, rows: list[tuple[int, int | None]]) -> list[Any]:
+    def _processes(
+        self, handle: _Handle, function: str, rows: list[tuple[int, int | None]]
+    ) -> list[Any]:
         self._check(handle, function)
         if not handle.card.processes_supported:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
@@ -252,10 +256,10 @@ class FakePynvml(types.ModuleType):
             for pid, used in rows
         ]
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:  # noqa: N802
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
         return self._processes(handle, "nvmlDeviceGetComputeRunningProcesses", handle.card.compute)
 
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list[Any]:  # noqa: N802
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list[Any]:
         return self._processes(
             handle, "nvmlDeviceGetGraphicsRunningProcesses", handle.card.graphics
         )

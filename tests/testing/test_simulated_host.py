@@ -1,7 +1,9 @@
-"""gpupool.testing: a simulated GPU host shared by a parent and its real (spawned) child processes."""
+"""gpupool.testing: a simulated GPU host shared by a parent and its real child processes."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import multiprocessing
 import os
 import pickle
@@ -11,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def card(total: str = "10GiB", **kwargs: Any) -> gt.SimulatedDevice:
 
 
 def test_spawned_children_share_a_card_and_only_the_overflowing_allocation_fails() -> None:
-    """Two spawned children hold at once; a third overflows, alone, in itself; freed bytes are reused."""
+    """Two spawned children hold at once; a third overflows, in itself; freed bytes get reused."""
     context = 100 * MiB
     with gt.SimulatedHost([card("10GiB")], context="100MiB") as host:
         held = SPAWN.Barrier(3)
@@ -135,10 +136,10 @@ def test_spawned_children_share_a_card_and_only_the_overflowing_allocation_fails
         assert len(host.out_of_memory_events) == 1
 
 
-def test_loky_workers_share_a_card_and_the_overflow_reaches_its_future() -> None:
+def test_loky_workers_share_a_card_and_the_overflow_reaches_its_future(tmp_path: Path) -> None:
     """loky workers hold concurrently; the overflowing task's future gets SimulatedOutOfMemory."""
-    with gt.SimulatedHost([card("8GiB")], context=0) as host, _tmp_dir() as tmp:
-        release = os.path.join(tmp, "release")
+    release = str(tmp_path / "release")
+    with gt.SimulatedHost([card("8GiB")], context=0) as host:
         executor = loky.ProcessPoolExecutor(max_workers=3)
         try:
             first = [executor.submit(_hold_until_file, "3GiB", release) for _ in range(2)]
@@ -196,27 +197,21 @@ def test_pinned_children_hold_on_their_device_and_unpinned_on_device_0(
         assert host.process_peak(pinned.pid, device=0) == 0
 
 
-def test_doc_example_runs_in_a_standard_process_pool() -> None:
-    """The example of docs/testing.md: a spawn ProcessPoolExecutor on a simulated card, no OOM."""
-    from gpupool.testing import SimulatedDevice, SimulatedHost
-
-    card = SimulatedDevice("24GiB", co_tenants={"inference-server": "6GiB"})
-    with SimulatedHost([card], context="300MiB") as host:
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
-            results = list(pool.map(_doc_embed_batch, range(6)))
-
-    assert results == [i * 10 for i in range(6)]
-    assert host.out_of_memory_events == []
-    # Two workers, each with its context and at most one 4 GiB batch, beside the server.
-    assert host.device_peak(0) <= 6 * GiB + 2 * (300 * MiB + 4 * GiB)
-    assert host.device_peak(0) <= card.total_bytes
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 
 
-def _doc_embed_batch(i: int) -> int:
-    """The doc example's task: holds 4 GiB of "activations" while it computes."""
-    with gt.hold("4GiB"):
-        return i * 10
+def test_the_doc_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example in docs/testing.md runs: a spawn ProcessPoolExecutor on a card, no OOM."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
+    [example] = [block for block in blocks if block.startswith("# test_embed.py")]
+    module_name = f"gpupool_doc_example_{os.getpid()}"
+    (tmp_path / f"{module_name}.py").write_text(example)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers import it by name too
+    module = importlib.import_module(module_name)
+    try:
+        module.test_two_workers_fit_beside_the_inference_server()
+    finally:
+        sys.modules.pop(module_name, None)
 
 
 # -- allocation in this process -----------------------------------------------------------
@@ -248,14 +243,14 @@ def test_an_overflowing_hold_raises_charges_nothing_and_is_recorded() -> None:
     """A hold past the total raises SimulatedOutOfMemory with the figures; nothing is charged."""
     with gt.SimulatedHost([card("10GiB", co_tenants={"server": "4GiB"})], context=0) as host:
         with gt.hold("5GiB"):
-            with pytest.raises(gt.SimulatedOutOfMemory) as caught:
-                with gt.hold("2GiB"):
-                    pytest.fail("the hold should not have been entered")
+            with pytest.raises(gt.SimulatedOutOfMemory) as caught, gt.hold("2GiB"):
+                pytest.fail("the hold should not have been entered")
             assert host.used(0) == 9 * GiB
         error = caught.value
         assert isinstance(error, RuntimeError)
         assert str(error) == (
-            "simulated device 0 out of memory: tried to allocate 2.00 GiB; 1.00 GiB free of 10.00 GiB"
+            "simulated device 0 out of memory: "
+            "tried to allocate 2.00 GiB; 1.00 GiB free of 10.00 GiB"
         )
         assert (error.device, error.requested_bytes, error.used_bytes, error.total_bytes) == (
             0,
@@ -280,9 +275,8 @@ def test_an_overflowing_hold_raises_charges_nothing_and_is_recorded() -> None:
 def test_a_context_that_does_not_fit_is_itself_the_refused_allocation() -> None:
     """On a card too full for a context, the first touch fails with the context's size."""
     with gt.SimulatedHost([card("1GiB", co_tenants={"server": "900MiB"})]) as host:
-        with pytest.raises(gt.SimulatedOutOfMemory) as caught:
-            with gt.hold(0):
-                pass
+        with pytest.raises(gt.SimulatedOutOfMemory) as caught, gt.hold(0):
+            pass
         assert caught.value.requested_bytes == 300 * MiB
         assert host.used(0) == 900 * MiB
 
@@ -307,9 +301,11 @@ def test_simulated_out_of_memory_pickles_intact() -> None:
 def test_hold_outside_a_simulated_host_says_how_to_install_one() -> None:
     """hold() with no SimulatedHost raises a RuntimeError naming SimulatedHost."""
     assert SIMULATOR_ENV not in os.environ
-    with pytest.raises(RuntimeError, match=r"^no simulated host is installed .*SimulatedHost"):
-        with gt.hold("1GiB"):
-            pass
+    with (
+        pytest.raises(RuntimeError, match=r"^no simulated host is installed .*SimulatedHost"),
+        gt.hold("1GiB"),
+    ):
+        pass
 
 
 def test_hold_follows_cuda_visible_devices_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -325,9 +321,8 @@ def test_hold_follows_cuda_visible_devices_in_this_process(monkeypatch: pytest.M
         with gt.hold("1GiB", device=0) as device:
             assert device == 0
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-0000-0000-0000-000000000000")
-        with pytest.raises(RuntimeError, match=r"^CUDA_VISIBLE_DEVICES='GPU-0+-"):
-            with gt.hold("1GiB"):
-                pass
+        with pytest.raises(RuntimeError, match=r"^CUDA_VISIBLE_DEVICES='GPU-0+-"), gt.hold(1):
+            pass
 
 
 def test_holds_from_many_threads_stay_consistent() -> None:
@@ -381,7 +376,7 @@ def test_co_tenants_grow_and_shrink_and_the_sensor_sees_them() -> None:
 
 
 def test_a_co_tenant_outgrowing_its_card_raises_in_the_caller_and_is_recorded() -> None:
-    """A grow past the total raises SimulatedOutOfMemory, records a co-tenant event, adds nothing."""
+    """A grow past the total raises the simulated OOM, records a co-tenant event, adds nothing."""
     with gt.SimulatedHost([card("10GiB", co_tenants={"server": "8GiB"})]) as host:
         with pytest.raises(gt.SimulatedOutOfMemory, match="out of memory"):
             host.grow("server", "3GiB")
@@ -436,9 +431,8 @@ def test_process_peak_window_resets_and_tracks_the_high_water() -> None:
         assert sensor.read_process_peak_bytes(device, pid) == 2 * GiB + 100 * MiB
         sensor.reset_process_peak(device, pid)
         assert sensor.read_process_peak_bytes(device, pid) == 100 * MiB
-        with gt.hold("1GiB"):
-            with gt.hold("512MiB"):
-                pass
+        with gt.hold("1GiB"), gt.hold("512MiB"):
+            pass
         assert sensor.read_process_peak_bytes(device, pid) == 1536 * MiB + 100 * MiB
         assert host.process_peak(pid) == 2 * GiB + 100 * MiB
 
@@ -470,9 +464,8 @@ def test_no_driver_means_no_device() -> None:
     with gt.SimulatedHost([card()], driver=False) as host:
         with pytest.raises(gpupool.NoDriverError):
             host.sensor().read_devices()
-        with pytest.raises(RuntimeError, match="no driver"):
-            with gt.hold("1GiB"):
-                pass
+        with pytest.raises(RuntimeError, match="no driver"), gt.hold("1GiB"):
+            pass
 
 
 def test_a_container_lists_only_co_tenant_rows() -> None:
@@ -542,9 +535,8 @@ def test_two_hosts_in_sequence_share_nothing() -> None:
         first_ledger = first.ledger_path
         with gt.hold("1GiB"):
             pass
-        with pytest.raises(gt.SimulatedOutOfMemory):
-            with gt.hold("8GiB"):
-                pass
+        with pytest.raises(gt.SimulatedOutOfMemory), gt.hold("8GiB"):
+            pass
     with gt.SimulatedHost([card("4GiB")]) as second:
         assert second.ledger_path != first_ledger
         sensor = second.sensor()
@@ -590,16 +582,32 @@ def test_import_gpupool_does_not_import_the_testing_module() -> None:
     assert out.stdout.strip() == "[]"
 
 
-class _tmp_dir:
-    """A temporary directory as a context manager (paths short enough for a spawn child)."""
+def test_the_census_command_prints_the_simulated_devices_and_their_co_tenants(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpupool census --json` inside a SimulatedHost reads the simulated cards and co-tenants."""
+    from gpupool.cli import main
 
-    def __enter__(self) -> str:
-        import tempfile
-
-        self._name = tempfile.mkdtemp(prefix="gpupool-test-")
-        return self._name
-
-    def __exit__(self, *exc: object) -> None:
-        import shutil
-
-        shutil.rmtree(self._name, ignore_errors=True)
+    devices = [card("44GiB", co_tenants={"server": "9GiB", "trainer": "1GiB"}), card("8GiB")]
+    with gt.SimulatedHost(devices, cpus=16, host_ram="128GiB") as host:
+        assert main(["census", "--json"]) == 0
+        sensor = host.sensor()
+        rows = sensor.read_processes(sensor.read_devices()[0])
+    assert rows is not None
+    pid_of = {row.name: row.pid for row in rows}
+    census = json.loads(capsys.readouterr().out)
+    assert census["sensor"] == "simulator"
+    assert [d["uuid"] for d in census["devices"]] == [host.device_uuid(0), host.device_uuid(1)]
+    assert {d["name"] for d in census["devices"]} == {"Simulated GPU"}
+    first, second = census["devices"]
+    assert (first["total_bytes"], first["co_tenant_bytes"]) == (44 * GiB, 10 * GiB)
+    assert {(p["pid"], p["used_bytes"]) for p in first["processes"]} == {
+        (pid_of["server"], 9 * GiB),
+        (pid_of["trainer"], 1 * GiB),
+    }
+    assert (second["total_bytes"], second["co_tenant_bytes"], second["processes"]) == (
+        8 * GiB,
+        0,
+        [],
+    )
+    assert (census["host"]["cpus"], census["host"]["available_ram_bytes"]) == (16, 128 * GiB)

@@ -14,12 +14,15 @@ reason, never a width computed from a guess.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from gpupool._core.census import CardCensus
 from gpupool._core.units import format_size
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpupool._core.census import CardCensus
 
 __all__ = [
     "AskBasis",

@@ -17,11 +17,13 @@ limit up this process's cgroup hierarchy::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from gpupool._core.units import KiB, format_size
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "CPU_QUOTA_PERIOD_DEFAULT_US",

@@ -31,7 +31,9 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
-_SIZE_RE = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(
+    r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$"
+)
 
 _HOW = "write a non-negative number of bytes, optionally with a unit: 6GiB, 6.5 GB, 512MiB, 7e9"
 
@@ -58,9 +60,7 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
             ``ValueError``); the message quotes the input.
     """
     if isinstance(value, bool) or value is None:
-        raise InvalidSizeError(
-            f"{name}={value!r} is not a byte size; {_HOW}.", value=value
-        )
+        raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
     # Exact arithmetic: a float product can land one byte short ("8.54 GB"
     # was 8539999999), and float() overflows on a large int. The float is
     # only the finiteness check, so "1e400GiB" is refused before any exact
@@ -76,9 +76,7 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
         match = _SIZE_RE.match(value)
         unit = match.group("unit").lower() if match else ""
         if match is None or unit not in _UNITS:
-            raise InvalidSizeError(
-                f"{name}={value!r} is not a byte size; {_HOW}.", value=value
-            )
+            raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
         text = match.group("number")
         if not math.isfinite(float(text) * _UNITS[unit]):
             raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)

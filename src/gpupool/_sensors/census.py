@@ -19,11 +19,15 @@ containers' processes, or read 0 on some drivers.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gpupool._core.census import CardCensus, Census
 from gpupool._errors import ConfigurationError, NoDriverError, SensorError
-from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
 
 __all__ = [
     "OWN_ROW_MISSING_REASON",
@@ -143,11 +147,7 @@ def _select(
             )
         if not matches:
             hidden = _match_entry(key, listed)
-            why = (
-                "is hidden by CUDA_VISIBLE_DEVICES"
-                if hidden
-                else "does not exist on this host"
-            )
+            why = "is hidden by CUDA_VISIBLE_DEVICES" if hidden else "does not exist on this host"
             raise ConfigurationError(
                 f"devices entry {want!r} {why}; visible devices: {_describe(visible)}"
             )
@@ -220,8 +220,7 @@ def read_census(
             "memory figures"
         )
     cards = tuple(
-        _census_card(sensor, info, device=position, pid=pid)
-        for position, info in enumerate(chosen)
+        _census_card(sensor, info, device=position, pid=pid) for position, info in enumerate(chosen)
     )
     census = Census(
         cards=cards,
@@ -279,9 +278,7 @@ def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> 
     )
 
 
-def _own_bytes(
-    rows: tuple[ProcessReading, ...] | None, pid: int
-) -> tuple[int, str, str | None]:
+def _own_bytes(rows: tuple[ProcessReading, ...] | None, pid: int) -> tuple[int, str, str | None]:
     """This process's bytes, where they came from, and why they are a baseline if so.
 
     No rows at all on a device that lists processes means nothing holds a

@@ -30,10 +30,10 @@ from gpupool._core.host import (
     parse_cfs_quota,
     parse_cgroup_int,
     parse_cpu_max,
+    parse_meminfo,
     parse_memory_limit_in_bytes,
     parse_memory_max,
     parse_memory_stat,
-    parse_meminfo,
     parse_proc_self_cgroup,
 )
 
@@ -68,9 +68,7 @@ def read_affinity_count() -> int | None:
         return None
 
 
-def read_host_census(
-    root: Path = Path("/"), *, affinity_count: int | None = None
-) -> HostCensus:
+def read_host_census(root: Path = Path("/"), *, affinity_count: int | None = None) -> HostCensus:
     """The host's usable CPUs and available RAM, honouring cgroup limits (v1, v2, hybrid).
 
     Walks up this process's cgroup from its own level to the mount root,
@@ -116,9 +114,7 @@ def read_host_census(
             cpu_levels.append(v1_cpu)
     if affinity_count is None:
         affinity_count = read_affinity_count()
-    cpus, cpu_source = derive_usable_cpus(
-        affinity_count, cpu_levels, system_count=os.cpu_count()
-    )
+    cpus, cpu_source = derive_usable_cpus(affinity_count, cpu_levels, system_count=os.cpu_count())
     ram_bytes, ram_source = derive_available_ram(meminfo, memory_levels)
     return HostCensus(
         cpus=cpus, available_ram_bytes=ram_bytes, cpu_source=cpu_source, ram_source=ram_source
@@ -143,7 +139,7 @@ def _v2_mount(cgroup_root: Path) -> Path | None:
 def _v1_levels(
     cgroup_root: Path, membership: CgroupMembership, controller: str
 ) -> list[tuple[Path, str]]:
-    """The v1 ``controller`` hierarchy's levels for this process, or none without that controller."""
+    """The v1 ``controller`` hierarchy's levels for this process (none without it)."""
     v1_path = membership.v1_paths.get(controller)
     if v1_path is None:
         return []

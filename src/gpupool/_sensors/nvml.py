@@ -21,18 +21,22 @@ same figure, so a reading can be checked by hand.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.host import read_host_census, read_meminfo
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import ModuleType
+
+    from gpupool._core.census import HostCensus
 
 __all__ = ["NvmlSensor"]
 
@@ -129,9 +133,7 @@ class NvmlSensor(Sensor):
             with warnings.catch_warnings():
                 # The deprecated ``pynvml`` distribution, if also installed,
                 # warns on any import of a ``pynvml*`` name, ours included.
-                warnings.filterwarnings(
-                    "ignore", "The pynvml package is deprecated", FutureWarning
-                )
+                warnings.filterwarnings("ignore", "The pynvml package is deprecated", FutureWarning)
                 import pynvml
         except ImportError as exc:
             self._init_error = NoDriverError(
@@ -146,7 +148,7 @@ class NvmlSensor(Sensor):
             self._init_error = _translate(exc, "nvmlInit")
             raise type(self._init_error)(str(self._init_error)) from exc
         self._lib = pynvml
-        return pynvml
+        return self._lib
 
     @contextmanager
     def _mapped(self, what: str, device: DeviceInfo | None = None) -> Iterator[ModuleType]:
@@ -422,7 +424,6 @@ class NvmlSensor(Sensor):
         self._handles = {}
         if lib is None:
             return
-        try:
+        # Shutting down a library that is going away: an error leaves nothing to do.
+        with contextlib.suppress(lib.NVMLError):
             lib.nvmlShutdown()
-        except lib.NVMLError:
-            pass  # shutting down a library that is going away: nothing to do
