@@ -49,7 +49,9 @@ def tests_minimal(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Sphinx + MyST, nitpicky, warnings as errors."""
     session.install("-e", ".[docs]")
-    session.run("sphinx-build", "-n", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+    session.run(
+        "sphinx-build", "-n", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html"
+    )
 
 
 @nox.session(python=PYTHON)

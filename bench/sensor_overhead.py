@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import argparse
 import timeit
+from typing import TYPE_CHECKING
 
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def _per_op_us(statement: object, number: int, repeat: int) -> float:
+
+def _per_op_us(statement: Callable[[], object], number: int, repeat: int) -> float:
     """The best of ``repeat`` runs of ``number`` calls, in microseconds per call."""
-    best = min(timeit.repeat(statement, number=number, repeat=repeat))  # type: ignore[arg-type]
+    best = min(timeit.repeat(statement, number=number, repeat=repeat))
     return best / number * 1e6
 
 

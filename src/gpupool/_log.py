@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import IO
@@ -20,7 +21,7 @@ __all__ = ["LOGGER", "DecisionLog", "check_log_path"]
 LOGGER = logging.getLogger("gpupool")
 
 
-def check_log_path(log_path: str | Path) -> Path:
+def check_log_path(log_path: str | os.PathLike[str]) -> Path:
     """Validate ``log_path`` at construction: its directory exists and is writable.
 
     Raises:

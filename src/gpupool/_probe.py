@@ -52,7 +52,7 @@ _TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+\s*[KMGT]i?B)")
 
 
 def is_device_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is a device out-of-memory error (torch, CuPy, JAX, numba, raw CUDA, simulator).
+    """Whether ``exc`` is a device out-of-memory error (torch, CuPy, JAX, numba, CUDA, simulator).
 
     A host :class:`MemoryError` without a device message is not one.
     """
@@ -114,9 +114,7 @@ class Probe:
         self._exact = type(sensor).read_process_peak_bytes is not _base_peak()
         if not self._exact:
             self._stop.clear()
-            self._sampler = threading.Thread(
-                target=self._sample, name="gpupool-probe", daemon=True
-            )
+            self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
             self._sampler.start()
 
     def _sample(self) -> None:
@@ -127,7 +125,9 @@ class Probe:
                 now = sensor.read_process_bytes(device, self._pid)
             except Exception:
                 continue
-            if now is not None and (self._sampled_peak_bytes is None or now > self._sampled_peak_bytes):
+            if now is not None and (
+                self._sampled_peak_bytes is None or now > self._sampled_peak_bytes
+            ):
                 self._sampled_peak_bytes = now
 
     def stop(self, *, oom: BaseException | None = None) -> PeakReport:

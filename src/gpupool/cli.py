@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_census(sub)
     _add_plan(sub)
+    _add_postmortem(sub)
+    _add_plot(sub)
+    _add_demo(sub)
     return parser
 
 
@@ -534,6 +537,132 @@ def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
         for device in phase["devices"]:
             _out(f"  {device['describe']}")
     _out(f"width            {result['width']}")
+
+
+# -- gpupool postmortem ----------------------------------------------------------
+
+
+def _add_postmortem(sub: Any) -> None:
+    postmortem = sub.add_parser(
+        "postmortem",
+        help="read a decision log: the run's widths and asks, and why a card ran out",
+        description=(
+            "Read a JSON Lines decision log (GpuPoolExecutor(log_path=...)): widths over "
+            "time, each task key's ask and its basis, retries and lost tasks, and for every "
+            "out-of-memory the card as it stood and the term that was wrong. Exit status: 0 "
+            "read, 1 empty log, 2 not a readable decision log."
+        ),
+    )
+    postmortem.add_argument("log", metavar="LOG.jsonl", help="the decision log")
+    postmortem.add_argument("--json", action="store_true", help="print one JSON object")
+    postmortem.set_defaults(handler=_cmd_postmortem)
+
+
+def _read_log(command: str, path: str) -> tuple[Any, int]:
+    """The postmortem of ``path``, or ``(None, status)`` after saying what is wrong."""
+    from gpupool._postmortem import DecisionLogError, EmptyLogError, read_postmortem
+
+    try:
+        return read_postmortem(path), 0
+    except EmptyLogError as exc:
+        sys.stderr.write(f"gpupool {command}: {exc}\n")
+        return None, 1
+    except DecisionLogError as exc:
+        sys.stderr.write(f"gpupool {command}: {exc}\n")
+        return None, 2
+
+
+def _cmd_postmortem(args: argparse.Namespace) -> int:
+    from gpupool._postmortem import format_postmortem
+
+    pm, status = _read_log("postmortem", args.log)
+    if pm is None:
+        return status
+    if args.json:
+        _json_out(pm.to_dict())
+    else:
+        for line in format_postmortem(pm):
+            _out(line)
+    return 0
+
+
+# -- gpupool plot ----------------------------------------------------------------
+
+
+def _add_plot(sub: Any) -> None:
+    plot = sub.add_parser(
+        "plot",
+        help="draw a decision log: memory terms and width over time, per card (matplotlib)",
+        description=(
+            "Draw, per card, the total, the census co-tenant, the own high-water and the "
+            "booked asks stacked under it, live used bytes where read, the width and its "
+            "ceiling, with a mark at every out-of-memory and refused widen. Needs the "
+            "'plot' extra (matplotlib)."
+        ),
+    )
+    plot.add_argument("log", metavar="LOG.jsonl", help="the decision log")
+    plot.add_argument("-o", "--output", default="run.png", help="the PNG to write (run.png)")
+    plot.set_defaults(handler=_cmd_plot)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from gpupool._plot import PlotUnavailableError, write_plot
+
+    pm, status = _read_log("plot", args.log)
+    if pm is None:
+        return status
+    try:
+        write_plot(pm, args.output)
+    except PlotUnavailableError as exc:
+        sys.stderr.write(f"gpupool plot: {exc}\n")
+        return 1
+    except OSError as exc:
+        sys.stderr.write(f"gpupool plot: cannot write {args.output}: {exc.strerror or exc}\n")
+        return 1
+    _out(f"wrote {args.output}")
+    return 0
+
+
+# -- gpupool demo ----------------------------------------------------------------
+
+
+def _add_demo(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="run the incident's pipeline (36 entries, a 44.39 GiB card) and compare",
+        description=(
+            "Run the canonical incident through GpuPoolExecutor: 36 entries of 6.02 GiB on "
+            "a 44.39 GiB card beside a 9.54 GiB serving co-tenant and a 16.20 GiB parent, "
+            "task_peak 9.9GiB, max_workers 4; then the same tasks under a fixed "
+            "ProcessPoolExecutor(max_workers=4). On the simulated host unless a real "
+            "NVIDIA card and torch are present."
+        ),
+    )
+    demo.add_argument(
+        "--log", default="gpupool-demo.jsonl", help="decision log to write (gpupool-demo.jsonl)"
+    )
+    demo.add_argument(
+        "--plot", default=None, metavar="PATH", help="also draw the run (needs matplotlib)"
+    )
+    demo.add_argument(
+        "--simulate", action="store_true", help="use the simulated host even with a real card"
+    )
+    demo.add_argument(
+        "--no-progress", action="store_true", help="no progress bar, even on a terminal"
+    )
+    demo.set_defaults(handler=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from gpupool._demo import run_demo
+
+    return run_demo(
+        log_path=args.log,
+        plot_path=args.plot,
+        simulate=args.simulate,
+        progress=False if args.no_progress else None,
+        say=_out,
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -573,9 +573,10 @@ def hold(size: int | float | str, device: int | None = None) -> _Hold:
     """Hold simulated device bytes for the duration of a ``with`` block, in this process.
 
     ``with hold("6GiB") as device:`` allocates on entry, gives the device's
-    index, and releases on exit. The first allocation a process makes on a device also charges it the
-    host's context size, which it keeps until it exits. When the process
-    exits (or is killed), the host frees everything it held, as the driver does.
+    index, and releases on exit. The first allocation a process makes on a
+    device also charges it the host's context size, which it keeps until it
+    exits. When the process exits (or is killed), the host frees everything
+    it held, as the driver does.
 
     Args:
         size: bytes or a size string (``"6GiB"``).

@@ -44,11 +44,14 @@ def test_cotenant_growing_mid_run_is_held_back_by_the_live_gate():
 
 def test_underestimated_task_peak_is_retried_narrower_and_every_result_returns():
     """A task_peak four times too small: OOMs happen, are retried, and name the ask."""
-    with SimulatedHost(
-        devices=[SimulatedDevice(total="44.39GiB", co_tenants={"serve": "9.54GiB"})],
-        cpus=16,
-        host_ram="128GiB",
-    ) as host, hold("16.20GiB"):
+    with (
+        SimulatedHost(
+            devices=[SimulatedDevice(total="44.39GiB", co_tenants={"serve": "9.54GiB"})],
+            cpus=16,
+            host_ram="128GiB",
+        ) as host,
+        hold("16.20GiB"),
+    ):
         with GpuPoolExecutor(max_workers=4, task_peak="1.5GiB") as ex:
             assert ex.width == 4
             results = list(ex.map(tasks.entry, range(12), [0.5] * 12))
@@ -106,13 +109,15 @@ def test_several_devices_a_full_card_gets_no_work():
 
 def test_unreadable_device_runs_at_width_one_with_its_reason():
     """An unreadable card gets width 1 and a recorded reason, never an assumed empty card."""
-    with SimulatedHost(
-        devices=[SimulatedDevice(total="80GiB", readable=False)], cpus=16, host_ram="64GiB"
+    with (
+        SimulatedHost(
+            devices=[SimulatedDevice(total="80GiB", readable=False)], cpus=16, host_ram="64GiB"
+        ),
+        GpuPoolExecutor(max_workers=4, task_peak="1GiB") as ex,
     ):
-        with GpuPoolExecutor(max_workers=4, task_peak="1GiB") as ex:
-            assert ex.width == 1
-            assert list(ex.map(tasks.sleep_return, range(3), [0.0] * 3)) == [0, 1, 2]
-            constructed = ex.decisions[0]
+        assert ex.width == 1
+        assert list(ex.map(tasks.sleep_return, range(3), [0.0] * 3)) == [0, 1, 2]
+        constructed = ex.decisions[0]
     assert constructed.event == "constructed"
     assert constructed.limit == "unreadable"
     assert constructed.bound is not None and constructed.bound.room_bytes is None
@@ -151,11 +156,14 @@ def test_fixed_width_keeps_the_width_and_logs_when_over_the_bound():
 
 def test_strict_mode_refuses_to_narrow_at_construction():
     """strict=True raises WidthError, with every term, when the bound is below max_workers."""
-    with SimulatedHost(
-        devices=[SimulatedDevice(total="44.39GiB", co_tenants={"serve": "9.54GiB"})],
-        cpus=16,
-        host_ram="128GiB",
-    ), hold("16.20GiB"):
+    with (
+        SimulatedHost(
+            devices=[SimulatedDevice(total="44.39GiB", co_tenants={"serve": "9.54GiB"})],
+            cpus=16,
+            host_ram="128GiB",
+        ),
+        hold("16.20GiB"),
+    ):
         with pytest.raises(WidthError, match=r"^strict mode: the bound gives width 1") as info:
             GpuPoolExecutor(max_workers=4, task_peak="9.9GiB", strict=True)
     assert info.value.decision is not None
@@ -189,35 +197,39 @@ def test_per_key_hints_price_mixed_tasks_by_their_own_asks():
 
 def test_serial_path_is_never_blocked_by_the_live_gate():
     """When nothing of the pool runs, a task starts even though the live gate is shut."""
-    with SimulatedHost(
-        devices=[SimulatedDevice(total="20GiB", co_tenants={"serve": "2GiB"})],
-        cpus=4,
-        host_ram="64GiB",
-        context="0MiB",
-    ) as host:
-        with GpuPoolExecutor(max_workers=2, task_peak="4GiB", reserve=0) as ex:
-            host.grow("serve", "15GiB")  # 3 GiB left: less than one ask
-            assert ex.submit(tasks.sized, 7, "1GiB", 0.0).result(timeout=60) == 7
-            decisions = ex.decisions
+    with (
+        SimulatedHost(
+            devices=[SimulatedDevice(total="20GiB", co_tenants={"serve": "2GiB"})],
+            cpus=4,
+            host_ram="64GiB",
+            context="0MiB",
+        ) as host,
+        GpuPoolExecutor(max_workers=2, task_peak="4GiB", reserve=0) as ex,
+    ):
+        host.grow("serve", "15GiB")  # 3 GiB left: less than one ask
+        assert ex.submit(tasks.sized, 7, "1GiB", 0.0).result(timeout=60) == 7
+        decisions = ex.decisions
     assert any(d.event == "serial_start" for d in decisions)
 
 
 def test_waiting_tasks_stay_pending_and_can_be_cancelled():
     """A task held back for memory is PENDING, so cancel() works on it."""
-    with SimulatedHost(
-        devices=[SimulatedDevice(total="10GiB")], cpus=4, host_ram="64GiB", context="0MiB"
+    with (
+        SimulatedHost(
+            devices=[SimulatedDevice(total="10GiB")], cpus=4, host_ram="64GiB", context="0MiB"
+        ),
+        GpuPoolExecutor(max_workers=4, task_peak="8GiB", reserve=0) as ex,
     ):
-        with GpuPoolExecutor(max_workers=4, task_peak="8GiB", reserve=0) as ex:
-            assert ex.width == 1
-            running = ex.submit(tasks.sized, 0, "1GiB", 1.0)
-            waiting = ex.submit(tasks.sized, 1, "1GiB", 0.0)
-            deadline = time.monotonic() + 30
-            while not running.running() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not waiting.running()
-            assert waiting.cancel()
-            assert running.result(timeout=60) == 0
-            assert waiting.cancelled()
+        assert ex.width == 1
+        running = ex.submit(tasks.sized, 0, "1GiB", 1.0)
+        waiting = ex.submit(tasks.sized, 1, "1GiB", 0.0)
+        deadline = time.monotonic() + 30
+        while not running.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not waiting.running()
+        assert waiting.cancel()
+        assert running.result(timeout=60) == 0
+        assert waiting.cancelled()
 
 
 def test_submit_from_many_threads_loses_nothing():

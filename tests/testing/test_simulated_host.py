@@ -23,7 +23,7 @@ import gpupool
 import gpupool.testing as gt
 from gpupool._core.units import GiB, MiB
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
-from gpupool._sensors.simulated import CO_TENANT_PID_BASE, SimulatedSensor
+from gpupool._sensors.simulated import CO_TENANT_PID_BASE, Ledger, SimulatedSensor
 
 SPAWN = multiprocessing.get_context("spawn")
 # How long a child waits for a signal from the test before giving up (a
@@ -611,3 +611,16 @@ def test_the_census_command_prints_the_simulated_devices_and_their_co_tenants(
         [],
     )
     assert (census["host"]["cpus"], census["host"]["available_ram_bytes"]) == (16, 128 * GiB)
+
+
+def test_a_ledger_left_open_after_the_block_reads_as_gone() -> None:
+    """After exit, a sensor or a ledger still held open raises SensorError, never stale figures."""
+    with gt.SimulatedHost([card()]) as host:
+        sensor = host.sensor()
+        held_open = Ledger(host.ledger_path)
+        held_open.snapshot()
+    with pytest.raises(gpupool.SensorError, match="is gone"):
+        held_open.snapshot()
+    with pytest.raises(gpupool.SensorError, match="is gone"):
+        sensor.read_devices()
+    held_open.close()

@@ -49,7 +49,7 @@ EVENTS: Mapping[str, str] = {
     "shutdown": "the pool shut down; the run's totals",
 }
 
-JsonValue = Union[int, float, str, bool, None]
+JsonValue = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""What a child reports about one task: its device and host peaks, and how each was measured (pure core)."""
+"""What a child reports about one task: its peaks and how each was measured (pure core)."""
 
 from __future__ import annotations
 

@@ -2,14 +2,14 @@
 
 Data flow (one dispatcher thread per pool owns every scheduling decision)::
 
-    caller threads                 dispatcher thread                       workers (loky processes)
-    --------------                 -----------------                       -------------------------
-    submit(fn, *a) ->  pending  -> place: ceiling, byte bound per device,  -> send_bytes(task)
-      (future PENDING)  deque        live gate, a warm or new worker            probe.start(); fn(*a)
-                                     (future RUNNING once handed over)          probe.stop() -> report
-                      futures   <-  result / error / oom / worker death    <- send_bytes(kind, report)
-                                     asks learn from reports; width
-                                     decisions -> DecisionLog
+    caller threads            dispatcher thread                      workers (loky processes)
+    --------------            -----------------                      -----------------------
+    submit(fn, *a) -> pending -> place: ceiling, byte bound per card, -> send_bytes(task)
+      (PENDING)       deque      live gate, a warm or new worker         probe.start(); fn(*a)
+                                 (RUNNING once handed over)              probe.stop() -> report
+                   futures  <-  result / error / oom / worker death  <- send_bytes(kind, report)
+                                 asks learn from reports; width
+                                 decisions -> DecisionLog
 
 Tasks held back for memory stay PENDING in the parent, so ``cancel()`` works
 on them; a task becomes RUNNING only when it is handed to a worker, one task
@@ -45,7 +45,6 @@ from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -187,7 +186,7 @@ class _WorkItem:
 
 
 class _Worker:
-    __slots__ = ("conn", "device", "pid", "process", "task", "ask_bytes", "tasks_done", "retiring")
+    __slots__ = ("ask_bytes", "conn", "device", "pid", "process", "retiring", "task", "tasks_done")
 
     def __init__(self, process: Any, conn: Any, device: int | None) -> None:
         self.process = process
@@ -255,9 +254,7 @@ class _Dispatcher:
         self.pending: collections.deque[_WorkItem] = collections.deque()
         self.host_workers: list[_Worker] = []
         self.processes: dict[int, Any] = {}
-        self.own_high_water: dict[int, int] = {
-            d.index: d.census.own_bytes or 0 for d in devices
-        }
+        self.own_high_water: dict[int, int] = {d.index: d.census.own_bytes or 0 for d in devices}
         self.last_own_read = self.t0
         self.child_rss_bytes: int | None = None
         self.shutdown_requested = False
@@ -436,7 +433,7 @@ class _Dispatcher:
             placement = self._place(item)
             if placement is None:
                 return gated
-            if placement == "gated":
+            if isinstance(placement, str):
                 return True
             with self.lock:
                 self.pending.popleft()
@@ -459,9 +456,11 @@ class _Dispatcher:
         decisions = {d.device: d for d in self.decide(ask)}
         candidates = sorted(
             self.devices,
-            key=lambda d: -(
-                (decisions[d.index].bound.room_bytes or 0)
-                - sum(w.ask_bytes for w in d.running())
+            key=lambda d: (
+                -(
+                    (decisions[d.index].bound.room_bytes or 0)
+                    - sum(w.ask_bytes for w in d.running())
+                )
             ),
         )
         gate_shut = False
@@ -609,10 +608,12 @@ class _Dispatcher:
         worker.ask_bytes = 0
         if kind == "init":
             exc = _load_exception(payload)
-            self._break(
-                f"{_BROKEN_INIT}: a worker's initializer raised {exc!r}",
-                BrokenProcessPool(f"{_BROKEN_INIT}: the initializer raised {exc!r}"),
-            )
+            error = BrokenProcessPool(f"{_BROKEN_INIT}: the initializer raised {exc!r}")
+            error.__cause__ = exc
+            if item is not None:
+                self.counts["failed"] += 1
+                _set_exception(item.future, _copy_broken(error, str(error)))
+            self._break(f"{_BROKEN_INIT}: a worker's initializer raised {exc!r}", error)
             return
         worker.tasks_done += 1
         if item is None:
@@ -627,10 +628,7 @@ class _Dispatcher:
             oom=report_tuple[6],
             oom_requested_bytes=report_tuple[7],
         )
-        if (
-            self.max_tasks_per_child is not None
-            and worker.tasks_done >= self.max_tasks_per_child
-        ):
+        if self.max_tasks_per_child is not None and worker.tasks_done >= self.max_tasks_per_child:
             worker.retiring = True
         if kind == "oom":
             self._on_oom(worker, item, report, payload, ask_bytes)
@@ -658,12 +656,11 @@ class _Dispatcher:
             _set_result(future, result)
             return
         if kind == "unpickle":
-            exc = _load_exception(payload)
             error = BrokenProcessPool(
                 "A task has failed to un-serialize in the worker. Please ensure that the "
                 "arguments of the function are all picklable."
             )
-            error.__cause__ = exc
+            error.__cause__ = _load_exception(payload)
             self.counts["failed"] += 1
             _set_exception(future, error)
             return
@@ -675,9 +672,9 @@ class _Dispatcher:
             self.child_rss_bytes is None or report.rss_peak_bytes > self.child_rss_bytes
         ):
             self.child_rss_bytes = report.rss_peak_bytes
-            before = self.ceiling
+            ceiling_before = self.ceiling
             self.ceiling = self._ceiling()
-            if self.ceiling.value < before.value:
+            if self.ceiling.value < ceiling_before.value:
                 self._record_simple(
                     "narrowed",
                     None,
@@ -685,8 +682,8 @@ class _Dispatcher:
                     f"host RAM holds {self.ceiling.value} children at "
                     f"{format_size(self.child_rss_bytes)} RSS each "
                     f"({format_size(self.ceiling.host_ram_bytes)} available); the ceiling "
-                    f"goes {before.value} -> {self.ceiling.value}",
-                    width_before=before.value,
+                    f"goes {ceiling_before.value} -> {self.ceiling.value}",
+                    width_before=ceiling_before.value,
                     width_after=self.ceiling.value,
                 )
         if report.device_peak_bytes is None or report.device is None:
@@ -1007,7 +1004,9 @@ class _Dispatcher:
             if self.broken is not None:
                 _set_exception(item.future, _copy_broken(self.broken_exc, self.broken))
             elif not item.future.cancel():
-                _set_exception(item.future, WorkerLostError("the pool stopped before this task ran"))
+                _set_exception(
+                    item.future, WorkerLostError("the pool stopped before this task ran")
+                )
 
     def _strict_refusal(self, decision: WidthDecision, width_before: int) -> None:
         message = (
@@ -1147,7 +1146,7 @@ def _loky_context() -> Any:
 
 
 class _OptionsView:
-    """``submit`` and ``map`` with per-call :class:`TaskOptions`; see :meth:`GpuPoolExecutor.options`."""
+    """``submit`` and ``map`` with per-call options; see :meth:`GpuPoolExecutor.options`."""
 
     def __init__(self, executor: GpuPoolExecutor, options: TaskOptions) -> None:
         self._executor = executor
@@ -1322,7 +1321,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                     f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
                 )
         device_states = [
-            _Device(i, info, card) for i, (info, card) in enumerate(zip(infos, census.cards))
+            _Device(i, info, card)
+            for i, (info, card) in enumerate(zip(infos, census.cards, strict=True))
         ]
         estimate = peak_bytes
         if estimate is None:
@@ -1501,7 +1501,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             d.enqueue(_WorkItem(next(self._task_ids), future, call, task_key, hint))
             return future
 
-    def map(  # type: ignore[override]
+    def map(
         self,
         fn: Callable[..., Any],
         *iterables: Iterable[Any],
@@ -1540,7 +1540,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             raise ValueError("buffersize must be None or >= 1.")
         key = _task_key(fn)
         end_time = None if timeout is None else timeout + time.monotonic()
-        args_iter = zip(*iterables)
+        args_iter = zip(*iterables, strict=False)
         if chunksize == 1:
             submit_one: Callable[[tuple[Any, ...]], Future[Any]] = partial(
                 self._submit_args, fn, options, key
@@ -1626,7 +1626,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             live_gate_waits=counts["gate_waits"],
             width=d.width,
             widths=tuple(d.widths),
-            asks={k: d.asks.ask(k) for k in d.asks.keys()},
+            asks={k: d.asks.ask(k) for k in d.asks.keys()},  # noqa: SIM118
         )
 
 
@@ -1667,4 +1667,3 @@ def _results(
     finally:
         for future in futures:
             future.cancel()
-

@@ -52,13 +52,15 @@ def _dump_exception(exc: BaseException) -> bytes:
     """Pickle an exception with its formatted traceback; survive one that cannot be pickled."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        return cloudpickle.dumps((exc, tb))
+        data: bytes = cloudpickle.dumps((exc, tb))
+        return data
     except BaseException as pickling_error:
         stand_in = RuntimeError(
             f"the task raised {type(exc).__name__}: {exc!s:.2000}, and that exception could "
             f"not be pickled to send it back ({type(pickling_error).__name__}: {pickling_error})"
         )
-        return cloudpickle.dumps((stand_in, tb))
+        data = cloudpickle.dumps((stand_in, tb))
+        return data
 
 
 def worker_main(

@@ -1,4 +1,4 @@
-"""Which sensor reads this process's world: the simulator when one is installed, else NVML (I/O edge)."""
+"""Which sensor reads this process's world: the simulator if installed, else NVML (I/O edge)."""
 
 from __future__ import annotations
 

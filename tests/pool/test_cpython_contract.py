@@ -1,0 +1,110 @@
+"""CPython's own ProcessPoolExecutor tests, run against GpuPoolExecutor on a simulated host.
+
+The test classes below are built as CPython's ``create_executor_tests`` builds
+them, from the mixins of CPython 3.11.2's ``test_concurrent_futures`` (Debian's
+``libpython3.11-testsuite``; see ``cpython_contract.py``), with
+``executor_type`` set to a GpuPoolExecutor. Nothing of CPython's test code is
+copied. The few tests that read CPython internals or pin behaviour gpupool
+deliberately changes are skipped below, each with its reason; the list and the
+command are in ``docs/compatibility.md``.
+
+Start methods: "spawn" always; "forkserver" too with
+``GPUPOOL_CPYTHON_FORKSERVER=1``. gpupool starts its workers the same way for
+both (loky's fork+exec: ``mp_context`` only decides where the tests' own
+semaphores, queues and managers live), so the second context doubles the run
+time for little. "fork" is not built: gpupool refuses a fork context by design,
+since CUDA does not survive ``fork``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import unittest
+from pathlib import Path
+
+import cpython_contract
+import pytest
+
+_REASON = cpython_contract.unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+cf = cpython_contract.load()
+
+pytestmark = [
+    pytest.mark.slow,
+    # Each test spawns workers; a hang must fail the test, never the run.
+    pytest.mark.timeout(60),
+]
+
+CONTEXTS = ["spawn"]
+if os.environ.get("GPUPOOL_CPYTHON_FORKSERVER", "") not in ("", "0"):
+    CONTEXTS.append("forkserver")
+
+
+def _module_root() -> str:
+    """The sys.path entry this module is importable from under its ``__name__``."""
+    root = Path(__file__).resolve().parent
+    for _ in range(__name__.count(".")):
+        root = root.parent
+    return str(root)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _simulated_host():
+    """One simulated host for the module: workers inherit GPUPOOL_SIMULATOR from it."""
+    with cpython_contract.importable(_module_root()), cpython_contract.simulated_host():
+        yield
+
+
+# -- the generated classes ------------------------------------------------------------------
+
+
+def _strip(name: str) -> str:
+    """CPython's create_executor_tests naming: drop a trailing Mixin/Tests/Test."""
+    for suffix in ("Mixin", "Tests", "Test"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+#: The mixins CPython runs against ProcessPoolExecutor, with the skips for each (a class
+#: put first in the MRO, whose methods override CPython's).
+_MIXINS: list[tuple[type, type | None]] = [
+    (cf.ProcessPoolExecutorTest, None),
+    (cf.ExecutorDeadlockTest, None),
+    (cf.ProcessPoolShutdownTest, None),
+    (cf.WaitTests, None),
+    (cf.AsCompletedTests, None),
+    (cf.InitializerMixin, None),
+    (cf.FailingInitializerMixin, None),
+]
+
+_CONTEXT_MIXINS = {
+    "spawn": cf.ProcessPoolSpawnMixin,
+    "forkserver": cf.ProcessPoolForkserverMixin,
+}
+
+
+def _build(namespace: dict[str, object]) -> None:
+    for ctx in CONTEXTS:
+        context_mixin = type(
+            f"GpuPool{ctx.capitalize()}Mixin",
+            (_CONTEXT_MIXINS[ctx],),
+            {
+                "__module__": __name__,
+                "executor_type": cpython_contract.ContractExecutor,
+            },
+        )
+        context_mixin.__qualname__ = context_mixin.__name__
+        namespace[context_mixin.__name__] = context_mixin
+        for mixin, skips in _MIXINS:
+            name = f"GpuPool{ctx.capitalize()}{_strip(mixin.__name__)}Test"
+            bases = (*((skips,) if skips else ()), mixin, context_mixin, cf.BaseTestCase)
+            cls = type(name, bases, {"__module__": __name__, "__qualname__": name})
+            assert issubclass(cls, unittest.TestCase)
+            namespace[name] = cls
+
+
+_build(sys.modules[__name__].__dict__)
