@@ -19,6 +19,9 @@ An ``out_of_memory`` record carries, for the card the task ran on:
 ``R``                 ``reserve_bytes``: kept free on purpose
 ``B``, ``n``          ``booked_bytes``, ``running``: the asks of the ``n`` tasks
                       running on the card, the failing one's included
+``W``                 the most tasks the log shows running on the card so far;
+                      ``W - n`` workers may be idle or retiring, each holding
+                      its context
 ``A``                 ``task_ask_bytes``: the failing task's own ask (its price)
 ``r``, ``q``          ``reached_bytes``, ``requested_bytes``: what the failing
                       child held at its peak, and the allocation refused
@@ -37,7 +40,9 @@ From them, in this order:
    ``children = others + r`` with ``others = B - A`` (the other running
    tasks at their booked asks), or, when the failing task went past its
    price, ``others = max(B - A, (n - 1) * need)`` (tasks of one key are alike;
-   the record does not name the others' keys). A record that carries
+   the record does not name the others' keys), plus ``(W - n) * r`` for the
+   idle or retiring workers' contexts (a context is at most what the failing
+   task reached: ``r`` includes its own context). A record that carries
    ``live_pool_bytes`` (the pool's children as read) is used as is.
 3. **Outside the pool** then held at least ``outside = U - children``, which
    the census priced at ``C + O``. ``growth = outside - (C + O)`` is a lower
@@ -258,7 +263,8 @@ class OomAnalysis:
         booked_bytes: ``B``.
         running: ``n``.
         task_ask_bytes: ``A``.
-        ask_basis: the basis of the key's ask when it failed.
+        key_ask_bytes: the key's ask when it failed (the record's ``ask_bytes``).
+        ask_basis: its basis.
         reached_bytes: ``r``.
         requested_bytes: ``q``.
         live_used_bytes: ``U``.
@@ -290,6 +296,7 @@ class OomAnalysis:
     booked_bytes: int | None
     running: int | None
     task_ask_bytes: int | None
+    key_ask_bytes: int | None
     ask_basis: str | None
     reached_bytes: int | None
     requested_bytes: int | None
@@ -326,7 +333,11 @@ def _int(record: Mapping[str, Any], name: str) -> int | None:
 
 
 def analyse_oom(
-    record: Mapping[str, Any], *, line: int = 0, later_own_high_water_bytes: int | None = None
+    record: Mapping[str, Any],
+    *,
+    line: int = 0,
+    later_own_high_water_bytes: int | None = None,
+    most_running: int | None = None,
 ) -> OomAnalysis:
     """Attribute one ``out_of_memory`` record (pure: the arithmetic of the module docstring).
 
@@ -336,6 +347,8 @@ def analyse_oom(
         later_own_high_water_bytes: the largest ``own_high_water_bytes`` that a
             later record of the same card carries, if any (evidence that the
             parent grew when the record has no ``live_own_bytes``).
+        most_running: ``W``, the most tasks the log showed running on the
+            card up to this record (default: ``running``).
 
     Returns:
         The card as it stood and the verdict.
@@ -382,7 +395,8 @@ def analyse_oom(
         others = max(0, booked - ask)
         if shortfall and need is not None and running is not None:
             others = max(others, max(0, running - 1) * need)
-        children = others + (reached or 0)
+        idle = max(0, (most_running or 0) - (running or 0))
+        children = others + (reached or 0) * (1 + idle)
 
     # 3. outside the pool; 4. own or co-tenant
     growth = 0
@@ -441,6 +455,7 @@ def analyse_oom(
         booked_bytes=booked,
         running=running,
         task_ask_bytes=ask,
+        key_ask_bytes=_int(record, "ask_bytes"),
         ask_basis=record.get("ask_basis") if isinstance(record.get("ask_basis"), str) else None,
         reached_bytes=reached,
         requested_bytes=requested,
@@ -658,8 +673,9 @@ def read_postmortem(path: str | Path) -> Postmortem:
     pm = Postmortem(path=str(path))
     current: dict[int | None, int] = {}
     last_total: int | None = None
-    waiting: list[tuple[int, dict[str, Any]]] = []
+    waiting: list[tuple[int, dict[str, Any], int]] = []
     own_after: dict[int, int] = {}
+    most: dict[int, int] = {}
     for number, record in iter_records(path):
         pm.records += 1
         event = str(record["event"])
@@ -674,6 +690,10 @@ def read_postmortem(path: str | Path) -> Postmortem:
             waiting = _flush(pm, waiting, own_after, device=device)
         plot = pm.devices.setdefault(device, DevicePlot(device)) if device is not None else None
         width_after = _int(record, "width_after")
+        if device is not None:
+            for value in (_int(record, "running"), width_after if event in _WIDTH_EVENTS else None):
+                if value is not None:
+                    most[device] = max(most.get(device, 0), value)
         if event in _WIDTH_EVENTS and width_after is not None:
             if device is not None:
                 pm.device_widths.setdefault(device, _Series()).add(time_s, width_after)
@@ -694,7 +714,7 @@ def read_postmortem(path: str | Path) -> Postmortem:
             _plot_point(plot, record, event, time_s)
         if event == "out_of_memory":
             pm.out_of_memory += 1
-            waiting.append((number, record))
+            waiting.append((number, record, most.get(device, 0) if device is not None else 0))
         elif event == "shutdown":
             pm.shutdown = {
                 name: record.get(name)
@@ -716,22 +736,23 @@ def read_postmortem(path: str | Path) -> Postmortem:
 
 def _flush(
     pm: Postmortem,
-    waiting: list[tuple[int, dict[str, Any]]],
+    waiting: list[tuple[int, dict[str, Any], int]],
     own_after: dict[int, int],
     *,
     device: int | None,
-) -> list[tuple[int, dict[str, Any]]]:
+) -> list[tuple[int, dict[str, Any], int]]:
     """Analyse the waiting out-of-memory records of ``device`` (``None``: all)."""
-    kept: list[tuple[int, dict[str, Any]]] = []
-    for number, record in waiting:
+    kept: list[tuple[int, dict[str, Any], int]] = []
+    for number, record, most_running in waiting:
         card = _int(record, "device")
         if device is not None and card != device:
-            kept.append((number, record))
+            kept.append((number, record, most_running))
             continue
         analysis = analyse_oom(
             record,
             line=number,
             later_own_high_water_bytes=own_after.get(card) if card is not None else None,
+            most_running=most_running,
         )
         pm.verdicts[analysis.verdict] = pm.verdicts.get(analysis.verdict, 0) + 1
         if len(pm.ooms) < MAX_OOM_DETAILS:
@@ -748,7 +769,7 @@ def _plot_point(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s:
     ceiling = _int(record, "ceiling")
     if total is not None and co is not None and own is not None and ask is not None:
         if event == "out_of_memory":
-            width = _int(record, "width_before")
+            width = None  # the narrowed record that follows carries the new width
         plot.terms.add(
             time_s,
             total,
@@ -862,7 +883,8 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
         f"  reserve                {format_size(a.reserve_bytes):>12}",
         f"  booked asks            {format_size(a.booked_bytes):>12}   "
         f"{a.running} running, the failing task's included",
-        f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   ({a.ask_basis})",
+        f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   booked at its start; "
+        f"the key was priced {format_size(a.key_ask_bytes)} ({a.ask_basis}) when it failed",
         f"  it had reached         {format_size(a.reached_bytes):>12}   "
         f"and {format_size(a.requested_bytes)} more was refused",
         f"  live used / free       {format_size(a.live_used_bytes):>12}   "

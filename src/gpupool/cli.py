@@ -642,7 +642,10 @@ def _add_demo(sub: Any) -> None:
         "--log", default="gpupool-demo.jsonl", help="decision log to write (gpupool-demo.jsonl)"
     )
     demo.add_argument(
-        "--plot", default=None, metavar="PATH", help="also draw the run (needs matplotlib)"
+        "--plot",
+        default="gpupool-demo.png",
+        metavar="PATH",
+        help="draw the run here when matplotlib is installed (gpupool-demo.png)",
     )
     demo.add_argument(
         "--simulate", action="store_true", help="use the simulated host even with a real card"

@@ -103,6 +103,7 @@ class AskTable:
     policy: Policy
     default_estimate_bytes: int
     _keys: dict[str, _KeyState] = field(default_factory=dict)
+    _cache: dict[str, Ask] = field(default_factory=dict)
 
     def hint(self, key: str, estimate_bytes: int) -> None:
         """Give ``key`` an estimate of its own (a per-task peak hint).
@@ -110,6 +111,7 @@ class AskTable:
         A hint never overrides a measurement; a larger hint after a smaller
         one raises the estimate (the caller knows this input is bigger).
         """
+        self._cache.pop(key, None)
         state = self._keys.get(key)
         if state is None:
             self._keys[key] = _KeyState(estimate_bytes=estimate_bytes)
@@ -118,6 +120,7 @@ class AskTable:
 
     def measure(self, key: str, peak_bytes: int) -> Ask:
         """Record a child's measured device peak for ``key``; returns the new ask."""
+        self._cache.pop(key, None)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
         state.samples += 1
         if state.peak_bytes is None or peak_bytes > state.peak_bytes:
@@ -126,6 +129,14 @@ class AskTable:
 
     def ask(self, key: str) -> Ask:
         """The current price of a task of ``key``."""
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        ask = self._derive(key)
+        self._cache[key] = ask
+        return ask
+
+    def _derive(self, key: str) -> Ask:
         state = self._keys.get(key)
         estimate = self.default_estimate_bytes
         if state is not None and state.estimate_bytes is not None:

@@ -4,16 +4,18 @@ A worker is started by loky's process backend with its environment set
 before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
 so nothing in it can touch the wrong card. It then runs one task at a time::
 
-    parent --send_bytes(cloudpickle((task_id, fn, args, kwargs)))--> worker
-    parent <--send_bytes(pickle((kind, task_id, report, payload)))-- worker
+    parent --send_bytes(cloudpickle((fn, args, kwargs)))--> worker
+    parent <--send_bytes(pickle((kind, report, payload)))---------- worker
 
 ``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
 the pickled exception and the formatted traceback), ``"oom"`` (a device
 out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
 task could not be unpickled) or ``"init"`` (the initializer raised; the
 worker then exits). An empty message asks the worker to exit. The outer
-tuple is plain pickle of plain values, so the parent always learns which
-task a message is about even when the payload cannot be unpickled.
+tuple is plain pickle of plain values, so the parent always learns what
+happened even when the payload cannot be unpickled; a worker answers its
+tasks in the order it was given them, so the answer is about the oldest
+task the parent handed to it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
     from gpupool._sensors.base import DeviceInfo
 
-__all__ = ["process_chunk", "worker_main"]
+__all__ = ["dumps_call", "process_chunk", "worker_main"]
 
 #: How often a worker checks that its parent is alive. A worker whose
 #: parent was SIGKILLed must exit soon, or it keeps device memory as an orphan.
@@ -79,7 +81,7 @@ def worker_main(
             fn(*args)
         except BaseException as exc:
             _LOGGER.critical("Exception in initializer:", exc_info=True)
-            conn.send_bytes(pickle.dumps(("init", None, None, _dump_exception(exc))))
+            conn.send_bytes(pickle.dumps(("init", None, _dump_exception(exc))))
             return
 
     from gpupool._probe import Probe, is_device_oom
@@ -101,13 +103,12 @@ def worker_main(
             return
         if not message:
             return
-        task_id, call = pickle.loads(message)
         try:
-            fn, args, kwargs = cloudpickle.loads(call)
+            fn, args, kwargs = cloudpickle.loads(message)
         except BaseException as exc:
-            conn.send_bytes(pickle.dumps(("unpickle", task_id, None, _dump_exception(exc))))
+            conn.send_bytes(pickle.dumps(("unpickle", None, _dump_exception(exc))))
             continue
-        del call, message
+        del message
         probe.start()
         kind, payload, failure = "ok", b"", None
         try:
@@ -118,7 +119,7 @@ def worker_main(
         del fn, args, kwargs
         if failure is None:
             try:
-                payload = cloudpickle.dumps(result)
+                payload = dumps_call(result)
             except BaseException as exc:
                 kind, payload = "error", _dump_exception(exc)
             del result
@@ -126,7 +127,7 @@ def worker_main(
             kind = "oom" if report.oom else "error"
             payload = _dump_exception(failure)
             failure = None
-        conn.send_bytes(pickle.dumps((kind, task_id, _report_tuple(report), payload)))
+        conn.send_bytes(pickle.dumps((kind, _report_tuple(report), payload)))
         done += 1
 
 
@@ -141,6 +142,24 @@ def _report_tuple(report: Any) -> tuple[Any, ...]:
         report.oom,
         report.oom_requested_bytes,
     )
+
+
+def dumps_call(obj: object) -> bytes:
+    """Pickle a task or a result: plain pickle when it is enough, cloudpickle otherwise.
+
+    Plain pickle is several times cheaper per call, and suffices for
+    functions and classes that the other process can import by name.
+    cloudpickle is needed for lambdas, closures and anything defined in
+    ``__main__`` (which a worker cannot import): plain pickle refuses the
+    first two, and a stream that names ``__main__`` is redone by value.
+    """
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        data = b""
+    if not data or b"__main__" in data:
+        data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return data
 
 
 def process_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:

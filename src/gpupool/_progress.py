@@ -1,0 +1,118 @@
+"""A progress bar over a pool's results, with its width and asks (optional extra ``progress``).
+
+:func:`track` wraps any iterator of results (``executor.map(...)``, or
+``as_completed`` over futures) and, when tqdm is installed and the bar is on,
+shows on stderr how many results have come back, the pool's current width,
+and each task key's ask with its basis::
+
+    gpupool: 12/36 [00:01<00:02] width=2, ask entry=6.94 GiB measured
+
+It reads the executor only through ``width`` and ``statistics()``, so it does
+not import the pool (nor loky). The bar is off when stderr is not a terminal,
+unless asked for; without tqdm it is silent. Either way the results pass
+through unchanged and in order.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
+
+from gpupool._core.units import format_size
+
+__all__ = ["describe_asks", "progress_enabled", "track"]
+
+T = TypeVar("T")
+
+
+class _Ask(Protocol):
+    @property
+    def ask_bytes(self) -> int: ...
+
+    @property
+    def basis(self) -> str: ...
+
+
+class _Statistics(Protocol):
+    @property
+    def asks(self) -> Mapping[str, Any]: ...
+
+
+class _Observed(Protocol):
+    """What :func:`track` reads of an executor (``GpuPoolExecutor`` has both)."""
+
+    @property
+    def width(self) -> int: ...
+
+    def statistics(self) -> _Statistics: ...
+
+
+def progress_enabled(enabled: bool | None, stream: Any = None) -> bool:
+    """Whether a bar should show: ``enabled`` if given, else whether ``stream`` is a terminal.
+
+    Args:
+        enabled: ``True`` or ``False`` to force; ``None`` for automatic.
+        stream: the bar's stream (default: ``sys.stderr``).
+    """
+    if enabled is not None:
+        return enabled
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):
+        return False
+
+
+def describe_asks(asks: Mapping[str, Any]) -> str:
+    """Each key's ask in a few characters: ``"entry=6.94 GiB measured"``, keys shortened."""
+    parts = []
+    for key, ask in sorted(asks.items()):
+        short = key.rsplit(".", 1)[-1] or key
+        parts.append(f"{short}={format_size(ask.ask_bytes)} {ask.basis}")
+    return ", ".join(parts)
+
+
+def track(
+    results: Iterable[T],
+    *,
+    total: int | None = None,
+    executor: _Observed | None = None,
+    enabled: bool | None = None,
+    desc: str = "gpupool",
+) -> Iterator[T]:
+    """Yield ``results`` unchanged, showing a tqdm bar with the pool's width and asks.
+
+    Args:
+        results: the results to pass through (consumed lazily).
+        total: how many there will be, if known.
+        executor: the pool to describe (``width`` and ``statistics().asks``);
+            ``None`` shows only the count.
+        enabled: ``True`` shows the bar even when stderr is not a terminal;
+            ``False`` never; ``None`` (default) when stderr is a terminal.
+        desc: the bar's label.
+
+    Yields:
+        Each result, in the order ``results`` gives them.
+    """
+    if not progress_enabled(enabled):
+        yield from results
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield from results
+        return
+    bar = tqdm(total=total, desc=desc, file=sys.stderr, unit="task", dynamic_ncols=True)
+    try:
+        for result in results:
+            if executor is not None:
+                asks = describe_asks(executor.statistics().asks)
+                bar.set_postfix_str(
+                    f"width={executor.width}" + (f", ask {asks}" if asks else ""), refresh=False
+                )
+            bar.update(1)
+            yield result
+    finally:
+        bar.close()

@@ -1,0 +1,77 @@
+"""Decision logs from real runs on the simulated host, shared by the observe tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import observe_tasks
+import pytest
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost, hold
+
+#: The incident's card: 44.39 GiB beside a 9.54 GiB serving co-tenant.
+CARD = {"total": "44.39GiB", "co_tenants": {"serve": "9.54GiB"}}
+
+
+def incident_host() -> SimulatedHost:
+    """The incident's host: one card, 16 CPUs, 128 GiB of RAM."""
+    card = SimulatedDevice(CARD["total"], co_tenants=CARD["co_tenants"])  # type: ignore[arg-type]
+    return SimulatedHost([card], cpus=16, host_ram="128GiB")
+
+
+def _staged_run(
+    log: Path, change: Callable[[SimulatedHost], AbstractContextManager[object]]
+) -> int:
+    """Two-stage tasks; once two are in their first stage, ``change`` the card, then let them go."""
+    gate = log.parent / (log.name + ".gate")
+    gate.mkdir()
+    with incident_host() as host, hold("16.20GiB"):
+        with GpuPoolExecutor(max_workers=4, task_peak="6.5GiB", log_path=log) as pool:
+            futures = [
+                pool.submit(observe_tasks.staged, i, "1GiB", "5GiB", str(gate)) for i in range(6)
+            ]
+            deadline = time.monotonic() + 30
+            while len(list(gate.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with change(host):
+                (gate / "go").touch()
+                for future in futures:
+                    future.result()
+                pool.shutdown()
+        return len(host.out_of_memory_events)
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """Real decision logs: an underestimated ask, a growing co-tenant, a growing parent."""
+    root = tmp_path_factory.mktemp("logs")
+    out: dict[str, Path] = {}
+
+    ask = root / "ask.jsonl"
+    with incident_host(), hold("16.20GiB"):
+        with GpuPoolExecutor(max_workers=4, task_peak="2GiB", log_path=ask) as pool:
+            list(pool.map(observe_tasks.entry, range(12)))
+    out["ask"] = ask
+
+    def grow_co_tenant(host: SimulatedHost) -> AbstractContextManager[object]:
+        host.grow("serve", "6GiB")
+        return nullcontext()
+
+    co_tenant = root / "co_tenant.jsonl"
+    _staged_run(co_tenant, grow_co_tenant)
+    out["co_tenant"] = co_tenant
+
+    own = root / "own.jsonl"
+    _staged_run(own, lambda host: hold("6GiB"))
+    out["own"] = own
+
+    incident = root / "incident.jsonl"
+    with incident_host(), hold("16.20GiB"):
+        with GpuPoolExecutor(max_workers=4, task_peak="9.9GiB", log_path=incident) as pool:
+            list(pool.map(observe_tasks.entry, range(8)))
+    out["incident"] = incident
+    yield out

@@ -1,0 +1,37 @@
+"""Module-level task functions for the observe tests (children import them by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from gpupool.testing import hold
+
+#: How long a staged task waits for its go signal before going on regardless.
+GATE_TIMEOUT_S = 30.0
+
+
+def entry(i: int, size: str = "6.02GiB", hold_s: float = 0.1) -> int:
+    """Hold ``size`` briefly, as the incident's entry children did."""
+    with hold(size):
+        time.sleep(hold_s)
+    return i
+
+
+def staged(i: int, first: str, second: str, gate: str) -> int:
+    """Hold ``first``, say so, wait for ``gate/go``, then hold ``second`` more.
+
+    The parent changes the card between the two stages (a co-tenant grows, or
+    the parent itself holds more), so the second allocation meets a card the
+    pool priced before the change.
+    """
+    gate_dir = Path(gate)
+    with hold(first):
+        (gate_dir / f"ready-{os.getpid()}-{i}").touch()
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not (gate_dir / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with hold(second):
+            time.sleep(0.05)
+    return i

@@ -1,0 +1,114 @@
+"""``gpupool plot`` writes a real PNG; ``track`` passes results through; the demo compares."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpupool._progress import describe_asks, progress_enabled, track
+from gpupool.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert (length, kind) == (13, b"IHDR")
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+@pytest.mark.parametrize("name", ["incident", "ask"])
+def test_plot_is_a_png(
+    logs: dict[str, Path], name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plot is a PNG of a sensible size (IHDR), for a clean run and one with OOMs."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / f"{name}.png"
+    assert main(["plot", str(logs[name]), "-o", str(out)]) == 0
+    width, height = _png_size(out)
+    assert 600 <= width <= 3000
+    assert 300 <= height <= 3000
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_plot_of_a_bad_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A corrupt log gets the postmortem's message and exit 2 from plot too, and no file."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text("not json\n")
+    out = tmp_path / "bad.png"
+    assert main(["plot", str(path), "-o", str(out)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@dataclass
+class _Ask:
+    ask_bytes: int
+    basis: str
+
+
+@dataclass
+class _Stats:
+    asks: dict[str, Any] = field(default_factory=dict)
+
+
+class _Pool:
+    width = 2
+
+    def statistics(self) -> _Stats:
+        return _Stats({"mod.entry": _Ask(7_456_348_438, "measured")})
+
+
+def test_track_passes_results_through_when_off() -> None:
+    """Disabled, the bar yields every result unchanged and in order."""
+    assert list(track(iter(range(5)), total=5, executor=_Pool(), enabled=False)) == [0, 1, 2, 3, 4]
+
+
+def test_track_auto_is_off_without_a_terminal() -> None:
+    """Automatic mode is off when the stream is not a terminal, on when forced."""
+    assert progress_enabled(None, io.StringIO()) is False
+    assert progress_enabled(True, io.StringIO()) is True
+
+
+def test_track_shows_width_and_ask(capsys: pytest.CaptureFixture[str]) -> None:
+    """Forced on, the tqdm bar on stderr carries the width and each key's ask."""
+    pytest.importorskip("tqdm")
+    assert list(track(range(3), total=3, executor=_Pool(), enabled=True)) == [0, 1, 2]
+    err = capsys.readouterr().err
+    assert "3/3" in err
+    assert "width=2, ask entry=6.94 GiB measured" in err
+    assert describe_asks(_Pool().statistics().asks) == "entry=6.94 GiB measured"
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo runs the incident both ways: the stdlib runs out N > 0 times, gpupool 0."""
+    log = tmp_path / "demo.jsonl"
+    plot = tmp_path / "demo.png"
+    status = main(["demo", "--simulate", "--log", str(log), "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    match = re.search(
+        r"^comparison: the same 36 tasks under a fixed concurrent\.futures\."
+        r"ProcessPoolExecutor\(max_workers=4\) ran out of memory (\d+) times; "
+        r"gpupool ran out (\d+) times\.$",
+        out,
+        re.MULTILINE,
+    )
+    assert match is not None, out
+    assert int(match.group(1)) > 0
+    assert int(match.group(2)) == 0
+    assert "gpupool: 36 completed, 0 failed" in out
+    assert main(["postmortem", str(log)]) == 0
+    assert "tasks lost: none" in capsys.readouterr().out
+    if plot.exists():
+        _png_size(plot)

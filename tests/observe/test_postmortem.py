@@ -1,0 +1,114 @@
+"""``gpupool postmortem``: logs of real simulated runs name the term that was wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpupool._core.units import GiB
+from gpupool._postmortem import analyse_oom, iter_records, read_postmortem
+from gpupool.cli import main
+
+
+def _json(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:
+    assert main(["postmortem", "--json", str(path)]) == 0
+    value: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return value
+
+
+def test_underestimated_ask_is_named(
+    logs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An estimate of 2 GiB for 6.02 GiB tasks: every out-of-memory names the ask first."""
+    report = _json(capsys, logs["ask"])
+    assert report["out_of_memory"] >= 1
+    for oom in report["ooms"]:
+        assert oom["verdict"] == "ask"
+        assert oom["task_ask_bytes"] == 2 * GiB
+        assert oom["need_bytes"] > 6 * GiB
+        assert oom["ask_shortfall_bytes"] == oom["need_bytes"] - 2 * GiB
+    assert report["tasks_lost"] == 0
+    assert report["retries"] == report["out_of_memory"]
+
+
+def test_growing_co_tenant_is_named(
+    logs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A co-tenant that grows 6 GiB after the census is named, by at least most of its growth."""
+    report = _json(capsys, logs["co_tenant"])
+    assert report["out_of_memory"] >= 1
+    first = report["ooms"][0]
+    assert first["verdict"] == "co_tenant"
+    assert first["ask_shortfall_bytes"] == 0
+    assert 4 * GiB < first["co_tenant_growth_bytes"] <= 6 * GiB
+    assert first["own_separable"] is False
+    assert "live_own_bytes" in first["missing"]
+
+
+def test_growing_parent_is_outside_the_pool(
+    logs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A parent that holds 6 GiB more mid-run: the growth is found outside the pool, not in the ask."""
+    report = _json(capsys, logs["own"])
+    first = report["ooms"][0]
+    assert first["ask_shortfall_bytes"] == 0
+    assert first["verdict"] in {"co_tenant", "own"}
+    assert 4 * GiB < first["co_tenant_growth_bytes"] + first["own_growth_bytes"] <= 6 * GiB
+
+
+@pytest.mark.xfail(
+    reason="the out_of_memory record carries no live reading of the parent's own device "
+    "bytes (live_own_bytes), so its growth reads like a co-tenant's",
+    strict=True,
+)
+def test_growing_parent_is_named_own(logs: dict[str, Path]) -> None:
+    """A parent that holds 6 GiB more mid-run is named as the pool's own process."""
+    pm = read_postmortem(logs["own"])
+    assert pm.ooms[0].verdict == "own"
+
+
+def test_live_own_bytes_splits_own_from_co_tenant(logs: dict[str, Path]) -> None:
+    """With live_own_bytes in a record (the field asked for), the arithmetic names own."""
+    record = next(r for _, r in iter_records(logs["own"]) if r["event"] == "out_of_memory")
+    own = record["own_high_water_bytes"] + 6 * GiB
+    analysis = analyse_oom({**record, "live_own_bytes": own})
+    assert analysis.verdict == "own"
+    assert analysis.own_growth_bytes == 6 * GiB
+    assert analysis.co_tenant_growth_bytes < GiB
+    assert analysis.own_separable
+
+
+def test_clean_run_summary(logs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The incident run: widths 1 -> 2, the ask goes estimated -> measured, nothing lost."""
+    report = _json(capsys, logs["incident"])
+    assert [w["width"] for w in report["widths"]] == [1, 2]
+    (ask,) = report["asks"].values()
+    assert [h["basis"] for h in ask["history"]] == ["estimated", "measured"]
+    assert ask["history"][0]["ask_bytes"] == round(9.9 * GiB)
+    assert report["out_of_memory"] == 0
+    assert report["tasks_lost"] == 0
+    assert main(["postmortem", str(logs["incident"])]) == 0
+    text = capsys.readouterr().out
+    assert "tasks lost: none" in text
+    assert "widths over time: 1 at 0.00 s, 2 at" in text
+
+
+def test_text_report_shows_the_card(
+    logs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The words name the card's terms and the verdict for each out-of-memory."""
+    assert main(["postmortem", str(logs["co_tenant"])]) == 0
+    text = capsys.readouterr().out
+    for label in (
+        "card total",
+        "co-tenant (census)",
+        "own high-water",
+        "booked asks",
+        "failing task's ask",
+        "it had reached",
+        "wrong term: co_tenant",
+    ):
+        assert label in text
