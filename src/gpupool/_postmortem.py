@@ -676,6 +676,7 @@ def read_postmortem(path: str | Path) -> Postmortem:
     waiting: list[tuple[int, dict[str, Any], int]] = []
     own_after: dict[int, int] = {}
     most: dict[int, int] = {}
+    default_ask: tuple[float, int, int] | None = None
     for number, record in iter_records(path):
         pm.records += 1
         event = str(record["event"])
@@ -705,8 +706,15 @@ def read_postmortem(path: str | Path) -> Postmortem:
                 last_total = total_width
         key = record.get("key")
         ask = _int(record, "ask_bytes")
+        if key is None and ask is not None and default_ask is None:
+            # The construction prices every key at the estimate before any is seen.
+            default_ask = (time_s, ask, _basis_code(record.get("ask_basis")))
         if isinstance(key, str) and ask is not None and event != "out_of_memory":
-            series = pm.asks.setdefault(key, _Series())
+            if key not in pm.asks:
+                pm.asks[key] = _Series()
+                if default_ask is not None:
+                    pm.asks[key].add(*default_ask)
+            series = pm.asks[key]
             basis = _basis_code(record.get("ask_basis"))
             if not series.points or series.points[-1][1:] != (ask, basis):
                 series.add(time_s, ask, basis)

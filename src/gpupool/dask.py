@@ -109,20 +109,33 @@ def _plugin_name(name: str) -> str:
 
 
 class _LinkedFuture(Future[Any]):
-    """The future Dask awaits; cancelling it cancels the pool's task while that has not started."""
+    """The future Dask awaits; cancelling it cancels the pool's task while that has not started.
 
-    def __init__(self, inner: Future[Any]) -> None:
+    It completes with the message Dask's worker expects from
+    ``_run_task_simple`` once the pool's future (``inner``) is done.
+    """
+
+    def __init__(self, inner: Future[Any], delay: float, submitted: float) -> None:
         super().__init__()
         self._inner = inner
-        self.cancelling = False
+        self._delay = delay
+        self._submitted = submitted
+        self._cancelling = False
 
     def cancel(self) -> bool:
         """Cancel the pool's task too; ``False`` once it runs (a process cannot be stopped)."""
-        self.cancelling = True
-        if not self._inner.cancel():
-            self.cancelling = False
-            return False
-        return super().cancel()
+        self._cancelling = True
+        if self._inner.cancel():
+            return super().cancel()
+        self._cancelling = False
+        if self._inner.done():  # it finished while this call looked: settle it here
+            self.complete(self._inner)
+        return False
+
+    def complete(self, inner: Future[Any]) -> None:
+        """Settle with the pool's outcome (a done callback of ``inner``)."""
+        if not self._cancelling and not self.done():
+            _complete(self, self._delay, self._submitted, inner)
 
 
 def _settle(outer: Future[Any], message: dict[str, Any]) -> None:
@@ -147,10 +160,8 @@ def _failure(exc: BaseException, start: float, stop: float) -> dict[str, Any]:
     return message
 
 
-def _complete(outer: _LinkedFuture, delay: float, submitted: float, inner: Future[Any]) -> None:
+def _complete(outer: Future[Any], delay: float, submitted: float, inner: Future[Any]) -> None:
     """Turn the pool's future into the message Dask's worker expects from ``_run_task_simple``."""
-    if outer.done() or outer.cancelling:
-        return
     if inner.cancelled():
         # The pool shut down (plugin removed, worker closing) or Dask cancelled the
         # task before it started: an erred message, which a cancelled task ignores.
@@ -224,12 +235,12 @@ class DaskGpuExecutor(concurrent.futures.Executor):
         view = self.pool.options(key=ask_key, task_peak=annotations.get(PEAK_ANNOTATION))
         submitted = time.time()
         inner = view.submit(run_task, task, data)
-        outer = _LinkedFuture(inner)
+        outer = _LinkedFuture(inner, float(delay), submitted)
         if key is not None:
             with self._lock:
                 self._running[str(key)] = outer
             outer.add_done_callback(partial(self._forget, str(key)))
-        inner.add_done_callback(partial(_complete, outer, float(delay), submitted))
+        inner.add_done_callback(outer.complete)
         return outer
 
     def _annotations(self, key: Any) -> Mapping[str, Any]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -108,6 +111,7 @@ def test_annotated_tasks_pack_each_worker_by_its_own_card(cluster: Any) -> None:
 
     reports = _reports(client)
     assert set(reports) == {0, 1}
+    assert json.loads(json.dumps(reports)) == {str(k): v for k, v in reports.items()}
     for name, rep in reports.items():
         total = gpupool.parse_size(CARDS[name])
         assert rep["census"]["cards"][0]["total_bytes"] == total
@@ -261,3 +265,12 @@ def test_plugin_arguments_are_checked_on_the_client() -> None:
         gd.GpuPoolPlugin(task_peek="6GiB")
     with pytest.raises(gpupool.ConfigurationError, match="default"):
         gd.GpuPoolPlugin("default")
+
+
+def test_import_gpupool_does_not_import_distributed() -> None:
+    """``import gpupool`` in a fresh interpreter loads neither distributed nor dask."""
+    script = "import sys, gpupool; print(sorted({'distributed', 'dask'} & set(sys.modules)))"
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert completed.stdout.strip() == "[]"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -46,7 +46,7 @@ def _staged_run(
 
 
 @pytest.fixture(scope="session")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Real decision logs: an underestimated ask, a growing co-tenant, a growing parent."""
     root = tmp_path_factory.mktemp("logs")
     out: dict[str, Path] = {}
@@ -74,4 +74,4 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
         with GpuPoolExecutor(max_workers=4, task_peak="9.9GiB", log_path=incident) as pool:
             list(pool.map(observe_tasks.entry, range(8)))
     out["incident"] = incident
-    yield out
+    return out

@@ -51,7 +51,7 @@ def test_growing_co_tenant_is_named(
 def test_growing_parent_is_outside_the_pool(
     logs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A parent that holds 6 GiB more mid-run: the growth is found outside the pool, not in the ask."""
+    """A parent that holds 6 GiB more mid-run: the growth is found outside the pool, not the ask."""
     report = _json(capsys, logs["own"])
     first = report["ooms"][0]
     assert first["ask_shortfall_bytes"] == 0
@@ -87,7 +87,7 @@ def test_clean_run_summary(logs: dict[str, Path], capsys: pytest.CaptureFixture[
     assert [w["width"] for w in report["widths"]] == [1, 2]
     (ask,) = report["asks"].values()
     assert [h["basis"] for h in ask["history"]] == ["estimated", "measured"]
-    assert ask["history"][0]["ask_bytes"] == round(9.9 * GiB)
+    assert abs(ask["history"][0]["ask_bytes"] - 9.9 * GiB) < 2
     assert report["out_of_memory"] == 0
     assert report["tasks_lost"] == 0
     assert main(["postmortem", str(logs["incident"])]) == 0

@@ -307,7 +307,11 @@ class _Dispatcher:
         self.shutdown_requested = False
         self.broken: str | None = None
         self.broken_exc: BaseException | None = None
-        self.wake_reader, self.wake_writer = multiprocessing.connection.Pipe(duplex=False)
+        # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained
+        # with one read, so a burst of submits costs a burst of one-byte writes at most.
+        self.wake_reader, self.wake_writer = os.pipe()
+        os.set_blocking(self.wake_reader, False)
+        os.set_blocking(self.wake_writer, False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.wake_reader, selectors.EVENT_READ, None)
         self.wake_flag = False
@@ -328,9 +332,9 @@ class _Dispatcher:
         if not self.wake_flag:
             self.wake_flag = True
             try:
-                self.wake_writer.send_bytes(b"")
+                os.write(self.wake_writer, b"\0")
             except OSError:
-                pass
+                pass  # full (the dispatcher is awake anyway) or closed (it has stopped)
 
     def enqueue(self, item: _WorkItem) -> None:
         with self.lock:
@@ -392,10 +396,12 @@ class _Dispatcher:
             )
             self.log.close()
             self.selector.close()
-            self.wake_reader.close()
-            self.wake_writer.close()
+            os.close(self.wake_reader)
+            os.close(self.wake_writer)
 
     def _all_workers(self) -> list[_Worker]:
+        if not self.devices:
+            return self.host_workers
         workers = list(self.host_workers)
         for device in self.devices:
             workers.extend(device.workers)
@@ -403,8 +409,11 @@ class _Dispatcher:
 
     def _loop(self) -> None:
         while True:
-            while self.wake_reader.poll():
-                self.wake_reader.recv_bytes()
+            try:
+                while os.read(self.wake_reader, 4096):
+                    pass
+            except BlockingIOError:
+                pass
             self.wake_flag = False
             gated = self._schedule()
             workers = self._all_workers()
@@ -1047,7 +1056,7 @@ class _Dispatcher:
             self._retire(worker)
 
     def _stop_workers(self) -> None:
-        workers = self._all_workers()
+        workers = list(self._all_workers())
         for worker in workers:
             worker.retiring = True
             try:
@@ -1074,7 +1083,7 @@ class _Dispatcher:
                 self.broken = message
                 self.broken_exc = exc
         self._fail_pending()
-        for worker in self._all_workers():
+        for worker in list(self._all_workers()):
             for item in worker.queue:
                 _set_exception(item.future, _copy_broken(self.broken_exc, message))
             worker.queue.clear()
