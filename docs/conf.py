@@ -38,7 +38,18 @@ nitpicky = True
 #: Add a genuinely external target here (e.g. ``("py:class",
 #: "concurrent.futures.process.BrokenProcessPool")``) only when a page needs
 #: it; a gpupool name that does not resolve is a bug in the docs, not an entry.
-nitpick_ignore: list[tuple[str, str]] = []
+nitpick_ignore: list[tuple[str, str]] = [
+    ("py:class", "collections.abc.Callable"),
+    ("py:class", "collections.abc.Iterable"),
+    ("py:class", "collections.abc.Iterator"),
+    ("py:class", "collections.abc.Mapping"),
+    ("py:class", "collections.abc.Sequence"),
+    ("py:class", "os.PathLike"),
+    ("py:class", "concurrent.futures.Future"),
+    ("py:class", "concurrent.futures._base.Future"),
+    ("py:exc", "BrokenProcessPool"),
+    ("py:class", "concurrent.futures.process.BrokenProcessPool"),
+]
 
 html_theme = "alabaster"
 html_title = f"gpupool {release}"

@@ -69,3 +69,8 @@ def init_marker(tag: str) -> None:
 def read_marker(_: object = None) -> str:
     """What the initializer left in this worker."""
     return os.environ.get("GPUPOOL_TEST_INIT", "")
+
+
+def environ(_: object = None) -> dict[str, str]:
+    """This worker's environment."""
+    return dict(os.environ)

@@ -57,7 +57,7 @@ class Decision:
     """One decision and every term it was made from.
 
     Attributes:
-        event: what happened (one of :data:`EVENTS`).
+        event: what happened (one of ``EVENTS``; see the decision log page).
         time_s: seconds since the pool was constructed.
         device: the device it concerns, or ``None`` for the whole pool.
         width_before: the device's (or pool's) width before.

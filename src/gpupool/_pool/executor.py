@@ -347,8 +347,8 @@ class _Dispatcher:
             self.shutdown_requested = True
             if cancel_futures:
                 for item in self.pending:
-                    if not item.started and item.future.cancel():
-                        self.counts["cancelled"] += 1
+                    if not item.started:
+                        item.future.cancel()
         self.wake()
 
     def join(self, timeout: float | None = None) -> None:
@@ -484,6 +484,7 @@ class _Dispatcher:
                 item = self.pending[0]
                 if not item.started and item.future.cancelled():
                     self.pending.popleft()
+                    self.counts["cancelled"] += 1
                     continue
             placement = self._place(item)
             if placement is None:
@@ -496,6 +497,7 @@ class _Dispatcher:
                 self.pending.popleft()
             if not item.started:
                 if not item.future.set_running_or_notify_cancel():
+                    self.counts["cancelled"] += 1
                     continue
                 item.started = True
             self._send(item, placement)
@@ -880,12 +882,19 @@ class _Dispatcher:
         others = [w for w in device.running() if w is not worker] if device else []
         live_free: int | None = None
         live_used: int | None = None
+        live_own: int | None = None
+        live_children: int | None = None
         if device is not None and device.census.readable:
             try:
                 reading = self.sensor.read_memory(device.info)
                 live_free, live_used = reading.free_bytes, reading.used_bytes
+                rows = {r.pid: r.used_bytes for r in self.sensor.read_processes(device.info) or ()}
             except Exception:
-                pass
+                rows = {}
+            live_own = rows.get(os.getpid())
+            mine = [rows.get(w.pid) for w in device.workers]
+            if mine and all(b is not None for b in mine):
+                live_children = sum(b or 0 for b in mine)
         retry = self.retry_oom and bool(others)
         running_then = len(others) + 1
         new_cap = max(1, running_then - 1)
@@ -896,6 +905,8 @@ class _Dispatcher:
             "requested_bytes": report.oom_requested_bytes,
             "live_free_bytes": live_free,
             "live_used_bytes": live_used,
+            "live_own_bytes": live_own,
+            "live_children_bytes": live_children,
             "census_co_tenant_bytes": device.census.co_tenant_bytes if device else None,
             "booked_bytes": sum(w.ask_bytes for w in others) + ask_bytes,
             "running": running_then,
@@ -1263,9 +1274,9 @@ class _OptionsView:
 class GpuPoolExecutor(concurrent.futures.Executor):
     """A process pool that runs as many tasks at once as the cards' memory holds.
 
-    A drop-in for :class:`concurrent.futures.ProcessPoolExecutor`: the same
+    A drop-in for ``concurrent.futures.ProcessPoolExecutor``: the same
     positional parameters, ``submit``, ``map``, ``shutdown``, futures that work
-    with :func:`concurrent.futures.wait` and :func:`concurrent.futures.as_completed`,
+    with ``concurrent.futures.wait`` and ``concurrent.futures.as_completed``,
     and exceptions re-raised with the child's traceback as their cause.
     Functions and arguments travel with cloudpickle, so lambdas, closures and
     functions defined in ``__main__`` work.
@@ -1366,6 +1377,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             raise ConfigurationError(
                 f"margin_fraction={margin_fraction!r}: pass a fraction such as 0.10."
             )
+        if multiprocessing.current_process().daemon:
+            raise ConfigurationError(
+                "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
+                "processes may not have children); run it from a non-daemonic process, e.g. "
+                "set distributed.worker.daemon=False for Dask workers."
+            )
         if strict and max_workers is None:
             raise ConfigurationError(
                 "strict=True needs max_workers: the width that must not be narrowed."
@@ -1418,8 +1435,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         ]
         estimate = peak_bytes
         if estimate is None:
+            # Priced at the whole room of the roomiest card: the first task of
+            # each key runs alone until a child has measured it.
             rooms = [
-                card.total_bytes - (card.co_tenant_bytes or 0) - (card.own_bytes or 0)
+                card.total_bytes
+                - (card.co_tenant_bytes or 0)
+                - (card.own_bytes or 0)
+                - policy.reserve_bytes
                 for card in census.cards
                 if card.total_bytes is not None
             ]
@@ -1531,7 +1553,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     # -- the executor contract ----------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`.
+        """Schedule ``fn(*args, **kwargs)``; returns a ``concurrent.futures.Future``.
 
         Raises:
             BrokenProcessPool: the pool is broken (a failing initializer).
@@ -1689,7 +1711,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     @property
     def width(self) -> int:
-        """The current total width: how many tasks may run at once."""
+        """How many tasks may run at once now, over every card."""
         return self._dispatcher.width
 
     @property

@@ -1,0 +1,145 @@
+"""Configuration: bad values are refused at construction with a message naming them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+
+import pytest
+import tasks
+
+from gpupool import ConfigurationError, DeviceOutOfMemoryError, GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+
+@pytest.fixture(scope="module")
+def host():
+    with SimulatedHost(
+        devices=[SimulatedDevice(total="44.39GiB", co_tenants={"serve": "9.54GiB"})],
+        cpus=8,
+        host_ram="64GiB",
+    ) as h:
+        yield h
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        ("abc", r"^task_peak='abc' is not a byte size"),
+        (-1, r"^task_peak=-1 is negative"),
+        (0, r"^task_peak=0 is zero"),
+        ("NaN", r"^task_peak='NaN'"),
+        ("inf", r"^task_peak='inf'"),
+        (True, r"^task_peak=True is not a byte size"),
+    ],
+    ids=["abc", "minus-one", "zero", "nan", "inf", "bool"],
+)
+def test_bad_task_peak_is_refused(host, value, pattern):
+    """task_peak must be a positive, finite size."""
+    with pytest.raises(ConfigurationError, match=pattern):
+        GpuPoolExecutor(task_peak=value)
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_bad_max_workers_is_refused(host, value):
+    """max_workers of 0 or below raises CPython's ValueError."""
+    with pytest.raises(ValueError, match=r"^max_workers must be greater than 0$"):
+        GpuPoolExecutor(max_workers=value, task_peak="1GiB")
+
+
+@pytest.mark.parametrize("value", [7, "GPU-does-not-exist"])
+def test_unknown_device_is_refused(host, value):
+    """A device index or UUID that does not exist is refused, naming it."""
+    with pytest.raises(ConfigurationError, match=str(value)):
+        GpuPoolExecutor(task_peak="1GiB", devices=[value])
+
+
+def test_log_path_in_a_missing_directory_is_refused(host, tmp_path):
+    """log_path in a directory that does not exist is refused."""
+    path = tmp_path / "missing" / "run.jsonl"
+    with pytest.raises(ConfigurationError, match=r"does not exist"):
+        GpuPoolExecutor(task_peak="1GiB", log_path=path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write to a read-only directory")
+def test_log_path_in_a_read_only_directory_is_refused(host, tmp_path):
+    """log_path in a directory that cannot be written is refused."""
+    tmp_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with pytest.raises(ConfigurationError, match=r"cannot be written"):
+            GpuPoolExecutor(task_peak="1GiB", log_path=tmp_path / "run.jsonl")
+    finally:
+        tmp_path.chmod(stat.S_IRWXU)
+
+
+def test_log_path_that_is_a_directory_is_refused(host, tmp_path):
+    """log_path naming a directory is refused."""
+    with pytest.raises(ConfigurationError, match=r"is a directory"):
+        GpuPoolExecutor(task_peak="1GiB", log_path=tmp_path)
+
+
+def test_reserve_larger_than_the_card_is_refused(host):
+    """A reserve as large as the card is refused, naming both figures."""
+    with pytest.raises(ConfigurationError, match=r"^reserve=100\.00 GiB is not smaller than"):
+        GpuPoolExecutor(task_peak="1GiB", reserve="100GiB")
+
+
+def test_fork_context_is_refused(host):
+    """A fork mp_context is refused: CUDA does not survive fork."""
+    with pytest.raises(ConfigurationError, match=r"fork"):
+        GpuPoolExecutor(task_peak="1GiB", mp_context=multiprocessing.get_context("fork"))
+
+
+def test_strict_needs_max_workers(host):
+    """strict=True without max_workers is refused."""
+    with pytest.raises(ConfigurationError, match=r"^strict=True needs max_workers"):
+        GpuPoolExecutor(task_peak="1GiB", strict=True)
+
+
+def test_bad_width_is_refused(host):
+    """A fixed width must be a positive int."""
+    with pytest.raises(ConfigurationError, match=r"^width=0"):
+        GpuPoolExecutor(task_peak="1GiB", width=0)
+
+
+def test_bad_option_peak_is_refused(host):
+    """options(task_peak=...) validates the size at once."""
+    with GpuPoolExecutor(task_peak="1GiB") as ex:
+        with pytest.raises(ConfigurationError, match=r"^task_peak='lots'"):
+            ex.options(task_peak="lots")
+
+
+def test_initializer_must_be_callable(host):
+    """A non-callable initializer raises CPython's TypeError."""
+    with pytest.raises(TypeError, match=r"^initializer must be a callable$"):
+        GpuPoolExecutor(task_peak="1GiB", initializer=3)  # type: ignore[arg-type]
+
+
+def test_no_task_peak_runs_the_first_task_alone(host):
+    """Without task_peak the first task of a key is priced at the whole room: width 1."""
+    with GpuPoolExecutor(max_workers=4) as ex:
+        assert ex.width == 1
+        assert ex.decisions[0].bound is not None
+        assert ex.decisions[0].bound.tasks_fit == 1
+        assert ex.submit(tasks.sized, 1, "1GiB", 0.0).result(timeout=60) == 1
+
+
+def test_env_and_jax_preallocation_reach_the_workers(host):
+    """env= reaches every worker, and JAX preallocation is off by default."""
+    with GpuPoolExecutor(1, task_peak="1GiB", env={"GPUPOOL_TEST_VAR": "yes"}) as ex:
+        seen = ex.submit(tasks.environ).result(timeout=60)
+    assert seen["GPUPOOL_TEST_VAR"] == "yes"
+    assert seen["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert seen["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert seen["CUDA_VISIBLE_DEVICES"] == host.device_uuid(0)
+
+
+def test_retry_oom_off_sends_the_error_to_the_future(host):
+    """With retry_oom=False a device OOM reaches its future at once."""
+    with GpuPoolExecutor(2, task_peak="1GiB", retry_oom=False) as ex:
+        future = ex.submit(tasks.sized, 0, "40GiB", 0.0)
+        with pytest.raises(DeviceOutOfMemoryError) as info:
+            future.result(timeout=60)
+    assert info.value.device == 0
+    assert "out of memory" in str(info.value.__cause__)
