@@ -27,7 +27,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src."""
-    session.install("-e", ".[typing]")
+    session.install("-e", ".[typing,dask]")
     session.run("mypy", "--strict", "src/gpupool")
 
 

@@ -116,3 +116,7 @@ def track(
             yield result
     finally:
         bar.close()
+        # Stopping early must reach the pool's map (it cancels what has not started).
+        close = getattr(results, "close", None)
+        if callable(close):
+            close()

@@ -214,3 +214,18 @@ def test_width_decisions_and_statistics_are_exposed(pool):
     assert stats.width == 2
     with pytest.raises(AttributeError):
         stats.width = 3  # type: ignore[misc]
+
+
+def test_map_progress_bar_shows_width_and_keeps_results(host, capsys):
+    """progress=True draws a bar naming the width while map's results stay in order."""
+    pytest.importorskip("tqdm", reason="the progress bar needs the progress extra (tqdm)")
+    with GpuPoolExecutor(max_workers=2, task_peak="1GiB", progress=True) as ex:
+        assert list(ex.map(abs, range(-6, 0))) == [6, 5, 4, 3, 2, 1]
+    assert "width" in capsys.readouterr().err
+
+
+def test_map_progress_off_writes_nothing(host, capsys):
+    """progress=False keeps map silent."""
+    with GpuPoolExecutor(max_workers=2, task_peak="1GiB", progress=False) as ex:
+        assert list(ex.map(abs, [-1, -2])) == [1, 2]
+    assert capsys.readouterr().err == ""

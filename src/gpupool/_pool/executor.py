@@ -41,7 +41,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from dataclasses import dataclass, field
@@ -883,7 +883,7 @@ class _Dispatcher:
         live_free: int | None = None
         live_used: int | None = None
         live_own: int | None = None
-        live_children: int | None = None
+        live_pool: int | None = None
         if device is not None and device.census.readable:
             try:
                 reading = self.sensor.read_memory(device.info)
@@ -894,7 +894,7 @@ class _Dispatcher:
             live_own = rows.get(os.getpid())
             mine = [rows.get(w.pid) for w in device.workers]
             if mine and all(b is not None for b in mine):
-                live_children = sum(b or 0 for b in mine)
+                live_pool = sum(b or 0 for b in mine)
         retry = self.retry_oom and bool(others)
         running_then = len(others) + 1
         new_cap = max(1, running_then - 1)
@@ -906,7 +906,7 @@ class _Dispatcher:
             "live_free_bytes": live_free,
             "live_used_bytes": live_used,
             "live_own_bytes": live_own,
-            "live_children_bytes": live_children,
+            "live_pool_bytes": live_pool,
             "census_co_tenant_bytes": device.census.co_tenant_bytes if device else None,
             "booked_bytes": sum(w.ask_bytes for w in others) + ask_bytes,
             "running": running_then,
@@ -1310,7 +1310,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         log_path: append every decision to this JSON Lines file.
         env: extra environment variables for every worker.
         sensor: where readings come from (default: NVML, or the simulator
-            inside a :class:`gpupool.testing.SimulatedHost`).
+            inside a ``gpupool.testing.SimulatedHost``).
+        progress: show a progress bar (tqdm, when installed) with the width
+            and the asks while ``map`` results are consumed: ``None`` when
+            standard error is a terminal, ``True`` always, ``False`` never.
 
     Raises:
         ConfigurationError: a value is wrong; the message names it (also a
@@ -1337,6 +1340,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         sensor: Sensor | None = None,
+        progress: bool | None = None,
     ) -> None:
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
@@ -1407,6 +1411,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         )
         path = check_log_path(log_path) if log_path is not None else None
 
+        if progress is not None and not isinstance(progress, bool):
+            raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
+        self._progress = progress
         self._max_workers_given = max_workers
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
@@ -1639,6 +1646,15 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         """
         return self._map(fn, iterables, timeout, chunksize, buffersize, None)
 
+    def _track(self, results: Iterator[Any], iterables: Sequence[Iterable[Any]]) -> Iterator[Any]:
+        if self._progress is False:
+            return results
+        from gpupool._progress import track
+
+        sizes = [len(it) for it in iterables if isinstance(it, Sized)]
+        total = min(sizes) if iterables and len(sizes) == len(iterables) else None
+        return track(results, total=total, executor=self, enabled=self._progress)
+
     def _map(
         self,
         fn: Callable[..., Any],
@@ -1669,7 +1685,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         futures: collections.deque[Future[Any]] = collections.deque(
             calls if buffersize is None else itertools.islice(calls, buffersize)
         )
-        return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
+        results = _results(
+            futures, calls if buffersize is not None else None, end_time, chunksize > 1
+        )
+        return self._track(results, iterables)
 
     def _submit_args(
         self, fn: Callable[..., Any], options: TaskOptions | None, key: str, args: tuple[Any, ...]

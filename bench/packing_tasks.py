@@ -1,0 +1,36 @@
+"""Task functions for ``bench/packing.py``, in their own module so that every worker imports them.
+
+The standard library's spawn workers and gpupool's loky workers both find a
+function by its module name, so this module must be importable in the
+children: ``bench/packing.py`` puts ``bench/`` on ``PYTHONPATH`` before it
+starts any pool.
+"""
+
+from __future__ import annotations
+
+import time
+
+#: What a task that ran its card out of memory returns when the policy under
+#: test has no recovery of its own (the baselines): the run goes on and the
+#: task counts as lost.
+OOM_MARKER = "simulated-out-of-memory"
+
+
+def entry(i: int, hold_bytes: int, sleep_s: float, device: int | None, catch: bool) -> int | str:
+    """One task: hold ``hold_bytes`` of simulated device memory for ``sleep_s``, return ``i * 7``.
+
+    ``device`` is the simulated card to allocate on (``None``: the card this
+    process is pinned to, as gpupool pins its workers). With ``catch`` an
+    out-of-memory is caught and :data:`OOM_MARKER` returned; without it the
+    error propagates (gpupool classifies it and retries the task).
+    """
+    from gpupool.testing import SimulatedOutOfMemory, hold
+
+    try:
+        with hold(hold_bytes, device=device):
+            time.sleep(sleep_s)
+    except SimulatedOutOfMemory:
+        if not catch:
+            raise
+        return OOM_MARKER
+    return i * 7

@@ -1,0 +1,142 @@
+"""Module-level task functions for the fault-injection tests (children import them by name)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from gpupool.testing import hold
+
+
+def square(i: int) -> int:
+    """Return ``i * i``."""
+    return i * i
+
+
+def sleep_return(value: int, seconds: float) -> int:
+    """Sleep, then return ``value``."""
+    time.sleep(seconds)
+    return value
+
+
+def note_pid(directory: str, name: str) -> int:
+    """Write this worker's PID to ``directory/name.pid`` (atomically); return the PID."""
+    pid = os.getpid()
+    final = Path(directory) / f"{name}.pid"
+    temporary = final.with_suffix(".tmp")
+    temporary.write_text(str(pid))
+    temporary.replace(final)
+    return pid
+
+
+def note_pid_then_sleep(directory: str, name: str, seconds: float) -> int:
+    """Write this worker's PID to a file, sleep, then return the PID."""
+    pid = note_pid(directory, name)
+    time.sleep(seconds)
+    return pid
+
+
+def note_pid_then_sleep_return(directory: str, i: int, seconds: float) -> int:
+    """Write this worker's PID to ``directory/<i>.pid``, sleep, then return ``i``."""
+    note_pid(directory, str(i))
+    time.sleep(seconds)
+    return i
+
+
+def hold_then_return(i: int, size: str, seconds: float) -> int:
+    """Hold ``size`` simulated device bytes for ``seconds``; return ``i``."""
+    with hold(size):
+        time.sleep(seconds)
+    return i
+
+
+def segfault() -> None:
+    """Dereference NULL: the worker dies with SIGSEGV."""
+    ctypes.string_at(0)
+
+
+def exit_with(code: int) -> None:
+    """Leave the worker at once with exit code ``code``, skipping every cleanup."""
+    os._exit(code)
+
+
+def kill_self(sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to this worker."""
+    os.kill(os.getpid(), sig)
+    time.sleep(10)  # SIGKILL is delivered before this returns; never reached
+
+
+def unpicklable_result() -> object:
+    """Return a lock, which cannot be pickled to send it back."""
+    return threading.Lock()
+
+
+def _explode(message: str) -> object:
+    raise RuntimeError(message)
+
+
+class ErrorAtUnpickle:
+    """Pickles fine, but unpickling it raises (CPython's test_concurrent_futures ErrorAtUnpickle)."""
+
+    def __init__(self, message: str = "unpickling refused") -> None:
+        self.message = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _explode, (self.message,)
+
+
+def identity(value: object) -> object:
+    """Return ``value`` unchanged."""
+    return value
+
+
+def return_error_at_unpickle() -> ErrorAtUnpickle:
+    """Return a result that pickles in the child but cannot be unpickled in the parent."""
+    return ErrorAtUnpickle("the parent cannot rebuild this result")
+
+
+class LockedError(Exception):
+    """An exception that cannot be pickled: it carries a lock."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def raise_locked_error(message: str) -> None:
+    """Raise an exception whose pickling fails."""
+    raise LockedError(message)
+
+
+class TwoArgumentError(Exception):
+    """An exception that pickles, but whose unpickling fails (``__init__`` wants two arguments)."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a} {b}")
+
+
+def raise_two_argument_error() -> None:
+    """Raise an exception that the parent cannot unpickle."""
+    raise TwoArgumentError("cannot", "rebuild")
+
+
+class SoakError(ValueError):
+    """The exception a soak task raises on purpose."""
+
+
+def soak(i: int, fault: str) -> tuple[int, int] | object:
+    """Return ``(i * 3, pid)``, or commit ``fault``: raise, unpicklable, exit, kill."""
+    if fault == "raise":
+        raise SoakError(f"task {i} raised on purpose")
+    if fault == "unpicklable":
+        return threading.Lock()
+    if fault == "exit":
+        os._exit(3)
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+    return i * 3, os.getpid()
