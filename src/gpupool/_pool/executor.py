@@ -940,14 +940,32 @@ class _Dispatcher:
             )
         )
         if retry and device is not None:
-            if self.strict and new_cap < self.max_workers:
-                decision = self.decide(after)[device.index]
-                self._strict_refusal(decision, running_then)
-                return
-            old_cap = device.oom_cap
-            device.oom_cap = new_cap if old_cap is None else min(old_cap, new_cap)
             old_width = device.width
-            device.width = min(device.width, device.oom_cap) if device.width else device.oom_cap
+            if lower_bound > ask_bytes:
+                # The ask was the wrong term: the child needed more than it was
+                # booked at. The larger ask narrows through the bound itself.
+                decision = self.decide()[device.index]
+                new_width = min(old_width, decision.width) if old_width else decision.width
+                why = (
+                    f"the ask was underestimated: booked at {format_size(ask_bytes)}, the "
+                    f"task reached {format_size(reached)} and asked for "
+                    f"{format_size(report.oom_requested_bytes)} more; {item.key}'s ask "
+                    f"{before.describe()} -> {after.describe()}"
+                )
+                bound = decision.bound
+            else:
+                # The ask held; something the bound does not price grew (a
+                # co-tenant, this process, fragmentation): cap the count.
+                device.oom_cap = new_cap if device.oom_cap is None else min(device.oom_cap, new_cap)
+                new_width = min(old_width, device.oom_cap) if old_width else device.oom_cap
+                why = (
+                    f"the task stayed within its ask ({format_size(ask_bytes)}), so something "
+                    f"else on the card grew; at most {device.oom_cap} at once from now on"
+                )
+            if self.strict and new_width < self.max_workers:
+                self._strict_refusal(self.decide(after)[device.index], running_then)
+                return
+            device.width = max(1, new_width)
             self.record(
                 Decision(
                     event="narrowed",
@@ -956,9 +974,7 @@ class _Dispatcher:
                     width_before=old_width,
                     width_after=device.width,
                     reason=(
-                        f"card {device.index}: out of memory with {running_then} running; "
-                        f"at most {device.oom_cap} from now on; {item.key}'s ask "
-                        f"{before.describe()} -> {after.describe()}"
+                        f"card {device.index}: out of memory with {running_then} running; {why}"
                     ),
                     bound=bound,
                     key=item.key,
@@ -966,7 +982,7 @@ class _Dispatcher:
                     extra={"oom_cap": device.oom_cap},
                 )
             )
-            self._retire_idle(device, device.oom_cap)
+            self._retire_idle(device, device.width)
             self.counts["retries"] += 1
             with self.lock:
                 self.pending.appendleft(item)

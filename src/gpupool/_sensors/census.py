@@ -40,8 +40,9 @@ __all__ = [
 #: hold no context (a pool parent never creates one) or the driver reports
 #: PIDs of another namespace (containers; DESIGN.md, "Where readings come from").
 OWN_ROW_MISSING_REASON = (
-    "this process's row was not found (container PID namespace?); using the measured "
-    "baseline of a parent that has created no CUDA context"
+    "this process's row was not found: it holds no device memory (no CUDA context), or "
+    "the driver lists it under another PID (a container's namespace); using the measured "
+    "baseline of a parent that has created no CUDA context (0 bytes)"
 )
 
 #: The driver gives no per-process rows on this device (MIG, WDDM, some drivers).

@@ -1,0 +1,502 @@
+"""Packing benchmark: makespan and out-of-memory events of packing policies on simulated cards.
+
+What it measures. For each scenario (a machine described by its
+characteristics: card totals, co-tenants and what they do, the parent's own
+device bytes, the tasks' true peaks and the estimates the caller gives), the
+same tasks run under each policy, each in a fresh
+:class:`gpupool.testing.SimulatedHost`. A task is a real worker process that
+holds simulated device bytes (``gpupool.testing.hold``) for a short sleep; its
+true peak is its hold plus the host's per-process context (300 MiB). Per
+policy the benchmark reports:
+
+* makespan: wall time from constructing the pool to the last result;
+* OOMs: allocations the simulated cards refused to tasks or to the parent
+  (``host.out_of_memory_events``), not counting refusals of a co-tenant's
+  deliberate growth, which are reported apart (``ct``);
+* lost: tasks without a correct result (an out-of-memory marker returned by a
+  baseline task, or an exception in the future);
+* peak: the highest device use over the run (``host.device_peak``), as GiB
+  and as a share of the card (the fullest card when there are several);
+* gpupool's makespan over the oracle's, and serial's over gpupool's.
+
+The policies:
+
+* ``gpupool``: :class:`gpupool.GpuPoolExecutor` with the scenario's
+  ``max_workers``, its ``task_peak`` estimate and per-key hints
+  (``ex.options(key=..., task_peak=...)``), default margin and reserve;
+* ``stdlib``: ``concurrent.futures.ProcessPoolExecutor`` (spawn) at
+  ``max_workers``;
+* ``free/ask``: the incident's policy: free device bytes sampled through the
+  simulated sensor before the pool starts, width ``max(1, free // ask)``
+  (summed over cards, capped at ``max_workers``, as the incident's pool was),
+  then a standard-library pool of that width;
+* ``serial``: a standard-library pool of width 1;
+* ``oracle``: gpupool told every key's true peak in advance
+  (``options(task_peak=true peak)``) with ``margin=0``, ``margin_fraction=0``
+  and ``reserve=0``: the widest packing that never overflows, run by the same
+  machinery, so the ratio isolates the cost of learning, the margin and the
+  reserve rather than dispatch overhead;
+* ``catalogue`` (scenario b only): width from the static slot sum a catalogue
+  knows, ``(total - catalogue) // ask``, blind to the unattributed bytes.
+
+Baseline tasks (everything but gpupool and the oracle) catch the simulated
+out-of-memory and return a marker, so the run completes and counts its
+losses; gpupool's tasks let it propagate, since gpupool classifies it and
+retries the task at a narrower width. On several cards the baselines place
+task ``i`` on card ``i % cards`` (the usual ``rank % n_gpus`` idiom); gpupool
+pins each worker to a card itself.
+
+    python bench/packing.py                 # full matrix (about 2-3 minutes on 2 cores)
+    python bench/packing.py --quick         # fewer, shorter tasks
+    python bench/packing.py --repeat 3 --json /tmp/packing.json
+
+Timings are wall clock on a shared machine; ``--repeat`` keeps the median
+makespan and the worst OOM and loss counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+
+from packing_tasks import OOM_MARKER, entry  # noqa: E402
+
+GiB = 1024**3
+MiB = 1024**2
+CONTEXT = 300 * MiB
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: its key and true device peak (context included)."""
+
+    key: str
+    peak: int
+    sleep_s: float
+
+
+@dataclass
+class Scenario:
+    """A machine and a workload, described by characteristics (not card names)."""
+
+    name: str
+    title: str
+    cards: list[tuple[float, dict[str, float]]]  # (total GiB, {co-tenant: GiB})
+    tasks: list[Task]
+    estimate: int  # gpupool's task_peak
+    max_workers: int
+    naive_ask: int  # the divisor of the free/ask policy
+    hints: dict[str, int] = field(default_factory=dict)  # per-key task_peak
+    parent_bytes: int = 0  # the parent's own device bytes on card 0 (context included)
+    parent_growth: tuple[float, int] | None = None  # (delay_s, bytes) the parent adds later
+    co_tenant_growth: tuple[str, int, float, int, int] | None = None
+    # (name, device, delay_s, total bytes, step bytes): grown in steps, a refused step retried
+    estimates_honest: bool = True  # the targets apply only when estimates are not below truth
+    catalogue: int | None = None  # static slot sum a catalogue knows (scenario b)
+
+
+def _tasks(key: str, peak_gib: float, n: int, sleep_s: float) -> list[Task]:
+    return [Task(key, int(peak_gib * GiB), sleep_s) for _ in range(n)]
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    """The scenario matrix; ``quick`` halves the task counts and shortens the sleeps."""
+    s = 0.15 if quick else 0.25
+
+    def n(full: int) -> int:
+        return max(8, full // 2) if quick else full
+
+    rng = random.Random(7)
+    mixed = (
+        _tasks("tokenize", 1, n(12), s)
+        + _tasks("embed", 3, n(12), s)
+        + _tasks("eval", 6, n(10), s)
+        + _tasks("finetune", 12, n(6), s)
+    )
+    rng.shuffle(mixed)
+    return [
+        Scenario(
+            name="a",
+            title="incident card: 44.39 GiB, 9.54 GiB serving co-tenant, parent 16.20 GiB, "
+            "entries 6.02 GiB, estimate 9.9 GiB, max_workers 4",
+            cards=[(44.39, {"serving": 9.54})],
+            parent_bytes=int(16.20 * GiB),
+            tasks=_tasks("entry", 6.02, n(36), s),
+            estimate=int(9.9 * GiB),
+            naive_ask=int(9.9 * GiB),
+            max_workers=4,
+        ),
+        Scenario(
+            name="a2",
+            title="incident timeline: as (a), but the parent holds 5.36 GiB at the sample and "
+            "grows to 16.20 GiB 0.6 s in; free/ask divides by the measured 6.02 GiB (A4)",
+            cards=[(44.39, {"serving": 9.54})],
+            parent_bytes=int(5.36 * GiB),
+            parent_growth=(0.6, int(10.84 * GiB)),
+            tasks=_tasks("entry", 6.02, n(36), s),
+            estimate=int(9.9 * GiB),
+            naive_ask=int(6.02 * GiB),
+            max_workers=4,
+        ),
+        Scenario(
+            name="b",
+            title="80 GiB card: 53 GiB static residency + 9 GiB unattributed; tasks 5 GiB, "
+            "estimate 6 GiB, max_workers 4",
+            cards=[(80, {"static-slots": 53.3, "unattributed": 9.0})],
+            tasks=_tasks("entry", 5, n(24), s),
+            estimate=6 * GiB,
+            naive_ask=6 * GiB,
+            max_workers=4,
+            catalogue=int(53.3 * GiB),
+        ),
+        Scenario(
+            name="c",
+            title="four 24 GiB cards, co-tenants 0 / 6 / 12 / 20 GiB; tasks 4 GiB, estimate "
+            "5 GiB, max_workers 8",
+            cards=[(24, {}), (24, {"svc": 6}), (24, {"job": 12}), (24, {"big": 20})],
+            tasks=_tasks("entry", 4, n(48), s),
+            estimate=5 * GiB,
+            naive_ask=5 * GiB,
+            max_workers=8,
+        ),
+        Scenario(
+            name="d",
+            title="mixed sizes on a 48 GiB card (6 GiB co-tenant): peaks 1/3/6/12 GiB, per-key "
+            "hints 1.25x, max_workers 6",
+            cards=[(48, {"serving": 6})],
+            tasks=mixed,
+            estimate=6 * GiB,
+            naive_ask=6 * GiB,
+            hints={
+                "tokenize": int(1.25 * GiB),
+                "embed": int(3.75 * GiB),
+                "eval": int(7.5 * GiB),
+                "finetune": 15 * GiB,
+            },
+            max_workers=6,
+        ),
+        Scenario(
+            name="e",
+            title="co-tenant grows mid-run: 40 GiB card, 8 GiB co-tenant +12 GiB from 1 s in "
+            "(1 GiB steps); tasks 6 GiB, estimate 6.5 GiB, max_workers 4",
+            cards=[(40, {"trainer": 8})],
+            tasks=_tasks("entry", 6, n(32), s),
+            estimate=int(6.5 * GiB),
+            naive_ask=int(6.5 * GiB),
+            max_workers=4,
+            co_tenant_growth=("trainer", 0, 1.0 if not quick else 0.6, 12 * GiB, GiB),
+        ),
+        Scenario(
+            name="f",
+            title="underestimated task_peak: 24 GiB card, 2 GiB co-tenant; tasks 7 GiB, "
+            "estimate 3 GiB, max_workers 4",
+            cards=[(24, {"svc": 2})],
+            tasks=_tasks("entry", 7, n(24), s),
+            estimate=3 * GiB,
+            naive_ask=3 * GiB,
+            max_workers=4,
+            estimates_honest=False,
+        ),
+    ]
+
+
+# -- running one policy ------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What one policy did on one scenario (one repeat)."""
+
+    makespan_s: float
+    ooms: int
+    co_tenant_refusals: int
+    lost: int
+    peak_bytes: int
+    peak_fraction: float
+    width: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _free_bytes(host: Any) -> list[int]:
+    sensor = host.sensor()
+    return [sensor.read_memory(info).free_bytes for info in sensor.read_devices()]
+
+
+@contextlib.contextmanager
+def _background(host: Any, sc: Scenario, start: float) -> Iterator[dict[str, Any]]:
+    """The scenario's own growth (parent and co-tenant), in threads of this process."""
+    from gpupool.testing import SimulatedOutOfMemory, hold
+
+    stop = threading.Event()
+    info: dict[str, Any] = {}
+    threads: list[threading.Thread] = []
+    parent_hold: list[Any] = []
+
+    if sc.parent_growth is not None:
+        delay, nbytes = sc.parent_growth
+
+        def grow_parent() -> None:
+            stop.wait(max(0.0, start + delay - time.perf_counter()))
+            h = hold(nbytes, device=0)
+            try:
+                h.__enter__()
+                parent_hold.append(h)
+                info["parent_grew"] = True
+            except SimulatedOutOfMemory:
+                info["parent_grew"] = False
+
+        threads.append(threading.Thread(target=grow_parent, daemon=True))
+
+    if sc.co_tenant_growth is not None:
+        name, device, delay, total, step = sc.co_tenant_growth
+
+        def grow_co_tenant() -> None:
+            stop.wait(max(0.0, start + delay - time.perf_counter()))
+            grown = 0
+            while grown < total and not stop.is_set():
+                try:
+                    host.grow(name, step, device=device)
+                    grown += step
+                except SimulatedOutOfMemory:
+                    stop.wait(0.05)
+                    continue
+                stop.wait(0.05)
+            info["co_tenant_grown_gib"] = grown / GiB
+
+        threads.append(threading.Thread(target=grow_co_tenant, daemon=True))
+
+    for t in threads:
+        t.start()
+    try:
+        yield info
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for h in parent_hold:
+            h.__exit__(None, None, None)
+
+
+def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
+    from gpupool import GpuPoolExecutor
+    from gpupool.testing import SimulatedDevice, SimulatedHost, hold
+
+    devices = [SimulatedDevice(f"{total}GiB", co_tenants=ct) for total, ct in sc.cards]
+    ncards = len(devices)
+    host = SimulatedHost(devices, context=CONTEXT, cpus=16, host_ram="256GiB")
+    expected = [i * 7 for i in range(len(sc.tasks))]
+    results: list[Any] = [None] * len(sc.tasks)
+    width: int | None = None
+    extra: dict[str, Any] = {}
+    with host, contextlib.ExitStack() as stack:
+        if sc.parent_bytes:
+            stack.enter_context(hold(sc.parent_bytes - CONTEXT, device=0))
+        spawn = multiprocessing.get_context("spawn")
+        gpu = policy in ("gpupool", "oracle")
+        if policy == "free/ask":
+            free = _free_bytes(host)
+            width = max(1, min(sc.max_workers, sum(max(0, f // sc.naive_ask) for f in free)))
+            extra["free_sampled_gib"] = [round(f / GiB, 2) for f in free]
+        elif policy == "catalogue":
+            assert sc.catalogue is not None
+            room = int(sc.cards[0][0] * GiB) - sc.catalogue
+            width = max(1, min(sc.max_workers, room // sc.naive_ask))
+        elif policy == "stdlib":
+            width = sc.max_workers
+        elif policy == "serial":
+            width = 1
+        start = time.perf_counter()
+        background = stack.enter_context(_background(host, sc, start))
+        futures: list[concurrent.futures.Future[Any]] = []
+        if gpu:
+            kwargs: dict[str, Any] = {}
+            if policy == "oracle":
+                kwargs = {"margin": 0, "margin_fraction": 0.0, "reserve": 0}
+            else:
+                kwargs = {"task_peak": sc.estimate}
+            if log_dir is not None:
+                kwargs["log_path"] = os.path.join(
+                    log_dir, f"{sc.name}-{policy}-{os.getpid()}-{time.time_ns()}.jsonl"
+                )
+                extra["log_path"] = kwargs["log_path"]
+            ex = GpuPoolExecutor(sc.max_workers, **kwargs)
+            with ex:
+                views: dict[str, Any] = {}
+                for i, t in enumerate(sc.tasks):
+                    if t.key not in views:
+                        hint = t.peak if policy == "oracle" else sc.hints.get(t.key)
+                        views[t.key] = ex.options(key=t.key, task_peak=hint)
+                    futures.append(
+                        views[t.key].submit(entry, i, t.peak - CONTEXT, t.sleep_s, None, False)
+                    )
+                for i, f in enumerate(futures):
+                    try:
+                        results[i] = f.result()
+                    except Exception as exc:  # a lost task: anything but the right result
+                        results[i] = exc
+                stats = ex.statistics()
+            width = max((w for _, w in stats.widths), default=stats.width)
+            extra.update(
+                retries=stats.retries,
+                pool_ooms=stats.out_of_memory,
+                gate_waits=stats.live_gate_waits,
+                workers_started=stats.workers_started,
+                widths=[w for _, w in stats.widths],
+                asks_gib={k: round(a.ask_bytes / GiB, 2) for k, a in stats.asks.items()},
+            )
+        else:
+            with concurrent.futures.ProcessPoolExecutor(width, mp_context=spawn) as ex:
+                for i, t in enumerate(sc.tasks):
+                    dev = i % ncards
+                    futures.append(
+                        ex.submit(entry, i, t.peak - CONTEXT, t.sleep_s, dev, True)
+                    )
+                for i, f in enumerate(futures):
+                    try:
+                        results[i] = f.result()
+                    except Exception as exc:
+                        results[i] = exc
+        makespan = time.perf_counter() - start
+        stack.close()  # stop the growth threads, release the parent's bytes
+        extra.update(background)
+    events = host.out_of_memory_events
+    ooms = sum(1 for e in events if not e.co_tenant)
+    ct = sum(1 for e in events if e.co_tenant)
+    lost = sum(1 for r, want in zip(results, expected, strict=True) if r != want)
+    extra["markers"] = sum(1 for r in results if r == OOM_MARKER)
+    peaks = [host.device_peak(d) for d in range(ncards)]
+    fractions = [p / dev.total_bytes for p, dev in zip(peaks, devices, strict=True)]
+    fullest = max(range(ncards), key=lambda d: fractions[d])
+    return Outcome(
+        makespan_s=makespan,
+        ooms=ooms,
+        co_tenant_refusals=ct,
+        lost=lost,
+        peak_bytes=peaks[fullest],
+        peak_fraction=fractions[fullest],
+        width=width,
+        extra=extra,
+    )
+
+
+def _policies(sc: Scenario) -> list[str]:
+    names = ["gpupool", "oracle", "stdlib", "free/ask", "serial"]
+    if sc.catalogue is not None:
+        names.append("catalogue")
+    return names
+
+
+def _summarise(runs: list[Outcome]) -> dict[str, Any]:
+    return {
+        "makespan_s": statistics.median(r.makespan_s for r in runs),
+        "makespans_s": [round(r.makespan_s, 3) for r in runs],
+        "ooms": max(r.ooms for r in runs),
+        "co_tenant_refusals": max(r.co_tenant_refusals for r in runs),
+        "lost": max(r.lost for r in runs),
+        "peak_gib": max(r.peak_bytes for r in runs) / GiB,
+        "peak_fraction": max(r.peak_fraction for r in runs),
+        "width": max((r.width for r in runs if r.width is not None), default=None),
+        "extra": runs[-1].extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter tasks")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per policy; median kept")
+    parser.add_argument("--only", default=None, help="comma-separated scenario names (a,b,...)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures here")
+    parser.add_argument("--logs", metavar="DIR", help="keep gpupool's decision logs here")
+    args = parser.parse_args(argv)
+
+    # Children import packing_tasks by name: make bench/ importable in every worker.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p
+    )
+    log_dir = args.logs or tempfile.mkdtemp(prefix="gpupool-packing-")
+    os.makedirs(log_dir, exist_ok=True)
+
+    import loky
+
+    import gpupool
+
+    chosen = scenarios(args.quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        chosen = [sc for sc in chosen if sc.name in wanted]
+    report: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "gpupool": gpupool.__version__,
+        "loky": loky.__version__,
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+        "repeat": args.repeat,
+        "scenarios": {},
+    }
+    t_all = time.perf_counter()
+    header = (
+        f"{'pol':<10}{'width':>6}{'makespan':>10}{'OOMs':>6}{'ct':>5}{'lost':>6}"
+        f"{'peak GiB':>10}{'peak %':>8}"
+    )
+    for sc in chosen:
+        print(f"\n[{sc.name}] {sc.title}  ({len(sc.tasks)} tasks)", flush=True)
+        print(header)
+        rows: dict[str, dict[str, Any]] = {}
+        for policy in _policies(sc):
+            runs = [_run_policy(sc, policy, log_dir) for _ in range(args.repeat)]
+            row = _summarise(runs)
+            rows[policy] = row
+            print(
+                f"{policy:<10}{row['width'] or '-':>6}{row['makespan_s']:>9.2f}s{row['ooms']:>6}"
+                f"{row['co_tenant_refusals']:>5}{row['lost']:>6}{row['peak_gib']:>10.2f}"
+                f"{100 * row['peak_fraction']:>7.1f}%",
+                flush=True,
+            )
+        g, o, s = rows["gpupool"], rows["oracle"], rows["serial"]
+        verdict = {
+            "gpupool_over_oracle": g["makespan_s"] / o["makespan_s"],
+            "serial_over_gpupool": s["makespan_s"] / g["makespan_s"],
+            "estimates_honest": sc.estimates_honest,
+            "gpupool_safe": g["ooms"] == 0 and g["lost"] == 0,
+        }
+        print(
+            f"  gpupool/oracle {verdict['gpupool_over_oracle']:.2f}x, "
+            f"serial/gpupool {verdict['serial_over_gpupool']:.2f}x, gpupool asks "
+            f"{g['extra'].get('asks_gib')}, widths {g['extra'].get('widths')}, retries "
+            f"{g['extra'].get('retries')}, gate waits {g['extra'].get('gate_waits')}"
+            + ("" if sc.estimates_honest else "  [estimate below the truth: no target]")
+        )
+        report["scenarios"][sc.name] = {
+            "title": sc.title,
+            "tasks": len(sc.tasks),
+            "policies": rows,
+            "verdict": verdict,
+        }
+    total = time.perf_counter() - t_all
+    report["total_s"] = total
+    print(f"\ntotal {total:.0f}s; gpupool decision logs in {log_dir}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
