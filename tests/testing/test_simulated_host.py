@@ -214,6 +214,22 @@ def test_the_doc_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
         sys.modules.pop(module_name, None)
 
 
+def test_the_gpupool_doc_example_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GpuPoolExecutor example in docs/testing.md runs: width 1, then 2, no OOM."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
+    [example] = [block for block in blocks if block.startswith("# test_mint.py")]
+    module_name = f"gpupool_doc_mint_{os.getpid()}"
+    (tmp_path / f"{module_name}.py").write_text(example)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(module_name)
+    try:
+        module.test_the_pool_never_widens_past_the_card()
+    finally:
+        sys.modules.pop(module_name, None)
+
+
 # -- allocation in this process -----------------------------------------------------------
 
 
