@@ -16,8 +16,14 @@ import time
 OOM_MARKER = "simulated-out-of-memory"
 
 
-def entry(i: int, hold_bytes: int, sleep_s: float, device: int | None, catch: bool) -> int | str:
-    """One task: hold ``hold_bytes`` of simulated device memory for ``sleep_s``, return ``i * 7``.
+def entry(
+    i: int, hold_bytes: int, sleep_s: float, device: int | None, catch: bool
+) -> tuple[int, float, float] | str:
+    """One task: hold ``hold_bytes`` of simulated device memory for ``sleep_s``.
+
+    Returns ``(i * 7, start, end)``: the result the benchmark checks, and when
+    the bytes were held (``time.time()``), from which it counts how many tasks
+    really ran at once.
 
     ``device`` is the simulated card to allocate on (``None``: the card this
     process is pinned to, as gpupool pins its workers). With ``catch`` an
@@ -28,9 +34,11 @@ def entry(i: int, hold_bytes: int, sleep_s: float, device: int | None, catch: bo
 
     try:
         with hold(hold_bytes, device=device):
+            start = time.time()
             time.sleep(sleep_s)
+            end = time.time()
     except SimulatedOutOfMemory:
         if not catch:
             raise
         return OOM_MARKER
-    return i * 7
+    return i * 7, start, end

@@ -80,7 +80,7 @@ def _explode(message: str) -> object:
 
 
 class ErrorAtUnpickle:
-    """Pickles fine, but unpickling it raises (CPython's test_concurrent_futures ErrorAtUnpickle)."""
+    """Pickles fine, but unpickling it raises (as CPython's ErrorAtUnpickle in its tests)."""
 
     def __init__(self, message: str = "unpickling refused") -> None:
         self.message = message

@@ -246,6 +246,16 @@ class _Worker:
         return max((item.booked_bytes for item in self.queue), default=0)
 
 
+class _Spawn:
+    """An order to start a worker for a device (``None``: a host-bounded pool)."""
+
+    __slots__ = ("device", "pool")
+
+    def __init__(self, device: _Device | None, pool: list[_Worker]) -> None:
+        self.device = device
+        self.pool = pool
+
+
 class _Device:
     __slots__ = ("census", "gate_waiting", "index", "info", "oom_cap", "width", "workers")
 
@@ -278,7 +288,7 @@ class _Dispatcher:
         strict: bool,
         retry_oom: bool,
         max_tasks_per_child: int | None,
-        initializer: bytes | None,
+        initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
         log: DecisionLog,
         env: Mapping[str, str],
     ) -> None:
@@ -305,6 +315,7 @@ class _Dispatcher:
         self.last_own_read = self.t0
         self.child_rss_bytes: int | None = None
         self.shutdown_requested = False
+        self.cancel_requested = False
         self.broken: str | None = None
         self.broken_exc: BaseException | None = None
         # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained
@@ -343,13 +354,20 @@ class _Dispatcher:
         self.wake()
 
     def request_shutdown(self, cancel_futures: bool = False) -> None:
+        """Stop taking work; with ``cancel_futures`` the dispatcher cancels what it has not
+        started, after it has started what fits now (as CPython's does with its call queue)."""
         with self.lock:
             self.shutdown_requested = True
             if cancel_futures:
-                for item in self.pending:
-                    if not item.started:
-                        item.future.cancel()
+                self.cancel_requested = True
         self.wake()
+
+    def _cancel_pending(self) -> None:
+        with self.lock:
+            self.cancel_requested = False
+            for item in self.pending:
+                if not item.started:
+                    item.future.cancel()
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
@@ -416,6 +434,9 @@ class _Dispatcher:
                 pass
             self.wake_flag = False
             gated = self._schedule()
+            if self.cancel_requested:
+                self._cancel_pending()
+                gated = self._schedule()
             workers = self._all_workers()
             busy = any(w.task is not None for w in workers)
             with self.lock:
@@ -500,9 +521,12 @@ class _Dispatcher:
                     self.counts["cancelled"] += 1
                     continue
                 item.started = True
-            self._send(item, placement)
+            # RUNNING before a worker is started for it: a shutdown that cancels
+            # pending work while the worker starts can no longer take this task.
+            worker = self._start(placement) if isinstance(placement, _Spawn) else placement
+            self._send(item, worker)
 
-    def _place(self, item: _WorkItem) -> _Worker | str | None:
+    def _place(self, item: _WorkItem) -> _Worker | _Spawn | str | None:
         running = self._running_count()
         if running >= self.ceiling.value:
             return None
@@ -622,12 +646,16 @@ class _Dispatcher:
                 )
         return ok
 
-    def _worker_for(self, device: _Device | None, pool: list[_Worker]) -> _Worker:
+    def _worker_for(self, device: _Device | None, pool: list[_Worker]) -> _Worker | _Spawn:
+        """An idle warm worker for ``device``, or an order to start one."""
         for worker in pool:
             if worker.task is None and not worker.retiring:
                 return worker
-        worker = self._spawn(device)
-        pool.append(worker)
+        return _Spawn(device, pool)
+
+    def _start(self, order: _Spawn) -> _Worker:
+        worker = self._spawn(order.device)
+        order.pool.append(worker)
         return worker
 
     def _spawn(self, device: _Device | None) -> _Worker:
@@ -700,6 +728,10 @@ class _Dispatcher:
             return
         worker.tasks_done += 1
         if item is None:
+            return
+        if report_tuple is None:
+            # The task never ran (it could not be unpickled): nothing to learn.
+            self._finish(item, kind, payload)
             return
         report = PeakReport(
             device=report_tuple[0],
@@ -1476,9 +1508,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         if simulator:
             worker_env[SIMULATOR_ENV] = simulator
         worker_env.update(env or {})
-        init_bytes = (
-            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
-        )
+        # Passed to each worker as a process argument, pickled while the worker is
+        # spawned: multiprocessing queues and locks in initargs work, as in CPython.
+        init_call = (initializer, tuple(initargs)) if initializer is not None else None
         log = DecisionLog(path)
         self._log = log
         self._dispatcher = _Dispatcher(
@@ -1492,7 +1524,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             strict=strict,
             retry_oom=retry_oom,
             max_tasks_per_child=max_tasks_per_child,
-            initializer=init_bytes,
+            initializer=init_call,
             log=log,
             env=worker_env,
         )
@@ -1802,17 +1834,18 @@ def _results(
                 if nxt is not None:
                     futures.append(nxt)
             try:
-                if end_time is None:
-                    result = future.result()
-                else:
-                    result = future.result(end_time - time.monotonic())
+                box = [future.result(None if end_time is None else end_time - time.monotonic())]
             finally:
                 future.cancel()
             del future
+            # Yield without keeping a reference: a result the caller drops is freed.
             if chunked:
-                yield from result
+                chunk = box.pop()
+                chunk.reverse()
+                while chunk:
+                    yield chunk.pop()
             else:
-                yield result
+                yield box.pop()
     finally:
         for future in futures:
             future.cancel()

@@ -70,14 +70,14 @@ def worker_main(
     parent_pid: int,
     device: DeviceInfo | None,
     device_index: int | None,
-    initializer: bytes | None,
+    initializer: tuple[Any, tuple[Any, ...]] | None,
     max_tasks: int | None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if initializer is not None:
         try:
-            fn, args = cloudpickle.loads(initializer)
+            fn, args = initializer
             fn(*args)
         except BaseException as exc:
             _LOGGER.critical("Exception in initializer:", exc_info=True)

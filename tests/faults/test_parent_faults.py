@@ -1,0 +1,186 @@
+"""Faults in the parent: SIGKILL, Ctrl-C during map, and shutdown(wait=False) at interpreter exit.
+
+Each case runs a small script in its own session (so a signal to its
+process group reaches its workers, as Ctrl-C does, and never this test
+process). Its tasks write their worker PIDs to files, so the test can check
+that no worker outlives the script.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from leakguard import exited, wait_until
+
+pytestmark = pytest.mark.faults
+
+HERE = Path(__file__).resolve().parent
+
+PROLOGUE = """\
+import atexit, os, signal, sys, threading, time
+import faulty
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+directory = sys.argv[1]
+
+
+def started():
+    return sorted(int(n[:-4]) for n in os.listdir(directory) if n.endswith(".pid"))
+
+
+def host():
+    return SimulatedHost(devices=[SimulatedDevice(total="40GiB")], cpus=2, host_ram="64GiB")
+"""
+
+
+def _start(tmp_path: Path, body: str) -> tuple[subprocess.Popen[str], Path]:
+    script = tmp_path / "script.py"
+    script.write_text(PROLOGUE + textwrap.dedent(body))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["TMPDIR"] = str(tmp_path)  # the simulated host's ledger, left behind by a SIGKILL
+    env.pop("GPUPOOL_SIMULATOR", None)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(pids)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    return process, pids
+
+
+def _worker_pids(pids: Path) -> set[int]:
+    return {int(p.read_text()) for p in pids.glob("*.pid")}
+
+
+def _finish(process: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"the script hung for {timeout} s\nstdout:\n{out}\nstderr:\n{err[-4000:]}")
+
+
+def _assert_workers_exit(pids: set[int], within_s: float) -> None:
+    assert pids
+    assert wait_until(lambda: all(exited(pid) for pid in pids), within_s), {
+        pid: psutil.Process(pid).status() for pid in pids if not exited(pid)
+    }
+
+
+def test_parent_sigkilled_its_workers_exit_within_5_s(tmp_path: Path):
+    """A parent killed with SIGKILL leaves no orphan: every worker exits within 5 s."""
+    process, pids = _start(
+        tmp_path,
+        """
+        with host():
+            ex = GpuPoolExecutor(max_workers=2, task_peak="1GiB")
+            futures = [
+                ex.submit(faulty.note_pid_then_sleep_return, directory, i, 120.0) for i in range(4)
+            ]
+            while len(started()) < 2:
+                time.sleep(0.01)
+            print("running", flush=True)
+            time.sleep(120)
+        """,
+    )
+    try:
+        assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
+        workers = _worker_pids(pids)
+        descendants = psutil.Process(process.pid).children(recursive=True)
+        assert workers <= {p.pid for p in descendants}
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        killed_at = time.monotonic()
+        _assert_workers_exit(workers, 5.0)
+        took = time.monotonic() - killed_at
+        # loky's and multiprocessing's resource trackers go too (they read EOF).
+        _assert_workers_exit({p.pid for p in descendants}, 5.0)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    assert took < 5.0
+
+
+def test_shutdown_wait_false_completes_at_interpreter_exit(tmp_path: Path):
+    """shutdown(wait=False), then the script ends: every task still runs, and no worker is left."""
+    process, pids = _start(
+        tmp_path,
+        """
+        results = []
+        atexit.register(lambda: print("results", sorted(results), flush=True))
+        simulated = host().__enter__()
+        atexit.register(simulated.__exit__, None, None, None)
+        ex = GpuPoolExecutor(max_workers=2, task_peak="1GiB")
+        for i in range(6):
+            future = ex.submit(faulty.note_pid_then_sleep_return, directory, i, 0.3)
+            future.add_done_callback(lambda f: results.append(f.result()))
+        ex.shutdown(wait=False)
+        print("main done", flush=True)
+        """,
+    )
+    started = time.monotonic()
+    out, err = _finish(process, 60)
+    took = time.monotonic() - started
+    assert process.returncode == 0, err
+    assert "main done" in out
+    assert "results [0, 1, 2, 3, 4, 5]" in out, (out, err)
+    assert sorted(int(p.stem) for p in pids.glob("*.pid")) == list(range(6))
+    assert took < 30
+    _assert_workers_exit(_worker_pids(pids), 5.0)
+
+
+@pytest.mark.parametrize("target", ["parent", "group"])
+def test_keyboard_interrupt_during_map_exits_and_leaves_no_worker(tmp_path: Path, target: str):
+    """SIGINT during list(ex.map(...)) (to the parent, or Ctrl-C to the group) ends the script."""
+    process, pids = _start(
+        tmp_path,
+        f"""
+        def interrupt():
+            while len(started()) < 2:
+                time.sleep(0.01)
+            if {target!r} == "parent":
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                os.killpg(0, signal.SIGINT)  # what Ctrl-C sends to the foreground group
+
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+                threading.Thread(target=interrupt, daemon=True).start()
+                try:
+                    task = faulty.note_pid_then_sleep_return
+                    list(ex.map(task, [directory] * 20, range(20), [1.0] * 20))
+                except KeyboardInterrupt:
+                    print("interrupted", flush=True)
+                    raise
+                print("map finished", flush=True)
+        """,
+    )
+    started = time.monotonic()
+    out, err = _finish(process, 60)
+    took = time.monotonic() - started
+    assert "interrupted" in out, (out, err[-4000:])
+    assert "map finished" not in out
+    assert "KeyboardInterrupt" in err
+    assert process.returncode != 0
+    # Only the tasks that had started ran; the others were cancelled.
+    ran = sorted(int(p.stem) for p in pids.glob("*.pid"))
+    assert len(ran) <= 6, ran
+    assert took < 30
+    _assert_workers_exit(_worker_pids(pids), 5.0)
