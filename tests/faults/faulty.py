@@ -54,6 +54,14 @@ def hold_then_return(i: int, size: str, seconds: float) -> int:
     return i
 
 
+def sleep_then_hold(i: int, size: str, delay: float) -> int:
+    """Sleep ``delay`` seconds, then hold ``size`` simulated bytes for a moment; return ``i``."""
+    time.sleep(delay)
+    with hold(size):
+        time.sleep(0.01)
+    return i
+
+
 def segfault() -> None:
     """Dereference NULL: the worker dies with SIGSEGV."""
     ctypes.string_at(0)
