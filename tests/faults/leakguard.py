@@ -73,7 +73,7 @@ class LeakGuard:
         """Remember the pool's live worker PIDs now, and those its decisions name."""
         self.add(list(executor._processes))
         self.add(
-            d.extra["pid"]  # type: ignore[misc]
+            d.extra["pid"]
             for d in executor.decisions
             if d.event == "worker_lost" and isinstance(d.extra.get("pid"), int)
         )

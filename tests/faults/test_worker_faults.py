@@ -13,16 +13,19 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from pathlib import Path
+from typing import Any
 
 import faulty
 import pytest
 from leakguard import LeakGuard, wait_until
 
 from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor, WorkerLostError
+from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError
-from gpupool._sensors.base import Sensor
+from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 pytestmark = pytest.mark.faults
@@ -30,12 +33,12 @@ pytestmark = pytest.mark.faults
 TIMEOUT_S = 20
 
 
-def _host(total: str = "40GiB", **kwargs: object) -> SimulatedHost:
+def _host(total: str = "40GiB", **kwargs: Any) -> SimulatedHost:
     return SimulatedHost(
         devices=[SimulatedDevice(total=total)],
         cpus=2,
         host_ram="64GiB",
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 
@@ -104,7 +107,9 @@ def test_worker_sigkilled_from_outside_fails_only_its_task(guard: LeakGuard, tmp
     [(faulty.segfault, ()), (faulty.kill_self, (signal.SIGSEGV,))],
     ids=["null-dereference", "sigsegv"],
 )
-def test_segfaulting_worker_fails_only_its_task(guard: LeakGuard, task, args):  # type: ignore[no-untyped-def]
+def test_segfaulting_worker_fails_only_its_task(
+    guard: LeakGuard, task: Callable[..., object], args: tuple[int, ...]
+):
     """A worker that segfaults fails only its task with SIGSEGV named; the pool goes on."""
     with _host(), GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
         before = [ex.submit(faulty.sleep_return, i, 0.1) for i in range(3)]
@@ -251,27 +256,27 @@ class FailingSensor(Sensor):
                 self.failures += 1
                 raise self.error(f"sensor broke mid-run (call {self.calls})")
 
-    def read_devices(self):  # type: ignore[no-untyped-def]
+    def read_devices(self) -> tuple[DeviceInfo, ...]:
         return self.inner.read_devices()
 
-    def read_memory(self, device):  # type: ignore[no-untyped-def]
+    def read_memory(self, device: DeviceInfo) -> MemoryReading:
         self._tick()
         return self.inner.read_memory(device)
 
-    def read_processes(self, device):  # type: ignore[no-untyped-def]
+    def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
         self._tick()
         return self.inner.read_processes(device)
 
-    def read_process_bytes(self, device, pid):  # type: ignore[no-untyped-def]
+    def read_process_bytes(self, device: DeviceInfo, pid: int) -> int | None:
         self._tick()
         return self.inner.read_process_bytes(device, pid)
 
-    def read_host(self):  # type: ignore[no-untyped-def]
+    def read_host(self) -> HostCensus:
         return self.inner.read_host()
 
 
 @pytest.mark.parametrize("error", [DeviceUnreadableError, RuntimeError])
-def test_sensor_failing_mid_run_keeps_the_pool_running(guard: LeakGuard, error):  # type: ignore[no-untyped-def]
+def test_sensor_failing_mid_run_keeps_the_pool_running(guard: LeakGuard, error: type[Exception]):
     """A sensor that starts raising mid-run: every future completes, and the log says so."""
     with _host() as host:
         sensor = FailingSensor(host.sensor(), error)
@@ -344,7 +349,7 @@ def test_cotenant_filling_the_card_mid_run(guard: LeakGuard):
     ooms = [d for d in decisions if d["event"] == "out_of_memory"]
     assert len(ooms) == stats.out_of_memory >= len(later)
     assert all(d["device"] == 0 and d["live_free_bytes"] is not None for d in ooms)
-    assert all(d["live_free_bytes"] < task_bytes for d in ooms)  # type: ignore[operator]
+    assert all(int(d["live_free_bytes"]) < task_bytes for d in ooms)
     assert stats.tasks_completed + stats.tasks_failed == stats.tasks_submitted == 6
     guard.assert_clean()
 
@@ -370,7 +375,7 @@ def test_shutdown_cancel_futures_while_tasks_run(guard: LeakGuard, tmp_path: Pat
         shutdown = [d for d in ex.decisions if d.event == "shutdown"]
     guard.add(int(p.read_text()) for p in tmp_path.glob("*.pid"))
     ran = [i for i, f in enumerate(futures) if not f.cancelled()]
-    assert ran == [0, 1] or ran == [0, 1, 2] or ran == [0, 1, 2, 3], ran
+    assert ran == [0, 1], ran  # the two running when shutdown came; nothing else fits
     assert all(futures[i].result() == i for i in ran)
     assert took < 5.0
     assert statistics.tasks_cancelled == 10 - len(ran)
@@ -388,7 +393,7 @@ def test_a_cancelled_pending_future_is_seen_by_wait(guard: LeakGuard):
         # CPython calls set_running_or_notify_cancel() when it reaches the item,
         # which wakes wait() and as_completed(); the pool reaches it within ~1 s.
         done, not_done = concurrent.futures.wait([futures[3]], timeout=5.0)
-        states = [f._state for f in futures]  # type: ignore[attr-defined]
+        states = [f._state for f in futures]
         guard.watch(ex)
         assert [f.result(timeout=TIMEOUT_S) for f in futures[:3]] == [0, 1, 2]
     assert not not_done, f"wait() never saw the cancelled future: {states}"

@@ -31,6 +31,7 @@ EventName = Literal[
     "worker_lost",
     "fixed_width_over_bound",
     "measured",
+    "sensor_error",
     "shutdown",
 ]
 
@@ -46,6 +47,7 @@ EVENTS: Mapping[str, str] = {
     "worker_lost": "a worker process died while running a task",
     "fixed_width_over_bound": "a fixed width is wider than the bound allows",
     "measured": "a task key's ask changed basis or value without changing any width",
+    "sensor_error": "a live reading failed; what the pool does while it fails",
     "shutdown": "the pool shut down; the run's totals",
 }
 

@@ -40,13 +40,14 @@ import selectors
 import signal
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
@@ -331,6 +332,7 @@ class _Dispatcher:
         self.widths: list[tuple[float, int]] = []
         self.counts = collections.Counter[str]()
         self.durations_s: dict[str, float] = {}
+        self.sensor_errors: set[tuple[int, str]] = set()
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- called from caller threads -------------------------------------------------
@@ -505,6 +507,8 @@ class _Dispatcher:
                 item = self.pending[0]
                 if not item.started and item.future.cancelled():
                     self.pending.popleft()
+                    # CANCELLED -> CANCELLED_AND_NOTIFIED: wakes wait() and as_completed().
+                    item.future.set_running_or_notify_cancel()
                     self.counts["cancelled"] += 1
                     continue
             placement = self._place(item)
@@ -605,15 +609,13 @@ class _Dispatcher:
             return None
         try:
             reading = self.sensor.read_memory(device.info)
-        except Exception:
-            return None
-        current: dict[int, int] = {}
-        if busy:
-            try:
-                rows = self.sensor.read_processes(device.info) or ()
-            except Exception:
-                rows = ()
-            current = {r.pid: r.used_bytes or 0 for r in rows}
+            rows = (self.sensor.read_processes(device.info) or ()) if busy else ()
+        except Exception as exc:
+            # Unreadable is not empty: while the live reading fails, the card
+            # runs one task of the pool at a time, as an unreadable card does.
+            self._sensor_error(device, ask, exc, "the live gate runs one task at a time")
+            return not busy
+        current = {r.pid: r.used_bytes or 0 for r in rows}
         unreached = sum(max(0, w.ask_bytes - current.get(w.pid, 0)) for w in busy)
         ok = live_gate_admits(
             live_free_bytes=reading.free_bytes,
@@ -645,6 +647,22 @@ class _Dispatcher:
                     },
                 )
         return ok
+
+    def _sensor_error(self, device: _Device, ask: Ask, exc: BaseException, effect: str) -> None:
+        """Record a failed reading, once per card and kind of error."""
+        kind = (device.index, type(exc).__name__)
+        if kind in self.sensor_errors:
+            return
+        self.sensor_errors.add(kind)
+        self.counts["sensor_errors"] += 1
+        self._record_simple(
+            "sensor_error",
+            device,
+            ask,
+            f"card {device.index}: a live reading failed ({type(exc).__name__}: {exc}); "
+            f"{effect} while it fails; the static bound still applies",
+            extra={"error": f"{type(exc).__name__}: {exc}"[:500]},
+        )
 
     def _worker_for(self, device: _Device | None, pool: list[_Worker]) -> _Worker | _Spawn:
         """An idle warm worker for ``device``, or an order to start one."""
@@ -703,6 +721,16 @@ class _Dispatcher:
     # -- results ----------------------------------------------------------------------
 
     def _receive(self, worker: _Worker) -> None:
+        """Read one answer from ``worker``; a crash here still ends the task's future."""
+        head = worker.task
+        try:
+            self._receive_one(worker)
+        except BaseException as exc:
+            if head is not None and not head.future.done():
+                _set_exception(head.future, exc)
+            raise
+
+    def _receive_one(self, worker: _Worker) -> None:
         try:
             message = worker.conn.recv_bytes()
         except (EOFError, OSError):
@@ -763,7 +791,7 @@ class _Dispatcher:
                     "A result has failed to un-serialize in the parent. Please ensure that "
                     "the objects returned by the function are always picklable."
                 )
-                error.__cause__ = exc
+                error.__cause__ = _detached(exc)
                 self.counts["failed"] += 1
                 _set_exception(future, error)
                 return
@@ -818,7 +846,10 @@ class _Dispatcher:
         for device in self.devices:
             try:
                 own = self.sensor.read_process_bytes(device.info, pid)
-            except Exception:
+            except Exception as exc:
+                self._sensor_error(
+                    device, self._representative_ask(), exc, "own high-water keeps its last value"
+                )
                 continue
             if own is not None and own > self.own_high_water.get(device.index, 0):
                 self.own_high_water[device.index] = own
@@ -921,8 +952,11 @@ class _Dispatcher:
                 reading = self.sensor.read_memory(device.info)
                 live_free, live_used = reading.free_bytes, reading.used_bytes
                 rows = {r.pid: r.used_bytes for r in self.sensor.read_processes(device.info) or ()}
-            except Exception:
+            except Exception as read_error:
                 rows = {}
+                self._sensor_error(
+                    device, before, read_error, "the out-of-memory record lacks live terms"
+                )
             live_own = rows.get(os.getpid())
             mine = [rows.get(w.pid) for w in device.workers]
             if mine and all(b is not None for b in mine):
@@ -1059,14 +1093,14 @@ class _Dispatcher:
                 signal_name = signal.Signals(-exitcode).name
             except ValueError:
                 signal_name = f"signal {-exitcode}"
-        how = f"killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
+        how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
         hint = (
             " SIGKILL often means the host's out-of-memory killer; check host RAM."
             if signal_name == "SIGKILL"
             else ""
         )
         message = (
-            f"A worker process (pid {worker.pid}) running a task of {item.key} was {how}; "
+            f"A worker process (pid {worker.pid}) running a task of {item.key} {how}; "
             f"only this task failed and the pool goes on.{hint}"
         )
         self._record_simple(
@@ -1154,7 +1188,9 @@ class _Dispatcher:
         for item in items:
             if self.broken is not None:
                 _set_exception(item.future, _copy_broken(self.broken_exc, self.broken))
-            elif not item.future.cancel():
+            elif item.future.cancel():
+                item.future.set_running_or_notify_cancel()
+            else:
                 _set_exception(
                     item.future, WorkerLostError("the pool stopped before this task ran")
                 )
@@ -1270,10 +1306,24 @@ def _load_exception(payload: bytes) -> BaseException:
         broken = BrokenProcessPool(
             "An exception raised by the task has failed to un-serialize in the parent."
         )
-        broken.__cause__ = error
+        broken.__cause__ = _detached(error)
         return broken
     exc.__cause__ = _RemoteTraceback(tb)
     return exc  # type: ignore[no-any-return]
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback kept as text only.
+
+    Its frames reach the dispatcher's loop, whose locals hold every worker
+    (and each worker's process sentinel): a caller keeping the exception
+    would keep those file descriptors open.
+    """
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc = exc.with_traceback(None)
+    if exc.__cause__ is None:
+        exc.__cause__ = _RemoteTraceback(cast(Any, text))
+    return exc
 
 
 def _set_result(future: Future[Any], result: Any) -> None:
