@@ -61,6 +61,26 @@ def _time_run(make: Callable[[], Any], tasks: int, workers: int) -> float:
     return elapsed / tasks
 
 
+class _Hosted:
+    """A pool made inside a simulated host, both closed together (a context manager)."""
+
+    def __init__(self, host: Any, make: Callable[[], Any]) -> None:
+        self._host = host
+        self._make = make
+        self._pool: Any = None
+
+    def __enter__(self) -> Any:
+        self._host.__enter__()
+        self._pool = self._make()
+        return self._pool.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._pool.__exit__(*exc)
+        finally:
+            self._host.__exit__(*exc)
+
+
 SCALING_EXECUTORS = ("stdlib (spawn)", "loky", "gpupool (host)", "gpupool (simulated card)")
 
 
@@ -249,23 +269,26 @@ def main(argv: list[str] | None = None) -> int:
         "loky": lambda: loky.ProcessPoolExecutor(args.workers),
         "gpupool (host)": lambda: GpuPoolExecutor(args.workers),
     }
-    host = None
     if args.simulated:
         from gpupool.testing import SimulatedDevice, SimulatedHost
 
-        host = SimulatedHost(devices=[SimulatedDevice(total="80GiB")], cpus=64, host_ram="256GiB")
-        host.__enter__()
-        executors["gpupool (simulated card)"] = lambda: GpuPoolExecutor(
-            args.workers, task_peak="1GiB"
-        )
-    try:
-        per_task_s: dict[str, float] = {}
+        def on_simulated_card() -> Any:
+            # The host is entered around this run only: inside it every gpupool
+            # pool reads the simulated card, the host-bounded one included.
+            host = SimulatedHost(
+                devices=[SimulatedDevice(total="80GiB")], cpus=64, host_ram="256GiB"
+            )
+            pool = _Hosted(host, lambda: GpuPoolExecutor(args.workers, task_peak="1GiB"))
+            return pool
+
+        executors["gpupool (simulated card)"] = on_simulated_card
+    # Interleave the executors over the repeats, so that a burst of noise on
+    # this shared machine does not land on one executor's runs only.
+    runs: dict[str, list[float]] = {name: [] for name in executors}
+    for _ in range(args.repeat):
         for name, make in executors.items():
-            runs = [_time_run(make, args.tasks, args.workers) for _ in range(args.repeat)]
-            per_task_s[name] = statistics.median(runs)
-    finally:
-        if host is not None:
-            host.__exit__(None, None, None)
+            runs[name].append(_time_run(make, args.tasks, args.workers))
+    per_task_s = {name: statistics.median(values) for name, values in runs.items()}
 
     base = per_task_s["stdlib (spawn)"]
     loky_s = per_task_s["loky"]

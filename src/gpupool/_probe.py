@@ -106,8 +106,7 @@ class Probe:
         if sensor is None or device is None:
             return
         try:
-            sensor.reset_process_peak(device, self._pid)
-            self._baseline_bytes = sensor.read_process_bytes(device, self._pid)
+            self._baseline_bytes = sensor.start_peak_window(device, self._pid)
         except Exception:
             self._baseline_bytes = None
         self._sampled_peak_bytes = self._baseline_bytes

@@ -130,6 +130,14 @@ class Sensor:
         """Start a new high-water window for ``pid`` (a no-op where unsupported)."""
         return None
 
+    def start_peak_window(self, device: DeviceInfo, pid: int) -> int | None:
+        """:meth:`reset_process_peak`, then :meth:`read_process_bytes` (the window's baseline).
+
+        Sensors that can do both in one step override it.
+        """
+        self.reset_process_peak(device, pid)
+        return self.read_process_bytes(device, pid)
+
     def read_host(self) -> HostCensus:
         """Usable CPUs and available RAM."""
         raise NotImplementedError

@@ -400,15 +400,26 @@ class Ledger:
 
         self._apply(change, writes=True)
 
-    def reset_window(self, device: int, pid: int) -> None:
-        """Start a new high-water window for ``pid`` on ``device`` at its bytes now."""
+    def reset_window(self, device: int, pid: int) -> int:
+        """Start a new high-water window for ``pid`` on ``device`` at its bytes now; returns them."""
+        proc_now = 0
 
-        def change(state: LedgerState) -> None:
+        def change(state: LedgerState) -> bool:
+            nonlocal proc_now
             proc = _device(state, device)["procs"].get(str(pid))
-            if proc is not None:
-                proc["window"] = _process_bytes(proc)
+            if proc is None:
+                return False
+            proc_now = _process_bytes(proc)
+            changed = proc["window"] != proc_now
+            proc["window"] = proc_now
+            return changed
 
-        self._apply(change, writes=True)
+        with self._locked() as size:
+            state = self._read(size)
+            pruned = _drop_dead(state)
+            if change(state) or pruned:
+                self._write(state, size)
+        return proc_now
 
 
 def _own_identity() -> str:
@@ -588,6 +599,10 @@ class SimulatedSensor(Sensor):
     def reset_process_peak(self, device: DeviceInfo, pid: int) -> None:
         """Start a new high-water window for ``pid`` at its bytes now."""
         self._ledger.reset_window(device.index, pid)
+
+    def start_peak_window(self, device: DeviceInfo, pid: int) -> int | None:
+        """Start a new high-water window and return ``pid``'s bytes now, in one ledger step."""
+        return self._ledger.reset_window(device.index, pid)
 
     def read_host(self) -> HostCensus:
         """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
