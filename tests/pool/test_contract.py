@@ -229,3 +229,11 @@ def test_map_progress_off_writes_nothing(host, capsys):
     with GpuPoolExecutor(max_workers=2, task_peak="1GiB", progress=False) as ex:
         assert list(ex.map(abs, [-1, -2])) == [1, 2]
     assert capsys.readouterr().err == ""
+
+
+def test_a_pool_for_three_items_starts_at_most_three_workers(host):
+    """Workers start lazily: three items on a pool of eight start at most three."""
+    with GpuPoolExecutor(max_workers=8, task_peak="1GiB") as pool:
+        assert list(pool.map(tasks.sleep_return, range(3), [0.3] * 3)) == [0, 1, 2]
+        started = pool.statistics().workers_started
+    assert 1 <= started <= 3
