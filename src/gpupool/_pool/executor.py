@@ -782,33 +782,36 @@ class _Dispatcher:
             self._retire(worker)
 
     def _finish(self, item: _WorkItem, kind: str, payload: bytes) -> None:
-        future = item.future
         if kind == "ok":
             try:
                 result = cloudpickle.loads(payload)
             except BaseException as exc:
-                error = BrokenProcessPool(
-                    "A result has failed to un-serialize in the parent. Please ensure that "
-                    "the objects returned by the function are always picklable."
+                self._fail(
+                    item,
+                    _broken_by(
+                        "A result has failed to un-serialize in the parent. Please ensure "
+                        "that the objects returned by the function are always picklable.",
+                        _detached(exc),
+                    ),
                 )
-                error.__cause__ = _detached(exc)
-                self.counts["failed"] += 1
-                _set_exception(future, error)
                 return
             self.counts["completed"] += 1
-            _set_result(future, result)
-            return
-        if kind == "unpickle":
-            error = BrokenProcessPool(
-                "A task has failed to un-serialize in the worker. Please ensure that the "
-                "arguments of the function are all picklable."
+            _set_result(item.future, result)
+        elif kind == "unpickle":
+            self._fail(
+                item,
+                _broken_by(
+                    "A task has failed to un-serialize in the worker. Please ensure that the "
+                    "arguments of the function are all picklable.",
+                    _load_exception(payload),
+                ),
             )
-            error.__cause__ = _load_exception(payload)
-            self.counts["failed"] += 1
-            _set_exception(future, error)
-            return
+        else:
+            self._fail(item, _load_exception(payload))
+
+    def _fail(self, item: _WorkItem, error: BaseException) -> None:
         self.counts["failed"] += 1
-        _set_exception(future, _load_exception(payload))
+        _set_exception(item.future, error)
 
     def _learn(self, item: _WorkItem, report: PeakReport) -> None:
         if report.rss_peak_bytes is not None and (
@@ -1310,6 +1313,12 @@ def _load_exception(payload: bytes) -> BaseException:
         return broken
     exc.__cause__ = _RemoteTraceback(tb)
     return exc  # type: ignore[no-any-return]
+
+
+def _broken_by(message: str, cause: BaseException) -> BrokenProcessPool:
+    error = BrokenProcessPool(message)
+    error.__cause__ = cause
+    return error
 
 
 def _detached(exc: BaseException) -> BaseException:

@@ -17,6 +17,7 @@ the container's limit (psutil #2100).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from gpupool._core.census import HostCensus
@@ -24,6 +25,7 @@ from gpupool._core.host import (
     CgroupCpu,
     CgroupMembership,
     CgroupMemory,
+    CgroupVersion,
     MemInfo,
     derive_available_ram,
     derive_usable_cpus,
@@ -98,14 +100,14 @@ def read_host_census(root: Path = Path("/"), *, affinity_count: int | None = Non
     v2_mount = _v2_mount(cgroup_root)
     if v2_mount is not None and membership.v2_path is not None:
         for directory, path in _levels(v2_mount, membership.v2_path):
-            memory = _read_v2_memory(directory, path)
+            memory = _read_memory("v2", directory, path)
             if memory is not None:
                 memory_levels.append(memory)
             cpu = _read_v2_cpu(directory, path)
             if cpu is not None:
                 cpu_levels.append(cpu)
     for directory, path in _v1_levels(cgroup_root, membership, "memory"):
-        v1_memory = _read_v1_memory(directory, path)
+        v1_memory = _read_memory("v1", directory, path)
         if v1_memory is not None:
             memory_levels.append(v1_memory)
     for directory, path in _v1_levels(cgroup_root, membership, "cpu"):
@@ -173,19 +175,37 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _read_v2_memory(directory: Path, path: str) -> CgroupMemory | None:
-    text = _read_text(directory / "memory.max")
+#: Per cgroup version: the limit file and its parser, the usage file, and the
+#: ``memory.stat`` key of the page cache that the kernel can reclaim.
+_MEMORY_FILES: dict[CgroupVersion, tuple[str, Callable[[str], int | None], str, str]] = {
+    "v2": ("memory.max", parse_memory_max, "memory.current", "inactive_file"),
+    "v1": (
+        "memory.limit_in_bytes",
+        parse_memory_limit_in_bytes,
+        "memory.usage_in_bytes",
+        "total_inactive_file",
+    ),
+}
+
+
+def _read_memory(version: CgroupVersion, directory: Path, path: str) -> CgroupMemory | None:
+    limit_file, parse_limit, usage_file, inactive_key = _MEMORY_FILES[version]
+    text = _read_text(directory / limit_file)
     if text is None:
         return None
     try:
-        limit = parse_memory_max(text)
+        limit = parse_limit(text)
     except ValueError:
         return None
-    usage = _read_int(directory / "memory.current")
+    usage = _read_int(directory / usage_file)
     stat_text = _read_text(directory / "memory.stat")
-    inactive = parse_memory_stat(stat_text).get("inactive_file") if stat_text else None
+    inactive = parse_memory_stat(stat_text).get(inactive_key) if stat_text else None
     return CgroupMemory(
-        version="v2", path=path, limit_bytes=limit, usage_bytes=usage, inactive_file_bytes=inactive
+        version=version,
+        path=path,
+        limit_bytes=limit,
+        usage_bytes=usage,
+        inactive_file_bytes=inactive,
     )
 
 
@@ -197,22 +217,6 @@ def _read_v2_cpu(directory: Path, path: str) -> CgroupCpu | None:
         return CgroupCpu(version="v2", path=path, quota_cpus=parse_cpu_max(text))
     except ValueError:
         return None
-
-
-def _read_v1_memory(directory: Path, path: str) -> CgroupMemory | None:
-    text = _read_text(directory / "memory.limit_in_bytes")
-    if text is None:
-        return None
-    try:
-        limit = parse_memory_limit_in_bytes(text)
-    except ValueError:
-        return None
-    usage = _read_int(directory / "memory.usage_in_bytes")
-    stat_text = _read_text(directory / "memory.stat")
-    inactive = parse_memory_stat(stat_text).get("total_inactive_file") if stat_text else None
-    return CgroupMemory(
-        version="v1", path=path, limit_bytes=limit, usage_bytes=usage, inactive_file_bytes=inactive
-    )
 
 
 def _read_v1_cpu(directory: Path, path: str) -> CgroupCpu | None:
