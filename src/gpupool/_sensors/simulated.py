@@ -401,7 +401,7 @@ class Ledger:
         self._apply(change, writes=True)
 
     def reset_window(self, device: int, pid: int) -> int:
-        """Start a new high-water window for ``pid`` on ``device`` at its bytes now; returns them."""
+        """Start a new high-water window for ``pid`` on ``device`` at its bytes now; return them."""
         proc_now = 0
 
         def change(state: LedgerState) -> bool:
