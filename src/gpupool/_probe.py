@@ -4,11 +4,14 @@ Runs inside every worker. It never creates a CUDA context: it looks at
 torch only when the task has already initialised CUDA in this process.
 Sources of the device peak, best first:
 
-1. the sensor's exact per-process high-water (the simulator's ledger);
-2. the sensor's per-process reading (NVML), sampled on a thread while the
+1. the sensor's exact per-process high-water window (the simulator's ledger);
+2. NVML accounting's lifetime maximum of the process, when accounting is on
+   and that maximum rose during the task (it cannot be reset, so a task that
+   stayed below an earlier one falls through to the next source);
+3. the sensor's per-process reading (NVML), sampled on a thread while the
    task runs, which includes the context and non-PyTorch allocations;
-3. torch's ``max_memory_reserved`` plus the bytes the process held before
-   the task (its context), when CUDA was initialised by the task.
+4. torch's ``max_memory_reserved`` plus the bytes the process held before
+   the task (its context), when CUDA was initialised by the task, if larger.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Probe:
         self._device_index = device_index
         self._pid = pid
         self._baseline_bytes: int | None = None
+        self._max_at_start: int | None = None
         self._sampled_peak_bytes: int | None = None
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -107,6 +111,7 @@ class Probe:
             return
         try:
             self._baseline_bytes = sensor.start_peak_window(device, self._pid)
+            self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
         except Exception:
             self._baseline_bytes = None
         self._sampled_peak_bytes = self._baseline_bytes
@@ -154,6 +159,14 @@ class Probe:
                     (v for v in (self._sampled_peak_bytes, now) if v is not None), default=None
                 )
                 source = f"{sensor.name}-sampled"
+                try:
+                    lifetime_max = sensor.read_process_max_bytes(device, self._pid)
+                except Exception:
+                    lifetime_max = None
+                if lifetime_max is not None and lifetime_max > (self._max_at_start or 0):
+                    # The driver's own maximum rose during this task: it is this
+                    # task's peak, and it misses no spike.
+                    peak, source = lifetime_max, f"{sensor.name}-accounting"
             torch_peak = _torch_peak_bytes(self._baseline_bytes)
             if torch_peak is not None and (peak is None or torch_peak > peak):
                 peak, source = torch_peak, "torch+baseline"

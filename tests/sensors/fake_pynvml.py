@@ -119,6 +119,7 @@ class FakeCard:
         mig_slots: ``None`` for MIG off; else one entry per slot, ``None``
             for an empty slot.
         errors: NVML function name -> error code to raise from that call.
+        accounting: ``None``: accounting mode off; else pid -> ``maxMemoryUsage``.
     """
 
     uuid: str
@@ -132,6 +133,7 @@ class FakeCard:
     processes_supported: bool = True
     mig_slots: list[FakeCard | None] | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    accounting: dict[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,17 @@ class FakePynvml(types.ModuleType):
             )
             for pid, used in rows
         ]
+
+    def nvmlDeviceGetAccountingMode(self, handle: _Handle) -> int:
+        self._check(handle, "nvmlDeviceGetAccountingMode")
+        return 0 if handle.card.accounting is None else 1
+
+    def nvmlDeviceGetAccountingStats(self, handle: _Handle, pid: int) -> Any:
+        self._check(handle, "nvmlDeviceGetAccountingStats")
+        accounting = handle.card.accounting
+        if accounting is None or pid not in accounting:
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return types.SimpleNamespace(maxMemoryUsage=accounting[pid], isRunning=1)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
         return self._processes(handle, "nvmlDeviceGetComputeRunningProcesses", handle.card.compute)

@@ -247,3 +247,40 @@ def test_import_gpupool_does_not_import_pynvml() -> None:
         "assert 'psutil' not in sys.modules, 'psutil imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_accounting_max_is_read_only_when_accounting_is_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """maxMemoryUsage comes back with accounting on; None with it off or for an unknown PID."""
+    card = h100(0, accounting={100: 7 * GiB})
+    install(monkeypatch, FakePynvml([card, h100(1)]))
+    sensor = NvmlSensor()
+    on, off = sensor.read_devices()
+    assert sensor.read_process_max_bytes(on, 100) == 7 * GiB
+    assert sensor.read_process_max_bytes(on, 999) is None
+    assert sensor.read_process_max_bytes(off, 100) is None
+
+
+def test_probe_prefers_accounting_when_it_rose_during_the_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe reports NVML accounting's maximum when it rose during the task, else sampling."""
+    from gpupool._probe import Probe
+
+    pid = os.getpid()
+    card = h100(0, compute=[(pid, 1 * GiB)], accounting={pid: 2 * GiB})
+    install(monkeypatch, FakePynvml([card]))
+    sensor = NvmlSensor()
+    device = sensor.read_devices()[0]
+
+    probe = Probe(sensor, device, 0, pid)
+    probe.start()
+    card.accounting = {pid: 5 * GiB}  # a spike between samples, seen by the driver
+    rose = probe.stop()
+    assert (rose.device_peak_bytes, rose.device_source) == (5 * GiB, "nvml-accounting")
+
+    probe.start()
+    card.compute = [(pid, 3 * GiB)]  # below the lifetime maximum: accounting cannot tell
+    stayed = probe.stop()
+    assert (stayed.device_peak_bytes, stayed.device_source) == (3 * GiB, "nvml-sampled")

@@ -126,6 +126,14 @@ class Sensor:
         """
         return None
 
+    def read_process_max_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """The driver's own maximum of ``pid``'s device bytes over the process's life.
+
+        ``None`` where the driver keeps none (the default). It cannot be reset,
+        so the probe uses it for a task only when it rose during that task.
+        """
+        return None
+
     def reset_process_peak(self, device: DeviceInfo, pid: int) -> None:
         """Start a new high-water window for ``pid`` (a no-op where unsupported)."""
         return None

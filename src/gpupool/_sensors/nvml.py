@@ -52,6 +52,9 @@ _FUNCTION_NOT_FOUND = 13
 #: ``nvmlDeviceGetMigMode``'s "current mode" value for MIG enabled.
 _MIG_ENABLED = 1
 
+#: ``NVML_FEATURE_ENABLED``: what ``nvmlDeviceGetAccountingMode`` answers when on.
+_FEATURE_ENABLED = 1
+
 
 def _code(exc: BaseException) -> int | None:
     value = getattr(exc, "value", None)
@@ -382,6 +385,30 @@ class NvmlSensor(Sensor):
                 continue
             merged[pid] = ProcessReading(pid=pid, used_bytes=used_bytes)
         return tuple(merged.values())
+
+    def read_process_max_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """``pid``'s device high-water over its life, from NVML accounting, when it is on.
+
+        NVML calls: ``nvmlDeviceGetAccountingMode`` and
+        ``nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage``
+        (``nvidia-smi --query-accounted-apps=pid,max_memory_usage``). The driver
+        keeps it only with accounting enabled (root: ``nvidia-smi -am 1``), and
+        not on MIG instances; it misses no spike, which sampling can.
+
+        Returns:
+            The bytes, or ``None`` when accounting is off, unsupported, or has
+            no record of ``pid``.
+        """
+        lib = self._nvml()
+        try:
+            handle = self._handle(device)
+            if int(lib.nvmlDeviceGetAccountingMode(handle)) != _FEATURE_ENABLED:
+                return None
+            stats = lib.nvmlDeviceGetAccountingStats(handle, pid)
+        except (lib.NVMLError, SensorError, AttributeError):
+            return None
+        value = getattr(stats, "maxMemoryUsage", None)
+        return None if value is None else int(value)
 
     @staticmethod
     def _process_list(lib: ModuleType, handle: Any, function: str) -> list[Any] | None:
