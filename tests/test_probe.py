@@ -98,3 +98,29 @@ def test_torch_oom_is_recognised_and_the_probe_creates_no_context():
         report = probe.stop()
     assert report.device_source == "simulator"
     assert not torch.cuda.is_initialized()
+
+
+def test_torch_peak_counts_when_the_task_initialised_cuda(monkeypatch):
+    """With CUDA initialised by the task, torch's reserved peak plus the baseline is reported,
+    and the cached blocks are returned afterwards."""
+    import sys
+    import types
+
+    calls: list[str] = []
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        max_memory_reserved=lambda: 5 * GiB,
+        reset_peak_memory_stats=lambda: calls.append("reset"),
+        empty_cache=lambda: calls.append("empty_cache"),
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        with hold("1GiB"):
+            pass  # the context is charged: the baseline
+        probe = Probe(host.sensor(), info, 0, os.getpid())
+        probe.start()
+        report = probe.stop()
+    assert report.device_source == "torch+baseline"
+    assert report.device_peak_bytes == 5 * GiB + 300 * MiB
+    assert calls == ["reset", "empty_cache"]
