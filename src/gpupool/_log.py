@@ -84,5 +84,12 @@ class DecisionLog:
 
 
 _WARN = frozenset(
-    {"out_of_memory", "worker_lost", "fixed_width_over_bound", "serial_start", "narrowed"}
+    {
+        "out_of_memory",
+        "worker_lost",
+        "fixed_width_over_bound",
+        "serial_start",
+        "narrowed",
+        "sensor_error",
+    }
 )

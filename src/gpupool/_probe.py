@@ -39,7 +39,7 @@ SAMPLE_INTERVAL_S = 0.010
 # shared/reference/nvml-and-cuda-memory.md, section 6.4).
 _OOM_PATTERNS = re.compile(
     r"CUDA out of memory|CUDA error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
-    r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|RESOURCE_EXHAUSTED"
+    r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|RESOURCE_EXHAUSTED: Out of memory"
     r"|device \d+ out of memory|HIP out of memory|out of memory on device",
     re.IGNORECASE,
 )
@@ -62,7 +62,15 @@ def is_device_oom(exc: BaseException) -> bool:
     for cls in type(exc).__mro__:
         if (cls.__module__, cls.__name__) in _OOM_TYPES:
             return True
-    return bool(_OOM_PATTERNS.search(str(exc)))
+    return bool(_OOM_PATTERNS.search(_text(exc)))
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or ``""`` when the exception's own ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
 
 
 def requested_bytes_of(exc: BaseException) -> int | None:
@@ -70,7 +78,7 @@ def requested_bytes_of(exc: BaseException) -> int | None:
     value = getattr(exc, "requested_bytes", None)
     if isinstance(value, int):
         return value
-    match = _TRIED.search(str(exc))
+    match = _TRIED.search(_text(exc))
     if match:
         try:
             return parse_size(match.group(1))
@@ -111,9 +119,12 @@ class Probe:
             return
         try:
             self._baseline_bytes = sensor.start_peak_window(device, self._pid)
-            self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
         except Exception:
             self._baseline_bytes = None
+        try:
+            self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
+        except Exception:
+            self._max_at_start = None
         self._sampled_peak_bytes = self._baseline_bytes
         self._exact = type(sensor).read_process_peak_bytes is not _base_peak()
         if not self._exact:
@@ -139,7 +150,11 @@ class Probe:
         peak: int | None = None
         source = "none"
         sensor, device = self._sensor, self._device
-        if sensor is not None and device is not None:
+        if sensor is None or device is None:
+            _torch_peak_bytes(
+                None
+            )  # still give cached blocks back: an idle worker keeps its context only
+        else:
             if self._exact:
                 try:
                     peak = sensor.read_process_peak_bytes(device, self._pid)

@@ -69,7 +69,7 @@ from gpupool._errors import (
     WidthError,
     WorkerLostError,
 )
-from gpupool._log import DecisionLog
+from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool.worker import worker_main
 
 if TYPE_CHECKING:
@@ -131,9 +131,12 @@ class WorkItem:
         "future",
         "hint_bytes",
         "key",
+        "priced_bytes",
+        "shared",
         "started",
         "task_id",
         "tries",
+        "wait_below",
     )
 
     def __init__(
@@ -146,7 +149,15 @@ class WorkItem:
         self.hint_bytes = hint_bytes
         self.started = False
         self.tries = 0
+        # Booked: what admission counts (raised if the key's ask rises while it
+        # runs). Priced: its ask when it started, which an out-of-memory judges.
         self.booked_bytes = 0
+        self.priced_bytes = 0
+        # Whether another task of the pool ran on its card while it did: only
+        # then can an out-of-memory be someone else's doing, and be retried.
+        self.shared = False
+        # Fixed width after an out-of-memory: start only while fewer than this run.
+        self.wait_below: int | None = None
 
 
 class _Worker:
@@ -264,6 +275,9 @@ class Dispatcher:
         self.child_rss_bytes: int | None = None
         self.shutdown_requested = False
         self.cancel_requested = False
+        self.stopped = False
+        self.kill_signal: int | None = None
+        self.signalled: set[int] = set()
         self.broken: str | None = None
         self.broken_exc: BaseException | None = None
         # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained
@@ -288,19 +302,31 @@ class Dispatcher:
         _dispatchers.add(self)
         self.thread.start()
 
-    def wake(self) -> None:
-        if not self.wake_flag:
+    def _wake_locked(self) -> None:
+        """Wake the dispatcher; the caller holds ``self.lock`` (so the pipe is still open)."""
+        if not self.wake_flag and not self.stopped:
             self.wake_flag = True
             try:
                 os.write(self.wake_writer, b"\0")
-            except OSError:
-                pass  # full (the dispatcher is awake anyway) or closed (it has stopped)
+            except BlockingIOError:
+                pass  # full: the dispatcher has wake-ups to read anyway
 
     def enqueue(self, item: WorkItem) -> None:
+        """Hand a task to the dispatcher.
+
+        Raises:
+            BrokenProcessPool: the pool broke (checked under the dispatcher's lock,
+                so no task is appended after the dispatcher has stopped).
+            RuntimeError: the dispatcher has stopped.
+        """
         with self.lock:
+            if self.broken is not None:
+                raise copy_broken(self.broken_exc, self.broken)
+            if self.stopped:
+                raise RuntimeError("cannot schedule new futures after shutdown")
             self.pending.append(item)
             self.counts["submitted"] += 1
-        self.wake()
+            self._wake_locked()
 
     def request_shutdown(self, cancel_futures: bool = False) -> None:
         """Stop taking work; with ``cancel_futures`` the dispatcher cancels what it has not
@@ -309,14 +335,53 @@ class Dispatcher:
             self.shutdown_requested = True
             if cancel_futures:
                 self.cancel_requested = True
-        self.wake()
+            self._wake_locked()
+
+    def request_kill(self, sig: int) -> None:
+        """``terminate_workers``/``kill_workers``: cancel what has not started, fail what
+        waits to be retried, start nothing more, and signal every worker (the dispatcher
+        does it, so a worker being started right now is signalled too)."""
+        with self.lock:
+            self.shutdown_requested = True
+            self.cancel_requested = True
+            self.kill_signal = sig
+            self._wake_locked()
+
+    def _kill_workers(self) -> None:
+        assert self.kill_signal is not None
+        with self.lock:
+            items = list(self.pending)
+            self.pending.clear()
+        for item in items:
+            if item.started:
+                self._fail(item, WorkerLostError("the pool's workers were stopped before this ran"))
+            elif item.future.cancel():
+                item.future.set_running_or_notify_cancel()
+                self.counts["cancelled"] += 1
+        for worker in self._all_workers():
+            if worker.pid not in self.signalled:
+                self.signalled.add(worker.pid)
+                try:
+                    os.kill(worker.pid, self.kill_signal)
+                except ProcessLookupError:
+                    pass
 
     def _cancel_pending(self) -> None:
         with self.lock:
             self.cancel_requested = False
-            for item in self.pending:
-                if not item.started:
-                    item.future.cancel()
+            items = [item for item in self.pending if not item.started]
+        # Outside the lock: a cancelled future's callbacks may call shutdown().
+        for item in items:
+            item.future.cancel()
+
+    def close(self) -> None:
+        """Release the dispatcher's descriptors (its thread's last act, or a failed start)."""
+        with self.lock:
+            self.stopped = True
+        self.log.close()
+        self.selector.close()
+        os.close(self.wake_reader)
+        os.close(self.wake_writer)
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
@@ -334,8 +399,11 @@ class Dispatcher:
         try:
             self._loop()
         except BaseException as exc:  # never leave a future pending
+            LOGGER.critical("the gpupool dispatcher thread crashed", exc_info=True)
             self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
         finally:
+            with self.lock:
+                self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
             self.record(
                 Decision(
@@ -361,10 +429,7 @@ class Dispatcher:
                     },
                 )
             )
-            self.log.close()
-            self.selector.close()
-            os.close(self.wake_reader)
-            os.close(self.wake_writer)
+            self.close()
 
     def _all_workers(self) -> list[_Worker]:
         if not self.devices:
@@ -382,6 +447,8 @@ class Dispatcher:
             except BlockingIOError:
                 pass
             self.wake_flag = False
+            if self.kill_signal is not None:
+                self._kill_workers()
             gated = self._schedule()
             if self.cancel_requested:
                 self._cancel_pending()
@@ -474,7 +541,14 @@ class Dispatcher:
                 item.started = True
             # RUNNING before a worker is started for it: a shutdown that cancels
             # pending work while the worker starts can no longer take this task.
-            worker = self._start(placement) if isinstance(placement, _Spawn) else placement
+            if isinstance(placement, _Spawn):
+                try:
+                    worker = self._start(placement)
+                except BaseException as exc:
+                    self._fail(item, _broken_by(f"could not start a worker process: {exc!r}", exc))
+                    raise
+            else:
+                worker = placement
             self._send(item, worker)
 
     def _place(self, item: WorkItem) -> _Worker | _Spawn | str | None:
@@ -486,6 +560,8 @@ class Dispatcher:
         ask = self._ask_for(item)
         if self.fixed_width is not None:
             device = min(self.devices, key=lambda d: (len(d.running()), d.index))
+            if item.wait_below is not None and len(device.running()) >= item.wait_below:
+                return None  # a retried task waits for its card to run fewer than it did
             return self._worker_for(device, device.workers)
         decisions = {d.device: d for d in self.decide(ask)}
         candidates = sorted(
@@ -653,7 +729,12 @@ class Dispatcher:
 
     def _send(self, item: WorkItem, worker: _Worker) -> None:
         if worker.device is not None:
-            item.booked_bytes = self.asks.ask(item.key).ask_bytes
+            item.booked_bytes = item.priced_bytes = self.asks.ask(item.key).ask_bytes
+            neighbours = [w.task for w in self.devices[worker.device].running() if w is not worker]
+            item.shared = bool(neighbours)
+            for other in neighbours:
+                if other is not None:
+                    other.shared = True
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
@@ -685,7 +766,7 @@ class Dispatcher:
             return
         kind, report_tuple, payload = pickle.loads(message)
         item = worker.queue.popleft() if worker.queue else None
-        ask_bytes = item.booked_bytes if item is not None else 0
+        ask_bytes = item.priced_bytes if item is not None else 0
         now = time.monotonic()
         if item is not None:
             took = now - worker.started_s
@@ -779,13 +860,30 @@ class Dispatcher:
                     width_before=ceiling_before.value,
                     width_after=self.ceiling.value,
                 )
-        if report.device_peak_bytes is None or report.device is None:
+        if report.device is None:
+            return
+        if report.device_peak_bytes is None:
+            self._sensor_error(
+                self.devices[report.device],
+                self.asks.ask(item.key),
+                RuntimeError("a worker could not measure its task's device peak"),
+                f"{item.key}'s ask stays as it was (no measurement)",
+            )
             return
         before = self.asks.ask(item.key)
         after = self.asks.measure(item.key, report.device_peak_bytes)
+        self._rebook(item.key, after.ask_bytes)
         self._reread_own()
         if before.basis != after.basis or after.ask_bytes > before.ask_bytes:
             self._redecide(item.key, before, after, report)
+
+    def _rebook(self, key: str, ask_bytes: int) -> None:
+        """Running tasks of ``key`` may reach its new, larger ask: book them at it."""
+        for device in self.devices:
+            for worker in device.workers:
+                for queued in worker.queue:
+                    if queued.key == key and queued.booked_bytes < ask_bytes:
+                        queued.booked_bytes = ask_bytes
 
     def _reread_own(self) -> None:
         now = time.monotonic()
@@ -812,6 +910,8 @@ class Dispatcher:
             device = self.devices[decision.device]
             old = device.width
             new = decision.width
+            if device.oom_cap is not None:
+                new = min(new, device.oom_cap)  # the cap an out-of-memory set still holds
             if new == old:
                 continue
             changed = True
@@ -892,6 +992,7 @@ class Dispatcher:
         if lower_bound > 0:
             self.asks.measure(item.key, lower_bound)
         after = self.asks.ask(item.key)
+        self._rebook(item.key, after.ask_bytes)
         others = [w for w in device.running() if w is not worker] if device else []
         live_free: int | None = None
         live_used: int | None = None
@@ -911,7 +1012,9 @@ class Dispatcher:
             mine = [rows.get(w.pid) for w in device.workers]
             if mine and all(b is not None for b in mine):
                 live_pool = sum(b or 0 for b in mine)
-        retry = self.retry_oom and bool(others)
+        # Retried when another task of the pool ran beside it at any time while it
+        # ran (not only when the report arrives: a neighbour may have finished since).
+        retry = self.retry_oom and (item.shared or bool(others))
         running_then = len(others) + 1
         new_cap = max(1, running_then - 1)
         bound = self._bound(device, before) if device is not None else None
@@ -943,7 +1046,12 @@ class Dispatcher:
                     f"{format_size(ask_bytes)} beside {len(others)} other running; live "
                     f"{format_size(live_used)} used, {format_size(live_free)} free; "
                     + (
-                        f"retrying at width {new_cap}"
+                        (
+                            f"retrying once its card runs at most {new_cap - 1} other "
+                            f"task(s) (the fixed width {self.fixed_width} stays)"
+                            if self.fixed_width is not None
+                            else f"retrying at width {new_cap}"
+                        )
                         if retry
                         else "it ran alone, so the error goes to its future"
                         if self.retry_oom
@@ -951,10 +1059,19 @@ class Dispatcher:
                     )
                 ),
                 bound=bound,
+                ceiling=self.ceiling,
                 key=item.key,
                 extra=extra,
             )
         )
+        if retry and device is not None and self.fixed_width is not None:
+            # Explicit concurrency is authoritative: the width stays, and the
+            # retried task waits until its card runs fewer than it did.
+            item.wait_below = new_cap
+            self.counts["retries"] += 1
+            with self.lock:
+                self.pending.appendleft(item)
+            return
         if retry and device is not None:
             old_width = device.width
             if lower_bound > ask_bytes:
@@ -978,8 +1095,13 @@ class Dispatcher:
                     f"the task stayed within its ask ({format_size(ask_bytes)}), so something "
                     f"else on the card grew; at most {device.oom_cap} at once from now on"
                 )
-            if self.strict and new_width < self.max_workers:
+            if (
+                self.strict
+                and new_width < old_width
+                and new_width < min(self.max_workers, self.ceiling.value)
+            ):
                 self._strict_refusal(self.decide(after)[device.index], running_then)
+                _set_exception(item.future, copy_broken(self.broken_exc, self.broken or ""))
                 return
             device.width = max(1, new_width)
             self.record(
@@ -993,6 +1115,7 @@ class Dispatcher:
                         f"card {device.index}: out of memory with {running_then} running; {why}"
                     ),
                     bound=bound,
+                    ceiling=self.ceiling,
                     key=item.key,
                     limit="out_of_memory",
                     extra={"oom_cap": device.oom_cap},
@@ -1140,6 +1263,7 @@ class Dispatcher:
                 _set_exception(item.future, copy_broken(self.broken_exc, self.broken))
             elif item.future.cancel():
                 item.future.set_running_or_notify_cancel()
+                self.counts["cancelled"] += 1
             else:
                 _set_exception(
                     item.future, WorkerLostError("the pool stopped before this task ran")

@@ -66,7 +66,7 @@ class TaskOptions:
 
     Attributes:
         key: tasks with the same key share one learned ask; by default the
-            key is the function's qualified name.
+            key is the function's module and qualified name.
         task_peak: an estimate of this key's device peak, used until a child
             of the key reports a measurement.
     """
@@ -170,9 +170,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             ``CUDA_VISIBLE_DEVICES`` leaves visible).
         width: fixed-width mode: run exactly this many at once, whatever the
             bound says (logged when it exceeds the bound).
-        strict: refuse to narrow below ``max_workers``: raise
-            :class:`~gpupool.WidthError` at construction, and break the pool
-            with it if a later measurement or out-of-memory would narrow.
+        strict: refuse to let memory narrow the pool below ``max_workers``:
+            raise :class:`~gpupool.WidthError` at construction, and break the
+            pool with it if a later measurement or out-of-memory would narrow
+            (the CPU and host-RAM ceiling still apply).
         retry_oom: retry a task that ran out of device memory at a narrower
             width (default); it reaches its future only when it ran alone.
         log_path: append every decision to this JSON Lines file.
@@ -348,7 +349,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             log=log,
             env=worker_env,
         )
-        self._construct(peak_bytes)
+        try:
+            self._construct(peak_bytes)
+        except BaseException:
+            self._dispatcher.close()  # no thread will: give its descriptors back
+            raise
         self._dispatcher.start()
         weakref.finalize(self, self._dispatcher.request_shutdown)
 
@@ -412,7 +417,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 + "; ".join(x.describe() for x in decisions)
                 + ". Free the card, lower max_workers, or drop strict=True."
             )
-            d.log.close()
             raise WidthError(message, decision=decision_dict(narrow, self._max_workers))
 
     # -- CPython compatibility attributes ------------------------------------------------
@@ -586,13 +590,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._force(signal.SIGKILL)
 
     def _force(self, sig: signal.Signals) -> None:
-        processes = list(self._dispatcher.processes.values())
-        self.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            try:
-                os.kill(process.pid, sig)
-            except (ProcessLookupError, ValueError, TypeError):
-                pass
+        with self._shutdown_lock:
+            self._shutdown = True
+        self._dispatcher.request_kill(sig)
 
     # -- what the pool decided ----------------------------------------------------------
 

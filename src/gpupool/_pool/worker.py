@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from gpupool._core.peak import PeakReport
+
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
@@ -115,7 +117,12 @@ def worker_main(
             result: Any = fn(*args, **kwargs)
         except BaseException as exc:
             failure = exc
-        report = probe.stop(oom=failure if failure is not None and is_device_oom(failure) else None)
+        try:
+            oom = failure if failure is not None and is_device_oom(failure) else None
+            report = probe.stop(oom=oom)
+        except Exception:
+            # A measurement that fails must not cost the task its result.
+            report = PeakReport(device=device_index, device_peak_bytes=None, device_source="none")
         del fn, args, kwargs
         if failure is None:
             try:

@@ -1,0 +1,182 @@
+"""Regressions from a review of the dispatcher: each pins a defect that once left a future
+pending, leaked a descriptor, or logged a width the pool did not run."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+import regress_tasks as rt
+
+from gpupool import GpuPoolExecutor, WidthError
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+pytestmark = pytest.mark.faults
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_strict_oom_beside_a_neighbour_leaves_no_future_pending():
+    """strict=True: an out-of-memory that would narrow breaks the pool, and both futures end."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="4GiB", reserve=0)
+        try:
+            a = ex.submit(rt.hold_after, 0, "6GiB", 0.0, 2.0)
+            b = ex.submit(rt.hold_after, 1, "6GiB", 0.5, 0.0)
+            _, not_done = concurrent.futures.wait([a, b], timeout=30)
+            assert not not_done
+            assert isinstance(b.exception(), WidthError)
+        finally:
+            ex.shutdown()
+
+
+def test_a_worker_that_cannot_start_fails_its_task():
+    """initargs that cannot be pickled when a worker starts fail the task, never hang it."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+        ex = GpuPoolExecutor(
+            max_workers=1, task_peak="1GiB", initializer=print, initargs=(threading.Lock(),)
+        )
+        try:
+            future = ex.submit(rt.sleep_for, 0.0)
+            with pytest.raises(BrokenProcessPool, match=r"could not start a worker process"):
+                future.result(timeout=30)
+        finally:
+            ex.shutdown()
+
+
+def test_a_second_shutdown_writes_nothing_into_a_reused_descriptor(tmp_path):
+    """After the dispatcher closed its wake pipe, a later shutdown() never writes to that fd."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+        ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+        assert ex.submit(rt.sleep_for, 0.0).result(timeout=30) == 0.0
+        ex.shutdown()
+        path = tmp_path / "victim.bin"
+        with path.open("wb") as victim:
+            ex.shutdown()
+            del ex
+            import gc
+
+            gc.collect()
+            victim.flush()
+        assert path.read_bytes() == b""
+
+
+def test_an_oom_beside_a_neighbour_that_has_since_finished_is_retried():
+    """A task that ran out of memory while a neighbour ran is retried, even if the neighbour
+    finished before the report arrived."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="4GiB", reserve=0) as ex:
+            a = ex.submit(rt.hold_after, 0, "6GiB", 0.0, 1.0)
+            b = ex.submit(rt.hold_after, 1, "6GiB", 0.3, 0.0, 1.5)
+            assert a.result(timeout=30) == 0
+            assert b.result(timeout=30) == 1
+            assert ex.statistics().retries >= 1
+
+
+def test_an_exception_whose_str_raises_reaches_its_future():
+    """An exception that cannot be turned into text still reaches its future with its type."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+            with pytest.raises(rt.BadStrError):
+                ex.submit(rt.raise_bad_str).result(timeout=30)
+            assert ex.statistics().workers_lost == 0
+
+
+def test_refused_strict_constructions_leak_no_descriptors():
+    """A constructor that raises gives its descriptors back."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=16, host_ram="64GiB"):
+        with pytest.raises(WidthError):  # the first opens the ledger, which stays cached
+            GpuPoolExecutor(max_workers=4, task_peak="8GiB", strict=True)
+        before = _fds()
+        for _ in range(10):
+            with pytest.raises(WidthError):
+                GpuPoolExecutor(max_workers=4, task_peak="8GiB", strict=True)
+        assert _fds() == before
+
+
+def test_a_done_callback_that_stops_the_pool_does_not_deadlock_shutdown():
+    """A cancelled future's callback may call terminate_workers() during shutdown(cancel)."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+        ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+        running = ex.submit(rt.sleep_for, 1.0)
+        queued = ex.submit(rt.sleep_for, 0.0)
+        queued.add_done_callback(lambda f: ex.terminate_workers() if f.cancelled() else None)
+        time.sleep(0.3)
+        t = threading.Thread(target=ex.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+        assert running.done()
+        assert queued.cancelled()
+
+
+def test_the_reported_width_never_passes_an_out_of_memory_cap():
+    """After an out-of-memory capped a card, a later measurement cannot report it wider."""
+    with SimulatedHost(
+        [SimulatedDevice("16GiB", co_tenants={"serve": "0GiB"})],
+        cpus=8,
+        host_ram="64GiB",
+        context="0MiB",
+    ) as host:
+        with GpuPoolExecutor(max_workers=4, task_peak="3GiB", reserve=0) as ex:
+            a = ex.submit(rt.hold_after, 0, "2GiB", 0.6, 0.1)
+            b = ex.options(key="b").submit(rt.hold_after, 1, "512MiB", 0.0, 1.5)
+            time.sleep(0.3)
+            host.grow("serve", "14GiB")
+            concurrent.futures.wait([a], timeout=30)
+            host.shrink("serve", "14GiB")
+            b.result(timeout=30)
+            cap = ex._dispatcher.devices[0].oom_cap
+            futures = [ex.options(key="b").submit(rt.sleep_for, 0.0) for _ in range(4)]
+            concurrent.futures.wait(futures, timeout=30)
+            if cap is not None:
+                assert ex.width <= cap
+                assert all(
+                    d.width_after is None or d.width_after <= cap
+                    for d in ex.decisions
+                    if d.device == 0 and d.event in {"widened", "narrowed"} and d.time_s > 0.3
+                )
+
+
+def test_strict_oom_without_narrowing_keeps_the_pool():
+    """strict=True with the width set by the CPUs: an out-of-memory retry that does not narrow
+    below that width does not break the pool."""
+    with SimulatedHost(
+        [SimulatedDevice("20GiB", co_tenants={"serve": "0GiB"})],
+        cpus=2,
+        host_ram="64GiB",
+        context="0MiB",
+    ) as host:
+        ex = GpuPoolExecutor(max_workers=4, strict=True, task_peak="4GiB", reserve=0)
+        try:
+            assert ex.width == 2
+            a = ex.submit(rt.hold_after, 0, "5GiB", 0.0, 1.5)
+            b = ex.submit(rt.hold_after, 1, "5GiB", 0.5, 0.0)
+            time.sleep(0.2)
+            host.grow("serve", "12GiB")
+            concurrent.futures.wait([a, b], timeout=30)
+            host.shrink("serve", "12GiB")
+            assert a.result() == 0
+            assert not ex._broken
+            assert ex.submit(rt.sleep_for, 0.0).result(timeout=30) == 0.0
+        finally:
+            ex.shutdown()
+
+
+def test_fixed_width_oom_retries_wait_for_the_neighbour():
+    """Fixed width: a retried task waits for its neighbour instead of re-running out at once."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        with GpuPoolExecutor(width=2, task_peak="4GiB", reserve=0) as ex:
+            a = ex.submit(rt.hold_after, 0, "6GiB", 0.0, 2.0)
+            b = ex.submit(rt.hold_after, 1, "6GiB", 0.3, 0.0)
+            assert (a.result(timeout=30), b.result(timeout=30)) == (0, 1)
+            stats = ex.statistics()
+            assert stats.out_of_memory == 1
+            assert stats.retries == 1
+            assert ex.width == 2
