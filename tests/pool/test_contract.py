@@ -214,6 +214,8 @@ def test_width_decisions_and_statistics_are_exposed(pool):
     assert stats.width == 2
     with pytest.raises(AttributeError):
         stats.width = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        stats.asks["x"] = stats.asks  # type: ignore[index]
 
 
 def test_map_progress_bar_shows_width_and_keeps_results(host, capsys):

@@ -1029,6 +1029,7 @@ class Dispatcher:
             "census_co_tenant_bytes": device.census.co_tenant_bytes if device else None,
             "booked_bytes": sum(w.ask_bytes for w in others) + ask_bytes,
             "running": running_then,
+            "tries": item.tries,
             "retry": retry,
             "error": f"{type(exc).__name__}: {exc}"[:500],
         }

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.census import Census
@@ -283,7 +284,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         if progress is not None and not isinstance(progress, bool):
             raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
         self._progress = progress
-        self._max_workers_given = max_workers
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
@@ -627,7 +627,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             live_gate_waits=counts["gate_waits"],
             width=d.width,
             widths=tuple(d.widths),
-            asks={k: d.asks.ask(k) for k in d.asks.keys()},  # noqa: SIM118
+            asks=MappingProxyType({k: d.asks.ask(k) for k in d.asks.keys()}),  # noqa: SIM118
         )
 
 
