@@ -197,7 +197,7 @@ def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, 
     try:
         text = raw.decode("utf-8")
         value = json.loads(text, parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         if last and raw.lstrip().startswith(b"{"):
             raise DecisionLogError(
                 f"{path}, line {number}: truncated (the file ends in the middle of a record: "
@@ -231,7 +231,18 @@ def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, 
             path=path,
             line=number,
         )
-    if value["event"] not in EVENTS:
+    for key, item in value.items():
+        # Records are flat (Decision.to_dict): scalars only, byte counts within int64.
+        if isinstance(item, (dict, list)) or (
+            isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**63
+        ):
+            raise DecisionLogError(
+                f"{path}, line {number}: {key!r} holds {type(item).__name__} "
+                f"{str(item)[:40]!r}, not a value a decision record has",
+                path=path,
+                line=number,
+            )
+    if not isinstance(value["event"], str) or value["event"] not in EVENTS:
         raise DecisionLogError(
             f"{path}, line {number}: unknown event {value['event']!r} for schema {schema}",
             path=path,
@@ -445,7 +456,7 @@ def analyse_oom(
     )
     return OomAnalysis(
         line=line,
-        time_s=float(record.get("time_s") or 0.0),
+        time_s=_finite(record.get("time_s")),
         device=_int(record, "device"),
         key=record.get("key") if isinstance(record.get("key"), str) else None,
         total_bytes=total,

@@ -397,19 +397,40 @@ class GpuPoolPlugin(WorkerPlugin):
         if worker.executors.get(self.executor_name) is executor:
             del worker.executors[self.executor_name]
         pool = executor.pool
-        pool.shutdown(wait=False, cancel_futures=True)
         try:
-            await asyncio.wait_for(asyncio.to_thread(pool.shutdown), self.shutdown_timeout)
-        except asyncio.TimeoutError:
-            logger.warning(
-                "gpupool.dask: tasks still running %.0f s after teardown began; "
-                "terminating the pool's workers",
-                self.shutdown_timeout,
-            )
-            pool.terminate_workers()
+            pool.shutdown(wait=False, cancel_futures=True)
+            if not await _joined(pool, self.shutdown_timeout):
+                logger.warning(
+                    "gpupool.dask: tasks still running %.0f s after teardown began; "
+                    "terminating the pool's workers",
+                    self.shutdown_timeout,
+                )
+                pool.terminate_workers()
+                if not await _joined(pool, _TERMINATE_GRACE_S):
+                    logger.warning("gpupool.dask: workers ignored SIGTERM; killing them")
+                    pool.kill_workers()
+                    await _joined(pool, _TERMINATE_GRACE_S)
+        except BaseException:
+            # Cancelled or failed teardown: leave no worker behind.
+            pool.kill_workers()
+            raise
         finally:
+            # Only now, with the workers gone, may the simulated ledger go.
             if executor.host is not None:
                 executor.host.__exit__(None, None, None)
+
+
+#: How long teardown waits after SIGTERM before it sends SIGKILL.
+_TERMINATE_GRACE_S = 5.0
+
+
+async def _joined(pool: GpuPoolExecutor, timeout_s: float) -> bool:
+    """Wait (off the event loop) up to ``timeout_s`` for the pool to finish shutting down."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(pool.shutdown), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 def register(client: Client, name: str = "gpu", **kwargs: Any) -> GpuPoolPlugin:

@@ -246,6 +246,11 @@ class SimulatedDevice:
         return hash((self._total_bytes, tuple(self._co_tenants.items()), self._unified))
 
 
+#: Ledgers of hosts that have exited in this process: a host exited after an
+#: older one must not restore the variable to the older one's removed ledger.
+_EXITED_LEDGERS: set[str] = set()
+
+
 class SimulatedHost:
     """A simulated GPU host shared by this process and every process started inside the block.
 
@@ -330,10 +335,14 @@ class SimulatedHost:
             self._final = ledger.remove()
         finally:
             self._ledger = self._directory = None
-            if self._saved_env is None:
-                os.environ.pop(SIMULATOR_ENV, None)
-            else:
-                os.environ[SIMULATOR_ENV] = self._saved_env
+            # Restore only what this host set: hosts exited out of order must
+            # not leave the variable naming a ledger that is gone.
+            _EXITED_LEDGERS.add(ledger.path)
+            if os.environ.get(SIMULATOR_ENV) == ledger.path:
+                if self._saved_env is None or self._saved_env in _EXITED_LEDGERS:
+                    os.environ.pop(SIMULATOR_ENV, None)
+                else:
+                    os.environ[SIMULATOR_ENV] = self._saved_env
             forget_ledger(ledger.path)
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -560,7 +569,7 @@ def _pinned_device(uuids: tuple[str, ...]) -> int:
     first = visible.split(",")[0].strip()
     if first in uuids:
         return uuids.index(first)
-    if first.isdigit() and int(first) < len(uuids):
+    if first.isascii() and first.isdigit() and int(first) < len(uuids):
         return int(first)
     raise RuntimeError(
         f"CUDA_VISIBLE_DEVICES={visible!r} names no simulated device (they are "

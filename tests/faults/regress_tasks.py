@@ -35,3 +35,12 @@ class BadStrError(Exception):
 def raise_bad_str() -> None:
     """Raise an exception that cannot be turned into text."""
     raise BadStrError()
+
+
+def ignore_sigterm_and_sleep(seconds: float) -> float:
+    """Ignore SIGTERM, then sleep: only SIGKILL ends this task early."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)
+    return seconds

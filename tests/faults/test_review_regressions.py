@@ -180,3 +180,21 @@ def test_fixed_width_oom_retries_wait_for_the_neighbour():
             assert stats.out_of_memory == 1
             assert stats.retries == 1
             assert ex.width == 2
+
+
+def test_kill_workers_after_terminate_workers_still_sends_sigkill():
+    """kill_workers() after terminate_workers() sends SIGKILL to a worker that ignored SIGTERM."""
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+        ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+        future = ex.submit(rt.ignore_sigterm_and_sleep, 60.0)
+        deadline = time.monotonic() + 30
+        while not ex._processes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # let the task install its handler
+        ex.terminate_workers()
+        time.sleep(0.5)
+        assert not future.done()
+        ex.kill_workers()
+        error = future.exception(timeout=30)
+        assert getattr(error, "signal_name", None) == "SIGKILL"
+        ex.shutdown()

@@ -111,3 +111,37 @@ def test_100_mb_log_streams_in_bounded_memory(logs: dict[str, Path], tmp_path: P
     assert pm.records == rounds * len(body)
     assert pm.out_of_memory == rounds * sum(1 for r in body if r["event"] == "out_of_memory")
     assert peak < 16 * 1024 * 1024, f"peak {peak} bytes while reading a 100 MB log"
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ('{"schema":1,"event":[]}\n', r"line 1: 'event' holds list"),
+        ("[" * 200_000 + "\n", r"line 1: not JSON"),
+        ('{"schema":1,"event":"constructed","time_s":' + "9" * 400 + "}\n", r"'time_s' holds int"),
+        (
+            '{"schema":1,"event":"out_of_memory","device":0,"time_s":[1]}\n',
+            r"line 1: 'time_s' holds list",
+        ),
+    ],
+    ids=["event-not-a-string", "deep-nesting", "huge-int", "list-value"],
+)
+def test_hostile_records_get_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, pattern: str
+) -> None:
+    """Records built to crash a reader (nesting, huge numbers, wrong types) exit 2, no traceback."""
+    path = tmp_path / "hostile.jsonl"
+    path.write_text(text)
+    status, err = _run(path, capsys)
+    assert status == 2
+    assert re.search(pattern, err)
+
+
+def test_a_wrongly_typed_time_is_read_as_unknown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A scalar of the wrong type (time_s "abc") is read as unknown, not a crash."""
+    path = tmp_path / "odd.jsonl"
+    path.write_text('{"schema":1,"event":"out_of_memory","device":0,"time_s":"abc"}\n')
+    status, _ = _run(path, capsys)
+    assert status == 0

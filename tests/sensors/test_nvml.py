@@ -284,3 +284,15 @@ def test_probe_prefers_accounting_when_it_rose_during_the_task(
     card.compute = [(pid, 3 * GiB)]  # below the lifetime maximum: accounting cannot tell
     stayed = probe.stop()
     assert (stayed.device_peak_bytes, stayed.device_source) == (3 * GiB, "nvml-sampled")
+
+
+def test_a_mig_instance_without_memory_info_is_unreadable_not_unified(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A MIG instance answering NOT_SUPPORTED is unreadable; the host's MemTotal is never used."""
+    slots: list[FakeCard | None] = [FakeCard(uuid="MIG-cccc", memory="unified")]
+    install(monkeypatch, FakePynvml([h100(0, mig_slots=slots)]))
+    sensor = NvmlSensor(meminfo_path=GB10_MEMINFO)
+    [device] = sensor.read_devices()
+    with pytest.raises(DeviceUnreadableError, match=r"NOT_SUPPORTED on this MIG instance"):
+        sensor.read_memory(device)

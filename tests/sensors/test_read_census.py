@@ -271,3 +271,14 @@ def test_mps_enumeration_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
     census, _ = read_census(sensor, pid=ME)
     assert census.reason is not None
     assert "NVML_MPS_DEVICE_ENUMERATION=1" in census.reason
+
+
+def test_a_unicode_digit_in_cuda_visible_devices_is_an_invalid_entry() -> None:
+    """'²' looks like a digit to str.isdigit but is no index: it hides what follows, no crash."""
+    from gpupool._sensors.base import DeviceInfo
+    from gpupool._sensors.census import parse_visible_devices
+
+    listed = (DeviceInfo(index=0, uuid="GPU-aaaa", name="a"),)
+    visible, note = parse_visible_devices("\u00b2", listed)
+    assert visible == ()
+    assert note is not None

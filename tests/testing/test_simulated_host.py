@@ -640,3 +640,41 @@ def test_a_ledger_left_open_after_the_block_reads_as_gone() -> None:
     with pytest.raises(gpupool.SensorError, match="is gone"):
         sensor.read_devices()
     held_open.close()
+
+
+def test_forked_children_lose_no_ledger_update() -> None:
+    """A child forked after the parent opened the ledger gets its own lock: no update is lost."""
+    children, each = 3, 100
+    with gt.SimulatedHost([gt.SimulatedDevice("80GiB", co_tenants={"t": 0})]) as host:
+        host.grow("t", 1)  # the parent opens (and caches) the ledger before forking
+        pids = []
+        for _ in range(children):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                try:
+                    for _ in range(each):
+                        host.grow("t", 1)
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+        for _ in range(each):
+            host.grow("t", 1)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        [(name, size)] = host._state()["devices"][0]["tenants"].items()
+    assert (name, size[1]) == ("t", 1 + (children + 1) * each)
+
+
+def test_hosts_exited_out_of_order_leave_no_stale_variable() -> None:
+    """Entering A then B and exiting A first never leaves the variable naming a gone ledger."""
+    saved = os.environ.get(SIMULATOR_ENV)
+    a = gt.SimulatedHost([card()])
+    b = gt.SimulatedHost([card()])
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert os.environ.get(SIMULATOR_ENV) == b.ledger_path
+    path_b = b.ledger_path
+    b.__exit__(None, None, None)
+    assert os.environ.get(SIMULATOR_ENV) != path_b
+    assert os.environ.get(SIMULATOR_ENV) == saved

@@ -277,7 +277,7 @@ class Dispatcher:
         self.cancel_requested = False
         self.stopped = False
         self.kill_signal: int | None = None
-        self.signalled: set[int] = set()
+        self.signalled: set[tuple[int, int]] = set()
         self.broken: str | None = None
         self.broken_exc: BaseException | None = None
         # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained
@@ -359,8 +359,9 @@ class Dispatcher:
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
         for worker in self._all_workers():
-            if worker.pid not in self.signalled:
-                self.signalled.add(worker.pid)
+            sent = (worker.pid, self.kill_signal)  # SIGKILL after SIGTERM is sent too
+            if sent not in self.signalled:
+                self.signalled.add(sent)
                 try:
                     os.kill(worker.pid, self.kill_signal)
                 except ProcessLookupError:

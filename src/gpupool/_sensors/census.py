@@ -87,7 +87,7 @@ def parse_visible_devices(
     for raw in stripped.split(","):
         entry = raw.strip()
         matches = _match_entry(entry, listed)
-        if len(matches) == 0 or (not entry.isdigit() and len(matches) > 1):
+        if len(matches) == 0 or (not (entry.isascii() and entry.isdigit()) and len(matches) > 1):
             why = "matches no device" if not matches else "is ambiguous"
             note = (
                 f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; like CUDA, gpupool ignores it "
@@ -103,7 +103,7 @@ def parse_visible_devices(
 
 
 def _match_entry(entry: str, listed: Sequence[DeviceInfo]) -> list[DeviceInfo]:
-    if entry.isdigit():
+    if entry.isascii() and entry.isdigit():
         return [info for info in listed if info.index == int(entry)]
     lowered = entry.lower()
     if lowered.startswith(("gpu-", "mig-")):
@@ -135,13 +135,13 @@ def _select(
                 f"visible devices: {_describe(visible)}"
             )
         key = want.strip() if isinstance(want, str) else str(want)
-        if not key.isdigit() and not key.lower().startswith(("gpu-", "mig-")):
+        if not (key.isascii() and key.isdigit()) and not key.lower().startswith(("gpu-", "mig-")):
             raise ConfigurationError(
                 f"devices entry {want!r} is neither an index nor a GPU-/MIG- UUID; "
                 f"visible devices: {_describe(visible)}"
             )
         matches = _match_entry(key, visible)
-        if not key.isdigit() and len(matches) > 1:
+        if not (key.isascii() and key.isdigit()) and len(matches) > 1:
             raise ConfigurationError(
                 f"devices entry {want!r} matches {len(matches)} devices; give more of the "
                 f"UUID. Visible devices: {_describe(visible)}"

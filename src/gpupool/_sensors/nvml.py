@@ -268,8 +268,9 @@ class NvmlSensor(Sensor):
         process list is unknown (source ``"meminfo"``, ``unified=True``).
 
         Raises:
-            DeviceUnreadableError: the driver answered with an error, or the
-                unified-memory fallback could not read ``/proc/meminfo``.
+            DeviceUnreadableError: the driver answered with an error, a MIG
+                instance answered NOT_SUPPORTED (never read as unified), or
+                the unified-memory fallback could not read ``/proc/meminfo``.
         """
         what = "reading memory (nvmlDeviceGetMemoryInfo)"
         with self._mapped(what, device) as lib:
@@ -278,6 +279,12 @@ class NvmlSensor(Sensor):
             if reading is None:
                 reading = self._read_memory_v1(lib, handle)
         if reading is None:
+            if device.mig:
+                # A MIG instance is a slice of a discrete card, never unified
+                # memory: the host's MemTotal would be a wrong capacity.
+                raise DeviceUnreadableError(
+                    f"{_label(device)}: memory info answers NOT_SUPPORTED on this MIG instance"
+                )
             reading = self._read_unified_memory(device)
         return reading
 

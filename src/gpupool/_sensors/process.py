@@ -28,6 +28,6 @@ def read_rss_high_water(path: Path = _STATUS) -> int | None:
     for line in text.splitlines():
         if line.startswith("VmHWM:"):
             parts = line.split()
-            if len(parts) >= 2 and parts[1].isdigit():
+            if len(parts) >= 2 and parts[1].isascii() and parts[1].isdigit():
                 return int(parts[1]) * 1024
     return None

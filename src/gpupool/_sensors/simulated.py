@@ -201,6 +201,7 @@ class Ledger:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._pid = os.getpid()
         self._thread_lock = threading.Lock()
         self._fd: int | None = None
         self._layout: tuple[bool, tuple[str, ...]] | None = None
@@ -237,6 +238,16 @@ class Ledger:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[int]:
         """Hold the thread lock and the file lock; yields the ledger's size in bytes."""
+        if self._pid != os.getpid():
+            # A forked child: the inherited descriptor is the parent's open file,
+            # whose flock parent and child would both "hold", and the thread lock
+            # may have been held by another thread at the fork. Start afresh.
+            self._pid = os.getpid()
+            self._thread_lock = threading.Lock()
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)  # this process's copy only: the parent's lock stands
+            self._fd = None
         with self._thread_lock:
             if self._fd is None:
                 try:
