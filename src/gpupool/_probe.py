@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 from gpupool._core.peak import PeakReport
 from gpupool._core.units import parse_size
+from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
 if TYPE_CHECKING:
-    from gpupool._sensors.base import DeviceInfo, Sensor
+    from gpupool._sensors.base import DeviceInfo
 
 __all__ = ["Probe", "is_device_oom", "requested_bytes_of"]
 
@@ -126,7 +127,7 @@ class Probe:
         except Exception:
             self._max_at_start = None
         self._sampled_peak_bytes = self._baseline_bytes
-        self._exact = type(sensor).read_process_peak_bytes is not _base_peak()
+        self._exact = type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
         if not self._exact:
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
@@ -197,12 +198,6 @@ class Probe:
             oom=oom is not None,
             oom_requested_bytes=requested,
         )
-
-
-def _base_peak() -> object:
-    from gpupool._sensors.base import Sensor
-
-    return Sensor.read_process_peak_bytes
 
 
 def _torch_peak_bytes(baseline_bytes: int | None) -> int | None:

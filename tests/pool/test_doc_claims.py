@@ -78,21 +78,26 @@ def test_the_legacy_mig_gpu_form_of_cuda_visible_devices_is_not_resolved() -> No
     assert note.startswith(f"CUDA_VISIBLE_DEVICES entry {legacy!r} matches no device")
 
 
-@pytest.mark.parametrize(
-    "event",
-    [
-        "out_of_memory",
-        "worker_lost",
-        "narrowed",
-        "serial_start",
-        "fixed_width_over_bound",
-        "sensor_error",
-    ],
+_WARNING_EVENTS = (
+    "out_of_memory",
+    "worker_lost",
+    "narrowed",
+    "serial_start",
+    "fixed_width_over_bound",
+    "sensor_error",
 )
-def test_warning_events_go_to_the_gpupool_logger_at_warning(
-    event: str, caplog: pytest.LogCaptureFixture
+_INFO_EVENTS = ("constructed", "widened", "measured", "live_gate_wait")
+
+
+@pytest.mark.parametrize(
+    ("event", "level"),
+    [(e, logging.WARNING) for e in _WARNING_EVENTS] + [(e, logging.INFO) for e in _INFO_EVENTS],
+)
+def test_each_event_goes_to_the_gpupool_logger_at_its_level(
+    event: str, level: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Out-of-memory, lost workers, narrowing, serial starts, over-bound, failed reads: WARNING."""
+    """Out-of-memory, lost workers, narrowing, serial starts, over-bound and failed reads are
+    WARNING; the other records INFO; each with the record attached."""
     decision = Decision(
         event=event, time_s=0.0, device=None, width_before=1, width_after=1, reason="r"
     )  # type: ignore[arg-type]
@@ -100,22 +105,7 @@ def test_warning_events_go_to_the_gpupool_logger_at_warning(
         DecisionLog().append(decision)
     [record] = caplog.records
     assert record.name == "gpupool"
-    assert record.levelno == logging.WARNING
-    assert record.gpupool is decision  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("event", ["constructed", "widened", "measured", "live_gate_wait"])
-def test_other_events_go_to_the_gpupool_logger_at_info(
-    event: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Records that are not warnings are logged at INFO with the record attached."""
-    decision = Decision(
-        event=event, time_s=0.0, device=None, width_before=1, width_after=1, reason="r"
-    )  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO, logger="gpupool"):
-        DecisionLog().append(decision)
-    [record] = caplog.records
-    assert record.levelno == logging.INFO
+    assert record.levelno == level
     assert record.gpupool is decision  # type: ignore[attr-defined]
 
 

@@ -142,13 +142,6 @@ class Ceiling:
     value: int
     limit: Literal["max_workers", "cpus", "host_ram", "pending"]
 
-    @property
-    def host_ram_fits(self) -> int | None:
-        """Children the host RAM holds at their RSS, or ``None`` if unknown."""
-        if self.host_ram_bytes is None or not self.child_rss_bytes:
-            return None
-        return max(1, self.host_ram_bytes // self.child_rss_bytes)
-
 
 def derive_ceiling(
     *,

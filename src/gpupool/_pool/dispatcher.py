@@ -134,15 +134,11 @@ class WorkItem:
         "priced_bytes",
         "shared",
         "started",
-        "task_id",
         "tries",
         "wait_below",
     )
 
-    def __init__(
-        self, task_id: int, future: Future[Any], call: bytes, key: str, hint_bytes: int | None
-    ) -> None:
-        self.task_id = task_id
+    def __init__(self, future: Future[Any], call: bytes, key: str, hint_bytes: int | None) -> None:
         self.future = future
         self.call = call
         self.key = key
@@ -265,13 +261,15 @@ class Dispatcher:
         self.log = log
         self.env = dict(env)
         self.context = _loky_context()
-        self.t0 = time.monotonic()
+        self.started_at_s = time.monotonic()
         self.lock = threading.Lock()
         self.pending: collections.deque[WorkItem] = collections.deque()
         self.host_workers: list[_Worker] = []
         self.processes: dict[int, Any] = {}
-        self.own_high_water: dict[int, int] = {d.index: d.census.own_bytes or 0 for d in devices}
-        self.last_own_read = self.t0
+        self.own_high_water_bytes: dict[int, int] = {
+            d.index: d.census.own_bytes or 0 for d in devices
+        }
+        self.last_own_read_s = self.started_at_s
         self.child_rss_bytes: int | None = None
         self.shutdown_requested = False
         self.cancel_requested = False
@@ -391,7 +389,7 @@ class Dispatcher:
     # -- the dispatcher thread --------------------------------------------------------
 
     def now(self) -> float:
-        return time.monotonic() - self.t0
+        return time.monotonic() - self.started_at_s
 
     def record(self, decision: Decision) -> None:
         self.log.append(decision)
@@ -484,7 +482,7 @@ class Dispatcher:
         )
 
     def _own_high_water(self, device: DeviceState) -> int:
-        return self.own_high_water.get(device.index, 0)
+        return self.own_high_water_bytes.get(device.index, 0)
 
     def _bound(self, device: DeviceState, ask: Ask) -> Bound:
         return derive_bound(
@@ -765,7 +763,7 @@ class Dispatcher:
         except (EOFError, OSError):
             self._reap(worker)
             return
-        kind, report_tuple, payload = pickle.loads(message)
+        kind, report_fields, payload = pickle.loads(message)
         item = worker.queue.popleft() if worker.queue else None
         ask_bytes = item.priced_bytes if item is not None else 0
         now = time.monotonic()
@@ -786,20 +784,11 @@ class Dispatcher:
         worker.tasks_done += 1
         if item is None:
             return
-        if report_tuple is None:
+        if report_fields is None:
             # The task never ran (it could not be unpickled): nothing to learn.
             self._finish(item, kind, payload)
             return
-        report = PeakReport(
-            device=report_tuple[0],
-            device_peak_bytes=report_tuple[1],
-            device_source=report_tuple[2],
-            baseline_bytes=report_tuple[3],
-            rss_peak_bytes=report_tuple[4],
-            rss_source=report_tuple[5],
-            oom=report_tuple[6],
-            oom_requested_bytes=report_tuple[7],
-        )
+        report = PeakReport(**report_fields)
         if self.max_tasks_per_child is not None and worker.tasks_done >= self.max_tasks_per_child:
             worker.retiring = True
         if kind == "oom":
@@ -888,9 +877,9 @@ class Dispatcher:
 
     def _reread_own(self) -> None:
         now = time.monotonic()
-        if now - self.last_own_read < OWN_REREAD_INTERVAL_S:
+        if now - self.last_own_read_s < OWN_REREAD_INTERVAL_S:
             return
-        self.last_own_read = now
+        self.last_own_read_s = now
         pid = os.getpid()
         for device in self.devices:
             try:
@@ -900,8 +889,8 @@ class Dispatcher:
                     device, self._representative_ask(), exc, "own high-water keeps its last value"
                 )
                 continue
-            if own is not None and own > self.own_high_water.get(device.index, 0):
-                self.own_high_water[device.index] = own
+            if own is not None and own > self.own_high_water_bytes.get(device.index, 0):
+                self.own_high_water_bytes[device.index] = own
 
     def _redecide(self, key: str, before: Ask, after: Ask, report: PeakReport) -> None:
         """A key's ask changed: decide every device's width again and log what moved."""

@@ -287,7 +287,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
-        self._task_ids = itertools.count()
         self._sensor = sensor if sensor is not None else default_sensor()
 
         from gpupool._sensors.census import read_census
@@ -491,7 +490,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             except BaseException as exc:
                 future.set_exception(exc)
                 return future
-            d.enqueue(WorkItem(next(self._task_ids), future, call, task_key, hint))
+            d.enqueue(WorkItem(future, call, task_key, hint))
             return future
 
     def map(

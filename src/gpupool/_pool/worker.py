@@ -20,6 +20,7 @@ task the parent handed to it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -134,21 +135,9 @@ def worker_main(
             kind = "oom" if report.oom else "error"
             payload = _dump_exception(failure)
             failure = None
-        conn.send_bytes(pickle.dumps((kind, _report_tuple(report), payload)))
+        # The report as a dict of plain values: the parent rebuilds it with ``PeakReport(**...)``.
+        conn.send_bytes(pickle.dumps((kind, dataclasses.asdict(report), payload)))
         done += 1
-
-
-def _report_tuple(report: Any) -> tuple[Any, ...]:
-    return (
-        report.device,
-        report.device_peak_bytes,
-        report.device_source,
-        report.baseline_bytes,
-        report.rss_peak_bytes,
-        report.rss_source,
-        report.oom,
-        report.oom_requested_bytes,
-    )
 
 
 def dumps_call(obj: object) -> bytes:
