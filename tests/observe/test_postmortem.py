@@ -80,7 +80,9 @@ def test_clean_run_summary(logs: dict[str, Path], capsys: pytest.CaptureFixture[
     report = _json(capsys, logs["incident"])
     assert [w["width"] for w in report["widths"]] == [1, 2]
     (ask,) = report["asks"].values()
-    assert [h["basis"] for h in ask["history"]] == ["estimated", "measured"]
+    bases = [h["basis"] for h in ask["history"]]
+    assert bases[:2] == ["estimated", "measured"]
+    assert set(bases[1:]) == {"measured"}  # the learned margin may move it again, measured
     assert abs(ask["history"][0]["ask_bytes"] - 9.9 * GiB) < 2
     assert report["out_of_memory"] == 0
     assert report["tasks_lost"] == 0

@@ -128,7 +128,7 @@ def test_no_driver_is_a_host_bounded_pool_that_says_so(monkeypatch):
     """Without a driver the pool is bounded by the host only, and its first record says so."""
     monkeypatch.delenv("GPUPOOL_SIMULATOR", raising=False)
     with SimulatedHost(devices=[], cpus=3, host_ram="64GiB", driver=False):
-        with GpuPoolExecutor(max_workers=8) as ex:
+        with GpuPoolExecutor() as ex:
             assert ex.census.cards == ()
             assert ex.census.driver is False
             assert ex.width == 3
@@ -136,7 +136,18 @@ def test_no_driver_is_a_host_bounded_pool_that_says_so(monkeypatch):
             first = ex.decisions[0]
     assert first.event == "constructed"
     assert "host-bounded" in first.reason
-    assert first.limit == "cpus"
+    assert first.limit == "max_workers"  # the default max_workers is the usable CPUs
+
+
+def test_an_explicit_max_workers_is_not_capped_by_the_cpus(monkeypatch):
+    """max_workers=8 on 3 usable CPUs runs 8 at once, as ProcessPoolExecutor(8) does, and says so."""
+    monkeypatch.delenv("GPUPOOL_SIMULATOR", raising=False)
+    with SimulatedHost(devices=[], cpus=3, host_ram="64GiB", driver=False):
+        with GpuPoolExecutor(max_workers=8) as ex:
+            assert ex.width == 8
+            first = ex.decisions[0]
+    assert first.limit == "max_workers"
+    assert "max_workers=8 is more than the 3 usable CPUs" in first.reason
 
 
 def test_fixed_width_keeps_the_width_and_logs_when_over_the_bound():

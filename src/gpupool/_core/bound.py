@@ -44,7 +44,15 @@ AskBasis = Literal["estimated", "measured"]
 #: with the most room, 0 on the others, when no card has room for one task),
 #: or no room on this device while another had it.
 Limit = Literal[
-    "memory", "max_workers", "cpus", "host_ram", "pending", "unreadable", "floor", "no_room"
+    "memory",
+    "max_workers",
+    "cpus",
+    "host_ram",
+    "pending",
+    "unreadable",
+    "floor",
+    "no_room",
+    "out_of_memory",
 ]
 
 
@@ -211,6 +219,7 @@ class WidthDecision:
                 "the one task runs on the card with the most room)"
             ),
             "no_room": "no room on this card while another card has room",
+            "out_of_memory": "the cap an out-of-memory set on this card",
         }[self.limit]
         return f"{self.bound.describe()}; width {self.width}, set by {why}"
 

@@ -5,10 +5,19 @@ A task key's ask starts from the caller's ``task_peak`` (basis
 becomes the largest peak measured for the key plus a margin (basis
 ``measured``). The measurement may lower the ask as well as raise it, so it
 moves the width either way; the bound keeps it from moving past the room.
+Two rules hold whatever the measurements say:
+
+* evidence never lowers a price: once a task of a key ran out of memory, the
+  key's ask never falls below what it was before (:meth:`AskTable.floor`);
+* with ``Policy(learned=True)`` (the pool's default) the margin is learned
+  from how much the key's measurements vary (:func:`learned_margin`): a
+  cautious prior with one sample, shrinking toward :data:`MARGIN_FLOOR_BYTES`
+  as samples agree, growing with their spread as they disagree.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gpupool._core.bound import AskBasis
@@ -18,9 +27,11 @@ __all__ = [
     "DEFAULT_MARGIN_BYTES",
     "DEFAULT_MARGIN_FRACTION",
     "DEFAULT_RESERVE_BYTES",
+    "MARGIN_FLOOR_BYTES",
     "Ask",
     "AskTable",
     "Policy",
+    "learned_margin",
 ]
 
 #: Margin added to a measured peak, in bytes, at least. The same task on the
@@ -34,6 +45,89 @@ DEFAULT_MARGIN_BYTES = 256 * MiB
 #: a 12 GiB peak varies by more than a fixed 256 MiB between inputs.
 DEFAULT_MARGIN_FRACTION = 0.10
 
+#: The least learned margin. Two measured peaks of the same task can differ by
+#: one allocation granule without any change in the work: PyTorch's caching
+#: allocator rounds requests between 1 and 10 MiB up to a 20 MiB segment
+#: (``kLargeBuffer``) and larger ones to 2 MiB, and NVML's per-process figure
+#: moves in whole 2 MiB pages as cuBLAS/cuDNN workspaces are created per stream.
+#: 64 MiB covers a 20 MiB segment, a few 2 MiB pages on each of a task's
+#: streams, and the sampler's blind spot between two NVML readings of an
+#: allocation that lives shorter than one sampling interval (the probe prefers
+#: the exact per-process high-water where the driver keeps one).
+MARGIN_FLOOR_BYTES = 64 * MiB
+
+#: One-sided 99.9 % quantiles of Student's t by degrees of freedom (n - 1),
+#: for the upper prediction bound of the next peak from n samples.
+_T_999 = (
+    (1, 318.31),
+    (2, 22.327),
+    (3, 10.215),
+    (4, 7.173),
+    (5, 5.893),
+    (6, 5.208),
+    (7, 4.785),
+    (8, 4.501),
+    (9, 4.297),
+    (10, 4.144),
+    (12, 3.930),
+    (15, 3.733),
+    (20, 3.552),
+    (30, 3.385),
+    (60, 3.232),
+    (120, 3.160),
+)
+_T_999_LIMIT = 3.090
+
+
+def _t_999(dof: int) -> float:
+    """The 99.9 % one-sided t quantile for ``dof`` degrees of freedom (rounded down: larger)."""
+    value = _T_999_LIMIT
+    for table_dof, quantile in reversed(_T_999):
+        if dof >= table_dof:
+            return quantile if dof == table_dof else value
+        value = quantile
+    return _T_999[0][1]
+
+
+def learned_margin(
+    *,
+    samples: int,
+    mean_bytes: float,
+    stdev_bytes: float,
+    max_bytes: int,
+    prior_bytes: int,
+    floor_bytes: int = 0,
+) -> int:
+    """The margin over ``max_bytes`` that a key's measurements justify.
+
+    ``max(floor, ucb - max, prior / samples**2)`` where ``ucb = mean + t * s *
+    sqrt(1 + 1/n)`` is the upper 99.9 % prediction bound of the next peak
+    (Student's t with ``n - 1`` degrees of freedom, ``s`` the sample standard
+    deviation): with one sample the margin is the prior; as samples agree it
+    falls toward the floor (the prior's share fades with the square of the
+    count); as they disagree it grows with their spread. It assumes the
+    key's peaks are independent draws of one distribution; a peak that
+    depends on the input (a larger input than any before) is not predicted
+    and is caught by the out-of-memory retry instead.
+
+    Args:
+        samples: how many peaks were measured (at least 1).
+        mean_bytes: their mean.
+        stdev_bytes: their sample standard deviation (0 for one sample).
+        max_bytes: the largest.
+        prior_bytes: the margin a single sample gets.
+        floor_bytes: the least margin.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
+    prior = prior_bytes / (samples * samples)
+    spread = 0.0
+    if samples >= 2:
+        ucb = mean_bytes + _t_999(samples - 1) * stdev_bytes * math.sqrt(1 + 1 / samples)
+        spread = ucb - max_bytes
+    return max(floor_bytes, math.ceil(max(prior, spread)))
+
+
 #: Bytes kept free on every card beyond the priced terms. Not a pad for an
 #: unpriced term (DESIGN.md: no constant reserve papers over one): it covers
 #: the driver's own growth while contexts are created and page-granular
@@ -46,14 +140,22 @@ class Policy:
     """How asks are priced and how much is kept free.
 
     Attributes:
-        margin_bytes: least margin over a measured peak.
-        margin_fraction: margin as a fraction of the measured peak, when larger.
+        margin_bytes: least margin over a measured peak (with ``learned``:
+            the one-sample prior's least).
+        margin_fraction: margin as a fraction of the measured peak, when larger
+            (with ``learned``: the one-sample prior's fraction).
         reserve_bytes: bytes kept free on every card.
+        learned: learn the margin from the spread of each key's measurements
+            (:func:`learned_margin`), starting from ``margin_for`` as the
+            prior; ``False`` adds ``margin_for(peak)`` to every measured peak.
+        margin_floor_bytes: the least learned margin.
     """
 
     margin_bytes: int = DEFAULT_MARGIN_BYTES
     margin_fraction: float = DEFAULT_MARGIN_FRACTION
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    learned: bool = False
+    margin_floor_bytes: int = MARGIN_FLOOR_BYTES
 
     def margin_for(self, peak_bytes: int) -> int:
         """The margin for a measured peak: ``max(margin_bytes, fraction * peak)``."""
@@ -71,16 +173,22 @@ class Ask:
     measured_peak_bytes: int | None
     margin_bytes: int
     samples: int
+    spread_bytes: int = 0
+    floor_bytes: int = 0
 
     def describe(self) -> str:
         """The ask in words, e.g. ``"7.02 GiB (measured: 6.02 GiB peak + 1.00 GiB margin)"``."""
+        floor = ""
+        if self.floor_bytes and self.floor_bytes >= self.ask_bytes:
+            floor = f"; held at {format_size(self.floor_bytes)}, its price before an out-of-memory"
         if self.basis == "measured":
             return (
                 f"{format_size(self.ask_bytes)} (measured: "
                 f"{format_size(self.measured_peak_bytes)} peak over {self.samples} "
-                f"task{'s' if self.samples != 1 else ''} + {format_size(self.margin_bytes)} margin)"
+                f"task{'s' if self.samples != 1 else ''} + {format_size(self.margin_bytes)} "
+                f"margin{floor})"
             )
-        return f"{format_size(self.ask_bytes)} (estimated: task_peak)"
+        return f"{format_size(self.ask_bytes)} (estimated: task_peak{floor})"
 
 
 @dataclass(slots=True)
@@ -88,6 +196,11 @@ class _KeyState:
     estimate_bytes: int | None
     peak_bytes: int | None = None
     samples: int = 0
+    # Welford's running mean and sum of squared deviations of the peaks.
+    mean_bytes: float = 0.0
+    m2: float = 0.0
+    # What an out-of-memory proved: the ask never falls below it.
+    floor_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -123,8 +236,22 @@ class AskTable:
         self._cache.pop(key, None)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
         state.samples += 1
+        delta = peak_bytes - state.mean_bytes
+        state.mean_bytes += delta / state.samples
+        state.m2 += delta * (peak_bytes - state.mean_bytes)
         if state.peak_bytes is None or peak_bytes > state.peak_bytes:
             state.peak_bytes = peak_bytes
+        return self.ask(key)
+
+    def floor(self, key: str, floor_bytes: int) -> Ask:
+        """Never price ``key`` below ``floor_bytes`` again (what an out-of-memory proved).
+
+        Returns:
+            The new ask, at least ``floor_bytes`` and at least the ask before.
+        """
+        self._cache.pop(key, None)
+        state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+        state.floor_bytes = max(state.floor_bytes, floor_bytes)
         return self.ask(key)
 
     def ask(self, key: str) -> Ask:
@@ -142,24 +269,40 @@ class AskTable:
         if state is not None and state.estimate_bytes is not None:
             estimate = state.estimate_bytes
         if state is None or state.peak_bytes is None:
+            floor = state.floor_bytes if state is not None else 0
             return Ask(
                 key=key,
-                ask_bytes=estimate,
+                ask_bytes=max(estimate, floor),
                 basis="estimated",
                 estimate_bytes=estimate,
                 measured_peak_bytes=None,
                 margin_bytes=0,
                 samples=0,
+                floor_bytes=floor,
             )
-        margin = self.policy.margin_for(state.peak_bytes)
+        prior = self.policy.margin_for(state.peak_bytes)
+        stdev = math.sqrt(state.m2 / (state.samples - 1)) if state.samples > 1 else 0.0
+        if self.policy.learned:
+            margin = learned_margin(
+                samples=state.samples,
+                mean_bytes=state.mean_bytes,
+                stdev_bytes=stdev,
+                max_bytes=state.peak_bytes,
+                prior_bytes=prior,
+                floor_bytes=self.policy.margin_floor_bytes,
+            )
+        else:
+            margin = prior
         return Ask(
             key=key,
-            ask_bytes=max(1, state.peak_bytes + margin),
+            ask_bytes=max(1, state.peak_bytes + margin, state.floor_bytes),
             basis="measured",
             estimate_bytes=estimate,
             measured_peak_bytes=state.peak_bytes,
             margin_bytes=margin,
             samples=state.samples,
+            spread_bytes=round(stdev),
+            floor_bytes=state.floor_bytes,
         )
 
     def keys(self) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
+from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S, PlannerConfig
 from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
     DEFAULT_MARGIN_FRACTION,
@@ -90,9 +91,14 @@ class PoolStatistics:
         workers_started: worker processes started.
         workers_lost: workers that died while running a task.
         live_gate_waits: times a task was held back by the live gate.
-        width: the current total width.
-        widths: ``(time_s, width)`` at every change of the total width.
+        width: how many tasks the planner admits at once now, over every
+            card, for the work it holds (with mixed keys: priced at each
+            pending and running task's own ask).
+        widths: ``(time_s, width)`` at each decision that changed the width.
         asks: each task key's current ask, with its basis.
+        widths_by_key: for each key with work pending or running, how many
+            of its tasks could run at once beside the other keys' running tasks.
+        serial_starts: starts past the bound (the serial floor).
     """
 
     tasks_submitted: int
@@ -107,6 +113,8 @@ class PoolStatistics:
     width: int
     widths: tuple[tuple[float, int], ...]
     asks: Mapping[str, Ask] = field(default_factory=dict)
+    widths_by_key: Mapping[str, int] = field(default_factory=dict)
+    serial_starts: int = 0
 
 
 def _task_key(fn: Callable[..., Any]) -> str:
@@ -152,7 +160,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     Args:
         max_workers: a ceiling on the width, never a promise; default: the
-            usable CPUs.
+            usable CPUs. An explicit value is not capped by the CPU count (as
+            in the standard pool); the construction record notes it.
         mp_context: accepted for compatibility; workers always start with
             spawn semantics (loky's fork+exec), since CUDA does not survive
             ``fork``. A ``fork`` context is refused.
@@ -176,7 +185,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             pool with it if a later measurement or out-of-memory would narrow
             (the CPU and host-RAM ceiling still apply).
         retry_oom: retry a task that ran out of device memory at a narrower
-            width (default); it reaches its future only when it ran alone.
+            width (default); it reaches its future only when it ran alone on
+            its card with its ask's room free, when ``max_retries`` is
+            reached, or when others held its card for ``room_wait_s``.
+        max_retries: out-of-memory retries per task, in every mode (default 5);
+            the error names the cap when it is reached.
+        room_wait_s: how long a task that ran out of memory alone waits for
+            room while bytes that are not the pool's hold its card (default
+            120 s); then its error goes to its future.
         log_path: append every decision to this JSON Lines file.
         env: extra environment variables for every worker.
         sensor: where readings come from (default: NVML, or the simulator
@@ -207,6 +223,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         width: int | None = None,
         strict: bool = False,
         retry_oom: bool = True,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        room_wait_s: float = DEFAULT_ROOM_WAIT_S,
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         sensor: Sensor | None = None,
@@ -257,6 +275,19 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 "processes may not have children); run it from a non-daemonic process, e.g. "
                 "set distributed.worker.daemon=False for Dask workers."
             )
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ConfigurationError(
+                f"max_retries={max_retries!r}: pass a whole number of retries, 0 or more."
+            )
+        if (
+            isinstance(room_wait_s, bool)
+            or not isinstance(room_wait_s, (int, float))
+            or not math.isfinite(room_wait_s)
+            or room_wait_s < 0
+        ):
+            raise ConfigurationError(
+                f"room_wait_s={room_wait_s!r}: pass a number of seconds, 0 or more (such as 120)."
+            )
         if strict and max_workers is None:
             raise ConfigurationError(
                 "strict=True needs max_workers: the width that must not be narrowed."
@@ -278,6 +309,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 if reserve is not None
                 else DEFAULT_RESERVE_BYTES
             ),
+            # An explicit margin keeps meaning what it says; by default the
+            # margin is learned from the spread of each key's measurements.
+            learned=margin is None and margin_fraction is None,
         )
         path = check_log_path(log_path) if log_path is not None else None
 
@@ -333,85 +367,49 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         init_call = (initializer, tuple(initargs)) if initializer is not None else None
         log = DecisionLog(path)
         self._log = log
+        config = PlannerConfig(
+            max_workers=self._max_workers,
+            max_workers_given=max_workers is not None,
+            fixed_width=width,
+            strict=strict,
+            retry_oom=retry_oom,
+            max_retries=max_retries,
+            room_wait_s=float(room_wait_s),
+            reserve_bytes=policy.reserve_bytes,
+            parent_pid=os.getpid(),
+        )
         self._dispatcher = Dispatcher(
             census=census,
             devices=device_states,
             sensor=self._sensor,
             asks=asks,
-            policy=policy,
-            max_workers=self._max_workers,
-            fixed_width=width,
-            strict=strict,
-            retry_oom=retry_oom,
+            config=config,
             max_tasks_per_child=max_tasks_per_child,
             initializer=init_call,
             log=log,
             env=worker_env,
         )
         try:
-            self._construct(peak_bytes)
+            self._construct(peak_bytes, strict=strict)
         except BaseException:
             self._dispatcher.close()  # no thread will: give its descriptors back
             raise
         self._dispatcher.start()
         weakref.finalize(self, self._dispatcher.request_shutdown)
 
-    def _construct(self, peak_bytes: int | None) -> None:
-        d = self._dispatcher
-        census = self._census
-        ask = d._representative_ask()
-        if not d.devices:
-            d._update_width()
-            reason = census.reason or "no device"
-            d.record(
-                Decision(
-                    event="constructed",
-                    time_s=d.now(),
-                    device=None,
-                    width_before=None,
-                    width_after=d.width,
-                    reason=(
-                        f"{reason}; a host-bounded pool of width {d.width}, set by "
-                        f"{d.ceiling.limit} ({d.ceiling.value})"
-                    ),
-                    ceiling=d.ceiling,
-                    limit=d.ceiling.limit,
-                    extra={"driver": census.driver, "sensor": census.sensor},
-                )
-            )
-            return
-        decisions = d.decide(ask)
-        for decision in decisions:
-            device = d.devices[decision.device]
-            device.width = decision.width
-            card = device.census
-            note = f"; {card.reason}" if card.reason else ""
-            basis = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
-            d.record(
-                Decision.from_width(
-                    "constructed",
-                    decision,
-                    time_s=d.now(),
-                    width_before=None,
-                    reason=f"{decision.describe()}{basis}{note}",
-                    extra={
-                        "uuid": card.uuid,
-                        "census_free_bytes": card.free_bytes,
-                        "census_own_bytes": card.own_bytes,
-                        "reserved_bytes": card.reserved_bytes,
-                        "source": card.source,
-                        "own_source": card.own_source,
-                        "unified": card.unified,
-                    },
-                )
-            )
-        d._update_width()
-        if d.fixed_width is not None:
-            d._check_fixed(decisions)
-        elif d.strict and d.width < min(self._max_workers, d.ceiling.value):
+    def _construct(self, peak_bytes: int | None, *, strict: bool) -> None:
+        planner = self._dispatcher.planner
+        note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
+        decisions = planner.construct(self._dispatcher.now(), note=note)
+        if (
+            decisions
+            and strict
+            and planner.config.fixed_width is None
+            and planner.width < min(self._max_workers, planner.ceiling.value)
+        ):
             narrow = min(decisions, key=lambda x: x.width)
             message = (
-                f"strict mode: the bound gives width {d.width}, below the requested "
+                f"strict mode: the bound gives width {planner.width}, below the requested "
                 f"{self._max_workers}: "
                 + "; ".join(x.describe() for x in decisions)
                 + ". Free the card, lower max_workers, or drop strict=True."
@@ -597,7 +595,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     @property
     def width(self) -> int:
-        """How many tasks may run at once now, over every card."""
+        """How many tasks the planner admits at once now, over every card, for the work it holds."""
         return self._dispatcher.width
 
     @property
@@ -613,7 +611,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def statistics(self) -> PoolStatistics:
         """An immutable summary of the run so far."""
         d = self._dispatcher
-        counts = d.counts
+        counts = d.all_counts()
         return PoolStatistics(
             tasks_submitted=counts["submitted"],
             tasks_completed=counts["completed"],
@@ -627,6 +625,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             width=d.width,
             widths=tuple(d.widths),
             asks=MappingProxyType({k: d.asks.ask(k) for k in d.asks.keys()}),  # noqa: SIM118
+            widths_by_key=MappingProxyType(d.planner.widths_by_key()),
+            serial_starts=counts["serial_starts"],
         )
 
 

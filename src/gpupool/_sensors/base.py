@@ -109,6 +109,19 @@ class Sensor:
         """
         return None
 
+    def read_snapshot(
+        self, device: DeviceInfo
+    ) -> tuple[MemoryReading, tuple[ProcessReading, ...] | None]:
+        """The device's memory and its per-process rows, as close together as the driver allows.
+
+        The live gate prices a card from both: read apart, a task that ends
+        between the two readings counts twice. Sensors that can take both in
+        one step (the simulator's ledger) override it; NVML answers each in
+        microseconds, back to back.
+        """
+        memory = self.read_memory(device)
+        return memory, self.read_processes(device)
+
     def read_process_bytes(self, device: DeviceInfo, pid: int) -> int | None:
         """One process's device bytes now, or ``None`` when its row cannot be found."""
         rows = self.read_processes(device)

@@ -559,20 +559,7 @@ class SimulatedSensor(Sensor):
             DeviceUnreadableError: the device was made with ``readable=False``.
             NoDriverError: the host was made with ``driver=False``.
         """
-        dev = self._state_of(device)
-        if not dev["readable"]:
-            raise DeviceUnreadableError(
-                f"simulated device {device.index} is unreadable (SimulatedDevice(readable=False))"
-            )
-        used = device_used_bytes(dev)
-        return MemoryReading(
-            total_bytes=dev["total"],
-            free_bytes=dev["total"] - used,
-            used_bytes=used,
-            reserved_bytes=None,
-            unified=dev["unified"],
-            source="meminfo" if dev["unified"] else "simulator",
-        )
+        return _memory_of(device, self._state_of(device))
 
     def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
         """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
@@ -583,20 +570,17 @@ class SimulatedSensor(Sensor):
         state = self._ledger.snapshot()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return _rows_of(state, _device(state, device.index))
+
+    def read_snapshot(
+        self, device: DeviceInfo
+    ) -> tuple[MemoryReading, tuple[ProcessReading, ...] | None]:
+        """Memory and rows from one ledger snapshot: both describe the same instant."""
+        state = self._ledger.snapshot()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
         dev = _device(state, device.index)
-        if not dev["readable"]:
-            return None
-        rows = [
-            ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
-            for name, entry in dev["tenants"].items()
-            if entry[1] > 0
-        ]
-        if not state["container"]:
-            rows.extend(
-                ProcessReading(pid=int(key), used_bytes=_process_bytes(proc), name=proc["name"])
-                for key, proc in dev["procs"].items()
-            )
-        return tuple(rows)
+        return _memory_of(device, dev), _rows_of(state, dev)
 
     def read_process_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
         """``pid``'s exact device high-water since :meth:`reset_process_peak` (0: never touched).
@@ -633,6 +617,38 @@ class SimulatedSensor(Sensor):
     def close(self) -> None:
         """Nothing to release: the ledger is shared by every sensor of this process."""
         return None
+
+
+def _memory_of(device: DeviceInfo, dev: DeviceState) -> MemoryReading:
+    if not dev["readable"]:
+        raise DeviceUnreadableError(
+            f"simulated device {device.index} is unreadable (SimulatedDevice(readable=False))"
+        )
+    used = device_used_bytes(dev)
+    return MemoryReading(
+        total_bytes=dev["total"],
+        free_bytes=dev["total"] - used,
+        used_bytes=used,
+        reserved_bytes=None,
+        unified=dev["unified"],
+        source="meminfo" if dev["unified"] else "simulator",
+    )
+
+
+def _rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] | None:
+    if not dev["readable"]:
+        return None
+    rows = [
+        ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
+        for name, entry in dev["tenants"].items()
+        if entry[1] > 0
+    ]
+    if not state["container"]:
+        rows.extend(
+            ProcessReading(pid=int(key), used_bytes=_process_bytes(proc), name=proc["name"])
+            for key, proc in dev["procs"].items()
+        )
+    return tuple(rows)
 
 
 def _read_real_host() -> HostCensus:

@@ -1,0 +1,1323 @@
+"""The planner: every price, admission and width decision of one pool (pure core).
+
+The dispatcher (:mod:`gpupool._pool.dispatcher`) keeps the thread, the pipes,
+the workers and the futures; it tells the planner what happened and asks it
+before every start. The planner touches no process, pipe, future or clock:
+the time is passed in (``now_s``, seconds since the pool was constructed)
+and readings are values the dispatcher took::
+
+    events in                                   verdicts and records out
+    ---------                                   ------------------------
+    submit(task, key, hint)                     next_start(now) -> Start | Wait | Fail | None
+    withdraw(task)            (cancelled)       out_of_memory(...) -> Retry | Fail
+    observe(device, reading)  (one snapshot)    width, widths_by_key(), warm_limit(device)
+    observe_error(device, error)                refusal (strict mode), counts
+    started(task, device, pid)                  records -> emit(Decision)
+    finished(task, report)    (a result or an error, with its peak report)
+    out_of_memory(task, report, reading)
+    lost(task, message)       (its worker died)
+
+The invariant, checked at every start: on every device the booked asks of
+the tasks running there plus the new one fit in ``room = total - co_tenant -
+own_high_water - reserve``, the count fits the ceiling and any cap an
+out-of-memory set, and the live reading covers the new ask plus what the
+running tasks have not reached yet plus the reserve. The only start past the
+bound is the serial floor (nothing of the pool runs anywhere and no card has
+room for one task), logged as ``serial_start``. Explicit concurrency
+(``fixed_width``) is authoritative: it skips the memory terms and says so.
+
+Three rules the planner keeps: evidence never lowers a price (a key's ask
+after an out-of-memory is at least its ask before); a task that runs out
+alone while the live reading shows the card held by bytes that are not the
+pool's waits for room (bounded by ``room_wait_s``) instead of failing; and
+records grow with decisions, not with tasks (a live gate that shuts and
+opens again is recorded at most once per :data:`GATE_RECORD_INTERVAL_S`).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gpupool._core.bound import (
+    Bound,
+    Ceiling,
+    WidthDecision,
+    admits,
+    decide_widths,
+    derive_bound,
+    derive_ceiling,
+)
+from gpupool._core.census import CardCensus, Census
+from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.peak import PeakReport
+from gpupool._core.policy import Ask, AskTable
+from gpupool._core.units import GiB, MiB, format_size
+
+__all__ = [
+    "DEFAULT_CHILD_RSS_PRIOR_BYTES",
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_ROOM_WAIT_S",
+    "GATE_RECORD_INTERVAL_S",
+    "LIVE_POLL_S",
+    "CardReading",
+    "Fail",
+    "Planner",
+    "PlannerConfig",
+    "Retry",
+    "Start",
+    "Wait",
+]
+
+TaskId = int
+
+#: How long a task that ran out of memory alone waits for room while others'
+#: bytes hold its card:
+#: long enough to ride out another job's allocation spike or a co-tenant
+#: restarting, short enough that a card taken for good fails the task within
+#: minutes rather than hanging the pipeline.
+DEFAULT_ROOM_WAIT_S = 120.0
+
+#: Out-of-memory retries per task, in every mode, before the error reaches its
+#: future. Each retry runs at a narrower width or after a wait for room; five
+#: are enough to walk a pool of eight down to one.
+DEFAULT_MAX_RETRIES = 5
+
+#: The host RSS a child is priced at until a child of the pool has reported
+#: its own: a spawned interpreter that imports a CUDA framework holds several
+#: hundred MiB before its first allocation, and a CUDA context maps several
+#: hundred more in host memory. A measurement replaces it.
+DEFAULT_CHILD_RSS_PRIOR_BYTES = 1 * GiB
+
+#: How often a waiting pool re-reads its cards while the live gate is shut.
+LIVE_POLL_S = 0.05
+
+#: At most one live-gate record per card in this many seconds; the record
+#: counts the shut episodes it stands for.
+GATE_RECORD_INTERVAL_S = 5.0
+
+#: A gate shut this long retires idle warm workers (their contexts are bytes
+#: the card needs); one shut reading never does.
+RETIRE_AFTER_SHUT_S = 2.0
+
+#: The own high-water is recorded when it has grown this much since the last
+#: record (the bound always uses the exact figure).
+OWN_RECORD_STEP_BYTES = 64 * MiB
+
+#: A key's ask is recorded when it moved this fraction since the last record,
+#: changed basis, or changed a width.
+ASK_RECORD_STEP = 0.05
+
+#: How far down the pending queue a blocked head lets the planner look for a
+#: task of another key that fits (a large key does not serialise a small one).
+LOOKAHEAD = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CardReading:
+    """One live snapshot of a card: free and per-process bytes read together.
+
+    Attributes:
+        free_bytes: free now.
+        used_bytes: allocated now.
+        process_bytes: device bytes per PID from the same snapshot, or ``None``
+            where the driver lists no rows (containers, MIG).
+    """
+
+    free_bytes: int
+    used_bytes: int
+    process_bytes: Mapping[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerConfig:
+    """What the caller asked for.
+
+    Attributes:
+        max_workers: the most tasks at once.
+        max_workers_given: ``max_workers`` was explicit: the CPU count does
+            not cap it (it is logged when it exceeds the usable CPUs).
+        fixed_width: run exactly this many at once, whatever the bound says.
+        strict: refuse to narrow below ``max_workers``.
+        retry_oom: retry a task that ran out of device memory.
+        max_retries: out-of-memory retries per task before it fails.
+        room_wait_s: how long a task waits for room held by others' bytes.
+        reserve_bytes: bytes kept free on every card.
+        parent_pid: this process, to find its row in a reading.
+        child_rss_prior_bytes: a child's host RSS until one is measured.
+    """
+
+    max_workers: int
+    max_workers_given: bool = True
+    fixed_width: int | None = None
+    strict: bool = False
+    retry_oom: bool = True
+    max_retries: int = DEFAULT_MAX_RETRIES
+    room_wait_s: float = DEFAULT_ROOM_WAIT_S
+    reserve_bytes: int = 0
+    parent_pid: int | None = None
+    child_rss_prior_bytes: int = DEFAULT_CHILD_RSS_PRIOR_BYTES
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Start:
+    """Start ``task`` on ``device`` (``None``: a host-bounded pool).
+
+    ``past_bound`` marks the serial floor: nothing of the pool runs, and no
+    card had room for the task or the live gate was shut.
+    """
+
+    task: TaskId
+    device: int | None
+    ask_bytes: int
+    past_bound: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Wait:
+    """Start nothing now; ask again after ``poll_s`` (``None``: after the next event)."""
+
+    reason: str
+    poll_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retry:
+    """Run ``task`` again: it is back at the head of the pending queue."""
+
+    task: TaskId
+    reason: str
+
+
+FailKind = Literal["out_of_memory", "retries_exhausted", "room_wait_expired"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fail:
+    """``task``'s out-of-memory goes to its future.
+
+    Attributes:
+        task: the task.
+        kind: ``"out_of_memory"`` (it ran out alone with its room free, or
+            retries are off), ``"retries_exhausted"`` (``max_retries`` reached)
+            or ``"room_wait_expired"`` (others held the card for
+            ``room_wait_s``).
+        reason: the sentence for the error, every number in it.
+        device: where it last ran.
+        ask_bytes: what it was booked at.
+    """
+
+    task: TaskId
+    kind: FailKind
+    reason: str
+    device: int | None
+    ask_bytes: int
+
+
+@dataclass(slots=True)
+class _Task:
+    key: str
+    hint_bytes: int | None
+    retries: int = 0
+    # Fixed width after an out-of-memory: start only while fewer than this run there.
+    wait_below: int | None = None
+    # Devices where it ran out alone although the room was free: not again.
+    avoid: set[int] = field(default_factory=set)
+    # Waiting for room that others' bytes hold: until then no serial start.
+    room_wait_until_s: float | None = None
+    last_device: int | None = None
+    last_ask_bytes: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class _Run:
+    key: str
+    device: int | None
+    pid: int | None
+    booked_bytes: int
+    priced_bytes: int
+    shared: bool = False
+
+
+@dataclass(slots=True)
+class _Card:
+    census: CardCensus
+    own_high_water_bytes: int
+    oom_cap: int | None = None
+    reading: CardReading | None = None
+    reading_error: str | None = None
+    gate_shut_since_s: float | None = None
+    gate_recorded_s: float | None = None
+    gate_episodes: int = 0
+    width: int = 0
+    recorded_own_bytes: int = 0
+
+
+class Planner:
+    """Owns every price, admission and width decision of one pool.
+
+    Args:
+        census: the cards and the host as they stood at construction.
+        asks: the per-key asks (the planner is their only writer).
+        config: what the caller asked for.
+        emit: where decision records go (the decision log).
+        now_s: the time of construction.
+    """
+
+    def __init__(
+        self,
+        *,
+        census: Census,
+        asks: AskTable,
+        config: PlannerConfig,
+        emit: Callable[[Decision], None],
+        now_s: float = 0.0,
+    ) -> None:
+        self.census = census
+        self.asks = asks
+        self.config = config
+        self._emit = emit
+        self.cards = [
+            _Card(census=card, own_high_water_bytes=card.own_bytes or 0) for card in census.cards
+        ]
+        for card in self.cards:
+            card.recorded_own_bytes = card.own_high_water_bytes
+        self.tasks: dict[TaskId, _Task] = {}
+        self.pending: collections.deque[TaskId] = collections.deque()
+        self.running: dict[TaskId, _Run] = {}
+        self.child_rss_bytes: int | None = None
+        self.ceiling = self._derive_ceiling()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.widths: list[tuple[float, int]] = []
+        self.refusal: str | None = None
+        self.refusal_decision: Decision | None = None
+        self._recorded_asks: dict[str, Ask] = {}
+        self._last_key: str = ""
+        self._head_skips = 0
+        self._sensor_errors: set[tuple[int, str]] = set()
+        self.width = self._width_now()
+
+    # -- construction -------------------------------------------------------------------
+
+    def construct(self, now_s: float, *, note: str = "") -> tuple[WidthDecision, ...]:
+        """Decide and record the first width of every card, from the same code as every later one.
+
+        Returns:
+            The per-card decisions (empty for a host-bounded pool); with
+            ``strict`` the caller refuses a width below ``max_workers``.
+        """
+        ask = self.asks.ask("")
+        cpus_note = self._cpus_note()
+        if not self.cards:
+            self.width = self._width_now()
+            reason = self.census.reason or "no device"
+            self.record(
+                Decision(
+                    event="constructed",
+                    time_s=now_s,
+                    device=None,
+                    width_before=None,
+                    width_after=self.width,
+                    reason=(
+                        f"{reason}; a host-bounded pool of width {self.width}, set by "
+                        f"{self.ceiling.limit} ({self.ceiling.value}){cpus_note}"
+                    ),
+                    ceiling=self.ceiling,
+                    limit=self.ceiling.limit,
+                    extra={"driver": self.census.driver, "sensor": self.census.sensor},
+                )
+            )
+            self._timeline(now_s)
+            return ()
+        decisions = self.decide(ask)
+        for decision in decisions:
+            card = self.cards[decision.device]
+            card.width = decision.width
+            census = card.census
+            reason_note = f"; {census.reason}" if census.reason else ""
+            self.record(
+                Decision.from_width(
+                    "constructed",
+                    decision,
+                    time_s=now_s,
+                    width_before=None,
+                    reason=f"{decision.describe()}{note}{reason_note}{cpus_note}",
+                    extra={
+                        "uuid": census.uuid,
+                        "census_free_bytes": census.free_bytes,
+                        "census_own_bytes": census.own_bytes,
+                        "reserved_bytes": census.reserved_bytes,
+                        "source": census.source,
+                        "own_source": census.own_source,
+                        "unified": census.unified,
+                    },
+                )
+            )
+        self._recorded_asks[""] = ask
+        self.width = self._width_now()
+        self._timeline(now_s)
+        if self.config.fixed_width is not None:
+            self._check_fixed(decisions, now_s)
+        return decisions
+
+    def _cpus_note(self) -> str:
+        cpus = self.census.host.cpus
+        if self.config.max_workers_given and self.config.max_workers > cpus:
+            return (
+                f"; max_workers={self.config.max_workers} is more than the {cpus} usable CPUs "
+                f"({self.census.host.cpu_source}): kept, as the standard pool keeps it"
+            )
+        return ""
+
+    def _check_fixed(self, decisions: tuple[WidthDecision, ...], now_s: float) -> None:
+        fixed = self.config.fixed_width
+        assert fixed is not None
+        bound_width = sum(d.width for d in decisions)
+        if bound_width < fixed:
+            self.record(
+                Decision(
+                    event="fixed_width_over_bound",
+                    time_s=now_s,
+                    device=None,
+                    width_before=fixed,
+                    width_after=fixed,
+                    reason=(
+                        f"fixed width {fixed} is wider than the bound allows ({bound_width}: "
+                        + "; ".join(d.describe() for d in decisions)
+                        + "); keeping the width you asked for"
+                    ),
+                    extra={"bound_width": bound_width},
+                )
+            )
+
+    # -- prices -------------------------------------------------------------------------
+
+    def _derive_ceiling(self) -> Ceiling:
+        host = self.census.host
+        fixed = self.config.fixed_width
+        rss = self.child_rss_bytes
+        return derive_ceiling(
+            max_workers=fixed or self.config.max_workers,
+            cpus=None if fixed or self.config.max_workers_given else host.cpus,
+            host_ram_bytes=None if fixed else host.available_ram_bytes,
+            child_rss_bytes=rss if rss is not None else self.config.child_rss_prior_bytes,
+        )
+
+    def bound(self, device: int, ask: Ask) -> Bound:
+        """``device``'s bound priced at ``ask``, with its own high-water so far."""
+        card = self.cards[device]
+        return derive_bound(
+            card.census,
+            own_high_water_bytes=card.own_high_water_bytes,
+            reserve_bytes=self.config.reserve_bytes,
+            ask_bytes=ask.ask_bytes,
+            ask_basis=ask.basis,
+        )
+
+    def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
+        """Every card's width for tasks priced at ``ask`` (the cap an out-of-memory set holds)."""
+        decisions = decide_widths(
+            [self.bound(i, ask) for i in range(len(self.cards))], self.ceiling
+        )
+        capped = []
+        for decision in decisions:
+            cap = self.cards[decision.device].oom_cap
+            if cap is not None and decision.width > cap:
+                decision = WidthDecision(
+                    device=decision.device,
+                    width=cap,
+                    limit="out_of_memory",
+                    bound=decision.bound,
+                    ceiling=decision.ceiling,
+                )
+            capped.append(decision)
+        return tuple(capped)
+
+    def ask_of(self, task: TaskId) -> Ask:
+        """``task``'s price now (a per-task hint becomes its key's estimate first)."""
+        state = self.tasks[task]
+        if state.hint_bytes is not None:
+            self.asks.hint(state.key, state.hint_bytes)
+            state.hint_bytes = None
+        return self.asks.ask(state.key)
+
+    # -- events -------------------------------------------------------------------------
+
+    def submit(self, task: TaskId, key: str, hint_bytes: int | None = None) -> None:
+        """A task was submitted (it is pending, at the back of the queue)."""
+        self.tasks[task] = _Task(key=key, hint_bytes=hint_bytes)
+        self.pending.append(task)
+        self._last_key = key
+
+    def withdraw(self, task: TaskId) -> None:
+        """A pending task left the queue (cancelled, or failed by the pool)."""
+        if task in self.tasks and task not in self.running:
+            try:
+                self.pending.remove(task)
+            except ValueError:
+                pass
+            del self.tasks[task]
+
+    def pending_tasks(self) -> tuple[TaskId, ...]:
+        """The pending tasks, in the order they will be considered."""
+        return tuple(self.pending)
+
+    def observe(self, device: int, reading: CardReading, now_s: float) -> None:
+        """A live snapshot of ``device``: the live gate reads it, and the parent's own row
+        raises the own high-water (a term of the bound: recorded when it grows)."""
+        card = self.cards[device]
+        card.reading = reading
+        card.reading_error = None
+        own = None
+        if reading.process_bytes is not None and self.config.parent_pid is not None:
+            own = reading.process_bytes.get(self.config.parent_pid)
+        if own is not None and own > card.own_high_water_bytes:
+            card.own_high_water_bytes = own
+            if own - card.recorded_own_bytes >= OWN_RECORD_STEP_BYTES:
+                card.recorded_own_bytes = own
+                self._review(
+                    now_s,
+                    cause=(
+                        f"this process's own device bytes grew to {format_size(own)} "
+                        "(a term of the bound)"
+                    ),
+                    devices=(device,),
+                )
+
+    def observe_own(self, device: int, own_bytes: int | None, now_s: float) -> None:
+        """The parent's own device bytes, read on their own (where rows are not listed)."""
+        if own_bytes is None:
+            return
+        card = self.cards[device]
+        reading = card.reading
+        if reading is not None and self.config.parent_pid is not None:
+            rows = dict(reading.process_bytes or {})
+            rows[self.config.parent_pid] = own_bytes
+            self.observe(
+                device,
+                CardReading(
+                    free_bytes=reading.free_bytes, used_bytes=reading.used_bytes, process_bytes=rows
+                ),
+                now_s,
+            )
+        elif own_bytes > card.own_high_water_bytes:
+            card.own_high_water_bytes = own_bytes
+
+    def observe_error(self, device: int, error: str, now_s: float) -> None:
+        """A live reading of ``device`` failed: it runs one task of the pool at a time meanwhile."""
+        card = self.cards[device]
+        card.reading = None
+        card.reading_error = error
+        self.sensor_error(device, error, "the live gate runs one task at a time", now_s)
+
+    def sensor_error(self, device: int | None, error: str, effect: str, now_s: float) -> None:
+        """Record a failed reading, once per card and kind of error."""
+        kind = (-1 if device is None else device, error.split(":", 1)[0])
+        if kind in self._sensor_errors:
+            return
+        self._sensor_errors.add(kind)
+        self.counts["sensor_errors"] += 1
+        self.record(
+            self._simple(
+                "sensor_error",
+                device,
+                self.asks.ask(self._last_key),
+                f"card {device}: a reading failed ({error}); {effect} while it fails; the "
+                "static bound still applies",
+                now_s,
+                extra={"error": error[:500]},
+            )
+        )
+
+    def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
+        """``task`` was handed to a worker (``pid``) on ``device``: its ask is booked there."""
+        state = self.tasks[task]
+        try:
+            self.pending.remove(task)
+        except ValueError:
+            pass
+        ask = self.asks.ask(state.key).ask_bytes if device is not None else 0
+        run = _Run(key=state.key, device=device, pid=pid, booked_bytes=ask, priced_bytes=ask)
+        if device is not None:
+            neighbours = [r for r in self.running.values() if r.device == device]
+            if neighbours:
+                run.shared = True
+                for other in neighbours:
+                    other.shared = True
+        self.running[task] = run
+        state.last_device = device
+        state.last_ask_bytes = ask
+        if state.room_wait_until_s is not None:
+            state.room_wait_until_s = None
+        self._head_skips = 0 if self.pending and self.pending[0] != task else self._head_skips
+        self._last_key = state.key
+
+    def start_failed(self, task: TaskId) -> None:
+        """A start did not happen (its worker could not be started): the task is pending again."""
+        if task in self.running:
+            del self.running[task]
+        if task in self.tasks and task not in self.pending:
+            self.pending.appendleft(task)
+
+    def finished(self, task: TaskId, report: PeakReport | None, now_s: float) -> None:
+        """``task`` ended with a result or an ordinary error; learn from its peak report."""
+        run = self.running.pop(task, None)
+        self.tasks.pop(task, None)
+        if run is None or report is None:
+            return
+        self._learn_rss(report, now_s)
+        if report.device is None or run.device is None:
+            return
+        if report.device_peak_bytes is None:
+            self.sensor_error(
+                run.device,
+                "NoMeasurement: a worker could not measure its task's device peak",
+                f"{run.key}'s ask stays as it was",
+                now_s,
+            )
+            return
+        before = self.asks.ask(run.key)
+        after = self.asks.measure(run.key, report.device_peak_bytes)
+        self._rebook(run.key, after.ask_bytes)
+        self._ask_changed(run.key, before, after, now_s, report)
+
+    def lost(
+        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+    ) -> None:
+        """``task``'s worker died: the task failed; its booking is released."""
+        run = self.running.pop(task, None)
+        state = self.tasks.pop(task, None)
+        key = run.key if run else state.key if state else self._last_key
+        self.counts["lost"] += 1
+        self.record(
+            self._simple(
+                "worker_lost",
+                run.device if run else None,
+                self.asks.ask(key),
+                message,
+                now_s,
+                extra=extra,
+            )
+        )
+
+    def out_of_memory(
+        self,
+        task: TaskId,
+        report: PeakReport,
+        reading: CardReading | None,
+        now_s: float,
+        *,
+        error: str,
+    ) -> Retry | Fail:
+        """``task`` ran its card out of memory: raise its key's price, and retry or fail it.
+
+        Args:
+            task: the task.
+            report: its peak report (what it reached, what it asked for).
+            reading: a live snapshot of its card taken after the report, or ``None``.
+            now_s: the time.
+            error: the error's text (truncated in the record).
+        """
+        self.counts["oom"] += 1
+        run = self.running.pop(task)
+        state = self.tasks[task]
+        state.retries += 1
+        device = run.device
+        card = self.cards[device] if device is not None else None
+        reached = report.device_peak_bytes
+        requested = report.oom_requested_bytes
+        lower = (reached or 0) + (requested or 0)
+        before = self.asks.ask(run.key)
+        floor = before.ask_bytes
+        if lower > floor:
+            floor = lower + self.asks.policy.margin_for(lower)
+        after = self.asks.floor(run.key, floor)
+        self._rebook(run.key, after.ask_bytes)
+        others = [r for r in self.running.values() if r.device == device]
+        running_then = len(others) + 1
+        shared = run.shared or bool(others)
+        child_bytes = 0
+        if reading is not None and reading.process_bytes is not None and run.pid is not None:
+            child_bytes = reading.process_bytes.get(run.pid, 0)
+        pool_bytes = None
+        if reading is not None and reading.process_bytes is not None:
+            pids = [r.pid for r in self.running.values() if r.device == device] + [run.pid]
+            pool_bytes = sum(reading.process_bytes.get(p or -1, 0) for p in pids)
+        bound = self.bound(device, after) if device is not None else None
+        needed = after.ask_bytes + self.config.reserve_bytes
+        held = (
+            reading is not None
+            and reading.free_bytes + child_bytes < needed
+            and bound is not None
+            and bound.room_bytes is not None
+            and bound.room_bytes >= after.ask_bytes
+        )
+        outcome: Retry | Fail
+        new_cap: int | None = None
+        where = f"card {device if device is not None else '-'}"
+        if not self.config.retry_oom:
+            outcome = self._fail(task, "out_of_memory", "retries are off", device, run)
+        elif state.retries > self.config.max_retries:
+            outcome = self._fail(
+                task,
+                "retries_exhausted",
+                f"it ran out of memory {state.retries} times, more than max_retries="
+                f"{self.config.max_retries}",
+                device,
+                run,
+            )
+        elif shared:
+            new_cap = max(1, running_then - 1)
+            if self.config.fixed_width is not None:
+                state.wait_below = new_cap
+                why = (
+                    f"retrying once its card runs at most {new_cap - 1} other task(s) (the "
+                    f"fixed width {self.config.fixed_width} stays)"
+                )
+            elif lower > before.ask_bytes:
+                why = (
+                    f"the ask was underestimated: booked at {format_size(run.priced_bytes)}, it "
+                    f"reached {format_size(reached)} and asked for {format_size(requested)} "
+                    f"more; {run.key}'s ask {before.describe()} -> {after.describe()}"
+                )
+            else:
+                assert card is not None
+                card.oom_cap = new_cap if card.oom_cap is None else min(card.oom_cap, new_cap)
+                why = (
+                    f"it stayed within its ask ({format_size(run.priced_bytes)}), so something "
+                    f"else on the card grew; at most {card.oom_cap} at once there from now on"
+                )
+            outcome = self._retry(task, why)
+        elif held:
+            if state.room_wait_until_s is None:
+                state.room_wait_until_s = now_s + self.config.room_wait_s
+            outcome = self._retry(
+                task,
+                f"it ran out alone while the card's live free bytes "
+                f"({format_size(reading.free_bytes if reading else None)}) did not cover its ask "
+                f"{format_size(after.ask_bytes)} + {format_size(self.config.reserve_bytes)} "
+                f"reserve: others' bytes hold the card, so it waits for room (until "
+                f"{state.room_wait_until_s:.1f} s) and retries",
+            )
+        else:
+            elsewhere = self._roomier_elsewhere(device, after)
+            if elsewhere is not None and device is not None:
+                state.avoid.add(device)
+                outcome = self._retry(
+                    task,
+                    f"it ran out alone on {where}; card {elsewhere} has room for its ask "
+                    f"{after.describe()}, so it is retried there",
+                )
+            else:
+                outcome = self._fail(
+                    task,
+                    "out_of_memory",
+                    "it ran out alone on the card with its ask's room free",
+                    device,
+                    run,
+                )
+        retry = isinstance(outcome, Retry)
+        self.record(
+            Decision(
+                event="out_of_memory",
+                time_s=now_s,
+                device=device,
+                width_before=running_then,
+                width_after=(new_cap if new_cap is not None else running_then),
+                reason=(
+                    f"{where}: a task of {run.key} ran out of memory at {format_size(reached)} "
+                    f"reached (asked for {format_size(requested)} more), booked at "
+                    f"{format_size(run.priced_bytes)} beside {len(others)} other running; live "
+                    f"{format_size(reading.used_bytes if reading else None)} used, "
+                    f"{format_size(reading.free_bytes if reading else None)} free; "
+                    f"{outcome.reason}"
+                ),
+                bound=bound,
+                ceiling=self.ceiling,
+                key=run.key,
+                limit="out_of_memory",
+                extra={
+                    "task_ask_bytes": run.priced_bytes,
+                    "ask_before_bytes": before.ask_bytes,
+                    "ask_after_bytes": after.ask_bytes,
+                    "reached_bytes": reached,
+                    "requested_bytes": requested,
+                    "live_free_bytes": reading.free_bytes if reading else None,
+                    "live_used_bytes": reading.used_bytes if reading else None,
+                    "live_own_bytes": (
+                        reading.process_bytes.get(self.config.parent_pid or -1)
+                        if reading is not None and reading.process_bytes is not None
+                        else None
+                    ),
+                    "live_pool_bytes": pool_bytes,
+                    "census_co_tenant_bytes": card.census.co_tenant_bytes if card else None,
+                    "booked_bytes": sum(r.booked_bytes for r in others) + run.priced_bytes,
+                    "running": running_then,
+                    "tries": state.retries,
+                    "retry": retry,
+                    "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
+                    "oom_cap": card.oom_cap if card else None,
+                    "error": error[:500],
+                },
+            )
+        )
+        if retry and card is not None and self.config.fixed_width is None:
+            self._review(
+                now_s,
+                cause=f"an out-of-memory of {run.key}",
+                devices=(device,) if device is not None else (),
+            )
+        if isinstance(outcome, Fail):
+            self.tasks.pop(task, None)
+        return outcome
+
+    def _retry(self, task: TaskId, reason: str) -> Retry:
+        self.counts["retries"] += 1
+        self.pending.appendleft(task)
+        return Retry(task=task, reason=reason)
+
+    def _fail(self, task: TaskId, kind: FailKind, why: str, device: int | None, run: _Run) -> Fail:
+        return Fail(task=task, kind=kind, reason=why, device=device, ask_bytes=run.priced_bytes)
+
+    def _roomier_elsewhere(self, device: int | None, ask: Ask) -> int | None:
+        if device is None:
+            return None
+        here = self.bound(device, ask).room_bytes
+        best: tuple[int, int] | None = None
+        for index in range(len(self.cards)):
+            if index == device:
+                continue
+            room = self.bound(index, ask).room_bytes
+            if (
+                room is not None
+                and room >= ask.ask_bytes
+                and (here is None or room > here)
+                and (best is None or room > best[1])
+            ):
+                best = (index, room)
+        return best[0] if best else None
+
+    # -- learning -----------------------------------------------------------------------
+
+    def _learn_rss(self, report: PeakReport, now_s: float) -> None:
+        rss = report.rss_peak_bytes
+        if rss is None or (self.child_rss_bytes is not None and rss <= self.child_rss_bytes):
+            return
+        self.child_rss_bytes = rss
+        before = self.ceiling
+        self.ceiling = self._derive_ceiling()
+        if self.ceiling.value != before.value:
+            event: EventName = "narrowed" if self.ceiling.value < before.value else "widened"
+            self.record(
+                Decision(
+                    event=event,
+                    time_s=now_s,
+                    device=None,
+                    width_before=before.value,
+                    width_after=self.ceiling.value,
+                    reason=(
+                        f"the ceiling goes {before.value} -> {self.ceiling.value}: host RAM "
+                        f"({format_size(self.ceiling.host_ram_bytes)} available) at "
+                        f"{format_size(rss)} measured RSS per child (was "
+                        f"{format_size(before.child_rss_bytes)}"
+                        + (
+                            ")"
+                            if before.child_rss_bytes != self.config.child_rss_prior_bytes
+                            else ", the prior)"
+                        )
+                        + f"; set by {self.ceiling.limit}"
+                    ),
+                    ceiling=self.ceiling,
+                    limit=self.ceiling.limit,
+                )
+            )
+            self.width = self._width_now()
+            self._timeline(now_s)
+
+    def _rebook(self, key: str, ask_bytes: int) -> None:
+        """Running tasks of ``key`` may reach its new, larger ask: book them at it."""
+        for run in self.running.values():
+            if run.key == key and run.device is not None and run.booked_bytes < ask_bytes:
+                run.booked_bytes = ask_bytes
+
+    def _ask_changed(
+        self, key: str, before: Ask, after: Ask, now_s: float, report: PeakReport
+    ) -> None:
+        last = self._recorded_asks.get(key, before)
+        moved = abs(after.ask_bytes - last.ask_bytes) > ASK_RECORD_STEP * max(1, last.ask_bytes)
+        changed_basis = last.basis != after.basis
+        cause = (
+            f"{key} measured {format_size(report.device_peak_bytes)} ({report.device_source}); "
+            f"ask {before.describe()} -> {after.describe()}"
+        )
+        unchanged: EventName = "bound_changed"
+        if changed_basis:
+            unchanged = "measured"
+        elif after.ask_bytes < last.ask_bytes:
+            unchanged = "widen_refused"
+        widths_moved = self._review(
+            now_s,
+            cause=cause,
+            key=key,
+            quiet=not (moved or changed_basis),
+            unchanged=unchanged,
+            extra={
+                "peak_bytes": report.device_peak_bytes,
+                "peak_source": report.device_source,
+                "baseline_bytes": report.baseline_bytes,
+                "rss_peak_bytes": report.rss_peak_bytes,
+                "margin_bytes": after.margin_bytes,
+                "spread_bytes": after.spread_bytes,
+                "samples": after.samples,
+            },
+        )
+        if widths_moved or moved or changed_basis:
+            self._recorded_asks[key] = after
+
+    # -- the width ----------------------------------------------------------------------
+
+    def _present_keys(self) -> list[str]:
+        keys: dict[str, None] = {}
+        for run in self.running.values():
+            keys[run.key] = None
+        for i, task in enumerate(self.pending):
+            if i >= LOOKAHEAD:
+                break
+            keys[self.tasks[task].key] = None
+        return list(keys)
+
+    def _review(
+        self,
+        now_s: float,
+        *,
+        cause: str,
+        key: str | None = None,
+        devices: tuple[int, ...] | None = None,
+        quiet: bool = False,
+        unchanged: EventName = "bound_changed",
+        extra: Mapping[str, JsonValue] | None = None,
+    ) -> bool:
+        """A term of the bound changed: decide the widths again and record what moved.
+
+        ``unchanged`` names the record of a card whose width did not move
+        (``"measured"`` for a key's first measurement, ``"widen_refused"`` for
+        a smaller ask the room does not let widen). Returns whether any card's
+        width moved.
+        """
+        if not self.cards:
+            return False
+        priced = key if key is not None else (self._present_keys() or [self._last_key])[0]
+        ask = self.asks.ask(priced)
+        decisions = self.decide(ask)
+        moved = False
+        for decision in decisions:
+            card = self.cards[decision.device]
+            old, new = card.width, decision.width
+            if devices is not None and decision.device not in devices and new == old:
+                continue
+            if new == old and quiet:
+                continue
+            if (
+                new < old
+                and self.config.strict
+                and self.config.fixed_width is None
+                and new < min(self.config.max_workers, self.ceiling.value)
+            ):
+                self._refuse(decision, old, now_s)
+                return True
+            event: EventName = "widened" if new > old else "narrowed" if new < old else unchanged
+            if event == "widen_refused" and (
+                decision.limit != "memory" or decision.width >= self.ceiling.value
+            ):
+                event = "bound_changed"
+            if new != old:
+                moved = True
+            card.width = new
+            self.record(
+                Decision.from_width(
+                    event,
+                    decision,
+                    time_s=now_s,
+                    width_before=old,
+                    reason=f"{decision.describe()}; {cause}; width {old} -> {new}",
+                    key=priced or None,
+                    extra=dict(extra or {}) | {"oom_cap": card.oom_cap},
+                )
+            )
+        if self.config.fixed_width is not None and moved:
+            self._check_fixed(decisions, now_s)
+        self.width = self._width_now()
+        self._timeline(now_s)
+        return moved
+
+    def _refuse(self, decision: WidthDecision, width_before: int, now_s: float) -> None:
+        message = (
+            f"strict mode: {decision.describe()}, below the requested width "
+            f"{self.config.max_workers}; refusing to narrow. Free the card, lower max_workers, "
+            "or drop strict=True."
+        )
+        record = Decision.from_width(
+            "narrowed", decision, time_s=now_s, width_before=width_before, reason=message
+        )
+        self.record(record)
+        self.refusal = message
+        self.refusal_decision = record
+
+    def _timeline(self, now_s: float) -> None:
+        if not self.widths or self.widths[-1][1] != self.width:
+            self.widths.append((round(now_s, 6), self.width))
+
+    def _width_now(self) -> int:
+        """How many tasks the planner admits at once now, for the work it holds."""
+        if self.config.fixed_width is not None:
+            return self.config.fixed_width
+        if not self.cards:
+            return self.ceiling.value
+        booked = [0] * len(self.cards)
+        count = [0] * len(self.cards)
+        for run in self.running.values():
+            if run.device is not None:
+                booked[run.device] += run.booked_bytes
+                count[run.device] += 1
+        total = sum(count)
+        asks = [self.asks.ask(self.tasks[t].key) for t in list(self.pending)[:LOOKAHEAD]]
+        if not asks and not self.running:
+            asks = [self.asks.ask(self._last_key)] * self.ceiling.value
+        for ask in asks:
+            if total >= self.ceiling.value:
+                break
+            placed = self._fit(ask.ask_bytes, booked, count)
+            if placed is not None:
+                booked[placed] += ask.ask_bytes
+                count[placed] += 1
+                total += 1
+        return max(1, min(total, self.ceiling.value))
+
+    def _fit(self, ask_bytes: int, booked: list[int], count: list[int]) -> int | None:
+        best: int | None = None
+        best_left = 0
+        for index, card in enumerate(self.cards):
+            if card.oom_cap is not None and count[index] >= card.oom_cap:
+                continue
+            room = derive_bound(
+                card.census,
+                own_high_water_bytes=card.own_high_water_bytes,
+                reserve_bytes=self.config.reserve_bytes,
+                ask_bytes=max(1, ask_bytes),
+                ask_basis="estimated",
+            ).room_bytes
+            if room is None:
+                if count[index] == 0:
+                    return index
+                continue
+            left = room - booked[index] - ask_bytes
+            if left >= 0 and (best is None or left > best_left):
+                best, best_left = index, left
+        return best
+
+    def widths_by_key(self) -> dict[str, int]:
+        """For each key with work pending or running: how many of its tasks could run at once
+        beside the other keys' running tasks."""
+        out: dict[str, int] = {}
+        for key in self._present_keys():
+            ask = self.asks.ask(key).ask_bytes
+            if self.config.fixed_width is not None:
+                out[key] = self.config.fixed_width
+                continue
+            if not self.cards:
+                out[key] = self.ceiling.value
+                continue
+            total = 0
+            others = sum(1 for r in self.running.values() if r.key != key)
+            for index, card in enumerate(self.cards):
+                mine = sum(1 for r in self.running.values() if r.device == index and r.key == key)
+                other_booked = sum(
+                    r.booked_bytes
+                    for r in self.running.values()
+                    if r.device == index and r.key != key
+                )
+                room = self.bound(index, self.asks.ask(key)).room_bytes
+                fits = 1 if room is None else max(0, (room - other_booked) // max(1, ask))
+                if card.oom_cap is not None:
+                    fits = min(fits, card.oom_cap)
+                total += max(mine, fits)
+            out[key] = max(1, min(total, self.ceiling.value - others))
+        return out
+
+    def warm_limit(self, device: int, now_s: float) -> int:
+        """How many workers ``device`` may keep (running and idle)."""
+        card = self.cards[device]
+        running = sum(1 for r in self.running.values() if r.device == device)
+        if (
+            card.gate_shut_since_s is not None
+            and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+        ):
+            return running
+        keys = self._present_keys() or [self._last_key]
+        smallest = min(self.asks.ask(k).ask_bytes for k in keys)
+        bound = self.bound(device, self.asks.ask(keys[0]))
+        fits = 1 if bound.room_bytes is None else max(1, bound.room_bytes // max(1, smallest))
+        if card.oom_cap is not None:
+            fits = min(fits, card.oom_cap)
+        return max(running, min(fits, self.ceiling.value))
+
+    # -- the decision before every start ------------------------------------------------
+
+    def next_start(self, now_s: float) -> Start | Wait | Fail | None:
+        """What to start now: a task and its card, a wait (with why), a failure, or ``None``
+        when nothing is pending."""
+        if not self.pending:
+            return None
+        running = len(self.running)
+        if running >= self.ceiling.value:
+            return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
+        head = self.pending[0]
+        gate_shut = False
+        considered: set[str] = set()
+        for position, task in enumerate(self._candidates()):
+            state = self.tasks[task]
+            if state.key in considered:
+                continue
+            considered.add(state.key)
+            if position > 0 and self._head_skips >= max(1, self.ceiling.value):
+                break
+            verdict, shut = self._try_start(task, now_s, running)
+            gate_shut = gate_shut or shut
+            if verdict is not None:
+                if task != head:
+                    self._head_skips += 1
+                else:
+                    self._head_skips = 0
+                return verdict
+        return self._blocked(head, now_s, running, gate_shut)
+
+    def _candidates(self) -> Iterator[TaskId]:
+        for position, task in enumerate(self.pending):
+            if position >= LOOKAHEAD:
+                return
+            yield task
+
+    def _try_start(
+        self, task: TaskId, now_s: float, running: int
+    ) -> tuple[Start | Fail | None, bool]:
+        state = self.tasks[task]
+        if not self.cards:
+            return Start(task=task, device=None, ask_bytes=0), False
+        ask = self.ask_of(task)
+        if self.config.fixed_width is not None:
+            index = min(
+                range(len(self.cards)),
+                key=lambda i: (sum(1 for r in self.running.values() if r.device == i), i),
+            )
+            here = sum(1 for r in self.running.values() if r.device == index)
+            if state.wait_below is not None and here >= state.wait_below:
+                return None, False
+            if state.room_wait_until_s is not None and not self._live_fits(index, ask, []):
+                if now_s >= state.room_wait_until_s:
+                    return self._expired(task, state, ask), False
+                return None, True
+            return Start(task=task, device=index, ask_bytes=ask.ask_bytes), False
+        gate_shut = False
+        order = sorted(
+            range(len(self.cards)),
+            key=lambda i: (
+                -(
+                    (self.bound(i, ask).room_bytes or 0)
+                    - sum(r.booked_bytes for r in self.running.values() if r.device == i)
+                )
+            ),
+        )
+        for index in order:
+            if index in state.avoid and len(state.avoid) < len(self.cards):
+                continue
+            card = self.cards[index]
+            busy = [r for r in self.running.values() if r.device == index]
+            if card.oom_cap is not None and len(busy) >= card.oom_cap:
+                continue
+            if not admits(
+                ask.ask_bytes, [r.booked_bytes for r in busy], self.bound(index, ask).room_bytes
+            ):
+                continue
+            if card.reading_error is not None and busy:
+                continue
+            if not self._live_fits(index, ask, busy):
+                gate_shut = True
+                self._gate_shut(index, ask, busy, now_s)
+                continue
+            card.gate_shut_since_s = None
+            return Start(task=task, device=index, ask_bytes=ask.ask_bytes), False
+        if state.room_wait_until_s is not None and now_s >= state.room_wait_until_s:
+            return self._expired(task, state, ask), gate_shut
+        return None, gate_shut
+
+    def _expired(self, task: TaskId, state: _Task, ask: Ask) -> Fail:
+        self.pending.remove(task)
+        self.tasks.pop(task, None)
+        return Fail(
+            task=task,
+            kind="room_wait_expired",
+            reason=(
+                f"it ran out of memory alone while others' bytes held the card, and no room for "
+                f"its ask {ask.describe()} came free within room_wait_s="
+                f"{self.config.room_wait_s:g}"
+            ),
+            device=state.last_device,
+            ask_bytes=state.last_ask_bytes or ask.ask_bytes,
+        )
+
+    def _live_fits(self, index: int, ask: Ask, busy: list[_Run]) -> bool:
+        """The live gate: the card's free bytes now cover the new ask, what the running tasks
+        have not reached yet, and the reserve. No reading: the static bound alone decides."""
+        reading = self.cards[index].reading
+        if reading is None:
+            return True
+        rows = reading.process_bytes or {}
+        unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
+        return reading.free_bytes >= ask.ask_bytes + unreached + self.config.reserve_bytes
+
+    def _gate_shut(self, index: int, ask: Ask, busy: list[_Run], now_s: float) -> None:
+        card = self.cards[index]
+        reading = card.reading
+        assert reading is not None
+        if card.gate_shut_since_s is None:
+            card.gate_shut_since_s = now_s
+            card.gate_episodes += 1
+            self.counts["gate_waits"] += 1
+        if (
+            card.gate_recorded_s is not None
+            and now_s - card.gate_recorded_s < GATE_RECORD_INTERVAL_S
+        ):
+            return
+        rows = reading.process_bytes or {}
+        unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
+        episodes = card.gate_episodes
+        card.gate_recorded_s = now_s
+        card.gate_episodes = 0
+        self.record(
+            self._simple(
+                "live_gate_wait",
+                index,
+                ask,
+                f"card {index}: {format_size(reading.free_bytes)} free now does not cover "
+                f"{format_size(ask.ask_bytes)} ask + {format_size(unreached)} not yet reached by "
+                f"{len(busy)} running + {format_size(self.config.reserve_bytes)} reserve; the "
+                f"task waits ({episodes} shut episode{'s' if episodes != 1 else ''} since the "
+                "last such record)",
+                now_s,
+                extra={
+                    "live_free_bytes": reading.free_bytes,
+                    "live_used_bytes": reading.used_bytes,
+                    "unreached_bytes": unreached,
+                    "running": len(busy),
+                    "gate_episodes": episodes,
+                },
+            )
+        )
+
+    def _blocked(self, head: TaskId, now_s: float, running: int, gate_shut: bool) -> Wait | Start:
+        state = self.tasks[head]
+        if running > 0:
+            return Wait(
+                reason="the bound or the live gate holds the pending tasks back",
+                poll_s=LIVE_POLL_S if gate_shut else None,
+            )
+        # Nothing of the pool runs anywhere.
+        ask = self.ask_of(head)
+        if state.room_wait_until_s is not None:
+            return Wait(reason="waiting for room after an out-of-memory", poll_s=LIVE_POLL_S)
+        candidates = [i for i in range(len(self.cards)) if i not in state.avoid] or list(
+            range(len(self.cards))
+        )
+        index = max(
+            candidates,
+            key=lambda i: (
+                self.bound(i, ask).room_bytes is not None,
+                self.bound(i, ask).room_bytes or 0,
+                -i,
+            ),
+        )
+        self.counts["serial_starts"] += 1
+        why = (
+            "the live gate is shut (others' bytes fill the card; if the task runs out of "
+            "memory it waits for room, it does not fail)"
+            if gate_shut
+            else "no card has room for one task"
+        )
+        self.record(
+            self._simple(
+                "serial_start",
+                index,
+                ask,
+                f"card {index}: {why} and nothing of the pool is running, so one task of "
+                f"{state.key} starts past the bound (the serial floor); ask {ask.describe()}",
+                now_s,
+                limit="floor",
+            )
+        )
+        return Start(task=head, device=index, ask_bytes=ask.ask_bytes, past_bound=True)
+
+    # -- records ------------------------------------------------------------------------
+
+    def record(self, decision: Decision) -> None:
+        """Write one record (the planner's only output besides its verdicts)."""
+        self._emit(decision)
+
+    def _simple(
+        self,
+        event: EventName,
+        device: int | None,
+        ask: Ask,
+        reason: str,
+        now_s: float,
+        *,
+        limit: str | None = None,
+        extra: Mapping[str, JsonValue] | None = None,
+    ) -> Decision:
+        bound = self.bound(device, ask) if device is not None and self.cards else None
+        width = self.cards[device].width if device is not None and self.cards else self.width
+        return Decision(
+            event=event,
+            time_s=now_s,
+            device=device,
+            width_before=width,
+            width_after=width,
+            reason=reason,
+            bound=bound,
+            ceiling=self.ceiling,
+            limit=limit,
+            key=ask.key or None,
+            extra=dict(extra or {}),
+        )
+
+    def shutdown_record(self, now_s: float, counts: Mapping[str, int]) -> Decision:
+        """The run's totals, as the last record."""
+        totals = collections.Counter(self.counts)
+        totals.update(counts)
+        return Decision(
+            event="shutdown",
+            time_s=now_s,
+            device=None,
+            width_before=self.width,
+            width_after=0,
+            reason=(
+                f"pool shut down after {totals['completed']} completed, {totals['failed']} "
+                f"failed, {totals['cancelled']} cancelled tasks; {totals['oom']} out-of-memory, "
+                f"{totals['retries']} retries, {totals['lost']} workers lost"
+            ),
+            extra={
+                "tasks_completed": totals["completed"],
+                "tasks_failed": totals["failed"],
+                "tasks_cancelled": totals["cancelled"],
+                "out_of_memory": totals["oom"],
+                "retries": totals["retries"],
+                "workers_lost": totals["lost"],
+                # Derived, not asserted: a future no count accounts for.
+                "tasks_lost": totals["submitted"]
+                - totals["completed"]
+                - totals["failed"]
+                - totals["cancelled"],
+            },
+        )
