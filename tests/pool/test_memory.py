@@ -140,7 +140,7 @@ def test_no_driver_is_a_host_bounded_pool_that_says_so(monkeypatch):
 
 
 def test_an_explicit_max_workers_is_not_capped_by_the_cpus(monkeypatch):
-    """max_workers=8 on 3 usable CPUs runs 8 at once, as ProcessPoolExecutor(8) does, and says so."""
+    """max_workers=8 on 3 usable CPUs runs 8 at once, as ProcessPoolExecutor(8) does."""
     monkeypatch.delenv("GPUPOOL_SIMULATOR", raising=False)
     with SimulatedHost(devices=[], cpus=3, host_ram="64GiB", driver=False):
         with GpuPoolExecutor(max_workers=8) as ex:

@@ -648,12 +648,14 @@ class Planner:
             pool_bytes = sum(reading.process_bytes.get(p or -1, 0) for p in pids)
         bound = self.bound(device, after) if device is not None else None
         needed = after.ask_bytes + self.config.reserve_bytes
+        # Held: the live free bytes do not cover its ask, yet the card without
+        # its co-tenants (census or new) would: waiting for them can help.
         held = (
             reading is not None
+            and card is not None
+            and card.census.total_bytes is not None
             and reading.free_bytes + child_bytes < needed
-            and bound is not None
-            and bound.room_bytes is not None
-            and bound.room_bytes >= after.ask_bytes
+            and card.census.total_bytes - card.own_high_water_bytes >= needed
         )
         outcome: Retry | Fail
         new_cap: int | None = None
@@ -984,8 +986,8 @@ class Planner:
                 count[run.device] += 1
         total = sum(count)
         asks = [self.asks.ask(self.tasks[t].key) for t in list(self.pending)[:LOOKAHEAD]]
-        if not asks and not self.running:
-            asks = [self.asks.ask(self._last_key)] * self.ceiling.value
+        # What the next submits could add: more of the last key seen.
+        asks += [self.asks.ask(self._last_key)] * max(0, self.ceiling.value - total - len(asks))
         for ask in asks:
             if total >= self.ceiling.value:
                 break

@@ -1,0 +1,290 @@
+"""The planner as a state machine: the bound holds at every start, whatever the events.
+
+A hypothesis ``RuleBasedStateMachine`` drives random sequences of submits,
+starts, peak reports above and below the ask, out-of-memory errors, growth
+of this process and of co-tenants, finishes, lost workers and time steps,
+and checks the planner's invariants after every step.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from gpupool._core import AskTable, Policy
+from gpupool._core.bound import admits
+from gpupool._core.events import Decision
+from gpupool._core.peak import PeakReport
+from gpupool._core.planner import (
+    GATE_RECORD_INTERVAL_S,
+    CardReading,
+    Fail,
+    Planner,
+    PlannerConfig,
+    Retry,
+    Start,
+    Wait,
+)
+from gpupool._core.units import GiB, MiB
+from support import card_census, census_of
+
+KEYS = ("small", "large", "medium")
+PARENT = 1
+
+
+class PlannerMachine(RuleBasedStateMachine):
+    """Random event streams against one planner; invariants checked after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Decision] = []
+        self.now_s = 0.0
+        self.next_task = 0
+        self.next_pid = 1000
+        self.submitted = 0
+        self.settled = 0
+        self.pre_oom_ask: dict[str, int] = {}
+        self.live_used: dict[int, int] = {}
+
+    @initialize(
+        totals=st.lists(st.integers(20, 80), min_size=1, max_size=3),
+        co_tenant_gib=st.integers(0, 10),
+        estimate_gib=st.integers(1, 12),
+        max_workers=st.integers(1, 8),
+        fixed=st.booleans(),
+        learned=st.booleans(),
+    )
+    def build(
+        self,
+        totals: list[int],
+        co_tenant_gib: int,
+        estimate_gib: int,
+        max_workers: int,
+        fixed: bool,
+        learned: bool,
+    ) -> None:
+        cards = [
+            card_census(
+                device=i, total_bytes=t * GiB, free_bytes=(t - co_tenant_gib) * GiB, own_bytes=0
+            )
+            for i, t in enumerate(totals)
+        ]
+        self.census = census_of(cards, cpus=4, available_ram_bytes=64 * GiB)
+        self.asks = AskTable(
+            policy=Policy(reserve_bytes=256 * MiB, learned=learned),
+            default_estimate_bytes=estimate_gib * GiB,
+        )
+        self.config = PlannerConfig(
+            max_workers=max_workers,
+            fixed_width=max_workers if fixed else None,
+            reserve_bytes=256 * MiB,
+            parent_pid=PARENT,
+            room_wait_s=30.0,
+            max_retries=3,
+        )
+        self.planner = Planner(
+            census=self.census, asks=self.asks, config=self.config, emit=self.records.append
+        )
+        self.planner.construct(0.0)
+        self.live_used = {
+            i: (t - (t - co_tenant_gib)) * GiB for i, t in enumerate(totals)
+        }  # co-tenant bytes
+        self.own_bytes = {i: 0 for i in range(len(totals))}
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def reading(self, device: int) -> CardReading:
+        card = self.census.cards[device]
+        assert card.total_bytes is not None
+        running = {
+            r.pid: min(r.booked_bytes, r.booked_bytes // 2)
+            for r in self.planner.running.values()
+            if r.device == device and r.pid is not None
+        }
+        used = self.live_used[device] + self.own_bytes[device] + sum(running.values())
+        rows = dict(running)
+        rows[PARENT] = self.own_bytes[device]
+        return CardReading(
+            free_bytes=max(0, card.total_bytes - used), used_bytes=used, process_bytes=rows
+        )
+
+    def running_ids(self) -> list[int]:
+        return sorted(self.planner.running)
+
+    # -- rules ----------------------------------------------------------------------------
+
+    @rule(key=st.sampled_from(KEYS), hint_gib=st.none() | st.integers(1, 30))
+    def submit(self, key: str, hint_gib: int | None) -> None:
+        self.planner.submit(self.next_task, key, None if hint_gib is None else hint_gib * GiB)
+        self.next_task += 1
+        self.submitted += 1
+
+    @rule()
+    def start(self) -> None:
+        for index in range(len(self.census.cards)):
+            self.planner.observe(index, self.reading(index), self.now_s)
+        before = len(self.records)
+        verdict = self.planner.next_start(self.now_s)
+        if verdict is None:
+            assert not self.planner.pending
+            return
+        if isinstance(verdict, Wait):
+            return
+        if isinstance(verdict, Fail):
+            assert verdict.kind == "room_wait_expired"
+            assert verdict.task not in self.planner.pending
+            self.settled += 1
+            return
+        assert isinstance(verdict, Start)
+        task = verdict.task
+        assert task in self.planner.pending
+        if verdict.past_bound:
+            # The only start past the bound: the logged serial floor, with nothing running.
+            assert not self.planner.running
+            assert any(r.event == "serial_start" for r in self.records[before:])
+        elif self.config.fixed_width is not None:
+            assert len(self.planner.running) < self.config.fixed_width
+        else:
+            device = verdict.device
+            assert device is not None
+            ask = self.planner.ask_of(task)
+            busy = [r for r in self.planner.running.values() if r.device == device]
+            bound = self.planner.bound(device, ask)
+            assert admits(ask.ask_bytes, [r.booked_bytes for r in busy], bound.room_bytes)
+            assert len(self.planner.running) < self.planner.ceiling.value
+            cap = self.planner.cards[device].oom_cap
+            assert cap is None or len(busy) < cap
+            reading = self.reading(device)
+            rows = reading.process_bytes or {}
+            unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
+            assert reading.free_bytes >= ask.ask_bytes + unreached + self.config.reserve_bytes
+        self.planner.started(task, verdict.device, self.next_pid, self.now_s)
+        self.next_pid += 1
+
+    @precondition(lambda self: self.planner.running)
+    @rule(data=st.data(), factor=st.floats(0.3, 1.4), rss_mib=st.integers(100, 4000))
+    def finish(self, data: st.DataObject, factor: float, rss_mib: int) -> None:
+        task = data.draw(st.sampled_from(self.running_ids()))
+        run = self.planner.running[task]
+        report = PeakReport(
+            device=run.device,
+            device_peak_bytes=int(run.priced_bytes * factor) if run.device is not None else None,
+            device_source="simulator",
+            rss_peak_bytes=rss_mib * MiB,
+        )
+        self.planner.finished(task, report, self.now_s)
+        self.settled += 1
+
+    @precondition(lambda self: self.planner.running)
+    @rule(
+        data=st.data(),
+        reached=st.floats(0.0, 1.5),
+        requested_mib=st.integers(0, 8000),
+        fill=st.booleans(),
+    )
+    def out_of_memory(
+        self, data: st.DataObject, reached: float, requested_mib: int, fill: bool
+    ) -> None:
+        task = data.draw(st.sampled_from(self.running_ids()))
+        run = self.planner.running[task]
+        key = run.key
+        ask_before = self.asks.ask(key).ask_bytes
+        self.pre_oom_ask[key] = max(self.pre_oom_ask.get(key, 0), ask_before)
+        report = PeakReport(
+            device=run.device,
+            device_peak_bytes=int(run.priced_bytes * reached),
+            device_source="simulator",
+            oom=True,
+            oom_requested_bytes=requested_mib * MiB,
+        )
+        reading = None
+        if run.device is not None:
+            reading = self.reading(run.device)
+            if fill:
+                reading = CardReading(
+                    free_bytes=0, used_bytes=reading.used_bytes, process_bytes=reading.process_bytes
+                )
+        verdict = self.planner.out_of_memory(task, report, reading, self.now_s, error="oom")
+        assert isinstance(verdict, (Retry, Fail))
+        if isinstance(verdict, Retry):
+            assert self.planner.pending[0] == task
+        else:
+            assert task not in self.planner.pending
+            assert task not in self.planner.running
+            self.settled += 1
+        assert self.asks.ask(key).ask_bytes >= ask_before
+
+    @precondition(lambda self: self.planner.running)
+    @rule(data=st.data())
+    def lose(self, data: st.DataObject) -> None:
+        task = data.draw(st.sampled_from(self.running_ids()))
+        self.planner.lost(task, self.now_s, message="worker lost", extra={})
+        self.settled += 1
+
+    @precondition(lambda self: self.planner.pending)
+    @rule(data=st.data())
+    def withdraw(self, data: st.DataObject) -> None:
+        task = data.draw(st.sampled_from(list(self.planner.pending)))
+        self.planner.withdraw(task)
+        self.settled += 1
+
+    @rule(device=st.integers(0, 2), grow_gib=st.integers(-8, 12))
+    def co_tenant(self, device: int, grow_gib: int) -> None:
+        if device < len(self.census.cards):
+            self.live_used[device] = max(0, self.live_used[device] + grow_gib * GiB)
+
+    @rule(device=st.integers(0, 2), grow_mib=st.integers(0, 8000))
+    def own_growth(self, device: int, grow_mib: int) -> None:
+        if device < len(self.census.cards):
+            self.own_bytes[device] += grow_mib * MiB
+            self.planner.observe(device, self.reading(device), self.now_s)
+
+    @rule(step_s=st.floats(0.001, 20.0))
+    def tick(self, step_s: float) -> None:
+        self.now_s += step_s
+
+    # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def no_task_is_lost(self) -> None:
+        held = len(self.planner.pending) + len(self.planner.running)
+        assert held + self.settled == self.submitted
+        assert set(self.planner.pending).isdisjoint(self.planner.running)
+
+    @invariant()
+    def no_ask_below_its_pre_oom_value(self) -> None:
+        for key, before in self.pre_oom_ask.items():
+            assert self.asks.ask(key).ask_bytes >= before
+
+    @invariant()
+    def the_width_is_honest(self) -> None:
+        assert 1 <= self.planner.width <= self.planner.ceiling.value
+
+    @invariant()
+    def records_are_bounded(self) -> None:
+        if not hasattr(self, "planner"):
+            return
+        gates = sum(1 for r in self.records if r.event == "live_gate_wait")
+        cards = len(self.census.cards)
+        assert gates <= cards * (self.now_s / GATE_RECORD_INTERVAL_S + 1)
+
+    @invariant()
+    def the_own_high_water_only_grows(self) -> None:
+        for index, card in enumerate(self.planner.cards):
+            assert card.own_high_water_bytes >= self.own_bytes[index]
+
+
+PlannerMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPlanner = PlannerMachine.TestCase

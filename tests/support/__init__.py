@@ -1,0 +1,81 @@
+"""What the suite repeats: census builders, the incident's figures, and a bounded wait.
+
+Importable from every test folder as ``support`` (``tests/conftest.py`` puts
+this folder's parent on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from gpupool._core.census import CardCensus, Census, HostCensus
+from gpupool._core.units import parse_size
+
+__all__ = [
+    "INCIDENT_CO_TENANT_BYTES",
+    "INCIDENT_ESTIMATE_BYTES",
+    "INCIDENT_MEASURED_PEAK_BYTES",
+    "INCIDENT_OWN_HIGH_WATER_BYTES",
+    "INCIDENT_TOTAL_BYTES",
+    "card_census",
+    "census_of",
+    "wait_for",
+]
+
+#: The incident that defines the bound: a 44.39 GiB card, a 9.54 GiB serving
+#: parent resident, this process's pipeline at 16.20 GiB, a 9.90 GiB estimate
+#: per entry and a measured child peak of 6.02 GiB.
+INCIDENT_TOTAL_BYTES = parse_size("44.39GiB")
+INCIDENT_CO_TENANT_BYTES = parse_size("9.54GiB")
+INCIDENT_OWN_HIGH_WATER_BYTES = parse_size("16.20GiB")
+INCIDENT_ESTIMATE_BYTES = parse_size("9.90GiB")
+INCIDENT_MEASURED_PEAK_BYTES = 6_461_325_312
+
+
+def card_census(
+    *,
+    device: int = 0,
+    total_bytes: int | None,
+    free_bytes: int | None,
+    own_bytes: int | None = 0,
+    unified: bool = False,
+    reason: str | None = None,
+) -> CardCensus:
+    """A census row with only the terms the bound reads."""
+    return CardCensus(
+        device=device,
+        uuid=f"GPU-{device:08x}-0000-0000-0000-000000000000",
+        name="test card",
+        total_bytes=total_bytes,
+        free_bytes=free_bytes,
+        own_bytes=own_bytes,
+        unified=unified,
+        source="given",
+        reason=reason,
+    )
+
+
+def census_of(
+    cards: Sequence[CardCensus], *, cpus: int = 8, available_ram_bytes: int | None = None
+) -> Census:
+    """A whole census of ``cards`` on a host with ``cpus`` and ``available_ram_bytes``."""
+    return Census(
+        cards=tuple(cards),
+        host=HostCensus(cpus=cpus, available_ram_bytes=available_ram_bytes),
+        driver=True,
+        sensor="given",
+    )
+
+
+def wait_for(condition: Callable[[], bool], *, timeout_s: float = 30.0, what: str = "") -> None:
+    """Poll ``condition`` until it holds; fail the test with ``what`` after ``timeout_s``.
+
+    A bounded wait for an event another process causes, never a stand-in for
+    synchronisation the test could do itself.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
+        time.sleep(0.01)
