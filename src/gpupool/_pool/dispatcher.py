@@ -71,6 +71,7 @@ from gpupool._errors import (
 )
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool.worker import worker_main
+from gpupool._probe import allocator_cap_message
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -246,6 +247,7 @@ class Dispatcher:
         initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
         log: DecisionLog,
         env: Mapping[str, str],
+        cap_allocator: bool = False,
     ) -> None:
         self.census = census
         self.devices = devices
@@ -260,6 +262,7 @@ class Dispatcher:
         self.initializer = initializer
         self.log = log
         self.env = dict(env)
+        self.cap_allocator = cap_allocator
         self.context = _loky_context()
         self.started_at_s = time.monotonic()
         self.lock = threading.Lock()
@@ -739,6 +742,8 @@ class Dispatcher:
         worker.queue.append(item)
         item.tries += 1
         try:
+            if self.cap_allocator and worker.device is not None:
+                worker.conn.send_bytes(allocator_cap_message(item.booked_bytes))
             worker.conn.send_bytes(item.call)
         except OSError:
             # The worker died before it could take the task: its sentinel will fire.
