@@ -256,7 +256,7 @@ def release_caches() -> None:
 
 
 def _reset_torch_peaks(cuda: Any) -> None:
-    """Start torch's peak counters afresh; after :func:`release_caches`, so the peak is what is held.
+    """Start torch's peak counters afresh, after :func:`release_caches`: the peak is what is held.
 
     c10's ``reset_peak_stat`` sets each peak to the current value: reset
     before ``empty_cache`` and the next task inherits this one's cached bytes.
@@ -547,10 +547,10 @@ class Probe:
             lifetime_max = _trusted(sensor.read_process_max_bytes(device, self._pid))
         except Exception:
             lifetime_max = None
-        if lifetime_max is not None and lifetime_max > (self._max_at_start or 0):
-            # The driver's own maximum rose during this task: it misses no spike.
-            if peak is None or lifetime_max >= peak:
-                peak, source = lifetime_max, f"{sensor.name}-accounting"
+        # The driver's own maximum rose during this task: it misses no spike.
+        rose = lifetime_max is not None and lifetime_max > (self._max_at_start or 0)
+        if rose and lifetime_max is not None and (peak is None or lifetime_max >= peak):
+            peak, source = lifetime_max, f"{sensor.name}-accounting"
         return peak, source
 
     def _torch_peak(self, reserved_peak_bytes: int) -> tuple[int, str]:

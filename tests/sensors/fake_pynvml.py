@@ -111,7 +111,7 @@ _NOT_AVAILABLE = ctypes.c_ulonglong(-1).value
 class c_nvmlMemory_t(ctypes.Structure):
     """v1 memory info: ``used`` includes the reserved memory."""
 
-    _fields_ = [  # noqa: RUF012
+    _fields_ = [
         ("total", ctypes.c_ulonglong),
         ("free", ctypes.c_ulonglong),
         ("used", ctypes.c_ulonglong),
@@ -121,7 +121,7 @@ class c_nvmlMemory_t(ctypes.Structure):
 class c_nvmlMemory_v2_t(ctypes.Structure):
     """v2 memory info: ``reserved`` is separate, ``used`` is allocated only."""
 
-    _fields_ = [  # noqa: RUF012
+    _fields_ = [
         ("version", ctypes.c_uint),
         ("total", ctypes.c_ulonglong),
         ("reserved", ctypes.c_ulonglong),
@@ -133,7 +133,7 @@ class c_nvmlMemory_v2_t(ctypes.Structure):
 class c_nvmlProcessInfo_v2_t(ctypes.Structure):
     """One process row (the ``_v2`` and ``_v3`` calls share it)."""
 
-    _fields_ = [  # noqa: RUF012
+    _fields_ = [
         ("pid", ctypes.c_uint),
         ("usedGpuMemory", ctypes.c_ulonglong),
         ("gpuInstanceId", ctypes.c_uint),
@@ -144,7 +144,7 @@ class c_nvmlProcessInfo_v2_t(ctypes.Structure):
 class c_nvmlAccountingStats_t(ctypes.Structure):
     """NVML accounting's per-process record."""
 
-    _fields_ = [  # noqa: RUF012
+    _fields_ = [
         ("gpuUtilization", ctypes.c_uint),
         ("memoryUtilization", ctypes.c_uint),
         ("maxMemoryUsage", ctypes.c_ulonglong),
@@ -220,7 +220,7 @@ FAKE_ONLY = frozenset(
 
 
 class FakePynvml(types.ModuleType):
-    """The fake module. ``init_error``, ``count_error``: a code ``nvmlInit``/``nvmlDeviceGetCount`` raises."""
+    """The fake module. ``init_error``/``count_error``: what nvmlInit/nvmlDeviceGetCount raise."""
 
     def __init__(
         self,

@@ -122,7 +122,8 @@ def _check_index_order(value: str, listed: Sequence[DeviceInfo], device_order: s
         return
     models: dict[int, str] = {}
     for info in listed:
-        models.setdefault(info.index, info.name)
+        if info.error is None:  # a card that cannot be read has no model to compare
+            models.setdefault(info.index, info.name)
     if len(set(models.values())) <= 1:
         return  # one model: fastest first is PCI bus order
     cards = ", ".join(f"{index}: {name}" for index, name in sorted(models.items()))

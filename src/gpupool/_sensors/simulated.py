@@ -512,7 +512,9 @@ _PROC_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _field_problem(value: dict[str, object], fields: dict[str, tuple[type, ...]], where: str) -> str | None:
+def _field_problem(
+    value: dict[str, object], fields: dict[str, tuple[type, ...]], where: str
+) -> str | None:
     for key, types in fields.items():
         if key not in value:
             return f"{where} has no {key!r}"
@@ -553,7 +555,9 @@ def _ledger_problem(value: dict[str, object]) -> str | None:
         for key, peak in dev["peaks"].items():
             if not key.isdigit() or not isinstance(peak, int) or isinstance(peak, bool):
                 return f"{where}'s peak of {key!r} is {peak!r}"
-    for record in value["ooms"]:  # type: ignore[union-attr]
+    ooms = value["ooms"]
+    assert isinstance(ooms, list)
+    for record in ooms:
         if not isinstance(record, dict):
             return f"an out-of-memory record is {record!r}"
     return None
