@@ -386,13 +386,18 @@ def test_cap_messages_round_trip_and_are_not_tasks():
     assert read_allocator_cap_message(b"gpupool-allocator-cap:12x") is None
 
 
-def test_pool_caps_each_worker_at_its_booked_ask():
-    """Through a real pool, a worker's torch allocator is capped at its task's ask / total."""
+def test_pool_caps_each_worker_at_its_booked_ask(tmp_path):
+    """Through a real pool, a worker's torch allocator is capped at its task's ask / total,
+    and the decision log says the cap covers torch's allocator only."""
+    import json
+
+    log = tmp_path / "log.jsonl"
     with SimulatedHost([SimulatedDevice("16GiB")], context="0MiB"):
         with GpuPoolExecutor(
             max_workers=1,
             task_peak="4GiB",
             cap_allocator=True,
+            log_path=log,
             initializer=standin_torch.install_in_worker,
             initargs=(16 * GiB,),
         ) as ex:
@@ -404,6 +409,9 @@ def test_pool_caps_each_worker_at_its_booked_ask():
     fraction = overrun["state"]["fraction"]
     assert fraction is not None and fraction <= 0.25
     assert overrun["outcome"] == "oom-inside"  # the overrun failed inside its own process
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    notes = [r.get("allocator_cap") for r in records if r["event"] == "constructed"]
+    assert notes and all("torch's allocator only" in (note or "") for note in notes)
 
 
 def test_cap_allocator_must_be_a_bool():
