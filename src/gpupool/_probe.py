@@ -1,8 +1,8 @@
-"""Child side: measure one task's device and host peaks, and classify device out-of-memory errors.
+"""Child side: measure one task's device and host peaks, classify device out-of-memory errors.
 
 Runs inside every worker. It never creates a CUDA context: it looks at
 torch only when the task has already initialised CUDA in this process.
-Sources of the device peak, best first:
+Sources of the device peak; the report takes the largest that is trusted:
 
 1. the sensor's exact per-process high-water window (the simulator's ledger);
 2. NVML accounting's lifetime maximum of the process, when accounting is on
@@ -10,37 +10,94 @@ Sources of the device peak, best first:
    stayed below an earlier one falls through to the next source);
 3. the sensor's per-process reading (NVML), sampled on a thread while the
    task runs, which includes the context and non-PyTorch allocations;
-4. torch's ``max_memory_reserved`` plus the bytes the process held before
-   the task (its context), when CUDA was initialised by the task, if larger.
+4. torch's reserved peak plus the bytes this process holds outside torch's
+   allocator (its CUDA context, other libraries), when the task initialised
+   CUDA: ``torch+context`` where a per-process reading measured those bytes,
+   ``torch+context-allowance`` (:data:`CONTEXT_ALLOWANCE_BYTES`) where none did.
+
+A per-process reading of 0 bytes is not a measurement: a process the driver
+lists holds at least its context, and drivers 535.113 to 560 report 0 for
+every process inside a container. Such a reading, like a missing row, is
+ignored; a task that only such readings saw reports no device peak
+(``"none"``), so its ask stays at its estimate.
+
+After each task, :func:`release_caches` gives the cached blocks of torch's
+and CuPy's allocators back to the driver, so an idle worker holds its context
+and its live objects only.
+
+The optional allocator cap (:func:`apply_allocator_cap`) caps torch's caching
+allocator at the task's booked ask with
+``torch.cuda.set_per_process_memory_fraction``, set when torch initialises
+CUDA (torch's lazy-initialisation queue), never by creating a context itself.
 """
 
 from __future__ import annotations
 
+import builtins
+import importlib.util
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from gpupool._core.peak import PeakReport
-from gpupool._core.units import parse_size
+from gpupool._core.units import MiB, parse_size
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from gpupool._sensors.base import DeviceInfo
 
-__all__ = ["Probe", "is_device_oom", "requested_bytes_of"]
+__all__ = [
+    "ALLOCATOR_CAP_NOTE",
+    "CONTEXT_ALLOWANCE_BYTES",
+    "Probe",
+    "allocator_cap_message",
+    "allocator_cap_state",
+    "apply_allocator_cap",
+    "device_oom_of",
+    "is_device_oom",
+    "read_allocator_cap_message",
+    "release_caches",
+    "requested_bytes_of",
+]
 
 #: Interval of the sampling thread, when the sensor has no exact high-water.
 #: 10 ms catches allocations that live as long as a kernel launch sequence;
-#: a spike shorter than that is what the margin is for.
+#: torch's own peak counters catch the shorter ones that torch allocates.
 SAMPLE_INTERVAL_S = 0.010
 
-# Messages of device out-of-memory errors, by library (see
-# shared/reference/nvml-and-cuda-memory.md, section 6.4).
+#: What a CUDA context is taken to cost where no per-process reading of this
+#: process exists (containers, MIG, a driver reporting 0): a lazily loaded
+#: context measures 250-430 MiB, and its stack reservation alone is about
+#: 264 MiB on a 132-SM card; 512 MiB covers both. Used only to keep a
+#: ``torch+context-allowance`` peak from leaving the context out.
+CONTEXT_ALLOWANCE_BYTES = 512 * MiB
+
+#: How many exceptions of a ``__cause__`` / ``__context__`` / group chain are
+#: searched for an out-of-memory; a chain is never longer in practice, and a
+#: hostile cycle must not loop.
+_MAX_CHAIN = 64
+
+# Messages of device out-of-memory errors, by library.
 _OOM_PATTERNS = re.compile(
     r"CUDA out of memory|CUDA error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
-    r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|RESOURCE_EXHAUSTED: Out of memory"
+    # torch before 1.0: "cuda runtime error (2) : out of memory"
+    r"|cuda runtime error \(2\)\s*:\s*out of memory"
+    # cuBLAS, cuDNN, cuSOLVER, cuSPARSE: CUBLAS_STATUS_ALLOC_FAILED and kin
+    r"|CU[A-Z]+_STATUS_ALLOC(?:ATION)?_FAILED|CUFFT_ALLOC_FAILED"
+    r"|cudaErrorMemoryAllocation"
+    # JAX / PJRT / XLA: "RESOURCE_EXHAUSTED: Out of memory while trying to allocate",
+    # "RESOURCE_EXHAUSTED: Error allocating device buffer", "Resource exhausted:
+    # Failed to allocate request for 32.00MiB"; a quota's RESOURCE_EXHAUSTED is not one.
+    r"|resource[_ ]exhausted\b[^\n]{0,300}?(?:out of memory|allocat)"
+    # TensorFlow's ResourceExhaustedError
+    r"|OOM when allocating"
+    # NCCL: "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'"
+    r"|cuda failure\b[^\n]{0,120}?'out of memory'"
     r"|device \d+ out of memory|HIP out of memory|out of memory on device",
     re.IGNORECASE,
 )
@@ -52,18 +109,69 @@ _OOM_TYPES = {
     ("cuda.core", "CUDAOutOfMemoryError"),
     ("gpupool.testing", "SimulatedOutOfMemory"),
 }
-_TRIED = re.compile(r"[Tt]ried to allocate ([0-9.]+\s*[KMGT]i?B)")
+
+# Sizes of the failed allocation, as each library words them. XLA's
+# "15.65G" is binary (its HumanReadableNumBytes counts in 1024s).
+_REQUESTED_SIZED = re.compile(
+    r"(?:[Tt]ried to allocate|allocate request for)\s+([0-9.]+\s*[KMGTP]i?B)\b"
+)
+_REQUESTED_XLA = re.compile(r"[Aa]ttempting to allocate\s+([0-9.]+)\s*([KMGTP]?)(?:i?B)?\b")
+_REQUESTED_BYTES = re.compile(r"allocat\w*\s+([0-9][0-9,]*)\s*bytes", re.IGNORECASE)
+
+_EXCEPTION_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
 
 
-def is_device_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is a device out-of-memory error (torch, CuPy, JAX, numba, CUDA, simulator).
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or while handling, and the members of groups."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack and len(seen) < _MAX_CHAIN:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if _EXCEPTION_GROUP is not None and isinstance(current, _EXCEPTION_GROUP):
+            members = getattr(current, "exceptions", ())
+            stack.extend(reversed([m for m in members if isinstance(m, BaseException)]))
+        for linked in (current.__context__, current.__cause__):
+            if linked is not None:
+                stack.append(linked)
 
-    A host :class:`MemoryError` without a device message is not one.
-    """
+
+def _is_oom_itself(exc: BaseException) -> bool:
     for cls in type(exc).__mro__:
         if (cls.__module__, cls.__name__) in _OOM_TYPES:
             return True
     return bool(_OOM_PATTERNS.search(_text(exc)))
+
+
+def device_oom_of(exc: BaseException) -> BaseException | None:
+    """The device out-of-memory error in ``exc``'s chain, or ``None``.
+
+    The chain is ``exc`` itself, its ``__cause__`` (``raise ... from oom``),
+    its ``__context__`` (raised while handling one) and the members of an
+    exception group, followed to any depth (at most 64 exceptions).
+    """
+    for linked in _chain(exc):
+        if _is_oom_itself(linked):
+            return linked
+    return None
+
+
+def is_device_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error.
+
+    Recognised: torch's ``OutOfMemoryError`` and its messages (old torch's
+    ``cuda runtime error (2)`` too), CuPy's ``OutOfMemoryError`` and
+    ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
+    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures, TensorFlow's
+    ``OOM when allocating``, ``CUBLAS/CUDNN/CUSOLVER/CUSPARSE_STATUS_ALLOC_FAILED``,
+    NCCL's ``Cuda failure 'out of memory'``, ``cuda.core``'s
+    ``CUDAOutOfMemoryError`` and the simulator's. A host :class:`MemoryError`
+    without a device message is not one.
+    """
+    return device_oom_of(exc) is not None
 
 
 def _text(exc: BaseException) -> str:
@@ -75,17 +183,221 @@ def _text(exc: BaseException) -> str:
 
 
 def requested_bytes_of(exc: BaseException) -> int | None:
-    """The size of the allocation that failed, when the error says it."""
-    value = getattr(exc, "requested_bytes", None)
-    if isinstance(value, int):
+    """The size of the allocation that failed, when the out-of-memory error in the chain says it."""
+    oom = device_oom_of(exc) or exc
+    value = getattr(oom, "requested_bytes", None)
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    match = _TRIED.search(_text(exc))
-    if match:
-        try:
+    text = _text(oom)
+    try:
+        match = _REQUESTED_SIZED.search(text)
+        if match:
             return parse_size(match.group(1))
-        except ValueError:
-            return None
+        match = _REQUESTED_XLA.search(text)
+        if match:
+            unit = match.group(2)
+            return parse_size(f"{match.group(1)}{unit}iB" if unit else match.group(1))
+        match = _REQUESTED_BYTES.search(text)
+        if match:
+            return int(match.group(1).replace(",", ""))
+    except ValueError:
+        return None
     return None
+
+
+# -- torch, looked at only when the task initialised CUDA ---------------------------------
+
+
+def _initialised_torch_cuda() -> Any | None:
+    """``torch.cuda`` if the task imported torch and initialised CUDA, else ``None``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        cuda = torch.cuda
+        if cuda.is_initialized():
+            return cuda
+    except Exception:
+        return None
+    return None
+
+
+def _torch_reserved_bytes(cuda: Any) -> tuple[int, int] | None:
+    """torch's ``(reserved peak, reserved now)`` since the last reset, or ``None``."""
+    try:
+        return int(cuda.max_memory_reserved()), int(cuda.memory_reserved())
+    except Exception:
+        return None
+
+
+def release_caches() -> None:
+    """Give cached allocator blocks back to the driver: torch's and CuPy's.
+
+    torch: ``torch.cuda.empty_cache()``, only where the task initialised
+    CUDA. CuPy: ``free_all_blocks()`` on its default device and pinned pools,
+    only where the task imported CuPy. Live objects and the context stay. JAX's
+    allocator has no call that gives memory back (only
+    ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` frees on release). Never raises:
+    a release that fails leaves the memory held, which the next reading shows.
+    """
+    cuda = _initialised_torch_cuda()
+    if cuda is not None:
+        try:
+            cuda.empty_cache()
+        except Exception:
+            pass
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        for getter in ("get_default_memory_pool", "get_default_pinned_memory_pool"):
+            try:
+                getattr(cupy, getter)().free_all_blocks()
+            except Exception:
+                pass
+
+
+def _reset_torch_peaks(cuda: Any) -> None:
+    """Start torch's peak counters afresh, after :func:`release_caches`: the peak is what is held.
+
+    c10's ``reset_peak_stat`` sets each peak to the current value: reset
+    before ``empty_cache`` and the next task inherits this one's cached bytes.
+    """
+    try:
+        cuda.reset_peak_memory_stats()
+    except Exception:
+        pass
+
+
+# -- the allocator cap --------------------------------------------------------------------
+
+_CAP_PREFIX = b"gpupool-allocator-cap:"
+
+#: What the decision log says of the cap, once per card, when it is on.
+ALLOCATOR_CAP_NOTE = (
+    "each worker's PyTorch caching allocator is capped at its task's booked ask "
+    "(torch.cuda.set_per_process_memory_fraction); the cap covers torch's allocator only, "
+    "not the CUDA context nor memory of other libraries (CuPy, JAX, NCCL)"
+)
+
+
+def allocator_cap_message(ask_bytes: int) -> bytes:
+    """The message that tells a worker the booked ask of its next task (parent side)."""
+    return _CAP_PREFIX + str(int(ask_bytes)).encode("ascii")
+
+
+def read_allocator_cap_message(message: bytes) -> int | None:
+    """The ask in an :func:`allocator_cap_message`, or ``None`` for any other message."""
+    if not message.startswith(_CAP_PREFIX):
+        return None
+    digits = message[len(_CAP_PREFIX) :]
+    if not digits.isdigit() or len(digits) > 30:
+        return None
+    return int(digits)
+
+
+@dataclass(slots=True)
+class _CapState:
+    ask_bytes: int | None = None
+    hooked: bool = False
+    fraction: float | None = None
+    total_bytes: int | None = None
+    error: str | None = None
+
+
+_CAP = _CapState()
+
+
+def allocator_cap_state() -> dict[str, Any]:
+    """The cap's state in this process: the ask, the fraction set, the error if any (for tests)."""
+    return {
+        "ask_bytes": _CAP.ask_bytes,
+        "hooked": _CAP.hooked,
+        "fraction": _CAP.fraction,
+        "total_bytes": _CAP.total_bytes,
+        "error": _CAP.error,
+    }
+
+
+def apply_allocator_cap(ask_bytes: int) -> None:
+    """Cap torch's caching allocator in this process at ``ask_bytes`` (the task's booked ask).
+
+    Called by the worker before each task when the pool has ``cap_allocator=True``.
+    Where the task's CUDA is already initialised the fraction is set now
+    (re-set only when the ask changed); otherwise it is queued with torch's
+    lazy-initialisation hook (``torch.cuda._lazy_call``) and set when the
+    task's first CUDA call initialises CUDA, so no context is created early.
+    If torch is not imported yet, it is armed when the task starts
+    (:meth:`Probe.start`). Never raises: a cap that cannot be set is recorded
+    in :func:`allocator_cap_state` and the task runs uncapped.
+    """
+    _CAP.ask_bytes = int(ask_bytes)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _arm_cap(torch)
+
+
+def _arm_cap_at_task_start() -> None:
+    """Arm a wanted cap once the task's module has been imported (so torch may be loaded)."""
+    if _CAP.ask_bytes is None:
+        return
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        try:
+            if importlib.util.find_spec("torch") is None:
+                return
+            torch = importlib.import_module("torch")  # importing torch creates no CUDA context
+        except Exception as exc:
+            _CAP.error = f"torch could not be imported: {type(exc).__name__}: {exc}"
+            return
+    _arm_cap(torch)
+
+
+def _arm_cap(torch: Any) -> None:
+    try:
+        cuda = torch.cuda
+        if cuda.is_initialized():
+            _set_fraction(torch)
+            return
+        if not _CAP.hooked:
+            lazy_call = getattr(cuda, "_lazy_call", None)
+            if lazy_call is None:
+                # No hook in this torch: the cap is set at the first task that
+                # starts with CUDA initialised.
+                return
+            lazy_call(lambda: _set_fraction(torch))
+            _CAP.hooked = True
+    except Exception as exc:
+        _CAP.error = f"{type(exc).__name__}: {exc}"
+
+
+def _set_fraction(torch: Any) -> None:
+    """Set ``ask / total`` on device 0 (the only one a pinned worker sees). Never raises.
+
+    It runs inside torch's lazy initialisation, where an exception would
+    fail the task's first CUDA call: every error is kept, not raised.
+    """
+    ask = _CAP.ask_bytes
+    if ask is None:
+        return
+    try:
+        cuda = torch.cuda
+        if _CAP.total_bytes is None:
+            _CAP.total_bytes = int(cuda.get_device_properties(0).total_memory)
+        fraction = min(1.0, ask / _CAP.total_bytes) if _CAP.total_bytes > 0 else 1.0
+        if fraction == _CAP.fraction:
+            return
+        cuda.set_per_process_memory_fraction(float(fraction), 0)
+        _CAP.fraction = fraction
+        _CAP.error = None
+    except Exception as exc:
+        _CAP.error = f"{type(exc).__name__}: {exc}"
+
+
+# -- the probe ----------------------------------------------------------------------------
+
+
+def _trusted(value: int | None) -> int | None:
+    """A per-process reading, or ``None`` where it is missing or 0 (never a measurement)."""
+    return value if value is not None and value > 0 else None
 
 
 class Probe:
@@ -107,14 +419,26 @@ class Probe:
         self._device_index = device_index
         self._pid = pid
         self._baseline_bytes: int | None = None
+        self._reserved_at_start: int | None = None
         self._max_at_start: int | None = None
         self._sampled_peak_bytes: int | None = None
+        # The most bytes this process was seen holding outside torch's
+        # allocator (context, other libraries): it only grows, as a lazily
+        # loaded context does.
+        self._outside_torch_bytes: int | None = None
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         self._exact = True
 
     def start(self) -> None:
         """Open the measuring window for one task."""
+        _arm_cap_at_task_start()
+        cuda = _initialised_torch_cuda()
+        self._reserved_at_start = None
+        if cuda is not None:
+            _reset_torch_peaks(cuda)
+            reserved = _torch_reserved_bytes(cuda)
+            self._reserved_at_start = reserved[1] if reserved is not None else None
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
             return
@@ -126,19 +450,29 @@ class Probe:
             self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
         except Exception:
             self._max_at_start = None
-        self._sampled_peak_bytes = self._baseline_bytes
         self._exact = type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
         if not self._exact:
+            if self._baseline_bytes is not None and self._baseline_bytes <= 0:
+                self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
+            self._note_outside_torch(self._baseline_bytes, self._reserved_at_start)
+            self._sampled_peak_bytes = self._baseline_bytes
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
             self._sampler.start()
+
+    def _note_outside_torch(self, process_bytes: int | None, reserved_bytes: int | None) -> None:
+        if process_bytes is None or reserved_bytes is None:
+            return
+        outside = max(0, process_bytes - reserved_bytes)
+        if self._outside_torch_bytes is None or outside > self._outside_torch_bytes:
+            self._outside_torch_bytes = outside
 
     def _sample(self) -> None:
         sensor, device = self._sensor, self._device
         assert sensor is not None and device is not None
         while not self._stop.wait(SAMPLE_INTERVAL_S):
             try:
-                now = sensor.read_process_bytes(device, self._pid)
+                now = _trusted(sensor.read_process_bytes(device, self._pid))
             except Exception:
                 continue
             if now is not None and (
@@ -147,45 +481,38 @@ class Probe:
                 self._sampled_peak_bytes = now
 
     def stop(self, *, oom: BaseException | None = None) -> PeakReport:
-        """Close the window; return the task's peaks and how each was measured."""
+        """Close the window; return the task's peaks and how each was measured.
+
+        Then the allocators' cached blocks are given back (:func:`release_caches`)
+        and torch's peak counters reset, in that order.
+        """
         peak: int | None = None
         source = "none"
         sensor, device = self._sensor, self._device
-        if sensor is None or device is None:
-            _torch_peak_bytes(
-                None
-            )  # still give cached blocks back: an idle worker keeps its context only
-        else:
+        cuda = _initialised_torch_cuda()
+        torch_bytes = _torch_reserved_bytes(cuda) if cuda is not None else None
+        if sensor is not None and device is not None:
             if self._exact:
                 try:
                     peak = sensor.read_process_peak_bytes(device, self._pid)
                 except Exception:
                     peak = None
                 source = "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
+                if torch_bytes is not None:
+                    try:
+                        now = _trusted(sensor.read_process_bytes(device, self._pid))
+                    except Exception:
+                        now = None
+                    self._note_outside_torch(now, torch_bytes[1])
             else:
-                self._stop.set()
-                if self._sampler is not None:
-                    self._sampler.join()
-                    self._sampler = None
-                try:
-                    now = sensor.read_process_bytes(device, self._pid)
-                except Exception:
-                    now = None
-                peak = max(
-                    (v for v in (self._sampled_peak_bytes, now) if v is not None), default=None
-                )
-                source = f"{sensor.name}-sampled"
-                try:
-                    lifetime_max = sensor.read_process_max_bytes(device, self._pid)
-                except Exception:
-                    lifetime_max = None
-                if lifetime_max is not None and lifetime_max > (self._max_at_start or 0):
-                    # The driver's own maximum rose during this task: it is this
-                    # task's peak, and it misses no spike.
-                    peak, source = lifetime_max, f"{sensor.name}-accounting"
-            torch_peak = _torch_peak_bytes(self._baseline_bytes)
-            if torch_peak is not None and (peak is None or torch_peak > peak):
-                peak, source = torch_peak, "torch+baseline"
+                peak, source = self._stop_sampling(sensor, device, torch_bytes)
+            if torch_bytes is not None:
+                torch_peak, torch_source = self._torch_peak(torch_bytes[0])
+                if peak is None or torch_peak > peak:
+                    peak, source = torch_peak, torch_source
+        release_caches()
+        if cuda is not None:
+            _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
         rss = read_rss_high_water()
         return PeakReport(
@@ -199,22 +526,35 @@ class Probe:
             oom_requested_bytes=requested,
         )
 
+    def _stop_sampling(
+        self, sensor: Sensor, device: DeviceInfo, torch_bytes: tuple[int, int] | None
+    ) -> tuple[int | None, str]:
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+            self._sampler = None
+        try:
+            now = _trusted(sensor.read_process_bytes(device, self._pid))
+        except Exception:
+            now = None
+        if torch_bytes is not None:
+            # Read before the caches are released: the row then holds torch's
+            # reserved bytes plus everything outside torch (the context).
+            self._note_outside_torch(now, torch_bytes[1])
+        peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
+        source = f"{sensor.name}-sampled"
+        try:
+            lifetime_max = _trusted(sensor.read_process_max_bytes(device, self._pid))
+        except Exception:
+            lifetime_max = None
+        # The driver's own maximum rose during this task: it misses no spike.
+        rose = lifetime_max is not None and lifetime_max > (self._max_at_start or 0)
+        if rose and lifetime_max is not None and (peak is None or lifetime_max >= peak):
+            peak, source = lifetime_max, f"{sensor.name}-accounting"
+        return peak, source
 
-def _torch_peak_bytes(baseline_bytes: int | None) -> int | None:
-    """torch's reserved peak plus the pre-task baseline, then reset and return cached blocks.
-
-    Only when the task initialised CUDA itself: the probe never creates a context.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        cuda = torch.cuda
-        if not cuda.is_initialized():
-            return None
-        peak = int(cuda.max_memory_reserved())
-        cuda.reset_peak_memory_stats()
-        cuda.empty_cache()
-    except Exception:
-        return None
-    return peak + (baseline_bytes or 0)
+    def _torch_peak(self, reserved_peak_bytes: int) -> tuple[int, str]:
+        """torch's reserved peak plus what the process holds outside torch's allocator."""
+        if self._outside_torch_bytes is not None:
+            return reserved_peak_bytes + self._outside_torch_bytes, "torch+context"
+        return reserved_peak_bytes + CONTEXT_ALLOWANCE_BYTES, "torch+context-allowance"

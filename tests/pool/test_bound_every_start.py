@@ -12,11 +12,11 @@ import random
 import threading
 
 import tasks
-from support import wait_for
 
 from gpupool import GpuPoolExecutor
 from gpupool._core.units import GiB, MiB
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
+from support import wait_for
 
 CONTEXT_BYTES = 300 * MiB
 

@@ -224,8 +224,8 @@ def test_process_error_is_unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_listing_error_is_a_sensor_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An error while listing devices is a SensorError, not 'no driver'."""
-    install(monkeypatch, FakePynvml([h100(0, errors={"nvmlDeviceGetUUID": 999})]))
+    """An error reading the device count is a SensorError naming that call, not 'no driver'."""
+    install(monkeypatch, FakePynvml([h100(0)], count_error=999))
     with pytest.raises(SensorError, match=r"listing devices") as info:
         NvmlSensor().read_devices()
     assert not isinstance(info.value, NoDriverError)

@@ -156,9 +156,9 @@ def test_unreadable_card_is_none_not_empty(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_listing_error_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
     """A driver that answers but cannot list devices raises SensorError, not 'no device'."""
-    cards = [h100(0, errors={"nvmlDeviceGetName": NVML_ERROR_UNKNOWN})]
-    with pytest.raises(SensorError, match=r"listing devices"):
-        read_census(sensor_for(monkeypatch, FakePynvml(cards)), pid=ME)
+    fake = FakePynvml([h100(0)], count_error=NVML_ERROR_UNKNOWN)
+    with pytest.raises(SensorError, match=r"listing devices \(nvmlDeviceGetCount\)"):
+        read_census(sensor_for(monkeypatch, fake), pid=ME)
 
 
 @pytest.mark.parametrize("code", [NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_DRIVER_NOT_LOADED])

@@ -17,7 +17,8 @@ class PeakReport:
             the task (context and non-PyTorch allocations included), or
             ``None`` when no source could tell.
         device_source: how: ``"nvml-accounting"``, ``"nvml-sampled"``,
-            ``"torch+baseline"``, ``"simulator"``, or ``"none"``.
+            ``"torch+context"``, ``"torch+context-allowance"``, ``"simulator"``,
+            or ``"none"``.
         baseline_bytes: device bytes the child held when the task started (its
             context, typically), or ``None``.
         rss_peak_bytes: the child's host RSS high-water during the task.

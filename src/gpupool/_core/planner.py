@@ -302,7 +302,9 @@ class Planner:
 
     # -- construction -------------------------------------------------------------------
 
-    def construct(self, now_s: float, *, note: str = "") -> tuple[WidthDecision, ...]:
+    def construct(
+        self, now_s: float, *, note: str = "", extra: Mapping[str, JsonValue] | None = None
+    ) -> tuple[WidthDecision, ...]:
         """Decide and record the first width of every card, from the same code as every later one.
 
         Returns:
@@ -353,6 +355,7 @@ class Planner:
                         "source": census.source,
                         "own_source": census.own_source,
                         "unified": census.unified,
+                        **(extra or {}),
                     },
                 )
             )

@@ -66,6 +66,7 @@ from gpupool._errors import (
 )
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool.worker import worker_main
+from gpupool._probe import allocator_cap_message
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -190,6 +191,7 @@ class Dispatcher:
         initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
         log: DecisionLog,
         env: Mapping[str, str],
+        cap_allocator: bool = False,
     ) -> None:
         self.census = census
         self.devices = devices
@@ -200,6 +202,7 @@ class Dispatcher:
         self.initializer = initializer
         self.log = log
         self.env = dict(env)
+        self.cap_allocator = cap_allocator
         self.context = _loky_context()
         self.started_at_s = time.monotonic()
         self.planner = Planner(census=census, asks=asks, config=config, emit=self.record, now_s=0.0)
@@ -488,7 +491,7 @@ class Dispatcher:
                     raise
                 pool.append(worker)
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
-            self._send(item, worker)
+            self._send(item, worker, verdict.ask_bytes)
 
     def _retire_beyond_limits(self) -> None:
         """Give back idle workers a card cannot use now (their contexts are its bytes)."""
@@ -528,12 +531,14 @@ class Dispatcher:
         self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "sentinel"))
         return worker
 
-    def _send(self, item: WorkItem, worker: _Worker) -> None:
+    def _send(self, item: WorkItem, worker: _Worker, ask_bytes: int) -> None:
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
         item.tries += 1
         try:
+            if self.cap_allocator and worker.device is not None:
+                worker.conn.send_bytes(allocator_cap_message(ask_bytes))
             worker.conn.send_bytes(item.call)
         except OSError:
             # The worker died before it could take the task: its sentinel will fire.

@@ -51,6 +51,7 @@ from gpupool._pool.dispatcher import (
     interpreter_exiting,
 )
 from gpupool._pool.worker import dumps_call, process_chunk
+from gpupool._probe import ALLOCATOR_CAP_NOTE
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
 
 if TYPE_CHECKING:
@@ -200,6 +201,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         progress: show a progress bar (tqdm, when installed) with the width
             and the asks while ``map`` results are consumed: ``None`` when
             standard error is a terminal, ``True`` always, ``False`` never.
+        cap_allocator: cap each worker's PyTorch caching allocator at the
+            booked ask of the task it runs
+            (``torch.cuda.set_per_process_memory_fraction(ask / total)``, set
+            when the task initialises CUDA, re-set when the ask changes), so a
+            torch task that overruns its price fails inside itself. It covers
+            torch's allocator only: not the CUDA context, not CuPy, JAX, NCCL
+            or other libraries. Workers import torch when it is installed.
+            Default ``False``.
 
     Raises:
         ConfigurationError: a value is wrong; the message names it (also a
@@ -229,6 +238,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         env: Mapping[str, str] | None = None,
         sensor: Sensor | None = None,
         progress: bool | None = None,
+        cap_allocator: bool = False,
     ) -> None:
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
@@ -317,6 +327,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         if progress is not None and not isinstance(progress, bool):
             raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
+        if not isinstance(cap_allocator, bool):
+            raise ConfigurationError(f"cap_allocator={cap_allocator!r}: pass True or False.")
         self._progress = progress
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
@@ -388,6 +400,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             initializer=init_call,
             log=log,
             env=worker_env,
+            cap_allocator=cap_allocator,
         )
         try:
             self._construct(peak_bytes, strict=strict)
@@ -400,7 +413,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def _construct(self, peak_bytes: int | None, *, strict: bool) -> None:
         planner = self._dispatcher.planner
         note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
-        decisions = planner.construct(self._dispatcher.now(), note=note)
+        extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self._dispatcher.cap_allocator else {}
+        decisions = planner.construct(self._dispatcher.now(), note=note, extra=extra)
         if (
             decisions
             and strict

@@ -87,7 +87,7 @@ def worker_main(
             conn.send_bytes(pickle.dumps(("init", None, _dump_exception(exc))))
             return
 
-    from gpupool._probe import Probe, is_device_oom
+    from gpupool._probe import Probe, apply_allocator_cap, is_device_oom, read_allocator_cap_message
 
     sensor = None
     if device is not None:
@@ -106,6 +106,10 @@ def worker_main(
             return
         if not message:
             return
+        cap_bytes = read_allocator_cap_message(message)
+        if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
+            apply_allocator_cap(cap_bytes)
+            continue
         try:
             fn, args, kwargs = cloudpickle.loads(message)
         except BaseException as exc:

@@ -28,6 +28,11 @@ class DeviceInfo:
         name: the product name, for people only.
         mig: whether this is a MIG instance.
         mig_index: the instance's index on its parent card, for MIG devices.
+        parent_uuid: the parent card's ``GPU-`` UUID, for MIG devices.
+        error: why the driver could not describe this device (a card that
+            answers ``GPU_IS_LOST``, say), or ``None``. Such a device is
+            unreadable; one whose UUID could not be read has ``uuid == ""``
+            and cannot be used, since children are pinned by UUID.
     """
 
     index: int
@@ -35,6 +40,8 @@ class DeviceInfo:
     name: str
     mig: bool = False
     mig_index: int | None = None
+    parent_uuid: str | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,8 +72,10 @@ class ProcessReading:
     """One process's device bytes, as the driver lists them.
 
     ``used_bytes`` is ``None`` where the driver does not say (Windows WDDM,
-    some MIG setups); in containers on some drivers it reads 0, which is why
-    co-tenant bytes never come from summing these rows.
+    some MIG setups); in containers on some drivers (535.113 to 560) it reads
+    0, which is why co-tenant bytes never come from summing these rows, and
+    why the child's probe never takes a 0 as a measurement (a listed process
+    holds at least its context).
     """
 
     pid: int

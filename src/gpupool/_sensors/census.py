@@ -60,34 +60,45 @@ _MPS_ENUMERATION_ENV = "NVML_MPS_DEVICE_ENUMERATION"
 
 
 def parse_visible_devices(
-    value: str | None, listed: Sequence[DeviceInfo]
+    value: str | None, listed: Sequence[DeviceInfo], *, device_order: str | None = None
 ) -> tuple[tuple[DeviceInfo, ...], str | None]:
     """Narrow ``listed`` to what a ``CUDA_VISIBLE_DEVICES`` value lets CUDA see.
 
-    Entries are NVML indexes (CUDA's order matches NVML's when
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``GPU-`` UUIDs or ``MIG-`` UUIDs,
-    each possibly a unique prefix. An index selects its card, or all its
-    MIG instances on a MIG-enabled card. As in CUDA, the first entry that
-    matches nothing (or several devices) hides itself and every entry after it.
+    Entries are NVML indexes, ``GPU-`` UUIDs or ``MIG-`` UUIDs, each
+    possibly a unique prefix. An index, or the ``GPU-`` UUID of a
+    MIG-enabled card, selects that card's MIG instances. As in CUDA, the
+    first entry that matches nothing (or several cards) hides itself and
+    every entry after it.
+
+    An index is CUDA's index, which is NVML's (PCI bus) order only with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; CUDA's default order is "fastest
+    first". Where the two orders can differ (the cards are not all the same
+    model), index entries without ``PCI_BUS_ID`` are refused, never guessed.
 
     Args:
         value: the variable's value; ``None`` (unset) leaves every device.
         listed: the devices the driver lists.
+        device_order: the value of ``CUDA_DEVICE_ORDER`` (``None``: unset).
 
     Returns:
         The visible devices in the variable's order, and a note for the
         census' reason when some entry was ignored or everything is hidden.
+
+    Raises:
+        ConfigurationError: index entries, ``CUDA_DEVICE_ORDER`` other than
+            ``PCI_BUS_ID``, and cards of more than one model.
     """
     if value is None:
         return tuple(listed), None
     stripped = value.strip()
     if stripped.lower() in _HIDE_ALL:
         return (), f"CUDA_VISIBLE_DEVICES={value!r} hides every device"
+    _check_index_order(value, listed, device_order)
     chosen: list[DeviceInfo] = []
     for raw in stripped.split(","):
         entry = raw.strip()
         matches = _match_entry(entry, listed)
-        if len(matches) == 0 or (not (entry.isascii() and entry.isdigit()) and len(matches) > 1):
+        if len(matches) == 0 or (not (entry.isascii() and entry.isdigit()) and _cards(matches) > 1):
             why = "matches no device" if not matches else "is ambiguous"
             note = (
                 f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; like CUDA, gpupool ignores it "
@@ -102,15 +113,52 @@ def parse_visible_devices(
     return tuple(chosen), None
 
 
+def _check_index_order(value: str, listed: Sequence[DeviceInfo], device_order: str | None) -> None:
+    """Refuse index entries whose meaning depends on an order CUDA may not share with NVML."""
+    if (device_order or "").strip().upper() == "PCI_BUS_ID":
+        return
+    entries = [raw.strip() for raw in value.split(",")]
+    if not any(entry.isascii() and entry.isdigit() for entry in entries):
+        return
+    models: dict[int, str] = {}
+    for info in listed:
+        if info.error is None:  # a card that cannot be read has no model to compare
+            models.setdefault(info.index, info.name)
+    if len(set(models.values())) <= 1:
+        return  # one model: fastest first is PCI bus order
+    cards = ", ".join(f"{index}: {name}" for index, name in sorted(models.items()))
+    raise ConfigurationError(
+        f"CUDA_VISIBLE_DEVICES={value!r} names cards by index, but CUDA_DEVICE_ORDER is "
+        f"{device_order!r} (CUDA's default numbers cards fastest first) and this host has "
+        f"cards of different models ({cards}), so CUDA's card numbers may not be NVML's. "
+        "Set CUDA_DEVICE_ORDER=PCI_BUS_ID, or name the cards by UUID "
+        "(CUDA_VISIBLE_DEVICES=GPU-...; `nvidia-smi -L` lists them)."
+    )
+
+
+def _cards(matches: Sequence[DeviceInfo]) -> int:
+    """How many physical cards ``matches`` covers (a card's MIG instances are one card)."""
+    return len({info.parent_uuid or info.uuid or f"index {info.index}" for info in matches})
+
+
 def _match_entry(entry: str, listed: Sequence[DeviceInfo]) -> list[DeviceInfo]:
     if entry.isascii() and entry.isdigit():
         return [info for info in listed if info.index == int(entry)]
     lowered = entry.lower()
     if lowered.startswith(("gpu-", "mig-")):
-        exact = [info for info in listed if info.uuid.lower() == lowered]
+        exact = [
+            info
+            for info in listed
+            if lowered in (info.uuid.lower(), (info.parent_uuid or "").lower())
+        ]
         if exact:
             return exact
-        return [info for info in listed if info.uuid.lower().startswith(lowered)]
+        return [
+            info
+            for info in listed
+            if (info.uuid and info.uuid.lower().startswith(lowered))
+            or (info.parent_uuid or "").lower().startswith(lowered)
+        ]
     return []
 
 
@@ -141,7 +189,7 @@ def _select(
                 f"visible devices: {_describe(visible)}"
             )
         matches = _match_entry(key, visible)
-        if not (key.isascii() and key.isdigit()) and len(matches) > 1:
+        if not (key.isascii() and key.isdigit()) and _cards(matches) > 1:
             raise ConfigurationError(
                 f"devices entry {want!r} matches {len(matches)} devices; give more of the "
                 f"UUID. Visible devices: {_describe(visible)}"
@@ -153,6 +201,12 @@ def _select(
                 f"devices entry {want!r} {why}; visible devices: {_describe(visible)}"
             )
         for info in matches:
+            if not info.uuid:
+                raise ConfigurationError(
+                    f"devices entry {want!r} is device {info.index}, which the driver could not "
+                    f"identify: {info.error}. Choose another device; visible devices: "
+                    f"{_describe(visible)}"
+                )
             if info not in chosen:
                 chosen.append(info)
     return tuple(chosen)
@@ -164,6 +218,7 @@ def read_census(
     devices: Sequence[int | str] | None = None,
     visible_devices: str | None = None,
     pid: int | None = None,
+    device_order: str | None = None,
 ) -> tuple[Census, tuple[DeviceInfo, ...]]:
     """Take the census of every device the pool may use, and of the host.
 
@@ -179,6 +234,8 @@ def read_census(
             passes ``os.environ.get("CUDA_VISIBLE_DEVICES")``); it narrows
             which devices may be used.
         pid: the process whose device bytes are "own"; this process by default.
+        device_order: the parent's ``CUDA_DEVICE_ORDER``; ``None`` reads it
+            from this process's environment.
 
     Returns:
         ``(census, infos)``: ``infos[i]`` is the :class:`DeviceInfo` of
@@ -187,8 +244,10 @@ def read_census(
 
     Raises:
         ConfigurationError: an entry of ``devices`` does not exist, is hidden
-            by ``CUDA_VISIBLE_DEVICES`` or is ambiguous; the message lists
-            the visible devices.
+            by ``CUDA_VISIBLE_DEVICES``, is ambiguous or could not be
+            identified; the message lists the visible devices. Or
+            ``CUDA_VISIBLE_DEVICES`` names cards by index where CUDA's order
+            may differ from NVML's (see :func:`parse_visible_devices`).
         SensorError: a driver answered but its device list could not be read.
     """
     if pid is None:
@@ -208,10 +267,20 @@ def read_census(
             (),
         )
     notes: list[str] = []
-    visible, note = parse_visible_devices(visible_devices, listed)
+    if device_order is None:
+        device_order = os.environ.get("CUDA_DEVICE_ORDER")
+    visible, note = parse_visible_devices(visible_devices, listed, device_order=device_order)
     if note:
         notes.append(note)
     chosen = visible if devices is None else _select(devices, visible, listed)
+    unidentified = [info for info in chosen if not info.uuid]
+    for info in unidentified:
+        what = f"device {info.index}" + (f" MIG {info.mig_index}" if info.mig else "")
+        notes.append(
+            f"{what} is left out: {info.error}; children are pinned by UUID, so a device "
+            "without one cannot be used"
+        )
+    chosen = tuple(info for info in chosen if info.uuid)
     if not listed:
         notes.append("the driver lists no device")
     mps = os.environ.get(_MPS_ENUMERATION_ENV)

@@ -39,7 +39,7 @@ from gpupool._core.host import (
     parse_proc_self_cgroup,
 )
 
-__all__ = ["read_affinity_count", "read_host_census", "read_meminfo"]
+__all__ = ["is_descendant", "read_affinity_count", "read_host_census", "read_meminfo"]
 
 #: Where a v1 controller may be mounted under ``/sys/fs/cgroup``: its own
 #: name, or a joint mount (``cpu,cpuacct``) that distributions name either way.
@@ -57,6 +57,43 @@ def read_meminfo(path: Path = Path("/proc/meminfo")) -> MemInfo:
         ValueError: it lacks ``MemTotal`` or ``MemFree``.
     """
     return parse_meminfo(path.read_text())
+
+
+#: How many parents :func:`is_descendant` follows: process trees are shallow,
+#: and a loop (a PID reused while we walk) must end.
+_MAX_ANCESTRY = 64
+
+
+def read_parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """``pid``'s parent PID from ``/proc/<pid>/stat`` (field 4), or ``None`` if it is gone."""
+    try:
+        text = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rfind(b")") + 2 :].split()
+    if len(fields) < 2 or not fields[1].isdigit():
+        return None
+    return int(fields[1])
+
+
+def is_descendant(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or was started under it (a child, a grandchild...).
+
+    A pool's workers and the processes their tasks start are descendants of
+    the pool's parent: on unified memory they are the pool itself, not
+    competitors. A PID this namespace cannot see is not a descendant.
+    """
+    current: int | None = pid
+    for _ in range(_MAX_ANCESTRY):
+        if current is None or current <= 0:
+            return False
+        if current == ancestor:
+            return True
+        if current == 1:
+            return False
+        current = read_parent_pid(current, proc)
+    return False
 
 
 def read_affinity_count() -> int | None:

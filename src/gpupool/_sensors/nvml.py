@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
-from gpupool._sensors.host import read_host_census, read_meminfo
+from gpupool._sensors.host import is_descendant, read_host_census, read_meminfo
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -91,6 +91,10 @@ def _text(value: object) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
+
+
+def _failed(call: str, exc: BaseException, what: str) -> str:
+    return f"{call} failed ({type(exc).__name__}: {exc}), so gpupool cannot {what}"
 
 
 def _flag(value: object) -> bool:
@@ -163,6 +167,8 @@ class NvmlSensor(Sensor):
             raise _translate(exc, what, device=device) from exc
 
     def _handle(self, device: DeviceInfo) -> Any:
+        if device.error is not None:
+            raise DeviceUnreadableError(f"{_label(device)}: {device.error}")
         handle = self._handles.get(device.uuid)
         if handle is None:
             try:
@@ -188,38 +194,90 @@ class NvmlSensor(Sensor):
 
         A card in MIG mode is listed as its instances only: CUDA work runs on
         an instance, never on the parent card. Empty instance slots
-        (``NVML_ERROR_NOT_FOUND``) are skipped.
+        (``NVML_ERROR_NOT_FOUND``) are skipped. A card that fails to answer
+        (``GPU_IS_LOST``, say) does not fail the list: it is listed with its
+        ``error`` (and ``uuid == ""`` when even its UUID could not be read),
+        and every other card is read.
 
         Raises:
             NoDriverError: no NVIDIA library or driver.
-            SensorError: the driver answered but the list could not be read.
+            SensorError: the driver answered but the device count could not be read.
         """
         found: list[DeviceInfo] = []
         handles: dict[str, Any] = {}
         with self._mapped("listing devices (nvmlDeviceGetCount)") as lib:
-            count = lib.nvmlDeviceGetCount()
-            for index in range(count):
-                handle = lib.nvmlDeviceGetHandleByIndex(index)
-                uuid = _text(lib.nvmlDeviceGetUUID(handle))
-                name = _text(lib.nvmlDeviceGetName(handle))
-                if self._mig_enabled(lib, handle):
-                    for mig_index, mig_handle in self._mig_handles(lib, handle):
-                        mig_uuid = _text(lib.nvmlDeviceGetUUID(mig_handle))
-                        handles[mig_uuid] = mig_handle
-                        found.append(
-                            DeviceInfo(
-                                index=index,
-                                uuid=mig_uuid,
-                                name=_text(lib.nvmlDeviceGetName(mig_handle)),
-                                mig=True,
-                                mig_index=mig_index,
-                            )
-                        )
-                    continue
-                handles[uuid] = handle
-                found.append(DeviceInfo(index=index, uuid=uuid, name=name))
+            count = int(lib.nvmlDeviceGetCount())
+        for index in range(count):
+            found.extend(self._read_card(index, handles))
         self._handles = handles
         return tuple(found)
+
+    def _read_card(self, index: int, handles: dict[str, Any]) -> list[DeviceInfo]:
+        """One card, or its MIG instances; a failing call becomes the device's ``error``."""
+        lib = self._nvml()
+        step = "nvmlDeviceGetHandleByIndex"
+        try:
+            handle = lib.nvmlDeviceGetHandleByIndex(index)
+            step = "nvmlDeviceGetUUID"
+            uuid = _text(lib.nvmlDeviceGetUUID(handle))
+        except lib.NVMLError as exc:
+            if _is_no_driver(exc):
+                raise _translate(exc, f"reading device {index} ({step})") from exc
+            return [
+                DeviceInfo(
+                    index=index, uuid="", name="unknown", error=_failed(step, exc, "identify it")
+                )
+            ]
+        try:
+            name = _text(lib.nvmlDeviceGetName(handle))
+        except lib.NVMLError:
+            name = "unknown"
+        try:
+            mig = self._mig_enabled(lib, handle)
+            instances = list(self._mig_handles(lib, handle)) if mig else []
+        except lib.NVMLError as exc:
+            if _is_no_driver(exc):
+                raise _translate(exc, f"reading device {index} (nvmlDeviceGetMigMode)") from exc
+            handles[uuid] = handle
+            error = _failed("nvmlDeviceGetMigMode", exc, "tell whether it is in MIG mode")
+            return [DeviceInfo(index=index, uuid=uuid, name=name, error=error)]
+        if not mig:
+            handles[uuid] = handle
+            return [DeviceInfo(index=index, uuid=uuid, name=name)]
+        listed: list[DeviceInfo] = []
+        for mig_index, mig_handle in instances:
+            try:
+                mig_uuid = _text(lib.nvmlDeviceGetUUID(mig_handle))
+            except lib.NVMLError as exc:
+                error = _failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
+                listed.append(
+                    DeviceInfo(
+                        index=index,
+                        uuid="",
+                        name=name,
+                        mig=True,
+                        mig_index=mig_index,
+                        parent_uuid=uuid,
+                        error=error,
+                    )
+                )
+                continue
+            try:
+                mig_name = _text(lib.nvmlDeviceGetName(mig_handle))
+            except lib.NVMLError:
+                mig_name = name
+            handles[mig_uuid] = mig_handle
+            listed.append(
+                DeviceInfo(
+                    index=index,
+                    uuid=mig_uuid,
+                    name=mig_name,
+                    mig=True,
+                    mig_index=mig_index,
+                    parent_uuid=uuid,
+                )
+            )
+        return listed
 
     @staticmethod
     def _mig_enabled(lib: ModuleType, handle: Any) -> bool:
@@ -264,8 +322,9 @@ class NvmlSensor(Sensor):
         Unified memory (GB10 / DGX Spark, Jetson) answers ``NOT_SUPPORTED``
         to both (``nvidia-smi`` prints ``[N/A]``): capacity is ``MemTotal``
         from ``/proc/meminfo``, and free is ``MemAvailable`` when no other
-        process holds the device, ``MemFree`` when another does or when the
-        process list is unknown (source ``"meminfo"``, ``unified=True``).
+        process holds the device (this process and its descendants, the
+        pool's workers, do not count), ``MemFree`` when another does or when
+        the process list is unknown (source ``"meminfo"``, ``unified=True``).
 
         Raises:
             DeviceUnreadableError: the driver answered with an error, a MIG
@@ -342,8 +401,10 @@ class NvmlSensor(Sensor):
             rows = self.read_processes(device)
         except SensorError:
             rows = None
+        # This process and its descendants (the pool's own workers and what
+        # their tasks start) are not competitors for the page cache.
         me = os.getpid()
-        alone = rows is not None and all(row.pid == me for row in rows)
+        alone = rows is not None and all(is_descendant(row.pid, me) for row in rows)
         free = meminfo.free_bytes
         if alone and meminfo.available_bytes is not None:
             free = meminfo.available_bytes
@@ -412,7 +473,9 @@ class NvmlSensor(Sensor):
             if int(lib.nvmlDeviceGetAccountingMode(handle)) != _FEATURE_ENABLED:
                 return None
             stats = lib.nvmlDeviceGetAccountingStats(handle, pid)
-        except (lib.NVMLError, SensorError, AttributeError):
+        except (lib.NVMLError, SensorError, AttributeError, TypeError, ValueError):
+            # TypeError: the binding assigns None to the struct's integer field
+            # when the driver answers NVML_VALUE_NOT_AVAILABLE (WDDM, some MIG).
             return None
         value = getattr(stats, "maxMemoryUsage", None)
         return None if value is None else int(value)

@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ __all__ = [
     "CO_TENANT_PID_BASE",
     "DEVICE_NAME",
     "LEDGER_VERSION",
+    "MAX_LEDGER_BYTES",
     "DeviceState",
     "Ledger",
     "LedgerGoneError",
@@ -72,6 +74,11 @@ DEVICE_NAME = "Simulated GPU"
 
 #: Bumped when the ledger's layout changes; a ledger of another version is refused.
 LEDGER_VERSION = 1
+
+#: The largest ledger read. A real one is a few KiB (a few hundred bytes per
+#: device, process and refusal); a file past this is not a ledger, and reading
+#: it whole (a sparse 2 GB file, say) would cost its size in memory.
+MAX_LEDGER_BYTES = 16 * 1024 * 1024
 
 _T = TypeVar("_T")
 
@@ -250,19 +257,47 @@ class Ledger:
             self._fd = None
         with self._thread_lock:
             if self._fd is None:
-                try:
-                    self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise self._gone() from None
+                self._fd = self._open()
             fd = self._fd
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 status = os.fstat(fd)
                 if status.st_nlink == 0:  # unlinked by its host while we held it open
                     raise self._gone()
+                if status.st_size > MAX_LEDGER_BYTES:
+                    raise self._not_a_ledger(
+                        f"it holds {status.st_size} bytes, more than any ledger "
+                        f"({MAX_LEDGER_BYTES})"
+                    )
                 yield status.st_size
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _open(self) -> int:
+        """Open the ledger; anything but a regular file is refused without reading it."""
+        try:
+            # O_NONBLOCK: a FIFO named here must not block the open.
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise self._gone() from None
+        except OSError as exc:
+            raise self._not_a_ledger(f"it cannot be opened ({exc.strerror or exc})") from exc
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            os.close(fd)
+            raise self._not_a_ledger(f"it cannot be read ({exc.strerror or exc})") from exc
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise self._not_a_ledger("it is not a regular file")
+        return fd
+
+    def _not_a_ledger(self, why: str) -> SensorError:
+        return SensorError(
+            f"{SIMULATOR_ENV_NAME}={self.path!r} does not name a simulated host's ledger: {why}. "
+            f"Unset {SIMULATOR_ENV_NAME} outside a gpupool.testing.SimulatedHost block, or "
+            "point it at the ledger a SimulatedHost wrote."
+        )
 
     def _gone(self) -> LedgerGoneError:
         return LedgerGoneError(
@@ -272,12 +307,23 @@ class Ledger:
 
     def _read(self, size: int) -> LedgerState:
         assert self._fd is not None
-        state: LedgerState = json.loads(os.pread(self._fd, size, 0))
-        if state.get("version") != LEDGER_VERSION:
+        try:
+            value = json.loads(os.pread(self._fd, size, 0))
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise self._not_a_ledger(f"it is not JSON ({exc})") from None
+        except OSError as exc:
+            raise self._not_a_ledger(f"it cannot be read ({exc.strerror or exc})") from exc
+        if not isinstance(value, dict) or "version" not in value:
+            raise self._not_a_ledger("it is JSON but not a ledger (no version)")
+        if value["version"] != LEDGER_VERSION:
             raise SensorError(
-                f"the simulated host's ledger {self.path} has version {state.get('version')!r}; "
+                f"the simulated host's ledger {self.path} has version {value['version']!r}; "
                 f"this gpupool reads version {LEDGER_VERSION}"
             )
+        problem = _ledger_problem(value)
+        if problem is not None:
+            raise self._not_a_ledger(f"it is not a well-formed ledger ({problem})")
+        state: LedgerState = value  # type: ignore[assignment]
         return state
 
     def _write(self, state: LedgerState, size: int) -> None:
@@ -431,6 +477,90 @@ class Ledger:
             if change(state) or pruned:
                 self._write(state, size)
         return proc_now
+
+
+#: The variable that names the ledger (``select.SIMULATOR_ENV``; not imported, to keep
+#: this module free of the selection logic).
+SIMULATOR_ENV_NAME = "GPUPOOL_SIMULATOR"
+
+_TOP_FIELDS: dict[str, tuple[type, ...]] = {
+    "driver": (bool,),
+    "container": (bool,),
+    "context": (int,),
+    "cpus": (int, type(None)),
+    "ram": (int, type(None)),
+    "next_fake_pid": (int,),
+    "devices": (list,),
+    "ooms": (list,),
+}
+_DEVICE_FIELDS: dict[str, tuple[type, ...]] = {
+    "uuid": (str,),
+    "total": (int,),
+    "unified": (bool,),
+    "readable": (bool,),
+    "tenants": (dict,),
+    "procs": (dict,),
+    "peaks": (dict,),
+    "peak": (int,),
+}
+_PROC_FIELDS: dict[str, tuple[type, ...]] = {
+    "start": (str,),
+    "name": (str,),
+    "context": (int,),
+    "held": (int,),
+    "window": (int,),
+}
+
+
+def _field_problem(
+    value: dict[str, object], fields: dict[str, tuple[type, ...]], where: str
+) -> str | None:
+    for key, types in fields.items():
+        if key not in value:
+            return f"{where} has no {key!r}"
+        if not isinstance(value[key], types) or (
+            isinstance(value[key], bool) and bool not in types
+        ):
+            return f"{where}'s {key!r} is {value[key]!r}"
+    return None
+
+
+def _ledger_problem(value: dict[str, object]) -> str | None:
+    """What makes ``value`` not a ledger, or ``None`` when every field has its type."""
+    problem = _field_problem(value, _TOP_FIELDS, "the ledger")
+    if problem is not None:
+        return problem
+    devices = value["devices"]
+    assert isinstance(devices, list)
+    for index, dev in enumerate(devices):
+        where = f"device {index}"
+        if not isinstance(dev, dict):
+            return f"{where} is {dev!r}"
+        problem = _field_problem(dev, _DEVICE_FIELDS, where)
+        if problem is not None:
+            return problem
+        for name, entry in dev["tenants"].items():
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
+            ):
+                return f"{where}'s co-tenant {name!r} is {entry!r}"
+        for key, proc in dev["procs"].items():
+            if not key.isdigit() or not isinstance(proc, dict):
+                return f"{where}'s process {key!r} is {proc!r}"
+            problem = _field_problem(proc, _PROC_FIELDS, f"{where}'s process {key}")
+            if problem is not None:
+                return problem
+        for key, peak in dev["peaks"].items():
+            if not key.isdigit() or not isinstance(peak, int) or isinstance(peak, bool):
+                return f"{where}'s peak of {key!r} is {peak!r}"
+    ooms = value["ooms"]
+    assert isinstance(ooms, list)
+    for record in ooms:
+        if not isinstance(record, dict):
+            return f"an out-of-memory record is {record!r}"
+    return None
 
 
 def _own_identity() -> str:

@@ -1,0 +1,82 @@
+"""A GPUPOOL_SIMULATOR that does not name a ledger is refused with the file's name, unread."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpupool import GpuPoolExecutor, SensorError
+from gpupool._sensors.simulated import MAX_LEDGER_BYTES, SimulatedSensor, forget_ledger
+
+
+def _refused(path: Path) -> SensorError:
+    forget_ledger(str(path))
+    with pytest.raises(SensorError) as info:
+        SimulatedSensor(str(path)).read_devices()
+    forget_ledger(str(path))
+    assert str(path) in str(info.value)
+    assert "does not name a simulated host's ledger" in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"\x00\xffgarbage", "it is not JSON"),
+        (b"[1, 2, 3]", "not a ledger (no version)"),
+        (json.dumps({"version": 1}).encode(), "the ledger has no 'driver'"),
+        (
+            json.dumps(
+                {
+                    "version": 1,
+                    "driver": True,
+                    "container": False,
+                    "context": 0,
+                    "cpus": None,
+                    "ram": None,
+                    "next_fake_pid": 1,
+                    "ooms": [],
+                    "devices": [{"uuid": "GPU-x", "total": "lots"}],
+                }
+            ).encode(),
+            "device 0's 'total' is 'lots'",
+        ),
+    ],
+    ids=["binary", "json-list", "no-fields", "bad-field"],
+)
+def test_a_file_that_is_not_a_ledger_is_refused(tmp_path: Path, content: bytes, why: str) -> None:
+    """Garbage, foreign JSON and malformed ledgers give a SensorError naming the file and why."""
+    path = tmp_path / "ledger.json"
+    path.write_bytes(content)
+    assert why in str(_refused(path))
+
+
+def test_a_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """A 2 GB sparse file is refused by its size, before a byte of it is read."""
+    path = tmp_path / "sparse.json"
+    with open(path, "wb") as file:
+        file.truncate(2 * 10**9)
+    assert f"more than any ledger ({MAX_LEDGER_BYTES})" in str(_refused(path))
+
+
+def test_a_directory_and_a_fifo_are_refused(tmp_path: Path) -> None:
+    """A directory or a FIFO is not a ledger, and opening the FIFO does not hang."""
+    assert "cannot be opened" in str(_refused(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in str(_refused(fifo))
+
+
+def test_the_pool_refuses_a_garbage_simulator_with_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GpuPoolExecutor() with GPUPOOL_SIMULATOR at a garbage file raises a clear SensorError."""
+    path = tmp_path / "garbage"
+    path.write_text("not json at all")
+    monkeypatch.setenv("GPUPOOL_SIMULATOR", str(path))
+    with pytest.raises(SensorError, match=r"GPUPOOL_SIMULATOR='.*garbage' does not name"):
+        GpuPoolExecutor(max_workers=1)
+    forget_ledger(str(path))
