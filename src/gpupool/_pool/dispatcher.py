@@ -55,6 +55,7 @@ from gpupool._core.bound import (
     derive_ceiling,
     live_gate_admits,
 )
+from gpupool._core.bookings import TaskBooking
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
@@ -73,7 +74,9 @@ from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool.worker import worker_main
 
 if TYPE_CHECKING:
+    from gpupool._core.bookings import OtherPools
     from gpupool._sensors.base import DeviceInfo, Sensor
+    from gpupool._sensors.bookings import BookingTable
 
 __all__ = [
     "DeviceState",
@@ -246,6 +249,8 @@ class Dispatcher:
         initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
         log: DecisionLog,
         env: Mapping[str, str],
+        bookings: BookingTable | None = None,
+        pool_id: str = "",
     ) -> None:
         self.census = census
         self.devices = devices
@@ -292,6 +297,11 @@ class Dispatcher:
         self.counts = collections.Counter[str]()
         self.durations_s: dict[str, float] = {}
         self.sensor_errors: set[tuple[int, str]] = set()
+        # The host-wide booking table (None: sharing is off) and, per device,
+        # the other pools' rows as this pool last saw them (None: unknown).
+        self.bookings = bookings
+        self.pool_id = pool_id
+        self.other_pools: dict[int, OtherPools | None] = {}
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- called from caller threads -------------------------------------------------
@@ -404,6 +414,7 @@ class Dispatcher:
             with self.lock:
                 self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
+            self._publish_bookings(None)
             self.record(
                 Decision(
                     event="shutdown",
@@ -738,6 +749,8 @@ class Dispatcher:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
         item.tries += 1
+        if worker.device is not None:
+            self._publish_bookings(self.devices[worker.device])  # before the task can allocate
         try:
             worker.conn.send_bytes(item.call)
         except OSError:
@@ -765,6 +778,8 @@ class Dispatcher:
             return
         kind, report_fields, payload = pickle.loads(message)
         item = worker.queue.popleft() if worker.queue else None
+        if item is not None and worker.device is not None:
+            self._publish_bookings(self.devices[worker.device])
         ask_bytes = item.priced_bytes if item is not None else 0
         now = time.monotonic()
         if item is not None:
@@ -1139,6 +1154,8 @@ class Dispatcher:
         process.join(timeout=1.0)
         exitcode = process.exitcode
         self._forget(worker)
+        if worker.device is not None:
+            self._publish_bookings(self.devices[worker.device])
         item = worker.queue.popleft() if worker.queue else None
         if worker.retiring and item is not None:
             worker.queue.appendleft(item)
@@ -1178,6 +1195,43 @@ class Dispatcher:
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
         self._update_width()
+
+    def _publish_bookings(self, device: DeviceState | None) -> None:
+        """Tell the host's other pools what this pool has booked on ``device`` (mechanism only).
+
+        Each running worker's booking (the largest ask of its tasks) with what
+        it holds now. The holdings are read from the card only while another
+        pool was on it at the last exchange (no one else reads them otherwise);
+        else they are published as 0. ``None``: the pool is shutting down, so
+        its rows are withdrawn from every card.
+        """
+        table = self.bookings
+        if table is None:
+            return
+        if device is None:
+            for state in self.devices:
+                table.withdraw(state.info.uuid, self.pool_id)
+            table.close()
+            return
+        busy = device.running()
+        seen = self.other_pools.get(device.index)
+        held: dict[int, int] = {}
+        if busy and seen is not None and seen.pools and device.census.readable:
+            try:
+                rows = self.sensor.read_processes(device.info) or ()
+            except Exception:
+                rows = ()  # unreadable now: published as not yet reached (the safe side)
+            held = {row.pid: row.used_bytes or 0 for row in rows}
+        tasks = [
+            TaskBooking(
+                worker_pid=worker.pid,
+                key=worker.queue[0].key,
+                booked_bytes=worker.ask_bytes,
+                reached_bytes=held.get(worker.pid, 0),
+            )
+            for worker in busy
+        ]
+        self.other_pools[device.index] = table.exchange(device.info.uuid, self.pool_id, tasks)
 
     def _forget(self, worker: _Worker) -> None:
         if worker.gone:

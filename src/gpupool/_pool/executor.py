@@ -184,6 +184,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         progress: show a progress bar (tqdm, when installed) with the width
             and the asks while ``map`` results are consumed: ``None`` when
             standard error is a terminal, ``True`` always, ``False`` never.
+        share_bookings: publish this pool's bookings to the host-wide booking
+            table and read the other pools' (see ``docs/sharing.md``): ``True``
+            (default) among this user's pools (files 0600), ``"host"`` among
+            every user's, ``False`` not at all.
+        bookings_dir: the directory of the booking table (default: the
+            ``GPUPOOL_BOOKINGS`` environment variable, else
+            ``/dev/shm/gpupool-<uid>``; inside a ``SimulatedHost``, the
+            simulated host's own). Ignored when ``share_bookings=False``.
 
     Raises:
         ConfigurationError: a value is wrong; the message names it (also a
@@ -211,6 +219,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         env: Mapping[str, str] | None = None,
         sensor: Sensor | None = None,
         progress: bool | None = None,
+        share_bookings: bool | str = True,
+        bookings_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
@@ -283,6 +293,19 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         if progress is not None and not isinstance(progress, bool):
             raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
+        if share_bookings not in (True, False, "host") or (
+            not isinstance(share_bookings, (bool, str))
+        ):
+            raise ConfigurationError(
+                f"share_bookings={share_bookings!r}: pass True (this user's pools), 'host' "
+                "(every user's pools) or False (no booking table)."
+            )
+        if bookings_dir is not None and (
+            not isinstance(bookings_dir, (str, os.PathLike)) or not os.fspath(bookings_dir)
+        ):
+            raise ConfigurationError(
+                f"bookings_dir={bookings_dir!r}: pass a directory path, or None for the default."
+            )
         self._progress = progress
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
@@ -333,6 +356,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         init_call = (initializer, tuple(initargs)) if initializer is not None else None
         log = DecisionLog(path)
         self._log = log
+        from gpupool._sensors.bookings import new_pool_id, open_booking_table
+
+        bookings = (
+            open_booking_table(share=share_bookings, directory=bookings_dir, sensor=self._sensor)
+            if device_states
+            else None
+        )
         self._dispatcher = Dispatcher(
             census=census,
             devices=device_states,
@@ -347,6 +377,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             initializer=init_call,
             log=log,
             env=worker_env,
+            bookings=bookings,
+            pool_id=new_pool_id(),
         )
         try:
             self._construct(peak_bytes)

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 __all__ = [
+    "BOOKINGS_DIRECTORY",
     "CO_TENANT_PID_BASE",
     "DEVICE_NAME",
     "LEDGER_VERSION",
@@ -72,6 +73,9 @@ DEVICE_NAME = "Simulated GPU"
 
 #: Bumped when the ledger's layout changes; a ledger of another version is refused.
 LEDGER_VERSION = 1
+
+#: The simulated host's booking table lives in this directory beside its ledger.
+BOOKINGS_DIRECTORY = "bookings"
 
 _T = TypeVar("_T")
 
@@ -531,6 +535,11 @@ class SimulatedSensor(Sensor):
     def ledger_path(self) -> str:
         """The ledger this sensor reads."""
         return self._ledger.path
+
+    @property
+    def bookings_directory(self) -> str:
+        """The simulated host's booking table: beside its ledger, shared by its processes only."""
+        return os.path.join(os.path.dirname(self._ledger.path), BOOKINGS_DIRECTORY)
 
     def _state_of(self, device: DeviceInfo) -> DeviceState:
         state = self._ledger.snapshot()
