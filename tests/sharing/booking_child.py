@@ -1,10 +1,10 @@
 """Child processes for the booking-table tests, run as ``python booking_child.py MODE ...``.
 
 Modes:
-    publish DIR UUID POOL BOOKED    publish one task booking, print "ready", wait for stdin to close.
-    hammer DIR UUID POOL N          exchange N times (row's booked bytes = iteration), print the
-                                    final OtherPools count seen, then wait for stdin to close.
-    spin DIR UUID POOL              publish forever (until killed), printing "ready" after the first.
+    publish DIR UUID POOL BOOKED    publish one task booking, print "ready", wait for stdin.
+    hammer DIR UUID POOL N          exchange N times (the row's booked bytes = the iteration),
+                                    print "done", then wait for stdin to close.
+    spin DIR UUID POOL              publish until killed, printing "ready" after the first.
     simulated POOL                  publish through the pool's own resolution (the simulated host's
                                     table), print "ready", wait for stdin to close.
 """

@@ -30,9 +30,7 @@ def task(i: int, size: str) -> int:
 def main(argv: list[str]) -> int:
     barrier, name, pools, max_workers, task_peak, size, tasks, out = argv
     log = Path(out).with_suffix(".jsonl")
-    with GpuPoolExecutor(
-        max_workers=int(max_workers), task_peak=task_peak, log_path=log
-    ) as pool:
+    with GpuPoolExecutor(max_workers=int(max_workers), task_peak=task_peak, log_path=log) as pool:
         Path(barrier, name).touch()
         deadline = time.monotonic() + PATIENCE_S
         while len(list(Path(barrier).iterdir())) < int(pools) and time.monotonic() < deadline:

@@ -153,7 +153,7 @@ def test_a_row_of_an_exited_process_is_pruned_on_the_next_read(
 def test_a_sigkilled_writers_row_is_gone_and_the_file_still_reads(
     table: BookingTable, children: list[Child]
 ) -> None:
-    """A writer killed by SIGKILL in the middle of its writes leaves a readable table, without it."""
+    """A writer SIGKILLed in the middle of its writes leaves a readable table, without its row."""
     table.publish(UUID, "mine.1", [_task(GiB)])
     child = Child("spin", str(table.directory), UUID, "spin.1")
     children.append(child)
@@ -210,9 +210,7 @@ def test_a_reused_pid_is_told_apart_by_its_start_time(table: BookingTable) -> No
 def test_concurrent_writers_lose_no_update(table: BookingTable, children: list[Child]) -> None:
     """Four processes each exchanging 300 times under the flock: every final row is there, exact."""
     count = 300
-    writers = [
-        Child("hammer", str(table.directory), UUID, f"w.{n}", str(count)) for n in range(4)
-    ]
+    writers = [Child("hammer", str(table.directory), UUID, f"w.{n}", str(count)) for n in range(4)]
     children.extend(writers)
     assert [w.line for w in writers] == ["done"] * 4
     seen = table.others(UUID)
@@ -248,7 +246,7 @@ def test_a_shared_table_is_writable_by_every_user(tmp_path: Path) -> None:
 def test_a_private_table_refuses_a_directory_others_can_write(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A private table in a group- or world-writable directory is not used (someone could plant rows)."""
+    """A private table in a directory that others can write is not used (rows could be planted)."""
     directory = tmp_path / "open"
     directory.mkdir()
     directory.chmod(0o777)
@@ -292,7 +290,7 @@ def test_where_a_pools_table_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_an_unreachable_table_answers_unknown_and_says_so_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
-    """Where the directory cannot be made, every call answers None/False and one warning says why."""
+    """Where the directory cannot be made, every call answers None/False; one warning says why."""
     if where == "under a file":
         blocker = tmp_path / "a-file"
         blocker.write_text("")

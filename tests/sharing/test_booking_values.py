@@ -61,7 +61,9 @@ def test_describe_and_terms_name_every_figure() -> None:
         tasks=(TaskBooking(worker_pid=2, key="k", booked_bytes=6 * GiB, reached_bytes=2 * GiB),),
     )
     others = OtherPools(card_uuid=UUID, pools=(row,))
-    assert others.describe() == "1 other pool: 6.00 GiB booked, 2.00 GiB reached, 4.00 GiB unreached"
+    assert (
+        others.describe() == "1 other pool: 6.00 GiB booked, 2.00 GiB reached, 4.00 GiB unreached"
+    )
     assert OtherPools(card_uuid=UUID).describe() == "no other pool"
     assert others.terms() == {
         "other_pools": 1,

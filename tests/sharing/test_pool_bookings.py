@@ -75,7 +75,7 @@ def test_processes_under_one_simulated_host_share_its_table_and_no_other() -> No
 
 
 def test_a_pool_books_each_task_before_it_runs_and_withdraws_at_shutdown() -> None:
-    """While a task runs its worker is booked at the task's ask; after shutdown the pool's row is gone."""
+    """While a task runs its worker is booked at its ask; after shutdown the pool's row is gone."""
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
         with GpuPoolExecutor(max_workers=1, task_peak="2GiB") as pool:
             worker_pid, rows = pool.submit(_rows_seen_by_the_task, "1GiB").result()
@@ -111,7 +111,9 @@ def test_a_pool_whose_table_is_unreachable_runs_and_says_so_once(
     blocker.write_text("")
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]):
         with caplog.at_level(logging.WARNING, logger="gpupool"):
-            with GpuPoolExecutor(max_workers=2, task_peak="2GiB", bookings_dir=blocker / "x") as pool:
+            with GpuPoolExecutor(
+                max_workers=2, task_peak="2GiB", bookings_dir=blocker / "x"
+            ) as pool:
                 assert list(pool.map(abs, range(-6, 0))) == [6, 5, 4, 3, 2, 1]
     said = [r for r in caplog.records if "booking table" in r.getMessage()]
     assert len(said) == 1

@@ -179,28 +179,48 @@ class OtherPools:
 # -- the file's text ------------------------------------------------------------------------
 
 
-def format_booking_table(card_uuid: str, pools: Sequence[PoolBooking]) -> bytes:
-    """The table file's text for ``pools`` (compact JSON, one object)."""
+def format_booking_table(
+    card_uuid: str,
+    pools: Sequence[PoolBooking],
+    fragments: dict[int, tuple[PoolBooking, str]] | None = None,
+) -> bytes:
+    """The table file's text for ``pools`` (compact JSON, one object).
+
+    Args:
+        card_uuid: the card the file is for.
+        pools: its rows.
+        fragments: a memo of each row's encoded text by the row's identity,
+            kept by the caller between calls, so that a row object met again
+            is not encoded again; it is left holding exactly ``pools``' rows.
+    """
+    memo: dict[int, tuple[PoolBooking, str]] = {}
+    parts = []
+    for pool in pools:
+        known = fragments.get(id(pool)) if fragments is not None else None
+        fragment = known[1] if known is not None and known[0] is pool else _format_pool(pool)
+        memo[id(pool)] = (pool, fragment)
+        parts.append(f"{json.dumps(pool.pool_id)}:{fragment}")
+    if fragments is not None:
+        fragments.clear()
+        fragments.update(memo)
+    head = f'{{"version":{TABLE_VERSION},"card_uuid":{json.dumps(card_uuid)},"pools":{{'
+    return (head + ",".join(parts) + "}}").encode()
+
+
+def _format_pool(pool: PoolBooking) -> str:
     return json.dumps(
         {
-            "version": TABLE_VERSION,
-            "card_uuid": card_uuid,
-            "pools": {
-                pool.pool_id: {
-                    "pid": pool.pid,
-                    "start": pool.start,
-                    "label": pool.label,
-                    "updated_s": pool.updated_s,
-                    "tasks": [
-                        [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
-                        for task in pool.tasks
-                    ],
-                }
-                for pool in pools
-            },
+            "pid": pool.pid,
+            "start": pool.start,
+            "label": pool.label,
+            "updated_s": pool.updated_s,
+            "tasks": [
+                [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
+                for task in pool.tasks
+            ],
         },
         separators=(",", ":"),
-    ).encode()
+    )
 
 
 def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking]:

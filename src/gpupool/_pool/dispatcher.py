@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
+from gpupool._core.bookings import TaskBooking
 from gpupool._core.bound import (
     Bound,
     Ceiling,
@@ -55,7 +56,6 @@ from gpupool._core.bound import (
     derive_ceiling,
     live_gate_admits,
 )
-from gpupool._core.bookings import TaskBooking
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
@@ -302,6 +302,7 @@ class Dispatcher:
         self.bookings = bookings
         self.pool_id = pool_id
         self.other_pools: dict[int, OtherPools | None] = {}
+        self.published: dict[int, tuple[TaskBooking, ...]] = {}
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- called from caller threads -------------------------------------------------
@@ -1202,8 +1203,9 @@ class Dispatcher:
         Each running worker's booking (the largest ask of its tasks) with what
         it holds now. The holdings are read from the card only while another
         pool was on it at the last exchange (no one else reads them otherwise);
-        else they are published as 0. ``None``: the pool is shutting down, so
-        its rows are withdrawn from every card.
+        else they are published as 0, and a booking the same as the last one
+        is not written again. ``None``: the pool is shutting down, so its rows
+        are withdrawn from every card.
         """
         table = self.bookings
         if table is None:
@@ -1222,7 +1224,7 @@ class Dispatcher:
             except Exception:
                 rows = ()  # unreadable now: published as not yet reached (the safe side)
             held = {row.pid: row.used_bytes or 0 for row in rows}
-        tasks = [
+        tasks = tuple(
             TaskBooking(
                 worker_pid=worker.pid,
                 key=worker.queue[0].key,
@@ -1230,7 +1232,10 @@ class Dispatcher:
                 reached_bytes=held.get(worker.pid, 0),
             )
             for worker in busy
-        ]
+        )
+        if tasks == self.published.get(device.index) and not (seen and seen.pools):
+            return  # a task queued behind a finished one: the same booking, and no one to tell
+        self.published[device.index] = tasks
         self.other_pools[device.index] = table.exchange(device.info.uuid, self.pool_id, tasks)
 
     def _forget(self, worker: _Worker) -> None:

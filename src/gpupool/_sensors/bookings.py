@@ -1,4 +1,4 @@
-"""The host-wide booking table: every pool's bookings on every card, in small shared files (I/O edge).
+"""The host-wide booking table: every pool's bookings on every card, in small files (I/O edge).
 
 A pool's census and its live readings see what other processes *hold*; they
 cannot see what another pool on the same card has *booked* and not yet
@@ -89,12 +89,17 @@ def read_start_token(pid: int) -> str | None:
     start time in clock ticks), psutil where there is no ``/proc``.
     """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            text = file.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError:
         return _start_token_psutil(pid)
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None  # it exited while we read (ESRCH)
+    finally:
+        os.close(fd)
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = text[text.rfind(b")") + 2 :].split()
     if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
@@ -120,7 +125,7 @@ def _program_label() -> str:
 
 
 def _file_name(card_uuid: str) -> str:
-    """``GPU-<uuid>.json``; characters outside ``[A-Za-z0-9-]`` (old MIG names' ``/``) become ``_``."""
+    """``<uuid>.json``, each character outside ``[A-Za-z0-9-]`` (MIG names hold ``/``) as ``_``."""
     safe = "".join(c if (c.isascii() and (c.isalnum() or c == "-")) else "_" for c in card_uuid)
     return f"{safe}.json"
 
@@ -168,7 +173,11 @@ class BookingTable:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._fds: dict[str, int] = {}
+        # Per card: the file's text as this handle last read or wrote it, its
+        # rows, and the encoded text of each row (so an unchanged file is not
+        # parsed again, and an unchanged row not encoded again).
         self._cache: dict[str, tuple[bytes, dict[str, PoolBooking]]] = {}
+        self._fragments: dict[str, dict[int, tuple[PoolBooking, str]]] = {}
         self._prepared = False
         self._unavailable: str | None = None
         self._own_start: str | None = None
@@ -264,10 +273,11 @@ class BookingTable:
         try:
             with self._locked(card_uuid) as (fd, size):
                 pools = self._read(fd, size, card_uuid)
-                pruned = _drop_dead(pools)
+                pruned = _drop_dead(pools, os.getpid(), self._own_start_token())
                 result = change(pools)
                 if writes or pruned or result is True:
-                    data = format_booking_table(card_uuid, list(pools.values()))
+                    fragments = self._fragments.setdefault(card_uuid, {})
+                    data = format_booking_table(card_uuid, list(pools.values()), fragments)
                     _write(fd, data, size)
                     self._cache[card_uuid] = (data, dict(pools))
                 return result
@@ -292,6 +302,7 @@ class BookingTable:
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._fds = {}
+            self._cache = {}
             self._own_start = None
         with self._lock:
             fd = self._open(card_uuid)
@@ -430,9 +441,9 @@ def _others(card_uuid: str, pools: dict[str, PoolBooking], pool_id: str | None) 
     return OtherPools(card_uuid=card_uuid, pools=tuple(rows))
 
 
-def _drop_dead(pools: dict[str, PoolBooking]) -> bool:
+def _drop_dead(pools: dict[str, PoolBooking], own_pid: int, own_start: str) -> bool:
     """Drop the rows of pools whose process exited or whose PID was reused; whether any was."""
-    tokens: dict[int, str | None] = {}
+    tokens: dict[int, str | None] = {own_pid: own_start}  # this process is alive
     dead = []
     for key, row in pools.items():
         if row.pid not in tokens:
