@@ -16,7 +16,7 @@ import pytest
 
 import gpupool.testing as gt
 from gpupool import ConfigurationError, GpuPoolExecutor
-from gpupool._core.units import GiB, format_size
+from gpupool._core.units import GiB, MiB, format_size
 from gpupool._sensors.bookings import BookingTable, default_bookings_directory
 from gpupool.cli import main
 
@@ -25,7 +25,9 @@ CHILD = str(Path(__file__).with_name("booking_child.py"))
 PATIENCE_S = 120.0
 
 
-def _rows_seen_by_the_task(size: str) -> tuple[int, list[tuple[int, list[tuple[int, int]]]]]:
+def _rows_seen_by_the_task(
+    size: str,
+) -> tuple[int, list[tuple[int, list[tuple[int, int, int]]]]]:
     """Run in a worker: hold ``size`` and read the simulated host's table from inside the task."""
     from gpupool._sensors.select import default_sensor
 
@@ -34,7 +36,10 @@ def _rows_seen_by_the_task(size: str) -> tuple[int, list[tuple[int, list[tuple[i
     with gt.hold(size):
         seen = table.others(os.environ["CUDA_VISIBLE_DEVICES"])
     assert seen is not None
-    rows = [(p.pid, [(t.worker_pid, t.booked_bytes) for t in p.tasks]) for p in seen.pools]
+    rows = [
+        (p.pid, [(t.worker_pid, t.booked_bytes, t.reached_bytes) for t in p.tasks])
+        for p in seen.pools
+    ]
     return os.getpid(), rows
 
 
@@ -79,10 +84,62 @@ def test_a_pool_books_each_task_before_it_runs_and_withdraws_at_shutdown() -> No
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
         with GpuPoolExecutor(max_workers=1, task_peak="2GiB") as pool:
             worker_pid, rows = pool.submit(_rows_seen_by_the_task, "1GiB").result()
-        assert rows == [(os.getpid(), [(worker_pid, 2 * GiB)])]
+        assert rows == [(os.getpid(), [(worker_pid, 2 * GiB, 0)])]  # no other pool: reach not read
         after = BookingTable(host.bookings_directory).others(host.device_uuid(0))
         assert after is not None
         assert after.pools == ()
+
+
+def _hold_until_released(size: str, directory: str) -> None:
+    """Run in a worker: hold ``size``, say so with a file, keep it until the test's file appears."""
+    with gt.hold(size):
+        Path(directory, "held").touch()
+        deadline = time.monotonic() + PATIENCE_S
+        while not Path(directory, "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert path.exists()
+
+
+def test_a_finished_task_is_unbooked_before_its_result_is_given() -> None:
+    """When a future has its result, the task's booking is already gone from the table."""
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
+        table = BookingTable(host.bookings_directory)
+        with GpuPoolExecutor(max_workers=1, task_peak="2GiB") as pool:
+            assert pool.submit(abs, -4).result() == 4
+            seen = table.others(host.device_uuid(0))
+            assert seen is not None
+            assert [(p.pid, p.tasks) for p in seen.pools] == [(os.getpid(), ())]
+
+
+def test_what_a_task_holds_is_published_while_another_pool_is_on_the_card(
+    tmp_path: Path,
+) -> None:
+    """With another pool's row on the card, a start publishes what the running workers hold."""
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")], context="300MiB"):
+        other = _start_child("simulated", "other.1")
+        try:
+            assert other.stdout is not None
+            assert other.stdout.readline().startswith("ready")
+            with GpuPoolExecutor(max_workers=2, task_peak="2GiB") as pool:
+                first = pool.submit(_hold_until_released, "1GiB", str(tmp_path))
+                _wait_for(tmp_path / "held")
+                worker_pid, rows = pool.submit(_rows_seen_by_the_task, "1MiB").result()
+                (tmp_path / "release").touch()
+                first.result()
+            mine = dict(rows)[os.getpid()]
+            # Written at the second task's start: the first task's worker held 1 GiB and
+            # its 300 MiB context; the second task's worker had not touched the card yet.
+            by_worker = {pid: (booked, reached) for pid, booked, reached in mine}
+            assert by_worker.pop(worker_pid) == (2 * GiB, 0)
+            assert list(by_worker.values()) == [(2 * GiB, GiB + 300 * MiB)]
+        finally:
+            _close(other)
 
 
 def test_share_bookings_false_writes_no_table() -> None:
