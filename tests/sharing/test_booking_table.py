@@ -119,6 +119,10 @@ def test_cards_have_separate_tables(table: BookingTable) -> None:
     assert table.others(other_card) is not None
     assert table.others(other_card).booked_bytes == 0  # type: ignore[union-attr]
     table.publish(other_card, "a.1", [_task(5 * GiB)])
+    assert sorted(p.name for p in table.directory.iterdir()) == [
+        f"{UUID}.json",
+        "MIG-GPU-aaaa_1_0.json",
+    ]
     assert table.others(UUID).booked_bytes == GiB  # type: ignore[union-attr]
     assert table.others(other_card).booked_bytes == 5 * GiB  # type: ignore[union-attr]
 
@@ -264,6 +268,31 @@ def test_default_directory_is_under_dev_shm_per_user() -> None:
         pytest.skip("this host has no /dev/shm")
     assert default_bookings_directory() == Path(f"/dev/shm/gpupool-{os.geteuid()}")
     assert default_bookings_directory(shared=True) == Path("/dev/shm/gpupool")
+
+
+def test_without_dev_shm_the_table_goes_to_the_users_runtime_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where there is no /dev/shm, a private table lives in $XDG_RUNTIME_DIR/gpupool."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    missing = tmp_path / "no-shm"
+    assert default_bookings_directory(shm=missing) == tmp_path / "gpupool"
+    assert default_bookings_directory(shm=missing, shared=True) == missing / "gpupool"
+
+
+def test_a_private_table_refuses_a_file_others_can_read(
+    table: BookingTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table file that other users can read or write is not used by a private table."""
+    table.directory.mkdir(mode=0o700)
+    path = table.directory / f"{UUID}.json"
+    path.write_bytes(b"")
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="gpupool"):
+        assert table.publish(UUID, "a.1", [_task(GiB)]) is False
+    assert table.unavailable_reason is not None
+    assert "is not private to this user" in table.unavailable_reason
+    assert path.read_bytes() == b""
 
 
 def test_where_a_pools_table_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

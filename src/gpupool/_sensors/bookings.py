@@ -130,14 +130,13 @@ def _file_name(card_uuid: str) -> str:
     return f"{safe}.json"
 
 
-def default_bookings_directory(*, shared: bool = False) -> Path:
+def default_bookings_directory(*, shared: bool = False, shm: Path = Path("/dev/shm")) -> Path:
     """Where the table lives unless told: ``/dev/shm``, else the user's runtime directory.
 
     ``/dev/shm/gpupool-<uid>`` (private) or ``/dev/shm/gpupool`` (shared by
     every user); where there is no ``/dev/shm``, ``$XDG_RUNTIME_DIR/gpupool``
     (private only: that directory belongs to one user).
     """
-    shm = Path("/dev/shm")
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if not shm.is_dir() and runtime and not shared:
         return Path(runtime) / "gpupool"
