@@ -71,7 +71,26 @@ def test_describe_and_terms_name_every_figure() -> None:
         "other_pools_booked_bytes": 6 * GiB,
         "other_pools_reached_bytes": 2 * GiB,
         "other_pools_unreached_bytes": 4 * GiB,
+        "other_pools_overrun_bytes": 0,
     }
+
+
+def test_overrun_counts_only_what_grew_past_its_booking() -> None:
+    """A task past its booking adds reached - booked to the overrun; one within it adds nothing."""
+    row = PoolBooking(
+        pool_id="1.1",
+        pid=1,
+        start="9",
+        label="x",
+        updated_s=0.0,
+        tasks=(
+            TaskBooking(worker_pid=2, key="k", booked_bytes=4 * GiB, reached_bytes=7 * GiB),
+            TaskBooking(worker_pid=3, key="k", booked_bytes=4 * GiB, reached_bytes=GiB),
+        ),
+    )
+    others = OtherPools(card_uuid=UUID, pools=(row,))
+    assert others.overrun_bytes == 3 * GiB
+    assert others.unreached_bytes == 3 * GiB  # the second task's 4 - 1; the first's is 0
 
 
 def test_a_blank_file_has_no_rows() -> None:

@@ -134,6 +134,16 @@ class OtherPools:
         """How many tasks the other pools run on the card."""
         return sum(len(pool.tasks) for pool in self.pools)
 
+    @property
+    def overrun_bytes(self) -> int:
+        """``sum(max(0, reached - booked))``: how far the other pools' tasks grew past their
+        bookings, as published (what a postmortem names as "another pool")."""
+        return sum(
+            max(0, task.reached_bytes - task.booked_bytes)
+            for pool in self.pools
+            for task in pool.tasks
+        )
+
     def unreached_given(self, current_bytes: Mapping[int, int | None]) -> int:
         """Unreached bytes with each task's reach taken from a live reading where it has one.
 
@@ -173,6 +183,7 @@ class OtherPools:
             "other_pools_booked_bytes": self.booked_bytes,
             "other_pools_reached_bytes": self.reached_bytes,
             "other_pools_unreached_bytes": self.unreached_bytes,
+            "other_pools_overrun_bytes": self.overrun_bytes,
         }
 
 
