@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import gpupool.testing as gt
 from gpupool._core.bookings import PoolBooking, TaskBooking, format_booking_table
 from gpupool._core.units import GiB
 from gpupool._sensors.base import Sensor
@@ -310,6 +311,14 @@ def test_where_a_pools_table_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert default is not None
     assert default.directory == default_bookings_directory()
     assert open_booking_table(share=False, directory=tmp_path, sensor=sensor) is None
+
+
+def test_inside_a_simulated_host_any_sensor_books_in_the_hosts_table() -> None:
+    """A sensor that wraps the simulator's still books in the simulated host's own table."""
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
+        table = open_booking_table(share=True, directory=None, sensor=Sensor())
+        assert table is not None
+        assert str(table.directory) == host.bookings_directory
 
 
 # -- unreachable: said once, never raised ------------------------------------------------------

@@ -479,8 +479,10 @@ def open_booking_table(
     """The table a pool with these options uses, or ``None`` when sharing is off.
 
     Where it lives, first that applies: ``directory``; the simulated host's
-    own directory when ``sensor`` reads one (never the real host's); the
-    ``GPUPOOL_BOOKINGS`` environment variable; :func:`default_bookings_directory`.
+    own directory when ``sensor`` reads one, or inside a ``SimulatedHost``
+    block whatever the sensor (a sensor wrapping the simulator's; simulated
+    cards never book in the real host's table); the ``GPUPOOL_BOOKINGS``
+    environment variable; :func:`default_bookings_directory`.
 
     Args:
         share: ``True`` (this user's pools), ``"host"`` (every user's), or ``False``.
@@ -492,10 +494,14 @@ def open_booking_table(
     shared = share == "host"
     if directory is not None:
         return BookingTable(directory, shared=shared)
-    from gpupool._sensors.simulated import SimulatedSensor
+    from gpupool._sensors.select import SIMULATOR_ENV
+    from gpupool._sensors.simulated import BOOKINGS_DIRECTORY, SimulatedSensor
 
     if isinstance(sensor, SimulatedSensor):
         return BookingTable(sensor.bookings_directory, shared=shared)
+    ledger = os.environ.get(SIMULATOR_ENV)
+    if ledger:
+        return BookingTable(Path(ledger).parent / BOOKINGS_DIRECTORY, shared=shared)
     override = os.environ.get(BOOKINGS_ENV)
     if override:
         return BookingTable(override, shared=shared)
