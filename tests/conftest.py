@@ -1,8 +1,10 @@
-"""Shared test configuration: the ``gpu`` marker runs only with ``--run-gpu`` and a real card."""
+"""Shared test configuration: ``gpu`` tests run only with ``--run-gpu``; pools book privately."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_booking_table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Pools under test (and the scripts they start) book in a directory of this session's own.
+
+    Fake sensors' cards would otherwise book in the host's real table, where
+    another test run on the same machine, with the same fake UUIDs, would see them.
+    """
+    directory = tmp_path_factory.mktemp("bookings")
+    saved = os.environ.get("GPUPOOL_BOOKINGS")
+    os.environ["GPUPOOL_BOOKINGS"] = str(directory)
+    yield
+    if saved is None:
+        os.environ.pop("GPUPOOL_BOOKINGS", None)
+    else:
+        os.environ["GPUPOOL_BOOKINGS"] = saved

@@ -167,6 +167,7 @@ def _cmd_census(args: argparse.Namespace) -> int:
         for card, info in zip(census.cards, infos, strict=False):
             rows, note = _read_rows(sensor, info)
             devices.append(_card_json(card, info, rows, note))
+        _add_bookings(sensor, devices)
     finally:
         sensor.close()
     if args.json:
@@ -197,6 +198,75 @@ def _cmd_census(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bookings(sensor: Sensor, devices: list[dict[str, Any]]) -> None:
+    """Every live pool's bookings on each card, from the host-wide booking table."""
+    from gpupool._sensors.bookings import open_booking_table
+
+    table = open_booking_table(share=True, directory=None, sensor=sensor)
+    if table is None:
+        return
+    try:
+        for device in devices:
+            rows = table.others(device["uuid"])
+            device["bookings_table"] = str(table.directory)
+            device["pools"] = (
+                None
+                if rows is None
+                else [
+                    {
+                        "pool_id": pool.pool_id,
+                        "pid": pool.pid,
+                        "label": pool.label,
+                        "updated_s": pool.updated_s,
+                        "booked_bytes": pool.booked_bytes,
+                        "reached_bytes": pool.reached_bytes,
+                        "unreached_bytes": pool.unreached_bytes,
+                        "tasks": [
+                            {
+                                "worker_pid": task.worker_pid,
+                                "key": task.key,
+                                "booked_bytes": task.booked_bytes,
+                                "reached_bytes": task.reached_bytes,
+                            }
+                            for task in pool.tasks
+                        ],
+                    }
+                    for pool in rows.pools
+                ]
+            )
+            device["sources"]["pools"] = (
+                f"booking table in {table.directory}"
+                if rows is not None
+                else f"unknown: {table.unavailable_reason or 'the booking table failed'}"
+            )
+    finally:
+        table.close()
+
+
+def _print_pools(device: dict[str, Any]) -> None:
+    pools = device.get("pools", ())
+    if pools is None:
+        _out(f"  pools            {device['sources']['pools']}")
+        return
+    if "pools" not in device:
+        return
+    booked = sum(pool["booked_bytes"] for pool in pools)
+    reached = sum(pool["reached_bytes"] for pool in pools)
+    noun = "pool" if len(pools) == 1 else "pools"
+    summary = (
+        f"{len(pools)} {noun}, {format_size(booked)} booked, {format_size(reached)} reached"
+        if pools
+        else "none booked"
+    )
+    _out(f"  pools            {summary} ({device['sources']['pools']})")
+    for pool in pools:
+        _out(
+            f"    pool {pool['pool_id']:<12} pid {pool['pid']:<8} {pool['label'] or '-':<16} "
+            f"{len(pool['tasks'])} task(s)  {format_size(pool['booked_bytes'])} booked, "
+            f"{format_size(pool['reached_bytes'])} reached"
+        )
+
+
 def _print_card(device: dict[str, Any]) -> None:
     kind = " (MIG instance)" if device["mig"] else ""
     kind += " (unified memory)" if device["unified"] else ""
@@ -221,6 +291,7 @@ def _print_card(device: dict[str, Any]) -> None:
         _out(f"  processes        {len(device['processes'])} ({sources['processes']})")
         for row in device["processes"]:
             _out(f"    pid {row['pid']:<10} {format_size(row['used_bytes'])}")
+    _print_pools(device)
     if device["reason"]:
         _out(f"  note: {device['reason']}")
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from gpupool._core.units import format_size, parse_size
 from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated import (
+    BOOKINGS_DIRECTORY,
     CO_TENANT_PID_BASE,
     LEDGER_VERSION,
     DeviceState,
@@ -393,6 +394,18 @@ class SimulatedHost:
             RuntimeError: outside the block.
         """
         return self._live().path
+
+    @property
+    def bookings_directory(self) -> str:
+        """The host's booking table directory (created by the first pool that books).
+
+        Every pool inside the block, in any process, shares it, and never the
+        real host's table.
+
+        Raises:
+            RuntimeError: outside the block.
+        """
+        return os.path.join(os.path.dirname(self._live().path), BOOKINGS_DIRECTORY)
 
     def device_uuid(self, device: int) -> str:
         """The UUID of ``device``, as children are pinned by (``CUDA_VISIBLE_DEVICES=<uuid>``)."""

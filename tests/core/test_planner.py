@@ -288,3 +288,49 @@ PlannerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPlanner = PlannerMachine.TestCase
+
+
+def _one_card_planner(records: list[Decision], *, total_gib: int = 16) -> Planner:
+    census = census_of(
+        [card_census(total_bytes=total_gib * GiB, free_bytes=total_gib * GiB)],
+        cpus=8,
+        available_ram_bytes=64 * GiB,
+    )
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=3 * GiB)
+    config = PlannerConfig(max_workers=4, reserve_bytes=0, parent_pid=PARENT)
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    return planner
+
+
+def _start_all(planner: Planner, now_s: float) -> list[Start]:
+    starts = []
+    while True:
+        verdict = planner.next_start(now_s)
+        if not isinstance(verdict, Start):
+            return starts
+        planner.started(verdict.task, verdict.device, 100 + verdict.task, now_s)
+        starts.append(verdict)
+
+
+def test_the_reported_width_never_passes_an_out_of_memory_cap():
+    """After an out-of-memory capped a card at 2, a smaller measured ask reports no wider."""
+    records: list[Decision] = []
+    planner = _one_card_planner(records)
+    for task in range(4):
+        planner.submit(task, "k")
+    assert len(_start_all(planner, 0.1)) == 4
+    oom = PeakReport(device=0, device_peak_bytes=2 * GiB, device_source="simulator", oom=True)
+    verdict = planner.out_of_memory(0, oom, None, 0.2, error="oom")
+    assert isinstance(verdict, Retry)
+    cap = planner.cards[0].oom_cap
+    assert cap == 3
+    for task in (1, 2, 3):
+        small = PeakReport(device=0, device_peak_bytes=256 * MiB, device_source="simulator")
+        planner.finished(task, small, 0.3)
+    for task in range(4, 12):
+        planner.submit(task, "k")
+    assert len(_start_all(planner, 0.4)) == cap
+    assert planner.width <= cap
+    later = [r for r in records if r.time_s > 0.2 and r.event in {"widened", "narrowed"}]
+    assert all(r.width_after is not None and r.width_after <= cap for r in later)

@@ -318,7 +318,8 @@ def test_cotenant_filling_the_card_mid_run(guard: LeakGuard):
                         pass
                 time.sleep(0.005)
 
-        with GpuPoolExecutor(max_workers=2, task_peak="5GiB", reserve=0) as ex:
+        # A lone OOM waits room_wait_s for the hog to give the room back; it never does.
+        with GpuPoolExecutor(max_workers=2, task_peak="5GiB", reserve=0, room_wait_s=0.5) as ex:
             first = [ex.submit(faulty.hold_then_return, i, "4GiB", 1.0) for i in range(2)]
             assert wait_until(lambda: host.used(0) >= 2 * task_bytes, TIMEOUT_S)
             filler = threading.Thread(target=fill, daemon=True)

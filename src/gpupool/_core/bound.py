@@ -2,8 +2,13 @@
 
 For each device, from its census and the pool's measured terms::
 
-    room  = total - co_tenant - own_high_water - reserve
+    room  = total - co_tenant - other_pools - own_high_water - reserve
     width = clamp(floor(room / ask), 1, ceiling)
+
+where ``other_pools`` is what the host's other gpupool pools have booked on
+the card now (each task at the larger of its booking and what it holds; 0
+when none, or when the booking table is unreachable), and ``co_tenant`` the
+census' co-tenant bytes less what those pools held at the census.
 
 with ``ceiling`` the least of ``max_workers``, usable CPUs, host RAM at the
 children's RSS, and the work items still pending. The floor of 1 is for the
@@ -73,6 +78,7 @@ class Bound:
     ask_bytes: int
     ask_basis: AskBasis
     room_bytes: int | None
+    other_pools_bytes: int = 0
 
     @property
     def tasks_fit(self) -> int | None:
@@ -86,10 +92,15 @@ class Bound:
         if self.room_bytes is None:
             return f"card {self.device}: unreadable, so its room is unknown"
         fits = self.tasks_fit
+        others = (
+            f"{format_size(self.other_pools_bytes)} other pools - "
+            if self.other_pools_bytes
+            else ""
+        )
         return (
             f"card {self.device}: {format_size(self.room_bytes)} of room "
             f"({format_size(self.total_bytes)} total - {format_size(self.co_tenant_bytes)} "
-            f"co-tenant - {format_size(self.own_high_water_bytes)} own high-water - "
+            f"co-tenant - {others}{format_size(self.own_high_water_bytes)} own high-water - "
             f"{format_size(self.reserve_bytes)} reserve) holds {fits} "
             f"task{'s' if fits != 1 else ''} at {format_size(self.ask_bytes)} ({self.ask_basis})"
         )
@@ -102,8 +113,10 @@ def derive_bound(
     reserve_bytes: int,
     ask_bytes: int,
     ask_basis: AskBasis,
+    other_pools_bytes: int = 0,
+    other_pools_at_census_bytes: int = 0,
 ) -> Bound:
-    """Price one device: ``room = total - co_tenant - own_high_water - reserve``.
+    """Price one device: ``room = total - co_tenant - other_pools - own_high_water - reserve``.
 
     Args:
         census: the device as it stood at construction.
@@ -112,6 +125,10 @@ def derive_bound(
         reserve_bytes: bytes kept free on purpose.
         ask_bytes: the per-task price (positive).
         ask_basis: ``"estimated"`` (the caller's ``task_peak``) or ``"measured"``.
+        other_pools_bytes: what the host's other pools have booked on the card
+            now (each task at the larger of its booking and its holding).
+        other_pools_at_census_bytes: what those pools held at the census (in
+            its co-tenant bytes; priced by their bookings instead).
 
     Returns:
         The bound, with ``room_bytes=None`` if the card is unreadable.
@@ -120,9 +137,11 @@ def derive_bound(
         raise ValueError(f"ask_bytes must be positive, got {ask_bytes}")
     own_hw = max(own_high_water_bytes, census.own_bytes or 0)
     co_tenant = census.co_tenant_bytes
+    if co_tenant is not None:
+        co_tenant = max(0, co_tenant - other_pools_at_census_bytes)
     room: int | None = None
     if census.total_bytes is not None and co_tenant is not None:
-        room = census.total_bytes - co_tenant - own_hw - reserve_bytes
+        room = census.total_bytes - co_tenant - other_pools_bytes - own_hw - reserve_bytes
     return Bound(
         device=census.device,
         total_bytes=census.total_bytes,
@@ -132,6 +151,7 @@ def derive_bound(
         ask_bytes=ask_bytes,
         ask_basis=ask_basis,
         room_bytes=room,
+        other_pools_bytes=other_pools_bytes,
     )
 
 

@@ -130,6 +130,7 @@ class Decision:
             out.update(
                 total_bytes=self.bound.total_bytes,
                 co_tenant_bytes=self.bound.co_tenant_bytes,
+                other_pools_bytes=self.bound.other_pools_bytes,
                 own_high_water_bytes=self.bound.own_high_water_bytes,
                 reserve_bytes=self.bound.reserve_bytes,
                 ask_bytes=self.bound.ask_bytes,

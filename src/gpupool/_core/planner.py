@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gpupool._core.bookings import OtherPools
 from gpupool._core.bound import (
     Bound,
     Ceiling,
@@ -254,6 +255,14 @@ class _Card:
     gate_episodes: int = 0
     width: int = 0
     recorded_own_bytes: int = 0
+    # The host's other pools on this card: their tasks at max(booked, held),
+    # the part not reached yet, how many, and what they held at the census.
+    others: OtherPools | None = None
+    others_bytes: int = 0
+    others_unreached_bytes: int = 0
+    others_tasks: int = 0
+    others_at_census_bytes: int = 0
+    others_since_s: float | None = None
 
 
 class Planner:
@@ -418,6 +427,8 @@ class Planner:
             reserve_bytes=self.config.reserve_bytes,
             ask_bytes=ask.ask_bytes,
             ask_basis=ask.basis,
+            other_pools_bytes=card.others_bytes,
+            other_pools_at_census_bytes=card.others_at_census_bytes,
         )
 
     def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
@@ -509,6 +520,59 @@ class Planner:
         elif own_bytes > card.own_high_water_bytes:
             card.own_high_water_bytes = own_bytes
 
+    def observe_others(
+        self, device: int, others: OtherPools | None, now_s: float, *, census: bool = False
+    ) -> None:
+        """The host's other pools' bookings on ``device`` (``None``: the table is unreachable,
+        so the live gate alone sees them). Each of their tasks is priced at the larger of its
+        booking and what the card's last reading shows its worker holding.
+
+        Args:
+            device: the card.
+            others: the other pools' rows.
+            now_s: the time.
+            census: this reading stands beside the census: what those pools
+                hold now is in the census' co-tenant bytes, and is priced by
+                their bookings instead.
+        """
+        card = self.cards[device]
+        rows: Mapping[int, int] = {}
+        if card.reading is not None and card.reading.process_bytes is not None:
+            rows = card.reading.process_bytes
+        held = unreached = tasks = 0
+        if others is not None:
+            for pool in others.pools:
+                for task in pool.tasks:
+                    holding = rows.get(task.worker_pid, task.reached_bytes)
+                    held += holding
+                    unreached += max(0, task.booked_bytes - holding)
+                    tasks += 1
+        before = card.others_bytes
+        card.others = others
+        card.others_bytes = held + unreached
+        card.others_unreached_bytes = unreached
+        card.others_tasks = tasks
+        card.others_since_s = None if tasks == 0 else card.others_since_s or now_s
+        if census:
+            card.others_at_census_bytes = held
+            return
+        if card.others_bytes != before:
+            self._review(
+                now_s,
+                cause=(
+                    f"other pools on the card book {format_size(card.others_bytes)} over "
+                    f"{tasks} task{'s' if tasks != 1 else ''} ({format_size(unreached)} not yet "
+                    "reached)"
+                ),
+                devices=(device,),
+                quiet=True,
+                extra={
+                    "other_pools_bytes": card.others_bytes,
+                    "other_pools_unreached_bytes": unreached,
+                    "other_pools_tasks": tasks,
+                },
+            )
+
     def observe_error(self, device: int, error: str, now_s: float) -> None:
         """A live reading of ``device`` failed: it runs one task of the pool at a time meanwhile."""
         card = self.cards[device]
@@ -546,6 +610,8 @@ class Planner:
         run = _Run(key=state.key, device=device, pid=pid, booked_bytes=ask, priced_bytes=ask)
         if device is not None:
             neighbours = [r for r in self.running.values() if r.device == device]
+            if self.cards[device].others_tasks:
+                run.shared = True  # another pool's task is on the card: not alone
             if neighbours:
                 run.shared = True
                 for other in neighbours:
@@ -641,7 +707,7 @@ class Planner:
         self._rebook(run.key, after.ask_bytes)
         others = [r for r in self.running.values() if r.device == device]
         running_then = len(others) + 1
-        shared = run.shared or bool(others)
+        shared = run.shared or bool(others) or bool(card is not None and card.others_tasks)
         child_bytes = 0
         if reading is not None and reading.process_bytes is not None and run.pid is not None:
             child_bytes = reading.process_bytes.get(run.pid, 0)
@@ -1013,6 +1079,8 @@ class Planner:
                 reserve_bytes=self.config.reserve_bytes,
                 ask_bytes=max(1, ask_bytes),
                 ask_basis="estimated",
+                other_pools_bytes=card.others_bytes,
+                other_pools_at_census_bytes=card.others_at_census_bytes,
             ).room_bytes
             if room is None:
                 if count[index] == 0:
@@ -1138,18 +1206,13 @@ class Planner:
         for index in order:
             if index in state.avoid and len(state.avoid) < len(self.cards):
                 continue
+            verdict = self._admits_on(index, ask)
+            if verdict == "no":
+                continue
             card = self.cards[index]
-            busy = [r for r in self.running.values() if r.device == index]
-            if card.oom_cap is not None and len(busy) >= card.oom_cap:
-                continue
-            if not admits(
-                ask.ask_bytes, [r.booked_bytes for r in busy], self.bound(index, ask).room_bytes
-            ):
-                continue
-            if card.reading_error is not None and busy:
-                continue
-            if not self._live_fits(index, ask, busy):
+            if verdict == "gate":
                 gate_shut = True
+                busy = [r for r in self.running.values() if r.device == index]
                 self._gate_shut(index, ask, busy, now_s)
                 continue
             card.gate_shut_since_s = None
@@ -1158,6 +1221,29 @@ class Planner:
             return self._expired(task, state, ask), gate_shut
         return None, gate_shut
 
+    def _admits_on(self, index: int, ask: Ask) -> Literal["yes", "no", "gate"]:
+        """The bound on one card: the booked asks, the cap, then the live gate."""
+        card = self.cards[index]
+        busy = [r for r in self.running.values() if r.device == index]
+        if card.oom_cap is not None and len(busy) >= card.oom_cap:
+            return "no"
+        room = self.bound(index, ask).room_bytes
+        if not admits(ask.ask_bytes, [r.booked_bytes for r in busy], room):
+            return "no"
+        if card.reading_error is not None and busy:
+            return "no"
+        if not self._live_fits(index, ask, busy):
+            return "gate"
+        return "yes"
+
+    def still_admits(self, start: Start) -> bool:
+        """After the other pools' bookings were read again in the same step that published
+        this start's: does the start still fit? (Two pools deciding at once cannot both
+        take the same room: whichever publishes second sees the first's booking.)"""
+        if start.past_bound or start.device is None or self.config.fixed_width is not None:
+            return True
+        return self._admits_on(start.device, self.asks.ask(self.tasks[start.task].key)) == "yes"
+
     def _expired(self, task: TaskId, state: _Task, ask: Ask) -> Fail:
         self.pending.remove(task)
         self.tasks.pop(task, None)
@@ -1165,8 +1251,8 @@ class Planner:
             task=task,
             kind="room_wait_expired",
             reason=(
-                f"it ran out of memory alone while others' bytes held the card, and no room for "
-                f"its ask {ask.describe()} came free within room_wait_s="
+                f"it ran out of memory alone on the card while others' bytes held it, and no "
+                f"room for its ask {ask.describe()} came free within room_wait_s="
                 f"{self.config.room_wait_s:g}"
             ),
             device=state.last_device,
@@ -1181,6 +1267,7 @@ class Planner:
             return True
         rows = reading.process_bytes or {}
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
+        unreached += self.cards[index].others_unreached_bytes
         return reading.free_bytes >= ask.ask_bytes + unreached + self.config.reserve_bytes
 
     def _gate_shut(self, index: int, ask: Ask, busy: list[_Run], now_s: float) -> None:
@@ -1198,6 +1285,7 @@ class Planner:
             return
         rows = reading.process_bytes or {}
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
+        unreached += card.others_unreached_bytes
         episodes = card.gate_episodes
         card.gate_recorded_s = now_s
         card.gate_episodes = 0
@@ -1208,7 +1296,8 @@ class Planner:
                 ask,
                 f"card {index}: {format_size(reading.free_bytes)} free now does not cover "
                 f"{format_size(ask.ask_bytes)} ask + {format_size(unreached)} not yet reached by "
-                f"{len(busy)} running + {format_size(self.config.reserve_bytes)} reserve; the "
+                f"{len(busy)} running here and {card.others_tasks} of other pools + "
+                f"{format_size(self.config.reserve_bytes)} reserve; the "
                 f"task waits ({episodes} shut episode{'s' if episodes != 1 else ''} since the "
                 "last such record)",
                 now_s,
@@ -1218,6 +1307,8 @@ class Planner:
                     "unreached_bytes": unreached,
                     "running": len(busy),
                     "gate_episodes": episodes,
+                    "other_pools_unreached_bytes": card.others_unreached_bytes,
+                    "other_pools_tasks": card.others_tasks,
                 },
             )
         )
@@ -1244,6 +1335,11 @@ class Planner:
                 -i,
             ),
         )
+        others_since = self.cards[index].others_since_s
+        if others_since is not None and now_s - others_since < self.config.room_wait_s:
+            # Another pool's tasks hold the room: they end, so wait for them
+            # (bounded) rather than start past the bound beside them.
+            return Wait(reason="other pools' bookings hold the card", poll_s=LIVE_POLL_S)
         self.counts["serial_starts"] += 1
         why = (
             "the live gate is shut (others' bytes fill the card; if the task runs out of "

@@ -52,11 +52,20 @@ from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
+from gpupool._core.bookings import TaskBooking
 from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
-from gpupool._core.planner import CardReading, Fail, Planner, PlannerConfig, Retry, Wait
+from gpupool._core.planner import (
+    CardReading,
+    Fail,
+    Planner,
+    PlannerConfig,
+    Retry,
+    Start,
+    Wait,
+)
 from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
 from gpupool._errors import (
@@ -70,6 +79,7 @@ from gpupool._probe import allocator_cap_message
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
+    from gpupool._sensors.bookings import BookingTable
 
 __all__ = [
     "DeviceState",
@@ -192,6 +202,8 @@ class Dispatcher:
         log: DecisionLog,
         env: Mapping[str, str],
         cap_allocator: bool = False,
+        bookings: BookingTable | None = None,
+        pool_id: str = "",
     ) -> None:
         self.census = census
         self.devices = devices
@@ -229,6 +241,12 @@ class Dispatcher:
         self.selector.register(self.wake_reader, selectors.EVENT_READ, None)
         self.wake_flag = False
         self.counts = collections.Counter[str]()
+        # The host-wide booking table (None: sharing is off), and what this
+        # pool last published per device (an unchanged booking is not rewritten).
+        self.bookings = bookings
+        self.pool_id = pool_id
+        self.published: dict[int, tuple[TaskBooking, ...]] = {}
+        self.others_seen: dict[int, bool] = {}
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
@@ -335,6 +353,8 @@ class Dispatcher:
         with self.lock:
             self.stopped = True
         self.log.close()
+        if self.bookings is not None:
+            self.bookings.close()
         self.selector.close()
         os.close(self.wake_reader)
         os.close(self.wake_writer)
@@ -361,6 +381,7 @@ class Dispatcher:
             with self.lock:
                 self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
+            self._publish_bookings(None)
             self.record(self.planner.shutdown_record(self.now(), self.counts))
             self.close()
 
@@ -423,8 +444,9 @@ class Dispatcher:
             self.planner.submit(item.task_id, item.key, item.hint_bytes)
             item.hint_bytes = None
 
-    def _read_cards(self) -> None:
-        """One live snapshot of every readable card, for the planner's live gate and own term."""
+    def _read_cards(self, *, census: bool = False) -> None:
+        """One live snapshot of every readable card, for the planner's live gate and own term,
+        and the other pools' bookings from the host's table."""
         now = self.now()
         for device in self.devices:
             if not device.census.readable:
@@ -432,6 +454,15 @@ class Dispatcher:
             reading = self._snapshot(device)
             if reading is not None:
                 self.planner.observe(device.index, reading, now)
+            if self.bookings is not None:
+                others = self.bookings.others(device.info.uuid, self.pool_id)
+                self.others_seen[device.index] = bool(others is not None and others.pools)
+                self.planner.observe_others(device.index, others, now, census=census)
+
+    def read_census_terms(self) -> None:
+        """Before the first decision: what other pools hold now is in the census' co-tenant
+        bytes; the planner prices them by their bookings instead."""
+        self._read_cards(census=True)
 
     def _snapshot(self, device: DeviceState) -> CardReading | None:
         try:
@@ -469,6 +500,8 @@ class Dispatcher:
                 self.items.pop(verdict.task, None)
                 self._fail_oom(item, verdict, None)
                 continue
+            if not self._book_with_others(verdict):
+                continue  # another pool booked the room first: the planner now knows
             if not item.started:
                 if not item.future.set_running_or_notify_cancel():
                     self.items.pop(verdict.task, None)
@@ -491,6 +524,8 @@ class Dispatcher:
                     raise
                 pool.append(worker)
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
+            if device is not None:
+                self._publish_bookings(device)  # before the task can allocate
             self._send(item, worker, verdict.ask_bytes)
 
     def _retire_beyond_limits(self) -> None:
@@ -590,6 +625,8 @@ class Dispatcher:
             self.planner.finished(item.task_id, report, self.now())
             self._check_refusal()
             self._finish(item, kind, payload)
+        if worker.device is not None:
+            self._publish_bookings(self.devices[worker.device])
         if worker.retiring:
             self._retire(worker)
 
@@ -698,9 +735,82 @@ class Dispatcher:
             message=message,
             extra={"exitcode": exitcode, "signal": signal_name, "pid": worker.pid},
         )
+        if worker.device is not None:
+            self._publish_bookings(self.devices[worker.device])
         _set_exception(
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
+
+    def _book_with_others(self, start: Start) -> bool:
+        """Book ``start`` in the host's table and re-read the other pools in one locked step;
+        ``False`` (the booking withdrawn) when their rows, read at that moment, leave no room."""
+        if self.bookings is None or start.device is None or start.past_bound:
+            return True
+        device = self.devices[start.device]
+        runs = [r for r in self.planner.running.values() if r.device == start.device]
+        tasks = tuple(
+            TaskBooking(
+                worker_pid=run.pid or 0, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
+            )
+            for run in runs
+        )
+        new = TaskBooking(
+            worker_pid=0,
+            key=self.items[start.task].key,
+            booked_bytes=start.ask_bytes,
+            reached_bytes=0,
+        )
+        others = self.bookings.exchange(device.info.uuid, self.pool_id, (*tasks, new))
+        self.others_seen[start.device] = bool(others is not None and others.pools)
+        self.planner.observe_others(start.device, others, self.now())
+        if self.planner.still_admits(start):
+            return True
+        self.published.pop(start.device, None)
+        self._publish_bookings(device)
+        return False
+
+    def _publish_bookings(self, device: DeviceState | None) -> None:
+        """Tell the host's other pools what this pool has booked on ``device``, and hear theirs.
+
+        Each running task's booking (from the planner) with what its worker
+        holds now: the holdings are read from the card only while another
+        pool was on it at the last exchange (no one else reads them); else
+        they are published as 0, and a booking the same as the last one is not
+        written again. ``None``: the pool is shutting down, so its rows are
+        withdrawn from every card.
+        """
+        table = self.bookings
+        if table is None:
+            return
+        if device is None:
+            for state in self.devices:
+                table.withdraw(state.info.uuid, self.pool_id)
+            table.close()
+            return
+        runs = [r for r in self.planner.running.values() if r.device == device.index]
+        seen = self.others_seen.get(device.index, False)
+        held: dict[int, int] = {}
+        if runs and seen and device.census.readable:
+            try:
+                rows = self.sensor.read_processes(device.info) or ()
+            except Exception:
+                rows = ()  # unreadable now: published as not yet reached (the safe side)
+            held = {row.pid: row.used_bytes or 0 for row in rows}
+        tasks = tuple(
+            TaskBooking(
+                worker_pid=run.pid or 0,
+                key=run.key,
+                booked_bytes=run.booked_bytes,
+                reached_bytes=held.get(run.pid or 0, 0),
+            )
+            for run in runs
+        )
+        if tasks == self.published.get(device.index) and not seen:
+            return  # the same booking, and no one to tell
+        self.published[device.index] = tasks
+        others = table.exchange(device.info.uuid, self.pool_id, tasks)
+        self.others_seen[device.index] = bool(others is not None and others.pools)
+        self.planner.observe_others(device.index, others, self.now())
 
     def _forget(self, worker: _Worker) -> None:
         if worker.gone:

@@ -209,6 +209,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             torch's allocator only: not the CUDA context, not CuPy, JAX, NCCL
             or other libraries. Workers import torch when it is installed.
             Default ``False``.
+        share_bookings: publish this pool's bookings to the host-wide booking
+            table and read the other pools' (see ``docs/sharing.md``): ``True``
+            (default) among this user's pools (files 0600), ``"host"`` among
+            every user's, ``False`` not at all.
+        bookings_dir: the directory of the booking table (default: the
+            ``GPUPOOL_BOOKINGS`` environment variable, else
+            ``/dev/shm/gpupool-<uid>``; inside a ``SimulatedHost``, the
+            simulated host's own). Ignored when ``share_bookings=False``.
 
     Raises:
         ConfigurationError: a value is wrong; the message names it (also a
@@ -239,6 +247,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         sensor: Sensor | None = None,
         progress: bool | None = None,
         cap_allocator: bool = False,
+        share_bookings: bool | str = True,
+        bookings_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
@@ -329,6 +339,19 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
         if not isinstance(cap_allocator, bool):
             raise ConfigurationError(f"cap_allocator={cap_allocator!r}: pass True or False.")
+        if share_bookings not in (True, False, "host") or (
+            not isinstance(share_bookings, (bool, str))
+        ):
+            raise ConfigurationError(
+                f"share_bookings={share_bookings!r}: pass True (this user's pools), 'host' "
+                "(every user's pools) or False (no booking table)."
+            )
+        if bookings_dir is not None and (
+            not isinstance(bookings_dir, (str, os.PathLike)) or not os.fspath(bookings_dir)
+        ):
+            raise ConfigurationError(
+                f"bookings_dir={bookings_dir!r}: pass a directory path, or None for the default."
+            )
         self._progress = progress
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
@@ -390,6 +413,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             reserve_bytes=policy.reserve_bytes,
             parent_pid=os.getpid(),
         )
+        from gpupool._sensors.bookings import new_pool_id, open_booking_table
+
+        bookings = (
+            open_booking_table(share=share_bookings, directory=bookings_dir, sensor=self._sensor)
+            if device_states
+            else None
+        )
         self._dispatcher = Dispatcher(
             census=census,
             devices=device_states,
@@ -401,6 +431,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             log=log,
             env=worker_env,
             cap_allocator=cap_allocator,
+            bookings=bookings,
+            pool_id=new_pool_id(),
         )
         try:
             self._construct(peak_bytes, strict=strict)
@@ -412,6 +444,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     def _construct(self, peak_bytes: int | None, *, strict: bool) -> None:
         planner = self._dispatcher.planner
+        self._dispatcher.read_census_terms()
         note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
         extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self._dispatcher.cap_allocator else {}
         decisions = planner.construct(self._dispatcher.now(), note=note, extra=extra)

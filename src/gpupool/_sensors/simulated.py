@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 __all__ = [
+    "BOOKINGS_DIRECTORY",
     "CO_TENANT_PID_BASE",
     "DEVICE_NAME",
     "LEDGER_VERSION",
@@ -79,6 +80,8 @@ LEDGER_VERSION = 1
 #: device, process and refusal); a file past this is not a ledger, and reading
 #: it whole (a sparse 2 GB file, say) would cost its size in memory.
 MAX_LEDGER_BYTES = 16 * 1024 * 1024
+#: The simulated host's booking table lives in this directory beside its ledger.
+BOOKINGS_DIRECTORY = "bookings"
 
 _T = TypeVar("_T")
 
@@ -661,6 +664,11 @@ class SimulatedSensor(Sensor):
     def ledger_path(self) -> str:
         """The ledger this sensor reads."""
         return self._ledger.path
+
+    @property
+    def bookings_directory(self) -> str:
+        """The simulated host's booking table: beside its ledger, shared by its processes only."""
+        return os.path.join(os.path.dirname(self._ledger.path), BOOKINGS_DIRECTORY)
 
     def _state_of(self, device: DeviceInfo) -> DeviceState:
         state = self._ledger.snapshot()

@@ -1,0 +1,305 @@
+"""Other pools' bookings on a card: the values of the host-wide booking table (pure core).
+
+Every gpupool pool on a host writes what it has booked on each card to a
+small table (one file per card UUID, kept by :mod:`gpupool._sensors.bookings`)
+and reads the other pools' rows from it. A pool's census and live reading
+count what other processes *hold* now; the table adds what the other pools
+have *booked* and not yet reached, which no reading can see::
+
+    card 0 (GPU-...)        pool 2817.1 (train.py)      pool 3301.1 (eval.py)
+      booked                  2 x 6.50 GiB                3 x 6.50 GiB
+      reached (held now)      6.00 + 0.30 GiB             0.30 + 0 + 0 GiB
+      unreached               0.20 + 6.20 GiB             6.20 + 6.50 + 6.50 GiB
+
+This module holds the records and the file's text format; it opens nothing
+and reads no clock. The time of an update and the liveness of a PID are
+passed in by the edge.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from gpupool._core.units import format_size
+
+__all__ = [
+    "TABLE_VERSION",
+    "OtherPools",
+    "PoolBooking",
+    "TaskBooking",
+    "format_booking_table",
+    "parse_booking_table",
+]
+
+#: Bumped when the file's layout changes; a file of another version is not read.
+TABLE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskBooking:
+    """One running task of a pool: what its pool booked for it, and what it has reached.
+
+    Attributes:
+        worker_pid: the worker process running the task (the PID its card
+            lists it under, so a reader can correct ``reached_bytes`` from its
+            own live per-process rows).
+        key: the task key, for people.
+        booked_bytes: the device bytes its pool counts for it.
+        reached_bytes: what its worker held on the card when its pool last
+            published (0 when the pool had no reading).
+    """
+
+    worker_pid: int
+    key: str
+    booked_bytes: int
+    reached_bytes: int
+
+    @property
+    def unreached_bytes(self) -> int:
+        """``max(0, booked - reached)``: what the task may still allocate within its booking."""
+        return max(0, self.booked_bytes - self.reached_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolBooking:
+    """One pool's row in a card's table.
+
+    Attributes:
+        pool_id: unique among the live pools of the host (``"<pid>.<n>"``).
+        pid: the process that owns the pool.
+        start: that process's start token (its start time, as the edge reads
+            it), so that a reused PID is not mistaken for the pool's process.
+        label: the pool's program, for people (``train.py``).
+        updated_s: when the row was written, in seconds since the epoch.
+        tasks: the pool's running tasks on this card.
+    """
+
+    pool_id: str
+    pid: int
+    start: str
+    label: str
+    updated_s: float
+    tasks: tuple[TaskBooking, ...] = ()
+
+    @property
+    def booked_bytes(self) -> int:
+        """The sum of the pool's booked asks on this card."""
+        return sum(task.booked_bytes for task in self.tasks)
+
+    @property
+    def reached_bytes(self) -> int:
+        """The sum of what the pool's tasks had reached when it last published."""
+        return sum(task.reached_bytes for task in self.tasks)
+
+    @property
+    def unreached_bytes(self) -> int:
+        """The sum of ``max(0, booked - reached)`` over the pool's tasks."""
+        return sum(task.unreached_bytes for task in self.tasks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OtherPools:
+    """What every other live pool has booked on one card (what a pool must price beside its own).
+
+    Attributes:
+        card_uuid: the card.
+        pools: the other pools' rows, by pool id (pools without a running
+            task included, with no tasks).
+    """
+
+    card_uuid: str
+    pools: tuple[PoolBooking, ...] = ()
+
+    @property
+    def booked_bytes(self) -> int:
+        """The other pools' booked asks on the card."""
+        return sum(pool.booked_bytes for pool in self.pools)
+
+    @property
+    def reached_bytes(self) -> int:
+        """What the other pools' tasks had reached when each pool last published."""
+        return sum(pool.reached_bytes for pool in self.pools)
+
+    @property
+    def unreached_bytes(self) -> int:
+        """``sum(max(0, booked - reached))`` over every other pool's task, as published."""
+        return sum(pool.unreached_bytes for pool in self.pools)
+
+    @property
+    def tasks(self) -> int:
+        """How many tasks the other pools run on the card."""
+        return sum(len(pool.tasks) for pool in self.pools)
+
+    @property
+    def overrun_bytes(self) -> int:
+        """``sum(max(0, reached - booked))``: how far the other pools' tasks grew past their
+        bookings, as published (what a postmortem names as "another pool")."""
+        return sum(
+            max(0, task.reached_bytes - task.booked_bytes)
+            for pool in self.pools
+            for task in pool.tasks
+        )
+
+    def unreached_given(self, current_bytes: Mapping[int, int | None]) -> int:
+        """Unreached bytes with each task's reach taken from a live reading where it has one.
+
+        A published ``reached_bytes`` is as old as its pool's last update; a
+        reader that has just read the card's per-process rows knows better.
+        For each task whose worker PID is in ``current_bytes`` (with a known
+        value), its reach is that reading; otherwise its published reach.
+
+        Args:
+            current_bytes: device bytes by PID, from this reader's own reading
+                of the card's per-process rows.
+        """
+        total = 0
+        for pool in self.pools:
+            for task in pool.tasks:
+                live = current_bytes.get(task.worker_pid)
+                reached = task.reached_bytes if live is None else live
+                total += max(0, task.booked_bytes - reached)
+        return total
+
+    def describe(self) -> str:
+        """``"2 other pools: 13.00 GiB booked, 6.30 GiB reached, 6.70 GiB unreached"``."""
+        if not self.pools:
+            return "no other pool"
+        noun = "pool" if len(self.pools) == 1 else "pools"
+        return (
+            f"{len(self.pools)} other {noun}: {format_size(self.booked_bytes)} booked, "
+            f"{format_size(self.reached_bytes)} reached, "
+            f"{format_size(self.unreached_bytes)} unreached"
+        )
+
+    def terms(self) -> dict[str, int]:
+        """The figures as decision-log terms (``other_pools_*_bytes``, ``other_pools``)."""
+        return {
+            "other_pools": len(self.pools),
+            "other_pools_tasks": self.tasks,
+            "other_pools_booked_bytes": self.booked_bytes,
+            "other_pools_reached_bytes": self.reached_bytes,
+            "other_pools_unreached_bytes": self.unreached_bytes,
+            "other_pools_overrun_bytes": self.overrun_bytes,
+        }
+
+
+# -- the file's text ------------------------------------------------------------------------
+
+
+def format_booking_table(
+    card_uuid: str,
+    pools: Sequence[PoolBooking],
+    fragments: dict[int, tuple[PoolBooking, str]] | None = None,
+) -> bytes:
+    """The table file's text for ``pools`` (compact JSON, one object).
+
+    Args:
+        card_uuid: the card the file is for.
+        pools: its rows.
+        fragments: a memo of each row's encoded text by the row's identity,
+            kept by the caller between calls, so that a row object met again
+            is not encoded again; it is left holding exactly ``pools``' rows.
+    """
+    memo: dict[int, tuple[PoolBooking, str]] = {}
+    parts = []
+    for pool in pools:
+        known = fragments.get(id(pool)) if fragments is not None else None
+        fragment = known[1] if known is not None and known[0] is pool else _format_pool(pool)
+        memo[id(pool)] = (pool, fragment)
+        parts.append(f"{json.dumps(pool.pool_id)}:{fragment}")
+    if fragments is not None:
+        fragments.clear()
+        fragments.update(memo)
+    head = f'{{"version":{TABLE_VERSION},"card_uuid":{json.dumps(card_uuid)},"pools":{{'
+    return (head + ",".join(parts) + "}}").encode()
+
+
+def _format_pool(pool: PoolBooking) -> str:
+    return json.dumps(
+        {
+            "pid": pool.pid,
+            "start": pool.start,
+            "label": pool.label,
+            "updated_s": pool.updated_s,
+            "tasks": [
+                [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
+                for task in pool.tasks
+            ],
+        },
+        separators=(",", ":"),
+    )
+
+
+def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking]:
+    """The rows of a table file, by pool id; an empty or blank file has none.
+
+    Raises:
+        ValueError: the text is not a table of this version for ``card_uuid``,
+            naming what is wrong.
+    """
+    if not data.strip():
+        return {}
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    if raw.get("version") != TABLE_VERSION:
+        raise ValueError(f"version {raw.get('version')!r}; this gpupool reads {TABLE_VERSION}")
+    if raw.get("card_uuid") != card_uuid:
+        raise ValueError(f"it is the table of {raw.get('card_uuid')!r}, not {card_uuid!r}")
+    pools = raw.get("pools")
+    if not isinstance(pools, dict):
+        raise ValueError("'pools' is not an object")
+    return {
+        str(pool_id): _parse_pool(str(pool_id), row)
+        for pool_id, row in cast("dict[object, object]", pools).items()
+    }
+
+
+def _parse_pool(pool_id: str, row: object) -> PoolBooking:
+    if not isinstance(row, dict):
+        raise ValueError(f"pool {pool_id!r}: not an object")
+    fields = cast("dict[str, object]", row)
+    tasks_raw = fields.get("tasks")
+    if not isinstance(tasks_raw, list):
+        raise ValueError(f"pool {pool_id!r}: 'tasks' is not a list")
+    tasks: list[TaskBooking] = []
+    for entry in cast("list[object]", tasks_raw):
+        if not (isinstance(entry, list) and len(entry) == 4):
+            raise ValueError(f"pool {pool_id!r}: a task is not [pid, key, booked, reached]")
+        worker_pid, key, booked, reached = cast("list[object]", entry)
+        tasks.append(
+            TaskBooking(
+                worker_pid=_count(worker_pid, pool_id, "worker pid"),
+                key=str(key),
+                booked_bytes=_count(booked, pool_id, "booked_bytes"),
+                reached_bytes=_count(reached, pool_id, "reached_bytes"),
+            )
+        )
+    updated = fields.get("updated_s")
+    if (
+        isinstance(updated, bool)
+        or not isinstance(updated, (int, float))
+        or not math.isfinite(updated)
+    ):
+        raise ValueError(f"pool {pool_id!r}: 'updated_s' is not a number")
+    return PoolBooking(
+        pool_id=pool_id,
+        pid=_count(fields.get("pid"), pool_id, "pid"),
+        start=str(fields.get("start")),
+        label=str(fields.get("label", "")),
+        updated_s=float(updated),
+        tasks=tuple(tasks),
+    )
+
+
+def _count(value: object, pool_id: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"pool {pool_id!r}: {name} {value!r} is not a non-negative integer")
+    return value

@@ -1,0 +1,63 @@
+"""One pipeline of the several-pools scenarios, run as a script inside the test's SimulatedHost.
+
+    python pool_script.py BARRIER_DIR NAME POOLS MAX_WORKERS TASK_PEAK HOLD TASKS OUT
+
+It builds its pool, waits until all POOLS scripts have built theirs (files in
+BARRIER_DIR), submits TASKS tasks that each start, wait 0.3 s, then hold HOLD
+for 1 s, and writes what happened to OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import gpupool.testing as gt
+from gpupool import GpuPoolExecutor
+
+PATIENCE_S = 120.0
+
+
+def task(i: int, size: str) -> int:
+    time.sleep(0.3)  # the workload: start, then allocate a moment later
+    with gt.hold(size):
+        time.sleep(1.0)
+    return i
+
+
+def main(argv: list[str]) -> int:
+    barrier, name, pools, max_workers, task_peak, size, tasks, out = argv
+    log = Path(out).with_suffix(".jsonl")
+    with GpuPoolExecutor(max_workers=int(max_workers), task_peak=task_peak, log_path=log) as pool:
+        Path(barrier, name).touch()
+        deadline = time.monotonic() + PATIENCE_S
+        while len(list(Path(barrier).iterdir())) < int(pools) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        futures = [pool.submit(task, i, size) for i in range(int(tasks))]
+        results, errors = [], []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        stats = pool.statistics()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    Path(out).write_text(
+        json.dumps(
+            {
+                "results": results,
+                "errors": errors,
+                "out_of_memory": stats.out_of_memory,
+                "retries": stats.retries,
+                "widths": [width for _t, width in stats.widths],
+                "events": [r["event"] for r in records],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
