@@ -154,3 +154,42 @@ def test_core_module_imports_nothing_from_the_world(path: Path) -> None:
 def test_the_checker_catches_what_it_should(source: str, expected: list[str]) -> None:
     """The checker flags each kind of forbidden import or call, and passes pure code."""
     assert violations(source) == expected
+
+
+#: The pricing functions of the core. The planner calls them; the process layer
+#: (the dispatcher, the executor) must not, so that no start is decided there.
+PRICING = frozenset(
+    {
+        "admits",
+        "decide_width",
+        "decide_widths",
+        "derive_bound",
+        "derive_ceiling",
+        "live_gate_admits",
+        "learned_margin",
+    }
+)
+
+
+def _pricing_imports(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpupool._core"):
+            found += [f"line {node.lineno}: {a.name}" for a in node.names if a.name in PRICING]
+        elif isinstance(node, ast.Attribute) and node.attr in PRICING:
+            found.append(f"line {node.lineno}: {node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("name", ["dispatcher.py", "executor.py"])
+def test_the_process_layer_prices_nothing(name: str) -> None:
+    """Every price, admission and width decision is the planner's: the pool layer imports none
+    of the core's pricing functions."""
+    path = CORE.parent / "_pool" / name
+    assert _pricing_imports(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_pricing_check_is_not_vacuous() -> None:
+    """The check flags a pricing import, and the planner (which prices) is flagged by it."""
+    assert _pricing_imports("from gpupool._core.bound import admits") == ["line 1: admits"]
+    assert _pricing_imports((CORE / "planner.py").read_text(encoding="utf-8"))

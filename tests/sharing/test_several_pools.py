@@ -109,3 +109,14 @@ def test_three_pools_settle_every_future_and_withdraw(three_pools: dict[str, Any
 def test_three_pools_run_out_of_nothing(three_pools: dict[str, Any]) -> None:
     """Three pools of different task_peaks on one card: 0 out-of-memory, every result."""
     _priced(three_pools)
+
+
+@pytest.mark.slow
+def test_each_pool_narrows_while_another_books_and_widens_after(two_pools: dict[str, Any]) -> None:
+    """A pool's width falls while the other pool's bookings hold the card, and rises again."""
+    for outcome in two_pools["pools"].values():
+        widths = outcome["widths"]
+        low = min(widths)
+        assert low < max(widths), widths
+        after_low = widths[widths.index(low) :]
+        assert max(after_low) > low, widths  # it widened again once the other pool's tasks ended
