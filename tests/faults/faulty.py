@@ -148,3 +148,17 @@ def soak(i: int, fault: str) -> tuple[int, int] | object:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)
     return i * 3, os.getpid()
+
+
+def raise_invalid_size(text: str) -> None:
+    """Raise gpupool's own InvalidSizeError, as a task parsing a size would."""
+    from gpupool._core.units import parse_size
+
+    parse_size(text, name="size")
+
+
+def raise_decision_log_error(text: str) -> None:
+    """Raise gpupool's DecisionLogError (keyword-only attributes) from a task."""
+    from gpupool._postmortem import DecisionLogError
+
+    raise DecisionLogError(f"line 7 of {text} is not JSON", path=text, line=7)
