@@ -32,6 +32,7 @@ import collections
 import concurrent.futures
 import os
 import pickle
+import select
 import selectors
 import signal
 import threading
@@ -70,7 +71,9 @@ from gpupool._errors import (
     WorkerLostError,
 )
 from gpupool._log import LOGGER, DecisionLog
-from gpupool._pool.worker import worker_main
+from gpupool._pool.channel import Channel, ChannelClosed
+from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.worker import dumps_call, worker_main
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -94,8 +97,18 @@ LIVE_GATE_POLL_S = 0.05
 #: and it could no longer be cancelled.
 QUEUE_BEHIND_BELOW_S = 0.02
 
+#: How long shutdown waits for workers told to exit before it kills them.
+STOP_WAIT_S = 10.0
+
 #: How often the parent's own device bytes are re-read (its high-water only grows).
 OWN_REREAD_INTERVAL_S = 0.5
+
+#: Tries to start a worker for one task before that task fails with the start's
+#: error (EMFILE, EAGAIN, ENOMEM...); the waits between them grow from the first
+#: by a factor of four: 0.05, 0.2, 0.8, 3.2 s (4.25 s in all). Only the task that
+#: needed the worker fails; the pool and its running tasks go on.
+SPAWN_TRIES = 5
+SPAWN_FIRST_WAIT_S = 0.05
 
 
 _BROKEN_INIT = "A child process terminated abruptly, the process pool is not usable anymore"
@@ -123,7 +136,12 @@ def interpreter_exiting() -> bool:
 
 
 class WorkItem:
-    """One submitted task: its future, its pickled call, its key, and where it stands."""
+    """One submitted task: its future, its call, its key, and where it stands.
+
+    ``call`` is ``(fn, args, kwargs)`` as given: it is pickled when it is sent to
+    a worker (as CPython's pool pickles in its feeder thread), so the parent
+    never holds a pickled copy of work that waits.
+    """
 
     __slots__ = (
         "booked_bytes",
@@ -138,7 +156,13 @@ class WorkItem:
         "wait_below",
     )
 
-    def __init__(self, future: Future[Any], call: bytes, key: str, hint_bytes: int | None) -> None:
+    def __init__(
+        self,
+        future: Future[Any],
+        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+        key: str,
+        hint_bytes: int | None,
+    ) -> None:
         self.future = future
         self.call = call
         self.key = key
@@ -166,8 +190,10 @@ class _Worker:
     """
 
     __slots__ = (
+        "channel",
         "conn",
         "device",
+        "frames",
         "gone",
         "pid",
         "process",
@@ -175,11 +201,16 @@ class _Worker:
         "retiring",
         "started_s",
         "tasks_done",
+        "watch",
     )
 
     def __init__(self, process: Any, conn: Any, device: int | None) -> None:
         self.process = process
         self.conn = conn
+        self.channel = Channel(conn)
+        self.watch = ProcessWatch(process)
+        # Frames read but not yet handled: an answer is a header and a payload.
+        self.frames: collections.deque[bytearray] = collections.deque()
         self.device = device
         self.pid: int = process.pid
         self.queue: collections.deque[WorkItem] = collections.deque()
@@ -292,6 +323,9 @@ class Dispatcher:
         self.counts = collections.Counter[str]()
         self.durations_s: dict[str, float] = {}
         self.sensor_errors: set[tuple[int, str]] = set()
+        # Failed worker starts in a row, and when the next try may be made.
+        self.spawn_failures = 0
+        self.spawn_retry_at_s = 0.0
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- called from caller threads -------------------------------------------------
@@ -360,10 +394,7 @@ class Dispatcher:
             sent = (worker.pid, self.kill_signal)  # SIGKILL after SIGTERM is sent too
             if sent not in self.signalled:
                 self.signalled.add(sent)
-                try:
-                    os.kill(worker.pid, self.kill_signal)
-                except ProcessLookupError:
-                    pass
+                signal_tree(worker.pid, self.kill_signal)
 
     def _cancel_pending(self) -> None:
         with self.lock:
@@ -460,15 +491,35 @@ class Dispatcher:
                     return
                 if self.broken is not None and not busy:
                     return
-            ready = self.selector.select(LIVE_GATE_POLL_S if gated else None)
-            results = [key.data[0] for key, _ in ready if key.data and key.data[1] == "conn"]
-            ended = [key.data[0] for key, _ in ready if key.data and key.data[1] == "sentinel"]
-            for worker in results:
-                if not worker.gone:
-                    self._receive(worker)
-            for worker in ended:
-                if not worker.gone and worker not in results:
-                    self._reap(worker)
+            self._wait_and_serve(workers, LIVE_GATE_POLL_S if gated else None)
+
+    def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
+        """Wait for the selector, then write, read and reap what it says is ready."""
+        unwatched = [w for w in workers if w.watch.pidfd is None]
+        if unwatched:
+            # No pidfd: the sentinel may be held by a grandchild, so ask waitpid too.
+            timeout_s = (
+                POLL_WITHOUT_PIDFD_S if timeout_s is None else min(timeout_s, POLL_WITHOUT_PIDFD_S)
+            )
+        ready = self.selector.select(timeout_s)
+        ended: list[_Worker] = []
+        for key, events in ready:
+            if not key.data:
+                continue
+            worker, what = key.data
+            if worker.gone:
+                continue
+            if what == "exit":
+                ended.append(worker)
+                continue
+            if events & selectors.EVENT_WRITE:
+                self._flush(worker)
+            if events & selectors.EVENT_READ and not worker.gone:
+                self._receive(worker)
+        ended.extend(w for w in unwatched if w not in ended and w.watch.exitcode() is not None)
+        for worker in ended:
+            if not worker.gone:
+                self._reap(worker)
 
     # -- placing tasks ----------------------------------------------------------------
 
@@ -541,11 +592,10 @@ class Dispatcher:
             # RUNNING before a worker is started for it: a shutdown that cancels
             # pending work while the worker starts can no longer take this task.
             if isinstance(placement, _Spawn):
-                try:
-                    worker = self._start(placement)
-                except BaseException as exc:
-                    self._fail(item, _broken_by(f"could not start a worker process: {exc!r}", exc))
-                    raise
+                started = self._start_for(item, placement)
+                if started is None:
+                    return True  # the start is tried again after a wait: poll
+                worker = started
             else:
                 worker = placement
             self._send(item, worker)
@@ -698,6 +748,59 @@ class Dispatcher:
         order.pool.append(worker)
         return worker
 
+    def _start_for(self, item: WorkItem, order: _Spawn) -> _Worker | None:
+        """Start a worker for ``item``; ``None`` when it could not start (yet).
+
+        A start that fails (EMFILE, EAGAIN, ENOMEM: the host is short of
+        something, often briefly) puts ``item`` back at the head of the queue
+        and is tried again after a growing wait; after :data:`SPAWN_TRIES`
+        failures in a row, ``item`` alone fails with the start's error. No
+        running task and no other queued task is affected.
+        """
+        now = time.monotonic()
+        if self.spawn_failures and now < self.spawn_retry_at_s:
+            with self.lock:
+                self.pending.appendleft(item)
+            return None
+        try:
+            worker = self._start(order)
+        except Exception as exc:
+            self.spawn_failures += 1
+            self.counts["spawn_failures"] += 1
+            tries = self.spawn_failures
+            if tries < SPAWN_TRIES:
+                wait_s = SPAWN_FIRST_WAIT_S * 4 ** (tries - 1)
+                self.spawn_retry_at_s = now + wait_s
+                LOGGER.warning(
+                    "gpupool could not start a worker process (%s: %s); trying again in "
+                    "%.2f s (try %d of %d)",
+                    type(exc).__name__,
+                    exc,
+                    wait_s,
+                    tries,
+                    SPAWN_TRIES,
+                )
+                with self.lock:
+                    self.pending.appendleft(item)
+                return None
+            self.spawn_failures = 0
+            note = (
+                f"gpupool could not start a worker process for this task in {tries} tries "
+                f"over {sum(SPAWN_FIRST_WAIT_S * 4**i for i in range(tries - 1)):.2f} s; "
+                "only this task failed and the pool goes on"
+            )
+            error: BaseException
+            if isinstance(exc, OSError) and exc.errno is not None:
+                # The start's own error (OSError picks EMFILE's subclass, and so on).
+                error = OSError(exc.errno, f"{exc.strerror} ({note})")
+            else:
+                error = BrokenProcessPool(f"{type(exc).__name__}: {exc} ({note})")
+            error.__cause__ = _detached(exc)
+            self._fail(item, error)
+            return None
+        self.spawn_failures = 0
+        return worker
+
     def _spawn(self, device: DeviceState | None) -> _Worker:
         env = dict(self.env)
         if device is not None:
@@ -717,13 +820,18 @@ class Dispatcher:
             env=env,
             name="gpupool-worker",
         )
-        process.start()
-        child_conn.close()
+        try:
+            process.start()
+        except BaseException:
+            parent_conn.close()
+            raise
+        finally:
+            child_conn.close()
         self.counts["workers_started"] += 1
         worker = _Worker(process, parent_conn, device.index if device is not None else None)
         self.processes[worker.pid] = process
-        self.selector.register(parent_conn, selectors.EVENT_READ, (worker, "conn"))
-        self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "sentinel"))
+        self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
+        self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
         return worker
 
     def _send(self, item: WorkItem, worker: _Worker) -> None:
@@ -734,36 +842,80 @@ class Dispatcher:
             for other in neighbours:
                 if other is not None:
                     other.shared = True
+        try:
+            payload = dumps_call(item.call)
+        except BaseException as exc:
+            # As CPython's pool: a call that cannot be pickled fails its own future.
+            self._fail(item, _detached(exc))
+            self._update_width()
+            return
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
         item.tries += 1
-        try:
-            worker.conn.send_bytes(item.call)
-        except OSError:
-            # The worker died before it could take the task: its sentinel will fire.
-            pass
+        self._write(worker, payload)
+        del payload
         self._update_width()
+
+    def _write(self, worker: _Worker, payload: bytes) -> None:
+        """Queue one frame for ``worker``; the selector writes what the socket cannot take now."""
+        try:
+            done = worker.channel.send(payload)
+        except ChannelClosed:
+            # The worker died before it could take the task: its exit will be seen.
+            worker.channel.discard_output()
+            return
+        if not done:
+            self._watch_writable(worker, True)
+
+    def _flush(self, worker: _Worker) -> None:
+        try:
+            done = worker.channel.flush()
+        except ChannelClosed:
+            worker.channel.discard_output()
+            done = True
+        if done:
+            self._watch_writable(worker, False)
+
+    def _watch_writable(self, worker: _Worker, on: bool) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        try:
+            self.selector.modify(worker.channel.fd, events, (worker, "conn"))
+        except (KeyError, ValueError):
+            pass  # forgotten already
 
     # -- results ----------------------------------------------------------------------
 
     def _receive(self, worker: _Worker) -> None:
-        """Read one answer from ``worker``; a crash here still ends the task's future."""
-        head = worker.task
-        try:
-            self._receive_one(worker)
-        except BaseException as exc:
-            if head is not None and not head.future.done():
-                _set_exception(head.future, exc)
-            raise
+        """Read what ``worker`` sent; handle each complete answer, oldest first.
 
-    def _receive_one(self, worker: _Worker) -> None:
+        At end of file the socket stops being watched: the worker's exit,
+        seen from the process itself, then fails what it ran.
+        """
         try:
-            message = worker.conn.recv_bytes()
-        except (EOFError, OSError):
-            self._reap(worker)
-            return
-        kind, report_fields, payload = pickle.loads(message)
+            frames = worker.channel.receive()
+        except ChannelClosed:
+            frames = []
+            try:
+                self.selector.unregister(worker.channel.fd)
+            except (KeyError, ValueError):
+                pass
+        worker.frames.extend(frames)
+        del frames
+        while len(worker.frames) >= 2 and not worker.gone:
+            header = worker.frames.popleft()
+            payload = worker.frames.popleft()
+            head = worker.task
+            try:
+                self._receive_one(worker, header, payload)
+            except BaseException as exc:
+                # A crash here still ends the task's future.
+                if head is not None and not head.future.done():
+                    _set_exception(head.future, exc)
+                raise
+
+    def _receive_one(self, worker: _Worker, header: bytearray, payload: bytearray) -> None:
+        kind, report_fields = pickle.loads(header)
         item = worker.queue.popleft() if worker.queue else None
         ask_bytes = item.priced_bytes if item is not None else 0
         now = time.monotonic()
@@ -799,7 +951,7 @@ class Dispatcher:
         if worker.retiring:
             self._retire(worker)
 
-    def _finish(self, item: WorkItem, kind: str, payload: bytes) -> None:
+    def _finish(self, item: WorkItem, kind: str, payload: bytearray) -> None:
         if kind == "ok":
             try:
                 result = cloudpickle.loads(payload)
@@ -970,7 +1122,7 @@ class Dispatcher:
         worker: _Worker,
         item: WorkItem,
         report: PeakReport,
-        payload: bytes,
+        payload: bytearray,
         ask_bytes: int,
     ) -> None:
         self.counts["oom"] += 1
@@ -1135,9 +1287,11 @@ class Dispatcher:
 
     def _reap(self, worker: _Worker) -> None:
         """A worker's process ended: fail only the task it ran, and forget it."""
-        process = worker.process
-        process.join(timeout=1.0)
-        exitcode = process.exitcode
+        # What it sent before it exited is in the socket still: handle that first.
+        self._receive(worker)
+        if worker.gone:
+            return
+        exitcode = worker.watch.wait(1.0)
         self._forget(worker)
         item = worker.queue.popleft() if worker.queue else None
         if worker.retiring and item is not None:
@@ -1158,9 +1312,16 @@ class Dispatcher:
             except ValueError:
                 signal_name = f"signal {-exitcode}"
         how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
+        by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
+        if by_pool:
+            how += (
+                ", sent by the pool itself ("
+                + ("kill_workers()" if exitcode == -signal.SIGKILL else "terminate_workers()")
+                + ")"
+            )
         hint = (
             " SIGKILL often means the host's out-of-memory killer; check host RAM."
-            if signal_name == "SIGKILL"
+            if signal_name == "SIGKILL" and not by_pool
             else ""
         )
         message = (
@@ -1183,11 +1344,18 @@ class Dispatcher:
         if worker.gone:
             return
         worker.gone = True
-        for fileobj in (worker.conn, worker.process.sentinel):
+        for fd in (worker.channel.fd, worker.watch.fd):
             try:
-                self.selector.unregister(fileobj)
+                self.selector.unregister(fd)
             except (KeyError, ValueError):
                 pass
+        if worker.watch.exitcode() is not None:
+            # Reaped: join returns at once, and multiprocessing lets the process
+            # object go (its finalizer closes loky's sentinel).
+            worker.process.join(timeout=0)
+        worker.watch.close()
+        worker.channel.discard_output()
+        worker.frames.clear()
         self.processes.pop(worker.pid, None)
         pool = self.host_workers if worker.device is None else self.devices[worker.device].workers
         if worker in pool:
@@ -1198,13 +1366,10 @@ class Dispatcher:
             pass
 
     def _retire(self, worker: _Worker) -> None:
-        """Ask a worker to exit once idle; its sentinel then tells the loop to forget it."""
+        """Ask a worker to exit once idle; its exit then tells the loop to forget it."""
         worker.retiring = True
         if worker.task is None:
-            try:
-                worker.conn.send_bytes(b"")
-            except OSError:
-                pass
+            self._write(worker, b"")
 
     def _retire_idle(self, device: DeviceState, keep: int) -> None:
         idle = [w for w in device.workers if w.task is None and not w.retiring]
@@ -1215,17 +1380,14 @@ class Dispatcher:
     def _stop_workers(self) -> None:
         workers = list(self._all_workers())
         for worker in workers:
-            worker.retiring = True
-            try:
-                worker.conn.send_bytes(b"")
-            except OSError:
-                pass
-        deadline = time.monotonic() + 10.0
+            if not worker.retiring or worker.task is not None:
+                worker.retiring = True
+                self._write(worker, b"")
+        self._await_exits(workers, STOP_WAIT_S)
         for worker in workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if worker.process.exitcode is None:
-                worker.process.kill()
-                worker.process.join(timeout=5.0)
+            if worker.watch.exitcode() is None:
+                signal_tree(worker.pid, signal.SIGKILL)
+                worker.watch.wait(5.0)
             for item in worker.queue:
                 _set_exception(
                     item.future, WorkerLostError("the pool stopped before this task finished")
@@ -1233,6 +1395,31 @@ class Dispatcher:
             worker.queue.clear()
             self._forget(worker)
         self._fail_pending()
+
+    def _await_exits(self, workers: list[_Worker], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for ``workers`` to exit, writing what they were sent and
+        reading (and dropping) what they send, so none stays blocked on its socket."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(workers)
+        while waiting:
+            waiting = [w for w in waiting if w.watch.exitcode() is None]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            reads: list[int] = []
+            writes: list[int] = []
+            for worker in waiting:
+                reads.append(worker.watch.fd)
+                try:
+                    if worker.channel.flush():
+                        worker.channel.receive()
+                        reads.append(worker.channel.fd)
+                    else:
+                        writes.append(worker.channel.fd)
+                except ChannelClosed:
+                    pass
+            timeout = min(left, POLL_WITHOUT_PIDFD_S)
+            select.select(reads, writes, [], timeout)
 
     def _break(self, message: str, exc: BaseException) -> None:
         with self.lock:
@@ -1364,7 +1551,7 @@ def copy_broken(exc: BaseException | None, message: str) -> BaseException:
     return error
 
 
-def _load_exception(payload: bytes) -> BaseException:
+def _load_exception(payload: bytes | bytearray) -> BaseException:
     try:
         exc, tb = cloudpickle.loads(payload)
     except BaseException as error:

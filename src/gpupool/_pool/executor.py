@@ -49,7 +49,7 @@ from gpupool._pool.dispatcher import (
     decision_dict,
     interpreter_exiting,
 )
-from gpupool._pool.worker import dumps_call, process_chunk
+from gpupool._pool.worker import process_chunk
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
 
 if TYPE_CHECKING:
@@ -485,12 +485,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 if options is not None and options.task_peak is not None
                 else None
             )
-            try:
-                call = dumps_call((fn, args, kwargs))
-            except BaseException as exc:
-                future.set_exception(exc)
-                return future
-            d.enqueue(WorkItem(future, call, task_key, hint))
+            # Pickled when it is sent to a worker: waiting work costs no pickled copy.
+            d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint))
             return future
 
     def map(
