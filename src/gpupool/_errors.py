@@ -122,7 +122,6 @@ class DeviceOutOfMemoryError(GpuPoolError):
         self.detail = detail
 
 
-
 class WorkerLostError(GpuPoolError, BrokenProcessPool):
     """A worker process died while running a task; only that task fails.
 

@@ -71,7 +71,9 @@ def instance(cls: type[BaseException]) -> BaseException:
         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in SAMPLES
     }
     positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
     ]
     return cls("the message", **kwargs) if positional else cls(**kwargs)
 

@@ -790,9 +790,10 @@ class Dispatcher:
                 "only this task failed and the pool goes on"
             )
             error: BaseException
-            if isinstance(exc, OSError) and exc.errno is not None:
+            os_error = _os_error_in(exc)
+            if os_error is not None:
                 # The start's own error (OSError picks EMFILE's subclass, and so on).
-                error = OSError(exc.errno, f"{exc.strerror} ({note})")
+                error = OSError(os_error.errno, f"{os_error.strerror} ({note})")
             else:
                 error = BrokenProcessPool(f"{type(exc).__name__}: {exc} ({note})")
             error.__cause__ = _detached(exc)
@@ -1562,6 +1563,22 @@ def _load_exception(payload: bytes | bytearray) -> BaseException:
         return broken
     exc.__cause__ = _RemoteTraceback(tb)
     return exc  # type: ignore[no-any-return]
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or one it was raised while handling.
+
+    loky's start raises an ``UnboundLocalError`` from its cleanup when
+    ``os.pipe()`` fails; the EMFILE behind it is that error's context.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _broken_by(message: str, cause: BaseException) -> BrokenProcessPool:
