@@ -295,6 +295,8 @@ class Dispatcher:
         self.started_at_s = time.monotonic()
         self.lock = threading.Lock()
         self.pending: collections.deque[WorkItem] = collections.deque()
+        # Every future not yet done: the shutdown record counts what is left (none, or a bug).
+        self.unresolved: set[Future[Any]] = set()
         self.host_workers: list[_Worker] = []
         self.processes: dict[int, Any] = {}
         self.own_high_water_bytes: dict[int, int] = {
@@ -358,7 +360,10 @@ class Dispatcher:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self.pending.append(item)
             self.counts["submitted"] += 1
+            self.unresolved.add(item.future)
             self._wake_locked()
+        # Outside the lock: a future already done runs the callback at once.
+        item.future.add_done_callback(self.unresolved.discard)
 
     def request_shutdown(self, cancel_futures: bool = False) -> None:
         """Stop taking work; with ``cancel_futures`` the dispatcher cancels what it has not
@@ -435,6 +440,9 @@ class Dispatcher:
             with self.lock:
                 self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
+            lost = list(self.unresolved)
+            for future in lost:  # never leave a future pending, even after a bug
+                _set_exception(future, WorkerLostError("the pool stopped and lost this task"))
             self.record(
                 Decision(
                     event="shutdown",
@@ -455,7 +463,7 @@ class Dispatcher:
                         "out_of_memory": self.counts["oom"],
                         "retries": self.counts["retries"],
                         "workers_lost": self.counts["lost"],
-                        "tasks_lost": 0,
+                        "tasks_lost": len(lost),
                     },
                 )
             )
