@@ -35,10 +35,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-import soak_tasks  # noqa: E402
-
-from gpupool import GpuPoolExecutor, WorkerLostError  # noqa: E402
-from gpupool.testing import SimulatedDevice, SimulatedHost  # noqa: E402
+import soak_tasks
+from gpupool import GpuPoolExecutor, WorkerLostError
+from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Of each 100 faults: the process-killing ones cost a new worker (~0.2 s) each.
 FAULTS = (

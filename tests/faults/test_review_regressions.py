@@ -11,6 +11,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 import regress_tasks as rt
+from leakguard import wait_until
 
 from gpupool import GpuPoolExecutor, WidthError
 from gpupool.testing import SimulatedDevice, SimulatedHost
@@ -116,8 +117,10 @@ def test_a_done_callback_that_stops_the_pool_does_not_deadlock_shutdown():
         assert queued.cancelled()
 
 
-def test_the_reported_width_never_passes_an_out_of_memory_cap():
-    """After an out-of-memory capped a card, a later measurement cannot report it wider."""
+def test_the_reported_width_never_passes_an_out_of_memory_cap(tmp_path):
+    """After an out-of-memory capped a card, a later measurement cannot report it wider.
+
+    Staged with files, not delays: the out-of-memory happens on every run."""
     with SimulatedHost(
         [SimulatedDevice("16GiB", co_tenants={"serve": "0GiB"})],
         cpus=8,
@@ -125,23 +128,33 @@ def test_the_reported_width_never_passes_an_out_of_memory_cap():
         context="0MiB",
     ) as host:
         with GpuPoolExecutor(max_workers=4, task_peak="3GiB", reserve=0) as ex:
-            a = ex.submit(rt.hold_after, 0, "2GiB", 0.6, 0.1)
-            b = ex.options(key="b").submit(rt.hold_after, 1, "512MiB", 0.0, 1.5)
-            time.sleep(0.3)
-            host.grow("serve", "14GiB")
-            concurrent.futures.wait([a], timeout=30)
+            a = ex.submit(
+                rt.hold_when_told, 0, "2GiB", str(tmp_path / "a-ready"), str(tmp_path / "a-go")
+            )
+            b = ex.options(key="b").submit(
+                rt.hold_until_told, 1, "512MiB", str(tmp_path / "b-ready"), str(tmp_path / "b-go")
+            )
+            assert wait_until(
+                lambda: (tmp_path / "a-ready").exists() and (tmp_path / "b-ready").exists(), 60
+            )
+            host.grow("serve", "14GiB")  # 14 + 0.5 held by b: a's 2 GiB cannot fit
+            (tmp_path / "a-go").touch()
+            assert wait_until(lambda: ex.statistics().out_of_memory >= 1, 60)
             host.shrink("serve", "14GiB")
-            b.result(timeout=30)
+            (tmp_path / "b-go").touch()
+            assert a.result(timeout=60) == 0  # retried once b was done, alone
+            assert b.result(timeout=60) == 1
             cap = ex._dispatcher.devices[0].oom_cap
+            assert cap is not None
+            after_s = max(d.time_s for d in ex.decisions if d.event == "out_of_memory")
             futures = [ex.options(key="b").submit(rt.sleep_for, 0.0) for _ in range(4)]
             concurrent.futures.wait(futures, timeout=30)
-            if cap is not None:
-                assert ex.width <= cap
-                assert all(
-                    d.width_after is None or d.width_after <= cap
-                    for d in ex.decisions
-                    if d.device == 0 and d.event in {"widened", "narrowed"} and d.time_s > 0.3
-                )
+            assert ex.width <= cap
+            assert all(
+                d.width_after is None or d.width_after <= cap
+                for d in ex.decisions
+                if d.device == 0 and d.event in {"widened", "narrowed"} and d.time_s >= after_s
+            )
 
 
 def test_strict_oom_without_narrowing_keeps_the_pool():
