@@ -16,6 +16,11 @@ Configuration errors are also :class:`ValueError`, as CPython's are, so
 existing ``except ValueError`` clauses keep working; a lost worker is a
 :class:`concurrent.futures.process.BrokenProcessPool`, as the standard
 library and loky raise for a dead worker.
+
+Every one of them pickles with its attributes (a task may raise one, and
+it must reach the caller intact): ``GpuPoolError.__reduce__`` rebuilds
+an instance without calling its ``__init__``, so keyword-only attributes
+need no positional stand-in.
 """
 
 from __future__ import annotations
@@ -38,6 +43,20 @@ __all__ = [
 
 class GpuPoolError(Exception):
     """Root of every error gpupool raises on its own account."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own reduce calls ``type(self)(*self.args)``, which a
+        # subclass with keyword-only attributes refuses: rebuild from the
+        # args and the instance dict instead.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[GpuPoolError], args: tuple[Any, ...], state: dict[str, Any]) -> GpuPoolError:
+    """Unpickle a gpupool exception: its args and attributes, without its ``__init__``."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class ConfigurationError(GpuPoolError, ValueError):
@@ -101,18 +120,6 @@ class DeviceOutOfMemoryError(GpuPoolError):
         self.device = device
         self.ask_bytes = ask_bytes
         self.detail = detail
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild_oom,
-            (str(self), self.device, self.ask_bytes, self.detail),
-        )
-
-
-def _rebuild_oom(
-    message: str, device: int | None, ask_bytes: int | None, detail: str
-) -> DeviceOutOfMemoryError:
-    return DeviceOutOfMemoryError(message, device=device, ask_bytes=ask_bytes, detail=detail)
 
 
 class WorkerLostError(GpuPoolError, BrokenProcessPool):

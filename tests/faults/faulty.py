@@ -148,3 +148,114 @@ def soak(i: int, fault: str) -> tuple[int, int] | object:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)
     return i * 3, os.getpid()
+
+
+def raise_invalid_size(text: str) -> None:
+    """Raise gpupool's own InvalidSizeError, as a task parsing a size would."""
+    from gpupool._core.units import parse_size
+
+    parse_size(text, name="size")
+
+
+def raise_decision_log_error(text: str) -> None:
+    """Raise gpupool's DecisionLogError (keyword-only attributes) from a task."""
+    from gpupool._postmortem import DecisionLogError
+
+    raise DecisionLogError(f"line 7 of {text} is not JSON", path=text, line=7)
+
+
+def wait_for_file(path: str, timeout_s: float = 60.0) -> bool:
+    """Block until ``path`` exists (or ``timeout_s`` passed); whether it appeared."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def start_background(directory: str, name: str) -> int:
+    """Leave a background process behind, as ``os.system("... &")`` does; return its PID.
+
+    The background shell inherits whatever descriptors the worker lets it
+    inherit, and lives until ``directory/go`` exists. Its PID is written to
+    ``directory/<name>.pid`` once it runs.
+    """
+    go = os.path.join(directory, "go")
+    pidfile = os.path.join(directory, f"{name}.pid")
+    os.system(
+        f"sh -c 'echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; "
+        f"while [ ! -e {go} ]; do sleep 0.05; done' &"
+    )
+    while not os.path.exists(pidfile):
+        time.sleep(0.01)
+    return int(Path(pidfile).read_text())
+
+
+def fork_background(directory: str, name: str) -> int:
+    """``os.fork()`` a child that keeps every descriptor of the worker; return its PID.
+
+    The child lives until ``directory/go`` exists (or 120 s), then leaves
+    with ``os._exit``.
+    """
+    go = os.path.join(directory, "go")
+    pid = os.fork()
+    if pid == 0:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    return pid
+
+
+def hold_the_gil(directory: str) -> None:
+    """Note this worker's PID, then backtrack in a regex: C code that never releases the GIL."""
+    import re
+
+    note_pid(directory, "worker")
+    re.match(r"(a+)+$", "a" * 64 + "b")
+
+
+class CountsPickles:
+    """A payload that counts, in the process that pickles it, how often it was pickled."""
+
+    pickled = 0
+
+    def __init__(self, size: int = 0) -> None:
+        self.data = b"x" * size
+
+    def __reduce__(self) -> tuple[object, ...]:
+        type(self).pickled += 1
+        return _rebuild_counts_pickles, (len(self.data),)
+
+
+def _rebuild_counts_pickles(size: int) -> CountsPickles:
+    return CountsPickles(size)
+
+
+def size_of(value: CountsPickles) -> int:
+    """Return the size of a CountsPickles payload."""
+    return len(value.data)
+
+
+def upper_all(lines: list[str]) -> list[str]:
+    """Upper-case every line."""
+    return [line.upper() for line in lines]
+
+
+def no_devices() -> object:
+    """A sensor for a host without a driver and with 2 CPUs: a host-bounded pool, no readings."""
+    from gpupool._core.census import HostCensus
+    from gpupool._errors import NoDriverError
+    from gpupool._sensors.base import Sensor
+
+    class NoDevices(Sensor):
+        name = "none"
+
+        def read_devices(self) -> tuple[()]:
+            raise NoDriverError("no driver on this test host")
+
+        def read_host(self) -> HostCensus:
+            return HostCensus(cpus=2, available_ram_bytes=64 * 2**30)
+
+    return NoDevices()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from gpupool.testing import hold
 
@@ -44,3 +45,26 @@ def ignore_sigterm_and_sleep(seconds: float) -> float:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(seconds)
     return seconds
+
+
+def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def hold_when_told(i: int, size: str, ready: str, go: str) -> int:
+    """Say ``ready``, wait for ``go``, then hold ``size`` for a moment; return ``i``."""
+    Path(ready).touch()
+    _wait_for(Path(go))
+    with hold(size):
+        time.sleep(0.01)
+    return i
+
+
+def hold_until_told(i: int, size: str, ready: str, release: str) -> int:
+    """Hold ``size``, say ``ready``, and keep holding until ``release`` exists; return ``i``."""
+    with hold(size):
+        Path(ready).touch()
+        _wait_for(Path(release))
+    return i

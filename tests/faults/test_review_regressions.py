@@ -11,6 +11,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 import regress_tasks as rt
+from leakguard import wait_until
 
 from gpupool import GpuPoolExecutor, WidthError
 from gpupool.testing import SimulatedDevice, SimulatedHost
@@ -114,6 +115,46 @@ def test_a_done_callback_that_stops_the_pool_does_not_deadlock_shutdown():
         assert not t.is_alive()
         assert running.done()
         assert queued.cancelled()
+
+
+def test_the_reported_width_never_passes_an_out_of_memory_cap(tmp_path):
+    """After an out-of-memory capped a card, a later measurement cannot report it wider.
+
+    Staged with files, not delays: the out-of-memory happens on every run."""
+    with SimulatedHost(
+        [SimulatedDevice("16GiB", co_tenants={"serve": "0GiB"})],
+        cpus=8,
+        host_ram="64GiB",
+        context="0MiB",
+    ) as host:
+        with GpuPoolExecutor(max_workers=4, task_peak="3GiB", reserve=0) as ex:
+            a = ex.submit(
+                rt.hold_when_told, 0, "2GiB", str(tmp_path / "a-ready"), str(tmp_path / "a-go")
+            )
+            b = ex.options(key="b").submit(
+                rt.hold_until_told, 1, "512MiB", str(tmp_path / "b-ready"), str(tmp_path / "b-go")
+            )
+            assert wait_until(
+                lambda: (tmp_path / "a-ready").exists() and (tmp_path / "b-ready").exists(), 60
+            )
+            host.grow("serve", "14GiB")  # 14 + 0.5 held by b: a's 2 GiB cannot fit
+            (tmp_path / "a-go").touch()
+            assert wait_until(lambda: ex.statistics().out_of_memory >= 1, 60)
+            host.shrink("serve", "14GiB")
+            (tmp_path / "b-go").touch()
+            assert a.result(timeout=60) == 0  # retried once b was done, alone
+            assert b.result(timeout=60) == 1
+            cap = ex._dispatcher.planner.cards[0].oom_cap
+            assert cap is not None
+            after_s = max(d.time_s for d in ex.decisions if d.event == "out_of_memory")
+            futures = [ex.options(key="b").submit(rt.sleep_for, 0.0) for _ in range(4)]
+            concurrent.futures.wait(futures, timeout=30)
+            assert ex.width <= cap
+            assert all(
+                d.width_after is None or d.width_after <= cap
+                for d in ex.decisions
+                if d.device == 0 and d.event in {"widened", "narrowed"} and d.time_s >= after_s
+            )
 
 
 def test_strict_oom_without_narrowing_keeps_the_pool():

@@ -52,9 +52,12 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out: dict[str, Path] = {}
 
     ask = root / "ask.jsonl"
+    ask_gate = root / "ask.gate"
+    ask_gate.mkdir()
     with incident_host(), hold("16.20GiB"):
         with GpuPoolExecutor(max_workers=4, task_peak="2GiB", log_path=ask) as pool:
-            list(pool.map(observe_tasks.entry, range(12)))
+            # The first four start together, all booked at 2 GiB: 4 x 6.02 GiB overflows.
+            list(pool.map(observe_tasks.entry_together, range(12), [str(ask_gate)] * 12, [4] * 12))
     out["ask"] = ask
 
     def grow_co_tenant(host: SimulatedHost) -> AbstractContextManager[object]:

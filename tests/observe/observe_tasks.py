@@ -35,3 +35,19 @@ def staged(i: int, first: str, second: str, gate: str) -> int:
         with hold(second):
             time.sleep(0.05)
     return i
+
+
+def entry_together(i: int, gate: str, together: int, size: str = "6.02GiB") -> int:
+    """Wait until ``together`` tasks have started (or ``GATE_TIMEOUT_S``), then hold ``size``.
+
+    The first tasks of a run then overlap on the card whatever the machine's
+    load: under load a worker may start after its neighbour has finished.
+    """
+    gate_dir = Path(gate)
+    (gate_dir / f"started-{i}").touch()
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while len(list(gate_dir.glob("started-*"))) < together and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with hold(size):
+        time.sleep(0.1)
+    return i

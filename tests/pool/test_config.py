@@ -143,3 +143,65 @@ def test_retry_oom_off_sends_the_error_to_the_future(host):
             future.result(timeout=60)
     assert info.value.device == 0
     assert "out of memory" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("env", "pattern"),
+    [
+        ({"X": None}, r"env\['X'\]=None: values must be str"),
+        ({"X": 3}, r"env\['X'\]=3: values must be str"),
+        ({"A=B": "c"}, r"the key 'A=B' holds ="),
+        ({"X": "a\0b"}, r"env\['X'\]='a\\x00b' holds a NUL byte"),
+        ({"A\0": "b"}, r"the key 'A\\x00' holds a NUL byte"),
+        ({"": "b"}, r"the key '' is not a non-empty str"),
+        ({1: "b"}, r"the key 1 is not a non-empty str"),
+        ([("X", "1")], r"pass a mapping"),
+    ],
+    ids=["none", "int", "equals-in-key", "nul-in-value", "nul-in-key", "empty", "int-key", "list"],
+)
+def test_bad_env_is_refused_at_construction(host, env, pattern):
+    """env= entries that could not reach a worker as given are refused, naming them."""
+    with pytest.raises(ConfigurationError, match=pattern):
+        GpuPoolExecutor(task_peak="1GiB", env=env)
+
+
+def test_env_reaches_the_worker_as_given(host):
+    """A valid env= value reaches the worker exactly."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB", env={"GPUPOOL_TEST_X": "a b=c"}) as ex:
+        assert ex.submit(tasks.environ).result(timeout=60)["GPUPOOL_TEST_X"] == "a b=c"
+
+
+@pytest.mark.parametrize(
+    ("devices", "pattern"),
+    [
+        (0, r"^devices=0: pass a list of device indexes or UUIDs, such as devices=\[0\]"),
+        ("GPU-51a1a7ed", r"^devices='GPU-51a1a7ed': pass a list"),
+        ([True], r"^devices entry True: each entry is a device index"),
+        ([0.0], r"^devices entry 0.0: each entry is a device index"),
+        ([-1], r"^devices entry -1: an index is 0 or more"),
+        ([], r"^devices=\[\]: name at least one device"),
+        ({0}, r"^devices=\{0\}: pass a list"),
+    ],
+    ids=["int", "str", "bool", "float", "negative", "empty", "set"],
+)
+def test_bad_devices_are_refused(host, devices, pattern):
+    """devices= must be a list of indexes or UUIDs; a bare one is not read char by char."""
+    with pytest.raises(ConfigurationError, match=pattern):
+        GpuPoolExecutor(task_peak="1GiB", devices=devices)
+
+
+@pytest.mark.parametrize("name", ["strict", "retry_oom"])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+def test_flags_must_be_bool(host, name, value):
+    """strict and retry_oom take True or False only (a non-empty str is not True)."""
+    with pytest.raises(ConfigurationError, match=rf"^{name}={value!r}: pass True or False"):
+        GpuPoolExecutor(max_workers=2, task_peak="1GiB", **{name: value})
+
+
+@pytest.mark.parametrize("name", ["task_peak", "reserve", "margin"])
+def test_sizes_above_a_pebibyte_are_refused(host, name):
+    """A size above 2**50 bytes is refused, at construction and in options()."""
+    with pytest.raises(ConfigurationError, match=rf"^{name}={10**30!r} is .*more than the 2\*\*50"):
+        GpuPoolExecutor(**{"task_peak": "1GiB", name: 10**30})
+    with pytest.raises(ConfigurationError, match=r"^task_peak='2PiB' is"):
+        GpuPoolExecutor(task_peak="1GiB").options(task_peak="2PiB")

@@ -113,10 +113,12 @@ def test_three_pools_run_out_of_nothing(three_pools: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_each_pool_narrows_while_another_books_and_widens_after(two_pools: dict[str, Any]) -> None:
-    """A pool's width falls while the other pool's bookings hold the card, and rises again."""
+    """Each pool's width falls while the other pool's bookings hold the card; the pool still
+    running when the other ends widens again."""
+    rewidened = []
     for outcome in two_pools["pools"].values():
         widths = outcome["widths"]
         low = min(widths)
         assert low < max(widths), widths
-        after_low = widths[widths.index(low) :]
-        assert max(after_low) > low, widths  # it widened again once the other pool's tasks ended
+        rewidened.append(max(widths[widths.index(low) :]) > low)
+    assert any(rewidened), [o["widths"] for o in two_pools["pools"].values()]

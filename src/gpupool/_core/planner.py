@@ -1393,7 +1393,9 @@ class Planner:
             extra=dict(extra or {}),
         )
 
-    def shutdown_record(self, now_s: float, counts: Mapping[str, int]) -> Decision:
+    def shutdown_record(
+        self, now_s: float, counts: Mapping[str, int], *, tasks_lost: int
+    ) -> Decision:
         """The run's totals, as the last record."""
         totals = collections.Counter(self.counts)
         totals.update(counts)
@@ -1415,10 +1417,7 @@ class Planner:
                 "out_of_memory": totals["oom"],
                 "retries": totals["retries"],
                 "workers_lost": totals["lost"],
-                # Derived, not asserted: a future no count accounts for.
-                "tasks_lost": totals["submitted"]
-                - totals["completed"]
-                - totals["failed"]
-                - totals["cancelled"],
+                # Futures the pool found unresolved when it stopped (it failed them).
+                "tasks_lost": tasks_lost,
             },
         )

@@ -39,6 +39,7 @@ import concurrent.futures
 import itertools
 import os
 import pickle
+import select
 import selectors
 import signal
 import threading
@@ -74,7 +75,9 @@ from gpupool._errors import (
     WorkerLostError,
 )
 from gpupool._log import LOGGER, DecisionLog
-from gpupool._pool.worker import worker_main
+from gpupool._pool.channel import Channel, ChannelClosed
+from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.worker import dumps_call, worker_main
 from gpupool._probe import allocator_cap_message
 
 if TYPE_CHECKING:
@@ -89,6 +92,16 @@ __all__ = [
     "decision_dict",
     "interpreter_exiting",
 ]
+
+#: How long shutdown waits for workers told to exit before it kills them.
+STOP_WAIT_S = 10.0
+
+#: Tries to start a worker for one task before that task fails with the start's
+#: error (EMFILE, EAGAIN, ENOMEM...); the waits between them grow from the first
+#: by a factor of four: 0.05, 0.2, 0.8, 3.2 s (4.25 s in all). Only the task that
+#: needed the worker fails; the pool and its running tasks go on.
+SPAWN_TRIES = 5
+SPAWN_FIRST_WAIT_S = 0.05
 
 _BROKEN_INIT = "A child process terminated abruptly, the process pool is not usable anymore"
 
@@ -115,15 +128,24 @@ def interpreter_exiting() -> bool:
 
 
 class WorkItem:
-    """One submitted task: its future, its pickled call, its key, and whether it started.
+    """One submitted task: its future, its call, its key, and whether it started.
 
-    Everything the pool prices about it (its booking, its retries, where it
-    may run) is the planner's, under the item's ``task_id``.
+    ``call`` is ``(fn, args, kwargs)`` as given: it is pickled when it is sent to
+    a worker (as CPython's pool pickles in its feeder thread), so the parent
+    never holds a pickled copy of work that waits. Everything the pool prices
+    about it (its booking, its retries, where it may run) is the planner's,
+    under the item's ``task_id``.
     """
 
     __slots__ = ("call", "future", "hint_bytes", "key", "started", "task_id", "tries")
 
-    def __init__(self, future: Future[Any], call: bytes, key: str, hint_bytes: int | None) -> None:
+    def __init__(
+        self,
+        future: Future[Any],
+        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+        key: str,
+        hint_bytes: int | None,
+    ) -> None:
         self.future = future
         self.call = call
         self.key = key
@@ -140,8 +162,10 @@ class _Worker:
     """One worker process and the task handed to it (a worker runs one task at a time)."""
 
     __slots__ = (
+        "channel",
         "conn",
         "device",
+        "frames",
         "gone",
         "pid",
         "process",
@@ -149,11 +173,16 @@ class _Worker:
         "retiring",
         "started_s",
         "tasks_done",
+        "watch",
     )
 
     def __init__(self, process: Any, conn: Any, device: int | None) -> None:
         self.process = process
         self.conn = conn
+        self.channel = Channel(conn)
+        self.watch = ProcessWatch(process)
+        # Frames read but not yet handled: an answer is a header and a payload.
+        self.frames: collections.deque[bytearray] = collections.deque()
         self.device = device
         self.pid: int = process.pid
         self.queue: collections.deque[WorkItem] = collections.deque()
@@ -223,6 +252,8 @@ class Dispatcher:
         self.incoming: collections.deque[WorkItem] = collections.deque()
         # Every task the planner holds (pending or running), by task id.
         self.items: dict[int, WorkItem] = {}
+        # Every future not yet done: the shutdown record counts what is left (none, or a bug).
+        self.unresolved: set[Future[Any]] = set()
         self.host_workers: list[_Worker] = []
         self.processes: dict[int, Any] = {}
         self.shutdown_requested = False
@@ -241,6 +272,9 @@ class Dispatcher:
         self.selector.register(self.wake_reader, selectors.EVENT_READ, None)
         self.wake_flag = False
         self.counts = collections.Counter[str]()
+        # Failed worker starts in a row, and when the next try may be made.
+        self.spawn_failures = 0
+        self.spawn_retry_at_s = 0.0
         # The host-wide booking table (None: sharing is off), and what this
         # pool last published per device (an unchanged booking is not rewritten).
         self.bookings = bookings
@@ -298,7 +332,10 @@ class Dispatcher:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self.incoming.append(item)
             self.counts["submitted"] += 1
+            self.unresolved.add(item.future)
             self._wake_locked()
+        # Outside the lock: a future already done runs the callback at once.
+        item.future.add_done_callback(self.unresolved.discard)
 
     def request_shutdown(self, cancel_futures: bool = False) -> None:
         """Stop taking work; with ``cancel_futures`` the dispatcher cancels what it has not
@@ -334,10 +371,7 @@ class Dispatcher:
             sent = (worker.pid, self.kill_signal)  # SIGKILL after SIGTERM is sent too
             if sent not in self.signalled:
                 self.signalled.add(sent)
-                try:
-                    os.kill(worker.pid, self.kill_signal)
-                except ProcessLookupError:
-                    pass
+                signal_tree(worker.pid, self.kill_signal)
 
     def _cancel_pending(self) -> None:
         with self.lock:
@@ -382,7 +416,10 @@ class Dispatcher:
                 self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
             self._publish_bookings(None)
-            self.record(self.planner.shutdown_record(self.now(), self.counts))
+            lost = list(self.unresolved)
+            for future in lost:  # never leave a future pending, even after a bug
+                _set_exception(future, WorkerLostError("the pool stopped and lost this task"))
+            self.record(self.planner.shutdown_record(self.now(), self.counts, tasks_lost=len(lost)))
             self.close()
 
     def _all_workers(self) -> list[_Worker]:
@@ -416,15 +453,35 @@ class Dispatcher:
                     return
                 if self.broken is not None and not busy:
                     return
-            ready = self.selector.select(poll_s)
-            results = [key.data[0] for key, _ in ready if key.data and key.data[1] == "conn"]
-            ended = [key.data[0] for key, _ in ready if key.data and key.data[1] == "sentinel"]
-            for worker in results:
-                if not worker.gone:
-                    self._receive(worker)
-            for worker in ended:
-                if not worker.gone and worker not in results:
-                    self._reap(worker)
+            self._wait_and_serve(workers, poll_s)
+
+    def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
+        """Wait for the selector, then write, read and reap what it says is ready."""
+        unwatched = [w for w in workers if w.watch.pidfd is None]
+        if unwatched:
+            # No pidfd: the sentinel may be held by a grandchild, so ask waitpid too.
+            timeout_s = (
+                POLL_WITHOUT_PIDFD_S if timeout_s is None else min(timeout_s, POLL_WITHOUT_PIDFD_S)
+            )
+        ready = self.selector.select(timeout_s)
+        ended: list[_Worker] = []
+        for key, events in ready:
+            if not key.data:
+                continue
+            worker, what = key.data
+            if worker.gone:
+                continue
+            if what == "exit":
+                ended.append(worker)
+                continue
+            if events & selectors.EVENT_WRITE:
+                self._flush(worker)
+            if events & selectors.EVENT_READ and not worker.gone:
+                self._receive(worker)
+        ended.extend(w for w in unwatched if w not in ended and w.watch.exitcode() is not None)
+        for worker in ended:
+            if not worker.gone:
+                self._reap(worker)
 
     # -- placing tasks ----------------------------------------------------------------
 
@@ -515,18 +572,79 @@ class Dispatcher:
             pool = device.workers if device is not None else self.host_workers
             worker = next((w for w in pool if w.task is None and not w.retiring), None)
             if worker is None:
-                try:
-                    worker = self._spawn(device)
-                except BaseException as exc:
-                    self.items.pop(verdict.task, None)
-                    self.planner.withdraw(verdict.task)
-                    self._fail(item, _broken_by(f"could not start a worker process: {exc!r}", exc))
-                    raise
-                pool.append(worker)
+                worker = self._start_for(item, device, pool)
+                if worker is None:
+                    if verdict.task not in self.items:
+                        continue  # it failed: the start's error is in its future
+                    return max(0.01, self.spawn_retry_at_s - time.monotonic())
+            try:
+                payload = dumps_call(item.call)
+            except BaseException as exc:
+                # As CPython's pool: a call that cannot be pickled fails its own future.
+                self.items.pop(verdict.task, None)
+                self.planner.withdraw(verdict.task)
+                self._fail(item, _detached(exc))
+                continue
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
             if device is not None:
                 self._publish_bookings(device)  # before the task can allocate
-            self._send(item, worker, verdict.ask_bytes)
+            self._send(item, worker, verdict.ask_bytes, payload)
+            del payload
+
+    def _start_for(
+        self, item: WorkItem, device: DeviceState | None, pool: list[_Worker]
+    ) -> _Worker | None:
+        """Start a worker for ``item``; ``None`` when it could not start (yet).
+
+        A start that fails (EMFILE, EAGAIN, ENOMEM: the host is short of
+        something, often briefly) leaves ``item`` at the head of the planner's
+        queue and is tried again after a growing wait; after
+        :data:`SPAWN_TRIES` failures in a row, ``item`` alone fails with the
+        start's error. No running task and no other queued task is affected.
+        """
+        now = time.monotonic()
+        if self.spawn_failures and now < self.spawn_retry_at_s:
+            return None
+        try:
+            worker = self._spawn(device)
+        except Exception as exc:
+            self.spawn_failures += 1
+            self.counts["spawn_failures"] += 1
+            tries = self.spawn_failures
+            if tries < SPAWN_TRIES:
+                wait_s = SPAWN_FIRST_WAIT_S * 4 ** (tries - 1)
+                self.spawn_retry_at_s = now + wait_s
+                LOGGER.warning(
+                    "gpupool could not start a worker process (%s: %s); trying again in "
+                    "%.2f s (try %d of %d)",
+                    type(exc).__name__,
+                    exc,
+                    wait_s,
+                    tries,
+                    SPAWN_TRIES,
+                )
+                return None
+            self.spawn_failures = 0
+            note = (
+                f"gpupool could not start a worker process for this task in {tries} tries "
+                f"over {sum(SPAWN_FIRST_WAIT_S * 4**i for i in range(tries - 1)):.2f} s; "
+                "only this task failed and the pool goes on"
+            )
+            error: BaseException
+            os_error = _os_error_in(exc)
+            if os_error is not None:
+                # The start's own error (OSError picks EMFILE's subclass, and so on).
+                error = OSError(os_error.errno, f"{os_error.strerror} ({note})")
+            else:
+                error = BrokenProcessPool(f"{type(exc).__name__}: {exc} ({note})")
+            error.__cause__ = _detached(exc)
+            self.items.pop(item.task_id, None)
+            self.planner.withdraw(item.task_id)
+            self._fail(item, error)
+            return None
+        self.spawn_failures = 0
+        pool.append(worker)
+        return worker
 
     def _retire_beyond_limits(self) -> None:
         """Give back idle workers a card cannot use now (their contexts are its bytes)."""
@@ -557,47 +675,89 @@ class Dispatcher:
             env=env,
             name="gpupool-worker",
         )
-        process.start()
-        child_conn.close()
+        try:
+            process.start()
+        except BaseException:
+            parent_conn.close()
+            raise
+        finally:
+            child_conn.close()
         self.counts["workers_started"] += 1
         worker = _Worker(process, parent_conn, device.index if device is not None else None)
         self.processes[worker.pid] = process
-        self.selector.register(parent_conn, selectors.EVENT_READ, (worker, "conn"))
-        self.selector.register(process.sentinel, selectors.EVENT_READ, (worker, "sentinel"))
+        self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
+        self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
         return worker
 
-    def _send(self, item: WorkItem, worker: _Worker, ask_bytes: int) -> None:
+    def _send(self, item: WorkItem, worker: _Worker, ask_bytes: int, payload: bytes) -> None:
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
         item.tries += 1
+        if self.cap_allocator and worker.device is not None:
+            # Before the call, on the same ordered channel: the cap is set when the task starts.
+            self._write(worker, allocator_cap_message(ask_bytes))
+        self._write(worker, payload)
+
+    def _write(self, worker: _Worker, payload: bytes) -> None:
+        """Queue one frame for ``worker``; the selector writes what the socket cannot take now."""
         try:
-            if self.cap_allocator and worker.device is not None:
-                worker.conn.send_bytes(allocator_cap_message(ask_bytes))
-            worker.conn.send_bytes(item.call)
-        except OSError:
-            # The worker died before it could take the task: its sentinel will fire.
-            pass
+            done = worker.channel.send(payload)
+        except ChannelClosed:
+            # The worker died before it could take the task: its exit will be seen.
+            worker.channel.discard_output()
+            return
+        if not done:
+            self._watch_writable(worker, True)
+
+    def _flush(self, worker: _Worker) -> None:
+        try:
+            done = worker.channel.flush()
+        except ChannelClosed:
+            worker.channel.discard_output()
+            done = True
+        if done:
+            self._watch_writable(worker, False)
+
+    def _watch_writable(self, worker: _Worker, on: bool) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        try:
+            self.selector.modify(worker.channel.fd, events, (worker, "conn"))
+        except (KeyError, ValueError):
+            pass  # forgotten already
 
     # -- results ----------------------------------------------------------------------
 
     def _receive(self, worker: _Worker) -> None:
-        """Read one answer from ``worker``; a crash here still ends the task's future."""
-        head = worker.task
-        try:
-            self._receive_one(worker)
-        except BaseException as exc:
-            if head is not None and not head.future.done():
-                _set_exception(head.future, exc)
-            raise
+        """Read what ``worker`` sent; handle each complete answer, oldest first.
 
-    def _receive_one(self, worker: _Worker) -> None:
+        At end of file the socket stops being watched: the worker's exit,
+        seen from the process itself, then fails what it ran.
+        """
         try:
-            message = worker.conn.recv_bytes()
-        except (EOFError, OSError):
-            self._reap(worker)
-            return
-        kind, report_fields, payload = pickle.loads(message)
+            frames = worker.channel.receive()
+        except ChannelClosed:
+            frames = []
+            try:
+                self.selector.unregister(worker.channel.fd)
+            except (KeyError, ValueError):
+                pass
+        worker.frames.extend(frames)
+        del frames
+        while len(worker.frames) >= 2 and not worker.gone:
+            header = worker.frames.popleft()
+            payload = worker.frames.popleft()
+            head = worker.task
+            try:
+                self._receive_one(worker, header, payload)
+            except BaseException as exc:
+                # A crash here still ends the task's future.
+                if head is not None and not head.future.done():
+                    _set_exception(head.future, exc)
+                raise
+
+    def _receive_one(self, worker: _Worker, header: bytearray, payload: bytearray) -> None:
+        kind, report_fields = pickle.loads(header)
         item = worker.queue.popleft() if worker.queue else None
         worker.started_s = time.monotonic()
         if kind == "init":
@@ -642,7 +802,7 @@ class Dispatcher:
         error = WidthError(message, decision=record.to_dict() if record is not None else {})
         self._break(message, error)
 
-    def _finish(self, item: WorkItem, kind: str, payload: bytes) -> None:
+    def _finish(self, item: WorkItem, kind: str, payload: bytearray) -> None:
         if kind == "ok":
             try:
                 result = cloudpickle.loads(payload)
@@ -674,7 +834,9 @@ class Dispatcher:
         self.counts["failed"] += 1
         _set_exception(item.future, error)
 
-    def _on_oom(self, worker: _Worker, item: WorkItem, report: PeakReport, payload: bytes) -> None:
+    def _on_oom(
+        self, worker: _Worker, item: WorkItem, report: PeakReport, payload: bytearray
+    ) -> None:
         exc = _load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
         reading = self._snapshot(device) if device is not None and device.census.readable else None
@@ -704,9 +866,11 @@ class Dispatcher:
 
     def _reap(self, worker: _Worker) -> None:
         """A worker's process ended: fail only the task it ran, and forget it."""
-        process = worker.process
-        process.join(timeout=1.0)
-        exitcode = process.exitcode
+        # What it sent before it exited is in the socket still: handle that first.
+        self._receive(worker)
+        if worker.gone:
+            return
+        exitcode = worker.watch.wait(1.0)
         self._forget(worker)
         item = worker.queue.popleft() if worker.queue else None
         if item is None:
@@ -720,9 +884,16 @@ class Dispatcher:
             except ValueError:
                 signal_name = f"signal {-exitcode}"
         how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
+        by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
+        if by_pool:
+            how += (
+                ", sent by the pool itself ("
+                + ("kill_workers()" if exitcode == -signal.SIGKILL else "terminate_workers()")
+                + ")"
+            )
         hint = (
             " SIGKILL often means the host's out-of-memory killer; check host RAM."
-            if signal_name == "SIGKILL"
+            if signal_name == "SIGKILL" and not by_pool
             else ""
         )
         message = (
@@ -816,11 +987,18 @@ class Dispatcher:
         if worker.gone:
             return
         worker.gone = True
-        for fileobj in (worker.conn, worker.process.sentinel):
+        for fd in (worker.channel.fd, worker.watch.fd):
             try:
-                self.selector.unregister(fileobj)
+                self.selector.unregister(fd)
             except (KeyError, ValueError):
                 pass
+        if worker.watch.exitcode() is not None:
+            # Reaped: join returns at once, and multiprocessing lets the process
+            # object go (its finalizer closes loky's sentinel).
+            worker.process.join(timeout=0)
+        worker.watch.close()
+        worker.channel.discard_output()
+        worker.frames.clear()
         self.processes.pop(worker.pid, None)
         pool = self.host_workers if worker.device is None else self.devices[worker.device].workers
         if worker in pool:
@@ -831,28 +1009,22 @@ class Dispatcher:
             pass
 
     def _retire(self, worker: _Worker) -> None:
-        """Ask a worker to exit once idle; its sentinel then tells the loop to forget it."""
+        """Ask a worker to exit once idle; its exit then tells the loop to forget it."""
         worker.retiring = True
         if worker.task is None:
-            try:
-                worker.conn.send_bytes(b"")
-            except OSError:
-                pass
+            self._write(worker, b"")
 
     def _stop_workers(self) -> None:
         workers = list(self._all_workers())
         for worker in workers:
-            worker.retiring = True
-            try:
-                worker.conn.send_bytes(b"")
-            except OSError:
-                pass
-        deadline = time.monotonic() + 10.0
+            if not worker.retiring or worker.task is not None:
+                worker.retiring = True
+                self._write(worker, b"")
+        self._await_exits(workers, STOP_WAIT_S)
         for worker in workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if worker.process.exitcode is None:
-                worker.process.kill()
-                worker.process.join(timeout=5.0)
+            if worker.watch.exitcode() is None:
+                signal_tree(worker.pid, signal.SIGKILL)
+                worker.watch.wait(5.0)
             for item in worker.queue:
                 self._settle(item)
                 _set_exception(
@@ -861,6 +1033,31 @@ class Dispatcher:
             worker.queue.clear()
             self._forget(worker)
         self._fail_pending()
+
+    def _await_exits(self, workers: list[_Worker], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for ``workers`` to exit, writing what they were sent and
+        reading (and dropping) what they send, so none stays blocked on its socket."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(workers)
+        while waiting:
+            waiting = [w for w in waiting if w.watch.exitcode() is None]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            reads: list[int] = []
+            writes: list[int] = []
+            for worker in waiting:
+                reads.append(worker.watch.fd)
+                try:
+                    if worker.channel.flush():
+                        worker.channel.receive()
+                        reads.append(worker.channel.fd)
+                    else:
+                        writes.append(worker.channel.fd)
+                except ChannelClosed:
+                    pass
+            timeout = min(left, POLL_WITHOUT_PIDFD_S)
+            select.select(reads, writes, [], timeout)
 
     def _break(self, message: str, exc: BaseException) -> None:
         with self.lock:
@@ -909,7 +1106,7 @@ def copy_broken(exc: BaseException | None, message: str) -> BaseException:
     return error
 
 
-def _load_exception(payload: bytes) -> BaseException:
+def _load_exception(payload: bytes | bytearray) -> BaseException:
     try:
         exc, tb = cloudpickle.loads(payload)
     except BaseException as error:
@@ -920,6 +1117,22 @@ def _load_exception(payload: bytes) -> BaseException:
         return broken
     exc.__cause__ = _RemoteTraceback(tb)
     return exc  # type: ignore[no-any-return]
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or one it was raised while handling.
+
+    loky's start raises an ``UnboundLocalError`` from its cleanup when
+    ``os.pipe()`` fails; the EMFILE behind it is that error's context.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _broken_by(message: str, cause: BaseException) -> BrokenProcessPool:

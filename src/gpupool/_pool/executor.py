@@ -50,7 +50,7 @@ from gpupool._pool.dispatcher import (
     decision_dict,
     interpreter_exiting,
 )
-from gpupool._pool.worker import dumps_call, process_chunk
+from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
 
@@ -61,6 +61,88 @@ __all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
 
 #: Estimate used when no ``task_peak`` is given and no card is readable.
 _UNKNOWN_ESTIMATE_BYTES = GiB
+
+#: The largest size ``task_peak``, ``reserve`` and ``margin`` accept: 1 PiB, some
+#: thousands of times any card's memory. A larger value is a typo (or a unit
+#: given twice), and its decision log would not be readable by ``postmortem``.
+MAX_SIZE_BYTES = 2**50
+
+
+def _size(value: str | int, name: str, *, allow_zero: bool = True) -> int:
+    """``parse_size`` with gpupool's upper bound (:data:`MAX_SIZE_BYTES`)."""
+    size = parse_size(value, name=name, allow_zero=allow_zero)
+    if size > MAX_SIZE_BYTES:
+        raise ConfigurationError(
+            f"{name}={value!r} is {size} bytes, more than the 2**50 bytes (1 PiB) gpupool "
+            "accepts; give the size of one task on one card, such as '6GiB'."
+        )
+    return size
+
+
+def _check_flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"{name}={value!r}: pass True or False (a string such as 'no' would count as True)."
+        )
+    return value
+
+
+def _check_env(env: object) -> dict[str, str]:
+    """The ``env=`` mapping, refused unless every key and value can reach a worker as given."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ConfigurationError(
+            f"env={env!r}: pass a mapping of variable names to values, such as "
+            "{'OMP_NUM_THREADS': '1'}."
+        )
+    checked: dict[str, str] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigurationError(f"env: the key {key!r} is not a non-empty str.")
+        if "=" in key or "\0" in key:
+            raise ConfigurationError(
+                f"env: the key {key!r} holds {'=' if '=' in key else 'a NUL byte'}, which no "
+                "environment variable name can; the child would see another variable."
+            )
+        if not isinstance(value, str):
+            raise ConfigurationError(
+                f"env[{key!r}]={value!r}: values must be str (None would reach the worker as "
+                f"'None'); pass str(value), or leave {key!r} out."
+            )
+        if "\0" in value:
+            raise ConfigurationError(
+                f"env[{key!r}]={value!r} holds a NUL byte, which no environment value can."
+            )
+        checked[key] = value
+    return checked
+
+
+def _check_devices(devices: object) -> list[int | str] | None:
+    """The ``devices=`` selection: a sequence of indexes and UUIDs, never a bare one."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, bytes, int)):
+        raise ConfigurationError(
+            f"devices={devices!r}: pass a list of device indexes or UUIDs, such as "
+            f"devices=[{devices!r}]."
+        )
+    if not isinstance(devices, Sequence):
+        raise ConfigurationError(
+            f"devices={devices!r}: pass a list of device indexes or UUIDs, such as devices=[0, 1]."
+        )
+    checked: list[int | str] = []
+    for entry in devices:
+        if isinstance(entry, bool) or not isinstance(entry, (int, str)):
+            raise ConfigurationError(
+                f"devices entry {entry!r}: each entry is a device index (int) or UUID (str)."
+            )
+        if isinstance(entry, int) and entry < 0:
+            raise ConfigurationError(f"devices entry {entry!r}: an index is 0 or more.")
+        checked.append(entry)
+    if not checked:
+        raise ConfigurationError("devices=[]: name at least one device, or pass None for all.")
+    return checked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,6 +377,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 "processes may not have children); run it from a non-daemonic process, e.g. "
                 "set distributed.worker.daemon=False for Dask workers."
             )
+        strict = _check_flag(strict, "strict")
+        retry_oom = _check_flag(retry_oom, "retry_oom")
+        worker_env_given = _check_env(env)
+        devices = _check_devices(devices)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ConfigurationError(
                 f"max_retries={max_retries!r}: pass a whole number of retries, 0 or more."
@@ -313,21 +399,15 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 "strict=True needs max_workers: the width that must not be narrowed."
             )
         peak_bytes = (
-            parse_size(task_peak, name="task_peak", allow_zero=False)
-            if task_peak is not None
-            else None
+            _size(task_peak, "task_peak", allow_zero=False) if task_peak is not None else None
         )
         policy = Policy(
-            margin_bytes=(
-                parse_size(margin, name="margin") if margin is not None else DEFAULT_MARGIN_BYTES
-            ),
+            margin_bytes=(_size(margin, "margin") if margin is not None else DEFAULT_MARGIN_BYTES),
             margin_fraction=(
                 float(margin_fraction) if margin_fraction is not None else DEFAULT_MARGIN_FRACTION
             ),
             reserve_bytes=(
-                parse_size(reserve, name="reserve")
-                if reserve is not None
-                else DEFAULT_RESERVE_BYTES
+                _size(reserve, "reserve") if reserve is not None else DEFAULT_RESERVE_BYTES
             ),
             # An explicit margin keeps meaning what it says; by default the
             # margin is learned from the spread of each key's measurements.
@@ -396,7 +476,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         simulator = os.environ.get(SIMULATOR_ENV)
         if simulator:
             worker_env[SIMULATOR_ENV] = simulator
-        worker_env.update(env or {})
+        worker_env.update(worker_env_given)
         # Passed to each worker as a process argument, pickled while the worker is
         # spawned: multiprocessing queues and locks in initargs work, as in CPython.
         init_call = (initializer, tuple(initargs)) if initializer is not None else None
@@ -502,7 +582,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             ConfigurationError: ``task_peak`` is not a positive size.
         """
         if task_peak is not None:
-            parse_size(task_peak, name="task_peak", allow_zero=False)
+            _size(task_peak, "task_peak", allow_zero=False)
         if key is not None and not isinstance(key, str):
             raise ConfigurationError(f"key={key!r}: a task key must be a str.")
         return _OptionsView(self, TaskOptions(key=key, task_peak=task_peak))
@@ -526,16 +606,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             future: Future[Any] = Future()
             task_key = (options.key if options and options.key else None) or key or _task_key(fn)
             hint = (
-                parse_size(options.task_peak, name="task_peak", allow_zero=False)
+                _size(options.task_peak, "task_peak", allow_zero=False)
                 if options is not None and options.task_peak is not None
                 else None
             )
-            try:
-                call = dumps_call((fn, args, kwargs))
-            except BaseException as exc:
-                future.set_exception(exc)
-                return future
-            d.enqueue(WorkItem(future, call, task_key, hint))
+            # Pickled when it is sent to a worker: waiting work costs no pickled copy.
+            d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint))
             return future
 
     def map(

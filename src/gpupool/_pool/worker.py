@@ -4,26 +4,42 @@ A worker is started by loky's process backend with its environment set
 before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
 so nothing in it can touch the wrong card. It then runs one task at a time::
 
-    parent --send_bytes(cloudpickle((fn, args, kwargs)))--> worker
-    parent <--send_bytes(pickle((kind, report, payload)))---------- worker
+    parent --frame: pickle((fn, args, kwargs))--------------> worker
+    parent <--frame: pickle((kind, report)), frame: payload-- worker
 
 ``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
 the pickled exception and the formatted traceback), ``"oom"`` (a device
 out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
 task could not be unpickled) or ``"init"`` (the initializer raised; the
-worker then exits). An empty message asks the worker to exit. The outer
-tuple is plain pickle of plain values, so the parent always learns what
-happened even when the payload cannot be unpickled; a worker answers its
-tasks in the order it was given them, so the answer is about the oldest
-task the parent handed to it.
+worker then exits). An empty message asks the worker to exit. The header
+is plain pickle of plain values, so the parent always learns what
+happened even when the payload cannot be unpickled; the payload travels as
+a frame of its own, so a result is pickled once here and unpickled once in
+the parent. A worker answers its tasks in the order it was given them, so
+the answer is about the oldest task the parent handed to it. The worker's
+end of the socket blocks; the parent's never does
+(:mod:`gpupool._pool.channel`).
+
+At start a worker
+
+* asks the kernel to SIGKILL it when the pool's process dies
+  (``prctl(PR_SET_PDEATHSIG)`` on Linux), which needs no Python thread, so it
+  holds while a task keeps the GIL; elsewhere a thread polls ``getppid``;
+* makes a process group of its own, so the pool can signal everything its
+  tasks started (:func:`gpupool._pool.reaper.signal_tree`);
+* marks its inherited descriptors close-on-exec, so a program a task runs
+  does not hold the worker's socket or loky's sentinel.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import pickle
+import signal
+import sys
 import threading
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -39,9 +55,13 @@ if TYPE_CHECKING:
 
 __all__ = ["dumps_call", "process_chunk", "worker_main"]
 
-#: How often a worker checks that its parent is alive. A worker whose
-#: parent was SIGKILLed must exit soon, or it keeps device memory as an orphan.
+#: How often a worker checks that its parent is alive, where the kernel cannot
+#: be asked to do it (not Linux). A worker whose parent was SIGKILLed must exit
+#: soon, or it keeps device memory as an orphan.
 PARENT_CHECK_INTERVAL_S = 0.5
+
+#: ``prctl`` option: the signal the kernel sends this process when its parent dies.
+_PR_SET_PDEATHSIG = 1
 
 _LOGGER = logging.getLogger("concurrent.futures")
 
@@ -51,6 +71,46 @@ def _watch_parent(parent_pid: int) -> None:
         threading.Event().wait(PARENT_CHECK_INTERVAL_S)
         if os.getppid() != parent_pid:
             os._exit(1)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies; whether it could.
+
+    Linux only (``prctl(PR_SET_PDEATHSIG, SIGKILL)``). The signal comes when
+    the *thread* that started this process ends, which for a pool's worker is
+    the pool's dispatcher thread: it lives until the pool has stopped its
+    workers. A parent that died before the call is caught by the ``getppid``
+    check after it.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    return True
+
+
+def _isolate() -> None:
+    """A process group of this worker's own; inherited descriptors closed on exec."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
 
 
 def _dump_exception(exc: BaseException) -> bytes:
@@ -77,14 +137,16 @@ def worker_main(
     max_tasks: int | None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran."""
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if not die_with_parent(parent_pid):
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _isolate()
     if initializer is not None:
         try:
             fn, args = initializer
             fn(*args)
         except BaseException as exc:
             _LOGGER.critical("Exception in initializer:", exc_info=True)
-            conn.send_bytes(pickle.dumps(("init", None, _dump_exception(exc))))
+            _answer(conn, "init", None, _dump_exception(exc))
             return
 
     from gpupool._probe import Probe, apply_allocator_cap, is_device_oom, read_allocator_cap_message
@@ -113,7 +175,7 @@ def worker_main(
         try:
             fn, args, kwargs = cloudpickle.loads(message)
         except BaseException as exc:
-            conn.send_bytes(pickle.dumps(("unpickle", None, _dump_exception(exc))))
+            _answer(conn, "unpickle", None, _dump_exception(exc))
             continue
         del message
         probe.start()
@@ -140,8 +202,15 @@ def worker_main(
             payload = _dump_exception(failure)
             failure = None
         # The report as a dict of plain values: the parent rebuilds it with ``PeakReport(**...)``.
-        conn.send_bytes(pickle.dumps((kind, dataclasses.asdict(report), payload)))
+        _answer(conn, kind, dataclasses.asdict(report), payload)
+        del payload
         done += 1
+
+
+def _answer(conn: Connection, kind: str, report: dict[str, Any] | None, payload: bytes) -> None:
+    """Send one answer: the header frame, then the payload as a frame of its own (no copy)."""
+    conn.send_bytes(pickle.dumps((kind, report)))
+    conn.send_bytes(payload)
 
 
 def dumps_call(obj: object) -> bytes:

@@ -146,9 +146,16 @@ def default_bookings_directory(*, shared: bool = False, shm: Path = Path("/dev/s
 class _Unavailable(Exception):
     """The table cannot be kept here; the message says why (logged once)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, message: str, *, kind: str = "unreachable") -> None:
         super().__init__(message)
         self.kind = kind
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_unavailable, (str(self), self.kind))
+
+
+def _rebuild_unavailable(message: str, kind: str) -> _Unavailable:
+    return _Unavailable(message, kind=kind)
 
 
 class BookingTable:
@@ -331,11 +338,11 @@ class BookingTable:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
         except OSError as exc:
             raise _Unavailable(
-                "open",
                 f"the booking table file {path} cannot be opened for writing ({exc}); pools on "
                 "this host will not see each other's bookings (each prices its cards by live "
                 "readings alone). Pass bookings_dir= a writable directory, or "
                 "share_bookings=False to silence this.",
+                kind="open",
             ) from None
         try:
             status = os.fstat(fd)
@@ -344,10 +351,10 @@ class BookingTable:
                     os.fchmod(fd, SHARED_MODE)  # the umask narrowed it
             elif status.st_uid != os.geteuid() or status.st_mode & 0o077:
                 raise _Unavailable(
-                    "foreign",
                     f"the booking table file {path} is not private to this user (owner uid "
                     f"{status.st_uid}, mode {stat.S_IMODE(status.st_mode):o}); it is not used. "
                     "Remove it, or pass bookings_dir= a directory of your own.",
+                    kind="foreign",
                 )
         except BaseException:
             os.close(fd)
@@ -366,11 +373,11 @@ class BookingTable:
             created = False
         except OSError as exc:
             raise _Unavailable(
-                "directory",
                 f"the booking table directory {directory} cannot be created ({exc}); pools on "
                 "this host will not see each other's bookings (each prices its cards by live "
                 "readings alone). Pass bookings_dir= a writable directory, or "
                 "share_bookings=False to silence this.",
+                kind="directory",
             ) from None
         try:
             status = directory.lstat()
@@ -378,23 +385,23 @@ class BookingTable:
                 os.chmod(directory, mode)  # the umask narrowed it
         except OSError as exc:
             raise _Unavailable(
-                "directory", f"the booking table directory {directory} cannot be read ({exc})"
+                f"the booking table directory {directory} cannot be read ({exc})", kind="directory"
             ) from None
         if not stat.S_ISDIR(status.st_mode):
             raise _Unavailable(
-                "directory",
                 f"the booking table path {directory} is not a directory; pass bookings_dir= "
                 "a directory.",
+                kind="directory",
             )
         if not self.shared and (
             status.st_uid != os.geteuid() or stat.S_IMODE(status.st_mode) & 0o022
         ):
             raise _Unavailable(
-                "foreign",
                 f"the booking table directory {directory} is not private to this user (owner "
                 f"uid {status.st_uid}, mode {stat.S_IMODE(status.st_mode):o}); it is not used. "
                 "Pass bookings_dir= a directory of your own, or share_bookings='host' for a "
                 "table shared by every user.",
+                kind="foreign",
             )
         self._prepared = True
 

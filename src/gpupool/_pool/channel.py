@@ -1,0 +1,228 @@
+"""The parent's end of a worker's socket: writes and reads that never block (process layer).
+
+The dispatcher is one thread serving every worker, so nothing it does may
+wait on one worker: a worker blocked sending a large result while the
+dispatcher is blocked sending it the next call would freeze both for good.
+Here the parent's end of the socket is non-blocking; a message that does
+not fit the socket's buffer stays queued and is written as the worker
+reads (the dispatcher's selector watches for the socket to be writable),
+and a message is read piece by piece as it arrives. The worker keeps
+plain blocking ``Connection.send_bytes``/``recv_bytes``: its end is its own.
+
+Frames are those of :class:`multiprocessing.connection.Connection`, so the
+two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
+unsigned length for a frame over 2 GiB, then the bytes. A worker's answer
+is two frames: a small header (plain pickle of plain values) and the
+payload, which is written and read without being copied into another
+buffer, so a result is pickled once in the worker and unpickled once here.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+from typing import Any
+
+__all__ = ["Channel", "ChannelClosed"]
+
+#: Bytes asked of one ``read`` while a frame's header or a small frame is read.
+_READ_CHUNK_BYTES = 256 * 1024
+
+_SMALL = struct.Struct("!i")
+_LARGE = struct.Struct("!Q")
+_LARGE_ABOVE = 0x7FFFFFFF
+
+
+class ChannelClosed(Exception):
+    """The worker's end is closed (it exited, or was killed), or the socket failed."""
+
+
+def frame_header(size: int) -> bytes:
+    """The header ``Connection.send_bytes`` writes before ``size`` bytes."""
+    if size > _LARGE_ABOVE:
+        return _SMALL.pack(-1) + _LARGE.pack(size)
+    return _SMALL.pack(size)
+
+
+class Channel:
+    """Non-blocking framed I/O on the parent's end of one worker's connection.
+
+    Only the dispatcher thread uses a channel. ``send`` queues a frame and
+    writes what the socket takes now; ``flush`` writes more when the
+    selector says the socket is writable; ``receive`` returns the complete
+    frames read so far, keeping a partial one for the next call.
+    """
+
+    __slots__ = (
+        "_body",
+        "_body_at",
+        "_closed",
+        "_frames",
+        "_head",
+        "_out",
+        "conn",
+        "fd",
+        "out_bytes",
+    )
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.fd: int = conn.fileno()
+        os.set_blocking(self.fd, False)
+        self._out: collections.deque[memoryview] = collections.deque()
+        self.out_bytes = 0
+        self._head = bytearray()
+        self._body: bytearray | None = None
+        self._body_at = 0
+        self._frames: list[bytearray] = []
+        # Why the channel closed (text only: an exception kept here would hold this
+        # channel through its traceback's frames, and with it the worker's descriptors).
+        self._closed: str | None = None
+
+    # -- writing -------------------------------------------------------------------------
+
+    @property
+    def wants_write(self) -> bool:
+        """Whether bytes are queued that the socket has not taken yet."""
+        return self.out_bytes > 0
+
+    def send(self, payload: bytes | bytearray | memoryview) -> bool:
+        """Queue one frame and write what the socket takes now; ``True`` when all is written.
+
+        Raises:
+            ChannelClosed: the worker's end is closed.
+        """
+        view = memoryview(payload).cast("B")
+        header = frame_header(view.nbytes)
+        if view.nbytes <= 16384:
+            # One write for a small frame (no empty write when the frame is empty).
+            self._out.append(memoryview(header + bytes(view)))
+            self.out_bytes += len(header) + view.nbytes
+        else:
+            self._out.append(memoryview(header))
+            self._out.append(view)
+            self.out_bytes += len(header) + view.nbytes
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Write queued bytes until the socket is full; ``True`` when nothing is left queued.
+
+        Raises:
+            ChannelClosed: the worker's end is closed.
+        """
+        out = self._out
+        while out:
+            view = out[0]
+            try:
+                written = os.write(self.fd, view)
+            except BlockingIOError:
+                return False
+            except InterruptedError:
+                continue
+            except OSError as exc:  # EPIPE, ECONNRESET, EBADF: the worker is gone
+                raise ChannelClosed(str(exc)) from exc
+            self.out_bytes -= written
+            if written == view.nbytes:
+                out.popleft()
+                view.release()
+            else:
+                out[0] = view[written:]
+        return True
+
+    def discard_output(self) -> None:
+        """Drop what is queued (the worker is gone; nobody will read it)."""
+        self._out.clear()
+        self.out_bytes = 0
+
+    # -- reading -------------------------------------------------------------------------
+
+    def receive(self) -> list[bytearray]:
+        """Read what the socket holds now; return the frames completed, oldest first.
+
+        Raises:
+            ChannelClosed: end of file (the worker's end closed), or the socket
+                failed. Frames completed before the end are returned first: the
+                error comes on the next call.
+        """
+        if self._closed is not None:
+            raise ChannelClosed(self._closed)
+        try:
+            self._read_available()
+        except ChannelClosed as exc:
+            self._closed = str(exc)
+            if not self._frames:
+                raise
+        frames, self._frames = self._frames, []
+        return frames
+
+    def _read_available(self) -> None:
+        while True:
+            if self._body is None:
+                data = self._read(_READ_CHUNK_BYTES)
+                if data is None:
+                    return
+                self._head += data
+                self._split_head()
+            else:
+                body = self._body
+                view = memoryview(body)[self._body_at :]
+                try:
+                    got = os.readv(self.fd, [view])
+                except BlockingIOError:
+                    return
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    raise ChannelClosed(str(exc)) from exc
+                finally:
+                    view.release()
+                if got == 0:
+                    raise ChannelClosed("the worker closed its end mid-message")
+                self._body_at += got
+                if self._body_at == len(body):
+                    self._frames.append(body)
+                    self._body = None
+                    self._body_at = 0
+                    self._split_head()
+
+    def _read(self, size: int) -> bytes | None:
+        while True:
+            try:
+                data = os.read(self.fd, size)
+            except BlockingIOError:
+                return None
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                raise ChannelClosed(str(exc)) from exc
+            if not data:
+                raise ChannelClosed("end of file")
+            return data
+
+    def _split_head(self) -> None:
+        """Cut complete frames out of the bytes read ahead; start the body of a partial one."""
+        head = self._head
+        while self._body is None:
+            if len(head) < 4:
+                return
+            (size,) = _SMALL.unpack_from(head)
+            start = 4
+            if size == -1:
+                if len(head) < 12:
+                    return
+                (size,) = _LARGE.unpack_from(head, 4)
+                start = 12
+            elif size < 0:
+                raise ChannelClosed(f"a frame of negative length {size}: the stream is corrupt")
+            end = start + size
+            if len(head) >= end:
+                self._frames.append(bytearray(head[start:end]))
+                del head[:end]
+                continue
+            body = bytearray(size)
+            have = len(head) - start
+            body[:have] = head[start:]
+            head.clear()
+            self._body = body
+            self._body_at = have

@@ -1,0 +1,113 @@
+"""Watching a worker process, and ending its whole tree (process layer).
+
+A worker's death is read from the process itself, not from a pipe: loky's
+sentinel and the worker's socket are file descriptors that a task's own
+child can inherit (``os.fork``, ``os.system``), and then neither reports
+the worker's exit until that grandchild exits too. On Linux 5.3 and later
+a *pidfd* (:func:`os.pidfd_open`) becomes readable when the process
+exits, whoever holds its pipes; the dispatcher's selector watches it.
+Elsewhere the watch falls back to loky's sentinel, and the dispatcher
+polls ``waitpid`` as well (:data:`POLL_WITHOUT_PIDFD_S`), so a held pipe
+delays the news by that much at most.
+
+Each worker puts itself in a process group of its own at start
+(:func:`gpupool._pool.worker.worker_main`), so the children its tasks start
+share the worker's group; :func:`signal_tree` signals the group, and every
+descendant found by walking ``/proc`` (a child that made a session or group
+of its own), so ``terminate_workers()``/``kill_workers()`` leave nothing
+running.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import Any
+
+import psutil
+
+__all__ = ["POLL_WITHOUT_PIDFD_S", "ProcessWatch", "signal_tree"]
+
+#: Without pidfds, how often the dispatcher asks ``waitpid`` whether a worker exited.
+POLL_WITHOUT_PIDFD_S = 0.1
+
+#: Whether this platform has pidfds at all (Linux 5.3+, Python 3.9+).
+HAVE_PIDFD = hasattr(os, "pidfd_open")
+
+
+class ProcessWatch:
+    """One worker process: a descriptor that is readable once it exited, and its exit code."""
+
+    __slots__ = ("fd", "pid", "pidfd", "process")
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.pid: int = process.pid
+        self.pidfd: int | None = None
+        if HAVE_PIDFD:
+            try:
+                self.pidfd = os.pidfd_open(self.pid)
+            except OSError:  # ENOSYS on an older kernel, or the process is already gone
+                self.pidfd = None
+        self.fd: int = self.pidfd if self.pidfd is not None else process.sentinel
+
+    def exitcode(self) -> int | None:
+        """The exit code once the process exited (reaping it), else ``None``; never blocks."""
+        code: int | None = self.process.exitcode  # waitpid(WNOHANG) through loky's Popen
+        return code
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` seconds for the process to exit; its exit code or ``None``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.exitcode()
+            if code is not None:
+                return code
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self.pidfd is not None:
+                select.select([self.pidfd], [], [], left)
+            else:
+                # The sentinel may be held open by a grandchild: poll as well.
+                select.select([self.fd], [], [], min(left, POLL_WITHOUT_PIDFD_S))
+
+    def close(self) -> None:
+        """Give the pidfd back (the sentinel is loky's, closed with its process object)."""
+        if self.pidfd is not None:
+            try:
+                os.close(self.pidfd)
+            except OSError:
+                pass
+            self.pidfd = None
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to process ``pid``, its process group if it leads one, and its descendants.
+
+    Call it before ``pid`` is reaped: until then its PID (and its group's ID)
+    cannot be reused, so nothing else is signalled.
+    """
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    try:
+        leads_group = os.getpgid(pid) == pid
+    except OSError:
+        leads_group = False
+    if leads_group:
+        try:
+            os.killpg(pid, sig)
+        except OSError:
+            pass
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+    for child in descendants:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
