@@ -334,3 +334,65 @@ def test_the_reported_width_never_passes_an_out_of_memory_cap():
     assert planner.width <= cap
     later = [r for r in records if r.time_s > 0.2 and r.event in {"widened", "narrowed"}]
     assert all(r.width_after is not None and r.width_after <= cap for r in later)
+
+
+def test_retries_are_capped_in_every_mode_and_the_error_names_the_cap():
+    """A task that keeps running out beside a neighbour fails after max_retries, naming it."""
+    for fixed in (None, 2):
+        records: list[Decision] = []
+        census = census_of([card_census(total_bytes=16 * GiB, free_bytes=16 * GiB)])
+        asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=2 * GiB)
+        config = PlannerConfig(
+            max_workers=4, fixed_width=fixed, reserve_bytes=0, parent_pid=PARENT, max_retries=3
+        )
+        planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+        planner.construct(0.0)
+        planner.submit(0, "k")
+        planner.submit(1, "neighbour")
+        assert len(_start_all(planner, 0.0)) == 2
+        oom = PeakReport(device=0, device_peak_bytes=GiB, device_source="simulator", oom=True)
+        outcomes = []
+        for step in range(10):
+            verdict = planner.out_of_memory(0, oom, None, float(step), error="oom")
+            outcomes.append(verdict)
+            if isinstance(verdict, Fail):
+                break
+            planner.started(0, 0, 100, float(step))  # run again beside the neighbour
+        assert [isinstance(v, Retry) for v in outcomes] == [True, True, True, False]
+        fail = outcomes[-1]
+        assert isinstance(fail, Fail)
+        assert fail.kind == "retries_exhausted"
+        assert "max_retries=3" in fail.reason
+
+
+def test_an_oom_on_a_small_card_is_retried_on_the_larger_one():
+    """A task that overflows an 8 GiB card alone (its room free) is retried on a 24 GiB card."""
+    records: list[Decision] = []
+    census = census_of(
+        [
+            card_census(device=0, total_bytes=8 * GiB, free_bytes=8 * GiB),
+            card_census(device=1, total_bytes=24 * GiB, free_bytes=24 * GiB),
+        ]
+    )
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=2 * GiB)
+    config = PlannerConfig(max_workers=4, reserve_bytes=0, parent_pid=PARENT)
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    planner.submit(0, "k")
+    verdict = planner.next_start(0.0)
+    assert isinstance(verdict, Start)
+    planner.started(0, 0, 100, 0.0)  # it ran on the small card
+    report = PeakReport(
+        device=0,
+        device_peak_bytes=2 * GiB,
+        device_source="simulator",
+        oom=True,
+        oom_requested_bytes=10 * GiB,
+    )
+    free = CardReading(free_bytes=8 * GiB, used_bytes=0, process_bytes={})
+    outcome = planner.out_of_memory(0, report, free, 0.1, error="oom")
+    assert isinstance(outcome, Retry)
+    again = planner.next_start(0.2)
+    assert isinstance(again, Start)
+    assert again.device == 1
+    assert asks.ask("k").ask_bytes >= 12 * GiB
