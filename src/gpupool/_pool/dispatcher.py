@@ -926,6 +926,7 @@ class Dispatcher:
                     ),
                     key=key,
                     extra=_report_extra(report),
+                    key_ask=after,
                 )
             )
             if new < old:
@@ -952,6 +953,7 @@ class Dispatcher:
                             f"holds {decision.width}"
                         ),
                         key=key,
+                        key_ask=after,
                     )
                 )
         if not changed and before.basis != after.basis:
@@ -1053,6 +1055,7 @@ class Dispatcher:
                 ceiling=self.ceiling,
                 key=item.key,
                 extra=extra,
+                key_ask=after,
             )
         )
         if retry and device is not None and self.fixed_width is not None:
@@ -1334,6 +1337,7 @@ class Dispatcher:
                 ceiling=self.ceiling,
                 key=ask.key or None,
                 extra=dict(extra or {}),
+                key_ask=ask if ask.key else None,
             )
         )
 

@@ -331,7 +331,21 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         # Passed to each worker as a process argument, pickled while the worker is
         # spawned: multiprocessing queues and locks in initargs work, as in CPython.
         init_call = (initializer, tuple(initargs)) if initializer is not None else None
-        log = DecisionLog(path)
+        log = DecisionLog(
+            path,
+            settings={
+                "max_workers": max_workers,
+                "task_peak_bytes": peak_bytes,
+                "reserve_bytes": policy.reserve_bytes,
+                "margin_bytes": policy.margin_bytes,
+                "margin_fraction": policy.margin_fraction,
+                "width": width,
+                "strict": bool(strict),
+                "retry_oom": bool(retry_oom),
+                "max_tasks_per_child": max_tasks_per_child,
+                "devices": None if devices is None else ",".join(str(d) for d in devices),
+            },
+        )
         self._log = log
         self._dispatcher = Dispatcher(
             census=census,
