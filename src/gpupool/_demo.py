@@ -167,9 +167,19 @@ def _run_pool(
     progress: bool | None,
 ) -> tuple[int, int]:
     """Submit every task, follow them with a progress bar; returns ``(completed, failed)``."""
-    from gpupool._progress import track
 
     futures = [pool.submit(fn, *a) for a in args]
+    try:
+        return _follow(pool, futures, progress)
+    except KeyboardInterrupt:
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def _follow(pool: Any, futures: list[Any], progress: bool | None) -> tuple[int, int]:
+    from gpupool._progress import track
+
     done = failed = 0
     observed = pool if hasattr(pool, "statistics") else None
     for future in track(
@@ -214,6 +224,88 @@ def _short(decision: Any) -> str:
     if decision.event == "shutdown":
         parts.append(decision.reason.split(";")[0])
     return ", ".join(parts)
+
+
+def run_demo_isolated(
+    *,
+    log_path: str | Path = "gpupool-demo.jsonl",
+    plot_path: str | Path | None = "gpupool-demo.png",
+    simulate: bool = False,
+    progress: bool | None = None,
+    say: Callable[[str], None],
+) -> int:
+    """:func:`run_demo` in a child process of its own session; Ctrl-C stops it once, cleanly.
+
+    A terminal sends Ctrl-C's SIGINT to its whole foreground process group:
+    every worker of both pools would print its own ``KeyboardInterrupt``
+    traceback (a worker still starting cannot ignore it yet). The demo runs
+    in a new session instead, so only this process hears the terminal; it
+    passes one SIGINT on to the demo, which cancels what has not started and
+    exits quietly. Lines the demo says are relayed through ``say``; its
+    progress bar writes to the inherited stderr.
+
+    Raises:
+        KeyboardInterrupt: after the demo stopped, when Ctrl-C stopped it.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from gpupool._progress import progress_enabled
+
+    options = {
+        "log_path": str(log_path),
+        "plot_path": None if plot_path is None else str(plot_path),
+        "simulate": simulate,
+        "progress": progress_enabled(progress),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gpupool._demo", json.dumps(options)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_ignore_interrupt_until_ready,
+    )
+    assert child.stdout is not None
+    interrupted = False
+    while True:
+        try:
+            for line in child.stdout:
+                say(line.rstrip("\n"))
+            break
+        except KeyboardInterrupt:
+            if not interrupted:
+                interrupted = True
+                child.send_signal(signal.SIGINT)
+    try:
+        status = child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        status = child.wait()
+    if interrupted or status == 130:
+        raise KeyboardInterrupt
+    return status
+
+
+def _ignore_interrupt_until_ready() -> None:
+    """The demo's child starts with SIGINT ignored; it takes it once its imports are done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _child_main(argv: list[str]) -> int:
+    """``python -m gpupool._demo OPTIONS``: the child of :func:`run_demo_isolated`."""
+    import json
+
+    options = json.loads(argv[0])
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return run_demo(say=say, **options)
+    except KeyboardInterrupt:
+        return 130
 
 
 def run_demo(
@@ -309,11 +401,11 @@ def _run_simulated(
         say("")
         say(f"2. concurrent.futures.ProcessPoolExecutor(max_workers={inc['max_workers']})")
         start = time.monotonic()
-        context = multiprocessing.get_context("spawn")
+        spawn = multiprocessing.get_context("spawn")
         with (
             _Sampler(host) as theirs,
             concurrent.futures.ProcessPoolExecutor(
-                max_workers=inc["max_workers"], mp_context=context, initializer=ignore_interrupt
+                max_workers=inc["max_workers"], mp_context=spawn, initializer=ignore_interrupt
             ) as stdlib,
         ):
             std_done, std_failed = _run_pool(stdlib, entry, args, progress)
@@ -427,3 +519,9 @@ def _maybe_plot(
         say(f"no plot: {exc}")
         return
     say(f"plot: {plot_path}")
+
+
+if __name__ == "__main__":  # pragma: no cover - run by run_demo_isolated
+    import sys
+
+    sys.exit(_child_main(sys.argv[1:]))

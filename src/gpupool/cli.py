@@ -816,9 +816,9 @@ def _add_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gpupool._demo import run_demo
+    from gpupool._demo import run_demo_isolated
 
-    return run_demo(
+    return run_demo_isolated(
         log_path=args.log,
         plot_path=args.plot,
         simulate=args.simulate,
