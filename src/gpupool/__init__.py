@@ -40,7 +40,6 @@ from gpupool._errors import (
     WidthError,
     WorkerLostError,
 )
-
 from gpupool._progress import track
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 

@@ -78,7 +78,7 @@ def torch_entry(index: int, nbytes: int = TORCH_ENTRY_BYTES, hold_s: float = 0.2
 
 
 #: Where the demo's numbers are explained, term by term.
-DOCS_PAGE = "the documentation's page 'The demo, explained' (docs/demo.md)"
+DOCS_PAGE = "the page 'The demo, explained' (docs/demo.md)"
 
 #: How often the demo reads the simulated card for its plot.
 SAMPLE_INTERVAL_S = 0.02
@@ -211,18 +211,16 @@ def _short(decision: Any) -> str:
         before = decision.width_before
         moved = f"{before} -> " if before is not None and before != decision.width_after else ""
         parts.append(f"width {moved}{decision.width_after}")
-    if decision.limit:
-        parts.append(f"set by {decision.limit}")
-    ask = decision.key_ask if decision.key_ask is not None else None
+        if decision.limit:
+            parts[-1] += f" ({decision.limit})"
+    ask = decision.key_ask
     bound = decision.bound
     if ask is not None:
-        parts.append(f"ask {format_size(ask.ask_bytes)} ({ask.basis})")
+        parts.append(f"ask {format_size(ask.ask_bytes)} {ask.basis}")
     elif bound is not None:
-        parts.append(f"ask {format_size(bound.ask_bytes)} ({bound.ask_basis})")
-    if bound is not None:
-        parts.append(f"own high-water {format_size(bound.own_high_water_bytes)}")
+        parts.append(f"ask {format_size(bound.ask_bytes)} {bound.ask_basis}")
     if decision.event == "shutdown":
-        parts.append(decision.reason.split(";")[0])
+        parts.append(decision.reason.split(";")[0].replace("pool shut down after ", ""))
     return ", ".join(parts)
 
 
@@ -277,6 +275,7 @@ def run_demo_isolated(
             if not interrupted:
                 interrupted = True
                 child.send_signal(signal.SIGINT)
+    child.stdout.close()
     try:
         status = child.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -303,7 +302,11 @@ def _child_main(argv: list[str]) -> int:
 
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        return run_demo(say=say, **options)
+        # The module by its name, not as __main__: task keys read gpupool._demo.entry.
+        import gpupool._demo as demo
+
+        status: int = demo.run_demo(say=say, **options)
+        return status
     except KeyboardInterrupt:
         return 130
 
@@ -355,12 +358,12 @@ def _run_simulated(
     log = _fresh_log(log_path)
     say("gpupool demo: the incident, on a simulated card (no GPU needed)")
     say(
-        f"  card {inc['card_total']}, a serving co-tenant {inc['co_tenant']}, the parent "
-        f"{inc['parent_holds']}"
+        f"  a {format_size(parse_size(inc['card_total']))} card; a serving co-tenant holds "
+        f"{format_size(parse_size(inc['co_tenant']))},"
     )
     say(
-        f"  {n} entries of {inc['entry_holds']} each; task_peak={inc['task_peak']}, "
-        f"max_workers={inc['max_workers']}"
+        f"  the parent {format_size(parse_size(inc['parent_holds']))}; {n} entries of "
+        f"{format_size(parse_size(inc['entry_holds']))} each"
     )
     context = parse_size(DEFAULT_CONTEXT)
     say(f"  each process on it also holds a {format_size(context)} CUDA context, so the")
@@ -393,9 +396,9 @@ def _run_simulated(
         gpupool_peak = host.device_peak(0)
         _say_decisions(say, pool.decisions)
         widths = " -> ".join(str(w) for _, w in stats.widths) or str(stats.width)
+        say(f"   {done} completed, {failed} failed in {gpupool_s:.1f} s; width {widths}")
         say(
-            f"   {done} completed, {failed} failed in {gpupool_s:.1f} s; width {widths}; "
-            f"{gpupool_ooms} out-of-memory; card peak {format_size(gpupool_peak)} of "
+            f"   {gpupool_ooms} out-of-memory; card peak {format_size(gpupool_peak)} of "
             f"{format_size(host.devices[0].total_bytes)}"
         )
         say("")
@@ -413,22 +416,26 @@ def _run_simulated(
         std_events = host.out_of_memory_events[gpupool_ooms:]
         std_ooms = len(std_events)
         say(
-            f"   {std_done} completed, {std_failed} failed (SimulatedOutOfMemory) in "
-            f"{std_s:.1f} s at a fixed width of {inc['max_workers']}; card peak "
+            f"   {std_done} completed, {std_failed} failed in {std_s:.1f} s at a fixed width "
+            f"of {inc['max_workers']}"
+        )
+        say(
+            f"   {std_ooms} out-of-memory (SimulatedOutOfMemory); card peak "
             f"{format_size(host.device_peak(0))}"
         )
         total_bytes = host.devices[0].total_bytes
     say("")
-    say(f"decision log: {log}  (read it back: gpupool postmortem {log})")
+    say(f"decision log: {log}")
+    say(f"  read it back: gpupool postmortem {log}")
     if plot_path is not None:
         fixed = _fixed_pool_view(
             theirs, std_events, total_bytes=total_bytes, width=inc["max_workers"], end_s=std_s
         )
         _maybe_plot(log, plot_path, say, used=ours.points, beside=fixed)
+    say(f"comparison: the same {n} tasks ran the card out of memory")
     say(
-        f"comparison: the same {n} tasks under a fixed concurrent.futures.ProcessPoolExecutor"
-        f"(max_workers={inc['max_workers']}) ran out of memory {std_ooms} times; "
-        f"gpupool ran out {gpupool_ooms} times."
+        f"  {std_ooms} times under a fixed pool of {inc['max_workers']}, "
+        f"{gpupool_ooms} under gpupool."
     )
     say(f"every number above, explained: {DOCS_PAGE}")
     return 0 if gpupool_ooms == 0 and failed == 0 else 1
