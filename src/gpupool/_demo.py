@@ -456,6 +456,7 @@ def _fixed_pool_view(
         end_s=max(end_s, 1e-3),
         used=sampler.points,
         used_label="used (the simulated card, sampled)",
+        used_sampled=True,
         width=[(0.0, width)],
         ooms=[
             (max(0.0, e.time_s - sampler.started_epoch_s), e.used_bytes + e.requested_bytes)
@@ -513,6 +514,8 @@ def _maybe_plot(
         first = columns[0][0]
         first.used = used
         first.used_label = "used (the simulated card, sampled)"
+        first.used_sampled = True
+        first.title = "GpuPoolExecutor: " + first.title
     if beside is not None:
         columns.append([beside])
     try:

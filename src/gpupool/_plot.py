@@ -72,6 +72,8 @@ class CardView:
             steps: what the pool had priced, held until the next point.
         used: ``(time_s, used_bytes)``: the card as read.
         used_label: what ``used`` is (a record's reading, a caller's samples).
+        used_sampled: ``used`` is dense samples (drawn as a line), not a few
+            readings (drawn as points, never joined).
         width: ``(time_s, width)`` steps.
         ceiling: ``(time_s, ceiling)`` steps.
         ooms: ``(time_s, bytes)``: where the card ran out (used + refused).
@@ -86,6 +88,7 @@ class CardView:
     booked: list[tuple[float, int, int, int]] = field(default_factory=list)
     used: list[tuple[float, int]] = field(default_factory=list)
     used_label: str = "used (read by the pool)"
+    used_sampled: bool = False
     width: list[tuple[float, int]] = field(default_factory=list)
     ceiling: list[tuple[float, int]] = field(default_factory=list)
     ooms: list[tuple[float, int]] = field(default_factory=list)
@@ -120,11 +123,11 @@ def _card_view(pm: Postmortem, card: DevicePlot, runs: int) -> CardView | None:
     series = pm.device_widths.get(card.device)
     widths = [(t, int(w)) for t, w in series.points] if series is not None else []
     total = int(points[-1][1])
-    run = f"run {pm.run_index} ({pm.run_id[:28]})" if runs > 1 else Path(pm.path).name
+    run = f"run {pm.run_index} ({pm.run_id[:28]}): " if runs > 1 else ""
     ooms = len(card.ooms.points)
     return CardView(
         title=(
-            f"{run}: card {card.device}, {format_size(total)}; "
+            f"{run}card {card.device}, {format_size(total)}; "
             f"{ooms} out-of-memory, {len(card.gate_waits.points)} live-gate waits"
         ),
         total_bytes=total,
@@ -216,11 +219,12 @@ def write_plot(
         list(handles.values()),
         list(handles.keys()),
         loc="lower center",
-        ncol=min(5, len(handles)),
+        ncol=min(2 + len(grid_views), len(handles)),
         fontsize=8,
         frameon=False,
     )
-    figure.tight_layout(rect=(0, 0.07 if len(handles) <= 5 else 0.1, 1, 0.97))
+    legend_rows = -(-len(handles) // min(2 + len(grid_views), max(1, len(handles))))
+    figure.tight_layout(rect=(0, 0.035 * legend_rows * 4.6 / (_CARD_HEIGHT_IN * rows), 1, 0.96))
     figure.savefig(output, format=fmt)
 
 
@@ -261,7 +265,8 @@ def _draw(memory: Any, width_ax: Any, view: CardView) -> None:
         memory.plot(
             [p[0] for p in view.used],
             [min(p[1] / GiB, top) for p in view.used],
-            "-o" if len(view.used) < 200 else "-",
+            # Dense samples are a line; a few readings are only points (no interpolation).
+            "-" if view.used_sampled else "o",
             color=_USED,
             linewidth=1,
             markersize=3,

@@ -340,7 +340,8 @@ class Postmortem:
         device_widths: per device, ``(time_s, width)`` at each change.
         asks: per task key, its own ask's changes ``(time_s, ask_bytes, basis)``
             (from the records' ``key_ask_*`` terms).
-        key_peaks: per task key, the largest device peak a child reported.
+        key_peaks: per task key, the largest device peak measured (a child's
+            report, or what an out-of-memory showed it needed at least).
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
@@ -516,11 +517,10 @@ class _RunReader:
         if not isinstance(key, str):
             return
         pm = self.pm
-        peak = record_int(record, "peak_bytes")
-        if event == "out_of_memory":
-            peak = record_int(record, "reached_bytes")
-        if peak is not None:
-            pm.key_peaks[key] = max(pm.key_peaks.get(key, 0), peak)
+        for name in ("peak_bytes", "key_measured_peak_bytes"):
+            peak = record_int(record, name)
+            if peak is not None:
+                pm.key_peaks[key] = max(pm.key_peaks.get(key, 0), peak)
         ask = record_int(record, "key_ask_bytes")
         if ask is None:
             if key not in pm.asks and len(pm.asks) < MAX_KEYS:
@@ -748,7 +748,7 @@ def format_postmortem(pm: Postmortem) -> list[str]:
                 f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
             )
     if pm.asks:
-        lines.append("asks per task key (each key's own ask; peak: the largest a child reported):")
+        lines.append("asks per task key (each key's own ask, and its largest measured peak):")
         for key, series in sorted(pm.asks.items()):
             history = (
                 " -> ".join(
