@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bound import Bound, Ceiling
 from gpupool._core.census import CardCensus, Census, HostCensus
-from gpupool._core.events import EVENTS, Decision
+from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (for hints)
 from gpupool._core.policy import Ask
 from gpupool._core.units import format_size, parse_size
 from gpupool._errors import (
