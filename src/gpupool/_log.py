@@ -15,7 +15,8 @@ The file (``log_path``):
   run's ``run_id``, so a file appended by two pools reads as two runs.
 
 A write that fails (a full disk, ``EFBIG`` past a file-size limit, an I/O
-error) never reaches the pool: the first failure is logged once as a warning,
+error) never reaches the pool: the first failure is reported once (a
+``RuntimeWarning`` and a ``WARNING`` on the logger),
 the file is closed (no descriptor is kept), and every record from then on is
 counted in :attr:`DecisionLog.write_errors` and kept in memory only.
 
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -265,13 +267,17 @@ class DecisionLog:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)
-            LOGGER.warning(
-                "gpupool: the decision log %s cannot be written (%s); the pool goes on, "
-                "its records are kept in memory only (pool.decisions) and counted as "
-                "log write errors",
-                self.path,
-                exc.strerror or exc,
+            message = (
+                f"gpupool: the decision log {self.path} cannot be written "
+                f"({exc.strerror or exc}); the pool goes on, its records are kept in "
+                "memory only (pool.decisions) and counted as log write errors"
             )
+            LOGGER.warning(message)
+            try:
+                # Seen even where logging is not configured; once, at the first failure.
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            except Exception:  # warnings turned into errors must not break the pool
+                pass
 
     def records(self) -> tuple[Decision, ...]:
         """Every decision so far, oldest first."""

@@ -325,3 +325,41 @@ def test_the_oom_terms_are_what_the_pool_writes(logs: dict[str, Path]) -> None:
     assert ooms
     for record in ooms:
         assert set(OOM_TERMS) <= set(record), set(OOM_TERMS) - set(record)
+
+
+def test_the_attribution_reads_only_terms_the_schema_defines() -> None:
+    """Every record term the OOM attribution reads is named in the schema (OOM_TERMS)."""
+    import ast
+
+    import gpupool._core.attribution as attribution
+
+    tree = ast.parse(Path(attribution.__file__).read_text())
+    read = {
+        node.args[1].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("record_int", "record_str")
+        and isinstance(node.args[1], ast.Constant)
+    }
+    assert "reached_bytes" in read  # the scan sees the calls
+    # The bound's own terms (every card record) and the record's identity.
+    common = {"device", "key", "co_tenant_bytes", "ask_basis"}
+    assert read - common <= set(OOM_TERMS), read - common - set(OOM_TERMS)
+
+
+def test_a_failed_write_also_warns_where_logging_is_not_configured(tmp_path: Path) -> None:
+    """The first failed write is a RuntimeWarning too (seen without logging configured)."""
+    log = DecisionLog(check_log_path(tmp_path / "w.jsonl"))
+    full = os.open("/dev/full", os.O_WRONLY)
+    assert log._fd is not None
+    os.dup2(full, log._fd)
+    os.close(full)
+    with pytest.warns(RuntimeWarning, match=r"w\.jsonl cannot be written \(No space left"):
+        log.append(
+            Decision(
+                event="measured", time_s=0.0, device=None, width_before=1, width_after=1, reason="r"
+            )
+        )
+    log.close()
+    assert log.write_errors == 1
