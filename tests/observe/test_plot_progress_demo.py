@@ -152,3 +152,29 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     if plot.exists():
         width, _height = _png_size(plot)
         assert width >= 1200  # two columns: gpupool's run and the fixed pool's
+
+
+def test_the_memory_axis_is_fitted_to_the_card() -> None:
+    """A 602 GiB ask on an 80 GiB card does not squash the card: the axis stops just above
+    the total, and the point is drawn at the top edge with its value written beside it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from gpupool._core.units import GiB
+    from gpupool._plot import CardView, _draw
+
+    view = CardView(
+        title="card 0",
+        total_bytes=80 * GiB,
+        end_s=2.0,
+        booked=[(0.0, 10 * GiB, 5 * GiB, 40 * GiB)],
+        width=[(0.0, 4)],
+        ceiling=[(0.0, 8)],
+        ooms=[(1.0, 602 * GiB)],
+    )
+    figure = Figure()
+    memory, width = figure.add_subplot(211), figure.add_subplot(212)
+    _draw(memory, width, view)
+    assert memory.get_ylim()[1] == pytest.approx(80 * 1.12)
+    assert any(text.get_text() == "asked 602.00 GiB" for text in memory.texts)
+    assert width.get_ylim()[1] == 9  # the ceiling of 8, plus one
