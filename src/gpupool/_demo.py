@@ -526,7 +526,10 @@ def _maybe_plot(
             title="gpupool demo: the same 36 tasks, packed by gpupool (left) and a fixed pool",
         )
     except PlotUnavailableError as exc:
-        say(f"no plot: {exc}")
+        import textwrap
+
+        for line in textwrap.wrap(f"no plot: {exc}", 78, subsequent_indent="  "):
+            say(line)
         return
     say(f"plot: {plot_path}")
 
