@@ -317,12 +317,15 @@ def test_messages_are_short_with_the_terms_as_fields(caplog: pytest.LogCaptureFi
 
 def test_the_oom_terms_are_what_the_pool_writes(logs: dict[str, Path]) -> None:
     """Every out-of-memory term the attribution reads (OOM_TERMS) is in a real OOM record."""
+    # The staged runs run the card out by construction (a gate holds two tasks
+    # between their allocations while the card changes), not by timing.
     ooms = [
         json.loads(line)
-        for line in logs["ask"].read_text().splitlines()
+        for name in ("co_tenant", "own")
+        for line in logs[name].read_text().splitlines()
         if json.loads(line)["event"] == "out_of_memory"
     ]
-    assert ooms
+    assert len(ooms) >= 2
     for record in ooms:
         assert set(OOM_TERMS) <= set(record), set(OOM_TERMS) - set(record)
 
