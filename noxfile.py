@@ -1,9 +1,13 @@
 """Developer sessions: ``nox`` runs the CPU gate (lint, typecheck, tests, docs).
 
-``bench``, ``demo`` and ``gpu`` are opt-in: ``nox -s bench``.
+``tests-minimal``, ``bench``, ``demo``, ``gpu`` and ``build`` are opt-in:
+``nox -s build``. The tools come from ``[dependency-groups]`` in
+pyproject.toml (never from the published extras).
 """
 
 from __future__ import annotations
+
+import glob
 
 import nox
 
@@ -12,16 +16,21 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = False
 
 PYTHON = "3.11"
-# The CPU wheel; an unpinned torch pulls a CUDA build of several GB.
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+# The test session's torch: the suite measures a real torch allocation in
+# its children. A version pin does not choose a build: where a local wheel
+# directory offers the CPU build it is taken, otherwise the index's default.
 TORCH = "torch==2.13.0"
-# Pinned: a newer ruff may format differently and fail the gate on unchanged code.
-RUFF = "ruff==0.17.6"
+
+
+def _group(name: str) -> list[str]:
+    return list(nox.project.dependency_groups(PYPROJECT, name))
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff format --check and ruff check."""
-    session.install(RUFF)
+    session.install(*_group("lint"))
     session.run("ruff", "format", "--check", "src", "tests", "bench", "docs", "noxfile.py")
     session.run("ruff", "check", "src", "tests", "bench", "docs", "noxfile.py")
 
@@ -29,37 +38,45 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src."""
-    session.install("-e", ".[typing,dask]")
+    session.install("-e", ".[dask]", *_group("typing"))
     session.run("mypy", "--strict", "src/gpupool")
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test suite on the simulated host (the gpu marker skips without a card)."""
-    session.install("-e", ".[test,plot,progress,dask]", TORCH, "numpy")
+    session.install("-e", ".[plot,progress,dask]", *_group("test"), TORCH)
     session.run("pytest", *session.posargs)
 
 
 @nox.session(name="tests-minimal", python=PYTHON)
 def tests_minimal(session: nox.Session) -> None:
-    """The suite with only the test extra: proves the optional extras are optional."""
-    session.install("-e", ".[test]")
+    """The suite without the optional extras: proves they are optional."""
+    session.install("-e", ".", *_group("test"))
     session.run("pytest", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Sphinx + MyST, nitpicky, warnings as errors."""
-    session.install("-e", ".[docs]")
+    """Sphinx + MyST with the furo theme, nitpicky, warnings as errors."""
+    session.install("-e", ".", *_group("docs"))
     session.run(
         "sphinx-build", "-n", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html"
     )
 
 
 @nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """The sdist and wheel, checked as PyPI would (``twine check --strict``)."""
+    session.install("build", "twine")
+    session.run("python", "-m", "build", "--outdir", "dist")
+    session.run("twine", "check", "--strict", *sorted(glob.glob("dist/*")))
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks, side by side against the standard library and loky."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".", *_group("test"))
     for script in ("bench/overhead.py", "bench/sensor_overhead.py"):
         session.run("python", script, *session.posargs)
 
@@ -73,6 +90,6 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def gpu(session: nox.Session) -> None:
-    """Real-card tests and the device check; needs an NVIDIA GPU."""
-    session.install("-e", ".[test]", TORCH)
+    """Real-card tests and the device check; needs an NVIDIA GPU (and the CUDA torch)."""
+    session.install("-e", ".", *_group("test"), "torch")
     session.run("pytest", "-m", "gpu", "--run-gpu", *session.posargs)

@@ -49,7 +49,11 @@ nitpick_ignore: list[tuple[str, str]] = [
     ("py:class", "concurrent.futures._base.Future"),
     ("py:exc", "BrokenProcessPool"),
     ("py:class", "concurrent.futures.process.BrokenProcessPool"),
+    # A type variable is not a documentable target (gpupool.track's result type).
+    ("py:class", "T"),
 ]
 
-html_theme = "alabaster"
+html_theme = "furo"
 html_title = f"gpupool {release}"
+html_static_path = ["_static"]
+html_css_files = ["wide.css"]

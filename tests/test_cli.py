@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpupool._core.units import GiB
-from gpupool.cli import main
+from gpupool.cli import (
+    EXIT_BAD_LOG,
+    EXIT_BROKEN_PIPE,
+    EXIT_EMPTY_LOG,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    build_parser,
+    main,
+)
 
 sys.path.insert(0, str(Path(__file__).parent / "sensors"))
 from fake_pynvml import FakePynvml, h100
@@ -244,3 +257,184 @@ def test_plan_live_without_driver_is_host_bounded(capsys: pytest.CaptureFixture[
     assert any("no device" in str(note) for note in data["notes"])  # type: ignore[attr-defined]
     assert main(["plan"]) == 0
     assert "no device" in capsys.readouterr().out
+
+
+# -- conventions every subcommand keeps ---------------------------------------------------
+
+
+def _gpupool(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpupool", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``gpupool --version`` prints the package's version and exits 0."""
+    import gpupool
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gpupool {gpupool.__version__}"
+
+
+def test_exit_codes_are_distinct_and_documented() -> None:
+    """Usage (2), a bad log (3) and an empty log (4) differ, and --help lists every status."""
+    assert len({EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_BAD_LOG, EXIT_EMPTY_LOG}) == 5
+    assert EXIT_USAGE == 2  # argparse's own
+    text = build_parser().format_help()
+    for status in ("0 done", "1 a failure", "2 usage", "3 not a readable", "4 an empty"):
+        assert status in text
+
+
+def test_a_broken_pipe_is_quiet(tmp_path: Path) -> None:
+    """``gpupool postmortem LOG | head -1``: no BrokenPipeError traceback, exit 141."""
+    log = tmp_path / "many.jsonl"
+    record = {"schema": 2, "run_id": "r1", "event": "out_of_memory", "device": 0, "time_s": 0.0}
+    log.write_text("\n".join(json.dumps({**record, "time_s": i / 10}) for i in range(200)) + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpupool", "postmortem", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err, err.decode()
+    assert b"BrokenPipeError" not in err
+    assert proc.returncode == EXIT_BROKEN_PIPE
+
+
+@pytest.fixture
+def small_log(tmp_path: Path) -> Path:
+    """A one-card log from a real (simulated) run."""
+    from gpupool import GpuPoolExecutor
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+
+    log = tmp_path / "small.jsonl"
+    with SimulatedHost([SimulatedDevice("16GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="4GiB", log_path=log) as pool:
+            assert list(pool.map(abs, [-1, -2, -3])) == [1, 2, 3]
+    return log
+
+
+@pytest.mark.parametrize(
+    ("suffix", "magic"), [(".png", b"\x89PNG"), (".svg", b"<?xml"), (".pdf", b"%PDF")]
+)
+def test_plot_format_follows_the_suffix(small_log: Path, suffix: str, magic: bytes) -> None:
+    """``plot -o out.svg`` writes SVG, ``.pdf`` PDF, ``.png`` PNG: the suffix sets the format."""
+    pytest.importorskip("matplotlib")
+    out = small_log.with_suffix(suffix)
+    assert main(["plot", str(small_log), "-o", str(out)]) == 0
+    assert out.read_bytes()[: len(magic)] == magic
+
+
+def test_plot_to_standard_output(small_log: Path) -> None:
+    """``plot -o -`` writes the image to stdout (PNG by default, --format svg), no file '-'."""
+    pytest.importorskip("matplotlib")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool", "plot", str(small_log), "-o", "-"],
+        capture_output=True,
+        timeout=120,
+        cwd=small_log.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout[:4] == b"\x89PNG"
+    assert not (small_log.parent / "-").exists()
+    svg = _gpupool("plot", str(small_log), "-o", "-", "--format", "svg")
+    assert svg.returncode == 0, svg.stderr
+    assert svg.stdout.startswith("<?xml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["-o", "out.jpeg"],
+            r"cannot tell the format from its suffix; end it in \.png, \.svg, \.pdf",
+        ),
+        (["-o", "out.png", "--format", "svg"], r"--format svg does not match the output"),
+    ],
+)
+def test_plot_format_errors_are_usage_errors(
+    small_log: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """An unknown suffix or a contradicting --format: exit 2 with the fix, nothing written."""
+    with pytest.raises(SystemExit) as info:
+        main(["plot", str(small_log), *argv])
+    assert info.value.code == EXIT_USAGE
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_what_if_plans_do_not_read_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    """A what-if plan without --cpus/--host-ram has no CPU or RAM term: 8 on any machine."""
+    argv = ["plan", "--json", "--total", "80GiB", "--task-peak", "6GiB", "--max-workers", "8"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["width"] == 8
+    assert data["ceiling"]["cpus"] is None
+    assert data["ceiling"]["host_ram_bytes"] is None
+    assert main(["plan", "--json", "--total", "80GiB", "--task-peak", "6GiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["width"] == 13  # (80 GiB - 256 MiB reserve) // 6 GiB: what the card holds
+    assert any("max_workers not given" in note for note in data["notes"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--total", "0", "--task-peak", "1GiB"], r"--total='0' is zero; --total must be positive"),
+        (
+            ["--total", "40GiB", "--reserve", "50GiB", "--task-peak", "1GiB"],
+            r"--reserve 50\.00 GiB is not smaller than card 0's 40\.00 GiB; a pool refuses it",
+        ),
+        (
+            ["--total", "40GiB", "--reserve", "40GiB", "--task-peak", "1GiB"],
+            r"--reserve 40\.00 GiB is not smaller than card 0's 40\.00 GiB",
+        ),
+    ],
+)
+def test_plan_refuses_what_the_pool_refuses(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """A zero card and a reserve not smaller than the card: exit 2, as the pool raises."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan", *argv])
+    assert info.value.code == EXIT_USAGE
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_pool_refuses_the_same_reserve() -> None:
+    """The refusal ``plan`` mirrors: a pool with reserve >= the card raises ConfigurationError."""
+    from gpupool import ConfigurationError, GpuPoolExecutor
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=2, host_ram="8GiB"):
+        with pytest.raises(ConfigurationError, match="is not smaller than card 0's"):
+            GpuPoolExecutor(max_workers=2, task_peak="1GiB", reserve="40GiB")
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_demo_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) mid-demo: one line, no traceback, 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpupool", "demo", "--simulate", "--no-progress"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("1. "):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err.strip() == "gpupool: interrupted"

@@ -78,3 +78,44 @@ def test_public_errors_keep_the_standard_library_contracts() -> None:
         value = getattr(gpupool, name)
         if isinstance(value, type) and issubclass(value, BaseException):
             assert issubclass(value, gpupool.GpuPoolError), name
+
+
+RECORDS = (
+    "Ask",
+    "Bound",
+    "CardCensus",
+    "Ceiling",
+    "Census",
+    "Decision",
+    "DeviceInfo",
+    "HostCensus",
+    "MemoryReading",
+    "ProcessReading",
+    "Sensor",
+)
+
+
+@pytest.mark.parametrize("name", RECORDS)
+def test_record_types_have_a_public_path(name: str) -> None:
+    """The records the pool returns are importable from gpupool and name it as their module."""
+    value = getattr(gpupool, name)
+    assert value.__module__ == "gpupool"
+    assert name in gpupool.__all__
+
+
+def test_a_public_record_pickles_by_its_public_path() -> None:
+    """A record pickled names gpupool.CardCensus and comes back equal."""
+    import pickle
+
+    card = gpupool.CardCensus(
+        device=0, uuid="GPU-0", name="card", total_bytes=8, free_bytes=4, own_bytes=0, source="s"
+    )
+    data = pickle.dumps(card, protocol=0)
+    assert b"gpupool\nCardCensus" in data
+    assert b"_core" not in data
+    assert pickle.loads(data) == card
+
+
+def test_track_is_public() -> None:
+    """The progress helper for futures (as_completed) is gpupool.track."""
+    assert list(gpupool.track(iter([1, 2]), enabled=False)) == [1, 2]

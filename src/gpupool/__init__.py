@@ -5,11 +5,18 @@
     from gpupool import GpuPoolExecutor
 
     with GpuPoolExecutor(task_peak="6GiB") as ex:
-        results = list(ex.map(compile_entry, entries))
+        results = list(ex.map(render, scenes))
 
 Heavy modules (the pool, which imports loky; the sensors, which import
 pynvml) load on first use, so ``import gpupool`` stays cheap and never
 touches a driver.
+
+The records the pool returns (:class:`Census`, :class:`CardCensus`,
+:class:`HostCensus`, :class:`Decision`, :class:`Bound`, :class:`Ceiling`,
+:class:`Ask`) and the sensor interface (:class:`Sensor` and its readings)
+are public here; they are defined in private modules, and carry this
+package as their ``__module__`` so that documentation, reprs and pickles
+name the public path.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from gpupool._core.bound import Bound, Ceiling
+from gpupool._core.census import CardCensus, Census, HostCensus
+from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (for hints)
+from gpupool._core.policy import Ask
 from gpupool._core.units import format_size, parse_size
 from gpupool._errors import (
     ConfigurationError,
@@ -29,6 +40,8 @@ from gpupool._errors import (
     WidthError,
     WorkerLostError,
 )
+from gpupool._progress import track
+from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 
 if TYPE_CHECKING:
     from gpupool._pool.executor import GpuPoolExecutor, PoolStatistics, TaskOptions
@@ -36,14 +49,26 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Ask",
+    "Bound",
+    "CardCensus",
+    "Ceiling",
+    "Census",
     "ConfigurationError",
+    "Decision",
+    "DeviceInfo",
     "DeviceOutOfMemoryError",
     "DeviceUnreadableError",
+    "EVENTS",
     "GpuPoolError",
     "GpuPoolExecutor",
+    "HostCensus",
     "InvalidSizeError",
+    "MemoryReading",
     "NoDriverError",
     "PoolStatistics",
+    "ProcessReading",
+    "Sensor",
     "SensorError",
     "TaskOptions",
     "WidthError",
@@ -51,7 +76,24 @@ __all__ = [
     "__version__",
     "format_size",
     "parse_size",
+    "track",
 ]
+
+for _public in (
+    Ask,
+    Bound,
+    CardCensus,
+    Ceiling,
+    Census,
+    Decision,
+    DeviceInfo,
+    HostCensus,
+    MemoryReading,
+    ProcessReading,
+    Sensor,
+):
+    _public.__module__ = __name__
+del _public
 
 _LAZY = {
     "GpuPoolExecutor": "gpupool._pool.executor",

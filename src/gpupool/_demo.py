@@ -1,6 +1,6 @@
 """``gpupool demo``: the incident's pipeline, run through the pool and through a fixed pool.
 
-The canonical incident (``DESIGN.md``): 36 entries, each holding 6.02 GiB
+The canonical incident: 36 entries, each holding 6.02 GiB
 briefly, on a 44.39 GiB card beside a 9.54 GiB serving co-tenant, from a
 parent holding 16.20 GiB, with ``task_peak="9.9GiB"`` and ``max_workers=4``.
 Without a GPU (or with ``--simulate``) it runs on :class:`gpupool.testing.SimulatedHost`:
@@ -20,16 +20,18 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpupool._core.units import format_size
+from gpupool._core.units import format_size, parse_size
 
 __all__ = ["INCIDENT", "entry", "run_demo", "torch_entry"]
 
-#: The incident's figures (``shared/seeds/003``), as the simulated host is built from.
+#: The incident's figures, as the simulated host is built from.
 INCIDENT: dict[str, Any] = {
     "entries": 36,
     "card_total": "44.39GiB",
@@ -73,6 +75,52 @@ def torch_entry(index: int, nbytes: int = TORCH_ENTRY_BYTES, hold_s: float = 0.2
     time.sleep(hold_s)
     del block
     return index
+
+
+#: Where the demo's numbers are explained, term by term.
+DOCS_PAGE = "the page 'The demo, explained' (docs/demo.md)"
+
+#: How often the demo reads the simulated card for its plot.
+SAMPLE_INTERVAL_S = 0.02
+
+
+def ignore_interrupt() -> None:
+    """A worker initializer: Ctrl-C goes to the parent alone, which stops the run once.
+
+    A terminal sends SIGINT to the whole process group; without this, every
+    worker prints its own ``KeyboardInterrupt`` traceback.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Sampler:
+    """Reads a simulated card's used bytes every :data:`SAMPLE_INTERVAL_S` in a thread."""
+
+    def __init__(self, host: Any, device: int = 0) -> None:
+        self.host = host
+        self.device = device
+        self.points: list[tuple[float, int]] = []
+        self.started_s = time.monotonic()
+        self.started_epoch_s = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpupool-demo-sampler", daemon=True)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                used = self.host.used(self.device)
+            except Exception:  # the host is going away: stop sampling
+                return
+            self.points.append((time.monotonic() - self.started_s, used))
+            self._stop.wait(SAMPLE_INTERVAL_S)
 
 
 def _real_card_present() -> bool:
@@ -119,9 +167,19 @@ def _run_pool(
     progress: bool | None,
 ) -> tuple[int, int]:
     """Submit every task, follow them with a progress bar; returns ``(completed, failed)``."""
-    from gpupool._progress import track
 
     futures = [pool.submit(fn, *a) for a in args]
+    try:
+        return _follow(pool, futures, progress)
+    except KeyboardInterrupt:
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def _follow(pool: Any, futures: list[Any], progress: bool | None) -> tuple[int, int]:
+    from gpupool._progress import track
+
     done = failed = 0
     observed = pool if hasattr(pool, "statistics") else None
     for future in track(
@@ -139,9 +197,118 @@ def _run_pool(
 
 
 def _say_decisions(say: Callable[[str], None], decisions: Any) -> None:
-    say("what the pool decided, in words:")
+    say("   what it decided (every term: gpupool postmortem on the log):")
     for decision in decisions:
-        say(f"  {decision.time_s:6.2f} s  {decision.event}: {decision.reason}")
+        say(f"   {decision.time_s:6.2f} s  {_short(decision)}")
+
+
+def _short(decision: Any) -> str:
+    """One decision in a short line: the event, the width's move, what set it, the ask."""
+    parts = [decision.event]
+    if decision.device is not None:
+        parts.append(f"card {decision.device}")
+    if decision.width_after is not None and decision.event != "shutdown":
+        before = decision.width_before
+        moved = f"{before} -> " if before is not None and before != decision.width_after else ""
+        parts.append(f"width {moved}{decision.width_after}")
+        if decision.limit:
+            parts[-1] += f" ({decision.limit})"
+    ask = decision.key_ask
+    bound = decision.bound
+    if ask is not None:
+        parts.append(f"ask {format_size(ask.ask_bytes)} {ask.basis}")
+    elif bound is not None:
+        parts.append(f"ask {format_size(bound.ask_bytes)} {bound.ask_basis}")
+    if decision.event == "shutdown":
+        parts.append(decision.reason.split(";")[0].replace("pool shut down after ", ""))
+    return ", ".join(parts)
+
+
+def run_demo_isolated(
+    *,
+    log_path: str | Path = "gpupool-demo.jsonl",
+    plot_path: str | Path | None = "gpupool-demo.png",
+    simulate: bool = False,
+    progress: bool | None = None,
+    say: Callable[[str], None],
+) -> int:
+    """:func:`run_demo` in a child process of its own session; Ctrl-C stops it once, cleanly.
+
+    A terminal sends Ctrl-C's SIGINT to its whole foreground process group:
+    every worker of both pools would print its own ``KeyboardInterrupt``
+    traceback (a worker still starting cannot ignore it yet). The demo runs
+    in a new session instead, so only this process hears the terminal; it
+    passes one SIGINT on to the demo, which cancels what has not started and
+    exits quietly. Lines the demo says are relayed through ``say``; its
+    progress bar writes to the inherited stderr.
+
+    Raises:
+        KeyboardInterrupt: after the demo stopped, when Ctrl-C stopped it.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from gpupool._progress import progress_enabled
+
+    options = {
+        "log_path": str(log_path),
+        "plot_path": None if plot_path is None else str(plot_path),
+        "simulate": simulate,
+        "progress": progress_enabled(progress),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gpupool._demo", json.dumps(options)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_ignore_interrupt_until_ready,
+    )
+    assert child.stdout is not None
+    interrupted = False
+    while True:
+        try:
+            for line in child.stdout:
+                say(line.rstrip("\n"))
+            break
+        except KeyboardInterrupt:
+            if not interrupted:
+                interrupted = True
+                child.send_signal(signal.SIGINT)
+    child.stdout.close()
+    try:
+        status = child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        status = child.wait()
+    if interrupted or status == 130:
+        raise KeyboardInterrupt
+    return status
+
+
+def _ignore_interrupt_until_ready() -> None:
+    """The demo's child starts with SIGINT ignored; it takes it once its imports are done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _child_main(argv: list[str]) -> int:
+    """``python -m gpupool._demo OPTIONS``: the child of :func:`run_demo_isolated`."""
+    import json
+
+    options = json.loads(argv[0])
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The module by its name, not as __main__: task keys read gpupool._demo.entry.
+        import gpupool._demo as demo
+
+        status: int = demo.run_demo(say=say, **options)
+        return status
+    except KeyboardInterrupt:
+        return 130
 
 
 def run_demo(
@@ -184,59 +351,118 @@ def _run_simulated(
     hold_s: float,
 ) -> int:
     from gpupool._pool.executor import GpuPoolExecutor
-    from gpupool.testing import SimulatedDevice, SimulatedHost, hold
+    from gpupool.testing import DEFAULT_CONTEXT, SimulatedDevice, SimulatedHost, hold
 
     inc = INCIDENT
     n = inc["entries"]
     log = _fresh_log(log_path)
+    say("gpupool demo: the incident, on a simulated card (no GPU needed)")
     say(
-        f"gpupool demo (simulated host): {n} entries of {inc['entry_holds']} each on a "
-        f"{inc['card_total']} card beside a {inc['co_tenant']} serving co-tenant, from a parent "
-        f"holding {inc['parent_holds']}; task_peak={inc['task_peak']}, "
-        f"max_workers={inc['max_workers']}"
+        f"  a {format_size(parse_size(inc['card_total']))} card; a serving co-tenant holds "
+        f"{format_size(parse_size(inc['co_tenant']))},"
+    )
+    say(
+        f"  the parent {format_size(parse_size(inc['parent_holds']))}; {n} entries of "
+        f"{format_size(parse_size(inc['entry_holds']))} each"
+    )
+    context = parse_size(DEFAULT_CONTEXT)
+    say(f"  each process on it also holds a {format_size(context)} CUDA context, so the")
+    say(
+        f"  parent reads {format_size(parse_size(inc['parent_holds']) + context)} and an entry "
+        f"{format_size(parse_size(inc['entry_holds']) + context)}"
     )
     card = SimulatedDevice(inc["card_total"], co_tenants={"serve": inc["co_tenant"]})
     args = [(i, hold_s, inc["entry_holds"]) for i in range(n)]
-    start = time.monotonic()
     with (
         SimulatedHost([card], cpus=inc["cpus"], host_ram=inc["host_ram"]) as host,
         hold(inc["parent_holds"]),
     ):
-        with GpuPoolExecutor(
-            max_workers=inc["max_workers"], task_peak=inc["task_peak"], log_path=log
-        ) as pool:
+        say("")
+        say(f"1. GpuPoolExecutor(max_workers={inc['max_workers']}, task_peak={inc['task_peak']!r})")
+        start = time.monotonic()
+        with (
+            _Sampler(host) as ours,
+            GpuPoolExecutor(
+                max_workers=inc["max_workers"],
+                task_peak=inc["task_peak"],
+                log_path=log,
+                initializer=ignore_interrupt,
+            ) as pool,
+        ):
             done, failed = _run_pool(pool, entry, args, progress)
             stats = pool.statistics()
         gpupool_s = time.monotonic() - start
         gpupool_ooms = len(host.out_of_memory_events)
+        gpupool_peak = host.device_peak(0)
         _say_decisions(say, pool.decisions)
         widths = " -> ".join(str(w) for _, w in stats.widths) or str(stats.width)
+        say(f"   {done} completed, {failed} failed in {gpupool_s:.1f} s; width {widths}")
         say(
-            f"gpupool: {done} completed, {failed} failed in {gpupool_s:.1f} s; width {widths}; "
-            f"{gpupool_ooms} out-of-memory; card peak {format_size(host.device_peak(0))} of "
+            f"   {gpupool_ooms} out-of-memory; card peak {format_size(gpupool_peak)} of "
             f"{format_size(host.devices[0].total_bytes)}"
         )
+        say("")
+        say(f"2. concurrent.futures.ProcessPoolExecutor(max_workers={inc['max_workers']})")
         start = time.monotonic()
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            max_workers=inc["max_workers"], mp_context=context
-        ) as stdlib:
+        spawn = multiprocessing.get_context("spawn")
+        with (
+            _Sampler(host) as theirs,
+            concurrent.futures.ProcessPoolExecutor(
+                max_workers=inc["max_workers"], mp_context=spawn, initializer=ignore_interrupt
+            ) as stdlib,
+        ):
             std_done, std_failed = _run_pool(stdlib, entry, args, progress)
         std_s = time.monotonic() - start
-        std_ooms = len(host.out_of_memory_events) - gpupool_ooms
+        std_events = host.out_of_memory_events[gpupool_ooms:]
+        std_ooms = len(std_events)
         say(
-            f"stdlib: {std_done} completed, {std_failed} failed (SimulatedOutOfMemory) in "
-            f"{std_s:.1f} s at a fixed width of {inc['max_workers']}; card peak "
+            f"   {std_done} completed, {std_failed} failed in {std_s:.1f} s at a fixed width "
+            f"of {inc['max_workers']}"
+        )
+        say(
+            f"   {std_ooms} out-of-memory (SimulatedOutOfMemory); card peak "
             f"{format_size(host.device_peak(0))}"
         )
-    say(f"decision log: {log}  (read it back: gpupool postmortem {log})")
-    _maybe_plot(log, plot_path, say)
+        total_bytes = host.devices[0].total_bytes
+    say("")
+    say(f"decision log: {log}")
+    say(f"  read it back: gpupool postmortem {log}")
+    if plot_path is not None:
+        fixed = _fixed_pool_view(
+            theirs, std_events, total_bytes=total_bytes, width=inc["max_workers"], end_s=std_s
+        )
+        _maybe_plot(log, plot_path, say, used=ours.points, beside=fixed)
+    say(f"comparison: the same {n} tasks ran the card out of memory")
     say(
-        f"comparison: the same {n} tasks under a fixed concurrent.futures.ProcessPoolExecutor"
-        f"(max_workers={inc['max_workers']}) ran out of memory {std_ooms} times; "
-        f"gpupool ran out {gpupool_ooms} times."
+        f"  {std_ooms} times under a fixed pool of {inc['max_workers']}, "
+        f"{gpupool_ooms} under gpupool."
     )
+    say(f"every number above, explained: {DOCS_PAGE}")
     return 0 if gpupool_ooms == 0 and failed == 0 else 1
+
+
+def _fixed_pool_view(
+    sampler: _Sampler, events: list[Any], *, total_bytes: int, width: int, end_s: float
+) -> Any:
+    """The fixed pool's column of the plot: what the card held, and where it ran out."""
+    from gpupool._plot import CardView
+
+    return CardView(
+        title=(
+            f"ProcessPoolExecutor(max_workers={width}): {format_size(total_bytes)} card; "
+            f"{len(events)} out-of-memory"
+        ),
+        total_bytes=total_bytes,
+        end_s=max(end_s, 1e-3),
+        used=sampler.points,
+        used_label="used (the simulated card, sampled)",
+        used_sampled=True,
+        width=[(0.0, width)],
+        ooms=[
+            (max(0.0, e.time_s - sampler.started_epoch_s), e.used_bytes + e.requested_bytes)
+            for e in events
+        ],
+    )
 
 
 def _run_real(
@@ -254,7 +480,9 @@ def _run_real(
         f"{format_size(TORCH_ENTRY_BYTES)} each, task_peak={TORCH_TASK_PEAK}, max_workers=4"
     )
     start = time.monotonic()
-    with GpuPoolExecutor(max_workers=4, task_peak=TORCH_TASK_PEAK, log_path=log) as pool:
+    with GpuPoolExecutor(
+        max_workers=4, task_peak=TORCH_TASK_PEAK, log_path=log, initializer=ignore_interrupt
+    ) as pool:
         args = [(i, TORCH_ENTRY_BYTES) for i in range(TORCH_ENTRIES)]
         done, failed = _run_pool(pool, torch_entry, args, progress)
         stats = pool.statistics()
@@ -264,19 +492,49 @@ def _run_real(
         f"{stats.out_of_memory} out-of-memory"
     )
     say(f"decision log: {log}  (read it back: gpupool postmortem {log})")
-    _maybe_plot(log, plot_path, say)
+    if plot_path is not None:
+        _maybe_plot(log, plot_path, say)
     return 0 if failed == 0 else 1
 
 
-def _maybe_plot(log: Path, plot_path: str | Path | None, say: Callable[[str], None]) -> None:
-    if plot_path is None:
-        return
-    from gpupool._plot import PlotUnavailableError, write_plot
-    from gpupool._postmortem import read_postmortem
+def _maybe_plot(
+    log: Path,
+    plot_path: str | Path,
+    say: Callable[[str], None],
+    *,
+    used: list[tuple[float, int]] | None = None,
+    beside: Any = None,
+) -> None:
+    from gpupool._plot import PlotUnavailableError, card_views, write_plot
+    from gpupool._postmortem import read_runs
 
+    runs = read_runs(log)
+    columns = card_views(runs)
+    if used and columns and columns[0]:
+        first = columns[0][0]
+        first.used = used
+        first.used_label = "used (the simulated card, sampled)"
+        first.used_sampled = True
+        first.title = "GpuPoolExecutor: " + first.title
+    if beside is not None:
+        columns.append([beside])
     try:
-        write_plot(read_postmortem(log), plot_path)
+        write_plot(
+            [],
+            plot_path,
+            columns=columns,
+            title="gpupool demo: the same 36 tasks, packed by gpupool (left) and a fixed pool",
+        )
     except PlotUnavailableError as exc:
-        say(f"no plot: {exc}")
+        import textwrap
+
+        for line in textwrap.wrap(f"no plot: {exc}", 78, subsequent_indent="  "):
+            say(line)
         return
     say(f"plot: {plot_path}")
+
+
+if __name__ == "__main__":  # pragma: no cover - run by run_demo_isolated
+    import sys
+
+    sys.exit(_child_main(sys.argv[1:]))

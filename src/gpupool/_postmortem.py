@@ -5,65 +5,12 @@ with ``GpuPoolExecutor(log_path=...)``) one line at a time, keeps only bounded
 aggregates, and parses with :mod:`json` alone (nothing in a log is executed or
 unpickled). ``gpupool postmortem`` and ``gpupool plot`` print what it returns.
 
-The attribution arithmetic
---------------------------
+The attribution arithmetic is :mod:`gpupool._core.attribution`'s (pure), and
+the schema (event names, versions, terms) is :mod:`gpupool._core.events`'s:
+the writer and this reader share one definition.
 
-An ``out_of_memory`` record carries, for the card the task ran on:
-
-====================  ==========================================================
-``T``                 ``total_bytes``: the card's capacity
-``C``                 ``census_co_tenant_bytes``: everything on the card that was
-                      not the pool, read once at construction
-``O``                 ``own_high_water_bytes``: the parent's device high-water as
-                      the pool knew it when the card ran out
-``R``                 ``reserve_bytes``: kept free on purpose
-``B``, ``n``          ``booked_bytes``, ``running``: the asks of the ``n`` tasks
-                      running on the card, the failing one's included
-``W``                 the most tasks the log shows running on the card so far;
-                      ``W - n`` workers may be idle or retiring, each holding
-                      its context
-``A``                 ``task_ask_bytes``: the failing task's own ask (its price)
-``r``, ``q``          ``reached_bytes``, ``requested_bytes``: what the failing
-                      child held at its peak, and the allocation refused
-``U``, ``F``          ``live_used_bytes``, ``live_free_bytes``: the card read by
-                      the parent *after* the child reported, so the failing
-                      child had already given back what it reached (at most
-                      ``r`` of it remains) and the others held what they held
-====================  ==========================================================
-
-From them, in this order:
-
-1. **The ask.** The failing task needed at least ``need = r + q``. If
-   ``need > A`` it went past its price by ``need - A``: the ask was
-   underestimated. (The pool then re-prices the key at ``need``.)
-2. **The pool's children at the reading** are estimated from above:
-   ``children = others + r`` with ``others = B - A`` (the other running
-   tasks at their booked asks), or, when the failing task went past its
-   price, ``others = max(B - A, (n - 1) * need)`` (tasks of one key are alike;
-   the record does not name the others' keys), plus ``(W - n) * r`` for the
-   idle or retiring workers' contexts (a context is at most what the failing
-   task reached: ``r`` includes its own context). A record that carries
-   ``live_pool_bytes`` (the pool's children as read) is used as is.
-3. **Outside the pool** then held at least ``outside = U - children``, which
-   the census priced at ``C + O``. ``growth = outside - (C + O)`` is a lower
-   bound on what processes that are not the pool's children grew by after
-   they were priced; it counts only past the reserve (``growth > R``), which
-   covers the driver's own growth and page rounding.
-4. **Own or co-tenant.** With ``live_own_bytes`` in the record (the parent's
-   device bytes read at the out-of-memory) the growth splits exactly:
-   ``own = live_own - O`` and ``co_tenant = U - children - live_own - C``.
-   Without it, the only evidence of the parent's growth is a larger
-   ``own_high_water_bytes`` in a later record of the same card
-   (``own = later - O``); the rest of ``growth`` is the co-tenant's, and the
-   analysis says that own growth could not be told apart
-   (``own_separable: false``).
-5. **Unattributed.** When no term went past its price by these figures, the
-   rest is named as unattributed: ``U + q - T`` (at least what the card was
-   short at the reading), left to allocator fragmentation, the driver, or a
-   reading taken after the card had recovered.
-
-The verdict names every wrong term found, largest first; ``verdict`` is the
-first of them, or ``"unattributed"``.
+A file may hold several runs (a ``log_path`` appended to by two pools):
+:func:`read_runs` returns one :class:`Postmortem` per ``run_id``.
 
 Bounded memory: a log grows with decisions, but a long run still writes
 many; every series kept here is thinned (every other point dropped) when it
@@ -74,29 +21,37 @@ analyses are kept in full (all are counted).
 from __future__ import annotations
 
 import json
-import math
+import os
+import stat
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from gpupool._core.events import EVENTS, SCHEMA_VERSION
+from gpupool._core.attribution import OomAnalysis, analyse_oom, record_float, record_int
+from gpupool._core.events import EVENTS, READABLE_SCHEMAS, SCHEMA_VERSION, SETTING_PREFIX
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
 
 __all__ = [
     "MAX_LINE_BYTES",
     "MAX_OOM_DETAILS",
+    "MAX_KEYS",
     "MAX_POINTS",
+    "MAX_RUNS",
     "DecisionLogError",
     "DevicePlot",
     "EmptyLogError",
+    "NoSuchRunError",
     "OomAnalysis",
     "Postmortem",
     "analyse_oom",
     "format_postmortem",
+    "format_runs",
     "iter_records",
     "read_postmortem",
+    "read_runs",
 ]
 
 #: The longest line a decision record can be. The executor caps the one free
@@ -110,6 +65,13 @@ MAX_POINTS = 4096
 
 #: Out-of-memory analyses kept in full; the rest are counted.
 MAX_OOM_DETAILS = 256
+
+#: Runs read from one file; later runs are skipped (a file appended by
+#: thousands of runs still reads in bounded memory).
+MAX_RUNS = 256
+
+#: Task keys kept per run; later keys are not tabled.
+MAX_KEYS = 1024
 
 #: Events that set a device's width (``width_after``).
 _WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened"})
@@ -128,6 +90,15 @@ class DecisionLogError(GpuPoolError, ValueError):
         self.path = path
         self.line = line
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_log_error, (type(self), str(self), self.path, self.line))
+
+
+def _rebuild_log_error(
+    cls: type[DecisionLogError], message: str, path: str, line: int | None
+) -> DecisionLogError:
+    return cls(message, path=path, line=line)
+
 
 class EmptyLogError(DecisionLogError):
     """The file holds no decision records."""
@@ -136,35 +107,79 @@ class EmptyLogError(DecisionLogError):
 # -- reading ---------------------------------------------------------------------------
 
 
+def _open_log(path: str | Path) -> IO[bytes]:
+    """Open a log for reading: ``-`` is standard input; otherwise a regular file only.
+
+    A FIFO or a device is refused before any read, so that a reader never
+    blocks on a pipe with no writer (``gpupool postmortem FIFO``).
+    """
+    name = str(path)
+    if name == "-":
+        return os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise DecisionLogError(
+            f"{name}: cannot be read ({exc.strerror or exc})", path=name, line=None
+        ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a directory"
+                if stat.S_ISDIR(mode)
+                else (
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+                )
+            )
+            raise DecisionLogError(
+                f"{name}: {kind}, not a decision log file; to read a stream, pass - "
+                f"and redirect it (gpupool postmortem - < {name})",
+                path=name,
+                line=None,
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, record)`` for each record in a decision log, streaming.
 
     Blank lines are skipped. Only :func:`json.loads` touches the text.
 
     Args:
-        path: a JSON Lines decision log.
+        path: a JSON Lines decision log, or ``"-"`` for standard input.
 
     Yields:
         The 1-based line number and the record as a dict.
 
     Raises:
-        DecisionLogError: the file cannot be opened, a line is not UTF-8 JSON
-            (the last one: truncated), is not a decision record, or was written
-            with a newer schema; the message names the line.
+        DecisionLogError: the file cannot be opened or read, is not a regular
+            file (a FIFO, a device), a line is not UTF-8 JSON (the last one:
+            truncated), is not a decision record, or was written with a newer
+            schema; the message names the line.
         EmptyLogError: the file holds no records.
     """
-    name = str(path)
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - closed in the finally below
-    except OSError as exc:
-        raise DecisionLogError(
-            f"{name}: cannot be read ({exc.strerror or exc})", path=name, line=None
-        ) from None
+    name = "<stdin>" if str(path) == "-" else str(path)
+    handle = _open_log(path)
     seen = 0
     number = 0
     try:
         while True:
-            raw = handle.readline(MAX_LINE_BYTES + 1)
+            try:
+                raw = handle.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:
+                raise DecisionLogError(
+                    f"{name}, line {number + 1}: cannot be read ({exc.strerror or exc})",
+                    path=name,
+                    line=number + 1,
+                ) from None
             if not raw:
                 break
             number += 1
@@ -224,10 +239,10 @@ def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, 
             path=path,
             line=number,
         )
-    if schema > SCHEMA_VERSION:
+    if schema > max(READABLE_SCHEMAS):
         raise DecisionLogError(
             f"{path}, line {number}: written with decision-log schema {schema}; this gpupool "
-            f"reads schema {SCHEMA_VERSION} at most. Read it with a newer gpupool.",
+            f"reads schema {max(READABLE_SCHEMAS)} at most. Read it with a newer gpupool.",
             path=path,
             line=number,
         )
@@ -253,291 +268,6 @@ def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, 
 
 def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a decision-log value")
-
-
-# -- the out-of-memory attribution -----------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OomAnalysis:
-    """One out-of-memory record, the card as it stood, and the term that was wrong.
-
-    Attributes:
-        line: the record's line in the log.
-        time_s: seconds since the pool was constructed.
-        device: the card.
-        key: the failing task's key.
-        total_bytes: ``T``.
-        census_co_tenant_bytes: ``C``.
-        own_high_water_bytes: ``O``.
-        reserve_bytes: ``R``.
-        booked_bytes: ``B``.
-        running: ``n``.
-        task_ask_bytes: ``A``.
-        key_ask_bytes: the key's ask when it failed (the record's ``ask_bytes``).
-        ask_basis: its basis.
-        reached_bytes: ``r``.
-        requested_bytes: ``q``.
-        live_used_bytes: ``U``.
-        live_free_bytes: ``F``.
-        need_bytes: ``r + q``, or ``None`` when either is missing.
-        ask_shortfall_bytes: ``need - A`` when positive, else 0.
-        children_bytes: the pool's children at the reading (step 2).
-        co_tenant_live_bytes: ``C`` plus the co-tenant's growth, where derivable.
-        co_tenant_growth_bytes: step 4's co-tenant share.
-        own_live_bytes: the parent's bytes at the reading, where known.
-        own_growth_bytes: step 4's own share.
-        own_separable: whether own growth could be told from a co-tenant's.
-        unattributed_bytes: step 5's rest.
-        retry: whether the pool retried the task.
-        wrong_terms: the terms found wrong, largest first, with their bytes.
-        verdict: the first wrong term, or ``"unattributed"``.
-        explanation: the verdict in one sentence, every number in it.
-        missing: the record's terms that were needed and absent.
-    """
-
-    line: int
-    time_s: float
-    device: int | None
-    key: str | None
-    total_bytes: int | None
-    census_co_tenant_bytes: int | None
-    own_high_water_bytes: int | None
-    reserve_bytes: int
-    booked_bytes: int | None
-    running: int | None
-    task_ask_bytes: int | None
-    key_ask_bytes: int | None
-    ask_basis: str | None
-    reached_bytes: int | None
-    requested_bytes: int | None
-    live_used_bytes: int | None
-    live_free_bytes: int | None
-    need_bytes: int | None
-    ask_shortfall_bytes: int
-    children_bytes: int | None
-    co_tenant_live_bytes: int | None
-    co_tenant_growth_bytes: int
-    own_live_bytes: int | None
-    own_growth_bytes: int
-    own_separable: bool
-    unattributed_bytes: int | None
-    retry: bool
-    wrong_terms: tuple[tuple[str, int], ...]
-    verdict: str
-    explanation: str
-    missing: tuple[str, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict of every field."""
-        out = {name: getattr(self, name) for name in self.__slots__}
-        out["wrong_terms"] = [{"term": t, "bytes": b} for t, b in self.wrong_terms]
-        out["missing"] = list(self.missing)
-        return out
-
-
-def _int(record: Mapping[str, Any], name: str) -> int | None:
-    value = record.get(name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
-
-
-def analyse_oom(
-    record: Mapping[str, Any],
-    *,
-    line: int = 0,
-    later_own_high_water_bytes: int | None = None,
-    most_running: int | None = None,
-) -> OomAnalysis:
-    """Attribute one ``out_of_memory`` record (pure: the arithmetic of the module docstring).
-
-    Args:
-        record: the record as read from the log.
-        line: its line number, for the report.
-        later_own_high_water_bytes: the largest ``own_high_water_bytes`` that a
-            later record of the same card carries, if any (evidence that the
-            parent grew when the record has no ``live_own_bytes``).
-        most_running: ``W``, the most tasks the log showed running on the
-            card up to this record (default: ``running``).
-
-    Returns:
-        The card as it stood and the verdict.
-    """
-    total = _int(record, "total_bytes")
-    census_co = _int(record, "census_co_tenant_bytes")
-    if census_co is None:
-        census_co = _int(record, "co_tenant_bytes")
-    own_hw = _int(record, "own_high_water_bytes")
-    reserve = _int(record, "reserve_bytes") or 0
-    booked = _int(record, "booked_bytes")
-    running = _int(record, "running")
-    ask = _int(record, "task_ask_bytes")
-    reached = _int(record, "reached_bytes")
-    requested = _int(record, "requested_bytes")
-    used = _int(record, "live_used_bytes")
-    free = _int(record, "live_free_bytes")
-    live_pool = _int(record, "live_pool_bytes")
-    live_own = _int(record, "live_own_bytes")
-    needed = {
-        "total_bytes": total,
-        "census_co_tenant_bytes": census_co,
-        "own_high_water_bytes": own_hw,
-        "booked_bytes": booked,
-        "running": running,
-        "task_ask_bytes": ask,
-        "reached_bytes": reached,
-        "requested_bytes": requested,
-        "live_used_bytes": used,
-    }
-    missing = [name for name, value in needed.items() if value is None]
-    if live_own is None:
-        missing.append("live_own_bytes")
-
-    # 1. the ask
-    need = reached + requested if reached is not None and requested is not None else None
-    shortfall = max(0, need - ask) if need is not None and ask is not None else 0
-
-    # 2. the pool's children at the reading
-    children: int | None = None
-    if live_pool is not None:
-        children = live_pool
-    elif booked is not None and ask is not None:
-        others = max(0, booked - ask)
-        if shortfall and need is not None and running is not None:
-            others = max(others, max(0, running - 1) * need)
-        idle = max(0, (most_running or 0) - (running or 0))
-        children = others + (reached or 0) * (1 + idle)
-
-    # 3. outside the pool; 4. own or co-tenant
-    growth = 0
-    own_growth = 0
-    co_growth = 0
-    own_live: int | None = live_own
-    co_live: int | None = None
-    separable = live_own is not None
-    if used is not None and children is not None and census_co is not None and own_hw is not None:
-        outside = used - children
-        growth = outside - census_co - own_hw
-        if live_own is not None:
-            own_growth = max(0, live_own - own_hw)
-            co_growth = max(0, outside - live_own - census_co)
-        else:
-            if later_own_high_water_bytes is not None and later_own_high_water_bytes > own_hw:
-                own_growth = later_own_high_water_bytes - own_hw
-                own_live = later_own_high_water_bytes
-                separable = True
-            co_growth = max(0, growth - own_growth)
-        co_live = census_co + co_growth
-    terms: list[tuple[str, int]] = []
-    if shortfall > 0:
-        terms.append(("ask", shortfall))
-    if co_growth > reserve:
-        terms.append(("co_tenant", co_growth))
-    if own_growth > reserve:
-        terms.append(("own", own_growth))
-    terms.sort(key=lambda term: -term[1])
-    unattributed: int | None = None
-    if used is not None and requested is not None and total is not None:
-        unattributed = max(0, used + requested - total)
-    verdict = terms[0][0] if terms else "unattributed"
-    explanation = _explain(
-        verdict,
-        terms,
-        ask=ask,
-        need=need,
-        reached=reached,
-        requested=requested,
-        census_co=census_co,
-        own_hw=own_hw,
-        separable=separable,
-        unattributed=unattributed,
-        missing=missing,
-    )
-    return OomAnalysis(
-        line=line,
-        time_s=_finite(record.get("time_s")),
-        device=_int(record, "device"),
-        key=record.get("key") if isinstance(record.get("key"), str) else None,
-        total_bytes=total,
-        census_co_tenant_bytes=census_co,
-        own_high_water_bytes=own_hw,
-        reserve_bytes=reserve,
-        booked_bytes=booked,
-        running=running,
-        task_ask_bytes=ask,
-        key_ask_bytes=_int(record, "ask_bytes"),
-        ask_basis=record.get("ask_basis") if isinstance(record.get("ask_basis"), str) else None,
-        reached_bytes=reached,
-        requested_bytes=requested,
-        live_used_bytes=used,
-        live_free_bytes=free,
-        need_bytes=need,
-        ask_shortfall_bytes=shortfall,
-        children_bytes=children,
-        co_tenant_live_bytes=co_live,
-        co_tenant_growth_bytes=co_growth,
-        own_live_bytes=own_live,
-        own_growth_bytes=own_growth,
-        own_separable=separable,
-        unattributed_bytes=unattributed,
-        retry=record.get("retry") is True,
-        wrong_terms=tuple(terms),
-        verdict=verdict,
-        explanation=explanation,
-        missing=tuple(missing),
-    )
-
-
-def _explain(
-    verdict: str,
-    terms: list[tuple[str, int]],
-    *,
-    ask: int | None,
-    need: int | None,
-    reached: int | None,
-    requested: int | None,
-    census_co: int | None,
-    own_hw: int | None,
-    separable: bool,
-    unattributed: int | None,
-    missing: list[str],
-) -> str:
-    parts: list[str] = []
-    for term, nbytes in terms:
-        if term == "ask":
-            parts.append(
-                f"the ask was underestimated: the task needed at least {format_size(need)} "
-                f"({format_size(reached)} reached + {format_size(requested)} refused), "
-                f"{format_size(nbytes)} more than its price of {format_size(ask)}"
-            )
-        elif term == "co_tenant":
-            note = (
-                ""
-                if separable
-                else " (or this process: the record has no live reading of the pool's own "
-                "bytes, so the two cannot be told apart)"
-            )
-            parts.append(
-                f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
-                f"the {format_size(census_co)} it was priced at{note}"
-            )
-        elif term == "own":
-            parts.append(
-                f"the pool's own process grew {format_size(nbytes)} past the "
-                f"{format_size(own_hw)} high-water the width was priced at"
-            )
-    if not parts:
-        if [m for m in missing if m != "live_own_bytes"]:
-            return "no term can be named: the record lacks " + ", ".join(
-                m for m in missing if m != "live_own_bytes"
-            )
-        return (
-            "no term went past its price by the record's figures; "
-            f"{format_size(unattributed)} (live used + refused - total) is unattributed: "
-            "allocator fragmentation, the driver, or a reading taken after the card recovered"
-        )
-    return "; ".join(parts)
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -571,12 +301,13 @@ class DevicePlot:
     Attributes:
         device: the device index.
         terms: ``(time_s, total, co_tenant, own_high_water, ask, width, ceiling)``
-            from every record that carries the bound.
+            from every record that carries the bound (``-1``: not in the record).
         live_used: ``(time_s, live_used_bytes)`` where a record read the card.
         booked: ``(time_s, booked_bytes)`` from out-of-memory records.
         ooms: ``(time_s, bytes)``: where the card ran out (live used + refused).
         refused: ``(time_s, width)`` of every refused widen.
-        gate_waits: ``(time_s, live_used_bytes)`` of every live-gate wait.
+        gate_waits: ``(time_s, live_used_bytes or -1)`` of every live-gate wait.
+        serial: ``(time_s,)`` of every serial start (past the bound).
     """
 
     device: int
@@ -586,21 +317,31 @@ class DevicePlot:
     ooms: _Series = field(default_factory=_Series)
     refused: _Series = field(default_factory=_Series)
     gate_waits: _Series = field(default_factory=_Series)
+    serial: _Series = field(default_factory=_Series)
 
 
 @dataclass(slots=True)
 class Postmortem:
-    """What a decision log says about a run.
+    """What a decision log says about one run of a pool.
 
     Attributes:
         path: the log.
+        run_id: the run's id (``legacy-N`` for a log written before run ids).
+        run_index: the run's place in the file, from 1.
+        started_at: when the run began (UTC, ISO 8601), if the log says.
+        pid: the pool's parent process, if the log says.
+        gpupool_version: the gpupool that wrote the run, if the log says.
+        settings: the pool's settings from the run's ``run_started`` record.
         records: records read.
         duration_s: the last record's ``time_s``.
         events: records per event.
         widths: ``(time_s, total width)`` at each change of the pool's width
             (the sum of the devices' widths, or the pool's own for host pools).
         device_widths: per device, ``(time_s, width)`` at each change.
-        asks: per task key, the ask's changes ``(time_s, ask_bytes, basis)``.
+        asks: per task key, its own ask's changes ``(time_s, ask_bytes, basis)``
+            (from the records' ``key_ask_*`` terms).
+        key_peaks: per task key, the largest device peak measured (a child's
+            report, or what an out-of-memory showed it needed at least).
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
@@ -609,12 +350,19 @@ class Postmortem:
     """
 
     path: str
+    run_id: str = "legacy-1"
+    run_index: int = 1
+    started_at: str | None = None
+    pid: int | None = None
+    gpupool_version: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
     records: int = 0
     duration_s: float = 0.0
     events: dict[str, int] = field(default_factory=dict)
     widths: _Series = field(default_factory=_Series)
     device_widths: dict[int, _Series] = field(default_factory=dict)
     asks: dict[str, _Series] = field(default_factory=dict)
+    key_peaks: dict[str, int] = field(default_factory=dict)
     ooms: list[OomAnalysis] = field(default_factory=list)
     out_of_memory: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
@@ -630,9 +378,15 @@ class Postmortem:
         return value if isinstance(value, int) else None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able summary: ``gpupool postmortem --json`` prints it."""
+        """A JSON-able summary of the run (``gpupool postmortem --json`` prints a list of them)."""
         return {
             "path": self.path,
+            "run_id": self.run_id,
+            "run_index": self.run_index,
+            "started_at": self.started_at,
+            "pid": self.pid,
+            "gpupool_version": self.gpupool_version,
+            "settings": dict(self.settings),
             "schema": SCHEMA_VERSION,
             "records": self.records,
             "duration_s": self.duration_s,
@@ -644,15 +398,15 @@ class Postmortem:
             },
             "asks": {
                 key: {
-                    "ask_bytes": int(s.points[-1][1]),
-                    "basis": _BASES[int(s.points[-1][2])],
+                    "ask_bytes": int(s.points[-1][1]) if s.points else None,
+                    "basis": _BASES[int(s.points[-1][2])] if s.points else None,
+                    "peak_bytes": self.key_peaks.get(key),
                     "history": [
                         {"time_s": t, "ask_bytes": int(a), "basis": _BASES[int(b)]}
                         for t, a, b in s.points
                     ],
                 }
                 for key, s in sorted(self.asks.items())
-                if s.points
             },
             "out_of_memory": self.out_of_memory,
             "verdicts": dict(sorted(self.verdicts.items())),
@@ -670,122 +424,248 @@ def _basis_code(value: object) -> int:
     return _BASES.index(value) if value in _BASES[:2] else 2
 
 
-def read_postmortem(path: str | Path) -> Postmortem:
-    """Stream a decision log into a :class:`Postmortem`, in bounded memory.
+_SHUTDOWN_TERMS = (
+    "time_s",
+    "tasks_completed",
+    "tasks_failed",
+    "tasks_cancelled",
+    "out_of_memory",
+    "retries",
+    "workers_lost",
+    "tasks_lost",
+    "reason",
+)
+
+
+class _RunReader:
+    """Folds one run's records into its :class:`Postmortem`, in bounded memory.
 
     Out-of-memory records are analysed when the next record of their card
     that carries an own high-water is read (or at the end), so that a later
     high-water can count as evidence of the parent's growth.
-
-    Raises:
-        DecisionLogError: the file is not a readable decision log (see
-            :func:`iter_records`).
     """
-    pm = Postmortem(path=str(path))
-    current: dict[int | None, int] = {}
-    last_total: int | None = None
-    waiting: list[tuple[int, dict[str, Any], int]] = []
-    own_after: dict[int, int] = {}
-    most: dict[int, int] = {}
-    default_ask: tuple[float, int, int] | None = None
-    for number, record in iter_records(path):
+
+    def __init__(self, pm: Postmortem) -> None:
+        self.pm = pm
+        self.current: dict[int | None, int] = {}
+        self.last_total: int | None = None
+        self.waiting: list[tuple[int, dict[str, Any], int]] = []
+        self.own_after: dict[int, int] = {}
+        self.most: dict[int, int] = {}
+
+    def feed(self, number: int, record: dict[str, Any]) -> None:
+        pm = self.pm
         pm.records += 1
         event = str(record["event"])
         pm.events[event] = pm.events.get(event, 0) + 1
-        time_s = _finite(record.get("time_s"))
+        time_s = record_float(record.get("time_s"))
         pm.duration_s = max(pm.duration_s, time_s)
-        device = _int(record, "device")
-        own_hw = _int(record, "own_high_water_bytes")
+        if event == "run_started":
+            self._header(record)
+            return
+        device = record_int(record, "device")
+        own_hw = record_int(record, "own_high_water_bytes")
         if device is not None and own_hw is not None and event != "out_of_memory":
-            own_after[device] = max(own_after.get(device, 0), own_hw)
-        if waiting and device is not None and own_hw is not None:
-            waiting = _flush(pm, waiting, own_after, device=device)
+            self.own_after[device] = max(self.own_after.get(device, 0), own_hw)
+        if self.waiting and device is not None and own_hw is not None:
+            self.flush(device)
         plot = pm.devices.setdefault(device, DevicePlot(device)) if device is not None else None
-        width_after = _int(record, "width_after")
+        width_after = record_int(record, "width_after")
         if device is not None:
-            for value in (_int(record, "running"), width_after if event in _WIDTH_EVENTS else None):
+            for value in (
+                record_int(record, "running"),
+                width_after if event in _WIDTH_EVENTS else None,
+            ):
                 if value is not None:
-                    most[device] = max(most.get(device, 0), value)
+                    self.most[device] = max(self.most.get(device, 0), value)
         if event in _WIDTH_EVENTS and width_after is not None:
             if device is not None:
                 pm.device_widths.setdefault(device, _Series()).add(time_s, width_after)
-            current[device] = width_after
-            per_device = {d: w for d, w in current.items() if d is not None}
+            self.current[device] = width_after
+            per_device = {d: w for d, w in self.current.items() if d is not None}
             total_width = max(1, sum(per_device.values())) if per_device else width_after
-            if total_width != last_total:
+            if total_width != self.last_total:
                 pm.widths.add(time_s, total_width)
-                last_total = total_width
-        key = record.get("key")
-        ask = _int(record, "ask_bytes")
-        if key is None and ask is not None and default_ask is None:
-            # The construction prices every key at the estimate before any is seen.
-            default_ask = (time_s, ask, _basis_code(record.get("ask_basis")))
-        if isinstance(key, str) and ask is not None and event != "out_of_memory":
-            if key not in pm.asks:
-                pm.asks[key] = _Series()
-                if default_ask is not None:
-                    pm.asks[key].add(*default_ask)
-            series = pm.asks[key]
-            basis = _basis_code(record.get("ask_basis"))
-            if not series.points or series.points[-1][1:] != (ask, basis):
-                series.add(time_s, ask, basis)
+                self.last_total = total_width
+        self._key_terms(record, event, time_s)
         if plot is not None:
             _plot_point(plot, record, event, time_s)
         if event == "out_of_memory":
             pm.out_of_memory += 1
-            waiting.append((number, record, most.get(device, 0) if device is not None else 0))
+            self.waiting.append(
+                (number, record, self.most.get(device, 0) if device is not None else 0)
+            )
         elif event == "shutdown":
-            pm.shutdown = {
-                name: record.get(name)
-                for name in (
-                    "time_s",
-                    "tasks_completed",
-                    "tasks_failed",
-                    "tasks_cancelled",
-                    "out_of_memory",
-                    "retries",
-                    "workers_lost",
-                    "tasks_lost",
-                    "reason",
-                )
-            }
-    _flush(pm, waiting, own_after, device=None)
-    return pm
+            pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
+
+    def _header(self, record: Mapping[str, Any]) -> None:
+        pm = self.pm
+        started = record.get("started_at")
+        pm.started_at = started if isinstance(started, str) else None
+        pm.pid = record_int(record, "pid")
+        version = record.get("gpupool_version")
+        pm.gpupool_version = version if isinstance(version, str) else None
+        pm.settings = {
+            name[len(SETTING_PREFIX) :]: value
+            for name, value in record.items()
+            if name.startswith(SETTING_PREFIX)
+        }
+
+    def _key_terms(self, record: Mapping[str, Any], event: str, time_s: float) -> None:
+        """The record's key's own ask (``key_ask_*``) and the peak its child reported."""
+        key = record.get("key")
+        if not isinstance(key, str):
+            return
+        pm = self.pm
+        for name in ("peak_bytes", "key_measured_peak_bytes"):
+            peak = record_int(record, name)
+            if peak is not None:
+                pm.key_peaks[key] = max(pm.key_peaks.get(key, 0), peak)
+        ask = record_int(record, "key_ask_bytes")
+        if ask is None:
+            if key not in pm.asks and len(pm.asks) < MAX_KEYS:
+                pm.asks[key] = _Series()
+            return
+        if key not in pm.asks:
+            if len(pm.asks) >= MAX_KEYS:
+                return
+            pm.asks[key] = _Series()
+        series = pm.asks[key]
+        basis = _basis_code(record.get("key_ask_basis"))
+        estimate = record_int(record, "key_estimate_bytes")
+        if not series.points and estimate is not None and (estimate, 0) != (ask, basis):
+            series.add(time_s, estimate, 0)
+        if not series.points or series.points[-1][1:] != (ask, basis):
+            series.add(time_s, ask, basis)
+
+    def flush(self, device: int | None) -> None:
+        """Analyse the waiting out-of-memory records of ``device`` (``None``: all)."""
+        pm = self.pm
+        kept: list[tuple[int, dict[str, Any], int]] = []
+        for number, record, most_running in self.waiting:
+            card = record_int(record, "device")
+            if device is not None and card != device:
+                kept.append((number, record, most_running))
+                continue
+            analysis = analyse_oom(
+                record,
+                line=number,
+                later_own_high_water_bytes=self.own_after.get(card) if card is not None else None,
+                most_running=most_running,
+            )
+            pm.verdicts[analysis.verdict] = pm.verdicts.get(analysis.verdict, 0) + 1
+            if len(pm.ooms) < MAX_OOM_DETAILS:
+                pm.ooms.append(analysis)
+        self.waiting = kept
 
 
-def _flush(
-    pm: Postmortem,
-    waiting: list[tuple[int, dict[str, Any], int]],
-    own_after: dict[int, int],
-    *,
-    device: int | None,
-) -> list[tuple[int, dict[str, Any], int]]:
-    """Analyse the waiting out-of-memory records of ``device`` (``None``: all)."""
-    kept: list[tuple[int, dict[str, Any], int]] = []
-    for number, record, most_running in waiting:
-        card = _int(record, "device")
-        if device is not None and card != device:
-            kept.append((number, record, most_running))
-            continue
-        analysis = analyse_oom(
-            record,
-            line=number,
-            later_own_high_water_bytes=own_after.get(card) if card is not None else None,
-            most_running=most_running,
+class NoSuchRunError(GpuPoolError, LookupError):
+    """The run asked for (``--run``) is not in the log.
+
+    Attributes:
+        run: what was asked for.
+        runs: the run ids the log holds.
+    """
+
+    def __init__(self, message: str, *, run: str, runs: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.run = run
+        self.runs = runs
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_no_such_run, (str(self), self.run, self.runs))
+
+
+def _rebuild_no_such_run(message: str, run: str, runs: tuple[str, ...]) -> NoSuchRunError:
+    return NoSuchRunError(message, run=run, runs=runs)
+
+
+def _selects(pm: Postmortem, run: str) -> bool:
+    return run == str(pm.run_index) or (len(run) >= 4 and pm.run_id.startswith(run))
+
+
+def read_runs(path: str | Path, *, run: str | int | None = None) -> list[Postmortem]:
+    """Stream a decision log into one :class:`Postmortem` per run, in bounded memory.
+
+    A run is the records that carry one ``run_id``, in the order the file
+    first shows them (two pools appending at once interleave, and are told
+    apart). A log written before run ids (schema 1) is split at each
+    ``constructed`` record that follows any other event.
+
+    Args:
+        path: the log, or ``"-"`` for standard input.
+        run: keep only this run: its place in the file (``1``, ``"2"``) or
+            the start of its run id (4 characters at least).
+
+    Raises:
+        DecisionLogError: the file is not a readable decision log (see
+            :func:`iter_records`).
+        NoSuchRunError: ``run`` names no run in the log.
+    """
+    name = "<stdin>" if str(path) == "-" else str(path)
+    readers: dict[str, _RunReader] = {}
+    ids: list[str] = []
+    legacy = 0
+    legacy_id: str | None = None
+    legacy_seen_other = False
+    for number, record in iter_records(path):
+        run_id = record.get("run_id")
+        if not isinstance(run_id, str) or not run_id:
+            # Schema 1: a run starts at a "constructed" record after any other event.
+            event = record["event"]
+            if legacy_id is None or (event == "constructed" and legacy_seen_other):
+                legacy += 1
+                legacy_id = f"legacy-{legacy}"
+                legacy_seen_other = False
+            run_id = legacy_id
+            if event != "constructed":
+                legacy_seen_other = True
+        reader = readers.get(run_id)
+        if reader is None:
+            if len(ids) >= MAX_RUNS:
+                ids.append(run_id)  # counted, not read
+                continue
+            ids.append(run_id)
+            reader = _RunReader(Postmortem(path=name, run_id=run_id, run_index=len(ids)))
+            readers[run_id] = reader
+        reader.feed(number, record)
+    runs = [reader.pm for reader in readers.values()]
+    for reader in readers.values():
+        reader.flush(None)
+    if run is None:
+        return runs
+    wanted = str(run)
+    chosen = [pm for pm in runs if _selects(pm, wanted)]
+    if len(chosen) != 1:
+        listing = ", ".join(f"{pm.run_index}: {pm.run_id}" for pm in runs)
+        why = "matches several runs" if chosen else "is not a run in the log"
+        raise NoSuchRunError(
+            f"{name}: run {wanted!r} {why}; the log holds {len(runs)} run"
+            f"{'s' if len(runs) != 1 else ''} ({listing}). Pass a run's number or the "
+            "start of its id.",
+            run=wanted,
+            runs=tuple(pm.run_id for pm in runs),
         )
-        pm.verdicts[analysis.verdict] = pm.verdicts.get(analysis.verdict, 0) + 1
-        if len(pm.ooms) < MAX_OOM_DETAILS:
-            pm.ooms.append(analysis)
-    return kept
+    return chosen
+
+
+def read_postmortem(path: str | Path, *, run: str | int | None = None) -> Postmortem:
+    """One run of a decision log: the one chosen by ``run``, by default the last.
+
+    Raises:
+        DecisionLogError: the file is not a readable decision log.
+        NoSuchRunError: ``run`` names no run in the log.
+    """
+    return read_runs(path, run=run)[-1]
 
 
 def _plot_point(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s: float) -> None:
-    total = _int(record, "total_bytes")
-    co = _int(record, "co_tenant_bytes")
-    own = _int(record, "own_high_water_bytes")
-    ask = _int(record, "ask_bytes")
-    width = _int(record, "width_after")
-    ceiling = _int(record, "ceiling")
+    total = record_int(record, "total_bytes")
+    co = record_int(record, "co_tenant_bytes")
+    own = record_int(record, "own_high_water_bytes")
+    ask = record_int(record, "ask_bytes")
+    width = record_int(record, "width_after")
+    ceiling = record_int(record, "ceiling")
     if total is not None and co is not None and own is not None and ask is not None:
         if event == "out_of_memory":
             width = None  # the narrowed record that follows carries the new width
@@ -798,37 +678,66 @@ def _plot_point(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s:
             width if width is not None else -1,
             ceiling if ceiling is not None else -1,
         )
-    used = _int(record, "live_used_bytes")
+    used = record_int(record, "live_used_bytes")
     if used is not None:
         plot.live_used.add(time_s, used)
     if event == "out_of_memory":
-        booked = _int(record, "booked_bytes")
+        booked = record_int(record, "booked_bytes")
         if booked is not None:
             plot.booked.add(time_s, booked)
-        requested = _int(record, "requested_bytes") or 0
+        requested = record_int(record, "requested_bytes") or 0
         plot.ooms.add(time_s, (used or 0) + requested if used is not None else (total or 0))
     elif event == "widen_refused":
         plot.refused.add(time_s, width if width is not None else 0)
-    elif event == "live_gate_wait" and used is not None:
-        plot.gate_waits.add(time_s, used)
-
-
-def _finite(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0
-    number = float(value)
-    return number if math.isfinite(number) else 0.0
+    elif event == "live_gate_wait":
+        plot.gate_waits.add(time_s, used if used is not None else -1)
+    elif event == "serial_start":
+        plot.serial.add(time_s)
 
 
 # -- words -----------------------------------------------------------------------------
 
 
+def _settings_line(settings: Mapping[str, Any]) -> str:
+    parts = []
+    for name, value in settings.items():
+        if value is None or name == "python":
+            continue
+        if name.endswith("_bytes") and isinstance(value, int) and not isinstance(value, bool):
+            parts.append(f"{name[: -len('_bytes')]}={format_size(value)}")
+        else:
+            parts.append(f"{name}={value}")
+    return "settings: " + (", ".join(parts) or "none recorded")
+
+
+def format_runs(runs: list[Postmortem]) -> list[str]:
+    """Every run in words (``gpupool postmortem`` prints them), one section per run."""
+    if len(runs) == 1:
+        return format_postmortem(runs[0])
+    lines = [
+        f"gpupool postmortem: {runs[0].path} holds {len(runs)} runs "
+        "(--run N or --run RUN_ID for one)"
+    ]
+    for pm in runs:
+        lines.append("")
+        lines.extend(format_postmortem(pm))
+    return lines
+
+
 def format_postmortem(pm: Postmortem) -> list[str]:
-    """The postmortem in words, one string per line (``gpupool postmortem`` prints them)."""
+    """One run in words, one string per line."""
+    started = f", started {pm.started_at}" if pm.started_at else ""
+    by = f" by process {pm.pid}" if pm.pid is not None else ""
+    version = f" (gpupool {pm.gpupool_version})" if pm.gpupool_version else ""
     lines = [
         f"gpupool postmortem: {pm.path}",
-        f"{pm.records} decision record{'s' if pm.records != 1 else ''} over {pm.duration_s:.2f} s",
+        f"run {pm.run_index}: {pm.run_id}{started}{by}{version}",
     ]
+    if pm.settings:
+        lines.append(_settings_line(pm.settings))
+    lines.append(
+        f"{pm.records} decision record{'s' if pm.records != 1 else ''} over {pm.duration_s:.2f} s"
+    )
     lines.append(
         "widths over time: "
         + (", ".join(f"{int(w)} at {t:.2f} s" for t, w in pm.widths.points) or "none recorded")
@@ -839,12 +748,18 @@ def format_postmortem(pm: Postmortem) -> list[str]:
                 f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
             )
     if pm.asks:
-        lines.append("asks per task key (as the records priced it):")
+        lines.append("asks per task key (each key's own ask, and its largest measured peak):")
         for key, series in sorted(pm.asks.items()):
-            history = " -> ".join(
-                f"{format_size(int(a))} ({_BASES[int(b)]})" for _t, a, b in series.points
+            history = (
+                " -> ".join(
+                    f"{format_size(int(a))} ({_BASES[int(b)]})" for _t, a, b in series.points
+                )
+                or "not in the log (written before gpupool recorded each key's ask)"
             )
-            lines.append(f"  {key}: {history}")
+            peak = pm.key_peaks.get(key)
+            lines.append(
+                f"  {key}: {history}" + (f"; peak {format_size(peak)}" if peak is not None else "")
+            )
     refused = pm.events.get("widen_refused", 0)
     waits = pm.events.get("live_gate_wait", 0)
     serial = pm.events.get("serial_start", 0)

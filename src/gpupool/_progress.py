@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol, TypeVar
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from gpupool._core.units import format_size
+
+if TYPE_CHECKING:
+    from gpupool._pool.executor import GpuPoolExecutor
 
 __all__ = ["describe_asks", "progress_enabled", "track"]
 
@@ -65,30 +69,54 @@ def progress_enabled(enabled: bool | None, stream: Any = None) -> bool:
         return False
 
 
+#: The bar's line: the count, the bar, the times and the pool's terms.
+_BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}"
+#: The widest the bar's line grows, so that it never wraps an 80-column terminal.
+_MAX_COLUMNS = 80
+#: The most characters of the pool's terms after the bar.
+_POSTFIX_CHARS = 40
+
+
 def describe_asks(asks: Mapping[str, Any]) -> str:
-    """Each key's ask in a few characters: ``"entry=6.94 GiB measured"``, keys shortened."""
-    parts = []
-    for key, ask in sorted(asks.items()):
-        short = key.rsplit(".", 1)[-1] or key
-        parts.append(f"{short}={format_size(ask.ask_bytes)} {ask.basis}")
-    return ", ".join(parts)
+    """The asks in a few characters: one key's ``"6.94 GiB measured"``, else the largest's."""
+    if not asks:
+        return ""
+    if len(asks) == 1:
+        (ask,) = asks.values()
+        return f"ask {format_size(ask.ask_bytes)} {ask.basis}"
+    largest = max(asks.values(), key=lambda a: a.ask_bytes)
+    return f"{len(asks)} keys, largest ask {format_size(largest.ask_bytes)}"
+
+
+def _failed(item: object) -> bool:
+    """Whether ``item`` is a finished future that holds an exception."""
+    if not isinstance(item, Future) or not item.done() or item.cancelled():
+        return False
+    return item.exception() is not None
 
 
 def track(
     results: Iterable[T],
     *,
     total: int | None = None,
-    executor: _Observed | None = None,
+    executor: GpuPoolExecutor | None = None,
     enabled: bool | None = None,
     desc: str = "gpupool",
 ) -> Iterator[T]:
-    """Yield ``results`` unchanged, showing a tqdm bar with the pool's width and asks.
+    """Yield ``results`` unchanged, showing a tqdm bar with failures, the width and the ask.
+
+    ::
+
+        futures = [ex.submit(work, item) for item in items]
+        for future in gpupool.track(as_completed(futures), total=len(futures), executor=ex):
+            ...
 
     Args:
-        results: the results to pass through (consumed lazily).
+        results: the results to pass through (consumed lazily); when they are
+            futures (``as_completed``), the bar counts the failed ones.
         total: how many there will be, if known.
         executor: the pool to describe (``width`` and ``statistics().asks``);
-            ``None`` shows only the count.
+            ``None`` shows only the counts.
         enabled: ``True`` shows the bar even when stderr is not a terminal;
             ``False`` never; ``None`` (default) when stderr is a terminal.
         desc: the bar's label.
@@ -104,14 +132,28 @@ def track(
     except ImportError:
         yield from results
         return
-    bar = tqdm(total=total, desc=desc, file=sys.stderr, unit="task", dynamic_ncols=True)
+    import shutil
+
+    columns = min(_MAX_COLUMNS, shutil.get_terminal_size((_MAX_COLUMNS, 24)).columns)
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        file=sys.stderr,
+        unit="task",
+        ncols=columns,
+        bar_format=_BAR_FORMAT,
+    )
+    failed = 0
     try:
         for result in results:
+            failed += _failed(result)
+            terms = [f"failed {failed}"]
             if executor is not None:
+                terms.append(f"width {executor.width}")
                 asks = describe_asks(executor.statistics().asks)
-                bar.set_postfix_str(
-                    f"width={executor.width}" + (f", ask {asks}" if asks else ""), refresh=False
-                )
+                if asks:
+                    terms.append(asks)
+            bar.set_postfix_str(", ".join(terms)[:_POSTFIX_CHARS], refresh=False)
             bar.update(1)
             yield result
     finally:

@@ -3,7 +3,20 @@
 The only module that prints.
 
 Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in
-:func:`build_parser`; ``main`` returns the exit status.
+:func:`build_parser`; ``main`` returns the exit status, one of:
+
+====  =====================================================================
+0     done
+1     the command ran and reports a failure (no sensor, the demo's pool ran
+      a card out, the plot cannot be drawn or written)
+2     a usage error: a bad flag or value (argparse's own status), a value
+      the pool would refuse, a ``--run`` that names no run
+3     the input is not a readable decision log (a FIFO, a device, not JSON,
+      a newer schema, an unreadable file)
+4     the decision log is empty
+130   interrupted (Ctrl-C)
+141   standard output was closed early (``gpupool postmortem LOG | head``)
+====  =====================================================================
 """
 
 from __future__ import annotations
@@ -32,7 +45,28 @@ if TYPE_CHECKING:
 
     from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
 
-__all__ = ["build_parser", "main"]
+__all__ = [
+    "EXIT_BAD_LOG",
+    "EXIT_BROKEN_PIPE",
+    "EXIT_EMPTY_LOG",
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "build_parser",
+    "main",
+]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_BAD_LOG = 3
+EXIT_EMPTY_LOG = 4
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
+#: The plot formats, from the output's suffix.
+PLOT_FORMATS = ("png", "svg", "pdf")
 
 #: The environment variable a parent's own device restriction comes from.
 _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
@@ -40,10 +74,17 @@ _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    from gpupool import __version__
+
     parser = argparse.ArgumentParser(
         prog="gpupool",
         description="Pack GPU work onto cards by measured memory.",
+        epilog=(
+            "exit status: 0 done, 1 a failure reported, 2 usage error, 3 not a readable "
+            "decision log, 4 an empty log, 130 interrupted, 141 output closed early"
+        ),
     )
+    parser.add_argument("--version", action="version", version=f"gpupool {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_census(sub)
@@ -55,12 +96,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = args.handler
-    status: int = handler(args)
+    try:
+        status: int = handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing more, and let the
+        # interpreter's last flush go to /dev/null instead of raising again.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        sys.stderr.write("gpupool: interrupted\n")
+        return EXIT_INTERRUPTED
     return status
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _out(text: str = "") -> None:
@@ -161,7 +221,7 @@ def _cmd_census(args: argparse.Namespace) -> int:
         sensor, census, infos = _live_sensor_census()
     except SensorError as exc:
         sys.stderr.write(f"gpupool census: {exc}\n")
-        return 1
+        return EXIT_FAILURE
     try:
         devices = []
         for card, info in zip(census.cards, infos, strict=False):
@@ -333,7 +393,11 @@ def _add_plan(sub: Any) -> None:
         ),
     )
     size = _size_type
-    plan.add_argument("--total", type=size("--total"), help="card capacity (what-if mode)")
+    plan.add_argument(
+        "--total",
+        type=size("--total", allow_zero=False),
+        help="card capacity (what-if mode: only the figures given, none of this host's)",
+    )
     plan.add_argument(
         "--co-tenant", type=size("--co-tenant"), help="bytes held by other processes (default 0)"
     )
@@ -361,12 +425,20 @@ def _add_plan(sub: Any) -> None:
         type=size("--margin"),
         help="margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
     )
-    plan.add_argument("--max-workers", type=_count_type("--max-workers"))
     plan.add_argument(
-        "--cpus", type=_count_type("--cpus"), help="usable CPUs (default: this host's)"
+        "--max-workers",
+        type=_count_type("--max-workers"),
+        help="the pool's max_workers (default: the usable CPUs; what-if: what the card holds)",
     )
     plan.add_argument(
-        "--host-ram", type=size("--host-ram"), help="available host RAM (default: this host's)"
+        "--cpus",
+        type=_count_type("--cpus"),
+        help="usable CPUs (default: this host's; what-if: no CPU term unless given)",
+    )
+    plan.add_argument(
+        "--host-ram",
+        type=size("--host-ram"),
+        help="available host RAM (default: this host's; what-if: no RAM term unless given)",
     )
     plan.add_argument(
         "--child-rss",
@@ -490,15 +562,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ),
         )
         driver = True
-        from gpupool._sensors.host import read_host_census
-
-        host = read_host_census() if args.cpus is None or args.host_ram is None else None
+        # What-if numbers are the ones typed, never this machine's: a term not
+        # given (CPUs, host RAM) does not bound the plan.
+        host = None
     else:
         try:
             sensor, census, _infos = _live_sensor_census()
         except SensorError as exc:
             sys.stderr.write(f"gpupool plan: {exc}\n")
-            return 1
+            return EXIT_FAILURE
         sensor.close()
         cards = census.cards
         driver = census.driver
@@ -507,11 +579,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             notes.append(census.reason)
         if cards and args.task_peak is None:
             parser.error("--task-peak is required to plan a pool on a device")
+    for card in cards:
+        # The pool refuses this at construction (ConfigurationError): so does the plan.
+        if card.total_bytes is not None and reserve >= card.total_bytes:
+            parser.error(
+                f"--reserve {format_size(reserve)} is not smaller than card {card.device}'s "
+                f"{format_size(card.total_bytes)}; a pool refuses it. Pass a smaller reserve."
+            )
     cpus = args.cpus if args.cpus is not None else (host.cpus if host else None)
     host_ram = (
         args.host_ram if args.host_ram is not None else (host.available_ram_bytes if host else None)
     )
-    max_workers = args.max_workers if args.max_workers is not None else (cpus or 1)
+    if args.max_workers is not None:
+        max_workers = args.max_workers
+    elif cpus is not None:
+        max_workers = cpus
+    else:
+        max_workers = _tasks_fit(cards, reserve=reserve, peak=args.measured_peak or args.task_peak)
+        notes.append(
+            f"max_workers not given: planned at {max_workers}, what the card holds "
+            "(a pool's default is its host's usable CPUs)"
+        )
     ceiling = derive_ceiling(
         max_workers=max_workers,
         cpus=cpus,
@@ -571,6 +659,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tasks_fit(cards: Sequence[CardCensus], *, reserve: int, peak: int | None) -> int:
+    """How many tasks of ``peak`` (margin aside) the cards hold: a what-if's default width."""
+    if peak is None:
+        return 1
+    fit = 0
+    for card in cards:
+        room = (card.total_bytes or 0) - (card.co_tenant_bytes or 0) - (card.own_bytes or 0)
+        fit += max(0, (room - reserve) // peak)
+    return max(1, fit)
+
+
 def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
     _out(f"gpupool plan ({'what-if numbers' if result['mode'] == 'what-if' else 'live census'})")
     for note in result["notes"]:
@@ -620,41 +719,59 @@ def _add_postmortem(sub: Any) -> None:
         description=(
             "Read a JSON Lines decision log (GpuPoolExecutor(log_path=...)): widths over "
             "time, each task key's ask and its basis, retries and lost tasks, and for every "
-            "out-of-memory the card as it stood and the term that was wrong. Exit status: 0 "
-            "read, 1 empty log, 2 not a readable decision log."
+            "out-of-memory the card as it stood and the term that was wrong. A log appended "
+            "by several pools is read as several runs, each reported on its own. Exit "
+            "status: 0 read, 2 no such --run, 3 not a readable decision log, 4 empty log."
         ),
     )
-    postmortem.add_argument("log", metavar="LOG.jsonl", help="the decision log")
-    postmortem.add_argument("--json", action="store_true", help="print one JSON object")
+    postmortem.add_argument(
+        "log", metavar="LOG.jsonl", help="the decision log; - reads standard input"
+    )
+    postmortem.add_argument(
+        "--run", metavar="RUN", help="only this run: its number in the file (1, 2, ...) or its id"
+    )
+    postmortem.add_argument(
+        "--json", action="store_true", help='print one JSON object: {"path", "runs": [...]}'
+    )
     postmortem.set_defaults(handler=_cmd_postmortem)
 
 
-def _read_log(command: str, path: str) -> tuple[Any, int]:
-    """The postmortem of ``path``, or ``(None, status)`` after saying what is wrong."""
-    from gpupool._postmortem import DecisionLogError, EmptyLogError, read_postmortem
+def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
+    """The runs of ``path``, or ``(None, status)`` after saying what is wrong."""
+    from gpupool._postmortem import DecisionLogError, EmptyLogError, NoSuchRunError, read_runs
 
     try:
-        return read_postmortem(path), 0
+        return read_runs(path, run=run), EXIT_OK
     except EmptyLogError as exc:
         sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, 1
+        return None, EXIT_EMPTY_LOG
     except DecisionLogError as exc:
         sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, 2
+        return None, EXIT_BAD_LOG
+    except NoSuchRunError as exc:
+        sys.stderr.write(f"gpupool {command}: {exc}\n")
+        return None, EXIT_USAGE
 
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:
-    from gpupool._postmortem import format_postmortem
+    from gpupool._core.events import SCHEMA_VERSION
+    from gpupool._postmortem import format_runs
 
-    pm, status = _read_log("postmortem", args.log)
-    if pm is None:
+    runs, status = _read_log("postmortem", args.log, args.run)
+    if runs is None:
         return status
     if args.json:
-        _json_out(pm.to_dict())
+        _json_out(
+            {
+                "path": runs[0].path,
+                "schema": SCHEMA_VERSION,
+                "runs": [pm.to_dict() for pm in runs],
+            }
+        )
     else:
-        for line in format_postmortem(pm):
+        for line in format_runs(runs):
             _out(line)
-    return 0
+    return EXIT_OK
 
 
 # -- gpupool plot ----------------------------------------------------------------
@@ -663,35 +780,77 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
 def _add_plot(sub: Any) -> None:
     plot = sub.add_parser(
         "plot",
-        help="draw a decision log: memory terms and width over time, per card (matplotlib)",
+        help="draw a decision log: booked and read memory and the width over time, per card",
         description=(
-            "Draw, per card, the total, the census co-tenant, the own high-water and the "
-            "booked asks stacked under it, live used bytes where read, the width and its "
-            "ceiling, with a mark at every out-of-memory and refused widen. Needs the "
+            "Draw, per card and per run, what the pool booked (census co-tenant, own "
+            "high-water, width x ask) against the card's total, the card's used bytes where a "
+            "record read them, the width and its ceiling, with every out-of-memory, live-gate "
+            "wait and refused widen marked. The format follows the output's suffix (.png, "
+            ".svg, .pdf); -o - writes to standard output (--format, default png). Needs the "
             "'plot' extra (matplotlib)."
         ),
     )
-    plot.add_argument("log", metavar="LOG.jsonl", help="the decision log")
-    plot.add_argument("-o", "--output", default="run.png", help="the PNG to write (run.png)")
-    plot.set_defaults(handler=_cmd_plot)
+    plot.add_argument("log", metavar="LOG.jsonl", help="the decision log; - reads standard input")
+    plot.add_argument(
+        "-o", "--output", default="run.png", help="the file to write (run.png); - for stdout"
+    )
+    plot.add_argument(
+        "--format",
+        choices=PLOT_FORMATS,
+        help="the format (default: from the output's suffix; png for -o -)",
+    )
+    plot.add_argument(
+        "--run", metavar="RUN", help="only this run: its number in the file (1, 2, ...) or its id"
+    )
+    plot.set_defaults(handler=_cmd_plot, parser=plot)
+
+
+def _plot_format(parser: argparse.ArgumentParser, output: str, given: str | None) -> str:
+    if output == "-":
+        return given or "png"
+    suffix = os.path.splitext(output)[1].lower().lstrip(".")
+    if given is not None:
+        if suffix and suffix != given:
+            parser.error(f"--format {given} does not match the output {output!r} (.{suffix})")
+        return given
+    if suffix not in PLOT_FORMATS:
+        parser.error(
+            f"-o {output!r}: cannot tell the format from its suffix; end it in "
+            + ", ".join(f".{f}" for f in PLOT_FORMATS)
+            + " (or pass --format)"
+        )
+    return suffix
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
+    import io
+
     from gpupool._plot import PlotUnavailableError, write_plot
 
-    pm, status = _read_log("plot", args.log)
-    if pm is None:
+    fmt = _plot_format(args.parser, args.output, args.format)
+    if args.output == "-" and sys.stdout.isatty():
+        args.parser.error(f"-o - would write {fmt.upper()} bytes to a terminal; redirect it")
+    runs, status = _read_log("plot", args.log, args.run)
+    if runs is None:
         return status
     try:
-        write_plot(pm, args.output)
+        if args.output == "-":
+            buffer = io.BytesIO()
+            write_plot(runs, buffer, fmt=fmt)
+            sys.stdout.buffer.write(buffer.getvalue())
+            sys.stdout.buffer.flush()
+            return EXIT_OK
+        write_plot(runs, args.output, fmt=fmt)
     except PlotUnavailableError as exc:
         sys.stderr.write(f"gpupool plot: {exc}\n")
-        return 1
+        return EXIT_FAILURE
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
         sys.stderr.write(f"gpupool plot: cannot write {args.output}: {exc.strerror or exc}\n")
-        return 1
+        return EXIT_FAILURE
     _out(f"wrote {args.output}")
-    return 0
+    return EXIT_OK
 
 
 # -- gpupool demo ----------------------------------------------------------------
@@ -728,9 +887,9 @@ def _add_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gpupool._demo import run_demo
+    from gpupool._demo import run_demo_isolated
 
-    return run_demo(
+    return run_demo_isolated(
         log_path=args.log,
         plot_path=args.plot,
         simulate=args.simulate,

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from gpupool._core.events import SCHEMA_VERSION
 from gpupool._postmortem import read_postmortem
-from gpupool.cli import main
+from gpupool.cli import EXIT_BAD_LOG, EXIT_EMPTY_LOG, main
 
 
 def _run(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -21,11 +25,11 @@ def _run(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
 
 
 def test_empty_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An empty file: exit 1 and a message saying no records were written."""
+    """An empty file: exit 4 (EXIT_EMPTY_LOG) and a message saying no records were written."""
     path = tmp_path / "empty.jsonl"
     path.write_bytes(b"")
     status, err = _run(path, capsys)
-    assert status == 1
+    assert status == EXIT_EMPTY_LOG
     assert re.search(r"empty\.jsonl: empty, no decision records", err)
 
 
@@ -34,7 +38,7 @@ def test_binary_garbage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     path = tmp_path / "garbage.jsonl"
     path.write_bytes(bytes(range(256)) * 4)
     status, err = _run(path, capsys)
-    assert status == 2
+    assert status == EXIT_BAD_LOG
     assert re.search(r"line 1: not JSON; not a gpupool decision log", err)
 
 
@@ -43,7 +47,7 @@ def test_foreign_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     path = tmp_path / "foreign.jsonl"
     path.write_text('{"level": "info", "msg": "hello"}\n')
     status, err = _run(path, capsys)
-    assert status == 2
+    assert status == EXIT_BAD_LOG
     assert re.search(r"line 1: not a gpupool decision record", err)
 
 
@@ -55,30 +59,32 @@ def test_truncated_last_line(
     path = tmp_path / "cut.jsonl"
     path.write_bytes(b"".join(lines[:-1]) + lines[-1][:40])
     status, err = _run(path, capsys)
-    assert status == 2
+    assert status == EXIT_BAD_LOG
     assert re.search(rf"line {len(lines)}: truncated", err)
 
 
 def test_newer_schema(
     logs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A record from schema 2: exit 2, naming both versions."""
+    """A record from a newer schema: exit 3, naming both versions."""
     lines = logs["incident"].read_text().splitlines()
     newer = json.loads(lines[1])
-    newer["schema"] = 2
+    newer["schema"] = SCHEMA_VERSION + 1
     path = tmp_path / "newer.jsonl"
     path.write_text("\n".join([lines[0], json.dumps(newer), *lines[2:]]) + "\n")
     status, err = _run(path, capsys)
-    assert status == 2
+    assert status == EXIT_BAD_LOG
     assert re.search(
-        r"line 2: written with decision-log schema 2; this gpupool reads schema 1", err
+        rf"line 2: written with decision-log schema {SCHEMA_VERSION + 1}; this gpupool reads "
+        rf"schema {SCHEMA_VERSION} at most",
+        err,
     )
 
 
 def test_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A path that does not exist: exit 2 and the reason."""
     status, err = _run(tmp_path / "nope.jsonl", capsys)
-    assert status == 2
+    assert status == EXIT_BAD_LOG
     assert "cannot be read" in err
 
 
@@ -129,11 +135,11 @@ def test_100_mb_log_streams_in_bounded_memory(logs: dict[str, Path], tmp_path: P
 def test_hostile_records_get_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, pattern: str
 ) -> None:
-    """Records built to crash a reader (nesting, huge numbers, wrong types) exit 2, no traceback."""
+    """Records built to crash a reader (nesting, huge numbers, wrong types) exit 3, no traceback."""
     path = tmp_path / "hostile.jsonl"
     path.write_text(text)
     status, err = _run(path, capsys)
-    assert status == 2
+    assert status == EXIT_BAD_LOG
     assert re.search(pattern, err)
 
 
@@ -145,3 +151,51 @@ def test_a_wrongly_typed_time_is_read_as_unknown(
     path.write_text('{"schema":1,"event":"out_of_memory","device":0,"time_s":"abc"}\n')
     status, _ = _run(path, capsys)
     assert status == 0
+
+
+@pytest.mark.parametrize("command", ["postmortem", "plot"])
+def test_a_fifo_is_refused_without_blocking(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """A FIFO with no writer is refused at once (exit 3): reading it would block forever."""
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    argv = [command, str(fifo)] + (["-o", str(tmp_path / "out.png")] if command == "plot" else [])
+    assert main(argv) == EXIT_BAD_LOG
+    err = capsys.readouterr().err
+    assert re.search(r"log\.fifo: a FIFO, not a decision log file; to read a stream, pass -", err)
+
+
+def test_a_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A character device (/dev/zero, endless) is refused before any read."""
+    assert main(["postmortem", "/dev/zero"]) == EXIT_BAD_LOG
+    assert "a device, not a decision log file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
+def test_an_unreadable_regular_file_is_a_clear_error() -> None:
+    """/proc/self/mem opens but every read fails (EIO): exit 3 and a message, no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool", "postmortem", "/proc/self/mem"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_BAD_LOG, done.stderr
+    assert "Traceback" not in done.stderr
+    assert re.search(r"/proc/self/mem, line 1: cannot be read", done.stderr)
+
+
+def test_standard_input_is_read_with_a_dash(logs: dict[str, Path]) -> None:
+    """``postmortem -`` reads the log from standard input, as from the file."""
+    text = logs["incident"].read_bytes()
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool", "postmortem", "--json", "-"],
+        input=text,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["path"] == "<stdin>"
+    assert report["runs"][0]["events"]["constructed"] == 1

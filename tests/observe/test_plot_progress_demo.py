@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import struct
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from gpupool._progress import describe_asks, progress_enabled, track
-from gpupool.cli import main
+from gpupool.cli import EXIT_BAD_LOG, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -45,7 +46,7 @@ def test_plot_of_a_bad_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     path = tmp_path / "bad.jsonl"
     path.write_text("not json\n")
     out = tmp_path / "bad.png"
-    assert main(["plot", str(path), "-o", str(out)]) == 2
+    assert main(["plot", str(path), "-o", str(out)]) == EXIT_BAD_LOG
     assert "line 1" in capsys.readouterr().err
     assert not out.exists()
 
@@ -80,13 +81,49 @@ def test_track_auto_is_off_without_a_terminal() -> None:
 
 
 def test_track_shows_width_and_ask(capsys: pytest.CaptureFixture[str]) -> None:
-    """Forced on, the tqdm bar on stderr carries the width and each key's ask."""
+    """Forced on, the tqdm bar on stderr carries the count, the width and the key's ask."""
     pytest.importorskip("tqdm")
     assert list(track(range(3), total=3, executor=_Pool(), enabled=True)) == [0, 1, 2]
     err = capsys.readouterr().err
     assert "3/3" in err
-    assert "width=2, ask entry=6.94 GiB measured" in err
-    assert describe_asks(_Pool().statistics().asks) == "entry=6.94 GiB measured"
+    assert "failed 0, width 2, ask 6.94 GiB measured" in err
+    assert describe_asks(_Pool().statistics().asks) == "ask 6.94 GiB measured"
+
+
+def test_track_counts_failed_futures(capsys: pytest.CaptureFixture[str]) -> None:
+    """Over futures (as_completed), the bar counts the ones that failed, not only the done."""
+    pytest.importorskip("tqdm")
+    futures: list[Future[int]] = []
+    for i in range(4):
+        future: Future[int] = Future()
+        if i % 2:
+            future.set_exception(RuntimeError("boom"))
+        else:
+            future.set_result(i)
+        futures.append(future)
+    assert list(track(iter(futures), total=4, enabled=True)) == futures
+    assert "failed 2" in capsys.readouterr().err
+
+
+def test_track_fits_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    """With many keys and long names, every line of the bar stays within 80 columns."""
+    pytest.importorskip("tqdm")
+
+    class _Many(_Pool):
+        def statistics(self) -> _Stats:
+            return _Stats(
+                {
+                    f"package.module.a_long_task_name_{i}": _Ask(i * 2**30, "measured")
+                    for i in range(9)
+                }
+            )
+
+    list(track(range(50), total=50, executor=_Many(), enabled=True))
+    err = capsys.readouterr().err
+    lines = [line for chunk in err.split("\r") for line in chunk.splitlines() if line.strip()]
+    assert lines
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    assert "|" in lines[-1] and "50/50" in lines[-1]
 
 
 @pytest.mark.slow
@@ -98,17 +135,46 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert status == 0, out
     match = re.search(
-        r"^comparison: the same 36 tasks under a fixed concurrent\.futures\."
-        r"ProcessPoolExecutor\(max_workers=4\) ran out of memory (\d+) times; "
-        r"gpupool ran out (\d+) times\.$",
+        r"^comparison: the same 36 tasks ran the card out of memory\n"
+        r"  (\d+) times under a fixed pool of 4, (\d+) under gpupool\.$",
         out,
         re.MULTILINE,
     )
     assert match is not None, out
     assert int(match.group(1)) > 0
     assert int(match.group(2)) == 0
-    assert "gpupool: 36 completed, 0 failed" in out
+    assert "36 completed, 0 failed" in out
+    assert "docs/demo.md" in out
+    short = [line for line in out.splitlines() if str(tmp_path) not in line]
+    assert max(len(line) for line in short) <= 80, out
     assert main(["postmortem", str(log)]) == 0
     assert "tasks lost: none" in capsys.readouterr().out
     if plot.exists():
-        _png_size(plot)
+        width, _height = _png_size(plot)
+        assert width >= 1200  # two columns: gpupool's run and the fixed pool's
+
+
+def test_the_memory_axis_is_fitted_to_the_card() -> None:
+    """A 602 GiB ask on an 80 GiB card does not squash the card: the axis stops just above
+    the total, and the point is drawn at the top edge with its value written beside it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from gpupool._core.units import GiB
+    from gpupool._plot import CardView, _draw
+
+    view = CardView(
+        title="card 0",
+        total_bytes=80 * GiB,
+        end_s=2.0,
+        booked=[(0.0, 10 * GiB, 5 * GiB, 40 * GiB)],
+        width=[(0.0, 4)],
+        ceiling=[(0.0, 8)],
+        ooms=[(1.0, 602 * GiB)],
+    )
+    figure = Figure()
+    memory, width = figure.add_subplot(211), figure.add_subplot(212)
+    _draw(memory, width, view)
+    assert memory.get_ylim()[1] == pytest.approx(80 * 1.12)
+    assert any(text.get_text() == "asked 602.00 GiB" for text in memory.texts)
+    assert width.get_ylim()[1] == 9  # the ceiling of 8, plus one

@@ -15,7 +15,9 @@ from gpupool.cli import main
 
 def _json(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:
     assert main(["postmortem", "--json", str(path)]) == 0
-    value: dict[str, Any] = json.loads(capsys.readouterr().out)
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["runs"]) == 1
+    value: dict[str, Any] = report["runs"][0]
     return value
 
 

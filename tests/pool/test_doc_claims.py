@@ -7,6 +7,7 @@ with this one's module name under pytest's default import mode.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import tasks
 import gpupool.testing as gt
 from gpupool import ConfigurationError, GpuPoolExecutor, WidthError, WorkerLostError
 from gpupool._core import AskTable, CardCensus, Policy, decide_width, derive_bound, derive_ceiling
-from gpupool._core.events import Decision
+from gpupool._core.events import SCHEMA_VERSION, Decision
 from gpupool._core.units import GiB, MiB, format_size, parse_size
 from gpupool._log import DecisionLog
 from gpupool._sensors.census import parse_visible_devices
@@ -78,15 +79,16 @@ def test_the_legacy_mig_gpu_form_of_cuda_visible_devices_is_not_resolved() -> No
     assert note.startswith(f"CUDA_VISIBLE_DEVICES entry {legacy!r} matches no device")
 
 
-_WARNING_EVENTS = (
-    "out_of_memory",
-    "worker_lost",
+_WARNING_EVENTS = ("out_of_memory", "serial_start", "fixed_width_over_bound")
+_INFO_EVENTS = (
+    "constructed",
+    "widened",
     "narrowed",
-    "serial_start",
-    "fixed_width_over_bound",
+    "measured",
+    "live_gate_wait",
+    "worker_lost",
     "sensor_error",
 )
-_INFO_EVENTS = ("constructed", "widened", "measured", "live_gate_wait")
 
 
 @pytest.mark.parametrize(
@@ -96,17 +98,18 @@ _INFO_EVENTS = ("constructed", "widened", "measured", "live_gate_wait")
 def test_each_event_goes_to_the_gpupool_logger_at_its_level(
     event: str, level: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Out-of-memory, lost workers, narrowing, serial starts, over-bound and failed reads are
-    WARNING; the other records INFO; each with the record attached."""
+    """Out-of-memory, serial starts and a fixed width over the bound are WARNING (the user
+    must act); the other records INFO; each with the record (and its run id) attached."""
     decision = Decision(
         event=event, time_s=0.0, device=None, width_before=1, width_after=1, reason="r"
     )  # type: ignore[arg-type]
+    log = DecisionLog()
     with caplog.at_level(logging.INFO, logger="gpupool"):
-        DecisionLog().append(decision)
+        log.append(decision)
     [record] = caplog.records
     assert record.name == "gpupool"
     assert record.levelno == level
-    assert record.gpupool is decision  # type: ignore[attr-defined]
+    assert record.gpupool == dataclasses.replace(decision, run_id=log.run_id)  # type: ignore[attr-defined]
 
 
 def test_the_json_lines_file_is_flushed_as_each_record_is_written(tmp_path) -> None:
@@ -125,10 +128,12 @@ def test_the_json_lines_file_is_flushed_as_each_record_is_written(tmp_path) -> N
                     reason="r",
                 )
             )
-            lines = path.read_text(encoding="utf-8").splitlines()
+            header, *lines = path.read_text(encoding="utf-8").splitlines()
+            assert json.loads(header)["event"] == "run_started"
             assert len(lines) == width
             assert json.loads(lines[-1])["width_after"] == width
-            assert json.loads(lines[-1])["schema"] == 1
+            assert json.loads(lines[-1])["schema"] == SCHEMA_VERSION
+            assert json.loads(lines[-1])["run_id"] == log.run_id
     finally:
         log.close()
 
@@ -274,7 +279,8 @@ def test_the_first_decision_goes_to_the_logger_and_the_file_at_once(host, tmp_pa
             first = ex.decisions[0]
             lines = path.read_text(encoding="utf-8").splitlines()
     assert first.event == "constructed"
-    assert [json.loads(line) for line in lines] == [first.to_dict()]
+    assert json.loads(lines[0])["event"] == "run_started"
+    assert [json.loads(line) for line in lines[1:]] == [first.to_dict()]
     logged = [r for r in caplog.records if r.name == "gpupool"]
     assert logged[0].gpupool is first  # type: ignore[attr-defined]
     assert logged[0].levelno == logging.INFO

@@ -48,7 +48,8 @@ def test_incident_never_widens_past_the_card(tmp_path):
     assert max(width for _, width in stats.widths) == 2
     assert stats.out_of_memory == 0
     assert stats.tasks_completed == ENTRIES
-    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    header, *lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert header["event"] == "run_started"
     assert [line["event"] for line in lines][:2] == ["constructed", "widened"]
     assert lines[0]["total_bytes"] == int(44.39 * 2**30)
     assert lines[0]["co_tenant_bytes"] == int(9.54 * 2**30)

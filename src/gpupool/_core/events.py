@@ -5,6 +5,15 @@ dict that the decision log writes, one per line. Its keys are the names of
 the terms (``total_bytes``, ``co_tenant_bytes``, ``own_high_water_bytes``,
 ``reserve_bytes``, ``ask_bytes``, ``ask_basis``, ``room_bytes``), so a log
 line explains itself. The clock is passed in (``time_s``), never read here.
+
+This module is the one definition of the log's schema: the writer
+(:class:`Decision`, :func:`run_record`) and the readers (``gpupool
+postmortem``, ``gpupool plot``, :mod:`gpupool._core.attribution`) take the
+event names, the schema version and the out-of-memory terms from here.
+
+A log file may hold several runs (a ``log_path`` appended to by two
+pools): each run opens with a ``run_started`` record, and every record of
+a run carries its ``run_id``.
 """
 
 from __future__ import annotations
@@ -14,13 +23,63 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from gpupool._core.bound import Bound, Ceiling, WidthDecision
+from gpupool._core.policy import Ask
 
-__all__ = ["EVENTS", "SCHEMA_VERSION", "Decision", "EventName", "JsonValue"]
+__all__ = [
+    "ERROR_TEXT_CHARS",
+    "EVENTS",
+    "OOM_TERMS",
+    "READABLE_SCHEMAS",
+    "SCHEMA_VERSION",
+    "SETTING_PREFIX",
+    "Decision",
+    "EventName",
+    "JsonValue",
+    "run_record",
+    "truncate_text",
+]
 
 #: Version of the decision log's schema; readers refuse newer ones by name.
-SCHEMA_VERSION = 1
+#: 2 added ``run_id`` on every record and the ``run_started`` record.
+SCHEMA_VERSION = 2
+
+#: The schema versions this gpupool reads (1: logs without run ids, split at
+#: each ``constructed`` record).
+READABLE_SCHEMAS = (1, 2)
+
+#: The most characters of free text (an exception's message) a record copies.
+#: A message can carry what its author did not mean to log (a path, a token):
+#: the log keeps its start, marked as cut.
+ERROR_TEXT_CHARS = 200
+
+#: The prefix of the pool's settings in a ``run_started`` record
+#: (``setting_max_workers``, ``setting_task_peak_bytes``, ...).
+SETTING_PREFIX = "setting_"
+
+#: The terms an ``out_of_memory`` record carries for the attribution, by name
+#: (see :mod:`gpupool._core.attribution`). ``live_pool_bytes`` and
+#: ``live_own_bytes`` are optional: a record without them is attributed from
+#: the others.
+OOM_TERMS: Mapping[str, str] = {
+    "total_bytes": "the card's capacity",
+    "census_co_tenant_bytes": "everything not the pool's, read once at construction",
+    "own_high_water_bytes": "the parent's device high-water as the pool knew it",
+    "reserve_bytes": "kept free on purpose",
+    "booked_bytes": "the asks of the tasks running on the card, the failing one's included",
+    "running": "how many tasks ran on the card",
+    "task_ask_bytes": "the failing task's own ask (its price)",
+    "ask_bytes": "the key's ask when it failed",
+    "reached_bytes": "what the failing child held at its peak",
+    "requested_bytes": "the allocation the card refused",
+    "live_used_bytes": "the card's used bytes, read after the child reported",
+    "live_free_bytes": "the card's free bytes, read with it",
+    "live_pool_bytes": "optional: the pool's children as read",
+    "live_own_bytes": "optional: the parent's device bytes at the out-of-memory",
+    "retry": "whether the pool retried the task",
+}
 
 EventName = Literal[
+    "run_started",
     "constructed",
     "narrowed",
     "widened",
@@ -38,6 +97,7 @@ EventName = Literal[
 
 #: Every event a decision record can carry, and what it means.
 EVENTS: Mapping[str, str] = {
+    "run_started": "a pool run began: its run id, its settings, the gpupool that wrote it",
     "constructed": "the census was taken and the first width decided",
     "narrowed": "a device's width went down (a larger measured ask, or an out-of-memory)",
     "widened": "a device's width went up (a smaller measured ask), within the room",
@@ -73,6 +133,12 @@ class Decision:
         key: the task key concerned, if any.
         extra: further terms (``live_free_bytes``, ``exitcode``, ...); values
             are JSON scalars and byte counts end in ``_bytes``.
+        key_ask: the ask of the record's ``key`` itself (the bound's ``ask_bytes``
+            is the ask the width was priced at, which for mixed keys is the
+            largest current one); written as ``key_ask_bytes``, ``key_ask_basis``,
+            ``key_estimate_bytes``, ``key_measured_peak_bytes``.
+        run_id: the run this record belongs to; the decision log sets it
+            (the code that makes a record leaves it ``None``).
     """
 
     event: EventName
@@ -86,6 +152,8 @@ class Decision:
     limit: str | None = None
     key: str | None = None
     extra: Mapping[str, JsonValue] = field(default_factory=dict)
+    key_ask: Ask | None = None
+    run_id: str | None = None
 
     @classmethod
     def from_width(
@@ -98,6 +166,7 @@ class Decision:
         reason: str,
         key: str | None = None,
         extra: Mapping[str, JsonValue] | None = None,
+        key_ask: Ask | None = None,
     ) -> Decision:
         """A record for a width decision, carrying its bound and ceiling."""
         return cls(
@@ -112,12 +181,14 @@ class Decision:
             limit=decision.limit,
             key=key,
             extra=dict(extra or {}),
+            key_ask=key_ask,
         )
 
     def to_dict(self) -> dict[str, JsonValue]:
         """A flat JSON-able dict: the schema version, the event, and every term."""
         out: dict[str, JsonValue] = {
             "schema": SCHEMA_VERSION,
+            "run_id": self.run_id,
             "event": self.event,
             "time_s": round(self.time_s, 6),
             "device": self.device,
@@ -147,7 +218,55 @@ class Decision:
                 child_rss_bytes=self.ceiling.child_rss_bytes,
                 pending_items=self.ceiling.pending_items,
             )
+        if self.key_ask is not None:
+            out.update(
+                key_ask_bytes=self.key_ask.ask_bytes,
+                key_ask_basis=self.key_ask.basis,
+                key_estimate_bytes=self.key_ask.estimate_bytes,
+                key_measured_peak_bytes=self.key_ask.measured_peak_bytes,
+            )
         for name, value in self.extra.items():
-            out.setdefault(name, value)
+            out.setdefault(name, truncate_text(value) if isinstance(value, str) else value)
         out["reason"] = self.reason
         return out
+
+
+def truncate_text(text: str, limit: int = ERROR_TEXT_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked as cut when it was longer."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"... [cut: {len(text) - limit} more characters]"
+
+
+def run_record(
+    *,
+    run_id: str,
+    started_at: str,
+    pid: int,
+    gpupool_version: str,
+    settings: Mapping[str, JsonValue],
+) -> dict[str, JsonValue]:
+    """The record that opens a run in a decision log (the file only; not a decision).
+
+    Args:
+        run_id: the run's id, carried by every record of the run.
+        started_at: when the run began (ISO 8601, UTC), as read by the caller.
+        pid: the parent process.
+        gpupool_version: the gpupool that wrote the log.
+        settings: the pool's settings as given (``max_workers``, ``task_peak_bytes``,
+            ...), written with :data:`SETTING_PREFIX`.
+    """
+    out: dict[str, JsonValue] = {
+        "schema": SCHEMA_VERSION,
+        "run_id": run_id,
+        "event": "run_started",
+        "time_s": 0.0,
+        "device": None,
+        "started_at": started_at,
+        "pid": pid,
+        "gpupool_version": gpupool_version,
+    }
+    for name, value in settings.items():
+        out[SETTING_PREFIX + name] = truncate_text(value) if isinstance(value, str) else value
+    out["reason"] = f"run {run_id} started by process {pid} (gpupool {gpupool_version})"
+    return out

@@ -809,6 +809,7 @@ class Planner:
                 bound=bound,
                 ceiling=self.ceiling,
                 key=run.key,
+                key_ask=after,
                 limit="out_of_memory",
                 extra={
                     "task_ask_bytes": run.priced_bytes,
@@ -1015,6 +1016,7 @@ class Planner:
                     width_before=old,
                     reason=f"{decision.describe()}; {cause}; width {old} -> {new}",
                     key=priced or None,
+                    key_ask=ask if priced else None,
                     extra=dict(extra or {}) | {"oom_cap": card.oom_cap},
                 )
             )
@@ -1391,6 +1393,7 @@ class Planner:
             limit=limit,
             key=ask.key or None,
             extra=dict(extra or {}),
+            key_ask=ask if ask.key else None,
         )
 
     def shutdown_record(

@@ -182,6 +182,8 @@ class PoolStatistics:
         widths_by_key: for each key with work pending or running, how many
             of its tasks could run at once beside the other keys' running tasks.
         serial_starts: starts past the bound (the serial floor).
+        log_write_errors: decision records the log file could not take (a full
+            disk, a file-size limit); they are still in :attr:`decisions`.
     """
 
     tasks_submitted: int
@@ -198,6 +200,7 @@ class PoolStatistics:
     asks: Mapping[str, Ask] = field(default_factory=dict)
     widths_by_key: Mapping[str, int] = field(default_factory=dict)
     serial_starts: int = 0
+    log_write_errors: int = 0
 
 
 def _task_key(fn: Callable[..., Any]) -> str:
@@ -480,7 +483,26 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         # Passed to each worker as a process argument, pickled while the worker is
         # spawned: multiprocessing queues and locks in initargs work, as in CPython.
         init_call = (initializer, tuple(initargs)) if initializer is not None else None
-        log = DecisionLog(path)
+        log = DecisionLog(
+            path,
+            settings={
+                "max_workers": max_workers,
+                "task_peak_bytes": peak_bytes,
+                "reserve_bytes": policy.reserve_bytes,
+                "margin_bytes": policy.margin_bytes,
+                "margin_fraction": policy.margin_fraction,
+                "width": width,
+                "strict": bool(strict),
+                "retry_oom": bool(retry_oom),
+                "max_tasks_per_child": max_tasks_per_child,
+                "devices": None if devices is None else ",".join(str(d) for d in devices),
+                "max_retries": max_retries,
+                "room_wait_s": float(room_wait_s),
+                "learned_margin": policy.learned,
+                "cap_allocator": bool(cap_allocator),
+                "share_bookings": str(share_bookings),
+            },
+        )
         self._log = log
         config = PlannerConfig(
             max_workers=self._max_workers,
@@ -750,6 +772,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             asks=MappingProxyType({k: d.asks.ask(k) for k in d.asks.keys()}),  # noqa: SIM118
             widths_by_key=MappingProxyType(d.planner.widths_by_key()),
             serial_starts=counts["serial_starts"],
+            log_write_errors=self._log.write_errors,
         )
 
 

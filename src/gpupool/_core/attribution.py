@@ -1,0 +1,374 @@
+"""The out-of-memory attribution: which term of the bound was wrong when a card ran out (pure).
+
+Reads one ``out_of_memory`` record (a mapping, as the decision log holds
+it; its terms are named in :data:`gpupool._core.events.OOM_TERMS`) and
+returns an :class:`OomAnalysis`. ``gpupool postmortem`` streams a log and
+calls :func:`analyse_oom` for each such record.
+
+The attribution arithmetic
+--------------------------
+
+An ``out_of_memory`` record carries, for the card the task ran on:
+
+====================  ==========================================================
+``T``                 ``total_bytes``: the card's capacity
+``C``                 ``census_co_tenant_bytes``: everything on the card that was
+                      not the pool, read once at construction
+``O``                 ``own_high_water_bytes``: the parent's device high-water as
+                      the pool knew it when the card ran out
+``R``                 ``reserve_bytes``: kept free on purpose
+``B``, ``n``          ``booked_bytes``, ``running``: the asks of the ``n`` tasks
+                      running on the card, the failing one's included
+``W``                 the most tasks the log shows running on the card so far;
+                      ``W - n`` workers may be idle or retiring, each holding
+                      its context
+``A``                 ``task_ask_bytes``: the failing task's own ask (its price)
+``r``, ``q``          ``reached_bytes``, ``requested_bytes``: what the failing
+                      child held at its peak, and the allocation refused
+``U``, ``F``          ``live_used_bytes``, ``live_free_bytes``: the card read by
+                      the parent *after* the child reported, so the failing
+                      child had already given back what it reached (at most
+                      ``r`` of it remains) and the others held what they held
+====================  ==========================================================
+
+From them, in this order:
+
+1. **The ask.** The failing task needed at least ``need = r + q``. If
+   ``need > A`` it went past its price by ``need - A``: the ask was
+   underestimated. (The pool then re-prices the key at ``need``.)
+2. **The pool's children at the reading** are estimated from above:
+   ``children = others + r`` with ``others = B - A`` (the other running
+   tasks at their booked asks), or, when the failing task went past its
+   price, ``others = max(B - A, (n - 1) * need)`` (tasks of one key are alike;
+   the record does not name the others' keys), plus ``(W - n) * r`` for the
+   idle or retiring workers' contexts (a context is at most what the failing
+   task reached: ``r`` includes its own context). A record that carries
+   ``live_pool_bytes`` (the pool's children as read) is used as is.
+3. **Outside the pool** then held at least ``outside = U - children``, which
+   the census priced at ``C + O``. ``growth = outside - (C + O)`` is a lower
+   bound on what processes that are not the pool's children grew by after
+   they were priced; it counts only past the reserve (``growth > R``), which
+   covers the driver's own growth and page rounding.
+4. **Own or co-tenant.** With ``live_own_bytes`` in the record (the parent's
+   device bytes read at the out-of-memory) the growth splits exactly:
+   ``own = live_own - O`` and ``co_tenant = U - children - live_own - C``.
+   Without it, the only evidence of the parent's growth is a larger
+   ``own_high_water_bytes`` in a later record of the same card
+   (``own = later - O``); the rest of ``growth`` is the co-tenant's, and the
+   analysis says that own growth could not be told apart
+   (``own_separable: false``).
+5. **Unattributed.** When no term went past its price by these figures, the
+   rest is named as unattributed: ``U + q - T`` (at least what the card was
+   short at the reading), left to allocator fragmentation, the driver, or a
+   reading taken after the card had recovered.
+
+The verdict names every wrong term found, largest first; ``verdict`` is the
+first of them, or ``"unattributed"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpupool._core.units import format_size
+
+__all__ = ["OomAnalysis", "analyse_oom", "record_float", "record_int", "record_str"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OomAnalysis:
+    """One out-of-memory record, the card as it stood, and the term that was wrong.
+
+    Attributes:
+        line: the record's line in the log.
+        time_s: seconds since the pool was constructed.
+        device: the card.
+        key: the failing task's key.
+        total_bytes: ``T``.
+        census_co_tenant_bytes: ``C``.
+        own_high_water_bytes: ``O``.
+        reserve_bytes: ``R``.
+        booked_bytes: ``B``.
+        running: ``n``.
+        task_ask_bytes: ``A``.
+        key_ask_bytes: the key's ask when it failed (the record's ``ask_bytes``).
+        ask_basis: its basis.
+        reached_bytes: ``r``.
+        requested_bytes: ``q``.
+        live_used_bytes: ``U``.
+        live_free_bytes: ``F``.
+        need_bytes: ``r + q``, or ``None`` when either is missing.
+        ask_shortfall_bytes: ``need - A`` when positive, else 0.
+        children_bytes: the pool's children at the reading (step 2).
+        co_tenant_live_bytes: ``C`` plus the co-tenant's growth, where derivable.
+        co_tenant_growth_bytes: step 4's co-tenant share.
+        own_live_bytes: the parent's bytes at the reading, where known.
+        own_growth_bytes: step 4's own share.
+        own_separable: whether own growth could be told from a co-tenant's.
+        unattributed_bytes: step 5's rest.
+        retry: whether the pool retried the task.
+        wrong_terms: the terms found wrong, largest first, with their bytes.
+        verdict: the first wrong term, or ``"unattributed"``.
+        explanation: the verdict in one sentence, every number in it.
+        missing: the record's terms that were needed and absent.
+    """
+
+    line: int
+    time_s: float
+    device: int | None
+    key: str | None
+    total_bytes: int | None
+    census_co_tenant_bytes: int | None
+    own_high_water_bytes: int | None
+    reserve_bytes: int
+    booked_bytes: int | None
+    running: int | None
+    task_ask_bytes: int | None
+    key_ask_bytes: int | None
+    ask_basis: str | None
+    reached_bytes: int | None
+    requested_bytes: int | None
+    live_used_bytes: int | None
+    live_free_bytes: int | None
+    need_bytes: int | None
+    ask_shortfall_bytes: int
+    children_bytes: int | None
+    co_tenant_live_bytes: int | None
+    co_tenant_growth_bytes: int
+    own_live_bytes: int | None
+    own_growth_bytes: int
+    own_separable: bool
+    unattributed_bytes: int | None
+    retry: bool
+    wrong_terms: tuple[tuple[str, int], ...]
+    verdict: str
+    explanation: str
+    missing: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-able dict of every field."""
+        out = {name: getattr(self, name) for name in self.__slots__}
+        out["wrong_terms"] = [{"term": t, "bytes": b} for t, b in self.wrong_terms]
+        out["missing"] = list(self.missing)
+        return out
+
+
+def record_str(record: Mapping[str, object], name: str) -> str | None:
+    """The record's ``name`` if it is a string, else ``None``."""
+    value = record.get(name)
+    return value if isinstance(value, str) else None
+
+
+def record_int(record: Mapping[str, object], name: str) -> int | None:
+    """The record's ``name`` if it is an integer (not a bool), else ``None``."""
+    value = record.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def analyse_oom(
+    record: Mapping[str, object],
+    *,
+    line: int = 0,
+    later_own_high_water_bytes: int | None = None,
+    most_running: int | None = None,
+) -> OomAnalysis:
+    """Attribute one ``out_of_memory`` record (pure: the arithmetic of the module docstring).
+
+    Args:
+        record: the record as read from the log.
+        line: its line number, for the report.
+        later_own_high_water_bytes: the largest ``own_high_water_bytes`` that a
+            later record of the same card carries, if any (evidence that the
+            parent grew when the record has no ``live_own_bytes``).
+        most_running: ``W``, the most tasks the log showed running on the
+            card up to this record (default: ``running``).
+
+    Returns:
+        The card as it stood and the verdict.
+    """
+    total = record_int(record, "total_bytes")
+    census_co = record_int(record, "census_co_tenant_bytes")
+    if census_co is None:
+        census_co = record_int(record, "co_tenant_bytes")
+    own_hw = record_int(record, "own_high_water_bytes")
+    reserve = record_int(record, "reserve_bytes") or 0
+    booked = record_int(record, "booked_bytes")
+    running = record_int(record, "running")
+    ask = record_int(record, "task_ask_bytes")
+    reached = record_int(record, "reached_bytes")
+    requested = record_int(record, "requested_bytes")
+    used = record_int(record, "live_used_bytes")
+    free = record_int(record, "live_free_bytes")
+    live_pool = record_int(record, "live_pool_bytes")
+    live_own = record_int(record, "live_own_bytes")
+    needed = {
+        "total_bytes": total,
+        "census_co_tenant_bytes": census_co,
+        "own_high_water_bytes": own_hw,
+        "booked_bytes": booked,
+        "running": running,
+        "task_ask_bytes": ask,
+        "reached_bytes": reached,
+        "requested_bytes": requested,
+        "live_used_bytes": used,
+    }
+    missing = [name for name, value in needed.items() if value is None]
+    if live_own is None:
+        missing.append("live_own_bytes")
+
+    # 1. the ask
+    need = reached + requested if reached is not None and requested is not None else None
+    shortfall = max(0, need - ask) if need is not None and ask is not None else 0
+
+    # 2. the pool's children at the reading
+    children: int | None = None
+    if live_pool is not None:
+        children = live_pool
+    elif booked is not None and ask is not None:
+        others = max(0, booked - ask)
+        if shortfall and need is not None and running is not None:
+            others = max(others, max(0, running - 1) * need)
+        idle = max(0, (most_running or 0) - (running or 0))
+        children = others + (reached or 0) * (1 + idle)
+
+    # 3. outside the pool; 4. own or co-tenant
+    growth = 0
+    own_growth = 0
+    co_growth = 0
+    own_live: int | None = live_own
+    co_live: int | None = None
+    separable = live_own is not None
+    if used is not None and children is not None and census_co is not None and own_hw is not None:
+        outside = used - children
+        growth = outside - census_co - own_hw
+        if live_own is not None:
+            own_growth = max(0, live_own - own_hw)
+            co_growth = max(0, outside - live_own - census_co)
+        else:
+            if later_own_high_water_bytes is not None and later_own_high_water_bytes > own_hw:
+                own_growth = later_own_high_water_bytes - own_hw
+                own_live = later_own_high_water_bytes
+                separable = True
+            co_growth = max(0, growth - own_growth)
+        co_live = census_co + co_growth
+    terms: list[tuple[str, int]] = []
+    if shortfall > 0:
+        terms.append(("ask", shortfall))
+    if co_growth > reserve:
+        terms.append(("co_tenant", co_growth))
+    if own_growth > reserve:
+        terms.append(("own", own_growth))
+    terms.sort(key=lambda term: -term[1])
+    unattributed: int | None = None
+    if used is not None and requested is not None and total is not None:
+        unattributed = max(0, used + requested - total)
+    verdict = terms[0][0] if terms else "unattributed"
+    explanation = _explain(
+        verdict,
+        terms,
+        ask=ask,
+        need=need,
+        reached=reached,
+        requested=requested,
+        census_co=census_co,
+        own_hw=own_hw,
+        separable=separable,
+        unattributed=unattributed,
+        missing=missing,
+    )
+    return OomAnalysis(
+        line=line,
+        time_s=record_float(record.get("time_s")),
+        device=record_int(record, "device"),
+        key=record_str(record, "key"),
+        total_bytes=total,
+        census_co_tenant_bytes=census_co,
+        own_high_water_bytes=own_hw,
+        reserve_bytes=reserve,
+        booked_bytes=booked,
+        running=running,
+        task_ask_bytes=ask,
+        key_ask_bytes=record_int(record, "ask_bytes"),
+        ask_basis=record_str(record, "ask_basis"),
+        reached_bytes=reached,
+        requested_bytes=requested,
+        live_used_bytes=used,
+        live_free_bytes=free,
+        need_bytes=need,
+        ask_shortfall_bytes=shortfall,
+        children_bytes=children,
+        co_tenant_live_bytes=co_live,
+        co_tenant_growth_bytes=co_growth,
+        own_live_bytes=own_live,
+        own_growth_bytes=own_growth,
+        own_separable=separable,
+        unattributed_bytes=unattributed,
+        retry=record.get("retry") is True,
+        wrong_terms=tuple(terms),
+        verdict=verdict,
+        explanation=explanation,
+        missing=tuple(missing),
+    )
+
+
+def _explain(
+    verdict: str,
+    terms: list[tuple[str, int]],
+    *,
+    ask: int | None,
+    need: int | None,
+    reached: int | None,
+    requested: int | None,
+    census_co: int | None,
+    own_hw: int | None,
+    separable: bool,
+    unattributed: int | None,
+    missing: list[str],
+) -> str:
+    parts: list[str] = []
+    for term, nbytes in terms:
+        if term == "ask":
+            parts.append(
+                f"the ask was underestimated: the task needed at least {format_size(need)} "
+                f"({format_size(reached)} reached + {format_size(requested)} refused), "
+                f"{format_size(nbytes)} more than its price of {format_size(ask)}"
+            )
+        elif term == "co_tenant":
+            note = (
+                ""
+                if separable
+                else " (or this process: the record has no live reading of the pool's own "
+                "bytes, so the two cannot be told apart)"
+            )
+            parts.append(
+                f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
+                f"the {format_size(census_co)} it was priced at{note}"
+            )
+        elif term == "own":
+            parts.append(
+                f"the pool's own process grew {format_size(nbytes)} past the "
+                f"{format_size(own_hw)} high-water the width was priced at"
+            )
+    if not parts:
+        if [m for m in missing if m != "live_own_bytes"]:
+            return "no term can be named: the record lacks " + ", ".join(
+                m for m in missing if m != "live_own_bytes"
+            )
+        return (
+            "no term went past its price by the record's figures; "
+            f"{format_size(unattributed)} (live used + refused - total) is unattributed: "
+            "allocator fragmentation, the driver, or a reading taken after the card recovered"
+        )
+    return "; ".join(parts)
+
+
+def record_float(value: object) -> float:
+    """A finite number from a record's value; anything else (a string, NaN) reads as 0.0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    number = float(value)
+    return number if math.isfinite(number) else 0.0
