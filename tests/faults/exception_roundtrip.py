@@ -37,6 +37,8 @@ SAMPLES: dict[str, object] = {
     "requested_bytes": 2**31,
     "used_bytes": 2**32,
     "total_bytes": 2**33,
+    "run": "2",
+    "runs": ("20261201T000000Z-0123456789ab",),
 }
 
 

@@ -205,6 +205,8 @@ def analyse_oom(
     free = record_int(record, "live_free_bytes")
     live_pool = record_int(record, "live_pool_bytes")
     live_own = record_int(record, "live_own_bytes")
+    others_held = record_int(record, "other_pools_held_bytes") or 0
+    others_overrun = record_int(record, "other_pools_overrun_bytes") or 0
     needed = {
         "total_bytes": total,
         "census_co_tenant_bytes": census_co,
@@ -243,7 +245,8 @@ def analyse_oom(
     co_live: int | None = None
     separable = live_own is not None
     if used is not None and children is not None and census_co is not None and own_hw is not None:
-        outside = used - children
+        # Other gpupool pools' tasks are priced by their bookings, not as co-tenants.
+        outside = used - children - others_held
         growth = outside - census_co - own_hw
         if live_own is not None:
             own_growth = max(0, live_own - own_hw)
@@ -262,6 +265,8 @@ def analyse_oom(
         terms.append(("co_tenant", co_growth))
     if own_growth > reserve:
         terms.append(("own", own_growth))
+    if others_overrun > reserve:
+        terms.append(("another_pool", others_overrun))
     terms.sort(key=lambda term: -term[1])
     unattributed: int | None = None
     if used is not None and requested is not None and total is not None:
@@ -347,6 +352,10 @@ def _explain(
             parts.append(
                 f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
                 f"the {format_size(census_co)} it was priced at{note}"
+            )
+        elif term == "another_pool":
+            parts.append(
+                f"another pool on the card grew {format_size(nbytes)} past what it had booked"
             )
         elif term == "own":
             parts.append(

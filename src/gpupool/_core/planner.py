@@ -262,6 +262,8 @@ class _Card:
     others_unreached_bytes: int = 0
     others_tasks: int = 0
     others_at_census_bytes: int = 0
+    others_held_bytes: int = 0
+    others_overrun_bytes: int = 0
     others_since_s: float | None = None
 
 
@@ -539,19 +541,22 @@ class Planner:
         rows: Mapping[int, int] = {}
         if card.reading is not None and card.reading.process_bytes is not None:
             rows = card.reading.process_bytes
-        held = unreached = tasks = 0
+        held = unreached = tasks = overrun = 0
         if others is not None:
             for pool in others.pools:
                 for task in pool.tasks:
                     holding = rows.get(task.worker_pid, task.reached_bytes)
                     held += holding
                     unreached += max(0, task.booked_bytes - holding)
+                    overrun += max(0, holding - task.booked_bytes)
                     tasks += 1
         before = card.others_bytes
         card.others = others
         card.others_bytes = held + unreached
         card.others_unreached_bytes = unreached
         card.others_tasks = tasks
+        card.others_held_bytes = held
+        card.others_overrun_bytes = overrun
         card.others_since_s = None if tasks == 0 else card.others_since_s or now_s
         if census:
             card.others_at_census_bytes = held
@@ -825,7 +830,11 @@ class Planner:
                         else None
                     ),
                     "live_pool_bytes": pool_bytes,
-                    "census_co_tenant_bytes": card.census.co_tenant_bytes if card else None,
+                    "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
+                    "other_pools_bytes": card.others_bytes if card else None,
+                    "other_pools_held_bytes": card.others_held_bytes if card else None,
+                    "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
+                    "other_pools_tasks": card.others_tasks if card else None,
                     "booked_bytes": sum(r.booked_bytes for r in others) + run.priced_bytes,
                     "running": running_then,
                     "tries": state.retries,

@@ -840,6 +840,12 @@ class Dispatcher:
         exc = _load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
         reading = self._snapshot(device) if device is not None and device.census.readable else None
+        if device is not None and reading is not None:
+            # The card as it stands now, other pools' bookings included: the record's terms.
+            self.planner.observe(device.index, reading, self.now())
+            if self.bookings is not None:
+                others = self.bookings.others(device.info.uuid, self.pool_id)
+                self.planner.observe_others(device.index, others, self.now())
         verdict = self.planner.out_of_memory(
             item.task_id, report, reading, self.now(), error=f"{type(exc).__name__}: {exc}"
         )
