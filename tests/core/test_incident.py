@@ -189,3 +189,32 @@ def test_an_unreadable_incident_card_refuses_to_widen(basis: str) -> None:
     decision = decide_width(price(unreadable, table), ceiling())
     assert table.ask(KEY).basis == basis
     assert (decision.width, decision.limit) == (1, "unreadable")
+
+
+def test_the_learned_margin_packs_three_after_three_agreeing_measurements() -> None:
+    """Default policy on the incident card: 18.40 GiB of room holds 2 after one 6.02 GiB
+    measurement and 3 after three (the docs' table, ask by ask)."""
+    policy = Policy(learned=True)
+    table = AskTable(policy=policy, default_estimate_bytes=ESTIMATE)
+    census = incident_card()
+
+    def width() -> int:
+        ask = table.ask(KEY)
+        bound = derive_bound(
+            census,
+            own_high_water_bytes=OWN_HIGH_WATER,
+            reserve_bytes=policy.reserve_bytes,
+            ask_bytes=ask.ask_bytes,
+            ask_basis=ask.basis,
+        )
+        assert format_size(bound.room_bytes) == "18.40 GiB"
+        return decide_width(bound, derive_ceiling(max_workers=4)).width
+
+    widths = [width()]
+    asks = []
+    for _ in range(3):
+        table.measure(KEY, MEASURED_PEAK)
+        asks.append(format_size(table.ask(KEY).ask_bytes))
+        widths.append(width())
+    assert asks == ["6.62 GiB", "6.17 GiB", "6.08 GiB"]
+    assert widths == [1, 2, 2, 3]

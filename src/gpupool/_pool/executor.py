@@ -259,9 +259,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             until children report measurements. ``None``: the first task of
             each key runs alone until measured.
         reserve: bytes kept free on every card (default 256 MiB).
-        margin: least margin over a measured peak (default 256 MiB).
+        margin: least margin over a measured peak. Left out together with
+            ``margin_fraction``, the margin is learned from how much each key's
+            measurements vary (from ``max(256 MiB, 10 %)`` with one sample
+            toward a 64 MiB floor as they agree); given, every measured ask is
+            the worst peak plus ``max(margin, margin_fraction * peak)``.
         margin_fraction: margin as a fraction of the measured peak, when larger
-            (default 0.10).
+            (default 0.10 when only ``margin`` is given).
         devices: device indexes or UUIDs the pool may use (default: all that
             ``CUDA_VISIBLE_DEVICES`` leaves visible).
         width: fixed-width mode: run exactly this many at once, whatever the
