@@ -523,7 +523,13 @@ class Planner:
             card.own_high_water_bytes = own_bytes
 
     def observe_others(
-        self, device: int, others: OtherPools | None, now_s: float, *, census: bool = False
+        self,
+        device: int,
+        others: OtherPools | None,
+        now_s: float,
+        *,
+        census: bool = False,
+        rows: Mapping[int, int] | None = None,
     ) -> None:
         """The host's other pools' bookings on ``device`` (``None``: the table is unreachable,
         so the live gate alone sees them). Each of their tasks is priced at the larger of its
@@ -536,11 +542,14 @@ class Planner:
             census: this reading stands beside the census: what those pools
                 hold now is in the census' co-tenant bytes, and is priced by
                 their bookings instead.
+            rows: per-process bytes to read their holdings from (default: the
+                card's last reading).
         """
         card = self.cards[device]
-        rows: Mapping[int, int] = {}
-        if card.reading is not None and card.reading.process_bytes is not None:
-            rows = card.reading.process_bytes
+        if rows is None:
+            rows = {}
+            if card.reading is not None and card.reading.process_bytes is not None:
+                rows = card.reading.process_bytes
         held = unreached = tasks = overrun = 0
         if others is not None:
             for pool in others.pools:

@@ -840,15 +840,18 @@ class Dispatcher:
         exc = _load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
         reading = self._snapshot(device) if device is not None and device.census.readable else None
-        if device is not None and reading is not None:
-            # The card as it stands now, other pools' bookings included: the record's terms.
-            self.planner.observe(device.index, reading, self.now())
-            if self.bookings is not None:
-                others = self.bookings.others(device.info.uuid, self.pool_id)
-                self.planner.observe_others(device.index, others, self.now())
+        if device is not None and reading is not None and self.bookings is not None:
+            # Other pools' bookings as they stand now: terms of the record.
+            others = self.bookings.others(device.info.uuid, self.pool_id)
+            self.planner.observe_others(
+                device.index, others, self.now(), rows=reading.process_bytes
+            )
         verdict = self.planner.out_of_memory(
             item.task_id, report, reading, self.now(), error=f"{type(exc).__name__}: {exc}"
         )
+        if device is not None and reading is not None:
+            # After the record, which names the own high-water the tasks were priced at.
+            self.planner.observe(device.index, reading, self.now())
         self._check_refusal()
         if isinstance(verdict, Retry):
             return  # the planner holds it pending again, at the head of its queue
