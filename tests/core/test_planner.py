@@ -24,6 +24,7 @@ from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     GATE_RECORD_INTERVAL_S,
+    RETIRE_AFTER_SHUT_S,
     CardReading,
     Fail,
     Planner,
@@ -396,3 +397,30 @@ def test_an_oom_on_a_small_card_is_retried_on_the_larger_one():
     assert isinstance(again, Start)
     assert again.device == 1
     assert asks.ask("k").ask_bytes >= 12 * GiB
+
+
+def test_a_gate_that_shuts_and_opens_a_thousand_times_is_recorded_once_and_keeps_warm():
+    """1,000 shut/open alternations within 5 s: one live-gate record; no worker is retired on a
+    shut reading, only after the gate stayed shut for RETIRE_AFTER_SHUT_S."""
+    records: list[Decision] = []
+    planner = _one_card_planner(records, total_gib=40)
+    planner.submit(0, "k")
+    planner.submit(1, "k")
+    first = planner.next_start(0.0)
+    assert isinstance(first, Start)
+    planner.started(first.task, 0, 100, 0.0)
+    full = CardReading(free_bytes=GiB // 2, used_bytes=39 * GiB, process_bytes={100: 0})
+    empty = CardReading(free_bytes=39 * GiB, used_bytes=GiB, process_bytes={100: 0})
+    for step in range(1000):
+        now = step * 0.004
+        planner.observe(0, full, now)
+        assert isinstance(planner.next_start(now), Wait)
+        assert planner.warm_limit(0, now) >= 2  # one shut reading retires nothing
+        planner.observe(0, empty, now + 0.001)
+        planner.cards[0].gate_shut_since_s = None  # the gate opened (as a start would)
+    gates = [r for r in records if r.event == "live_gate_wait"]
+    assert len(gates) == 1
+    planner.observe(0, full, 10.0)
+    assert isinstance(planner.next_start(10.0), Wait)
+    assert isinstance(planner.next_start(10.0 + RETIRE_AFTER_SHUT_S), Wait)
+    assert planner.warm_limit(0, 10.0 + RETIRE_AFTER_SHUT_S) == 1  # only the running one
