@@ -2,9 +2,10 @@
 
 Each workload is 12 tasks that start, wait 0.3 s, then hold 6 GiB for 1 s
 (``task_peak="6.5GiB"``, ``max_workers=6``) on one simulated 40 GiB card.
-``one``: a single pool runs both workloads (24 tasks). ``two``: two scripts,
-each with its own pool and one workload, started together; they see each
-other's bookings through the host-wide booking table. Rounds are
+``one``: a single pool runs both workloads (24 tasks), in a script of its
+own. ``two``: two scripts, each with its own pool and one workload, started
+together; they see each other's bookings through the host-wide booking
+table. Both modes time from the scripts' start to their end. Rounds are
 interleaved; the report gives the median makespan of each, the ratio
 two/one, the spread, and the simulated out-of-memory events::
 
@@ -56,16 +57,24 @@ def run_pool(tasks: int, barrier: Path | None, pools: int) -> dict[str, int]:
 def one_round(mode: str) -> tuple[float, int]:
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")], cpus=16, host_ram="256GiB") as host:
         started = time.monotonic()
-        if mode == "one":
-            run_pool(2 * TASKS, None, 1)
-        else:
-            with tempfile.TemporaryDirectory() as barrier:
-                scripts = [
-                    subprocess.Popen([sys.executable, __file__, "--child", barrier])
-                    for _ in range(2)
-                ]
-                codes = [script.wait(timeout=600) for script in scripts]
-                assert codes == [0, 0], codes
+        pools = 1 if mode == "one" else 2
+        with tempfile.TemporaryDirectory() as barrier:
+            # Each pool in a script of its own, started alike in both modes.
+            scripts = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        barrier,
+                        str(pools),
+                        str(2 * TASKS // pools),
+                    ]
+                )
+                for _ in range(pools)
+            ]
+            codes = [script.wait(timeout=600) for script in scripts]
+            assert codes == [0] * pools, codes
         took = time.monotonic() - started
         ooms = len(host.out_of_memory_events)
     return took, ooms
@@ -74,11 +83,12 @@ def one_round(mode: str) -> tuple[float, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.child:
-        run_pool(TASKS, Path(args.child), 2)
+        barrier, pools, tasks = args.child
+        run_pool(int(tasks), Path(barrier), int(pools))
         return 0
     times: dict[str, list[float]] = {"one": [], "two": []}
     ooms: dict[str, int] = {"one": 0, "two": 0}

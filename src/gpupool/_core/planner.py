@@ -1336,9 +1336,11 @@ class Planner:
     def _blocked(self, head: TaskId, now_s: float, running: int, gate_shut: bool) -> Wait | Start:
         state = self.tasks[head]
         if running > 0:
+            # Another pool's tasks end without an event here: poll while they hold a card.
+            others = any(card.others_tasks for card in self.cards)
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back",
-                poll_s=LIVE_POLL_S if gate_shut else None,
+                poll_s=LIVE_POLL_S if gate_shut or others else None,
             )
         # Nothing of the pool runs anywhere.
         ask = self.ask_of(head)
