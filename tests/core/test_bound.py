@@ -18,6 +18,7 @@ from gpupool._core import (
     live_gate_admits,
 )
 from gpupool._core.units import GiB
+from support import card_census
 
 # Sizes are drawn in whole MiB-ish steps up to a few hundred GiB: the
 # arithmetic is integer, so the scale only has to look like real cards.
@@ -32,15 +33,7 @@ def card(
     own: int | None = 0,
 ) -> CardCensus:
     """A census row with only the terms the bound reads."""
-    return CardCensus(
-        device=device,
-        uuid=f"GPU-{device:08x}",
-        name="test card",
-        total_bytes=total,
-        free_bytes=free,
-        own_bytes=own,
-        source="given",
-    )
+    return card_census(device=device, total_bytes=total, free_bytes=free, own_bytes=own)
 
 
 def bound_for(census: CardCensus, *, ask: int, own_high_water: int = 0, reserve: int = 0) -> Bound:
