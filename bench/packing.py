@@ -595,7 +595,7 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
         runs: dict[str, list[Outcome]] = {}
         best_by_round: list[tuple[int, Outcome] | None] = []
         for r in range(rounds):
-            order = ["gpupool", "margin 0", "oracle/task"]
+            order = ["gpupool", "oracle/task"] + (["margin 0"] if args.margin_zero else [])
             order = order[r % len(order) :] + order[: r % len(order)]
             for policy in order:
                 runs.setdefault(policy, []).append(_run_policy(sc, policy, log_dir))
@@ -630,7 +630,9 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
                 f"{real[-1].extra.get('asks_gib', '') if name in ('gpupool', 'margin 0') else ''}",
                 flush=True,
             )
-        ratios: dict[str, list[float]] = {"gpupool": [], "margin 0": [], "oracle/task": []}
+        ratios: dict[str, list[float]] = {
+            name: [] for name in ("gpupool", "margin 0", "oracle/task") if name in runs
+        }
         over_oracle: list[float] = []
         widths = []
         for r, best in enumerate(best_by_round):
@@ -646,7 +648,7 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
             "title": sc.title,
             "best_fixed_widths": widths,
             "gpupool_over_best": ratios["gpupool"],
-            "margin0_over_best": ratios["margin 0"],
+            "margin0_over_best": ratios.get("margin 0", []),
             "oracle_over_best": ratios["oracle/task"],
             "gpupool_over_oracle": over_oracle,
             "gpupool_ooms": sum(o.ooms for o in g),
@@ -668,7 +670,8 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
         if widths:
             print(
                 f"  best fixed width by round {widths}; gpupool/best {_spread(ratios['gpupool'])}, "
-                f"margin 0/best {_spread(ratios['margin 0'])}, oracle/best "
+                + (f"margin 0/best {_spread(ratios['margin 0'])}, " if "margin 0" in ratios else "")
+                + "oracle/best "
                 f"{_spread(ratios['oracle/task'])}, gpupool/oracle {_spread(over_oracle)}; "
                 f"gpupool OOMs {row['gpupool_ooms']}, retries {row['gpupool_retries']}, lost "
                 f"{row['gpupool_lost']} over {rounds} rounds"
@@ -685,7 +688,8 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
             continue
         print(
             f"| {row['scenario']}: {row['title']} | {row['best_fixed_widths']} | "
-            f"{_spread(row['gpupool_over_best'])} | {_spread(row['margin0_over_best'])} | "
+            f"{_spread(row['gpupool_over_best'])} | "
+            f"{_spread(row['margin0_over_best']) if row['margin0_over_best'] else '-'} | "
             f"{_spread(row['oracle_over_best'])} | {_spread(row['gpupool_over_oracle'])} | "
             f"{row['gpupool_ooms']} / {row['gpupool_retries']} / {row['gpupool_lost']} |"
         )
@@ -712,7 +716,13 @@ def main(argv: list[str] | None = None) -> int:
         "a-f; all: both",
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds of the limit scenarios"
+        "--rounds", type=int, default=2, help="interleaved rounds of the limit scenarios"
+    )
+    parser.add_argument(
+        "--margin-zero",
+        action="store_true",
+        help="limit scenarios: also run gpupool with margin=0, margin_fraction=0 (the margin's "
+        "share of the gap)",
     )
     args = parser.parse_args(argv)
     # The decision records are in the JSON Lines logs; keep narrowing warnings off the table.
