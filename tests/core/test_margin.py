@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +89,12 @@ def test_two_peaks_one_segment_apart_do_not_blow_the_margin_up() -> None:
     assert margin > 2 * GiB  # three samples 4-8 GiB: the 99.9 % bound is far above 8 GiB
 
 
+def test_learned_margin_refuses_no_samples() -> None:
+    """With no measurement there is nothing to learn from: the call says so."""
+    with pytest.raises(ValueError, match="samples must be at least 1, got 0"):
+        learned_margin(samples=0, mean_bytes=0.0, stdev_bytes=0.0, max_bytes=0, prior_bytes=1)
+
+
 def test_one_sample_gets_the_prior() -> None:
     """With one measurement the margin is today's max(256 MiB, 10 %): the cautious prior."""
     assert learned_ask([6 * GiB]) == (6 * GiB + int(0.6 * GiB), int(0.6 * GiB))
@@ -127,7 +134,7 @@ def test_the_incident_card_packs_three_after_three_agreeing_samples() -> None:
     room = planner.bound(0, planner.asks.ask("entry")).room_bytes
     assert room is not None and abs(room / GiB - 18.40) < 0.01
     widths = []
-    for sample in range(1, 4):
+    for _sample in range(3):
         planner.asks.measure("entry", INCIDENT_MEASURED_PEAK_BYTES)
         decision = planner.decide(planner.asks.ask("entry"))[0]
         widths.append(decision.width)
