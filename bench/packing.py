@@ -46,12 +46,24 @@ retries the task at a narrower width. On several cards the baselines place
 task ``i`` on card ``i % cards`` (the usual ``rank % n_gpus`` idiom); gpupool
 pins each worker to a card itself.
 
-    python bench/packing.py                 # full matrix (about 2-3 minutes on 2 cores)
-    python bench/packing.py --quick         # fewer, shorter tasks
-    python bench/packing.py --repeat 3 --json /tmp/packing.json
+The packing-to-the-limit scenarios (``--set limit``, the default) run 40
+tasks on one 40 GiB card with a 7 GiB co-tenant and the parent at 3 GiB:
+stable peaks, peaks uniform over 4-7 GiB, lognormal durations, two keys of
+2 and 9 GiB with per-key hints, and one task whose input is twice the size of
+any before it. Each reports its makespan over the best fixed width in
+hindsight (a standard pool at a width searched in round one and re-run around
+its best in every later round) and over the oracle by bytes (every task priced
+at its own true peak, no margin, no reserve), with OOMs, retries and losses:
+medians of interleaved rounds, and their range.
 
-Timings are wall clock on a shared machine; ``--repeat`` keeps the median
-makespan and the worst OOM and loss counts.
+    python bench/packing.py                        # limit scenarios, 2 rounds (~5 minutes, 2 cores)
+    python bench/packing.py --rounds 3 --margin-zero
+    python bench/packing.py --quick --rounds 1     # smoke run (~1-2 minutes)
+    python bench/packing.py --set matrix           # the machine matrix a-f (~2-3 minutes)
+    python bench/packing.py --set matrix --repeat 3 --json /tmp/packing.json
+
+Timings are wall clock on a shared machine; ``--repeat`` (the matrix) keeps
+the median makespan and the worst OOM and loss counts.
 """
 
 from __future__ import annotations
