@@ -46,12 +46,24 @@ retries the task at a narrower width. On several cards the baselines place
 task ``i`` on card ``i % cards`` (the usual ``rank % n_gpus`` idiom); gpupool
 pins each worker to a card itself.
 
-    python bench/packing.py                 # full matrix (about 2-3 minutes on 2 cores)
-    python bench/packing.py --quick         # fewer, shorter tasks
-    python bench/packing.py --repeat 3 --json /tmp/packing.json
+The packing-to-the-limit scenarios (``--set limit``, the default) run 40
+tasks on one 40 GiB card with a 7 GiB co-tenant and the parent at 3 GiB:
+stable peaks, peaks uniform over 4-7 GiB, lognormal durations, two keys of
+2 and 9 GiB with per-key hints, and one task whose input is twice the size of
+any before it. Each reports its makespan over the best fixed width in
+hindsight (a standard pool at a width searched in round one and re-run around
+its best in every later round) and over the oracle by bytes (every task priced
+at its own true peak, no margin, no reserve), with OOMs, retries and losses:
+medians of interleaved rounds, and their range.
 
-Timings are wall clock on a shared machine; ``--repeat`` keeps the median
-makespan and the worst OOM and loss counts.
+    python bench/packing.py                        # limit scenarios, 2 rounds (~5 minutes, 2 cores)
+    python bench/packing.py --rounds 3 --margin-zero
+    python bench/packing.py --quick --rounds 1     # smoke run (~1-2 minutes)
+    python bench/packing.py --set matrix           # the machine matrix a-f (~2-3 minutes)
+    python bench/packing.py --set matrix --repeat 3 --json /tmp/packing.json
+
+Timings are wall clock on a shared machine; ``--repeat`` (the matrix) keeps
+the median makespan and the worst OOM and loss counts.
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -218,6 +231,90 @@ def scenarios(quick: bool) -> list[Scenario]:
     ]
 
 
+# -- packing to the limit: the issue's scenarios -----------------------------------------------
+
+#: The limit scenarios' machine: a 40 GiB card, a 7 GiB co-tenant, the parent at 3 GiB.
+LIMIT_CARD = (40.0, {"co-tenant": 7.0})
+LIMIT_PARENT = 3 * GiB
+LIMIT_TASKS = 40
+LIMIT_MAX_WORKERS = 8
+
+
+def limit_scenarios(quick: bool) -> list[Scenario]:
+    """The packing-to-the-limit scenarios (40 tasks; ``quick``: 16 and shorter sleeps)."""
+    n = 16 if quick else LIMIT_TASKS
+    scale = 0.5 if quick else 1.0
+    rng = random.Random(12)
+
+    def one_key(peaks: list[float], sleeps: list[float], key: str = "entry") -> list[Task]:
+        return [
+            Task(key, int(p * GiB), round(d * scale, 3)) for p, d in zip(peaks, sleeps, strict=True)
+        ]
+
+    stable = one_key([5.5] * n, [0.5] * n)
+    uniform = one_key(
+        [rng.uniform(4, 7) for _ in range(n)], [rng.uniform(0.2, 1.0) for _ in range(n)]
+    )
+    # Lognormal durations with a median of 0.4 s (sigma 0.8: a few tasks run 4-6x the median).
+    lognormal = one_key(
+        [5.5] * n, [min(3.0, rng.lognormvariate(math.log(0.4), 0.8)) for _ in range(n)]
+    )
+    mixed = one_key([2.0] * (n // 2), [0.5] * (n // 2), "small") + one_key(
+        [9.0] * (n - n // 2), [0.5] * (n - n // 2), "large"
+    )
+    rng.shuffle(mixed)
+    # 3.5 GiB peaks, and one task late in the run whose input is twice the size: 7 GiB.
+    jump = one_key([3.5] * n, [0.5] * n)
+    at = (3 * n) // 4
+    jump[at] = Task("entry", 7 * GiB, jump[at].sleep_s)
+    common: dict[str, Any] = {
+        "cards": [LIMIT_CARD],
+        "parent_bytes": LIMIT_PARENT,
+        "max_workers": LIMIT_MAX_WORKERS,
+        "naive_ask": 0,
+    }
+    return [
+        Scenario(
+            name="stable",
+            title="5.5 GiB peaks, 0.5 s, estimate 7 GiB",
+            tasks=stable,
+            estimate=7 * GiB,
+            **common,
+        ),
+        Scenario(
+            name="uniform",
+            title="peaks uniform 4-7 GiB, durations uniform 0.2-1.0 s, estimate 8 GiB",
+            tasks=uniform,
+            estimate=8 * GiB,
+            **common,
+        ),
+        Scenario(
+            name="lognormal",
+            title="5.5 GiB peaks, lognormal durations (median 0.4 s), estimate 7 GiB",
+            tasks=lognormal,
+            estimate=7 * GiB,
+            **common,
+        ),
+        Scenario(
+            name="mixed",
+            title="two keys, 2 GiB and 9 GiB, per-key hints 2.5 / 11 GiB, 0.5 s",
+            tasks=mixed,
+            estimate=11 * GiB,
+            hints={"small": int(2.5 * GiB), "large": 11 * GiB},
+            **common,
+        ),
+        Scenario(
+            name="jump",
+            title=f"3.5 GiB peaks, 0.5 s, estimate 4.5 GiB; task {at} holds 7 GiB (its input "
+            "is twice the size of any before it)",
+            tasks=jump,
+            estimate=int(4.5 * GiB),
+            estimates_honest=False,
+            **common,
+        ),
+    ]
+
+
 # -- running one policy ------------------------------------------------------------------------
 
 
@@ -233,6 +330,10 @@ class Outcome:
     peak_fraction: float
     width: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: The policies that run gpupool (the rest run a standard-library pool).
+GPU_POLICIES = ("gpupool", "oracle", "oracle/task", "margin 0")
 
 
 def _free_bytes(host: Any) -> list[int]:
@@ -313,8 +414,10 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
         if sc.parent_bytes:
             stack.enter_context(hold(sc.parent_bytes - CONTEXT, device=0))
         spawn = multiprocessing.get_context("spawn")
-        gpu = policy in ("gpupool", "oracle")
-        if policy == "free/ask":
+        gpu = policy in GPU_POLICIES
+        if policy.startswith("fixed:"):
+            width = int(policy.split(":", 1)[1])
+        elif policy == "free/ask":
             free = _free_bytes(host)
             width = max(1, min(sc.max_workers, sum(max(0, f // sc.naive_ask) for f in free)))
             extra["free_sampled_gib"] = [round(f / GiB, 2) for f in free]
@@ -331,24 +434,30 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
         futures: list[concurrent.futures.Future[Any]] = []
         if gpu:
             kwargs: dict[str, Any] = {}
-            if policy == "oracle":
+            if policy in ("oracle", "oracle/task"):
                 kwargs = {"margin": 0, "margin_fraction": 0.0, "reserve": 0}
+            elif policy == "margin 0":
+                kwargs = {"task_peak": sc.estimate, "margin": 0, "margin_fraction": 0.0}
             else:
                 kwargs = {"task_peak": sc.estimate}
             if log_dir is not None:
                 kwargs["log_path"] = os.path.join(
-                    log_dir, f"{sc.name}-{policy}-{os.getpid()}-{time.time_ns()}.jsonl"
+                    log_dir,
+                    f"{sc.name}-{policy.replace('/', '-').replace(' ', '')}-{os.getpid()}-"
+                    f"{time.time_ns()}.jsonl",
                 )
                 extra["log_path"] = kwargs["log_path"]
             ex = GpuPoolExecutor(sc.max_workers, **kwargs)
             with ex:
                 views: dict[str, Any] = {}
                 for i, t in enumerate(sc.tasks):
-                    if t.key not in views:
-                        hint = t.peak if policy == "oracle" else sc.hints.get(t.key)
-                        views[t.key] = ex.options(key=t.key, task_peak=hint)
+                    # The oracle by bytes prices every task at its own true peak.
+                    key = f"{t.key}@{t.peak}" if policy == "oracle/task" else t.key
+                    if key not in views:
+                        hint = t.peak if policy.startswith("oracle") else sc.hints.get(t.key)
+                        views[key] = ex.options(key=key, task_peak=hint)
                     futures.append(
-                        views[t.key].submit(entry, i, t.peak - CONTEXT, t.sleep_s, None, False)
+                        views[key].submit(entry, i, t.peak - CONTEXT, t.sleep_s, None, False)
                     )
                 for i, f in enumerate(futures):
                     try:
@@ -435,6 +544,175 @@ def _summarise(runs: list[Outcome]) -> dict[str, Any]:
     }
 
 
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+
+
+def _clean(run: Outcome) -> bool:
+    return run.lost == 0 and run.ooms == 0
+
+
+def _search_widths(
+    sc: Scenario, start: int, runs: dict[str, list[Outcome]], log_dir: str | None
+) -> None:
+    """Round one's search for the best fixed width: from ``start`` up while no task is lost,
+    down while a narrower width is faster or the wider ones lose tasks."""
+    tried: dict[int, Outcome] = {}
+
+    def run(width: int) -> Outcome:
+        outcome = _run_policy(sc, f"fixed:{width}", log_dir)
+        runs.setdefault(f"fixed:{width}", []).append(outcome)
+        tried[width] = outcome
+        return outcome
+
+    width = max(1, min(sc.max_workers, start))
+    if _clean(run(width)):
+        while width < sc.max_workers and _clean(run(width + 1)):
+            width += 1
+    else:
+        while width > 1 and not _clean(run(width - 1)):
+            width -= 1
+        width -= 1
+    # The widest clean width is found; one narrower confirms it is not slower.
+    while width > 1 and (width - 1) not in tried:
+        narrower = run(width - 1)
+        if not (_clean(narrower) and narrower.makespan_s < tried[width].makespan_s):
+            break
+        width -= 1
+
+
+def _best_fixed(runs: dict[str, list[Outcome]], round_index: int) -> tuple[int, Outcome] | None:
+    """The fastest fixed width of one round that lost nothing and ran nothing out of memory."""
+    best: tuple[int, Outcome] | None = None
+    for name, outcomes in runs.items():
+        if not name.startswith("fixed:") or len(outcomes) <= round_index:
+            continue
+        outcome = outcomes[round_index]
+        if _clean(outcome) and (best is None or outcome.makespan_s < best[1].makespan_s):
+            best = (int(name.split(":", 1)[1]), outcome)
+    return best
+
+
+def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) -> None:
+    """The packing-to-the-limit scenarios: interleaved rounds, ratios to the best fixed width in
+    hindsight (searched in round one, re-run around it in every later round) and to the oracle."""
+    chosen = limit_scenarios(args.quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        chosen = [sc for sc in chosen if sc.name in wanted]
+    rounds = args.rounds
+    summary: list[dict[str, Any]] = []
+    for sc in chosen:
+        print(f"\n[{sc.name}] {sc.title}  ({len(sc.tasks)} tasks, {rounds} rounds)", flush=True)
+        runs: dict[str, list[Outcome]] = {}
+        best_by_round: list[tuple[int, Outcome] | None] = []
+        for r in range(rounds):
+            order = ["gpupool", "oracle/task"] + (["margin 0"] if args.margin_zero else [])
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for policy in order:
+                runs.setdefault(policy, []).append(_run_policy(sc, policy, log_dir))
+            if r == 0:
+                start = runs["oracle/task"][0].extra["ran_at_once"]
+                _search_widths(sc, start, runs, log_dir)
+            else:
+                previous = [b[0] for b in best_by_round if b is not None]
+                centre = statistics.median_low(previous) if previous else 1
+                for width in (centre + 1, centre, centre - 1):
+                    if 1 <= width <= sc.max_workers:
+                        runs.setdefault(f"fixed:{width}", [])
+                        # Pad rounds a width skipped, so index r is round r.
+                        while len(runs[f"fixed:{width}"]) < r:
+                            runs[f"fixed:{width}"].append(
+                                Outcome(float("inf"), 0, 0, 1, 0, 0.0, width, {"ran_at_once": 0})
+                            )
+                        runs[f"fixed:{width}"].append(_run_policy(sc, f"fixed:{width}", log_dir))
+            best_by_round.append(_best_fixed(runs, r))
+        print(
+            f"{'policy':<12}{'makespan (median [range])':>30}{'OOMs':>6}{'retries':>8}"
+            f"{'lost':>6}{'at once':>8}  asks GiB"
+        )
+        for name, outcomes in sorted(runs.items(), key=lambda kv: _order(kv[0])):
+            real = [o for o in outcomes if o.makespan_s != float("inf")]
+            spans = [o.makespan_s for o in real]
+            print(
+                f"{name:<12}{statistics.median(spans):>10.2f}s [{min(spans):.2f}-{max(spans):.2f}]"
+                f"{'':>8}{sum(o.ooms for o in real):>6}"
+                f"{sum(o.extra.get('retries', 0) for o in real):>8}{sum(o.lost for o in real):>6}"
+                f"{max(o.extra['ran_at_once'] for o in real):>8}  "
+                f"{real[-1].extra.get('asks_gib', '') if name in ('gpupool', 'margin 0') else ''}",
+                flush=True,
+            )
+        ratios: dict[str, list[float]] = {
+            name: [] for name in ("gpupool", "margin 0", "oracle/task") if name in runs
+        }
+        over_oracle: list[float] = []
+        widths = []
+        for r, best in enumerate(best_by_round):
+            if best is None:
+                continue
+            widths.append(best[0])
+            for name in ratios:
+                ratios[name].append(runs[name][r].makespan_s / best[1].makespan_s)
+            over_oracle.append(runs["gpupool"][r].makespan_s / runs["oracle/task"][r].makespan_s)
+        g = runs["gpupool"]
+        row = {
+            "scenario": sc.name,
+            "title": sc.title,
+            "best_fixed_widths": widths,
+            "gpupool_over_best": ratios["gpupool"],
+            "margin0_over_best": ratios.get("margin 0", []),
+            "oracle_over_best": ratios["oracle/task"],
+            "gpupool_over_oracle": over_oracle,
+            "gpupool_ooms": sum(o.ooms for o in g),
+            "gpupool_retries": sum(o.extra.get("retries", 0) for o in g),
+            "gpupool_lost": sum(o.lost for o in g),
+            "gpupool_asks_gib": g[-1].extra.get("asks_gib"),
+            "policies": {
+                name: {
+                    "makespans_s": [round(o.makespan_s, 3) for o in outs],
+                    "ooms": [o.ooms for o in outs],
+                    "lost": [o.lost for o in outs],
+                    "retries": [o.extra.get("retries") for o in outs],
+                    "ran_at_once": [o.extra.get("ran_at_once") for o in outs],
+                }
+                for name, outs in runs.items()
+            },
+        }
+        summary.append(row)
+        if widths:
+            print(
+                f"  best fixed width by round {widths}; gpupool/best {_spread(ratios['gpupool'])}, "
+                + (f"margin 0/best {_spread(ratios['margin 0'])}, " if "margin 0" in ratios else "")
+                + "oracle/best "
+                f"{_spread(ratios['oracle/task'])}, gpupool/oracle {_spread(over_oracle)}; "
+                f"gpupool OOMs {row['gpupool_ooms']}, retries {row['gpupool_retries']}, lost "
+                f"{row['gpupool_lost']} over {rounds} rounds"
+            )
+        else:
+            print("  no fixed width ran without losing a task")
+    print(
+        "\n| scenario (40 GiB card, 7 GiB co-tenant, parent 3 GiB) | best fixed width | gpupool | "
+        "margin 0 | oracle by bytes | gpupool / oracle | gpupool OOMs / retries / lost |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in summary:
+        if not row["best_fixed_widths"]:
+            continue
+        print(
+            f"| {row['scenario']}: {row['title']} | {row['best_fixed_widths']} | "
+            f"{_spread(row['gpupool_over_best'])} | "
+            f"{_spread(row['margin0_over_best']) if row['margin0_over_best'] else '-'} | "
+            f"{_spread(row['oracle_over_best'])} | {_spread(row['gpupool_over_oracle'])} | "
+            f"{row['gpupool_ooms']} / {row['gpupool_retries']} / {row['gpupool_lost']} |"
+        )
+    report["limit"] = summary
+
+
+def _order(name: str) -> tuple[int, int]:
+    fixed = name.startswith("fixed:")
+    return (1 if fixed else 0, int(name.split(":")[1]) if fixed else GPU_POLICIES.index(name))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter tasks")
@@ -442,6 +720,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated scenario names (a,b,...)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     parser.add_argument("--logs", metavar="DIR", help="keep gpupool's decision logs here")
+    parser.add_argument(
+        "--set",
+        choices=("limit", "matrix", "all"),
+        default="limit",
+        help="limit: the packing-to-the-limit scenarios (default); matrix: the machine matrix "
+        "a-f; all: both",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds of the limit scenarios"
+    )
+    parser.add_argument(
+        "--margin-zero",
+        action="store_true",
+        help="limit scenarios: also run gpupool with margin=0, margin_fraction=0 (the margin's "
+        "share of the gap)",
+    )
     args = parser.parse_args(argv)
     # The decision records are in the JSON Lines logs; keep narrowing warnings off the table.
     logging.getLogger("gpupool").setLevel(logging.ERROR)
@@ -457,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import gpupool
 
-    chosen = scenarios(args.quick)
+    chosen = scenarios(args.quick) if args.set in ("matrix", "all") else []
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [sc for sc in chosen if sc.name in wanted]
@@ -510,6 +804,8 @@ def main(argv: list[str] | None = None) -> int:
             "policies": rows,
             "verdict": verdict,
         }
+    if args.set in ("limit", "all"):
+        run_limit(args, log_dir, report)
     total = time.perf_counter() - t_all
     report["total_s"] = total
     print(f"\ntotal {total:.0f}s; gpupool decision logs in {log_dir}")

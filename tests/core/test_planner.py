@@ -424,3 +424,57 @@ def test_a_gate_that_shuts_and_opens_a_thousand_times_is_recorded_once_and_keeps
     assert isinstance(planner.next_start(10.0), Wait)
     assert isinstance(planner.next_start(10.0 + RETIRE_AFTER_SHUT_S), Wait)
     assert planner.warm_limit(0, 10.0 + RETIRE_AFTER_SHUT_S) == 1  # only the running one
+
+
+def test_the_live_gate_counts_an_idle_workers_context_once():
+    """The idle warm worker a task will run in holds its context, which the task's ask counts
+    too: the gate credits those bytes, so a card packed to its bound refills after a task ends."""
+    records: list[Decision] = []
+    total, co_tenant, own, context = 40 * GiB, 7 * GiB, 3 * GiB, 300 * MiB
+    census = census_of(
+        [card_census(total_bytes=total, free_bytes=total - co_tenant - own, own_bytes=own)],
+        cpus=16,
+        available_ram_bytes=256 * GiB,
+    )
+    ask = int(5.9 * GiB)  # room 29.75 GiB: five fit
+    asks = AskTable(
+        policy=Policy(margin_bytes=0, margin_fraction=0.0, reserve_bytes=256 * MiB),
+        default_estimate_bytes=ask,
+    )
+    config = PlannerConfig(max_workers=8, reserve_bytes=256 * MiB, parent_pid=PARENT)
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    for task in range(7):
+        planner.submit(task, "k")
+
+    def observe(idle: dict[int, int]) -> None:
+        rows = {r.pid or 0: r.booked_bytes for r in planner.running.values()} | idle
+        used = co_tenant + own + sum(rows.values())
+        planner.observe(
+            0,
+            CardReading(free_bytes=total - used, used_bytes=used, process_bytes=rows | {1: own}),
+            0.1,
+        )
+
+    observe({})
+    assert len(_start_all(planner, 0.1)) == 5
+    done = min(planner.running)
+    pid = planner.running[done].pid
+    assert pid is not None
+    planner.finished(
+        done, PeakReport(device=0, device_peak_bytes=ask, device_source="simulator"), 0.2
+    )
+    # 40 - 7 - 3 - 4 x 5.9 - 0.3 = 6.1 GiB free; 5.9 GiB + 256 MiB reserve needed; the idle
+    # worker's 0.3 GiB context is in the ask.
+    observe({pid: context})
+    verdict = planner.next_start(0.3)
+    assert isinstance(verdict, Start)
+    assert not verdict.past_bound
+    # Without an idle worker of the pool (a stranger's 0.3 GiB), the gate stays shut.
+    planner.started(verdict.task, verdict.device, pid, 0.3)
+    planner.finished(
+        verdict.task, PeakReport(device=0, device_peak_bytes=ask, device_source="simulator"), 0.4
+    )
+    planner.cards[0].worker_pids.discard(pid)
+    observe({pid: context})
+    assert isinstance(planner.next_start(0.5), Wait)

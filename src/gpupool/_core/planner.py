@@ -265,6 +265,9 @@ class _Card:
     others_held_bytes: int = 0
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
+    # Every worker the pool ran a task in on this card: an idle one's row is
+    # bytes (its context) that the next task's ask already counts.
+    worker_pids: set[int] = field(default_factory=set)
 
 
 class Planner:
@@ -487,6 +490,12 @@ class Planner:
         card = self.cards[device]
         card.reading = reading
         card.reading_error = None
+        if reading.process_bytes is not None and card.worker_pids:
+            # A worker with no row holds nothing (or has exited): forget it.
+            running = {r.pid for r in self.running.values() if r.device == device}
+            card.worker_pids = {
+                pid for pid in card.worker_pids if pid in reading.process_bytes or pid in running
+            }
         own = None
         if reading.process_bytes is not None and self.config.parent_pid is not None:
             own = reading.process_bytes.get(self.config.parent_pid)
@@ -631,6 +640,8 @@ class Planner:
                 for other in neighbours:
                     other.shared = True
         self.running[task] = run
+        if device is not None and pid is not None:
+            self.cards[device].worker_pids.add(pid)
         state.last_device = device
         state.last_ask_bytes = ask
         if state.room_wait_until_s is not None:
@@ -1288,7 +1299,26 @@ class Planner:
         rows = reading.process_bytes or {}
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
         unreached += self.cards[index].others_unreached_bytes
-        return reading.free_bytes >= ask.ask_bytes + unreached + self.config.reserve_bytes
+        held = self._idle_worker_bytes(index, ask, busy)
+        return reading.free_bytes + held >= ask.ask_bytes + unreached + self.config.reserve_bytes
+
+    def _idle_worker_bytes(self, index: int, ask: Ask, busy: list[_Run]) -> int:
+        """What the idle warm worker the task will run in already holds (its context), which
+        its ask counts too: the least row of the card's idle workers, at most the ask; 0 when
+        none is idle or rows are not listed (a fresh worker holds nothing yet)."""
+        card = self.cards[index]
+        reading = card.reading
+        if reading is None or reading.process_bytes is None or not card.worker_pids:
+            return 0
+        running = {r.pid for r in busy}
+        idle = [
+            reading.process_bytes[pid]
+            for pid in card.worker_pids
+            if pid not in running and pid in reading.process_bytes
+        ]
+        if not idle:
+            return 0
+        return max(0, min(ask.ask_bytes, *idle))
 
     def _gate_shut(self, index: int, ask: Ask, busy: list[_Run], now_s: float) -> None:
         card = self.cards[index]
@@ -1306,6 +1336,7 @@ class Planner:
         rows = reading.process_bytes or {}
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
         unreached += card.others_unreached_bytes
+        held = self._idle_worker_bytes(index, ask, busy)
         episodes = card.gate_episodes
         card.gate_recorded_s = now_s
         card.gate_episodes = 0
@@ -1314,7 +1345,8 @@ class Planner:
                 "live_gate_wait",
                 index,
                 ask,
-                f"card {index}: {format_size(reading.free_bytes)} free now does not cover "
+                f"card {index}: {format_size(reading.free_bytes)} free now (+ "
+                f"{format_size(held)} the idle worker it would run in holds) does not cover "
                 f"{format_size(ask.ask_bytes)} ask + {format_size(unreached)} not yet reached by "
                 f"{len(busy)} running here and {card.others_tasks} of other pools + "
                 f"{format_size(self.config.reserve_bytes)} reserve; the "
@@ -1324,6 +1356,7 @@ class Planner:
                 extra={
                     "live_free_bytes": reading.free_bytes,
                     "live_used_bytes": reading.used_bytes,
+                    "idle_worker_bytes": held,
                     "unreached_bytes": unreached,
                     "running": len(busy),
                     "gate_episodes": episodes,

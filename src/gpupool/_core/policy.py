@@ -46,14 +46,16 @@ DEFAULT_MARGIN_BYTES = 256 * MiB
 DEFAULT_MARGIN_FRACTION = 0.10
 
 #: The least learned margin. Two measured peaks of the same task can differ by
-#: one allocation granule without any change in the work: PyTorch's caching
-#: allocator rounds requests between 1 and 10 MiB up to a 20 MiB segment
-#: (``kLargeBuffer``) and larger ones to 2 MiB, and NVML's per-process figure
-#: moves in whole 2 MiB pages as cuBLAS/cuDNN workspaces are created per stream.
-#: 64 MiB covers a 20 MiB segment, a few 2 MiB pages on each of a task's
-#: streams, and the sampler's blind spot between two NVML readings of an
-#: allocation that lives shorter than one sampling interval (the probe prefers
-#: the exact per-process high-water where the driver keeps one).
+#: allocation granules without any change in the work: PyTorch's caching
+#: allocator packs requests between 1 and 10 MiB into 20 MiB segments
+#: (``kLargeBuffer``), rounds larger ones up to 2 MiB (``kRoundLarge``) and
+#: packs small ones in 2 MiB blocks (``kSmallBuffer``); cuBLAS takes a workspace
+#: per (handle, stream) through that allocator, 8 MiB + 128 KiB by default and
+#: 32 MiB on Hopper, so a task that happens to run on one more stream holds one
+#: more. 64 MiB covers one 20 MiB segment, one 32 MiB workspace and a few 2 MiB
+#: blocks (20 + 32 + 3 x 2 = 58 MiB). It does not cover the sampler's blind
+#: spot (an allocation that lives shorter than one NVML sampling interval): the
+#: probe prefers the driver's exact per-process high-water where one is kept.
 MARGIN_FLOOR_BYTES = 64 * MiB
 
 #: One-sided 99.9 % quantiles of Student's t by degrees of freedom (n - 1),
@@ -77,6 +79,12 @@ _T_999 = (
     (120, 3.160),
 )
 _T_999_LIMIT = 3.090
+
+#: The spread term starts at three samples (two degrees of freedom). With two,
+#: the 99.9 % quantile is 318: two peaks of the same task that differ by one
+#: 20 MiB allocator segment would add 7.6 GiB to the ask. Until then the prior
+#: (``prior / n**2``) prices the key, above the worst peak measured.
+_SPREAD_FROM_SAMPLES = 3
 
 
 def _t_999(dof: int) -> float:
@@ -103,7 +111,8 @@ def learned_margin(
     ``max(floor, ucb - max, prior / samples**2)`` where ``ucb = mean + t * s *
     sqrt(1 + 1/n)`` is the upper 99.9 % prediction bound of the next peak
     (Student's t with ``n - 1`` degrees of freedom, ``s`` the sample standard
-    deviation): with one sample the margin is the prior; as samples agree it
+    deviation), from three samples on: with one sample the margin is the prior (with
+    two, a quarter of it); as samples agree it
     falls toward the floor (the prior's share fades with the square of the
     count); as they disagree it grows with their spread. It assumes the
     key's peaks are independent draws of one distribution; a peak that
@@ -122,7 +131,7 @@ def learned_margin(
         raise ValueError(f"samples must be at least 1, got {samples}")
     prior = prior_bytes / (samples * samples)
     spread = 0.0
-    if samples >= 2:
+    if samples >= _SPREAD_FROM_SAMPLES:
         ucb = mean_bytes + _t_999(samples - 1) * stdev_bytes * math.sqrt(1 + 1 / samples)
         spread = ucb - max_bytes
     return max(floor_bytes, math.ceil(max(prior, spread)))
