@@ -107,7 +107,9 @@ def test_probe_without_a_device_reports_only_the_host():
 
 def test_torch_oom_is_recognised_and_the_probe_creates_no_context():
     """torch's OutOfMemoryError is a device OOM, and the probe never initialises CUDA itself."""
-    torch = pytest.importorskip("torch", reason="the torch extra (CPU wheel) is not installed")
+    torch = pytest.importorskip(
+        "torch", reason="torch is not installed (the nox tests session installs the CPU wheel)"
+    )
     assert is_device_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 MiB"))
     with SimulatedHost([SimulatedDevice("16GiB")], context="0MiB") as host:
         info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")

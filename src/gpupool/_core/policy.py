@@ -138,7 +138,7 @@ def learned_margin(
 
 
 #: Bytes kept free on every card beyond the priced terms. Not a pad for an
-#: unpriced term (DESIGN.md: no constant reserve papers over one): it covers
+#: unpriced term (a constant reserve must not paper over one): it covers
 #: the driver's own growth while contexts are created and page-granular
 #: allocation, which neither the census nor a child's report can see.
 DEFAULT_RESERVE_BYTES = 256 * MiB

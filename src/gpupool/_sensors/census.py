@@ -38,7 +38,7 @@ __all__ = [
 
 #: Our process has no row although the driver lists processes: either we
 #: hold no context (a pool parent never creates one) or the driver reports
-#: PIDs of another namespace (containers; DESIGN.md, "Where readings come from").
+#: PIDs of another namespace (containers, on some drivers).
 OWN_ROW_MISSING_REASON = (
     "this process's row was not found: it holds no device memory (no CUDA context), or "
     "the driver lists it under another PID (a container's namespace); using the measured "
@@ -222,8 +222,8 @@ def read_census(
 ) -> tuple[Census, tuple[DeviceInfo, ...]]:
     """Take the census of every device the pool may use, and of the host.
 
-    Call it once, before any child of the pool exists (``DESIGN.md``: the
-    census is never retaken).
+    Call it once, before any child of the pool exists: the census is never
+    retaken (taken later, it would count the pool's own children as co-tenants).
 
     Args:
         sensor: where readings come from (NVML, the simulator).
