@@ -755,6 +755,7 @@ class Dispatcher:
                 if head is not None and not head.future.done():
                     _set_exception(head.future, exc)
                 raise
+            del head, header, payload  # keep nothing of a finished task
 
     def _receive_one(self, worker: _Worker, header: bytearray, payload: bytearray) -> None:
         kind, report_fields = pickle.loads(header)
@@ -777,18 +778,24 @@ class Dispatcher:
         if self.max_tasks_per_child is not None and worker.tasks_done >= self.max_tasks_per_child:
             worker.retiring = True
         report = PeakReport(**report_fields) if report_fields is not None else None
-        if kind == "oom" and report is not None:
+        oom = kind == "oom" and report is not None
+        if oom:
+            assert report is not None
             self._on_oom(worker, item, report, payload)
         else:
             # The task never ran when it could not be unpickled: nothing to learn.
             self._settle(item)
             self.planner.finished(item.task_id, report, self.now())
             self._check_refusal()
-            self._finish(item, kind, payload)
         if worker.device is not None:
             self._publish_bookings(self.devices[worker.device])
         if worker.retiring:
             self._retire(worker)
+        if not oom:
+            # Last, and nothing of the task kept after it: a caller that drops the
+            # result frees it (CPython's gh-58614 test), with no I/O in between.
+            self._finish(item, kind, payload)
+            del item, payload
 
     def _settle(self, item: WorkItem) -> None:
         self.items.pop(item.task_id, None)

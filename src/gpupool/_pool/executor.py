@@ -183,7 +183,7 @@ class PoolStatistics:
             of its tasks could run at once beside the other keys' running tasks.
         serial_starts: starts past the bound (the serial floor).
         log_write_errors: decision records the log file could not take (a full
-            disk, a file-size limit); they are still in :attr:`decisions`.
+            disk, a file-size limit); they are still in the pool's ``decisions``.
     """
 
     tasks_submitted: int
