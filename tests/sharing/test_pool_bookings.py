@@ -243,6 +243,7 @@ def test_a_sigkilled_pool_stops_counting_at_the_next_read() -> None:
                 script.kill()
                 script.wait(timeout=60)
             for pid in workers:  # orphaned by the kill: they would sleep on
+                assert pid > 0  # never kill(0) or kill(-1): this test's own group, or all
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -276,7 +276,7 @@ def _parse_pool(pool_id: str, row: object) -> PoolBooking:
         worker_pid, key, booked, reached = cast("list[object]", entry)
         tasks.append(
             TaskBooking(
-                worker_pid=_count(worker_pid, pool_id, "worker pid"),
+                worker_pid=_pid(worker_pid, pool_id),
                 key=str(key),
                 booked_bytes=_count(booked, pool_id, "booked_bytes"),
                 reached_bytes=_count(reached, pool_id, "reached_bytes"),
@@ -297,6 +297,14 @@ def _parse_pool(pool_id: str, row: object) -> PoolBooking:
         updated_s=float(updated),
         tasks=tuple(tasks),
     )
+
+
+def _pid(value: object, pool_id: str) -> int:
+    """A worker PID: positive (0 and negatives name process groups, or every process)."""
+    pid = _count(value, pool_id, "worker pid")
+    if pid == 0:
+        raise ValueError(f"pool {pool_id!r}: worker pid 0 is not a process")
+    return pid
 
 
 def _count(value: object, pool_id: str, name: str) -> int:

@@ -646,7 +646,6 @@ class Planner:
         state.last_ask_bytes = ask
         if state.room_wait_until_s is not None:
             state.room_wait_until_s = None
-        self._head_skips = 0 if self.pending and self.pending[0] != task else self._head_skips
         self._last_key = state.key
 
     def start_failed(self, task: TaskId) -> None:

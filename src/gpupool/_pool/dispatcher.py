@@ -557,8 +557,6 @@ class Dispatcher:
                 self.items.pop(verdict.task, None)
                 self._fail_oom(item, verdict, None)
                 continue
-            if not self._book_with_others(verdict):
-                continue  # another pool booked the room first: the planner now knows
             if not item.started:
                 if not item.future.set_running_or_notify_cancel():
                     self.items.pop(verdict.task, None)
@@ -577,6 +575,10 @@ class Dispatcher:
                     if verdict.task not in self.items:
                         continue  # it failed: the start's error is in its future
                     return max(0.01, self.spawn_retry_at_s - time.monotonic())
+            if not self._book_with_others(verdict, worker.pid):
+                # Another pool booked the room first: the planner now knows, and the
+                # task waits (still RUNNING to its future) on a warm worker.
+                continue
             try:
                 payload = dumps_call(item.call)
             except BaseException as exc:
@@ -928,7 +930,7 @@ class Dispatcher:
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
 
-    def _book_with_others(self, start: Start) -> bool:
+    def _book_with_others(self, start: Start, worker_pid: int) -> bool:
         """Book ``start`` in the host's table and re-read the other pools in one locked step;
         ``False`` (the booking withdrawn) when their rows, read at that moment, leave no room."""
         if self.bookings is None or start.device is None or start.past_bound:
@@ -937,12 +939,13 @@ class Dispatcher:
         runs = [r for r in self.planner.running.values() if r.device == start.device]
         tasks = tuple(
             TaskBooking(
-                worker_pid=run.pid or 0, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
+                worker_pid=run.pid, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
             )
             for run in runs
+            if run.pid is not None
         )
         new = TaskBooking(
-            worker_pid=0,
+            worker_pid=worker_pid,
             key=self.items[start.task].key,
             booked_bytes=start.ask_bytes,
             reached_bytes=0,
@@ -985,12 +988,13 @@ class Dispatcher:
             held = {row.pid: row.used_bytes or 0 for row in rows}
         tasks = tuple(
             TaskBooking(
-                worker_pid=run.pid or 0,
+                worker_pid=run.pid,
                 key=run.key,
                 booked_bytes=run.booked_bytes,
-                reached_bytes=held.get(run.pid or 0, 0),
+                reached_bytes=held.get(run.pid, 0),
             )
             for run in runs
+            if run.pid is not None
         )
         if tasks == self.published.get(device.index) and not seen:
             return  # the same booking, and no one to tell
