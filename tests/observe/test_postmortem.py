@@ -69,7 +69,8 @@ def test_growing_parent_is_named_own(logs: dict[str, Path]) -> None:
 def test_live_own_bytes_splits_own_from_co_tenant(logs: dict[str, Path]) -> None:
     """With live_own_bytes in a record (the field asked for), the arithmetic names own."""
     record = next(r for _, r in iter_records(logs["own"]) if r["event"] == "out_of_memory")
-    own = record["own_high_water_bytes"] + 6 * GiB
+    priced = record.get("priced_own_high_water_bytes", record["own_high_water_bytes"])
+    own = priced + 6 * GiB
     analysis = analyse_oom({**record, "live_own_bytes": own})
     assert analysis.verdict == "own"
     assert analysis.own_growth_bytes == 6 * GiB

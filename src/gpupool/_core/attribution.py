@@ -194,7 +194,12 @@ def analyse_oom(
     census_co = record_int(record, "census_co_tenant_bytes")
     if census_co is None:
         census_co = record_int(record, "co_tenant_bytes")
-    own_hw = record_int(record, "own_high_water_bytes")
+    # The own high-water the running tasks were priced at, where the record has
+    # it: the pool re-reads its own bytes before every start, so the record's
+    # bound may already include growth that the running tasks were not priced for.
+    own_hw = record_int(record, "priced_own_high_water_bytes")
+    if own_hw is None:
+        own_hw = record_int(record, "own_high_water_bytes")
     reserve = record_int(record, "reserve_bytes") or 0
     booked = record_int(record, "booked_bytes")
     running = record_int(record, "running")

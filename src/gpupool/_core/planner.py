@@ -241,6 +241,8 @@ class _Run:
     booked_bytes: int
     priced_bytes: int
     shared: bool = False
+    # The own high-water its start was priced at (an out-of-memory names growth past it).
+    own_high_water_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -632,6 +634,8 @@ class Planner:
         ask = self.asks.ask(state.key).ask_bytes if device is not None else 0
         run = _Run(key=state.key, device=device, pid=pid, booked_bytes=ask, priced_bytes=ask)
         if device is not None:
+            run.own_high_water_bytes = self.cards[device].own_high_water_bytes
+        if device is not None:
             neighbours = [r for r in self.running.values() if r.device == device]
             if self.cards[device].others_tasks:
                 run.shared = True  # another pool's task is on the card: not alone
@@ -850,6 +854,11 @@ class Planner:
                     ),
                     "live_pool_bytes": pool_bytes,
                     "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
+                    "priced_own_high_water_bytes": (
+                        min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
+                        if device is not None
+                        else None
+                    ),
                     "other_pools_bytes": card.others_bytes if card else None,
                     "other_pools_held_bytes": card.others_held_bytes if card else None,
                     "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,

@@ -553,7 +553,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._dispatcher.read_census_terms()
         note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
         extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self._dispatcher.cap_allocator else {}
-        decisions = planner.construct(self._dispatcher.now(), note=note, extra=extra)
+        # Time 0 is the census: the construction records say so, however long
+        # the readings beside it took on a loaded host.
+        decisions = planner.construct(0.0, note=note, extra=extra)
         if (
             decisions
             and strict
