@@ -11,9 +11,10 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
 import tasks
 
-from gpupool import GpuPoolExecutor
+from gpupool import ConfigurationError, DeviceOutOfMemoryError, GpuPoolExecutor
 from gpupool._core.units import GiB, MiB
 from gpupool.testing import SimulatedDevice, SimulatedHost, SimulatedOutOfMemory, hold
 from support import wait_for
@@ -165,3 +166,47 @@ def test_a_fluctuating_co_tenant_does_not_churn_records_or_workers():
     assert stats.tasks_failed == 0
     assert records < 120, records
     assert stats.workers_started <= 16, stats.workers_started
+
+
+def test_the_width_follows_a_hinted_key_as_soon_as_its_tasks_are_held():
+    """A key hinted at 6 GiB in a pool priced at 1 GiB: ex.width says what runs (4), not 8."""
+    with SimulatedHost(
+        [SimulatedDevice("40GiB", co_tenants={"srv": "10GiB"})], cpus=8, host_ram="64GiB"
+    ) as host:
+        with GpuPoolExecutor(task_peak="1GiB") as ex:
+            hinted = ex.options(key="k", task_peak="6GiB")
+            futures = [hinted.submit(tasks.sized, i, "6GiB", 0.5) for i in range(10)]
+            wait_for(lambda: sum(f.running() for f in futures) >= 4, what="four running")
+            width = ex.width
+            by_key = ex.statistics().widths_by_key
+            assert [f.result(timeout=60) for f in futures] == list(range(10))
+    assert width == 4
+    assert by_key["k"] == 4
+    assert host.out_of_memory_events == []
+
+
+def test_a_fixed_width_wider_than_max_workers_is_refused():
+    """width=4 with max_workers=2 contradict each other: refused, naming both."""
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=8, host_ram="64GiB"):
+        with pytest.raises(ConfigurationError, match=r"^width=4 is more than max_workers=2"):
+            GpuPoolExecutor(max_workers=2, width=4)
+
+
+def test_shutdown_with_cancel_futures_does_not_wait_out_a_task_waiting_for_room():
+    """A task waiting for room after a lone OOM fails at shutdown(cancel_futures=True) at once."""
+    with SimulatedHost(
+        [SimulatedDevice("40GiB", co_tenants={"srv": "10GiB"})], cpus=8, host_ram="64GiB"
+    ) as host:
+        ex = GpuPoolExecutor(task_peak="6GiB", room_wait_s=600)
+        try:
+            assert ex.submit(tasks.sized, 0, "6GiB", 0.0).result(timeout=60) == 0
+            host.grow("srv", "27GiB")  # the card is full: the next task runs out alone
+            waiting = ex.submit(tasks.sized, 1, "6GiB", 0.0)
+            queued = ex.submit(tasks.sized, 2, "6GiB", 0.0)
+            wait_for(lambda: ex.statistics().out_of_memory >= 1, what="the lone OOM")
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)  # would block for room_wait_s before
+    error = waiting.exception(timeout=0)
+    assert isinstance(error, DeviceOutOfMemoryError)
+    assert "waiting for room when the pool was shut down" in str(error)
+    assert queued.cancelled()

@@ -469,7 +469,9 @@ class Planner:
 
     def submit(self, task: TaskId, key: str, hint_bytes: int | None = None) -> None:
         """A task was submitted (it is pending, at the back of the queue)."""
-        self.tasks[task] = _Task(key=key, hint_bytes=hint_bytes)
+        if hint_bytes is not None:
+            self.asks.hint(key, hint_bytes)  # the width prices it at once
+        self.tasks[task] = _Task(key=key, hint_bytes=None)
         self.pending.append(task)
         self._last_key = key
 
@@ -481,6 +483,10 @@ class Planner:
             except ValueError:
                 pass
             del self.tasks[task]
+
+    def waiting_for_room(self) -> tuple[TaskId, ...]:
+        """Pending tasks that ran out of memory alone and wait for others to free the room."""
+        return tuple(t for t in self.pending if self.tasks[t].room_wait_until_s is not None)
 
     def pending_tasks(self) -> tuple[TaskId, ...]:
         """The pending tasks, in the order they will be considered."""
@@ -1180,7 +1186,12 @@ class Planner:
 
     def next_start(self, now_s: float) -> Start | Wait | Fail | None:
         """What to start now: a task and its card, a wait (with why), a failure, or ``None``
-        when nothing is pending."""
+        when nothing is pending. :attr:`width` is brought up to date with the work held."""
+        verdict = self._next_start(now_s)
+        self.width = self._width_now()
+        return verdict
+
+    def _next_start(self, now_s: float) -> Start | Wait | Fail | None:
         if not self.pending:
             return None
         running = len(self.running)

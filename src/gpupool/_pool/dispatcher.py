@@ -378,6 +378,22 @@ class Dispatcher:
             self.cancel_requested = False
         self._drain_incoming()
         items = [self.items[t] for t in self.planner.pending_tasks() if not self.items[t].started]
+        # A task waiting for room after a lone out-of-memory has started (its future is
+        # RUNNING, so it cannot be cancelled), but nothing of it runs: it fails now rather
+        # than hold the shutdown for up to room_wait_s.
+        waiting = [self.items.pop(t) for t in self.planner.waiting_for_room()]
+        for item in waiting:
+            self.planner.withdraw(item.task_id)
+            self._fail(
+                item,
+                DeviceOutOfMemoryError(
+                    f"a task of {item.key} ran out of device memory alone and was waiting for "
+                    "room when the pool was shut down with cancel_futures=True",
+                    device=None,
+                    ask_bytes=self.asks.ask(item.key).ask_bytes,
+                    detail="shut down while waiting for room",
+                ),
+            )
         # Outside the lock: a cancelled future's callbacks may call shutdown().
         for item in items:
             item.future.cancel()

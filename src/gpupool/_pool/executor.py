@@ -401,6 +401,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             raise ConfigurationError(
                 f"room_wait_s={room_wait_s!r}: pass a number of seconds, 0 or more (such as 120)."
             )
+        if width is not None and max_workers is not None and width > max_workers:
+            raise ConfigurationError(
+                f"width={width} is more than max_workers={max_workers}: a fixed width runs "
+                "exactly that many at once, so pass one of them, or a width of at most "
+                "max_workers."
+            )
         if strict and max_workers is None:
             raise ConfigurationError(
                 "strict=True needs max_workers: the width that must not be narrowed."
