@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, TypedDict, TypeVar
 from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
+from gpupool._sensors.bookings import read_start_token
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -157,40 +158,6 @@ def _encode(state: LedgerState) -> bytes:
 
 def _process_bytes(proc: ProcessState) -> int:
     return proc["context"] + proc["held"]
-
-
-def _identity(pid: int) -> str | None:
-    """A token naming the running process ``pid`` (its start time), or ``None`` if it has exited.
-
-    A zombie counts as exited: the driver frees a process's memory at exit,
-    long before its parent reaps it, and ``os.kill(pid, 0)`` still succeeds on it.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _identity_psutil(pid)
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rfind(b")") + 2 :].split()
-    state, start_ticks = fields[0], fields[19]
-    if state in (b"Z", b"X", b"x"):
-        return None
-    return start_ticks.decode()
-
-
-def _identity_psutil(pid: int) -> str | None:
-    """:func:`_identity` where there is no ``/proc`` (macOS)."""
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return None
-        return repr(process.create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
 
 
 def _own_name() -> str:
@@ -391,7 +358,7 @@ class Ledger:
             dev = _device(state, device)
             proc = dev["procs"].get(key)
             if proc is None:
-                identity = _identity(pid) if pid != os.getpid() else _own_identity()
+                identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
                 if identity is None:
                     raise ValueError(f"process {pid} does not exist; it cannot hold device bytes")
                 context = state["context"]
@@ -567,7 +534,7 @@ def _ledger_problem(value: dict[str, object]) -> str | None:
 
 
 def _own_identity() -> str:
-    identity = _identity(os.getpid())
+    identity = read_start_token(os.getpid())
     assert identity is not None  # this process is running
     return identity
 
@@ -611,7 +578,9 @@ def _drop_dead(state: LedgerState) -> bool:
     dropped = False
     for dev in state["devices"]:
         procs = dev["procs"]
-        for key in [key for key, proc in procs.items() if _identity(int(key)) != proc["start"]]:
+        for key in [
+            key for key, proc in procs.items() if read_start_token(int(key)) != proc["start"]
+        ]:
             del procs[key]
             dropped = True
     return dropped
