@@ -1468,6 +1468,26 @@ class Planner:
             key_ask=ask if ask.key else None,
         )
 
+    def flush_asks(self, now_s: float) -> None:
+        """Record each key's final ask where it moved since its last record (at most one record
+        per key: a log read afterwards ends with every key's true price)."""
+        for key in self.asks.keys():  # noqa: SIM118 (AskTable is not a dict)
+            ask = self.asks.ask(key)
+            last = self._recorded_asks.get(key)
+            if last is None or last.ask_bytes == ask.ask_bytes or not self.cards:
+                continue
+            self._recorded_asks[key] = ask
+            self.record(
+                self._simple(
+                    "bound_changed",
+                    None,
+                    ask,
+                    f"{key}: final ask {ask.describe()} (last recorded "
+                    f"{format_size(last.ask_bytes)})",
+                    now_s,
+                )
+            )
+
     def shutdown_record(
         self, now_s: float, counts: Mapping[str, int], *, tasks_lost: int
     ) -> Decision:

@@ -435,6 +435,7 @@ class Dispatcher:
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
                 _set_exception(future, WorkerLostError("the pool stopped and lost this task"))
+            self.planner.flush_asks(self.now())
             self.record(self.planner.shutdown_record(self.now(), self.counts, tasks_lost=len(lost)))
             self.close()
 
