@@ -37,7 +37,8 @@ opens again is recorded at most once per :data:`GATE_RECORD_INTERVAL_S`).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Mapping
+import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,6 +51,7 @@ from gpupool._core.bound import (
     decide_widths,
     derive_bound,
     derive_ceiling,
+    live_gate_admits,
 )
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision, EventName, JsonValue
@@ -520,25 +522,6 @@ class Planner:
                     devices=(device,),
                 )
 
-    def observe_own(self, device: int, own_bytes: int | None, now_s: float) -> None:
-        """The parent's own device bytes, read on their own (where rows are not listed)."""
-        if own_bytes is None:
-            return
-        card = self.cards[device]
-        reading = card.reading
-        if reading is not None and self.config.parent_pid is not None:
-            rows = dict(reading.process_bytes or {})
-            rows[self.config.parent_pid] = own_bytes
-            self.observe(
-                device,
-                CardReading(
-                    free_bytes=reading.free_bytes, used_bytes=reading.used_bytes, process_bytes=rows
-                ),
-                now_s,
-            )
-        elif own_bytes > card.own_high_water_bytes:
-            card.own_high_water_bytes = own_bytes
-
     def observe_others(
         self,
         device: int,
@@ -657,13 +640,6 @@ class Planner:
         if state.room_wait_until_s is not None:
             state.room_wait_until_s = None
         self._last_key = state.key
-
-    def start_failed(self, task: TaskId) -> None:
-        """A start did not happen (its worker could not be started): the task is pending again."""
-        if task in self.running:
-            del self.running[task]
-        if task in self.tasks and task not in self.pending:
-            self.pending.appendleft(task)
 
     def finished(self, task: TaskId, report: PeakReport | None, now_s: float) -> None:
         """``task`` ended with a result or an ordinary error; learn from its peak report."""
@@ -1200,7 +1176,7 @@ class Planner:
         head = self.pending[0]
         gate_shut = False
         considered: set[str] = set()
-        for position, task in enumerate(self._candidates()):
+        for position, task in enumerate(itertools.islice(self.pending, LOOKAHEAD)):
             state = self.tasks[task]
             if state.key in considered:
                 continue
@@ -1216,12 +1192,6 @@ class Planner:
                     self._head_skips = 0
                 return verdict
         return self._blocked(head, now_s, running, gate_shut)
-
-    def _candidates(self) -> Iterator[TaskId]:
-        for position, task in enumerate(self.pending):
-            if position >= LOOKAHEAD:
-                return
-            yield task
 
     def _try_start(
         self, task: TaskId, now_s: float, running: int
@@ -1319,7 +1289,12 @@ class Planner:
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
         unreached += self.cards[index].others_unreached_bytes
         held = self._idle_worker_bytes(index, ask, busy)
-        return reading.free_bytes + held >= ask.ask_bytes + unreached + self.config.reserve_bytes
+        return live_gate_admits(
+            live_free_bytes=reading.free_bytes + held,
+            ask_bytes=ask.ask_bytes,
+            unreached_bytes=unreached,
+            reserve_bytes=self.config.reserve_bytes,
+        )
 
     def _idle_worker_bytes(self, index: int, ask: Ask, busy: list[_Run]) -> int:
         """What the idle warm worker the task will run in already holds (its context), which
