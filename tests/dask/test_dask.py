@@ -45,6 +45,19 @@ def _hold_task(i: int, size: str = "3GiB", seconds: float = 0.1) -> int:
     return i * i
 
 
+def _hold_together(i: int, size: str, gate: str, together: int) -> int:
+    """Wait (bounded) until ``together`` tasks have started, then hold ``size`` briefly."""
+    from pathlib import Path
+
+    Path(gate, f"started-{i}").touch()
+    deadline = time.monotonic() + 60
+    while len(list(Path(gate).glob("started-*"))) < together and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with gt.hold(size):
+        time.sleep(0.5)
+    return i * i
+
+
 def _fail(message: str) -> None:
     """A task that raises a ValueError."""
     raise ValueError(message)
@@ -157,13 +170,20 @@ def test_a_peak_annotation_prices_the_task_and_an_oversized_one_runs_serially(
     assert asks["huge"]["estimate_bytes"] == 30 * GiB
 
 
-def test_an_oom_retried_in_the_pool_is_invisible_to_dask(cluster: Any) -> None:
+def test_an_oom_retried_in_the_pool_is_invisible_to_dask(cluster: Any, tmp_path: Any) -> None:
     """Under an underestimated peak, a simulated OOM is retried in the pool; Dask sees results."""
     client, addresses = cluster
     before = _reports(client)[0]
+    # Both start before either allocates (staged with files, not delays): 2 x 5 GiB overflow.
     with dask.annotate(executor="gpu", gpupool_peak="1GiB", gpupool_key="underestimated"):
         futures = client.map(
-            _hold_task, [1, 2], size="5GiB", seconds=1.5, workers=[addresses[0]], pure=False
+            _hold_together,
+            [1, 2],
+            size="5GiB",
+            gate=str(tmp_path),
+            together=2,
+            workers=[addresses[0]],
+            pure=False,
         )
     assert _gather(client, futures) == [1, 4]
     after = _reports(client)[0]
