@@ -103,6 +103,10 @@ STOP_WAIT_S = 10.0
 SPAWN_TRIES = 5
 SPAWN_FIRST_WAIT_S = 0.05
 
+#: How long the pool waits for a worker whose initializer raised to exit (it
+#: exits right after saying so) before it reports itself broken.
+INIT_EXIT_WAIT_S = 5.0
+
 _BROKEN_INIT = "A child process terminated abruptly, the process pool is not usable anymore"
 
 _dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
@@ -781,6 +785,10 @@ class Dispatcher:
         item = worker.queue.popleft() if worker.queue else None
         worker.started_s = time.monotonic()
         if kind == "init":
+            # The worker exits right after this answer; wait for it (bounded), so that what
+            # it logged on its way out (through a multiprocessing queue, say) is flushed
+            # before the pool reports itself broken, as the standard pool's order is.
+            worker.process.join(timeout=INIT_EXIT_WAIT_S)
             exc = _load_exception(payload)
             error = BrokenProcessPool(f"{_BROKEN_INIT}: the initializer raised {exc!r}")
             error.__cause__ = exc
@@ -964,7 +972,7 @@ class Dispatcher:
         new = TaskBooking(
             worker_pid=worker_pid,
             key=self.items[start.task].key,
-            booked_bytes=start.ask_bytes,
+            booked_bytes=start.booking_bytes,
             reached_bytes=0,
         )
         others = self.bookings.exchange(device.info.uuid, self.pool_id, (*tasks, new))
