@@ -158,14 +158,16 @@ class PlannerMachine(RuleBasedStateMachine):
             ask = self.planner.ask_of(task)
             busy = [r for r in self.planner.running.values() if r.device == device]
             bound = self.planner.bound(device, ask)
-            assert admits(ask.ask_bytes, [r.booked_bytes for r in busy], bound.room_bytes)
+            booking = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+            assert verdict.booking_bytes == booking <= ask.ask_bytes
+            assert admits(booking, [r.booked_bytes for r in busy], bound.room_bytes)
             assert len(self.planner.running) < self.planner.ceiling.value
             cap = self.planner.cards[device].oom_cap
             assert cap is None or len(busy) < cap
             reading = self.reading(device)
             rows = reading.process_bytes or {}
             unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
-            assert reading.free_bytes >= ask.ask_bytes + unreached + self.config.reserve_bytes
+            assert reading.free_bytes >= booking + unreached + self.config.reserve_bytes
         self.planner.started(task, verdict.device, self.next_pid, self.now_s)
         self.next_pid += 1
 
@@ -263,6 +265,20 @@ class PlannerMachine(RuleBasedStateMachine):
     def no_ask_below_its_pre_oom_value(self) -> None:
         for key, before in self.pre_oom_ask.items():
             assert self.asks.ask(key).ask_bytes >= before
+
+    @invariant()
+    def a_keys_bookings_are_its_price_together(self) -> None:
+        """On every card the running tasks of a key are booked, between them, at the key's
+        price for that many together (K x ask unless its peaks are pooled), never more."""
+        if not hasattr(self, "planner"):
+            return
+        groups: dict[tuple[int, str], list[int]] = {}
+        for run in self.planner.running.values():
+            if run.device is not None:
+                groups.setdefault((run.device, run.key), []).append(run.booked_bytes)
+        for (_, key), booked in groups.items():
+            ask = self.asks.ask(key)
+            assert sum(booked) == ask.together_bytes(len(booked)) <= len(booked) * ask.ask_bytes
 
     @invariant()
     def the_width_is_honest(self) -> None:

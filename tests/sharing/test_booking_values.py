@@ -32,6 +32,7 @@ pools = st.builds(
     label=st.text(max_size=12),
     updated_s=st.floats(0, 2e9, allow_nan=False),
     tasks=st.lists(tasks, max_size=5).map(tuple),
+    waiting=st.integers(0, 10_000),
 )
 
 

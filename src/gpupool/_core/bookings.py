@@ -76,6 +76,8 @@ class PoolBooking:
         label: the pool's program, for people (``train.py``).
         updated_s: when the row was written, in seconds since the epoch.
         tasks: the pool's running tasks on this card.
+        waiting: how many of the pool's tasks wait for room (0: it starts all it has),
+            so that pools sharing the card share it (see :attr:`OtherPools.waiting_pools`).
     """
 
     pool_id: str
@@ -84,6 +86,7 @@ class PoolBooking:
     label: str
     updated_s: float
     tasks: tuple[TaskBooking, ...] = ()
+    waiting: int = 0
 
     @property
     def booked_bytes(self) -> int:
@@ -133,6 +136,16 @@ class OtherPools:
     def tasks(self) -> int:
         """How many tasks the other pools run on the card."""
         return sum(len(pool.tasks) for pool in self.pools)
+
+    @property
+    def waiting_pools(self) -> int:
+        """How many other pools have tasks waiting for room."""
+        return sum(1 for pool in self.pools if pool.waiting)
+
+    @property
+    def active_pools(self) -> int:
+        """How many other pools run a task on the card or have tasks waiting."""
+        return sum(1 for pool in self.pools if pool.waiting or pool.tasks)
 
     @property
     def overrun_bytes(self) -> int:
@@ -225,6 +238,7 @@ def _format_pool(pool: PoolBooking) -> str:
             "start": pool.start,
             "label": pool.label,
             "updated_s": pool.updated_s,
+            "waiting": pool.waiting,
             "tasks": [
                 [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
                 for task in pool.tasks
@@ -296,6 +310,7 @@ def _parse_pool(pool_id: str, row: object) -> PoolBooking:
         label=str(fields.get("label", "")),
         updated_s=float(updated),
         tasks=tuple(tasks),
+        waiting=_count(fields.get("waiting", 0), pool_id, "waiting"),
     )
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from gpupool._core.units import format_size
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gpupool._core.census import CardCensus
 
@@ -39,6 +39,7 @@ __all__ = [
     "decide_widths",
     "derive_bound",
     "derive_ceiling",
+    "fits_together",
     "live_gate_admits",
 ]
 
@@ -79,12 +80,18 @@ class Bound:
     ask_basis: AskBasis
     room_bytes: int | None
     other_pools_bytes: int = 0
+    together_tasks: int | None = None
+    together_bytes: int | None = None
 
     @property
     def tasks_fit(self) -> int | None:
-        """``floor(room / ask)``, at least 0; ``None`` when unreadable."""
+        """``floor(room / ask)``, at least 0; ``None`` when unreadable. For a key whose tasks
+        are priced together (:meth:`Ask.together_bytes`): the most tasks whose price
+        together fits the room (``together_tasks``)."""
         if self.room_bytes is None:
             return None
+        if self.together_tasks is not None:
+            return self.together_tasks
         return max(0, self.room_bytes // self.ask_bytes)
 
     def describe(self) -> str:
@@ -103,6 +110,11 @@ class Bound:
             f"co-tenant - {others}{format_size(self.own_high_water_bytes)} own high-water - "
             f"{format_size(self.reserve_bytes)} reserve) holds {fits} "
             f"task{'s' if fits != 1 else ''} at {format_size(self.ask_bytes)} ({self.ask_basis})"
+            + (
+                f", {format_size(self.together_bytes)} for the {fits} together"
+                if self.together_bytes is not None and fits and fits > 1
+                else ""
+            )
         )
 
 
@@ -319,6 +331,15 @@ def admits(ask_bytes: int, running_asks_bytes: Sequence[int], room_bytes: int | 
     if room_bytes is None:
         return not running_asks_bytes
     return sum(running_asks_bytes) + ask_bytes <= room_bytes
+
+
+def fits_together(together_bytes: Callable[[int], int], room_bytes: int, most: int) -> int:
+    """The most tasks, up to ``most``, whose price together (``together_bytes(k)``, growing
+    with ``k``) fits in ``room_bytes``; 0 when not even one does."""
+    count = 0
+    while count < most and together_bytes(count + 1) <= room_bytes:
+        count += 1
+    return count
 
 
 def live_gate_admits(

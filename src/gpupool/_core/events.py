@@ -89,6 +89,7 @@ EventName = Literal[
     "widen_refused",
     "bound_changed",
     "live_gate_wait",
+    "share_wait",
     "serial_start",
     "out_of_memory",
     "worker_lost",
@@ -107,6 +108,8 @@ EVENTS: Mapping[str, str] = {
     "widen_refused": "a measurement asked for more width than the room holds",
     "bound_changed": "a term of the bound changed (own high-water, an ask) without moving a width",
     "live_gate_wait": "a task was held back: the card's live free bytes did not cover it",
+    "share_wait": "a task was held back: another pool waits for room on a card this pool "
+    "holds more than its share of",
     "serial_start": "a task started although the live gate was shut: nothing else ran",
     "out_of_memory": "a task ran its card out of memory",
     "worker_lost": "a worker process died while running a task",
@@ -211,6 +214,9 @@ class Decision:
                 ask_basis=self.bound.ask_basis,
                 room_bytes=self.bound.room_bytes,
             )
+            if self.bound.together_bytes is not None:
+                out["together_tasks"] = self.bound.together_tasks
+                out["together_bytes"] = self.bound.together_bytes
         if self.ceiling is not None:
             out.update(
                 ceiling=self.ceiling.value,

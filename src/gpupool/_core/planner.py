@@ -37,6 +37,7 @@ opens again is recorded at most once per :data:`GATE_RECORD_INTERVAL_S`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from gpupool._core.bound import (
     decide_widths,
     derive_bound,
     derive_ceiling,
+    fits_together,
     live_gate_admits,
 )
 from gpupool._core.census import CardCensus, Census
@@ -176,6 +178,13 @@ class Start:
     device: int | None
     ask_bytes: int
     past_bound: bool = False
+    booked_bytes: int | None = None
+
+    @property
+    def booking_bytes(self) -> int:
+        """What the start books on its card: its share of its key's price together
+        (:meth:`Ask.next_bytes`), or ``ask_bytes``."""
+        return self.ask_bytes if self.booked_bytes is None else self.booked_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,6 +278,10 @@ class _Card:
     others_held_bytes: int = 0
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
+    # Other pools with tasks waiting for room, and those running or waiting here.
+    others_waiting: int = 0
+    others_active: int = 0
+    share_recorded_s: float | None = None
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
@@ -316,6 +329,7 @@ class Planner:
         self._last_key: str = ""
         self._head_skips = 0
         self._sensor_errors: set[tuple[int, str]] = set()
+        self._now_s = now_s  # the time of the last next_start (for its records)
         self.width = self._width_now()
 
     # -- construction -------------------------------------------------------------------
@@ -430,7 +444,7 @@ class Planner:
     def bound(self, device: int, ask: Ask) -> Bound:
         """``device``'s bound priced at ``ask``, with its own high-water so far."""
         card = self.cards[device]
-        return derive_bound(
+        bound = derive_bound(
             card.census,
             own_high_water_bytes=card.own_high_water_bytes,
             reserve_bytes=self.config.reserve_bytes,
@@ -438,6 +452,12 @@ class Planner:
             ask_basis=ask.basis,
             other_pools_bytes=card.others_bytes,
             other_pools_at_census_bytes=card.others_at_census_bytes,
+        )
+        if not ask.pooled or bound.room_bytes is None:
+            return bound
+        fits = fits_together(ask.together_bytes, bound.room_bytes, self.ceiling.value)
+        return dataclasses.replace(
+            bound, together_tasks=fits, together_bytes=ask.together_bytes(max(1, fits))
         )
 
     def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
@@ -473,6 +493,7 @@ class Planner:
         """A task was submitted (it is pending, at the back of the queue)."""
         if hint_bytes is not None:
             self.asks.hint(key, hint_bytes)  # the width prices it at once
+            self._rebook(key)
         self.tasks[task] = _Task(key=key, hint_bytes=None)
         self.pending.append(task)
         self._last_key = key
@@ -567,6 +588,8 @@ class Planner:
         card.others_held_bytes = held
         card.others_overrun_bytes = overrun
         card.others_since_s = None if tasks == 0 else card.others_since_s or now_s
+        card.others_waiting = others.waiting_pools if others is not None else 0
+        card.others_active = others.active_pools if others is not None else 0
         if census:
             card.others_at_census_bytes = held
             return
@@ -620,7 +643,9 @@ class Planner:
             self.pending.remove(task)
         except ValueError:
             pass
-        ask = self.asks.ask(state.key).ask_bytes if device is not None else 0
+        ask = 0
+        if device is not None:
+            ask = self.asks.ask(state.key).next_bytes(self._same_key(state.key, device))
         run = _Run(key=state.key, device=device, pid=pid, booked_bytes=ask, priced_bytes=ask)
         if device is not None:
             run.own_high_water_bytes = self.cards[device].own_high_water_bytes
@@ -645,6 +670,8 @@ class Planner:
         """``task`` ended with a result or an ordinary error; learn from its peak report."""
         run = self.running.pop(task, None)
         self.tasks.pop(task, None)
+        if run is not None:
+            self._rebook(run.key)
         if run is None or report is None:
             return
         self._learn_rss(report, now_s)
@@ -660,7 +687,7 @@ class Planner:
             return
         before = self.asks.ask(run.key)
         after = self.asks.measure(run.key, report.device_peak_bytes)
-        self._rebook(run.key, after.ask_bytes)
+        self._rebook(run.key)
         self._ask_changed(run.key, before, after, now_s, report)
 
     def lost(
@@ -669,6 +696,8 @@ class Planner:
         """``task``'s worker died: the task failed; its booking is released."""
         run = self.running.pop(task, None)
         state = self.tasks.pop(task, None)
+        if run is not None:
+            self._rebook(run.key)
         key = run.key if run else state.key if state else self._last_key
         self.counts["lost"] += 1
         self.record(
@@ -714,7 +743,7 @@ class Planner:
         if lower > floor:
             floor = lower + self.asks.policy.margin_for(lower)
         after = self.asks.floor(run.key, floor)
-        self._rebook(run.key, after.ask_bytes)
+        self._rebook(run.key)
         others = [r for r in self.running.values() if r.device == device]
         running_then = len(others) + 1
         shared = run.shared or bool(others) or bool(card is not None and card.others_tasks)
@@ -928,11 +957,20 @@ class Planner:
             self.width = self._width_now()
             self._timeline(now_s)
 
-    def _rebook(self, key: str, ask_bytes: int) -> None:
-        """Running tasks of ``key`` may reach its new, larger ask: book them at it."""
+    def _same_key(self, key: str, device: int) -> int:
+        """How many tasks of ``key`` run on ``device``."""
+        return sum(1 for r in self.running.values() if r.device == device and r.key == key)
+
+    def _rebook(self, key: str) -> None:
+        """Book the running tasks of ``key`` at its price now: on each card they hold
+        ``together_bytes(count)`` between them, the oldest at the full ask (a key's ask
+        prices its running tasks as well as its next ones, whichever way it moved)."""
+        ask = self.asks.ask(key)
+        seen: collections.Counter[int] = collections.Counter()
         for run in self.running.values():
-            if run.key == key and run.device is not None and run.booked_bytes < ask_bytes:
-                run.booked_bytes = ask_bytes
+            if run.key == key and run.device is not None:
+                run.booked_bytes = ask.next_bytes(seen[run.device])
+                seen[run.device] += 1
 
     def _ask_changed(
         self, key: str, before: Ask, after: Ask, now_s: float, report: PeakReport
@@ -1070,10 +1108,12 @@ class Planner:
             return self.ceiling.value
         booked = [0] * len(self.cards)
         count = [0] * len(self.cards)
+        same: collections.Counter[tuple[int, str]] = collections.Counter()
         for run in self.running.values():
             if run.device is not None:
                 booked[run.device] += run.booked_bytes
                 count[run.device] += 1
+                same[run.device, run.key] += 1
         total = sum(count)
         asks = [self.asks.ask(self.tasks[t].key) for t in list(self.pending)[:LOOKAHEAD]]
         # What the next submits could add: more of the last key seen.
@@ -1081,19 +1121,27 @@ class Planner:
         for ask in asks:
             if total >= self.ceiling.value:
                 break
-            placed = self._fit(ask.ask_bytes, booked, count)
+            placed = self._fit(ask, booked, count, same)
             if placed is not None:
-                booked[placed] += ask.ask_bytes
+                booked[placed] += ask.next_bytes(same[placed, ask.key])
                 count[placed] += 1
+                same[placed, ask.key] += 1
                 total += 1
         return max(1, min(total, self.ceiling.value))
 
-    def _fit(self, ask_bytes: int, booked: list[int], count: list[int]) -> int | None:
+    def _fit(
+        self,
+        ask: Ask,
+        booked: list[int],
+        count: list[int],
+        same: collections.Counter[tuple[int, str]],
+    ) -> int | None:
         best: int | None = None
         best_left = 0
         for index, card in enumerate(self.cards):
             if card.oom_cap is not None and count[index] >= card.oom_cap:
                 continue
+            ask_bytes = ask.next_bytes(same[index, ask.key])
             room = derive_bound(
                 card.census,
                 own_high_water_bytes=card.own_high_water_bytes,
@@ -1117,7 +1165,6 @@ class Planner:
         beside the other keys' running tasks."""
         out: dict[str, int] = {}
         for key in self._present_keys():
-            ask = self.asks.ask(key).ask_bytes
             if self.config.fixed_width is not None:
                 out[key] = self.config.fixed_width
                 continue
@@ -1134,7 +1181,15 @@ class Planner:
                     if r.device == index and r.key != key
                 )
                 room = self.bound(index, self.asks.ask(key)).room_bytes
-                fits = 1 if room is None else max(0, (room - other_booked) // max(1, ask))
+                fits = (
+                    1
+                    if room is None
+                    else fits_together(
+                        self.asks.ask(key).together_bytes,
+                        room - other_booked,
+                        self.ceiling.value,
+                    )
+                )
                 if card.oom_cap is not None:
                     fits = min(fits, card.oom_cap)
                 total += max(mine, fits)
@@ -1151,9 +1206,18 @@ class Planner:
         ):
             return running
         keys = self._present_keys() or [self._last_key]
-        smallest = min(self.asks.ask(k).ask_bytes for k in keys)
-        bound = self.bound(device, self.asks.ask(keys[0]))
-        fits = 1 if bound.room_bytes is None else max(1, bound.room_bytes // max(1, smallest))
+        room = self.bound(device, self.asks.ask(keys[0])).room_bytes
+        fits = (
+            1
+            if room is None
+            else max(
+                1,
+                *(
+                    fits_together(self.asks.ask(k).together_bytes, room, self.ceiling.value)
+                    for k in keys
+                ),
+            )
+        )
         if card.oom_cap is not None:
             fits = min(fits, card.oom_cap)
         return max(running, min(fits, self.ceiling.value))
@@ -1163,6 +1227,7 @@ class Planner:
     def next_start(self, now_s: float) -> Start | Wait | Fail | None:
         """What to start now: a task and its card, a wait (with why), a failure, or ``None``
         when nothing is pending. :attr:`width` is brought up to date with the work held."""
+        self._now_s = now_s
         verdict = self._next_start(now_s)
         self.width = self._width_now()
         return verdict
@@ -1236,7 +1301,9 @@ class Planner:
                 self._gate_shut(index, ask, busy, now_s)
                 continue
             card.gate_shut_since_s = None
-            return Start(task=task, device=index, ask_bytes=ask.ask_bytes), False
+            booked = ask.next_bytes(self._same_key(ask.key, index))
+            start = Start(task=task, device=index, ask_bytes=ask.ask_bytes, booked_bytes=booked)
+            return start, False
         if state.room_wait_until_s is not None and now_s >= state.room_wait_until_s:
             return self._expired(task, state, ask), gate_shut
         return None, gate_shut
@@ -1248,13 +1315,57 @@ class Planner:
         if card.oom_cap is not None and len(busy) >= card.oom_cap:
             return "no"
         room = self.bound(index, ask).room_bytes
-        if not admits(ask.ask_bytes, [r.booked_bytes for r in busy], room):
+        next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+        if not admits(next_bytes, [r.booked_bytes for r in busy], room):
+            return "no"
+        if not self._within_share(index, next_bytes, busy, room):
             return "no"
         if card.reading_error is not None and busy:
             return "no"
         if not self._live_fits(index, ask, busy):
             return "gate"
         return "yes"
+
+    def _within_share(
+        self, index: int, next_bytes: int, busy: list[_Run], room: int | None
+    ) -> bool:
+        """Pools sharing a card share it: while another pool has tasks waiting for room there,
+        this pool takes no more than an equal share of the room the pools have between them
+        (``(room + other pools' bookings) / pools running or waiting there``). One task of its
+        own always may run; with no other pool waiting, the bound alone decides."""
+        card = self.cards[index]
+        if not card.others_waiting or not busy or room is None:
+            return True
+        share = (room + card.others_bytes) // (1 + card.others_active)
+        mine = sum(r.booked_bytes for r in busy)
+        if mine + next_bytes <= share:
+            return True
+        self.counts["share_waits"] += 1
+        now_s = self._now_s
+        recorded = card.share_recorded_s
+        if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
+            card.share_recorded_s = now_s
+            self.record(
+                self._simple(
+                    "share_wait",
+                    index,
+                    self.asks.ask(busy[-1].key),
+                    f"card {index}: {card.others_waiting} other pool(s) wait for room here, and "
+                    f"this pool's {len(busy)} running task(s) book {format_size(mine)}; one more "
+                    f"({format_size(next_bytes)}) would pass its share {format_size(share)} "
+                    f"(({format_size(room)} room + {format_size(card.others_bytes)} other "
+                    f"pools') / {1 + card.others_active} pools), so it waits",
+                    now_s,
+                    extra={
+                        "share_bytes": share,
+                        "pool_booked_bytes": mine,
+                        "next_bytes": next_bytes,
+                        "other_pools_waiting": card.others_waiting,
+                        "other_pools_active": card.others_active,
+                    },
+                )
+            )
+        return False
 
     def still_admits(self, start: Start) -> bool:
         """After the other pools' bookings were read again in the same step that published
@@ -1291,7 +1402,7 @@ class Planner:
         held = self._idle_worker_bytes(index, ask, busy)
         return live_gate_admits(
             live_free_bytes=reading.free_bytes + held,
-            ask_bytes=ask.ask_bytes,
+            ask_bytes=ask.next_bytes(sum(1 for r in busy if r.key == ask.key)),
             unreached_bytes=unreached,
             reserve_bytes=self.config.reserve_bytes,
         )
@@ -1331,6 +1442,7 @@ class Planner:
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
         unreached += card.others_unreached_bytes
         held = self._idle_worker_bytes(index, ask, busy)
+        next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
         episodes = card.gate_episodes
         card.gate_recorded_s = now_s
         card.gate_episodes = 0
@@ -1341,7 +1453,7 @@ class Planner:
                 ask,
                 f"card {index}: {format_size(reading.free_bytes)} free now (+ "
                 f"{format_size(held)} the idle worker it would run in holds) does not cover "
-                f"{format_size(ask.ask_bytes)} ask + {format_size(unreached)} not yet reached by "
+                f"{format_size(next_bytes)} ask + {format_size(unreached)} not yet reached by "
                 f"{len(busy)} running here and {card.others_tasks} of other pools + "
                 f"{format_size(self.config.reserve_bytes)} reserve; the "
                 f"task waits ({episodes} shut episode{'s' if episodes != 1 else ''} since the "
@@ -1364,7 +1476,7 @@ class Planner:
         state = self.tasks[head]
         if running > 0:
             # Another pool's tasks end without an event here: poll while they hold a card.
-            others = any(card.others_tasks for card in self.cards)
+            others = any(card.others_tasks or card.others_waiting for card in self.cards)
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back",
                 poll_s=LIVE_POLL_S if gate_shut or others else None,

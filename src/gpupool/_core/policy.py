@@ -184,6 +184,38 @@ class Ask:
     samples: int
     spread_bytes: int = 0
     floor_bytes: int = 0
+    mean_bytes: int = 0
+    granule_bytes: int = 0
+    pooled: bool = False
+    capped: bool = False
+
+    def together_bytes(self, count: int) -> int:
+        """What ``count`` tasks of this key running at once are priced at, together.
+
+        ``count x ask`` unless the key is pooled (a learned margin with at least three
+        measurements and no out-of-memory): then the least of ``count x ask`` and
+        ``max(ask + (count - 1) x (mean + granule), count x (mean + granule) + t(n - 1) x s x
+        sqrt(count + count**2 / n))``, the upper 99.9 % prediction bound of the sum of
+        ``count`` new peaks (each with its allocator granule), never below one task at its
+        full ask beside the others at the mean. It grows with every further task.
+        """
+        if count <= 0:
+            return 0
+        if not self.pooled or count == 1:
+            return count * self.ask_bytes
+        each = self.mean_bytes + self.granule_bytes
+        spread = (
+            _t_999(self.samples - 1)
+            * self.spread_bytes
+            * math.sqrt(count + count * count / self.samples)
+        )
+        pooled = math.ceil(count * each + spread)
+        return min(count * self.ask_bytes, max(self.ask_bytes + (count - 1) * each, pooled))
+
+    def next_bytes(self, running: int) -> int:
+        """The price of one more task of this key beside ``running`` of its own on a card:
+        ``together_bytes(running + 1) - together_bytes(running)`` (``ask_bytes`` unpooled)."""
+        return self.together_bytes(running + 1) - self.together_bytes(running)
 
     def describe(self) -> str:
         """The ask in words, e.g. ``"7.02 GiB (measured: 6.02 GiB peak + 1.00 GiB margin)"``."""
@@ -191,11 +223,18 @@ class Ask:
         if self.floor_bytes and self.floor_bytes >= self.ask_bytes:
             floor = f"; held at {format_size(self.floor_bytes)}, its price before an out-of-memory"
         if self.basis == "measured":
+            capped = ", held at the task_peak estimate" if self.capped else ""
+            pooled = ""
+            if self.pooled:
+                pooled = (
+                    f"; tasks together priced from the mean {format_size(self.mean_bytes)} and "
+                    f"spread {format_size(self.spread_bytes)}"
+                )
             return (
                 f"{format_size(self.ask_bytes)} (measured: "
                 f"{format_size(self.measured_peak_bytes)} peak over {self.samples} "
                 f"task{'s' if self.samples != 1 else ''} + {format_size(self.margin_bytes)} "
-                f"margin{floor})"
+                f"margin{capped}{floor}{pooled})"
             )
         return f"{format_size(self.ask_bytes)} (estimated: task_peak{floor})"
 
@@ -302,6 +341,17 @@ class AskTable:
             )
         else:
             margin = prior
+        capped = False
+        granule = self.policy.margin_floor_bytes if self.policy.learned else 0
+        if (
+            self.policy.learned
+            and estimate >= state.peak_bytes + granule
+            and state.peak_bytes + margin > estimate
+        ):
+            # No measurement has passed the caller's estimate: the spread of a few
+            # samples does not price the key above what the caller vouched for.
+            margin = estimate - state.peak_bytes
+            capped = True
         return Ask(
             key=key,
             ask_bytes=max(1, state.peak_bytes + margin, state.floor_bytes),
@@ -312,6 +362,14 @@ class AskTable:
             samples=state.samples,
             spread_bytes=round(stdev),
             floor_bytes=state.floor_bytes,
+            mean_bytes=round(state.mean_bytes),
+            granule_bytes=granule,
+            pooled=(
+                self.policy.learned
+                and state.samples >= _SPREAD_FROM_SAMPLES
+                and state.floor_bytes == 0
+            ),
+            capped=capped,
         )
 
     def keys(self) -> tuple[str, ...]:

@@ -283,7 +283,7 @@ class Dispatcher:
         # pool last published per device (an unchanged booking is not rewritten).
         self.bookings = bookings
         self.pool_id = pool_id
-        self.published: dict[int, tuple[TaskBooking, ...]] = {}
+        self.published: dict[int, tuple[tuple[TaskBooking, ...], bool]] = {}
         self.others_seen: dict[int, bool] = {}
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
@@ -572,6 +572,7 @@ class Dispatcher:
             if verdict is None:
                 return None
             if isinstance(verdict, Wait):
+                self._publish_waiting()
                 return verdict.poll_s
             item = self.items[verdict.task]
             if isinstance(verdict, Fail):
@@ -975,7 +976,8 @@ class Dispatcher:
             booked_bytes=start.booking_bytes,
             reached_bytes=0,
         )
-        others = self.bookings.exchange(device.info.uuid, self.pool_id, (*tasks, new))
+        waiting = max(0, len(self.planner.pending) - 1)
+        others = self.bookings.exchange(device.info.uuid, self.pool_id, (*tasks, new), waiting)
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
         if self.planner.still_admits(start):
@@ -983,6 +985,17 @@ class Dispatcher:
         self.published.pop(start.device, None)
         self._publish_bookings(device)
         return False
+
+    def _publish_waiting(self) -> None:
+        """Tasks wait for room: say so on every card where other pools are (once per change),
+        so that a pool holding more than its share of a card stops taking more."""
+        if self.bookings is None:
+            return
+        for device in self.devices:
+            published = self.published.get(device.index)
+            if not self.others_seen.get(device.index) or (published and published[1]):
+                continue
+            self._publish_bookings(device)
 
     def _publish_bookings(self, device: DeviceState | None) -> None:
         """Tell the host's other pools what this pool has booked on ``device``, and hear theirs.
@@ -1021,10 +1034,11 @@ class Dispatcher:
             for run in runs
             if run.pid is not None
         )
-        if tasks == self.published.get(device.index) and not seen:
+        waiting = len(self.planner.pending)
+        if (tasks, waiting > 0) == self.published.get(device.index) and not seen:
             return  # the same booking, and no one to tell
-        self.published[device.index] = tasks
-        others = table.exchange(device.info.uuid, self.pool_id, tasks)
+        self.published[device.index] = (tasks, waiting > 0)
+        others = table.exchange(device.info.uuid, self.pool_id, tasks, waiting)
         self.others_seen[device.index] = bool(others is not None and others.pools)
         self.planner.observe_others(device.index, others, self.now())
 

@@ -234,9 +234,10 @@ class BookingTable:
         return self._apply(card_uuid, change)
 
     def exchange(
-        self, card_uuid: str, pool_id: str, tasks: Sequence[TaskBooking]
+        self, card_uuid: str, pool_id: str, tasks: Sequence[TaskBooking], waiting: int = 0
     ) -> OtherPools | None:
-        """Publish ``pool_id``'s ``tasks`` and read the other pools' rows, in one locked step."""
+        """Publish ``pool_id``'s ``tasks`` (and how many of its tasks wait for room) and read
+        the other pools' rows, in one locked step."""
         booked = tuple(tasks)
 
         def change(pools: dict[str, PoolBooking]) -> OtherPools:
@@ -247,6 +248,7 @@ class BookingTable:
                 label=self._label,
                 updated_s=time.time(),
                 tasks=booked,
+                waiting=waiting,
             )
             return _others(card_uuid, pools, pool_id)
 
