@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import sharing_tasks
+
+import gpupool.testing as gt
+from gpupool import GpuPoolExecutor
 from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
 from gpupool._core.planner import Planner, PlannerConfig, Start, Wait
 from gpupool._core.units import GiB
-from support import card_census, census_of
+from gpupool._sensors.bookings import BookingTable
+from support import card_census, census_of, wait_for
+
+#: A safety net so that a broken test fails instead of hanging; never asserted on.
+PATIENCE_S = 120.0
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -50,7 +60,7 @@ def _start_all(planner: Planner, now_s: float) -> list[Start]:
     return started
 
 
-def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_none_does():
+def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_none_does() -> None:
     """Another pool runs one task and waits with more: this pool starts three (its share of
     (33.5 + 6.5) GiB between two pools is 20 GiB), records why, and takes the free room
     once the other pool waits no more."""
@@ -75,7 +85,7 @@ def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_n
     assert len(_start_all(planner, 0.2)) == 2
 
 
-def test_a_pool_without_a_running_task_may_always_start_one():
+def test_a_pool_without_a_running_task_may_always_start_one() -> None:
     """The share never stops a pool's first task on a card (each pool makes progress)."""
     records: list[Decision] = []
     planner = _planner(records)
@@ -87,7 +97,7 @@ def test_a_pool_without_a_running_task_may_always_start_one():
     assert not [r for r in records if r.event == "share_wait"]
 
 
-def test_with_no_other_pool_waiting_the_share_does_not_bind():
+def test_with_no_other_pool_waiting_the_share_does_not_bind() -> None:
     """Another pool runs two tasks and waits for none: this pool takes what the bound admits."""
     records: list[Decision] = []
     planner = _planner(records)
@@ -96,3 +106,88 @@ def test_with_no_other_pool_waiting_the_share_does_not_bind():
     planner.observe_others(0, _other(tasks=2, waiting=0), 0.0)
     assert len(_start_all(planner, 0.0)) == 4  # (40 - 13) // 6.5
     assert not [r for r in records if r.event == "share_wait"]
+
+
+def test_a_ceiling_or_a_fixed_width_is_not_waiting_for_room() -> None:
+    """A pool held back by its own max_workers tells other pools nothing is waiting for room."""
+    records: list[Decision] = []
+    planner = _planner(records)
+    for task in range(8):
+        planner.submit(task, "k")
+    assert len(_start_all(planner, 0.0)) == 6  # the bound and max_workers agree: 6
+    wait = planner.next_start(0.1)
+    assert isinstance(wait, Wait) and not wait.for_room
+
+
+def test_the_share_rounds_to_the_nearest_task() -> None:
+    """Two pools of 8 GiB tasks on 40 GiB, both waiting: the share is 20 GiB. Stopping at
+    two tasks each (16 GiB) would leave 8 GiB idle; a start is admitted while the middle of
+    its booking is within the share, so this pool takes a third and the card holds five."""
+    census = census_of(
+        [card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)],
+        cpus=8,
+        available_ram_bytes=64 * GiB,
+    )
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=8 * GiB)
+    config = PlannerConfig(max_workers=6, reserve_bytes=0, parent_pid=1)
+    records: list[Decision] = []
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    for task in range(6):
+        planner.submit(task, "k")
+    row = PoolBooking(
+        pool_id="9.1",
+        pid=9,
+        start="s",
+        label="other.py",
+        updated_s=0.0,
+        tasks=tuple(
+            TaskBooking(worker_pid=900 + i, key="k", booked_bytes=8 * GiB, reached_bytes=0)
+            for i in range(2)
+        ),
+        waiting=4,
+    )
+    planner.observe_others(0, OtherPools(card_uuid=UUID, pools=(row,)), 0.0)
+    assert len(_start_all(planner, 0.0)) == 3
+
+
+def test_a_pool_tells_the_table_while_its_tasks_wait_for_room_and_stops_when_they_start(
+    tmp_path: Path,
+) -> None:
+    """Real pools on one simulated card. Pool A holds 3 x 12 GiB; pool B's three 12 GiB tasks
+    find no room, and B's row says 3 wait. Once A's tasks end, B runs one (its max_workers)
+    and its row says none waits for room: B's own ceiling holds the other two."""
+    gate_a, gate_b = str(tmp_path / "a"), str(tmp_path / "b")
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")], cpus=8, host_ram="64GiB") as host:
+        table = BookingTable(host.bookings_directory)
+        uuid = host.device_uuid(0)
+
+        def rows() -> tuple[PoolBooking, ...]:
+            seen = table.others(uuid)
+            assert seen is not None
+            return seen.pools
+
+        with (
+            GpuPoolExecutor(4, task_peak="12GiB") as a,
+            GpuPoolExecutor(1, task_peak="12GiB") as b,
+        ):
+            a_futures = [a.submit(sharing_tasks.hold_until, i, "11GiB", gate_a) for i in range(3)]
+            wait_for(lambda: any(len(p.tasks) == 3 for p in rows()), what="pool A's 3 tasks booked")
+            a_id = next(p.pool_id for p in rows() if len(p.tasks) == 3)
+
+            def b_row() -> PoolBooking | None:
+                return next((p for p in rows() if p.pool_id != a_id), None)
+
+            b_futures = [b.submit(sharing_tasks.hold_until, i, "11GiB", gate_b) for i in range(3)]
+            wait_for(
+                lambda: (row := b_row()) is not None and row.waiting == 3 and not row.tasks,
+                what="pool B's row saying three tasks wait for room",
+            )
+            Path(gate_a).touch()
+            assert [f.result(timeout=PATIENCE_S) for f in a_futures] == [0, 1, 2]
+            wait_for(
+                lambda: (row := b_row()) is not None and len(row.tasks) == 1 and row.waiting == 0,
+                what="pool B running one task, its row saying none waits for room",
+            )
+            Path(gate_b).touch()
+            assert [f.result(timeout=PATIENCE_S) for f in b_futures] == [0, 1, 2]

@@ -189,10 +189,14 @@ class Start:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Wait:
-    """Start nothing now; ask again after ``poll_s`` (``None``: after the next event)."""
+    """Start nothing now; ask again after ``poll_s`` (``None``: after the next event).
+
+    ``for_room``: the pending tasks wait for room on a card (what other pools on it are
+    told); ``False`` when the pool's own ceiling or fixed width holds them."""
 
     reason: str
     poll_s: float | None = None
+    for_room: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1237,7 +1241,10 @@ class Planner:
             return None
         running = len(self.running)
         if running >= self.ceiling.value:
-            return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
+            return Wait(
+                reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}",
+                for_room=False,
+            )
         head = self.pending[0]
         gate_shut = False
         considered: set[str] = set()
@@ -1331,15 +1338,18 @@ class Planner:
     ) -> bool:
         """Pools sharing a card share it: while another pool has tasks waiting for room there,
         this pool takes no more than an equal share of the room the pools have between them
-        (``(room + other pools' bookings) / pools running or waiting there``). One task of its
-        own always may run; with no other pool waiting, the bound alone decides."""
+        (``(room + other pools' bookings) / pools running or waiting there``), rounded to
+        the nearest task: a start is admitted while the middle of its booking is within the
+        share, so two pools that each stop just short of it do not leave a task's room idle.
+        One task of its own always may run; with no other pool waiting, the bound alone
+        decides."""
         card = self.cards[index]
         if not card.others_waiting or not busy or room is None:
             return True
         share = (room + card.others_bytes) // (1 + card.others_active)
         mine = sum(r.booked_bytes for r in busy)
-        if mine + next_bytes <= share:
-            return True
+        if mine + next_bytes // 2 <= share:
+            return True  # its share, rounded to the nearest task
         self.counts["share_waits"] += 1
         now_s = self._now_s
         recorded = card.share_recorded_s
@@ -1409,8 +1419,9 @@ class Planner:
 
     def _idle_worker_bytes(self, index: int, ask: Ask, busy: list[_Run]) -> int:
         """What the idle warm worker the task will run in already holds (its context), which
-        its ask counts too: the least row of the card's idle workers, at most the ask; 0 when
-        none is idle or rows are not listed (a fresh worker holds nothing yet)."""
+        its booking counts too: the least row of the card's idle workers, at most the
+        booking; 0 when none is idle or rows are not listed (a fresh worker holds nothing
+        yet)."""
         card = self.cards[index]
         reading = card.reading
         if reading is None or reading.process_bytes is None or not card.worker_pids:
@@ -1423,7 +1434,8 @@ class Planner:
         ]
         if not idle:
             return 0
-        return max(0, min(ask.ask_bytes, *idle))
+        next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+        return max(0, min(next_bytes, *idle))
 
     def _gate_shut(self, index: int, ask: Ask, busy: list[_Run], now_s: float) -> None:
         card = self.cards[index]
@@ -1480,6 +1492,7 @@ class Planner:
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back",
                 poll_s=LIVE_POLL_S if gate_shut or others else None,
+                for_room=self.config.fixed_width is None,
             )
         # Nothing of the pool runs anywhere.
         ask = self.ask_of(head)
