@@ -114,9 +114,11 @@ def test_a_ceiling_or_a_fixed_width_is_not_waiting_for_room() -> None:
     planner = _planner(records)
     for task in range(8):
         planner.submit(task, "k")
+    assert planner.waiting_count() == 6
+    assert planner.waiting_count(starting=True) == 5
     assert len(_start_all(planner, 0.0)) == 6  # the bound and max_workers agree: 6
-    wait = planner.next_start(0.1)
-    assert isinstance(wait, Wait) and not wait.for_room
+    assert isinstance(planner.next_start(0.1), Wait)
+    assert len(planner.pending) == 2 and planner.waiting_count() == 0
 
 
 def test_the_share_rounds_to_the_nearest_task() -> None:
@@ -154,10 +156,11 @@ def test_the_share_rounds_to_the_nearest_task() -> None:
 def test_a_pool_tells_the_table_while_its_tasks_wait_for_room_and_stops_when_they_start(
     tmp_path: Path,
 ) -> None:
-    """Real pools on one simulated card. Pool A holds 3 x 12 GiB; pool B's three 12 GiB tasks
-    find no room, and B's row says 3 wait. Once A's tasks end, B runs one (its max_workers)
-    and its row says none waits for room: B's own ceiling holds the other two."""
-    gate_a, gate_b = str(tmp_path / "a"), str(tmp_path / "b")
+    """Real pools on one simulated card. Pool A holds 3 x 12 GiB; pool B (max_workers=2)
+    finds no room for its three 12 GiB tasks, and its row says 2 wait (what its own
+    ceiling would let start). Once A's tasks end, B runs two and its row says none waits:
+    its ceiling holds the third, not the room."""
+    gate_a, gate_b = tmp_path / "a", tmp_path / "b"
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")], cpus=8, host_ram="64GiB") as host:
         table = BookingTable(host.bookings_directory)
         uuid = host.device_uuid(0)
@@ -169,25 +172,38 @@ def test_a_pool_tells_the_table_while_its_tasks_wait_for_room_and_stops_when_the
 
         with (
             GpuPoolExecutor(4, task_peak="12GiB") as a,
-            GpuPoolExecutor(1, task_peak="12GiB") as b,
+            GpuPoolExecutor(2, task_peak="12GiB") as b,
         ):
-            a_futures = [a.submit(sharing_tasks.hold_until, i, "11GiB", gate_a) for i in range(3)]
-            wait_for(lambda: any(len(p.tasks) == 3 for p in rows()), what="pool A's 3 tasks booked")
-            a_id = next(p.pool_id for p in rows() if len(p.tasks) == 3)
+            try:
+                a_futures = [
+                    a.submit(sharing_tasks.hold_until, i, "11GiB", str(gate_a)) for i in range(3)
+                ]
+                wait_for(
+                    lambda: any(len(p.tasks) == 3 for p in rows()),
+                    what="pool A's 3 tasks booked",
+                )
+                a_id = next(p.pool_id for p in rows() if len(p.tasks) == 3)
 
-            def b_row() -> PoolBooking | None:
-                return next((p for p in rows() if p.pool_id != a_id), None)
+                def b_row() -> PoolBooking | None:
+                    return next((p for p in rows() if p.pool_id != a_id), None)
 
-            b_futures = [b.submit(sharing_tasks.hold_until, i, "11GiB", gate_b) for i in range(3)]
-            wait_for(
-                lambda: (row := b_row()) is not None and row.waiting == 3 and not row.tasks,
-                what="pool B's row saying three tasks wait for room",
-            )
-            Path(gate_a).touch()
-            assert [f.result(timeout=PATIENCE_S) for f in a_futures] == [0, 1, 2]
-            wait_for(
-                lambda: (row := b_row()) is not None and len(row.tasks) == 1 and row.waiting == 0,
-                what="pool B running one task, its row saying none waits for room",
-            )
-            Path(gate_b).touch()
-            assert [f.result(timeout=PATIENCE_S) for f in b_futures] == [0, 1, 2]
+                b_futures = [
+                    b.submit(sharing_tasks.hold_until, i, "11GiB", str(gate_b)) for i in range(3)
+                ]
+                wait_for(
+                    lambda: (row := b_row()) is not None and row.waiting == 2 and not row.tasks,
+                    what="pool B's row saying two tasks wait for room",
+                )
+                gate_a.touch()
+                assert [f.result(timeout=PATIENCE_S) for f in a_futures] == [0, 1, 2]
+                wait_for(
+                    lambda: (
+                        (row := b_row()) is not None and len(row.tasks) == 2 and row.waiting == 0
+                    ),
+                    what="pool B running two tasks, its row saying none waits for room",
+                )
+                gate_b.touch()
+                assert [f.result(timeout=PATIENCE_S) for f in b_futures] == [0, 1, 2]
+            finally:
+                gate_a.touch()
+                gate_b.touch()

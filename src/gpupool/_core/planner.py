@@ -189,14 +189,10 @@ class Start:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Wait:
-    """Start nothing now; ask again after ``poll_s`` (``None``: after the next event).
-
-    ``for_room``: the pending tasks wait for room on a card (what other pools on it are
-    told); ``False`` when the pool's own ceiling or fixed width holds them."""
+    """Start nothing now; ask again after ``poll_s`` (``None``: after the next event)."""
 
     reason: str
     poll_s: float | None = None
-    for_room: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -510,6 +506,14 @@ class Planner:
             except ValueError:
                 pass
             del self.tasks[task]
+
+    def waiting_count(self, *, starting: bool = False) -> int:
+        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
+        what other pools on its cards are told waits for room. ``starting``: one pending
+        task is being started (it counts as running)."""
+        pending = len(self.pending) - starting
+        running = len(self.running) + starting
+        return max(0, min(pending, self.ceiling.value - running))
 
     def waiting_for_room(self) -> tuple[TaskId, ...]:
         """Pending tasks that ran out of memory alone and wait for others to free the room."""
@@ -1241,10 +1245,7 @@ class Planner:
             return None
         running = len(self.running)
         if running >= self.ceiling.value:
-            return Wait(
-                reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}",
-                for_room=False,
-            )
+            return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
         head = self.pending[0]
         gate_shut = False
         considered: set[str] = set()
@@ -1492,7 +1493,6 @@ class Planner:
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back",
                 poll_s=LIVE_POLL_S if gate_shut or others else None,
-                for_room=self.config.fixed_width is None,
             )
         # Nothing of the pool runs anywhere.
         ask = self.ask_of(head)

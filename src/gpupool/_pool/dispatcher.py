@@ -285,8 +285,6 @@ class Dispatcher:
         self.pool_id = pool_id
         self.published: dict[int, tuple[tuple[TaskBooking, ...], bool]] = {}
         self.others_seen: dict[int, bool] = {}
-        # The last verdict said the pending tasks wait for room (told to other pools).
-        self.room_waiting = False
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
@@ -572,11 +570,9 @@ class Dispatcher:
                 read = True
             verdict = self.planner.next_start(self.now())
             if verdict is None:
-                self.room_waiting = False
                 self._publish_waiting()
                 return None
             if isinstance(verdict, Wait):
-                self.room_waiting = verdict.for_room
                 self._publish_waiting()
                 return verdict.poll_s
             item = self.items[verdict.task]
@@ -981,7 +977,7 @@ class Dispatcher:
             booked_bytes=start.booking_bytes,
             reached_bytes=0,
         )
-        waiting = max(0, len(self.planner.pending) - 1) if self.room_waiting else 0
+        waiting = self.planner.waiting_count(starting=True)
         others = self.bookings.exchange(device.info.uuid, self.pool_id, (*tasks, new), waiting)
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
@@ -991,17 +987,13 @@ class Dispatcher:
         self._publish_bookings(device)
         return False
 
-    def _waiting(self) -> int:
-        """How many tasks wait for room (0 while the pool's own ceiling holds them)."""
-        return len(self.planner.pending) if self.room_waiting else 0
-
     def _publish_waiting(self) -> None:
         """Whether tasks wait for room, told on every card where other pools are, once per
         change either way: a pool holding more than its share of a card takes no more while
         another waits, and takes the room again once none does."""
         if self.bookings is None:
             return
-        waiting = self._waiting() > 0
+        waiting = self.planner.waiting_count() > 0
         for device in self.devices:
             published = self.published.get(device.index)
             if not self.others_seen.get(device.index):
@@ -1047,7 +1039,7 @@ class Dispatcher:
             for run in runs
             if run.pid is not None
         )
-        waiting = self._waiting()
+        waiting = self.planner.waiting_count()
         if (tasks, waiting > 0) == self.published.get(device.index) and not seen:
             return  # the same booking, and no one to tell
         self.published[device.index] = (tasks, waiting > 0)
