@@ -78,6 +78,8 @@ class PoolBooking:
         tasks: the pool's running tasks on this card.
         waiting: how many of the pool's tasks wait for room (0: it starts all it has),
             so that pools sharing the card share it (see :attr:`OtherPools.waiting_pools`).
+        need_bytes: the ask of the first of them (0 when none waits): the room the pool
+            needs to start its next task.
     """
 
     pool_id: str
@@ -87,6 +89,7 @@ class PoolBooking:
     updated_s: float
     tasks: tuple[TaskBooking, ...] = ()
     waiting: int = 0
+    need_bytes: int = 0
 
     @property
     def booked_bytes(self) -> int:
@@ -239,6 +242,7 @@ def _format_pool(pool: PoolBooking) -> str:
             "label": pool.label,
             "updated_s": pool.updated_s,
             "waiting": pool.waiting,
+            "need_bytes": pool.need_bytes,
             "tasks": [
                 [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
                 for task in pool.tasks
@@ -311,6 +315,7 @@ def _parse_pool(pool_id: str, row: object) -> PoolBooking:
         updated_s=float(updated),
         tasks=tuple(tasks),
         waiting=_count(fields.get("waiting", 0), pool_id, "waiting"),
+        need_bytes=_count(fields.get("need_bytes", 0), pool_id, "need_bytes"),
     )
 
 

@@ -86,7 +86,7 @@ class Bound:
     @property
     def tasks_fit(self) -> int | None:
         """``floor(room / ask)``, at least 0; ``None`` when unreadable. For a key whose tasks
-        are priced together (:meth:`Ask.together_bytes`): the most tasks whose price
+        are priced together (``Ask.together_bytes``): the most tasks whose price
         together fits the room (``together_tasks``)."""
         if self.room_bytes is None:
             return None

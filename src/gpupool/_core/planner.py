@@ -513,7 +513,22 @@ class Planner:
         task is being started (it counts as running)."""
         pending = len(self.pending) - starting
         running = len(self.running) + starting
-        return max(0, min(pending, self.ceiling.value - running))
+        count = min(pending, self.ceiling.value - running)
+        if self.cards and all(card.oom_cap is not None for card in self.cards):
+            # Every card runs at most its out-of-memory cap: no more can start than those.
+            free = sum(
+                max(0, (card.oom_cap or 0) - sum(1 for r in self.running.values() if r.device == i))
+                for i, card in enumerate(self.cards)
+            )
+            count = min(count, free - starting)
+        return max(0, count)
+
+    def need_bytes(self, *, starting: bool = False) -> int:
+        """The ask of the first pending task that waits for room (0 when none does): the room
+        other pools are told this pool needs for its next task."""
+        if self.waiting_count(starting=starting) == 0 or len(self.pending) <= starting:
+            return 0
+        return self.asks.ask(self.tasks[self.pending[int(starting)]].key).ask_bytes
 
     def waiting_for_room(self) -> tuple[TaskId, ...]:
         """Pending tasks that ran out of memory alone and wait for others to free the room."""
@@ -674,8 +689,14 @@ class Planner:
             state.room_wait_until_s = None
         self._last_key = state.key
 
-    def finished(self, task: TaskId, report: PeakReport | None, now_s: float) -> None:
-        """``task`` ended with a result or an ordinary error; learn from its peak report."""
+    def finished(
+        self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool = False
+    ) -> None:
+        """``task`` ended with a result or an ordinary error; learn from its peak report.
+
+        A task that raised (``failed``) is no sample of its key's peaks: it may have stopped
+        before allocating what the work needs. Its peak only raises the key's ask, where it
+        passed it (as an out-of-memory's does)."""
         run = self.running.pop(task, None)
         self.tasks.pop(task, None)
         if run is not None:
@@ -694,7 +715,13 @@ class Planner:
             )
             return
         before = self.asks.ask(run.key)
-        after = self.asks.measure(run.key, report.device_peak_bytes)
+        if failed:
+            peak = report.device_peak_bytes
+            if peak <= before.ask_bytes:
+                return
+            after = self.asks.floor(run.key, peak + self.asks.policy.margin_for(peak))
+        else:
+            after = self.asks.measure(run.key, report.device_peak_bytes)
         self._rebook(run.key)
         self._ask_changed(run.key, before, after, now_s, report)
 
@@ -808,6 +835,14 @@ class Planner:
                     f"it stayed within its ask ({format_size(run.priced_bytes)}), so something "
                     f"else on the card grew; at most {card.oom_cap} at once there from now on"
                 )
+                if before.pooled:
+                    why = (
+                        f"it stayed within {run.key}'s ask, but {run.key}'s tasks were priced "
+                        "together (their peaks counted on not coinciding): either they, or "
+                        f"something else on the card, grew past that; {run.key} is priced "
+                        f"{format_size(after.ask_bytes)} per task from now on, and at most "
+                        f"{card.oom_cap} run at once there"
+                    )
             outcome = self._retry(task, why)
         elif held:
             if state.room_wait_until_s is None:
@@ -1337,40 +1372,71 @@ class Planner:
     def _within_share(
         self, index: int, next_bytes: int, busy: list[_Run], room: int | None
     ) -> bool:
-        """Pools sharing a card share it: while another pool has tasks waiting for room there,
-        this pool takes no more than an equal share of the room the pools have between them
-        (``(room + other pools' bookings) / pools running or waiting there``), rounded to
-        the nearest task: a start is admitted while the middle of its booking is within the
-        share, so two pools that each stop just short of it do not leave a task's room idle.
+        """Pools sharing a card share it. While another pool has tasks waiting for room there,
+        a start must keep two rules:
+
+        * its share: this pool takes no more than an equal share of the room the pools have
+          between them (``(room + other pools' bookings) / pools running or waiting there``),
+          rounded to the nearest task (a start is admitted while the middle of its booking
+          is within the share, so two pools that each stop just short of it do not leave a
+          task's room idle);
+        * the room it owes: a waiting pool that holds less than this pool and less than its
+          share is owed the room for its next task (its ``need_bytes``), so this start must
+          leave that much free; a task larger than a share waits for the others to shrink,
+          not forever.
+
         One task of its own always may run; with no other pool waiting, the bound alone
         decides."""
         card = self.cards[index]
-        if not card.others_waiting or not busy or room is None:
+        if not card.others_waiting or not busy or room is None or card.others is None:
             return True
         share = (room + card.others_bytes) // (1 + card.others_active)
         mine = sum(r.booked_bytes for r in busy)
-        if mine + next_bytes // 2 <= share:
-            return True  # its share, rounded to the nearest task
+        pools_room = room + card.others_bytes + mine
+        owed = max(
+            (
+                pool.need_bytes
+                for pool in card.others.pools
+                if pool.waiting
+                and pool.booked_bytes < mine
+                and pool.booked_bytes < share
+                and pool.need_bytes <= pools_room
+            ),
+            default=0,
+        )
+        left = room - mine - next_bytes
+        within = mine + next_bytes // 2 <= share
+        if within and left >= owed:
+            return True
         self.counts["share_waits"] += 1
         now_s = self._now_s
         recorded = card.share_recorded_s
         if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
             card.share_recorded_s = now_s
+            why = (
+                f"one more ({format_size(next_bytes)}) would pass its share "
+                f"{format_size(share)} (({format_size(room)} room + "
+                f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} "
+                "pools)"
+                if not within
+                else f"one more ({format_size(next_bytes)}) would leave {format_size(left)}, "
+                f"less than the {format_size(owed)} a waiting pool below its share "
+                f"({format_size(share)}) needs for its next task"
+            )
             self.record(
                 self._simple(
                     "share_wait",
                     index,
                     self.asks.ask(busy[-1].key),
                     f"card {index}: {card.others_waiting} other pool(s) wait for room here, and "
-                    f"this pool's {len(busy)} running task(s) book {format_size(mine)}; one more "
-                    f"({format_size(next_bytes)}) would pass its share {format_size(share)} "
-                    f"(({format_size(room)} room + {format_size(card.others_bytes)} other "
-                    f"pools') / {1 + card.others_active} pools), so it waits",
+                    f"this pool's {len(busy)} running task(s) book {format_size(mine)}; {why}, "
+                    "so it waits",
                     now_s,
                     extra={
                         "share_bytes": share,
                         "pool_booked_bytes": mine,
                         "next_bytes": next_bytes,
+                        "owed_bytes": owed,
                         "other_pools_waiting": card.others_waiting,
                         "other_pools_active": card.others_active,
                     },

@@ -814,7 +814,7 @@ class Dispatcher:
         else:
             # The task never ran when it could not be unpickled: nothing to learn.
             self._settle(item)
-            self.planner.finished(item.task_id, report, self.now())
+            self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
             self._check_refusal()
         if worker.device is not None:
             self._publish_bookings(self.devices[worker.device])
@@ -978,7 +978,10 @@ class Dispatcher:
             reached_bytes=0,
         )
         waiting = self.planner.waiting_count(starting=True)
-        others = self.bookings.exchange(device.info.uuid, self.pool_id, (*tasks, new), waiting)
+        need = self.planner.need_bytes(starting=True)
+        others = self.bookings.exchange(
+            device.info.uuid, self.pool_id, (*tasks, new), waiting, need
+        )
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
         if self.planner.still_admits(start):
@@ -1043,7 +1046,9 @@ class Dispatcher:
         if (tasks, waiting > 0) == self.published.get(device.index) and not seen:
             return  # the same booking, and no one to tell
         self.published[device.index] = (tasks, waiting > 0)
-        others = table.exchange(device.info.uuid, self.pool_id, tasks, waiting)
+        others = table.exchange(
+            device.info.uuid, self.pool_id, tasks, waiting, self.planner.need_bytes()
+        )
         self.others_seen[device.index] = bool(others is not None and others.pools)
         self.planner.observe_others(device.index, others, self.now())
 

@@ -234,10 +234,15 @@ class BookingTable:
         return self._apply(card_uuid, change)
 
     def exchange(
-        self, card_uuid: str, pool_id: str, tasks: Sequence[TaskBooking], waiting: int = 0
+        self,
+        card_uuid: str,
+        pool_id: str,
+        tasks: Sequence[TaskBooking],
+        waiting: int = 0,
+        need_bytes: int = 0,
     ) -> OtherPools | None:
-        """Publish ``pool_id``'s ``tasks`` (and how many of its tasks wait for room) and read
-        the other pools' rows, in one locked step."""
+        """Publish ``pool_id``'s ``tasks`` (and how many of its tasks wait for room, and the
+        first one's ask) and read the other pools' rows, in one locked step."""
         booked = tuple(tasks)
 
         def change(pools: dict[str, PoolBooking]) -> OtherPools:
@@ -249,6 +254,7 @@ class BookingTable:
                 updated_s=time.time(),
                 tasks=booked,
                 waiting=waiting,
+                need_bytes=need_bytes if waiting else 0,
             )
             return _others(card_uuid, pools, pool_id)
 

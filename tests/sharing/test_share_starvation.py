@@ -1,0 +1,130 @@
+"""The fair share between pools never starves one: two planners read each other's rows."""
+
+from __future__ import annotations
+
+from gpupool._core import AskTable, Policy
+from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
+from gpupool._core.events import Decision
+from gpupool._core.peak import PeakReport
+from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.units import GiB
+from support import card_census, census_of
+
+UUID = "GPU-00000000-1111-2222-3333-444444444444"
+
+
+def _planner(estimate: int, max_workers: int, pid: int) -> Planner:
+    census = census_of(
+        [card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)],
+        cpus=16,
+        available_ram_bytes=128 * GiB,
+    )
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=estimate)
+    config = PlannerConfig(max_workers=max_workers, reserve_bytes=0, parent_pid=pid)
+    records: list[Decision] = []
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    return planner
+
+
+def _row(planner: Planner, pid: int) -> OtherPools:
+    row = PoolBooking(
+        pool_id=f"{pid}.1",
+        pid=pid,
+        start="s",
+        label=f"pool{pid}",
+        updated_s=0.0,
+        tasks=tuple(
+            TaskBooking(
+                worker_pid=r.pid or 0, key=r.key, booked_bytes=r.booked_bytes, reached_bytes=0
+            )
+            for r in planner.running.values()
+        ),
+        waiting=planner.waiting_count(),
+        need_bytes=planner.need_bytes(),
+    )
+    return OtherPools(card_uuid=UUID, pools=(row,))
+
+
+def _start_all(planner: Planner, now_s: float, pid_base: int) -> int:
+    n = 0
+    while isinstance(verdict := planner.next_start(now_s), Start):
+        planner.started(verdict.task, verdict.device, pid_base + verdict.task, now_s)
+        n += 1
+    return n
+
+
+def _exchange(a: Planner, b: Planner, now_s: float) -> None:
+    a.observe_others(0, _row(b, 2), now_s)
+    b.observe_others(0, _row(a, 1), now_s)
+
+
+def _starved(a_task: int, b_task: int) -> int:
+    """Pool A (many a_task tasks) runs first; pool B (two b_task tasks) arrives and waits.
+    A's tasks end one at a time, each time both pools start what they may.
+    Returns how many tasks B started while A still had tasks to run."""
+    a = _planner(a_task, 8, 1)
+    b = _planner(b_task, 2, 2)
+    for t in range(30):
+        a.submit(t, "a")
+    _start_all(a, 0.0, 1000)  # alone: A takes what the bound admits
+    for t in range(2):
+        b.submit(t, "b")
+    now = 0.0
+    b_started = 0
+    for _ in range(20):
+        now += 1.0
+        _exchange(a, b, now)
+        b_started += _start_all(b, now, 2000)
+        if not a.running:
+            break
+        # A hears of its own task's end first and refills at once (same process);
+        # B hears of the room only at its next exchange.
+        oldest = next(iter(a.running))
+        a.finished(oldest, None, now)
+        _exchange(a, b, now)
+        _start_all(a, now, 1000)
+    return b_started
+
+
+def test_a_pool_whose_task_is_a_share_rounded_away_is_not_starved() -> None:
+    """A's 8 GiB tasks: the share of 40 GiB is 20 GiB, and rounding to the nearest task would
+    let A hold 3 (24 GiB), leaving B's 20 GiB task no room while A refills. B is owed the
+    room for its next task: A stops at 2 and B runs while A still has tasks."""
+    assert _starved(8 * GiB, 20 * GiB) >= 1
+
+
+def test_a_pool_whose_task_is_larger_than_its_share_is_not_starved() -> None:
+    """B's one task (25 GiB) is more than its equal share (20 GiB). Were A to keep at its
+    share (about 20 GiB of 4 GiB tasks), B would never run while A has tasks; A leaves B the
+    room it is owed, and B runs while A still has tasks."""
+    assert _starved(4 * GiB, 25 * GiB) >= 1
+
+
+def test_control_a_task_within_the_share_is_admitted() -> None:
+    """Control: B's task (16 GiB) fits beside A's share: B runs while A has tasks left."""
+    assert _starved(8 * GiB, 16 * GiB) >= 1
+
+
+def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
+    """Pool B ran out of memory beside its own task (its card cap is now 1): it runs one task
+    at a time for the rest of its run, so none of its tasks waits for room, and it tells the
+    table so (pool A is not held at a share B cannot use)."""
+    b = _planner(4 * GiB, 2, 2)
+    for t in range(10):
+        b.submit(t, "b")
+    assert _start_all(b, 0.0, 2000) == 2
+    first = next(iter(b.running))
+    report = PeakReport(
+        device=0,
+        device_peak_bytes=3 * GiB,
+        device_source="simulator",
+        oom=True,
+        oom_requested_bytes=256 * 2**20,
+    )
+    b.out_of_memory(first, report, None, 0.1, error="CUDA out of memory")
+    while len(b.running) > 1:  # its other tasks end
+        b.finished(next(iter(b.running)), None, 0.2)
+    assert b.cards[0].oom_cap == 1
+    assert _start_all(b, 0.3, 2000) == 0  # B can start nothing more while one runs
+    assert b.waiting_count() == 0 and b.need_bytes() == 0
