@@ -207,3 +207,34 @@ def test_a_pool_tells_the_table_while_its_tasks_wait_for_room_and_stops_when_the
             finally:
                 gate_a.touch()
                 gate_b.touch()
+
+
+def test_idle_workers_go_while_a_waiting_pool_is_owed_room() -> None:
+    """An idle worker's context is bytes on the card. While another pool waits for a 30 GiB
+    task it is owed (it holds nothing; this pool runs 2 x 8 GiB, leaving 24 GiB), this pool
+    keeps no worker beyond its running tasks; with no one waiting it keeps what fits."""
+    census = census_of(
+        [card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)],
+        cpus=8,
+        available_ram_bytes=64 * GiB,
+    )
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=8 * GiB)
+    config = PlannerConfig(max_workers=6, reserve_bytes=0, parent_pid=1)
+    records: list[Decision] = []
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    for task in range(2):
+        planner.submit(task, "k")
+    assert len(_start_all(planner, 0.0)) == 2
+    assert planner.warm_limit(0, 0.0) == 5  # 40 // 8
+    waiting = PoolBooking(
+        pool_id="9.1",
+        pid=9,
+        start="s",
+        label="big.py",
+        updated_s=0.0,
+        waiting=1,
+        need_bytes=30 * GiB,
+    )
+    planner.observe_others(0, OtherPools(card_uuid=UUID, pools=(waiting,)), 0.1)
+    assert planner.warm_limit(0, 0.1) == 2

@@ -1246,7 +1246,9 @@ class Planner:
         if (
             card.gate_shut_since_s is not None
             and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
-        ):
+        ) or self._owes_room(device):
+            # An idle worker's context is bytes the card needs: this pool's gate has been
+            # shut a while, or a waiting pool is owed room there that is not free.
             return running
         keys = self._present_keys() or [self._last_key]
         room = self.bound(device, self.asks.ask(keys[0])).room_bytes
@@ -1390,20 +1392,9 @@ class Planner:
         card = self.cards[index]
         if not card.others_waiting or not busy or room is None or card.others is None:
             return True
-        share = (room + card.others_bytes) // (1 + card.others_active)
+        share = self._share_bytes(index, room)
         mine = sum(r.booked_bytes for r in busy)
-        pools_room = room + card.others_bytes + mine
-        owed = max(
-            (
-                pool.need_bytes
-                for pool in card.others.pools
-                if pool.waiting
-                and pool.booked_bytes < mine
-                and pool.booked_bytes < share
-                and pool.need_bytes <= pools_room
-            ),
-            default=0,
-        )
+        owed = self._owed_bytes(index, room, mine, share)
         left = room - mine - next_bytes
         within = mine + next_bytes // 2 <= share
         if within and left >= owed:
@@ -1443,6 +1434,44 @@ class Planner:
                 )
             )
         return False
+
+    def _share_bytes(self, index: int, room: int) -> int:
+        """An equal share of the room the pools on ``index`` have between them."""
+        card = self.cards[index]
+        return (room + card.others_bytes) // (1 + card.others_active)
+
+    def _owed_bytes(self, index: int, room: int, mine: int, share: int) -> int:
+        """The most room a waiting pool on ``index`` is owed for its next task: one that holds
+        less than this pool (``mine``) and less than its share, whose task could fit the
+        room the pools have between them."""
+        card = self.cards[index]
+        if card.others is None:
+            return 0
+        pools_room = room + card.others_bytes + mine
+        return max(
+            (
+                pool.need_bytes
+                for pool in card.others.pools
+                if pool.waiting
+                and pool.booked_bytes < mine
+                and pool.booked_bytes < share
+                and pool.need_bytes <= pools_room
+            ),
+            default=0,
+        )
+
+    def _owes_room(self, index: int) -> bool:
+        """A waiting pool is owed room on ``index`` that is not free now."""
+        card = self.cards[index]
+        if not card.others_waiting:
+            return False
+        ask = self.asks.ask(self._last_key)
+        room = self.bound(index, ask).room_bytes
+        if room is None:
+            return False
+        mine = sum(r.booked_bytes for r in self.running.values() if r.device == index)
+        owed = self._owed_bytes(index, room, mine, self._share_bytes(index, room))
+        return owed > 0 and room - mine < owed
 
     def still_admits(self, start: Start) -> bool:
         """After the other pools' bookings were read again in the same step that published
