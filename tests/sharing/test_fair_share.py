@@ -22,14 +22,14 @@ PATIENCE_S = 120.0
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
 
-def _planner(records: list[Decision]) -> Planner:
-    """A 40 GiB card, tasks estimated at 6.5 GiB, width 6, no reserve."""
+def _planner(records: list[Decision], estimate_bytes: int = int(6.5 * GiB)) -> Planner:
+    """A 40 GiB card, tasks estimated at ``estimate_bytes`` (6.5 GiB), width 6, no reserve."""
     census = census_of(
         [card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)],
         cpus=8,
         available_ram_bytes=64 * GiB,
     )
-    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=int(6.5 * GiB))
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=estimate_bytes)
     config = PlannerConfig(max_workers=6, reserve_bytes=0, parent_pid=1)
     planner = Planner(census=census, asks=asks, config=config, emit=records.append)
     planner.construct(0.0)
@@ -108,7 +108,7 @@ def test_with_no_other_pool_waiting_the_share_does_not_bind() -> None:
     assert not [r for r in records if r.event == "share_wait"]
 
 
-def test_a_ceiling_or_a_fixed_width_is_not_waiting_for_room() -> None:
+def test_a_pool_at_its_own_ceiling_is_not_waiting_for_room() -> None:
     """A pool held back by its own max_workers tells other pools nothing is waiting for room."""
     records: list[Decision] = []
     planner = _planner(records)
@@ -125,16 +125,8 @@ def test_the_share_rounds_to_the_nearest_task() -> None:
     """Two pools of 8 GiB tasks on 40 GiB, both waiting: the share is 20 GiB. Stopping at
     two tasks each (16 GiB) would leave 8 GiB idle; a start is admitted while the middle of
     its booking is within the share, so this pool takes a third and the card holds five."""
-    census = census_of(
-        [card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)],
-        cpus=8,
-        available_ram_bytes=64 * GiB,
-    )
-    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=8 * GiB)
-    config = PlannerConfig(max_workers=6, reserve_bytes=0, parent_pid=1)
     records: list[Decision] = []
-    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
-    planner.construct(0.0)
+    planner = _planner(records, estimate_bytes=8 * GiB)
     for task in range(6):
         planner.submit(task, "k")
     row = PoolBooking(
@@ -213,16 +205,8 @@ def test_idle_workers_go_while_a_waiting_pool_is_owed_room() -> None:
     """An idle worker's context is bytes on the card. While another pool waits for a 30 GiB
     task it is owed (it holds nothing; this pool runs 2 x 8 GiB, leaving 24 GiB), this pool
     keeps no worker beyond its running tasks; with no one waiting it keeps what fits."""
-    census = census_of(
-        [card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)],
-        cpus=8,
-        available_ram_bytes=64 * GiB,
-    )
-    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=8 * GiB)
-    config = PlannerConfig(max_workers=6, reserve_bytes=0, parent_pid=1)
     records: list[Decision] = []
-    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
-    planner.construct(0.0)
+    planner = _planner(records, estimate_bytes=8 * GiB)
     for task in range(2):
         planner.submit(task, "k")
     assert len(_start_all(planner, 0.0)) == 2
