@@ -278,13 +278,20 @@ class _Card:
     others_held_bytes: int = 0
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
-    # Other pools with tasks waiting for room, and those running or waiting here.
-    others_waiting: int = 0
-    others_active: int = 0
     share_recorded_s: float | None = None
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
+
+    @property
+    def others_waiting(self) -> int:
+        """Other pools with tasks waiting for room on this card."""
+        return self.others.waiting_pools if self.others is not None else 0
+
+    @property
+    def others_active(self) -> int:
+        """Other pools running a task or waiting for room on this card."""
+        return self.others.active_pools if self.others is not None else 0
 
 
 class Planner:
@@ -329,7 +336,6 @@ class Planner:
         self._last_key: str = ""
         self._head_skips = 0
         self._sensor_errors: set[tuple[int, str]] = set()
-        self._now_s = now_s  # the time of the last next_start (for its records)
         self.width = self._width_now()
 
     # -- construction -------------------------------------------------------------------
@@ -611,8 +617,6 @@ class Planner:
         card.others_held_bytes = held
         card.others_overrun_bytes = overrun
         card.others_since_s = None if tasks == 0 else card.others_since_s or now_s
-        card.others_waiting = others.waiting_pools if others is not None else 0
-        card.others_active = others.active_pools if others is not None else 0
         if census:
             card.others_at_census_bytes = held
             return
@@ -1272,7 +1276,6 @@ class Planner:
     def next_start(self, now_s: float) -> Start | Wait | Fail | None:
         """What to start now: a task and its card, a wait (with why), a failure, or ``None``
         when nothing is pending. :attr:`width` is brought up to date with the work held."""
-        self._now_s = now_s
         verdict = self._next_start(now_s)
         self.width = self._width_now()
         return verdict
@@ -1336,7 +1339,7 @@ class Planner:
         for index in order:
             if index in state.avoid and len(state.avoid) < len(self.cards):
                 continue
-            verdict = self._admits_on(index, ask)
+            verdict = self._admits_on(index, ask, now_s)
             if verdict == "no":
                 continue
             card = self.cards[index]
@@ -1353,8 +1356,9 @@ class Planner:
             return self._expired(task, state, ask), gate_shut
         return None, gate_shut
 
-    def _admits_on(self, index: int, ask: Ask) -> Literal["yes", "no", "gate"]:
-        """The bound on one card: the booked asks, the cap, then the live gate."""
+    def _admits_on(self, index: int, ask: Ask, now_s: float) -> Literal["yes", "no", "gate"]:
+        """The bound on one card: the booked asks, the cap, the share of a card other pools
+        wait on, then the live gate."""
         card = self.cards[index]
         busy = [r for r in self.running.values() if r.device == index]
         if card.oom_cap is not None and len(busy) >= card.oom_cap:
@@ -1363,7 +1367,7 @@ class Planner:
         next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
         if not admits(next_bytes, [r.booked_bytes for r in busy], room):
             return "no"
-        if not self._within_share(index, next_bytes, busy, room):
+        if not self._within_share(index, next_bytes, busy, room, now_s):
             return "no"
         if card.reading_error is not None and busy:
             return "no"
@@ -1372,7 +1376,7 @@ class Planner:
         return "yes"
 
     def _within_share(
-        self, index: int, next_bytes: int, busy: list[_Run], room: int | None
+        self, index: int, next_bytes: int, busy: list[_Run], room: int | None, now_s: float
     ) -> bool:
         """Pools sharing a card share it. While another pool has tasks waiting for room there,
         a start must keep two rules:
@@ -1400,7 +1404,6 @@ class Planner:
         if within and left >= owed:
             return True
         self.counts["share_waits"] += 1
-        now_s = self._now_s
         recorded = card.share_recorded_s
         if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
             card.share_recorded_s = now_s
@@ -1473,13 +1476,14 @@ class Planner:
         owed = self._owed_bytes(index, room, mine, self._share_bytes(index, room))
         return owed > 0 and room - mine < owed
 
-    def still_admits(self, start: Start) -> bool:
+    def still_admits(self, start: Start, now_s: float) -> bool:
         """After the other pools' bookings were read again in the same step that published
         this start's: does the start still fit? (Two pools deciding at once cannot both
         take the same room: whichever publishes second sees the first's booking.)"""
         if start.past_bound or start.device is None or self.config.fixed_width is not None:
             return True
-        return self._admits_on(start.device, self.asks.ask(self.tasks[start.task].key)) == "yes"
+        ask = self.asks.ask(self.tasks[start.task].key)
+        return self._admits_on(start.device, ask, now_s) == "yes"
 
     def _expired(self, task: TaskId, state: _Task, ask: Ask) -> Fail:
         self.pending.remove(task)

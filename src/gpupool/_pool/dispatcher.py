@@ -984,7 +984,7 @@ class Dispatcher:
         )
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
-        if self.planner.still_admits(start):
+        if self.planner.still_admits(start, self.now()):
             return True
         self.published.pop(start.device, None)
         self._publish_bookings(device)
@@ -998,12 +998,11 @@ class Dispatcher:
             return
         waiting = self.planner.waiting_count() > 0
         for device in self.devices:
-            published = self.published.get(device.index)
             if not self.others_seen.get(device.index):
                 continue
-            if (published[1] if published else False) == waiting:
-                continue
-            self._publish_bookings(device)
+            published = self.published.get(device.index)
+            if (published[1] if published else False) != waiting:
+                self._publish_bookings(device)
 
     def _publish_bookings(self, device: DeviceState | None) -> None:
         """Tell the host's other pools what this pool has booked on ``device``, and hear theirs.

@@ -254,7 +254,7 @@ class BookingTable:
                 updated_s=time.time(),
                 tasks=booked,
                 waiting=waiting,
-                need_bytes=need_bytes if waiting else 0,
+                need_bytes=need_bytes,
             )
             return _others(card_uuid, pools, pool_id)
 
