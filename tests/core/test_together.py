@@ -128,3 +128,13 @@ def test_agreeing_samples_are_priced_one_margin_for_the_group() -> None:
     assert ask.together_bytes(5) == ask.ask_bytes + 4 * each
     assert ask.together_bytes(5) <= 5 * ask.ask_bytes
     assert ask.ask_bytes - 5.5 * GiB < 100 * MiB
+
+
+def test_a_negative_count_is_refused_with_what_was_wrong() -> None:
+    """Bad input gets a clear error: a negative number of tasks is no count."""
+    ask = measured([5 * GiB, 6 * GiB, 7 * GiB]).ask("k")
+    with pytest.raises(ValueError, match="count must be 0 or more tasks, got -1"):
+        ask.together_bytes(-1)
+    with pytest.raises(ValueError, match="running must be 0 or more tasks, got -2"):
+        ask.next_bytes(-2)
+    assert ask.together_bytes(0) == 0

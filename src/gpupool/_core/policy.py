@@ -198,8 +198,13 @@ class Ask:
         sqrt(count + count**2 / n))``, the upper 99.9 % prediction bound of the sum of
         ``count`` new peaks (each with its allocator granule), never below one task at its
         full ask beside the others at the mean. It grows with every further task.
+
+        Raises:
+            ValueError: ``count`` is negative.
         """
-        if count <= 0:
+        if count < 0:
+            raise ValueError(f"count must be 0 or more tasks, got {count}")
+        if count == 0:
             return 0
         if not self.pooled or count == 1:
             return count * self.ask_bytes
@@ -214,7 +219,13 @@ class Ask:
 
     def next_bytes(self, running: int) -> int:
         """The price of one more task of this key beside ``running`` of its own on a card:
-        ``together_bytes(running + 1) - together_bytes(running)`` (``ask_bytes`` unpooled)."""
+        ``together_bytes(running + 1) - together_bytes(running)`` (``ask_bytes`` unpooled).
+
+        Raises:
+            ValueError: ``running`` is negative.
+        """
+        if running < 0:
+            raise ValueError(f"running must be 0 or more tasks, got {running}")
         return self.together_bytes(running + 1) - self.together_bytes(running)
 
     def describe(self) -> str:
