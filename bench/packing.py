@@ -496,6 +496,7 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
         if not (isinstance(r, tuple) and r[0] == want)
     )
     extra["ran_at_once"] = _most_at_once([r[1:] for r in results if isinstance(r, tuple)])
+    extra["intervals"] = [(i, r[1], r[2]) for i, r in enumerate(results) if isinstance(r, tuple)]
     extra["markers"] = sum(1 for r in results if r == OOM_MARKER)
     peaks = [host.device_peak(d) for d in range(ncards)]
     fractions = [p / dev.total_bytes for p, dev in zip(peaks, devices, strict=True)]

@@ -90,6 +90,7 @@ EventName = Literal[
     "bound_changed",
     "live_gate_wait",
     "share_wait",
+    "critical_wait",
     "serial_start",
     "out_of_memory",
     "worker_lost",
@@ -110,6 +111,8 @@ EVENTS: Mapping[str, str] = {
     "live_gate_wait": "a task was held back: the card's live free bytes did not cover it",
     "share_wait": "a task was held back: another pool waits for room on a card this pool "
     "holds more than its share of",
+    "critical_wait": "tasks of other keys were held back so that the key whose pending work "
+    "would take longest can run one more at once",
     "serial_start": "a task started although the live gate was shut: nothing else ran",
     "out_of_memory": "a task ran its card out of memory",
     "worker_lost": "a worker process died while running a task",

@@ -252,8 +252,19 @@ class _Run:
     booked_bytes: int
     priced_bytes: int
     shared: bool = False
+    started_s: float = 0.0
     # The own high-water its start was priced at (an out-of-memory names growth past it).
     own_high_water_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Critical:
+    """The key whose pending work would take longest alone, and by how much."""
+
+    key: str
+    time_left_s: float
+    runner_up_time_left_s: float
+    width: int
 
 
 @dataclass(slots=True)
@@ -335,6 +346,10 @@ class Planner:
         self._recorded_asks: dict[str, Ask] = {}
         self._last_key: str = ""
         self._head_skips = 0
+        # Pending tasks per key, and each key's measured task durations (count, mean seconds).
+        self._pending_by_key: collections.Counter[str] = collections.Counter()
+        self._durations: dict[str, tuple[int, float]] = {}
+        self._critical_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()
         self.width = self._width_now()
 
@@ -502,6 +517,7 @@ class Planner:
             self._rebook(key)
         self.tasks[task] = _Task(key=key, hint_bytes=None)
         self.pending.append(task)
+        self._pending_by_key[key] += 1
         self._last_key = key
 
     def withdraw(self, task: TaskId) -> None:
@@ -511,6 +527,8 @@ class Planner:
                 self.pending.remove(task)
             except ValueError:
                 pass
+            else:
+                self._pending_by_key[self.tasks[task].key] -= 1
             del self.tasks[task]
 
     def waiting_count(self, *, starting: bool = False) -> int:
@@ -670,10 +688,19 @@ class Planner:
             self.pending.remove(task)
         except ValueError:
             pass
+        else:
+            self._pending_by_key[state.key] -= 1
         ask = 0
         if device is not None:
             ask = self.asks.ask(state.key).next_bytes(self._same_key(state.key, device))
-        run = _Run(key=state.key, device=device, pid=pid, booked_bytes=ask, priced_bytes=ask)
+        run = _Run(
+            key=state.key,
+            device=device,
+            pid=pid,
+            booked_bytes=ask,
+            priced_bytes=ask,
+            started_s=now_s,
+        )
         if device is not None:
             run.own_high_water_bytes = self.cards[device].own_high_water_bytes
         if device is not None:
@@ -705,6 +732,10 @@ class Planner:
         self.tasks.pop(task, None)
         if run is not None:
             self._rebook(run.key)
+        if run is not None and not failed:
+            count, mean = self._durations.get(run.key, (0, 0.0))
+            took = max(0.0, now_s - run.started_s)
+            self._durations[run.key] = (count + 1, mean + (took - mean) / (count + 1))
         if run is None or report is None:
             return
         self._learn_rss(report, now_s)
@@ -944,6 +975,7 @@ class Planner:
     def _retry(self, task: TaskId, reason: str) -> Retry:
         self.counts["retries"] += 1
         self.pending.appendleft(task)
+        self._pending_by_key[self.tasks[task].key] += 1
         return Retry(task=task, reason=reason)
 
     def _fail(self, task: TaskId, kind: FailKind, why: str, device: int | None, run: _Run) -> Fail:
@@ -1286,16 +1318,20 @@ class Planner:
         running = len(self.running)
         if running >= self.ceiling.value:
             return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
-        head = self.pending[0]
+        firsts: dict[str, TaskId] = {}
+        for task in itertools.islice(self.pending, LOOKAHEAD):
+            firsts.setdefault(self.tasks[task].key, task)
+        candidates, critical = self._critical_first(list(firsts.values()))
+        head = candidates[0]
         gate_shut = False
-        considered: set[str] = set()
-        for position, task in enumerate(itertools.islice(self.pending, LOOKAHEAD)):
-            state = self.tasks[task]
-            if state.key in considered:
-                continue
-            considered.add(state.key)
+        for position, task in enumerate(candidates):
             if position > 0 and self._head_skips >= max(1, self.ceiling.value):
                 break
+            if position == 1 and critical is not None:
+                card = self._holds_for(critical.key)
+                if card is not None:
+                    self._critical_wait(critical, self.tasks[task].key, card, now_s)
+                    break
             verdict, shut = self._try_start(task, now_s, running)
             gate_shut = gate_shut or shut
             if verdict is not None:
@@ -1305,6 +1341,111 @@ class Planner:
                     self._head_skips = 0
                 return verdict
         return self._blocked(head, now_s, running, gate_shut)
+
+    def _critical_first(self, firsts: list[TaskId]) -> tuple[list[TaskId], _Critical | None]:
+        """The keys' first pending tasks in queue order, or with the critical key's first.
+
+        A key's time left is its pending count x its tasks' mean duration / how many of them
+        fit at once alone. The key with the most is critical where it leads every other key by
+        at least one of its tasks' duration and the room, not the ceiling, sets how many of it
+        fit: running more of it at once is what shortens the run. Until every key's tasks were
+        timed, the queue's order stands."""
+        if (
+            len(firsts) < 2
+            or not self.cards
+            or any(self.tasks[t].key not in self._durations for t in firsts)
+        ):
+            return firsts, None
+
+        def time_left_s(task: TaskId) -> tuple[float, float, int]:
+            key = self.tasks[task].key
+            ask = self.asks.ask(key)
+            alone = 0
+            for index in range(len(self.cards)):
+                room = self.bound(index, ask).room_bytes
+                alone += (
+                    1
+                    if room is None
+                    else fits_together(ask.together_bytes, room, self.ceiling.value)
+                )
+            duration_s = self._durations[key][1]
+            width = max(1, min(alone, self.ceiling.value))
+            return self._pending_by_key[key] * duration_s / width, duration_s, width
+
+        times = [time_left_s(t) for t in firsts]
+        first = max(range(len(firsts)), key=lambda i: times[i][0])
+        left_s, duration_s, width = times[first]
+        runner_up_s = max(times[i][0] for i in range(len(firsts)) if i != first)
+        if left_s - runner_up_s < duration_s or width >= self.ceiling.value:
+            return firsts, None
+        critical = _Critical(
+            key=self.tasks[firsts[first]].key,
+            time_left_s=left_s,
+            runner_up_time_left_s=runner_up_s,
+            width=width,
+        )
+        return [firsts[first], *firsts[:first], *firsts[first + 1 :]], critical
+
+    def _holds_for(self, head: str) -> int | None:
+        """The card where the other keys should leave room for ``head`` (the critical key, not
+        fitting now), or ``None``.
+
+        A card qualifies where ending some of the other keys' tasks there lets one more of
+        ``head`` start without leaving the card less booked than now (the ended tasks' room
+        refilled with as many of them as fit beside it): their ends make the room, at most
+        one of their tasks' duration away, and the card's bytes do not go idle for it."""
+        ask = self.asks.ask(head)
+        for index in range(len(self.cards)):
+            room = self.bound(index, ask).room_bytes
+            busy = [r for r in self.running.values() if r.device == index]
+            cap = self.cards[index].oom_cap
+            mine = sum(1 for r in busy if r.key == head)
+            if room is None or (cap is not None and mine >= cap):
+                continue
+            need = ask.next_bytes(mine)
+            booked = sum(r.booked_bytes for r in busy)
+            others = sorted((r.booked_bytes for r in busy if r.key != head), reverse=True)
+            ended: list[int] = []
+            while others and booked - sum(ended) + need > room:
+                ended.append(others.pop(0))
+            after = booked - sum(ended) + need
+            if after > room:
+                continue
+            for size in sorted(ended):
+                if after + size <= room:
+                    after += size
+            if after >= booked:
+                return index
+        return None
+
+    def _critical_wait(self, critical: _Critical, held: str, index: int, now_s: float) -> None:
+        self.counts["critical_waits"] += 1
+        if (
+            self._critical_recorded_s is not None
+            and now_s - self._critical_recorded_s < GATE_RECORD_INTERVAL_S
+        ):
+            return
+        self._critical_recorded_s = now_s
+        ask = self.asks.ask(critical.key)
+        self.record(
+            self._simple(
+                "critical_wait",
+                index,
+                ask,
+                f"card {index}: {critical.key}'s pending tasks would take "
+                f"{critical.time_left_s:.1f} s at {critical.width} at once, the most of any key "
+                f"(the next: {critical.runner_up_time_left_s:.1f} s); one more of it fits here "
+                f"once tasks of other keys end, so {held} waits rather than take that room",
+                now_s,
+                extra={
+                    "critical_key": critical.key,
+                    "critical_time_left_s": round(critical.time_left_s, 3),
+                    "runner_up_time_left_s": round(critical.runner_up_time_left_s, 3),
+                    "critical_width": critical.width,
+                    "held_key": held,
+                },
+            )
+        )
 
     def _try_start(
         self, task: TaskId, now_s: float, running: int
@@ -1487,6 +1628,7 @@ class Planner:
 
     def _expired(self, task: TaskId, state: _Task, ask: Ask) -> Fail:
         self.pending.remove(task)
+        self._pending_by_key[state.key] -= 1
         self.tasks.pop(task, None)
         return Fail(
             task=task,
