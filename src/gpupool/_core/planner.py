@@ -1347,9 +1347,8 @@ class Planner:
 
         A key's time left is its pending count x its tasks' mean duration / how many of them
         fit at once alone. The key with the most is critical where it leads every other key by
-        at least one of its tasks' duration and the room, not the ceiling, sets how many of it
-        fit: running more of it at once is what shortens the run. Until every key's tasks were
-        timed, the queue's order stands."""
+        at least one of its tasks' duration: the run ends when it does, so it goes first. Until
+        every key's tasks were timed, the queue's order stands."""
         if (
             len(firsts) < 2
             or not self.cards
@@ -1376,7 +1375,7 @@ class Planner:
         first = max(range(len(firsts)), key=lambda i: times[i][0])
         left_s, duration_s, width = times[first]
         runner_up_s = max(times[i][0] for i in range(len(firsts)) if i != first)
-        if left_s - runner_up_s < duration_s or width >= self.ceiling.value:
+        if left_s - runner_up_s < duration_s:
             return firsts, None
         critical = _Critical(
             key=self.tasks[firsts[first]].key,
