@@ -1318,15 +1318,16 @@ class Planner:
         running = len(self.running)
         if running >= self.ceiling.value:
             return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
+        head = self.pending[0]
         firsts: dict[str, TaskId] = {}
         for task in itertools.islice(self.pending, LOOKAHEAD):
             firsts.setdefault(self.tasks[task].key, task)
         candidates, critical = self._critical_first(list(firsts.values()))
-        head = candidates[0]
+        if self._head_skips >= max(1, self.ceiling.value):
+            # The queue's head was passed a ceiling's worth of times in a row: it goes next.
+            candidates, critical = [head], None
         gate_shut = False
         for position, task in enumerate(candidates):
-            if position > 0 and self._head_skips >= max(1, self.ceiling.value):
-                break
             if position == 1 and critical is not None:
                 card = self._holds_for(critical.key)
                 if card is not None:
@@ -1335,10 +1336,7 @@ class Planner:
             verdict, shut = self._try_start(task, now_s, running)
             gate_shut = gate_shut or shut
             if verdict is not None:
-                if task != head:
-                    self._head_skips += 1
-                else:
-                    self._head_skips = 0
+                self._head_skips = 0 if task == head else self._head_skips + 1
                 return verdict
         return self._blocked(head, now_s, running, gate_shut)
 
@@ -1408,7 +1406,9 @@ class Planner:
             while others and booked - sum(ended) + need > room:
                 ended.append(others.pop(0))
             after = booked - sum(ended) + need
-            if after > room:
+            if not ended or after > room:
+                # It fits the bound here now (something else holds it back), or does not
+                # even once the other keys' tasks end.
                 continue
             for size in sorted(ended):
                 if after + size <= room:
