@@ -282,6 +282,13 @@ def limit_scenarios(quick: bool) -> list[Scenario]:
             **common,
         ),
         Scenario(
+            name="stable-close",
+            title="5.5 GiB peaks, 0.5 s, estimate 5.75 GiB (fits the best width from the start)",
+            tasks=stable,
+            estimate=int(5.75 * GiB),
+            **common,
+        ),
+        Scenario(
             name="uniform",
             title="peaks uniform 4-7 GiB, durations uniform 0.2-1.0 s, estimate 8 GiB",
             tasks=uniform,
