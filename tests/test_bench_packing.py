@@ -25,7 +25,15 @@ def test_the_quick_limit_run_completes_and_gpupool_loses_nothing(tmp_path: Path)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {row["scenario"]: row for row in json.loads(out.read_text())["limit"]}
-    assert set(rows) == {"stable", "stable-close", "uniform", "lognormal", "mixed", "jump"}
+    assert set(rows) == {
+        "stable",
+        "stable-close",
+        "uniform",
+        "uniform-20",
+        "lognormal",
+        "mixed",
+        "jump",
+    }
     for name, row in rows.items():
         assert row["gpupool_lost"] == 0, name
         assert row["best_fixed_widths"], name  # the search found a width that lost nothing
