@@ -232,6 +232,8 @@ class Fail:
 class _Task:
     key: str
     hint_bytes: int | None
+    # The size of the task's input the caller gave (the ask may be predicted from it).
+    size: float | None = None
     retries: int = 0
     # Fixed width after an out-of-memory: start only while fewer than this run there.
     wait_below: int | None = None
@@ -253,6 +255,7 @@ class _Run:
     priced_bytes: int
     shared: bool = False
     started_s: float = 0.0
+    size: float | None = None
     # The own high-water its start was priced at (an out-of-memory names growth past it).
     own_high_water_bytes: int = 0
 
@@ -506,16 +509,19 @@ class Planner:
         if state.hint_bytes is not None:
             self.asks.hint(state.key, state.hint_bytes)
             state.hint_bytes = None
-        return self.asks.ask(state.key)
+        return self.asks.ask_for(state.key, state.size)
 
     # -- events -------------------------------------------------------------------------
 
-    def submit(self, task: TaskId, key: str, hint_bytes: int | None = None) -> None:
-        """A task was submitted (it is pending, at the back of the queue)."""
+    def submit(
+        self, task: TaskId, key: str, hint_bytes: int | None = None, size: float | None = None
+    ) -> None:
+        """A task was submitted (it is pending, at the back of the queue). ``size``: the size
+        of its input, from which its ask may be predicted (:meth:`AskTable.ask_for`)."""
         if hint_bytes is not None:
             self.asks.hint(key, hint_bytes)  # the width prices it at once
             self._rebook(key)
-        self.tasks[task] = _Task(key=key, hint_bytes=None)
+        self.tasks[task] = _Task(key=key, hint_bytes=None, size=size)
         self.pending.append(task)
         self._pending_by_key[key] += 1
         self._last_key = key
@@ -552,7 +558,8 @@ class Planner:
         other pools are told this pool needs for its next task."""
         if self.waiting_count(starting=starting) == 0 or len(self.pending) <= starting:
             return 0
-        return self.asks.ask(self.tasks[self.pending[int(starting)]].key).ask_bytes
+        state = self.tasks[self.pending[int(starting)]]
+        return self.asks.ask_for(state.key, state.size).ask_bytes
 
     def waiting_for_room(self) -> tuple[TaskId, ...]:
         """Pending tasks that ran out of memory alone and wait for others to free the room."""
@@ -692,7 +699,8 @@ class Planner:
             self._pending_by_key[state.key] -= 1
         ask = 0
         if device is not None:
-            ask = self.asks.ask(state.key).next_bytes(self._same_key(state.key, device))
+            price = self.asks.ask_for(state.key, state.size)
+            ask = price.next_bytes(self._same_key(state.key, device))
         run = _Run(
             key=state.key,
             device=device,
@@ -700,6 +708,7 @@ class Planner:
             booked_bytes=ask,
             priced_bytes=ask,
             started_s=now_s,
+            size=state.size,
         )
         if device is not None:
             run.own_high_water_bytes = self.cards[device].own_high_water_bytes
@@ -756,7 +765,7 @@ class Planner:
                 return
             after = self.asks.floor(run.key, peak + self.asks.policy.margin_for(peak))
         else:
-            after = self.asks.measure(run.key, report.device_peak_bytes)
+            after = self.asks.measure(run.key, report.device_peak_bytes, size=run.size)
         self._rebook(run.key)
         self._ask_changed(run.key, before, after, now_s, report)
 
@@ -1048,6 +1057,9 @@ class Planner:
         seen: collections.Counter[int] = collections.Counter()
         for run in self.running.values():
             if run.key == key and run.device is not None:
+                if run.size is not None:
+                    run.booked_bytes = self.asks.ask_for(key, run.size).ask_bytes
+                    continue
                 run.booked_bytes = ask.next_bytes(seen[run.device])
                 seen[run.device] += 1
 
@@ -1194,7 +1206,10 @@ class Planner:
                 count[run.device] += 1
                 same[run.device, run.key] += 1
         total = sum(count)
-        asks = [self.asks.ask(self.tasks[t].key) for t in list(self.pending)[:LOOKAHEAD]]
+        asks = [
+            self.asks.ask_for(self.tasks[t].key, self.tasks[t].size)
+            for t in itertools.islice(self.pending, LOOKAHEAD)
+        ]
         # What the next submits could add: more of the last key seen.
         asks += [self.asks.ask(self._last_key)] * max(0, self.ceiling.value - total - len(asks))
         for ask in asks:
@@ -1622,8 +1637,10 @@ class Planner:
         take the same room: whichever publishes second sees the first's booking.)"""
         if start.past_bound or start.device is None or self.config.fixed_width is not None:
             return True
-        ask = self.asks.ask(self.tasks[start.task].key)
-        return self._admits_on(start.device, ask, now_s) == "yes"
+        state = self.tasks[start.task]
+        return (
+            self._admits_on(start.device, self.asks.ask_for(state.key, state.size), now_s) == "yes"
+        )
 
     def _expired(self, task: TaskId, state: _Task, ask: Ask) -> Fail:
         self.pending.remove(task)

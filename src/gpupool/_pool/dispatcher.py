@@ -141,7 +141,7 @@ class WorkItem:
     under the item's ``task_id``.
     """
 
-    __slots__ = ("call", "future", "hint_bytes", "key", "started", "task_id", "tries")
+    __slots__ = ("call", "future", "hint_bytes", "key", "size", "started", "task_id", "tries")
 
     def __init__(
         self,
@@ -149,11 +149,13 @@ class WorkItem:
         call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
         key: str,
         hint_bytes: int | None,
+        size: float | None = None,
     ) -> None:
         self.future = future
         self.call = call
         self.key = key
         self.hint_bytes = hint_bytes
+        self.size = size
         self.started = False
         self.tries = 0
         self.task_id = next(_task_ids)
@@ -519,7 +521,7 @@ class Dispatcher:
                 self.counts["cancelled"] += 1
                 continue
             self.items[item.task_id] = item
-            self.planner.submit(item.task_id, item.key, item.hint_bytes)
+            self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
             item.hint_bytes = None
 
     def _read_cards(self, *, census: bool = False) -> None:

@@ -147,17 +147,22 @@ def _check_devices(devices: object) -> list[int | str] | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TaskOptions:
-    """Per-call options: a task key and a peak hint (see :meth:`GpuPoolExecutor.options`).
+    """Per-call options: a task key, a peak hint and an input size (see
+    :meth:`GpuPoolExecutor.options`).
 
     Attributes:
         key: tasks with the same key share one learned ask; by default the
             key is the function's module and qualified name.
         task_peak: an estimate of this key's device peak, used until a child
             of the key reports a measurement.
+        size: the size of the task's input, in a unit of the caller's (tokens,
+            rows, bytes), the same for every task of the key: its ask is
+            predicted from the key's measurements at their sizes.
     """
 
     key: str | None = None
     task_peak: str | int | None = None
+    size: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -599,27 +604,53 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         return self._submit(fn, args, kwargs, None)
 
     def options(
-        self, *, key: str | None = None, task_peak: str | int | None = None
+        self,
+        *,
+        key: str | None = None,
+        task_peak: str | int | None = None,
+        size: float | None = None,
     ) -> _OptionsView:
-        """``submit``/``map`` with a task key and a peak hint, keeping CPython's signatures.
+        """``submit``/``map`` with a task key, a peak hint and an input size, keeping
+        CPython's signatures.
 
         ::
 
             big = ex.options(key="big-model", task_peak="12GiB")
             future = big.submit(compile_entry, entry)
+            sized = ex.options(key="compile", size=len(entry.tokens))
+            future = sized.submit(compile_entry, entry)
 
         Args:
             key: tasks with the same key share one learned ask.
             task_peak: this key's estimated peak until a child measures it.
+            size: the size of this task's input (tokens, rows, bytes: one unit for every
+                task of the key). Once tasks of the key were measured at their sizes, the
+                task's ask is predicted from them, so small inputs are not priced at the
+                largest one's peak and an input larger than any before is priced above
+                them.
 
         Raises:
-            ConfigurationError: ``task_peak`` is not a positive size.
+            ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
+                str, or ``size`` is not a positive, finite number.
         """
         if task_peak is not None:
             _size(task_peak, "task_peak", allow_zero=False)
         if key is not None and not isinstance(key, str):
             raise ConfigurationError(f"key={key!r}: a task key must be a str.")
-        return _OptionsView(self, TaskOptions(key=key, task_peak=task_peak))
+        if size is not None and (
+            isinstance(size, bool)
+            or not isinstance(size, (int, float))
+            or not math.isfinite(size)
+            or size <= 0
+        ):
+            raise ConfigurationError(
+                f"size={size!r}: a task's input size must be a positive, finite number "
+                "(tokens, rows, bytes: one unit for every task of the key)."
+            )
+        return _OptionsView(
+            self,
+            TaskOptions(key=key, task_peak=task_peak, size=None if size is None else float(size)),
+        )
 
     def _submit(
         self,
@@ -645,7 +676,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 else None
             )
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
-            d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint))
+            size = options.size if options is not None else None
+            d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
             return future
 
     def map(
