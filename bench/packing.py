@@ -104,6 +104,7 @@ class Task:
     key: str
     peak: int
     sleep_s: float
+    size: float | None = None  # the input size gpupool is told (``options(size=...)``)
 
 
 @dataclass
@@ -272,6 +273,16 @@ def limit_scenarios(quick: bool) -> list[Scenario]:
     jump = one_key([3.5] * n, [0.5] * n)
     at = (3 * n) // 4
     jump[at] = Task("entry", 7 * GiB, jump[at].sleep_s)
+    # The same, with each input's size told: 1 unit for 3.5 GiB, 2 units for the 7 GiB task.
+    jump_sized = [
+        Task(t.key, t.peak, t.sleep_s, 2.0 if i == at else 1.0) for i, t in enumerate(jump)
+    ]
+    # One key whose peak follows its input: 1 GiB + 1.5 GiB per unit, sizes uniform 1-4.
+    rng_sized = random.Random(21)
+    sizes = [round(rng_sized.uniform(1, 4), 3) for _ in range(n)]
+    sized = [
+        Task("entry", int((1 + 1.5 * size) * GiB), round(0.5 * scale, 3), size) for size in sizes
+    ]
     common: dict[str, Any] = {
         "cards": [LIMIT_CARD],
         "parent_bytes": LIMIT_PARENT,
@@ -331,6 +342,22 @@ def limit_scenarios(quick: bool) -> list[Scenario]:
             estimates_honest=False,
             **common,
         ),
+        Scenario(
+            name="jump-sized",
+            title=f"the jump, each input's size told (options(size=...)): 1 unit, 2 for task {at}",
+            tasks=jump_sized,
+            estimate=int(4.5 * GiB),
+            estimates_honest=False,
+            **common,
+        ),
+        Scenario(
+            name="sized",
+            title="one key, peaks 1 GiB + 1.5 GiB per unit of input, sizes uniform 1-4 "
+            "(2.5-7 GiB), 0.5 s, estimate 8 GiB, sizes told",
+            tasks=sized,
+            estimate=8 * GiB,
+            **common,
+        ),
     ]
 
 
@@ -352,7 +379,7 @@ class Outcome:
 
 
 #: The policies that run gpupool (the rest run a standard-library pool).
-GPU_POLICIES = ("gpupool", "oracle", "oracle/task", "margin 0")
+GPU_POLICIES = ("gpupool", "no size", "oracle", "oracle/task", "margin 0")
 
 
 def _free_bytes(host: Any) -> list[int]:
@@ -472,11 +499,14 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
                 for i, t in enumerate(sc.tasks):
                     # The oracle by bytes prices every task at its own true peak.
                     key = f"{t.key}@{t.peak}" if policy == "oracle/task" else t.key
-                    if key not in views:
+                    sized = t.size is not None and policy in ("gpupool", "margin 0")
+                    view_key = (key, t.size if sized else None)
+                    if view_key not in views:
                         hint = t.peak if policy.startswith("oracle") else sc.hints.get(t.key)
-                        views[key] = ex.options(key=key, task_peak=hint)
+                        size = t.size if sized else None
+                        views[view_key] = ex.options(key=key, task_peak=hint, size=size)
                     futures.append(
-                        views[key].submit(entry, i, t.peak - CONTEXT, t.sleep_s, None, False)
+                        views[view_key].submit(entry, i, t.peak - CONTEXT, t.sleep_s, None, False)
                     )
                 for i, f in enumerate(futures):
                     try:
@@ -628,6 +658,8 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
         best_by_round: list[tuple[int, Outcome] | None] = []
         for r in range(rounds):
             order = ["gpupool", "oracle/task"] + (["margin 0"] if args.margin_zero else [])
+            if any(t.size is not None for t in sc.tasks):
+                order.append("no size")  # the same tasks with no size told: what sizes buy
             order = order[r % len(order) :] + order[: r % len(order)]
             for policy in order:
                 runs.setdefault(policy, []).append(_run_policy(sc, policy, log_dir))
@@ -663,7 +695,7 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
                 flush=True,
             )
         ratios: dict[str, list[float]] = {
-            name: [] for name in ("gpupool", "margin 0", "oracle/task") if name in runs
+            name: [] for name in ("gpupool", "margin 0", "oracle/task", "no size") if name in runs
         }
         over_oracle: list[float] = []
         widths = []
@@ -681,6 +713,7 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
             "best_fixed_widths": widths,
             "gpupool_over_best": ratios["gpupool"],
             "margin0_over_best": ratios.get("margin 0", []),
+            "no_size_over_best": ratios.get("no size", []),
             "oracle_over_best": ratios["oracle/task"],
             "gpupool_over_oracle": over_oracle,
             "gpupool_ooms": sum(o.ooms for o in g),
@@ -703,6 +736,7 @@ def run_limit(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) ->
             print(
                 f"  best fixed width by round {widths}; gpupool/best {_spread(ratios['gpupool'])}, "
                 + (f"margin 0/best {_spread(ratios['margin 0'])}, " if "margin 0" in ratios else "")
+                + (f"no size/best {_spread(ratios['no size'])}, " if "no size" in ratios else "")
                 + "oracle/best "
                 f"{_spread(ratios['oracle/task'])}, gpupool/oracle {_spread(over_oracle)}; "
                 f"gpupool OOMs {row['gpupool_ooms']}, retries {row['gpupool_retries']}, lost "

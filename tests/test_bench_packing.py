@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "packing.py"
 @pytest.mark.slow
 def test_the_quick_limit_run_completes_and_gpupool_loses_nothing(tmp_path: Path) -> None:
     """The smoke run covers every limit scenario; gpupool loses no task in any of them and runs
-    none out of memory where the estimates are not below the truth (all but ``jump``)."""
+    none out of memory where the estimates are not below the truth or the inputs' sizes are
+    told (all but ``jump``)."""
     out = tmp_path / "packing.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--rounds", "1", "--json", str(out)],
@@ -33,6 +34,8 @@ def test_the_quick_limit_run_completes_and_gpupool_loses_nothing(tmp_path: Path)
         "lognormal",
         "mixed",
         "jump",
+        "jump-sized",
+        "sized",
     }
     for name, row in rows.items():
         assert row["gpupool_lost"] == 0, name
