@@ -178,7 +178,8 @@ class Policy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ask:
-    """One task key's price and how it was reached."""
+    """One task key's price and how it was reached (``size``: the input size a task's ask was
+    predicted for, ``None`` for the key's own ask)."""
 
     key: str
     ask_bytes: int
