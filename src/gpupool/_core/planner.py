@@ -1344,7 +1344,7 @@ class Planner:
         gate_shut = False
         for position, task in enumerate(candidates):
             if position == 1 and critical is not None:
-                card = self._holds_for(critical.key)
+                card = self._holds_for(self.ask_of(candidates[0]), candidates[0])
                 if card is not None:
                     self._critical_wait(critical, self.tasks[task].key, card, now_s)
                     break
@@ -1398,16 +1398,18 @@ class Planner:
         )
         return [firsts[first], *firsts[:first], *firsts[first + 1 :]], critical
 
-    def _holds_for(self, head: str) -> int | None:
-        """The card where the other keys should leave room for ``head`` (the critical key, not
-        fitting now), or ``None``.
+    def _holds_for(self, ask: Ask, task: TaskId) -> int | None:
+        """The card where the other keys should leave room for ``task`` (the critical key's
+        first, at ``ask``, not fitting now), or ``None``.
 
-        A card qualifies where ending some of the other keys' tasks there lets one more of
-        ``head`` start without leaving the card less booked than now (the ended tasks' room
-        refilled with as many of them as fit beside it): their ends make the room, at most
-        one of their tasks' duration away, and the card's bytes do not go idle for it."""
-        ask = self.asks.ask(head)
+        A card qualifies where ending some of the other keys' tasks there lets it start
+        without leaving the card less booked than now (the ended tasks' room refilled with
+        as many of them as fit beside it): their ends make the room, at most one of their
+        tasks' duration away, and the card's bytes do not go idle for it."""
+        head = ask.key
         for index in range(len(self.cards)):
+            if index in self.tasks[task].avoid and len(self.tasks[task].avoid) < len(self.cards):
+                continue
             room = self.bound(index, ask).room_bytes
             busy = [r for r in self.running.values() if r.device == index]
             cap = self.cards[index].oom_cap
