@@ -1342,13 +1342,15 @@ class Planner:
             # The queue's head was passed a ceiling's worth of times in a row: it goes next.
             candidates, critical = [head], None
         gate_shut = False
+        held: int | None = None
         for position, task in enumerate(candidates):
             if position == 1 and critical is not None:
-                card = self._holds_for(critical.key)
-                if card is not None:
-                    self._critical_wait(critical, self.tasks[task].key, card, now_s)
-                    break
-            verdict, shut = self._try_start(task, now_s, running)
+                held = self._holds_for(critical.key)
+                if held is not None:
+                    # The other keys leave that card's room to the critical key; a card it
+                    # cannot use now still takes their tasks.
+                    self._critical_wait(critical, self.tasks[task].key, held, now_s)
+            verdict, shut = self._try_start(task, now_s, running, held=held)
             gate_shut = gate_shut or shut
             if verdict is not None:
                 self._head_skips = 0 if task == head else self._head_skips + 1
@@ -1462,22 +1464,27 @@ class Planner:
         )
 
     def _try_start(
-        self, task: TaskId, now_s: float, running: int
+        self, task: TaskId, now_s: float, running: int, *, held: int | None = None
     ) -> tuple[Start | Fail | None, bool]:
+        """Start ``task`` on a card that admits it, never on ``held`` (a card whose room is
+        left to the critical key)."""
         state = self.tasks[task]
         if not self.cards:
             return Start(task=task, device=None, ask_bytes=0), False
         ask = self.ask_of(task)
         if self.config.fixed_width is not None:
+            free = [i for i in range(len(self.cards)) if i != held]
+            if not free:
+                return None, False
             index = min(
-                range(len(self.cards)),
+                free,
                 key=lambda i: (sum(1 for r in self.running.values() if r.device == i), i),
             )
             here = sum(1 for r in self.running.values() if r.device == index)
             if state.wait_below is not None and here >= state.wait_below:
                 return None, False
             if state.room_wait_until_s is not None and not self._live_fits(index, ask, []):
-                if now_s >= state.room_wait_until_s:
+                if now_s >= state.room_wait_until_s and held is None:
                     return self._expired(task, state, ask), False
                 return None, True
             return Start(task=task, device=index, ask_bytes=ask.ask_bytes), False
@@ -1492,7 +1499,7 @@ class Planner:
             ),
         )
         for index in order:
-            if index in state.avoid and len(state.avoid) < len(self.cards):
+            if index == held or (index in state.avoid and len(state.avoid) < len(self.cards)):
                 continue
             verdict = self._admits_on(index, ask, now_s)
             if verdict == "no":
@@ -1507,7 +1514,12 @@ class Planner:
             booked = ask.next_bytes(self._same_key(ask.key, index))
             start = Start(task=task, device=index, ask_bytes=ask.ask_bytes, booked_bytes=booked)
             return start, False
-        if state.room_wait_until_s is not None and now_s >= state.room_wait_until_s:
+        if (
+            held is None
+            and state.room_wait_until_s is not None
+            and now_s >= state.room_wait_until_s
+        ):
+            # (Not while a card was left to the critical key: that card may have its room.)
             return self._expired(task, state, ask), gate_shut
         return None, gate_shut
 
