@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
-from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner import Planner, PlannerConfig, Retry, Start
 from gpupool._core.policy import MARGIN_FLOOR_BYTES
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
@@ -238,3 +238,38 @@ def test_sizes_too_large_to_square_are_priced_and_do_not_raise() -> None:
     huge = before_fit.ask_for("k", 1e300)
     assert huge.ask_bytes >= before_fit.ask("k").ask_bytes
     assert "predicted for size" in huge.describe()
+
+
+def test_a_sized_task_that_passed_its_own_ask_is_not_taken_for_something_else_growing() -> None:
+    """A size-2 task booked at its own 3.06 GiB ask beside a size-1 task reached 4 GiB and asked
+    for 1 GiB more: it passed its ask, as the out-of-memory record says. The key's ask (12 GiB,
+    its estimate) is not what it was booked at, so the card is not capped at one task for the
+    rest of the run (that cap is for a task that stayed within its booking), and its retry is
+    priced above what it needed."""
+    records: list[Decision] = []
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=12 * GiB)
+    for s in range(1, 9):
+        asks.measure("k", linear(s), size=float(s))
+    planner = Planner(
+        census=census_of([card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)]),
+        asks=asks,
+        config=PlannerConfig(max_workers=8, reserve_bytes=0),
+        emit=records.append,
+    )
+    planner.construct(0.0)
+    planner.submit(0, "k", size=2.0)
+    planner.submit(1, "k", size=1.0)
+    for pid in (100, 101):
+        verdict = planner.next_start(0.0)
+        assert isinstance(verdict, Start)
+        planner.started(verdict.task, verdict.device, pid, 0.0)
+    booked = planner.running[0].booked_bytes
+    assert booked < 3.5 * GiB < asks.ask("k").ask_bytes
+    report = PeakReport(
+        device=0, device_peak_bytes=4 * GiB, oom_requested_bytes=GiB, device_source="simulator"
+    )
+    outcome = planner.out_of_memory(0, report, None, 1.0, error="CUDA out of memory")
+    assert isinstance(outcome, Retry)
+    assert planner.cards[0].oom_cap is None
+    assert "underestimated" in outcome.reason and "stayed within" not in outcome.reason
+    assert asks.ask_for("k", 2.0).ask_bytes >= 5 * GiB

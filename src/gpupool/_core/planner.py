@@ -817,11 +817,13 @@ class Planner:
         reached = report.device_peak_bytes
         requested = report.oom_requested_bytes
         lower = (reached or 0) + (requested or 0)
-        before = self.asks.ask(run.key)
+        # The task's own ask (a sized task's was predicted for its size, not the key's).
+        before = self.asks.ask_for(run.key, run.size)
         floor = before.ask_bytes
         if lower > floor:
             floor = lower + self.asks.policy.margin_for(lower)
-        after = self.asks.floor(run.key, floor)
+        self.asks.floor(run.key, floor)
+        after = self.asks.ask_for(run.key, run.size)
         self._rebook(run.key)
         others = [r for r in self.running.values() if r.device == device]
         running_then = len(others) + 1
