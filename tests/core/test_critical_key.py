@@ -205,3 +205,59 @@ def test_every_task_of_every_key_runs_and_the_bound_holds_at_every_start(
     hints = {f"k{i}": int(peak_mib * MiB * 1.2) for i, (_, peak_mib, _) in enumerate(spec)}
     run = simulate(jobs, hints, max_workers=max_workers, seed=seed, jitter=0.2)
     assert run.finished == len(jobs)
+
+
+def test_a_card_the_critical_key_cannot_use_still_takes_the_other_keys_tasks() -> None:
+    """Two cards: 40 GiB and 12 GiB. The large key's 19.8 GiB ask fits only the first; eight
+    small tasks (3.3 GiB) hold it. Ending two of them lets a large task start there, so the
+    small key leaves that card the room; the second card, where no large task can ever run,
+    still takes small tasks meanwhile (three of them) instead of standing empty."""
+    records: list[Decision] = []
+    policy = Policy(learned=True)
+    planner = Planner(
+        census=census_of(
+            [
+                card_census(device=0, total_bytes=40 * GiB, free_bytes=40 * GiB),
+                card_census(device=1, total_bytes=12 * GiB, free_bytes=12 * GiB),
+            ],
+            cpus=64,
+            available_ram_bytes=512 * GiB,
+        ),
+        asks=AskTable(policy=policy, default_estimate_bytes=20 * GiB),
+        config=PlannerConfig(max_workers=16, reserve_bytes=policy.reserve_bytes),
+        emit=records.append,
+    )
+    planner.construct(0.0)
+    task = 0
+
+    def submit(key: str, count: int, hint: int | None = None) -> None:
+        nonlocal task
+        for _ in range(count):
+            planner.submit(task, key, hint)
+            task += 1
+
+    def start_all(now: float) -> list[int]:
+        started = []
+        while isinstance(verdict := planner.next_start(now), Start):
+            planner.started(verdict.task, verdict.device, 100 + verdict.task, now)
+            started.append(verdict.task)
+        return started
+
+    submit("large", 1, 20 * GiB)
+    submit("small", 1, 4 * GiB)
+    start_all(0.0)
+    for ran, (peak, now) in zip(
+        list(planner.running), [(18 * GiB, 1.0), (3 * GiB, 2.0)], strict=True
+    ):
+        planner.finished(ran, PeakReport(device=0, device_peak_bytes=peak, device_source="s"), now)
+    submit("small", 8)
+    assert len(start_all(2.0)) == 8
+    assert {r.device for r in planner.running.values()} == {0}
+    submit("large", 10)
+    submit("small", 20)
+    start_all(2.0)
+    on_second = [r for r in planner.running.values() if r.device == 1]
+    assert [r.key for r in on_second] == ["small"] * 3
+    assert not [r for r in planner.running.values() if r.key == "large"]
+    assert sum(1 for r in planner.running.values() if r.device == 0) == 8
+    assert [r for r in records if r.event == "critical_wait"]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
-from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner import Planner, PlannerConfig, Retry, Start
 from gpupool._core.policy import MARGIN_FLOOR_BYTES
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
@@ -159,3 +159,117 @@ def test_the_planner_books_a_sized_task_at_its_own_ask_and_keeps_it() -> None:
     planner.finished(2, report, 0.5)
     assert planner.running[0].booked_bytes == asks.ask_for("k", 1.0).ask_bytes
     assert planner.running[1].booked_bytes == asks.ask_for("k", 8.0).ask_bytes
+
+
+class _CountingSize(float):
+    """A size that counts how often the table reads it (compares it or computes with it)."""
+
+    reads = 0
+
+    def _read(self, name: str, *args: object) -> object:
+        _CountingSize.reads += 1
+        return getattr(float, name)(self, *args)
+
+    def __lt__(self, other: object) -> bool:
+        return bool(self._read("__lt__", other))
+
+    def __le__(self, other: object) -> bool:
+        return bool(self._read("__le__", other))
+
+    def __gt__(self, other: object) -> bool:
+        return bool(self._read("__gt__", other))
+
+    def __ge__(self, other: object) -> bool:
+        return bool(self._read("__ge__", other))
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self._read("__eq__", other))
+
+    def __hash__(self) -> int:
+        return float.__hash__(self)
+
+    def __sub__(self, other: float) -> float:
+        return float(self._read("__sub__", other))  # type: ignore[arg-type]
+
+    def __rsub__(self, other: float) -> float:
+        return float(self._read("__rsub__", other))  # type: ignore[arg-type]
+
+    def __add__(self, other: float) -> float:
+        return float(self._read("__add__", other))  # type: ignore[arg-type]
+
+    def __radd__(self, other: float) -> float:
+        return float(self._read("__radd__", other))  # type: ignore[arg-type]
+
+    def __mul__(self, other: float) -> float:
+        return float(self._read("__mul__", other))  # type: ignore[arg-type]
+
+    def __rmul__(self, other: float) -> float:
+        return float(self._read("__rmul__", other))  # type: ignore[arg-type]
+
+    def __truediv__(self, other: float) -> float:
+        return float(self._read("__truediv__", other))  # type: ignore[arg-type]
+
+
+def test_pricing_a_size_does_not_read_every_measurement_again() -> None:
+    """The dispatcher prices every pending task in its look-ahead (64) before every start, and
+    every running sized task of a key when one of its tasks ends: pricing one size reads a
+    handful of the key's measurements (a search among the sizes), not all of them. 4,000
+    measured tasks at 40 sizes; ten asks read their stored sizes at most 200 times in all
+    (reading each measurement again would be 40,000 reads and more)."""
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=20 * GiB)
+    for i in range(4000):
+        size = float(i % 40 + 1)
+        asks.measure("k", linear(size, (i % 7) * MiB), size=_CountingSize(size))
+    _CountingSize.reads = 0
+    for query in range(1, 11):
+        assert asks.ask_for("k", float(query) * 4.5).ask_bytes > 0
+    assert _CountingSize.reads <= 200, _CountingSize.reads
+
+
+def test_sizes_too_large_to_square_are_priced_and_do_not_raise() -> None:
+    """Sizes are the caller's unit: 1e160 of them squares past a float. A line fitted over them
+    (or, before it, an input 1e300 times the largest) still gets an ask, at least the key's
+    ask past the sizes measured, instead of an OverflowError that would stop the pool."""
+    asks = table([(s * 1e160, linear(s)) for s in (1.0, 2.0, 3.0, 4.0, 5.0)])
+    key_ask = asks.ask("k").ask_bytes
+    assert asks.ask_for("k", 2.5e160).ask_bytes <= key_ask
+    assert asks.ask_for("k", 8e160).ask_bytes >= key_ask
+    before_fit = table([(1.0, linear(1)), (2.0, linear(2))])
+    huge = before_fit.ask_for("k", 1e300)
+    assert huge.ask_bytes >= before_fit.ask("k").ask_bytes
+    assert "predicted for size" in huge.describe()
+
+
+def test_a_sized_task_that_passed_its_own_ask_is_not_taken_for_something_else_growing() -> None:
+    """A size-2 task booked at its own 3.06 GiB ask beside a size-1 task reached 4 GiB and asked
+    for 1 GiB more: it passed its ask, as the out-of-memory record says. The key's ask (12 GiB,
+    its estimate) is not what it was booked at, so the card is not capped at one task for the
+    rest of the run (that cap is for a task that stayed within its booking), and its retry is
+    priced above what it needed."""
+    records: list[Decision] = []
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=12 * GiB)
+    for s in range(1, 9):
+        asks.measure("k", linear(s), size=float(s))
+    planner = Planner(
+        census=census_of([card_census(total_bytes=40 * GiB, free_bytes=40 * GiB)]),
+        asks=asks,
+        config=PlannerConfig(max_workers=8, reserve_bytes=0),
+        emit=records.append,
+    )
+    planner.construct(0.0)
+    planner.submit(0, "k", size=2.0)
+    planner.submit(1, "k", size=1.0)
+    for pid in (100, 101):
+        verdict = planner.next_start(0.0)
+        assert isinstance(verdict, Start)
+        planner.started(verdict.task, verdict.device, pid, 0.0)
+    booked = planner.running[0].booked_bytes
+    assert booked < 3.5 * GiB < asks.ask("k").ask_bytes
+    report = PeakReport(
+        device=0, device_peak_bytes=4 * GiB, oom_requested_bytes=GiB, device_source="simulator"
+    )
+    outcome = planner.out_of_memory(0, report, None, 1.0, error="CUDA out of memory")
+    assert isinstance(outcome, Retry)
+    assert planner.cards[0].oom_cap is None
+    assert "underestimated" in outcome.reason and "stayed within" not in outcome.reason
+    assert asks.ask_for("k", 2.0).ask_bytes >= 5 * GiB

@@ -4,6 +4,7 @@ those before it is priced for its size."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import sized_tasks
@@ -38,3 +39,22 @@ def test_a_larger_input_is_priced_for_its_size_and_runs_out_of_nothing() -> None
             stats = ex.statistics()
         assert host.out_of_memory_events == []
         assert stats.out_of_memory == 0 and stats.retries == 0
+
+
+def test_a_size_of_any_real_number_type_is_taken_and_one_too_large_is_refused() -> None:
+    """Sizes come from numpy shapes and products (``numpy.int64``, ``numpy.float32``) as often
+    as from ``len``: any real number is a size, read as a float. An int too large for a float
+    (10**400) is refused with the same ConfigurationError, not an OverflowError."""
+    numpy = pytest.importorskip("numpy")
+    sizes = [numpy.int64(2), numpy.float32(1.5), numpy.float64(1.0), Fraction(1, 2), 10**300]
+    with gt.SimulatedHost([gt.SimulatedDevice("8GiB")], cpus=4, host_ram="16GiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+            futures = [
+                ex.options(key="k", size=size).submit(sized_tasks.hold_for_size, i, 0.1)
+                for i, size in enumerate(sizes)
+            ]
+            assert [f.result(timeout=120) for f in futures] == list(range(len(sizes)))
+            with pytest.raises(ConfigurationError, match="positive, finite number"):
+                ex.options(key="k", size=10**400)
+            with pytest.raises(ConfigurationError, match="positive, finite number"):
+                ex.options(key="k", size=numpy.float64("nan"))

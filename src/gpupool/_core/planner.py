@@ -817,11 +817,13 @@ class Planner:
         reached = report.device_peak_bytes
         requested = report.oom_requested_bytes
         lower = (reached or 0) + (requested or 0)
-        before = self.asks.ask(run.key)
+        # The task's own ask (a sized task's was predicted for its size, not the key's).
+        before = self.asks.ask_for(run.key, run.size)
         floor = before.ask_bytes
         if lower > floor:
             floor = lower + self.asks.policy.margin_for(lower)
-        after = self.asks.floor(run.key, floor)
+        self.asks.floor(run.key, floor)
+        after = self.asks.ask_for(run.key, run.size)
         self._rebook(run.key)
         others = [r for r in self.running.values() if r.device == device]
         running_then = len(others) + 1
@@ -1342,13 +1344,15 @@ class Planner:
             # The queue's head was passed a ceiling's worth of times in a row: it goes next.
             candidates, critical = [head], None
         gate_shut = False
+        held: int | None = None
         for position, task in enumerate(candidates):
             if position == 1 and critical is not None:
-                card = self._holds_for(self.ask_of(candidates[0]), candidates[0])
-                if card is not None:
-                    self._critical_wait(critical, self.tasks[task].key, card, now_s)
-                    break
-            verdict, shut = self._try_start(task, now_s, running)
+                held = self._holds_for(self.ask_of(candidates[0]), candidates[0])
+                if held is not None:
+                    # The other keys leave that card's room to the critical key; a card it
+                    # cannot use now still takes their tasks.
+                    self._critical_wait(critical, self.tasks[task].key, held, now_s)
+            verdict, shut = self._try_start(task, now_s, running, held=held)
             gate_shut = gate_shut or shut
             if verdict is not None:
                 self._head_skips = 0 if task == head else self._head_skips + 1
@@ -1365,6 +1369,7 @@ class Planner:
         if (
             len(firsts) < 2
             or not self.cards
+            or self.config.fixed_width is not None
             or any(self.tasks[t].key not in self._durations for t in firsts)
         ):
             return firsts, None
@@ -1464,8 +1469,10 @@ class Planner:
         )
 
     def _try_start(
-        self, task: TaskId, now_s: float, running: int
+        self, task: TaskId, now_s: float, running: int, *, held: int | None = None
     ) -> tuple[Start | Fail | None, bool]:
+        """Start ``task`` on a card that admits it, never on ``held`` (a card whose room is
+        left to the critical key; never set under a fixed width)."""
         state = self.tasks[task]
         if not self.cards:
             return Start(task=task, device=None, ask_bytes=0), False
@@ -1494,7 +1501,7 @@ class Planner:
             ),
         )
         for index in order:
-            if index in state.avoid and len(state.avoid) < len(self.cards):
+            if index == held or (index in state.avoid and len(state.avoid) < len(self.cards)):
                 continue
             verdict = self._admits_on(index, ask, now_s)
             if verdict == "no":
@@ -1509,7 +1516,12 @@ class Planner:
             booked = ask.next_bytes(self._same_key(ask.key, index))
             start = Start(task=task, device=index, ask_bytes=ask.ask_bytes, booked_bytes=booked)
             return start, False
-        if state.room_wait_until_s is not None and now_s >= state.room_wait_until_s:
+        if (
+            held is None
+            and state.room_wait_until_s is not None
+            and now_s >= state.room_wait_until_s
+        ):
+            # (Not while a card was left to the critical key: that card may have its room.)
             return self._expired(task, state, ask), gate_shut
         return None, gate_shut
 

@@ -17,6 +17,7 @@ Two rules hold whatever the measurements say:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -90,6 +91,19 @@ _SPREAD_FROM_SAMPLES = 3
 #: A line of peak on input size is fitted from four sized measurements (two degrees of
 #: freedom: the 99.9 % t quantile is 22.3; with one it is 318).
 _FIT_FROM_SAMPLES = 4
+
+#: The most a sized ask is priced at: 1 EiB, more than any card, so a task predicted past it
+#: starts only at the serial floor (a size the caller's unit makes astronomical is no float
+#: overflow that stops the pool).
+_SIZED_ASK_LIMIT_BYTES = 2**60
+
+
+def _whole_bytes(value: float) -> int:
+    """``value`` rounded up to whole bytes, at most :data:`_SIZED_ASK_LIMIT_BYTES` (an
+    infinite or undefined figure, from sizes whose squares pass a float, is the limit)."""
+    if not value < _SIZED_ASK_LIMIT_BYTES:
+        return _SIZED_ASK_LIMIT_BYTES
+    return max(0, math.ceil(value))
 
 
 def _t_999(dof: int) -> float:
@@ -274,8 +288,55 @@ class _KeyState:
     m2: float = 0.0
     # What an out-of-memory proved: the ask never falls below it.
     floor_bytes: int = 0
-    # (size, peak) of each measured task that was given a size.
-    sized: list[tuple[float, int]] = field(default_factory=list)
+    # The measured tasks that were given a size: how many, and the running means and
+    # centred sums of squares and products of size and peak (Welford), so that pricing a
+    # size does not read every measurement again.
+    sized: int = 0
+    size_mean: float = 0.0
+    size_peak_mean: float = 0.0
+    size_sxx: float = 0.0
+    size_sxy: float = 0.0
+    size_spp: float = 0.0
+    largest_size: float = 0.0
+    peak_at_largest: int = 0
+    # The largest peak measured at a size up to each size: sizes ascending, each listed
+    # where that largest peak rises (a search finds it for any size).
+    step_sizes: list[float] = field(default_factory=list)
+    step_peaks: list[int] = field(default_factory=list)
+
+    def add_sized(self, size: float, peak_bytes: int) -> None:
+        """Count one measured task of ``size`` that peaked at ``peak_bytes``."""
+        self.sized += 1
+        d_size = size - self.size_mean
+        d_peak = peak_bytes - self.size_peak_mean
+        self.size_mean += d_size / self.sized
+        self.size_peak_mean += d_peak / self.sized
+        self.size_sxx += d_size * (size - self.size_mean)
+        self.size_sxy += d_size * (peak_bytes - self.size_peak_mean)
+        self.size_spp += d_peak * (peak_bytes - self.size_peak_mean)
+        if self.sized == 1 or size > self.largest_size:
+            self.largest_size, self.peak_at_largest = size, peak_bytes
+        elif size == self.largest_size:
+            self.peak_at_largest = max(self.peak_at_largest, peak_bytes)
+        at = bisect.bisect_right(self.step_sizes, size)
+        if at and self.step_peaks[at - 1] >= peak_bytes:
+            return  # a peak as large was measured at a size up to this one
+        if at and self.step_sizes[at - 1] == size:
+            at -= 1
+            self.step_peaks[at] = peak_bytes
+        else:
+            self.step_sizes.insert(at, size)
+            self.step_peaks.insert(at, peak_bytes)
+        end = at + 1
+        while end < len(self.step_peaks) and self.step_peaks[end] <= peak_bytes:
+            end += 1
+        del self.step_sizes[at + 1 : end]
+        del self.step_peaks[at + 1 : end]
+
+    def peak_up_to(self, size: float) -> int | None:
+        """The largest peak measured at a size up to ``size`` (``None``: none was)."""
+        at = bisect.bisect_right(self.step_sizes, size)
+        return self.step_peaks[at - 1] if at else None
 
 
 @dataclass(slots=True)
@@ -312,7 +373,7 @@ class AskTable:
         self._cache.pop(key, None)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
         if size is not None:
-            state.sized.append((size, peak_bytes))
+            state.add_sized(size, peak_bytes)
         state.samples += 1
         delta = peak_bytes - state.mean_bytes
         state.mean_bytes += delta / state.samples
@@ -422,36 +483,37 @@ class AskTable:
         if size is None or state is None or not state.sized or base.basis != "measured":
             return base
         granule = self.policy.margin_floor_bytes
-        largest = max(s for s, _ in state.sized)
-        at_largest = max(p for s, p in state.sized if s == largest)
+        largest = state.largest_size
         predicted: float | None = None
         bound: float | None = None
-        n = len(state.sized)
-        if n >= _FIT_FROM_SAMPLES:
-            mean_s = sum(s for s, _ in state.sized) / n
-            mean_p = sum(p for _, p in state.sized) / n
-            sxx = sum((s - mean_s) ** 2 for s, _ in state.sized)
-            sxy = sum((s - mean_s) * (p - mean_p) for s, p in state.sized)
-            if sxx > 0 and sxy > 0:
-                slope = sxy / sxx
-                intercept = mean_p - slope * mean_s
-                sse = sum((p - intercept - slope * s) ** 2 for s, p in state.sized)
-                sigma = math.sqrt(sse / (n - 2))
-                predicted = intercept + slope * size
-                bound = predicted + _t_999(n - 2) * sigma * math.sqrt(
-                    1 + 1 / n + (size - mean_s) ** 2 / sxx
-                )
+        n = state.sized
+        sxx, sxy = state.size_sxx, state.size_sxy
+        if (
+            n >= _FIT_FROM_SAMPLES
+            and sxx > 0
+            and sxy > 0
+            and math.isfinite(sxx)
+            and math.isfinite(sxy)
+            and math.isfinite(state.size_spp)
+        ):
+            slope = sxy / sxx
+            intercept = state.size_peak_mean - slope * state.size_mean
+            sse = max(0.0, state.size_spp - slope * sxy)
+            sigma = math.sqrt(sse / (n - 2))
+            predicted = intercept + slope * size
+            away = size - state.size_mean
+            bound = predicted + _t_999(n - 2) * sigma * math.sqrt(1 + 1 / n + away * away / sxx)
         if bound is None or predicted is None:
             if size <= largest:
                 return base
-            ask = math.ceil(base.ask_bytes * size / largest)
-            predicted = at_largest * size / largest
+            ask = _whole_bytes(base.ask_bytes * (size / largest))
+            predicted = state.peak_at_largest * (size / largest)
         else:
-            below = [p for s, p in state.sized if s <= size]
-            ask = math.ceil(max(bound + granule, max(below, default=0) + granule))
+            below = state.peak_up_to(size) or 0
+            ask = max(_whole_bytes(bound + granule), below + granule)
             ask = min(ask, base.ask_bytes) if size <= largest else max(ask, base.ask_bytes)
         ask = max(1, ask, state.floor_bytes)
-        peak = max(0, round(predicted))
+        peak = _whole_bytes(max(0.0, predicted))
         return dataclasses.replace(
             base,
             ask_bytes=ask,

@@ -13,6 +13,7 @@ import itertools
 import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
 import signal
 import threading
@@ -637,20 +638,22 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             _size(task_peak, "task_peak", allow_zero=False)
         if key is not None and not isinstance(key, str):
             raise ConfigurationError(f"key={key!r}: a task key must be a str.")
-        if size is not None and (
-            isinstance(size, bool)
-            or not isinstance(size, (int, float))
-            or not math.isfinite(size)
-            or size <= 0
-        ):
-            raise ConfigurationError(
-                f"size={size!r}: a task's input size must be a positive, finite number "
-                "(tokens, rows, bytes: one unit for every task of the key)."
-            )
-        return _OptionsView(
-            self,
-            TaskOptions(key=key, task_peak=task_peak, size=None if size is None else float(size)),
-        )
+        value: float | None = None
+        if size is not None:
+            # Any real number (numpy's included) is a size, read as a float; one too large
+            # for a float is refused as any other bad size is.
+            value = math.nan
+            if isinstance(size, numbers.Real) and not isinstance(size, bool):
+                try:
+                    value = float(size)
+                except (ValueError, OverflowError):
+                    pass
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigurationError(
+                    f"size={size!r}: a task's input size must be a positive, finite number "
+                    "(tokens, rows, bytes: one unit for every task of the key)."
+                )
+        return _OptionsView(self, TaskOptions(key=key, task_peak=task_peak, size=value))
 
     def _submit(
         self,
