@@ -186,7 +186,8 @@ class PoolStatistics:
         widths: ``(time_s, width)`` at each decision that changed the width.
         asks: each task key's current ask, with its basis.
         widths_by_key: for each key with work pending or running, how many
-            of its tasks could run at once beside the other keys' running tasks.
+            of its tasks could run at once beside the other keys' running tasks
+            (each at the key's own ask, not at a size given with ``options``).
         serial_starts: starts past the bound (the serial floor).
         log_write_errors: decision records the log file could not take (a full
             disk, a file-size limit); they are still in the pool's ``decisions``.
