@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool._core import AskTable, Policy
+from gpupool._core.census import CardCensus
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
@@ -39,6 +40,23 @@ class Run:
     finished: int = 0
 
 
+def learned_planner(
+    cards: list[CardCensus], records: list[Decision], *, estimate_bytes: int, max_workers: int
+) -> Planner:
+    """A constructed planner with the learned margin on ``cards`` (64 CPUs, 512 GiB of RAM)."""
+    policy = Policy(learned=True)
+    planner = Planner(
+        census=census_of(cards, cpus=64, available_ram_bytes=512 * GiB),
+        asks=AskTable(policy=policy, default_estimate_bytes=estimate_bytes),
+        config=PlannerConfig(
+            max_workers=max_workers, reserve_bytes=policy.reserve_bytes, parent_pid=1
+        ),
+        emit=records.append,
+    )
+    planner.construct(0.0)
+    return planner
+
+
 def simulate(
     jobs: list[Job],
     hints: dict[str, int],
@@ -52,27 +70,15 @@ def simulate(
     jitter up to ``jitter``, and 5 ms of dispatch), ends one at a time, and reports its peak.
     Asserts the bound at every start."""
     out = Run()
-    policy = Policy(learned=True)
-    census = census_of(
-        [
-            card_census(
-                total_bytes=TOTAL_BYTES,
-                free_bytes=TOTAL_BYTES - CO_TENANT_BYTES - OWN_BYTES,
-                own_bytes=OWN_BYTES,
-            )
-        ],
-        cpus=64,
-        available_ram_bytes=512 * GiB,
+    card = card_census(
+        total_bytes=TOTAL_BYTES,
+        free_bytes=TOTAL_BYTES - CO_TENANT_BYTES - OWN_BYTES,
+        own_bytes=OWN_BYTES,
     )
-    planner = Planner(
-        census=census,
-        asks=AskTable(policy=policy, default_estimate_bytes=max(hints.values())),
-        config=PlannerConfig(
-            max_workers=max_workers, reserve_bytes=policy.reserve_bytes, parent_pid=1
-        ),
-        emit=out.records.append,
+    planner = learned_planner(
+        [card], out.records, estimate_bytes=max(hints.values()), max_workers=max_workers
     )
-    planner.construct(0.0)
+    policy = planner.asks.policy
     for task, job in enumerate(jobs):
         planner.submit(task, job.key, hints.get(job.key))
     rng = random.Random(seed)
@@ -152,18 +158,8 @@ def test_the_key_with_most_work_left_runs_at_its_width_and_the_run_takes_eight_w
 def test_until_every_key_was_timed_the_queue_order_stands() -> None:
     """No task has ended yet: the first wave starts in the order submitted (the first fits)."""
     records: list[Decision] = []
-    policy = Policy(learned=True)
-    planner = Planner(
-        census=census_of(
-            [card_census(total_bytes=TOTAL_BYTES, free_bytes=30 * GiB, own_bytes=OWN_BYTES)],
-            cpus=64,
-            available_ram_bytes=512 * GiB,
-        ),
-        asks=AskTable(policy=policy, default_estimate_bytes=11 * GiB),
-        config=PlannerConfig(max_workers=8, reserve_bytes=policy.reserve_bytes),
-        emit=records.append,
-    )
-    planner.construct(0.0)
+    card = card_census(total_bytes=TOTAL_BYTES, free_bytes=30 * GiB, own_bytes=OWN_BYTES)
+    planner = learned_planner([card], records, estimate_bytes=11 * GiB, max_workers=8)
     order = ["small", "small", "large", "small", "large"]
     for task, key in enumerate(order):
         planner.submit(task, key, HINTS[key])
@@ -213,21 +209,11 @@ def test_a_card_the_critical_key_cannot_use_still_takes_the_other_keys_tasks() -
     small key leaves that card the room; the second card, where no large task can ever run,
     still takes small tasks meanwhile (three of them) instead of standing empty."""
     records: list[Decision] = []
-    policy = Policy(learned=True)
-    planner = Planner(
-        census=census_of(
-            [
-                card_census(device=0, total_bytes=40 * GiB, free_bytes=40 * GiB),
-                card_census(device=1, total_bytes=12 * GiB, free_bytes=12 * GiB),
-            ],
-            cpus=64,
-            available_ram_bytes=512 * GiB,
-        ),
-        asks=AskTable(policy=policy, default_estimate_bytes=20 * GiB),
-        config=PlannerConfig(max_workers=16, reserve_bytes=policy.reserve_bytes),
-        emit=records.append,
-    )
-    planner.construct(0.0)
+    cards = [
+        card_census(device=0, total_bytes=40 * GiB, free_bytes=40 * GiB),
+        card_census(device=1, total_bytes=12 * GiB, free_bytes=12 * GiB),
+    ]
+    planner = learned_planner(cards, records, estimate_bytes=20 * GiB, max_workers=16)
     task = 0
 
     def submit(key: str, count: int, hint: int | None = None) -> None:
