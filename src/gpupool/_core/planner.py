@@ -308,6 +308,12 @@ class _Card:
         return self.others.active_pools if self.others is not None else 0
 
 
+def _next_booking(ask: Ask, busy: list[_Run]) -> int:
+    """What one more task at ``ask`` books beside ``busy`` (a card's running tasks): its share
+    of its key's price together with the key's tasks among them."""
+    return ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+
+
 class Planner:
     """Owns every price, admission and width decision of one pool.
 
@@ -351,7 +357,7 @@ class Planner:
         self._head_skips = 0
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()
-        self._durations: dict[str, tuple[int, float]] = {}
+        self._durations_s: dict[str, tuple[int, float]] = {}
         self._critical_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()
         self.width = self._width_now()
@@ -742,9 +748,9 @@ class Planner:
         if run is not None:
             self._rebook(run.key)
         if run is not None and not failed:
-            count, mean = self._durations.get(run.key, (0, 0.0))
-            took = max(0.0, now_s - run.started_s)
-            self._durations[run.key] = (count + 1, mean + (took - mean) / (count + 1))
+            count, mean_s = self._durations_s.get(run.key, (0, 0.0))
+            took_s = max(0.0, now_s - run.started_s)
+            self._durations_s[run.key] = (count + 1, mean_s + (took_s - mean_s) / (count + 1))
         if run is None or report is None:
             return
         self._learn_rss(report, now_s)
@@ -1370,7 +1376,7 @@ class Planner:
             len(firsts) < 2
             or not self.cards
             or self.config.fixed_width is not None
-            or any(self.tasks[t].key not in self._durations for t in firsts)
+            or any(self.tasks[t].key not in self._durations_s for t in firsts)
         ):
             return firsts, None
 
@@ -1379,13 +1385,9 @@ class Planner:
             ask = self.asks.ask(key)
             alone = 0
             for index in range(len(self.cards)):
-                room = self.bound(index, ask).room_bytes
-                alone += (
-                    1
-                    if room is None
-                    else fits_together(ask.together_bytes, room, self.ceiling.value)
-                )
-            duration_s = self._durations[key][1]
+                fits = self.bound(index, ask).tasks_fit
+                alone += 1 if fits is None else fits
+            duration_s = self._durations_s[key][1]
             width = max(1, min(alone, self.ceiling.value))
             return self._pending_by_key[key] * duration_s / width, duration_s, width
 
@@ -1533,7 +1535,7 @@ class Planner:
         if card.oom_cap is not None and len(busy) >= card.oom_cap:
             return "no"
         room = self.bound(index, ask).room_bytes
-        next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+        next_bytes = _next_booking(ask, busy)
         if not admits(next_bytes, [r.booked_bytes for r in busy], room):
             return "no"
         if not self._within_share(index, next_bytes, busy, room, now_s):
@@ -1684,7 +1686,7 @@ class Planner:
         held = self._idle_worker_bytes(index, ask, busy)
         return live_gate_admits(
             live_free_bytes=reading.free_bytes + held,
-            ask_bytes=ask.next_bytes(sum(1 for r in busy if r.key == ask.key)),
+            ask_bytes=_next_booking(ask, busy),
             unreached_bytes=unreached,
             reserve_bytes=self.config.reserve_bytes,
         )
@@ -1706,7 +1708,7 @@ class Planner:
         ]
         if not idle:
             return 0
-        next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+        next_bytes = _next_booking(ask, busy)
         return max(0, min(next_bytes, *idle))
 
     def _gate_shut(self, index: int, ask: Ask, busy: list[_Run], now_s: float) -> None:
@@ -1726,7 +1728,7 @@ class Planner:
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
         unreached += card.others_unreached_bytes
         held = self._idle_worker_bytes(index, ask, busy)
-        next_bytes = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
+        next_bytes = _next_booking(ask, busy)
         episodes = card.gate_episodes
         card.gate_recorded_s = now_s
         card.gate_episodes = 0
