@@ -217,7 +217,8 @@ def test_plan_human_output_has_every_term(capsys: pytest.CaptureFixture[str]) ->
         "ask 9.90 GiB (estimated",
         "ask 7.02 GiB (measured",
         "max_workers=4",
-        "cpus=16",
+        # As a pool: an explicit max_workers is not capped by the CPU count.
+        "cpus=None",
     ):
         assert term in out, term
     assert out.rstrip().splitlines()[-1].split() == ["width", "2"]
@@ -253,7 +254,9 @@ def test_plan_live_without_driver_is_host_bounded(capsys: pytest.CaptureFixture[
     ceiling = data["ceiling"]
     assert isinstance(ceiling, dict)
     assert data["width"] == ceiling["value"]
-    assert data["width"] == min(64, ceiling["cpus"])
+    # As a pool: max_workers=64 given is not capped by the CPUs (host RAM may cap it).
+    assert ceiling["cpus"] is None
+    assert data["width"] <= 64
     assert any("no device" in str(note) for note in data["notes"])  # type: ignore[attr-defined]
     assert main(["plan"]) == 0
     assert "no device" in capsys.readouterr().out
@@ -369,6 +372,41 @@ def test_plot_format_errors_are_usage_errors(
         main(["plot", str(small_log), *argv])
     assert info.value.code == EXIT_USAGE
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("total", "co_tenant", "peak", "max_workers", "cards"),
+    [
+        ("24GiB", "4GiB", "5.5GiB", 6, 1),
+        ("40GiB", "0", "18GiB", 6, 1),
+        ("12GiB", "1GiB", "2GiB", 3, 2),
+        ("80GiB", "30GiB", "7GiB", 16, 1),
+    ],
+)
+def test_plan_states_what_the_pool_constructs(
+    capsys: pytest.CaptureFixture[str],
+    total: str,
+    co_tenant: str,
+    peak: str,
+    max_workers: int,
+    cards: int,
+) -> None:
+    """``gpupool plan`` asks the planner: on the same host it states the width, and each
+    card's width, that a pool constructed there records."""
+    from gpupool import GpuPoolExecutor
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+
+    devices = [SimulatedDevice(total, co_tenants={"other": co_tenant}) for _ in range(cards)]
+    with SimulatedHost(devices, cpus=4, host_ram="64GiB"):
+        argv = ["plan", "--json", "--task-peak", peak, "--max-workers", str(max_workers)]
+        data = run_json(capsys, argv)
+        with GpuPoolExecutor(max_workers=max_workers, task_peak=peak) as pool:
+            constructed = [d for d in pool.decisions if d.event == "constructed"]
+            assert data["width"] == pool.width
+    assert [d.width_after for d in constructed] == [
+        device["width"]  # type: ignore[index]
+        for device in data["devices"]  # type: ignore[attr-defined]
+    ]
 
 
 def test_what_if_plans_do_not_read_this_machine(capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,16 +96,16 @@ def _reexported_from_pure(name: str) -> bool:
 
 
 def core_files() -> list[Path]:
-    return sorted(CORE.glob("*.py"))
+    return sorted(CORE.rglob("*.py"))
 
 
 def test_the_core_is_where_this_test_looks() -> None:
     """The check is not vacuous: it finds the core's modules, bound.py among them."""
-    names = {path.name for path in core_files()}
-    assert {"__init__.py", "bound.py", "census.py", "units.py"} <= names
+    names = {path.relative_to(CORE).as_posix() for path in core_files()}
+    assert {"__init__.py", "bound.py", "census.py", "units.py", "planner/fit.py"} <= names
 
 
-@pytest.mark.parametrize("path", core_files(), ids=lambda path: path.name)
+@pytest.mark.parametrize("path", core_files(), ids=lambda path: path.relative_to(CORE).as_posix())
 def test_core_module_imports_nothing_from_the_world(path: Path) -> None:
     """No _core module imports an I/O, clock, process or device module, or gpupool's I/O layers."""
     assert violations(path.read_text(encoding="utf-8")) == []
@@ -156,8 +156,9 @@ def test_the_checker_catches_what_it_should(source: str, expected: list[str]) ->
     assert violations(source) == expected
 
 
-#: The pricing functions of the core. The planner calls them; the process layer
-#: (the dispatcher, the executor) must not, so that no start is decided there.
+#: The pricing functions of the core. The planner's rules call them; nothing outside the
+#: planner may (the process layer, the CLI, the postmortem), so that every start and every
+#: width stated anywhere is decided in one place.
 PRICING = frozenset(
     {
         "admits",
@@ -165,10 +166,18 @@ PRICING = frozenset(
         "decide_widths",
         "derive_bound",
         "derive_ceiling",
+        "fits_together",
         "live_gate_admits",
         "learned_margin",
+        "card_bound",
+        "fit",
+        "live_gate",
+        "card_widths",
     }
 )
+
+#: Where pricing may happen: the planner's package, and the modules that define the terms.
+PRICES = ("_core/planner/", "_core/bound.py", "_core/policy.py", "_core/__init__.py")
 
 
 def _pricing_imports(source: str) -> list[str]:
@@ -181,15 +190,31 @@ def _pricing_imports(source: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", ["dispatcher.py", "executor.py"])
-def test_the_process_layer_prices_nothing(name: str) -> None:
-    """Every price, admission and width decision is the planner's: the pool layer imports none
-    of the core's pricing functions."""
-    path = CORE.parent / "_pool" / name
+def _outside_the_planner() -> list[Path]:
+    package = CORE.parent
+    return sorted(
+        path
+        for path in package.rglob("*.py")
+        if not path.relative_to(package).as_posix().startswith(PRICES)
+    )
+
+
+def test_the_pricing_check_looks_everywhere() -> None:
+    """The check reads the process layer, the CLI and the rest of the core."""
+    names = {path.relative_to(CORE.parent).as_posix() for path in _outside_the_planner()}
+    assert {"_pool/dispatcher.py", "_pool/executor.py", "cli.py", "_core/events.py"} <= names
+
+
+@pytest.mark.parametrize(
+    "path", _outside_the_planner(), ids=lambda path: path.relative_to(CORE.parent).as_posix()
+)
+def test_nothing_outside_the_planner_prices(path: Path) -> None:
+    """Every price, admission and width decision is the planner's: no module outside it (the
+    process layer, ``gpupool plan``, the postmortem) imports a pricing function."""
     assert _pricing_imports(path.read_text(encoding="utf-8")) == []
 
 
 def test_the_pricing_check_is_not_vacuous() -> None:
-    """The check flags a pricing import, and the planner (which prices) is flagged by it."""
+    """The check flags a pricing import, and the planner's fit (which prices) is flagged by it."""
     assert _pricing_imports("from gpupool._core.bound import admits") == ["line 1: admits"]
-    assert _pricing_imports((CORE / "planner.py").read_text(encoding="utf-8"))
+    assert _pricing_imports((CORE / "planner" / "fit.py").read_text(encoding="utf-8"))

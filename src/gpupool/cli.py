@@ -27,15 +27,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpupool._core.bound import (
-    Bound,
-    Ceiling,
-    WidthDecision,
-    decide_widths,
-    derive_bound,
-    derive_ceiling,
-)
+from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import CardCensus, Census, HostCensus
+from gpupool._core.planner import DEFAULT_CHILD_RSS_PRIOR_BYTES, PlannerConfig, what_if
 from gpupool._core.policy import DEFAULT_RESERVE_BYTES, Ask, AskTable, Policy
 from gpupool._core.units import format_size, parse_size
 from gpupool._errors import InvalidSizeError, SensorError
@@ -476,15 +470,15 @@ def _ceiling_json(ceiling: Ceiling) -> dict[str, Any]:
     }
 
 
+#: The widest a plan without max_workers or a CPU count is planned at (what the cards hold).
+MAX_PLANNED_WIDTH = 4096
+
+
 def _phase(
-    cards: Sequence[CardCensus],
-    *,
-    ask: Ask | None,
-    own_high_water: Sequence[int],
-    reserve_bytes: int,
-    ceiling: Ceiling,
+    census: Census, *, asks: AskTable, ask: Ask | None, config: PlannerConfig
 ) -> dict[str, Any]:
-    """One width decision (estimated or measured) as a JSON-ready dict with every term."""
+    """One width decision (estimated or measured) as a JSON-ready dict with every term: the
+    planner's own, asked of a planner built on ``census`` (the plan prices nothing itself)."""
     phase: dict[str, Any] = {
         "ask_bytes": None if ask is None else ask.ask_bytes,
         "ask_basis": None if ask is None else ask.basis,
@@ -492,25 +486,21 @@ def _phase(
         "estimate_bytes": None if ask is None else ask.estimate_bytes,
         "measured_peak_bytes": None if ask is None else ask.measured_peak_bytes,
         "margin_bytes": None if ask is None else ask.margin_bytes,
-        "reserve_bytes": reserve_bytes,
-        "ceiling": _ceiling_json(ceiling),
+        "reserve_bytes": config.reserve_bytes,
     }
-    if not cards or ask is None:
-        phase.update(width=ceiling.value, limit=ceiling.limit, devices=[])
-        return phase
-    bounds: list[Bound] = [
-        derive_bound(
-            card,
-            own_high_water_bytes=own,
-            reserve_bytes=reserve_bytes,
-            ask_bytes=ask.ask_bytes,
-            ask_basis=ask.basis,
+    if not census.cards or ask is None:
+        answer = what_if(census, asks, config, None)
+        phase.update(
+            ceiling=_ceiling_json(answer.ceiling),
+            width=answer.ceiling.value,
+            limit=answer.ceiling.limit,
+            devices=[],
         )
-        for card, own in zip(cards, own_high_water, strict=False)
-    ]
-    decisions = decide_widths(bounds, ceiling)
-    devices = [_bound_json(decision) for decision in decisions]
-    phase["width"] = sum(decision.width for decision in decisions)
+        return phase
+    answer = what_if(census, asks, config, ask)
+    devices = [_bound_json(decision) for decision in answer.decisions]
+    phase["ceiling"] = _ceiling_json(answer.ceiling)
+    phase["width"] = answer.width
     phase["devices"] = devices
     if len(devices) == 1:
         only = devices[0]
@@ -530,8 +520,8 @@ def _phase(
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
-    what_if = args.total is not None
-    if not what_if:
+    given_figures = args.total is not None
+    if not given_figures:
         for flag, value in (("--co-tenant", args.co_tenant), ("--own", args.own)):
             if value is not None:
                 parser.error(f"{flag} is a what-if figure: give --total with it")
@@ -541,7 +531,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         parser.error("--measured-peak needs --task-peak (the estimate it replaces)")
     reserve = DEFAULT_RESERVE_BYTES if args.reserve is None else args.reserve
     notes: list[str] = []
-    if what_if:
+    if given_figures:
         co_tenant = args.co_tenant or 0
         own = args.own or 0
         if co_tenant + own > args.total:
@@ -590,51 +580,54 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     host_ram = (
         args.host_ram if args.host_ram is not None else (host.available_ram_bytes if host else None)
     )
-    if args.max_workers is not None:
-        max_workers = args.max_workers
-    elif cpus is not None:
-        max_workers = cpus
-    else:
-        max_workers = _tasks_fit(cards, reserve=reserve, peak=args.measured_peak or args.task_peak)
-        notes.append(
-            f"max_workers not given: planned at {max_workers}, what the card holds "
-            "(a pool's default is its host's usable CPUs)"
-        )
-    ceiling = derive_ceiling(
-        max_workers=max_workers,
-        cpus=cpus,
-        host_ram_bytes=host_ram,
-        child_rss_bytes=args.child_rss,
-    )
     if args.margin is not None:
         policy = Policy(margin_bytes=args.margin, margin_fraction=0.0, reserve_bytes=reserve)
     else:
         policy = Policy(reserve_bytes=reserve)
+    table = AskTable(policy=policy, default_estimate_bytes=args.task_peak)
     estimated_ask: Ask | None = None
     measured_ask: Ask | None = None
     if args.task_peak is not None:
-        table = AskTable(policy=policy, default_estimate_bytes=args.task_peak)
         estimated_ask = table.ask("plan")
         if args.measured_peak is not None:
             measured_ask = table.measure("plan", args.measured_peak)
-    own_high_water = [card.own_bytes or 0 for card in cards]
-    estimated = _phase(
-        cards,
-        ask=estimated_ask,
-        own_high_water=own_high_water,
-        reserve_bytes=reserve,
-        ceiling=ceiling,
+    # The census a pool would take here (or the figures given), and the configuration it
+    # would have: as a pool, an explicit max_workers is not capped by the CPU count.
+    census = Census(
+        cards=tuple(cards),
+        host=HostCensus(
+            cpus=cpus if cpus is not None else 1,
+            available_ram_bytes=host_ram,
+            cpu_source="given" if args.cpus is not None or host is None else host.cpu_source,
+            ram_source="given" if args.host_ram is not None or host is None else host.ram_source,
+        ),
+        driver=driver,
+        sensor="given",
     )
+    rss_prior = args.child_rss if args.child_rss is not None else DEFAULT_CHILD_RSS_PRIOR_BYTES
+    if args.max_workers is not None or cpus is not None:
+        max_workers = args.max_workers if args.max_workers is not None else cpus
+        assert max_workers is not None
+    else:
+        # Neither max_workers nor a CPU count: plan as wide as the cards hold at the ask.
+        widest = PlannerConfig(max_workers=MAX_PLANNED_WIDTH, reserve_bytes=reserve)
+        answer = what_if(census, table, widest, measured_ask or estimated_ask)
+        max_workers = max(1, answer.width) if answer.decisions else 1
+        notes.append(
+            f"max_workers not given: planned at {max_workers}, what the card holds "
+            "(a pool's default is its host's usable CPUs)"
+        )
+    config = PlannerConfig(
+        max_workers=max_workers,
+        max_workers_given=args.max_workers is not None or cpus is None,
+        reserve_bytes=reserve,
+        child_rss_prior_bytes=rss_prior,
+    )
+    estimated = _phase(census, asks=table, ask=estimated_ask, config=config)
     measured = (
         None
         if measured_ask is None
-        else _phase(
-            cards,
-            ask=measured_ask,
-            own_high_water=own_high_water,
-            reserve_bytes=reserve,
-            ceiling=ceiling,
-        )
+        else _phase(census, asks=table, ask=measured_ask, config=config)
     )
     final = measured if measured is not None else estimated
     if not cards:
@@ -644,7 +637,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             else "no device is visible: a host-bounded process pool, as wide as the ceiling"
         )
     result: dict[str, Any] = {
-        "mode": "what-if" if what_if else "live",
+        "mode": "what-if" if given_figures else "live",
         "driver": driver,
         "device_count": len(cards),
         **final,
@@ -657,17 +650,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_plan(result, cards)
     return 0
-
-
-def _tasks_fit(cards: Sequence[CardCensus], *, reserve: int, peak: int | None) -> int:
-    """How many tasks of ``peak`` (margin aside) the cards hold: a what-if's default width."""
-    if peak is None:
-        return 1
-    fit = 0
-    for card in cards:
-        room = (card.total_bytes or 0) - (card.co_tenant_bytes or 0) - (card.own_bytes or 0)
-        fit += max(0, (room - reserve) // peak)
-    return max(1, fit)
 
 
 def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:

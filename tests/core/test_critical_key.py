@@ -103,7 +103,7 @@ def simulate(
                 break
             if not verdict.past_bound:
                 booked = sum(r.booked_bytes for r in planner.running.values())
-                assert booked + verdict.booking_bytes + terms <= TOTAL_BYTES
+                assert booked + verdict.booked_bytes + terms <= TOTAL_BYTES
             planner.started(verdict.task, verdict.device, 1000 + verdict.task, now)
             job = jobs[verdict.task]
             heapq.heappush(

@@ -159,7 +159,7 @@ class PlannerMachine(RuleBasedStateMachine):
             busy = [r for r in self.planner.running.values() if r.device == device]
             bound = self.planner.bound(device, ask)
             booking = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
-            assert verdict.booking_bytes == booking <= ask.ask_bytes
+            assert verdict.booked_bytes == booking <= ask.ask_bytes
             assert admits(booking, [r.booked_bytes for r in busy], bound.room_bytes)
             assert len(self.planner.running) < self.planner.ceiling.value
             cap = self.planner.cards[device].oom_cap
@@ -178,7 +178,9 @@ class PlannerMachine(RuleBasedStateMachine):
         run = self.planner.running[task]
         report = PeakReport(
             device=run.device,
-            device_peak_bytes=int(run.priced_bytes * factor) if run.device is not None else None,
+            device_peak_bytes=int(run.booked_at_start_bytes * factor)
+            if run.device is not None
+            else None,
             device_source="simulator",
             rss_peak_bytes=rss_mib * MiB,
         )
@@ -202,7 +204,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.pre_oom_ask[key] = max(self.pre_oom_ask.get(key, 0), ask_before)
         report = PeakReport(
             device=run.device,
-            device_peak_bytes=int(run.priced_bytes * reached),
+            device_peak_bytes=int(run.booked_at_start_bytes * reached),
             device_source="simulator",
             oom=True,
             oom_requested_bytes=requested_mib * MiB,

@@ -91,6 +91,8 @@ EventName = Literal[
     "live_gate_wait",
     "share_wait",
     "critical_wait",
+    "head_wait",
+    "cap_lifted",
     "serial_start",
     "out_of_memory",
     "worker_lost",
@@ -113,6 +115,10 @@ EVENTS: Mapping[str, str] = {
     "holds more than its share of",
     "critical_wait": "tasks of other keys were held back so that the key whose pending work "
     "would take longest can run one more at once",
+    "head_wait": "room was held on a card for the task at the queue's head, which smaller "
+    "tasks had passed a ceiling's worth of times; others start only beside that room",
+    "cap_lifted": "the cap an out-of-memory set on a card lifted: the live reading shows the "
+    "room it was set for back",
     "serial_start": "a task started although the live gate was shut: nothing else ran",
     "out_of_memory": "a task ran its card out of memory",
     "worker_lost": "a worker process died while running a task",

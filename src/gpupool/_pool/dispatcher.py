@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, cast
 import cloudpickle
 
 from gpupool._core.bookings import TaskBooking
-from gpupool._core.bound import Ceiling, WidthDecision
+from gpupool._core.bound import Ceiling
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
@@ -63,9 +63,11 @@ from gpupool._core.planner import (
     Fail,
     Planner,
     PlannerConfig,
+    Refuse,
     Retry,
     Start,
     Wait,
+    Warm,
 )
 from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
@@ -89,7 +91,6 @@ __all__ = [
     "Dispatcher",
     "WorkItem",
     "copy_broken",
-    "decision_dict",
     "interpreter_exiting",
 ]
 
@@ -577,6 +578,11 @@ class Dispatcher:
             if isinstance(verdict, Wait):
                 self._publish_waiting()
                 return verdict.poll_s
+            if isinstance(verdict, Refuse):
+                self._check_refusal()  # strict mode: the pool breaks
+                continue
+            if isinstance(verdict, Warm):  # pragma: no cover (no worker counts are given)
+                raise AssertionError("the planner asked to warm a worker it was not told of")
             item = self.items[verdict.task]
             if isinstance(verdict, Fail):
                 self.items.pop(verdict.task, None)
@@ -900,10 +906,10 @@ class Dispatcher:
         where = f"card {verdict.device}" if verdict.device is not None else "the pool"
         error = DeviceOutOfMemoryError(
             f"{where}: a task of {item.key} ran out of device memory and failed: "
-            f"{verdict.reason} (booked at {format_size(verdict.ask_bytes)}). Free the card, "
+            f"{verdict.reason} (booked at {format_size(verdict.booked_bytes)}). Free the card, "
             "or give a larger task_peak.",
             device=verdict.device,
-            ask_bytes=verdict.ask_bytes,
+            ask_bytes=verdict.booked_bytes,
             detail=str(exc) if exc is not None else verdict.kind,
         )
         error.__cause__ = exc
@@ -976,7 +982,7 @@ class Dispatcher:
         new = TaskBooking(
             worker_pid=worker_pid,
             key=self.items[start.task].key,
-            booked_bytes=start.booking_bytes,
+            booked_bytes=start.booked_bytes,
             reached_bytes=0,
         )
         waiting = self.planner.waiting_count(starting=True)
@@ -1157,13 +1163,6 @@ class Dispatcher:
                 _set_exception(
                     item.future, WorkerLostError("the pool stopped before this task ran")
                 )
-
-
-def decision_dict(decision: WidthDecision, width_before: int) -> dict[str, Any]:
-    """A width decision as the decision log writes it."""
-    return Decision.from_width(
-        "narrowed", decision, time_s=0.0, width_before=width_before, reason=decision.describe()
-    ).to_dict()
 
 
 def copy_broken(exc: BaseException | None, message: str) -> BaseException:

@@ -48,7 +48,6 @@ from gpupool._pool.dispatcher import (
     Dispatcher,
     WorkItem,
     copy_broken,
-    decision_dict,
     interpreter_exiting,
 )
 from gpupool._pool.worker import process_chunk
@@ -554,35 +553,23 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             pool_id=new_pool_id(),
         )
         try:
-            self._construct(peak_bytes, strict=strict)
+            self._construct(peak_bytes)
         except BaseException:
             self._dispatcher.close()  # no thread will: give its descriptors back
             raise
         self._dispatcher.start()
         weakref.finalize(self, self._dispatcher.request_shutdown)
 
-    def _construct(self, peak_bytes: int | None, *, strict: bool) -> None:
+    def _construct(self, peak_bytes: int | None) -> None:
         planner = self._dispatcher.planner
         self._dispatcher.read_census_terms()
         note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
         extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self._dispatcher.cap_allocator else {}
         # Time 0 is the census: the construction records say so, however long
         # the readings beside it took on a loaded host.
-        decisions = planner.construct(0.0, note=note, extra=extra)
-        if (
-            decisions
-            and strict
-            and planner.config.fixed_width is None
-            and planner.width < min(self._max_workers, planner.ceiling.value)
-        ):
-            narrow = min(decisions, key=lambda x: x.width)
-            message = (
-                f"strict mode: the bound gives width {planner.width}, below the requested "
-                f"{self._max_workers}: "
-                + "; ".join(x.describe() for x in decisions)
-                + ". Free the card, lower max_workers, or drop strict=True."
-            )
-            raise WidthError(message, decision=decision_dict(narrow, self._max_workers))
+        refused = planner.construct(0.0, note=note, extra=extra)
+        if refused is not None:
+            raise WidthError(refused.reason, decision=refused.decision.to_dict())
 
     # -- CPython compatibility attributes ------------------------------------------------
 

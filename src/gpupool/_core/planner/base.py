@@ -1,0 +1,172 @@
+"""The planner's state and the few steps every rule shares (pure core).
+
+:class:`PlannerBase` holds what one pool's planner knows: its cards (each
+holding its runs), its tasks, the pending queue, the asks, the ceiling and the
+counts. The rules are built on it in layers: :class:`~.views.Views` (every
+width, a view of the one fit), :class:`~.starts.Starts` (the next start) and
+:class:`~.planner.Planner` (the events).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable
+
+from gpupool._core.bound import Ceiling, derive_ceiling
+from gpupool._core.census import Census
+from gpupool._core.events import Decision
+from gpupool._core.planner.order import Hold
+from gpupool._core.planner.state import Card, Run, TaskState
+from gpupool._core.planner.verdicts import (
+    LOOKAHEAD,
+    PlannerConfig,
+    Refuse,
+    Retry,
+    Start,
+    TaskId,
+    Workers,
+)
+from gpupool._core.policy import Ask, AskTable
+
+__all__ = ["PlannerBase"]
+
+
+class PlannerBase:
+    """What the planner holds, and the steps its rules share.
+
+    Args:
+        census: the cards and the host as they stood at construction.
+        asks: the per-key asks (the planner is their only writer).
+        config: what the caller asked for.
+        emit: where decision records go (the decision log).
+        now_s: the time of construction.
+    """
+
+    def __init__(
+        self,
+        *,
+        census: Census,
+        asks: AskTable,
+        config: PlannerConfig,
+        emit: Callable[[Decision], None],
+        now_s: float = 0.0,
+    ) -> None:
+        self.census = census
+        self.asks = asks
+        self.config = config
+        self._emit = emit
+        self.cards = [
+            Card(index=i, census=card, own_high_water_bytes=card.own_bytes or 0)
+            for i, card in enumerate(census.cards)
+        ]
+        for card in self.cards:
+            card.recorded_own_bytes = card.own_high_water_bytes
+        self.tasks: dict[TaskId, TaskState] = {}
+        self.pending: collections.deque[TaskId] = collections.deque()
+        # Every run, by task; each card holds its own too (``card.runs``).
+        self.running: dict[TaskId, Run] = {}
+        self.child_rss_bytes: int | None = None
+        self.ceiling = self._derive_ceiling()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.widths: list[tuple[float, int]] = []
+        self.refused: Refuse | None = None
+        # Room held for the queue's head once it was passed a ceiling's worth of times.
+        self.hold: Hold | None = None
+        self._issued: dict[TaskId, Start] = {}
+        # The workers the process layer reported with the last ``next_start``.
+        self._workers: Workers | None = None
+        self._recorded_asks: dict[str, Ask] = {}
+        self._last_key: str = ""
+        self._head_skips = 0
+        # Pending tasks per key, and each key's measured task durations (count, mean seconds).
+        self._pending_by_key: collections.Counter[str] = collections.Counter()
+        self._durations_s: dict[str, tuple[int, float]] = {}
+        self._critical_recorded_s: float | None = None
+        self._hold_recorded_s: float | None = None
+        self._sensor_errors: set[tuple[int, str]] = set()
+        self.width = self._width_now()
+
+    @property
+    def refusal(self) -> str | None:
+        """Strict mode's refusal, once a narrowing was refused (``next_start`` returns it)."""
+        return self.refused.reason if self.refused is not None else None
+
+    @property
+    def refusal_decision(self) -> Decision | None:
+        """The record of the refused narrowing."""
+        return self.refused.decision if self.refused is not None else None
+
+    def _derive_ceiling(self) -> Ceiling:
+        host = self.census.host
+        fixed = self.config.fixed_width
+        rss = self.child_rss_bytes
+        return derive_ceiling(
+            max_workers=fixed or self.config.max_workers,
+            cpus=None if fixed or self.config.max_workers_given else host.cpus,
+            host_ram_bytes=None if fixed else host.available_ram_bytes,
+            child_rss_bytes=rss if rss is not None else self.config.child_rss_prior_bytes,
+        )
+
+    def ask_of(self, task: TaskId) -> Ask:
+        """``task``'s price now (a per-task hint becomes its key's estimate first)."""
+        state = self.tasks[task]
+        if state.hint_bytes is not None:
+            self.asks.hint(state.key, state.hint_bytes)
+            state.hint_bytes = None
+        return self.asks.ask_for(state.key, state.size)
+
+    def _unqueue(self, task: TaskId) -> None:
+        try:
+            self.pending.remove(task)
+        except ValueError:
+            return
+        self._pending_by_key[self.tasks[task].key] -= 1
+
+    def _end_run(self, task: TaskId) -> Run | None:
+        run = self.running.pop(task, None)
+        if run is not None and run.device is not None:
+            self.cards[run.device].runs.pop(task, None)
+        return run
+
+    def _retry(self, task: TaskId, reason: str) -> Retry:
+        self.counts["retries"] += 1
+        self.pending.appendleft(task)
+        self._pending_by_key[self.tasks[task].key] += 1
+        return Retry(task=task, reason=reason)
+
+    def _rebook(self, key: str) -> None:
+        """Book the running tasks of ``key`` at its price now: on each card they hold
+        ``together_bytes(count)`` between them, the oldest at the full ask (a key's ask
+        prices its running tasks as well as its next ones, whichever way it moved)."""
+        ask = self.asks.ask(key)
+        for card in self.cards:
+            seen = 0
+            for run in card.runs.values():
+                if run.key != key:
+                    continue
+                if run.size is not None:
+                    run.booked_bytes = self.asks.ask_for(key, run.size).ask_bytes
+                    continue
+                run.booked_bytes = ask.next_bytes(seen)
+                seen += 1
+
+    def _present_keys(self) -> list[str]:
+        keys: dict[str, None] = {}
+        for run in self.running.values():
+            keys[run.key] = None
+        for task in itertools.islice(self.pending, LOOKAHEAD):
+            keys[self.tasks[task].key] = None
+        return list(keys)
+
+    def _timeline(self, now_s: float) -> None:
+        if not self.widths or self.widths[-1][1] != self.width:
+            self.widths.append((round(now_s, 6), self.width))
+
+    def record(self, decision: Decision) -> None:
+        """Write one record (the planner's only output besides its verdicts)."""
+        self._emit(decision)
+
+    def _width_now(self) -> int:
+        """How many tasks the planner admits at once now (:meth:`.views.Views._width_now`)."""
+        raise NotImplementedError

@@ -1,0 +1,275 @@
+"""The one fit: what fits on a card beside these runs at this ask, and why not more.
+
+Every "how many" the pool states is a view of :func:`fit`: admission (a task
+starts only where ``more >= 1``), ``ex.width`` (the pending asks placed card
+by card), ``widths_by_key``, the warm-worker limit, the critical key's width
+and every record's width (:func:`widths`). So the width a record states is
+the computation that gated the start beside it.
+
+The live gate (:func:`live_gate`) is the second, live check on the same card:
+the free bytes read now must cover the new booking, what the running tasks
+have not reached yet, and the reserve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpupool._core.bound import (
+    Bound,
+    Ceiling,
+    Limit,
+    WidthDecision,
+    derive_bound,
+    fits_together,
+    live_gate_admits,
+)
+from gpupool._core.planner.state import Card, Run
+from gpupool._core.policy import Ask
+
+__all__ = ["Fit", "Held", "LiveGate", "booked", "card_bound", "fit", "live_gate", "card_widths"]
+
+
+class Held(Protocol):
+    """A booking on a card: a running task, or one placed in a what-if."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def booked_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Booked:
+    """A what-if booking (a task placed on a card by a view, not started)."""
+
+    key: str
+    booked_bytes: int
+
+
+def booked(key: str, booked_bytes: int) -> Booked:
+    """A what-if booking of ``booked_bytes`` for a task of ``key``."""
+    return Booked(key, booked_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    """What fits on one card beside its runs at one ask.
+
+    Attributes:
+        device: the card.
+        bound: the card's terms priced at the ask (its room).
+        running: the runs it was asked beside.
+        booked_bytes: what they book between them.
+        next_bytes: what one more task at the ask books beside them.
+        more: how many more tasks at the ask fit now (memory, out-of-memory
+            cap, and the slots the ceiling leaves).
+        limit: what stops one more past ``more``.
+    """
+
+    device: int
+    bound: Bound
+    running: int
+    booked_bytes: int
+    next_bytes: int
+    more: int
+    limit: Limit
+
+    @property
+    def width(self) -> int:
+        """The runs there plus the ones that fit beside them."""
+        return self.running + self.more
+
+    @property
+    def left_bytes(self) -> int | None:
+        """The room left once one more task is booked (``None``: unreadable)."""
+        room = self.bound.room_bytes
+        return None if room is None else room - self.booked_bytes - self.next_bytes
+
+
+def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> Bound:
+    """``card``'s bound priced at ``ask``, with its own high-water so far and the other pools'
+    bookings; for a key priced together, how many of its tasks together fit alone."""
+    bound = derive_bound(
+        card.census,
+        own_high_water_bytes=card.own_high_water_bytes,
+        reserve_bytes=reserve_bytes,
+        ask_bytes=max(1, ask.ask_bytes),
+        ask_basis=ask.basis,
+        other_pools_bytes=card.others_bytes,
+        other_pools_at_census_bytes=card.others_at_census_bytes,
+    )
+    if not ask.pooled or bound.room_bytes is None:
+        return bound
+    fits = fits_together(ask.together_bytes, bound.room_bytes, ceiling.value)
+    return dataclasses.replace(
+        bound, together_tasks=fits, together_bytes=ask.together_bytes(max(1, fits))
+    )
+
+
+def fit(
+    card: Card,
+    ask: Ask,
+    runs: Sequence[Held],
+    *,
+    reserve_bytes: int,
+    ceiling: Ceiling,
+    slots: int,
+) -> Fit:
+    """How many more tasks at ``ask`` fit on ``card`` beside ``runs``, and what stops the next.
+
+    Args:
+        card: the card (its census, own high-water, other pools, out-of-memory cap).
+        ask: the price of the tasks to place.
+        runs: what is booked there (the card's runs, or a what-if).
+        reserve_bytes: bytes kept free.
+        ceiling: the pool-wide ceiling (named when ``slots`` is what stops).
+        slots: the most tasks that may be placed (the ceiling's slots left in the pool).
+    """
+    bound = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
+    running = len(runs)
+    booked_now = sum(run.booked_bytes for run in runs)
+    same = sum(1 for run in runs if run.key == ask.key)
+    room = bound.room_bytes
+    limit: Limit
+    if room is None:
+        # Unreadable is not empty: one task of the pool at a time.
+        more, limit = (0 if running else 1), "unreadable"
+    else:
+        more, total = 0, booked_now
+        while more < max(0, slots):
+            step = ask.next_bytes(same + more)
+            if total + step > room:
+                break
+            total += step
+            more += 1
+        limit = "memory"
+        if more >= slots:
+            limit = ceiling.limit
+    if card.oom_cap is not None:
+        allowed = max(0, card.oom_cap - running)
+        if more > allowed or (more == allowed and limit != "memory"):
+            more, limit = allowed, "out_of_memory"
+    return Fit(
+        device=card.index,
+        bound=bound,
+        running=running,
+        booked_bytes=booked_now,
+        next_bytes=ask.next_bytes(same),
+        more=more,
+        limit=limit,
+    )
+
+
+def card_widths(fits: Sequence[Fit], ceiling: Ceiling) -> tuple[WidthDecision, ...]:
+    """Every card's width from its fit, within the pool-wide ceiling: each card's runs plus the
+    ones that fit beside them, the cards with the most room left filled first.
+
+    The ``fits`` were computed with the slots the ceiling leaves the pool; here they are
+    shared out. When no card runs or fits a task, the card with the most room gets the
+    serial floor of 1 (an unreadable card, if none is readable)."""
+    order = sorted(
+        range(len(fits)),
+        key=lambda i: (fits[i].bound.room_bytes is None, -(fits[i].left_bytes or 0), i),
+    )
+    left = max(0, ceiling.value - sum(f.running for f in fits))
+    width = [f.running for f in fits]
+    limits: list[Limit] = [f.limit for f in fits]
+    for i in order:
+        take = min(fits[i].more, left)
+        left -= take
+        width[i] += take
+        if take < fits[i].more:
+            limits[i] = ceiling.limit
+    if fits and sum(width) == 0:
+        for i in order:
+            if fits[i].bound.room_bytes is not None:
+                limits[i] = "floor"
+        first = order[0]
+        width[first] = 1
+        limits[first] = "unreadable" if fits[first].bound.room_bytes is None else "floor"
+    elif any(width):
+        for i in range(len(fits)):
+            if width[i] == 0 and limits[i] == "memory":
+                limits[i] = "no_room"
+    return tuple(
+        WidthDecision(
+            device=f.device, width=width[i], limit=limits[i], bound=f.bound, ceiling=ceiling
+        )
+        for i, f in enumerate(fits)
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LiveGate:
+    """The live gate's terms on one card for one more task.
+
+    Attributes:
+        admits: the free bytes cover the rest.
+        free_bytes: free in the last reading (``None``: no reading, the gate is open).
+        used_bytes: allocated in the last reading.
+        idle_worker_bytes: what the idle worker the task would run in holds (its
+            booking counts it too).
+        next_bytes: the new task's booking.
+        unreached_bytes: what the running tasks here (and other pools' tasks)
+            booked and have not reached yet.
+        reserve_bytes: kept free.
+        running: the pool's runs on the card.
+    """
+
+    admits: bool
+    free_bytes: int | None
+    used_bytes: int | None
+    idle_worker_bytes: int
+    next_bytes: int
+    unreached_bytes: int
+    reserve_bytes: int
+    running: int
+
+
+def live_gate(card: Card, ask: Ask, runs: Sequence[Run], *, reserve_bytes: int) -> LiveGate:
+    """The live gate on ``card`` for one more task at ``ask`` beside ``runs`` (the card's):
+    the card's free bytes now (plus what the idle worker it would run in already holds) must
+    cover its booking, what the running tasks have not reached yet, and the reserve. No
+    reading: the gate is open."""
+    next_bytes = ask.next_bytes(sum(1 for r in runs if r.key == ask.key))
+    reading = card.reading
+    if reading is None:
+        return LiveGate(
+            admits=True,
+            free_bytes=None,
+            used_bytes=None,
+            idle_worker_bytes=0,
+            next_bytes=next_bytes,
+            unreached_bytes=0,
+            reserve_bytes=reserve_bytes,
+            running=len(runs),
+        )
+    rows = reading.process_bytes or {}
+    unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in runs)
+    unreached += card.others_unreached_bytes
+    idle = 0
+    if reading.process_bytes is not None and card.worker_pids:
+        running_pids = {r.pid for r in runs}
+        held = [rows[pid] for pid in card.worker_pids if pid not in running_pids and pid in rows]
+        if held:
+            idle = max(0, min(next_bytes, *held))
+    return LiveGate(
+        admits=live_gate_admits(
+            live_free_bytes=reading.free_bytes + idle,
+            ask_bytes=next_bytes,
+            unreached_bytes=unreached,
+            reserve_bytes=reserve_bytes,
+        ),
+        free_bytes=reading.free_bytes,
+        used_bytes=reading.used_bytes,
+        idle_worker_bytes=idle,
+        next_bytes=next_bytes,
+        unreached_bytes=unreached,
+        reserve_bytes=reserve_bytes,
+        running=len(runs),
+    )

@@ -1,0 +1,179 @@
+"""The start order: which pending task is tried first, and what room is left to whom.
+
+Tasks start in queue order, with two exceptions, each of which holds room
+rather than idling the card:
+
+* **The critical key** (:func:`critical`): once every key with pending work
+  has a timed task, the key whose pending work would take longest alone
+  starts first where it leads every other key by at least one of its tasks'
+  duration, and other keys leave it room on a card where their ends make it
+  (:func:`holds_for`).
+* **The head's hold** (:func:`head_hold`): a task at the queue's head that does
+  not fit yet is passed by smaller tasks at most a ceiling's worth of times;
+  from then on its room is held on the card where the running tasks expected to
+  end first free it soonest (those runs are its ``ending`` set). Other tasks
+  still start there while they fit now *and* beside what stays once those runs
+  end plus the head (:meth:`Hold.after`): no start can delay it, so it starts as
+  soon as those runs' bookings free its room, and the rest of the card keeps
+  working meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpupool._core.bound import Ceiling
+from gpupool._core.planner.fit import Held, booked, card_bound, fit
+from gpupool._core.planner.state import Card, Critical, Run
+from gpupool._core.planner.verdicts import TaskId
+from gpupool._core.policy import Ask
+
+__all__ = ["Hold", "alone_width", "critical", "head_hold", "holds_for"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """Room held on a card for the task at the queue's head, which waits for it.
+
+    Attributes:
+        device: the card.
+        key: the waiting task's key.
+        held_bytes: its booking there.
+        ending: the runs whose ends make its room (those expected to end first).
+    """
+
+    device: int
+    key: str
+    held_bytes: int
+    ending: frozenset[TaskId]
+
+    def after(self, card: Card) -> list[Held]:
+        """What the card holds once the ``ending`` runs end and the head starts: another
+        start must fit beside these too, so that it never delays the head."""
+        kept: list[Held] = [r for t, r in card.runs.items() if t not in self.ending]
+        return [*kept, booked(self.key, self.held_bytes)]
+
+
+def alone_width(cards: Sequence[Card], ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> int:
+    """How many tasks at ``ask`` the pool's cards hold at once with nothing else running
+    (an unreadable card holds one)."""
+    alone = sum(
+        fit(card, ask, (), reserve_bytes=reserve_bytes, ceiling=ceiling, slots=ceiling.value).more
+        for card in cards
+    )
+    return max(1, min(alone, ceiling.value))
+
+
+def critical(
+    keys: Sequence[str],
+    *,
+    pending_by_key: Callable[[str], int],
+    duration_s: Callable[[str], float | None],
+    width_alone: Callable[[str], int],
+) -> Critical | None:
+    """The critical key among ``keys`` (each with pending work), or ``None``.
+
+    A key's time left is its pending count x its tasks' mean duration / how many of them
+    fit at once alone. The key with the most is critical where it leads every other key by
+    at least one of its tasks' duration: the run ends when it does, so it goes first. Until
+    every key's tasks were timed, the queue's order stands."""
+    if len(keys) < 2:
+        return None
+    times: list[tuple[float, float, int]] = []
+    for key in keys:
+        took_s = duration_s(key)
+        if took_s is None:
+            return None
+        width = width_alone(key)
+        times.append((pending_by_key(key) * took_s / width, took_s, width))
+    first = max(range(len(keys)), key=lambda i: times[i][0])
+    left_s, took_s, width = times[first]
+    runner_up_s = max(times[i][0] for i in range(len(keys)) if i != first)
+    if left_s - runner_up_s < took_s:
+        return None
+    return Critical(
+        key=keys[first], time_left_s=left_s, runner_up_time_left_s=runner_up_s, width=width
+    )
+
+
+def holds_for(
+    cards: Sequence[Card],
+    ask: Ask,
+    avoid: set[int],
+    *,
+    reserve_bytes: int,
+    ceiling: Ceiling,
+) -> int | None:
+    """The card where the other keys should leave room for the critical key's first task
+    (at ``ask``, not fitting now), or ``None``.
+
+    A card qualifies where ending some of the other keys' tasks there lets it start
+    without leaving the card less booked than now (the ended tasks' room refilled with
+    as many of them as fit beside it): their ends make the room, at most one of their
+    tasks' duration away, and the card's bytes do not go idle for it."""
+
+    def fits(runs: Sequence[Held], card: Card) -> bool:
+        return fit(card, ask, runs, reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1).more > 0
+
+    for card in cards:
+        if card.index in avoid and len(avoid) < len(cards):
+            continue
+        runs: list[Held] = list(card.runs.values())
+        room = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling).room_bytes
+        if room is None or fits(runs, card):
+            # The card's room is unknown, or it fits the bound here now (something else
+            # holds it back).
+            continue
+        kept = sorted(runs, key=lambda r: (r.key != ask.key, r.booked_bytes))
+        ended: list[Held] = []
+        while kept and kept[-1].key != ask.key and not fits(kept, card):
+            ended.append(kept.pop())
+        if not ended or not fits(kept, card):
+            continue
+        need = ask.next_bytes(sum(1 for r in kept if r.key == ask.key))
+        after = sum(r.booked_bytes for r in kept) + need
+        for run in sorted(ended, key=lambda r: r.booked_bytes):
+            if after + run.booked_bytes <= room:
+                after += run.booked_bytes
+        if after >= sum(r.booked_bytes for r in runs):
+            return card.index
+    return None
+
+
+def head_hold(
+    cards: Sequence[Card],
+    ask: Ask,
+    avoid: set[int],
+    *,
+    reserve_bytes: int,
+    ceiling: Ceiling,
+    expected_end_s: Callable[[Run], float],
+) -> Hold | None:
+    """Where to hold room for the waiting head task (at ``ask``), and which runs' ends make it:
+    on each card where it fits alone, the runs expected to end first (``expected_end_s``)
+    until their bookings free its room; the card where that happens soonest wins. ``None``
+    where no card holds it even alone (the serial floor is for that)."""
+    best: tuple[float, Hold] | None = None
+    for card in cards:
+        if card.index in avoid and len(avoid) < len(cards):
+            continue
+        alone = fit(card, ask, (), reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
+        if alone.more == 0 or alone.bound.room_bytes is None:
+            continue
+        need = ask.next_bytes(card.same_key(ask.key))
+        free = alone.bound.room_bytes - card.booked_bytes
+        ending: list[TaskId] = []
+        when_s = 0.0
+        for task, run in sorted(card.runs.items(), key=lambda item: expected_end_s(item[1])):
+            if free >= need:
+                break
+            ending.append(task)
+            free += run.booked_bytes
+            when_s = expected_end_s(run)
+        if free < need:
+            continue
+        hold = Hold(device=card.index, key=ask.key, held_bytes=need, ending=frozenset(ending))
+        if best is None or when_s < best[0]:
+            best = (when_s, hold)
+    return best[1] if best is not None else None

@@ -1,0 +1,200 @@
+"""What each record says: decision records built from the terms a rule produced.
+
+Each builder takes the terms the rule that decided computed (a
+:class:`~gpupool._core.planner.fit.Fit`, a
+:class:`~gpupool._core.planner.fit.LiveGate`, a
+:class:`~gpupool._core.planner.sharing.ShareWait`, ...) and states them; none
+computes a figure of its own, so a record says what gated.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+
+from gpupool._core.bound import Bound, Ceiling
+from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.planner.fit import LiveGate
+from gpupool._core.planner.oom import CapLift
+from gpupool._core.planner.order import Hold
+from gpupool._core.planner.sharing import ShareWait
+from gpupool._core.planner.state import Card, Critical
+from gpupool._core.policy import Ask
+from gpupool._core.units import format_size
+
+__all__ = [
+    "cap_lifted",
+    "critical_wait",
+    "head_wait",
+    "live_gate_wait",
+    "share_wait",
+    "shutdown",
+    "simple",
+]
+
+
+def simple(
+    event: EventName,
+    *,
+    device: int | None,
+    width: int,
+    ask: Ask,
+    bound: Bound | None,
+    ceiling: Ceiling,
+    reason: str,
+    now_s: float,
+    limit: str | None = None,
+    extra: Mapping[str, JsonValue] | None = None,
+) -> Decision:
+    """A record whose width did not move: ``width`` before and after, with its terms."""
+    return Decision(
+        event=event,
+        time_s=now_s,
+        device=device,
+        width_before=width,
+        width_after=width,
+        reason=reason,
+        bound=bound,
+        ceiling=ceiling,
+        limit=limit,
+        key=ask.key or None,
+        extra=dict(extra or {}),
+        key_ask=ask if ask.key else None,
+    )
+
+
+def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict[str, JsonValue]]:
+    """The live gate's wait: the sentence and the terms."""
+    reason = (
+        f"card {card.index}: {format_size(gate.free_bytes)} free now (+ "
+        f"{format_size(gate.idle_worker_bytes)} the idle worker it would run in holds) does not "
+        f"cover {format_size(gate.next_bytes)} ask + {format_size(gate.unreached_bytes)} not yet "
+        f"reached by {gate.running} running here and {card.others_tasks} of other pools + "
+        f"{format_size(gate.reserve_bytes)} reserve; the task waits ({episodes} shut "
+        f"episode{'s' if episodes != 1 else ''} since the last such record)"
+    )
+    return reason, {
+        "live_free_bytes": gate.free_bytes,
+        "live_used_bytes": gate.used_bytes,
+        "idle_worker_bytes": gate.idle_worker_bytes,
+        "next_bytes": gate.next_bytes,
+        "unreached_bytes": gate.unreached_bytes,
+        "running": gate.running,
+        "gate_episodes": episodes,
+        "other_pools_unreached_bytes": card.others_unreached_bytes,
+        "other_pools_tasks": card.others_tasks,
+    }
+
+
+def share_wait(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]]:
+    """A share wait: the sentence and the terms."""
+    room = wait.share_bytes * (1 + card.others_active) - card.others_bytes
+    why = (
+        f"one more ({format_size(wait.next_bytes)}) would pass its share "
+        f"{format_size(wait.share_bytes)} (({format_size(room)} room + "
+        f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} pools)"
+        if not wait.within_share
+        else f"one more ({format_size(wait.next_bytes)}) would leave "
+        f"{format_size(wait.left_bytes)}, less than the {format_size(wait.owed_bytes)} a "
+        f"waiting pool below its share ({format_size(wait.share_bytes)}) needs for its next task"
+    )
+    reason = (
+        f"card {card.index}: {card.others_waiting} other pool(s) wait for room here, and this "
+        f"pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
+        f"{why}, so it waits"
+    )
+    return reason, {
+        "share_bytes": wait.share_bytes,
+        "pool_booked_bytes": wait.pool_booked_bytes,
+        "next_bytes": wait.next_bytes,
+        "owed_bytes": wait.owed_bytes,
+        "other_pools_waiting": card.others_waiting,
+        "other_pools_active": card.others_active,
+    }
+
+
+def critical_wait(
+    critical: Critical, held_key: str, device: int
+) -> tuple[str, dict[str, JsonValue]]:
+    """Other keys held back for the critical key: the sentence and the terms."""
+    reason = (
+        f"card {device}: {critical.key}'s pending tasks would take "
+        f"{critical.time_left_s:.1f} s at {critical.width} at once, the most of any key "
+        f"(the next: {critical.runner_up_time_left_s:.1f} s); one more of it fits here "
+        f"once tasks of other keys end, so {held_key} waits rather than take that room"
+    )
+    return reason, {
+        "critical_key": critical.key,
+        "critical_time_left_s": round(critical.time_left_s, 3),
+        "runner_up_time_left_s": round(critical.runner_up_time_left_s, 3),
+        "critical_width": critical.width,
+        "held_key": held_key,
+    }
+
+
+def head_wait(
+    hold: Hold, card: Card, passed: int, waiting_s: float
+) -> tuple[str, dict[str, JsonValue]]:
+    """Room held for the queue's head: the sentence and the terms."""
+    reason = (
+        f"card {card.index}: a task of {hold.key} at the queue's head was passed {passed} "
+        f"times by smaller tasks and has waited {waiting_s:.1f} s; "
+        f"{format_size(hold.held_bytes)} is held for it there, freed by the end of "
+        f"{len(hold.ending)} of the {len(card.runs)} running ({format_size(card.booked_bytes)} "
+        "booked): other tasks start there only where they fit beside what stays then and it, "
+        "so it starts as soon as those end"
+    )
+    return reason, {
+        "held_key": hold.key,
+        "held_bytes": hold.held_bytes,
+        "head_passed": passed,
+        "head_waiting_s": round(waiting_s, 3),
+        "ending_runs": len(hold.ending),
+        "running": len(card.runs),
+        "booked_bytes": card.booked_bytes,
+    }
+
+
+def cap_lifted(card: Card, cap: int, lift: CapLift) -> tuple[str, dict[str, JsonValue]]:
+    """An out-of-memory cap lifted: the sentence and the terms."""
+    reason = (
+        f"card {card.index}: the live reading shows {format_size(lift.not_pool_bytes)} on the "
+        f"card that is not the pool's workers', within the bound's "
+        f"{format_size(lift.priced_not_pool_bytes)} (co-tenants at the census, other pools, "
+        f"own high-water) and its margin: the room the cap of {cap} was set for is back, so "
+        "the cap lifts"
+    )
+    return reason, {
+        "oom_cap_before": cap,
+        "live_not_pool_bytes": lift.not_pool_bytes,
+        "priced_not_pool_bytes": lift.priced_not_pool_bytes,
+        "live_pool_bytes": lift.pool_bytes,
+    }
+
+
+def shutdown(
+    now_s: float, width: int, counts: collections.Counter[str], *, tasks_lost: int
+) -> Decision:
+    """The run's totals, as the last record."""
+    return Decision(
+        event="shutdown",
+        time_s=now_s,
+        device=None,
+        width_before=width,
+        width_after=0,
+        reason=(
+            f"pool shut down after {counts['completed']} completed, {counts['failed']} "
+            f"failed, {counts['cancelled']} cancelled tasks; {counts['oom']} out-of-memory, "
+            f"{counts['retries']} retries, {counts['lost']} workers lost"
+        ),
+        extra={
+            "tasks_completed": counts["completed"],
+            "tasks_failed": counts["failed"],
+            "tasks_cancelled": counts["cancelled"],
+            "out_of_memory": counts["oom"],
+            "retries": counts["retries"],
+            "workers_lost": counts["lost"],
+            # Futures the pool found unresolved when it stopped (it failed them).
+            "tasks_lost": tasks_lost,
+        },
+    )

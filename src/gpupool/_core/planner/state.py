@@ -1,0 +1,121 @@
+"""What the planner holds: its tasks, their runs, and its cards, each card holding its own runs.
+
+One name for each idea: a task's price on its card is its ``booked_bytes`` (its
+share of its key's price together, :meth:`~gpupool._core.policy.Ask.next_bytes`);
+``booked_at_start_bytes`` is what it was booked at when it started (an
+out-of-memory is judged against that, not against a price raised since); a
+card's runs are ``card.runs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpupool._core.bookings import OtherPools
+from gpupool._core.census import CardCensus
+from gpupool._core.planner.verdicts import CardReading, TaskId
+
+__all__ = ["Card", "Critical", "Run", "TaskState"]
+
+
+@dataclass(slots=True)
+class TaskState:
+    """A task the planner holds, pending or running."""
+
+    key: str
+    hint_bytes: int | None
+    # The size of the task's input the caller gave (the ask may be predicted from it).
+    size: float | None = None
+    retries: int = 0
+    # Fixed width after an out-of-memory: start only while fewer than this run there.
+    wait_below: int | None = None
+    # Devices where it ran out alone although the room was free: not again.
+    avoid: set[int] = field(default_factory=set)
+    # Waiting for room that others' bytes hold: until then no serial start.
+    room_wait_until_s: float | None = None
+    last_device: int | None = None
+    last_booked_bytes: int = 0
+    # When it first had to wait at the queue's head for room (the order rule's clock).
+    waiting_since_s: float | None = None
+
+
+@dataclass(slots=True)
+class Run:
+    """A task handed to a worker: where it runs and what it books there."""
+
+    key: str
+    device: int | None
+    pid: int | None
+    # The task's own ask when it started, and what it booked then (its share of its
+    # key's price together): an out-of-memory is judged against these.
+    ask_bytes: int
+    booked_bytes: int
+    booked_at_start_bytes: int
+    shared: bool = False
+    started_s: float = 0.0
+    size: float | None = None
+    # The own high-water its start was priced at (an out-of-memory names growth past it).
+    own_high_water_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Critical:
+    """The key whose pending work would take longest alone, and by how much."""
+
+    key: str
+    time_left_s: float
+    runner_up_time_left_s: float
+    width: int
+
+
+@dataclass(slots=True)
+class Card:
+    """One card: its census, the pool's runs on it, its live reading and its terms."""
+
+    index: int
+    census: CardCensus
+    own_high_water_bytes: int
+    runs: dict[TaskId, Run] = field(default_factory=dict)
+    oom_cap: int | None = None
+    # Since when the live readings have shown the room the cap was set for back.
+    cap_clear_since_s: float | None = None
+    reading: CardReading | None = None
+    reading_error: str | None = None
+    gate_shut_since_s: float | None = None
+    gate_recorded_s: float | None = None
+    gate_episodes: int = 0
+    width: int = 0
+    recorded_own_bytes: int = 0
+    # The host's other pools on this card: their tasks at max(booked, held),
+    # the part not reached yet, how many, and what they held at the census.
+    others: OtherPools | None = None
+    others_bytes: int = 0
+    others_unreached_bytes: int = 0
+    others_tasks: int = 0
+    others_at_census_bytes: int = 0
+    others_held_bytes: int = 0
+    others_overrun_bytes: int = 0
+    others_since_s: float | None = None
+    share_recorded_s: float | None = None
+    # Every worker the pool ran a task in on this card: an idle one's row is
+    # bytes (its context) that the next task's ask already counts.
+    worker_pids: set[int] = field(default_factory=set)
+
+    @property
+    def booked_bytes(self) -> int:
+        """What the pool's runs on this card book between them."""
+        return sum(run.booked_bytes for run in self.runs.values())
+
+    def same_key(self, key: str) -> int:
+        """How many of the pool's runs on this card are of ``key``."""
+        return sum(1 for run in self.runs.values() if run.key == key)
+
+    @property
+    def others_waiting(self) -> int:
+        """Other pools with tasks waiting for room on this card."""
+        return self.others.waiting_pools if self.others is not None else 0
+
+    @property
+    def others_active(self) -> int:
+        """Other pools running a task or waiting for room on this card."""
+        return self.others.active_pools if self.others is not None else 0

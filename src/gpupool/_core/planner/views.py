@@ -1,0 +1,319 @@
+"""Every width the planner states, each a view of the one fit (pure core).
+
+Admission, ``ex.width`` (:meth:`Views._width_now`), ``widths_by_key``, the
+warm-worker limit and every record's width (:meth:`Views.decide`, used by
+:meth:`Views._review` and by records that move no width) come from
+:func:`~gpupool._core.planner.fit.fit`, so the width a record states is what
+gated the start beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from gpupool._core.bound import Bound, WidthDecision
+from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.planner import records
+from gpupool._core.planner.base import PlannerBase
+from gpupool._core.planner.fit import (
+    Fit,
+    Held,
+    booked,
+    card_bound,
+    card_widths,
+    fit,
+)
+from gpupool._core.planner.sharing import owes_room
+from gpupool._core.planner.verdicts import (
+    LOOKAHEAD,
+    RETIRE_AFTER_SHUT_S,
+    Refuse,
+    TaskId,
+)
+from gpupool._core.policy import Ask
+
+__all__ = ["Views"]
+
+
+class Views(PlannerBase):
+    """The widths, the reviews that record them, and strict mode's refusal."""
+
+    def bound(self, device: int, ask: Ask) -> Bound:
+        """``device``'s bound priced at ``ask``, with its own high-water so far."""
+        return card_bound(
+            self.cards[device], ask, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
+        )
+
+    def fit(
+        self, device: int, ask: Ask, runs: list[Held] | None = None, *, slots: int | None = None
+    ) -> Fit:
+        """The one fit on ``device`` at ``ask`` beside ``runs`` (default: the card's runs),
+        within ``slots`` (default: what the ceiling leaves the pool)."""
+        card = self.cards[device]
+        return fit(
+            card,
+            ask,
+            list(card.runs.values()) if runs is None else runs,
+            reserve_bytes=self.config.reserve_bytes,
+            ceiling=self.ceiling,
+            slots=self.ceiling.value - len(self.running) if slots is None else slots,
+        )
+
+    def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
+        """Every card's width for tasks priced at ``ask``: its runs plus the ones that fit
+        beside them (the cap an out-of-memory set holds), within the ceiling."""
+        return card_widths([self.fit(i, ask) for i in range(len(self.cards))], self.ceiling)
+
+    def _simple(
+        self,
+        event: EventName,
+        device: int | None,
+        ask: Ask,
+        reason: str,
+        now_s: float,
+        *,
+        limit: str | None = None,
+        extra: Mapping[str, JsonValue] | None = None,
+    ) -> Decision:
+        """A record that moves no width: the card's width as the fit states it now."""
+        bound = None
+        width = self.width
+        if device is not None and self.cards:
+            bound = self.bound(device, ask)
+            width = self.decide(ask)[device].width
+        return records.simple(
+            event,
+            device=device,
+            width=width,
+            ask=ask,
+            bound=bound,
+            ceiling=self.ceiling,
+            reason=reason,
+            now_s=now_s,
+            limit=limit,
+            extra=extra,
+        )
+
+    def _check_fixed(self, decisions: tuple[WidthDecision, ...], now_s: float) -> None:
+        fixed = self.config.fixed_width
+        assert fixed is not None
+        bound_width = sum(d.width for d in decisions)
+        if bound_width >= fixed:
+            return
+        narrow = min(decisions, key=lambda d: d.width)
+        self.record(
+            Decision(
+                event="fixed_width_over_bound",
+                time_s=now_s,
+                device=None,
+                width_before=fixed,
+                width_after=fixed,
+                reason=(
+                    f"fixed width {fixed} is wider than the bound allows ({bound_width}: "
+                    + "; ".join(d.describe() for d in decisions)
+                    + "); keeping the width you asked for"
+                ),
+                bound=narrow.bound,
+                ceiling=self.ceiling,
+                limit=narrow.limit,
+                extra={
+                    "bound_width": bound_width,
+                    "bound_widths": ",".join(str(d.width) for d in decisions),
+                },
+            )
+        )
+
+    def _review(
+        self,
+        now_s: float,
+        *,
+        cause: str,
+        key: str | None = None,
+        devices: tuple[int, ...] | None = None,
+        quiet: bool = False,
+        unchanged: EventName = "bound_changed",
+        moved_event: EventName | None = None,
+        extra: Mapping[str, JsonValue] | None = None,
+    ) -> bool:
+        """A term of the bound changed: decide the widths again and record what moved.
+
+        ``unchanged`` names the record of a card whose width did not move
+        (``"measured"`` for a key's first measurement, ``"widen_refused"`` for
+        a smaller ask the room does not let widen); ``moved_event`` names the record of
+        one that moved (default: ``"widened"`` or ``"narrowed"``). Returns whether any
+        card's width moved.
+        """
+        if not self.cards:
+            return False
+        priced = key if key is not None else (self._present_keys() or [self._last_key])[0]
+        ask = self.asks.ask(priced)
+        decisions = self.decide(ask)
+        moved = False
+        for decision in decisions:
+            card = self.cards[decision.device]
+            old, new = card.width, decision.width
+            if devices is not None and decision.device not in devices and new == old:
+                continue
+            if new == old and quiet:
+                continue
+            if new < old and self._refuses(new, decision, old, now_s):
+                return True
+            event: EventName = "widened" if new > old else "narrowed" if new < old else unchanged
+            if new != old and moved_event is not None:
+                event = moved_event
+            if event == "widen_refused" and (
+                decision.limit != "memory" or decision.width >= self.ceiling.value
+            ):
+                event = "bound_changed"
+            moved = moved or new != old
+            card.width = new
+            self.record(
+                Decision.from_width(
+                    event,
+                    decision,
+                    time_s=now_s,
+                    width_before=old,
+                    reason=f"{decision.describe()}; {cause}; width {old} -> {new}",
+                    key=priced or None,
+                    key_ask=ask if priced else None,
+                    extra=dict(extra or {}) | {"oom_cap": card.oom_cap, "running": len(card.runs)},
+                )
+            )
+        if self.config.fixed_width is not None and moved:
+            self._check_fixed(decisions, now_s)
+        self.width = self._width_now()
+        self._timeline(now_s)
+        return moved
+
+    def _refuses(self, new: int, decision: WidthDecision, old: int, now_s: float) -> bool:
+        """Strict mode: a narrowing below the requested width is refused (and recorded)."""
+        if (
+            not self.config.strict
+            or self.config.fixed_width is not None
+            or sum(c.width for c in self.cards) - old + new
+            >= min(self.config.max_workers, self.ceiling.value)
+        ):
+            return False
+        message = (
+            f"strict mode: {decision.describe()}, below the requested width "
+            f"{self.config.max_workers}; refusing to narrow. Free the card, lower max_workers, "
+            "or drop strict=True."
+        )
+        record = Decision.from_width(
+            "narrowed", decision, time_s=now_s, width_before=old, reason=message
+        )
+        self.record(record)
+        self.refused = Refuse(reason=message, decision=record)
+        return True
+
+    def _width_now(self) -> int:
+        """How many tasks the planner admits at once now, for the work it holds: the running
+        tasks, plus the pending asks placed card by card where the fit admits them beside
+        what runs (and, on the card a waiting head holds, beside what stays once the runs it
+        waits for end, and the head)."""
+        if self.config.fixed_width is not None:
+            return self.config.fixed_width
+        if not self.cards:
+            return self.ceiling.value
+        placed: list[list[Held]] = [list(card.runs.values()) for card in self.cards]
+        # On the card a waiting head holds: what stays once the runs it waits for end, and it.
+        after = self.hold.after(self.cards[self.hold.device]) if self.hold is not None else []
+        total = len(self.running)
+        pending = list(itertools.islice(self.pending, LOOKAHEAD))
+        if self.hold is not None and pending:
+            pending = pending[1:]  # the held head: its room is placed already
+        asks = [self.asks.ask_for(self.tasks[t].key, self.tasks[t].size) for t in pending]
+        # What the next submits could add: more of the last key seen.
+        asks += [self.asks.ask(self._last_key)] * max(0, self.ceiling.value - total - len(asks))
+        for ask in asks:
+            if total >= self.ceiling.value:
+                break
+            best: Fit | None = None
+            for index in range(len(self.cards)):
+                option = self.fit(index, ask, placed[index], slots=1)
+                if (
+                    option.more
+                    and (
+                        self.hold is None
+                        or index != self.hold.device
+                        or self.fit(index, ask, after, slots=1).more
+                    )
+                    and (best is None or (option.left_bytes or 0) > (best.left_bytes or 0))
+                ):
+                    best = option
+            if best is not None:
+                placed[best.device].append(booked(ask.key, best.next_bytes))
+                if self.hold is not None and best.device == self.hold.device:
+                    after.append(booked(ask.key, best.next_bytes))
+                total += 1
+        return max(1, min(total, self.ceiling.value))
+
+    def widths_by_key(self) -> dict[str, int]:
+        """For each key with work pending or running: how many of its tasks could run at once
+        beside the other keys' running tasks."""
+        out: dict[str, int] = {}
+        for key in self._present_keys():
+            if self.config.fixed_width is not None:
+                out[key] = self.config.fixed_width
+                continue
+            if not self.cards:
+                out[key] = self.ceiling.value
+                continue
+            ask = self.asks.ask(key)
+            others = sum(1 for r in self.running.values() if r.key != key)
+            total = 0
+            for card in self.cards:
+                beside = [r for r in card.runs.values() if r.key != key]
+                alone = self.fit(card.index, ask, list(beside), slots=self.ceiling.value)
+                total += max(card.same_key(key), alone.more)
+            out[key] = max(1, min(total, self.ceiling.value - others))
+        return out
+
+    def warm_limit(self, device: int, now_s: float) -> int:
+        """How many workers ``device`` may keep (running and idle): its runs, or as many tasks
+        of a present key as fit there alone, whichever is more."""
+        card = self.cards[device]
+        running = len(card.runs)
+        room = self.bound(device, self.asks.ask(self._last_key)).room_bytes
+        if (
+            card.gate_shut_since_s is not None
+            and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+        ) or owes_room(card, room):
+            # An idle worker's context is bytes the card needs: this pool's gate has been
+            # shut a while, or a waiting pool is owed room there that is not free.
+            return running
+        keys = self._present_keys() or [self._last_key]
+        fits = max(
+            self.fit(device, self.asks.ask(k), [], slots=self.ceiling.value).more for k in keys
+        )
+        return max(running, min(max(1, fits), self.ceiling.value))
+
+    def waiting_count(self, *, starting: bool = False) -> int:
+        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
+        what other pools on its cards are told waits for room. ``starting``: one pending
+        task is being started (it counts as running)."""
+        pending = len(self.pending) - starting
+        running = len(self.running) + starting
+        count = min(pending, self.ceiling.value - running)
+        if self.cards and all(card.oom_cap is not None for card in self.cards):
+            # Every card runs at most its out-of-memory cap: no more can start than those.
+            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in self.cards)
+            count = min(count, free - starting)
+        return max(0, count)
+
+    def need_bytes(self, *, starting: bool = False) -> int:
+        """The ask of the first pending task that waits for room (0 when none does): the room
+        other pools are told this pool needs for its next task."""
+        if self.waiting_count(starting=starting) == 0 or len(self.pending) <= starting:
+            return 0
+        state = self.tasks[self.pending[int(starting)]]
+        return self.asks.ask_for(state.key, state.size).ask_bytes
+
+    def waiting_for_room(self) -> tuple[TaskId, ...]:
+        """Pending tasks that ran out of memory alone and wait for others to free the room."""
+        return tuple(t for t in self.pending if self.tasks[t].room_wait_until_s is not None)
+
+    def pending_tasks(self) -> tuple[TaskId, ...]:
+        """The pending tasks, in the order they will be considered."""
+        return tuple(self.pending)
