@@ -29,15 +29,39 @@ from gpupool._core.planner import (
     Fail,
     Planner,
     PlannerConfig,
+    Refuse,
     Retry,
     Start,
     Wait,
+    Warm,
+    Workers,
 )
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 
 KEYS = ("small", "large", "medium")
 PARENT = 1
+
+#: Records whose width is the fit's at that moment (the rest state a count: an
+#: out-of-memory's running tasks, a fixed width, the shutdown).
+FIT_EVENTS = frozenset(
+    {
+        "constructed",
+        "narrowed",
+        "widened",
+        "widen_refused",
+        "bound_changed",
+        "measured",
+        "live_gate_wait",
+        "share_wait",
+        "critical_wait",
+        "head_wait",
+        "cap_lifted",
+        "serial_start",
+        "worker_lost",
+        "sensor_error",
+    }
+)
 
 
 class PlannerMachine(RuleBasedStateMachine):
@@ -53,6 +77,13 @@ class PlannerMachine(RuleBasedStateMachine):
         self.settled = 0
         self.pre_oom_ask: dict[str, int] = {}
         self.live_used: dict[int, int] = {}
+        # Cold workers: each start needs a ready idle worker on its card; a worker boots
+        # (a Warm verdict) and reports ready in a later step, while the card may change.
+        self.cold = False
+        self.ready: dict[int | None, int] = {}
+        self.booting: dict[int | None, int] = {}
+        self.worker_of: dict[int, int | None] = {}
+        self.records_checked = 0
 
     @initialize(
         totals=st.lists(st.integers(20, 80), min_size=1, max_size=3),
@@ -61,6 +92,8 @@ class PlannerMachine(RuleBasedStateMachine):
         max_workers=st.integers(1, 8),
         fixed=st.booleans(),
         learned=st.booleans(),
+        cold=st.booleans(),
+        strict=st.booleans(),
     )
     def build(
         self,
@@ -70,7 +103,10 @@ class PlannerMachine(RuleBasedStateMachine):
         max_workers: int,
         fixed: bool,
         learned: bool,
+        cold: bool,
+        strict: bool,
     ) -> None:
+        self.cold = cold
         cards = [
             card_census(
                 device=i, total_bytes=t * GiB, free_bytes=(t - co_tenant_gib) * GiB, own_bytes=0
@@ -89,9 +125,10 @@ class PlannerMachine(RuleBasedStateMachine):
             parent_pid=PARENT,
             room_wait_s=30.0,
             max_retries=3,
+            strict=strict and not fixed,
         )
         self.planner = Planner(
-            census=self.census, asks=self.asks, config=self.config, emit=self.records.append
+            census=self.census, asks=self.asks, config=self.config, emit=self.emitted
         )
         self.planner.construct(0.0)
         self.live_used = {
@@ -100,6 +137,24 @@ class PlannerMachine(RuleBasedStateMachine):
         self.own_bytes = {i: 0 for i in range(len(totals))}
 
     # -- helpers --------------------------------------------------------------------------
+
+    def emitted(self, record: Decision) -> None:
+        """Every record, checked as it is written: the width it states is what the fit
+        admits at that moment, and never fewer than the tasks running on its card."""
+        self.records.append(record)
+        if record.device is None or record.event not in FIT_EVENTS:
+            return
+        if self.config.fixed_width is not None:
+            return
+        ask = record.key_ask if record.key_ask is not None else self.asks.ask("")
+        fit = self.planner.decide(ask)[record.device]
+        assert record.width_after == fit.width, record.to_dict()
+        runs = sum(1 for r in self.planner.running.values() if r.device == record.device)
+        assert fit.width >= runs
+        self.records_checked += 1
+
+    def workers(self) -> Workers | None:
+        return Workers(ready=dict(self.ready), booting=dict(self.booting)) if self.cold else None
 
     def reading(self, device: int) -> CardReading:
         card = self.census.cards[device]
@@ -132,11 +187,24 @@ class PlannerMachine(RuleBasedStateMachine):
         for index in range(len(self.census.cards)):
             self.planner.observe(index, self.reading(index), self.now_s)
         before = len(self.records)
-        verdict = self.planner.next_start(self.now_s)
+        verdict = self.planner.next_start(self.now_s, self.workers())
         if verdict is None:
             assert not self.planner.pending
             return
         if isinstance(verdict, Wait):
+            return
+        if isinstance(verdict, Refuse):
+            assert self.config.strict
+            assert verdict.decision.width_after is not None
+            assert verdict.decision.width_after < self.config.max_workers
+            return
+        if isinstance(verdict, Warm):
+            # A worker is started where the task fits now; nothing is started yet.
+            assert self.cold
+            assert verdict.task in self.planner.pending
+            assert self.ready.get(verdict.device, 0) == 0
+            self.booting[verdict.device] = self.booting.get(verdict.device, 0) + 1
+            assert sum(self.booting.values()) <= len(self.planner.pending)
             return
         if isinstance(verdict, Fail):
             assert verdict.kind == "room_wait_expired"
@@ -168,8 +236,54 @@ class PlannerMachine(RuleBasedStateMachine):
             rows = reading.process_bytes or {}
             unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in busy)
             assert reading.free_bytes >= booking + unreached + self.config.reserve_bytes
+        if self.cold:
+            # Admitted only where a ready worker is idle: when the task runs, not at hand-off.
+            assert self.ready.get(verdict.device, 0) > 0
+            self.ready[verdict.device] -= 1
+        self.worker_of[task] = verdict.device
         self.planner.started(task, verdict.device, self.next_pid, self.now_s)
         self.next_pid += 1
+
+    @precondition(lambda self: self.cold and any(self.booting.values()))
+    @rule(data=st.data())
+    def worker_ready(self, data: st.DataObject) -> None:
+        device = data.draw(st.sampled_from([d for d, n in self.booting.items() if n]))
+        self.booting[device] -= 1
+        self.ready[device] = self.ready.get(device, 0) + 1
+
+    def worker_idle(self, task: int) -> None:
+        """``task`` ended and its worker is idle again (and ready)."""
+        device = self.worker_of.pop(task, None)
+        if self.cold:
+            self.ready[device] = self.ready.get(device, 0) + 1
+
+    @rule()
+    def read_statistics(self) -> None:
+        """What statistics read (the width, the widths by key, the warm limits) changes
+        nothing the planner decides from."""
+        planner = self.planner
+        before = (
+            tuple(planner.pending),
+            tuple(sorted(planner.running)),
+            {k: self.asks.ask(k).ask_bytes for k in self.asks.keys()},  # noqa: SIM118
+            [c.width for c in planner.cards],
+            planner.width,
+        )
+        by_key = planner.widths_by_key()
+        limits = [planner.warm_limit(i, self.now_s) for i in range(len(planner.cards))]
+        after = (
+            tuple(planner.pending),
+            tuple(sorted(planner.running)),
+            {k: self.asks.ask(k).ask_bytes for k in self.asks.keys()},  # noqa: SIM118
+            [c.width for c in planner.cards],
+            planner.width,
+        )
+        assert before == after
+        assert all(1 <= width <= planner.ceiling.value for width in by_key.values())
+        assert all(
+            limit >= sum(1 for r in planner.running.values() if r.device == i)
+            for i, limit in enumerate(limits)
+        )
 
     @precondition(lambda self: self.planner.running)
     @rule(data=st.data(), factor=st.floats(0.3, 1.4), rss_mib=st.integers(100, 4000))
@@ -185,6 +299,7 @@ class PlannerMachine(RuleBasedStateMachine):
             rss_peak_bytes=rss_mib * MiB,
         )
         self.planner.finished(task, report, self.now_s)
+        self.worker_idle(task)
         self.settled += 1
 
     @precondition(lambda self: self.planner.running)
@@ -216,7 +331,15 @@ class PlannerMachine(RuleBasedStateMachine):
                 reading = CardReading(
                     free_bytes=0, used_bytes=reading.used_bytes, process_bytes=reading.process_bytes
                 )
+        caps_before = [c.oom_cap for c in self.planner.cards]
+        own_ask = run.ask_bytes
         verdict = self.planner.out_of_memory(task, report, reading, self.now_s, error="oom")
+        self.worker_idle(task)
+        lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
+        if lower > own_ask:
+            # An underestimate (judged against the task's own ask when it started) raises
+            # its key's ask and caps no card.
+            assert [c.oom_cap for c in self.planner.cards] == caps_before
         assert isinstance(verdict, (Retry, Fail))
         if isinstance(verdict, Retry):
             assert self.planner.pending[0] == task
@@ -231,6 +354,7 @@ class PlannerMachine(RuleBasedStateMachine):
     def lose(self, data: st.DataObject) -> None:
         task = data.draw(st.sampled_from(self.running_ids()))
         self.planner.lost(task, self.now_s, message="worker lost", extra={})
+        self.worker_of.pop(task, None)  # its worker died: no idle worker comes back
         self.settled += 1
 
     @precondition(lambda self: self.planner.pending)

@@ -157,7 +157,7 @@ class Views(PlannerBase):
                 continue
             if new == old and quiet:
                 continue
-            if new < old and self._refuses(new, decision, old, now_s):
+            if new < old and self._refuses(new, decision, old, ask, now_s):
                 return True
             event: EventName = "widened" if new > old else "narrowed" if new < old else unchanged
             if new != old and moved_event is not None:
@@ -186,7 +186,7 @@ class Views(PlannerBase):
         self._timeline(now_s)
         return moved
 
-    def _refuses(self, new: int, decision: WidthDecision, old: int, now_s: float) -> bool:
+    def _refuses(self, new: int, decision: WidthDecision, old: int, ask: Ask, now_s: float) -> bool:
         """Strict mode: a narrowing below the requested width is refused (and recorded)."""
         if (
             not self.config.strict
@@ -201,7 +201,13 @@ class Views(PlannerBase):
             "or drop strict=True."
         )
         record = Decision.from_width(
-            "narrowed", decision, time_s=now_s, width_before=old, reason=message
+            "narrowed",
+            decision,
+            time_s=now_s,
+            width_before=old,
+            reason=message,
+            key=ask.key or None,
+            key_ask=ask if ask.key else None,
         )
         self.record(record)
         self.refused = Refuse(reason=message, decision=record)
