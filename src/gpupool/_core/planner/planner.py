@@ -239,7 +239,12 @@ class Planner(Starts):
             devices=(card.index,),
             unchanged="cap_lifted",
             moved_event="cap_lifted",
-            extra=extra | {"cap_lift_after_s": CAP_LIFT_AFTER_S},
+            extra=extra
+            | {
+                "cap_lift_after_s": CAP_LIFT_AFTER_S,
+                "live_free_bytes": reading.free_bytes,
+                "live_used_bytes": reading.used_bytes,
+            },
         )
 
     def observe_others(

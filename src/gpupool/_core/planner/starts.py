@@ -39,6 +39,10 @@ __all__ = ["Starts"]
 
 Admission = Literal["yes", "no", "gate"]
 
+#: How often a pool with tasks held back by an out-of-memory cap re-reads its cards, so the
+#: cap can lift once the readings show its room back.
+CAP_POLL_S = 0.25
+
 
 class Starts(Views):
     """The decision before every start."""
@@ -371,9 +375,12 @@ class Starts(Views):
         if self.running:
             # Another pool's tasks end without an event here: poll while they hold a card.
             others = any(card.others_tasks or card.others_waiting for card in self.cards)
+            poll_s = LIVE_POLL_S if gate_shut or others else None
+            if poll_s is None and any(card.oom_cap is not None for card in self.cards):
+                # A cap lifts on the readings alone (no event says the room is back).
+                poll_s = CAP_POLL_S
             return Wait(
-                reason="the bound or the live gate holds the pending tasks back",
-                poll_s=LIVE_POLL_S if gate_shut or others else None,
+                reason="the bound or the live gate holds the pending tasks back", poll_s=poll_s
             )
         # Nothing of the pool runs anywhere.
         ask = self.ask_of(head)
