@@ -19,7 +19,7 @@ from gpupool._core.planner.verdicts import CardReading, PlannerConfig
 from gpupool._core.policy import Ask
 from gpupool._core.units import MiB, format_size
 
-__all__ = ["CAP_LIFT_MARGIN_BYTES", "Judgement", "cap_lift_terms", "judge"]
+__all__ = ["CAP_LIFT_MARGIN_BYTES", "CapLift", "Facts", "Judgement", "cap_lift_terms", "judge"]
 
 #: A cap an out-of-memory set lifts once the bytes on the card that are not the
 #: pool's are back within this much of what the bound prices them at.
@@ -65,9 +65,14 @@ class Facts:
     shared: bool
     reached_bytes: int | None
     requested_bytes: int | None
+    key_ask_before: Ask
     key_ask_after: Ask
     held: bool
     elsewhere: int | None
+    # What the card's runs were booked at when it ran out (before any re-pricing), and the
+    # least own high-water they were priced at.
+    booked_bytes: int
+    priced_own_high_water_bytes: int | None
 
 
 def judge(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement:

@@ -441,9 +441,9 @@ class Planner(Starts):
         *,
         error: str,
     ) -> Retry | Fail:
-        """``task`` ran its card out of memory: judge it against its own booking
-        (:func:`~gpupool._core.planner.oom.judge`), raise its key's price where it passed
-        it, and retry or fail it.
+        """``task`` ran its card out of memory: judge it against its own price when it started
+        (:func:`~gpupool._core.planner.oom.judge`), raise its key's price where it passed it,
+        and retry or fail it.
 
         Args:
             task: the task.
@@ -458,39 +458,7 @@ class Planner(Starts):
         state = self.tasks[task]
         state.retries += 1
         card = self.cards[run.device] if run.device is not None else None
-        others = list(card.runs.values()) if card is not None else []
-        lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
-        # Evidence never lowers a price: the floor is at least the task's ask now.
-        before = self.asks.ask_for(run.key, run.size)
-        floor = before.ask_bytes
-        if lower > floor:
-            floor = lower + self.asks.policy.margin_for(lower)
-        self.asks.floor(run.key, floor)
-        after = self.asks.ask_for(run.key, run.size)
-        self._rebook(run.key)
-        child_bytes = 0
-        if reading is not None and reading.process_bytes is not None and run.pid is not None:
-            child_bytes = reading.process_bytes.get(run.pid, 0)
-        needed = after.ask_bytes + self.config.reserve_bytes
-        facts = Facts(
-            run=run,
-            tries=state.retries,
-            running_then=len(others) + 1,
-            shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
-            reached_bytes=report.device_peak_bytes,
-            requested_bytes=report.oom_requested_bytes,
-            key_ask_after=after,
-            # Held: the live free bytes do not cover its ask, yet the card without
-            # its co-tenants (census or new) would: waiting for them can help.
-            held=(
-                reading is not None
-                and card is not None
-                and card.census.total_bytes is not None
-                and reading.free_bytes + child_bytes < needed
-                and card.census.total_bytes - card.own_high_water_bytes >= needed
-            ),
-            elsewhere=self._roomier_elsewhere(run.device, after),
-        )
+        facts = self._oom_facts(run, state, card, report, reading)
         verdict = judge(facts, self.config, card)
         why = verdict.why
         if verdict.kind == "fixed_width":
@@ -518,94 +486,77 @@ class Planner(Starts):
                 device=run.device,
                 booked_bytes=run.booked_at_start_bytes,
             )
-        self._oom_record(run, report, reading, facts, verdict.cap, outcome, before, error, now_s)
+        bound = self.bound(card.index, facts.key_ask_after) if card is not None else None
+        self.record(
+            records.out_of_memory(
+                facts,
+                outcome,
+                verdict.cap,
+                card,
+                bound,
+                self.ceiling,
+                report,
+                reading,
+                parent_pid=self.config.parent_pid,
+                error=error,
+                now_s=now_s,
+            )
+        )
         if isinstance(outcome, Retry) and card is not None and self.config.fixed_width is None:
             self._review(now_s, cause=f"an out-of-memory of {run.key}", devices=(card.index,))
         if isinstance(outcome, Fail):
             self.tasks.pop(task, None)
         return outcome
 
-    def _oom_record(
+    def _oom_facts(
         self,
         run: Run,
+        state: TaskState,
+        card: Card | None,
         report: PeakReport,
         reading: CardReading | None,
-        facts: Facts,
-        cap: int | None,
-        outcome: Retry | Fail,
-        before: Ask,
-        error: str,
-        now_s: float,
-    ) -> None:
-        device = run.device
-        card = self.cards[device] if device is not None else None
+    ) -> Facts:
+        """What was known when ``run`` ran out; its key's price raised where it passed it
+        (evidence never lowers a price: the floor is at least the task's ask now)."""
         others = list(card.runs.values()) if card is not None else []
-        after = facts.key_ask_after
-        rows = reading.process_bytes if reading is not None else None
-        pool_bytes = None
-        if rows is not None and card is not None:
-            # The pool's workers on the card, idle ones included (their contexts are ours).
-            pids = card.worker_pids | {r.pid for r in others} | {run.pid}
-            pool_bytes = sum(rows.get(p or -1, 0) for p in pids)
-        bound = self.bound(device, after) if device is not None else None
-        where = f"card {device if device is not None else '-'}"
-        self.record(
-            Decision(
-                event="out_of_memory",
-                time_s=now_s,
-                device=device,
-                width_before=facts.running_then,
-                width_after=cap if cap is not None else facts.running_then,
-                reason=(
-                    f"{where}: a task of {run.key} ran out of memory at "
-                    f"{format_size(report.device_peak_bytes)} reached (asked for "
-                    f"{format_size(report.oom_requested_bytes)} more), started at its ask "
-                    f"{format_size(run.ask_bytes)} (booked "
-                    f"{format_size(run.booked_at_start_bytes)}) beside {len(others)} other "
-                    "running; live "
-                    f"{format_size(reading.used_bytes if reading else None)} used, "
-                    f"{format_size(reading.free_bytes if reading else None)} free; "
-                    f"{outcome.reason}"
-                ),
-                bound=bound,
-                ceiling=self.ceiling,
-                key=run.key,
-                key_ask=after,
-                limit="out_of_memory",
-                extra={
-                    "task_ask_bytes": run.ask_bytes,
-                    "task_booked_bytes": run.booked_at_start_bytes,
-                    "ask_before_bytes": before.ask_bytes,
-                    "ask_after_bytes": after.ask_bytes,
-                    "reached_bytes": report.device_peak_bytes,
-                    "requested_bytes": report.oom_requested_bytes,
-                    "live_free_bytes": reading.free_bytes if reading else None,
-                    "live_used_bytes": reading.used_bytes if reading else None,
-                    "live_own_bytes": (
-                        rows.get(self.config.parent_pid or -1, 0) if rows is not None else None
-                    ),
-                    "live_pool_bytes": pool_bytes,
-                    "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
-                    "priced_own_high_water_bytes": (
-                        min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
-                        if device is not None
-                        else None
-                    ),
-                    "other_pools_bytes": card.others_bytes if card else None,
-                    "other_pools_held_bytes": card.others_held_bytes if card else None,
-                    "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
-                    "other_pools_tasks": card.others_tasks if card else None,
-                    # What was booked on the card when it ran out: each run at its booking
-                    # then (not re-priced at an ask the out-of-memory raised).
-                    "booked_bytes": sum(r.booked_bytes for r in others) + run.booked_at_start_bytes,
-                    "running": facts.running_then,
-                    "tries": facts.tries,
-                    "retry": isinstance(outcome, Retry),
-                    "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
-                    "oom_cap": card.oom_cap if card else None,
-                    "error": error[:500],
-                },
-            )
+        booked_then = sum(r.booked_bytes for r in others) + run.booked_at_start_bytes
+        lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
+        before = self.asks.ask_for(run.key, run.size)
+        floor = before.ask_bytes
+        if lower > floor:
+            floor = lower + self.asks.policy.margin_for(lower)
+        self.asks.floor(run.key, floor)
+        after = self.asks.ask_for(run.key, run.size)
+        self._rebook(run.key)
+        child_bytes = 0
+        if reading is not None and reading.process_bytes is not None and run.pid is not None:
+            child_bytes = reading.process_bytes.get(run.pid, 0)
+        needed = after.ask_bytes + self.config.reserve_bytes
+        return Facts(
+            run=run,
+            tries=state.retries,
+            running_then=len(others) + 1,
+            shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
+            reached_bytes=report.device_peak_bytes,
+            requested_bytes=report.oom_requested_bytes,
+            key_ask_before=before,
+            key_ask_after=after,
+            # Held: the live free bytes do not cover its ask, yet the card without
+            # its co-tenants (census or new) would: waiting for them can help.
+            held=(
+                reading is not None
+                and card is not None
+                and card.census.total_bytes is not None
+                and reading.free_bytes + child_bytes < needed
+                and card.census.total_bytes - card.own_high_water_bytes >= needed
+            ),
+            elsewhere=self._roomier_elsewhere(run.device, after),
+            booked_bytes=booked_then,
+            priced_own_high_water_bytes=(
+                min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
+                if card is not None
+                else None
+            ),
         )
 
     def _roomier_elsewhere(self, device: int | None, ask: Ask) -> int | None:

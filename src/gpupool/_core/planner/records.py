@@ -14,16 +14,19 @@ from collections.abc import Mapping
 
 from gpupool._core.bound import Bound, Ceiling
 from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
-from gpupool._core.planner.oom import CapLift
+from gpupool._core.planner.oom import CapLift, Facts
 from gpupool._core.planner.order import Hold
 from gpupool._core.planner.sharing import ShareWait
 from gpupool._core.planner.state import Card, Critical
+from gpupool._core.planner.verdicts import CardReading, Fail, Retry
 from gpupool._core.policy import Ask
 from gpupool._core.units import format_size
 
 __all__ = [
     "cap_lifted",
+    "out_of_memory",
     "critical_wait",
     "head_wait",
     "live_gate_wait",
@@ -196,5 +199,80 @@ def shutdown(
             "workers_lost": counts["lost"],
             # Futures the pool found unresolved when it stopped (it failed them).
             "tasks_lost": tasks_lost,
+        },
+    )
+
+
+def out_of_memory(
+    facts: Facts,
+    outcome: Retry | Fail,
+    cap: int | None,
+    card: Card | None,
+    bound: Bound | None,
+    ceiling: Ceiling,
+    report: PeakReport,
+    reading: CardReading | None,
+    *,
+    parent_pid: int | None,
+    error: str,
+    now_s: float,
+) -> Decision:
+    """An out-of-memory's record: what the task reached and was priced at, what the card held
+    then, and what the planner does about it."""
+    run = facts.run
+    rows = reading.process_bytes if reading is not None else None
+    pool_bytes = None
+    if rows is not None and card is not None:
+        # The pool's workers on the card, idle ones included (their contexts are ours).
+        pids = card.worker_pids | {r.pid for r in card.runs.values()} | {run.pid}
+        pool_bytes = sum(rows.get(p or -1, 0) for p in pids)
+    where = f"card {run.device if run.device is not None else '-'}"
+    reason = (
+        f"{where}: a task of {run.key} ran out of memory at "
+        f"{format_size(facts.reached_bytes)} reached (asked for "
+        f"{format_size(facts.requested_bytes)} more), started at its ask "
+        f"{format_size(run.ask_bytes)} (booked {format_size(run.booked_at_start_bytes)}) "
+        f"beside {facts.running_then - 1} other running; live "
+        f"{format_size(reading.used_bytes if reading else None)} used, "
+        f"{format_size(reading.free_bytes if reading else None)} free; {outcome.reason}"
+    )
+    return Decision(
+        event="out_of_memory",
+        time_s=now_s,
+        device=run.device,
+        width_before=facts.running_then,
+        width_after=cap if cap is not None else facts.running_then,
+        reason=reason,
+        bound=bound,
+        ceiling=ceiling,
+        key=run.key,
+        key_ask=facts.key_ask_after,
+        limit="out_of_memory",
+        extra={
+            "task_ask_bytes": run.ask_bytes,
+            "task_booked_bytes": run.booked_at_start_bytes,
+            "ask_before_bytes": facts.key_ask_before.ask_bytes,
+            "ask_after_bytes": facts.key_ask_after.ask_bytes,
+            "reached_bytes": report.device_peak_bytes,
+            "requested_bytes": report.oom_requested_bytes,
+            "live_free_bytes": reading.free_bytes if reading else None,
+            "live_used_bytes": reading.used_bytes if reading else None,
+            "live_own_bytes": rows.get(parent_pid or -1, 0) if rows is not None else None,
+            "live_pool_bytes": pool_bytes,
+            "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
+            "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
+            "other_pools_bytes": card.others_bytes if card else None,
+            "other_pools_held_bytes": card.others_held_bytes if card else None,
+            "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
+            "other_pools_tasks": card.others_tasks if card else None,
+            # What the card's runs were booked at when it ran out (not re-priced at an ask
+            # the out-of-memory raised).
+            "booked_bytes": facts.booked_bytes,
+            "running": facts.running_then,
+            "tries": facts.tries,
+            "retry": isinstance(outcome, Retry),
+            "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
+            "oom_cap": card.oom_cap if card else None,
+            "error": error[:500],
         },
     )

@@ -382,10 +382,16 @@ class Starts(Views):
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back", poll_s=poll_s
             )
-        # Nothing of the pool runs anywhere.
-        ask = self.ask_of(head)
         if state.room_wait_until_s is not None:
             return Wait(reason="waiting for room after an out-of-memory", poll_s=LIVE_POLL_S)
+        return self._serial_floor(head, state, now_s, gate_shut)
+
+    def _serial_floor(
+        self, head: TaskId, state: TaskState, now_s: float, gate_shut: bool
+    ) -> Wait | Warm | Start:
+        """Nothing of the pool runs anywhere, and the head does not start: one task starts past
+        the bound, on the card with the most room (logged), unless other pools hold it."""
+        ask = self.ask_of(head)
         candidates = [i for i in range(len(self.cards)) if i not in state.avoid] or list(
             range(len(self.cards))
         )
