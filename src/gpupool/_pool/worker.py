@@ -11,7 +11,12 @@ so nothing in it can touch the wrong card. It then runs one task at a time::
 the pickled exception and the formatted traceback), ``"oom"`` (a device
 out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
 task could not be unpickled) or ``"init"`` (the initializer raised; the
-worker then exits). An empty message asks the worker to exit. The header
+worker then exits). Before any of those, once its initializer returned and
+its probe is set up, a worker sends ``"ready"`` (its report:
+``{"resident_bytes": ...}``, its own device bytes then, ``None`` when
+unknown; an empty payload), so a worker that dies before it is ready is
+known to have died starting, not running a task. Every answer is two
+frames. An empty message asks the worker to exit. The header
 is plain pickle of plain values, so the parent always learns what
 happened even when the payload cannot be unpickled; the payload travels as
 a frame of its own, so a result is pickled once here and unpickled once in
@@ -160,6 +165,11 @@ def worker_main(
         except Exception:
             sensor = None
     probe = Probe(sensor, device, device_index, os.getpid())
+    # Ready: what the initializer left on the card (a model loaded there) is this worker's.
+    try:
+        _answer(conn, "ready", {"resident_bytes": probe.resident_bytes()}, b"")
+    except OSError:
+        return  # the pool's end is closed: nobody waits for this worker
     done = 0
     while max_tasks is None or done < max_tasks:
         try:
