@@ -56,6 +56,7 @@ from gpupool._core.peak import PeakReport
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from gpupool._probe import Probe
     from gpupool._sensors.base import DeviceInfo
 
 __all__ = ["dumps_call", "process_chunk", "worker_main"]
@@ -154,22 +155,11 @@ def worker_main(
             _answer(conn, "init", None, _dump_exception(exc))
             return
 
-    from gpupool._probe import Probe, apply_allocator_cap, is_device_oom, read_allocator_cap_message
+    from gpupool._probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
 
-    sensor = None
-    if device is not None:
-        from gpupool._sensors.select import default_sensor
-
-        try:
-            sensor = default_sensor()
-        except Exception:
-            sensor = None
-    probe = Probe(sensor, device, device_index, os.getpid())
-    # Ready: what the initializer left on the card (a model loaded there) is this worker's.
-    try:
-        _answer(conn, "ready", {"resident_bytes": probe.resident_bytes()}, b"")
-    except OSError:
-        return  # the pool's end is closed: nobody waits for this worker
+    probe = _ready(conn, device, device_index)
+    if probe is None:
+        return
     done = 0
     while max_tasks is None or done < max_tasks:
         try:
@@ -215,6 +205,28 @@ def worker_main(
         _answer(conn, kind, dataclasses.asdict(report), payload)
         del payload
         done += 1
+
+
+def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None) -> Probe | None:
+    """Set up the probe and tell the parent this worker is ready, with its own device bytes
+    now (what the initializer left on the card is this worker's, not a task's); ``None``
+    when the parent's end is closed."""
+    from gpupool._probe import Probe
+
+    sensor = None
+    if device is not None:
+        from gpupool._sensors.select import default_sensor
+
+        try:
+            sensor = default_sensor()
+        except Exception:
+            sensor = None
+    probe = Probe(sensor, device, device_index, os.getpid())
+    try:
+        _answer(conn, "ready", {"resident_bytes": probe.resident_bytes()}, b"")
+    except OSError:
+        return None  # nobody waits for this worker
+    return probe
 
 
 def _answer(conn: Connection, kind: str, report: dict[str, Any] | None, payload: bytes) -> None:
