@@ -3,19 +3,20 @@
 ::
 
     GpuPoolError
-     +-- ConfigurationError (also ValueError)     a value given to gpupool is wrong
-     |    +-- InvalidSizeError                    a byte size could not be parsed
-     +-- SensorError                              a reading could not be taken
-     |    +-- NoDriverError                       no NVIDIA driver or library: no device
-     |    +-- DeviceUnreadableError               driver present, the reading failed
-     +-- WidthError (also RuntimeError)           strict mode refused to narrow
-     +-- DeviceOutOfMemoryError                   a task ran a card out of memory
-     +-- WorkerLostError (also BrokenProcessPool) a worker died while running a task
+     +-- ConfigurationError (also ValueError)      a value given to gpupool is wrong
+     |    +-- InvalidSizeError                     a byte size could not be parsed
+     +-- SensorError                               a reading could not be taken
+     |    +-- NoDriverError                        no NVIDIA driver or library: no device
+     |    +-- DeviceUnreadableError                driver present, the reading failed
+     +-- WidthError (also RuntimeError)            strict mode refused to narrow
+     +-- DeviceOutOfMemoryError                    a task ran a card out of memory
+     +-- WorkerLostError (also BrokenProcessPool)  a worker died while running a task
+     +-- InitializerError (also BrokenProcessPool) an initializer failed: the pool is broken
 
 Configuration errors are also :class:`ValueError`, as CPython's are, so
-existing ``except ValueError`` clauses keep working; a lost worker is a
-:class:`concurrent.futures.process.BrokenProcessPool`, as the standard
-library and loky raise for a dead worker.
+existing ``except ValueError`` clauses keep working; a lost worker and a
+failed initializer are a :class:`concurrent.futures.process.BrokenProcessPool`,
+as the standard library and loky raise for a dead worker and a broken pool.
 
 Every one of them pickles with its attributes (a task may raise one, and
 it must reach the caller intact): ``GpuPoolError.__reduce__`` rebuilds
@@ -33,6 +34,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "DeviceUnreadableError",
     "GpuPoolError",
+    "InitializerError",
     "InvalidSizeError",
     "NoDriverError",
     "SensorError",
@@ -134,5 +136,33 @@ class WorkerLostError(GpuPoolError, BrokenProcessPool):
         self, message: str, *, exitcode: int | None = None, signal_name: str | None = None
     ) -> None:
         super().__init__(message)
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+
+
+class InitializerError(GpuPoolError, BrokenProcessPool):
+    """A worker's initializer raised, or its worker died before it was ready: the pool
+    is broken, as the standard pool breaks when an initializer fails.
+
+    Every pending task fails with it and ``submit`` raises it; no task is
+    charged with the death as if it had run.
+
+    Attributes:
+        initializer: the initializer's name (``module.qualname``).
+        exitcode: the worker's exit code (negative: killed by that signal);
+            ``None`` when the initializer raised (the exception is the cause).
+        signal_name: e.g. ``"SIGSEGV"`` when a signal ended the worker, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        initializer: str = "",
+        exitcode: int | None = None,
+        signal_name: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.initializer = initializer
         self.exitcode = exitcode
         self.signal_name = signal_name

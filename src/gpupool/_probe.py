@@ -430,6 +430,19 @@ class Probe:
         self._sampler: threading.Thread | None = None
         self._exact = True
 
+    def resident_bytes(self) -> int | None:
+        """This process's device bytes now (one per-process reading, no task window).
+
+        ``None`` when unknown: no device, no row for this process, a 0 row
+        (which may be the driver's silence), or a reading that failed.
+        """
+        if self._sensor is None or self._device is None:
+            return None
+        try:
+            return _trusted(self._sensor.read_process_bytes(self._device, self._pid))
+        except Exception:
+            return None
+
     def start(self) -> None:
         """Open the measuring window for one task."""
         _arm_cap_at_task_start()

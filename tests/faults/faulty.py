@@ -259,3 +259,27 @@ def no_devices() -> object:
             return HostCensus(cpus=2, available_ram_bytes=64 * 2**30)
 
     return NoDevices()
+
+
+def die_when_told(go: str, how: str) -> None:
+    """An initializer: wait for ``go`` to exist, then end this worker before it is ready.
+
+    ``how``: ``"exit"`` leaves with ``os._exit(3)``; ``"segv"`` sends this
+    process SIGSEGV, as a failed CUDA initialisation can.
+    """
+    wait_for_file(go)
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(10)  # the signal is delivered before this returns; never reached
+
+
+_held_for_life: list[object] = []
+
+
+def hold_for_life(size: str) -> None:
+    """An initializer: hold ``size`` simulated device bytes until the worker exits (a model
+    loaded in the initializer)."""
+    held = hold(size)
+    held.__enter__()
+    _held_for_life.append(held)

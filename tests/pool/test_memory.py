@@ -188,6 +188,27 @@ def test_strict_mode_runs_when_the_bound_holds_the_width():
             assert list(ex.map(tasks.sized, range(4), ["2GiB"] * 4, [0.0] * 4)) == [0, 1, 2, 3]
 
 
+def test_strict_mode_is_not_capped_by_the_cpus():
+    """strict=True with max_workers=4 on two usable CPUs: width 4, as without strict (an
+    explicit max_workers is not capped by the CPU count)."""
+    with SimulatedHost(devices=[SimulatedDevice(total="80GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=4, task_peak="4GiB", strict=True) as ex:
+            assert ex.width == 4
+            first = ex.decisions[0]
+    assert first.limit == "max_workers"
+    assert "max_workers=4 is more than the 2 usable CPUs" in first.reason
+
+
+def test_strict_mode_runs_narrower_where_host_ram_holds_fewer():
+    """strict=True: the host-RAM term still caps the width (at a 1 GiB RSS prior per child,
+    2 GiB of host RAM hold two), and that is no WidthError."""
+    with SimulatedHost(devices=[SimulatedDevice(total="80GiB")], cpus=16, host_ram="2GiB"):
+        with GpuPoolExecutor(max_workers=4, task_peak="4GiB", strict=True) as ex:
+            assert ex.width == 2
+            first = ex.decisions[0]
+    assert first.limit == "host_ram"
+
+
 def test_per_key_hints_price_mixed_tasks_by_their_own_asks():
     """Two keys with their own hints share a card by bytes: small ones pack beside big ones."""
     with SimulatedHost(

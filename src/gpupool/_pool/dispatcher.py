@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import os
 import pickle
@@ -73,6 +74,8 @@ from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
 from gpupool._errors import (
     DeviceOutOfMemoryError,
+    GpuPoolError,
+    InitializerError,
     WidthError,
     WorkerLostError,
 )
@@ -166,7 +169,12 @@ _task_ids = itertools.count()
 
 
 class _Worker:
-    """One worker process and the task handed to it (a worker runs one task at a time)."""
+    """One worker process and the task handed to it (a worker runs one task at a time).
+
+    ``ready`` turns true when the worker says so: its initializer returned and
+    its probe is set up. ``resident_bytes`` is what it held on its card then
+    (a model its initializer loaded, its context), ``None`` when unknown.
+    """
 
     __slots__ = (
         "channel",
@@ -177,6 +185,8 @@ class _Worker:
         "pid",
         "process",
         "queue",
+        "ready",
+        "resident_bytes",
         "retiring",
         "started_s",
         "tasks_done",
@@ -197,6 +207,8 @@ class _Worker:
         self.retiring = False
         self.gone = False
         self.started_s = 0.0
+        self.ready = False
+        self.resident_bytes: int | None = None
 
     @property
     def task(self) -> WorkItem | None:
@@ -565,12 +577,14 @@ class Dispatcher:
         self._drain_incoming()
         read = False
         while True:
+            self._check_refusal()  # a reading or a booking may have narrowed a strict pool
             if self.broken is not None:
                 self._fail_pending()
                 return None
             if not read and self.planner.pending:
                 self._read_cards()
                 read = True
+                continue
             verdict = self.planner.next_start(self.now())
             if verdict is None:
                 self._publish_waiting()
@@ -792,6 +806,10 @@ class Dispatcher:
 
     def _receive_one(self, worker: _Worker, header: bytearray, payload: bytearray) -> None:
         kind, report_fields = pickle.loads(header)
+        if kind == "ready":  # no task's answer: the worker's initializer returned
+            worker.ready = True
+            worker.resident_bytes = report_fields["resident_bytes"]
+            return
         item = worker.queue.popleft() if worker.queue else None
         worker.started_s = time.monotonic()
         if kind == "init":
@@ -800,14 +818,16 @@ class Dispatcher:
             # before the pool reports itself broken, as the standard pool's order is.
             worker.process.join(timeout=INIT_EXIT_WAIT_S)
             exc = _load_exception(payload)
-            error = BrokenProcessPool(f"{_BROKEN_INIT}: the initializer raised {exc!r}")
+            assert self.initializer is not None
+            name = _name_of(self.initializer[0])
+            error = InitializerError(
+                f"{_BROKEN_INIT}: the initializer {name} raised {exc!r}", initializer=name
+            )
             error.__cause__ = exc
             if item is not None:
-                self._settle(item)
-                self.planner.finished(item.task_id, None, self.now())
-                _set_exception(item.future, copy_broken(error, str(error)))
-                self.counts["failed"] += 1
-            self._break(f"{_BROKEN_INIT}: a worker's initializer raised {exc!r}", error)
+                worker.queue.appendleft(item)
+            self._fail_queued(worker, error)
+            self._break(str(error), error)
             return
         worker.tasks_done += 1
         if item is None:
@@ -838,13 +858,17 @@ class Dispatcher:
         self.items.pop(item.task_id, None)
 
     def _check_refusal(self) -> None:
-        """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError."""
+        """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError.
+
+        What has not started fails with it; what runs is let finish and deliver, since it
+        ran at the width asked for (the refusal is about the next starts).
+        """
         message = self.planner.refusal
         if message is None or self.broken is not None:
             return
         record = self.planner.refusal_decision
         error = WidthError(message, decision=record.to_dict() if record is not None else {})
-        self._break(message, error)
+        self._break(message, error, running_finish=True)
 
     def _finish(self, item: WorkItem, kind: str, payload: bytearray) -> None:
         if kind == "ok":
@@ -918,26 +942,28 @@ class Dispatcher:
     # -- workers ending ---------------------------------------------------------------
 
     def _reap(self, worker: _Worker) -> None:
-        """A worker's process ended: fail only the task it ran, and forget it."""
+        """A worker's process ended: fail only the task it ran, and forget it.
+
+        A worker that dies before it is ready while an initializer is set
+        breaks the pool instead (:meth:`_break_at_start`): no task ran in it.
+        """
         # What it sent before it exited is in the socket still: handle that first.
         self._receive(worker)
         if worker.gone:
             return
         exitcode = worker.watch.wait(1.0)
         self._forget(worker)
+        signal_name = _signal_name(exitcode)
+        how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
+        by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
+        if not worker.ready and self.initializer is not None and not by_pool:
+            self._break_at_start(worker, exitcode, how, signal_name)
+            return
         item = worker.queue.popleft() if worker.queue else None
         if item is None:
             return
         self._settle(item)
         self.counts["failed"] += 1
-        signal_name = None
-        if exitcode is not None and exitcode < 0:
-            try:
-                signal_name = signal.Signals(-exitcode).name
-            except ValueError:
-                signal_name = f"signal {-exitcode}"
-        how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
-        by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
         if by_pool:
             how += (
                 ", sent by the pool itself ("
@@ -964,6 +990,35 @@ class Dispatcher:
         _set_exception(
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
+
+    def _break_at_start(
+        self, worker: _Worker, exitcode: int | None, how: str, signal_name: str | None
+    ) -> None:
+        """A worker died before it was ready, with an initializer set: the pool breaks, as the
+        standard pool does, and what was handed to the worker fails with the pool (it never
+        ran: no worker is charged as lost, no task as if it had run)."""
+        assert self.initializer is not None
+        name = _name_of(self.initializer[0])
+        error = InitializerError(
+            f"{_BROKEN_INIT}: a worker process (pid {worker.pid}) {how} before it was ready, "
+            f"in the initializer {name} or the start-up after it; no task ran in it. An "
+            "initializer that kills its process (os._exit, a failed CUDA initialisation) "
+            "breaks the pool as one that raises does.",
+            initializer=name,
+            exitcode=exitcode,
+            signal_name=signal_name,
+        )
+        self._fail_queued(worker, error)
+        self._break(str(error), error)
+
+    def _fail_queued(self, worker: _Worker, error: BaseException) -> None:
+        """Fail what was handed to ``worker`` with a copy of ``error`` each; release its
+        bookings (nothing is learned from a task that did not end by itself)."""
+        for item in worker.queue:
+            self._settle(item)
+            self.planner.finished(item.task_id, None, self.now(), failed=True)
+            self._fail(item, copy_broken(error, str(error)))
+        worker.queue.clear()
 
     def _book_with_others(self, start: Start, worker_pid: int) -> bool:
         """Book ``start`` in the host's table and re-read the other pools in one locked step;
@@ -1101,12 +1156,7 @@ class Dispatcher:
             if worker.watch.exitcode() is None:
                 signal_tree(worker.pid, signal.SIGKILL)
                 worker.watch.wait(5.0)
-            for item in worker.queue:
-                self._settle(item)
-                _set_exception(
-                    item.future, WorkerLostError("the pool stopped before this task finished")
-                )
-            worker.queue.clear()
+            self._fail_queued(worker, WorkerLostError("the pool stopped before this task finished"))
             self._forget(worker)
         self._fail_pending()
 
@@ -1135,19 +1185,24 @@ class Dispatcher:
             timeout = min(left, POLL_WITHOUT_PIDFD_S)
             select.select(reads, writes, [], timeout)
 
-    def _break(self, message: str, exc: BaseException) -> None:
+    def _break(self, message: str, exc: BaseException, *, running_finish: bool = False) -> None:
+        """The pool is broken: ``submit`` raises from now on, and every task not handed to
+        a worker fails with ``exc``. Tasks handed to workers fail too, unless
+        ``running_finish`` (a strict refusal: they run to their end and deliver). The
+        first break's error is the pool's."""
         with self.lock:
             if self.broken is None:
                 self.broken = message
                 self.broken_exc = exc
         self._fail_pending()
+        if running_finish:
+            return
         for worker in list(self._all_workers()):
-            for item in worker.queue:
-                self._settle(item)
-                _set_exception(item.future, copy_broken(self.broken_exc, message))
-            worker.queue.clear()
+            self._fail_queued(worker, exc)
 
     def _fail_pending(self) -> None:
+        """End every task not handed to a worker: with the pool's error when it is broken,
+        else cancelled (or, started to its future, failed as never run)."""
         self._drain_incoming()
         items = []
         for task in self.planner.pending_tasks():
@@ -1155,21 +1210,25 @@ class Dispatcher:
             self.planner.withdraw(task)
         for item in items:
             if self.broken is not None:
-                _set_exception(item.future, copy_broken(self.broken_exc, self.broken))
+                self._fail(item, copy_broken(self.broken_exc, self.broken))
             elif item.future.cancel():
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
             else:
-                _set_exception(
-                    item.future, WorkerLostError("the pool stopped before this task ran")
-                )
+                self._fail(item, WorkerLostError("the pool stopped before this task ran"))
 
 
 def copy_broken(exc: BaseException | None, message: str) -> BaseException:
+    """A fresh copy of the pool's breaking error for one future or one ``submit`` (each
+    raise adds its own traceback), with its attributes and cause."""
+    if isinstance(exc, GpuPoolError):
+        copy = type(exc).__new__(type(exc), *exc.args)
+        copy.args = exc.args
+        copy.__dict__.update(exc.__dict__)
+        copy.__cause__ = exc.__cause__
+        return copy
     if isinstance(exc, BrokenProcessPool):
         return type(exc)(*exc.args)
-    if isinstance(exc, WidthError):
-        return WidthError(str(exc), decision=exc.decision)
     error = BrokenProcessPool(message)
     error.__cause__ = exc
     return error
@@ -1202,6 +1261,25 @@ def _os_error_in(exc: BaseException) -> OSError | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+def _signal_name(exitcode: int | None) -> str | None:
+    """The name of the signal that ended a process (``exitcode`` negative), else ``None``."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _name_of(fn: Callable[..., object]) -> str:
+    """``module.qualname`` of a callable (a partial's function), for messages."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"
 
 
 def _broken_by(message: str, cause: BaseException) -> BrokenProcessPool:

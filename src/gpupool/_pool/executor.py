@@ -278,8 +278,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             bound says (logged when it exceeds the bound).
         strict: refuse to let memory narrow the pool below ``max_workers``:
             raise :class:`~gpupool.WidthError` at construction, and break the
-            pool with it if a later measurement or out-of-memory would narrow
-            (the CPU and host-RAM ceiling still apply).
+            pool with it if a later measurement, out-of-memory or reading would
+            narrow: tasks not yet started fail with it, running ones finish
+            and deliver. The host-RAM term of the ceiling still applies; the
+            CPU count does not cap an explicit ``max_workers``.
         retry_oom: retry a task that ran out of device memory at a narrower
             width (default); it reaches its future only when it ran alone on
             its card with its ask's room free, when ``max_retries`` is
@@ -587,7 +589,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         """Schedule ``fn(*args, **kwargs)``; returns a ``concurrent.futures.Future``.
 
         Raises:
-            BrokenProcessPool: the pool is broken (a failing initializer).
+            InitializerError: the pool is broken: an initializer raised or killed
+                its worker (a ``BrokenProcessPool``).
+            WidthError: the pool is broken: ``strict=True`` refused to narrow.
             RuntimeError: the pool was shut down.
         """
         return self._submit(fn, args, kwargs, None)

@@ -11,7 +11,12 @@ so nothing in it can touch the wrong card. It then runs one task at a time::
 the pickled exception and the formatted traceback), ``"oom"`` (a device
 out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
 task could not be unpickled) or ``"init"`` (the initializer raised; the
-worker then exits). An empty message asks the worker to exit. The header
+worker then exits). Before any of those, once its initializer returned and
+its probe is set up, a worker sends ``"ready"`` (its report:
+``{"resident_bytes": ...}``, its own device bytes then, ``None`` when
+unknown; an empty payload), so a worker that dies before it is ready is
+known to have died starting, not running a task. Every answer is two
+frames. An empty message asks the worker to exit. The header
 is plain pickle of plain values, so the parent always learns what
 happened even when the payload cannot be unpickled; the payload travels as
 a frame of its own, so a result is pickled once here and unpickled once in
@@ -51,6 +56,7 @@ from gpupool._core.peak import PeakReport
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from gpupool._probe import Probe
     from gpupool._sensors.base import DeviceInfo
 
 __all__ = ["dumps_call", "process_chunk", "worker_main"]
@@ -149,17 +155,11 @@ def worker_main(
             _answer(conn, "init", None, _dump_exception(exc))
             return
 
-    from gpupool._probe import Probe, apply_allocator_cap, is_device_oom, read_allocator_cap_message
+    from gpupool._probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
 
-    sensor = None
-    if device is not None:
-        from gpupool._sensors.select import default_sensor
-
-        try:
-            sensor = default_sensor()
-        except Exception:
-            sensor = None
-    probe = Probe(sensor, device, device_index, os.getpid())
+    probe = _ready(conn, device, device_index)
+    if probe is None:
+        return
     done = 0
     while max_tasks is None or done < max_tasks:
         try:
@@ -205,6 +205,28 @@ def worker_main(
         _answer(conn, kind, dataclasses.asdict(report), payload)
         del payload
         done += 1
+
+
+def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None) -> Probe | None:
+    """Set up the probe and tell the parent this worker is ready, with its own device bytes
+    now (what the initializer left on the card is this worker's, not a task's); ``None``
+    when the parent's end is closed."""
+    from gpupool._probe import Probe
+
+    sensor = None
+    if device is not None:
+        from gpupool._sensors.select import default_sensor
+
+        try:
+            sensor = default_sensor()
+        except Exception:
+            sensor = None
+    probe = Probe(sensor, device, device_index, os.getpid())
+    try:
+        _answer(conn, "ready", {"resident_bytes": probe.resident_bytes()}, b"")
+    except OSError:
+        return None  # nobody waits for this worker
+    return probe
 
 
 def _answer(conn: Connection, kind: str, report: dict[str, Any] | None, payload: bytes) -> None:
