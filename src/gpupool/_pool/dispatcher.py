@@ -69,6 +69,7 @@ from gpupool._core.planner import (
     Start,
     Wait,
     Warm,
+    Workers,
 )
 from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
@@ -294,6 +295,8 @@ class Dispatcher:
         # Failed worker starts in a row, and when the next try may be made.
         self.spawn_failures = 0
         self.spawn_retry_at_s = 0.0
+        # Workers in a row that died before they were ready (no task had been handed to them).
+        self.boot_deaths = 0
         # The host-wide booking table (None: sharing is off), and what this
         # pool last published per device (an unchanged booking is not rewritten).
         self.bookings = bookings
@@ -585,7 +588,7 @@ class Dispatcher:
                 self._read_cards()
                 read = True
                 continue
-            verdict = self.planner.next_start(self.now())
+            verdict = self.planner.next_start(self.now(), self._worker_counts())
             if verdict is None:
                 self._publish_waiting()
                 return None
@@ -595,13 +598,26 @@ class Dispatcher:
             if isinstance(verdict, Refuse):
                 self._check_refusal()  # strict mode: the pool breaks
                 continue
-            if isinstance(verdict, Warm):  # pragma: no cover (no worker counts are given)
-                raise AssertionError("the planner asked to warm a worker it was not told of")
             item = self.items[verdict.task]
+            if isinstance(verdict, Warm):
+                # A task fits there now but no ready worker is idle: start one; the task stays
+                # PENDING and is admitted when a ready worker can run it (its ready message
+                # is an event), against the readings of that moment.
+                device = self.devices[verdict.device] if verdict.device is not None else None
+                pool = device.workers if device is not None else self.host_workers
+                if self._start_for(item, device, pool) is None:
+                    if verdict.task not in self.items:
+                        continue  # it failed: the start's error is in its future
+                    return max(0.01, self.spawn_retry_at_s - time.monotonic())
+                continue
             if isinstance(verdict, Fail):
                 self.items.pop(verdict.task, None)
                 self._fail_oom(item, verdict, None)
                 continue
+            device = self.devices[verdict.device] if verdict.device is not None else None
+            pool = device.workers if device is not None else self.host_workers
+            # The planner admitted it where a ready worker is idle: it runs now.
+            worker = next(w for w in pool if w.task is None and w.ready and not w.retiring)
             if not item.started:
                 if not item.future.set_running_or_notify_cancel():
                     self.items.pop(verdict.task, None)
@@ -609,17 +625,6 @@ class Dispatcher:
                     self.counts["cancelled"] += 1
                     continue
                 item.started = True
-            # RUNNING before a worker is started for it: a shutdown that cancels
-            # pending work while the worker starts can no longer take this task.
-            device = self.devices[verdict.device] if verdict.device is not None else None
-            pool = device.workers if device is not None else self.host_workers
-            worker = next((w for w in pool if w.task is None and not w.retiring), None)
-            if worker is None:
-                worker = self._start_for(item, device, pool)
-                if worker is None:
-                    if verdict.task not in self.items:
-                        continue  # it failed: the start's error is in its future
-                    return max(0.01, self.spawn_retry_at_s - time.monotonic())
             if not self._book_with_others(verdict, worker.pid):
                 # Another pool booked the room first: the planner now knows, and the
                 # task waits (still RUNNING to its future) on a warm worker.
@@ -637,6 +642,19 @@ class Dispatcher:
                 self._publish_bookings(device)  # before the task can allocate
             self._send(item, worker, verdict.ask_bytes, payload)
             del payload
+
+    def _worker_counts(self) -> Workers:
+        """The workers per card as the planner needs them: ready and idle, and booting."""
+        ready: collections.Counter[int | None] = collections.Counter()
+        booting: collections.Counter[int | None] = collections.Counter()
+        for worker in self._all_workers():
+            if worker.gone or worker.retiring:
+                continue
+            if not worker.ready:
+                booting[worker.device] += 1
+            elif worker.task is None:
+                ready[worker.device] += 1
+        return Workers(ready=dict(ready), booting=dict(booting))
 
     def _start_for(
         self, item: WorkItem, device: DeviceState | None, pool: list[_Worker]
@@ -699,7 +717,8 @@ class Dispatcher:
         for device in self.devices:
             keep = self.planner.warm_limit(device.index, now)
             live = [w for w in device.workers if not w.retiring]
-            idle = [w for w in live if w.task is None]
+            # A worker that boots is not idle: it was started for a task that fits.
+            idle = [w for w in live if w.task is None and w.ready]
             for worker in idle[: max(0, len(live) - keep)]:
                 self._retire(worker)
 
@@ -808,6 +827,7 @@ class Dispatcher:
         kind, report_fields = pickle.loads(header)
         if kind == "ready":  # no task's answer: the worker's initializer returned
             worker.ready = True
+            self.boot_deaths = 0
             worker.resident_bytes = report_fields["resident_bytes"]
             return
         item = worker.queue.popleft() if worker.queue else None
@@ -956,8 +976,13 @@ class Dispatcher:
         signal_name = _signal_name(exitcode)
         how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
-        if not worker.ready and self.initializer is not None and not by_pool:
-            self._break_at_start(worker, exitcode, how, signal_name)
+        if not worker.ready and not by_pool and not self.shutdown_requested:
+            # No task is handed to a worker before it is ready, so none is charged with it.
+            # With an initializer the pool breaks, as the standard pool does; without one, a
+            # worker that keeps dying as it boots breaks it after SPAWN_TRIES in a row.
+            self.boot_deaths += 1
+            if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
+                self._break_at_start(worker, exitcode, how, signal_name)
             return
         item = worker.queue.popleft() if worker.queue else None
         if item is None:
@@ -994,20 +1019,28 @@ class Dispatcher:
     def _break_at_start(
         self, worker: _Worker, exitcode: int | None, how: str, signal_name: str | None
     ) -> None:
-        """A worker died before it was ready, with an initializer set: the pool breaks, as the
-        standard pool does, and what was handed to the worker fails with the pool (it never
-        ran: no worker is charged as lost, no task as if it had run)."""
-        assert self.initializer is not None
-        name = _name_of(self.initializer[0])
-        error = InitializerError(
-            f"{_BROKEN_INIT}: a worker process (pid {worker.pid}) {how} before it was ready, "
-            f"in the initializer {name} or the start-up after it; no task ran in it. An "
-            "initializer that kills its process (os._exit, a failed CUDA initialisation) "
-            "breaks the pool as one that raises does.",
-            initializer=name,
-            exitcode=exitcode,
-            signal_name=signal_name,
-        )
+        """A worker died before it was ready (with an initializer set, or SPAWN_TRIES in a row
+        without one): the pool breaks, as the standard pool does, and what was pending fails
+        with it (no task ran in such a worker: none is charged as if it had)."""
+        error: BrokenProcessPool
+        if self.initializer is not None:
+            name = _name_of(self.initializer[0])
+            error = InitializerError(
+                f"{_BROKEN_INIT}: a worker process (pid {worker.pid}) {how} before it was "
+                f"ready, in the initializer {name} or the start-up after it; no task ran in "
+                "it. An initializer that kills its process (os._exit, a failed CUDA "
+                "initialisation) breaks the pool as one that raises does.",
+                initializer=name,
+                exitcode=exitcode,
+                signal_name=signal_name,
+            )
+        else:
+            error = BrokenProcessPool(
+                f"A process in the process pool was terminated abruptly while the future was "
+                f"running or pending: {self.boot_deaths} worker processes in a row (the last, "
+                f"pid {worker.pid}, {how}) died before they were ready; no task ran in them. "
+                "Check that the workers can start (imports, the environment, host memory)."
+            )
         self._fail_queued(worker, error)
         self._break(str(error), error)
 
