@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, cast
 import cloudpickle
 
 from gpupool._core.bookings import TaskBooking
-from gpupool._core.bound import Ceiling, WidthDecision
+from gpupool._core.bound import WidthDecision
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
@@ -77,6 +77,7 @@ from gpupool._errors import (
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool.channel import Channel, ChannelClosed
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import dumps_call, worker_main
 from gpupool._probe import allocator_cap_message
 
@@ -287,31 +288,54 @@ class Dispatcher:
         self.pool_id = pool_id
         self.published: dict[int, tuple[tuple[TaskBooking, ...], bool]] = {}
         self.others_seen: dict[int, bool] = {}
+        # Tasks submitted (under ``lock``, by caller threads), and the snapshot readers on
+        # other threads read: only the dispatcher thread replaces it, in one assignment.
+        self.submitted_count = 0
+        self.snapshot: PoolSnapshot = take_snapshot(
+            self.planner, asks, self.counts, log_write_errors=0, last=None
+        )
+        self.publish_failed = False
+        # Tasks handed to the planner since the last snapshot (one taken before any of their
+        # futures is RUNNING, so that width and widths_by_key count them).
+        self.unpublished_tasks = False
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
 
     @property
-    def width(self) -> int:
-        return self.planner.width
+    def submitted(self) -> int:
+        """Tasks handed to the pool, counted at submit (under the lock, in the caller's thread)."""
+        with self.lock:
+            return self.submitted_count
 
-    @property
-    def widths(self) -> list[tuple[float, int]]:
-        return self.planner.widths
+    def publish(self) -> None:
+        """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
 
-    @property
-    def ceiling(self) -> Ceiling:
-        return self.planner.ceiling
-
-    def all_counts(self) -> collections.Counter[str]:
-        totals = collections.Counter(self.counts)
-        totals.update(self.planner.counts)
-        return totals
+        Called only where the planner is not shared: before the thread starts, then by the
+        thread itself at the end of every turn, before a future becomes RUNNING or done (so a
+        caller never sees a future newer than the statistics it reads), and at shutdown after
+        the last record. A value that did not change is the same object as before.
+        """
+        self.unpublished_tasks = False
+        try:
+            self.snapshot = take_snapshot(
+                self.planner,
+                self.asks,
+                self.counts,
+                log_write_errors=self.log.write_errors,
+                last=self.snapshot,
+            )
+        except Exception:
+            # A stale snapshot, never a future left pending: this runs as futures are set.
+            if not self.publish_failed:
+                self.publish_failed = True
+                LOGGER.exception("gpupool could not take the statistics snapshot")
 
     # -- called from caller threads -------------------------------------------------
 
     def start(self) -> None:
         _dispatchers.add(self)
+        self.publish()  # before the thread: the construction's width and records
         self.thread.start()
 
     def _wake_locked(self) -> None:
@@ -337,7 +361,7 @@ class Dispatcher:
             if self.stopped:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self.incoming.append(item)
-            self.counts["submitted"] += 1
+            self.submitted_count += 1
             self.unresolved.add(item.future)
             self._wake_locked()
         # Outside the lock: a future already done runs the callback at once.
@@ -440,9 +464,10 @@ class Dispatcher:
             self._publish_bookings(None)
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
-                _set_exception(future, WorkerLostError("the pool stopped and lost this task"))
+                self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
             self.planner.flush_asks(self.now())
             self.record(self.planner.shutdown_record(self.now(), self.counts, tasks_lost=len(lost)))
+            self.publish()  # the last one: what statistics() says from now on
             self.close()
 
     def _all_workers(self) -> list[_Worker]:
@@ -468,6 +493,7 @@ class Dispatcher:
                 self._cancel_pending()
                 poll_s = self._schedule()
             self._retire_beyond_limits()
+            self.publish()  # the end of the turn
             workers = self._all_workers()
             busy = any(w.task is not None for w in workers)
             with self.lock:
@@ -522,6 +548,7 @@ class Dispatcher:
                 continue
             self.items[item.task_id] = item
             self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
+            self.unpublished_tasks = True
             item.hint_bytes = None
 
     def _read_cards(self, *, census: bool = False) -> None:
@@ -583,6 +610,8 @@ class Dispatcher:
                 self._fail_oom(item, verdict, None)
                 continue
             if not item.started:
+                if self.unpublished_tasks:
+                    self.publish()  # before its future is RUNNING: the width counts its task
                 if not item.future.set_running_or_notify_cancel():
                     self.items.pop(verdict.task, None)
                     self.planner.withdraw(verdict.task)
@@ -780,7 +809,7 @@ class Dispatcher:
             except BaseException as exc:
                 # A crash here still ends the task's future.
                 if head is not None and not head.future.done():
-                    _set_exception(head.future, exc)
+                    self._resolve_error(head.future, exc)
                 raise
             del head, header, payload  # keep nothing of a finished task
 
@@ -799,8 +828,8 @@ class Dispatcher:
             if item is not None:
                 self._settle(item)
                 self.planner.finished(item.task_id, None, self.now())
-                _set_exception(item.future, copy_broken(error, str(error)))
                 self.counts["failed"] += 1
+                self._resolve_error(item.future, copy_broken(error, str(error)))
             self._break(f"{_BROKEN_INIT}: a worker's initializer raised {exc!r}", error)
             return
         worker.tasks_done += 1
@@ -827,6 +856,16 @@ class Dispatcher:
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self._finish(item, kind, payload)
             del item, payload
+
+    def _resolve(self, future: Future[Any], result: Any) -> None:
+        """Set ``future``'s result, after a snapshot that counts it."""
+        self.publish()
+        _set_result(future, result)
+
+    def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
+        """Set ``future``'s exception, after a snapshot that counts it."""
+        self.publish()
+        _set_exception(future, exc)
 
     def _settle(self, item: WorkItem) -> None:
         self.items.pop(item.task_id, None)
@@ -855,7 +894,7 @@ class Dispatcher:
                 )
                 return
             self.counts["completed"] += 1
-            _set_result(item.future, result)
+            self._resolve(item.future, result)
         elif kind == "unpickle":
             self._fail(
                 item,
@@ -870,7 +909,7 @@ class Dispatcher:
 
     def _fail(self, item: WorkItem, error: BaseException) -> None:
         self.counts["failed"] += 1
-        _set_exception(item.future, error)
+        self._resolve_error(item.future, error)
 
     def _on_oom(
         self, worker: _Worker, item: WorkItem, report: PeakReport, payload: bytearray
@@ -955,7 +994,7 @@ class Dispatcher:
         )
         if worker.device is not None:
             self._publish_bookings(self.devices[worker.device])
-        _set_exception(
+        self._resolve_error(
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
 
@@ -1097,7 +1136,7 @@ class Dispatcher:
                 worker.watch.wait(5.0)
             for item in worker.queue:
                 self._settle(item)
-                _set_exception(
+                self._resolve_error(
                     item.future, WorkerLostError("the pool stopped before this task finished")
                 )
             worker.queue.clear()
@@ -1138,7 +1177,7 @@ class Dispatcher:
         for worker in list(self._all_workers()):
             for item in worker.queue:
                 self._settle(item)
-                _set_exception(item.future, copy_broken(self.broken_exc, message))
+                self._resolve_error(item.future, copy_broken(self.broken_exc, message))
             worker.queue.clear()
 
     def _fail_pending(self) -> None:
@@ -1149,12 +1188,12 @@ class Dispatcher:
             self.planner.withdraw(task)
         for item in items:
             if self.broken is not None:
-                _set_exception(item.future, copy_broken(self.broken_exc, self.broken))
+                self._resolve_error(item.future, copy_broken(self.broken_exc, self.broken))
             elif item.future.cancel():
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
             else:
-                _set_exception(
+                self._resolve_error(
                     item.future, WorkerLostError("the pool stopped before this task ran")
                 )
 
