@@ -8,6 +8,7 @@ import inspect
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from types import CodeType, FrameType
 
 import pytest
@@ -156,6 +157,32 @@ def test_after_shutdown_statistics_read_one_unchanging_snapshot(host):
     assert first.tasks_completed + first.tasks_failed + first.tasks_cancelled == 21
     assert first.tasks_submitted == 21
     assert ex.width == first.width >= 1
+
+
+def test_a_broken_pool_counts_every_future_it_failed(host):
+    """An initializer that raises breaks the pool: after shutdown each future is counted once,
+    as failed or cancelled, and the counts add up to what was submitted."""
+    ex = GpuPoolExecutor(
+        max_workers=1, task_peak="1GiB", initializer=tasks.fail, initargs=("no init",)
+    )
+    futures: list[concurrent.futures.Future[int]] = []
+    try:
+        for i in range(6):
+            futures.append(ex.submit(tasks.sleep_return, i, 0.0))
+        futures[-1].cancel()
+    except BrokenProcessPool:
+        pass  # broken already: what was submitted is counted below
+    finally:
+        ex.shutdown()
+    _, not_done = concurrent.futures.wait(futures, timeout=60)
+    assert not not_done and futures
+    failed = [f for f in futures if not f.cancelled() and f.exception() is not None]
+    cancelled = [f for f in futures if f.cancelled()]
+    stats = ex.statistics()
+    assert stats.tasks_submitted == len(futures)
+    assert stats.tasks_failed == len(failed) >= 1
+    assert stats.tasks_cancelled == len(cancelled)
+    assert stats.tasks_completed + stats.tasks_failed + stats.tasks_cancelled == len(futures)
 
 
 def _codes_of(*classes: type) -> set[CodeType]:

@@ -828,7 +828,6 @@ class Dispatcher:
             if item is not None:
                 self._settle(item)
                 self.planner.finished(item.task_id, None, self.now())
-                self.counts["failed"] += 1
                 self._resolve_error(item.future, copy_broken(error, str(error)))
             self._break(f"{_BROKEN_INIT}: a worker's initializer raised {exc!r}", error)
             return
@@ -863,7 +862,11 @@ class Dispatcher:
         _set_result(future, result)
 
     def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
-        """Set ``future``'s exception, after a snapshot that counts it."""
+        """Set ``future``'s exception and count its task failed, after a snapshot that counts
+        it: every future the pool fails is counted here, once (one already done is left)."""
+        if future.done():
+            return
+        self.counts["failed"] += 1
         self.publish()
         _set_exception(future, exc)
 
@@ -908,7 +911,6 @@ class Dispatcher:
             self._fail(item, _load_exception(payload))
 
     def _fail(self, item: WorkItem, error: BaseException) -> None:
-        self.counts["failed"] += 1
         self._resolve_error(item.future, error)
 
     def _on_oom(
@@ -962,7 +964,6 @@ class Dispatcher:
         if item is None:
             return
         self._settle(item)
-        self.counts["failed"] += 1
         signal_name = None
         if exitcode is not None and exitcode < 0:
             try:
@@ -1187,11 +1188,14 @@ class Dispatcher:
             items.append(self.items.pop(task))
             self.planner.withdraw(task)
         for item in items:
-            if self.broken is not None:
-                self._resolve_error(item.future, copy_broken(self.broken_exc, self.broken))
-            elif item.future.cancel():
+            if self.broken is None and item.future.cancel():
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
+            elif not item.started and not item.future.set_running_or_notify_cancel():
+                # Broken, but the caller cancelled it first: counted (and its waiters told) so.
+                self.counts["cancelled"] += 1
+            elif self.broken is not None:
+                self._resolve_error(item.future, copy_broken(self.broken_exc, self.broken))
             else:
                 self._resolve_error(
                     item.future, WorkerLostError("the pool stopped before this task ran")

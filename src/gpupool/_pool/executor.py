@@ -167,7 +167,16 @@ class TaskOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolStatistics:
-    """An immutable summary of a pool's run so far.
+    """An immutable summary of a pool's run so far, as a snapshot.
+
+    The pool's dispatcher thread, which alone changes the pool's scheduling
+    state, copies these figures into a snapshot at the end of each of its
+    turns, before it makes a future RUNNING or done, and once more after
+    shutdown; ``statistics()`` and ``width`` read the latest, so they are safe
+    to call from any thread, and a future seen done is already counted. Only
+    ``tasks_submitted`` is counted at submit, by the submitting thread, so
+    the tasks ended never outnumber it; after ``shutdown(wait=True)`` the
+    completed, failed and cancelled tasks add up to it.
 
     Attributes:
         tasks_submitted: tasks given to the pool.
