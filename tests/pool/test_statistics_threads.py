@@ -232,7 +232,7 @@ def test_only_the_dispatcher_thread_runs_the_planner_and_its_ask_table(host):
                 reader.join()
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     assert DISPATCHER_THREAD in callers  # the profile saw the planner at work
     others = {name: sorted(codes) for name, codes in callers.items() if name != DISPATCHER_THREAD}
     assert others == {}

@@ -13,6 +13,8 @@ Data flow::
                     futures  <-   result / error / oom / worker death  <- send_bytes(kind, report)
                                   planner.finished / out_of_memory /
                                   lost; its records -> DecisionLog
+    statistics(), width  <-       snapshot (PoolSnapshot, replaced whole at the end
+                                  of each turn and before a future changes state)
 
 This module is mechanism only: the thread, the pipes, the workers and the
 futures. Every price, admission and width decision is made by the planner

@@ -596,7 +596,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     @property
     def _processes(self) -> dict[int, Any]:
-        return self._dispatcher.processes
+        # A copy (one step under the interpreter lock): the dispatcher thread changes its own.
+        return dict(self._dispatcher.processes)
 
     @property
     def _broken(self) -> str | bool:

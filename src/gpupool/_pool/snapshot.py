@@ -68,10 +68,13 @@ def take_snapshot(
     totals = collections.Counter(counts)
     totals.update(planner.counts)
     now_counts: Mapping[str, int] = dict(totals)
-    # The planner only appends to its width timeline: the same length is the same timeline.
+    # The planner only appends to its width timeline: the same length and last entry are the
+    # same timeline, and a long run does not copy it at every turn.
     widths = (
         last.widths
-        if last is not None and len(last.widths) == len(planner.widths)
+        if last is not None
+        and len(last.widths) == len(planner.widths)
+        and last.widths[-1:] == tuple(planner.widths[-1:])
         else tuple(planner.widths)
     )
     now_asks: Mapping[str, Ask] = {key: asks.ask(key) for key in asks.keys()}  # noqa: SIM118
