@@ -7,8 +7,10 @@ and each task key's ask with its basis::
 
     gpupool: 12/36 [00:01<00:02] width=2, ask entry=6.94 GiB measured
 
-It reads the executor only through ``width`` and ``statistics()``, so it does
-not import the pool (nor loky). The bar is off when stderr is not a terminal,
+It reads the executor only through ``statistics()``, once per result: the
+width and the asks come from one snapshot the pool's dispatcher thread
+published, never from its live scheduler, and it does not import the pool
+(nor loky). The bar is off when stderr is not a terminal,
 unless asked for; without tqdm it is silent. Either way the results pass
 through unchanged and in order.
 """
@@ -40,14 +42,14 @@ class _Ask(Protocol):
 
 class _Statistics(Protocol):
     @property
+    def width(self) -> int: ...
+
+    @property
     def asks(self) -> Mapping[str, Any]: ...
 
 
 class _Observed(Protocol):
-    """What :func:`track` reads of an executor (``GpuPoolExecutor`` has both)."""
-
-    @property
-    def width(self) -> int: ...
+    """What :func:`track` reads of an executor (``GpuPoolExecutor`` has it)."""
 
     def statistics(self) -> _Statistics: ...
 
@@ -115,8 +117,8 @@ def track(
         results: the results to pass through (consumed lazily); when they are
             futures (``as_completed``), the bar counts the failed ones.
         total: how many there will be, if known.
-        executor: the pool to describe (``width`` and ``statistics().asks``);
-            ``None`` shows only the counts.
+        executor: the pool to describe (its ``statistics()``: the width and
+            the asks); ``None`` shows only the counts.
         enabled: ``True`` shows the bar even when stderr is not a terminal;
             ``False`` never; ``None`` (default) when stderr is a terminal.
         desc: the bar's label.
@@ -149,8 +151,9 @@ def track(
             failed += _failed(result)
             terms = [f"failed {failed}"]
             if executor is not None:
-                terms.append(f"width {executor.width}")
-                asks = describe_asks(executor.statistics().asks)
+                stats = executor.statistics()
+                terms.append(f"width {stats.width}")
+                asks = describe_asks(stats.asks)
                 if asks:
                     terms.append(asks)
             bar.set_postfix_str(", ".join(terms)[:_POSTFIX_CHARS], refresh=False)

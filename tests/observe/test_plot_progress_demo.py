@@ -60,11 +60,10 @@ class _Ask:
 @dataclass
 class _Stats:
     asks: dict[str, Any] = field(default_factory=dict)
+    width: int = 2
 
 
 class _Pool:
-    width = 2
-
     def statistics(self) -> _Stats:
         return _Stats({"mod.entry": _Ask(7_456_348_438, "measured")})
 

@@ -13,6 +13,8 @@ Data flow::
                     futures  <-   result / error / oom / worker death  <- send_bytes(kind, report)
                                   planner.finished / out_of_memory /
                                   lost; its records -> DecisionLog
+    statistics(), width  <-       snapshot (PoolSnapshot, replaced whole at the end
+                                  of each turn and before a future changes state)
 
 This module is mechanism only: the thread, the pipes, the workers and the
 futures. Every price, admission and width decision is made by the planner
@@ -55,7 +57,6 @@ from typing import TYPE_CHECKING, Any, cast
 import cloudpickle
 
 from gpupool._core.bookings import TaskBooking
-from gpupool._core.bound import Ceiling
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
@@ -83,6 +84,7 @@ from gpupool._errors import (
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool.channel import Channel, ChannelClosed
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import dumps_call, worker_main
 from gpupool._probe import allocator_cap_message
 
@@ -303,31 +305,54 @@ class Dispatcher:
         self.pool_id = pool_id
         self.published: dict[int, tuple[tuple[TaskBooking, ...], bool]] = {}
         self.others_seen: dict[int, bool] = {}
+        # Tasks submitted (under ``lock``, by caller threads), and the snapshot readers on
+        # other threads read: only the dispatcher thread replaces it, in one assignment.
+        self.submitted_count = 0
+        self.snapshot: PoolSnapshot = take_snapshot(
+            self.planner, asks, self.counts, log_write_errors=0, last=None
+        )
+        self.publish_failed = False
+        # Tasks handed to the planner since the last snapshot (one taken before any of their
+        # futures is RUNNING, so that width and widths_by_key count them).
+        self.unpublished_tasks = False
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
 
     @property
-    def width(self) -> int:
-        return self.planner.width
+    def submitted(self) -> int:
+        """Tasks handed to the pool, counted at submit (under the lock, in the caller's thread)."""
+        with self.lock:
+            return self.submitted_count
 
-    @property
-    def widths(self) -> list[tuple[float, int]]:
-        return self.planner.widths
+    def publish(self) -> None:
+        """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
 
-    @property
-    def ceiling(self) -> Ceiling:
-        return self.planner.ceiling
-
-    def all_counts(self) -> collections.Counter[str]:
-        totals = collections.Counter(self.counts)
-        totals.update(self.planner.counts)
-        return totals
+        Called only where the planner is not shared: before the thread starts, then by the
+        thread itself at the end of every turn, before a future becomes RUNNING or done (so a
+        caller never sees a future newer than the statistics it reads), and at shutdown after
+        the last record. A value that did not change is the same object as before.
+        """
+        self.unpublished_tasks = False
+        try:
+            self.snapshot = take_snapshot(
+                self.planner,
+                self.asks,
+                self.counts,
+                log_write_errors=self.log.write_errors,
+                last=self.snapshot,
+            )
+        except Exception:
+            # A stale snapshot, never a future left pending: this runs as futures are set.
+            if not self.publish_failed:
+                self.publish_failed = True
+                LOGGER.exception("gpupool could not take the statistics snapshot")
 
     # -- called from caller threads -------------------------------------------------
 
     def start(self) -> None:
         _dispatchers.add(self)
+        self.publish()  # before the thread: the construction's width and records
         self.thread.start()
 
     def _wake_locked(self) -> None:
@@ -353,7 +378,7 @@ class Dispatcher:
             if self.stopped:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self.incoming.append(item)
-            self.counts["submitted"] += 1
+            self.submitted_count += 1
             self.unresolved.add(item.future)
             self._wake_locked()
         # Outside the lock: a future already done runs the callback at once.
@@ -456,9 +481,10 @@ class Dispatcher:
             self._publish_bookings(None)
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
-                _set_exception(future, WorkerLostError("the pool stopped and lost this task"))
+                self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
             self.planner.flush_asks(self.now())
             self.record(self.planner.shutdown_record(self.now(), self.counts, tasks_lost=len(lost)))
+            self.publish()  # the last one: what statistics() says from now on
             self.close()
 
     def _all_workers(self) -> list[_Worker]:
@@ -484,6 +510,7 @@ class Dispatcher:
                 self._cancel_pending()
                 poll_s = self._schedule()
             self._retire_beyond_limits()
+            self.publish()  # the end of the turn
             workers = self._all_workers()
             busy = any(w.task is not None for w in workers)
             with self.lock:
@@ -538,6 +565,7 @@ class Dispatcher:
                 continue
             self.items[item.task_id] = item
             self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
+            self.unpublished_tasks = True
             item.hint_bytes = None
 
     def _read_cards(self, *, census: bool = False) -> None:
@@ -600,9 +628,13 @@ class Dispatcher:
                 continue
             item = self.items[verdict.task]
             if isinstance(verdict, Warm):
-                # A task fits there now but no ready worker is idle: start one; the task stays
-                # PENDING and is admitted when a ready worker can run it (its ready message
-                # is an event), against the readings of that moment.
+                # A task fits there now but no ready worker is idle: start one for it. Its
+                # future is RUNNING from here, as a standard pool's is once handed to a
+                # worker's queue (a shutdown that cancels pending work no longer takes it),
+                # but the planner admits it only when a ready worker can run it (the ready
+                # message is an event), against the readings of that moment.
+                if not self._claim(item):
+                    continue
                 device = self.devices[verdict.device] if verdict.device is not None else None
                 pool = device.workers if device is not None else self.host_workers
                 if self._start_for(item, device, pool) is None:
@@ -618,13 +650,8 @@ class Dispatcher:
             pool = device.workers if device is not None else self.host_workers
             # The planner admitted it where a ready worker is idle: it runs now.
             worker = next(w for w in pool if w.task is None and w.ready and not w.retiring)
-            if not item.started:
-                if not item.future.set_running_or_notify_cancel():
-                    self.items.pop(verdict.task, None)
-                    self.planner.withdraw(verdict.task)
-                    self.counts["cancelled"] += 1
-                    continue
-                item.started = True
+            if not self._claim(item):
+                continue
             if not self._book_with_others(verdict, worker.pid):
                 # Another pool booked the room first: the planner now knows, and the
                 # task waits (still RUNNING to its future) on a warm worker.
@@ -642,6 +669,21 @@ class Dispatcher:
                 self._publish_bookings(device)  # before the task can allocate
             self._send(item, worker, verdict.ask_bytes, payload)
             del payload
+
+    def _claim(self, item: WorkItem) -> bool:
+        """Make ``item``'s future RUNNING (once); ``False`` when the caller cancelled it first
+        (it is withdrawn and counted)."""
+        if item.started:
+            return True
+        if self.unpublished_tasks:
+            self.publish()  # before its future is RUNNING: the width counts its task
+        if not item.future.set_running_or_notify_cancel():
+            self.items.pop(item.task_id, None)
+            self.planner.withdraw(item.task_id)
+            self.counts["cancelled"] += 1
+            return False
+        item.started = True
+        return True
 
     def _worker_counts(self) -> Workers:
         """The workers per card as the planner needs them: ready and idle, and booting."""
@@ -819,7 +861,7 @@ class Dispatcher:
             except BaseException as exc:
                 # A crash here still ends the task's future.
                 if head is not None and not head.future.done():
-                    _set_exception(head.future, exc)
+                    self._resolve_error(head.future, exc)
                 raise
             del head, header, payload  # keep nothing of a finished task
 
@@ -874,6 +916,20 @@ class Dispatcher:
             self._finish(item, kind, payload)
             del item, payload
 
+    def _resolve(self, future: Future[Any], result: Any) -> None:
+        """Set ``future``'s result, after a snapshot that counts it."""
+        self.publish()
+        _set_result(future, result)
+
+    def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
+        """Set ``future``'s exception and count its task failed, after a snapshot that counts
+        it: every future the pool fails is counted here, once (one already done is left)."""
+        if future.done():
+            return
+        self.counts["failed"] += 1
+        self.publish()
+        _set_exception(future, exc)
+
     def _settle(self, item: WorkItem) -> None:
         self.items.pop(item.task_id, None)
 
@@ -905,7 +961,7 @@ class Dispatcher:
                 )
                 return
             self.counts["completed"] += 1
-            _set_result(item.future, result)
+            self._resolve(item.future, result)
         elif kind == "unpickle":
             self._fail(
                 item,
@@ -919,8 +975,7 @@ class Dispatcher:
             self._fail(item, _load_exception(payload))
 
     def _fail(self, item: WorkItem, error: BaseException) -> None:
-        self.counts["failed"] += 1
-        _set_exception(item.future, error)
+        self._resolve_error(item.future, error)
 
     def _on_oom(
         self, worker: _Worker, item: WorkItem, report: PeakReport, payload: bytearray
@@ -988,7 +1043,6 @@ class Dispatcher:
         if item is None:
             return
         self._settle(item)
-        self.counts["failed"] += 1
         if by_pool:
             how += (
                 ", sent by the pool itself ("
@@ -1012,7 +1066,7 @@ class Dispatcher:
         )
         if worker.device is not None:
             self._publish_bookings(self.devices[worker.device])
-        _set_exception(
+        self._resolve_error(
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
 
@@ -1242,13 +1296,18 @@ class Dispatcher:
             items.append(self.items.pop(task))
             self.planner.withdraw(task)
         for item in items:
-            if self.broken is not None:
-                self._fail(item, copy_broken(self.broken_exc, self.broken))
-            elif item.future.cancel():
+            if self.broken is None and item.future.cancel():
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
+            elif not item.started and not item.future.set_running_or_notify_cancel():
+                # Broken, but the caller cancelled it first: counted (and its waiters told) so.
+                self.counts["cancelled"] += 1
+            elif self.broken is not None:
+                self._resolve_error(item.future, copy_broken(self.broken_exc, self.broken))
             else:
-                self._fail(item, WorkerLostError("the pool stopped before this task ran"))
+                self._resolve_error(
+                    item.future, WorkerLostError("the pool stopped before this task ran")
+                )
 
 
 def copy_broken(exc: BaseException | None, message: str) -> BaseException:

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.census import Census
@@ -167,7 +166,16 @@ class TaskOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolStatistics:
-    """An immutable summary of a pool's run so far.
+    """An immutable summary of a pool's run so far, as a snapshot.
+
+    The pool's dispatcher thread, which alone changes the pool's scheduling
+    state, copies these figures into a snapshot at the end of each of its
+    turns, before it makes a future RUNNING or done, and once more after
+    shutdown; ``statistics()`` and ``width`` read the latest, so they are safe
+    to call from any thread, and a future seen done is already counted. Only
+    ``tasks_submitted`` is counted at submit, by the submitting thread, so
+    the tasks ended never outnumber it; after ``shutdown(wait=True)`` the
+    completed, failed and cancelled tasks add up to it.
 
     Attributes:
         tasks_submitted: tasks given to the pool.
@@ -577,7 +585,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     @property
     def _processes(self) -> dict[int, Any]:
-        return self._dispatcher.processes
+        # A copy (one step under the interpreter lock): the dispatcher thread changes its own.
+        return dict(self._dispatcher.processes)
 
     @property
     def _broken(self) -> str | bool:
@@ -779,8 +788,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     @property
     def width(self) -> int:
-        """How many tasks the planner admits at once now, over every card, for the work it holds."""
-        return self._dispatcher.width
+        """How many tasks the planner admits at once, over every card, for the work it holds,
+        as of the dispatcher's last snapshot (see :meth:`statistics`)."""
+        return self._dispatcher.snapshot.width
 
     @property
     def census(self) -> Census:
@@ -793,25 +803,36 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         return self._log.records()
 
     def statistics(self) -> PoolStatistics:
-        """An immutable summary of the run so far."""
+        """An immutable summary of the run so far, safe to call from any thread.
+
+        Every figure but ``tasks_submitted`` comes from one snapshot that the
+        dispatcher thread publishes at the end of each of its turns, before it
+        makes a future RUNNING or done, and once more after shutdown: a task
+        whose future is done is counted, and nothing here reads the
+        scheduler's live state. ``tasks_submitted`` is counted at submit, so
+        the ended tasks never outnumber it.
+        """
         d = self._dispatcher
-        counts = d.all_counts()
+        snapshot = d.snapshot
+        # After the snapshot: every task it counts as ended was submitted before it.
+        submitted = d.submitted
+        counts = snapshot.counts
         return PoolStatistics(
-            tasks_submitted=counts["submitted"],
-            tasks_completed=counts["completed"],
-            tasks_failed=counts["failed"],
-            tasks_cancelled=counts["cancelled"],
-            retries=counts["retries"],
-            out_of_memory=counts["oom"],
-            workers_started=counts["workers_started"],
-            workers_lost=counts["lost"],
-            live_gate_waits=counts["gate_waits"],
-            width=d.width,
-            widths=tuple(d.widths),
-            asks=MappingProxyType({k: d.asks.ask(k) for k in d.asks.keys()}),  # noqa: SIM118
-            widths_by_key=MappingProxyType(d.planner.widths_by_key()),
-            serial_starts=counts["serial_starts"],
-            log_write_errors=self._log.write_errors,
+            tasks_submitted=submitted,
+            tasks_completed=counts.get("completed", 0),
+            tasks_failed=counts.get("failed", 0),
+            tasks_cancelled=counts.get("cancelled", 0),
+            retries=counts.get("retries", 0),
+            out_of_memory=counts.get("oom", 0),
+            workers_started=counts.get("workers_started", 0),
+            workers_lost=counts.get("lost", 0),
+            live_gate_waits=counts.get("gate_waits", 0),
+            width=snapshot.width,
+            widths=snapshot.widths,
+            asks=snapshot.asks,
+            widths_by_key=snapshot.widths_by_key,
+            serial_starts=counts.get("serial_starts", 0),
+            log_write_errors=snapshot.log_write_errors,
         )
 
 
