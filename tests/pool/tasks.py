@@ -57,6 +57,13 @@ def sleep_return(value: int, seconds: float) -> int:
     return value
 
 
+def touch_and_sleep(path: str, seconds: float) -> None:
+    """Create ``path`` (the task runs in its worker now), then sleep."""
+    with open(path, "w"):
+        pass
+    time.sleep(seconds)
+
+
 _initialized: list[str] = []
 
 

@@ -358,16 +358,16 @@ def test_a_live_gate_wait_is_logged_once_per_wait_not_once_per_poll():
 # -- forced shutdown -------------------------------------------------------------------------
 
 
-def test_kill_workers_cancels_pending_tasks_and_sigkills_the_running_one(host):
+def test_kill_workers_cancels_pending_tasks_and_sigkills_the_running_one(host, tmp_path):
     """kill_workers(): what has not started is cancelled; the running task's worker is SIGKILLed."""
     ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+    started = tmp_path / "started"
     try:
-        running = ex.submit(tasks.sleep_return, 0, 30.0)
+        running = ex.submit(tasks.touch_and_sleep, str(started), 30.0)
         pending = [ex.submit(tasks.sleep_return, i, 0.0) for i in range(1, 4)]
-        _wait_for(running.running, "the first task to start")
-        # RUNNING is set before the worker process exists; kill_workers() signals only
-        # the workers already started, so wait for the one that runs the task.
-        _wait_for(lambda: len(ex._processes) == 1, "the worker to be started")
+        # RUNNING is set once a worker is started for the task, which it is handed when
+        # that worker is ready: wait until it runs there.
+        _wait_for(started.exists, "the first task to run in its worker")
         ex.kill_workers()
         with pytest.raises(WorkerLostError) as info:
             running.result(timeout=30)

@@ -608,7 +608,6 @@ class Dispatcher:
         self._drain_incoming()
         read = False
         while True:
-            self._check_refusal()  # a reading or a booking may have narrowed a strict pool
             if self.broken is not None:
                 self._fail_pending()
                 return None
@@ -624,7 +623,7 @@ class Dispatcher:
                 self._publish_waiting()
                 return verdict.poll_s
             if isinstance(verdict, Refuse):
-                self._check_refusal()  # strict mode: the pool breaks
+                self._refuse(verdict)  # strict mode: the pool breaks
                 continue
             item = self.items[verdict.task]
             if isinstance(verdict, Warm):
@@ -905,7 +904,6 @@ class Dispatcher:
             # The task never ran when it could not be unpickled: nothing to learn.
             self._settle(item)
             self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
-            self._check_refusal()
         if worker.device is not None:
             self._publish_bookings(self.devices[worker.device])
         if worker.retiring:
@@ -933,18 +931,16 @@ class Dispatcher:
     def _settle(self, item: WorkItem) -> None:
         self.items.pop(item.task_id, None)
 
-    def _check_refusal(self) -> None:
+    def _refuse(self, refused: Refuse) -> None:
         """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError.
 
         What has not started fails with it; what runs is let finish and deliver, since it
         ran at the width asked for (the refusal is about the next starts).
         """
-        message = self.planner.refusal
-        if message is None or self.broken is not None:
+        if self.broken is not None:
             return
-        record = self.planner.refusal_decision
-        error = WidthError(message, decision=record.to_dict() if record is not None else {})
-        self._break(message, error, running_finish=True)
+        error = WidthError(refused.reason, decision=refused.decision.to_dict())
+        self._break(refused.reason, error, running_finish=True)
 
     def _finish(self, item: WorkItem, kind: str, payload: bytearray) -> None:
         if kind == "ok":
@@ -995,7 +991,6 @@ class Dispatcher:
         if device is not None and reading is not None:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
-        self._check_refusal()
         if isinstance(verdict, Retry):
             return  # the planner holds it pending again, at the head of its queue
         self._settle(item)
