@@ -73,6 +73,8 @@ class PlannerBase:
         self.refused: Refuse | None = None
         # Room held for the queue's head once it was passed a ceiling's worth of times.
         self.hold: Hold | None = None
+        # The head that hold is for: kept while that task waits at the head.
+        self._held_for: tuple[TaskId, Hold] | None = None
         self._issued: dict[TaskId, Start] = {}
         # The workers the process layer reported with the last ``next_start``.
         self._workers: Workers | None = None

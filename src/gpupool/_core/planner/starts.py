@@ -84,19 +84,39 @@ class Starts(Views):
             # and the others start only beside the room held for it.
             candidates, critical = [head, *(t for t in candidates if t != head)], None
             if self.config.fixed_width is None:
-                self.hold = order.head_hold(
-                    self.cards,
-                    self.ask_of(head),
-                    self.tasks[head].avoid,
-                    reserve_bytes=self.config.reserve_bytes,
-                    ceiling=self.ceiling,
-                    expected_end_s=self._expected_end_s,
-                )
+                self.hold = self._hold_for(head)
             if self.hold is None:
                 candidates = [head]
         elif self._head_skips >= max(1, self.ceiling.value):
             candidates = [head]
         return self._first_admitted(candidates, critical, head, now_s)
+
+    def _hold_for(self, head: TaskId) -> Hold | None:
+        """The room held for ``head``: the hold it was given while the runs it names still make
+        its room (the starts placed beside that hold left it room there, not beside another
+        one), else a new one, on the card where the runs expected to end first free it."""
+        ask = self.ask_of(head)
+        hold: Hold | None = None
+        if self._held_for is not None and self._held_for[0] == head:
+            kept = self._held_for[1]
+            hold = order.keep_hold(
+                kept,
+                self.cards[kept.device],
+                ask,
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+            )
+        if hold is None:
+            hold = order.head_hold(
+                self.cards,
+                ask,
+                self.tasks[head].avoid,
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+                expected_end_s=self._expected_end_s,
+            )
+        self._held_for = None if hold is None else (head, hold)
+        return hold
 
     def _expected_end_s(self, run: Run) -> float:
         """When ``run`` is expected to end: its start plus its key's mean duration (its start
