@@ -80,7 +80,6 @@ class PlannerBase:
         self._workers: Workers | None = None
         self._recorded_asks: dict[str, Ask] = {}
         self._last_key: str = ""
-        self._head_skips = 0
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()
         self._durations_s: dict[str, tuple[int, float]] = {}

@@ -79,7 +79,8 @@ class Starts(Views):
         for task in itertools.islice(self.pending, LOOKAHEAD):
             firsts.setdefault(self.tasks[task].key, task)
         candidates, critical = self._critical_first(list(firsts.values()))
-        if self._head_skips >= max(1, self.ceiling.value) and self.cards:
+        passed = self.tasks[head].passed
+        if passed >= max(1, self.ceiling.value) and self.cards:
             # The queue's head was passed a ceiling's worth of times in a row: it goes first,
             # and the others start only beside the room held for it.
             candidates, critical = [head, *(t for t in candidates if t != head)], None
@@ -87,7 +88,7 @@ class Starts(Views):
                 self.hold = self._hold_for(head)
             if self.hold is None:
                 candidates = [head]
-        elif self._head_skips >= max(1, self.ceiling.value):
+        elif passed >= max(1, self.ceiling.value):
             candidates = [head]
         return self._first_admitted(candidates, critical, head, now_s)
 
@@ -148,8 +149,9 @@ class Starts(Views):
             hold = self.hold if task != head else None
             verdict, shut = self._try_start(task, now_s, held=held, hold=hold)
             gate_shut = gate_shut or shut
-            if isinstance(verdict, Start):
-                self._head_skips = 0 if task == head else self._head_skips + 1
+            if isinstance(verdict, Start) and task != head:
+                # Counted for the task passed (a retry put in front of it does not reset it).
+                self.tasks[head].passed += 1
             if verdict is not None:
                 return verdict
         return self._blocked(head, now_s, gate_shut)
@@ -201,7 +203,7 @@ class Starts(Views):
         head = self.tasks[self.pending[0]]
         since_s = head.waiting_since_s if head.waiting_since_s is not None else now_s
         reason, extra = records.head_wait(
-            hold, self.cards[hold.device], self._head_skips, now_s - since_s
+            hold, self.cards[hold.device], head.passed, now_s - since_s
         )
         self.record(
             self._simple(
