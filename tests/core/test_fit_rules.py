@@ -327,6 +327,81 @@ def test_small_tasks_keep_starting_while_a_large_head_waits_and_never_delay_it()
     assert head_wait["ending_runs"] >= 1
 
 
+def test_the_head_starts_when_the_runs_its_hold_first_named_end() -> None:
+    """40 GiB, six at once: two 11 GiB tasks (1 s and 3 s) and a 14 GiB one (10 s), none of
+    their keys timed yet, then a 20 GiB head, then quick tasks and slow 2 GiB ones. The hold
+    names the two 11 GiB runs; once the first ends (its key is now timed, the 14 GiB key is
+    not), the hold is kept rather than moved to the 14 GiB run, so the slow tasks started
+    beside it leave the head its room: it starts when the second ends (3 s), not at 10 s
+    (before: chosen again each turn, the hold moved, and the slow tasks took the room)."""
+    records: list[Decision] = []
+    planner = planner_on([card(40)], records, estimate_bytes=2 * GiB, max_workers=6)
+    for key, size_gib in {"m": 11, "l": 14, "large": 20, "quick": 2, "slow": 2}.items():
+        planner.asks.hint(key, size_gib * GiB)
+    tasks = [("m", 1.0), ("m", 3.0), ("l", 10.0), ("large", 1.0)]
+    tasks += [("quick", 0.25)] * 6 + [("slow", 5.0)] * 20
+    for task, (key, _took_s) in enumerate(tasks):
+        planner.submit(task, key)
+    ends: list[tuple[float, int]] = []
+    now = 0.0
+    started_s: dict[int, float] = {}
+    first_hold: frozenset[int] | None = None
+    while True:
+        while isinstance(verdict := planner.next_start(now), Start):
+            planner.started(verdict.task, verdict.device, 100 + verdict.task, now)
+            started_s[verdict.task] = now
+            heapq.heappush(ends, (now + tasks[verdict.task][1], verdict.task))
+            if first_hold is None and planner.hold is not None:
+                first_hold = planner.hold.ending
+        if not ends:
+            break
+        now, done = heapq.heappop(ends)
+        planner.finished(done, None, now)
+    assert first_hold == {0, 1}
+    assert started_s[3] == 3.0
+
+
+def test_a_retry_put_in_front_of_a_waiting_head_does_not_reset_its_turn() -> None:
+    """46 GiB, six at once: a 14 GiB task ending at 3 s and one at 10 s, a 20 GiB head, quick
+    tasks that pass it until its room is held, then slow 2 GiB ones. A slow task's
+    out-of-memory (an underestimate) is retried in front of the head; once it starts, the
+    head still has its turn and its hold, and starts when the 3 s task ends (before: the
+    retry's start counted as the head's, the count of passes went back to 0, and slow tasks
+    took the room until 10 s)."""
+    records: list[Decision] = []
+    planner = planner_on([card(46)], records, estimate_bytes=2 * GiB, max_workers=6)
+    for key, size_gib in {"b": 14, "a": 14, "large": 20, "quick": 2, "slow": 2}.items():
+        planner.asks.hint(key, size_gib * GiB)
+    tasks = [("b", 3.0), ("a", 10.0), ("large", 1.0)]
+    tasks += [("quick", 0.25)] * 6 + [("slow", 5.0)] * 20
+    for task, (key, _took_s) in enumerate(tasks):
+        planner.submit(task, key)
+    ends: list[tuple[float, int]] = []
+    now = 0.0
+    started_s: dict[int, float] = {}
+    retried: Retry | None = None
+    while True:
+        while isinstance(verdict := planner.next_start(now), Start):
+            planner.started(verdict.task, verdict.device, 100 + verdict.task, now)
+            started_s[verdict.task] = now
+            heapq.heappush(ends, (now + tasks[verdict.task][1], verdict.task))
+        if not ends:
+            break
+        now, done = heapq.heappop(ends)
+        if done not in planner.running:
+            continue  # its run ran out of memory and was retried
+        planner.finished(done, None, now)
+        if retried is None and now >= 0.5:
+            slow = min(t for t, run in planner.running.items() if run.key == "slow")
+            verdict = planner.out_of_memory(
+                slow, oom_report(0, 3 * GiB, GiB), None, now, error="oom"
+            )
+            assert isinstance(verdict, Retry)
+            retried = verdict
+    assert retried is not None
+    assert started_s[2] == 3.0
+
+
 # -- admitted when a ready worker can run it ------------------------------------------------
 
 

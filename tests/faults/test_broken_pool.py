@@ -8,6 +8,8 @@ narrow mid-run delivers what ran and fails only what had not started.
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from leakguard import LeakGuard, wait_until
 
 from gpupool import GpuPoolExecutor, InitializerError, WidthError, WorkerLostError
 from gpupool._core.units import GiB, MiB
+from gpupool._pool import dispatcher as dispatcher_module
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 
 pytestmark = pytest.mark.faults
@@ -166,3 +169,65 @@ def test_a_strict_break_mid_run_delivers_what_ran_and_keeps_its_books(tmp_path: 
         shutdown["tasks_lost"],
     )
     assert totals == (4, 3, 0, 0)
+
+
+# -- workers that die as they boot, after shutdown() was called --------------------------
+
+_BOOT_DEATH_AT_SHUTDOWN = """
+import concurrent.futures, os, sys
+sys.path.insert(0, {tests!r})
+import faulty
+from concurrent.futures.process import BrokenProcessPool
+from gpupool import GpuPoolExecutor, InitializerError
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+with SimulatedHost(devices=[SimulatedDevice(total="40GiB")], cpus=2, host_ram="64GiB"):
+    if {initializer!r}:
+        ex = GpuPoolExecutor(
+            max_workers=2, task_peak="1GiB", initializer=faulty.die_when_told,
+            initargs=({go!r}, "exit"),
+        )
+    else:
+        # The interpreter cannot start in a worker: it dies before it is ready.
+        ex = GpuPoolExecutor(max_workers=2, task_peak="1GiB", env={{"PYTHONHOME": "/nonexistent"}})
+    futures = [ex.submit(faulty.square, i) for i in range(4)]
+    ex.shutdown(wait=False)  # as a with-block that ends right after its submits
+    open({go!r}, "w").close()
+    _, not_done = concurrent.futures.wait(futures, timeout={timeout_s})
+    if not_done:  # the pool would never stop: say so, and leave at once
+        print(f"pending {{len(not_done)}} {{ex.statistics().workers_started}}", flush=True)
+        os._exit(1)
+    errors = [f.exception() for f in futures]
+    kind = InitializerError if {initializer!r} else BrokenProcessPool
+    assert all(isinstance(e, kind) for e in errors), errors
+    ex.shutdown()
+    print("ok", ex.statistics().workers_started)
+"""
+
+
+@pytest.mark.parametrize("initializer", [True, False], ids=["initializer", "no-initializer"])
+def test_workers_that_die_as_they_boot_after_shutdown_break_the_pool(
+    tmp_path: Path, initializer: bool
+):
+    """shutdown() called right after the submits, then every worker dies before it is ready:
+    the pool breaks as it would without the shutdown (at once with an initializer, after
+    SPAWN_TRIES in a row without), every future fails, and no worker is started beyond
+    that (before: a death during shutdown was not counted, so the pool started workers
+    without end and shutdown() never returned)."""
+    script = _BOOT_DEATH_AT_SHUTDOWN.format(
+        tests=str(Path(faulty.__file__).parent),
+        initializer=initializer,
+        go=str(tmp_path / "go"),
+        timeout_s=TIMEOUT_S,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=2 * TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok "), done.stdout
+    # A worker per slot at most, then the tries in a row that break the pool.
+    assert int(done.stdout.split()[1]) <= MAX_WORKERS + dispatcher_module.SPAWN_TRIES

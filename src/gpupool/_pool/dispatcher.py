@@ -1026,10 +1026,12 @@ class Dispatcher:
         signal_name = _signal_name(exitcode)
         how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
-        if not worker.ready and not by_pool and not self.shutdown_requested:
+        if not worker.ready and not by_pool:
             # No task is handed to a worker before it is ready, so none is charged with it.
             # With an initializer the pool breaks, as the standard pool does; without one, a
-            # worker that keeps dying as it boots breaks it after SPAWN_TRIES in a row.
+            # worker that keeps dying as it boots breaks it after SPAWN_TRIES in a row. After
+            # shutdown() too: the pending work still needs workers, and one that keeps dying
+            # would otherwise be started again without end.
             self.boot_deaths += 1
             if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
                 self._break_at_start(worker, exitcode, how, signal_name)

@@ -73,12 +73,13 @@ class PlannerBase:
         self.refused: Refuse | None = None
         # Room held for the queue's head once it was passed a ceiling's worth of times.
         self.hold: Hold | None = None
+        # The head that hold is for: kept while that task waits at the head.
+        self._held_for: tuple[TaskId, Hold] | None = None
         self._issued: dict[TaskId, Start] = {}
         # The workers the process layer reported with the last ``next_start``.
         self._workers: Workers | None = None
         self._recorded_asks: dict[str, Ask] = {}
         self._last_key: str = ""
-        self._head_skips = 0
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()
         self._durations_s: dict[str, tuple[int, float]] = {}

@@ -15,7 +15,9 @@ rather than idling the card:
   still start there while they fit now *and* beside what stays once those runs
   end plus the head (:meth:`Hold.after`): no start can delay it, so it starts as
   soon as those runs' bookings free its room, and the rest of the card keeps
-  working meanwhile.
+  working meanwhile. The hold is kept (:func:`keep_hold`) until the head starts:
+  chosen again, it could name other runs, and the starts placed beside the first
+  one would then stand in the head's way.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import TaskId
 from gpupool._core.policy import Ask
 
-__all__ = ["Hold", "alone_width", "critical", "head_hold", "holds_for"]
+__all__ = ["Hold", "alone_width", "critical", "head_hold", "holds_for", "keep_hold"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,3 +179,17 @@ def head_hold(
         if best is None or when_s < best[0]:
             best = (when_s, hold)
     return best[1] if best is not None else None
+
+
+def keep_hold(
+    hold: Hold, card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling
+) -> Hold | None:
+    """``hold`` (on ``card``) as it stands now: the runs it waits for that still run, and the
+    head's booking (at ``ask``) beside what stays once they end. ``None`` where their ends no
+    longer make its room (a price or a cap moved): a new hold is chosen then."""
+    ending = frozenset(task for task in hold.ending if task in card.runs)
+    stays: list[Held] = [run for task, run in card.runs.items() if task not in ending]
+    found = fit(card, ask, stays, reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
+    if found.more == 0 or found.bound.room_bytes is None:
+        return None
+    return Hold(device=hold.device, key=ask.key, held_bytes=found.next_bytes, ending=ending)

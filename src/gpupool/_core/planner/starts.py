@@ -79,24 +79,45 @@ class Starts(Views):
         for task in itertools.islice(self.pending, LOOKAHEAD):
             firsts.setdefault(self.tasks[task].key, task)
         candidates, critical = self._critical_first(list(firsts.values()))
-        if self._head_skips >= max(1, self.ceiling.value) and self.cards:
+        passed = self.tasks[head].passed
+        if passed >= max(1, self.ceiling.value) and self.cards:
             # The queue's head was passed a ceiling's worth of times in a row: it goes first,
             # and the others start only beside the room held for it.
             candidates, critical = [head, *(t for t in candidates if t != head)], None
             if self.config.fixed_width is None:
-                self.hold = order.head_hold(
-                    self.cards,
-                    self.ask_of(head),
-                    self.tasks[head].avoid,
-                    reserve_bytes=self.config.reserve_bytes,
-                    ceiling=self.ceiling,
-                    expected_end_s=self._expected_end_s,
-                )
+                self.hold = self._hold_for(head)
             if self.hold is None:
                 candidates = [head]
-        elif self._head_skips >= max(1, self.ceiling.value):
+        elif passed >= max(1, self.ceiling.value):
             candidates = [head]
         return self._first_admitted(candidates, critical, head, now_s)
+
+    def _hold_for(self, head: TaskId) -> Hold | None:
+        """The room held for ``head``: the hold it was given while the runs it names still make
+        its room (the starts placed beside that hold left it room there, not beside another
+        one), else a new one, on the card where the runs expected to end first free it."""
+        ask = self.ask_of(head)
+        hold: Hold | None = None
+        if self._held_for is not None and self._held_for[0] == head:
+            kept = self._held_for[1]
+            hold = order.keep_hold(
+                kept,
+                self.cards[kept.device],
+                ask,
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+            )
+        if hold is None:
+            hold = order.head_hold(
+                self.cards,
+                ask,
+                self.tasks[head].avoid,
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+                expected_end_s=self._expected_end_s,
+            )
+        self._held_for = None if hold is None else (head, hold)
+        return hold
 
     def _expected_end_s(self, run: Run) -> float:
         """When ``run`` is expected to end: its start plus its key's mean duration (its start
@@ -128,8 +149,9 @@ class Starts(Views):
             hold = self.hold if task != head else None
             verdict, shut = self._try_start(task, now_s, held=held, hold=hold)
             gate_shut = gate_shut or shut
-            if isinstance(verdict, Start):
-                self._head_skips = 0 if task == head else self._head_skips + 1
+            if isinstance(verdict, Start) and task != head:
+                # Counted for the task passed (a retry put in front of it does not reset it).
+                self.tasks[head].passed += 1
             if verdict is not None:
                 return verdict
         return self._blocked(head, now_s, gate_shut)
@@ -181,7 +203,7 @@ class Starts(Views):
         head = self.tasks[self.pending[0]]
         since_s = head.waiting_since_s if head.waiting_since_s is not None else now_s
         reason, extra = records.head_wait(
-            hold, self.cards[hold.device], self._head_skips, now_s - since_s
+            hold, self.cards[hold.device], head.passed, now_s - since_s
         )
         self.record(
             self._simple(

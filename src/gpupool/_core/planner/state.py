@@ -37,6 +37,8 @@ class TaskState:
     last_booked_bytes: int = 0
     # When it first had to wait at the queue's head for room (the order rule's clock).
     waiting_since_s: float | None = None
+    # How many tasks started past it while it waited at the queue's head.
+    passed: int = 0
 
 
 @dataclass(slots=True)
