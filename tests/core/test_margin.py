@@ -74,7 +74,11 @@ def test_agreeing_samples_shrink_the_margin_to_the_floor(peak: int, n: int) -> N
     prior (today's fixed margin) and non-increasing with every further agreeing sample."""
     _, margin = learned_ask([peak] * n)
     prior = LEARNED.margin_for(peak)
-    assert margin == max(MARGIN_FLOOR_BYTES, math.ceil(prior / n**2))
+    expected = max(MARGIN_FLOOR_BYTES, math.ceil(prior / n**2))
+    estimate = 10 * GiB  # learned_ask's: no measurement passed it, so the ask stays within it
+    if estimate >= peak + MARGIN_FLOOR_BYTES and peak + expected > estimate:
+        expected = estimate - peak
+    assert margin == expected
     assert margin <= max(MARGIN_FLOOR_BYTES, prior)
     _, next_margin = learned_ask([peak] * (n + 1))
     assert next_margin <= margin

@@ -241,7 +241,9 @@ class Starts(Views):
                 if after.more == 0:
                     continue
             fits.append(found)
-        # The card with the most room left after it first.
+        # The card with the most room left after it first; a card whose ready worker can run
+        # it now before one where a worker must boot for it.
+        warm: Warm | None = None
         for found in sorted(fits, key=lambda f: -(f.left_bytes or 0)):
             card = self.cards[found.device]
             verdict = self._admits_on(card, ask, found, now_s)
@@ -251,15 +253,17 @@ class Starts(Views):
                 gate_shut = True
                 continue
             card.gate_shut_since_s = None
-            booked_bytes = ask.next_bytes(card.same_key(ask.key))
             if not self._ready(found.device):
-                if self._may_warm(found.device, found.more):
-                    return Warm(device=found.device, task=task), False
-                continue  # its room waits for the workers booting there
+                if warm is None and self._may_warm(found.device, found.more):
+                    warm = Warm(device=found.device, task=task)
+                continue  # (its room may wait for the workers booting there)
+            booked_bytes = ask.next_bytes(card.same_key(ask.key))
             start = Start(
                 task=task, device=found.device, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes
             )
             return start, False
+        if warm is not None:
+            return warm, gate_shut
         if (
             held is None
             and state.room_wait_until_s is not None
