@@ -434,3 +434,23 @@ def test_a_task_waits_for_a_ready_worker_and_is_admitted_against_that_moment() -
     assert started == 2  # (24 - 4 co-tenant - 8 own) GiB // 5 GiB
     narrowed = [r for r in records if r.event == "narrowed"]
     assert narrowed and narrowed[-1].width_after == 2
+
+
+def test_no_more_workers_boot_than_the_tasks_that_fit_now() -> None:
+    """While workers boot, the planner asks for one per task that fits now (the pool's width
+    for the work it holds), not one per pending task or per slot of max_workers: booting
+    workers share the host's CPUs with each other."""
+    records: list[Decision] = []
+    planner = planner_on([card(40, 7)], records, estimate_bytes=2 * GiB, max_workers=8)
+    planner.asks.hint("large", 11 * GiB)
+    planner.asks.hint("small", 2500 * MiB)
+    for task in range(40):
+        planner.submit(task, "large" if task % 3 == 0 else "small")
+    booting = 0
+    while isinstance(
+        verdict := planner.next_start(0.0, Workers(ready={}, booting={0: booting})), Warm
+    ):
+        booting += 1
+    assert isinstance(verdict, Wait)
+    # 33 GiB of room: 2 large (22 GiB) and 4 small (10 GiB) fit together now.
+    assert booting == planner.width == 6

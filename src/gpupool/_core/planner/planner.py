@@ -69,15 +69,8 @@ CAP_LIFT_AFTER_S = 1.0
 
 
 class Planner(Starts):
-    """Owns every price, admission and width decision of one pool: the events.
-
-    Args:
-        census: the cards and the host as they stood at construction.
-        asks: the per-key asks (the planner is their only writer).
-        config: what the caller asked for.
-        emit: where decision records go (the decision log).
-        now_s: the time of construction.
-    """
+    """Owns every price, admission and width decision of one pool: the events. It is built
+    as :class:`~gpupool._core.planner.base.PlannerBase` is (its arguments are listed there)."""
 
     def construct(
         self, now_s: float, *, note: str = "", extra: Mapping[str, JsonValue] | None = None

@@ -60,6 +60,9 @@ class Starts(Views):
         is :class:`Warm` (start one). ``None``: every card has a ready worker (a planner
         driven without processes)."""
         self._workers = workers
+        if workers is not None and workers.booting_total:
+            # How many more the pool admits now, for the work it holds: no more boot than that.
+            self.width = self._width_now()
         verdict = self._next_start(now_s)
         self.width = self._width_now()
         if isinstance(verdict, Start):
@@ -279,12 +282,15 @@ class Starts(Views):
 
     def _may_warm(self, device: int | None, more: int) -> bool:
         """Start one more worker on ``device``: fewer boot there than tasks fit there now
-        (``more``), and fewer boot in the pool than tasks are pending."""
+        (``more``), and fewer boot in the pool than tasks are pending and than the pool's
+        width (:meth:`_width_now`: the pending tasks that fit together now) leaves beside
+        its running tasks, so that no worker boots for a task that would not start."""
         workers = self._workers
         if workers is None:
             return False
+        running = len(self.running)
         return workers.booting.get(device, 0) < more and workers.booting_total < min(
-            len(self.pending), self.ceiling.value - len(self.running)
+            len(self.pending), self.ceiling.value - running, max(1, self.width - running)
         )
 
     def _booting(self, device: int | None) -> int:
