@@ -903,7 +903,9 @@ class Dispatcher:
         else:
             # The task never ran when it could not be unpickled: nothing to learn.
             self._settle(item)
-            self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
+            refused = self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
+            if refused is not None:
+                self._refuse(refused)  # before its result is delivered: the next submit raises
         if worker.device is not None:
             self._publish_bookings(self.devices[worker.device])
         if worker.retiring:

@@ -366,12 +366,20 @@ class Planner(Starts):
 
     def finished(
         self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool = False
-    ) -> None:
+    ) -> Refuse | None:
         """``task`` ended with a result or an ordinary error; learn from its peak report.
+        Returns strict mode's refusal where what it taught narrows the pool below
+        ``max_workers`` (the pool breaks before the result is delivered).
 
         A task that raised (``failed``) is no sample of its key's peaks: it may have stopped
         before allocating what the work needs. Its peak only raises the key's ask, where it
         passed it (as an out-of-memory's does)."""
+        self._finished(task, report, now_s, failed=failed)
+        return self.refused
+
+    def _finished(
+        self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool
+    ) -> None:
         run = self._end_run(task)
         self.tasks.pop(task, None)
         if run is not None:
