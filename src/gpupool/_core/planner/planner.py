@@ -44,7 +44,7 @@ from gpupool._core.bound import WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
-from gpupool._core.planner.oom import Facts, cap_lift_terms, judge
+from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.sharing import others_terms
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.state import Card, Run, TaskState
@@ -461,32 +461,7 @@ class Planner(Starts):
         card = self.cards[run.device] if run.device is not None else None
         facts = self._oom_facts(run, state, card, report, reading)
         verdict = judge(facts, self.config, card)
-        why = verdict.why
-        if verdict.kind == "fixed_width":
-            state.wait_below = verdict.cap
-        elif verdict.cap is not None and card is not None:
-            card.oom_cap = verdict.cap
-            card.cap_clear_since_s = None
-        elif verdict.kind == "held":
-            if state.room_wait_until_s is None:
-                state.room_wait_until_s = now_s + self.config.room_wait_s
-            why += f" (until {state.room_wait_until_s:.1f} s)"
-        elif verdict.kind == "elsewhere" and run.device is not None:
-            state.avoid.add(run.device)
-        outcome: Retry | Fail
-        if verdict.retry:
-            outcome = self._retry(task, why)
-        else:
-            kind: FailKind = (
-                "retries_exhausted" if verdict.kind == "retries_exhausted" else "out_of_memory"
-            )
-            outcome = Fail(
-                task=task,
-                kind=kind,
-                reason=why,
-                device=run.device,
-                booked_bytes=run.booked_at_start_bytes,
-            )
+        outcome = self._apply(verdict, task, state, run, card, now_s)
         bound = self.bound(card.index, facts.key_ask_after) if card is not None else None
         self.record(
             records.out_of_memory(
@@ -508,6 +483,42 @@ class Planner(Starts):
         if isinstance(outcome, Fail):
             self.tasks.pop(task, None)
         return outcome
+
+    def _apply(
+        self,
+        verdict: Judgement,
+        task: TaskId,
+        state: TaskState,
+        run: Run,
+        card: Card | None,
+        now_s: float,
+    ) -> Retry | Fail:
+        """Carry out an out-of-memory's judgement: the cap, the wait for room or the card to
+        avoid it names, then the retry or the failure."""
+        why = verdict.why
+        if verdict.kind == "fixed_width":
+            state.wait_below = verdict.cap
+        elif verdict.cap is not None and card is not None:
+            card.oom_cap = verdict.cap
+            card.cap_clear_since_s = None
+        elif verdict.kind == "held":
+            if state.room_wait_until_s is None:
+                state.room_wait_until_s = now_s + self.config.room_wait_s
+            why += f" (until {state.room_wait_until_s:.1f} s)"
+        elif verdict.kind == "elsewhere" and run.device is not None:
+            state.avoid.add(run.device)
+        if verdict.retry:
+            return self._retry(task, why)
+        kind: FailKind = (
+            "retries_exhausted" if verdict.kind == "retries_exhausted" else "out_of_memory"
+        )
+        return Fail(
+            task=task,
+            kind=kind,
+            reason=why,
+            device=run.device,
+            booked_bytes=run.booked_at_start_bytes,
+        )
 
     def _oom_facts(
         self,

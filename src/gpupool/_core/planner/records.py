@@ -220,12 +220,6 @@ def out_of_memory(
     """An out-of-memory's record: what the task reached and was priced at, what the card held
     then, and what the planner does about it."""
     run = facts.run
-    rows = reading.process_bytes if reading is not None else None
-    pool_bytes = None
-    if rows is not None and card is not None:
-        # The pool's workers on the card, idle ones included (their contexts are ours).
-        pids = card.worker_pids | {r.pid for r in card.runs.values()} | {run.pid}
-        pool_bytes = sum(rows.get(p or -1, 0) for p in pids)
     where = f"card {run.device if run.device is not None else '-'}"
     reason = (
         f"{where}: a task of {run.key} ran out of memory at "
@@ -248,31 +242,52 @@ def out_of_memory(
         key=run.key,
         key_ask=facts.key_ask_after,
         limit="out_of_memory",
-        extra={
-            "task_ask_bytes": run.ask_bytes,
-            "task_booked_bytes": run.booked_at_start_bytes,
-            "ask_before_bytes": facts.key_ask_before.ask_bytes,
-            "ask_after_bytes": facts.key_ask_after.ask_bytes,
-            "reached_bytes": report.device_peak_bytes,
-            "requested_bytes": report.oom_requested_bytes,
-            "live_free_bytes": reading.free_bytes if reading else None,
-            "live_used_bytes": reading.used_bytes if reading else None,
-            "live_own_bytes": rows.get(parent_pid or -1, 0) if rows is not None else None,
-            "live_pool_bytes": pool_bytes,
-            "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
-            "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
-            "other_pools_bytes": card.others_bytes if card else None,
-            "other_pools_held_bytes": card.others_held_bytes if card else None,
-            "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
-            "other_pools_tasks": card.others_tasks if card else None,
-            # What the card's runs were booked at when it ran out (not re-priced at an ask
-            # the out-of-memory raised).
-            "booked_bytes": facts.booked_bytes,
-            "running": facts.running_then,
-            "tries": facts.tries,
-            "retry": isinstance(outcome, Retry),
-            "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
-            "oom_cap": card.oom_cap if card else None,
-            "error": error[:500],
-        },
+        extra=_oom_terms(facts, outcome, card, bound, report, reading, parent_pid, error),
     )
+
+
+def _oom_terms(
+    facts: Facts,
+    outcome: Retry | Fail,
+    card: Card | None,
+    bound: Bound | None,
+    report: PeakReport,
+    reading: CardReading | None,
+    parent_pid: int | None,
+    error: str,
+) -> dict[str, JsonValue]:
+    """An out-of-memory record's terms."""
+    run = facts.run
+    rows = reading.process_bytes if reading is not None else None
+    pool_bytes = None
+    if rows is not None and card is not None:
+        # The pool's workers on the card, idle ones included (their contexts are ours).
+        pids = card.worker_pids | {r.pid for r in card.runs.values()} | {run.pid}
+        pool_bytes = sum(rows.get(p or -1, 0) for p in pids)
+    return {
+        "task_ask_bytes": run.ask_bytes,
+        "task_booked_bytes": run.booked_at_start_bytes,
+        "ask_before_bytes": facts.key_ask_before.ask_bytes,
+        "ask_after_bytes": facts.key_ask_after.ask_bytes,
+        "reached_bytes": report.device_peak_bytes,
+        "requested_bytes": report.oom_requested_bytes,
+        "live_free_bytes": reading.free_bytes if reading else None,
+        "live_used_bytes": reading.used_bytes if reading else None,
+        "live_own_bytes": rows.get(parent_pid or -1, 0) if rows is not None else None,
+        "live_pool_bytes": pool_bytes,
+        "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
+        "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
+        "other_pools_bytes": card.others_bytes if card else None,
+        "other_pools_held_bytes": card.others_held_bytes if card else None,
+        "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
+        "other_pools_tasks": card.others_tasks if card else None,
+        # What the card's runs were booked at when it ran out (not re-priced at an ask
+        # the out-of-memory raised).
+        "booked_bytes": facts.booked_bytes,
+        "running": facts.running_then,
+        "tries": facts.tries,
+        "retry": isinstance(outcome, Retry),
+        "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
+        "oom_cap": card.oom_cap if card else None,
+        "error": error[:500],
+    }

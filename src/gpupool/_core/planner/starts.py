@@ -229,21 +229,7 @@ class Starts(Views):
         if self.config.fixed_width is not None:
             return self._fixed_start(task, state, ask, now_s)
         gate_shut = False
-        slots = self.ceiling.value - len(self.running)
-        fits: list[Fit] = []
-        for card in self.cards:
-            if card.index == held or (
-                card.index in state.avoid and len(state.avoid) < len(self.cards)
-            ):
-                continue
-            found = self.fit(card.index, ask, slots=slots)
-            if hold is not None and hold.device == card.index and found.more:
-                # Beside the head's hold: it must fit with what stays once the runs the
-                # head waits for end, and the head, too (so it never delays the head).
-                after = self.fit(card.index, ask, hold.after(card), slots=slots)
-                if after.more == 0:
-                    continue
-            fits.append(found)
+        fits = self._fits_for(state, ask, held, hold)
         # The card with the most room left after it first; a card whose ready worker can run
         # it now before one where a worker must boot for it.
         warm: Warm | None = None
@@ -275,6 +261,27 @@ class Starts(Views):
             # (Not while a card was left to the critical key: that card may have its room.)
             return self._expired(task, state, ask), gate_shut
         return None, gate_shut
+
+    def _fits_for(
+        self, state: TaskState, ask: Ask, held: int | None, hold: Hold | None
+    ) -> list[Fit]:
+        """The fit of a task (``state``, at ``ask``) on every card it may use: not ``held``,
+        not one it avoids, and on ``hold``'s card only where it also fits beside what stays
+        once the runs the head waits for end, and the head (so it never delays the head)."""
+        slots = self.ceiling.value - len(self.running)
+        fits: list[Fit] = []
+        for card in self.cards:
+            if card.index == held or (
+                card.index in state.avoid and len(state.avoid) < len(self.cards)
+            ):
+                continue
+            found = self.fit(card.index, ask, slots=slots)
+            if hold is not None and hold.device == card.index and found.more:
+                after = self.fit(card.index, ask, hold.after(card), slots=slots)
+                if after.more == 0:
+                    continue
+            fits.append(found)
+        return fits
 
     def _ready(self, device: int | None) -> bool:
         """A ready worker is idle on ``device`` (always, without worker counts)."""

@@ -159,13 +159,7 @@ class Views(PlannerBase):
                 continue
             if new < old and self._refuses(new, decision, old, ask, now_s):
                 return True
-            event: EventName = "widened" if new > old else "narrowed" if new < old else unchanged
-            if new != old and moved_event is not None:
-                event = moved_event
-            if event == "widen_refused" and (
-                decision.limit != "memory" or decision.width >= self.ceiling.value
-            ):
-                event = "bound_changed"
+            event = self._event(decision, old, unchanged, moved_event)
             moved = moved or new != old
             card.width = new
             self.record(
@@ -185,6 +179,23 @@ class Views(PlannerBase):
         self.width = self._width_now()
         self._timeline(now_s)
         return moved
+
+    def _event(
+        self,
+        decision: WidthDecision,
+        old: int,
+        unchanged: EventName,
+        moved_event: EventName | None,
+    ) -> EventName:
+        """The record's event for a card's width going ``old`` -> ``decision.width``."""
+        new = decision.width
+        if new != old:
+            return moved_event or ("widened" if new > old else "narrowed")
+        if unchanged == "widen_refused" and (
+            decision.limit != "memory" or new >= self.ceiling.value
+        ):
+            return "bound_changed"
+        return unchanged
 
     def _refuses(self, new: int, decision: WidthDecision, old: int, ask: Ask, now_s: float) -> bool:
         """Strict mode: a narrowing below the requested width is refused (and recorded)."""
