@@ -5,6 +5,7 @@ admission only where a ready worker is idle (pure core; no processes, the time p
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,7 @@ from gpupool._core.planner import (
     Warm,
     Workers,
 )
-from gpupool._core.planner.fit import booked, card_widths, fit
+from gpupool._core.planner.fit import Booked, card_widths, fit
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 
@@ -38,8 +39,10 @@ def planner_on(
     estimate_bytes: int,
     max_workers: int,
     reserve_bytes: int = 0,
+    emit: Callable[[Decision], None] | None = None,
 ) -> Planner:
-    """A constructed planner with a fixed margin (estimates are priced as given)."""
+    """A constructed planner with a fixed margin (estimates are priced as given); its records
+    go to ``records`` (or to ``emit``)."""
     planner = Planner(
         census=census_of(cards, cpus=64, available_ram_bytes=512 * GiB),
         asks=AskTable(
@@ -48,7 +51,7 @@ def planner_on(
         config=PlannerConfig(
             max_workers=max_workers, reserve_bytes=reserve_bytes, parent_pid=PARENT
         ),
-        emit=records.append,
+        emit=records.append if emit is None else emit,
     )
     planner.construct(0.0)
     return planner
@@ -81,7 +84,7 @@ def test_the_fit_counts_what_fits_beside_the_runs_and_names_what_stops_more() ->
     alone = fit(state, ask, [], reserve_bytes=0, ceiling=planner.ceiling, slots=8)
     assert (alone.more, alone.limit, alone.width) == (4, "memory", 4)  # 24 GiB room / 5 GiB
     beside = fit(
-        state, ask, [booked("b", 12 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
+        state, ask, [Booked("b", 12 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
     )
     assert (beside.more, beside.width, beside.running) == (2, 3, 1)
     assert beside.next_bytes == 5 * GiB
@@ -90,7 +93,7 @@ def test_the_fit_counts_what_fits_beside_the_runs_and_names_what_stops_more() ->
     assert (slots.more, slots.limit) == (2, "max_workers")
     state.oom_cap = 2
     capped = fit(
-        state, ask, [booked("a", 5 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
+        state, ask, [Booked("a", 5 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
     )
     assert (capped.more, capped.limit) == (1, "out_of_memory")
 
@@ -102,7 +105,7 @@ def test_unreadable_cards_run_one_at_a_time() -> None:
     ask = planner.asks.ask("a")
     empty = fit(planner.cards[0], ask, [], reserve_bytes=0, ceiling=planner.ceiling, slots=4)
     busy = fit(
-        planner.cards[0], ask, [booked("a", GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=4
+        planner.cards[0], ask, [Booked("a", GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=4
     )
     assert (empty.more, empty.limit, busy.more) == (1, "unreadable", 0)
 
@@ -143,16 +146,20 @@ def test_every_record_states_the_runs_on_its_card(
     a record prices (two keys of different sizes over several cards)."""
     records: list[Decision] = []
     cards = [card(t, device=i) for i, t in enumerate(totals)]
-    planner = planner_on(cards, records, estimate_bytes=small_gib * GiB, max_workers=max_workers)
-    planner.asks.hint("large", large_gib * GiB)
-    planner.asks.hint("small", small_gib * GiB)
-    running_at: list[dict[int, int]] = []
+    # Each record with the runs on every card at the moment it is written.
+    stated: list[tuple[Decision, dict[int, int]]] = []
+    planner: Planner | None = None
 
     def emit(record: Decision) -> None:
-        running_at.append({c.index: len(c.runs) for c in planner.cards})
         records.append(record)
+        if planner is not None:
+            stated.append((record, {c.index: len(c.runs) for c in planner.cards}))
 
-    planner._emit = emit  # the planner's records, each with the runs at its moment
+    planner = planner_on(
+        cards, records, estimate_bytes=small_gib * GiB, max_workers=max_workers, emit=emit
+    )
+    planner.asks.hint("large", large_gib * GiB)
+    planner.asks.hint("small", small_gib * GiB)
     for task, large in enumerate(order):
         planner.submit(task, "large" if large else "small")
         start_all(planner, float(task))
@@ -165,12 +172,10 @@ def test_every_record_states_the_runs_on_its_card(
                 device_source="simulator",
             )
             planner.finished(done, report, float(task))
-    stated = [
-        (record, runs)
-        for record, runs in zip(records[-len(running_at) :], running_at, strict=True)
-        if record.device is not None and record.event not in ("out_of_memory", "shutdown")
-    ]
+    assert stated
     for record, runs in stated:
+        if record.device is None or record.event in ("out_of_memory", "shutdown"):
+            continue
         assert record.width_after is not None
         assert record.width_after >= runs[record.device], record.to_dict()
 

@@ -96,6 +96,7 @@ __all__ = [
     "DeviceState",
     "Dispatcher",
     "WorkItem",
+    "callable_name",
     "copy_broken",
     "interpreter_exiting",
 ]
@@ -880,7 +881,7 @@ class Dispatcher:
             worker.process.join(timeout=INIT_EXIT_WAIT_S)
             exc = _load_exception(payload)
             assert self.initializer is not None
-            name = _name_of(self.initializer[0])
+            name = callable_name(self.initializer[0])
             error = InitializerError(
                 f"{_BROKEN_INIT}: the initializer {name} raised {exc!r}", initializer=name
             )
@@ -1077,7 +1078,7 @@ class Dispatcher:
         with it (no task ran in such a worker: none is charged as if it had)."""
         error: BrokenProcessPool
         if self.initializer is not None:
-            name = _name_of(self.initializer[0])
+            name = callable_name(self.initializer[0])
             error = InitializerError(
                 f"{_BROKEN_INIT}: a worker process (pid {worker.pid}) {how} before it was "
                 f"ready, in the initializer {name} or the start-up after it; no task ran in "
@@ -1364,8 +1365,9 @@ def _signal_name(exitcode: int | None) -> str | None:
         return f"signal {-exitcode}"
 
 
-def _name_of(fn: Callable[..., object]) -> str:
-    """``module.qualname`` of a callable (a partial's function), for messages."""
+def callable_name(fn: Callable[..., object]) -> str:
+    """``module.qualname`` of a callable (a partial's function): a task's default key, and
+    the initializer's name in messages."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     module = getattr(fn, "__module__", None) or type(fn).__module__

@@ -46,6 +46,7 @@ from gpupool._pool.dispatcher import (
     DeviceState,
     Dispatcher,
     WorkItem,
+    callable_name,
     copy_broken,
     interpreter_exiting,
 )
@@ -215,14 +216,6 @@ class PoolStatistics:
     widths_by_key: Mapping[str, int] = field(default_factory=dict)
     serial_starts: int = 0
     log_write_errors: int = 0
-
-
-def _task_key(fn: Callable[..., Any]) -> str:
-    while isinstance(fn, partial):
-        fn = fn.func
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{name}"
 
 
 class _OptionsView:
@@ -673,7 +666,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             if interpreter_exiting():
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             future: Future[Any] = Future()
-            task_key = (options.key if options and options.key else None) or key or _task_key(fn)
+            task_key = (
+                (options.key if options and options.key else None) or key or callable_name(fn)
+            )
             hint = (
                 _size(options.task_peak, "task_peak", allow_zero=False)
                 if options is not None and options.task_peak is not None
@@ -730,7 +725,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             raise ValueError("chunksize must be >= 1.")
         if buffersize is not None and (not isinstance(buffersize, int) or buffersize < 1):
             raise ValueError("buffersize must be None or >= 1.")
-        key = _task_key(fn)
+        key = callable_name(fn)
         end_time = None if timeout is None else timeout + time.monotonic()
         args_iter = zip(*iterables, strict=False)
         if chunksize == 1:

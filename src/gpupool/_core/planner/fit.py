@@ -30,7 +30,7 @@ from gpupool._core.bound import (
 from gpupool._core.planner.state import Card, Run
 from gpupool._core.policy import Ask
 
-__all__ = ["Fit", "Held", "LiveGate", "booked", "card_bound", "fit", "live_gate", "card_widths"]
+__all__ = ["Booked", "Fit", "Held", "LiveGate", "card_bound", "card_widths", "fit", "live_gate"]
 
 
 class Held(Protocol):
@@ -45,15 +45,10 @@ class Held(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Booked:
-    """A what-if booking (a task placed on a card by a view, not started)."""
+    """A what-if booking (a task placed on a card by a view, or held for one, not started)."""
 
     key: str
     booked_bytes: int
-
-
-def booked(key: str, booked_bytes: int) -> Booked:
-    """A what-if booking of ``booked_bytes`` for a task of ``key``."""
-    return Booked(key, booked_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpupool._core.bound import Ceiling
-from gpupool._core.planner.fit import Held, booked, card_bound, fit
+from gpupool._core.planner.fit import Booked, Held, card_bound, fit
 from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import TaskId
 from gpupool._core.policy import Ask
@@ -54,7 +54,7 @@ class Hold:
         """What the card holds once the ``ending`` runs end and the head starts: another
         start must fit beside these too, so that it never delays the head."""
         kept: list[Held] = [r for t, r in card.runs.items() if t not in self.ending]
-        return [*kept, booked(self.key, self.held_bytes)]
+        return [*kept, Booked(self.key, self.held_bytes)]
 
 
 def alone_width(cards: Sequence[Card], ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> int:

@@ -275,11 +275,10 @@ class Starts(Views):
                 card.index in state.avoid and len(state.avoid) < len(self.cards)
             ):
                 continue
-            found = self.fit(card.index, ask, slots=slots)
-            if hold is not None and hold.device == card.index and found.more:
-                after = self.fit(card.index, ask, hold.after(card), slots=slots)
-                if after.more == 0:
-                    continue
+            after = hold.after(card) if hold is not None and hold.device == card.index else None
+            found = self.fit_beside(card.index, ask, None, after, slots=slots)
+            if after is not None and found.more == 0:
+                continue
             fits.append(found)
         return fits
 

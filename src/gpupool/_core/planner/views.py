@@ -9,6 +9,7 @@ gated the start beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 
@@ -17,9 +18,9 @@ from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerBase
 from gpupool._core.planner.fit import (
+    Booked,
     Fit,
     Held,
-    booked,
     card_bound,
     card_widths,
     fit,
@@ -59,6 +60,23 @@ class Views(PlannerBase):
             ceiling=self.ceiling,
             slots=self.ceiling.value - len(self.running) if slots is None else slots,
         )
+
+    def fit_beside(
+        self,
+        device: int,
+        ask: Ask,
+        runs: list[Held] | None,
+        after: list[Held] | None,
+        *,
+        slots: int | None = None,
+    ) -> Fit:
+        """:meth:`fit` beside ``runs``; on the card a waiting head holds, ``after`` is what it
+        holds once the runs the head waits for end, and the head: a task fits there only where
+        it fits beside both (so it never delays the head), else ``more`` is 0."""
+        found = self.fit(device, ask, runs, slots=slots)
+        if after is not None and found.more and not self.fit(device, ask, after, slots=slots).more:
+            return dataclasses.replace(found, more=0, limit="memory")
+        return found
 
     def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
         """Every card's width for tasks priced at ``ask``: its runs plus the ones that fit
@@ -248,21 +266,16 @@ class Views(PlannerBase):
                 break
             best: Fit | None = None
             for index in range(len(self.cards)):
-                option = self.fit(index, ask, placed[index], slots=1)
-                if (
-                    option.more
-                    and (
-                        self.hold is None
-                        or index != self.hold.device
-                        or self.fit(index, ask, after, slots=1).more
-                    )
-                    and (best is None or (option.left_bytes or 0) > (best.left_bytes or 0))
+                held = after if self.hold is not None and index == self.hold.device else None
+                option = self.fit_beside(index, ask, placed[index], held, slots=1)
+                if option.more and (
+                    best is None or (option.left_bytes or 0) > (best.left_bytes or 0)
                 ):
                     best = option
             if best is not None:
-                placed[best.device].append(booked(ask.key, best.next_bytes))
+                placed[best.device].append(Booked(ask.key, best.next_bytes))
                 if self.hold is not None and best.device == self.hold.device:
-                    after.append(booked(ask.key, best.next_bytes))
+                    after.append(Booked(ask.key, best.next_bytes))
                 total += 1
         return max(1, min(total, self.ceiling.value))
 
