@@ -765,8 +765,10 @@ def format_postmortem(pm: Postmortem) -> list[str]:
     ]
     if pm.settings:
         lines.append(_settings_line(pm.settings))
+    samples = pm.events.get("card_read", 0)
     lines.append(
-        f"{pm.records} decision record{'s' if pm.records != 1 else ''} over {pm.duration_s:.2f} s"
+        f"{pm.records} record{'s' if pm.records != 1 else ''} over {pm.duration_s:.2f} s"
+        + (f" ({samples} of them samples of a card)" if samples else "")
     )
     lines.append(
         "widths over time: "

@@ -218,3 +218,30 @@ def test_a_task_larger_than_the_card_fails_saying_so() -> None:
     assert analysis.verdict == "larger_than_card"
     assert "more than the card can hold" in analysis.explanation
     assert "24.00 GiB card" in analysis.explanation
+
+
+def test_a_postmortem_that_cannot_tell_own_from_co_tenant_names_the_reading_that_would() -> None:
+    """On a card whose driver lists no process rows, the record has no split: growth of
+    this process and of a co-tenant cannot be told apart, and the verdict says which
+    reading would have told them apart."""
+    record = {
+        "event": "out_of_memory",
+        "device": 0,
+        "total_bytes": 40 * GiB,
+        "census_co_tenant_bytes": 4 * GiB,
+        "own_high_water_bytes": 0,
+        "reserve_bytes": 256 * MiB,
+        "booked_bytes": 20 * GiB,
+        "running": 2,
+        "task_ask_bytes": 10 * GiB,
+        "reached_bytes": 9 * GiB,
+        "requested_bytes": 1 * GiB,
+        "live_used_bytes": 39 * GiB,
+        "live_free_bytes": 1 * GiB,
+        "live_own_bytes": None,
+        "live_pool_bytes": None,
+    }
+    analysis = analyse_oom(record)
+    assert analysis.verdict == "co_tenant" and not analysis.own_separable
+    assert "cannot be told apart" in analysis.explanation
+    assert "this process's own row (live_own_bytes)" in analysis.explanation
