@@ -1013,7 +1013,7 @@ def _nothing_checked(out: Path, why: str, require: bool) -> int:
     status = EXIT_SKIPPED_REQUIRED if require else EXIT_OK
     run = Run(out=out, deadline=Deadline(60), dry_run=False, broken=False, tolerance_bytes=0)
     run.result = {"checked": False, "reason": why, "require_gpu": require, "exit": status}
-    run.say(f"gpu_check: checked nothing: {why}")
+    run.say(f"gpu_check: checked nothing: {why}; results in {out}")
     if require:
         run.say("gpu_check: FAILED: --require-gpu was given and there is no usable card")
     else:
