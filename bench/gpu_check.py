@@ -705,6 +705,11 @@ def step_context(run: Run) -> None:
         figures[mode] = {**child, "device_delta_bytes": used - baseline, "context_bytes": context}
         checks.append(_wait_idle(run, baseline, f"idle.{mode}"))
         checks.append(_row_check(f"row.{mode}", child["row_bytes"], run.container))
+        if child["row_bytes"]:
+            # How far the driver's row falls short of the card's delta: the floor's tolerance.
+            gap = used - baseline - int(child["row_bytes"])
+            detail = f"card used delta - own row = {gap / MiB:.1f} MiB"
+            checks.append(check(f"row-gap.{mode}", True, detail, report=True))
         detail = f"{mode} loading: context after a matmul and a convolution {context / MiB:.0f} MiB"
         if figure is None:
             checks.append(check(f"figure.{mode}", True, f"{detail}; no fixed figure", report=True))
@@ -744,6 +749,8 @@ def _peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]
     jobs.append(("subprocess", subprocess_task, (n, h, WAIT_S / 2)))
     if _have(run, "cupy"):
         jobs.append(("managed", managed_task, (n, h)))
+    missing = [m for m in ("cupy", "jax") if not _have(run, m)]
+    run.add("peaks", [check(m, True, "not installed: not checked", report=True) for m in missing])
     return jobs
 
 
@@ -955,7 +962,12 @@ def _watchdog(run: Run) -> threading.Timer:
 
 
 def run_steps(run: Run) -> int:
-    run.total_bytes = run.card()["total"]
+    try:
+        run.total_bytes = run.card()["total"]
+    except Exception as exc:
+        run.result.update(exit=EXIT_SETUP, setup_error=f"{type(exc).__name__}: {exc}")
+        run.say(f"gpu_check: SETUP FAILED: the card's memory could not be read: {exc!r:.300}")
+        return EXIT_SETUP
     run.result.update(
         checked=True,
         dry_run=run.dry_run,
@@ -974,7 +986,7 @@ def run_steps(run: Run) -> int:
         ("environment", lambda: step_environment(run)),
         ("census", lambda: step_census(run)),
         ("context", lambda: step_context(run)),
-        ("peaks", lambda: step_peaks(run, "peaks", _peak_jobs(run))),
+        ("peaks", lambda: step_peaks(run, "peaks", _peak_jobs(run), CUDA_MODULE_LOADING="LAZY")),
         ("peaks-eager", lambda: step_peaks(run, "peaks-eager", eager, CUDA_MODULE_LOADING="EAGER")),
         ("ooms", lambda: step_ooms(run)),
         ("co-tenant", lambda: step_co_tenant(run)),
