@@ -9,9 +9,9 @@ It needs no network and no installed gpupool: it puts ``src/`` and any
 and on the workers' ``PYTHONPATH``. It needs torch with CUDA, nvidia-ml-py,
 cloudpickle and psutil; CuPy and JAX tasks run where those are installed.
 Without ``--out`` it writes into a new temporary directory (never into the
-source tree) and prints its path. It writes ``gpu_check.json`` (every figure)
-and ``gpu_check.txt`` (one line per check) after every step, and prints each
-line as it goes, so a run that is cut short still leaves what it found.
+source tree) and prints its path. It rewrites ``gpu_check.json`` (every
+figure) and ``gpu_check.txt`` (one line per check) after every check, and
+prints each line as it goes, so a run that is cut short leaves what it found.
 
 **The oracle.** The card must be otherwise idle. A task's true footprint is
 the card's used bytes (NVML's device-level memory info, the figure
@@ -42,8 +42,8 @@ Steps (each check is named in the output; ``report`` checks never fail):
    the freed tasks must have given their memory back (else the check has no
    teeth); each worker's row must be there on a bare-metal card.
 5. **ooms**: a task per framework larger than the card, beside a companion,
-   is classified as an out-of-memory, retried, and reaches its future as
-   that framework's error.
+   is classified as a device out-of-memory, counted, retried, and reaches
+   its future as one.
 6. **co-tenant**: a process holds enough that the oracle width
    ``floor((free - reserve) / true peak)`` (free read with the co-tenant
    there, so driver-reserved bytes are never room) is below ``max_workers``;
@@ -520,7 +520,11 @@ def pool(run: Run, checks: list[dict[str, Any]], **kwargs: Any) -> Iterator[Any]
         ex.kill_workers()  # a stuck or failed step: nothing left to wait for
         raise
     finally:
-        problem = _close(ex, run.deadline.timeout(SHUTDOWN_S))
+        try:
+            timeout_s = run.deadline.timeout(SHUTDOWN_S)
+        except TimeoutError:
+            timeout_s = 5.0  # the budget is spent: stop it quickly all the same
+        problem = _close(ex, timeout_s)
         if problem is not None:
             checks.append(check("shutdown", False, problem))
 
@@ -950,10 +954,12 @@ def _watchdog(run: Run) -> threading.Timer:
     """Past the budget (and a minute of grace) write what was found and end the process."""
 
     def fire() -> None:
-        run.result.update(exit=EXIT_FAILED, watchdog="the run passed its budget and was ended")
-        run.say("gpu_check: FAILED: the run passed its budget; ended by the watchdog")
-        sys.stdout.flush()
-        os._exit(EXIT_FAILED)
+        try:
+            run.result.update(exit=EXIT_FAILED, watchdog="the run passed its budget and was ended")
+            run.say("gpu_check: FAILED: the run passed its budget; ended by the watchdog")
+            sys.stdout.flush()
+        finally:
+            os._exit(EXIT_FAILED)
 
     timer = threading.Timer(run.deadline.total_s + 60, fire)
     timer.daemon = True
