@@ -231,11 +231,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 # -- tasks (run in the pool's workers; stand-ins allocate on the simulated card) ------------
 
 
-def _figures(held: dict[str, int], nbytes: int, **more: Any) -> dict[str, Any]:
-    """What a task reports: the card's used bytes while it held and once it let go (a free
-    may land a moment late: wait up to 2 s for half of it)."""
+def _figures(held: dict[str, int], nbytes: int, settle: bool = True, **more: Any) -> dict[str, Any]:
+    """What a task reports: the card's used bytes while it held and once it let go (``settle``:
+    a free may land a moment late, so wait up to 2 s for half of it)."""
     uuid = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    end = time.monotonic() + 2.0
+    end = time.monotonic() + (2.0 if settle else 0.0)
     released = _card_reading(uuid)["used"]
     while held["used"] - released < nbytes // 2 and time.monotonic() < end:
         time.sleep(0.05)
@@ -282,7 +282,14 @@ def torch_task(nbytes: int, mode: str, hold_s: float) -> dict[str, Any]:
     del kept
     if mode == "spike":
         torch.cuda.empty_cache()
-    return _figures(held, nbytes, ok=ok, row_bytes=row, torch_reserved_peak=reserved_peak)
+    return _figures(
+        held,
+        nbytes,
+        settle=mode == "spike",  # a hold keeps torch's cache: nothing to wait for
+        ok=ok,
+        row_bytes=row,
+        torch_reserved_peak=reserved_peak,
+    )
 
 
 def cupy_spike_task(nbytes: int, hold_s: float) -> dict[str, Any]:
