@@ -90,8 +90,10 @@ MiB = 1024**2
 
 EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_SKIPPED_REQUIRED = 0, 1, 2, 3
 
-#: The whole run must end within this (the lent machine allows 10 minutes a command).
-TOTAL_BUDGET_S = 480.0
+#: The whole run must end within this (expected: 3-4 minutes), so that a second run fits
+#: in a lent machine's 15 minutes; the watchdog ends it ``WATCHDOG_GRACE_S`` later.
+TOTAL_BUDGET_S = 330.0
+WATCHDOG_GRACE_S = 30.0
 DRY_RUN_BUDGET_S = 240.0
 #: One task, one helper process or one shutdown waits at most this long.
 WAIT_S = 120.0
@@ -958,7 +960,7 @@ def _summary(run: Run) -> int:
 
 
 def _watchdog(run: Run) -> threading.Timer:
-    """Past the budget (and a minute of grace) write what was found and end the process."""
+    """Past the budget (and ``WATCHDOG_GRACE_S``) write what was found and end the process."""
 
     def fire() -> None:
         try:
@@ -968,7 +970,7 @@ def _watchdog(run: Run) -> threading.Timer:
         finally:
             os._exit(EXIT_FAILED)
 
-    timer = threading.Timer(run.deadline.total_s + 60, fire)
+    timer = threading.Timer(run.deadline.total_s + WATCHDOG_GRACE_S, fire)
     timer.daemon = True
     timer.start()
     return timer
