@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpupool._core.attribution import OomAnalysis, analyse_oom, record_float, record_int
-from gpupool._core.events import EVENTS, READABLE_SCHEMAS, SCHEMA_VERSION, SETTING_PREFIX
+from gpupool._core.events import (
+    EVENTS,
+    READABLE_SCHEMAS,
+    SCHEMA_VERSION,
+    SETTING_PREFIX,
+    TABLE_COLUMNS,
+    TABLE_ROWS,
+)
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
 
@@ -247,13 +254,11 @@ def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, 
             line=number,
         )
     for key, item in value.items():
-        # Records are flat (Decision.to_dict): scalars only, byte counts within int64.
-        if isinstance(item, (dict, list)) or (
-            isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**63
-        ):
+        problem = _value_problem(item, tables=schema >= 3)
+        if problem is not None:
             raise DecisionLogError(
-                f"{path}, line {number}: {key!r} holds {type(item).__name__} "
-                f"{str(item)[:40]!r}, not a value a decision record has",
+                f"{path}, line {number}: {key!r} holds {problem}, not a value a decision "
+                "record has",
                 path=path,
                 line=number,
             )
@@ -264,6 +269,31 @@ def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, 
             line=number,
         )
     return value
+
+
+def _scalar_problem(item: object) -> str | None:
+    if isinstance(item, (dict, list)) or (
+        isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**63
+    ):
+        return f"{type(item).__name__} {str(item)[:40]!r}"
+    return None
+
+
+def _value_problem(item: object, *, tables: bool) -> str | None:
+    """What is wrong with a record's value: records are flat (scalars, byte counts within
+    int64), and from schema 3 a value may be a table, a bounded list of flat rows."""
+    if not (tables and isinstance(item, list)):
+        return _scalar_problem(item)
+    if len(item) > TABLE_ROWS:
+        return f"a table of {len(item)} rows (at most {TABLE_ROWS})"
+    for row in item:
+        if not isinstance(row, dict) or len(row) > TABLE_COLUMNS:
+            return f"a table row {str(row)[:40]!r} (a JSON object of at most {TABLE_COLUMNS})"
+        for cell in row.values():
+            problem = _scalar_problem(cell)
+            if problem is not None:
+                return f"a table cell {problem}"
+    return None
 
 
 def _refuse_constant(name: str) -> float:
@@ -798,7 +828,9 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
     card = "-" if a.device is None else str(a.device)
     fate = "retried at a narrower width" if a.retry else "its error went to its future"
     co_live = (
-        f"live >= {format_size(a.co_tenant_live_bytes)} (derived)"
+        f"live {format_size(a.co_tenant_live_bytes)} (read: the card's rows)"
+        if a.co_tenant_live_bytes is not None and a.pool_read and a.own_separable
+        else f"live >= {format_size(a.co_tenant_live_bytes)} (derived from the bookings)"
         if a.co_tenant_live_bytes is not None
         else "live: not derivable"
     )
@@ -815,8 +847,21 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
         f"  co-tenant (census)     {format_size(a.census_co_tenant_bytes):>12}   {co_live}",
         f"  own high-water         {format_size(a.own_high_water_bytes):>12}   {own_live}",
         f"  reserve                {format_size(a.reserve_bytes):>12}",
-        f"  booked asks            {format_size(a.booked_bytes):>12}   "
-        f"{a.running} running, the failing task's included",
+        f"  booked                 {format_size(a.booked_bytes):>12}   "
+        f"{a.running} running, the failing task's included, each at its price when it started",
+        *(
+            f"    {n} x {key}: {format_size(b)}"
+            + (f" ({format_size(b // n)} each)" if n > 1 else "")
+            for key, n, b in a.runs_by_key
+        ),
+        *(
+            [
+                f"  the pool's workers     {format_size(a.children_bytes):>12}   "
+                "read from the card's rows (running tasks and idle workers' contexts)"
+            ]
+            if a.pool_read
+            else []
+        ),
         f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   booked at its start; "
         f"the key was priced {format_size(a.key_ask_bytes)} ({a.ask_basis}) when it failed",
         f"  it had reached         {format_size(a.reached_bytes):>12}   "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -71,6 +72,22 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     own = root / "own.jsonl"
     _staged_run(own, lambda host: hold("6GiB"))
     out["own"] = own
+
+    # The 30 GiB card, retries off: six tasks priced 3.15 GiB start together, each holds
+    # 6.3 GiB, so the card runs out and the tasks that ran out fail.
+    oom_off = root / "oom_off.jsonl"
+    oom_gate = root / "oom_off.gate"
+    oom_gate.mkdir()
+    with SimulatedHost([SimulatedDevice("30GiB")], cpus=16, host_ram="128GiB"):
+        with GpuPoolExecutor(
+            max_workers=6, task_peak="3.15GiB", retry_oom=False, log_path=oom_off
+        ) as pool:
+            futures = [
+                pool.submit(observe_tasks.entry_together, i, str(oom_gate), 6, "6.3GiB")
+                for i in range(12)
+            ]
+            concurrent.futures.wait(futures)
+    out["oom_off"] = oom_off
 
     incident = root / "incident.jsonl"
     with incident_host(), hold("16.20GiB"):

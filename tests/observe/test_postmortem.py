@@ -105,7 +105,7 @@ def test_text_report_shows_the_card(
         "card total",
         "co-tenant (census)",
         "own high-water",
-        "booked asks",
+        "booked ",
         "failing task's ask",
         "it had reached",
         "wrong term: co_tenant",

@@ -50,12 +50,14 @@ def test_incident_never_widens_past_the_card(tmp_path):
     assert stats.tasks_completed == ENTRIES
     header, *lines = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert header["event"] == "run_started"
-    assert [line["event"] for line in lines][:2] == ["constructed", "widened"]
+    decided = [line["event"] for line in lines if line["event"] != "card_read"]
+    assert decided[:2] == ["constructed", "widened"]
     assert lines[0]["total_bytes"] == int(44.39 * 2**30)
     assert lines[0]["co_tenant_bytes"] == int(9.54 * 2**30)
     assert all(line["width_after"] != 4 for line in lines)
-    # The log grows with decisions, not with tasks.
-    assert len(lines) < 10
+    # The log's decisions grow with decisions, not with tasks (its samples of the card
+    # grow with time: tests/core/test_card_samples.py).
+    assert len(decided) < 10
 
 
 def _stdlib_entry(i: int) -> str:

@@ -108,6 +108,10 @@ class OomAnalysis:
         own_growth_bytes: step 4's own share.
         own_separable: whether own growth could be told from a co-tenant's.
         unattributed_bytes: step 5's rest.
+        pool_read: the pool's children were read from the card's rows
+            (``live_pool_bytes``), not estimated from the bookings.
+        runs_by_key: the tasks running on the card when it ran out, per key: how many,
+            and what they were booked at when they started (the record's ``runs``).
         retry: whether the pool retried the task.
         wrong_terms: the terms found wrong, largest first, with their bytes.
         verdict: the first wrong term, or ``"unattributed"``.
@@ -141,6 +145,8 @@ class OomAnalysis:
     own_growth_bytes: int
     own_separable: bool
     unattributed_bytes: int | None
+    pool_read: bool
+    runs_by_key: tuple[tuple[str, int, int], ...]
     retry: bool
     wrong_terms: tuple[tuple[str, int], ...]
     verdict: str
@@ -151,6 +157,9 @@ class OomAnalysis:
         """A JSON-able dict of every field."""
         out = {name: getattr(self, name) for name in self.__slots__}
         out["wrong_terms"] = [{"term": t, "bytes": b} for t, b in self.wrong_terms]
+        out["runs_by_key"] = [
+            {"key": k, "running": n, "booked_bytes": b} for k, n, b in self.runs_by_key
+        ]
         out["missing"] = list(self.missing)
         return out
 
@@ -264,6 +273,8 @@ def analyse_oom(
             co_growth = max(0, growth - own_growth)
         co_live = census_co + co_growth
     terms: list[tuple[str, int]] = []
+    if need is not None and total is not None and need > total:
+        terms.append(("larger_than_card", need - total))
     if shortfall > 0:
         terms.append(("ask", shortfall))
     if co_growth > reserve:
@@ -272,7 +283,8 @@ def analyse_oom(
         terms.append(("own", own_growth))
     if others_overrun > reserve:
         terms.append(("another_pool", others_overrun))
-    terms.sort(key=lambda term: -term[1])
+    # A task larger than the card is named first: no other term could have let it run.
+    terms.sort(key=lambda term: (term[0] != "larger_than_card", -term[1]))
     unattributed: int | None = None
     if used is not None and requested is not None and total is not None:
         unattributed = max(0, used + requested - total)
@@ -282,6 +294,7 @@ def analyse_oom(
         terms,
         ask=ask,
         need=need,
+        total=total,
         reached=reached,
         requested=requested,
         census_co=census_co,
@@ -317,6 +330,8 @@ def analyse_oom(
         own_growth_bytes=own_growth,
         own_separable=separable,
         unattributed_bytes=unattributed,
+        pool_read=live_pool is not None,
+        runs_by_key=_runs_by_key(record.get("runs")),
         retry=record.get("retry") is True,
         wrong_terms=tuple(terms),
         verdict=verdict,
@@ -325,12 +340,27 @@ def analyse_oom(
     )
 
 
+def _runs_by_key(table: object) -> tuple[tuple[str, int, int], ...]:
+    """The record's ``runs`` table summed per key (rows that are not rows are skipped)."""
+    if not isinstance(table, list):
+        return ()
+    by_key: dict[str, tuple[int, int]] = {}
+    for row in table:
+        if not isinstance(row, dict) or not isinstance(row.get("key"), str):
+            continue
+        booked = record_int(row, "booked_bytes") or 0
+        count, total = by_key.get(row["key"], (0, 0))
+        by_key[row["key"]] = (count + 1, total + booked)
+    return tuple((key, n, b) for key, (n, b) in by_key.items())
+
+
 def _explain(
     verdict: str,
     terms: list[tuple[str, int]],
     *,
     ask: int | None,
     need: int | None,
+    total: int | None,
     reached: int | None,
     requested: int | None,
     census_co: int | None,
@@ -341,7 +371,14 @@ def _explain(
 ) -> str:
     parts: list[str] = []
     for term, nbytes in terms:
-        if term == "ask":
+        if term == "larger_than_card":
+            parts.append(
+                f"the task needs more than the card can hold: at least {format_size(need)} "
+                f"({format_size(reached)} held + {format_size(requested)} refused) on a "
+                f"{format_size(total)} card; its ask was {format_size(ask)}, and no price or "
+                "width would have run it there"
+            )
+        elif term == "ask":
             parts.append(
                 f"the ask was underestimated: the task needed at least {format_size(need)} "
                 f"({format_size(reached)} reached + {format_size(requested)} refused), "
@@ -351,8 +388,10 @@ def _explain(
             note = (
                 ""
                 if separable
-                else " (or this process: the record has no live reading of the pool's own "
-                "bytes, so the two cannot be told apart)"
+                else " (or this process: the two cannot be told apart. The card's process "
+                "rows at the out-of-memory would have: this process's own row "
+                "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none, "
+                "as in a container before driver 535.113 or on a MIG instance)"
             )
             parts.append(
                 f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "

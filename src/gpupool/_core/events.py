@@ -34,18 +34,28 @@ __all__ = [
     "SETTING_PREFIX",
     "Decision",
     "EventName",
+    "JsonScalar",
+    "JsonTable",
     "JsonValue",
+    "TABLE_COLUMNS",
+    "TABLE_ROWS",
     "run_record",
     "truncate_text",
 ]
 
 #: Version of the decision log's schema; readers refuse newer ones by name.
-#: 2 added ``run_id`` on every record and the ``run_started`` record.
-SCHEMA_VERSION = 2
+#: 2 added ``run_id`` on every record and the ``run_started`` record; 3 added
+#: the ``card_read`` record and tables (:data:`JsonTable`) as values.
+SCHEMA_VERSION = 3
 
 #: The schema versions this gpupool reads (1: logs without run ids, split at
 #: each ``constructed`` record).
-READABLE_SCHEMAS = (1, 2)
+READABLE_SCHEMAS = (1, 2, 3)
+
+#: The most rows a table value holds, and the most columns of a row: a record
+#: stays bounded whatever the pool runs (a reader refuses larger ones).
+TABLE_ROWS = 256
+TABLE_COLUMNS = 16
 
 #: The most characters of free text (an exception's message) a record copies.
 #: A message can carry what its author did not mean to log (a path, a token):
@@ -100,6 +110,7 @@ EventName = Literal[
     "measured",
     "sensor_error",
     "shutdown",
+    "card_read",
 ]
 
 #: Every event a decision record can carry, and what it means.
@@ -126,9 +137,14 @@ EVENTS: Mapping[str, str] = {
     "measured": "a task key's ask changed basis or value without changing any width",
     "sensor_error": "a live reading failed; what the pool does while it fails",
     "shutdown": "the pool shut down; the run's totals",
+    "card_read": "a sample of a card as the pool read it: its used bytes, the parent's, the "
+    "pool's workers', everything else's, and what the pool had booked there, by key",
 }
 
-JsonValue = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)
+JsonScalar = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)
+#: A table: rows of scalars (each task running on a card, each key booked there).
+JsonTable = list[dict[str, JsonScalar]]
+JsonValue = Union[JsonScalar, JsonTable]  # noqa: UP007
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,7 +163,8 @@ class Decision:
         limit: which limit set the width (``"memory"``, ``"cpus"``, ...).
         key: the task key concerned, if any.
         extra: further terms (``live_free_bytes``, ``exitcode``, ...); values
-            are JSON scalars and byte counts end in ``_bytes``.
+            are JSON scalars or tables of them (at most :data:`TABLE_ROWS` rows),
+            and byte counts end in ``_bytes``.
         key_ask: the ask of the record's ``key`` itself (the bound's ``ask_bytes``
             is the ask the width was priced at, which for mixed keys is the
             largest current one); written as ``key_ask_bytes``, ``key_ask_basis``,
@@ -244,6 +261,11 @@ class Decision:
                 key_measured_peak_bytes=self.key_ask.measured_peak_bytes,
             )
         for name, value in self.extra.items():
+            if isinstance(value, list):
+                value = [
+                    {c: truncate_text(v) if isinstance(v, str) else v for c, v in row.items()}
+                    for row in value[:TABLE_ROWS]
+                ]
             out.setdefault(name, truncate_text(value) if isinstance(value, str) else value)
         out["reason"] = self.reason
         return out

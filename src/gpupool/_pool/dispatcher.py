@@ -61,6 +61,7 @@ from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
+    SAMPLE_MIN_GAP_S,
     CardReading,
     Fail,
     Planner,
@@ -87,6 +88,7 @@ from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import dumps_call, worker_main
 from gpupool._probe import allocator_cap_message
+from gpupool._sensors.host import ancestor_among
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -109,6 +111,9 @@ STOP_WAIT_S = 10.0
 #: by a factor of four: 0.05, 0.2, 0.8, 3.2 s (4.25 s in all). Only the task that
 #: needed the worker fails; the pool and its running tasks go on.
 SPAWN_TRIES = 5
+#: While tasks run, the cards are read at least this often (the planner samples
+#: these readings into the decision log, coalesced: see ``card_read``).
+READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
 SPAWN_FIRST_WAIT_S = 0.05
 
 #: How long the pool waits for a worker whose initializer raised to exit (it
@@ -306,6 +311,8 @@ class Dispatcher:
         self.pool_id = pool_id
         self.published: dict[int, tuple[tuple[TaskBooking, ...], bool]] = {}
         self.others_seen: dict[int, bool] = {}
+        # When the cards were last read (monotonic seconds).
+        self.read_s = 0.0
         # Tasks submitted (under ``lock``, by caller threads), and the snapshot readers on
         # other threads read: only the dispatcher thread replaces it, in one assignment.
         self.submitted_count = 0
@@ -511,9 +518,11 @@ class Dispatcher:
                 self._cancel_pending()
                 poll_s = self._schedule()
             self._retire_beyond_limits()
-            self.publish()  # the end of the turn
             workers = self._all_workers()
             busy = any(w.task is not None for w in workers)
+            if busy:
+                poll_s = self._read_while_running(poll_s)
+            self.publish()  # the end of the turn
             with self.lock:
                 idle_pool = not self.incoming and not self.items and not busy
                 if self.shutdown_requested and idle_pool:
@@ -573,6 +582,7 @@ class Dispatcher:
         """One live snapshot of every readable card, for the planner's live gate and own term,
         and the other pools' bookings from the host's table."""
         now = self.now()
+        self.read_s = time.monotonic()
         for device in self.devices:
             if not device.census.readable:
                 continue
@@ -583,6 +593,15 @@ class Dispatcher:
                 others = self.bookings.others(device.info.uuid, self.pool_id)
                 self.others_seen[device.index] = bool(others is not None and others.pools)
                 self.planner.observe_others(device.index, others, now, census=census)
+
+    def _read_while_running(self, poll_s: float | None) -> float | None:
+        """While tasks run, read the cards every :data:`READ_WHILE_RUNNING_S` (the log's
+        samples of what the cards held come from these readings); returns the turn's wait."""
+        due_s = self.read_s + READ_WHILE_RUNNING_S - time.monotonic()
+        if due_s <= 0:
+            self._read_cards()
+            due_s = READ_WHILE_RUNNING_S
+        return due_s if poll_s is None else min(poll_s, due_s)
 
     def read_census_terms(self) -> None:
         """Before the first decision: what other pools hold now is in the census' co-tenant
@@ -598,10 +617,25 @@ class Dispatcher:
             self.planner.observe_error(device.index, f"{type(exc).__name__}: {exc}", self.now())
             return None
         process_bytes = None
+        pool_pids: frozenset[int] = frozenset()
         if rows is not None:
             process_bytes = {r.pid: r.used_bytes or 0 for r in rows}
+            pool_pids = self._pool_pids(process_bytes)
         return CardReading(
-            free_bytes=memory.free_bytes, used_bytes=memory.used_bytes, process_bytes=process_bytes
+            free_bytes=memory.free_bytes,
+            used_bytes=memory.used_bytes,
+            process_bytes=process_bytes,
+            pool_pids=pool_pids,
+        )
+
+    def _pool_pids(self, rows: Mapping[int, int]) -> frozenset[int]:
+        """The rows' PIDs that are the pool's workers (on any card) or were started under
+        one (a task's subprocess): the pool's bytes, never a co-tenant's."""
+        workers = frozenset(w.pid for w in self._all_workers())
+        return frozenset(
+            pid
+            for pid in rows
+            if pid in workers or (pid != os.getpid() and ancestor_among(pid, workers))
         )
 
     def _schedule(self) -> float | None:
@@ -1001,10 +1035,14 @@ class Dispatcher:
 
     def _fail_oom(self, item: WorkItem, verdict: Fail, exc: BaseException | None) -> None:
         where = f"card {verdict.device}" if verdict.device is not None else "the pool"
+        remedy = (
+            "Run it on a larger card, or make it need less (a smaller batch or model shard)."
+            if verdict.kind == "larger_than_card"
+            else "Free the card, or give a larger task_peak."
+        )
         error = DeviceOutOfMemoryError(
             f"{where}: a task of {item.key} ran out of device memory and failed: "
-            f"{verdict.reason} (booked at {format_size(verdict.booked_bytes)}). Free the card, "
-            "or give a larger task_peak.",
+            f"{verdict.reason} (booked at {format_size(verdict.booked_bytes)}). {remedy}",
             device=verdict.device,
             ask_bytes=verdict.booked_bytes,
             detail=str(exc) if exc is not None else verdict.kind,

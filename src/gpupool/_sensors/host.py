@@ -96,6 +96,19 @@ def is_descendant(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
     return False
 
 
+def ancestor_among(pid: int, ancestors: frozenset[int], proc: Path = Path("/proc")) -> bool:
+    """Whether ``pid`` is one of ``ancestors`` or was started under one of them (one walk
+    up the parents, however many ancestors)."""
+    current: int | None = pid
+    for _ in range(_MAX_ANCESTRY):
+        if current is None or current <= 1:
+            return False
+        if current in ancestors:
+            return True
+        current = read_parent_pid(current, proc)
+    return False
+
+
 def read_affinity_count() -> int | None:
     """How many CPUs this process may run on (``os.sched_getaffinity(0)``), or ``None``."""
     getaffinity = getattr(os, "sched_getaffinity", None)

@@ -8,6 +8,8 @@
 * :mod:`~gpupool._core.planner.order`: the start order and the room held for a waiting task;
 * :mod:`~gpupool._core.planner.oom`: an out-of-memory judged against the task's own booking;
 * :mod:`~gpupool._core.planner.records`: what each record says;
+* :mod:`~gpupool._core.planner.samples`: whose bytes a reading shows, and the
+  ``card_read`` samples of it;
 * :mod:`~gpupool._core.planner.base`, :mod:`~.views`, :mod:`~.starts`,
   :mod:`~gpupool._core.planner.planner`: the state, the widths (views of the fit),
   the next start, the events;
@@ -16,6 +18,7 @@
 """
 
 from gpupool._core.planner.planner import CAP_LIFT_AFTER_S, Planner
+from gpupool._core.planner.samples import SAMPLE_INTERVAL_S, SAMPLE_MIN_GAP_S
 from gpupool._core.planner.verdicts import (
     DEFAULT_CHILD_RSS_PRIOR_BYTES,
     DEFAULT_MAX_RETRIES,
@@ -45,6 +48,8 @@ __all__ = [
     "LIVE_POLL_S",
     "LOOKAHEAD",
     "RETIRE_AFTER_SHUT_S",
+    "SAMPLE_INTERVAL_S",
+    "SAMPLE_MIN_GAP_S",
     "CardReading",
     "Fail",
     "Planner",

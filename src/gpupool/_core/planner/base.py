@@ -16,6 +16,7 @@ from collections.abc import Callable
 from gpupool._core.bound import Ceiling, derive_ceiling
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
+from gpupool._core.planner import samples
 from gpupool._core.planner.order import Hold
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
@@ -165,8 +166,27 @@ class PlannerBase:
             self.widths.append((round(now_s, 6), self.width))
 
     def record(self, decision: Decision) -> None:
-        """Write one record (the planner's only output besides its verdicts)."""
+        """Write one record (the planner's only output besides its verdicts), after a sample
+        of the reading its card's decision was made on."""
+        if decision.device is not None and decision.device < len(self.cards):
+            self._sample(self.cards[decision.device], decision.time_s, decision=True)
         self._emit(decision)
+
+    def _sample(self, card: Card, now_s: float, *, decision: bool) -> None:
+        """A ``card_read`` sample of ``card``'s last reading, where one is due
+        (:func:`~gpupool._core.planner.samples.sample_due`)."""
+        reading = card.reading
+        if (
+            reading is None
+            or not self.widths  # not yet constructed: the census is the first record's
+            or not samples.sample_due(card, now_s, decision=decision)
+        ):
+            return
+        split = samples.split_reading(card, reading, self.config.parent_pid)
+        card.sampled_reading = reading
+        card.sampled_s = now_s
+        card.sampled_used_bytes = reading.used_bytes
+        self._emit(samples.card_read(card, split, reading.free_bytes, now_s))
 
     def _width_now(self) -> int:
         """How many tasks the planner admits at once now (:meth:`.views.Views._width_now`)."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gpupool._core.planner.samples import ReadingSplit
 from gpupool._core.planner.state import Card, Run
-from gpupool._core.planner.verdicts import CardReading, PlannerConfig
+from gpupool._core.planner.verdicts import PlannerConfig
 from gpupool._core.policy import Ask
 from gpupool._core.units import MiB, format_size
 
@@ -26,6 +27,7 @@ __all__ = ["CAP_LIFT_MARGIN_BYTES", "CapLift", "Facts", "Judgement", "cap_lift_t
 CAP_LIFT_MARGIN_BYTES = 256 * MiB
 
 Kind = Literal[
+    "larger_than_card",
     "retries_off",
     "retries_exhausted",
     "fixed_width",
@@ -73,12 +75,25 @@ class Facts:
     # least own high-water they were priced at.
     booked_bytes: int
     priced_own_high_water_bytes: int | None
+    # The largest total of the pool's cards: a task that needs more never runs.
+    largest_total_bytes: int | None = None
 
 
 def judge(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement:
     """The rule an out-of-memory falls under (the caller applies the cap and the retry)."""
     run = facts.run
     lower = (facts.reached_bytes or 0) + (facts.requested_bytes or 0)
+    largest = facts.largest_total_bytes
+    if largest is not None and lower > largest:
+        return Judgement(
+            kind="larger_than_card",
+            retry=False,
+            why=f"it needs at least {format_size(lower)} ({format_size(facts.reached_bytes)} "
+            f"held + {format_size(facts.requested_bytes)} refused), more than the "
+            f"{format_size(largest)} total of the largest card; it was priced at "
+            f"{format_size(run.ask_bytes)}, but no price or width runs it on these cards, so "
+            "it is not retried",
+        )
     if not config.retry_oom:
         return Judgement(kind="retries_off", retry=False, why="retries are off")
     if facts.tries > config.max_retries:
@@ -167,28 +182,23 @@ class CapLift:
     pool_bytes: int
 
 
-def cap_lift_terms(card: Card, reading: CardReading, parent_pid: int | None) -> CapLift | None:
-    """Whether the bytes on ``card`` that are not the pool's workers' are back within
-    :data:`CAP_LIFT_MARGIN_BYTES` of what the bound prices them at (co-tenants at the
-    census, other pools, the own high-water). ``None`` where the card's total or co-tenant
-    bytes are unknown. The pool's bytes are its workers' rows where the reading lists
-    them, else its runs' bookings."""
+def cap_lift_terms(card: Card, split: ReadingSplit) -> CapLift | None:
+    """Whether the bytes on ``card`` that are not the pool's (its workers', the processes
+    their tasks started) are back within :data:`CAP_LIFT_MARGIN_BYTES` of what the bound
+    prices them at (co-tenants at the census, other pools, the own high-water). ``None``
+    where the card's total or co-tenant bytes are unknown. The pool's bytes are its rows
+    where the reading lists them, else its runs' bookings."""
     total = card.census.total_bytes
     co_tenant = card.census.co_tenant_bytes
     if total is None or co_tenant is None:
         return None
-    used = reading.used_bytes
-    rows = reading.process_bytes
-    if rows is not None:
-        pool = sum(rows.get(pid, 0) for pid in card.worker_pids if pid != parent_pid)
-    else:
-        pool = card.booked_bytes
+    pool = split.pool_bytes if split.pool_bytes is not None else card.booked_bytes
     priced = (
         max(0, co_tenant - card.others_at_census_bytes)
         + card.others_bytes
         + card.own_high_water_bytes
     )
-    not_pool = max(0, used - pool)
+    not_pool = max(0, split.used_bytes - pool)
     return CapLift(
         lifts=not_pool <= priced + CAP_LIFT_MARGIN_BYTES,
         not_pool_bytes=not_pool,

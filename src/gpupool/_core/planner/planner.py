@@ -45,6 +45,7 @@ from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
+from gpupool._core.planner.samples import split_reading
 from gpupool._core.planner.sharing import others_terms
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.state import Card, Run, TaskState
@@ -187,6 +188,7 @@ class Planner(Starts):
         out-of-memory set lifts once the readings show its room back."""
         card = self.cards[device]
         card.reading = reading
+        card.reading_s = now_s
         card.reading_error = None
         if reading.process_bytes is not None and card.worker_pids:
             # A worker with no row holds nothing (or has exited): forget it.
@@ -210,12 +212,13 @@ class Planner(Starts):
                     devices=(device,),
                 )
         self._lift_cap(card, reading, now_s)
+        self._sample(card, now_s, decision=False)
 
     def _lift_cap(self, card: Card, reading: CardReading, now_s: float) -> None:
         cap = card.oom_cap
         if cap is None:
             return
-        lift = cap_lift_terms(card, reading, self.config.parent_pid)
+        lift = cap_lift_terms(card, split_reading(card, reading, self.config.parent_pid))
         if lift is None or not lift.lifts:
             card.cap_clear_since_s = None
             return
@@ -459,6 +462,9 @@ class Planner(Starts):
         state = self.tasks[task]
         state.retries += 1
         card = self.cards[run.device] if run.device is not None else None
+        if card is not None and reading is not None:
+            # The reading the record states (the own high-water is observed after it).
+            card.reading, card.reading_s = reading, now_s
         facts = self._oom_facts(run, state, card, report, reading)
         verdict = judge(facts, self.config, card)
         outcome = self._apply(verdict, task, state, run, card, now_s)
@@ -467,7 +473,6 @@ class Planner(Starts):
             records.out_of_memory(
                 facts,
                 outcome,
-                verdict.cap,
                 card,
                 bound,
                 self.ceiling,
@@ -478,7 +483,9 @@ class Planner(Starts):
                 now_s=now_s,
             )
         )
-        if isinstance(outcome, Retry) and card is not None and self.config.fixed_width is None:
+        if card is not None and self.config.fixed_width is None:
+            # Whatever became of the task, a raised price or a cap moves the card's width:
+            # the record of that move follows the out-of-memory's at once.
             self._review(now_s, cause=f"an out-of-memory of {run.key}", devices=(card.index,))
         if isinstance(outcome, Fail):
             self.tasks.pop(task, None)
@@ -510,7 +517,9 @@ class Planner(Starts):
         if verdict.retry:
             return self._retry(task, why)
         kind: FailKind = (
-            "retries_exhausted" if verdict.kind == "retries_exhausted" else "out_of_memory"
+            verdict.kind
+            if verdict.kind in ("retries_exhausted", "larger_than_card")
+            else "out_of_memory"
         )
         return Fail(
             task=task,
@@ -531,7 +540,9 @@ class Planner(Starts):
         """What was known when ``run`` ran out; its key's price raised where it passed it
         (evidence never lowers a price: the floor is at least the task's ask now)."""
         others = list(card.runs.values()) if card is not None else []
-        booked_then = sum(r.booked_bytes for r in others) + run.booked_at_start_bytes
+        # What each was booked at when it started (the price it was admitted at), never a
+        # price an out-of-memory raised since.
+        booked_then = sum(r.booked_at_start_bytes for r in others) + run.booked_at_start_bytes
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
         before = self.asks.ask_for(run.key, run.size)
         floor = before.ask_bytes
@@ -564,6 +575,10 @@ class Planner(Starts):
             ),
             elsewhere=self._roomier_elsewhere(run.device, after),
             booked_bytes=booked_then,
+            largest_total_bytes=max(
+                (c.census.total_bytes for c in self.cards if c.census.total_bytes is not None),
+                default=None,
+            ),
             priced_own_high_water_bytes=(
                 min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
                 if card is not None

@@ -13,13 +13,14 @@ import collections
 from collections.abc import Mapping
 
 from gpupool._core.bound import Bound, Ceiling
-from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.events import Decision, EventName, JsonTable, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
 from gpupool._core.planner.oom import CapLift, Facts
 from gpupool._core.planner.order import Hold
+from gpupool._core.planner.samples import split_reading
 from gpupool._core.planner.sharing import ShareWait
-from gpupool._core.planner.state import Card, Critical
+from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import CardReading, Fail, Retry
 from gpupool._core.policy import Ask
 from gpupool._core.units import format_size
@@ -206,7 +207,6 @@ def shutdown(
 def out_of_memory(
     facts: Facts,
     outcome: Retry | Fail,
-    cap: int | None,
     card: Card | None,
     bound: Bound | None,
     ceiling: Ceiling,
@@ -230,12 +230,15 @@ def out_of_memory(
         f"{format_size(reading.used_bytes if reading else None)} used, "
         f"{format_size(reading.free_bytes if reading else None)} free; {outcome.reason}"
     )
+    # The card's width when it ran out: the record of the width's move (a raised price,
+    # a cap) follows this one.
+    width = card.width if card is not None else facts.running_then
     return Decision(
         event="out_of_memory",
         time_s=now_s,
         device=run.device,
-        width_before=facts.running_then,
-        width_after=cap if cap is not None else facts.running_then,
+        width_before=width,
+        width_after=width,
         reason=reason,
         bound=bound,
         ceiling=ceiling,
@@ -256,14 +259,13 @@ def _oom_terms(
     parent_pid: int | None,
     error: str,
 ) -> dict[str, JsonValue]:
-    """An out-of-memory record's terms."""
+    """An out-of-memory record's terms: the card's reading split by whose bytes they are
+    (the pool's own never a co-tenant's), and each task running there with its booking."""
     run = facts.run
-    rows = reading.process_bytes if reading is not None else None
-    pool_bytes = None
-    if rows is not None and card is not None:
-        # The pool's workers on the card, idle ones included (their contexts are ours).
-        pids = card.worker_pids | {r.pid for r in card.runs.values()} | {run.pid}
-        pool_bytes = sum(rows.get(p or -1, 0) for p in pids)
+    split = None
+    if reading is not None and card is not None:
+        extra = frozenset({run.pid}) if run.pid is not None else frozenset()
+        split = split_reading(card, reading, parent_pid, extra_pids=extra)
     return {
         "task_ask_bytes": run.ask_bytes,
         "task_booked_bytes": run.booked_at_start_bytes,
@@ -273,17 +275,20 @@ def _oom_terms(
         "requested_bytes": report.oom_requested_bytes,
         "live_free_bytes": reading.free_bytes if reading else None,
         "live_used_bytes": reading.used_bytes if reading else None,
-        "live_own_bytes": rows.get(parent_pid or -1, 0) if rows is not None else None,
-        "live_pool_bytes": pool_bytes,
+        "live_own_bytes": split.own_bytes if split else None,
+        "live_pool_bytes": split.pool_bytes if split else None,
+        "live_running_bytes": split.running_bytes if split else None,
+        "live_co_tenant_bytes": split.co_tenant_bytes if split else None,
         "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
         "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
         "other_pools_bytes": card.others_bytes if card else None,
         "other_pools_held_bytes": card.others_held_bytes if card else None,
         "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
         "other_pools_tasks": card.others_tasks if card else None,
-        # What the card's runs were booked at when it ran out (not re-priced at an ask
-        # the out-of-memory raised).
+        # What the card's runs were booked at when each started (not re-priced at an ask
+        # the out-of-memory raised), and each of them.
         "booked_bytes": facts.booked_bytes,
+        "runs": _runs_table(run, card, reading),
         "running": facts.running_then,
         "tries": facts.tries,
         "retry": isinstance(outcome, Retry),
@@ -291,3 +296,25 @@ def _oom_terms(
         "oom_cap": card.oom_cap if card else None,
         "error": error[:500],
     }
+
+
+def _runs_table(failed: Run, card: Card | None, reading: CardReading | None) -> JsonTable:
+    """Each task running on the card when ``failed`` ran out, ``failed`` first: its key, its
+    ask and booking when it started, its booking now, and its row in the reading."""
+    rows = reading.process_bytes if reading is not None else None
+    runs = [failed, *(card.runs.values() if card is not None else ())]
+    return [
+        {
+            "key": run.key,
+            "pid": run.pid,
+            "failed": run is failed,
+            "started_s": round(run.started_s, 6),
+            "ask_bytes": run.ask_bytes,
+            "booked_bytes": run.booked_at_start_bytes,
+            "booked_now_bytes": run.booked_bytes,
+            "held_bytes": rows.get(run.pid, 0)
+            if rows is not None and run.pid is not None
+            else None,
+        }
+        for run in runs
+    ]

@@ -82,7 +82,12 @@ class Card:
     # Since when the live readings have shown the room the cap was set for back.
     cap_clear_since_s: float | None = None
     reading: CardReading | None = None
+    reading_s: float = 0.0
     reading_error: str | None = None
+    # The last reading the log sampled (a ``card_read`` record), when, and its used bytes.
+    sampled_reading: CardReading | None = None
+    sampled_s: float | None = None
+    sampled_used_bytes: int | None = None
     gate_shut_since_s: float | None = None
     gate_recorded_s: float | None = None
     gate_episodes: int = 0

@@ -88,11 +88,15 @@ class CardReading:
         used_bytes: allocated now.
         process_bytes: device bytes per PID from the same snapshot, or ``None``
             where the driver lists no rows (containers, MIG).
+        pool_pids: the PIDs among ``process_bytes`` that are the pool's workers
+            or processes their tasks started (their bytes are the pool's, never
+            a co-tenant's).
     """
 
     free_bytes: int
     used_bytes: int
     process_bytes: Mapping[int, int] | None = None
+    pool_pids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,7 +167,7 @@ class Retry:
     reason: str
 
 
-FailKind = Literal["out_of_memory", "retries_exhausted", "room_wait_expired"]
+FailKind = Literal["out_of_memory", "retries_exhausted", "room_wait_expired", "larger_than_card"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,179 @@
+"""Whose bytes a live reading shows, and the ``card_read`` samples the decision log keeps of it.
+
+One computation, :func:`split_reading`, says which of a card's used bytes
+are this pool's (its parent's row, its workers' rows and those of processes
+their tasks started, idle workers' contexts included), which are other gpupool
+pools' and which are everything else's (the co-tenants). The out-of-memory
+record, the cap lift and the samples all state its figures, so no byte of
+the pool's own is ever named a co-tenant's.
+
+A sample is written for a card:
+
+* with every decision record of that card, when the card was read since the
+  last sample (a decision states the reading it was made on);
+* while the pool's tasks run there or the reading moves, at most once every
+  :data:`SAMPLE_INTERVAL_S`;
+* at once (but no sooner than :data:`SAMPLE_MIN_GAP_S` after the last) when
+  the card's used bytes jump by :data:`SAMPLE_JUMP_FRACTION` of its total.
+
+So the log grows with time and decisions, never with the tasks run: between
+decisions, a card costs at most ``1 / SAMPLE_MIN_GAP_S`` samples a second
+while it jumps, and ``1 / SAMPLE_INTERVAL_S`` otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from gpupool._core.events import Decision, JsonTable, JsonValue
+from gpupool._core.planner.state import Card
+from gpupool._core.planner.verdicts import CardReading
+from gpupool._core.units import MiB, format_size
+
+__all__ = [
+    "SAMPLE_INTERVAL_S",
+    "SAMPLE_JUMP_FRACTION",
+    "SAMPLE_MIN_GAP_S",
+    "SAMPLE_STEP_BYTES",
+    "ReadingSplit",
+    "card_read",
+    "sample_due",
+    "split_reading",
+]
+
+#: The steady rate of a card's samples while tasks run there, or its reading moves.
+SAMPLE_INTERVAL_S = 1.0
+#: The least time between two samples of a card, however fast it moves.
+SAMPLE_MIN_GAP_S = 0.2
+#: A jump of the card's used bytes by this fraction of its total is sampled at once.
+SAMPLE_JUMP_FRACTION = 1 / 20
+#: Less movement than this is not movement (an idle card is not sampled for it).
+SAMPLE_STEP_BYTES = 64 * MiB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadingSplit:
+    """A card's used bytes split by whose they are (``None``: the reading lists no rows).
+
+    Attributes:
+        used_bytes: the card's used bytes.
+        own_bytes: the parent's row (0 where the rows list none for it).
+        pool_bytes: the pool's workers and the processes their tasks started.
+        running_bytes: the part of ``pool_bytes`` in the workers running a task.
+        other_pools_bytes: what the host's other gpupool pools' tasks held.
+        co_tenant_bytes: everything else (``used`` less all of the above).
+    """
+
+    used_bytes: int
+    own_bytes: int | None
+    pool_bytes: int | None
+    running_bytes: int | None
+    other_pools_bytes: int
+    co_tenant_bytes: int | None
+
+    def terms(self) -> dict[str, JsonValue]:
+        """The split as a record's terms."""
+        return {
+            "live_used_bytes": self.used_bytes,
+            "live_own_bytes": self.own_bytes,
+            "live_pool_bytes": self.pool_bytes,
+            "live_running_bytes": self.running_bytes,
+            "live_other_pools_bytes": self.other_pools_bytes,
+            "live_co_tenant_bytes": self.co_tenant_bytes,
+        }
+
+
+def split_reading(
+    card: Card,
+    reading: CardReading,
+    parent_pid: int | None,
+    *,
+    extra_pids: frozenset[int] = frozenset(),
+) -> ReadingSplit:
+    """Whose bytes ``reading`` shows on ``card``. ``extra_pids`` are more of the pool's
+    processes (a task that just ended, whose row may still be listed)."""
+    rows = reading.process_bytes
+    others = card.others_held_bytes
+    if rows is None:
+        return ReadingSplit(
+            used_bytes=reading.used_bytes,
+            own_bytes=None,
+            pool_bytes=None,
+            running_bytes=None,
+            other_pools_bytes=others,
+            co_tenant_bytes=None,
+        )
+    running = {run.pid for run in card.runs.values() if run.pid is not None}
+    pool = (reading.pool_pids | card.worker_pids | running | extra_pids) - {parent_pid}
+    own = rows.get(parent_pid, 0) if parent_pid is not None else 0
+    pool_bytes = sum(rows.get(pid, 0) for pid in pool)
+    return ReadingSplit(
+        used_bytes=reading.used_bytes,
+        own_bytes=own,
+        pool_bytes=pool_bytes,
+        running_bytes=sum(rows.get(pid, 0) for pid in running),
+        other_pools_bytes=others,
+        co_tenant_bytes=max(0, reading.used_bytes - own - pool_bytes - others),
+    )
+
+
+def sample_due(card: Card, now_s: float, *, decision: bool) -> bool:
+    """Whether ``card``'s reading is to be sampled now (the rules of the module docstring)."""
+    reading = card.reading
+    if reading is None or reading is card.sampled_reading:
+        return False
+    if decision or card.sampled_s is None or card.sampled_used_bytes is None:
+        return True
+    gap_s = now_s - card.sampled_s
+    moved = abs(reading.used_bytes - card.sampled_used_bytes)
+    total = card.census.total_bytes or 0
+    if gap_s >= SAMPLE_MIN_GAP_S and moved >= max(SAMPLE_STEP_BYTES, total * SAMPLE_JUMP_FRACTION):
+        return True
+    return gap_s >= SAMPLE_INTERVAL_S and (bool(card.runs) or moved >= SAMPLE_STEP_BYTES)
+
+
+def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) -> Decision:
+    """A ``card_read`` sample: the split, what the pool booked there, and by key.
+
+    ``booked_bytes`` is what each running task was booked at when it started (the
+    price it was admitted at); ``priced_now_bytes`` is what the fit counts them at
+    now (more, where an out-of-memory or a measurement raised their key's price
+    since). ``read_s`` is when the card was read (``time_s`` is when the sample
+    was taken: with a decision, the reading it was made on).
+    """
+    by_key: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for run in card.runs.values():
+        by_key[run.key][0] += 1
+        by_key[run.key][1] += run.booked_at_start_bytes
+    keys: JsonTable = [
+        {"key": key, "running": running, "booked_bytes": booked}
+        for key, (running, booked) in sorted(by_key.items())
+    ]
+    booked = sum(run.booked_at_start_bytes for run in card.runs.values())
+    reason = (
+        f"card {card.index}: {format_size(split.used_bytes)} used (this process "
+        f"{format_size(split.own_bytes)}, the pool's workers {format_size(split.pool_bytes)}, "
+        f"other pools {format_size(split.other_pools_bytes)}, co-tenants "
+        f"{format_size(split.co_tenant_bytes)}); {len(card.runs)} running, booked "
+        f"{format_size(booked)}"
+    )
+    return Decision(
+        event="card_read",
+        time_s=now_s,
+        device=card.index,
+        width_before=card.width,
+        width_after=card.width,
+        reason=reason,
+        extra=split.terms()
+        | {
+            "live_free_bytes": free_bytes,
+            "total_bytes": card.census.total_bytes,
+            "read_s": round(card.reading_s, 6),
+            "running": len(card.runs),
+            "booked_bytes": booked,
+            "priced_now_bytes": card.booked_bytes,
+            "oom_cap": card.oom_cap,
+            "keys": keys,
+        },
+    )
