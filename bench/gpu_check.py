@@ -41,9 +41,10 @@ Steps (each check is named in the output; ``report`` checks never fail):
    source must be a measurement (not ``none``, not an allowance or estimate);
    the freed tasks must have given their memory back (else the check has no
    teeth); each worker's row must be there on a bare-metal card.
-5. **ooms**: a task per framework larger than the card, beside a companion,
-   is classified as a device out-of-memory, counted, retried, and reaches
-   its future as one.
+5. **ooms**: per framework, a task that asks for 55 % of the free bytes
+   beside a companion holding as much runs out, is counted, and is retried
+   alone, where it succeeds; a task larger than the card is counted and
+   reaches its future as a device out-of-memory.
 6. **co-tenant**: a process holds enough that the oracle width
    ``floor((free - reserve) / true peak)`` (free read with the co-tenant
    there, so driver-reserved bytes are never room) is below ``max_workers``;
@@ -360,42 +361,59 @@ def subprocess_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, A
     return _figures(held, nbytes, ok=True, row_bytes=_own_row_bytes(), child=child)
 
 
-def oom_task(framework: str, nbytes: int, marker: str) -> None:
-    """Allocate ``nbytes`` (more than the card) with ``framework``; it raises out-of-memory.
+def _wait_for(path: str, limit_s: float) -> None:
+    end = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
 
-    The framework is imported and its context made first; then ``marker`` is written, so
-    the companion is known to run while this task runs out.
-    """
-    if os.environ.get(SIMULATOR_ENV):
-        Path(marker).touch()
-        _simulated_task(nbytes, 0.0)
+
+def oom_task(framework: str, nbytes: int, held: str | None, tried: str | None) -> dict[str, Any]:
+    """Allocate ``nbytes`` with ``framework``: after its context, once the companion ``held``
+    its bytes, saying it ``tried`` (a marker file each; ``None``: no companion)."""
+    simulated = bool(os.environ.get(SIMULATOR_ENV))
+    if simulated:
+        run_it: Callable[[], dict[str, Any]] = lambda: _simulated_task(nbytes, 0.0)  # noqa: E731
     elif framework == "torch":
         import torch
 
         torch.zeros(1, device="cuda")
-        Path(marker).touch()
-        torch_task(nbytes, "spike", 0.0)
+        run_it = lambda: torch_task(nbytes, "spike", 0.0)  # noqa: E731
     elif framework == "cupy":
         import cupy
 
         cupy.zeros(1)
-        Path(marker).touch()
-        cupy_spike_task(nbytes, 0.0)
+        run_it = lambda: cupy_spike_task(nbytes, 0.0)  # noqa: E731
     else:
         import jax
 
         if jax.default_backend() != "gpu":  # never a host allocation of this size
             raise RuntimeError(f"JAX runs on {jax.default_backend()!r}, not the GPU")
-        Path(marker).touch()
-        jax_task(nbytes, 0.0)
+        run_it = lambda: jax_task(nbytes, 0.0)  # noqa: E731
+    if held is not None and tried is not None:
+        _wait_for(held, WAIT_S / 2)
+        Path(tried).touch()
+    return run_it()
 
 
-def companion(marker: str, after_s: float, limit_s: float) -> int:
-    """Run until the out-of-memory task has started (``marker``) and ``after_s`` more."""
-    end = time.monotonic() + limit_s
-    while not os.path.exists(marker) and time.monotonic() < end:
-        time.sleep(0.05)
+def companion(nbytes: int, held: str, tried: str, after_s: float) -> int:
+    """Hold ``nbytes`` (torch, or the simulated card) until the other task ``tried``, and
+    ``after_s`` more; ``held`` says it holds them."""
+    if os.environ.get(SIMULATOR_ENV):
+        import gpupool.testing as gt
+
+        holding: Any = gt.hold(nbytes)
+        holding.__enter__()
+    else:
+        import torch
+
+        holding = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+        torch.cuda.synchronize()
+    Path(held).touch()
+    _wait_for(tried, WAIT_S / 2)
     time.sleep(after_s)
+    if os.environ.get(SIMULATOR_ENV):
+        holding.__exit__(None, None, None)
+    del holding
     return os.getpid()
 
 
@@ -852,28 +870,57 @@ def step_peaks(
 # -- step 5: out-of-memory --------------------------------------------------------------------
 
 
+def _oom_pair(run: Run, ex: Any, framework: str, markers: Path) -> list[dict[str, Any]]:
+    """Beside a companion that holds 55 % of the free bytes, a task asks for as much: it runs
+    out, is counted, and is retried alone, where it fits."""
+    share = int(0.55 * run.card()["free"])
+    held, tried = str(markers / f"{framework}-held"), str(markers / f"{framework}-tried")
+    ex.options(key="oom-companion", task_peak=share + GiB).submit(
+        companion, share, held, tried, 1.0
+    )
+    doomed = ex.options(key=f"oom-beside-{framework}", task_peak="1GiB").submit(
+        oom_task, framework, share, held, tried
+    )
+    error = doomed.exception(timeout=run.deadline.timeout())
+    stats = ex.statistics()
+    said = f"{type(error).__name__}: {error!s:.200}" if error else "it succeeded"
+    return [
+        check(
+            f"{framework}.beside.counted", stats.out_of_memory >= 1, f"{stats.out_of_memory} oom"
+        ),
+        check(
+            f"{framework}.beside.retried",
+            stats.retries >= 1 and error is None,
+            f"{stats.retries} retries; on its retry alone {said}",
+        ),
+    ]
+
+
 def step_ooms(run: Run) -> None:
     from gpupool._probe import is_device_oom
 
-    huge = int(run.total_bytes * 1.5)
     markers = Path(tempfile.mkdtemp(prefix="gpu-check-oom-"))
     for framework in ("torch", "cupy", "jax"):
         if not _have(run, framework):
             run.add("ooms", [check(framework, True, "not installed: not checked", report=True)])
             continue
         checks: list[dict[str, Any]] = []
-        with pool(run, checks, max_workers=2, task_peak="1GiB", env=JAX_ENV) as ex:
-            marker = str(markers / framework)
-            beside = ex.submit(companion, marker, 1.0, WAIT_S / 2)
-            doomed = ex.options(key=f"oom-{framework}").submit(oom_task, framework, huge, marker)
-            error = doomed.exception(timeout=run.deadline.timeout())
-            beside.result(timeout=run.deadline.timeout())
-            stats = ex.statistics()
+        with pool(run, checks, max_workers=2, env=JAX_ENV) as ex:
+            checks += _oom_pair(run, ex, framework, markers)
+            before = ex.statistics().out_of_memory
+            larger = ex.options(key=f"oom-larger-{framework}", task_peak="1GiB").submit(
+                oom_task, framework, int(run.total_bytes * 1.5), None, None
+            )
+            error = larger.exception(timeout=run.deadline.timeout())
+            counted = ex.statistics().out_of_memory - before
         said = f"{type(error).__name__}: {error!s:.200}" if error else "no error"
         checks += [
-            check(f"{framework}.classified", error is not None and is_device_oom(error), said),
-            check(f"{framework}.counted", stats.out_of_memory >= 1, f"{stats.out_of_memory} oom"),
-            check(f"{framework}.retried", stats.retries >= 1, f"{stats.retries} retries"),
+            check(
+                f"{framework}.larger.classified",
+                error is not None and is_device_oom(error),
+                f"a task larger than the card: {said}",
+            ),
+            check(f"{framework}.larger.counted", counted >= 1, f"{counted} oom"),
         ]
         run.add("ooms", checks)
     shutil.rmtree(markers, ignore_errors=True)
