@@ -423,3 +423,34 @@ def test_cap_allocator_must_be_a_bool():
     with SimulatedHost([SimulatedDevice("16GiB")]):
         with pytest.raises(ConfigurationError, match=r"^cap_allocator='yes': pass True or False"):
             GpuPoolExecutor(cap_allocator="yes")
+
+
+# -- out-of-memory texts whose type was lost -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "requested"),
+    [
+        ("CUDA driver error: out of memory", None),
+        ("INTERNAL: Failed to allocate 1073741824 bytes for new constant", GiB),
+        (
+            "cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 1,073,741,824 bytes "
+            "(allocated so far: 2,147,483,648 bytes).",
+            GiB,
+        ),
+        ("Out of memory allocating 512 bytes (allocated so far: 0 bytes).", 512),
+    ],
+    ids=["torch-driver", "xla-constant", "cupy-text", "cupy-bare"],
+)
+def test_oom_texts_are_recognised_with_their_size(message, requested):
+    """torch's driver OOM, XLA's constant allocation and CuPy's text are device OOMs by their
+    words alone (a plain RuntimeError), with the failed allocation's size where they give it."""
+    exc = RuntimeError(message)
+    assert is_device_oom(exc)
+    assert requested_bytes_of(exc) == requested
+
+
+def test_cupy_requested_bytes_are_not_the_allocated_so_far():
+    """CuPy's "allocated so far: M bytes" is not the failed allocation's size."""
+    exc = RuntimeError("Out of memory allocating 2,048 bytes (allocated so far: 4,096 bytes).")
+    assert requested_bytes_of(exc) == 2048

@@ -84,7 +84,7 @@ _MAX_CHAIN = 64
 
 # Messages of device out-of-memory errors, by library.
 _OOM_PATTERNS = re.compile(
-    r"CUDA out of memory|CUDA error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
+    r"CUDA out of memory|CUDA (?:driver )?error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
     # torch before 1.0: "cuda runtime error (2) : out of memory"
     r"|cuda runtime error \(2\)\s*:\s*out of memory"
     # cuBLAS, cuDNN, cuSOLVER, cuSPARSE: CUBLAS_STATUS_ALLOC_FAILED and kin
@@ -94,6 +94,11 @@ _OOM_PATTERNS = re.compile(
     # "RESOURCE_EXHAUSTED: Error allocating device buffer", "Resource exhausted:
     # Failed to allocate request for 32.00MiB"; a quota's RESOURCE_EXHAUSTED is not one.
     r"|resource[_ ]exhausted\b[^\n]{0,300}?(?:out of memory|allocat)"
+    # XLA placing a constant: "INTERNAL: Failed to allocate 1073741824 bytes for new constant"
+    r"|failed to allocate [0-9,]+ bytes for new constant"
+    # CuPy's OutOfMemoryError, by its words where its type was lost:
+    # "Out of memory allocating 1,024 bytes (allocated so far: 0 bytes)."
+    r"|out of memory allocating [0-9,]+ bytes"
     # TensorFlow's ResourceExhaustedError
     r"|OOM when allocating"
     # NCCL: "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'"
@@ -162,10 +167,12 @@ def device_oom_of(exc: BaseException) -> BaseException | None:
 def is_device_oom(exc: BaseException) -> bool:
     """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error.
 
-    Recognised: torch's ``OutOfMemoryError`` and its messages (old torch's
-    ``cuda runtime error (2)`` too), CuPy's ``OutOfMemoryError`` and
-    ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
-    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures, TensorFlow's
+    Recognised: torch's ``OutOfMemoryError`` and its messages (``CUDA driver
+    error: out of memory``, old torch's ``cuda runtime error (2)`` too), CuPy's
+    ``OutOfMemoryError`` by its type or its text (``Out of memory allocating N
+    bytes``) and ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
+    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures and XLA's
+    ``Failed to allocate N bytes for new constant``, TensorFlow's
     ``OOM when allocating``, ``CUBLAS/CUDNN/CUSOLVER/CUSPARSE_STATUS_ALLOC_FAILED``,
     NCCL's ``Cuda failure 'out of memory'``, ``cuda.core``'s
     ``CUDAOutOfMemoryError`` and the simulator's. A host :class:`MemoryError`
