@@ -113,6 +113,14 @@ class StandinCuda:
     def memory_reserved(self) -> int:
         return self.reserved_bytes
 
+    def memory_stats(self) -> dict[str, int]:
+        """torch's statistics dict, the two keys of it the probe reads among others."""
+        return {
+            "reserved_bytes.all.current": self.reserved_bytes,
+            "reserved_bytes.all.peak": self.peak_reserved_bytes,
+            "allocated_bytes.all.current": self.allocated_bytes,
+        }
+
     def reset_peak_memory_stats(self) -> None:
         """As torch's: through ``torch._C._cuda_resetPeakMemoryStats``, looked up at each call."""
         self.calls.append("reset_peak_memory_stats")

@@ -72,6 +72,13 @@ def _torch() -> tuple[int, int] | None:
     if cuda is None:
         return None
     try:
+        # One call builds torch's whole statistics dict; memory_reserved() and
+        # max_memory_reserved() would each build it again.
+        stats = cuda.memory_stats()
+        return int(stats["reserved_bytes.all.current"]), int(stats["reserved_bytes.all.peak"])
+    except Exception:
+        pass
+    try:
         return int(cuda.memory_reserved()), int(cuda.max_memory_reserved())
     except Exception:
         return None
