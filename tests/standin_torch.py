@@ -12,6 +12,7 @@ count ``contexts_created``.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -35,6 +36,8 @@ class StandinCuda:
         self.reserved_bytes = 0
         self.peak_reserved_bytes = 0
         self.on_change: Callable[[StandinCuda], None] | None = None
+        # torch._C: the extension's functions that torch.cuda's Python calls go through.
+        self.c_module = types.SimpleNamespace(_cuda_resetPeakMemoryStats=self._reset_peaks)
 
     # -- initialisation --
 
@@ -110,8 +113,20 @@ class StandinCuda:
     def memory_reserved(self) -> int:
         return self.reserved_bytes
 
+    def memory_stats(self) -> dict[str, int]:
+        """torch's statistics dict, the two keys of it the probe reads among others."""
+        return {
+            "reserved_bytes.all.current": self.reserved_bytes,
+            "reserved_bytes.all.peak": self.peak_reserved_bytes,
+            "allocated_bytes.all.current": self.allocated_bytes,
+        }
+
     def reset_peak_memory_stats(self) -> None:
+        """As torch's: through ``torch._C._cuda_resetPeakMemoryStats``, looked up at each call."""
         self.calls.append("reset_peak_memory_stats")
+        self.c_module._cuda_resetPeakMemoryStats(0)
+
+    def _reset_peaks(self, device: int = 0) -> None:
         self.peak_reserved_bytes = self.reserved_bytes  # c10: peak = current
 
     def empty_cache(self) -> None:
@@ -145,34 +160,53 @@ def make_torch(**kwargs: Any) -> types.ModuleType:
     """A stand-in ``torch`` module with a :class:`StandinCuda` as ``torch.cuda``."""
     torch = types.ModuleType("torch")
     torch.cuda = StandinCuda(**kwargs)  # type: ignore[attr-defined]
+    torch._C = torch.cuda.c_module  # type: ignore[attr-defined]
     torch.OutOfMemoryError = StandinOutOfMemoryError  # type: ignore[attr-defined]
     return torch
 
 
-class StandinPool:
-    """A CuPy memory pool that counts ``free_all_blocks`` calls."""
-
-    def __init__(self) -> None:
-        self.freed = 0
-
-    def free_all_blocks(self) -> None:
-        self.freed += 1
-
-
 def make_cupy() -> types.ModuleType:
-    cupy = types.ModuleType("cupy")
-    device_pool, pinned_pool = StandinPool(), StandinPool()
-    cupy.get_default_memory_pool = lambda: device_pool  # type: ignore[attr-defined]
-    cupy.get_default_pinned_memory_pool = lambda: pinned_pool  # type: ignore[attr-defined]
-    return cupy
+    """A stand-in ``cupy`` (:mod:`standin_cupy`)."""
+    import standin_cupy
+
+    return standin_cupy.make_cupy()
+
+
+def mirror_to_simulator(cuda: StandinCuda, device: int = 0) -> None:
+    """Charge the stand-in's reserved bytes to this process on a simulated host's card.
+
+    The simulator then charges the process its context at the first allocation,
+    as a driver does, and lists a row of context plus reserved bytes.
+    """
+    from gpupool._sensors.select import SIMULATOR_ENV
+    from gpupool._sensors.simulated import ledger_at
+
+    ledger = ledger_at(os.environ[SIMULATOR_ENV])
+    charged = [0]
+
+    def change(now: StandinCuda) -> None:
+        delta = now.reserved_bytes - charged[0]
+        if delta > 0:
+            refusal = ledger.allocate(device, os.getpid(), delta)
+            if refusal is not None:
+                raise StandinOutOfMemoryError(f"CUDA out of memory. Tried to allocate {delta} B")
+        elif delta < 0:
+            ledger.release(device, os.getpid(), -delta)
+        charged[0] = now.reserved_bytes
+
+    cuda.on_change = change
 
 
 # -- for pool tests: installed in a worker by the initializer, used by the task ------------
 
 
-def install_in_worker(total_bytes: int) -> None:
-    """Initializer: this worker's ``import torch`` finds the stand-in."""
-    sys.modules["torch"] = make_torch(total_bytes=total_bytes)
+def install_in_worker(total_bytes: int, mirror: bool = False) -> None:
+    """Initializer: this worker's ``import torch`` finds the stand-in (its reserved bytes
+    charged on the simulated card with ``mirror``)."""
+    torch = make_torch(total_bytes=total_bytes)
+    if mirror:
+        mirror_to_simulator(torch.cuda)
+    sys.modules["torch"] = torch
 
 
 def capped_task(nbytes: int) -> dict[str, Any]:

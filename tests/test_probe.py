@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import standin_cupy
+import standin_jax
 import standin_torch
 
 sys.path.insert(0, str(Path(__file__).parent / "sensors"))
@@ -16,7 +18,7 @@ from fake_pynvml import FakePynvml, h100
 from gpupool import GpuPoolExecutor
 from gpupool._core.units import GiB, MiB
 from gpupool._probe import (
-    CONTEXT_ALLOWANCE_BYTES,
+    CONTEXT_ESTIMATE_BYTES,
     Probe,
     allocator_cap_message,
     allocator_cap_state,
@@ -210,17 +212,31 @@ def test_requested_bytes_of_xla_and_cupy_messages():
 # -- items 1, 2, 3: peaks that never under-report -------------------------------------------
 
 
-def _nvml_probe(monkeypatch, card, torch_module=None):
-    """A probe over NvmlSensor on a fake pynvml card, with an optional stand-in torch."""
+def _nvml_probe(monkeypatch, card, torch_module=None, *, cupy_module=None, jax_module=None):
+    """A probe over NvmlSensor on a fake pynvml card, with optional stand-in frameworks."""
     monkeypatch.setitem(sys.modules, "pynvml", FakePynvml([card]))
-    if torch_module is not None:
-        monkeypatch.setitem(sys.modules, "torch", torch_module)
-    else:
-        monkeypatch.delitem(sys.modules, "torch", raising=False)
-    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    for name, module in (("torch", torch_module), ("cupy", cupy_module)):
+        if module is not None:
+            monkeypatch.setitem(sys.modules, name, module)
+        else:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+    for name in ("jax", "jax._src", "jax._src.xla_bridge"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    if jax_module is not None:
+        standin_jax.install(_Setter(monkeypatch), jax_module)
     sensor = NvmlSensor()
     info = sensor.read_devices()[0]
     return Probe(sensor, info, 0, os.getpid())
+
+
+class _Setter:
+    """``sys.modules[name] = module`` through monkeypatch, so the test undoes it."""
+
+    def __init__(self, monkeypatch):
+        self._monkeypatch = monkeypatch
+
+    def __setitem__(self, name, module):
+        self._monkeypatch.setitem(sys.modules, name, module)
 
 
 def test_first_task_spike_counts_the_context_it_created(monkeypatch):
@@ -242,17 +258,20 @@ def test_first_task_spike_counts_the_context_it_created(monkeypatch):
     report = probe.stop()
     assert report.device_peak_bytes == 8 * GiB + context
     assert report.device_source == "torch+context"
+    assert (report.context_bytes, report.context_source) == (context, "process-row")
 
 
-def test_hidden_rows_fall_back_to_the_context_allowance(monkeypatch):
-    """Where the driver lists no rows (MIG, containers), torch's peak gets the context allowance."""
+def test_hidden_rows_price_an_estimated_context_and_say_so(monkeypatch):
+    """Where the driver lists no rows (MIG, containers), torch's peak gets the context estimate,
+    and the report says the context was estimated, with the figure."""
     torch = standin_torch.make_torch(total_bytes=80 * GiB)
     probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), torch)
     probe.start()
     torch.cuda.allocate(8 * GiB)
     report = probe.stop()
-    assert report.device_peak_bytes == 8 * GiB + CONTEXT_ALLOWANCE_BYTES
-    assert report.device_source == "torch+context-allowance"
+    assert report.device_peak_bytes == 8 * GiB + CONTEXT_ESTIMATE_BYTES
+    assert report.device_source == "torch+context-estimated"
+    assert (report.context_bytes, report.context_source) == (CONTEXT_ESTIMATE_BYTES, "estimated")
 
 
 def test_a_zero_reading_is_not_a_measured_peak(monkeypatch):
@@ -265,14 +284,15 @@ def test_a_zero_reading_is_not_a_measured_peak(monkeypatch):
     assert report.baseline_bytes is None
 
 
-def test_zero_readings_with_torch_use_the_allowance(monkeypatch):
-    """With 0-byte rows and torch in use, the peak is torch's plus the allowance, never 0."""
+def test_zero_readings_with_torch_use_the_estimate(monkeypatch):
+    """With 0-byte rows and torch in use, the peak is torch's plus the estimate, never 0."""
     torch = standin_torch.make_torch(total_bytes=80 * GiB)
     probe = _nvml_probe(monkeypatch, h100(0, compute=[(os.getpid(), 0)]), torch)
     probe.start()
     torch.cuda.allocate(GiB)
     report = probe.stop()
-    assert report.device_peak_bytes == GiB + CONTEXT_ALLOWANCE_BYTES
+    assert report.device_peak_bytes == GiB + CONTEXT_ESTIMATE_BYTES
+    assert report.context_source == "estimated"
 
 
 def test_a_small_task_after_a_large_one_reports_its_own_peak(monkeypatch):
@@ -343,7 +363,8 @@ def fresh_cap(monkeypatch):
 
 
 def test_cap_is_set_at_cuda_initialisation_and_creates_no_context(monkeypatch, fresh_cap):
-    """ask/total is set inside torch's lazy initialisation, never before, creating no context."""
+    """(ask - context)/total is set inside torch's lazy initialisation, never before, creating
+    no context (the context not measured yet: its estimate)."""
     torch = standin_torch.make_torch(total_bytes=16 * GiB)
     monkeypatch.setitem(sys.modules, "torch", torch)
     apply_allocator_cap(4 * GiB)
@@ -351,7 +372,7 @@ def test_cap_is_set_at_cuda_initialisation_and_creates_no_context(monkeypatch, f
     assert torch.cuda.contexts_created == 0
     assert not torch.cuda.is_initialized()
     torch.cuda._lazy_init()  # the task's first CUDA call
-    assert torch.cuda.fractions == [(0.25, 0, "initializing")]
+    assert torch.cuda.fractions == [_fraction(4 * GiB, 16 * GiB, "initializing")]
     assert torch.cuda.contexts_created == 0
     assert allocator_cap_state()["error"] is None
 
@@ -365,7 +386,8 @@ def test_cap_is_reset_when_the_ask_changes(monkeypatch, fresh_cap):
     apply_allocator_cap(8 * GiB)
     apply_allocator_cap(8 * GiB)
     apply_allocator_cap(32 * GiB)  # more than the card: capped at the whole card
-    assert [f for f, _, _ in torch.cuda.fractions] == [0.25, 0.5, 1.0]
+    expected = [(ask - CONTEXT_ESTIMATE_BYTES) / (16 * GiB) for ask in (4 * GiB, 8 * GiB)]
+    assert [f for f, _, _ in torch.cuda.fractions] == [*expected, 1.0]
 
 
 def test_cap_waits_for_torch_to_be_imported(monkeypatch, fresh_cap):
@@ -376,7 +398,7 @@ def test_cap_waits_for_torch_to_be_imported(monkeypatch, fresh_cap):
     monkeypatch.setitem(sys.modules, "torch", torch)  # the task's module imported torch
     Probe(None, None, None, os.getpid()).start()
     torch.cuda._lazy_init()
-    assert torch.cuda.fractions == [(0.125, 0, "initializing")]
+    assert torch.cuda.fractions == [_fraction(2 * GiB, 16 * GiB, "initializing")]
 
 
 def test_cap_messages_round_trip_and_are_not_tasks():
@@ -388,32 +410,41 @@ def test_cap_messages_round_trip_and_are_not_tasks():
     assert read_allocator_cap_message(b"gpupool-allocator-cap:12x") is None
 
 
-def test_pool_caps_each_worker_at_its_booked_ask(tmp_path):
-    """Through a real pool, a worker's torch allocator is capped at its task's ask / total,
-    and the decision log says the cap covers torch's allocator only."""
+def _fraction(ask_bytes, total_bytes, when, context_bytes=CONTEXT_ESTIMATE_BYTES):
+    return ((ask_bytes - context_bytes) / total_bytes, 0, when)
+
+
+def test_pool_caps_each_worker_at_its_booked_ask_less_its_context(tmp_path):
+    """Through a real pool, a worker's torch allocator is capped at its task's ask less its
+    context (estimated at the first task, measured from its row after), and the decision log
+    names the context a peak was priced with and says the cap binds torch's allocator only."""
     import json
 
     log = tmp_path / "log.jsonl"
-    with SimulatedHost([SimulatedDevice("16GiB")], context="0MiB"):
+    with SimulatedHost([SimulatedDevice("16GiB")], context="1GiB"):
         with GpuPoolExecutor(
             max_workers=1,
             task_peak="4GiB",
             cap_allocator=True,
             log_path=log,
             initializer=standin_torch.install_in_worker,
-            initargs=(16 * GiB,),
+            initargs=(16 * GiB, True),
         ) as ex:
             first = ex.submit(standin_torch.capped_task, GiB).result(timeout=60)
             overrun = ex.submit(standin_torch.capped_task, 6 * GiB).result(timeout=60)
     assert first["fractions_before"] == []  # nothing set before the task initialised CUDA
-    assert first["fractions"][0] == (0.25, 0, "initializing")
+    assert first["fractions"][0] == _fraction(4 * GiB, 16 * GiB, "initializing")
     assert first["outcome"] == "ok"
-    fraction = overrun["state"]["fraction"]
-    assert fraction is not None and fraction <= 0.25
+    state = overrun["state"]
+    assert (state["outside_bytes"], state["outside_source"]) == (GiB, "process-row")
+    assert state["fraction"] == (state["ask_bytes"] - GiB) / (16 * GiB)
     assert overrun["outcome"] == "oom-inside"  # the overrun failed inside its own process
     records = [json.loads(line) for line in log.read_text().splitlines()]
     notes = [r.get("allocator_cap") for r in records if r["event"] == "constructed"]
-    assert notes and all("torch's allocator only" in (note or "") for note in notes)
+    assert notes and all("binds torch's allocator only" in (note or "") for note in notes)
+    measured = [r for r in records if r.get("peak_source") == "simulator"]
+    assert measured and measured[0]["context_bytes"] == GiB
+    assert measured[0]["context_source"] == "process-row"
 
 
 def test_cap_allocator_must_be_a_bool():
@@ -423,3 +454,186 @@ def test_cap_allocator_must_be_a_bool():
     with SimulatedHost([SimulatedDevice("16GiB")]):
         with pytest.raises(ConfigurationError, match=r"^cap_allocator='yes': pass True or False"):
             GpuPoolExecutor(cap_allocator="yes")
+
+
+# -- out-of-memory texts whose type was lost -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "requested"),
+    [
+        ("CUDA driver error: out of memory", None),
+        ("INTERNAL: Failed to allocate 1073741824 bytes for new constant", GiB),
+        (
+            "cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 1,073,741,824 bytes "
+            "(allocated so far: 2,147,483,648 bytes).",
+            GiB,
+        ),
+        ("Out of memory allocating 512 bytes (allocated so far: 0 bytes).", 512),
+    ],
+    ids=["torch-driver", "xla-constant", "cupy-text", "cupy-bare"],
+)
+def test_oom_texts_are_recognised_with_their_size(message, requested):
+    """torch's driver OOM, XLA's constant allocation and CuPy's text are device OOMs by their
+    words alone (a plain RuntimeError), with the failed allocation's size where they give it."""
+    exc = RuntimeError(message)
+    assert is_device_oom(exc)
+    assert requested_bytes_of(exc) == requested
+
+
+def test_cupy_requested_bytes_are_not_the_allocated_so_far():
+    """CuPy's "allocated so far: M bytes" is not the failed allocation's size."""
+    exc = RuntimeError("Out of memory allocating 2,048 bytes (allocated so far: 4,096 bytes).")
+    assert requested_bytes_of(exc) == 2048
+
+
+# -- a measured context, every framework's counters -------------------------------------------
+
+
+def test_the_context_is_measured_from_the_process_row_on_the_simulator(monkeypatch):
+    """A 900 MiB context, more than any constant allowance, is measured from the process's own
+    row once CUDA is up (row less torch's reserved bytes), and the report names it."""
+    with SimulatedHost([SimulatedDevice("80GiB")], context="900MiB") as host:
+        torch = standin_torch.make_torch(total_bytes=80 * GiB)
+        standin_torch.mirror_to_simulator(torch.cuda)
+        monkeypatch.setitem(sys.modules, "torch", torch)
+        monkeypatch.delitem(sys.modules, "cupy", raising=False)
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        probe = Probe(host.sensor(), info, 0, os.getpid())
+        probe.start()
+        torch.cuda.allocate(2 * GiB)
+        report = probe.stop()
+    assert report.device_peak_bytes == 2 * GiB + 900 * MiB
+    assert (report.context_bytes, report.context_source) == (900 * MiB, "process-row")
+
+
+def test_a_task_that_resets_torchs_peak_still_reports_it(monkeypatch):
+    """torch.cuda.reset_peak_memory_stats() called by the task itself does not lose its peak."""
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), torch)
+    probe.start()
+    torch.cuda.allocate(8 * GiB)
+    torch.cuda.free(8 * GiB)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # the task's own, between two of its phases
+    torch.cuda.allocate(GiB)
+    report = probe.stop()
+    assert report.device_peak_bytes == 8 * GiB + CONTEXT_ESTIMATE_BYTES
+    second = probe.start(), probe.stop()  # the next task starts afresh
+    assert second[1].device_peak_bytes == GiB + CONTEXT_ESTIMATE_BYTES
+
+
+def test_cupy_pool_bytes_are_a_peak_source(monkeypatch):
+    """CuPy's pool (what it holds from the driver, cached blocks included) prices the peak
+    where no row does, and the source names CuPy."""
+    cupy = standin_cupy.make_cupy()
+    probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), cupy_module=cupy)
+    pool = cupy.get_default_memory_pool()
+    probe.start()
+    pool.malloc(3 * GiB)
+    pool.free(3 * GiB)  # cached in the pool until the probe releases it
+    report = probe.stop()
+    assert report.device_peak_bytes == 3 * GiB + CONTEXT_ESTIMATE_BYTES
+    assert report.device_source == "cupy+context-estimated"
+    assert pool.freed == 1 and pool.total == 0
+
+
+def test_jax_peak_counts_once_its_gpu_backend_is_up(monkeypatch):
+    """JAX's device peak (peak_bytes_in_use / peak_pool_bytes) prices the peak, named jax."""
+    jax = standin_jax.make_jax()
+    probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), jax_module=jax)
+    probe.start()
+    device = standin_jax.initialise(jax)  # the task's first JAX call
+    device.allocate(5 * GiB)
+    device.free(5 * GiB)
+    report = probe.stop()
+    assert report.device_peak_bytes == 5 * GiB + CONTEXT_ESTIMATE_BYTES
+    assert report.device_source == "jax+context-estimated"
+
+
+def test_jax_imported_without_a_backend_is_never_initialised(monkeypatch):
+    """With jax imported but no backend started, the probe asks JAX for nothing."""
+    jax = standin_jax.make_jax()
+    probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), jax_module=jax)
+    probe.start()
+    report = probe.stop()
+    assert jax.contexts_created == 0
+    assert jax.standin_device.stats_calls == 0
+    assert report.device_source == "none"
+
+
+def test_frameworks_used_together_are_summed(monkeypatch):
+    """torch and CuPy in one task: both allocators' peaks plus the context, both named."""
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    cupy = standin_cupy.make_cupy()
+    probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), torch, cupy_module=cupy)
+    probe.start()
+    torch.cuda.allocate(2 * GiB)
+    cupy.get_default_memory_pool().malloc(3 * GiB)
+    report = probe.stop()
+    assert report.device_peak_bytes == 5 * GiB + CONTEXT_ESTIMATE_BYTES
+    assert report.device_source == "torch+cupy+context-estimated"
+
+
+def test_cupy_held_bytes_are_not_taken_for_context(monkeypatch):
+    """With a row, what CuPy's pool holds is CuPy's, not context: context = row - every pool."""
+    pid = os.getpid()
+    card = h100(0)
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    cupy = standin_cupy.make_cupy()
+    pool = cupy.get_default_memory_pool()
+    context = 400 * MiB
+
+    def rows(_):
+        card.compute = [(pid, context + torch.cuda.reserved_bytes + pool.total)]
+
+    torch.cuda.on_change = rows
+    pool.on_change = rows
+    probe = _nvml_probe(monkeypatch, card, torch, cupy_module=cupy)
+    probe.start()
+    torch.cuda.allocate(GiB)
+    pool.malloc(2 * GiB)
+    report = probe.stop()
+    assert report.context_bytes == context
+    assert report.device_peak_bytes == 3 * GiB + context
+
+
+# -- the cap leaves room for what torch does not hold -----------------------------------------
+
+
+def test_cap_is_the_ask_less_what_the_process_holds_outside_torch(monkeypatch, fresh_cap):
+    """A 4 GiB ask caps torch at 4 GiB less the context: the estimate before one was measured,
+    the measured 1 GiB after, so torch plus the context never passes the booking."""
+    pid = os.getpid()
+    card = h100(0)
+    torch = standin_torch.make_torch(total_bytes=16 * GiB)
+    context = GiB
+
+    def rows(cuda):
+        card.compute = [(pid, context + cuda.reserved_bytes)]
+
+    torch.cuda.on_change = rows
+    probe = _nvml_probe(monkeypatch, card, torch)
+    apply_allocator_cap(4 * GiB)
+    probe.start()
+    torch.cuda.allocate(MiB)  # the task's first CUDA call: the cap is set at initialisation
+    probe.stop()
+    assert torch.cuda.fractions[0][0] == (4 * GiB - CONTEXT_ESTIMATE_BYTES) / (16 * GiB)
+    apply_allocator_cap(4 * GiB)  # the next task, with the same ask
+    assert torch.cuda.fractions[-1][0] == 3 * GiB / (16 * GiB)
+    state = allocator_cap_state()
+    assert (state["outside_bytes"], state["outside_source"]) == (GiB, "process-row")
+
+
+def test_cap_subtracts_the_other_frameworks_pools(monkeypatch, fresh_cap):
+    """What CuPy's pool holds when the cap is set is outside torch too: it is left out of it."""
+    torch = standin_torch.make_torch(total_bytes=16 * GiB)
+    cupy = standin_cupy.make_cupy()
+    cupy.get_default_memory_pool().malloc(GiB)  # a live CuPy array the task keeps
+    probe = _nvml_probe(monkeypatch, h100(0, processes_supported=False), torch, cupy_module=cupy)
+    torch.cuda.allocate(MiB)  # CUDA is up
+    apply_allocator_cap(4 * GiB)
+    probe.start()
+    probe.stop()
+    expected = (4 * GiB - GiB - CONTEXT_ESTIMATE_BYTES) / (16 * GiB)
+    assert torch.cuda.fractions[-1][0] == expected

@@ -10,10 +10,16 @@ Sources of the device peak; the report takes the largest that is trusted:
    stayed below an earlier one falls through to the next source);
 3. the sensor's per-process reading (NVML), sampled on a thread while the
    task runs, which includes the context and non-PyTorch allocations;
-4. torch's reserved peak plus the bytes this process holds outside torch's
-   allocator (its CUDA context, other libraries), when the task initialised
-   CUDA: ``torch+context`` where a per-process reading measured those bytes,
-   ``torch+context-allowance`` (:data:`CONTEXT_ALLOWANCE_BYTES`) where none did.
+4. the frameworks' own counters (:mod:`gpupool._frameworks`: torch's reserved
+   peak, CuPy's pool, JAX's device peak; each only where the task loaded it
+   and started its backend) plus what this process holds outside them (its
+   CUDA context, NCCL, cuBLAS workspaces, other libraries). That figure is
+   measured from this process's own device row, less what the frameworks
+   held at the same moment (``torch+context``, ``cupy+context``, ...), the
+   most such a worker was seen holding; where no row of this process was
+   ever read, it is :data:`CONTEXT_ESTIMATE_BYTES` and the source says so
+   (``torch+context-estimated``). The report carries the figure and its
+   basis (``context_bytes``, ``context_source``).
 
 A per-process reading of 0 bytes is not a measurement: a process the driver
 lists holds at least its context, and drivers 535.113 to 560 report 0 for
@@ -26,9 +32,11 @@ and CuPy's allocators back to the driver, so an idle worker holds its context
 and its live objects only.
 
 The optional allocator cap (:func:`apply_allocator_cap`) caps torch's caching
-allocator at the task's booked ask with
-``torch.cuda.set_per_process_memory_fraction``, set when torch initialises
-CUDA (torch's lazy-initialisation queue), never by creating a context itself.
+allocator at the task's booked ask less what the process holds outside
+torch's allocator (the figure above, and what CuPy's and JAX's pools hold),
+with ``torch.cuda.set_per_process_memory_fraction``, set when torch
+initialises CUDA (torch's lazy-initialisation queue), never by creating a
+context itself.
 """
 
 from __future__ import annotations
@@ -43,6 +51,13 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.peak import PeakReport
 from gpupool._core.units import MiB, parse_size
+from gpupool._frameworks import (
+    FRAMEWORKS,
+    FrameworkWindow,
+    guard_torch_resets,
+    initialised_torch_cuda,
+    read_held_bytes,
+)
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -53,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALLOCATOR_CAP_NOTE",
-    "CONTEXT_ALLOWANCE_BYTES",
+    "CONTEXT_ESTIMATE_BYTES",
     "Probe",
     "allocator_cap_message",
     "allocator_cap_state",
@@ -70,12 +85,13 @@ __all__ = [
 #: torch's own peak counters catch the shorter ones that torch allocates.
 SAMPLE_INTERVAL_S = 0.010
 
-#: What a CUDA context is taken to cost where no per-process reading of this
-#: process exists (containers, MIG, a driver reporting 0): a lazily loaded
-#: context measures 250-430 MiB, and its stack reservation alone is about
-#: 264 MiB on a 132-SM card; 512 MiB covers both. Used only to keep a
-#: ``torch+context-allowance`` peak from leaving the context out.
-CONTEXT_ALLOWANCE_BYTES = 512 * MiB
+#: What this process is taken to hold outside the frameworks' allocators (its
+#: CUDA context, mostly) where no device row of it can be read (containers,
+#: MIG, drivers that report 0): a context measures 300-600 MiB on H100/H200
+#: with CUDA's lazy module loading. It is an estimate, and every figure built
+#: on it says so (``context_source="estimated"``); eager module loading,
+#: NCCL communicators and workspaces outside torch's allocator can hold more.
+CONTEXT_ESTIMATE_BYTES = 640 * MiB
 
 #: How many exceptions of a ``__cause__`` / ``__context__`` / group chain are
 #: searched for an out-of-memory; a chain is never longer in practice, and a
@@ -84,7 +100,7 @@ _MAX_CHAIN = 64
 
 # Messages of device out-of-memory errors, by library.
 _OOM_PATTERNS = re.compile(
-    r"CUDA out of memory|CUDA error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
+    r"CUDA out of memory|CUDA (?:driver )?error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
     # torch before 1.0: "cuda runtime error (2) : out of memory"
     r"|cuda runtime error \(2\)\s*:\s*out of memory"
     # cuBLAS, cuDNN, cuSOLVER, cuSPARSE: CUBLAS_STATUS_ALLOC_FAILED and kin
@@ -94,6 +110,11 @@ _OOM_PATTERNS = re.compile(
     # "RESOURCE_EXHAUSTED: Error allocating device buffer", "Resource exhausted:
     # Failed to allocate request for 32.00MiB"; a quota's RESOURCE_EXHAUSTED is not one.
     r"|resource[_ ]exhausted\b[^\n]{0,300}?(?:out of memory|allocat)"
+    # XLA placing a constant: "INTERNAL: Failed to allocate 1073741824 bytes for new constant"
+    r"|failed to allocate [0-9,]+ bytes for new constant"
+    # CuPy's OutOfMemoryError, by its words where its type was lost:
+    # "Out of memory allocating 1,024 bytes (allocated so far: 0 bytes)."
+    r"|out of memory allocating [0-9,]+ bytes"
     # TensorFlow's ResourceExhaustedError
     r"|OOM when allocating"
     # NCCL: "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'"
@@ -162,10 +183,12 @@ def device_oom_of(exc: BaseException) -> BaseException | None:
 def is_device_oom(exc: BaseException) -> bool:
     """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error.
 
-    Recognised: torch's ``OutOfMemoryError`` and its messages (old torch's
-    ``cuda runtime error (2)`` too), CuPy's ``OutOfMemoryError`` and
-    ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
-    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures, TensorFlow's
+    Recognised: torch's ``OutOfMemoryError`` and its messages (``CUDA driver
+    error: out of memory``, old torch's ``cuda runtime error (2)`` too), CuPy's
+    ``OutOfMemoryError`` by its type or its text (``Out of memory allocating N
+    bytes``) and ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
+    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures and XLA's
+    ``Failed to allocate N bytes for new constant``, TensorFlow's
     ``OOM when allocating``, ``CUBLAS/CUDNN/CUSOLVER/CUSPARSE_STATUS_ALLOC_FAILED``,
     NCCL's ``Cuda failure 'out of memory'``, ``cuda.core``'s
     ``CUDAOutOfMemoryError`` and the simulator's. A host :class:`MemoryError`
@@ -205,29 +228,7 @@ def requested_bytes_of(exc: BaseException) -> int | None:
     return None
 
 
-# -- torch, looked at only when the task initialised CUDA ---------------------------------
-
-
-def _initialised_torch_cuda() -> Any | None:
-    """``torch.cuda`` if the task imported torch and initialised CUDA, else ``None``."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        cuda = torch.cuda
-        if cuda.is_initialized():
-            return cuda
-    except Exception:
-        return None
-    return None
-
-
-def _torch_reserved_bytes(cuda: Any) -> tuple[int, int] | None:
-    """torch's ``(reserved peak, reserved now)`` since the last reset, or ``None``."""
-    try:
-        return int(cuda.max_memory_reserved()), int(cuda.memory_reserved())
-    except Exception:
-        return None
+# -- after a task ----------------------------------------------------------------------
 
 
 def release_caches() -> None:
@@ -240,7 +241,7 @@ def release_caches() -> None:
     ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` frees on release). Never raises:
     a release that fails leaves the memory held, which the next reading shows.
     """
-    cuda = _initialised_torch_cuda()
+    cuda = initialised_torch_cuda()
     if cuda is not None:
         try:
             cuda.empty_cache()
@@ -273,9 +274,8 @@ _CAP_PREFIX = b"gpupool-allocator-cap:"
 
 #: What the decision log says of the cap, once per card, when it is on.
 ALLOCATOR_CAP_NOTE = (
-    "each worker's PyTorch caching allocator is capped at its task's booked ask "
-    "(torch.cuda.set_per_process_memory_fraction); the cap covers torch's allocator only, "
-    "not the CUDA context nor memory of other libraries (CuPy, JAX, NCCL)"
+    "torch's caching allocator capped at the booked ask less what the worker holds outside "
+    "it (context, measured or estimated; CuPy/JAX pools); binds torch's allocator only"
 )
 
 
@@ -301,6 +301,10 @@ class _CapState:
     fraction: float | None = None
     total_bytes: int | None = None
     error: str | None = None
+    # What this process holds outside the frameworks, as its probe last measured it
+    # (None: never measured, the estimate stands in), and what the cap last left out.
+    context_bytes: int | None = None
+    outside_bytes: int | None = None
 
 
 _CAP = _CapState()
@@ -314,11 +318,19 @@ def allocator_cap_state() -> dict[str, Any]:
         "fraction": _CAP.fraction,
         "total_bytes": _CAP.total_bytes,
         "error": _CAP.error,
+        "outside_bytes": _CAP.outside_bytes,
+        "outside_source": "estimated" if _CAP.context_bytes is None else "process-row",
     }
 
 
 def apply_allocator_cap(ask_bytes: int) -> None:
-    """Cap torch's caching allocator in this process at ``ask_bytes`` (the task's booked ask).
+    """Cap torch's caching allocator in this process at ``ask_bytes`` (the task's booked ask)
+    less what the process holds outside torch's allocator, so that torch and the rest
+    together stay within the booking.
+
+    Outside torch: the bytes the probe measured outside every framework (its
+    context; :data:`CONTEXT_ESTIMATE_BYTES` until a device row of this
+    process was read), plus what CuPy's and JAX's pools hold when the cap is set.
 
     Called by the worker before each task when the pool has ``cap_allocator=True``.
     Where the task's CUDA is already initialised the fraction is set now
@@ -370,7 +382,8 @@ def _arm_cap(torch: Any) -> None:
 
 
 def _set_fraction(torch: Any) -> None:
-    """Set ``ask / total`` on device 0 (the only one a pinned worker sees). Never raises.
+    """Set ``(ask - outside torch) / total`` on device 0 (the only one a pinned worker sees),
+    at least 0. Never raises.
 
     It runs inside torch's lazy initialisation, where an exception would
     fail the task's first CUDA call: every error is kept, not raised.
@@ -382,7 +395,11 @@ def _set_fraction(torch: Any) -> None:
         cuda = torch.cuda
         if _CAP.total_bytes is None:
             _CAP.total_bytes = int(cuda.get_device_properties(0).total_memory)
-        fraction = min(1.0, ask / _CAP.total_bytes) if _CAP.total_bytes > 0 else 1.0
+        context = _CAP.context_bytes if _CAP.context_bytes is not None else CONTEXT_ESTIMATE_BYTES
+        outside = context + read_held_bytes(leave_out="torch")
+        allowed = max(0, ask - outside)
+        _CAP.outside_bytes = outside
+        fraction = min(1.0, allowed / _CAP.total_bytes) if _CAP.total_bytes > 0 else 1.0
         if fraction == _CAP.fraction:
             return
         cuda.set_per_process_memory_fraction(float(fraction), 0)
@@ -419,16 +436,22 @@ class Probe:
         self._device_index = device_index
         self._pid = pid
         self._baseline_bytes: int | None = None
-        self._reserved_at_start: int | None = None
         self._max_at_start: int | None = None
         self._sampled_peak_bytes: int | None = None
-        # The most bytes this process was seen holding outside torch's
-        # allocator (context, other libraries): it only grows, as a lazily
-        # loaded context does.
-        self._outside_torch_bytes: int | None = None
+        self._frameworks = FrameworkWindow()
+        # The most bytes this process was seen holding outside every framework's
+        # allocator (its context, NCCL, other libraries), from its own device row:
+        # it only grows, as a lazily loaded context does. None: never measured.
+        self._context_bytes: int | None = None
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         self._exact = True
+
+    @property
+    def context_bytes(self) -> int | None:
+        """What this process was measured holding outside the frameworks' allocators, or
+        ``None`` where no device row of it was ever read with a framework loaded."""
+        return self._context_bytes
 
     def resident_bytes(self) -> int | None:
         """This process's device bytes now (one per-process reading, no task window).
@@ -445,13 +468,12 @@ class Probe:
 
     def start(self) -> None:
         """Open the measuring window for one task."""
+        guard_torch_resets()
         _arm_cap_at_task_start()
-        cuda = _initialised_torch_cuda()
-        self._reserved_at_start = None
+        cuda = initialised_torch_cuda()
         if cuda is not None:
             _reset_torch_peaks(cuda)
-            reserved = _torch_reserved_bytes(cuda)
-            self._reserved_at_start = reserved[1] if reserved is not None else None
+        held = self._frameworks.open()
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
             return
@@ -467,27 +489,40 @@ class Probe:
         if not self._exact:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
-            self._note_outside_torch(self._baseline_bytes, self._reserved_at_start)
+            self._note_context(self._baseline_bytes, held, held)
             self._sampled_peak_bytes = self._baseline_bytes
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
             self._sampler.start()
 
-    def _note_outside_torch(self, process_bytes: int | None, reserved_bytes: int | None) -> None:
-        if process_bytes is None or reserved_bytes is None:
-            return
-        outside = max(0, process_bytes - reserved_bytes)
-        if self._outside_torch_bytes is None or outside > self._outside_torch_bytes:
-            self._outside_torch_bytes = outside
+    def _note_context(
+        self, process_bytes: int | None, held_before: int | None, held_after: int | None
+    ) -> None:
+        """Note what the process holds outside the frameworks: its row less what they held.
+
+        The frameworks are read just before and just after the row; the larger of
+        the two is taken off, so a framework that shrank meanwhile (a task's own
+        ``empty_cache``) is never taken for context: one reading may come out
+        low, never high, and the figure is the most of all readings.
+        """
+        if process_bytes is None or held_before is None or held_after is None:
+            return  # no framework started: nothing tells the context from the task's bytes
+        outside = max(0, process_bytes - max(held_before, held_after))
+        if self._context_bytes is None or outside > self._context_bytes:
+            self._context_bytes = outside
+        _CAP.context_bytes = self._context_bytes
 
     def _sample(self) -> None:
         sensor, device = self._sensor, self._device
         assert sensor is not None and device is not None
         while not self._stop.wait(SAMPLE_INTERVAL_S):
+            guard_torch_resets()  # a task that imports torch in its body is guarded too
+            held_before = self._frameworks.sample()
             try:
                 now = _trusted(sensor.read_process_bytes(device, self._pid))
             except Exception:
                 continue
+            self._note_context(now, held_before, self._frameworks.sample())
             if now is not None and (
                 self._sampled_peak_bytes is None or now > self._sampled_peak_bytes
             ):
@@ -502,28 +537,25 @@ class Probe:
         peak: int | None = None
         source = "none"
         sensor, device = self._sensor, self._device
-        cuda = _initialised_torch_cuda()
-        torch_bytes = _torch_reserved_bytes(cuda) if cuda is not None else None
         if sensor is not None and device is not None:
             if self._exact:
-                try:
-                    peak = sensor.read_process_peak_bytes(device, self._pid)
-                except Exception:
-                    peak = None
-                source = "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
-                if torch_bytes is not None:
-                    try:
-                        now = _trusted(sensor.read_process_bytes(device, self._pid))
-                    except Exception:
-                        now = None
-                    self._note_outside_torch(now, torch_bytes[1])
+                peak, source = self._read_exact(sensor, device)
             else:
-                peak, source = self._stop_sampling(sensor, device, torch_bytes)
-            if torch_bytes is not None:
-                torch_peak, torch_source = self._torch_peak(torch_bytes[0])
-                if peak is None or torch_peak > peak:
-                    peak, source = torch_peak, torch_source
+                peak, source = self._stop_sampling(sensor, device)
+        framework_peaks, _ = self._frameworks.close()
+        context: tuple[int, str] | None = None
+        if self._context_bytes is not None:
+            context = (self._context_bytes, "process-row")
+        if framework_peaks:
+            if context is None:
+                context = (CONTEXT_ESTIMATE_BYTES, "estimated")
+            names = "+".join(name for name in FRAMEWORKS if name in framework_peaks)
+            counted = sum(framework_peaks.values()) + context[0]
+            if peak is None or counted > peak:
+                suffix = "" if context[1] == "process-row" else "-estimated"
+                peak, source = counted, f"{names}+context{suffix}"
         release_caches()
+        cuda = initialised_torch_cuda()
         if cuda is not None:
             _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
@@ -533,27 +565,41 @@ class Probe:
             device_peak_bytes=peak,
             device_source=source if peak is not None else "none",
             baseline_bytes=self._baseline_bytes,
+            context_bytes=context[0] if context is not None else None,
+            context_source=context[1] if context is not None else "none",
             rss_peak_bytes=rss,
             rss_source="vmhwm" if rss is not None else "none",
             oom=oom is not None,
             oom_requested_bytes=requested,
         )
 
-    def _stop_sampling(
-        self, sensor: Sensor, device: DeviceInfo, torch_bytes: tuple[int, int] | None
-    ) -> tuple[int | None, str]:
-        self._stop.set()
-        if self._sampler is not None:
-            self._sampler.join()
-            self._sampler = None
+    def _read_exact(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
+        """The sensor's exact high-water of the window; the context noted from its row now."""
+        try:
+            peak = sensor.read_process_peak_bytes(device, self._pid)
+        except Exception:
+            peak = None
+        held_before = self._frameworks.sample()
         try:
             now = _trusted(sensor.read_process_bytes(device, self._pid))
         except Exception:
             now = None
-        if torch_bytes is not None:
-            # Read before the caches are released: the row then holds torch's
-            # reserved bytes plus everything outside torch (the context).
-            self._note_outside_torch(now, torch_bytes[1])
+        self._note_context(now, held_before, self._frameworks.sample())
+        return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
+
+    def _stop_sampling(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+            self._sampler = None
+        held_before = self._frameworks.sample()
+        try:
+            now = _trusted(sensor.read_process_bytes(device, self._pid))
+        except Exception:
+            now = None
+        # Read before the caches are released: the row then holds the frameworks'
+        # bytes plus everything outside them (the context).
+        self._note_context(now, held_before, self._frameworks.sample())
         peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
         source = f"{sensor.name}-sampled"
         try:
@@ -565,9 +611,3 @@ class Probe:
         if rose and lifetime_max is not None and (peak is None or lifetime_max >= peak):
             peak, source = lifetime_max, f"{sensor.name}-accounting"
         return peak, source
-
-    def _torch_peak(self, reserved_peak_bytes: int) -> tuple[int, str]:
-        """torch's reserved peak plus what the process holds outside torch's allocator."""
-        if self._outside_torch_bytes is not None:
-            return reserved_peak_bytes + self._outside_torch_bytes, "torch+context"
-        return reserved_peak_bytes + CONTEXT_ALLOWANCE_BYTES, "torch+context-allowance"

@@ -9,6 +9,7 @@ import pytest
 import tasks
 
 from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor, WidthError
+from gpupool._core.units import GiB
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 
 pytestmark = pytest.mark.slow
@@ -284,3 +285,19 @@ def test_submit_from_many_threads_loses_nothing():
                 t.join()
             assert sorted(f.result(timeout=60) for _, f in futures) == list(range(150))
             assert all(f.result() == i for i, f in futures)
+
+
+def test_unified_memory_prices_a_childs_device_bytes_and_rss_in_one_budget():
+    """On a unified card (GB10, Jetson) a task's device bytes and its child's RSS come out of
+    one MemAvailable: 16 GiB at 3 GiB + 1 GiB RSS holds 4, where a discrete card holds 5."""
+    widths = {}
+    for unified in (False, True):
+        with (
+            SimulatedHost([SimulatedDevice("16GiB", unified=unified)], cpus=16, host_ram="16GiB"),
+            GpuPoolExecutor(max_workers=8, task_peak="3GiB", reserve=0) as ex,
+        ):
+            constructed = ex.decisions[0]
+        assert constructed.event == "constructed"
+        assert constructed.bound is not None
+        widths[unified] = (constructed.width_after, constructed.bound.host_per_task_bytes)
+    assert widths == {False: (5, 0), True: (4, GiB)}

@@ -68,7 +68,9 @@ class Bound:
 
     ``room_bytes`` is ``None`` when the card is unreadable, and may be
     negative: a card already oversubscribed by its residents is real, not
-    unknown.
+    unknown. ``host_per_task_bytes`` is what each task's child holds in host
+    RAM where that is the card's memory too (unified memory: GB10, Jetson),
+    priced beside its ask in the same room; 0 on a discrete card.
     """
 
     device: int
@@ -82,6 +84,7 @@ class Bound:
     other_pools_bytes: int = 0
     together_tasks: int | None = None
     together_bytes: int | None = None
+    host_per_task_bytes: int = 0
 
     @property
     def tasks_fit(self) -> int | None:
@@ -92,7 +95,7 @@ class Bound:
             return None
         if self.together_tasks is not None:
             return self.together_tasks
-        return max(0, self.room_bytes // self.ask_bytes)
+        return max(0, self.room_bytes // (self.ask_bytes + self.host_per_task_bytes))
 
     def describe(self) -> str:
         """The bound in one sentence, every number in it."""
@@ -110,6 +113,11 @@ class Bound:
             f"co-tenant - {others}{format_size(self.own_high_water_bytes)} own high-water - "
             f"{format_size(self.reserve_bytes)} reserve) holds {fits} "
             f"task{'s' if fits != 1 else ''} at {format_size(self.ask_bytes)} ({self.ask_basis})"
+            + (
+                f" + {format_size(self.host_per_task_bytes)} child RSS (unified memory)"
+                if self.host_per_task_bytes
+                else ""
+            )
             + (
                 f", {format_size(self.together_bytes)} for the {fits} together"
                 if self.together_bytes is not None and fits and fits > 1

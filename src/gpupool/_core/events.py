@@ -243,6 +243,8 @@ class Decision:
             if self.bound.together_bytes is not None:
                 out["together_tasks"] = self.bound.together_tasks
                 out["together_bytes"] = self.bound.together_bytes
+            if self.bound.host_per_task_bytes:
+                out["host_per_task_bytes"] = self.bound.host_per_task_bytes
         if self.ceiling is not None:
             out.update(
                 ceiling=self.ceiling.value,

@@ -17,10 +17,18 @@ class PeakReport:
             the task (context and non-PyTorch allocations included), or
             ``None`` when no source could tell.
         device_source: how: ``"nvml-accounting"``, ``"nvml-sampled"``,
-            ``"torch+context"``, ``"torch+context-allowance"``, ``"simulator"``,
+            ``"simulator"``, the frameworks' counters plus the context
+            (``"torch+context"``, ``"torch+cupy+context"``, ``"jax+context"``,
+            ...; ending ``"-estimated"`` where the context was not measured),
             or ``"none"``.
         baseline_bytes: device bytes the child held when the task started (its
             context, typically), or ``None``.
+        context_bytes: what the child holds outside the frameworks' allocators
+            (its CUDA context, other libraries), or ``None`` where the report
+            neither measured nor needed it.
+        context_source: ``"process-row"`` (the child's device row less what
+            the frameworks held), ``"estimated"`` (no row of the child could
+            be read: the probe's ``CONTEXT_ESTIMATE_BYTES``), or ``"none"``.
         rss_peak_bytes: the child's host RSS high-water during the task.
         rss_source: how (``"psutil-sampled"``, ``"ru_maxrss"``, ``"none"``).
         oom: the task ended in a device out-of-memory.
@@ -31,6 +39,8 @@ class PeakReport:
     device_peak_bytes: int | None
     device_source: str
     baseline_bytes: int | None = None
+    context_bytes: int | None = None
+    context_source: str = "none"
     rss_peak_bytes: int | None = None
     rss_source: str = "none"
     oom: bool = False

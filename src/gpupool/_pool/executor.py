@@ -300,13 +300,15 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             and the asks while ``map`` results are consumed: ``None`` when
             standard error is a terminal, ``True`` always, ``False`` never.
         cap_allocator: cap each worker's PyTorch caching allocator at the
-            booked ask of the task it runs
-            (``torch.cuda.set_per_process_memory_fraction(ask / total)``, set
-            when the task initialises CUDA, re-set when the ask changes), so a
-            torch task that overruns its price fails inside itself. It covers
-            torch's allocator only: not the CUDA context, not CuPy, JAX, NCCL
-            or other libraries. Workers import torch when it is installed.
-            Default ``False``.
+            booked ask of the task it runs less what the worker holds outside
+            torch's allocator (its CUDA context, measured from its device row
+            or estimated where it has none, and CuPy's and JAX's pools)
+            (``torch.cuda.set_per_process_memory_fraction``, set when the task
+            initialises CUDA, re-set when either changes), so a torch task
+            that overruns its price fails inside itself. It binds torch's
+            allocator only: what other libraries allocate during the task is
+            not capped. Workers import torch when it is installed. Default
+            ``False``.
         share_bookings: publish this pool's bookings to the host-wide booking
             table and read the other pools' (see ``docs/sharing.md``): ``True``
             (default) among this user's pools (files 0600), ``"host"`` among

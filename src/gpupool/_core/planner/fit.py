@@ -30,7 +30,17 @@ from gpupool._core.bound import (
 from gpupool._core.planner.state import Card, Run
 from gpupool._core.policy import Ask
 
-__all__ = ["Booked", "Fit", "Held", "LiveGate", "card_bound", "card_widths", "fit", "live_gate"]
+__all__ = [
+    "Booked",
+    "Fit",
+    "Held",
+    "LiveGate",
+    "card_bound",
+    "card_widths",
+    "fit",
+    "host_per_task_bytes",
+    "live_gate",
+]
 
 
 class Held(Protocol):
@@ -59,8 +69,9 @@ class Fit:
         device: the card.
         bound: the card's terms priced at the ask (its room).
         running: the runs it was asked beside.
-        booked_bytes: what they book between them.
-        next_bytes: what one more task at the ask books beside them.
+        booked_bytes: what they book between them (on unified memory, with each
+            one's child RSS: :func:`host_per_task_bytes`).
+        next_bytes: what one more task at the ask books beside them (likewise).
         more: how many more tasks at the ask fit now (memory, out-of-memory
             cap, and the slots the ceiling leaves).
         limit: what stops one more past ``more``.
@@ -86,9 +97,25 @@ class Fit:
         return None if room is None else room - self.booked_bytes - self.next_bytes
 
 
+def host_per_task_bytes(card: Card, ceiling: Ceiling) -> int:
+    """What each task's child holds in host RAM, where host RAM is the card's memory.
+
+    On unified memory (GB10, Jetson) the card's room and the host's RAM are
+    one ``MemAvailable``: a child's device bytes and its RSS draw on it
+    together, so each task is priced at its ask plus the children's RSS (as
+    the ceiling prices it: measured, or the prior) in the card's room. 0 on a
+    discrete card, whose room is its own memory.
+    """
+    if not card.census.unified or not ceiling.child_rss_bytes:
+        return 0
+    return ceiling.child_rss_bytes
+
+
 def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> Bound:
     """``card``'s bound priced at ``ask``, with its own high-water so far and the other pools'
-    bookings; for a key priced together, how many of its tasks together fit alone."""
+    bookings; for a key priced together, how many of its tasks together fit alone; on
+    unified memory each task's child RSS beside its ask (:func:`host_per_task_bytes`)."""
+    host = host_per_task_bytes(card, ceiling)
     bound = derive_bound(
         card.census,
         own_high_water_bytes=card.own_high_water_bytes,
@@ -98,9 +125,13 @@ def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) ->
         other_pools_bytes=card.others_bytes,
         other_pools_at_census_bytes=card.others_at_census_bytes,
     )
+    if host:
+        bound = dataclasses.replace(bound, host_per_task_bytes=host)
     if not ask.pooled or bound.room_bytes is None:
         return bound
-    fits = fits_together(ask.together_bytes, bound.room_bytes, ceiling.value)
+    fits = fits_together(
+        lambda k: ask.together_bytes(k) + k * host, bound.room_bytes, ceiling.value
+    )
     return dataclasses.replace(
         bound, together_tasks=fits, together_bytes=ask.together_bytes(max(1, fits))
     )
@@ -126,8 +157,9 @@ def fit(
         slots: the most tasks that may be placed (the ceiling's slots left in the pool).
     """
     bound = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
+    host = bound.host_per_task_bytes
     running = len(runs)
-    booked_now = sum(run.booked_bytes for run in runs)
+    booked_now = sum(run.booked_bytes + host for run in runs)
     same = sum(1 for run in runs if run.key == ask.key)
     room = bound.room_bytes
     limit: Limit
@@ -137,7 +169,7 @@ def fit(
     else:
         more, total = 0, booked_now
         while more < max(0, slots):
-            step = ask.next_bytes(same + more)
+            step = ask.next_bytes(same + more) + host
             if total + step > room:
                 break
             total += step
@@ -154,7 +186,7 @@ def fit(
         bound=bound,
         running=running,
         booked_bytes=booked_now,
-        next_bytes=ask.next_bytes(same),
+        next_bytes=ask.next_bytes(same) + host,
         more=more,
         limit=limit,
     )

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpupool._core.bound import Ceiling
-from gpupool._core.planner.fit import Booked, Held, card_bound, fit
+from gpupool._core.planner.fit import Booked, Held, card_bound, fit, host_per_task_bytes
 from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import TaskId
 from gpupool._core.policy import Ask
@@ -133,12 +133,13 @@ def holds_for(
             ended.append(kept.pop())
         if not ended or not fits(kept, card):
             continue
-        need = ask.next_bytes(sum(1 for r in kept if r.key == ask.key))
-        after = sum(r.booked_bytes for r in kept) + need
+        host = host_per_task_bytes(card, ceiling)  # unified memory: each child's RSS too
+        need = ask.next_bytes(sum(1 for r in kept if r.key == ask.key)) + host
+        after = sum(r.booked_bytes + host for r in kept) + need
         for run in sorted(ended, key=lambda r: r.booked_bytes):
-            if after + run.booked_bytes <= room:
-                after += run.booked_bytes
-        if after >= sum(r.booked_bytes for r in runs):
+            if after + run.booked_bytes + host <= room:
+                after += run.booked_bytes + host
+        if after >= sum(r.booked_bytes + host for r in runs):
             return card.index
     return None
 
@@ -163,19 +164,21 @@ def head_hold(
         alone = fit(card, ask, (), reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
         if alone.more == 0 or alone.bound.room_bytes is None:
             continue
-        need = ask.next_bytes(card.same_key(ask.key))
-        free = alone.bound.room_bytes - card.booked_bytes
+        held = ask.next_bytes(card.same_key(ask.key))
+        host = alone.bound.host_per_task_bytes  # unified memory: each child's RSS too
+        need = held + host
+        free = alone.bound.room_bytes - card.booked_bytes - host * len(card.runs)
         ending: list[TaskId] = []
         when_s = 0.0
         for task, run in sorted(card.runs.items(), key=lambda item: expected_end_s(item[1])):
             if free >= need:
                 break
             ending.append(task)
-            free += run.booked_bytes
+            free += run.booked_bytes + host
             when_s = expected_end_s(run)
         if free < need:
             continue
-        hold = Hold(device=card.index, key=ask.key, held_bytes=need, ending=frozenset(ending))
+        hold = Hold(device=card.index, key=ask.key, held_bytes=held, ending=frozenset(ending))
         if best is None or when_s < best[0]:
             best = (when_s, hold)
     return best[1] if best is not None else None

@@ -665,6 +665,8 @@ class Planner(Starts):
                 "peak_bytes": report.device_peak_bytes,
                 "peak_source": report.device_source,
                 "baseline_bytes": report.baseline_bytes,
+                "context_bytes": report.context_bytes,
+                "context_source": report.context_source,
                 "rss_peak_bytes": report.rss_peak_bytes,
                 "margin_bytes": after.margin_bytes,
                 "spread_bytes": after.spread_bytes,
