@@ -232,6 +232,7 @@ def test_first_task_spike_counts_the_context_it_created(monkeypatch):
 
     def rows(cuda):  # the driver's row: the context plus torch's reserved bytes
         card.compute = [(pid, context + cuda.reserved_bytes)]
+        card.free = card.total - card.reserved - context - cuda.reserved_bytes
 
     torch.cuda.on_change = rows
     probe = _nvml_probe(monkeypatch, card, torch)
@@ -282,8 +283,9 @@ def test_a_small_task_after_a_large_one_reports_its_own_peak(monkeypatch):
     torch = standin_torch.make_torch(total_bytes=80 * GiB)
     context = 500 * MiB
 
-    def rows(cuda):
+    def rows(cuda):  # the card's used bytes follow the row (nothing else is on it)
         card.compute = [(pid, context + cuda.reserved_bytes)]
+        card.free = card.total - card.reserved - context - cuda.reserved_bytes
 
     torch.cuda.on_change = rows
     probe = _nvml_probe(monkeypatch, card, torch)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.peak import PeakReport
 from gpupool._core.units import MiB, parse_size
+from gpupool._probe_tree import TreeWatch, tree_sensor
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -414,7 +415,9 @@ class Probe:
     def __init__(
         self, sensor: Sensor | None, device: DeviceInfo | None, device_index: int | None, pid: int
     ) -> None:
-        self._sensor = sensor
+        # The worker's bytes are its process tree's: see gpupool._probe_tree.
+        self._tree = TreeWatch(pid)
+        self._sensor = tree_sensor(sensor, self._tree) if sensor is not None else None
         self._device = device
         self._device_index = device_index
         self._pid = pid
@@ -445,6 +448,7 @@ class Probe:
 
     def start(self) -> None:
         """Open the measuring window for one task."""
+        self._tree.open()
         _arm_cap_at_task_start()
         cuda = _initialised_torch_cuda()
         self._reserved_at_start = None
@@ -527,16 +531,24 @@ class Probe:
         if cuda is not None:
             _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
+        tree = self._tree.close(self._device)
         rss = read_rss_high_water()
+        rss_source = "vmhwm" if rss is not None else "none"
+        if rss is not None and tree.rss_peak_bytes is not None:
+            rss, rss_source = rss + tree.rss_peak_bytes, "vmhwm+descendants"
         return PeakReport(
             device=self._device_index,
             device_peak_bytes=peak,
             device_source=source if peak is not None else "none",
             baseline_bytes=self._baseline_bytes,
             rss_peak_bytes=rss,
-            rss_source="vmhwm" if rss is not None else "none",
+            rss_source=rss_source,
             oom=oom is not None,
             oom_requested_bytes=requested,
+            descendants=tree.descendants,
+            outliving_descendants=len(tree.outliving_pids),
+            outliving_device_bytes=tree.outliving_device_bytes,
+            rejected_readings=tree.rejected,
         )
 
     def _stop_sampling(
