@@ -15,11 +15,15 @@ Sources of the device peak; the report takes the largest that is trusted:
    CUDA: ``torch+context`` where a per-process reading measured those bytes,
    ``torch+context-allowance`` (:data:`CONTEXT_ALLOWANCE_BYTES`) where none did.
 
-A per-process reading of 0 bytes is not a measurement: a process the driver
-lists holds at least its context, and drivers 535.113 to 560 report 0 for
-every process inside a container. Such a reading, like a missing row, is
-ignored; a task that only such readings saw reports no device peak
-(``"none"``), so its ask stays at its estimate.
+The sensor's per-process figures (1 and 3) are the worker's process tree's:
+the worker and every process alive under it during the task
+(:mod:`gpupool._probe_tree`). A per-process reading that is not plausible is
+not a measurement (:func:`gpupool._core.readings.judge_tree_rows`: a list
+holding an impossible PID, a row smaller than any context, such as the 0 that
+drivers 535.113 to 560 report inside a container, rows above the device's used
+bytes); it is ignored like a missing row, and the reason rides in the report.
+A task that only such readings saw reports no device peak (``"none"``), so its
+ask stays at its estimate.
 
 After each task, :func:`release_caches` gives the cached blocks of torch's
 and CuPy's allocators back to the driver, so an idle worker holds its context
