@@ -248,6 +248,7 @@ def test_first_task_spike_counts_the_context_it_created(monkeypatch):
 
     def rows(cuda):  # the driver's row: the context plus torch's reserved bytes
         card.compute = [(pid, context + cuda.reserved_bytes)]
+        card.free = card.total - card.reserved - context - cuda.reserved_bytes
 
     torch.cuda.on_change = rows
     probe = _nvml_probe(monkeypatch, card, torch)
@@ -302,8 +303,9 @@ def test_a_small_task_after_a_large_one_reports_its_own_peak(monkeypatch):
     torch = standin_torch.make_torch(total_bytes=80 * GiB)
     context = 500 * MiB
 
-    def rows(cuda):
+    def rows(cuda):  # the card's used bytes follow the row (nothing else is on it)
         card.compute = [(pid, context + cuda.reserved_bytes)]
+        card.free = card.total - card.reserved - context - cuda.reserved_bytes
 
     torch.cuda.on_change = rows
     probe = _nvml_probe(monkeypatch, card, torch)
@@ -585,7 +587,9 @@ def test_cupy_held_bytes_are_not_taken_for_context(monkeypatch):
     context = 400 * MiB
 
     def rows(_):
-        card.compute = [(pid, context + torch.cuda.reserved_bytes + pool.total)]
+        held = context + torch.cuda.reserved_bytes + pool.total
+        card.compute = [(pid, held)]
+        card.free = card.total - card.reserved - held  # the card's used bytes hold the row
 
     torch.cuda.on_change = rows
     pool.on_change = rows
@@ -611,6 +615,7 @@ def test_cap_is_the_ask_less_what_the_process_holds_outside_torch(monkeypatch, f
 
     def rows(cuda):
         card.compute = [(pid, context + cuda.reserved_bytes)]
+        card.free = card.total - card.reserved - context - cuda.reserved_bytes
 
     torch.cuda.on_change = rows
     probe = _nvml_probe(monkeypatch, card, torch)

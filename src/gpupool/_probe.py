@@ -21,11 +21,15 @@ Sources of the device peak; the report takes the largest that is trusted:
    (``torch+context-estimated``). The report carries the figure and its
    basis (``context_bytes``, ``context_source``).
 
-A per-process reading of 0 bytes is not a measurement: a process the driver
-lists holds at least its context, and drivers 535.113 to 560 report 0 for
-every process inside a container. Such a reading, like a missing row, is
-ignored; a task that only such readings saw reports no device peak
-(``"none"``), so its ask stays at its estimate.
+The sensor's per-process figures (1 and 3) are the worker's process tree's:
+the worker and every process alive under it during the task
+(:mod:`gpupool._probe_tree`). A per-process reading that is not plausible is
+not a measurement (:func:`gpupool._core.readings.judge_tree_rows`: a list
+holding an impossible PID, a row smaller than any context, such as the 0 that
+drivers 535.113 to 560 report inside a container, rows above the device's used
+bytes); it is ignored like a missing row, and the reason rides in the report.
+A task that only such readings saw reports no device peak (``"none"``), so its
+ask stays at its estimate.
 
 After each task, :func:`release_caches` gives the cached blocks of torch's
 and CuPy's allocators back to the driver, so an idle worker holds its context
@@ -58,6 +62,7 @@ from gpupool._frameworks import (
     initialised_torch_cuda,
     read_held_bytes,
 )
+from gpupool._probe_tree import TreeWatch, tree_sensor
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -431,7 +436,9 @@ class Probe:
     def __init__(
         self, sensor: Sensor | None, device: DeviceInfo | None, device_index: int | None, pid: int
     ) -> None:
-        self._sensor = sensor
+        # The worker's bytes are its process tree's: see gpupool._probe_tree.
+        self._tree = TreeWatch(pid)
+        self._sensor = tree_sensor(sensor, self._tree) if sensor is not None else None
         self._device = device
         self._device_index = device_index
         self._pid = pid
@@ -469,6 +476,7 @@ class Probe:
     def start(self) -> None:
         """Open the measuring window for one task."""
         guard_torch_resets()
+        self._tree.open()
         _arm_cap_at_task_start()
         cuda = initialised_torch_cuda()
         if cuda is not None:
@@ -559,7 +567,11 @@ class Probe:
         if cuda is not None:
             _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
+        tree = self._tree.close(self._device)
         rss = read_rss_high_water()
+        rss_source = "vmhwm" if rss is not None else "none"
+        if rss is not None and tree.rss_peak_bytes is not None:
+            rss, rss_source = rss + tree.rss_peak_bytes, "vmhwm+descendants"
         return PeakReport(
             device=self._device_index,
             device_peak_bytes=peak,
@@ -568,9 +580,13 @@ class Probe:
             context_bytes=context[0] if context is not None else None,
             context_source=context[1] if context is not None else "none",
             rss_peak_bytes=rss,
-            rss_source="vmhwm" if rss is not None else "none",
+            rss_source=rss_source,
             oom=oom is not None,
             oom_requested_bytes=requested,
+            descendants=tree.descendants,
+            outliving_descendants=len(tree.outliving_pids),
+            outliving_device_bytes=tree.outliving_device_bytes,
+            rejected_readings=tree.rejected,
         )
 
     def _read_exact(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:

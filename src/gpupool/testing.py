@@ -365,6 +365,7 @@ class SimulatedHost:
                     procs={},
                     peaks={},
                     peak=sum(device.co_tenants.values()),
+                    trees={},
                 )
             )
         return LedgerState(

@@ -269,7 +269,8 @@ def test_probe_prefers_accounting_when_it_rose_during_the_task(
     from gpupool._probe import Probe
 
     pid = os.getpid()
-    card = h100(0, compute=[(pid, 1 * GiB)], accounting={pid: 2 * GiB})
+    # 9.5 GiB in use on the card: the rows below are within it.
+    card = h100(0, free=70 * GiB, compute=[(pid, 1 * GiB)], accounting={pid: 2 * GiB})
     install(monkeypatch, FakePynvml([card]))
     sensor = NvmlSensor()
     device = sensor.read_devices()[0]

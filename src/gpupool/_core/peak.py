@@ -13,9 +13,10 @@ class PeakReport:
 
     Attributes:
         device: the pool's device index the child is pinned to, or ``None``.
-        device_peak_bytes: the most device bytes the child process held during
-            the task (context and non-PyTorch allocations included), or
-            ``None`` when no source could tell.
+        device_peak_bytes: the most device bytes the child's process tree (the
+            worker and every process alive under it during the task) held
+            during the task (contexts and non-PyTorch allocations included),
+            or ``None`` when no source could tell.
         device_source: how: ``"nvml-accounting"``, ``"nvml-sampled"``,
             ``"simulator"``, the frameworks' counters plus the context
             (``"torch+context"``, ``"torch+cupy+context"``, ``"jax+context"``,
@@ -29,10 +30,19 @@ class PeakReport:
         context_source: ``"process-row"`` (the child's device row less what
             the frameworks held), ``"estimated"`` (no row of the child could
             be read: the probe's ``CONTEXT_ESTIMATE_BYTES``), or ``"none"``.
-        rss_peak_bytes: the child's host RSS high-water during the task.
-        rss_source: how (``"psutil-sampled"``, ``"ru_maxrss"``, ``"none"``).
+        rss_peak_bytes: the child's host RSS high-water, plus its descendants'
+            high-water during the task.
+        rss_source: how (``"vmhwm"``, ``"vmhwm+descendants"``, ``"none"``).
         oom: the task ended in a device out-of-memory.
         oom_requested_bytes: the allocation that failed, when the error said.
+        descendants: how many processes were seen under the worker during the task.
+        outliving_descendants: how many processes the task started were still
+            running when it ended (the worker keeps them until it exits).
+        outliving_device_bytes: what those held on the device when it ended,
+            or ``None`` when no trusted row said.
+        rejected_readings: why readings were not taken as measurements
+            (implausible per-process rows), at most
+            :data:`~gpupool._core.readings.MAX_REJECTIONS`, each once.
     """
 
     device: int | None
@@ -45,3 +55,7 @@ class PeakReport:
     rss_source: str = "none"
     oom: bool = False
     oom_requested_bytes: int | None = None
+    descendants: int = 0
+    outliving_descendants: int = 0
+    outliving_device_bytes: int | None = None
+    rejected_readings: tuple[str, ...] = ()

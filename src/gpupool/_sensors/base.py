@@ -168,6 +168,18 @@ class Sensor:
         self.reset_process_peak(device, pid)
         return self.read_process_bytes(device, pid)
 
+    def start_tree_window(self, device: DeviceInfo, pid: int) -> int | None:
+        """Open an exact high-water window over ``pid`` and every process under it.
+
+        Returns what the tree holds now; ``None`` where the sensor keeps no
+        such window (the default: the probe then samples the tree's rows).
+        """
+        return None
+
+    def read_tree_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """The most ``pid``'s tree held together since :meth:`start_tree_window`, or ``None``."""
+        return None
+
     def read_host(self) -> HostCensus:
         """Usable CPUs and available RAM."""
         raise NotImplementedError

@@ -44,6 +44,14 @@ from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.bookings import read_start_token
+from gpupool._sensors.simulated_tree import (
+    TreeWindow,
+    note_trees,
+    tree_bytes,
+    tree_window_problem,
+    trees_of_the_dead,
+)
+from gpupool._sensors.tree import read_ancestors
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -95,6 +103,7 @@ class ProcessState(TypedDict):
     context: int  # the one-off context charge, kept until the process dies
     held: int  # bytes held by open ``hold()`` blocks
     window: int  # high-water since the last reset_process_peak
+    ancestors: list[int]  # parent, grandparent... at the first touch (simulated_tree)
 
 
 class DeviceState(TypedDict):
@@ -108,6 +117,7 @@ class DeviceState(TypedDict):
     procs: dict[str, ProcessState]  # str(pid) -> charge
     peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
     peak: int  # the device's high-water of used bytes over the run
+    trees: dict[str, TreeWindow]  # str(root pid) -> its tree's high-water window
 
 
 class OutOfMemoryRecord(TypedDict):
@@ -366,7 +376,14 @@ class Ledger:
                 if refusal is not None:
                     return refusal
                 name = _own_name() if pid == os.getpid() else "python"
-                proc = ProcessState(start=identity, name=name, context=context, held=0, window=0)
+                proc = ProcessState(
+                    start=identity,
+                    name=name,
+                    context=context,
+                    held=0,
+                    window=0,
+                    ancestors=list(read_ancestors(pid)),
+                )
                 dev["procs"][key] = proc
                 _note_peaks(dev, key, proc)
             refusal = _refuse(state, device, pid, nbytes)
@@ -448,6 +465,20 @@ class Ledger:
                 self._write(state, size)
         return proc_now
 
+    def open_tree(self, device: int, pid: int) -> int:
+        """Open a tree window for ``pid`` on ``device`` at its tree's bytes now; return them."""
+
+        def change(state: LedgerState) -> int:
+            dev = _device(state, device)
+            identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
+            if identity is None:
+                raise ValueError(f"process {pid} does not exist; it has no process tree")
+            now = tree_bytes(dev, str(pid))
+            dev["trees"][str(pid)] = TreeWindow(start=identity, window=now)
+            return now
+
+        return self._apply(change, writes=True)
+
 
 #: The variable that names the ledger (``select.SIMULATOR_ENV``; not imported, to keep
 #: this module free of the selection logic).
@@ -472,6 +503,7 @@ _DEVICE_FIELDS: dict[str, tuple[type, ...]] = {
     "procs": (dict,),
     "peaks": (dict,),
     "peak": (int,),
+    "trees": (dict,),
 }
 _PROC_FIELDS: dict[str, tuple[type, ...]] = {
     "start": (str,),
@@ -479,6 +511,7 @@ _PROC_FIELDS: dict[str, tuple[type, ...]] = {
     "context": (int,),
     "held": (int,),
     "window": (int,),
+    "ancestors": (list,),
 }
 
 
@@ -525,6 +558,10 @@ def _ledger_problem(value: dict[str, object]) -> str | None:
         for key, peak in dev["peaks"].items():
             if not key.isdigit() or not isinstance(peak, int) or isinstance(peak, bool):
                 return f"{where}'s peak of {key!r} is {peak!r}"
+        for root, window in dev["trees"].items():
+            problem = tree_window_problem(root, window)
+            if problem is not None:
+                return f"{where}'s {problem}"
     ooms = value["ooms"]
     assert isinstance(ooms, list)
     for record in ooms:
@@ -571,6 +608,7 @@ def _note_peaks(dev: DeviceState, key: str, proc: ProcessState) -> None:
     proc["window"] = max(proc["window"], now)
     dev["peaks"][key] = max(dev["peaks"].get(key, 0), now)
     dev["peak"] = max(dev["peak"], device_used_bytes(dev))
+    note_trees(dev, key, proc)
 
 
 def _drop_dead(state: LedgerState) -> bool:
@@ -582,6 +620,9 @@ def _drop_dead(state: LedgerState) -> bool:
             key for key, proc in procs.items() if read_start_token(int(key)) != proc["start"]
         ]:
             del procs[key]
+            dropped = True
+        for root in trees_of_the_dead(dev):
+            del dev["trees"][root]
             dropped = True
     return dropped
 
@@ -705,6 +746,21 @@ class SimulatedSensor(Sensor):
     def start_peak_window(self, device: DeviceInfo, pid: int) -> int | None:
         """Start a new high-water window and return ``pid``'s bytes now, in one ledger step."""
         return self._ledger.reset_window(device.index, pid)
+
+    def start_tree_window(self, device: DeviceInfo, pid: int) -> int | None:
+        """Open ``pid``'s tree window and return what its tree holds now, in one ledger step."""
+        return self._ledger.open_tree(device.index, pid)
+
+    def read_tree_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """The most ``pid`` and its descendants held together since :meth:`start_tree_window`.
+
+        Exact: the ledger raises the window at every allocation of a process
+        of the tree, under its lock. Like :meth:`read_process_peak_bytes` it
+        answers in container mode too (a self-report, not a driver row).
+        ``None`` when no window of ``pid`` is open.
+        """
+        window = self._state_of(device)["trees"].get(str(pid))
+        return None if window is None else window["window"]
 
     def read_host(self) -> HostCensus:
         """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""

@@ -80,6 +80,8 @@ class PlannerBase:
         # The workers the process layer reported with the last ``next_start``.
         self._workers: Workers | None = None
         self._recorded_asks: dict[str, Ask] = {}
+        # Keys whose report of a descendant left running or a rejected reading was recorded.
+        self._noted_reports: set[str] = set()
         self._last_key: str = ""
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()

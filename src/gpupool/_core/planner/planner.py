@@ -397,9 +397,11 @@ class Planner(Starts):
         if report.device is None or run.device is None:
             return
         if report.device_peak_bytes is None:
+            rejected = "; ".join(report.rejected_readings)
             self.sensor_error(
                 run.device,
-                "NoMeasurement: a worker could not measure its task's device peak",
+                "NoMeasurement: a worker could not measure its task's device peak"
+                + (f" (rejected: {rejected})" if rejected else ""),
                 f"{run.key}'s ask stays as it was",
                 now_s,
             )
@@ -650,6 +652,16 @@ class Planner(Starts):
             f"{key} measured {format_size(report.device_peak_bytes)} ({report.device_source}); "
             f"ask {before.describe()} -> {after.describe()}"
         )
+        if report.outliving_descendants:
+            cause += (
+                f"; {report.outliving_descendants} process(es) the task started outlived it, "
+                f"holding {format_size(report.outliving_device_bytes)} (the worker keeps them)"
+            )
+        # A descendant left running, or a rejected reading, is recorded once per key.
+        noted = bool(report.outliving_descendants or report.rejected_readings)
+        noted = noted and key not in self._noted_reports
+        if noted:
+            self._noted_reports.add(key)
         unchanged: EventName = "bound_changed"
         if changed_basis:
             unchanged = "measured"
@@ -659,15 +671,10 @@ class Planner(Starts):
             now_s,
             cause=cause,
             key=key,
-            quiet=not (moved or changed_basis),
+            quiet=not (moved or changed_basis or noted),
             unchanged=unchanged,
-            extra={
-                "peak_bytes": report.device_peak_bytes,
-                "peak_source": report.device_source,
-                "baseline_bytes": report.baseline_bytes,
-                "context_bytes": report.context_bytes,
-                "context_source": report.context_source,
-                "rss_peak_bytes": report.rss_peak_bytes,
+            extra=records.peak_terms(report)
+            | {
                 "margin_bytes": after.margin_bytes,
                 "spread_bytes": after.spread_bytes,
                 "samples": after.samples,

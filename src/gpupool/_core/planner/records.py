@@ -29,6 +29,7 @@ __all__ = [
     "cap_lifted",
     "out_of_memory",
     "critical_wait",
+    "peak_terms",
     "head_wait",
     "live_gate_wait",
     "share_wait",
@@ -202,6 +203,23 @@ def shutdown(
             "tasks_lost": tasks_lost,
         },
     )
+
+
+def peak_terms(report: PeakReport) -> dict[str, JsonValue]:
+    """A measurement's terms: the peak, how the child measured it, and what its tree did."""
+    return {
+        "peak_bytes": report.device_peak_bytes,
+        "peak_source": report.device_source,
+        "baseline_bytes": report.baseline_bytes,
+        "context_bytes": report.context_bytes,
+        "context_source": report.context_source,
+        "rss_peak_bytes": report.rss_peak_bytes,
+        "rss_source": report.rss_source,
+        "descendants": report.descendants,
+        "outliving_descendants": report.outliving_descendants,
+        "outliving_device_bytes": report.outliving_device_bytes,
+        "rejected_readings": "; ".join(report.rejected_readings) or None,
+    }
 
 
 def out_of_memory(

@@ -1,0 +1,66 @@
+"""The simulator's exact high-water of a process tree (I/O edge, part of the ledger).
+
+A task's bytes may live in processes it starts. Every process's ledger entry
+keeps its ancestors as they were at its first allocation, so a tree is known
+even after a middle process exits. A *tree window* (one per root PID and
+device, opened by :meth:`~gpupool._sensors.simulated.Ledger.open_tree`) keeps
+the most bytes the root and its descendants held together since it opened,
+updated under the ledger's lock at every allocation: exact, as a driver's
+accounting would be, with no sampling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypedDict
+
+from gpupool._sensors.bookings import read_start_token
+
+if TYPE_CHECKING:
+    from gpupool._sensors.simulated import DeviceState, ProcessState
+
+__all__ = ["TreeWindow", "note_trees", "tree_bytes", "tree_window_problem", "trees_of_the_dead"]
+
+
+class TreeWindow(TypedDict):
+    """One open tree window: its root's identity and the tree's high-water since it opened."""
+
+    start: str  # the root's start token: a reused PID is not the root
+    window: int
+
+
+def _in_tree(key: str, proc: ProcessState, root: str) -> bool:
+    return key == root or int(root) in proc["ancestors"]
+
+
+def tree_bytes(dev: DeviceState, root: str) -> int:
+    """What ``root`` and every process under it hold on ``dev`` now."""
+    return sum(
+        proc["context"] + proc["held"]
+        for key, proc in dev["procs"].items()
+        if _in_tree(key, proc, root)
+    )
+
+
+def note_trees(dev: DeviceState, key: str, proc: ProcessState) -> None:
+    """After process ``key`` allocated: raise the window of every tree it belongs to."""
+    for root, window in dev["trees"].items():
+        if _in_tree(key, proc, root):
+            window["window"] = max(window["window"], tree_bytes(dev, root))
+
+
+def trees_of_the_dead(dev: DeviceState) -> list[str]:
+    """The roots of ``dev``'s windows that have exited (or whose PID was reused)."""
+    return [
+        root
+        for root, window in dev["trees"].items()
+        if read_start_token(int(root)) != window["start"]
+    ]
+
+
+def tree_window_problem(root: object, window: object) -> str | None:
+    """What makes ``window`` not a tree window, or ``None``."""
+    if not isinstance(root, str) or not root.isdigit() or not isinstance(window, dict):
+        return f"tree window {root!r} is {window!r}"
+    if not isinstance(window.get("start"), str) or type(window.get("window")) is not int:
+        return f"tree window {root!r} is {window!r}"
+    return None

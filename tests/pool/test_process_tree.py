@@ -1,0 +1,72 @@
+"""A task's peak is its whole process tree's: real spawned processes on a simulated card."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import tree_tasks
+
+from gpupool import GpuPoolExecutor
+from gpupool._core.units import GiB, MiB
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+pytestmark = pytest.mark.slow
+
+
+def _measured(decisions: list, key: str) -> list[dict]:
+    return [d.to_dict() for d in decisions if d.key == key and "peak_bytes" in d.to_dict()]
+
+
+def test_bytes_held_in_a_subprocess_are_the_tasks_peak():
+    """A task whose 8 GiB live in a subprocess is measured at 8 GiB and its ask does not fall."""
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB", context="300MiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="9GiB", reserve=0) as ex:
+            assert ex.submit(tree_tasks.in_a_subprocess, "8GiB").result(timeout=60) == 0
+            stats = ex.statistics()
+            decisions = list(ex.decisions)
+    ask = stats.asks["tree_tasks.in_a_subprocess"]
+    assert ask.measured_peak_bytes == 8 * GiB + 300 * MiB
+    assert ask.ask_bytes >= 8 * GiB + 300 * MiB
+    measured = _measured(decisions, "tree_tasks.in_a_subprocess")
+    assert measured and measured[0]["peak_bytes"] == 8 * GiB + 300 * MiB
+    assert measured[0]["outliving_descendants"] == 0
+
+
+def test_host_memory_of_a_subprocess_is_the_tasks_rss():
+    """A task whose child fills 256 MiB of host RAM reports its own RSS plus the child's."""
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB", context="300MiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="1GiB", reserve=0) as ex:
+            own_bytes = ex.submit(tree_tasks.rss_in_a_subprocess, 256).result(timeout=60)
+            decisions = list(ex.decisions)
+    measured = _measured(decisions, "tree_tasks.rss_in_a_subprocess")
+    assert measured, [d.to_dict() for d in decisions]
+    assert measured[0]["rss_peak_bytes"] >= own_bytes + 256 * MiB
+    assert measured[0]["rss_source"] == "vmhwm+descendants"
+
+
+def test_a_descendant_left_running_is_reported_with_its_bytes():
+    """A subprocess that outlives its task is counted in the peak and named in the record."""
+    child = None
+    try:
+        with SimulatedHost(
+            [SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB", context="300MiB"
+        ) as host:
+            with GpuPoolExecutor(max_workers=1, task_peak="4GiB", reserve=0) as ex:
+                child = ex.submit(tree_tasks.leave_a_subprocess, "2GiB").result(timeout=60)
+                decisions = list(ex.decisions)
+                assert host.process_peak(child) == 2 * GiB + 300 * MiB
+                os.kill(child, signal.SIGKILL)
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    measured = _measured(decisions, "tree_tasks.leave_a_subprocess")
+    assert measured, [d.to_dict() for d in decisions]
+    assert measured[0]["peak_bytes"] == 2 * GiB + 300 * MiB
+    assert measured[0]["outliving_descendants"] == 1
+    assert measured[0]["descendants"] >= 1
+    assert measured[0]["outliving_device_bytes"] == 2 * GiB + 300 * MiB
