@@ -188,6 +188,17 @@ def write_plot(
         fmt = suffix or "png"
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r}: pass one of {', '.join(FORMATS)}")
+    figure = plot_figure(runs, columns=columns, title=title)
+    figure.savefig(output, format=fmt)
+
+
+def plot_figure(
+    runs: Postmortem | Sequence[Postmortem],
+    *,
+    columns: Sequence[Sequence[CardView]] | None = None,
+    title: str | None = None,
+) -> Any:
+    """The figure :func:`write_plot` saves (a matplotlib ``Figure`` on the Agg canvas)."""
     figure_cls, canvas_cls = _require_matplotlib()
     grid_views = card_views(runs) + [list(c) for c in columns or () if c]
     pms = [runs] if not isinstance(runs, Sequence) else list(runs)
@@ -225,7 +236,7 @@ def write_plot(
     )
     legend_rows = -(-len(handles) // min(2 + len(grid_views), max(1, len(handles))))
     figure.tight_layout(rect=(0, 0.035 * legend_rows * 4.6 / (_CARD_HEIGHT_IN * rows), 1, 0.96))
-    figure.savefig(output, format=fmt)
+    return figure
 
 
 def _steps(points: Sequence[tuple[Any, ...]], end: float) -> tuple[list[float], list[Any]]:
