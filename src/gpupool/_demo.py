@@ -452,16 +452,25 @@ def _fixed_pool_view(
             f"ProcessPoolExecutor(max_workers={width}): {format_size(total_bytes)} card; "
             f"{len(events)} out-of-memory"
         ),
+        name="fixed pool",
         total_bytes=total_bytes,
         end_s=max(end_s, 1e-3),
         used=sampler.points,
         used_label="used (the simulated card, sampled)",
         used_sampled=True,
         width=[(0.0, width)],
-        ooms=[
-            (max(0.0, e.time_s - sampler.started_epoch_s), e.used_bytes + e.requested_bytes)
-            for e in events
-        ],
+        marks={
+            "out_of_memory": [
+                (
+                    max(0.0, e.time_s - sampler.started_epoch_s),
+                    e.used_bytes + e.requested_bytes,
+                    f"SimulatedOutOfMemory: process {e.pid} was refused "
+                    f"{format_size(e.requested_bytes)} with "
+                    f"{format_size(e.used_bytes)} of {format_size(total_bytes)} in use",
+                )
+                for e in events
+            ]
+        },
     )
 
 
