@@ -112,3 +112,23 @@ def test_the_demo_panels_share_one_time_axis(logs: dict[str, Path]) -> None:
     assert len(ranges) == 1, ranges
     ((low, high),) = ranges
     assert low == 0 and high >= pm.duration_s
+
+
+def test_a_reading_without_rows_draws_the_census_co_tenant(
+    logs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Where a sample could not split the card (no process rows: its co-tenant and parent
+    are null), the co-tenant drawn is the census's and the parent its own high-water."""
+    path = tmp_path / "no_rows.jsonl"
+    lines = []
+    for record in _records(logs["co_tenant"]):
+        if record["event"] == "card_read":
+            record["live_co_tenant_bytes"] = record["live_own_bytes"] = None
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    census = next(r for r in _records(path) if r["event"] == "constructed")
+    (view,) = card_views(read_postmortem(path))[0]
+    read = [p for p in view.reads if p[0] not in {r[0] for r in view.marks["out_of_memory"]}]
+    assert read
+    assert {p[2] for p in read} == {census["co_tenant_bytes"]}
+    assert {p[3] for p in read} == {census["own_high_water_bytes"]}
