@@ -452,16 +452,25 @@ def _fixed_pool_view(
             f"ProcessPoolExecutor(max_workers={width}): {format_size(total_bytes)} card; "
             f"{len(events)} out-of-memory"
         ),
+        name="fixed pool",
         total_bytes=total_bytes,
         end_s=max(end_s, 1e-3),
         used=sampler.points,
         used_label="used (the simulated card, sampled)",
         used_sampled=True,
         width=[(0.0, width)],
-        ooms=[
-            (max(0.0, e.time_s - sampler.started_epoch_s), e.used_bytes + e.requested_bytes)
-            for e in events
-        ],
+        marks={
+            "out_of_memory": [
+                (
+                    max(0.0, e.time_s - sampler.started_epoch_s),
+                    e.used_bytes + e.requested_bytes,
+                    f"SimulatedOutOfMemory: process {e.pid} was refused "
+                    f"{format_size(e.requested_bytes)} with "
+                    f"{format_size(e.used_bytes)} of {format_size(total_bytes)} in use",
+                )
+                for e in events
+            ]
+        },
     )
 
 
@@ -497,19 +506,15 @@ def _run_real(
     return 0 if failed == 0 else 1
 
 
-def _maybe_plot(
-    log: Path,
-    plot_path: str | Path,
-    say: Callable[[str], None],
-    *,
-    used: list[tuple[float, int]] | None = None,
-    beside: Any = None,
-) -> None:
-    from gpupool._plot import PlotUnavailableError, card_views, write_plot
+def demo_columns(
+    log: Path, *, used: list[tuple[float, int]] | None = None, beside: Any = None
+) -> list[list[Any]]:
+    """The demo figure's columns: the pool's run from its log (its first card drawn with the
+    demo's own samples of the card, when given), then ``beside`` (the fixed pool's view)."""
+    from gpupool._plot import card_views
     from gpupool._postmortem import read_runs
 
-    runs = read_runs(log)
-    columns = card_views(runs)
+    columns: list[list[Any]] = card_views(read_runs(log))
     if used and columns and columns[0]:
         first = columns[0][0]
         first.used = used
@@ -518,13 +523,26 @@ def _maybe_plot(
         first.title = "GpuPoolExecutor: " + first.title
     if beside is not None:
         columns.append([beside])
+    return columns
+
+
+#: The demo figure's title.
+DEMO_TITLE = "gpupool demo: the same 36 tasks, packed by gpupool (left) and a fixed pool"
+
+
+def _maybe_plot(
+    log: Path,
+    plot_path: str | Path,
+    say: Callable[[str], None],
+    *,
+    used: list[tuple[float, int]] | None = None,
+    beside: Any = None,
+) -> None:
+    from gpupool._plot import PlotUnavailableError, write_plot
+
+    columns = demo_columns(log, used=used, beside=beside)
     try:
-        write_plot(
-            [],
-            plot_path,
-            columns=columns,
-            title="gpupool demo: the same 36 tasks, packed by gpupool (left) and a fixed pool",
-        )
+        write_plot([], plot_path, columns=columns, title=DEMO_TITLE)
     except PlotUnavailableError as exc:
         import textwrap
 

@@ -40,6 +40,9 @@ from gpupool._core.events import (
 )
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
+from gpupool._plot_series import MAX_POINTS, DevicePlot
+from gpupool._plot_series import Series as _Series
+from gpupool._plot_series import plot_point as _plot_point
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -66,9 +69,6 @@ __all__ = [
 #: 4 KiB. A longer line means the file is not a decision log, and reading it
 #: whole would break the reader's memory bound.
 MAX_LINE_BYTES = 1024 * 1024
-
-#: Points kept per plotted series before it is thinned by half.
-MAX_POINTS = 4096
 
 #: Out-of-memory analyses kept in full; the rest are counted.
 MAX_OOM_DETAILS = 256
@@ -301,53 +301,6 @@ def _refuse_constant(name: str) -> float:
 
 
 # -- the run ---------------------------------------------------------------------------
-
-
-class _Series:
-    """Points ``(time_s, *values)`` kept under :data:`MAX_POINTS` by thinning in half."""
-
-    __slots__ = ("_skip", "points", "stride")
-
-    def __init__(self) -> None:
-        self.points: list[tuple[float, ...]] = []
-        self.stride = 1
-        self._skip = 0
-
-    def add(self, *point: float) -> None:
-        self._skip += 1
-        if self._skip < self.stride:
-            return
-        self._skip = 0
-        self.points.append(point)
-        if len(self.points) >= MAX_POINTS:
-            self.points = self.points[::2]
-            self.stride *= 2
-
-
-@dataclass(slots=True)
-class DevicePlot:
-    """One device's terms over time, as the plot draws them (thinned when long).
-
-    Attributes:
-        device: the device index.
-        terms: ``(time_s, total, co_tenant, own_high_water, ask, width, ceiling)``
-            from every record that carries the bound (``-1``: not in the record).
-        live_used: ``(time_s, live_used_bytes)`` where a record read the card.
-        booked: ``(time_s, booked_bytes)`` from out-of-memory records.
-        ooms: ``(time_s, bytes)``: where the card ran out (live used + refused).
-        refused: ``(time_s, width)`` of every refused widen.
-        gate_waits: ``(time_s, live_used_bytes or -1)`` of every live-gate wait.
-        serial: ``(time_s,)`` of every serial start (past the bound).
-    """
-
-    device: int
-    terms: _Series = field(default_factory=_Series)
-    live_used: _Series = field(default_factory=_Series)
-    booked: _Series = field(default_factory=_Series)
-    ooms: _Series = field(default_factory=_Series)
-    refused: _Series = field(default_factory=_Series)
-    gate_waits: _Series = field(default_factory=_Series)
-    serial: _Series = field(default_factory=_Series)
 
 
 @dataclass(slots=True)
@@ -687,42 +640,6 @@ def read_postmortem(path: str | Path, *, run: str | int | None = None) -> Postmo
         NoSuchRunError: ``run`` names no run in the log.
     """
     return read_runs(path, run=run)[-1]
-
-
-def _plot_point(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s: float) -> None:
-    total = record_int(record, "total_bytes")
-    co = record_int(record, "co_tenant_bytes")
-    own = record_int(record, "own_high_water_bytes")
-    ask = record_int(record, "ask_bytes")
-    width = record_int(record, "width_after")
-    ceiling = record_int(record, "ceiling")
-    if total is not None and co is not None and own is not None and ask is not None:
-        if event == "out_of_memory":
-            width = None  # the narrowed record that follows carries the new width
-        plot.terms.add(
-            time_s,
-            total,
-            co,
-            own,
-            ask,
-            width if width is not None else -1,
-            ceiling if ceiling is not None else -1,
-        )
-    used = record_int(record, "live_used_bytes")
-    if used is not None:
-        plot.live_used.add(time_s, used)
-    if event == "out_of_memory":
-        booked = record_int(record, "booked_bytes")
-        if booked is not None:
-            plot.booked.add(time_s, booked)
-        requested = record_int(record, "requested_bytes") or 0
-        plot.ooms.add(time_s, (used or 0) + requested if used is not None else (total or 0))
-    elif event == "widen_refused":
-        plot.refused.add(time_s, width if width is not None else 0)
-    elif event == "live_gate_wait":
-        plot.gate_waits.add(time_s, used if used is not None else -1)
-    elif event == "serial_start":
-        plot.serial.add(time_s)
 
 
 # -- words -----------------------------------------------------------------------------

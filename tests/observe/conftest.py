@@ -24,6 +24,13 @@ def incident_host() -> SimulatedHost:
     return SimulatedHost([card], cpus=16, host_ram="128GiB")
 
 
+def two_cards_host() -> SimulatedHost:
+    """Two cards of their own sizes: 24 GiB beside a 4 GiB co-tenant (room for 3 tasks at
+    5 GiB), and 12 GiB (room for 2); the pool-wide ceiling (max_workers=8) is above both."""
+    cards = [SimulatedDevice("24GiB", co_tenants={"other": "4GiB"}), SimulatedDevice("12GiB")]
+    return SimulatedHost(cards, cpus=16, host_ram="128GiB")
+
+
 def _staged_run(
     log: Path, change: Callable[[SimulatedHost], AbstractContextManager[object]]
 ) -> int:
@@ -48,7 +55,8 @@ def _staged_run(
 
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Real decision logs: an underestimated ask, a growing co-tenant, a growing parent."""
+    """Real decision logs: an underestimated ask, a growing co-tenant, a growing parent, two
+    cards, the incident."""
     root = tmp_path_factory.mktemp("logs")
     out: dict[str, Path] = {}
 
@@ -88,6 +96,14 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             ]
             concurrent.futures.wait(futures)
     out["oom_off"] = oom_off
+
+    two_cards = root / "two_cards.jsonl"
+    with (
+        two_cards_host(),
+        GpuPoolExecutor(max_workers=8, task_peak="5GiB", log_path=two_cards) as pool,
+    ):
+        list(pool.map(observe_tasks.entry, range(12), ["4GiB"] * 12))
+    out["two_cards"] = two_cards
 
     incident = root / "incident.jsonl"
     with incident_host(), hold("16.20GiB"):

@@ -157,23 +157,24 @@ def test_the_memory_axis_is_fitted_to_the_card() -> None:
     """A 602 GiB ask on an 80 GiB card does not squash the card: the axis stops just above
     the total, and the point is drawn at the top edge with its value written beside it."""
     pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
     from gpupool._core.units import GiB
-    from gpupool._plot import CardView, _draw
+    from gpupool._plot import CardView, plot_figure
 
     view = CardView(
         title="card 0",
+        name="card 0",
         total_bytes=80 * GiB,
         end_s=2.0,
-        booked=[(0.0, 10 * GiB, 5 * GiB, 40 * GiB)],
+        priced=[(0.0, 10 * GiB, 5 * GiB, 40 * GiB)],
         width=[(0.0, 4)],
         ceiling=[(0.0, 8)],
-        ooms=[(1.0, 602 * GiB)],
+        marks={"out_of_memory": [(1.0, 602 * GiB, "card 0: ran out")]},
     )
-    figure = Figure()
-    memory, width = figure.add_subplot(211), figure.add_subplot(212)
-    _draw(memory, width, view)
+    figure = plot_figure([], columns=[[view]])
+    memory, width = (
+        next(ax for ax in figure.axes if ax.get_label() == f"{panel}: card 0")
+        for panel in ("memory", "width")
+    )
     assert memory.get_ylim()[1] == pytest.approx(80 * 1.12)
     assert any(text.get_text() == "asked 602.00 GiB" for text in memory.texts)
     assert width.get_ylim()[1] == 9  # the ceiling of 8, plus one

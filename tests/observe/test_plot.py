@@ -1,0 +1,134 @@
+"""``gpupool plot`` draws the card as it was: readings, bookings by key, limits, reasons."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpupool._core.units import GiB
+from gpupool._postmortem import read_postmortem, read_runs
+
+pytest.importorskip("matplotlib")
+
+from gpupool._demo import demo_columns
+from gpupool._plot import CardView, card_views, plot_figure, write_plot
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _axes(figure: Any, label: str) -> Any:
+    found = [ax for ax in figure.axes if ax.get_label() == label]
+    assert len(found) == 1, [ax.get_label() for ax in figure.axes]
+    return found[0]
+
+
+def test_a_co_tenant_that_grew_mid_run_is_drawn_growing(logs: dict[str, Path]) -> None:
+    """The serving co-tenant grows 6 GiB while tasks run: the census said 9.54 GiB, the
+    readings say 15.54 GiB; the co-tenant drawn follows the readings, not the census."""
+    census = 9.54 * GiB
+    pm = read_postmortem(logs["co_tenant"])
+    series = [p[2] for p in pm.devices[0].reads.points]  # (time_s, used, co_tenant, ...)
+    assert series[0] == pytest.approx(census, rel=0.01)
+    assert max(series) == pytest.approx(census + 6 * GiB, rel=0.01)
+    (view,) = card_views(pm)[0]
+    co_tenant = [p[2] for p in view.reads]
+    assert co_tenant[0] == pytest.approx(census, rel=0.01)
+    assert max(co_tenant) == pytest.approx(census + 6 * GiB, rel=0.01)
+    # The measured used line is drawn from the same readings.
+    assert max(p[1] for p in view.used) >= census + 6 * GiB + 16 * GiB
+
+
+def test_the_bookings_are_stacked_by_key(logs: dict[str, Path]) -> None:
+    """Each running task's booking is drawn under its key's name, from the samples' tables."""
+    (view,) = card_views(read_postmortem(logs["co_tenant"]))[0]
+    assert view.key_names == ["observe_tasks.staged"]
+    assert max(p[1][0] for p in view.keys if p[1]) == 2 * 6.5 * GiB  # two running at 6.50 GiB each
+
+
+def _titles(svg: Path) -> list[str]:
+    root = ET.parse(svg).getroot()
+    return [el.text or "" for el in root.iter("{http://www.w3.org/2000/svg}title")]
+
+
+def test_an_svg_names_each_out_of_memory_and_refused_widen_on_hover(
+    logs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Every out-of-memory and refused widen is a marker whose SVG ``<title>`` is its reason."""
+    wanted = 0
+    for name in ("ask", "incident"):
+        svg = tmp_path / f"{name}.svg"
+        write_plot(read_runs(logs[name]), svg)
+        titles = _titles(svg)
+        for record in _records(logs[name]):
+            if record["event"] in ("out_of_memory", "widen_refused"):
+                wanted += 1
+                assert any(record["reason"] in title for title in titles), record["reason"]
+    assert wanted >= 2
+
+
+def test_each_card_shows_its_own_limit_and_the_pool_its_ceiling(logs: dict[str, Path]) -> None:
+    """Two cards of 24 GiB (4 GiB co-tenant) and 12 GiB at 5 GiB a task: each card's panel
+    draws its own room-over-ask limit; the pool-wide ceiling of 8 is drawn once, for the pool."""
+    records = _records(logs["two_cards"])
+    runs = read_runs(logs["two_cards"])
+    figure = plot_figure(runs)
+    fits: dict[int, set[int]] = {0: set(), 1: set()}
+    for record in records:
+        if record.get("room_bytes") is not None and record.get("device") is not None:
+            fits[record["device"]].add(max(0, record["room_bytes"] // record["ask_bytes"]))
+    assert fits[0] != fits[1]
+    for device in (0, 1):
+        view = card_views(runs)[0][device]
+        assert view.ceiling == []
+        assert {int(p[1]) for p in view.limit} == fits[device]
+        ax = _axes(figure, f"width: card {device}")
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines["this card's limit (room / ask)"].get_ydata()) == fits[device]
+        assert all(max(line.get_ydata(), default=0) < 8 for line in lines.values())
+    pool = _axes(figure, "pool")
+    lines = {line.get_label(): line for line in pool.get_lines()}
+    assert set(lines["pool-wide ceiling (max_workers, CPUs, RAM)"].get_ydata()) == {8}
+
+
+def test_the_demo_panels_share_one_time_axis(logs: dict[str, Path]) -> None:
+    """The pool's run and the fixed pool's are drawn on one time axis, however long each ran."""
+    pm = read_postmortem(logs["incident"])
+    fixed = CardView(
+        title="fixed pool",
+        total_bytes=int(44.39 * GiB),
+        end_s=pm.duration_s / 3,
+        used=[(0.0, 26 * GiB), (pm.duration_s / 3, 40 * GiB)],
+        used_sampled=True,
+        width=[(0.0, 4)],
+    )
+    figure = plot_figure([], columns=demo_columns(logs["incident"], beside=fixed))
+    ranges = {tuple(ax.get_xlim()) for ax in figure.axes if ax.get_visible()}
+    assert len(ranges) == 1, ranges
+    ((low, high),) = ranges
+    assert low == 0 and high >= pm.duration_s
+
+
+def test_a_reading_without_rows_draws_the_census_co_tenant(
+    logs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Where a sample could not split the card (no process rows: its co-tenant and parent
+    are null), the co-tenant drawn is the census's and the parent its own high-water."""
+    path = tmp_path / "no_rows.jsonl"
+    lines = []
+    for record in _records(logs["co_tenant"]):
+        if record["event"] == "card_read":
+            record["live_co_tenant_bytes"] = record["live_own_bytes"] = None
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    census = next(r for r in _records(path) if r["event"] == "constructed")
+    (view,) = card_views(read_postmortem(path))[0]
+    read = [p for p in view.reads if p[0] not in {r[0] for r in view.marks["out_of_memory"]}]
+    assert read
+    assert {p[2] for p in read} == {census["co_tenant_bytes"]}
+    assert {p[3] for p in read} == {census["own_high_water_bytes"]}
