@@ -75,6 +75,7 @@ def test_samples_grow_with_time_not_with_tasks(tasks: int, duration_s: float, ju
         for run_task in list(planner.cards[0].runs):
             planner.finished(run_task, None, now_s)
         start_all(planner, now_s)
+        planner.sample_cards(now_s)
     decisions = [r for r in records if r.event != "card_read" and r.device == 0]
     samples = samples_of(records)
     times = [s.time_s for s in samples]
@@ -91,6 +92,7 @@ def test_an_idle_card_whose_reading_stands_still_is_not_sampled() -> None:
     planner = planner_on([card(40)], records, estimate_bytes=GiB, max_workers=4)
     for second in range(1, 20):
         planner.observe(0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), float(second))
+        planner.sample_cards(float(second))
     assert len(samples_of(records)) == 1  # the first reading, then nothing moved
 
 
@@ -106,6 +108,7 @@ def test_a_co_tenant_that_grows_between_decisions_is_sampled_with_its_bytes() ->
         CardReading(free_bytes=29 * GiB, used_bytes=15 * GiB, process_bytes=rows),
         0.1 + SAMPLE_MIN_GAP_S,
     )
+    planner.sample_cards(0.1 + SAMPLE_MIN_GAP_S)
     last = samples_of(records)[-1].to_dict()
     assert last["live_co_tenant_bytes"] == 10 * GiB
     assert last["live_pool_bytes"] == 5 * GiB

@@ -522,6 +522,7 @@ class Dispatcher:
             busy = any(w.task is not None for w in workers)
             if busy:
                 poll_s = self._read_while_running(poll_s)
+            self.planner.sample_cards(self.now())
             self.publish()  # the end of the turn
             with self.lock:
                 idle_pool = not self.incoming and not self.items and not busy

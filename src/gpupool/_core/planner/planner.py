@@ -212,7 +212,13 @@ class Planner(Starts):
                     devices=(device,),
                 )
         self._lift_cap(card, reading, now_s)
-        self._sample(card, now_s, decision=False)
+
+    def sample_cards(self, now_s: float) -> None:
+        """The end of a turn of the process layer (its starts made): a ``card_read`` sample
+        of each card whose last reading is due one (:mod:`~gpupool._core.planner.samples`).
+        Taken after the turn's starts, so a sample counts the tasks that run beside it."""
+        for card in self.cards:
+            self._sample(card, now_s, decision=False)
 
     def _lift_cap(self, card: Card, reading: CardReading, now_s: float) -> None:
         cap = card.oom_cap

@@ -11,8 +11,9 @@ A sample is written for a card:
 
 * with every decision record of that card, when the card was read since the
   last sample (a decision states the reading it was made on);
-* while the pool's tasks run there or the reading moves, at most once every
-  :data:`SAMPLE_INTERVAL_S`;
+* at the end of a turn of the process layer (after its starts, so a sample
+  counts the tasks that run beside it), while the pool's tasks run there or
+  the reading moves, at most once every :data:`SAMPLE_INTERVAL_S`;
 * at once (but no sooner than :data:`SAMPLE_MIN_GAP_S` after the last) when
   the card's used bytes jump by :data:`SAMPLE_JUMP_FRACTION` of its total.
 
