@@ -45,9 +45,11 @@ INCIDENT: dict[str, Any] = {
 }
 
 #: How long each simulated entry holds its bytes. Long enough that a fixed pool's
-#: four tasks overlap on the card (as the incident's did), short enough that
-#: both runs finish in well under a minute on two cores (measured: about 10 s).
-ENTRY_HOLD_S = 0.1
+#: four tasks overlap on the card (as the incident's did: an entry that cannot
+#: allocate fails at once, so the workers soon meet two that hold); short
+#: enough that the 36 entries hold under a second in all at gpupool's width of
+#: 2 (measured: the whole demo in about 3 s on two idle cores).
+ENTRY_HOLD_S = 0.05
 
 #: The real-card workload: bytes each task allocates with torch, and its estimate
 #: (the allocation plus a CUDA context, generously).
@@ -121,6 +123,24 @@ class _Sampler:
                 return
             self.points.append((time.monotonic() - self.started_s, used))
             self._stop.wait(SAMPLE_INTERVAL_S)
+
+
+def _preload_plotting() -> None:
+    """Import matplotlib in a daemon thread, while the pools run (mostly waiting on tasks).
+
+    Its first import is the larger part of drawing the plot (about 1 s of CPU);
+    done beside the runs, the plot is drawn sooner after them. Without
+    matplotlib this does nothing (the plot then says why it was not drawn).
+    """
+
+    def load() -> None:
+        try:
+            import matplotlib.backends.backend_agg
+            import matplotlib.figure  # noqa: F401
+        except Exception:  # not installed, or broken: _maybe_plot reports it
+            return
+
+    threading.Thread(target=load, name="gpupool-demo-preload", daemon=True).start()
 
 
 def _real_card_present() -> bool:
@@ -356,6 +376,8 @@ def _run_simulated(
     inc = INCIDENT
     n = inc["entries"]
     log = _fresh_log(log_path)
+    if plot_path is not None:
+        _preload_plotting()
     say("gpupool demo: the incident, on a simulated card (no GPU needed)")
     say(
         f"  a {format_size(parse_size(inc['card_total']))} card; a serving co-tenant holds "
@@ -484,6 +506,8 @@ def _run_real(
     from gpupool._pool.executor import GpuPoolExecutor
 
     log = _fresh_log(log_path)
+    if plot_path is not None:
+        _preload_plotting()
     say(
         f"gpupool demo (real card): {TORCH_ENTRIES} torch entries of "
         f"{format_size(TORCH_ENTRY_BYTES)} each, task_peak={TORCH_TASK_PEAK}, max_workers=4"

@@ -24,7 +24,8 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -50,6 +51,8 @@ __all__ = [
     "MAX_KEYS",
     "MAX_POINTS",
     "MAX_RUNS",
+    "CutLine",
+    "CutLogWarning",
     "DecisionLogError",
     "DevicePlot",
     "EmptyLogError",
@@ -111,6 +114,47 @@ class EmptyLogError(DecisionLogError):
     """The file holds no decision records."""
 
 
+class _CutRecordError(DecisionLogError):
+    """The file's last line is a record cut short (no newline, not whole JSON)."""
+
+
+class CutLogWarning(UserWarning):
+    """A log's last line was cut short and dropped (warned when no ``on_cut`` is given)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutLine:
+    """The last line of a log, dropped: no newline, and not a whole record.
+
+    A pool writes each record with its newline in one write, so such a line
+    is a record the pool was killed while writing, or one it is writing now.
+
+    Attributes:
+        path: the log.
+        line: the line's 1-based number.
+        dropped_bytes: the bytes of the line that were dropped.
+    """
+
+    path: str
+    line: int
+    dropped_bytes: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path}, line {self.line}: the last line is incomplete (no newline: the pool "
+            "was killed while writing it, or is still writing it); dropped its "
+            f"{self.dropped_bytes} bytes and read the records before it"
+        )
+
+
+#: What a reader is told of a cut last line (:class:`CutLine`).
+OnCut = Callable[[CutLine], None]
+
+
+def _warn_cut(cut: CutLine) -> None:
+    warnings.warn(str(cut), CutLogWarning, stacklevel=4)
+
+
 # -- reading ---------------------------------------------------------------------------
 
 
@@ -155,23 +199,31 @@ def _open_log(path: str | Path) -> IO[bytes]:
         raise
 
 
-def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_records(
+    path: str | Path, *, on_cut: OnCut | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, record)`` for each record in a decision log, streaming.
 
-    Blank lines are skipped. Only :func:`json.loads` touches the text.
+    Blank lines are skipped. Only :func:`json.loads` touches the text. A last
+    line without a newline that is not whole JSON (a pool killed mid-write, or
+    one still writing) is dropped and reported to ``on_cut``: the records
+    before it are read. Reading stops at the first line without a newline,
+    so a record a live pool finishes meanwhile is never read as two lines.
 
     Args:
         path: a JSON Lines decision log, or ``"-"`` for standard input.
+        on_cut: called with the dropped line (:class:`CutLine`); by default
+            a :class:`CutLogWarning` is issued.
 
     Yields:
         The 1-based line number and the record as a dict.
 
     Raises:
         DecisionLogError: the file cannot be opened or read, is not a regular
-            file (a FIFO, a device), a line is not UTF-8 JSON (the last one:
-            truncated), is not a decision record, or was written with a newer
-            schema; the message names the line.
-        EmptyLogError: the file holds no records.
+            file (a FIFO, a device), a line before the last is not UTF-8
+            JSON, a line is not a decision record, or was written with a
+            newer schema; the message names the line.
+        EmptyLogError: the file holds no whole records.
     """
     name = "<stdin>" if str(path) == "-" else str(path)
     handle = _open_log(path)
@@ -179,31 +231,23 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     number = 0
     try:
         while True:
-            try:
-                raw = handle.readline(MAX_LINE_BYTES + 1)
-            except OSError as exc:
-                raise DecisionLogError(
-                    f"{name}, line {number + 1}: cannot be read ({exc.strerror or exc})",
-                    path=name,
-                    line=number + 1,
-                ) from None
+            raw = _read_line(handle, name, number + 1)
             if not raw:
                 break
             number += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise DecisionLogError(
-                    f"{name}, line {number}: longer than {format_size(MAX_LINE_BYTES)}; "
-                    "not a gpupool decision log",
-                    path=name,
-                    line=number,
-                )
             ended = raw.endswith(b"\n")
-            if not raw.strip():
-                continue
-            # readline() stops short of a newline only at the end of the file.
-            record = _parse_line(raw, number=number, last=not ended, path=name)
-            seen += 1
-            yield number, record
+            if raw.strip():
+                # readline() stops short of a newline only at the end of the file, as
+                # it stands now: a live writer may append the rest after this read.
+                try:
+                    record = _parse_line(raw, number=number, last=not ended, path=name)
+                except _CutRecordError:
+                    (on_cut or _warn_cut)(CutLine(name, number, len(raw)))
+                    break
+                seen += 1
+                yield number, record
+            if not ended:
+                break
     finally:
         handle.close()
     if seen == 0:
@@ -215,13 +259,33 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         )
 
 
+def _read_line(handle: IO[bytes], name: str, number: int) -> bytes:
+    """The next line, its newline included (``b""`` at the end); bounded by MAX_LINE_BYTES."""
+    try:
+        raw = handle.readline(MAX_LINE_BYTES + 1)
+    except OSError as exc:
+        raise DecisionLogError(
+            f"{name}, line {number}: cannot be read ({exc.strerror or exc})",
+            path=name,
+            line=number,
+        ) from None
+    if len(raw) > MAX_LINE_BYTES:
+        raise DecisionLogError(
+            f"{name}, line {number}: longer than {format_size(MAX_LINE_BYTES)}; "
+            "not a gpupool decision log",
+            path=name,
+            line=number,
+        )
+    return raw
+
+
 def _parse_line(raw: bytes, *, number: int, last: bool, path: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
         value = json.loads(text, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         if last and raw.lstrip().startswith(b"{"):
-            raise DecisionLogError(
+            raise _CutRecordError(
                 f"{path}, line {number}: truncated (the file ends in the middle of a record: "
                 "was the pool killed, or is it still writing?)",
                 path=path,
@@ -567,7 +631,9 @@ def _selects(pm: Postmortem, run: str) -> bool:
     return run == str(pm.run_index) or (len(run) >= 4 and pm.run_id.startswith(run))
 
 
-def read_runs(path: str | Path, *, run: str | int | None = None) -> list[Postmortem]:
+def read_runs(
+    path: str | Path, *, run: str | int | None = None, on_cut: OnCut | None = None
+) -> list[Postmortem]:
     """Stream a decision log into one :class:`Postmortem` per run, in bounded memory.
 
     A run is the records that carry one ``run_id``, in the order the file
@@ -579,6 +645,8 @@ def read_runs(path: str | Path, *, run: str | int | None = None) -> list[Postmor
         path: the log, or ``"-"`` for standard input.
         run: keep only this run: its place in the file (``1``, ``"2"``) or
             the start of its run id (4 characters at least).
+        on_cut: told of a last line cut short, which is dropped (see
+            :func:`iter_records`; default: a :class:`CutLogWarning`).
 
     Raises:
         DecisionLogError: the file is not a readable decision log (see
@@ -591,7 +659,7 @@ def read_runs(path: str | Path, *, run: str | int | None = None) -> list[Postmor
     legacy = 0
     legacy_id: str | None = None
     legacy_seen_other = False
-    for number, record in iter_records(path):
+    for number, record in iter_records(path, on_cut=on_cut):
         run_id = record.get("run_id")
         if not isinstance(run_id, str) or not run_id:
             # Schema 1: a run starts at a "constructed" record after any other event.
@@ -632,14 +700,18 @@ def read_runs(path: str | Path, *, run: str | int | None = None) -> list[Postmor
     return chosen
 
 
-def read_postmortem(path: str | Path, *, run: str | int | None = None) -> Postmortem:
+def read_postmortem(
+    path: str | Path, *, run: str | int | None = None, on_cut: OnCut | None = None
+) -> Postmortem:
     """One run of a decision log: the one chosen by ``run``, by default the last.
+
+    A last line cut short is dropped and reported to ``on_cut`` (see :func:`read_runs`).
 
     Raises:
         DecisionLogError: the file is not a readable decision log.
         NoSuchRunError: ``run`` names no run in the log.
     """
-    return read_runs(path, run=run)[-1]
+    return read_runs(path, run=run, on_cut=on_cut)[-1]
 
 
 # -- words -----------------------------------------------------------------------------

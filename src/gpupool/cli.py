@@ -719,11 +719,24 @@ def _add_postmortem(sub: Any) -> None:
 
 
 def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
-    """The runs of ``path``, or ``(None, status)`` after saying what is wrong."""
-    from gpupool._postmortem import DecisionLogError, EmptyLogError, NoSuchRunError, read_runs
+    """The runs of ``path``, or ``(None, status)`` after saying what is wrong.
+
+    A last line cut short (a pool killed mid-write, or still writing) is
+    dropped, and said on stderr in one line; the records before it are read.
+    """
+    from gpupool._postmortem import (
+        CutLine,
+        DecisionLogError,
+        EmptyLogError,
+        NoSuchRunError,
+        read_runs,
+    )
+
+    def say_cut(cut: CutLine) -> None:
+        sys.stderr.write(f"gpupool {command}: {cut}\n")
 
     try:
-        return read_runs(path, run=run), EXIT_OK
+        return read_runs(path, run=run, on_cut=say_cut), EXIT_OK
     except EmptyLogError as exc:
         sys.stderr.write(f"gpupool {command}: {exc}\n")
         return None, EXIT_EMPTY_LOG

@@ -51,16 +51,54 @@ def test_foreign_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert re.search(r"line 1: not a gpupool decision record", err)
 
 
-def test_truncated_last_line(
+def test_a_cut_last_line_is_dropped_and_the_records_before_it_read(
     logs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A log cut in the middle of its last record: exit 2, that line named as truncated."""
+    """A log cut in the middle of its last record (a killed pool): exit 0, every earlier
+    record read, and one line on stderr naming the file, the line and the bytes dropped."""
     lines = logs["incident"].read_bytes().splitlines(keepends=True)
     path = tmp_path / "cut.jsonl"
     path.write_bytes(b"".join(lines[:-1]) + lines[-1][:40])
+    status = main(["postmortem", "--json", str(path)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "Traceback" not in captured.err
+    notes = captured.err.splitlines()
+    assert len(notes) == 1, captured.err
+    assert re.search(rf"cut\.jsonl, line {len(lines)}: .*dropped its 40 bytes", notes[0])
+    (run,) = json.loads(captured.out)["runs"]
+    assert run["records"] == len(lines) - 1
+    assert run["shutdown"] is None  # the shutdown record was the one cut
+
+
+def test_a_cut_line_before_the_last_stays_an_error(
+    logs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record cut short with more lines after it is not a crash's tail: exit 3, line named."""
+    lines = logs["incident"].read_bytes().splitlines(keepends=True)
+    path = tmp_path / "middle.jsonl"
+    path.write_bytes(b"".join(lines[:2]) + lines[2][:40] + b"\n" + b"".join(lines[3:]))
     status, err = _run(path, capsys)
     assert status == EXIT_BAD_LOG
-    assert re.search(rf"line {len(lines)}: truncated", err)
+    assert re.search(r"middle\.jsonl, line 3: not JSON", err)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b'{"schema": 1, "event": "nope"}', b"[1, 2", b"\xff\xfe junk"],
+    ids=["complete-but-unknown", "not-an-object", "not-json"],
+)
+def test_a_bad_last_line_that_is_not_a_cut_record_stays_an_error(
+    logs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], tail: bytes
+) -> None:
+    """Only a cut JSON object is dropped: a whole bad record, or text that never was a
+    record, at the end of the file is still refused (exit 3), naming the line."""
+    lines = logs["incident"].read_bytes().splitlines(keepends=True)
+    path = tmp_path / "tail.jsonl"
+    path.write_bytes(b"".join(lines) + tail)
+    status, err = _run(path, capsys)
+    assert status == EXIT_BAD_LOG
+    assert f"line {len(lines) + 1}: " in err
 
 
 def test_newer_schema(

@@ -298,7 +298,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             inside a ``gpupool.testing.SimulatedHost``).
         progress: show a progress bar (tqdm, when installed) with the width
             and the asks while ``map`` results are consumed: ``None`` when
-            standard error is a terminal, ``True`` always, ``False`` never.
+            standard error is a terminal or in a Jupyter kernel (see
+            :func:`gpupool.track`), ``True`` always, ``False`` never.
         cap_allocator: cap each worker's PyTorch caching allocator at the
             booked ask of the task it runs less what the worker holds outside
             torch's allocator (its CUDA context, measured from its device row
