@@ -595,27 +595,28 @@ class Probe:
             peak = sensor.read_process_peak_bytes(device, self._pid)
         except Exception:
             peak = None
+        self._read_row_and_context(sensor, device)
+        return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
+
+    def _read_row_and_context(self, sensor: Sensor, device: DeviceInfo) -> int | None:
+        """The worker's (tree's) row now, trusted or ``None``; the context noted from it
+        against what the frameworks held just before and just after."""
         held_before = self._frameworks.sample()
         try:
             now = _trusted(sensor.read_process_bytes(device, self._pid))
         except Exception:
             now = None
         self._note_context(now, held_before, self._frameworks.sample())
-        return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
+        return now
 
     def _stop_sampling(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join()
             self._sampler = None
-        held_before = self._frameworks.sample()
-        try:
-            now = _trusted(sensor.read_process_bytes(device, self._pid))
-        except Exception:
-            now = None
         # Read before the caches are released: the row then holds the frameworks'
         # bytes plus everything outside them (the context).
-        self._note_context(now, held_before, self._frameworks.sample())
+        now = self._read_row_and_context(sensor, device)
         peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
         source = f"{sensor.name}-sampled"
         try:

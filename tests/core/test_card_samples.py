@@ -9,7 +9,7 @@ import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fit_rules import PARENT, card, planner_on
+from test_fit_rules import PARENT, card, planner_on, start_all
 
 from gpupool._core.attribution import analyse_oom
 from gpupool._core.events import Decision
@@ -19,20 +19,10 @@ from gpupool._core.planner import (
     SAMPLE_MIN_GAP_S,
     CardReading,
     Fail,
-    Planner,
     Retry,
-    Start,
 )
 from gpupool._core.planner.samples import split_reading
 from gpupool._core.units import GiB, MiB
-
-
-def start_all(planner: Planner, now_s: float) -> list[Start]:
-    starts = []
-    while isinstance(verdict := planner.next_start(now_s), Start):
-        planner.started(verdict.task, verdict.device, 100 + verdict.task, now_s)
-        starts.append(verdict)
-    return starts
 
 
 def oom_report(reached_bytes: int, requested_bytes: int) -> PeakReport:

@@ -6,11 +6,10 @@ import io
 import re
 import struct
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
+from progress_pool import FakeAsk, FakePool, FakeStats
 
 from gpupool._progress import describe_asks, progress_enabled, track
 from gpupool.cli import EXIT_BAD_LOG, main
@@ -51,26 +50,15 @@ def test_plot_of_a_bad_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert not out.exists()
 
 
-@dataclass
-class _Ask:
-    ask_bytes: int
-    basis: str
-
-
-@dataclass
-class _Stats:
-    asks: dict[str, Any] = field(default_factory=dict)
-    width: int = 2
-
-
-class _Pool:
-    def statistics(self) -> _Stats:
-        return _Stats({"mod.entry": _Ask(7_456_348_438, "measured")})
-
-
 def test_track_passes_results_through_when_off() -> None:
     """Disabled, the bar yields every result unchanged and in order."""
-    assert list(track(iter(range(5)), total=5, executor=_Pool(), enabled=False)) == [0, 1, 2, 3, 4]
+    assert list(track(iter(range(5)), total=5, executor=FakePool(), enabled=False)) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 def test_track_auto_is_off_without_a_terminal() -> None:
@@ -82,11 +70,11 @@ def test_track_auto_is_off_without_a_terminal() -> None:
 def test_track_shows_width_and_ask(capsys: pytest.CaptureFixture[str]) -> None:
     """Forced on, the tqdm bar on stderr carries the count, the width and the key's ask."""
     pytest.importorskip("tqdm")
-    assert list(track(range(3), total=3, executor=_Pool(), enabled=True)) == [0, 1, 2]
+    assert list(track(range(3), total=3, executor=FakePool(), enabled=True)) == [0, 1, 2]
     err = capsys.readouterr().err
     assert "3/3" in err
     assert "failed 0, width 2, ask 6.94 GiB measured" in err
-    assert describe_asks(_Pool().statistics().asks) == "ask 6.94 GiB measured"
+    assert describe_asks(FakePool().statistics().asks) == "ask 6.94 GiB measured"
 
 
 def test_track_counts_failed_futures(capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,11 +96,11 @@ def test_track_fits_80_columns(capsys: pytest.CaptureFixture[str]) -> None:
     """With many keys and long names, every line of the bar stays within 80 columns."""
     pytest.importorskip("tqdm")
 
-    class _Many(_Pool):
-        def statistics(self) -> _Stats:
-            return _Stats(
+    class _Many(FakePool):
+        def statistics(self) -> FakeStats:
+            return FakeStats(
                 {
-                    f"package.module.a_long_task_name_{i}": _Ask(i * 2**30, "measured")
+                    f"package.module.a_long_task_name_{i}": FakeAsk(i * 2**30, "measured")
                     for i in range(9)
                 }
             )

@@ -10,34 +10,15 @@ import re
 import sys
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from progress_pool import FakePool
 
 from gpupool._progress import progress_enabled, track
 
 #: The module tqdm.auto (and gpupool) find loaded inside a Jupyter kernel.
 KERNEL_MODULE = "ipykernel.zmqshell"
-
-
-@dataclass
-class _Ask:
-    ask_bytes: int
-    basis: str
-
-
-@dataclass
-class _Stats:
-    asks: dict[str, Any] = field(default_factory=dict)
-    width: int = 2
-
-
-class _Pool:
-    """What ``track`` reads of a pool: ``statistics()``."""
-
-    def statistics(self) -> _Stats:
-        return _Stats({"mod.entry": _Ask(7_456_348_438, "measured")})
 
 
 @pytest.fixture
@@ -76,7 +57,7 @@ def test_the_postfix_follows_the_times_without_a_stray_space(
 ) -> None:
     """The pool's terms follow the times as tqdm's own do: ``00:00<00:00, failed 0, ...``."""
     pytest.importorskip("tqdm")
-    list(track(range(3), total=3, executor=_Pool(), enabled=True))
+    list(track(range(3), total=3, executor=FakePool(), enabled=True))
     last = _chunks(capsys.readouterr().err)[-1]
     assert re.search(r"\| \d\d:\d\d<\d\d:\d\d, failed 0, width 2, ask 6\.94 GiB", last), last
     assert " ," not in last
@@ -103,7 +84,7 @@ def test_the_bar_shows_by_default_in_a_kernel_and_is_tqdm_auto(
     from tqdm import tqdm as std_tqdm
 
     shown: list[type[Any]] = []
-    for _ in track(range(3), total=3, executor=_Pool()):
+    for _ in track(range(3), total=3, executor=FakePool()):
         shown.extend(type(bar) for bar in list(std_tqdm._instances))
     assert shown and all(issubclass(cls, tqdm_auto.tqdm) for cls in shown)
     assert "3/3" in capsys.readouterr().err
@@ -118,7 +99,7 @@ def test_log_lines_go_through_tqdm_write_while_a_bar_is_shown(
     pytest.importorskip("tqdm")
     logger = logging.getLogger("gpupool")
     with _gpupool_to_stderr() as handler:
-        for i in track(range(3), total=3, executor=_Pool(), enabled=True):
+        for i in track(range(3), total=3, executor=FakePool(), enabled=True):
             logger.warning("gpupool test line %d", i)
         assert handler.stream is sys.stderr
         chunks = _chunks(capsys.readouterr().err)
