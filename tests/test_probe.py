@@ -104,7 +104,9 @@ def test_probe_without_a_device_reports_only_the_host():
     report = probe.stop()
     assert report.device_peak_bytes is None
     assert report.device_source == "none"
-    assert report.rss_source == "vmhwm"
+    # The host RSS is still measured: this process's, plus that of any process alive under
+    # it (the test process may have children left by earlier tests, a resource tracker).
+    assert report.rss_source in ("vmhwm", "vmhwm+descendants")
 
 
 def test_torch_oom_is_recognised_and_the_probe_creates_no_context():
