@@ -830,7 +830,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             asks=snapshot.asks,
             widths_by_key=snapshot.widths_by_key,
             serial_starts=counts.get("serial_starts", 0),
-            log_write_errors=snapshot.log_write_errors,
+            # Read live: the log's last check, at close, comes after the last snapshot.
+            log_write_errors=max(snapshot.log_write_errors, self._log.write_errors),
         )
 
 
