@@ -75,6 +75,14 @@ def touch_and_wait(path: str, release: str, value: int = 0) -> int:
     return value
 
 
+class Token:
+    """A picklable object a test can hold a weak reference to."""
+
+
+def init_with(*args: object) -> None:
+    """An initializer that takes any initargs and keeps none of them."""
+
+
 _initialized: list[str] = []
 
 
