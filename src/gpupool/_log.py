@@ -8,7 +8,14 @@ The file (``log_path``):
 * is opened with ``O_NOFOLLOW``: a symbolic link at ``log_path`` is refused,
   never followed (a link planted by another user cannot redirect the log),
   and anything but a regular file (a device, a FIFO) is refused;
-* is created ``0600`` (an existing file keeps its mode);
+* is created ``0600`` (an existing file keeps its mode); an existing file
+  another user owns, or one group or others can write, is refused (checked
+  with ``fstat`` on the opened descriptor): its owner, or anyone who can
+  write it, could add records ``gpupool postmortem`` would report;
+* is compared with the file at ``log_path`` at most once a second
+  (:data:`CHECK_EVERY_S`) and at close: a file deleted during the run is
+  warned about once, the records in it are counted as write errors, and the
+  log goes on in a new file (a moved file: the same, nothing counted);
 * is appended to, one ``os.write`` per record, with no buffer: a record is
   on disk, or counted as not written;
 * opens each run with a ``run_started`` record, and every record carries the
@@ -80,6 +87,11 @@ _OPEN_FLAGS = (
 )
 _FILE_MODE = 0o600
 
+#: How often, at most, the file at ``log_path`` is compared with the open
+#: descriptor (two ``stat`` calls before a write): a log deleted or replaced
+#: during the run is found within a second of its next record, and at close.
+CHECK_EVERY_S = 1.0
+
 
 def level_for(event: str) -> int:
     """The logging level of a record: ``WARNING`` for :data:`WARNING_EVENTS`, else ``INFO``."""
@@ -105,8 +117,40 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f" ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return ""
+
+
+def _not_ours(st: os.stat_result, shown: str) -> str | None:
+    """Why the opened file is not this user's own log to append to, or ``None``."""
+    euid = os.geteuid() if hasattr(os, "geteuid") else st.st_uid
+    if st.st_uid != euid:
+        return (
+            f"log_path={shown!r} is owned by uid {st.st_uid}{_user(st.st_uid)}, not by this "
+            f"process's user (uid {euid}{_user(euid)}): its owner could read the log and add "
+            "records that gpupool postmortem would report as this pool's. Pass a path of your "
+            "own (a new file is created 0600), or remove that file first."
+        )
+    if st.st_mode & 0o022:
+        who = " and ".join(
+            name for bit, name in ((0o020, "group"), (0o002, "others")) if st.st_mode & bit
+        )
+        return (
+            f"log_path={shown!r} has mode {stat.S_IMODE(st.st_mode):04o}: writable by {who}, "
+            "who could add records that gpupool postmortem would report as this pool's. "
+            f"Run chmod go-w {shown}, or pass a new path (a new file is created 0600)."
+        )
+    return None
+
+
 def _open_log(path: Path, shown: str) -> int:
-    """Open ``path`` for appending: no symlink followed, a regular file, created 0600."""
+    """Open ``path`` for appending: no symlink followed, a regular file of this user's that
+    group and others cannot write, created 0600."""
     try:
         fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
     except OSError as exc:
@@ -130,6 +174,9 @@ def _open_log(path: Path, shown: str) -> int:
                 f"log_path={shown!r} is {_kind(mode)}, not a regular file; pass a file "
                 "path such as run.jsonl (or log_path=None for no file)."
             )
+        problem = _not_ours(os.fstat(fd), shown)
+        if problem is not None:
+            raise ConfigurationError(problem)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -143,7 +190,8 @@ def check_log_path(log_path: str | os.PathLike[str]) -> Path:
     Raises:
         ConfigurationError: naming the path and what is wrong with it (no such
             directory, a directory, a symbolic link, a device or FIFO such as
-            ``/dev/full``, not writable).
+            ``/dev/full``, not writable, another user's file, a file group or
+            others can write).
     """
     if not isinstance(log_path, (str, os.PathLike)):
         raise ConfigurationError(
@@ -176,6 +224,8 @@ class DecisionLog:
         settings: the pool's settings, written into the run's ``run_started``
             record (JSON scalars; sizes in bytes, named ``*_bytes``).
         run_id: the run's id (default: :func:`new_run_id`).
+        check_every_s: how often, at most, the file at ``path`` is checked to
+            still be the one written to (:data:`CHECK_EVERY_S`).
 
     Attributes:
         run_id: the id every record of this run carries.
@@ -188,8 +238,14 @@ class DecisionLog:
         *,
         settings: Mapping[str, JsonValue] | None = None,
         run_id: str | None = None,
+        check_every_s: float = CHECK_EVERY_S,
     ) -> None:
         self.run_id = run_id or new_run_id()
+        self._check_every_s = check_every_s
+        self._checked_at_s = time.monotonic()
+        self._in_file = 0  # records written to the file the descriptor holds
+        self._header: dict[str, JsonValue] = {}
+        self._warned_gone = False
         self.path = path
         self._records: list[Decision] = []
         self._lock = threading.Lock()
@@ -210,6 +266,7 @@ class DecisionLog:
                     **(settings or {}),
                 },
             )
+            self._header = dict(header)
             with self._lock:
                 self._write_line(header)
 
@@ -256,12 +313,24 @@ class DecisionLog:
             if not self._closed:
                 self._write_errors += 1
             return
+        now_s = time.monotonic()
+        if now_s - self._checked_at_s >= self._check_every_s:
+            self._check_file(now_s, reopen=True)
+            if self._fd is None:
+                self._write_errors += 1
+                return
+        self._put(record)
+
+    def _put(self, record: Mapping[str, JsonValue]) -> None:
+        """Write one record to the open descriptor (the lock held)."""
+        assert self._fd is not None
         data = (json.dumps(dict(record), sort_keys=False) + "\n").encode("utf-8")
         try:
             view = memoryview(data)
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
+            self._in_file += 1
         except OSError as exc:
             self._write_errors += 1
             fd, self._fd = self._fd, None
@@ -272,12 +341,62 @@ class DecisionLog:
                 f"({exc.strerror or exc}); the pool goes on, its records are kept in "
                 "memory only (pool.decisions) and counted as log write errors"
             )
-            LOGGER.warning(message)
+            self._warn(message)  # once: the file is closed from now on
+
+    def _check_file(self, now_s: float, *, reopen: bool) -> None:
+        """Is the file at ``path`` still the one the descriptor writes to (the lock held)?
+
+        Deleted (its link count is 0): every record written to it is counted as
+        a write error. Deleted, moved or replaced: the descriptor is closed, a
+        warning says so (once a run) and, with ``reopen``, the log goes on in a
+        new file at ``path`` (checked as at construction), opened by the run's
+        ``run_started`` record again.
+        """
+        self._checked_at_s = now_s
+        assert self._fd is not None and self.path is not None
+        held = os.fstat(self._fd)
+        try:
+            found: os.stat_result | None = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            found = None
+        same = found is not None and (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+        if same and held.st_nlink > 0:
+            return
+        deleted = held.st_nlink == 0
+        if deleted:
+            self._write_errors += self._in_file
+        what = (
+            f"was deleted during the run ({self._in_file} records were in the deleted file; "
+            "counted as log write errors)"
+            if deleted
+            else "was moved or replaced during the run (its records stay in the moved file)"
+        )
+        fd, self._fd = self._fd, None
+        self._in_file = 0
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        then = "found as the pool shut down: nothing more is written (pool.decisions has all)"
+        if reopen:
             try:
-                # Seen even where logging is not configured; once, at the first failure.
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-            except Exception:  # warnings turned into errors must not break the pool
-                pass
+                self._fd = _open_log(self.path, str(self.path))
+                self._put(self._header)
+                then = f"the log goes on in a new file at {self.path}"
+            except ConfigurationError as exc:
+                then = (
+                    f"a new file cannot be opened there ({exc}); the records from now on are "
+                    "kept in memory only (pool.decisions) and counted as log write errors"
+                )
+        if not self._warned_gone:
+            self._warned_gone = True
+            self._warn(f"gpupool: the decision log {self.path} {what}; {then}")
+
+    def _warn(self, message: str) -> None:
+        LOGGER.warning(message)
+        try:
+            # Seen even where logging is not configured.
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        except Exception:  # warnings turned into errors must not break the pool
+            pass
 
     def records(self) -> tuple[Decision, ...]:
         """Every decision so far, oldest first."""
@@ -287,6 +406,8 @@ class DecisionLog:
     def close(self) -> None:
         """Close the file, if any. Idempotent."""
         with self._lock:
+            if self._fd is not None:
+                self._check_file(time.monotonic(), reopen=False)
             fd, self._fd = self._fd, None
             if fd is not None:
                 with contextlib.suppress(OSError):

@@ -31,7 +31,7 @@ from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import CardCensus, Census, HostCensus
 from gpupool._core.planner import DEFAULT_CHILD_RSS_PRIOR_BYTES, PlannerConfig, what_if
 from gpupool._core.policy import DEFAULT_RESERVE_BYTES, Ask, AskTable, Policy
-from gpupool._core.units import format_size, parse_size
+from gpupool._core.units import format_size, parse_pool_size, parse_size
 from gpupool._errors import InvalidSizeError, SensorError
 
 if TYPE_CHECKING:
@@ -353,10 +353,13 @@ def _print_card(device: dict[str, Any]) -> None:
 # -- gpupool plan --------------------------------------------------------------
 
 
-def _size_type(flag: str, *, allow_zero: bool = True) -> Callable[[str], int]:
+def _size_type(flag: str, *, allow_zero: bool = True, pool: bool = False) -> Callable[[str], int]:
+    """A size flag; ``pool``: one the pool takes too, refused over the pool's 1 PiB bound."""
+    parse = parse_pool_size if pool else parse_size
+
     def convert(text: str) -> int:
         try:
-            return parse_size(text, name=flag, allow_zero=allow_zero)
+            return parse(text, name=flag, allow_zero=allow_zero)
         except InvalidSizeError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -400,23 +403,23 @@ def _add_plan(sub: Any) -> None:
     )
     plan.add_argument(
         "--reserve",
-        type=size("--reserve"),
+        type=size("--reserve", pool=True),
         default=None,
         help=f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
     )
     plan.add_argument(
         "--task-peak",
-        type=size("--task-peak", allow_zero=False),
+        type=size("--task-peak", allow_zero=False, pool=True),
         help="the estimated device peak of one task",
     )
     plan.add_argument(
         "--measured-peak",
-        type=size("--measured-peak", allow_zero=False),
+        type=size("--measured-peak", allow_zero=False, pool=True),
         help="a child's measured device peak: also plan the width after children report",
     )
     plan.add_argument(
         "--margin",
-        type=size("--margin"),
+        type=size("--margin", pool=True),
         help="margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
     )
     plan.add_argument(

@@ -47,6 +47,13 @@ def note_pid_then_sleep_return(directory: str, i: int, seconds: float) -> int:
     return i
 
 
+def note_pid_then_wait_return(directory: str, i: int, release: str) -> int:
+    """Write this worker's PID to ``directory/<i>.pid``, wait for ``release``, return ``i``."""
+    note_pid(directory, str(i))
+    wait_for_file(release, timeout_s=600.0)
+    return i
+
+
 def hold_then_return(i: int, size: str, seconds: float) -> int:
     """Hold ``size`` simulated device bytes for ``seconds``; return ``i``."""
     with hold(size):

@@ -38,19 +38,29 @@ def raise_bad_str() -> None:
     raise BadStrError()
 
 
-def ignore_sigterm_and_sleep(seconds: float) -> float:
-    """Ignore SIGTERM, then sleep: only SIGKILL ends this task early."""
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(seconds)
-    return seconds
-
-
 def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def survive_sigterm(directory: str) -> bool:
+    """Outlive SIGTERM: note each one in ``directory/sigterm`` and go on. Say ``ready`` once
+    the handler is in place; return when ``release`` exists (only SIGKILL ends it sooner)."""
+    import signal
+
+    folder = Path(directory)
+    signal.signal(signal.SIGTERM, lambda signum, frame: (folder / "sigterm").touch())
+    (folder / "ready").touch()
+    _wait_for(folder / "release", timeout_s=600.0)
+    return True
+
+
+def tell_and_wait(ready: str, release: str) -> bool:
+    """Say ``ready``, then wait until ``release`` exists; whether it did."""
+    Path(ready).touch()
+    _wait_for(Path(release), timeout_s=600.0)
+    return Path(release).exists()
 
 
 def hold_when_told(i: int, size: str, ready: str, go: str) -> int:

@@ -23,17 +23,33 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_strict_oom_beside_a_neighbour_leaves_no_future_pending():
-    """strict=True: an out-of-memory that would narrow breaks the pool, and both futures end."""
+def test_strict_oom_beside_a_neighbour_leaves_no_future_pending(tmp_path):
+    """strict=True: an out-of-memory that would narrow breaks the pool, and both futures end.
+
+    Staged with files: ``a`` holds its 6 GiB until told, ``b`` allocates only once both run,
+    so ``b`` runs out beside ``a`` on every run, whatever the load (before: ``a`` could finish
+    before ``b`` allocated, and ``b`` then held a result)."""
     with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
         ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="4GiB", reserve=0)
         try:
-            a = ex.submit(rt.hold_after, 0, "6GiB", 0.0, 2.0)
-            b = ex.submit(rt.hold_after, 1, "6GiB", 0.5, 0.0)
-            _, not_done = concurrent.futures.wait([a, b], timeout=30)
+            a = ex.submit(
+                rt.hold_until_told, 0, "6GiB", str(tmp_path / "a-ready"), str(tmp_path / "a-go")
+            )
+            b = ex.submit(
+                rt.hold_when_told, 1, "6GiB", str(tmp_path / "b-ready"), str(tmp_path / "b-go")
+            )
+            assert wait_until(
+                lambda: (tmp_path / "a-ready").exists() and (tmp_path / "b-ready").exists(), 60
+            )
+            (tmp_path / "b-go").touch()
+            assert wait_until(lambda: ex.statistics().out_of_memory >= 1, 60)
+            (tmp_path / "a-go").touch()  # b's retry waits for its neighbour, then narrows
+            _, not_done = concurrent.futures.wait([a, b], timeout=60)
             assert not not_done
             assert isinstance(b.exception(), WidthError)
         finally:
+            (tmp_path / "a-go").touch()
+            (tmp_path / "b-go").touch()
             ex.shutdown()
 
 
@@ -101,20 +117,25 @@ def test_refused_strict_constructions_leak_no_descriptors():
         assert _fds() == before
 
 
-def test_a_done_callback_that_stops_the_pool_does_not_deadlock_shutdown():
+def test_a_done_callback_that_stops_the_pool_does_not_deadlock_shutdown(tmp_path):
     """A cancelled future's callback may call terminate_workers() during shutdown(cancel)."""
-    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
-        ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
-        running = ex.submit(rt.sleep_for, 1.0)
-        queued = ex.submit(rt.sleep_for, 0.0)
-        queued.add_done_callback(lambda f: ex.terminate_workers() if f.cancelled() else None)
-        time.sleep(0.3)
-        t = threading.Thread(target=ex.shutdown, kwargs={"cancel_futures": True}, daemon=True)
-        t.start()
-        t.join(30)
-        assert not t.is_alive()
-        assert running.done()
-        assert queued.cancelled()
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    try:
+        with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+            ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+            # Runs until the callback's terminate_workers() ends it: never released.
+            running = ex.submit(rt.tell_and_wait, str(ready), str(release))
+            queued = ex.submit(rt.sleep_for, 0.0)
+            queued.add_done_callback(lambda f: ex.terminate_workers() if f.cancelled() else None)
+            assert wait_until(ready.exists, 60)
+            t = threading.Thread(target=ex.shutdown, kwargs={"cancel_futures": True}, daemon=True)
+            t.start()
+            t.join(60)
+            assert not t.is_alive()
+            assert running.done()
+            assert queued.cancelled()
+    finally:
+        release.touch()
 
 
 def test_the_reported_width_never_passes_an_out_of_memory_cap(tmp_path):
@@ -195,19 +216,19 @@ def test_fixed_width_oom_retries_wait_for_the_neighbour():
             assert ex.width == 2
 
 
-def test_kill_workers_after_terminate_workers_still_sends_sigkill():
-    """kill_workers() after terminate_workers() sends SIGKILL to a worker that ignored SIGTERM."""
-    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
-        ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
-        future = ex.submit(rt.ignore_sigterm_and_sleep, 60.0)
-        deadline = time.monotonic() + 30
-        while not ex._processes and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.5)  # let the task install its handler
-        ex.terminate_workers()
-        time.sleep(0.5)
-        assert not future.done()
-        ex.kill_workers()
-        error = future.exception(timeout=30)
-        assert getattr(error, "signal_name", None) == "SIGKILL"
-        ex.shutdown()
+def test_kill_workers_after_terminate_workers_still_sends_sigkill(tmp_path):
+    """kill_workers() after terminate_workers() sends SIGKILL to a worker that outlived
+    SIGTERM (its task notes the SIGTERM in a file and goes on: no sleep stands in for it)."""
+    try:
+        with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
+            ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+            future = ex.submit(rt.survive_sigterm, str(tmp_path))
+            assert wait_until((tmp_path / "ready").exists, 60)  # its handler is in place
+            ex.terminate_workers()
+            assert wait_until((tmp_path / "sigterm").exists, 60)  # heard, and lived on
+            ex.kill_workers()
+            error = future.exception(timeout=60)
+            assert getattr(error, "signal_name", None) == "SIGKILL"
+            ex.shutdown()
+    finally:
+        (tmp_path / "release").touch()

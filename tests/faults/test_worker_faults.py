@@ -359,18 +359,26 @@ def test_cotenant_filling_the_card_mid_run(guard: LeakGuard):
 
 
 def test_shutdown_cancel_futures_while_tasks_run(guard: LeakGuard, tmp_path: Path):
-    """shutdown(cancel_futures=True) mid-run: running tasks finish, the rest are cancelled."""
+    """shutdown(cancel_futures=True) mid-run: running tasks finish, the rest are cancelled.
+
+    The two running tasks wait for a file the test creates after the shutdown: nothing else
+    can have started, whatever the load."""
+    release = tmp_path / "release"
     with _host():
         ex = GpuPoolExecutor(max_workers=2, task_peak="1GiB")
         futures = [
-            ex.submit(faulty.note_pid_then_sleep_return, str(tmp_path), i, 0.5) for i in range(10)
+            ex.submit(faulty.note_pid_then_wait_return, str(tmp_path), i, str(release))
+            for i in range(10)
         ]
         _wait_for_pid(tmp_path, "0")
         _wait_for_pid(tmp_path, "1")
         guard.watch(ex)
-        started = time.monotonic()
-        ex.shutdown(wait=True, cancel_futures=True)
-        took = time.monotonic() - started
+        try:
+            ex.shutdown(wait=False, cancel_futures=True)
+            assert wait_until(lambda: all(f.done() for f in futures[2:]), TIMEOUT_S)
+        finally:
+            release.touch()
+        ex.shutdown(wait=True)
         _settle(futures)
         statistics = ex.statistics()
         shutdown = [d for d in ex.decisions if d.event == "shutdown"]
@@ -378,7 +386,6 @@ def test_shutdown_cancel_futures_while_tasks_run(guard: LeakGuard, tmp_path: Pat
     ran = [i for i, f in enumerate(futures) if not f.cancelled()]
     assert ran == [0, 1], ran  # the two running when shutdown came; nothing else fits
     assert all(futures[i].result() == i for i in ran)
-    assert took < 5.0
     assert statistics.tasks_cancelled == 10 - len(ran)
     assert len(shutdown) == 1 and f"{10 - len(ran)} cancelled" in shutdown[0].reason
     with pytest.raises(RuntimeError, match="after shutdown"):
@@ -386,14 +393,21 @@ def test_shutdown_cancel_futures_while_tasks_run(guard: LeakGuard, tmp_path: Pat
     guard.assert_clean()
 
 
-def test_a_cancelled_pending_future_is_seen_by_wait(guard: LeakGuard):
+def test_a_cancelled_pending_future_is_seen_by_wait(guard: LeakGuard, tmp_path: Path):
     """A future cancelled while held back is reported done by wait(), as CPython's pools do."""
+    release = tmp_path / "release"
     with _host(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
-        futures = [ex.submit(faulty.sleep_return, i, 0.3) for i in range(4)]
-        assert futures[3].cancel()
+        # The first task runs until released: the cancel lands while the fourth is held back.
+        futures = [ex.submit(faulty.note_pid_then_wait_return, str(tmp_path), 0, str(release))]
+        futures += [ex.submit(faulty.sleep_return, i, 0.0) for i in range(1, 4)]
+        try:
+            _wait_for_pid(tmp_path, "0")
+            assert futures[3].cancel()
+        finally:
+            release.touch()
         # CPython calls set_running_or_notify_cancel() when it reaches the item,
-        # which wakes wait() and as_completed(); the pool reaches it within ~1 s.
-        done, not_done = concurrent.futures.wait([futures[3]], timeout=5.0)
+        # which wakes wait() and as_completed().
+        done, not_done = concurrent.futures.wait([futures[3]], timeout=TIMEOUT_S)
         states = [f._state for f in futures]
         guard.watch(ex)
         assert [f.result(timeout=TIMEOUT_S) for f in futures[:3]] == [0, 1, 2]

@@ -64,6 +64,25 @@ def touch_and_sleep(path: str, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def touch_and_wait(path: str, release: str, value: int = 0) -> int:
+    """Create ``path`` (the task runs in its worker now), wait until ``release`` exists (at most
+    10 minutes), then return ``value``."""
+    with open(path, "w"):
+        pass
+    deadline = time.monotonic() + 600.0
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+class Token:
+    """A picklable object a test can hold a weak reference to."""
+
+
+def init_with(*args: object) -> None:
+    """An initializer that takes any initargs and keeps none of them."""
+
+
 _initialized: list[str] = []
 
 

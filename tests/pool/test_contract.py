@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 
 import pytest
@@ -97,16 +99,35 @@ def test_runtime_error_after_shutdown(host):
         pool.submit(abs, 1)
 
 
-def test_shutdown_cancel_futures_cancels_what_has_not_started(host):
-    """shutdown(cancel_futures=True) cancels queued tasks; running ones finish."""
+def test_shutdown_cancel_futures_cancels_what_has_not_started(host, tmp_path):
+    """shutdown(cancel_futures=True) cancels queued tasks; the running one finishes.
+
+    The first task runs until the test releases it, after the shutdown: at width 1 nothing
+    else can have started, whatever the load."""
+    started, release = tmp_path / "started", tmp_path / "release"
     pool = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
-    futures = [pool.submit(tasks.sleep_return, i, 0.3) for i in range(10)]
-    pool.shutdown(wait=True, cancel_futures=True)
-    cancelled = [f for f in futures if f.cancelled()]
-    finished = [f for f in futures if not f.cancelled()]
-    assert len(cancelled) >= 5
-    assert all(f.done() for f in futures)
-    assert all(f.result() == futures.index(f) for f in finished)
+    try:
+        first = pool.submit(tasks.touch_and_wait, str(started), str(release), 0)
+        queued = [pool.submit(tasks.sleep_return, i, 0.0) for i in range(1, 10)]
+        assert _wait_until(started.exists)
+        pool.shutdown(wait=False, cancel_futures=True)
+        assert _wait_until(lambda: all(f.done() for f in queued))
+        assert all(f.cancelled() for f in queued)
+    finally:
+        release.touch()
+        pool.shutdown(wait=True)
+    assert not first.cancelled()
+    assert first.result() == 0
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Poll ``predicate`` (a file a task writes, a future's state) until true or timed out."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_max_workers_is_validated_like_cpython(host):

@@ -245,22 +245,30 @@ def test_serial_path_is_never_blocked_by_the_live_gate():
     assert any(d.event == "serial_start" for d in decisions)
 
 
-def test_waiting_tasks_stay_pending_and_can_be_cancelled():
-    """A task held back for memory is PENDING, so cancel() works on it."""
+def test_waiting_tasks_stay_pending_and_can_be_cancelled(tmp_path):
+    """A task held back for memory is PENDING, so cancel() works on it.
+
+    The first task runs until the test releases it, so the second is held back for as long
+    as the test looks at it, whatever the load."""
+    started, release = tmp_path / "started", tmp_path / "release"
     with (
         SimulatedHost(
             devices=[SimulatedDevice(total="10GiB")], cpus=4, host_ram="64GiB", context="0MiB"
         ),
         GpuPoolExecutor(max_workers=4, task_peak="8GiB", reserve=0) as ex,
     ):
-        assert ex.width == 1
-        running = ex.submit(tasks.sized, 0, "1GiB", 1.0)
-        waiting = ex.submit(tasks.sized, 1, "1GiB", 0.0)
-        deadline = time.monotonic() + 30
-        while not running.running() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not waiting.running()
-        assert waiting.cancel()
+        try:
+            assert ex.width == 1
+            running = ex.submit(tasks.touch_and_wait, str(started), str(release))
+            waiting = ex.submit(tasks.sized, 1, "1GiB", 0.0)
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert started.exists()
+            assert not waiting.running()
+            assert waiting.cancel()
+        finally:
+            release.touch()
         assert running.result(timeout=60) == 0
         assert waiting.cancelled()
 

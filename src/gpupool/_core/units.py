@@ -8,7 +8,7 @@ from decimal import Decimal, localcontext
 
 from gpupool._errors import InvalidSizeError
 
-__all__ = ["GiB", "KiB", "MiB", "format_size", "parse_size"]
+__all__ = ["MAX_SIZE_BYTES", "GiB", "KiB", "MiB", "format_size", "parse_pool_size", "parse_size"]
 
 KiB = 1024
 MiB = 1024**2
@@ -94,6 +94,29 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
     if nbytes == 0 and not allow_zero:
         raise InvalidSizeError(f"{name}={value!r} is zero; {name} must be positive.", value=value)
     return nbytes
+
+
+#: The largest size a pool (and ``gpupool plan``) accepts for a task's peak, a
+#: reserve or a margin: 1 PiB, some thousands of times any card's memory. A
+#: larger value is a typo (or a unit given twice), and its decision log would
+#: not be readable by ``postmortem``.
+MAX_SIZE_BYTES = 2**50
+
+
+def parse_pool_size(value: object, *, name: str, allow_zero: bool = True) -> int:
+    """:func:`parse_size` with gpupool's upper bound (:data:`MAX_SIZE_BYTES`).
+
+    Raises:
+        InvalidSizeError: as :func:`parse_size`, or the size is over 1 PiB.
+    """
+    size = parse_size(value, name=name, allow_zero=allow_zero)
+    if size > MAX_SIZE_BYTES:
+        raise InvalidSizeError(
+            f"{name}={value!r} is {size} bytes, more than the 2**50 bytes (1 PiB) gpupool "
+            "accepts; give the size of one task on one card, such as '6GiB'.",
+            value=value,
+        )
+    return size
 
 
 def format_size(nbytes: int | None) -> str:

@@ -274,7 +274,9 @@ class Dispatcher:
         self.cap_allocator = cap_allocator
         self.context = _loky_context()
         self.started_at_s = time.monotonic()
-        self.planner = Planner(census=census, asks=asks, config=config, emit=self.record, now_s=0.0)
+        # The log, not a method of self: a planner that held the dispatcher would be a
+        # reference cycle, keeping initargs alive after shutdown until a GC pass.
+        self.planner = Planner(census=census, asks=asks, config=config, emit=log.append, now_s=0.0)
         self.lock = threading.Lock()
         # Submitted by caller threads, not yet seen by the planner.
         self.incoming: collections.deque[WorkItem] = collections.deque()

@@ -36,7 +36,7 @@ from gpupool._core.policy import (
     AskTable,
     Policy,
 )
-from gpupool._core.units import GiB, format_size, parse_size
+from gpupool._core.units import GiB, format_size, parse_pool_size
 from gpupool._errors import (
     ConfigurationError,
     WidthError,
@@ -50,6 +50,7 @@ from gpupool._pool.dispatcher import (
     copy_broken,
     interpreter_exiting,
 )
+from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
@@ -62,21 +63,10 @@ __all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
 #: Estimate used when no ``task_peak`` is given and no card is readable.
 _UNKNOWN_ESTIMATE_BYTES = GiB
 
-#: The largest size ``task_peak``, ``reserve`` and ``margin`` accept: 1 PiB, some
-#: thousands of times any card's memory. A larger value is a typo (or a unit
-#: given twice), and its decision log would not be readable by ``postmortem``.
-MAX_SIZE_BYTES = 2**50
-
 
 def _size(value: str | int, name: str, *, allow_zero: bool = True) -> int:
-    """``parse_size`` with gpupool's upper bound (:data:`MAX_SIZE_BYTES`)."""
-    size = parse_size(value, name=name, allow_zero=allow_zero)
-    if size > MAX_SIZE_BYTES:
-        raise ConfigurationError(
-            f"{name}={value!r} is {size} bytes, more than the 2**50 bytes (1 PiB) gpupool "
-            "accepts; give the size of one task on one card, such as '6GiB'."
-        )
-    return size
+    """``parse_size`` with gpupool's upper bound (shared with ``gpupool plan``)."""
+    return parse_pool_size(value, name=name, allow_zero=allow_zero)
 
 
 def _check_flag(value: object, name: str) -> bool:
@@ -399,6 +389,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         strict = _check_flag(strict, "strict")
         retry_oom = _check_flag(retry_oom, "retry_oom")
         worker_env_given = _check_env(env)
+        check_python_home(worker_env_given)
         devices = _check_devices(devices)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ConfigurationError(
@@ -461,6 +452,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
+        if sensor is not None:
+            check_sensor(sensor)
         self._sensor = sensor if sensor is not None else default_sensor()
 
         from gpupool._sensors.census import read_census
@@ -629,12 +622,16 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                str, or ``size`` is not a positive, finite number.
+                non-empty str, or ``size`` is not a positive, finite number.
         """
         if task_peak is not None:
             _size(task_peak, "task_peak", allow_zero=False)
-        if key is not None and not isinstance(key, str):
-            raise ConfigurationError(f"key={key!r}: a task key must be a str.")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ConfigurationError(
+                f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
+                "one learned ask); pass a name such as 'embed', or leave key out for the "
+                "function's own name."
+            )
         value: float | None = None
         if size is not None:
             # Any real number (numpy's included) is a size, read as a float; one too large
@@ -830,7 +827,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             asks=snapshot.asks,
             widths_by_key=snapshot.widths_by_key,
             serial_starts=counts.get("serial_starts", 0),
-            log_write_errors=snapshot.log_write_errors,
+            # Read live: the log's last check, at close, comes after the last snapshot.
+            log_write_errors=max(snapshot.log_write_errors, self._log.write_errors),
         )
 
 

@@ -281,8 +281,12 @@ class Ledger:
 
     def _gone(self) -> LedgerGoneError:
         return LedgerGoneError(
-            f"the simulated host's ledger {self.path} is gone: its SimulatedHost block has "
-            "exited. Run simulated work inside `with gpupool.testing.SimulatedHost(...)`."
+            f"{SIMULATOR_ENV_NAME}={self.path!r} names a file that does not exist (the simulated "
+            f"host's ledger is gone). {SIMULATOR_ENV_NAME} is set by "
+            "gpupool.testing.SimulatedHost to its ledger while its block runs (child processes "
+            "inherit it): that block has exited, or the variable was set by hand or left over. "
+            "Run simulated work inside `with gpupool.testing.SimulatedHost(...)`, or unset "
+            f"{SIMULATOR_ENV_NAME} to read the real cards."
         )
 
     def _read(self, size: int) -> LedgerState:
