@@ -142,6 +142,30 @@ def test_the_pools_idle_workers_and_their_tasks_children_are_never_co_tenants() 
     assert split.co_tenant_bytes == 5 * GiB
 
 
+def test_rows_that_list_none_of_the_pools_processes_split_nothing() -> None:
+    """In a container the driver lists other namespaces' PIDs: the rows name co-tenants but
+    none of the pool's processes while its tasks run. The pool's bytes are then not read as
+    0 (all of the card a co-tenant's): the reading is not split, as with no rows at all."""
+    records: list[Decision] = []
+    planner = planner_on([card(30)], records, estimate_bytes=3 * GiB, max_workers=6)
+    for task in range(2):
+        planner.submit(task, "a")
+    start_all(planner, 0.0)
+    used = 4 * GiB + 2 * (3 * GiB)  # the co-tenant's row, and the two tasks' unlisted bytes
+    reading = CardReading(
+        free_bytes=30 * GiB - used, used_bytes=used, process_bytes={7777: 4 * GiB}
+    )
+    split = split_reading(planner.cards[0], reading, PARENT)
+    assert split.co_tenant_bytes is None and split.pool_bytes is None
+    assert split.own_bytes is None and split.used_bytes == used
+    outcome = planner.out_of_memory(0, oom_report(2 * GiB, 2 * GiB), reading, 1.0, error="OOM")
+    assert isinstance(outcome, Retry)
+    oom = next(r for r in records if r.event == "out_of_memory").to_dict()
+    assert oom["live_pool_bytes"] is None and oom["live_co_tenant_bytes"] is None
+    analysis = analyse_oom(oom)
+    assert not analysis.pool_read and not analysis.own_separable
+
+
 # -- an out-of-memory's record ------------------------------------------------------------
 
 

@@ -390,8 +390,9 @@ def _explain(
                 if separable
                 else " (or this process: the two cannot be told apart. The card's process "
                 "rows at the out-of-memory would have: this process's own row "
-                "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none, "
-                "as in a container before driver 535.113 or on a MIG instance)"
+                "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none of "
+                "them, as in a container (no rows before driver 535.113, other PIDs after) or "
+                "on a MIG instance)"
             )
             parts.append(
                 f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
