@@ -563,7 +563,13 @@ class _RunReader:
             per_device = {d: w for d, w in self.current.items() if d is not None}
             total_width = max(1, sum(per_device.values())) if per_device else width_after
             if total_width != self.last_total:
-                pm.widths.add(time_s, total_width)
+                # One turn's records share a time: the pool's width then is the sum after
+                # them all, never one taken half-way through the turn.
+                points = pm.widths.points
+                if points and points[-1][0] == time_s:
+                    points.pop()
+                if not points or points[-1][1] != total_width:
+                    pm.widths.add(time_s, total_width)
                 self.last_total = total_width
         self._key_terms(record, event, time_s)
         if plot is not None:
