@@ -272,3 +272,31 @@ def test_a_postmortem_that_cannot_tell_own_from_co_tenant_names_the_reading_that
     assert analysis.verdict == "co_tenant" and not analysis.own_separable
     assert "cannot be told apart" in analysis.explanation
     assert "this process's own row (live_own_bytes)" in analysis.explanation
+
+
+def test_tasks_booked_past_the_cards_room_name_the_width_not_unattributed() -> None:
+    """A fixed width (``width=6``) runs five tasks booked at 3.47 GiB each on a 16 GiB card
+    whose room is 15.75 GiB: no price was wrong, the width was. The verdict names it, with
+    the bytes booked past the room, rather than leave the out-of-memory unattributed."""
+    record = {
+        "event": "out_of_memory",
+        "device": 0,
+        "total_bytes": 16 * GiB,
+        "census_co_tenant_bytes": 0,
+        "own_high_water_bytes": 0,
+        "reserve_bytes": 256 * MiB,
+        "booked_bytes": 5 * int(3.47 * GiB),
+        "running": 5,
+        "task_ask_bytes": int(3.38 * GiB),
+        "reached_bytes": 300 * MiB,
+        "requested_bytes": 3 * GiB,
+        "live_used_bytes": int(13.46 * GiB),
+        "live_free_bytes": int(2.54 * GiB),
+        "live_own_bytes": 0,
+        "live_pool_bytes": int(13.46 * GiB),
+    }
+    analysis = analyse_oom(record)
+    room = 16 * GiB - 256 * MiB
+    assert analysis.wrong_terms == (("over_room", 5 * int(3.47 * GiB) - room),)
+    assert analysis.verdict == "over_room"
+    assert "more than the card's room of 15.75 GiB" in analysis.explanation
