@@ -143,8 +143,8 @@ def write_plot(
         title: the figure's title (default: the log's name).
 
     Raises:
-        PlotUnavailableError: matplotlib is missing, or no record carries a
-            card's terms (a host-only pool has no memory to draw).
+        PlotUnavailableError: matplotlib is missing, or no record reads a card or
+            carries its terms (a host-only pool has no memory to draw).
         ValueError: ``fmt`` (or the suffix) is not one of :data:`FORMATS`.
         OSError: the file cannot be written.
     """
@@ -200,8 +200,9 @@ def _build(
     if not grid_views:
         name = pms[0].path if pms else "the log"
         raise PlotUnavailableError(
-            f"{name}: no record carries a card's memory terms (a pool without a device "
-            "has nothing to draw); see gpupool postmortem for the run"
+            f"{name}: no record reads a card or carries its memory terms (a pool without a "
+            "device, or one that has not finished its construction, has nothing to draw); "
+            "see gpupool postmortem for the run"
         )
     heights = [
         sum(_CARD_HEIGHT_IN if isinstance(v, CardView) else _POOL_HEIGHT_IN for v in c)

@@ -134,6 +134,7 @@ class DevicePlot:
             together), and the cap an out-of-memory set (``-1``: none).
         marks: per event of :data:`MARK_EVENTS`, its marks; the value is the bytes the
             card was asked for (used + refused) for an out-of-memory, else the width.
+        total_bytes: the card's total, as the last record that carries it says (0: none).
     """
 
     device: int
@@ -144,12 +145,14 @@ class DevicePlot:
     keys: Series = field(default_factory=Series)
     limit: Series = field(default_factory=Series)
     marks: dict[str, Marks] = field(default_factory=dict)
+    total_bytes: int = 0
     _census: tuple[int, int, int] = (0, 0, 0)
     _limit: tuple[int, int] | None = None
 
 
 def plot_point(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s: float) -> None:
     """Fold one record of ``plot``'s device into it."""
+    plot.total_bytes = record_int(record, "total_bytes") or plot.total_bytes
     _terms(plot, record, event, time_s)
     used = record_int(record, "live_used_bytes")
     if used is not None:
@@ -343,15 +346,15 @@ def _pool_ceiling(pm: Postmortem) -> list[tuple[float, int]]:
 
 def _card_view(pm: Postmortem, card: DevicePlot, run: str, one_card: bool) -> CardView | None:
     points = card.terms.points
-    if not points:
-        return None
+    if not points and not (card.reads.points and card.total_bytes > 0):
+        return None  # a log of samples alone (a long log's tail) draws its readings
     priced: list[tuple[float, int, int, int]] = []
     width_now = 1
     for time_s, _total, co, own, ask, width, _ceiling in points:
         width_now = int(width) if width >= 0 else width_now
         priced.append((time_s, int(co), int(own), int(ask) * width_now))
     series = pm.device_widths.get(card.device)
-    total = int(points[-1][1])
+    total = int(points[-1][1]) if points else card.total_bytes
     marks = {event: m.points for event, m in card.marks.items()}
     counts = {event: m.count for event, m in card.marks.items()}
     view = CardView(

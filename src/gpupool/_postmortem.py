@@ -124,22 +124,32 @@ class CutLogWarning(UserWarning):
 
 @dataclass(frozen=True, slots=True)
 class CutLine:
-    """The last line of a log, dropped: no newline, and not a whole record.
+    """A record cut short, dropped: the last line, with no newline and not a whole record;
+    or the start of a line, before a whole record that a later pool appended after it.
 
     A pool writes each record with its newline in one write, so such a line
     is a record the pool was killed while writing, or one it is writing now.
+    The next run of a script appends its first record to the same line.
 
     Attributes:
         path: the log.
         line: the line's 1-based number.
         dropped_bytes: the bytes of the line that were dropped.
+        followed: the cut record is followed on its line by a whole record (read).
     """
 
     path: str
     line: int
     dropped_bytes: int
+    followed: bool = False
 
     def __str__(self) -> str:
+        if self.followed:
+            return (
+                f"{self.path}, line {self.line}: begins with a record cut short (its pool was "
+                "killed while writing it, and a later record was appended after it); dropped "
+                f"its {self.dropped_bytes} bytes and read the record after it"
+            )
         return (
             f"{self.path}, line {self.line}: the last line is incomplete (no newline: the pool "
             "was killed while writing it, or is still writing it); dropped its "
@@ -209,6 +219,9 @@ def iter_records(
     one still writing) is dropped and reported to ``on_cut``: the records
     before it are read. Reading stops at the first line without a newline,
     so a record a live pool finishes meanwhile is never read as two lines.
+    A line that is a record cut short followed by a whole record (the next
+    run appended after a killed one) is read as that record, and its cut
+    part reported to ``on_cut`` too.
 
     Args:
         path: a JSON Lines decision log, or ``"-"`` for standard input.
@@ -244,6 +257,12 @@ def iter_records(
                 except _CutRecordError:
                     (on_cut or _warn_cut)(CutLine(name, number, len(raw)))
                     break
+                except DecisionLogError:
+                    followed = _after_a_cut(raw, number=number, path=name)
+                    if followed is None:
+                        raise
+                    cut_bytes, record = followed
+                    (on_cut or _warn_cut)(CutLine(name, number, cut_bytes, followed=True))
                 seen += 1
                 yield number, record
             if not ended:
@@ -257,6 +276,18 @@ def iter_records(
             path=name,
             line=None,
         )
+
+
+def _after_a_cut(raw: bytes, *, number: int, path: str) -> tuple[int, dict[str, Any]] | None:
+    """A line that is a record cut short followed by a whole record (a pool killed mid-write,
+    then another run appended): the cut bytes and the record; ``None`` for any other line."""
+    start = raw.find(b'{"schema": ', 1)
+    if start < 0 or not raw.lstrip().startswith(b"{"):
+        return None
+    try:
+        return start, _parse_line(raw[start:], number=number, last=False, path=path)
+    except DecisionLogError:
+        return None
 
 
 def _read_line(handle: IO[bytes], name: str, number: int) -> bytes:
@@ -532,7 +563,13 @@ class _RunReader:
             per_device = {d: w for d, w in self.current.items() if d is not None}
             total_width = max(1, sum(per_device.values())) if per_device else width_after
             if total_width != self.last_total:
-                pm.widths.add(time_s, total_width)
+                # One turn's records share a time: the pool's width then is the sum after
+                # them all, never one taken half-way through the turn.
+                points = pm.widths.points
+                if points and points[-1][0] == time_s:
+                    points.pop()
+                if not points or points[-1][1] != total_width:
+                    pm.widths.add(time_s, total_width)
                 self.last_total = total_width
         self._key_terms(record, event, time_s)
         if plot is not None:

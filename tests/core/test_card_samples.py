@@ -132,6 +132,30 @@ def test_the_pools_idle_workers_and_their_tasks_children_are_never_co_tenants() 
     assert split.co_tenant_bytes == 5 * GiB
 
 
+def test_rows_that_list_none_of_the_pools_processes_split_nothing() -> None:
+    """In a container the driver lists other namespaces' PIDs: the rows name co-tenants but
+    none of the pool's processes while its tasks run. The pool's bytes are then not read as
+    0 (all of the card a co-tenant's): the reading is not split, as with no rows at all."""
+    records: list[Decision] = []
+    planner = planner_on([card(30)], records, estimate_bytes=3 * GiB, max_workers=6)
+    for task in range(2):
+        planner.submit(task, "a")
+    start_all(planner, 0.0)
+    used = 4 * GiB + 2 * (3 * GiB)  # the co-tenant's row, and the two tasks' unlisted bytes
+    reading = CardReading(
+        free_bytes=30 * GiB - used, used_bytes=used, process_bytes={7777: 4 * GiB}
+    )
+    split = split_reading(planner.cards[0], reading, PARENT)
+    assert split.co_tenant_bytes is None and split.pool_bytes is None
+    assert split.own_bytes is None and split.used_bytes == used
+    outcome = planner.out_of_memory(0, oom_report(2 * GiB, 2 * GiB), reading, 1.0, error="OOM")
+    assert isinstance(outcome, Retry)
+    oom = next(r for r in records if r.event == "out_of_memory").to_dict()
+    assert oom["live_pool_bytes"] is None and oom["live_co_tenant_bytes"] is None
+    analysis = analyse_oom(oom)
+    assert not analysis.pool_read and not analysis.own_separable
+
+
 # -- an out-of-memory's record ------------------------------------------------------------
 
 
@@ -238,3 +262,31 @@ def test_a_postmortem_that_cannot_tell_own_from_co_tenant_names_the_reading_that
     assert analysis.verdict == "co_tenant" and not analysis.own_separable
     assert "cannot be told apart" in analysis.explanation
     assert "this process's own row (live_own_bytes)" in analysis.explanation
+
+
+def test_tasks_booked_past_the_cards_room_name_the_width_not_unattributed() -> None:
+    """A fixed width (``width=6``) runs five tasks booked at 3.47 GiB each on a 16 GiB card
+    whose room is 15.75 GiB: no price was wrong, the width was. The verdict names it, with
+    the bytes booked past the room, rather than leave the out-of-memory unattributed."""
+    record = {
+        "event": "out_of_memory",
+        "device": 0,
+        "total_bytes": 16 * GiB,
+        "census_co_tenant_bytes": 0,
+        "own_high_water_bytes": 0,
+        "reserve_bytes": 256 * MiB,
+        "booked_bytes": 5 * int(3.47 * GiB),
+        "running": 5,
+        "task_ask_bytes": int(3.38 * GiB),
+        "reached_bytes": 300 * MiB,
+        "requested_bytes": 3 * GiB,
+        "live_used_bytes": int(13.46 * GiB),
+        "live_free_bytes": int(2.54 * GiB),
+        "live_own_bytes": 0,
+        "live_pool_bytes": int(13.46 * GiB),
+    }
+    analysis = analyse_oom(record)
+    room = 16 * GiB - 256 * MiB
+    assert analysis.wrong_terms == (("over_room", 5 * int(3.47 * GiB) - room),)
+    assert analysis.verdict == "over_room"
+    assert "more than the card's room of 15.75 GiB" in analysis.explanation

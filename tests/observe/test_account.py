@@ -15,7 +15,8 @@ from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor
 from gpupool._core.units import GiB
 from gpupool._postmortem import read_postmortem
 from gpupool.cli import main
-from gpupool.testing import SimulatedDevice, SimulatedHost
+from gpupool.testing import SimulatedDevice, SimulatedHost, hold
+from support import wait_for
 
 
 def records_of(path: Path) -> list[dict[str, Any]]:
@@ -82,3 +83,42 @@ def test_a_task_larger_than_the_card_fails_saying_so(tmp_path: Path) -> None:
     assert stats.retries == 0
     analysis = read_postmortem(log).ooms[0]
     assert analysis.verdict == "larger_than_card"
+
+
+def test_in_a_container_the_pools_bytes_are_never_read_as_a_co_tenants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A container's driver lists the co-tenant's row but none of the pool's processes (nor
+    the parent's 16.2 GiB): the co-tenant grows by 6 GiB while two tasks are between their
+    stages. The account does not
+    read the pool's workers as 0 (all of the card a co-tenant's): it derives them from the
+    bookings and says this process and a co-tenant cannot be told apart."""
+    log = tmp_path / "container.jsonl"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    card = SimulatedDevice("44.39GiB", co_tenants={"serve": "9.54GiB"})
+    host = SimulatedHost([card], cpus=16, host_ram="128GiB", container=True)
+    with host, hold("16.20GiB"):
+        with GpuPoolExecutor(max_workers=4, task_peak="6.5GiB", log_path=log) as pool:
+            futures = [
+                pool.submit(observe_tasks.staged, i, "1GiB", "5GiB", str(gate)) for i in range(4)
+            ]
+            try:
+                wait_for(lambda: len(list(gate.glob("ready-*"))) >= 2, what="two first stages")
+                host.grow("serve", "6GiB")
+            finally:
+                (gate / "go").touch()
+            assert sorted(f.result() for f in futures) == [0, 1, 2, 3]
+    samples = [r for r in records_of(log) if r["event"] == "card_read" and r["running"]]
+    assert samples, "tasks ran: the card was sampled beside them"
+    assert all(r["live_pool_bytes"] is None and r["live_co_tenant_bytes"] is None for r in samples)
+    pm = read_postmortem(log)
+    assert pm.ooms, "two tasks' second stage beside a co-tenant grown by 6 GiB: one runs out"
+    for analysis in pm.ooms:
+        assert not analysis.pool_read and not analysis.own_separable
+        # A lower bound on the growth, never the pool's own bytes named a co-tenant's.
+        assert analysis.co_tenant_growth_bytes <= 6 * GiB
+    assert main(["postmortem", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert "read: the card's rows" not in text
+    assert "cannot be told apart" in text

@@ -149,3 +149,24 @@ def test_a_log_a_live_pool_is_writing_reads_in_another_process(tmp_path: Path) -
         (finished,) = read_runs(log)
     assert finished.shutdown is not None
     assert finished.records > run["records"]
+
+
+def test_a_run_appended_after_a_cut_run_reads_both(
+    logs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pool killed mid-write leaves its last record cut; the next run of the script
+    appends to the same file, so its first record follows the cut bytes on the same line.
+    Both runs are read: the first up to its cut record, which is named, then the second."""
+    path, count = _cut(logs, tmp_path)
+    with SimulatedHost([SimulatedDevice("24GiB")], cpus=4, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="2GiB", log_path=path) as pool:
+            assert list(pool.map(observe_tasks.entry, range(2), ["1GiB"] * 2)) == [0, 1]
+    cuts: list[CutLine] = []
+    first, second = read_runs(path, on_cut=cuts.append)
+    assert first.records == count - 1
+    assert second.events["run_started"] == 1 and second.shutdown is not None
+    assert [(c.line, c.dropped_bytes) for c in cuts] == [(count, 40)]
+    assert "a later record was appended after it" in str(cuts[0])
+    assert main(["postmortem", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"line {count}: .*dropped its 40 bytes", err)

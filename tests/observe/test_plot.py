@@ -132,3 +132,24 @@ def test_a_reading_without_rows_draws_the_census_co_tenant(
     assert read
     assert {p[2] for p in read} == {census["co_tenant_bytes"]}
     assert {p[3] for p in read} == {census["own_high_water_bytes"]}
+
+
+def test_a_log_of_samples_alone_draws_the_card_as_read(
+    logs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tail of a long log (``tail -n``, a rotated file) can hold only ``card_read``
+    samples: no record priced the bound, but each sample read the card. The plot draws
+    them on the card's total, not refuse the log as a pool with no device."""
+    tail = tmp_path / "tail.jsonl"
+    tail.write_text(
+        "".join(
+            json.dumps(r) + "\n" for r in _records(logs["co_tenant"]) if r["event"] == "card_read"
+        )
+    )
+    (view,) = card_views(read_postmortem(tail))[0]
+    assert view.total_bytes == int(44.39 * GiB)
+    assert view.priced == [] and view.reads and view.keys
+    assert max(p[2] for p in view.reads) >= int(15.5 * GiB)  # the co-tenant, grown
+    out = tmp_path / "tail.png"
+    write_plot(read_runs(tail), out)
+    assert out.read_bytes().startswith(b"\x89PNG")

@@ -111,3 +111,30 @@ def test_text_report_shows_the_card(
         "wrong term: co_tenant",
     ):
         assert label in text
+
+
+def test_the_pools_width_is_the_cards_widths_after_each_turn(tmp_path: Path) -> None:
+    """One turn of the pool moves several cards at one instant (a measurement shifts the
+    ceiling's share from one card to another): their records share a ``time_s``. The pool's
+    width at that instant is the sum after them all, never a sum half-way through the turn
+    (which read 9 tasks at once under max_workers=8)."""
+    run = {"schema": 3, "run_id": "20261202T000000Z-000000000001"}
+    moves = [
+        ("constructed", 0.0, 0, 0),
+        ("constructed", 0.0, 1, 8),
+        ("widened", 2.3, 0, 1),
+        ("narrowed", 2.3, 1, 7),
+        ("narrowed", 2.4, 0, 0),
+        ("widened", 2.4, 1, 8),
+        ("narrowed", 3.0, 1, 6),
+    ]
+    log = tmp_path / "turns.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps({**run, "event": e, "time_s": t, "device": d, "width_after": w}) + "\n"
+            for e, t, d, w in moves
+        )
+    )
+    pm = read_postmortem(log)
+    assert [(t, int(w)) for t, w in pm.widths.points] == [(0.0, 8), (3.0, 6)]
+    assert [(t, int(w)) for t, w in pm.device_widths[0].points] == [(0.0, 0), (2.3, 1), (2.4, 0)]

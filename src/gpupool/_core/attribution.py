@@ -57,7 +57,11 @@ From them, in this order:
    (``own = later - O``); the rest of ``growth`` is the co-tenant's, and the
    analysis says that own growth could not be told apart
    (``own_separable: false``).
-5. **Unattributed.** When no term went past its price by these figures, the
+5. **Over the room.** The running tasks were booked at more than the
+   card's room, ``B > T - C - O - R`` (less other pools' bookings): the width
+   itself ran past the bound (a fixed ``width=``, the serial floor), by
+   ``B - room``.
+6. **Unattributed.** When no term went past its price by these figures, the
    rest is named as unattributed: ``U + q - T`` (at least what the card was
    short at the reading), left to allocator fragmentation, the driver, or a
    reading taken after the card had recovered.
@@ -283,6 +287,11 @@ def analyse_oom(
         terms.append(("own", own_growth))
     if others_overrun > reserve:
         terms.append(("another_pool", others_overrun))
+    room = None
+    if total is not None and census_co is not None and own_hw is not None:
+        room = total - census_co - own_hw - reserve - (record_int(record, "other_pools_bytes") or 0)
+        if booked is not None and booked > max(room, 0):
+            terms.append(("over_room", booked - max(room, 0)))
     # A task larger than the card is named first: no other term could have let it run.
     terms.sort(key=lambda term: (term[0] != "larger_than_card", -term[1]))
     unattributed: int | None = None
@@ -302,6 +311,8 @@ def analyse_oom(
         separable=separable,
         unattributed=unattributed,
         missing=missing,
+        booked=booked,
+        room=room,
     )
     return OomAnalysis(
         line=line,
@@ -368,6 +379,8 @@ def _explain(
     separable: bool,
     unattributed: int | None,
     missing: list[str],
+    booked: int | None = None,
+    room: int | None = None,
 ) -> str:
     parts: list[str] = []
     for term, nbytes in terms:
@@ -390,8 +403,9 @@ def _explain(
                 if separable
                 else " (or this process: the two cannot be told apart. The card's process "
                 "rows at the out-of-memory would have: this process's own row "
-                "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none, "
-                "as in a container before driver 535.113 or on a MIG instance)"
+                "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none of "
+                "them, as in a container (no rows before driver 535.113, other PIDs after) or "
+                "on a MIG instance)"
             )
             parts.append(
                 f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
@@ -400,6 +414,12 @@ def _explain(
         elif term == "another_pool":
             parts.append(
                 f"another pool on the card grew {format_size(nbytes)} past what it had booked"
+            )
+        elif term == "over_room":
+            parts.append(
+                f"the running tasks were booked at {format_size(booked)}, more than the card's "
+                f"room of {format_size(room)}: the width ran past the bound (a fixed width= "
+                "wider than the bound, or the serial floor), so no price was wrong"
             )
         elif term == "own":
             parts.append(

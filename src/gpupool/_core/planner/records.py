@@ -18,7 +18,7 @@ from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
 from gpupool._core.planner.oom import CapLift, Facts
 from gpupool._core.planner.order import Hold
-from gpupool._core.planner.samples import split_reading
+from gpupool._core.planner.samples import pool_rows, split_reading
 from gpupool._core.planner.sharing import ShareWait
 from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import CardReading, Fail, Retry
@@ -306,7 +306,7 @@ def _oom_terms(
         # What the card's runs were booked at when each started (not re-priced at an ask
         # the out-of-memory raised), and each of them.
         "booked_bytes": facts.booked_bytes,
-        "runs": _runs_table(run, card, reading),
+        "runs": _runs_table(run, card, reading, parent_pid),
         "running": facts.running_then,
         "tries": facts.tries,
         "retry": isinstance(outcome, Retry),
@@ -316,10 +316,16 @@ def _oom_terms(
     }
 
 
-def _runs_table(failed: Run, card: Card | None, reading: CardReading | None) -> JsonTable:
+def _runs_table(
+    failed: Run, card: Card | None, reading: CardReading | None, parent_pid: int | None
+) -> JsonTable:
     """Each task running on the card when ``failed`` ran out, ``failed`` first: its key, its
-    ask and booking when it started, its booking now, and its row in the reading."""
-    rows = reading.process_bytes if reading is not None else None
+    ask and booking when it started, its booking now, and its row in the reading (``None``
+    where the rows cannot tell the pool's bytes)."""
+    rows = None
+    if reading is not None and card is not None:
+        extra = frozenset({failed.pid}) if failed.pid is not None else frozenset()
+        rows = pool_rows(card, reading, parent_pid, extra_pids=extra)
     runs = [failed, *(card.runs.values() if card is not None else ())]
     return [
         {

@@ -25,6 +25,7 @@ while it jumps, and ``1 / SAMPLE_INTERVAL_S`` otherwise.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpupool._core.events import Decision, JsonTable, JsonValue
@@ -39,6 +40,7 @@ __all__ = [
     "SAMPLE_STEP_BYTES",
     "ReadingSplit",
     "card_read",
+    "pool_rows",
     "sample_due",
     "split_reading",
 ]
@@ -55,7 +57,7 @@ SAMPLE_STEP_BYTES = 64 * MiB
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadingSplit:
-    """A card's used bytes split by whose they are (``None``: the reading lists no rows).
+    """A card's used bytes split by whose they are (``None``: the rows cannot tell them).
 
     Attributes:
         used_bytes: the card's used bytes.
@@ -94,7 +96,7 @@ def split_reading(
 ) -> ReadingSplit:
     """Whose bytes ``reading`` shows on ``card``. ``extra_pids`` are more of the pool's
     processes (a task that just ended, whose row may still be listed)."""
-    rows = reading.process_bytes
+    rows = pool_rows(card, reading, parent_pid, extra_pids=extra_pids)
     others = card.others_held_bytes
     if rows is None:
         return ReadingSplit(
@@ -117,6 +119,26 @@ def split_reading(
         other_pools_bytes=others,
         co_tenant_bytes=max(0, reading.used_bytes - own - pool_bytes - others),
     )
+
+
+def pool_rows(
+    card: Card,
+    reading: CardReading,
+    parent_pid: int | None,
+    *,
+    extra_pids: frozenset[int] = frozenset(),
+) -> Mapping[int, int] | None:
+    """The reading's process rows, or ``None`` where they cannot tell the pool's bytes: the
+    driver lists no rows, or (a container whose driver lists other namespaces' PIDs) tasks
+    run on the card and the rows list none of the pool's processes nor this one."""
+    rows = reading.process_bytes
+    if rows is None:
+        return None
+    tasks = {run.pid for run in card.runs.values() if run.pid is not None} | extra_pids
+    ours = reading.pool_pids | card.worker_pids | tasks | {parent_pid}
+    if tasks and not any(pid in rows for pid in ours):
+        return None
+    return rows
 
 
 def sample_due(card: Card, now_s: float, *, decision: bool) -> bool:
