@@ -86,6 +86,7 @@ OOM_TERMS: Mapping[str, str] = {
     "live_pool_bytes": "optional: the pool's children as read",
     "live_own_bytes": "optional: the parent's device bytes at the out-of-memory",
     "priced_own_high_water_bytes": "optional: the own high-water the running tasks were priced at",
+    "other_pools_bytes": "optional: what other gpupool pools had booked on the card",
     "other_pools_held_bytes": "optional: what other gpupool pools' tasks held on the card",
     "other_pools_overrun_bytes": "optional: how far they held past their bookings",
     "retry": "whether the pool retried the task",
