@@ -11,9 +11,11 @@ from __future__ import annotations
 import fcntl
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -148,6 +150,15 @@ class Forked:
 
 
 @pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A directory that another user can reach (pytest's own are private to this user)."""
+    directory = Path(tempfile.mkdtemp(prefix="gpupool-hostile-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
 def closing() -> Iterator[list[Sleeper | Forked]]:
     opened: list[Sleeper | Forked] = []
     yield opened
@@ -208,11 +219,11 @@ def test_a_process_holding_the_lock_delays_no_result_and_the_skip_is_recorded(
 
 @needs_nobody
 def test_another_user_cannot_hold_the_shared_tables_lock(
-    tmp_path: Path, closing: list[Sleeper | Forked]
+    open_tmp: Path, closing: list[Sleeper | Forked]
 ) -> None:
     """With share_bookings="host", another user locks every table file it can open: the
     pool goes on with its table and skips no step."""
-    directory = tmp_path / "host-table"
+    directory = open_tmp / "host-table"
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]):
         with GpuPoolExecutor(
             max_workers=1, task_peak="2GiB", share_bookings="host", bookings_dir=directory
@@ -342,11 +353,11 @@ def _forge_everywhere(directory: Path, victim: int) -> Callable[[], None]:
 
 @needs_nobody
 def test_another_users_rows_count_only_under_their_own_processes(
-    tmp_path: Path, closing: list[Sleeper | Forked]
+    open_tmp: Path, closing: list[Sleeper | Forked]
 ) -> None:
     """In the host-wide table another user's pool is seen, but a row that user wrote under
-    this user's process (or under PID 1) counts for nothing."""
-    directory = tmp_path / "host-table"
+    this user's process counts for nothing."""
+    directory = open_tmp / "host-table"
     directory.mkdir()
     directory.chmod(0o1777)
     forger = Forked(_forge_everywhere(directory, os.getpid()), user=NOBODY)
