@@ -207,8 +207,8 @@ def test_a_process_holding_the_lock_delays_no_result_and_the_skip_is_recorded(
             finally:
                 holder.close()
             assert results == [0, 1, 2]
-            skipped = [d for d in pool.decisions() if d.event == "bookings_skipped"]
-            assert skipped, [d.event for d in pool.decisions()]
+            skipped = [d for d in pool.decisions if d.event == "bookings_skipped"]
+            assert skipped, [d.event for d in pool.decisions]
             assert skipped[0].extra["lock_wait_s"] > 0
             assert "lock" in skipped[0].reason
             assert pool.statistics().bookings_skipped >= 1
@@ -237,7 +237,7 @@ def test_another_user_cannot_hold_the_shared_tables_lock(
             finally:
                 holder.close()
             assert results == [0, 1, 2]
-            assert [d for d in pool.decisions() if d.event == "bookings_skipped"] == []
+            assert [d for d in pool.decisions if d.event == "bookings_skipped"] == []
             assert pool.statistics().bookings_skipped == 0
 
 
@@ -422,7 +422,7 @@ def test_a_table_that_cannot_be_used_is_a_record_a_statistic_and_a_warning(
         with pytest.warns(RuntimeWarning, match="booking table"):
             with GpuPoolExecutor(max_workers=1, task_peak="2GiB", bookings_dir=directory) as pool:
                 assert pool.submit(abs, -5).result(timeout=PATIENCE_S) == 5
-    [record] = [d for d in pool.decisions() if d.event == "bookings_unavailable"]
+    [record] = [d for d in pool.decisions if d.event == "bookings_unavailable"]
     assert str(directory) in record.reason
     assert record.extra["bookings_dir"] == str(directory)
     reason = pool.statistics().bookings_unavailable
