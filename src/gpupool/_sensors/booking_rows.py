@@ -1,4 +1,4 @@
-"""Which rows of the booking table to believe, and how much of a file to read (I/O edge).
+"""Which rows and files of the booking table to believe, and how long to wait for it (I/O edge).
 
 Anyone who can write a table file can write any row into it. A row counts only
 where it speaks for a live pool of the file's owner::
@@ -18,10 +18,15 @@ lookup per row and, the first time a worker is met, one per worker.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpupool._core.bookings import parse_booking_table
 from gpupool._sensors.host import read_parent_pid
 
 if TYPE_CHECKING:
@@ -37,7 +42,12 @@ __all__ = [
     "MAX_TASKS_PER_POOL",
     "STALE_AFTER_S",
     "RowChecks",
+    "directory_refusal",
+    "flock_within",
     "process_owner",
+    "read_foreign",
+    "read_start_token",
+    "user_files",
 ]
 
 #: A pool rewrites its row's stamp at least this often while it reads the table
@@ -52,6 +62,9 @@ MAX_FILE_BYTES = 1 << 20
 #: The most rows of one file that count, and the most tasks of one row.
 MAX_POOLS_PER_FILE = 256
 MAX_TASKS_PER_POOL = 1024
+#: The most entries of a shared table's directory looked at for other users' files.
+_MAX_DIRECTORY_ENTRIES = 4096
+_LOCK_POLL_S = 0.002
 #: Workers already found to be children of their pool: forgotten past this many.
 _KNOWN_WORKERS = 16384
 
@@ -61,6 +74,44 @@ def process_owner(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
+        return None
+
+
+def read_start_token(pid: int) -> str | None:
+    """A token naming the running process ``pid`` (its start time), or ``None`` if it has exited.
+
+    A zombie counts as exited: the driver frees a process's memory when it
+    exits, not when it is reaped. Read from ``/proc/<pid>/stat`` (field 22,
+    start time in clock ticks), psutil where there is no ``/proc``.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _start_token_psutil(pid)
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None  # it exited while we read (ESRCH)
+    finally:
+        os.close(fd)
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return fields[19].decode()
+
+
+def _start_token_psutil(pid: int) -> str | None:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return repr(process.create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 
 
@@ -141,3 +192,94 @@ class RowChecks:
             self._workers.clear()
         self._workers.add(known)
         return True
+
+
+def directory_refusal(
+    directory: Path, status: os.stat_result, *, shared: bool, uid: int
+) -> str | None:
+    """Why a table directory is refused (another user could swap its files), or ``None``.
+
+    Private: this user's own, writable by no one else. Shared: owned by root
+    or this user, and writable by others only with the sticky bit (as ``/tmp``).
+    """
+    mode = stat.S_IMODE(status.st_mode)
+    if not shared:
+        if status.st_uid != uid or mode & 0o022:
+            return (
+                f"the booking table directory {directory} is not private to this user (owner "
+                f"uid {status.st_uid}, mode {mode:o}); it is not used. Pass bookings_dir= a "
+                "directory of your own, or share_bookings='host' for a table shared by every "
+                "user."
+            )
+        return None
+    if status.st_uid not in (0, uid):
+        return (
+            f"the shared booking table directory {directory} belongs to another user (owner "
+            f"uid {status.st_uid}, mode {mode:o}), who could replace its files; it is not "
+            "used. Pass bookings_dir= a directory owned by root or by you."
+        )
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        return (
+            f"the shared booking table directory {directory} is writable by other users "
+            f"without the sticky bit (mode {mode:o}): anyone could replace the files in it; "
+            "it is not used. Run chmod +t on it (mode 1777, as /tmp), or pass bookings_dir= "
+            "another directory."
+        )
+    return None
+
+
+def flock_within(fd: int, wait_s: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``wait_s``; whether it was."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(_LOCK_POLL_S)
+
+
+def user_files(directory: Path, prefix: str, own_uid: int) -> list[tuple[int, Path]]:
+    """The other users' files ``<prefix><uid>.json`` in a shared table: ``(uid, path)``."""
+    found: list[tuple[int, Path]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for n, entry in enumerate(entries):
+                if n >= _MAX_DIRECTORY_ENTRIES:
+                    break
+                name = entry.name
+                if name.startswith(prefix) and name.endswith(".json"):
+                    digits = name[len(prefix) : -len(".json")]
+                    if digits.isdigit() and int(digits) != own_uid:
+                        found.append((int(digits), Path(entry.path)))
+    except OSError:
+        return []
+    return found
+
+
+def read_foreign(path: Path, uid: int, card_uuid: str) -> dict[str, PoolBooking]:
+    """Another user's file, if it is a regular file that user owns and within the size
+    limit (no lock: a torn read is read again once, then passed over)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != uid:
+            return {}
+        for _ in range(2):
+            data = os.pread(fd, MAX_FILE_BYTES + 1, 0)
+            if len(data) > MAX_FILE_BYTES:
+                return {}
+            try:
+                return parse_booking_table(data, card_uuid=card_uuid)
+            except ValueError:
+                continue
+        return {}
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)

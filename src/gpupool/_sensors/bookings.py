@@ -55,7 +55,16 @@ from gpupool._core.bookings import (
     parse_booking_table,
 )
 from gpupool._log import LOGGER
-from gpupool._sensors.booking_rows import HEARTBEAT_S, MAX_FILE_BYTES, RowChecks
+from gpupool._sensors.booking_rows import (
+    HEARTBEAT_S,
+    MAX_FILE_BYTES,
+    RowChecks,
+    directory_refusal,
+    flock_within,
+    read_foreign,
+    read_start_token,
+    user_files,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -85,13 +94,10 @@ SHARED_MODE = 0o644
 
 #: How long an operation waits for the file's lock before it passes the table over.
 LOCK_WAIT_S = 0.5
-_LOCK_POLL_S = 0.002
 #: After a lock held past the wait, the table is passed over for this long.
 RETRY_AFTER_S = 2.0
 #: At most one ``bookings_skipped`` note per this many seconds (the count covers the rest).
 NOTE_EVERY_S = 60.0
-#: The most entries of a shared table's directory looked at for other users' files.
-_MAX_DIRECTORY_ENTRIES = 4096
 
 _T = TypeVar("_T")
 
@@ -104,44 +110,6 @@ _POOL_NUMBERS = itertools.count(1)
 def new_pool_id() -> str:
     """A pool id unique among the live pools of the host: ``"<pid>.<n>"``."""
     return f"{os.getpid()}.{next(_POOL_NUMBERS)}"
-
-
-def read_start_token(pid: int) -> str | None:
-    """A token naming the running process ``pid`` (its start time), or ``None`` if it has exited.
-
-    A zombie counts as exited: the driver frees a process's memory when it
-    exits, not when it is reaped. Read from ``/proc/<pid>/stat`` (field 22,
-    start time in clock ticks), psutil where there is no ``/proc``.
-    """
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _start_token_psutil(pid)
-    try:
-        text = os.read(fd, 4096)
-    except OSError:
-        return None  # it exited while we read (ESRCH)
-    finally:
-        os.close(fd)
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
-        return None
-    return fields[19].decode()
-
-
-def _start_token_psutil(pid: int) -> str | None:
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return None
-        return repr(process.create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
 
 
 def _program_label() -> str:
@@ -481,7 +449,7 @@ class BookingTable:
             self._own_start = None
         with self._lock:
             fd, lock_fd = self._open(card_uuid)
-            _flock(lock_fd)
+            _flock_or_busy(lock_fd)
             status = os.fstat(fd)
             if status.st_nlink == 0:
                 # Someone removed the file while we held it open: open it afresh.
@@ -489,7 +457,7 @@ class BookingTable:
                 for old in set(self._fds.pop(card_uuid)):
                     os.close(old)
                 fd, lock_fd = self._open(card_uuid)
-                _flock(lock_fd)
+                _flock_or_busy(lock_fd)
                 status = os.fstat(fd)
             try:
                 yield fd, status.st_size
@@ -582,7 +550,9 @@ class BookingTable:
                 "a directory.",
                 kind="directory",
             )
-        _check_directory(directory, status, shared=self.shared, uid=self._uid)
+        refusal = directory_refusal(directory, status, shared=self.shared, uid=self._uid)
+        if refusal is not None:
+            raise _Unavailable(refusal, kind="foreign")
         self._prepared = True
 
     def _read(self, fd: int, size: int, card_uuid: str) -> dict[str, PoolBooking]:
@@ -622,8 +592,9 @@ class BookingTable:
             return []
         rows: list[PoolBooking] = []
         checks = self._row_checks()
-        for uid, path in _user_files(self.directory, card_uuid, self._uid):
-            pools = _read_foreign(path, uid, card_uuid)
+        prefix = _file_name(card_uuid)[: -len(".json")] + ".uid"
+        for uid, path in user_files(self.directory, prefix, self._uid):
+            pools = read_foreign(path, uid, card_uuid)
             if pools:
                 checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
                 rows.extend(pools.values())
@@ -648,96 +619,9 @@ class BookingTable:
             pass
 
 
-def _check_directory(directory: Path, status: os.stat_result, *, shared: bool, uid: int) -> None:
-    """Refuse a directory another user could swap the files of.
-
-    Private: this user's own, writable by no one else. Shared: owned by root
-    or this user, and writable by others only with the sticky bit (as ``/tmp``).
-    """
-    mode = stat.S_IMODE(status.st_mode)
-    if not shared:
-        if status.st_uid != uid or mode & 0o022:
-            raise _Unavailable(
-                f"the booking table directory {directory} is not private to this user (owner "
-                f"uid {status.st_uid}, mode {mode:o}); it is not used. Pass bookings_dir= a "
-                "directory of your own, or share_bookings='host' for a table shared by every "
-                "user.",
-                kind="foreign",
-            )
-        return
-    if status.st_uid not in (0, uid):
-        raise _Unavailable(
-            f"the shared booking table directory {directory} belongs to another user (owner "
-            f"uid {status.st_uid}, mode {mode:o}), who could replace its files; it is not "
-            "used. Pass bookings_dir= a directory owned by root or by you.",
-            kind="foreign",
-        )
-    if mode & 0o022 and not mode & stat.S_ISVTX:
-        raise _Unavailable(
-            f"the shared booking table directory {directory} is writable by other users "
-            f"without the sticky bit (mode {mode:o}): anyone could replace the files in it; "
-            "it is not used. Run chmod +t on it (mode 1777, as /tmp), or pass bookings_dir= "
-            "another directory.",
-            kind="foreign",
-        )
-
-
-def _flock(fd: int) -> None:
-    """An exclusive ``flock`` on ``fd``, waited for at most :data:`LOCK_WAIT_S`."""
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise _Busy from None
-        time.sleep(_LOCK_POLL_S)
-
-
-def _user_files(directory: Path, card_uuid: str, own_uid: int) -> list[tuple[int, Path]]:
-    """The other users' files for the card in a shared table: ``(uid, path)``."""
-    prefix = _file_name(card_uuid, None)[: -len(".json")] + ".uid"
-    found: list[tuple[int, Path]] = []
-    try:
-        with os.scandir(directory) as entries:
-            for n, entry in enumerate(entries):
-                if n >= _MAX_DIRECTORY_ENTRIES:
-                    break
-                name = entry.name
-                if name.startswith(prefix) and name.endswith(".json"):
-                    digits = name[len(prefix) : -len(".json")]
-                    if digits.isdigit() and int(digits) != own_uid:
-                        found.append((int(digits), Path(entry.path)))
-    except OSError:
-        return []
-    return found
-
-
-def _read_foreign(path: Path, uid: int, card_uuid: str) -> dict[str, PoolBooking]:
-    """Another user's file, if it is a regular file that user owns and within the size
-    limit (no lock: a torn read is read again once, then passed over)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return {}
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode) or status.st_uid != uid:
-            return {}
-        for _ in range(2):
-            data = os.pread(fd, MAX_FILE_BYTES + 1, 0)
-            if len(data) > MAX_FILE_BYTES:
-                return {}
-            try:
-                return parse_booking_table(data, card_uuid=card_uuid)
-            except ValueError:
-                continue
-        return {}
-    except OSError:
-        return {}
-    finally:
-        os.close(fd)
+def _flock_or_busy(fd: int) -> None:
+    if not flock_within(fd, LOCK_WAIT_S):
+        raise _Busy
 
 
 def _others(
