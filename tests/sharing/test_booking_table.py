@@ -8,13 +8,14 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import gpupool.testing as gt
-from gpupool._core.bookings import PoolBooking, TaskBooking, format_booking_table
+from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking, format_booking_table
 from gpupool._core.units import GiB
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.bookings import (
@@ -128,11 +129,17 @@ def test_cards_have_separate_tables(table: BookingTable) -> None:
     assert table.others(other_card).booked_bytes == 5 * GiB  # type: ignore[union-attr]
 
 
-def test_unreached_given_takes_each_workers_live_reading(table: BookingTable) -> None:
+def test_unreached_given_takes_each_workers_live_reading() -> None:
     """A reader's own per-process reading overrides a task's published reach."""
-    table.publish(UUID, "a.1", [_task(6 * GiB, 0, pid=101), _task(6 * GiB, GiB, pid=102)])
-    seen = table.others(UUID, "me")
-    assert seen is not None
+    row = PoolBooking(
+        pool_id="a.1",
+        pid=100,
+        start="s",
+        label="x",
+        updated_s=1.0,
+        tasks=(_task(6 * GiB, 0, pid=101), _task(6 * GiB, GiB, pid=102)),
+    )
+    seen = OtherPools(card_uuid=UUID, pools=(row,))
     assert seen.unreached_bytes == 11 * GiB
     assert seen.unreached_given({101: 5 * GiB}) == 6 * GiB  # 1 + 5: 102 keeps its published reach
     assert seen.unreached_given({101: None, 102: 7 * GiB}) == 6 * GiB  # None: no reading
@@ -194,7 +201,7 @@ def test_a_reused_pid_is_told_apart_by_its_start_time(table: BookingTable) -> No
             pid=os.getpid(),
             start=start,
             label="x",
-            updated_s=1.0,
+            updated_s=time.time(),
             tasks=(_task(GiB),),
         )
         for n, start in ((1, token), (2, str(int(token) + 1)))
@@ -236,8 +243,9 @@ def test_a_private_table_is_0600_in_a_0700_directory(table: BookingTable) -> Non
     assert stat.S_IMODE((table.directory / f"{UUID}.json").stat().st_mode) == 0o600
 
 
-def test_a_shared_table_is_writable_by_every_user(tmp_path: Path) -> None:
-    """`shared=True` makes the directory 1777 (sticky) and the files 0666, whatever the umask."""
+def test_a_shared_table_gives_each_user_a_file_only_that_user_writes(tmp_path: Path) -> None:
+    """`shared=True` makes the directory 1777 (sticky) whatever the umask; each user writes
+    its own file per card (0644: read by every user) and locks a file only it can open."""
     shared = BookingTable(tmp_path / "shared", shared=True)
     old = os.umask(0o022)
     try:
@@ -245,7 +253,9 @@ def test_a_shared_table_is_writable_by_every_user(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert stat.S_IMODE(shared.directory.stat().st_mode) == 0o1777
-    assert stat.S_IMODE((shared.directory / f"{UUID}.json").stat().st_mode) == 0o666
+    uid = os.geteuid()
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in shared.directory.iterdir()}
+    assert modes == {f"{UUID}.uid{uid}.json": 0o644, f"{UUID}.uid{uid}.lock": 0o600}
 
 
 def test_a_private_table_refuses_a_directory_others_can_write(

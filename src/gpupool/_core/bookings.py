@@ -21,15 +21,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field
+from typing import Literal, cast
 
+from gpupool._core.events import Decision, JsonValue
 from gpupool._core.units import format_size
 
 __all__ = [
     "TABLE_VERSION",
     "OtherPools",
     "PoolBooking",
+    "TableNote",
     "TaskBooking",
     "format_booking_table",
     "parse_booking_table",
@@ -201,6 +203,37 @@ class OtherPools:
             "other_pools_unreached_bytes": self.unreached_bytes,
             "other_pools_overrun_bytes": self.overrun_bytes,
         }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableNote:
+    """Something the booking table could not do, for the pool's decision log.
+
+    Attributes:
+        event: ``"bookings_skipped"`` (the table was passed over for some
+            steps: its lock was held past the wait, or a read or write failed;
+            it is tried again later) or ``"bookings_unavailable"`` (the table
+            cannot be used here: the pool no longer sees other pools' bookings).
+        reason: a sentence saying what happened and what the pool does.
+        terms: the record's terms (``bookings_dir``, ``card_uuid``,
+            ``lock_wait_s``, ``retry_after_s``, ``skipped_steps``...).
+    """
+
+    event: Literal["bookings_skipped", "bookings_unavailable"]
+    reason: str
+    terms: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def decision(self, time_s: float) -> Decision:
+        """The record, at ``time_s`` (seconds since the pool was constructed)."""
+        return Decision(
+            event=self.event,
+            time_s=time_s,
+            device=None,
+            width_before=None,
+            width_after=None,
+            reason=self.reason,
+            extra=dict(self.terms),
+        )
 
 
 # -- the file's text ------------------------------------------------------------------------

@@ -110,6 +110,8 @@ EventName = Literal[
     "fixed_width_over_bound",
     "measured",
     "sensor_error",
+    "bookings_skipped",
+    "bookings_unavailable",
     "shutdown",
     "card_read",
 ]
@@ -137,6 +139,10 @@ EVENTS: Mapping[str, str] = {
     "fixed_width_over_bound": "a fixed width is wider than the bound allows",
     "measured": "a task key's ask changed basis or value without changing any width",
     "sensor_error": "a live reading failed; what the pool does while it fails",
+    "bookings_skipped": "the host's booking table was passed over for a step (its lock was "
+    "held past the wait, or it could not be read or written); tried again later",
+    "bookings_unavailable": "the host's booking table cannot be used here: the pool no longer "
+    "sees other pools' bookings, and prices its cards by live readings alone",
     "shutdown": "the pool shut down; the run's totals",
     "card_read": "a sample of a card as the pool read it: its used bytes, the parent's, the "
     "pool's workers', everything else's, and what the pool had booked there, by key",

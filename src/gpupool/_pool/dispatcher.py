@@ -350,6 +350,9 @@ class Dispatcher:
                 self.asks,
                 self.counts,
                 log_write_errors=self.log.write_errors,
+                bookings_unavailable=None
+                if self.bookings is None
+                else self.bookings.unavailable_reason,
                 last=self.snapshot,
             )
         except Exception:
@@ -489,6 +492,7 @@ class Dispatcher:
                 self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
             self._publish_bookings(None)
+            self._note_table()
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
                 self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
@@ -525,6 +529,7 @@ class Dispatcher:
             if busy:
                 poll_s = self._read_while_running(poll_s)
             self.planner.sample_cards(self.now())
+            self._note_table()
             self.publish()  # the end of the turn
             with self.lock:
                 idle_pool = not self.incoming and not self.items and not busy
@@ -593,7 +598,9 @@ class Dispatcher:
             if reading is not None:
                 self.planner.observe(device.index, reading, now)
             if self.bookings is not None:
-                others = self.bookings.others(device.info.uuid, self.pool_id)
+                others = self.bookings.others(
+                    device.info.uuid, self.pool_id, total_bytes=device.census.total_bytes
+                )
                 self.others_seen[device.index] = bool(others is not None and others.pools)
                 self.planner.observe_others(device.index, others, now, census=census)
 
@@ -1021,7 +1028,9 @@ class Dispatcher:
         reading = self._snapshot(device) if device is not None and device.census.readable else None
         if device is not None and reading is not None and self.bookings is not None:
             # Other pools' bookings as they stand now: terms of the record.
-            others = self.bookings.others(device.info.uuid, self.pool_id)
+            others = self.bookings.others(
+                device.info.uuid, self.pool_id, total_bytes=device.census.total_bytes
+            )
             self.planner.observe_others(
                 device.index, others, self.now(), rows=reading.process_bytes
             )
@@ -1171,7 +1180,12 @@ class Dispatcher:
         waiting = self.planner.waiting_count(starting=True)
         need = self.planner.need_bytes(starting=True)
         others = self.bookings.exchange(
-            device.info.uuid, self.pool_id, (*tasks, new), waiting, need
+            device.info.uuid,
+            self.pool_id,
+            (*tasks, new),
+            waiting,
+            need,
+            total_bytes=device.census.total_bytes,
         )
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
@@ -1180,6 +1194,17 @@ class Dispatcher:
         self.published.pop(start.device, None)
         self._publish_bookings(device)
         return False
+
+    def _note_table(self) -> None:
+        """Record what the booking table could not do since the last turn (steps it was
+        passed over, a table that cannot be used), and count the steps."""
+        table = self.bookings
+        if table is None:
+            return
+        for note in table.take_notes():
+            self.record(note.decision(self.now()))
+        if table.skipped_steps:
+            self.counts["bookings_skipped"] = table.skipped_steps
 
     def _publish_waiting(self) -> None:
         """Whether tasks wait for room, told on every card where other pools are, once per
@@ -1237,7 +1262,12 @@ class Dispatcher:
             return  # the same booking, and no one to tell
         self.published[device.index] = (tasks, waiting > 0)
         others = table.exchange(
-            device.info.uuid, self.pool_id, tasks, waiting, self.planner.need_bytes()
+            device.info.uuid,
+            self.pool_id,
+            tasks,
+            waiting,
+            self.planner.need_bytes(),
+            total_bytes=device.census.total_bytes,
         )
         self.others_seen[device.index] = bool(others is not None and others.pools)
         self.planner.observe_others(device.index, others, self.now())

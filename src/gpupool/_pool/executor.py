@@ -189,6 +189,11 @@ class PoolStatistics:
         serial_starts: starts past the bound (the serial floor).
         log_write_errors: decision records the log file could not take (a full
             disk, a file-size limit); they are still in the pool's ``decisions``.
+        bookings_skipped: steps the host's booking table was passed over (its
+            lock held by another process past the wait, or a failed read or
+            write): the pool priced its cards by live readings alone then.
+        bookings_unavailable: why the host's booking table cannot be used
+            (the pool then no longer sees other pools' bookings), or ``None``.
     """
 
     tasks_submitted: int
@@ -206,6 +211,8 @@ class PoolStatistics:
     widths_by_key: Mapping[str, int] = field(default_factory=dict)
     serial_starts: int = 0
     log_write_errors: int = 0
+    bookings_skipped: int = 0
+    bookings_unavailable: str | None = None
 
 
 class _OptionsView:
@@ -829,6 +836,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             serial_starts=counts.get("serial_starts", 0),
             # Read live: the log's last check, at close, comes after the last snapshot.
             log_write_errors=max(snapshot.log_write_errors, self._log.write_errors),
+            bookings_skipped=counts.get("bookings_skipped", 0),
+            bookings_unavailable=snapshot.bookings_unavailable,
         )
 
 

@@ -42,6 +42,7 @@ class PoolSnapshot:
         asks: each task key's ask.
         widths_by_key: the planner's ``widths_by_key()``.
         log_write_errors: decision records the log file could not take.
+        bookings_unavailable: why the host's booking table cannot be used, or ``None``.
     """
 
     counts: Mapping[str, int]
@@ -50,6 +51,7 @@ class PoolSnapshot:
     asks: Mapping[str, Ask]
     widths_by_key: Mapping[str, int]
     log_write_errors: int
+    bookings_unavailable: str | None = None
 
 
 def take_snapshot(
@@ -59,6 +61,7 @@ def take_snapshot(
     *,
     log_write_errors: int,
     last: PoolSnapshot | None,
+    bookings_unavailable: str | None = None,
 ) -> PoolSnapshot:
     """What ``planner``, ``asks`` and ``counts`` hold now; only their owning thread may call it.
 
@@ -90,6 +93,7 @@ def take_snapshot(
             and widths is last.widths
             and planner.width == last.width
             and log_write_errors == last.log_write_errors
+            and bookings_unavailable == last.bookings_unavailable
         ):
             return last
     return PoolSnapshot(
@@ -99,6 +103,7 @@ def take_snapshot(
         asks=_frozen(now_asks),
         widths_by_key=_frozen(by_key),
         log_write_errors=log_write_errors,
+        bookings_unavailable=bookings_unavailable,
     )
 
 

@@ -10,18 +10,25 @@ process of the host can read::
     before a start         <--others--   (one file per card,  --others->  before a start
                                           flock, 0600)
 
-One file per card UUID. One operation is one read-modify-write under an
-exclusive ``flock`` (plus a thread lock: ``flock`` does not exclude two
-threads sharing one descriptor), written in place so that a process killed at
-any instant leaves the old text or the new one. Every operation first drops
-the rows of pools whose process has exited (zombies included) or whose PID
-now names another process (the start time differs), so a pool that was
-killed stops counting at the next read by anyone.
+One file per card UUID (in a table shared by every user: one per card and
+user, ``GPU-<uuid>.uid<N>.json``, written only by that user, read by all). One
+operation is one read-modify-write of this user's file under an exclusive
+``flock`` taken with a bounded wait (plus a thread lock: ``flock`` does not
+exclude two threads sharing one descriptor), written in place so that a
+process killed at any instant leaves the old text or the new one. Every
+operation first drops the rows that do not speak for a live pool of the file's
+owner (:mod:`gpupool._sensors.booking_rows`): a pool that was killed, or a row
+forged under a process that is not the writer's pool, counts for nothing.
 
-Where the table cannot be kept (no ``/dev/shm``, a read-only filesystem, a
-directory that is not private), every operation answers ``None`` ("unknown")
-and the ``gpupool`` logger says why once per process and directory; a pool
-then falls back on its live gate alone and never fails for it.
+A lock held past :data:`LOCK_WAIT_S` (by any process that can open the file)
+makes the operation answer ``None`` ("unknown"), and the table is passed over
+for :data:`RETRY_AFTER_S`; the pool prices its cards by live readings alone
+meanwhile, and the table keeps a :class:`~gpupool._core.bookings.TableNote`
+for its decision log. Where the table cannot be kept at all (no ``/dev/shm``,
+a read-only filesystem, a directory others could swap), every operation
+answers ``None``; a ``RuntimeWarning`` and the ``gpupool`` logger say why once
+per process and directory, and a note says so in the pool's log. A pool never
+fails for it.
 """
 
 from __future__ import annotations
@@ -34,25 +41,41 @@ import stat
 import sys
 import threading
 import time
+import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from gpupool._core.bookings import (
     OtherPools,
     PoolBooking,
+    TableNote,
     TaskBooking,
     format_booking_table,
     parse_booking_table,
 )
 from gpupool._log import LOGGER
+from gpupool._sensors.booking_rows import (
+    HEARTBEAT_S,
+    MAX_FILE_BYTES,
+    RowChecks,
+    directory_refusal,
+    flock_within,
+    read_foreign,
+    read_start_token,
+    user_files,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
+    from gpupool._core.events import JsonValue
     from gpupool._sensors.base import Sensor
 
 __all__ = [
     "BOOKINGS_ENV",
+    "LOCK_WAIT_S",
+    "RETRY_AFTER_S",
     "BookingTable",
     "default_bookings_directory",
     "new_pool_id",
@@ -64,9 +87,17 @@ __all__ = [
 #: children that is not given one (e.g. a directory that several containers mount).
 BOOKINGS_ENV = "GPUPOOL_BOOKINGS"
 
-#: File mode of a private table (this user's pools only) and of a shared one.
+#: File mode of a private table (this user's pools only) and of this user's file in a
+#: shared one (read by every user, written by this one).
 PRIVATE_MODE = 0o600
-SHARED_MODE = 0o666
+SHARED_MODE = 0o644
+
+#: How long an operation waits for the file's lock before it passes the table over.
+LOCK_WAIT_S = 0.5
+#: After a lock held past the wait, the table is passed over for this long.
+RETRY_AFTER_S = 2.0
+#: At most one ``bookings_skipped`` note per this many seconds (the count covers the rest).
+NOTE_EVERY_S = 60.0
 
 _T = TypeVar("_T")
 
@@ -81,53 +112,16 @@ def new_pool_id() -> str:
     return f"{os.getpid()}.{next(_POOL_NUMBERS)}"
 
 
-def read_start_token(pid: int) -> str | None:
-    """A token naming the running process ``pid`` (its start time), or ``None`` if it has exited.
-
-    A zombie counts as exited: the driver frees a process's memory when it
-    exits, not when it is reaped. Read from ``/proc/<pid>/stat`` (field 22,
-    start time in clock ticks), psutil where there is no ``/proc``.
-    """
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _start_token_psutil(pid)
-    try:
-        text = os.read(fd, 4096)
-    except OSError:
-        return None  # it exited while we read (ESRCH)
-    finally:
-        os.close(fd)
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
-        return None
-    return fields[19].decode()
-
-
-def _start_token_psutil(pid: int) -> str | None:
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return None
-        return repr(process.create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
 def _program_label() -> str:
     argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
     return Path(argv0).name or Path(sys.executable).name
 
 
-def _file_name(card_uuid: str) -> str:
-    """``<uuid>.json``, each character outside ``[A-Za-z0-9-]`` (MIG names hold ``/``) as ``_``."""
+def _file_name(card_uuid: str, uid: int | None = None) -> str:
+    """``<uuid>.json`` (a private table) or ``<uuid>.uid<N>.json`` (user N's file in a shared
+    one), each character outside ``[A-Za-z0-9-]`` (MIG names hold ``/``) as ``_``."""
     safe = "".join(c if (c.isascii() and (c.isalnum() or c == "-")) else "_" for c in card_uuid)
-    return f"{safe}.json"
+    return f"{safe}.json" if uid is None else f"{safe}.uid{uid}.json"
 
 
 def default_bookings_directory(*, shared: bool = False, shm: Path = Path("/dev/shm")) -> Path:
@@ -141,6 +135,10 @@ def default_bookings_directory(*, shared: bool = False, shm: Path = Path("/dev/s
     if not shm.is_dir() and runtime and not shared:
         return Path(runtime) / "gpupool"
     return shm / ("gpupool" if shared else f"gpupool-{os.geteuid()}")
+
+
+class _Busy(Exception):
+    """The file's lock was held past :data:`LOCK_WAIT_S`."""
 
 
 class _Unavailable(Exception):
@@ -166,11 +164,14 @@ class BookingTable:
             1777 when shared).
         shared: ``False``: private to this user (files 0600; a directory or
             file that other users could write is refused). ``True``: every
-            user's pools share it (files 0666).
+            user's pools share it (each user writes its own files, 0644, and
+            reads the others'; a directory owned by another user than root, or
+            that others can write without the sticky bit, is refused).
 
-    Every method answers ``None`` when the table cannot be kept here (the
-    ``gpupool`` logger says why, once per process and directory); none raises
-    for the filesystem.
+    Every method answers ``None`` when the table cannot be used for that step
+    (:attr:`unavailable_reason` says why when it never can); none raises for
+    the filesystem. :meth:`take_notes` hands over what the decision log should
+    say about it.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, shared: bool = False) -> None:
@@ -178,7 +179,8 @@ class BookingTable:
         self.shared = bool(shared)
         self._lock = threading.Lock()
         self._pid = os.getpid()
-        self._fds: dict[str, int] = {}
+        self._uid = os.geteuid()
+        self._fds: dict[str, tuple[int, int]] = {}
         # Per card: the file's text as this handle last read or wrote it, its
         # rows, and the encoded text of each row (so an unchanged file is not
         # parsed again, and an unchanged row not encoded again).
@@ -188,6 +190,15 @@ class BookingTable:
         self._unavailable: str | None = None
         self._own_start: str | None = None
         self._label = _program_label()
+        self._checks: RowChecks | None = None
+        # Each pool's last row per card, put back with a fresh stamp when it ages.
+        self._rows: dict[tuple[str, str], PoolBooking] = {}
+        self._busy_until_s = 0.0
+        self._next_note_s = 0.0
+        self._unnoted_steps = 0
+        self._notes: list[TableNote] = []
+        #: Operations that answered ``None`` because the table was passed over.
+        self.skipped_steps = 0
 
     def __repr__(self) -> str:
         mode = "shared" if self.shared else "private"
@@ -197,6 +208,12 @@ class BookingTable:
     def unavailable_reason(self) -> str | None:
         """Why the table cannot be kept here, once an operation has found out; else ``None``."""
         return self._unavailable
+
+    def take_notes(self) -> list[TableNote]:
+        """What the decision log should say about the table since the last call."""
+        with self._lock:
+            notes, self._notes = self._notes, []
+        return notes
 
     # -- operations ----------------------------------------------------------------------
 
@@ -209,29 +226,41 @@ class BookingTable:
         return self.exchange(card_uuid, pool_id, tasks) is not None
 
     def withdraw(self, card_uuid: str, pool_id: str) -> bool:
-        """Remove ``pool_id``'s row from ``card_uuid`` (the pool is shutting down).
+        """Remove ``pool_id``'s row from ``card_uuid`` (the pool is shutting down); tried
+        even while the table is passed over.
 
         Returns:
             Whether the table was reached.
         """
+        self._rows.pop((card_uuid, pool_id), None)
 
-        def change(pools: dict[str, PoolBooking]) -> bool:
+        def change(pools: dict[str, PoolBooking], _foreign: list[PoolBooking]) -> bool:
             return pools.pop(pool_id, None) is not None
 
-        return self._apply(card_uuid, change) is not None
+        return self._apply(card_uuid, change, always=True) is not None
 
-    def others(self, card_uuid: str, pool_id: str | None = None) -> OtherPools | None:
+    def others(
+        self, card_uuid: str, pool_id: str | None = None, *, total_bytes: int | None = None
+    ) -> OtherPools | None:
         """Every live pool's row on ``card_uuid`` except ``pool_id``'s (``None``: all of them).
+
+        ``pool_id``'s own row, when it has one, gets a fresh stamp if it is
+        older than :data:`~gpupool._sensors.booking_rows.HEARTBEAT_S`.
+
+        Args:
+            card_uuid: the card.
+            pool_id: the reading pool.
+            total_bytes: the card's total: a row booking more counts for nothing.
 
         Returns:
             The rows, oldest pool first; ``None`` when the table is unavailable
             ("unknown": price the card by its live readings alone).
         """
 
-        def change(pools: dict[str, PoolBooking]) -> OtherPools:
-            return _others(card_uuid, pools, pool_id)
+        def change(pools: dict[str, PoolBooking], foreign: list[PoolBooking]) -> OtherPools:
+            return _others(card_uuid, pools, foreign, pool_id)
 
-        return self._apply(card_uuid, change)
+        return self._apply(card_uuid, change, total_bytes=total_bytes, refresh=pool_id)
 
     def exchange(
         self,
@@ -240,108 +269,222 @@ class BookingTable:
         tasks: Sequence[TaskBooking],
         waiting: int = 0,
         need_bytes: int = 0,
+        *,
+        total_bytes: int | None = None,
     ) -> OtherPools | None:
         """Publish ``pool_id``'s ``tasks`` (and how many of its tasks wait for room, and the
         first one's ask) and read the other pools' rows, in one locked step."""
-        booked = tuple(tasks)
+        row = PoolBooking(
+            pool_id=pool_id,
+            pid=os.getpid(),
+            start=self._own_start_token(),
+            label=self._label,
+            updated_s=time.time(),
+            tasks=tuple(tasks),
+            waiting=waiting,
+            need_bytes=need_bytes,
+        )
+        self._rows[(card_uuid, pool_id)] = row
 
-        def change(pools: dict[str, PoolBooking]) -> OtherPools:
-            pools[pool_id] = PoolBooking(
-                pool_id=pool_id,
-                pid=os.getpid(),
-                start=self._own_start_token(),
-                label=self._label,
-                updated_s=time.time(),
-                tasks=booked,
-                waiting=waiting,
-                need_bytes=need_bytes,
-            )
-            return _others(card_uuid, pools, pool_id)
+        def change(pools: dict[str, PoolBooking], foreign: list[PoolBooking]) -> OtherPools:
+            pools[pool_id] = row
+            return _others(card_uuid, pools, foreign, pool_id)
 
-        return self._apply(card_uuid, change, writes=True)
+        return self._apply(card_uuid, change, writes=True, total_bytes=total_bytes)
 
     def close(self) -> None:
         """Close this handle's files (reopened on the next operation)."""
         with self._lock:
             fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for pair in fds.values():
+            for fd in set(pair):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     # -- the locked read-modify-write ------------------------------------------------------
 
     def _apply(
         self,
         card_uuid: str,
-        change: Callable[[dict[str, PoolBooking]], _T],
+        change: Callable[[dict[str, PoolBooking], list[PoolBooking]], _T],
         *,
         writes: bool = False,
+        always: bool = False,
+        total_bytes: int | None = None,
+        refresh: str | None = None,
     ) -> _T | None:
-        """Run ``change`` on the card's live rows under the lock; ``None`` when unavailable.
+        """Run ``change`` on this user's believed rows of the card (and the other users'
+        believed rows, in a shared table) under the lock; ``None`` when the table is passed
+        over or unavailable.
 
         The rows are written back when ``writes`` is true, when ``change``
-        returned ``True``, or when a dead pool's row was dropped.
+        returned ``True``, when a row was dropped, or when ``refresh``'s row
+        was given a fresh stamp. ``always``: tried even while the table is
+        passed over after a busy lock.
         """
         if self._unavailable is not None:
             return None
+        if not always and time.monotonic() < self._busy_until_s:
+            self._skipped(card_uuid, None)
+            return None
         try:
             with self._locked(card_uuid) as (fd, size):
+                now_s = time.time()
                 pools = self._read(fd, size, card_uuid)
-                pruned = _drop_dead(pools, os.getpid(), self._own_start_token())
-                result = change(pools)
-                if writes or pruned or result is True:
+                dropped = self._row_checks().keep(
+                    pools, owner_uid=self._uid, now_s=now_s, total_bytes=total_bytes
+                )
+                refreshed = self._refresh(card_uuid, refresh, pools, now_s)
+                foreign = self._foreign_rows(card_uuid, now_s, total_bytes)
+                result = change(pools, foreign)
+                if writes or dropped or refreshed or result is True:
                     fragments = self._fragments.setdefault(card_uuid, {})
                     data = format_booking_table(card_uuid, list(pools.values()), fragments)
                     _write(fd, data, size)
                     self._cache[card_uuid] = (data, dict(pools))
                 return result
+        except _Busy:
+            self._busy_until_s = time.monotonic() + RETRY_AFTER_S
+            self._skipped(card_uuid, "busy")
+            return None
         except _Unavailable as exc:
-            self._unavailable = str(exc)
-            self._warn(exc.kind, str(exc))
+            self._stop(exc)
             return None
         except OSError as exc:
             # A failure of one operation (a full /dev/shm, an I/O error): this
             # answer is unknown; the next operation tries again.
-            self._warn(
-                f"io:{exc.errno}",
-                f"the booking table in {self.directory} could not be read or written "
-                f"({exc}); pools on this host may not see each other's bookings while it fails",
-            )
+            self._skipped(card_uuid, f"io:{exc.errno}", exc)
             return None
+
+    def _refresh(
+        self, card_uuid: str, pool_id: str | None, pools: dict[str, PoolBooking], now_s: float
+    ) -> bool:
+        """Put ``pool_id``'s last row back with a fresh stamp where it aged or was dropped."""
+        last = self._rows.get((card_uuid, pool_id)) if pool_id is not None else None
+        if last is None or pool_id is None:
+            return False
+        row = pools.get(pool_id)
+        if row is not None and now_s - row.updated_s < HEARTBEAT_S:
+            return False
+        fresh = replace(last, updated_s=now_s)
+        self._rows[(card_uuid, pool_id)] = fresh
+        pools[pool_id] = fresh
+        return True
+
+    def _row_checks(self) -> RowChecks:
+        if self._checks is None or self._checks.own_pid != os.getpid():
+            self._checks = RowChecks(
+                start_token=read_start_token,
+                own_pid=os.getpid(),
+                own_start=self._own_start_token(),
+            )
+        return self._checks
+
+    # -- what the decision log hears -------------------------------------------------------
+
+    def _skipped(self, card_uuid: str, kind: str | None, error: OSError | None = None) -> None:
+        """Count a step passed over; note it (at most once per :data:`NOTE_EVERY_S`) and
+        warn the first time per process, directory and kind."""
+        self.skipped_steps += 1
+        self._unnoted_steps += 1
+        if kind is None:
+            return  # still within the pause after a busy lock: counted, noted with it
+        if kind == "busy":
+            cause = (
+                f"another process held the lock of the booking table file "
+                f"{self._path(card_uuid)} for more than {LOCK_WAIT_S} s"
+            )
+        else:
+            cause = f"the booking table in {self.directory} could not be read or written ({error})"
+        message = (
+            f"{cause}; the pool went on without the other pools' bookings for that step "
+            f"(pricing the card by its live readings alone) and tries the table again "
+            f"after {RETRY_AFTER_S if kind == 'busy' else 0} s"
+        )
+        self._warn(kind.split(":")[0], message)
+        now_s = time.monotonic()
+        if now_s < self._next_note_s:
+            return
+        self._next_note_s = now_s + NOTE_EVERY_S
+        terms: dict[str, JsonValue] = {
+            "bookings_dir": str(self.directory),
+            "card_uuid": card_uuid,
+            "lock_wait_s": LOCK_WAIT_S if kind == "busy" else 0.0,
+            "retry_after_s": RETRY_AFTER_S if kind == "busy" else 0.0,
+            "skipped_steps": self._unnoted_steps,
+            "cause": "lock" if kind == "busy" else "io",
+        }
+        self._unnoted_steps = 0
+        with self._lock:
+            self._notes.append(TableNote(event="bookings_skipped", reason=message, terms=terms))
+
+    def _stop(self, exc: _Unavailable) -> None:
+        self._unavailable = str(exc)
+        self._warn(exc.kind, str(exc))
+        terms: dict[str, JsonValue] = {
+            "bookings_dir": str(self.directory),
+            "shared": self.shared,
+            "cause": exc.kind,
+        }
+        with self._lock:
+            self._notes.append(
+                TableNote(event="bookings_unavailable", reason=str(exc), terms=terms)
+            )
+
+    def _path(self, card_uuid: str) -> Path:
+        return self.directory / _file_name(card_uuid, self._uid if self.shared else None)
+
+    # -- files -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _locked(self, card_uuid: str) -> Iterator[tuple[int, int]]:
         if self._pid != os.getpid():
             # A forked child: the inherited descriptors share the parent's flock.
             self._pid = os.getpid()
+            self._uid = os.geteuid()
             self._lock = threading.Lock()
             self._fds = {}
             self._cache = {}
+            self._rows = {}
             self._own_start = None
         with self._lock:
-            fd = self._open(card_uuid)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd, lock_fd = self._open(card_uuid)
+            _flock_or_busy(lock_fd)
             status = os.fstat(fd)
             if status.st_nlink == 0:
                 # Someone removed the file while we held it open: open it afresh.
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(self._fds.pop(card_uuid))
-                fd = self._open(card_uuid)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                for old in set(self._fds.pop(card_uuid)):
+                    os.close(old)
+                fd, lock_fd = self._open(card_uuid)
+                _flock_or_busy(lock_fd)
                 status = os.fstat(fd)
             try:
                 yield fd, status.st_size
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
-    def _open(self, card_uuid: str) -> int:
-        fd = self._fds.get(card_uuid)
-        if fd is not None:
-            return fd
+    def _open(self, card_uuid: str) -> tuple[int, int]:
+        """This user's file for the card, and the descriptor to lock (the file itself in a
+        private table; a lock file only this user can open in a shared one)."""
+        pair = self._fds.get(card_uuid)
+        if pair is not None:
+            return pair
         if not self._prepared:
             self._prepare()
-        path = self.directory / _file_name(card_uuid)
-        mode = SHARED_MODE if self.shared else PRIVATE_MODE
+        path = self._path(card_uuid)
+        fd = self._open_own(path, SHARED_MODE if self.shared else PRIVATE_MODE)
+        lock_fd = fd
+        if self.shared:
+            try:
+                lock_fd = self._open_own(path.with_suffix(".lock"), PRIVATE_MODE)
+            except BaseException:
+                os.close(fd)
+                raise
+        self._fds[card_uuid] = (fd, lock_fd)
+        return fd, lock_fd
+
+    def _open_own(self, path: Path, mode: int) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
         except OSError as exc:
@@ -354,20 +497,25 @@ class BookingTable:
             ) from None
         try:
             status = os.fstat(fd)
-            if self.shared:
-                if status.st_uid == os.geteuid() and stat.S_IMODE(status.st_mode) != SHARED_MODE:
-                    os.fchmod(fd, SHARED_MODE)  # the umask narrowed it
-            elif status.st_uid != os.geteuid() or status.st_mode & 0o077:
+            if not stat.S_ISREG(status.st_mode) or status.st_uid != self._uid:
                 raise _Unavailable(
-                    f"the booking table file {path} is not private to this user (owner uid "
-                    f"{status.st_uid}, mode {stat.S_IMODE(status.st_mode):o}); it is not used. "
-                    "Remove it, or pass bookings_dir= a directory of your own.",
+                    f"the booking table file {path} is not this user's own file (owner uid "
+                    f"{status.st_uid}); it is not used. Remove it, or pass bookings_dir= a "
+                    "directory of your own.",
                     kind="foreign",
                 )
+            if stat.S_IMODE(status.st_mode) != mode:
+                if stat.S_IMODE(status.st_mode) & ~mode & 0o077 and not self.shared:
+                    raise _Unavailable(
+                        f"the booking table file {path} is not private to this user (owner uid "
+                        f"{status.st_uid}, mode {stat.S_IMODE(status.st_mode):o}); it is not "
+                        "used. Remove it, or pass bookings_dir= a directory of your own.",
+                        kind="foreign",
+                    )
+                os.fchmod(fd, mode)  # the umask narrowed it, or another version widened it
         except BaseException:
             os.close(fd)
             raise
-        self._fds[card_uuid] = fd
         return fd
 
     def _prepare(self) -> None:
@@ -391,6 +539,7 @@ class BookingTable:
             status = directory.lstat()
             if created and self.shared:
                 os.chmod(directory, mode)  # the umask narrowed it
+                status = directory.lstat()
         except OSError as exc:
             raise _Unavailable(
                 f"the booking table directory {directory} cannot be read ({exc})", kind="directory"
@@ -401,19 +550,19 @@ class BookingTable:
                 "a directory.",
                 kind="directory",
             )
-        if not self.shared and (
-            status.st_uid != os.geteuid() or stat.S_IMODE(status.st_mode) & 0o022
-        ):
-            raise _Unavailable(
-                f"the booking table directory {directory} is not private to this user (owner "
-                f"uid {status.st_uid}, mode {stat.S_IMODE(status.st_mode):o}); it is not used. "
-                "Pass bookings_dir= a directory of your own, or share_bookings='host' for a "
-                "table shared by every user.",
-                kind="foreign",
-            )
+        refusal = directory_refusal(directory, status, shared=self.shared, uid=self._uid)
+        if refusal is not None:
+            raise _Unavailable(refusal, kind="foreign")
         self._prepared = True
 
     def _read(self, fd: int, size: int, card_uuid: str) -> dict[str, PoolBooking]:
+        if size > MAX_FILE_BYTES:
+            self._warn(
+                f"large:{card_uuid}",
+                f"the booking table file {self._path(card_uuid)} holds {size} bytes, more "
+                f"than the {MAX_FILE_BYTES} read; it is not parsed, and is started afresh",
+            )
+            return {}
         data = os.pread(fd, size, 0) if size else b""
         cached = self._cache.get(card_uuid)
         if cached is not None and cached[0] == data.rstrip():
@@ -426,13 +575,30 @@ class BookingTable:
             return pools
         except ValueError as exc:
             # Written by another gpupool version, or damaged: start it afresh
-            # (each live pool puts its row back at its next start or finish).
+            # (each live pool puts its row back at its next start, finish or heartbeat).
             self._warn(
                 f"corrupt:{card_uuid}",
-                f"the booking table file {self.directory / _file_name(card_uuid)} could not "
+                f"the booking table file {self._path(card_uuid)} could not "
                 f"be read ({exc}); it is started afresh",
             )
             return {}
+
+    def _foreign_rows(
+        self, card_uuid: str, now_s: float, total_bytes: int | None
+    ) -> list[PoolBooking]:
+        """In a shared table, the other users' believed rows for the card: each user's own
+        file, read without its lock, each row believed only under its writer's processes."""
+        if not self.shared:
+            return []
+        rows: list[PoolBooking] = []
+        checks = self._row_checks()
+        prefix = _file_name(card_uuid)[: -len(".json")] + ".uid"
+        for uid, path in user_files(self.directory, prefix, self._uid):
+            pools = read_foreign(path, uid, card_uuid)
+            if pools:
+                checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
+                rows.extend(pools.values())
+        return rows
 
     def _own_start_token(self) -> str:
         if self._own_start is None:
@@ -440,33 +606,34 @@ class BookingTable:
         return self._own_start
 
     def _warn(self, kind: str, message: str) -> None:
+        """Say ``message`` once per process, directory and kind: on the ``gpupool`` logger,
+        and as a ``RuntimeWarning`` that is seen where logging is not configured."""
         key = (str(self.directory), kind)
         if key in _WARNED:
             return
         _WARNED.add(key)
         LOGGER.warning("gpupool: %s", message)
+        try:
+            warnings.warn(f"gpupool: {message}", RuntimeWarning, stacklevel=2)
+        except Exception:  # warnings turned into errors must not break the pool
+            pass
 
 
-def _others(card_uuid: str, pools: dict[str, PoolBooking], pool_id: str | None) -> OtherPools:
-    rows = sorted(
-        (row for key, row in pools.items() if key != pool_id),
-        key=lambda row: (row.pid, row.pool_id),
-    )
+def _flock_or_busy(fd: int) -> None:
+    if not flock_within(fd, LOCK_WAIT_S):
+        raise _Busy
+
+
+def _others(
+    card_uuid: str,
+    pools: dict[str, PoolBooking],
+    foreign: list[PoolBooking],
+    pool_id: str | None,
+) -> OtherPools:
+    rows = [row for key, row in pools.items() if key != pool_id]
+    rows.extend(foreign)
+    rows.sort(key=lambda row: (row.pid, row.pool_id))
     return OtherPools(card_uuid=card_uuid, pools=tuple(rows))
-
-
-def _drop_dead(pools: dict[str, PoolBooking], own_pid: int, own_start: str) -> bool:
-    """Drop the rows of pools whose process exited or whose PID was reused; whether any was."""
-    tokens: dict[int, str | None] = {own_pid: own_start}  # this process is alive
-    dead = []
-    for key, row in pools.items():
-        if row.pid not in tokens:
-            tokens[row.pid] = read_start_token(row.pid)
-        if tokens[row.pid] != row.start:
-            dead.append(key)
-    for key in dead:
-        del pools[key]
-    return bool(dead)
 
 
 def _write(fd: int, data: bytes, size: int) -> None:
@@ -475,9 +642,9 @@ def _write(fd: int, data: bytes, size: int) -> None:
     The new text is padded with spaces to the old length (JSON ignores
     trailing whitespace) and written with one ``pwrite``, so a process
     killed at any point leaves the old text or the new; then the file is
-    cut to the new length.
+    cut to the new length. A file past the size limit is not padded.
     """
-    padded = data.ljust(size)
+    padded = data.ljust(size) if size <= MAX_FILE_BYTES else data
     written = os.pwrite(fd, padded, 0)
     while written < len(padded):  # only on a full disk or an odd filesystem
         written += os.pwrite(fd, padded[written:], written)

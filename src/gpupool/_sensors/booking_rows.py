@@ -1,0 +1,285 @@
+"""Which rows and files of the booking table to believe, and how long to wait for it (I/O edge).
+
+Anyone who can write a table file can write any row into it. A row counts only
+where it speaks for a live pool of the file's owner::
+
+    row (pid, start, updated_s, tasks)   kept when
+      pid                                > 1, a live process (not a zombie) with that start
+                                         time, owned by the file's owner (the writer)
+      updated_s                          within STALE_AFTER_S before now, not in the future
+      tasks                              at most MAX_TASKS_PER_POOL; each worker is the pid
+                                         itself or one of its children
+      booked bytes, need_bytes           within the card's total
+    file                                 at most MAX_FILE_BYTES read; MAX_POOLS_PER_FILE rows
+
+A row that fails any test is dropped whole. These reads cost one ``/proc``
+lookup per row and, the first time a worker is met, one per worker.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpupool._core.bookings import parse_booking_table
+from gpupool._sensors.host import read_parent_pid
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gpupool._core.bookings import PoolBooking
+
+__all__ = [
+    "FUTURE_SLACK_S",
+    "HEARTBEAT_S",
+    "MAX_FILE_BYTES",
+    "MAX_POOLS_PER_FILE",
+    "MAX_TASKS_PER_POOL",
+    "STALE_AFTER_S",
+    "RowChecks",
+    "directory_refusal",
+    "flock_within",
+    "process_owner",
+    "read_foreign",
+    "read_start_token",
+    "user_files",
+]
+
+#: A pool rewrites its row's stamp at least this often while it reads the table
+#: (the dispatcher reads it every 0.2 s while tasks run or wait).
+HEARTBEAT_S = 5.0
+#: A row whose stamp is older than this is stale: its pool stopped writing.
+STALE_AFTER_S = 30.0
+#: How far in the future a stamp may be (the host's processes share one clock).
+FUTURE_SLACK_S = 5.0
+#: The most bytes of a table file that are read; a larger file is not parsed.
+MAX_FILE_BYTES = 1 << 20
+#: The most rows of one file that count, and the most tasks of one row.
+MAX_POOLS_PER_FILE = 256
+MAX_TASKS_PER_POOL = 1024
+#: The most entries of a shared table's directory looked at for other users' files.
+_MAX_DIRECTORY_ENTRIES = 4096
+_LOCK_POLL_S = 0.002
+#: Workers already found to be children of their pool: forgotten past this many.
+_KNOWN_WORKERS = 16384
+
+
+def process_owner(pid: int) -> int | None:
+    """The user that owns process ``pid`` (its ``/proc`` entry's owner), or ``None``."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def read_start_token(pid: int) -> str | None:
+    """A token naming the running process ``pid`` (its start time), or ``None`` if it has exited.
+
+    A zombie counts as exited: the driver frees a process's memory when it
+    exits, not when it is reaped. Read from ``/proc/<pid>/stat`` (field 22,
+    start time in clock ticks), psutil where there is no ``/proc``.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _start_token_psutil(pid)
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None  # it exited while we read (ESRCH)
+    finally:
+        os.close(fd)
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return fields[19].decode()
+
+
+def _start_token_psutil(pid: int) -> str | None:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return repr(process.create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+@dataclass
+class RowChecks:
+    """The checks of :mod:`gpupool._sensors.booking_rows`, with what they learned.
+
+    Args:
+        start_token: a PID's start token, or ``None`` when it is not a live process.
+        own_pid: this process (alive, owned by this user).
+        own_start: its start token.
+    """
+
+    start_token: Callable[[int], str | None]
+    own_pid: int
+    own_start: str
+    _workers: set[tuple[int, str, int]] = field(default_factory=set)
+
+    def keep(
+        self,
+        pools: dict[str, PoolBooking],
+        *,
+        owner_uid: int,
+        now_s: float,
+        total_bytes: int | None,
+    ) -> list[str]:
+        """Drop from ``pools`` every row that does not speak for a live pool of ``owner_uid``
+        (the file's owner); returns the dropped rows' ids."""
+        tokens: dict[int, str | None] = {self.own_pid: self.own_start}
+        dropped: list[str] = []
+        kept = 0
+        for key, row in pools.items():
+            if kept >= MAX_POOLS_PER_FILE or not self._believed(
+                row, tokens, owner_uid, now_s, total_bytes
+            ):
+                dropped.append(key)
+            else:
+                kept += 1
+        for key in dropped:
+            del pools[key]
+        return dropped
+
+    def _believed(
+        self,
+        row: PoolBooking,
+        tokens: dict[int, str | None],
+        owner_uid: int,
+        now_s: float,
+        total_bytes: int | None,
+    ) -> bool:
+        if row.pid <= 1 or len(row.tasks) > MAX_TASKS_PER_POOL:
+            return False
+        if not now_s - STALE_AFTER_S <= row.updated_s <= now_s + FUTURE_SLACK_S:
+            return False
+        if total_bytes is not None and (
+            row.booked_bytes > total_bytes or row.need_bytes > total_bytes
+        ):
+            return False
+        if row.pid not in tokens:
+            tokens[row.pid] = self.start_token(row.pid)
+        if tokens[row.pid] != row.start:
+            return False  # exited, a zombie, or the PID now names another process
+        owner = os.geteuid() if row.pid == self.own_pid else process_owner(row.pid)
+        if owner != owner_uid:
+            return False
+        return all(self._worker_of(task.worker_pid, row) for task in row.tasks)
+
+    def _worker_of(self, worker: int, row: PoolBooking) -> bool:
+        """Whether ``worker`` is the row's process or one of its children."""
+        if worker == row.pid:
+            return True
+        known = (row.pid, row.start, worker)
+        if known in self._workers:
+            return True
+        if read_parent_pid(worker) != row.pid:
+            return False
+        if len(self._workers) >= _KNOWN_WORKERS:
+            self._workers.clear()
+        self._workers.add(known)
+        return True
+
+
+def directory_refusal(
+    directory: Path, status: os.stat_result, *, shared: bool, uid: int
+) -> str | None:
+    """Why a table directory is refused (another user could swap its files), or ``None``.
+
+    Private: this user's own, writable by no one else. Shared: owned by root
+    or this user, and writable by others only with the sticky bit (as ``/tmp``).
+    """
+    mode = stat.S_IMODE(status.st_mode)
+    if not shared:
+        if status.st_uid != uid or mode & 0o022:
+            return (
+                f"the booking table directory {directory} is not private to this user (owner "
+                f"uid {status.st_uid}, mode {mode:o}); it is not used. Pass bookings_dir= a "
+                "directory of your own, or share_bookings='host' for a table shared by every "
+                "user."
+            )
+        return None
+    if status.st_uid not in (0, uid):
+        return (
+            f"the shared booking table directory {directory} belongs to another user (owner "
+            f"uid {status.st_uid}, mode {mode:o}), who could replace its files; it is not "
+            "used. Pass bookings_dir= a directory owned by root or by you."
+        )
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        return (
+            f"the shared booking table directory {directory} is writable by other users "
+            f"without the sticky bit (mode {mode:o}): anyone could replace the files in it; "
+            "it is not used. Run chmod +t on it (mode 1777, as /tmp), or pass bookings_dir= "
+            "another directory."
+        )
+    return None
+
+
+def flock_within(fd: int, wait_s: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``wait_s``; whether it was."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(_LOCK_POLL_S)
+
+
+def user_files(directory: Path, prefix: str, own_uid: int) -> list[tuple[int, Path]]:
+    """The other users' files ``<prefix><uid>.json`` in a shared table: ``(uid, path)``."""
+    found: list[tuple[int, Path]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for n, entry in enumerate(entries):
+                if n >= _MAX_DIRECTORY_ENTRIES:
+                    break
+                name = entry.name
+                if name.startswith(prefix) and name.endswith(".json"):
+                    digits = name[len(prefix) : -len(".json")]
+                    if digits.isdigit() and int(digits) != own_uid:
+                        found.append((int(digits), Path(entry.path)))
+    except OSError:
+        return []
+    return found
+
+
+def read_foreign(path: Path, uid: int, card_uuid: str) -> dict[str, PoolBooking]:
+    """Another user's file, if it is a regular file that user owns and within the size
+    limit (no lock: a torn read is read again once, then passed over)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != uid:
+            return {}
+        for _ in range(2):
+            data = os.pread(fd, MAX_FILE_BYTES + 1, 0)
+            if len(data) > MAX_FILE_BYTES:
+                return {}
+            try:
+                return parse_booking_table(data, card_uuid=card_uuid)
+            except ValueError:
+                continue
+        return {}
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
