@@ -280,7 +280,9 @@ def test_the_first_decision_goes_to_the_logger_and_the_file_at_once(host, tmp_pa
             lines = path.read_text(encoding="utf-8").splitlines()
     assert first.event == "constructed"
     assert json.loads(lines[0])["event"] == "run_started"
-    assert [json.loads(line) for line in lines[1:]] == [first.to_dict()]
+    # The dispatcher may have sampled the card since (a card_read record, not a decision).
+    decided = [json.loads(line) for line in lines[1:]]
+    assert [r for r in decided if r["event"] != "card_read"] == [first.to_dict()]
     logged = [r for r in caplog.records if r.name == "gpupool"]
     assert logged[0].gpupool is first  # type: ignore[attr-defined]
     assert logged[0].levelno == logging.INFO
