@@ -170,7 +170,7 @@ class Decision:
         limit: which limit set the width (``"memory"``, ``"cpus"``, ...).
         key: the task key concerned, if any.
         extra: further terms (``live_free_bytes``, ``exitcode``, ...); values
-            are JSON scalars or tables of them (at most :data:`TABLE_ROWS` rows),
+            are JSON scalars or tables of them (at most 256 rows of 16 scalars),
             and byte counts end in ``_bytes``.
         key_ask: the ask of the record's ``key`` itself (the bound's ``ask_bytes``
             is the ask the width was priced at, which for mixed keys is the
