@@ -50,8 +50,7 @@ def samples_of(records: list[Decision]) -> list[Decision]:
 )
 def test_samples_grow_with_time_not_with_tasks(tasks: int, duration_s: float, jumpy: bool) -> None:
     """However many tasks start and end, and however often the card is read, a card is
-    sampled at most once per SAMPLE_MIN_GAP_S between decisions, and at most once per
-    SAMPLE_INTERVAL_S while its reading does not jump."""
+    sampled at most once per SAMPLE_MIN_GAP_S between decisions."""
     records: list[Decision] = []
     planner = planner_on([card(40)], records, estimate_bytes=GiB, max_workers=4)
     for task in range(tasks):
@@ -71,10 +70,10 @@ def test_samples_grow_with_time_not_with_tasks(tasks: int, duration_s: float, ju
     times = [s.time_s for s in samples]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     steady = [g for g in gaps if g > 0]
-    bound = len(decisions) + 1 + duration_s / (SAMPLE_MIN_GAP_S if jumpy else SAMPLE_INTERVAL_S)
+    bound = len(decisions) + 1 + duration_s / SAMPLE_MIN_GAP_S
     assert len(samples) <= bound + 1
-    if not jumpy and len(decisions) <= 2:
-        assert all(g >= SAMPLE_INTERVAL_S - 1e-9 for g in steady[1:])
+    if len(decisions) <= 2:
+        assert all(g >= SAMPLE_MIN_GAP_S - 1e-9 for g in steady[1:])
 
 
 def test_an_idle_card_whose_reading_stands_still_is_not_sampled() -> None:
@@ -84,6 +83,24 @@ def test_an_idle_card_whose_reading_stands_still_is_not_sampled() -> None:
         planner.observe(0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), float(second))
         planner.sample_cards(float(second))
     assert len(samples_of(records)) == 1  # the first reading, then nothing moved
+
+
+def test_a_card_running_steadily_is_sampled_once_per_interval_and_a_start_soon() -> None:
+    records: list[Decision] = []
+    planner = planner_on([card(40)], records, estimate_bytes=GiB, max_workers=4)
+    planner.observe(0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), 0.0)
+    planner.sample_cards(0.0)
+    planner.submit(0, "a")
+    start_all(planner, 0.05)
+    for step in range(1, 201):  # read every 50 ms for 10 s; nothing moves
+        now_s = 0.05 * step
+        planner.observe(0, CardReading(free_bytes=37 * GiB, used_bytes=3 * GiB), now_s)
+        planner.sample_cards(now_s)
+    samples = samples_of(records)
+    # The start is sampled at the first turn SAMPLE_MIN_GAP_S after the last sample.
+    assert samples[1].to_dict()["running"] == 1
+    assert samples[1].time_s <= SAMPLE_MIN_GAP_S + 0.05 + 1e-9
+    assert len(samples) <= 2 + 10 / SAMPLE_INTERVAL_S
 
 
 def test_a_co_tenant_that_grows_between_decisions_is_sampled_with_its_bytes() -> None:

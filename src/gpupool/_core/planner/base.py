@@ -188,6 +188,7 @@ class PlannerBase:
         card.sampled_reading = reading
         card.sampled_s = now_s
         card.sampled_used_bytes = reading.used_bytes
+        card.sampled_running = len(card.runs)
         self._emit(samples.card_read(card, split, reading.free_bytes, now_s))
 
     def _width_now(self) -> int:

@@ -15,7 +15,8 @@ A sample is written for a card:
   counts the tasks that run beside it), while the pool's tasks run there or
   the reading moves, at most once every :data:`SAMPLE_INTERVAL_S`;
 * at once (but no sooner than :data:`SAMPLE_MIN_GAP_S` after the last) when
-  the card's used bytes jump by :data:`SAMPLE_JUMP_FRACTION` of its total.
+  the card's used bytes jump by :data:`SAMPLE_JUMP_FRACTION` of its total, or
+  the number of the pool's tasks running there changed.
 
 So the log grows with time and decisions, never with the tasks run: between
 decisions, a card costs at most ``1 / SAMPLE_MIN_GAP_S`` samples a second
@@ -151,7 +152,8 @@ def sample_due(card: Card, now_s: float, *, decision: bool) -> bool:
     gap_s = now_s - card.sampled_s
     moved = abs(reading.used_bytes - card.sampled_used_bytes)
     total = card.census.total_bytes or 0
-    if gap_s >= SAMPLE_MIN_GAP_S and moved >= max(SAMPLE_STEP_BYTES, total * SAMPLE_JUMP_FRACTION):
+    jumped = moved >= max(SAMPLE_STEP_BYTES, total * SAMPLE_JUMP_FRACTION)
+    if gap_s >= SAMPLE_MIN_GAP_S and (jumped or len(card.runs) != card.sampled_running):
         return True
     return gap_s >= SAMPLE_INTERVAL_S and (bool(card.runs) or moved >= SAMPLE_STEP_BYTES)
 

@@ -88,6 +88,7 @@ class Card:
     sampled_reading: CardReading | None = None
     sampled_s: float | None = None
     sampled_used_bytes: int | None = None
+    sampled_running: int = 0
     gate_shut_since_s: float | None = None
     gate_recorded_s: float | None = None
     gate_episodes: int = 0
