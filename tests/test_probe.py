@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -600,6 +601,37 @@ def test_cupy_held_bytes_are_not_taken_for_context(monkeypatch):
     report = probe.stop()
     assert report.context_bytes == context
     assert report.device_peak_bytes == 3 * GiB + context
+
+
+def test_a_childs_bytes_are_the_tasks_peak_never_the_workers_context(monkeypatch, fresh_cap):
+    """A child holding 4 GiB beside a worker with a 500 MiB context: the task's peak counts the
+    child, the context is the worker's own row less torch's (500 MiB, not 4.5 GiB), and the
+    next task's cap leaves out only that."""
+    pid = os.getpid()
+    card = h100(0)
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    context = 500 * MiB
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as child:
+        assert child.stdin is not None
+
+        def rows(cuda):
+            held = context + cuda.reserved_bytes
+            card.compute = [(pid, held), (child.pid, 4 * GiB)]
+            card.free = card.total - card.reserved - held - 4 * GiB
+
+        torch.cuda.on_change = rows
+        probe = _nvml_probe(monkeypatch, card, torch)
+        probe.start()
+        torch.cuda.allocate(GiB)
+        report = probe.stop()
+        child.stdin.close()
+    assert report.device_peak_bytes == 5 * GiB + context
+    assert (report.context_bytes, report.context_source) == (context, "process-row")
+    apply_allocator_cap(8 * GiB)
+    assert allocator_cap_state()["outside_bytes"] == context
+    assert torch.cuda.fractions[-1][0] == (8 * GiB - context) / (80 * GiB)
 
 
 # -- the cap leaves room for what torch does not hold -----------------------------------------

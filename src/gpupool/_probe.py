@@ -69,6 +69,7 @@ from gpupool._sensors.process import read_rss_high_water
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from gpupool._probe_tree import TreeSensor
     from gpupool._sensors.base import DeviceInfo
 
 __all__ = [
@@ -497,7 +498,11 @@ class Probe:
         if not self._exact:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
-            self._note_context(self._baseline_bytes, held, held)
+            try:
+                own = _trusted(sensor.read_root_bytes(device)[1])
+            except Exception:
+                own = None
+            self._note_context(own, held, held)
             self._sampled_peak_bytes = self._baseline_bytes
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
@@ -527,10 +532,11 @@ class Probe:
             guard_torch_resets()  # a task that imports torch in its body is guarded too
             held_before = self._frameworks.sample()
             try:
-                now = _trusted(sensor.read_process_bytes(device, self._pid))
+                now, own = sensor.read_root_bytes(device)
             except Exception:
                 continue
-            self._note_context(now, held_before, self._frameworks.sample())
+            now = _trusted(now)
+            self._note_context(_trusted(own), held_before, self._frameworks.sample())
             if now is not None and (
                 self._sampled_peak_bytes is None or now > self._sampled_peak_bytes
             ):
@@ -589,7 +595,7 @@ class Probe:
             rejected_readings=tree.rejected,
         )
 
-    def _read_exact(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
+    def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
         try:
             peak = sensor.read_process_peak_bytes(device, self._pid)
@@ -597,25 +603,26 @@ class Probe:
             peak = None
         held_before = self._frameworks.sample()
         try:
-            now = _trusted(sensor.read_process_bytes(device, self._pid))
+            own = _trusted(sensor.read_root_bytes(device)[1])
         except Exception:
-            now = None
-        self._note_context(now, held_before, self._frameworks.sample())
+            own = None
+        self._note_context(own, held_before, self._frameworks.sample())
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
-    def _stop_sampling(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
+    def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join()
             self._sampler = None
         held_before = self._frameworks.sample()
         try:
-            now = _trusted(sensor.read_process_bytes(device, self._pid))
+            now, own = sensor.read_root_bytes(device)
         except Exception:
-            now = None
-        # Read before the caches are released: the row then holds the frameworks'
-        # bytes plus everything outside them (the context).
-        self._note_context(now, held_before, self._frameworks.sample())
+            now, own = None, None
+        now = _trusted(now)
+        # Read before the caches are released: the worker's own row then holds the
+        # frameworks' bytes plus everything outside them (the context).
+        self._note_context(_trusted(own), held_before, self._frameworks.sample())
         peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
         source = f"{sensor.name}-sampled"
         try:

@@ -225,22 +225,41 @@ class TreeSensor(Sensor):
             return self.inner.read_process_bytes(device, pid)
         return self.read_members_bytes(device, self.watch.members())
 
+    def read_root_bytes(self, device: DeviceInfo) -> tuple[int | None, int | None]:
+        """The tree's bytes and the root's own row, from one reading of ``device``.
+
+        Either is ``None`` where the reading is not a measurement; the root's
+        own figure is also ``None`` where the root has no row. What the root
+        holds outside its frameworks (its context) is measured from its own
+        row, never from its descendants'.
+        """
+        return self._read_members(device, self.watch.members())
+
     def read_members_bytes(self, device: DeviceInfo, members: Collection[int]) -> int | None:
         """What ``members`` hold by one reading of ``device``, or ``None`` (reasons kept)."""
+        return self._read_members(device, members)[0]
+
+    def _read_members(
+        self, device: DeviceInfo, members: Collection[int]
+    ) -> tuple[int | None, int | None]:
+        """``members``' bytes and the root's own row by one reading (reasons kept)."""
         memory: MemoryReading | None
         try:
             memory, rows = self.inner.read_snapshot(device)
         except SensorError:
             memory, rows = None, self.inner.read_processes(device)
         if rows is None:
-            return None
+            return None, None
         # On unified memory "used" is the host's, not a device total to bound rows by.
         used = memory.used_bytes if memory is not None and not memory.unified else None
         verdict = judge_tree_rows(
             [(row.pid, row.used_bytes) for row in rows], members, device_used_bytes=used
         )
         self.watch.note_rejections(verdict.reasons)
-        return verdict.tree_bytes
+        if verdict.tree_bytes is None:
+            return None, None
+        own = [row.used_bytes for row in rows if row.pid == self.watch.root_pid]
+        return verdict.tree_bytes, own[0] if own and self.watch.root_pid in members else None
 
 
 class _ExactTreeSensor(TreeSensor):
