@@ -5,7 +5,8 @@ A task's device bytes may live in processes it starts: a compiler, a
 measures the worker's *tree*:
 
 * :class:`TreeWatch` follows who is in the tree while a task runs (each
-  thread's ``/proc/<pid>/task/<tid>/children``, every 10 ms), the
+  thread's ``/proc/<pid>/task/<tid>/children``, every 10 ms; a descendant
+  once seen stays a member while it runs, even re-parented away), the
   descendants' host RSS high-water (their ``VmHWM`` summed per sample, and
   ``RUSAGE_CHILDREN`` for children reaped before a sample saw them), and which
   descendants the task left running when it ended;
@@ -104,9 +105,18 @@ class TreeWatch:
                 found.add((pid, token))
         return found
 
+    def _descendants(self) -> tuple[int, ...]:
+        """The live descendants now, and those seen before that are still running though
+        re-parented away since (their parent exited: ``sh -c "cmd &"``, a launcher)."""
+        found = read_descendants(self.root_pid, self._proc)
+        with self._lock:
+            seen = [(pid, token) for pid, token in self._seen if pid not in found]
+        orphans = [pid for pid, token in seen if read_start_token(pid) == token]
+        return (*found, *orphans) if orphans else found
+
     def members(self) -> frozenset[int]:
         """The root and its live descendants now (noted as seen while a window is open)."""
-        descendants = read_descendants(self.root_pid, self._proc)
+        descendants = self._descendants()
         if self._open and descendants:
             identities = self._identities(descendants)
             with self._lock:
@@ -123,7 +133,7 @@ class TreeWatch:
     def open(self) -> None:
         """Open a window: note the descendants already running, and start sampling."""
         self._halt()
-        at_start = self._identities(read_descendants(self.root_pid, self._proc))
+        at_start = self._identities(self._descendants())
         with self._lock:
             self._at_start = at_start
             self._seen = set(at_start)
@@ -142,7 +152,7 @@ class TreeWatch:
 
     def _sample(self) -> None:
         """One sample: who is in the tree, and the sum of the descendants' RSS high-waters."""
-        descendants = read_descendants(self.root_pid, self._proc)
+        descendants = self._descendants()
         identities = self._identities(descendants)
         rss_bytes = sum(read_rss_high_water_of(pid, self._proc) or 0 for pid in descendants)
         with self._lock:
@@ -160,8 +170,8 @@ class TreeWatch:
         self._halt()
         self._sample()
         self._open = False
+        running = self._identities(self._descendants())
         with self._lock:
-            running = self._identities(read_descendants(self.root_pid, self._proc))
             outliving = tuple(sorted(pid for pid, _ in running - self._at_start))
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
         children = read_children_rss_high_water()
