@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -602,6 +603,85 @@ def test_cupy_held_bytes_are_not_taken_for_context(monkeypatch):
     report = probe.stop()
     assert report.context_bytes == context
     assert report.device_peak_bytes == 3 * GiB + context
+
+
+def test_a_childs_bytes_are_the_tasks_peak_never_the_workers_context(monkeypatch, fresh_cap):
+    """A child holding 4 GiB beside a worker with a 500 MiB context: the task's peak counts the
+    child, the context is the worker's own row less torch's (500 MiB, not 4.5 GiB), and the
+    next task's cap leaves out only that."""
+    pid = os.getpid()
+    card = h100(0)
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    context = 500 * MiB
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as child:
+        assert child.stdin is not None
+
+        def rows(cuda):
+            held = context + cuda.reserved_bytes
+            card.compute = [(pid, held), (child.pid, 4 * GiB)]
+            card.free = card.total - card.reserved - held - 4 * GiB
+
+        torch.cuda.on_change = rows
+        probe = _nvml_probe(monkeypatch, card, torch)
+        probe.start()
+        torch.cuda.allocate(GiB)
+        report = probe.stop()
+        child.stdin.close()
+    assert report.device_peak_bytes == 5 * GiB + context
+    assert (report.context_bytes, report.context_source) == (context, "process-row")
+    apply_allocator_cap(8 * GiB)
+    assert allocator_cap_state()["outside_bytes"] == context
+    assert torch.cuda.fractions[-1][0] == (8 * GiB - context) / (80 * GiB)
+
+
+def _child_holding_rows(card, pid, child_pid, context, child_bytes):
+    """The driver's rows: the worker at its context only (a spike sampling missed), a child."""
+    card.compute = [(pid, context), (child_pid, child_bytes)]
+    card.free = card.total - card.reserved - context - child_bytes
+
+
+def test_a_workers_counted_spike_is_added_to_its_childs_bytes(monkeypatch):
+    """torch's 8 GiB spike (missed by sampling, kept by torch's counter) beside a child's 4 GiB:
+    the peak is both with the context, 12.5 GiB, not the worker's 8.5 GiB alone."""
+    pid = os.getpid()
+    card = h100(0)
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    context = 500 * MiB
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as child:
+        assert child.stdin is not None
+        _child_holding_rows(card, pid, child.pid, context, 4 * GiB)
+        probe = _nvml_probe(monkeypatch, card, torch)
+        probe.start()
+        torch.cuda.allocate(8 * GiB)
+        torch.cuda.free(8 * GiB)
+        torch.cuda.empty_cache()
+        report = probe.stop()
+        child.stdin.close()
+    assert report.device_peak_bytes == 12 * GiB + context
+    assert report.device_source == "torch+context+descendants"
+
+
+def test_the_workers_accounting_maximum_is_added_to_its_childs_bytes(monkeypatch):
+    """NVML accounting's maximum is the worker's own: a child's 4 GiB are added to it."""
+    pid = os.getpid()
+    context = 500 * MiB
+    card = h100(0, accounting={pid: context})
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as child:
+        assert child.stdin is not None
+        _child_holding_rows(card, pid, child.pid, context, 4 * GiB)
+        probe = _nvml_probe(monkeypatch, card)
+        probe.start()
+        card.accounting = {pid: 8 * GiB + context}  # a spike the driver kept, sampling missed
+        report = probe.stop()
+        child.stdin.close()
+    assert report.device_peak_bytes == 12 * GiB + context
+    assert report.device_source == "nvml-accounting+descendants"
 
 
 # -- the cap leaves room for what torch does not hold -----------------------------------------

@@ -23,7 +23,9 @@ Sources of the device peak; the report takes the largest that is trusted:
 
 The sensor's per-process figures (1 and 3) are the worker's process tree's:
 the worker and every process alive under it during the task
-(:mod:`gpupool._probe_tree`). A per-process reading that is not plausible is
+(:mod:`gpupool._probe_tree`). Figures 2 and 4 are the worker's own: the most
+its descendants held in one reading of the tree's rows is added to them (the
+source ends ``+descendants``). A per-process reading that is not plausible is
 not a measurement (:func:`gpupool._core.readings.judge_tree_rows`: a list
 holding an impossible PID, a row smaller than any context, such as the 0 that
 drivers 535.113 to 560 report inside a container, rows above the device's used
@@ -69,6 +71,7 @@ from gpupool._sensors.process import read_rss_high_water
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from gpupool._probe_tree import TreeSensor
     from gpupool._sensors.base import DeviceInfo
 
 __all__ = [
@@ -445,6 +448,10 @@ class Probe:
         self._baseline_bytes: int | None = None
         self._max_at_start: int | None = None
         self._sampled_peak_bytes: int | None = None
+        # The most the worker's descendants held together in one reading of the window
+        # (the tree less the worker's own row): what the worker's own figures (NVML
+        # accounting, the frameworks' counters) leave out.
+        self._descendant_bytes = 0
         self._frameworks = FrameworkWindow()
         # The most bytes this process was seen holding outside every framework's
         # allocator (its context, NCCL, other libraries), from its own device row:
@@ -482,6 +489,7 @@ class Probe:
         if cuda is not None:
             _reset_torch_peaks(cuda)
         held = self._frameworks.open()
+        self._descendant_bytes = 0
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
             return
@@ -497,7 +505,7 @@ class Probe:
         if not self._exact:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
-            self._note_context(self._baseline_bytes, held, held)
+            self._read_tree(sensor, device, held)
             self._sampled_peak_bytes = self._baseline_bytes
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
@@ -520,17 +528,27 @@ class Probe:
             self._context_bytes = outside
         _CAP.context_bytes = self._context_bytes
 
+    def _read_tree(
+        self, sensor: TreeSensor, device: DeviceInfo, held_before: int | None
+    ) -> int | None:
+        """One reading of the tree: its bytes (``None``: not a measurement), noting the
+        worker's context from its own row and what its descendants held."""
+        try:
+            tree, own = sensor.read_root_bytes(device)
+        except Exception:
+            return None
+        self._note_context(_trusted(own), held_before, self._frameworks.sample())
+        tree = _trusted(tree)
+        if tree is not None:
+            self._descendant_bytes = max(self._descendant_bytes, tree - (_trusted(own) or 0))
+        return tree
+
     def _sample(self) -> None:
         sensor, device = self._sensor, self._device
         assert sensor is not None and device is not None
         while not self._stop.wait(SAMPLE_INTERVAL_S):
             guard_torch_resets()  # a task that imports torch in its body is guarded too
-            held_before = self._frameworks.sample()
-            try:
-                now = _trusted(sensor.read_process_bytes(device, self._pid))
-            except Exception:
-                continue
-            self._note_context(now, held_before, self._frameworks.sample())
+            now = self._read_tree(sensor, device, self._frameworks.sample())
             if now is not None and (
                 self._sampled_peak_bytes is None or now > self._sampled_peak_bytes
             ):
@@ -558,10 +576,11 @@ class Probe:
             if context is None:
                 context = (CONTEXT_ESTIMATE_BYTES, "estimated")
             names = "+".join(name for name in FRAMEWORKS if name in framework_peaks)
-            counted = sum(framework_peaks.values()) + context[0]
+            # The frameworks' counters are the worker's: its descendants' bytes are added.
+            counted = sum(framework_peaks.values()) + context[0] + self._descendant_bytes
             if peak is None or counted > peak:
                 suffix = "" if context[1] == "process-row" else "-estimated"
-                peak, source = counted, f"{names}+context{suffix}"
+                peak, source = counted, f"{names}+context{suffix}{self._with_descendants()}"
         release_caches()
         cuda = initialised_torch_cuda()
         if cuda is not None:
@@ -589,42 +608,38 @@ class Probe:
             rejected_readings=tree.rejected,
         )
 
-    def _read_exact(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
+    def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
         try:
             peak = sensor.read_process_peak_bytes(device, self._pid)
         except Exception:
             peak = None
-        self._read_row_and_context(sensor, device)
+        self._read_tree(sensor, device, self._frameworks.sample())
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
-    def _read_row_and_context(self, sensor: Sensor, device: DeviceInfo) -> int | None:
-        """The worker's (tree's) row now, trusted or ``None``; the context noted from it
-        against what the frameworks held just before and just after."""
-        held_before = self._frameworks.sample()
-        try:
-            now = _trusted(sensor.read_process_bytes(device, self._pid))
-        except Exception:
-            now = None
-        self._note_context(now, held_before, self._frameworks.sample())
-        return now
-
-    def _stop_sampling(self, sensor: Sensor, device: DeviceInfo) -> tuple[int | None, str]:
+    def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join()
             self._sampler = None
-        # Read before the caches are released: the row then holds the frameworks'
-        # bytes plus everything outside them (the context).
-        now = self._read_row_and_context(sensor, device)
+        # Read before the caches are released: the worker's own row then holds the
+        # frameworks' bytes plus everything outside them (the context).
+        now = self._read_tree(sensor, device, self._frameworks.sample())
         peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
         source = f"{sensor.name}-sampled"
         try:
             lifetime_max = _trusted(sensor.read_process_max_bytes(device, self._pid))
         except Exception:
             lifetime_max = None
-        # The driver's own maximum rose during this task: it misses no spike.
+        # The driver's own maximum rose during this task: it misses no spike of the
+        # worker's. It is the worker's alone: its descendants' bytes are added.
         rose = lifetime_max is not None and lifetime_max > (self._max_at_start or 0)
-        if rose and lifetime_max is not None and (peak is None or lifetime_max >= peak):
-            peak, source = lifetime_max, f"{sensor.name}-accounting"
+        if rose and lifetime_max is not None:
+            counted = lifetime_max + self._descendant_bytes
+            if peak is None or counted >= peak:
+                peak, source = counted, f"{sensor.name}-accounting{self._with_descendants()}"
         return peak, source
+
+    def _with_descendants(self) -> str:
+        """What a source of the worker's own figure adds when its descendants' bytes are added."""
+        return "+descendants" if self._descendant_bytes > 0 else ""

@@ -5,7 +5,8 @@ A task's device bytes may live in processes it starts: a compiler, a
 measures the worker's *tree*:
 
 * :class:`TreeWatch` follows who is in the tree while a task runs (each
-  thread's ``/proc/<pid>/task/<tid>/children``, every 10 ms), the
+  thread's ``/proc/<pid>/task/<tid>/children``, every 10 ms; a descendant
+  once seen stays a member while it runs, even re-parented away), the
   descendants' host RSS high-water (their ``VmHWM`` summed per sample, and
   ``RUSAGE_CHILDREN`` for children reaped before a sample saw them), and which
   descendants the task left running when it ended;
@@ -104,9 +105,18 @@ class TreeWatch:
                 found.add((pid, token))
         return found
 
+    def _descendants(self) -> tuple[int, ...]:
+        """The live descendants now, and those seen before that are still running though
+        re-parented away since (their parent exited: ``sh -c "cmd &"``, a launcher)."""
+        found = read_descendants(self.root_pid, self._proc)
+        with self._lock:
+            seen = [(pid, token) for pid, token in self._seen if pid not in found]
+        orphans = [pid for pid, token in seen if read_start_token(pid) == token]
+        return (*found, *orphans) if orphans else found
+
     def members(self) -> frozenset[int]:
         """The root and its live descendants now (noted as seen while a window is open)."""
-        descendants = read_descendants(self.root_pid, self._proc)
+        descendants = self._descendants()
         if self._open and descendants:
             identities = self._identities(descendants)
             with self._lock:
@@ -123,7 +133,7 @@ class TreeWatch:
     def open(self) -> None:
         """Open a window: note the descendants already running, and start sampling."""
         self._halt()
-        at_start = self._identities(read_descendants(self.root_pid, self._proc))
+        at_start = self._identities(self._descendants())
         with self._lock:
             self._at_start = at_start
             self._seen = set(at_start)
@@ -142,7 +152,7 @@ class TreeWatch:
 
     def _sample(self) -> None:
         """One sample: who is in the tree, and the sum of the descendants' RSS high-waters."""
-        descendants = read_descendants(self.root_pid, self._proc)
+        descendants = self._descendants()
         identities = self._identities(descendants)
         rss_bytes = sum(read_rss_high_water_of(pid, self._proc) or 0 for pid in descendants)
         with self._lock:
@@ -160,8 +170,8 @@ class TreeWatch:
         self._halt()
         self._sample()
         self._open = False
+        running = self._identities(self._descendants())
         with self._lock:
-            running = self._identities(read_descendants(self.root_pid, self._proc))
             outliving = tuple(sorted(pid for pid, _ in running - self._at_start))
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
         children = read_children_rss_high_water()
@@ -225,22 +235,41 @@ class TreeSensor(Sensor):
             return self.inner.read_process_bytes(device, pid)
         return self.read_members_bytes(device, self.watch.members())
 
+    def read_root_bytes(self, device: DeviceInfo) -> tuple[int | None, int | None]:
+        """The tree's bytes and the root's own row, from one reading of ``device``.
+
+        Either is ``None`` where the reading is not a measurement; the root's
+        own figure is also ``None`` where the root has no row. What the root
+        holds outside its frameworks (its context) is measured from its own
+        row, never from its descendants'.
+        """
+        return self._read_members(device, self.watch.members())
+
     def read_members_bytes(self, device: DeviceInfo, members: Collection[int]) -> int | None:
         """What ``members`` hold by one reading of ``device``, or ``None`` (reasons kept)."""
+        return self._read_members(device, members)[0]
+
+    def _read_members(
+        self, device: DeviceInfo, members: Collection[int]
+    ) -> tuple[int | None, int | None]:
+        """``members``' bytes and the root's own row by one reading (reasons kept)."""
         memory: MemoryReading | None
         try:
             memory, rows = self.inner.read_snapshot(device)
         except SensorError:
             memory, rows = None, self.inner.read_processes(device)
         if rows is None:
-            return None
+            return None, None
         # On unified memory "used" is the host's, not a device total to bound rows by.
         used = memory.used_bytes if memory is not None and not memory.unified else None
         verdict = judge_tree_rows(
             [(row.pid, row.used_bytes) for row in rows], members, device_used_bytes=used
         )
         self.watch.note_rejections(verdict.reasons)
-        return verdict.tree_bytes
+        if verdict.tree_bytes is None:
+            return None, None
+        own = [row.used_bytes for row in rows if row.pid == self.watch.root_pid]
+        return verdict.tree_bytes, own[0] if own and self.watch.root_pid in members else None
 
 
 class _ExactTreeSensor(TreeSensor):

@@ -70,3 +70,15 @@ def test_a_descendant_left_running_is_reported_with_its_bytes():
     assert measured[0]["outliving_descendants"] == 1
     assert measured[0]["descendants"] >= 1
     assert measured[0]["outliving_device_bytes"] == 2 * GiB + 300 * MiB
+
+
+def test_processes_a_task_spawns_are_its_peak():
+    """Two processes a task starts with the ``spawn`` start method (as torch's
+    ``multiprocessing.spawn`` does) run, and the 2 GiB each holds at once are the task's peak."""
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB", context="300MiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="9GiB", reserve=0) as ex:
+            codes = ex.submit(tree_tasks.in_spawned_processes, "2GiB", 2).result(timeout=120)
+            decisions = list(ex.decisions)
+    assert codes == [0, 0]
+    measured = _measured(decisions, "tree_tasks.in_spawned_processes")
+    assert measured and measured[0]["peak_bytes"] == 2 * (2 * GiB + 300 * MiB)

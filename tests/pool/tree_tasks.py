@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import resource
 import subprocess
 import sys
+from typing import Any
 
 #: The child a task starts: hold ``argv[1]`` on the simulated card (the same
 #: ledger, found through the inherited GPUPOOL_SIMULATOR), say so on stdout,
@@ -59,3 +61,24 @@ def leave_a_subprocess(size: str) -> int:
     assert child.stdout.readline().strip() == "held"
     LEFT.append(child)
     return child.pid
+
+
+def _hold_together(size: str, barrier: Any) -> None:
+    """Hold ``size`` until every process of ``barrier`` holds its own."""
+    from gpupool.testing import hold
+
+    with hold(size):
+        barrier.wait()
+
+
+def in_spawned_processes(size: str, count: int) -> list[int | None]:
+    """Hold ``size`` in each of ``count`` processes started with the ``spawn`` start method
+    (as ``torch.multiprocessing.spawn`` starts them), all at once; return their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(count)
+    processes = [context.Process(target=_hold_together, args=(size, barrier)) for _ in range(count)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    return [process.exitcode for process in processes]

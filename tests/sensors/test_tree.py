@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpupool._probe_tree import TreeWatch
 from gpupool._sensors.tree import (
     read_ancestors,
     read_descendants,
@@ -61,3 +62,38 @@ def test_without_children_files_every_stat_is_scanned(tmp_path: Path):
     assert read_rss_high_water_of(12, proc) == 2048 * 1024
     assert read_rss_high_water_of(11, proc) is None  # no status: not a figure
     assert read_rss_high_water_of(99, proc) is None  # gone
+
+
+#: A child that starts a grandchild reading this child's stdin, prints its PID and waits
+#: to be killed: killed, it leaves the grandchild re-parented away from the test.
+_ORPHANING_PARENT = """
+import signal, subprocess, sys
+grandchild = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"])
+print(grandchild.pid, flush=True)
+signal.pause()
+"""
+
+
+def test_a_descendant_seen_in_the_window_stays_in_the_tree_when_orphaned():
+    """A grandchild seen under this process stays a member, and is reported as left running,
+    after its parent exits and it is re-parented away (``sh -c "cmd &"``, a launcher)."""
+    watch = TreeWatch(os.getpid())
+    watch.open()
+    with subprocess.Popen(
+        [sys.executable, "-c", _ORPHANING_PARENT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        try:
+            assert grandchild in watch.members()  # seen while its parent lives
+            child.kill()
+            child.wait()
+            assert grandchild not in read_descendants(os.getpid())  # re-parented away
+            assert grandchild in watch.members()
+            summary = watch.close(None)
+        finally:
+            child.stdin.close()  # the grandchild reads the same pipe: it ends
+    assert summary.outliving_pids == (grandchild,)

@@ -21,7 +21,9 @@ class PeakReport:
             ``"simulator"``, the frameworks' counters plus the context
             (``"torch+context"``, ``"torch+cupy+context"``, ``"jax+context"``,
             ...; ending ``"-estimated"`` where the context was not measured),
-            or ``"none"``.
+            or ``"none"``; a figure of the worker's own (accounting, the
+            frameworks' counters) to which its descendants' bytes were added
+            ends ``"+descendants"``.
         baseline_bytes: device bytes the child held when the task started (its
             context, typically), or ``None``.
         context_bytes: what the child holds outside the frameworks' allocators

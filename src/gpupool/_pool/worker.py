@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -102,11 +103,18 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 def _isolate() -> None:
-    """A process group of this worker's own; inherited descriptors closed on exec."""
+    """A process group of this worker's own; inherited descriptors closed on exec; the
+    ``spawn`` start method for the processes its tasks start.
+
+    loky leaves its own start method (``"loky"``) set in the worker: a process a
+    task started with ``multiprocessing.get_context("spawn")`` (``torch.multiprocessing``)
+    was told to use it and, without loky imported, failed before running its target.
+    """
     try:
         os.setpgid(0, 0)
     except OSError:
         pass
+    multiprocessing.set_start_method("spawn", force=True)
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:
