@@ -727,13 +727,8 @@ def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
     A last line cut short (a pool killed mid-write, or still writing) is
     dropped, and said on stderr in one line; the records before it are read.
     """
-    from gpupool._postmortem import (
-        CutLine,
-        DecisionLogError,
-        EmptyLogError,
-        NoSuchRunError,
-        read_runs,
-    )
+    from gpupool._log_reader import CutLine, DecisionLogError, EmptyLogError
+    from gpupool._postmortem import NoSuchRunError, read_runs
 
     def say_cut(cut: CutLine) -> None:
         sys.stderr.write(f"gpupool {command}: {cut}\n")

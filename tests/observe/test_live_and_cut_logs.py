@@ -20,7 +20,8 @@ import observe_tasks
 import pytest
 
 from gpupool import GpuPoolExecutor
-from gpupool._postmortem import CutLine, CutLogWarning, iter_records, read_runs
+from gpupool._log_reader import CutLine, CutLogWarning, iter_records
+from gpupool._postmortem import read_runs
 from gpupool.cli import EXIT_EMPTY_LOG, main
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 from support import wait_for

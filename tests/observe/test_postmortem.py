@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from gpupool._core.units import GiB
-from gpupool._postmortem import analyse_oom, iter_records, read_postmortem
+from gpupool._log_reader import iter_records
+from gpupool._postmortem import analyse_oom, read_postmortem
 from gpupool.cli import main
 
 
