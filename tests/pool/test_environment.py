@@ -44,7 +44,7 @@ def _constructed(ex: GpuPoolExecutor) -> dict[str, object]:
 
 
 def test_loky_max_cpu_count_caps_the_cpus_term(host, monkeypatch):
-    """LOKY_MAX_CPU_COUNT=2 on an 8-CPU host: the ceiling's CPU term and default max_workers are 2."""
+    """LOKY_MAX_CPU_COUNT=2 on an 8-CPU host: the CPU term and default max_workers are 2."""
     monkeypatch.setenv("LOKY_MAX_CPU_COUNT", "2")
     with GpuPoolExecutor(task_peak="1GiB") as ex:
         record = _constructed(ex)
@@ -67,7 +67,10 @@ def test_loky_max_cpu_count_above_the_host_changes_nothing(host, monkeypatch):
 def test_bad_loky_max_cpu_count_is_refused(host, monkeypatch, value):
     """A LOKY_MAX_CPU_COUNT that is not a whole number of at least 1 is refused, naming it."""
     monkeypatch.setenv("LOKY_MAX_CPU_COUNT", value)
-    with pytest.raises(ConfigurationError, match=r"^LOKY_MAX_CPU_COUNT=.*unset it"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^LOKY_MAX_CPU_COUNT='.*': .*whole number.*unset LOKY_MAX_CPU_COUNT",
+    ):
         GpuPoolExecutor(task_peak="1GiB")
 
 
@@ -112,9 +115,13 @@ def test_log_path_from_the_environment(host, monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("name", "value", "pattern"),
     [
-        ("GPUPOOL_TASK_PEAK", "abc", r"^GPUPOOL_TASK_PEAK='abc': .*'6GiB'.*unset it"),
-        ("GPUPOOL_TASK_PEAK", "0", r"^GPUPOOL_TASK_PEAK='0': "),
-        ("GPUPOOL_RESERVE", "lots", r"^GPUPOOL_RESERVE='lots': "),
+        (
+            "GPUPOOL_TASK_PEAK",
+            "abc",
+            r"^GPUPOOL_TASK_PEAK='abc' is not a byte size.*6GiB.*unset GPUPOOL_TASK_PEAK",
+        ),
+        ("GPUPOOL_TASK_PEAK", "0", r"^GPUPOOL_TASK_PEAK='0' is zero"),
+        ("GPUPOOL_RESERVE", "lots", r"^GPUPOOL_RESERVE='lots' is not a byte size"),
         ("GPUPOOL_MAX_WORKERS", "0", r"^GPUPOOL_MAX_WORKERS='0': .*whole number"),
         ("GPUPOOL_MAX_WORKERS", "four", r"^GPUPOOL_MAX_WORKERS='four': .*whole number"),
         ("GPUPOOL_PROGRESS", "maybe", r"^GPUPOOL_PROGRESS='maybe': .*'auto'"),
