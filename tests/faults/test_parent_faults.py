@@ -184,3 +184,73 @@ def test_keyboard_interrupt_during_map_exits_and_leaves_no_worker(tmp_path: Path
     assert len(ran) <= 6, ran
     assert took < 30
     _assert_workers_exit(_worker_pids(pids), 5.0)
+
+
+@pytest.mark.parametrize("target", ["parent", "group"])
+def test_keyboard_interrupt_in_with_stops_running_tasks(tmp_path: Path, target: str):
+    """Ctrl-C inside ``with`` ends the running tasks (they would wait ten minutes): the script
+    exits, the tasks not started are cancelled, and no worker is left."""
+    process, pids = _start(
+        tmp_path,
+        """
+        never = os.path.join(directory, "never-released")
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+                task = faulty.note_pid_then_wait_return
+                futures = [ex.submit(task, directory, i, never) for i in range(4)]
+                futures[0].result()
+        """,
+    )
+    try:
+        assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
+        workers = _worker_pids(pids)
+        if target == "parent":
+            os.kill(process.pid, signal.SIGINT)
+        else:
+            os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground group
+        # Generous: the grace is 2 s; a pool that waits for its tasks hangs for 600 s.
+        _, err = _finish(process, 30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert "KeyboardInterrupt" in err, err[-4000:]
+    assert process.returncode != 0
+    assert sorted(int(p.stem) for p in pids.glob("*.pid")) == [0, 1]
+    _assert_workers_exit(workers, 5.0)
+
+
+def test_keyboard_interrupt_with_on_interrupt_wait_lets_running_tasks_finish(tmp_path: Path):
+    """on_interrupt="wait" keeps the standard pool's exit: every task runs to its result."""
+    process, pids = _start(
+        tmp_path,
+        """
+        release = os.path.join(directory, "release")
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB", on_interrupt="wait") as ex:
+                task = faulty.note_pid_then_wait_return
+                futures = [ex.submit(task, directory, i, release) for i in range(4)]
+                for f in futures:
+                    f.add_done_callback(lambda f: print("done", f.result(), flush=True))
+                futures[0].result()
+        """,
+    )
+    try:
+        assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
+        workers = _worker_pids(pids)
+        os.kill(process.pid, signal.SIGINT)
+        # The pool waits for its tasks: release them only once the script is exiting.
+        (pids / "release").write_text("")
+        out, err = _finish(process, 60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert "KeyboardInterrupt" in err, err[-4000:]
+    assert sorted(line for line in out.splitlines() if line.startswith("done")) == [
+        "done 0",
+        "done 1",
+        "done 2",
+        "done 3",
+    ]
+    _assert_workers_exit(workers, 5.0)

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from gpupool._core.census import HostCensus
 from gpupool._core.units import KiB, format_size
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "CgroupMembership",
     "CgroupMemory",
     "MemInfo",
+    "cap_usable_cpus",
     "derive_available_ram",
     "derive_usable_cpus",
     "parse_cfs_quota",
@@ -379,3 +381,19 @@ def derive_usable_cpus(
         return 1, "unknown: no affinity, CPU count or quota could be read; assuming 1"
     cpus, source = min(candidates, key=lambda candidate: candidate[0])
     return max(1, cpus), source
+
+
+def cap_usable_cpus(host: HostCensus, cap: int | None, *, source: str) -> HostCensus:
+    """``host`` with its CPUs capped at ``cap``, as loky caps its count by ``LOKY_MAX_CPU_COUNT``.
+
+    A cap at or above the counted CPUs changes nothing; a lower one becomes the
+    count, and ``source`` (the variable and its value) its source.
+    """
+    if cap is None or cap >= host.cpus:
+        return host
+    return HostCensus(
+        cpus=max(1, cap),
+        available_ram_bytes=host.available_ram_bytes,
+        cpu_source=f"{source} (below {host.cpus} from {host.cpu_source})",
+        ram_source=host.ram_source,
+    )

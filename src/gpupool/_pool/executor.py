@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import math
 import multiprocessing
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
+from gpupool._core.host import cap_usable_cpus
 from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S, PlannerConfig
 from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
@@ -50,6 +52,7 @@ from gpupool._pool.dispatcher import (
     copy_broken,
     interpreter_exiting,
 )
+from gpupool._pool.environ import CPU_CAP_ENV, OnInterrupt, read_pool_defaults
 from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
@@ -59,6 +62,11 @@ if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
 
 __all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
+
+#: How long running tasks get to exit on SIGTERM after Ctrl-C leaves a ``with`` block
+#: (``on_interrupt="terminate"``) before their workers get SIGKILL: time for a task's
+#: own SIGTERM handler, short enough that the terminal answers the key at once.
+INTERRUPT_GRACE_S = 2.0
 
 #: Estimate used when no ``task_peak`` is given and no card is readable.
 _UNKNOWN_ESTIMATE_BYTES = GiB
@@ -315,6 +323,16 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             ``GPUPOOL_BOOKINGS`` environment variable, else
             ``/dev/shm/gpupool-<uid>``; inside a ``SimulatedHost``, the
             simulated host's own). Ignored when ``share_bookings=False``.
+        on_interrupt: what leaving a ``with`` block by ``KeyboardInterrupt``
+            (Ctrl-C) does: ``"terminate"`` (default) cancels the tasks not
+            started, sends SIGTERM to the running tasks' workers and their
+            processes, and SIGKILL to what is left after 2 s
+            (:data:`INTERRUPT_GRACE_S`); ``"wait"`` waits for every task, as
+            the standard pool does.
+
+    Arguments left out are read from ``GPUPOOL_*`` environment variables
+    where one is set (see ``docs/configuration.md``); ``LOKY_MAX_CPU_COUNT``
+    caps the CPUs counted, as in loky.
 
     Raises:
         ConfigurationError: a value is wrong; the message names it (also a
@@ -347,7 +365,19 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         cap_allocator: bool = False,
         share_bookings: bool | str = True,
         bookings_dir: str | os.PathLike[str] | None = None,
+        on_interrupt: OnInterrupt | None = None,
     ) -> None:
+        defaults = read_pool_defaults(
+            os.environ,
+            max_workers=max_workers,
+            task_peak=task_peak,
+            reserve=reserve,
+            log_path=log_path,
+            progress=progress,
+            on_interrupt=on_interrupt,
+        )
+        max_workers, task_peak = defaults.max_workers, defaults.task_peak
+        reserve, progress = defaults.reserve, defaults.progress
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
                 raise TypeError(f"max_workers must be an int, got {max_workers!r}")
@@ -436,7 +466,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             # margin is learned from the spread of each key's measurements.
             learned=margin is None and margin_fraction is None,
         )
-        path = check_log_path(log_path) if log_path is not None else None
+        path = check_log_path(log_path) if log_path is not None else defaults.log_path
 
         if progress is not None and not isinstance(progress, bool):
             raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
@@ -456,6 +486,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 f"bookings_dir={bookings_dir!r}: pass a directory path, or None for the default."
             )
         self._progress = progress
+        self._on_interrupt = defaults.on_interrupt
         self._mp_context = mp_context
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
@@ -471,6 +502,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             pid=os.getpid(),
         )
+        if defaults.cpu_cap is not None:
+            capped = cap_usable_cpus(
+                census.host, defaults.cpu_cap, source=f"{CPU_CAP_ENV}={defaults.cpu_cap}"
+            )
+            census = dataclasses.replace(census, host=capped)
         self._census = census
         for card in census.cards:
             if card.total_bytes is not None and policy.reserve_bytes >= card.total_bytes:
@@ -576,6 +612,26 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         refused = planner.construct(0.0, note=note, extra=extra)
         if refused is not None:
             raise WidthError(refused.reason, decision=refused.decision.to_dict())
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        if (
+            isinstance(exc_type, type)
+            and issubclass(exc_type, KeyboardInterrupt)
+            and self._on_interrupt == "terminate"
+        ):
+            self._stop_on_interrupt()
+            return
+        self.shutdown(wait=True)
+
+    def _stop_on_interrupt(self) -> None:
+        """Ctrl-C left the ``with`` block: SIGTERM now, SIGKILL after the grace, then wait."""
+        self.terminate_workers()
+        try:
+            self._dispatcher.join(INTERRUPT_GRACE_S)
+        finally:  # a second Ctrl-C during the grace kills at once
+            if self._dispatcher.thread.is_alive():
+                self.kill_workers()
+            self._dispatcher.join()
 
     # -- CPython compatibility attributes ------------------------------------------------
 

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from gpupool._core.peak import PeakReport
+from gpupool._pool.by_value import dumps_by_value
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -257,7 +258,7 @@ def dumps_call(obj: object) -> bytes:
     except Exception:
         data = b""
     if not data or b"__main__" in data:
-        data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = dumps_by_value(obj)  # tracebacks keep the file: see by_value
     return data
 
 
