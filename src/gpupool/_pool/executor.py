@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
@@ -59,6 +59,10 @@ if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
 
 __all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
+
+#: The submitted function's parameters and result: futures keep the function's types.
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 #: Estimate used when no ``task_peak`` is given and no card is readable.
 _UNKNOWN_ESTIMATE_BYTES = GiB
@@ -222,18 +226,18 @@ class _OptionsView:
         self._executor = executor
         self._options = options
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+    def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """As :meth:`GpuPoolExecutor.submit`, with this view's key and peak hint."""
         return self._executor._submit(fn, args, kwargs, self._options)
 
     def map(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., _R],
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
-    ) -> Iterator[Any]:
+    ) -> Iterator[_R]:
         """As :meth:`GpuPoolExecutor.map`, with this view's key and peak hint."""
         return self._executor._map(fn, iterables, timeout, chunksize, buffersize, self._options)
 
@@ -590,7 +594,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     # -- the executor contract ----------------------------------------------------------
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+    def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Schedule ``fn(*args, **kwargs)``; returns a ``concurrent.futures.Future``.
 
         Raises:
@@ -688,12 +692,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     def map(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., _R],
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
-    ) -> Iterator[Any]:
+    ) -> Iterator[_R]:
         """Like :func:`map`, running ``fn`` in the pool; results come back in input order.
 
         Args:
