@@ -14,7 +14,7 @@ api = pytest.importorskip(
     "mypy.api", reason="the typing test runs mypy: install the 'typing' dependency group"
 )
 
-SNIPPET = '''
+SNIPPET = """
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -43,7 +43,7 @@ with GpuPoolExecutor(task_peak="1GiB") as ex:
     ex.submit(g, 1, scale="big")  # line: bad keyword
     ex.submit(f)  # line: missing argument
     wrong: Future[int] = ex.submit(f, 1)  # line: bad result
-'''
+"""
 
 
 def _lines() -> dict[str, int]:
