@@ -701,8 +701,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         """Like :func:`map`, running ``fn`` in the pool; results come back in input order.
 
         Args:
-            fn: the function.
-            *iterables: its arguments.
+            *iterables: the arguments of ``fn``.
             timeout: seconds from this call after which a result not yet
                 ready raises :class:`TimeoutError`.
             chunksize: items per task; larger chunks cut per-task overhead.
