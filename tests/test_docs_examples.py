@@ -66,7 +66,7 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
     """The block runs to completion (exit 0) in a fresh interpreter, as a reader would run it."""
     if block.not_run:
         pytest.skip(f"{block.id}: {block.not_run}")
-    for module in ("dask", "distributed", "matplotlib", "tqdm"):
+    for module in ("dask", "distributed", "joblib", "matplotlib", "tqdm"):
         imported = re.search(rf"^\s*(import|from) {module}\b", block.code, re.MULTILINE)
         if imported and importlib.util.find_spec(module) is None:
             pytest.skip(f"{block.id} needs {module} (an optional extra)")

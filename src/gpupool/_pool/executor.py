@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
@@ -67,6 +67,10 @@ __all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
 #: (``on_interrupt="terminate"``) before their workers get SIGKILL: time for a task's
 #: own SIGTERM handler, short enough that the terminal answers the key at once.
 INTERRUPT_GRACE_S = 2.0
+
+#: The submitted function's parameters and result: futures keep the function's types.
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 #: Estimate used when no ``task_peak`` is given and no card is readable.
 _UNKNOWN_ESTIMATE_BYTES = GiB
@@ -230,18 +234,18 @@ class _OptionsView:
         self._executor = executor
         self._options = options
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+    def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """As :meth:`GpuPoolExecutor.submit`, with this view's key and peak hint."""
         return self._executor._submit(fn, args, kwargs, self._options)
 
     def map(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., _R],
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
-    ) -> Iterator[Any]:
+    ) -> Iterator[_R]:
         """As :meth:`GpuPoolExecutor.map`, with this view's key and peak hint."""
         return self._executor._map(fn, iterables, timeout, chunksize, buffersize, self._options)
 
@@ -646,7 +650,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     # -- the executor contract ----------------------------------------------------------
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+    def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """Schedule ``fn(*args, **kwargs)``; returns a ``concurrent.futures.Future``.
 
         Raises:
@@ -744,17 +748,16 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     def map(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., _R],
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
-    ) -> Iterator[Any]:
+    ) -> Iterator[_R]:
         """Like :func:`map`, running ``fn`` in the pool; results come back in input order.
 
         Args:
-            fn: the function.
-            *iterables: its arguments.
+            *iterables: the arguments of ``fn``.
             timeout: seconds from this call after which a result not yet
                 ready raises :class:`TimeoutError`.
             chunksize: items per task; larger chunks cut per-task overhead.
