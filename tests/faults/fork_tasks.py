@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import stat
+import time
 from pathlib import Path
 
 
@@ -133,3 +134,22 @@ def child_notes_pid_then_returns(i: int, directory: str) -> tuple[str, int]:
         final.with_suffix(".tmp").replace(final)
         return ("fork", i)
     return ("parent", i)
+
+
+def child_scribbles_later(directory: str) -> int:
+    """Keep a copy of the channel's descriptor and fork a child that, once
+    ``directory/go`` exists, writes garbage on the copy, notes ``directory/done`` and
+    exits; return the worker's PID at once (the worker is idle when the garbage comes)."""
+    copies = [os.dup(fd) for fd in _sockets()]
+    go, done = Path(directory, "go"), Path(directory, "done")
+    if os.fork() == 0:
+        deadline = time.monotonic() + 120
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for fd in copies:
+            os.write(fd, b"\x00\x00\x01\x00" + b"late garbage" * 30)
+        done.touch()
+        os._exit(0)
+    for fd in copies:
+        os.close(fd)
+    return os.getpid()

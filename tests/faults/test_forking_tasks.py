@@ -196,3 +196,16 @@ def test_an_answer_from_another_process_on_the_channel_is_the_workers_fault(tmp_
         _still_works(ex)
     assert isinstance(error, WorkerProtocolError)
     assert f"pid {child}" in str(error)
+
+
+def test_a_fault_while_the_worker_is_idle_fails_no_task(tmp_path: Path):
+    """Garbage arriving from an idle worker's channel (a task's child wrote it after the
+    task ended): that worker is killed and replaced, and no task fails."""
+    with _host(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        worker = ex.submit(fork_tasks.child_scribbles_later, str(tmp_path)).result(HANG_S)
+        (tmp_path / "go").touch()
+        assert wait_until((tmp_path / "done").exists, HANG_S)
+        assert wait_until(lambda: exited(worker), HANG_S), "the faulty worker was not killed"
+        _still_works(ex)
+        assert ex.statistics().workers_started == 2
+        assert not [d for d in ex.decisions if d.event == "worker_lost"]
