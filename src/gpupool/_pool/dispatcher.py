@@ -939,7 +939,9 @@ class Dispatcher:
         except OSError:
             pass  # gone already: its exit is seen all the same
 
-    def _receive_one(self, worker: _Worker, frame: bytearray) -> None:
+    def _checked(self, worker: _Worker, frame: bytearray) -> wire.Answer | None:
+        """``frame`` as an answer ``worker`` may send now; ``None`` (its protocol fault)
+        when it is not one."""
         head = worker.task
         try:
             answer = wire.parse_answer(frame)
@@ -951,9 +953,15 @@ class Dispatcher:
             )
         except wire.ProtocolFault as fault:
             self._protocol_fault(worker, str(fault))
+            return None
+        return answer
+
+    def _receive_one(self, worker: _Worker, frame: bytearray) -> None:
+        answer = self._checked(worker, frame)
+        if answer is None:
             return
         kind, report_fields, payload = answer.kind, answer.report, answer.payload
-        del answer, head
+        del answer
         if kind == "ready":  # no task's answer: the worker's initializer returned
             worker.ready = True
             self.boot_deaths = 0

@@ -241,20 +241,12 @@ def worker_main(
         if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
             apply_allocator_cap(cap_bytes)
             continue
-        task = wire.read_task(message)
-        if task is None:  # not a task: the parent's fault; it kills this worker on the answer
-            error = RuntimeError(f"the worker received {wire.describe(message)}, not a task")
-            _answer(conn, wire.NO_TASK, "unpickle", None, _dump_exception(error))
+        task = _read_call(conn, message)
+        del message
+        if task is None:
             continue
-        task_id, call = task
-        try:
-            fn, args, kwargs = cloudpickle.loads(call)
-        except BaseException as exc:
-            _answer(conn, task_id, "unpickle", None, _dump_exception(exc))
-            continue
-        finally:
-            call.release()
-            del message, task, call
+        task_id, (fn, args, kwargs) = task
+        del task
         probe.start()
         kind, payload, failure = "ok", b"", None
         try:
@@ -283,6 +275,25 @@ def worker_main(
         _answer(conn, task_id, kind, dataclasses.asdict(report), payload)
         del payload
         done += 1
+
+
+def _read_call(conn: Connection, message: bytes) -> tuple[int, Any] | None:
+    """The task id and the unpickled ``(fn, args, kwargs)`` of a task frame; ``None`` when
+    it could not be read (answered as ``"unpickle"``: the task never ran)."""
+    task = wire.read_task(message)
+    if task is None:  # not a task: the parent's fault; it kills this worker on the answer
+        error = RuntimeError(f"the worker received {wire.describe(message)}, not a task")
+        _answer(conn, wire.NO_TASK, "unpickle", None, _dump_exception(error))
+        return None
+    task_id, call = task
+    try:
+        fn, args, kwargs = cloudpickle.loads(call)
+        return task_id, (fn, args, kwargs)
+    except BaseException as exc:
+        _answer(conn, task_id, "unpickle", None, _dump_exception(exc))
+        return None
+    finally:
+        call.release()
 
 
 def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None) -> Probe | None:
