@@ -175,7 +175,7 @@ def _guard_forks(fd: int) -> None:
 
 def _leave_if_forked() -> None:
     """In a forked copy of the worker (another PID), flush stdio and exit quietly."""
-    if os.getpid() == _worker_pid:
+    if _worker_pid is None or os.getpid() == _worker_pid:
         return
     for stream in (sys.stdout, sys.stderr):
         try:
