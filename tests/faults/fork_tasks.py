@@ -107,18 +107,20 @@ def answer_for_another_task(i: int, task_id: int) -> int:
 
 
 def child_answers_on_a_copy(i: int, directory: str) -> int:
-    """Keep a copy of the channel's descriptor, fork, and have the child send a
-    well-formed answer on the copy (the fork guard poisons only the original), then
-    exit; its PID goes to ``directory/child.pid``. The parent waits, then returns ``i``."""
+    """Keep a copy of the channel's descriptor, fork, and have the child note its PID in
+    ``directory/child.pid``, then send a well-formed answer on the copy (the fork guard
+    poisons only the original) and exit. The parent waits for it, then returns ``i``."""
     from gpupool._pool import wire
 
     copies = [os.dup(fd) for fd in _sockets()]
     pid = os.fork()
     if pid == 0:
+        final = Path(directory, "child.pid")
+        final.with_suffix(".tmp").write_text(str(os.getpid()))
+        final.with_suffix(".tmp").replace(final)
         for fd in copies:
             wire.send_answer(fd, os.getpid(), 0, "ok", None, pickle.dumps("from the child"))
         os._exit(0)
-    Path(directory, "child.pid").write_text(str(pid))
     os.waitpid(pid, 0)
     for fd in copies:
         os.close(fd)
