@@ -40,6 +40,7 @@ from gpupool._errors import (
     SensorError,
     WidthError,
     WorkerLostError,
+    WorkerProtocolError,
 )
 from gpupool._progress import track
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
@@ -75,6 +76,7 @@ __all__ = [
     "TaskOptions",
     "WidthError",
     "WorkerLostError",
+    "WorkerProtocolError",
     "__version__",
     "format_size",
     "parse_size",

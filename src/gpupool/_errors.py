@@ -11,6 +11,7 @@
      +-- WidthError (also RuntimeError)            strict mode refused to narrow
      +-- DeviceOutOfMemoryError                    a task ran a card out of memory
      +-- WorkerLostError (also BrokenProcessPool)  a worker died while running a task
+     |    +-- WorkerProtocolError                  it sent what is not its task's answer
      +-- InitializerError (also BrokenProcessPool) an initializer failed: the pool is broken
 
 Configuration errors are also :class:`ValueError`, as CPython's are, so
@@ -40,6 +41,7 @@ __all__ = [
     "SensorError",
     "WidthError",
     "WorkerLostError",
+    "WorkerProtocolError",
 ]
 
 
@@ -138,6 +140,35 @@ class WorkerLostError(GpuPoolError, BrokenProcessPool):
         super().__init__(message)
         self.exitcode = exitcode
         self.signal_name = signal_name
+
+
+class WorkerProtocolError(WorkerLostError):
+    """A worker sent what is not the answer to the task it runs, so the pool killed it;
+    only that task fails, and the worker is replaced.
+
+    What came may be bytes that are not an answer, an answer from another
+    process (a child the task forked, writing on the worker's socket), an
+    answer about a task the worker was not running, or a second answer.
+
+    Attributes:
+        pid: the worker's PID.
+        received: what arrived, as the pool saw it (its first bytes quoted).
+        exitcode: the worker's exit code (the pool's SIGKILL: ``-9``).
+        signal_name: ``"SIGKILL"`` when the pool's signal ended it, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        pid: int | None = None,
+        received: str = "",
+        exitcode: int | None = None,
+        signal_name: str | None = None,
+    ) -> None:
+        super().__init__(message, exitcode=exitcode, signal_name=signal_name)
+        self.pid = pid
+        self.received = received
 
 
 class InitializerError(GpuPoolError, BrokenProcessPool):

@@ -7,14 +7,22 @@ Here the parent's end of the socket is non-blocking; a message that does
 not fit the socket's buffer stays queued and is written as the worker
 reads (the dispatcher's selector watches for the socket to be writable),
 and a message is read piece by piece as it arrives. The worker keeps
-plain blocking ``Connection.send_bytes``/``recv_bytes``: its end is its own.
+plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and
+``Connection.recv_bytes``: its end is its own.
 
 Frames are those of :class:`multiprocessing.connection.Connection`, so the
 two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
 unsigned length for a frame over 2 GiB, then the bytes. A worker's answer
-is two frames: a small header (plain pickle of plain values) and the
-payload, which is written and read without being copied into another
-buffer, so a result is pickled once in the worker and unpickled once here.
+is one frame, its envelope marked at both ends (:mod:`gpupool._pool.wire`); the
+payload is read into that frame's buffer and sliced out of it, never copied
+into another, so a result is pickled once in the worker and unpickled once here.
+
+A channel made with ``magic`` checks each frame as soon as its first bytes
+arrive, before it makes room for the rest: a frame shorter than
+``min_frame_bytes``, of a negative length, or whose body does not begin
+with ``magic`` is not an answer, and the stream after it cannot be trusted
+(:class:`ChannelCorrupt`). Bytes another process wrote on the worker's
+socket therefore never make the parent allocate what their length claims.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import os
 import struct
 from typing import Any
 
-__all__ = ["Channel", "ChannelClosed"]
+__all__ = ["Channel", "ChannelClosed", "ChannelCorrupt"]
 
 #: Bytes asked of one ``read`` while a frame's header or a small frame is read.
 _READ_CHUNK_BYTES = 256 * 1024
@@ -36,6 +44,10 @@ _LARGE_ABOVE = 0x7FFFFFFF
 
 class ChannelClosed(Exception):
     """The worker's end is closed (it exited, or was killed), or the socket failed."""
+
+
+class ChannelCorrupt(ChannelClosed):
+    """What arrived is not a frame of ours (the message quotes it): the stream is lost."""
 
 
 def frame_header(size: int) -> bytes:
@@ -60,13 +72,16 @@ class Channel:
         "_closed",
         "_frames",
         "_head",
+        "_magic",
+        "_min_frame_bytes",
         "_out",
         "conn",
+        "corrupt",
         "fd",
         "out_bytes",
     )
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, *, magic: bytes = b"", min_frame_bytes: int = 0) -> None:
         self.conn = conn
         self.fd: int = conn.fileno()
         os.set_blocking(self.fd, False)
@@ -79,6 +94,11 @@ class Channel:
         # Why the channel closed (text only: an exception kept here would hold this
         # channel through its traceback's frames, and with it the worker's descriptors).
         self._closed: str | None = None
+        # What arrived that was not a frame of ours, once it did (quoted): the frames read
+        # before it are returned first, and every call after raises ChannelCorrupt.
+        self.corrupt: str | None = None
+        self._magic = magic
+        self._min_frame_bytes = max(min_frame_bytes, len(magic))
 
     # -- writing -------------------------------------------------------------------------
 
@@ -87,22 +107,23 @@ class Channel:
         """Whether bytes are queued that the socket has not taken yet."""
         return self.out_bytes > 0
 
-    def send(self, payload: bytes | bytearray | memoryview) -> bool:
-        """Queue one frame and write what the socket takes now; ``True`` when all is written.
+    def send(self, payload: bytes | bytearray | memoryview, prefix: bytes = b"") -> bool:
+        """Queue one frame, ``prefix`` then ``payload`` (not copied when large), and write
+        what the socket takes now; ``True`` when all is written.
 
         Raises:
             ChannelClosed: the worker's end is closed.
         """
         view = memoryview(payload).cast("B")
-        header = frame_header(view.nbytes)
+        size = len(prefix) + view.nbytes
+        header = frame_header(size) + prefix
         if view.nbytes <= 16384:
             # One write for a small frame (no empty write when the frame is empty).
             self._out.append(memoryview(header + bytes(view)))
-            self.out_bytes += len(header) + view.nbytes
         else:
             self._out.append(memoryview(header))
             self._out.append(view)
-            self.out_bytes += len(header) + view.nbytes
+        self.out_bytes += len(header) + view.nbytes
         return self.flush()
 
     def flush(self) -> bool:
@@ -144,13 +165,19 @@ class Channel:
             ChannelClosed: end of file (the worker's end closed), or the socket
                 failed. Frames completed before the end are returned first: the
                 error comes on the next call.
+            ChannelCorrupt: what arrived is not a frame of ours; :attr:`corrupt`
+                says what. As for the end, frames completed before come first.
         """
+        if self.corrupt is not None:
+            raise ChannelCorrupt(self.corrupt)
         if self._closed is not None:
             raise ChannelClosed(self._closed)
         try:
             self._read_available()
         except ChannelClosed as exc:
             self._closed = str(exc)
+            if isinstance(exc, ChannelCorrupt):
+                self.corrupt = str(exc)
             if not self._frames:
                 raise
         frames, self._frames = self._frames, []
@@ -214,7 +241,9 @@ class Channel:
                 (size,) = _LARGE.unpack_from(head, 4)
                 start = 12
             elif size < 0:
-                raise ChannelClosed(f"a frame of negative length {size}: the stream is corrupt")
+                raise ChannelCorrupt(f"a frame of negative length {size}: not an answer")
+            if self._magic and not self._frame_begins_well(start, size):
+                return  # its first bytes are not here yet
             end = start + size
             if len(head) >= end:
                 self._frames.append(bytearray(head[start:end]))
@@ -226,3 +255,23 @@ class Channel:
             head.clear()
             self._body = body
             self._body_at = have
+
+    def _frame_begins_well(self, start: int, size: int) -> bool:
+        """Whether the frame at ``start`` of the bytes read ahead begins as ours; ``False``
+        while too few of its bytes are here to tell.
+
+        Raises:
+            ChannelCorrupt: it is too short, or does not begin with the magic.
+        """
+        head = self._head
+        if size < self._min_frame_bytes:
+            raise ChannelCorrupt(
+                f"a frame of {size} bytes ({bytes(head[start : start + size])!r}), shorter "
+                "than an answer: not an answer"
+            )
+        if len(head) < start + len(self._magic):
+            return False
+        if head[start : start + len(self._magic)] != self._magic:
+            quoted = bytes(head[start : start + min(size, 32)])
+            raise ChannelCorrupt(f"a frame of {size} bytes beginning {quoted!r}: not an answer")
+        return True

@@ -7,10 +7,10 @@ Data flow::
     submit(fn, *a) -> incoming -> planner.submit (PENDING)
                       deque       read each card once (one snapshot)
                                   planner.next_start -> Start/Wait/Fail
-                                  Start: a warm or new worker         -> send_bytes(task)
+                                  Start: a warm or new worker         -> (task id, task)
                                   (RUNNING once handed over)             probe.start(); fn(*a)
                                                                          probe.stop() -> report
-                    futures  <-   result / error / oom / worker death  <- send_bytes(kind, report)
+                    futures  <-   result / error / oom / worker death  <- (pid, task, kind, report)
                                   planner.finished / out_of_memory /
                                   lost; its records -> DecisionLog
     statistics(), width  <-       snapshot (PoolSnapshot, replaced whole at the end
@@ -41,7 +41,6 @@ import concurrent.futures
 import functools
 import itertools
 import os
-import pickle
 import select
 import selectors
 import signal
@@ -81,9 +80,11 @@ from gpupool._errors import (
     InitializerError,
     WidthError,
     WorkerLostError,
+    WorkerProtocolError,
 )
 from gpupool._log import LOGGER, DecisionLog
-from gpupool._pool.channel import Channel, ChannelClosed
+from gpupool._pool import wire
+from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import dumps_call, worker_main
@@ -189,6 +190,7 @@ class _Worker:
         "channel",
         "conn",
         "device",
+        "fault",
         "frames",
         "gone",
         "pid",
@@ -205,10 +207,12 @@ class _Worker:
     def __init__(self, process: Any, conn: Any, device: int | None) -> None:
         self.process = process
         self.conn = conn
-        self.channel = Channel(conn)
+        self.channel = Channel(conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES)
         self.watch = ProcessWatch(process)
-        # Frames read but not yet handled: an answer is a header and a payload.
+        # Frames read but not yet handled (one answer each).
         self.frames: collections.deque[bytearray] = collections.deque()
+        # What it sent that broke the protocol (quoted), once it did: it is being killed.
+        self.fault: str | None = None
         self.device = device
         self.pid: int = process.pid
         self.queue: collections.deque[WorkItem] = collections.deque()
@@ -849,12 +853,12 @@ class Dispatcher:
         if self.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes))
-        self._write(worker, payload)
+        self._write(worker, payload, wire.task_prefix(item.task_id))
 
-    def _write(self, worker: _Worker, payload: bytes) -> None:
+    def _write(self, worker: _Worker, payload: bytes, prefix: bytes = b"") -> None:
         """Queue one frame for ``worker``; the selector writes what the socket cannot take now."""
         try:
-            done = worker.channel.send(payload)
+            done = worker.channel.send(payload, prefix)
         except ChannelClosed:
             # The worker died before it could take the task: its exit will be seen.
             worker.channel.discard_output()
@@ -884,10 +888,16 @@ class Dispatcher:
         """Read what ``worker`` sent; handle each complete answer, oldest first.
 
         At end of file the socket stops being watched: the worker's exit,
-        seen from the process itself, then fails what it ran.
+        seen from the process itself, then fails what it ran. What is not
+        an answer of that worker's is its protocol fault (:meth:`_protocol_fault`).
         """
+        if worker.fault is not None:
+            return  # nothing it sends is read any more
         try:
             frames = worker.channel.receive()
+        except ChannelCorrupt as exc:
+            self._protocol_fault(worker, str(exc))
+            return
         except ChannelClosed:
             frames = []
             try:
@@ -896,25 +906,75 @@ class Dispatcher:
                 pass
         worker.frames.extend(frames)
         del frames
-        while len(worker.frames) >= 2 and not worker.gone:
-            header = worker.frames.popleft()
-            payload = worker.frames.popleft()
+        while worker.frames and not worker.gone and worker.fault is None:
+            frame = worker.frames.popleft()
             head = worker.task
             try:
-                self._receive_one(worker, header, payload)
+                self._receive_one(worker, frame)
             except BaseException as exc:
                 # A crash here still ends the task's future.
                 if head is not None and not head.future.done():
                     self._resolve_error(head.future, exc)
                 raise
-            del head, header, payload  # keep nothing of a finished task
+            del head, frame  # keep nothing of a finished task
+        if worker.channel.corrupt is not None:
+            self._protocol_fault(worker, worker.channel.corrupt)
 
-    def _receive_one(self, worker: _Worker, header: bytearray, payload: bytearray) -> None:
-        kind, report_fields = pickle.loads(header)
+    def _protocol_fault(self, worker: _Worker, what: str) -> None:
+        """``worker`` sent what is not an answer it may send now (bytes that are not an
+        answer, an answer from another PID, about a task it does not run, or a second one):
+        nothing more of it is read, it takes no task, and it is SIGKILLed. Its exit then
+        fails the task it ran with a :class:`WorkerProtocolError` (:meth:`_reap`), and a
+        new worker is started as for any other lost one. Only the worker is killed: what
+        its tasks started in the background is left as a worker's death leaves it."""
+        if worker.fault is not None or worker.gone:
+            return
+        worker.fault = what
+        worker.retiring = True
+        worker.frames.clear()
+        worker.channel.discard_output()
+        try:
+            self.selector.unregister(worker.channel.fd)
+        except (KeyError, ValueError):
+            pass
+        LOGGER.warning(
+            "gpupool: a worker process (pid %d) broke the protocol with the pool: it sent %s; "
+            "it is killed and replaced",
+            worker.pid,
+            what,
+        )
+        try:
+            os.kill(worker.pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone already: its exit is seen all the same
+
+    def _checked(self, worker: _Worker, frame: bytearray) -> wire.Answer | None:
+        """``frame`` as an answer ``worker`` may send now; ``None`` (its protocol fault)
+        when it is not one."""
+        head = worker.task
+        try:
+            answer = wire.parse_answer(frame)
+            wire.check_answer(
+                answer,
+                worker_pid=worker.pid,
+                ready=worker.ready,
+                running=head.task_id if head is not None else None,
+            )
+        except wire.ProtocolFault as fault:
+            self._protocol_fault(worker, str(fault))
+            return None
+        return answer
+
+    def _receive_one(self, worker: _Worker, frame: bytearray) -> None:
+        answer = self._checked(worker, frame)
+        if answer is None:
+            return
+        kind, report_fields, payload = answer.kind, answer.report, answer.payload
+        del answer
         if kind == "ready":  # no task's answer: the worker's initializer returned
             worker.ready = True
             self.boot_deaths = 0
-            worker.resident_bytes = report_fields["resident_bytes"]
+            worker.resident_bytes = (report_fields or {}).get("resident_bytes")
             return
         item = worker.queue.popleft() if worker.queue else None
         worker.started_s = time.monotonic()
@@ -989,7 +1049,7 @@ class Dispatcher:
         error = WidthError(refused.reason, decision=refused.decision.to_dict())
         self._break(refused.reason, error, running_finish=True)
 
-    def _finish(self, item: WorkItem, kind: str, payload: bytearray) -> None:
+    def _finish(self, item: WorkItem, kind: str, payload: memoryview) -> None:
         if kind == "ok":
             try:
                 result = cloudpickle.loads(payload)
@@ -1021,7 +1081,7 @@ class Dispatcher:
         self._resolve_error(item.future, error)
 
     def _on_oom(
-        self, worker: _Worker, item: WorkItem, report: PeakReport, payload: bytearray
+        self, worker: _Worker, item: WorkItem, report: PeakReport, payload: memoryview
     ) -> None:
         exc = _load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
@@ -1079,6 +1139,11 @@ class Dispatcher:
         signal_name = _signal_name(exitcode)
         how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
+        if worker.fault is not None:
+            if worker.ready:
+                self._lost_to_fault(worker, worker.fault, exitcode, signal_name)
+                return
+            how = f"broke the protocol with the pool (it sent {worker.fault}) and was killed"
         if not worker.ready and not by_pool:
             # No task is handed to a worker before it is ready, so none is charged with it.
             # With an initializer the pool breaks, as the standard pool does; without one, a
@@ -1118,6 +1183,46 @@ class Dispatcher:
             self._publish_bookings(self.devices[worker.device])
         self._resolve_error(
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
+        )
+
+    def _lost_to_fault(
+        self, worker: _Worker, what: str, exitcode: int | None, signal_name: str | None
+    ) -> None:
+        """A ready worker killed for a protocol fault has exited: the task it ran fails with
+        a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
+        pool goes on (no task, when the fault came while it was idle)."""
+        item = worker.queue.popleft() if worker.queue else None
+        if item is None:
+            return
+        self._settle(item)
+        message = (
+            f"A worker process (pid {worker.pid}) running a task of {item.key} broke the "
+            f"protocol with the pool: it sent {what}. The worker was killed and replaced; "
+            "only this task failed and the pool goes on. A process the task forked that "
+            "writes on the worker's descriptors, or a library that does, causes this."
+        )
+        self.planner.lost(
+            item.task_id,
+            self.now(),
+            message=message,
+            extra={
+                "exitcode": exitcode,
+                "signal": signal_name,
+                "pid": worker.pid,
+                "protocol_fault": what,
+            },
+        )
+        if worker.device is not None:
+            self._publish_bookings(self.devices[worker.device])
+        self._resolve_error(
+            item.future,
+            WorkerProtocolError(
+                message,
+                pid=worker.pid,
+                received=what,
+                exitcode=exitcode,
+                signal_name=signal_name,
+            ),
         )
 
     def _break_at_start(
@@ -1397,7 +1502,7 @@ def copy_broken(exc: BaseException | None, message: str) -> BaseException:
     return error
 
 
-def _load_exception(payload: bytes | bytearray) -> BaseException:
+def _load_exception(payload: bytes | bytearray | memoryview) -> BaseException:
     try:
         exc, tb = cloudpickle.loads(payload)
     except BaseException as error:

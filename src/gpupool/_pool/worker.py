@@ -4,8 +4,8 @@ A worker is started by loky's process backend with its environment set
 before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
 so nothing in it can touch the wrong card. It then runs one task at a time::
 
-    parent --frame: pickle((fn, args, kwargs))--------------> worker
-    parent <--frame: pickle((kind, report)), frame: payload-- worker
+    parent --frame: task id, pickle((fn, args, kwargs))------------> worker
+    parent <--frame: pid, task id, pickle((kind, report)), payload-- worker
 
 ``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
 the pickled exception and the formatted traceback), ``"oom"`` (a device
@@ -15,14 +15,14 @@ worker then exits). Before any of those, once its initializer returned and
 its probe is set up, a worker sends ``"ready"`` (its report:
 ``{"resident_bytes": ...}``, its own device bytes then, ``None`` when
 unknown; an empty payload), so a worker that dies before it is ready is
-known to have died starting, not running a task. Every answer is two
-frames. An empty message asks the worker to exit. The header
-is plain pickle of plain values, so the parent always learns what
-happened even when the payload cannot be unpickled; the payload travels as
-a frame of its own, so a result is pickled once here and unpickled once in
-the parent. A worker answers its tasks in the order it was given them, so
-the answer is about the oldest task the parent handed to it. The worker's
-end of the socket blocks; the parent's never does
+known to have died starting, not running a task. Every answer is one frame
+that names this worker's PID and the task it is about (no task for
+``ready`` and ``init``), and the parent takes only its running task's answer,
+once (:mod:`gpupool._pool.wire`). An empty message asks the worker to exit.
+The header is plain pickle of plain values, so the parent always learns
+what happened even when the payload cannot be unpickled; the payload is
+written as it is, so a result is pickled once here and unpickled once in
+the parent. The worker's end of the socket blocks; the parent's never does
 (:mod:`gpupool._pool.channel`).
 
 At start a worker
@@ -33,7 +33,12 @@ At start a worker
 * makes a process group of its own, so the pool can signal everything its
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
-  does not hold the worker's socket or loky's sentinel.
+  does not hold the worker's socket or loky's sentinel;
+* guards its socket against forks (:func:`_guard_forks`): in a process a
+  task (or its initializer) forks, the socket's descriptor is replaced by
+  ``/dev/null`` at once, and a copy of the worker that comes back to this
+  loop (a child that returns from the task) exits without sending anything
+  and without running another task.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from gpupool._core.peak import PeakReport
+from gpupool._pool import wire
 from gpupool._pool.by_value import dumps_by_value
 
 if TYPE_CHECKING:
@@ -72,6 +78,10 @@ PARENT_CHECK_INTERVAL_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
 _LOGGER = logging.getLogger("concurrent.futures")
+
+#: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
+#: this module's code is a forked copy of the worker, and never sends on its socket.
+_worker_pid: int | None = None
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -128,6 +138,62 @@ def _isolate() -> None:
                 pass  # the listing's own descriptor, closed by now
 
 
+def _guard_forks(fd: int) -> None:
+    """Keep whatever a task forks off this worker from writing on the socket ``fd``.
+
+    Two guards, since one answer per task is the whole protocol with the pool:
+
+    * in every child :func:`os.fork` makes, the socket's descriptor is replaced
+      by ``/dev/null`` (``os.register_at_fork(after_in_child=...)``), so what
+      the child writes on it (garbage scribbled over every descriptor, a second
+      answer) goes nowhere, and the child does not hold the worker's socket
+      open. The number stays taken, so nothing the child opens later lands on
+      it. Closing on fork itself (``O_CLOFORK``) would be simpler, but Linux
+      has no such flag;
+    * a copy of the worker that comes back to its loop (a child that returns
+      from the task, or one forked below Python where the hook does not run)
+      sees that its PID is not the worker's and leaves with ``os._exit(0)``
+      before it sends anything or reads another task (:func:`_leave_if_forked`).
+
+    A child that kept its own ``dup`` of the descriptor from before the fork is
+    out of the first guard's reach; what it writes is a protocol fault the
+    parent catches (its PID is not the worker's): the worker's task fails, never
+    another task's result.
+    """
+    global _worker_pid
+    _worker_pid = os.getpid()
+
+    def poison() -> None:
+        try:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            null = -1
+        try:
+            if null >= 0:
+                os.dup2(null, fd, inheritable=False)
+            else:
+                os.close(fd)
+        except OSError:
+            pass
+        finally:
+            if null >= 0 and null != fd:
+                os.close(null)
+
+    os.register_at_fork(after_in_child=poison)
+
+
+def _leave_if_forked() -> None:
+    """In a forked copy of the worker (another PID), flush stdio and exit quietly."""
+    if _worker_pid is None or os.getpid() == _worker_pid:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)
+
+
 def _dump_exception(exc: BaseException) -> bytes:
     """Pickle an exception with its formatted traceback; survive one that cannot be pickled."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -155,14 +221,17 @@ def worker_main(
     if not die_with_parent(parent_pid):
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _isolate()
+    _guard_forks(conn.fileno())
     if initializer is not None:
         try:
             fn, args = initializer
             fn(*args)
         except BaseException as exc:
+            _leave_if_forked()
             _LOGGER.critical("Exception in initializer:", exc_info=True)
-            _answer(conn, "init", None, _dump_exception(exc))
+            _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
             return
+        _leave_if_forked()
 
     from gpupool._probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
 
@@ -181,18 +250,19 @@ def worker_main(
         if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
             apply_allocator_cap(cap_bytes)
             continue
-        try:
-            fn, args, kwargs = cloudpickle.loads(message)
-        except BaseException as exc:
-            _answer(conn, "unpickle", None, _dump_exception(exc))
-            continue
+        task = _read_call(conn, message)
         del message
+        if task is None:
+            continue
+        task_id, (fn, args, kwargs) = task
+        del task
         probe.start()
         kind, payload, failure = "ok", b"", None
         try:
             result: Any = fn(*args, **kwargs)
         except BaseException as exc:
             failure = exc
+        _leave_if_forked()  # a child the task forked came back here: it leaves
         try:
             oom = failure if failure is not None and is_device_oom(failure) else None
             report = probe.stop(oom=oom)
@@ -211,9 +281,28 @@ def worker_main(
             payload = _dump_exception(failure)
             failure = None
         # The report as a dict of plain values: the parent rebuilds it with ``PeakReport(**...)``.
-        _answer(conn, kind, dataclasses.asdict(report), payload)
+        _answer(conn, task_id, kind, dataclasses.asdict(report), payload)
         del payload
         done += 1
+
+
+def _read_call(conn: Connection, message: bytes) -> tuple[int, Any] | None:
+    """The task id and the unpickled ``(fn, args, kwargs)`` of a task frame; ``None`` when
+    it could not be read (answered as ``"unpickle"``: the task never ran)."""
+    task = wire.read_task(message)
+    if task is None:  # not a task: the parent's fault; it kills this worker on the answer
+        error = RuntimeError(f"the worker received {wire.describe(message)}, not a task")
+        _answer(conn, wire.NO_TASK, "unpickle", None, _dump_exception(error))
+        return None
+    task_id, call = task
+    try:
+        fn, args, kwargs = cloudpickle.loads(call)
+        return task_id, (fn, args, kwargs)
+    except BaseException as exc:
+        _answer(conn, task_id, "unpickle", None, _dump_exception(exc))
+        return None
+    finally:
+        call.release()
 
 
 def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None) -> Probe | None:
@@ -232,16 +321,19 @@ def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None
             sensor = None
     probe = Probe(sensor, device, device_index, os.getpid())
     try:
-        _answer(conn, "ready", {"resident_bytes": probe.resident_bytes()}, b"")
+        _answer(conn, wire.NO_TASK, "ready", {"resident_bytes": probe.resident_bytes()}, b"")
     except OSError:
         return None  # nobody waits for this worker
     return probe
 
 
-def _answer(conn: Connection, kind: str, report: dict[str, Any] | None, payload: bytes) -> None:
-    """Send one answer: the header frame, then the payload as a frame of its own (no copy)."""
-    conn.send_bytes(pickle.dumps((kind, report)))
-    conn.send_bytes(payload)
+def _answer(
+    conn: Connection, task_id: int, kind: str, report: dict[str, Any] | None, payload: bytes
+) -> None:
+    """Send one answer about ``task_id`` as one frame (the payload not copied); a forked
+    copy of the worker sends nothing and exits."""
+    _leave_if_forked()
+    wire.send_answer(conn.fileno(), os.getpid(), task_id, kind, report, payload)
 
 
 def dumps_call(obj: object) -> bytes:

@@ -1,0 +1,231 @@
+"""What the pool and a worker say about tasks, and the parent's checks of it (process layer).
+
+Both directions use the frames of :class:`multiprocessing.connection.Connection`
+(:mod:`gpupool._pool.channel`). The parent sends a task as one frame::
+
+    b"GPt1" | task id (8 bytes, signed) | the pickled call
+
+(beside it, on the same channel: the allocator cap of the next task, and an
+empty frame that asks the worker to exit). A worker sends every answer as
+one frame, which names the task it is about and the worker's PID at both
+ends::
+
+    b"GPa1" | pid (8) | task id (8; -1: none) | header length (4) | header | payload
+    | b"GPz1" | pid (8) | task id (8)
+
+The header is plain pickle of ``(kind, report)``: plain values only, read
+with an unpickler that refuses every global, so the parent learns what
+happened even when the payload cannot be unpickled. ``kind`` is ``"ready"``
+or ``"init"`` (about no task) or ``"ok"``, ``"error"``, ``"oom"``,
+``"unpickle"`` (about the task the worker runs). The payload (a pickled
+result or exception) is sliced out of the frame, never copied.
+
+The parent takes an answer only from its worker's PID, only about the task
+that worker runs, and once; anything else (bytes that are not an answer,
+an answer that does not end as it began, a second answer, a second
+``ready``) is a :class:`ProtocolFault` of that worker. One frame per answer,
+marked at both ends, means bytes another process writes into the stream
+cannot pass for an answer: they break a frame's envelope, or the frame after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import struct
+from typing import Any
+
+from gpupool._pool.channel import frame_header
+
+__all__ = [
+    "ANSWER_MAGIC",
+    "MIN_ANSWER_BYTES",
+    "NO_TASK",
+    "Answer",
+    "ProtocolFault",
+    "check_answer",
+    "describe",
+    "parse_answer",
+    "read_task",
+    "send_answer",
+    "task_prefix",
+]
+
+ANSWER_MAGIC = b"GPa1"
+_TRAILER_MAGIC = b"GPz1"
+_TASK_MAGIC = b"GPt1"
+_PREFIX = struct.Struct("!4sqqI")
+_TRAILER = struct.Struct("!4sqq")
+_TASK = struct.Struct("!4sq")
+
+#: The task id of an answer about no task (``ready``, ``init``).
+NO_TASK = -1
+#: The smallest frame that can be an answer: its envelope with an empty header and payload.
+MIN_ANSWER_BYTES = _PREFIX.size + _TRAILER.size
+
+_TASK_KINDS = frozenset({"ok", "error", "oom", "unpickle"})
+_WORKER_KINDS = frozenset({"ready", "init"})
+#: How many bytes of what arrived a fault quotes.
+_QUOTE_BYTES = 32
+
+
+class ProtocolFault(Exception):
+    """What a worker sent is not the answer the parent waits for; the message says what came."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """One answer, as parsed: who sent it, about which task, and its payload (a view)."""
+
+    pid: int
+    task_id: int | None
+    kind: str
+    report: dict[str, Any] | None
+    payload: memoryview
+
+
+def describe(data: bytes | bytearray | memoryview) -> str:
+    """``N bytes beginning b'...'``: what arrived, quoted for an error message."""
+    view = memoryview(data).cast("B")
+    return f"{view.nbytes} bytes beginning {bytes(view[:_QUOTE_BYTES])!r}"
+
+
+# -- the parent's side ----------------------------------------------------------------------
+
+
+def task_prefix(task_id: int) -> bytes:
+    """What goes before a pickled call in its frame."""
+    return _TASK.pack(_TASK_MAGIC, task_id)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Plain values only: a header that names a class or function is not one of ours."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"the header names {module}.{name}")
+
+
+def parse_answer(frame: bytearray) -> Answer:
+    """Read one answer frame.
+
+    Raises:
+        ProtocolFault: the frame is not an answer: no envelope, an envelope that
+            does not end as it began, or a header that is not ``(kind, report)``.
+    """
+    size = len(frame)
+    if size < MIN_ANSWER_BYTES:
+        raise ProtocolFault(f"{describe(frame)}, shorter than an answer: not an answer")
+    magic, pid, task_id, header_bytes = _PREFIX.unpack_from(frame)
+    if magic != ANSWER_MAGIC:
+        raise ProtocolFault(f"{describe(frame)}: not an answer")
+    header_end = _PREFIX.size + header_bytes
+    payload_end = size - _TRAILER.size
+    if header_end > payload_end:
+        raise ProtocolFault(
+            f"{describe(frame)}: not an answer (its header of {header_bytes} bytes "
+            "runs past the frame)"
+        )
+    if _TRAILER.unpack_from(frame, payload_end) != (_TRAILER_MAGIC, pid, task_id):
+        raise ProtocolFault(
+            f"{describe(frame)}: not an answer (it does not end as it began: "
+            "another process wrote into it)"
+        )
+    with memoryview(frame) as view:
+        header = bytes(view[_PREFIX.size : header_end])
+    try:
+        kind, report = _PlainUnpickler(io.BytesIO(header)).load()
+    except Exception as exc:
+        raise ProtocolFault(
+            f"{describe(frame)}: not an answer (its header does not unpickle: "
+            f"{type(exc).__name__}: {exc})"
+        ) from None
+    if kind not in _TASK_KINDS | _WORKER_KINDS or not (
+        report is None or (isinstance(report, dict) and all(isinstance(k, str) for k in report))
+    ):
+        raise ProtocolFault(f"{describe(frame)}: not an answer (an unknown kind {kind!r:.40})")
+    return Answer(
+        pid=pid,
+        task_id=None if task_id == NO_TASK else task_id,
+        kind=kind,
+        report=report,
+        payload=memoryview(frame)[header_end:payload_end],
+    )
+
+
+def check_answer(answer: Answer, *, worker_pid: int, ready: bool, running: int | None) -> None:
+    """Whether ``answer`` is one the worker ``worker_pid`` may send now: from its own PID;
+    ``ready`` or ``init`` once, before it is ready; about a task only the one it runs
+    (``running``, ``None`` when idle), which it then answers once (the parent stops
+    counting it as running).
+
+    Raises:
+        ProtocolFault: it is not; the message names what came and what was expected.
+    """
+    said = f"an answer {answer.kind!r} about {_task(answer.task_id)}"
+    if answer.pid != worker_pid:
+        raise ProtocolFault(
+            f"{said} from pid {answer.pid}, not from the worker (pid {worker_pid}): another "
+            "process (a child the task forked?) wrote on the worker's channel"
+        )
+    if answer.kind in _WORKER_KINDS:
+        if ready or answer.task_id is not None:
+            raise ProtocolFault(f"{said}, from a worker that was already ready")
+        return
+    if answer.task_id is None or answer.task_id != running:
+        runs = f"it runs {_task(running)}" if running is not None else "it runs no task"
+        raise ProtocolFault(f"{said}, which this worker was not running ({runs})")
+
+
+def _task(task_id: int | None) -> str:
+    return "no task" if task_id is None else f"task {task_id}"
+
+
+# -- the worker's side ----------------------------------------------------------------------
+
+
+def read_task(message: bytes) -> tuple[int, memoryview] | None:
+    """The task id and the pickled call (a view) of a task frame; ``None`` for any other."""
+    if len(message) < _TASK.size or not message.startswith(_TASK_MAGIC):
+        return None
+    _, task_id = _TASK.unpack_from(message)
+    return task_id, memoryview(message)[_TASK.size :]
+
+
+def send_answer(
+    fd: int,
+    pid: int,
+    task_id: int,
+    kind: str,
+    report: dict[str, Any] | None,
+    payload: bytes | bytearray | memoryview,
+) -> None:
+    """Write one answer frame on the blocking descriptor ``fd``, the payload uncopied.
+
+    Raises:
+        OSError: the parent's end is closed.
+    """
+    header = pickle.dumps((kind, report))
+    body = memoryview(payload).cast("B")
+    envelope = _PREFIX.pack(ANSWER_MAGIC, pid, task_id, len(header))
+    trailer = _TRAILER.pack(_TRAILER_MAGIC, pid, task_id)
+    size = len(envelope) + len(header) + body.nbytes + len(trailer)
+    _write_all(fd, [frame_header(size) + envelope + header, body, trailer])
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    while views:
+        try:
+            written = os.writev(fd, views)
+        except InterruptedError:
+            continue
+        while written:
+            first = views[0]
+            if written >= first.nbytes:
+                written -= first.nbytes
+                views.pop(0)
+            else:
+                views[0] = first[written:]
+                written = 0
