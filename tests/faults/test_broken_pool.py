@@ -188,8 +188,9 @@ with SimulatedHost(devices=[SimulatedDevice(total="40GiB")], cpus=2, host_ram="6
             initargs=({go!r}, "exit"),
         )
     else:
-        # The interpreter cannot start in a worker: it dies before it is ready.
-        ex = GpuPoolExecutor(max_workers=2, task_peak="1GiB", env={{"PYTHONHOME": "/nonexistent"}})
+        # The interpreter dies as it starts in a worker (a sitecustomize that exits), before
+        # it is ready.
+        ex = GpuPoolExecutor(max_workers=2, task_peak="1GiB", env={{"PYTHONPATH": {boot!r}}})
     futures = [ex.submit(faulty.square, i) for i in range(4)]
     ex.shutdown(wait=False)  # as a with-block that ends right after its submits
     open({go!r}, "w").close()
@@ -214,8 +215,12 @@ def test_workers_that_die_as_they_boot_after_shutdown_break_the_pool(
     SPAWN_TRIES in a row without), every future fails, and no worker is started beyond
     that (before: a death during shutdown was not counted, so the pool started workers
     without end and shutdown() never returned)."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
     script = _BOOT_DEATH_AT_SHUTDOWN.format(
         tests=str(Path(faulty.__file__).parent),
+        boot=str(boot),
         initializer=initializer,
         go=str(tmp_path / "go"),
         timeout_s=TIMEOUT_S,
