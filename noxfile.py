@@ -1,7 +1,7 @@
 """Developer sessions: ``nox`` runs the CPU gate (lint, typecheck, tests, docs).
 
-``tests-minimal``, ``bench``, ``demo``, ``gpu`` and ``build`` are opt-in:
-``nox -s build``. The tools come from ``[dependency-groups]`` in
+``tests-minimal``, ``tests-versions``, ``bench``, ``demo``, ``gpu`` and ``build``
+are opt-in: ``nox -s build``. The tools come from ``[dependency-groups]`` in
 pyproject.toml (never from the published extras).
 """
 
@@ -16,6 +16,16 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = False
 
 PYTHON = "3.11"
+#: Every Python the package supports (its classifiers); a missing one is skipped.
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+#: A quick, representative part of the suite for ``tests-versions``: the pure
+#: core, the executor's contract on real workers, the postmortem, the public API.
+VERSIONS_SUBSET = [
+    "tests/core",
+    "tests/pool/test_contract.py",
+    "tests/observe/test_postmortem.py",
+    "tests/test_public_api.py",
+]
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 # The test session's torch: the suite measures a real torch allocation in
 # its children. A version pin does not choose a build: where a local wheel
@@ -54,6 +64,19 @@ def tests_minimal(session: nox.Session) -> None:
     """The suite without the optional extras: proves they are optional."""
     session.install("-e", ".", *_group("test"))
     session.run("pytest", *session.posargs)
+
+
+@nox.session(name="tests-versions", python=PYTHONS)
+def tests_versions(session: nox.Session) -> None:
+    """A quick part of the suite on every supported Python found here (no extras, no torch).
+
+    Not in the default sessions: each version installs the package and the
+    test group anew. An interpreter that is not on PATH is skipped with a
+    message (with pyenv, list them all in ``PYENV_VERSION``). Arguments
+    replace the subset: ``nox -s tests-versions -- tests/core``.
+    """
+    session.install("-e", ".", *_group("test"))
+    session.run("pytest", "-x", *(session.posargs or VERSIONS_SUBSET))
 
 
 @nox.session(python=PYTHON)

@@ -2,8 +2,10 @@
 
 Each ```` ```python ```` block is one program, run in a fresh interpreter in
 an empty directory (a block that starts ``# test_<name>.py`` is a test file,
-run with pytest). A block preceded by ``<!-- not run: REASON -->`` is
-skipped with that reason; the test below keeps that list short.
+run with pytest). A block that starts ``# <name>.py`` is a module: it runs
+too, and is written beside every later block of its page, which may import
+it. A block preceded by ``<!-- not run: REASON -->`` is skipped with that
+reason; the test below keeps that list short.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ROOT = Path(__file__).parent.parent
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
+_MODULE = re.compile(r"# ((?!test_)\w+\.py)")
 #: Blocks that may be skipped (each needs something a test machine lacks).
 MAX_NOT_RUN = 2
 
@@ -32,6 +35,8 @@ class Block:
     line: int
     code: str
     not_run: str | None
+    #: The page's earlier module blocks, as (file name, code).
+    modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def id(self) -> str:
@@ -42,11 +47,17 @@ def _blocks() -> list[Block]:
     blocks = []
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
+        modules: list[tuple[str, str]] = []
         for match in _FENCE.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
             before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
             marker = _NOT_RUN.search(before)
-            blocks.append(Block(page, line, match.group(1), marker.group(1) if marker else None))
+            code = match.group(1)
+            reason = marker.group(1) if marker else None
+            blocks.append(Block(page, line, code, reason, tuple(modules)))
+            module = _MODULE.fullmatch(code.splitlines()[0].strip())
+            if module:
+                modules.append((module.group(1), code))
     return blocks
 
 
@@ -66,10 +77,13 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
     """The block runs to completion (exit 0) in a fresh interpreter, as a reader would run it."""
     if block.not_run:
         pytest.skip(f"{block.id}: {block.not_run}")
-    for module in ("dask", "distributed", "joblib", "matplotlib", "tqdm"):
-        imported = re.search(rf"^\s*(import|from) {module}\b", block.code, re.MULTILINE)
+    every_code = "\n".join([block.code, *(code for _, code in block.modules)])
+    for module in ("dask", "distributed", "joblib", "matplotlib", "tqdm", "torch"):
+        imported = re.search(rf"^\s*(import|from) {module}\b", every_code, re.MULTILINE)
         if imported and importlib.util.find_spec(module) is None:
-            pytest.skip(f"{block.id} needs {module} (an optional extra)")
+            pytest.skip(f"{block.id} needs {module} (an optional extra or framework)")
+    for name, code in block.modules:
+        (tmp_path / name).write_text(code)
     first = block.code.splitlines()[0].strip()
     named = re.fullmatch(r"# (test_\w+\.py)", first)
     env = {k: v for k, v in os.environ.items() if k not in ("GPUPOOL_SIMULATOR", "PYTEST_ADDOPTS")}

@@ -759,7 +759,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         Args:
             *iterables: the arguments of ``fn``.
             timeout: seconds from this call after which a result not yet
-                ready raises :class:`TimeoutError`.
+                ready raises :class:`concurrent.futures.TimeoutError`.
             chunksize: items per task; larger chunks cut per-task overhead.
             buffersize: at most this many tasks are submitted ahead of the
                 results consumed (Python 3.14's parameter, on every version).
