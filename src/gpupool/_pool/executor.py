@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
@@ -52,7 +52,7 @@ from gpupool._pool.dispatcher import (
     copy_broken,
     interpreter_exiting,
 )
-from gpupool._pool.environ import CPU_CAP_ENV, OnInterrupt, read_pool_defaults
+from gpupool._pool.environ import CPU_CAP_ENV, read_pool_defaults
 from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
@@ -330,8 +330,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         on_interrupt: what leaving a ``with`` block by ``KeyboardInterrupt``
             (Ctrl-C) does: ``"terminate"`` (default) cancels the tasks not
             started, sends SIGTERM to the running tasks' workers and their
-            processes, and SIGKILL to what is left after 2 s
-            (:data:`INTERRUPT_GRACE_S`); ``"wait"`` waits for every task, as
+            processes, and SIGKILL to what is left after 2 s; ``"wait"`` waits for every task, as
             the standard pool does.
 
     Arguments left out are read from ``GPUPOOL_*`` environment variables
@@ -369,7 +368,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         cap_allocator: bool = False,
         share_bookings: bool | str = True,
         bookings_dir: str | os.PathLike[str] | None = None,
-        on_interrupt: OnInterrupt | None = None,
+        on_interrupt: Literal["terminate", "wait"] | None = None,
     ) -> None:
         defaults = read_pool_defaults(
             os.environ,
