@@ -12,6 +12,9 @@ The file (``log_path``):
   another user owns, or one group or others can write, is refused (checked
   with ``fstat`` on the opened descriptor): its owner, or anyone who can
   write it, could add records ``gpupool postmortem`` would report;
+* is opened, and reopened, in the directory ``log_path`` named when the run
+  started (a descriptor of it is kept): a directory above it that another
+  user renames and replaces with a link cannot redirect the log;
 * is compared with the file at ``log_path`` at most once a second
   (:data:`CHECK_EVERY_S`) and at close: a file deleted during the run is
   warned about once, the records in it are counted as write errors, and the
@@ -148,11 +151,27 @@ def _not_ours(st: os.stat_result, shown: str) -> str | None:
     return None
 
 
-def _open_log(path: Path, shown: str) -> int:
-    """Open ``path`` for appending: no symlink followed, a regular file of this user's that
-    group and others cannot write, created 0600."""
+def _open_directory(path: Path) -> int | None:
+    """A descriptor of the directory ``path`` is in (where ``open`` takes ``dir_fd``), so
+    that the log is reopened in that very directory: a link another user puts in place of a
+    directory above it later cannot redirect it."""
+    if os.open not in os.supports_dir_fd:
+        return None
+    flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
     try:
-        fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
+        return os.open(path.parent if str(path.parent) else Path("."), flags)
+    except OSError:
+        return None
+
+
+def _open_log(path: Path, shown: str, dir_fd: int | None = None) -> int:
+    """Open ``path`` for appending (its name in ``dir_fd`` when given): no symlink followed,
+    a regular file of this user's that group and others cannot write, created 0600."""
+    try:
+        if dir_fd is None:
+            fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
+        else:
+            fd = os.open(path.name, _OPEN_FLAGS, _FILE_MODE, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ConfigurationError(
@@ -252,8 +271,14 @@ class DecisionLog:
         self._write_errors = 0
         self._closed = False
         self._fd: int | None = None
+        self._dir_fd: int | None = None
         if path is not None:
-            self._fd = _open_log(path, str(path))
+            self._dir_fd = _open_directory(path)
+            try:
+                self._fd = _open_log(path, str(path), self._dir_fd)
+            except BaseException:
+                self._close_directory()
+                raise
             from gpupool import __version__
 
             header = run_record(
@@ -336,6 +361,7 @@ class DecisionLog:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)
+            self._close_directory()  # nothing is written from now on
             message = (
                 f"gpupool: the decision log {self.path} cannot be written "
                 f"({exc.strerror or exc}); the pool goes on, its records are kept in "
@@ -356,7 +382,11 @@ class DecisionLog:
         assert self._fd is not None and self.path is not None
         held = os.fstat(self._fd)
         try:
-            found: os.stat_result | None = os.stat(self.path, follow_symlinks=False)
+            found: os.stat_result | None = (
+                os.stat(self.path, follow_symlinks=False)
+                if self._dir_fd is None
+                else os.stat(self.path.name, dir_fd=self._dir_fd, follow_symlinks=False)
+            )
         except OSError:
             found = None
         same = found is not None and (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
@@ -378,10 +408,11 @@ class DecisionLog:
         then = "found as the pool shut down: nothing more is written (pool.decisions has all)"
         if reopen:
             try:
-                self._fd = _open_log(self.path, str(self.path))
+                self._fd = _open_log(self.path, str(self.path), self._dir_fd)
                 self._put(self._header)
                 then = f"the log goes on in a new file at {self.path}"
             except ConfigurationError as exc:
+                self._close_directory()
                 then = (
                     f"a new file cannot be opened there ({exc}); the records from now on are "
                     "kept in memory only (pool.decisions) and counted as log write errors"
@@ -412,5 +443,12 @@ class DecisionLog:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+            self._close_directory()
             # Records appended after close are kept in memory and not counted.
             self._closed = True
+
+    def _close_directory(self) -> None:
+        dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(dir_fd)

@@ -22,7 +22,7 @@ import fork_tasks
 import pytest
 from leakguard import LeakGuard, exited, wait_until
 
-from gpupool import GpuPoolExecutor, WorkerProtocolError
+from gpupool import GpuPoolExecutor, WorkerLostError, WorkerProtocolError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 pytestmark = [
@@ -209,3 +209,24 @@ def test_a_fault_while_the_worker_is_idle_fails_no_task(tmp_path: Path):
         _still_works(ex)
         assert ex.statistics().workers_started == 2
         assert not [d for d in ex.decisions if d.event == "worker_lost"]
+
+
+def test_a_task_that_puts_a_socket_on_the_channels_number_fails_only_itself(guard: LeakGuard):
+    """Ten tasks put a socket of their own on the number of the worker's channel and keep it
+    open: each of them fails with a WorkerLostError, every other result is right, the pool
+    goes on (before: the worker sent its answer into the task's socket and then waited on
+    it for its next task, and the task's future, and every one queued behind, stayed
+    pending)."""
+    with _host(), GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+        futures, expected = _submit_mixed(ex, fork_tasks.reuse_channel_number, lambda i: (i,))
+        _, not_done = concurrent.futures.wait(futures, timeout=HANG_S)
+        if not_done:
+            ex.kill_workers()  # so that the pool can shut down, and the test fail, not hang
+        assert not not_done, f"{len(not_done)} futures still pending"
+        for future, value in zip(futures, expected, strict=True):
+            if value is None:
+                assert isinstance(future.exception(), WorkerLostError)
+            else:
+                assert future.result() == value
+        _still_works(ex)
+    guard.assert_clean()

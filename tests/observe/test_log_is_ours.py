@@ -142,3 +142,29 @@ def test_a_log_replaced_by_a_file_others_can_write_is_not_followed(tmp_path: Pat
     assert path.read_text() == ""
     assert log.write_errors == 3  # the header, lost with the deleted file, and both records
     assert len(log.records()) == 2
+
+
+def test_a_directory_swapped_above_the_log_does_not_redirect_it(tmp_path: Path) -> None:
+    """The log's directory is renamed and a link to another directory put in its place (as
+    anyone who can write the directory above could): no record goes to the other directory,
+    every one goes on to the file the run opened (before: the log was "replaced", and a new
+    one was created in the linked directory)."""
+    above = tmp_path / "open-to-all"
+    above.mkdir()
+    above.chmod(0o777)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (above / "mine").mkdir()
+    path = above / "mine" / "run.jsonl"
+    log = DecisionLog(check_log_path(path), check_every_s=0.0)
+    log.append(_decision(1))
+    (above / "mine").rename(above / "moved")
+    (above / "mine").symlink_to(elsewhere, target_is_directory=True)
+    log.append(_decision(2))
+    log.close()
+    assert list(elsewhere.iterdir()) == []
+    records = [
+        json.loads(line) for line in (above / "moved" / "run.jsonl").read_text().splitlines()
+    ]
+    assert [r.get("time_s") for r in records[1:]] == [1.0, 2.0]
+    assert log.write_errors == 0

@@ -429,3 +429,18 @@ def test_a_table_that_cannot_be_used_is_a_record_a_statistic_and_a_warning(
     assert reason is not None
     assert "not private" in reason
     assert stat.S_IMODE(directory.stat().st_mode) == 0o777
+
+
+def test_a_fifo_at_the_files_name_is_refused_as_what_it_is(tmp_path: Path) -> None:
+    """A FIFO where this user's file goes is refused, and the reason says it is not a regular
+    file (before: "not this user's own file (owner uid <this user>)", which it was)."""
+    directory = tmp_path / "table"
+    directory.mkdir(mode=0o700)
+    os.mkfifo(directory / "GPU-fifo.json", 0o600)
+    table = BookingTable(directory)
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert table.exchange("GPU-fifo", "1.1", []) is None
+    reason = table.unavailable_reason
+    assert reason is not None
+    assert "not a regular file" in reason and "prw-------" in reason
+    assert "own file" not in reason

@@ -38,7 +38,9 @@ At start a worker
   task (or its initializer) forks, the socket's descriptor is replaced by
   ``/dev/null`` at once, and a copy of the worker that comes back to this
   loop (a child that returns from the task) exits without sending anything
-  and without running another task.
+  and without running another task; a worker whose socket a task closed, or
+  replaced with a file of its own, exits rather than answer into that file
+  (:func:`_leave_if_channel_lost`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ _LOGGER = logging.getLogger("concurrent.futures")
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
 #: this module's code is a forked copy of the worker, and never sends on its socket.
 _worker_pid: int | None = None
+#: The socket this worker's channel is (``st_dev``, ``st_ino``), set by :func:`_guard_forks`.
+_channel_id: tuple[int, int] | None = None
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -160,8 +164,10 @@ def _guard_forks(fd: int) -> None:
     parent catches (its PID is not the worker's): the worker's task fails, never
     another task's result.
     """
-    global _worker_pid
+    global _worker_pid, _channel_id
     _worker_pid = os.getpid()
+    status = os.fstat(fd)
+    _channel_id = (status.st_dev, status.st_ino)
 
     def poison() -> None:
         try:
@@ -192,6 +198,31 @@ def _leave_if_forked() -> None:
         except Exception:
             pass
     os._exit(0)
+
+
+def _leave_if_channel_lost(fd: int) -> None:
+    """Exit (code 1, a line on stderr) when ``fd`` is no longer this worker's socket: a task
+    closed it, or put another file on its number (``os.closerange`` then a socket of its
+    own). The answer would go to that file, and the worker would wait for its next task on
+    it for good while the parent waits for the answer."""
+    if _channel_id is None:
+        return
+    try:
+        status = os.fstat(fd)
+        if (status.st_dev, status.st_ino) == _channel_id:
+            return
+        what = "put another file on its number"
+    except OSError:
+        what = "closed it"
+    try:
+        sys.stderr.write(
+            f"gpupool worker (pid {os.getpid()}): a task {what}: descriptor {fd}, this "
+            "worker's channel to the pool, is gone; the worker exits\n"
+        )
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(1)
 
 
 def _dump_exception(exc: BaseException) -> bytes:
@@ -240,6 +271,7 @@ def worker_main(
         return
     done = 0
     while max_tasks is None or done < max_tasks:
+        _leave_if_channel_lost(conn.fileno())
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):
@@ -333,6 +365,7 @@ def _answer(
     """Send one answer about ``task_id`` as one frame (the payload not copied); a forked
     copy of the worker sends nothing and exits."""
     _leave_if_forked()
+    _leave_if_channel_lost(conn.fileno())
     wire.send_answer(conn.fileno(), os.getpid(), task_id, kind, report, payload)
 
 

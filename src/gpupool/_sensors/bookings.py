@@ -497,7 +497,14 @@ class BookingTable:
             ) from None
         try:
             status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode) or status.st_uid != self._uid:
+            if not stat.S_ISREG(status.st_mode):
+                raise _Unavailable(
+                    f"the booking table file {path} is not a regular file (mode "
+                    f"{stat.filemode(status.st_mode)}); it is not used. Remove it, or pass "
+                    "bookings_dir= a directory of your own.",
+                    kind="foreign",
+                )
+            if status.st_uid != self._uid:
                 raise _Unavailable(
                     f"the booking table file {path} is not this user's own file (owner uid "
                     f"{status.st_uid}); it is not used. Remove it, or pass bookings_dir= a "
