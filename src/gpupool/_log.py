@@ -151,6 +151,17 @@ def _not_ours(st: os.stat_result, shown: str) -> str | None:
     return None
 
 
+def _linked(st: os.stat_result, shown: str) -> str | None:
+    """Why a file with more than one name (a hard link) is not appended to, or ``None``."""
+    if st.st_nlink <= 1:
+        return None
+    return (
+        f"log_path={shown!r} has {st.st_nlink} links: it is a hard link, and the records "
+        "would go into the file behind its other names too. Pass a path of its own (a new "
+        "file is created 0600), or remove the other links first."
+    )
+
+
 def _open_directory(path: Path) -> int | None:
     """A descriptor of the directory ``path`` is in (where ``open`` takes ``dir_fd``), so
     that the log is reopened in that very directory: a link another user puts in place of a
@@ -166,7 +177,8 @@ def _open_directory(path: Path) -> int | None:
 
 def _open_log(path: Path, shown: str, dir_fd: int | None = None) -> int:
     """Open ``path`` for appending (its name in ``dir_fd`` when given): no symlink followed,
-    a regular file of this user's that group and others cannot write, created 0600."""
+    a regular file of this user's with one name that group and others cannot write,
+    created 0600."""
     try:
         if dir_fd is None:
             fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
@@ -193,7 +205,7 @@ def _open_log(path: Path, shown: str, dir_fd: int | None = None) -> int:
                 f"log_path={shown!r} is {_kind(mode)}, not a regular file; pass a file "
                 "path such as run.jsonl (or log_path=None for no file)."
             )
-        problem = _not_ours(os.fstat(fd), shown)
+        problem = _not_ours(os.fstat(fd), shown) or _linked(os.fstat(fd), shown)
         if problem is not None:
             raise ConfigurationError(problem)
         os.set_blocking(fd, True)
@@ -210,7 +222,7 @@ def check_log_path(log_path: str | os.PathLike[str]) -> Path:
         ConfigurationError: naming the path and what is wrong with it (no such
             directory, a directory, a symbolic link, a device or FIFO such as
             ``/dev/full``, not writable, another user's file, a file group or
-            others can write).
+            others can write, a file with more than one hard link).
     """
     if not isinstance(log_path, (str, os.PathLike)):
         raise ConfigurationError(

@@ -168,3 +168,20 @@ def test_a_directory_swapped_above_the_log_does_not_redirect_it(tmp_path: Path) 
     ]
     assert [r.get("time_s") for r in records[1:]] == [1.0, 2.0]
     assert log.write_errors == 0
+
+
+def test_a_hard_link_to_another_file_is_refused(tmp_path: Path) -> None:
+    """An existing log file with a second name (a hard link to another file of this user's, or
+    where protected_hardlinks is off, to anyone's) is refused, untouched (before: appended to,
+    which wrote the records into the other file)."""
+    other = tmp_path / "other.txt"
+    other.write_text("not a log\n")
+    other.chmod(0o600)
+    path = tmp_path / "run.jsonl"
+    os.link(other, path)
+    with pytest.raises(ConfigurationError) as info:
+        check_log_path(path)
+    message = str(info.value)
+    assert f"log_path={str(path)!r} has 2 links" in message
+    assert "a path of its own" in message
+    assert other.read_text() == "not a log\n"
