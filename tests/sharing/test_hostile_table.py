@@ -407,6 +407,33 @@ def test_a_shared_table_refuses_a_directory_another_user_owns(tmp_path: Path) ->
     assert f"owner uid {NOBODY[0]}" in reason
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_a_directory_swapped_above_the_table_does_not_redirect_it(
+    tmp_path: Path, shared: bool
+) -> None:
+    """The table's directory is renamed and a link to another directory put in its place (as
+    anyone who can write the directory above could): the file (and lock file) of a card first
+    met afterwards goes into the directory the table opened, none into the other one (before:
+    created in the linked directory)."""
+    above = tmp_path / "open-to-all"
+    above.mkdir()
+    above.chmod(0o777)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    table = BookingTable(above / "table", shared=shared)
+    assert table.exchange("GPU-first", "1.1", []) is not None
+    (above / "table").rename(above / "moved")
+    (above / "table").symlink_to(elsewhere, target_is_directory=True)
+    seen = table.exchange("GPU-second", "1.1", [])
+    table.close()
+    assert list(elsewhere.iterdir()) == []
+    assert seen is not None
+    names = sorted(p.name for p in (above / "moved").iterdir())
+    assert any(name.startswith("GPU-second") and name.endswith(".json") for name in names)
+    if shared:
+        assert any(name.startswith("GPU-second") and name.endswith(".lock") for name in names)
+
+
 # -- sharing that stops is said ------------------------------------------------------------
 
 

@@ -241,11 +241,12 @@ def flock_within(fd: int, wait_s: float) -> bool:
         time.sleep(_LOCK_POLL_S)
 
 
-def user_files(directory: Path, prefix: str, own_uid: int) -> list[tuple[int, Path]]:
-    """The other users' files ``<prefix><uid>.json`` in a shared table: ``(uid, path)``."""
-    found: list[tuple[int, Path]] = []
+def user_files(dir_fd: int, prefix: str, own_uid: int) -> list[tuple[int, str]]:
+    """The other users' files ``<prefix><uid>.json`` in a shared table (its directory's
+    descriptor): ``(uid, name)``."""
+    found: list[tuple[int, str]] = []
     try:
-        with os.scandir(directory) as entries:
+        with os.scandir(dir_fd) as entries:
             for n, entry in enumerate(entries):
                 if n >= _MAX_DIRECTORY_ENTRIES:
                     break
@@ -253,17 +254,19 @@ def user_files(directory: Path, prefix: str, own_uid: int) -> list[tuple[int, Pa
                 if name.startswith(prefix) and name.endswith(".json"):
                     digits = name[len(prefix) : -len(".json")]
                     if digits.isdigit() and int(digits) != own_uid:
-                        found.append((int(digits), Path(entry.path)))
+                        found.append((int(digits), name))
     except OSError:
         return []
     return found
 
 
-def read_foreign(path: Path, uid: int, card_uuid: str) -> dict[str, PoolBooking]:
-    """Another user's file, if it is a regular file that user owns and within the size
-    limit (no lock: a torn read is read again once, then passed over)."""
+def read_foreign(name: str, uid: int, card_uuid: str, dir_fd: int) -> dict[str, PoolBooking]:
+    """Another user's file ``name`` in the directory ``dir_fd``, if it is a regular file that
+    user owns and within the size limit (no lock: a torn read is read again once, then
+    passed over)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError:
         return {}
     try:

@@ -34,6 +34,7 @@ fails for it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import os
@@ -186,7 +187,9 @@ class BookingTable:
         # parsed again, and an unchanged row not encoded again).
         self._cache: dict[str, tuple[bytes, dict[str, PoolBooking]]] = {}
         self._fragments: dict[str, dict[int, tuple[PoolBooking, str]]] = {}
-        self._prepared = False
+        # The directory, opened once; every file is opened in it (a link later put in
+        # place of a directory above it cannot redirect the table).
+        self._dir_fd: int | None = None
         self._unavailable: str | None = None
         self._own_start: str | None = None
         self._label = _program_label()
@@ -293,13 +296,14 @@ class BookingTable:
         return self._apply(card_uuid, change, writes=True, total_bytes=total_bytes)
 
     def close(self) -> None:
-        """Close this handle's files (reopened on the next operation)."""
+        """Close this handle's files and directory (reopened on the next operation)."""
         with self._lock:
             fds, self._fds = self._fds, {}
-        for pair in fds.values():
-            for fd in set(pair):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            dir_fd, self._dir_fd = self._dir_fd, None
+        kept = {fd for pair in fds.values() for fd in pair}
+        for fd in kept if dir_fd is None else kept | {dir_fd}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # -- the locked read-modify-write ------------------------------------------------------
 
@@ -470,23 +474,24 @@ class BookingTable:
         pair = self._fds.get(card_uuid)
         if pair is not None:
             return pair
-        if not self._prepared:
-            self._prepare()
+        dir_fd = self._dir_fd if self._dir_fd is not None else self._prepare()
         path = self._path(card_uuid)
-        fd = self._open_own(path, SHARED_MODE if self.shared else PRIVATE_MODE)
+        fd = self._open_own(path, SHARED_MODE if self.shared else PRIVATE_MODE, dir_fd)
         lock_fd = fd
         if self.shared:
             try:
-                lock_fd = self._open_own(path.with_suffix(".lock"), PRIVATE_MODE)
+                lock_fd = self._open_own(path.with_suffix(".lock"), PRIVATE_MODE, dir_fd)
             except BaseException:
                 os.close(fd)
                 raise
         self._fds[card_uuid] = (fd, lock_fd)
         return fd, lock_fd
 
-    def _open_own(self, path: Path, mode: int) -> int:
+    def _open_own(self, path: Path, mode: int, dir_fd: int) -> int:
+        """This user's file ``path``, opened by its name in the table's directory ``dir_fd``."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+            fd = os.open(path.name, flags, mode, dir_fd=dir_fd)
         except OSError as exc:
             raise _Unavailable(
                 f"the booking table file {path} cannot be opened for writing ({exc}); pools on "
@@ -525,8 +530,9 @@ class BookingTable:
             raise
         return fd
 
-    def _prepare(self) -> None:
-        """Create the directory if missing and check that it is safe to use."""
+    def _prepare(self) -> int:
+        """Create the directory if missing, open it (no link followed), check that it is safe
+        to use, and keep its descriptor."""
         directory = self.directory
         mode = 0o1777 if self.shared else 0o700
         try:
@@ -542,25 +548,28 @@ class BookingTable:
                 "share_bookings=False to silence this.",
                 kind="directory",
             ) from None
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            status = directory.lstat()
-            if created and self.shared:
-                os.chmod(directory, mode)  # the umask narrowed it
-                status = directory.lstat()
+            dir_fd = os.open(directory, flags)
         except OSError as exc:
+            linked = exc.errno in (errno.ELOOP, errno.ENOTDIR)  # a link, a file
+            what = "is not a directory" if linked else f"cannot be opened ({exc})"
             raise _Unavailable(
-                f"the booking table directory {directory} cannot be read ({exc})", kind="directory"
-            ) from None
-        if not stat.S_ISDIR(status.st_mode):
-            raise _Unavailable(
-                f"the booking table path {directory} is not a directory; pass bookings_dir= "
-                "a directory.",
+                f"the booking table path {directory} {what}; pass bookings_dir= a directory.",
                 kind="directory",
-            )
-        refusal = directory_refusal(directory, status, shared=self.shared, uid=self._uid)
-        if refusal is not None:
-            raise _Unavailable(refusal, kind="foreign")
-        self._prepared = True
+            ) from None
+        try:
+            if created and self.shared:
+                os.fchmod(dir_fd, mode)  # the umask narrowed it
+            status = os.fstat(dir_fd)
+            refusal = directory_refusal(directory, status, shared=self.shared, uid=self._uid)
+            if refusal is not None:
+                raise _Unavailable(refusal, kind="foreign")
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        self._dir_fd = dir_fd
+        return dir_fd
 
     def _read(self, fd: int, size: int, card_uuid: str) -> dict[str, PoolBooking]:
         if size > MAX_FILE_BYTES:
@@ -600,8 +609,9 @@ class BookingTable:
         rows: list[PoolBooking] = []
         checks = self._row_checks()
         prefix = _file_name(card_uuid)[: -len(".json")] + ".uid"
-        for uid, path in user_files(self.directory, prefix, self._uid):
-            pools = read_foreign(path, uid, card_uuid)
+        assert self._dir_fd is not None  # opened by _open before any read
+        for uid, name in user_files(self._dir_fd, prefix, self._uid):
+            pools = read_foreign(name, uid, card_uuid, self._dir_fd)
             if pools:
                 checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
                 rows.extend(pools.values())
