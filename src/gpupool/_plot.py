@@ -266,6 +266,12 @@ def _steps(points: Sequence[tuple[Any, ...]], end: float) -> tuple[list[float], 
     return times, values
 
 
+def _step_count(ax: Any, points: Sequence[tuple[Any, ...]], end: float, **style: Any) -> None:
+    """Draw a count over time (a width, a ceiling) as steps held until ``end``."""
+    times, values = _steps(points, end)
+    ax.step(times, [v[0] for v in values], where="post", **style)
+
+
 def _draw_card(panels: list[Any], view: CardView, hover: dict[str, str]) -> None:
     memory, events, width = panels
     memory.set_label(f"memory: {view.name}")
@@ -501,14 +507,8 @@ def _draw_oom_counts(
 def _draw_width(width_ax: Any, view: CardView) -> None:
     end = view.end_s
     if view.width:
-        times, values = _steps(view.width, end)
-        width_ax.step(
-            times,
-            [v[0] for v in values],
-            where="post",
-            color=_PRICE,
-            linewidth=2,
-            label="width (tasks at once)",
+        _step_count(
+            width_ax, view.width, end, color=_PRICE, linewidth=2, label="width (tasks at once)"
         )
     shown = [w for _, w in view.width] + [c for _, c in view.ceiling]
     shown += [cap for _, _, cap in view.limit if cap >= 0]
@@ -555,11 +555,10 @@ def _draw_width(width_ax: Any, view: CardView) -> None:
 
 
 def _draw_ceiling(ax: Any, ceiling: list[tuple[float, int]], end: float) -> None:
-    times, values = _steps(ceiling, end)
-    ax.step(
-        times,
-        [v[0] for v in values],
-        where="post",
+    _step_count(
+        ax,
+        ceiling,
+        end,
         color="#444444",
         linestyle="-.",
         label="pool-wide ceiling (max_workers, CPUs, RAM)",
@@ -569,11 +568,10 @@ def _draw_ceiling(ax: Any, ceiling: list[tuple[float, int]], end: float) -> None
 def _draw_pool(ax: Any, view: PoolView) -> None:
     ax.set_label(view.name)
     if view.width:
-        times, values = _steps(view.width, view.end_s)
-        ax.step(
-            times,
-            [v[0] for v in values],
-            where="post",
+        _step_count(
+            ax,
+            view.width,
+            view.end_s,
             color=_PRICE,
             linewidth=2,
             label="the pool's width (all cards)",

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from gpupool._probe_tree import TreeWatch
+from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.tree import (
-    read_ancestors,
     read_descendants,
     read_rss_high_water_of,
 )

@@ -89,7 +89,7 @@ from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import dumps_call, worker_main
 from gpupool._probe import allocator_cap_message
-from gpupool._sensors.host import ancestor_among
+from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -319,6 +319,8 @@ class Dispatcher:
         self.others_seen: dict[int, bool] = {}
         # When the cards were last read (monotonic seconds).
         self.read_s = 0.0
+        # Per card, the rows of its readings found not to be under any worker (_pool_pids).
+        self.not_pool_pids: dict[int, set[int]] = {}
         # Tasks submitted (under ``lock``, by caller threads), and the snapshot readers on
         # other threads read: only the dispatcher thread replaces it, in one assignment.
         self.submitted_count = 0
@@ -634,7 +636,7 @@ class Dispatcher:
         pool_pids: frozenset[int] = frozenset()
         if rows is not None:
             process_bytes = {r.pid: r.used_bytes or 0 for r in rows}
-            pool_pids = self._pool_pids(process_bytes)
+            pool_pids = self._pool_pids(device.index, process_bytes)
         return CardReading(
             free_bytes=memory.free_bytes,
             used_bytes=memory.used_bytes,
@@ -642,15 +644,27 @@ class Dispatcher:
             pool_pids=pool_pids,
         )
 
-    def _pool_pids(self, rows: Mapping[int, int]) -> frozenset[int]:
+    def _pool_pids(self, device: int, rows: Mapping[int, int]) -> frozenset[int]:
         """The rows' PIDs that are the pool's workers (on any card) or were started under
-        one (a task's subprocess): the pool's bytes, never a co-tenant's."""
+        one (a task's subprocess): the pool's bytes, never a co-tenant's.
+
+        A row found not to be under any worker is not walked again while it stays in the
+        rows (a process is never re-parented under a worker), so the cards' readings every
+        0.2 s walk ``/proc`` only for rows that are new."""
         workers = frozenset(w.pid for w in self._all_workers())
-        return frozenset(
-            pid
-            for pid in rows
-            if pid in workers or (pid != os.getpid() and ancestor_among(pid, workers))
-        )
+        strangers = self.not_pool_pids.setdefault(device, set())
+        strangers &= rows.keys()
+        ours = set()
+        for pid in rows:
+            if pid in workers:
+                ours.add(pid)
+            elif pid == os.getpid() or pid in strangers:
+                continue
+            elif workers.isdisjoint(read_ancestors(pid)):
+                strangers.add(pid)
+            else:
+                ours.add(pid)
+        return frozenset(ours)
 
     def _schedule(self) -> float | None:
         """Start what the planner admits; returns how soon to ask again (``None``: on an event)."""

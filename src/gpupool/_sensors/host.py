@@ -39,7 +39,13 @@ from gpupool._core.host import (
     parse_proc_self_cgroup,
 )
 
-__all__ = ["is_descendant", "read_affinity_count", "read_host_census", "read_meminfo"]
+__all__ = [
+    "is_descendant",
+    "read_affinity_count",
+    "read_ancestors",
+    "read_host_census",
+    "read_meminfo",
+]
 
 #: Where a v1 controller may be mounted under ``/sys/fs/cgroup``: its own
 #: name, or a joint mount (``cpu,cpuacct``) that distributions name either way.
@@ -59,7 +65,7 @@ def read_meminfo(path: Path = Path("/proc/meminfo")) -> MemInfo:
     return parse_meminfo(path.read_text())
 
 
-#: How many parents :func:`is_descendant` follows: process trees are shallow,
+#: How many parents :func:`read_ancestors` follows: process trees are shallow,
 #: and a loop (a PID reused while we walk) must end.
 _MAX_ANCESTRY = 64
 
@@ -77,6 +83,18 @@ def read_parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
     return int(fields[1])
 
 
+def read_ancestors(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
+    """``pid``'s parent, its parent's parent... up to and excluding init (PID 1)."""
+    found: list[int] = []
+    current = read_parent_pid(pid, proc)
+    while current is not None and current > 1 and len(found) < _MAX_ANCESTRY:
+        if current in found:
+            break  # a PID reused while we walked
+        found.append(current)
+        current = read_parent_pid(current, proc)
+    return tuple(found)
+
+
 def is_descendant(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
     """Whether process ``pid`` is ``ancestor`` or was started under it (a child, a grandchild...).
 
@@ -84,29 +102,7 @@ def is_descendant(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
     the pool's parent: on unified memory they are the pool itself, not
     competitors. A PID this namespace cannot see is not a descendant.
     """
-    current: int | None = pid
-    for _ in range(_MAX_ANCESTRY):
-        if current is None or current <= 0:
-            return False
-        if current == ancestor:
-            return True
-        if current == 1:
-            return False
-        current = read_parent_pid(current, proc)
-    return False
-
-
-def ancestor_among(pid: int, ancestors: frozenset[int], proc: Path = Path("/proc")) -> bool:
-    """Whether ``pid`` is one of ``ancestors`` or was started under one of them (one walk
-    up the parents, however many ancestors)."""
-    current: int | None = pid
-    for _ in range(_MAX_ANCESTRY):
-        if current is None or current <= 1:
-            return False
-        if current in ancestors:
-            return True
-        current = read_parent_pid(current, proc)
-    return False
+    return pid == ancestor or ancestor in read_ancestors(pid, proc)
 
 
 def read_affinity_count() -> int | None:

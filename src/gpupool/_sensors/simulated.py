@@ -44,6 +44,7 @@ from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.bookings import read_start_token
+from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.simulated_tree import (
     TreeWindow,
     note_trees,
@@ -51,7 +52,6 @@ from gpupool._sensors.simulated_tree import (
     tree_window_problem,
     trees_of_the_dead,
 )
-from gpupool._sensors.tree import read_ancestors
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -18,7 +18,6 @@ from gpupool._sensors.host import read_parent_pid
 
 __all__ = [
     "MAX_DESCENDANTS",
-    "read_ancestors",
     "read_children_rss_high_water",
     "read_descendants",
     "read_rss_high_water_of",
@@ -26,9 +25,6 @@ __all__ = [
 
 #: The most descendants one walk lists: a fork bomb must not stall the probe.
 MAX_DESCENDANTS = 4096
-
-#: How many parents :func:`read_ancestors` follows (as ``is_descendant`` does).
-_MAX_ANCESTRY = 64
 
 
 def _children_of(pid: int, proc: Path) -> list[int] | None:
@@ -90,18 +86,6 @@ def read_descendants(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
                 found.append(child)
                 stack.append(child)
     return tuple(found[:MAX_DESCENDANTS])
-
-
-def read_ancestors(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
-    """``pid``'s parent, its parent's parent... up to and excluding init (PID 1)."""
-    found: list[int] = []
-    current = read_parent_pid(pid, proc)
-    while current is not None and current > 1 and len(found) < _MAX_ANCESTRY:
-        if current in found:
-            break  # a PID reused while we walked
-        found.append(current)
-        current = read_parent_pid(current, proc)
-    return tuple(found)
 
 
 def read_rss_high_water_of(pid: int, proc: Path = Path("/proc")) -> int | None:
