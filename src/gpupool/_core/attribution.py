@@ -245,46 +245,28 @@ def analyse_oom(
     shortfall = max(0, need - ask) if need is not None and ask is not None else 0
 
     # 2. the pool's children at the reading
-    children: int | None = None
-    if live_pool is not None:
-        children = live_pool
-    elif booked is not None and ask is not None:
-        others = max(0, booked - ask)
-        if shortfall and need is not None and running is not None:
-            others = max(others, max(0, running - 1) * need)
-        idle = max(0, (most_running or 0) - (running or 0))
-        children = others + (reached or 0) * (1 + idle)
+    children = live_pool
+    if children is None and booked is not None and ask is not None:
+        children = _children_from_bookings(
+            booked, ask, need, shortfall, running, reached, most_running
+        )
 
     # 3. outside the pool; 4. own or co-tenant
-    growth = 0
-    own_growth = 0
-    co_growth = 0
-    own_live: int | None = live_own
-    co_live: int | None = None
-    separable = live_own is not None
+    split = _Growth(own_live=live_own, separable=live_own is not None)
     if used is not None and children is not None and census_co is not None and own_hw is not None:
         # Other gpupool pools' tasks are priced by their bookings, not as co-tenants.
-        outside = used - children - others_held
-        growth = outside - census_co - own_hw
-        if live_own is not None:
-            own_growth = max(0, live_own - own_hw)
-            co_growth = max(0, outside - live_own - census_co)
-        else:
-            if later_own_high_water_bytes is not None and later_own_high_water_bytes > own_hw:
-                own_growth = later_own_high_water_bytes - own_hw
-                own_live = later_own_high_water_bytes
-                separable = True
-            co_growth = max(0, growth - own_growth)
-        co_live = census_co + co_growth
+        split = _split_growth(
+            used - children - others_held, census_co, own_hw, live_own, later_own_high_water_bytes
+        )
     terms: list[tuple[str, int]] = []
     if need is not None and total is not None and need > total:
         terms.append(("larger_than_card", need - total))
     if shortfall > 0:
         terms.append(("ask", shortfall))
-    if co_growth > reserve:
-        terms.append(("co_tenant", co_growth))
-    if own_growth > reserve:
-        terms.append(("own", own_growth))
+    if split.co_growth > reserve:
+        terms.append(("co_tenant", split.co_growth))
+    if split.own_growth > reserve:
+        terms.append(("own", split.own_growth))
     if others_overrun > reserve:
         terms.append(("another_pool", others_overrun))
     room = None
@@ -308,7 +290,7 @@ def analyse_oom(
         requested=requested,
         census_co=census_co,
         own_hw=own_hw,
-        separable=separable,
+        separable=split.separable,
         unattributed=unattributed,
         missing=missing,
         booked=booked,
@@ -335,11 +317,11 @@ def analyse_oom(
         need_bytes=need,
         ask_shortfall_bytes=shortfall,
         children_bytes=children,
-        co_tenant_live_bytes=co_live,
-        co_tenant_growth_bytes=co_growth,
-        own_live_bytes=own_live,
-        own_growth_bytes=own_growth,
-        own_separable=separable,
+        co_tenant_live_bytes=split.co_live,
+        co_tenant_growth_bytes=split.co_growth,
+        own_live_bytes=split.own_live,
+        own_growth_bytes=split.own_growth,
+        own_separable=split.separable,
         unattributed_bytes=unattributed,
         pool_read=live_pool is not None,
         runs_by_key=_runs_by_key(record.get("runs")),
@@ -348,6 +330,67 @@ def analyse_oom(
         verdict=verdict,
         explanation=explanation,
         missing=tuple(missing),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Growth:
+    """Step 4: what the bytes outside the pool grew by, split into own and co-tenant."""
+
+    own_growth: int = 0
+    co_growth: int = 0
+    own_live: int | None = None
+    co_live: int | None = None
+    separable: bool = False
+
+
+def _children_from_bookings(
+    booked: int,
+    ask: int,
+    need: int | None,
+    shortfall: int,
+    running: int | None,
+    reached: int | None,
+    most_running: int | None,
+) -> int:
+    """Step 2 without a reading of the pool's rows: the others at their booked asks (or at
+    the failing task's need, when it went past its price), plus idle workers' contexts."""
+    others = max(0, booked - ask)
+    if shortfall and need is not None and running is not None:
+        others = max(others, max(0, running - 1) * need)
+    idle = max(0, (most_running or 0) - (running or 0))
+    return others + (reached or 0) * (1 + idle)
+
+
+def _split_growth(
+    outside: int,
+    census_co: int,
+    own_hw: int,
+    live_own: int | None,
+    later_own_hw: int | None,
+) -> _Growth:
+    """Steps 3 and 4: ``outside`` (used less the pool's children and other pools' tasks)
+    against its price, split into own and co-tenant growth."""
+    if live_own is not None:
+        co_growth = max(0, outside - live_own - census_co)
+        return _Growth(
+            own_growth=max(0, live_own - own_hw),
+            co_growth=co_growth,
+            own_live=live_own,
+            co_live=census_co + co_growth,
+            separable=True,
+        )
+    growth = outside - census_co - own_hw
+    own_growth, own_live, separable = 0, None, False
+    if later_own_hw is not None and later_own_hw > own_hw:
+        own_growth, own_live, separable = later_own_hw - own_hw, later_own_hw, True
+    co_growth = max(0, growth - own_growth)
+    return _Growth(
+        own_growth=own_growth,
+        co_growth=co_growth,
+        own_live=own_live,
+        co_live=census_co + co_growth,
+        separable=separable,
     )
 
 
