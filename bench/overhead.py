@@ -1,14 +1,39 @@
 """Per-task overhead of GpuPoolExecutor against the standard library and loky, side by side.
 
-Each executor runs the same no-op tasks with the same number of workers in
-the same process, after a warm-up that starts its workers; the figure is
-the wall time from the first submit to the last result, divided by the
-number of tasks. Reported as microseconds per task and as ratios to the
-standard library's ``ProcessPoolExecutor`` (spawn). gpupool runs as a
-host-bounded pool (no device) and, with ``--simulated``, on a simulated
-card, where every task is also priced, gated and measured by the probe.
+One run measures five executors with the same number of workers, in the
+same process, in interleaved rounds (each round runs every executor once,
+in an order rotated from round to round, so that a burst of noise on a
+shared machine does not land on one executor's runs only), and reports the
+median of the rounds:
 
-    python bench/overhead.py --tasks 5000 --workers 2 --repeat 3
+* ``stdlib (spawn)`` and ``stdlib (forkserver)``: ``concurrent.futures.
+  ProcessPoolExecutor`` with that start method (the forkserver process is
+  started once per benchmark process, as in an application: only the first
+  round's construction pays for it);
+* ``loky``: ``loky.ProcessPoolExecutor`` (a fresh executor per run, not
+  loky's reusable one);
+* ``gpupool (host)``: a host-bounded ``GpuPoolExecutor`` (no device);
+* ``gpupool (simulated card)``: the device path, ``GpuPoolExecutor(task_peak=
+  "1GiB")`` inside a :class:`gpupool.testing.SimulatedHost` with one 80 GiB
+  card (entered before the clock starts), where every task is priced, gated
+  against the card's live reading and the host's booking table, and measured.
+
+Three figures per executor, each also as a ratio to ``stdlib (spawn)`` and
+to loky:
+
+* no-op: ``--tasks`` no-op tasks (3,000 by default) submitted at once after
+  a warm-up that starts every worker; wall time from the first submit to the
+  last result, divided by the number of tasks (us per task);
+* payload: ``--payload-tasks`` tasks (300) whose argument and result are
+  ``--payload-mib`` MiB of bytes (1), timed the same way;
+* first result: wall time from constructing the executor to the result of
+  its first no-op task (ms), the cost of starting a worker and its imports.
+
+The task functions live in ``bench/card_tasks.py`` (imported by name in every
+worker), so no executor pays for sending a function by value::
+
+    python bench/overhead.py                                  # 3,000 tasks, 7 rounds
+    python bench/overhead.py --tasks 300 --payload-tasks 20 --repeat 1 --json /tmp/o.json
 
 With ``--scaling`` it measures how the cost grows instead: for every task
 count in ``--task-counts`` (1k, 10k, 100k; counts above ``--max-tasks`` are
@@ -32,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -43,42 +69,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if BENCH_DIR not in sys.path:
+    sys.path.insert(0, BENCH_DIR)
+
 
 def noop(x: int) -> int:
     """The task: nothing, so the figure is the executor's own cost."""
     return x
-
-
-def _time_run(make: Callable[[], Any], tasks: int, workers: int) -> float:
-    with make() as ex:
-        # Warm-up: start every worker before timing.
-        list(ex.map(noop, range(workers * 4)))
-        start = time.perf_counter()
-        futures = [ex.submit(noop, i) for i in range(tasks)]
-        for future in futures:
-            future.result()
-        elapsed = time.perf_counter() - start
-    return elapsed / tasks
-
-
-class _Hosted:
-    """A pool made inside a simulated host, both closed together (a context manager)."""
-
-    def __init__(self, host: Any, make: Callable[[], Any]) -> None:
-        self._host = host
-        self._make = make
-        self._pool: Any = None
-
-    def __enter__(self) -> Any:
-        self._host.__enter__()
-        self._pool = self._make()
-        return self._pool.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._pool.__exit__(*exc)
-        finally:
-            self._host.__exit__(*exc)
 
 
 SCALING_EXECUTORS = ("stdlib (spawn)", "loky", "gpupool (host)", "gpupool (simulated card)")
@@ -225,12 +223,144 @@ def _scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+COMPARE_EXECUTORS = (
+    "stdlib (spawn)",
+    "stdlib (forkserver)",
+    "loky",
+    "gpupool (host)",
+    "gpupool (simulated card)",
+)
+BASE = "stdlib (spawn)"
+
+
+def _maker(name: str, workers: int) -> tuple[Any, Callable[[], Any]]:
+    """A context to enter before the clock starts (the simulated host), and the executor's maker."""
+    import loky
+
+    from gpupool import GpuPoolExecutor
+
+    if name.startswith("stdlib"):
+        method = "spawn" if "spawn" in name else "forkserver"
+        context = multiprocessing.get_context(method)
+        return contextlib.nullcontext(), lambda: concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=context
+        )
+    if name == "loky":
+        return contextlib.nullcontext(), lambda: loky.ProcessPoolExecutor(workers)
+    if name == "gpupool (host)":
+        return contextlib.nullcontext(), lambda: GpuPoolExecutor(workers)
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+
+    host = SimulatedHost(devices=[SimulatedDevice(total="80GiB")], cpus=64, host_ram="256GiB")
+    return host, lambda: GpuPoolExecutor(workers, task_peak="1GiB")
+
+
+def _compare_round(name: str, args: argparse.Namespace, payload: bytes) -> dict[str, float]:
+    """One executor, once: first result, no-op per task and payload per task (seconds)."""
+    from card_tasks import echo, noop
+
+    outer, make = _maker(name, args.workers)
+    with outer:
+        started = time.perf_counter()
+        with make() as ex:
+            ex.submit(noop, 0).result()
+            first_result_s = time.perf_counter() - started
+            list(ex.map(noop, range(args.workers * 4)))  # warm-up: start every worker
+            start = time.perf_counter()
+            futures = [ex.submit(noop, i) for i in range(args.tasks)]
+            for future in futures:
+                future.result()
+            noop_s = (time.perf_counter() - start) / args.tasks
+            payload_s = float("nan")
+            if args.payload_tasks > 0:
+                list(ex.map(echo, [payload] * args.workers))  # warm the payload path
+                start = time.perf_counter()
+                futures = [ex.submit(echo, payload) for _ in range(args.payload_tasks)]
+                for future in futures:
+                    if len(future.result()) != len(payload):
+                        raise RuntimeError(f"{name} returned a short payload")
+                payload_s = (time.perf_counter() - start) / args.payload_tasks
+    return {"noop_s": noop_s, "payload_s": payload_s, "first_result_s": first_result_s}
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import loky
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p
+    )
+    payload = os.urandom(int(args.payload_mib * 2**20))
+    names = list(COMPARE_EXECUTORS)
+    runs: dict[str, dict[str, list[float]]] = {
+        n: {"noop_s": [], "payload_s": [], "first_result_s": []} for n in names
+    }
+    for r in range(args.repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            for figure, value in _compare_round(name, args, payload).items():
+                runs[name][figure].append(value)
+        print(f"  round {r + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+    figures: dict[str, dict[str, Any]] = {}
+    for figure in ("noop_s", "payload_s", "first_result_s"):
+        median = {n: statistics.median(runs[n][figure]) for n in names}
+        figures[figure] = {
+            "median": median,
+            "ratio_to_stdlib_spawn": {n: median[n] / median[BASE] for n in names},
+            "ratio_to_loky": {n: median[n] / median["loky"] for n in names},
+            "runs": {n: runs[n][figure] for n in names},
+        }
+    print(
+        f"{args.workers} workers, medians of {args.repeat} interleaved rounds; no-op: "
+        f"{args.tasks} tasks; payload: {args.payload_tasks} tasks of {args.payload_mib:g} MiB "
+        f"each way (Python {sys.version.split()[0]}, loky {loky.__version__}, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})"
+    )
+    print(
+        f"{'executor':<26}{'no-op us':>10}{'x spawn':>9}{'x loky':>8}"
+        f"{'payload us':>12}{'x spawn':>9}{'x loky':>8}{'1st ms':>9}{'x spawn':>9}"
+    )
+    for n in names:
+        cells = ""
+        for figure, scale, width in (("noop_s", 1e6, 10), ("payload_s", 1e6, 12)):
+            f = figures[figure]
+            cells += (
+                f"{f['median'][n] * scale:>{width}.1f}{f['ratio_to_stdlib_spawn'][n]:>8.2f}x"
+                f"{f['ratio_to_loky'][n]:>7.2f}x"
+            )
+        f = figures["first_result_s"]
+        cells += f"{f['median'][n] * 1e3:>9.1f}{f['ratio_to_stdlib_spawn'][n]:>8.2f}x"
+        print(f"{n:<26}{cells}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(
+                {
+                    "mode": "compare",
+                    "tasks": args.tasks,
+                    "payload_tasks": args.payload_tasks,
+                    "payload_bytes": len(payload),
+                    "workers": args.workers,
+                    "rounds": args.repeat,
+                    "executors": names,
+                    "load_average": os.getloadavg()[0],
+                    **figures,
+                },
+                fh,
+                indent=2,
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=5000)
+    parser.add_argument("--tasks", type=int, default=3000, help="no-op tasks per run")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per executor; median kept")
-    parser.add_argument("--simulated", action="store_true", help="also gpupool on a sim card")
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="interleaved rounds (scaling: runs per cell)"
+    )
+    parser.add_argument("--payload-tasks", type=int, default=300, help="0: no payload figure")
+    parser.add_argument("--payload-mib", type=float, default=1.0)
+    parser.add_argument(
+        "--simulated", action="store_true", help="kept for old command lines: always measured"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     parser.add_argument("--scaling", action="store_true", help="tasks x workers matrix")
     parser.add_argument(
@@ -257,62 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             args.repeat = 1
         return _scaling(args)
 
-    import loky
-
-    from gpupool import GpuPoolExecutor
-
-    spawn = multiprocessing.get_context("spawn")
-    executors: dict[str, Callable[[], Any]] = {
-        "stdlib (spawn)": lambda: concurrent.futures.ProcessPoolExecutor(
-            args.workers, mp_context=spawn
-        ),
-        "loky": lambda: loky.ProcessPoolExecutor(args.workers),
-        "gpupool (host)": lambda: GpuPoolExecutor(args.workers),
-    }
-    if args.simulated:
-        from gpupool.testing import SimulatedDevice, SimulatedHost
-
-        def on_simulated_card() -> Any:
-            # The host is entered around this run only: inside it every gpupool
-            # pool reads the simulated card, the host-bounded one included.
-            host = SimulatedHost(
-                devices=[SimulatedDevice(total="80GiB")], cpus=64, host_ram="256GiB"
-            )
-            pool = _Hosted(host, lambda: GpuPoolExecutor(args.workers, task_peak="1GiB"))
-            return pool
-
-        executors["gpupool (simulated card)"] = on_simulated_card
-    # Interleave the executors over the repeats, so that a burst of noise on
-    # this shared machine does not land on one executor's runs only.
-    runs: dict[str, list[float]] = {name: [] for name in executors}
-    for _ in range(args.repeat):
-        for name, make in executors.items():
-            runs[name].append(_time_run(make, args.tasks, args.workers))
-    per_task_s = {name: statistics.median(values) for name, values in runs.items()}
-
-    base = per_task_s["stdlib (spawn)"]
-    loky_s = per_task_s["loky"]
-    print(
-        f"{args.tasks} no-op tasks, {args.workers} workers, median of {args.repeat} "
-        f"(Python {sys.version.split()[0]}, loky {loky.__version__})"
-    )
-    print(f"{'executor':<28}{'us/task':>10}{'vs stdlib':>12}{'vs loky':>10}")
-    for name, value in per_task_s.items():
-        print(f"{name:<28}{value * 1e6:>10.1f}{value / base:>11.2f}x{value / loky_s:>9.2f}x")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(
-                {
-                    "tasks": args.tasks,
-                    "workers": args.workers,
-                    "per_task_s": per_task_s,
-                    "ratio_to_stdlib": {k: v / base for k, v in per_task_s.items()},
-                    "ratio_to_loky": {k: v / loky_s for k, v in per_task_s.items()},
-                },
-                fh,
-                indent=2,
-            )
-    return 0
+    return _compare(args)
 
 
 if __name__ == "__main__":
