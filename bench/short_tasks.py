@@ -31,8 +31,9 @@ width. gpupool at fixed widths is reported beside it (its own best width,
 and gpupool over it), which isolates what adapting the width costs from what
 dispatching costs::
 
-    python bench/short_tasks.py                     # 800 tasks, 5 rounds (~3-4 minutes)
+    python bench/short_tasks.py                     # 800 tasks, 5 rounds (~5-10 minutes)
     python bench/short_tasks.py --tasks 40 --rounds 1 --widths 3,4 --json /tmp/s.json
+    python bench/short_tasks.py --rounds 1 --widths 4 --logs /tmp/short-logs   # with the logs
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from card_tasks import OOM_MARKER, hold_for  # noqa: E402
 ADAPTIVE = "gpupool"
 
 
-def _one_run(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def _one_run(name: str, args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
     """Run every task under one executor on a fresh simulated card: makespan, losses, OOMs."""
     import gpupool.testing as gt
     from gpupool import GpuPoolExecutor
@@ -66,16 +67,22 @@ def _one_run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     hold_bytes = parse_size(args.hold, name="hold")
     card = gt.SimulatedDevice(args.card)
     catch = name.startswith("stdlib")
+    logged: dict[str, Any] = {}
+    if args.logs and not catch:
+        label = name.replace(" ", "-").replace("=", "")
+        logged["log_path"] = os.path.join(args.logs, f"round{r}-{label}.jsonl")
     with gt.SimulatedHost([card], cpus=16, host_ram="64GiB") as host:
         started = time.perf_counter()
         if name == ADAPTIVE:
-            ex: Any = GpuPoolExecutor(max_workers=args.max_workers, task_peak=args.task_peak)
+            ex: Any = GpuPoolExecutor(
+                max_workers=args.max_workers, task_peak=args.task_peak, **logged
+            )
         elif catch:
             k = int(name.split()[-1])
             spawn = multiprocessing.get_context("spawn")
             ex = concurrent.futures.ProcessPoolExecutor(k, mp_context=spawn)
         else:
-            ex = GpuPoolExecutor(width=int(name.split("=")[-1]))
+            ex = GpuPoolExecutor(width=int(name.split("=")[-1]), **logged)
         lost = 0
         with ex:
             futures = [
@@ -112,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-gpupool-fixed", action="store_true", help="skip gpupool at fixed widths"
     )
+    parser.add_argument("--logs", help="keep gpupool's decision logs in this directory")
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = parser.parse_args(argv)
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
     logging.getLogger("gpupool").setLevel(logging.ERROR)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            runs[name].append(_one_run(name, args))
+            runs[name].append(_one_run(name, args, r))
         print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     rows = {
         n: {
