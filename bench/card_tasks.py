@@ -26,8 +26,8 @@ def echo(payload: bytes) -> bytes:
     return payload
 
 
-def hold_for(i: int, hold_bytes: int, hold_s: float, catch: bool) -> tuple[int, float, float] | str:
-    """Hold ``hold_bytes`` of simulated device memory for ``hold_s``, as a short GPU task does.
+def hold_for(i: int, size: int | str, hold_s: float, catch: bool) -> tuple[int, float, float] | str:
+    """Hold ``size`` (bytes or ``"1GiB"``) of a simulated card for ``hold_s``: a short GPU task.
 
     Returns ``(i, start, end)`` in ``time.time()`` seconds (when the bytes were
     held). With ``catch`` a simulated out-of-memory is caught and
@@ -37,7 +37,7 @@ def hold_for(i: int, hold_bytes: int, hold_s: float, catch: bool) -> tuple[int, 
     from gpupool.testing import SimulatedOutOfMemory, hold
 
     try:
-        with hold(hold_bytes):
+        with hold(size):
             start = time.time()
             time.sleep(hold_s)
             end = time.time()

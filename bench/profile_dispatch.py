@@ -101,7 +101,12 @@ def _install(window_of: dict[str, _Window | None]) -> None:
     """Wrap ``Dispatcher._schedule`` so that each pass first lets the current window act."""
     from gpupool._pool.dispatcher import Dispatcher
 
-    original = Dispatcher._schedule
+    original = getattr(Dispatcher, "_schedule", None)
+    if original is None:
+        raise SystemExit(
+            "gpupool's Dispatcher has no _schedule method (renamed?): point _install at the "
+            "method its dispatcher thread runs once per turn of its loop"
+        )
 
     def _schedule(self: Any) -> float | None:
         window = window_of["now"]

@@ -62,9 +62,7 @@ def _one_run(name: str, args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
     """Run every task under one executor on a fresh simulated card: makespan, losses, OOMs."""
     import gpupool.testing as gt
     from gpupool import GpuPoolExecutor
-    from gpupool._core.units import parse_size
 
-    hold_bytes = parse_size(args.hold, name="hold")
     card = gt.SimulatedDevice(args.card)
     catch = name.startswith("stdlib")
     logged: dict[str, Any] = {}
@@ -86,7 +84,7 @@ def _one_run(name: str, args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
         lost = 0
         with ex:
             futures = [
-                ex.submit(hold_for, i, hold_bytes, args.hold_ms / 1000, catch)
+                ex.submit(hold_for, i, args.hold, args.hold_ms / 1000, catch)
                 for i in range(args.tasks)
             ]
             for future in futures:
