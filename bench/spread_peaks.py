@@ -13,7 +13,7 @@ Reported, per round and as medians over ``--rounds`` (each in a fresh
   record about the key in the pool's JSON Lines decision log, the ask once
   one cycle of peaks was measured (the first record with ``samples`` >= 3),
   the largest ask seen, and the card's room (``room_bytes``) on the last
-  record; whether the ask at the end, and the largest, stay within the room;
+  record that states it; whether the ask at the end, and the largest, stay within the room;
 * the asks as they moved: each record where the key's ask changed (event,
   ``time_s``, ask, basis, and ``samples`` where the record carries it);
 * the most tasks at once: the largest number of tasks whose hold windows
@@ -120,7 +120,9 @@ def _one_round(args: argparse.Namespace, log_dir: str, r: int) -> dict[str, Any]
         "final_ask_bytes": last.get("ask_bytes"),
         "ask_after_one_cycle_bytes": cycle.get("ask_bytes"),
         "max_ask_bytes": max((m["ask_bytes"] for m in moves), default=None),
-        "room_bytes": last.get("room_bytes"),
+        "room_bytes": next(
+            (m["room_bytes"] for m in reversed(moves) if m["room_bytes"] is not None), None
+        ),
         "ooms": ooms,
         "ask_moves": moves,
         "log_path": log_path,
@@ -192,7 +194,7 @@ def _print(report: dict[str, Any]) -> None:
         f"max_workers={report['max_workers']}"
     )
     print(
-        f"{'round':>5}{'ask GiB':>9}{'max ask':>9}{'room GiB':>10}{'at once':>9}"
+        f"{'round':>5}{'ask GiB':>9}{'3rd ask':>9}{'max ask':>9}{'room GiB':>10}{'at once':>9}"
         f"{'makespan s':>12}{'OOMs':>6}"
     )
     for i, x in enumerate(report["rounds"]):
