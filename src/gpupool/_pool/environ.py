@@ -1,4 +1,8 @@
-"""Pool defaults from the environment: the ``GPUPOOL_*`` variables and ``LOKY_MAX_CPU_COUNT``.
+"""Pool defaults from the environment: the ``GPUPOOL_*`` variables.
+
+``LOKY_MAX_CPU_COUNT`` caps the host's CPUs where the census is taken
+(:func:`gpupool._sensors.host.cap_host_cpus`, shared with ``gpupool census``);
+its name and reader are re-exported here.
 
 Read once per pool, at construction (never at import), from the mapping the
 executor passes (``os.environ``). Precedence: an argument given to the
@@ -19,6 +23,7 @@ from typing import Literal
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
+from gpupool._sensors.host import CPU_CAP_ENV, read_cpu_cap
 
 __all__ = [
     "CPU_CAP_ENV",
@@ -41,8 +46,6 @@ __all__ = [
     "read_size",
 ]
 
-#: loky's own cap on the CPUs it counts; gpupool caps its CPU term with it the same way.
-CPU_CAP_ENV = "LOKY_MAX_CPU_COUNT"
 MAX_WORKERS_ENV = "GPUPOOL_MAX_WORKERS"
 TASK_PEAK_ENV = "GPUPOOL_TASK_PEAK"
 RESERVE_ENV = "GPUPOOL_RESERVE"
@@ -79,12 +82,6 @@ def _whole_number(name: str, value: str) -> int:
     if number < 1:
         raise _refuse(name, value, "set it to a whole number of at least 1, such as 4")
     return number
-
-
-def read_cpu_cap(environ: Mapping[str, str]) -> int | None:
-    """``LOKY_MAX_CPU_COUNT`` as loky reads it (a cap on the CPUs counted), or ``None``."""
-    value = environ.get(CPU_CAP_ENV)
-    return None if value is None else _whole_number(CPU_CAP_ENV, value)
 
 
 def read_max_workers(environ: Mapping[str, str]) -> int | None:
@@ -163,7 +160,6 @@ class PoolDefaults:
         log_path: ``GPUPOOL_LOG_PATH``, checked, when ``log_path`` was not given.
         progress: as given, else ``GPUPOOL_PROGRESS``, else ``None``.
         on_interrupt: as given, else ``GPUPOOL_ON_INTERRUPT``, else ``"terminate"``.
-        cpu_cap: ``LOKY_MAX_CPU_COUNT``, else ``None``.
     """
 
     max_workers: int | None
@@ -172,7 +168,6 @@ class PoolDefaults:
     log_path: Path | None
     progress: bool | None
     on_interrupt: OnInterrupt
-    cpu_cap: int | None
 
 
 def read_pool_defaults(
@@ -203,5 +198,4 @@ def read_pool_defaults(
             if on_interrupt is not None
             else (read_on_interrupt(environ) or "terminate")
         ),
-        cpu_cap=read_cpu_cap(environ),
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import math
 import multiprocessing
@@ -28,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
-from gpupool._core.host import cap_usable_cpus
 from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S, PlannerConfig
 from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
@@ -52,7 +50,7 @@ from gpupool._pool.dispatcher import (
     copy_broken,
     interpreter_exiting,
 )
-from gpupool._pool.environ import CPU_CAP_ENV, read_pool_defaults
+from gpupool._pool.environ import read_pool_defaults
 from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
@@ -505,11 +503,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             pid=os.getpid(),
         )
-        if defaults.cpu_cap is not None:
-            capped = cap_usable_cpus(
-                census.host, defaults.cpu_cap, source=f"{CPU_CAP_ENV}={defaults.cpu_cap}"
-            )
-            census = dataclasses.replace(census, host=capped)
         self._census = census
         for card in census.cards:
             if card.total_bytes is not None and policy.reserve_bytes >= card.total_bytes:
