@@ -14,12 +14,14 @@ that names the variable and what to set it to.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
+from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
@@ -29,10 +31,12 @@ __all__ = [
     "CPU_CAP_ENV",
     "INTERRUPT_CHOICES",
     "LOG_PATH_ENV",
+    "MAX_RETRIES_ENV",
     "MAX_WORKERS_ENV",
     "ON_INTERRUPT_ENV",
     "PROGRESS_ENV",
     "RESERVE_ENV",
+    "ROOM_WAIT_ENV",
     "TASK_PEAK_ENV",
     "OnInterrupt",
     "PoolDefaults",
@@ -40,9 +44,11 @@ __all__ = [
     "read_pool_defaults",
     "read_cpu_cap",
     "read_log_path",
+    "read_max_retries",
     "read_max_workers",
     "read_on_interrupt",
     "read_progress",
+    "read_room_wait_s",
     "read_size",
 ]
 
@@ -52,6 +58,8 @@ RESERVE_ENV = "GPUPOOL_RESERVE"
 LOG_PATH_ENV = "GPUPOOL_LOG_PATH"
 PROGRESS_ENV = "GPUPOOL_PROGRESS"
 ON_INTERRUPT_ENV = "GPUPOOL_ON_INTERRUPT"
+MAX_RETRIES_ENV = "GPUPOOL_MAX_RETRIES"
+ROOM_WAIT_ENV = "GPUPOOL_ROOM_WAIT_S"
 
 #: What leaving a ``with`` block by ``KeyboardInterrupt`` does (see ``on_interrupt=``).
 OnInterrupt = Literal["terminate", "wait"]
@@ -88,6 +96,36 @@ def read_max_workers(environ: Mapping[str, str]) -> int | None:
     """``GPUPOOL_MAX_WORKERS``, the default for ``max_workers``, or ``None`` when unset."""
     value = environ.get(MAX_WORKERS_ENV)
     return None if value is None else _whole_number(MAX_WORKERS_ENV, value)
+
+
+def read_max_retries(environ: Mapping[str, str]) -> int | None:
+    """``GPUPOOL_MAX_RETRIES``, the default for ``max_retries`` (0 or more), or ``None``."""
+    value = environ.get(MAX_RETRIES_ENV)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise _refuse(
+            MAX_RETRIES_ENV, value, "set it to a whole number of retries, 0 or more, such as 5"
+        )
+    return number
+
+
+def read_room_wait_s(environ: Mapping[str, str]) -> float | None:
+    """``GPUPOOL_ROOM_WAIT_S``, the default for ``room_wait_s`` in seconds, or ``None``."""
+    value = environ.get(ROOM_WAIT_ENV)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise _refuse(ROOM_WAIT_ENV, value, "set it to a number of seconds, 0 or more, such as 120")
+    return seconds
 
 
 def read_size(environ: Mapping[str, str], name: str, *, allow_zero: bool) -> int | None:
@@ -160,6 +198,8 @@ class PoolDefaults:
         log_path: ``GPUPOOL_LOG_PATH``, checked, when ``log_path`` was not given.
         progress: as given, else ``GPUPOOL_PROGRESS``, else ``None``.
         on_interrupt: as given, else ``GPUPOOL_ON_INTERRUPT``, else ``"terminate"``.
+        max_retries: as given, else ``GPUPOOL_MAX_RETRIES``, else 5.
+        room_wait_s: as given, else ``GPUPOOL_ROOM_WAIT_S``, else 120 s.
     """
 
     max_workers: int | None
@@ -168,6 +208,24 @@ class PoolDefaults:
     log_path: Path | None
     progress: bool | None
     on_interrupt: OnInterrupt
+    max_retries: int
+    room_wait_s: float
+
+
+_V = TypeVar("_V")
+
+
+def _first(
+    given: _V | None,
+    read: Callable[[Mapping[str, str]], _V | None],
+    environ: Mapping[str, str],
+    default: _V,
+) -> _V:
+    """The argument as given, else its variable (read only then), else the default."""
+    if given is not None:
+        return given
+    from_environment = read(environ)
+    return default if from_environment is None else from_environment
 
 
 def read_pool_defaults(
@@ -179,6 +237,8 @@ def read_pool_defaults(
     log_path: str | os.PathLike[str] | None,
     progress: bool | None,
     on_interrupt: object,
+    max_retries: int | None = None,
+    room_wait_s: float | None = None,
 ) -> PoolDefaults:
     """Fill the arguments left out (``None``) from ``environ``; a given one wins unread."""
     return PoolDefaults(
@@ -198,4 +258,6 @@ def read_pool_defaults(
             if on_interrupt is not None
             else (read_on_interrupt(environ) or "terminate")
         ),
+        max_retries=_first(max_retries, read_max_retries, environ, DEFAULT_MAX_RETRIES),
+        room_wait_s=_first(room_wait_s, read_room_wait_s, environ, DEFAULT_ROOM_WAIT_S),
     )

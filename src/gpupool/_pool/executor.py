@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
-from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S, PlannerConfig
+from gpupool._core.planner import PlannerConfig
 from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
     DEFAULT_MARGIN_FRACTION,
@@ -357,8 +357,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         width: int | None = None,
         strict: bool = False,
         retry_oom: bool = True,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        room_wait_s: float = DEFAULT_ROOM_WAIT_S,
+        max_retries: int | None = None,
+        room_wait_s: float | None = None,
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         sensor: Sensor | None = None,
@@ -376,9 +376,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             log_path=log_path,
             progress=progress,
             on_interrupt=on_interrupt,
+            max_retries=max_retries,
+            room_wait_s=room_wait_s,
         )
         max_workers, task_peak = defaults.max_workers, defaults.task_peak
         reserve, progress = defaults.reserve, defaults.progress
+        max_retries, room_wait_s = defaults.max_retries, defaults.room_wait_s
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
                 raise TypeError(f"max_workers must be an int, got {max_workers!r}")
