@@ -294,11 +294,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             width (default); it reaches its future only when it ran alone on
             its card with its ask's room free, when ``max_retries`` is
             reached, or when others held its card for ``room_wait_s``.
-        max_retries: out-of-memory retries per task, in every mode (default 5);
-            the error names the cap when it is reached.
+        max_retries: out-of-memory retries per task, in every mode (default
+            ``GPUPOOL_MAX_RETRIES``, else 5); the error names the cap when it
+            is reached.
         room_wait_s: how long a task that ran out of memory alone waits for
             room while bytes that are not the pool's hold its card (default
-            120 s); then its error goes to its future.
+            ``GPUPOOL_ROOM_WAIT_S``, else 120 s); then its error goes to its
+            future.
         log_path: append every decision to this JSON Lines file.
         env: extra environment variables for every worker.
         sensor: where readings come from (default: NVML, or the simulator
