@@ -32,7 +32,7 @@ from gpupool._core.census import CardCensus, Census, HostCensus
 from gpupool._core.planner import DEFAULT_CHILD_RSS_PRIOR_BYTES, PlannerConfig, what_if
 from gpupool._core.policy import DEFAULT_RESERVE_BYTES, Ask, AskTable, Policy
 from gpupool._core.units import format_size, parse_pool_size, parse_size
-from gpupool._errors import InvalidSizeError, SensorError
+from gpupool._errors import ConfigurationError, InvalidSizeError, SensorError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -213,7 +213,7 @@ def _read_rows(sensor: Sensor, info: DeviceInfo) -> tuple[tuple[ProcessReading, 
 def _cmd_census(args: argparse.Namespace) -> int:
     try:
         sensor, census, infos = _live_sensor_census()
-    except SensorError as exc:
+    except (SensorError, ConfigurationError) as exc:
         sys.stderr.write(f"gpupool census: {exc}\n")
         return EXIT_FAILURE
     try:
@@ -561,7 +561,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         try:
             sensor, census, _infos = _live_sensor_census()
-        except SensorError as exc:
+        except (SensorError, ConfigurationError) as exc:
             sys.stderr.write(f"gpupool plan: {exc}\n")
             return EXIT_FAILURE
         sensor.close()

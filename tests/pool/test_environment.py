@@ -22,6 +22,8 @@ VARIABLES = (
     "GPUPOOL_LOG_PATH",
     "GPUPOOL_PROGRESS",
     "GPUPOOL_ON_INTERRUPT",
+    "GPUPOOL_MAX_RETRIES",
+    "GPUPOOL_ROOM_WAIT_S",
 )
 
 
@@ -127,6 +129,13 @@ def test_log_path_from_the_environment(host, monkeypatch, tmp_path):
         ("GPUPOOL_PROGRESS", "maybe", r"^GPUPOOL_PROGRESS='maybe': .*'auto'"),
         ("GPUPOOL_ON_INTERRUPT", "later", r"^GPUPOOL_ON_INTERRUPT='later': .*'terminate'"),
         ("GPUPOOL_LOG_PATH", "", r"^GPUPOOL_LOG_PATH='': "),
+        ("GPUPOOL_MAX_RETRIES", "-1", r"^GPUPOOL_MAX_RETRIES='-1': .*0 or more"),
+        ("GPUPOOL_MAX_RETRIES", "two", r"^GPUPOOL_MAX_RETRIES='two': .*whole number"),
+        ("GPUPOOL_MAX_RETRIES", "1.5", r"^GPUPOOL_MAX_RETRIES='1.5': .*whole number"),
+        ("GPUPOOL_ROOM_WAIT_S", "-1", r"^GPUPOOL_ROOM_WAIT_S='-1': .*seconds, 0 or more"),
+        ("GPUPOOL_ROOM_WAIT_S", "soon", r"^GPUPOOL_ROOM_WAIT_S='soon': .*seconds"),
+        ("GPUPOOL_ROOM_WAIT_S", "nan", r"^GPUPOOL_ROOM_WAIT_S='nan': .*seconds"),
+        ("GPUPOOL_ROOM_WAIT_S", "inf", r"^GPUPOOL_ROOM_WAIT_S='inf': .*unset GPUPOOL_ROOM_WAIT_S"),
     ],
 )
 def test_bad_values_are_refused_naming_the_variable(host, monkeypatch, name, value, pattern):
@@ -149,3 +158,45 @@ def test_progress_from_the_environment(host, monkeypatch, value, expected):
     monkeypatch.setenv("GPUPOOL_PROGRESS", value)
     with GpuPoolExecutor(task_peak="1GiB") as ex:
         assert ex._progress is expected
+
+
+def _settings(path) -> dict[str, object]:
+    """The settings the pool ran with, from its decision log's ``run_started`` record."""
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["event"] == "run_started"
+    return first
+
+
+def test_retries_and_room_wait_from_the_environment(host, monkeypatch, tmp_path):
+    """GPUPOOL_MAX_RETRIES and GPUPOOL_ROOM_WAIT_S stand for the arguments left out."""
+    monkeypatch.setenv("GPUPOOL_MAX_RETRIES", "2")
+    monkeypatch.setenv("GPUPOOL_ROOM_WAIT_S", "30.5")
+    path = tmp_path / "run.jsonl"
+    with GpuPoolExecutor(task_peak="1GiB", log_path=path):
+        pass
+    settings = _settings(path)
+    assert settings["setting_max_retries"] == 2
+    assert settings["setting_room_wait_s"] == 30.5
+
+
+def test_retries_and_room_wait_default_without_the_environment(host, tmp_path):
+    """Unset, the built-in defaults hold (5 retries, 120 s)."""
+    path = tmp_path / "run.jsonl"
+    with GpuPoolExecutor(task_peak="1GiB", log_path=path):
+        pass
+    settings = _settings(path)
+    assert settings["setting_max_retries"] == 5
+    assert settings["setting_room_wait_s"] == 120.0
+
+
+def test_zero_retries_and_wait_given_beat_the_environment(host, monkeypatch, tmp_path):
+    """max_retries=0 and room_wait_s=0 given explicitly win over their variables (a zero is
+    an argument, not one left out); the variables are not read, so bad ones do not fail."""
+    monkeypatch.setenv("GPUPOOL_MAX_RETRIES", "not a number")
+    monkeypatch.setenv("GPUPOOL_ROOM_WAIT_S", "never")
+    path = tmp_path / "run.jsonl"
+    with GpuPoolExecutor(task_peak="1GiB", log_path=path, max_retries=0, room_wait_s=0):
+        pass
+    settings = _settings(path)
+    assert settings["setting_max_retries"] == 0
+    assert settings["setting_room_wait_s"] == 0.0

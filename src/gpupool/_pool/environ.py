@@ -1,4 +1,8 @@
-"""Pool defaults from the environment: the ``GPUPOOL_*`` variables and ``LOKY_MAX_CPU_COUNT``.
+"""Pool defaults from the environment: the ``GPUPOOL_*`` variables.
+
+``LOKY_MAX_CPU_COUNT`` caps the host's CPUs where the census is taken
+(:func:`gpupool._sensors.host.cap_host_cpus`, shared with ``gpupool census``);
+its name and reader are re-exported here.
 
 Read once per pool, at construction (never at import), from the mapping the
 executor passes (``os.environ``). Precedence: an argument given to the
@@ -10,24 +14,29 @@ that names the variable and what to set it to.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
+from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
+from gpupool._sensors.host import CPU_CAP_ENV, read_cpu_cap
 
 __all__ = [
     "CPU_CAP_ENV",
     "INTERRUPT_CHOICES",
     "LOG_PATH_ENV",
+    "MAX_RETRIES_ENV",
     "MAX_WORKERS_ENV",
     "ON_INTERRUPT_ENV",
     "PROGRESS_ENV",
     "RESERVE_ENV",
+    "ROOM_WAIT_ENV",
     "TASK_PEAK_ENV",
     "OnInterrupt",
     "PoolDefaults",
@@ -35,20 +44,22 @@ __all__ = [
     "read_pool_defaults",
     "read_cpu_cap",
     "read_log_path",
+    "read_max_retries",
     "read_max_workers",
     "read_on_interrupt",
     "read_progress",
+    "read_room_wait_s",
     "read_size",
 ]
 
-#: loky's own cap on the CPUs it counts; gpupool caps its CPU term with it the same way.
-CPU_CAP_ENV = "LOKY_MAX_CPU_COUNT"
 MAX_WORKERS_ENV = "GPUPOOL_MAX_WORKERS"
 TASK_PEAK_ENV = "GPUPOOL_TASK_PEAK"
 RESERVE_ENV = "GPUPOOL_RESERVE"
 LOG_PATH_ENV = "GPUPOOL_LOG_PATH"
 PROGRESS_ENV = "GPUPOOL_PROGRESS"
 ON_INTERRUPT_ENV = "GPUPOOL_ON_INTERRUPT"
+MAX_RETRIES_ENV = "GPUPOOL_MAX_RETRIES"
+ROOM_WAIT_ENV = "GPUPOOL_ROOM_WAIT_S"
 
 #: What leaving a ``with`` block by ``KeyboardInterrupt`` does (see ``on_interrupt=``).
 OnInterrupt = Literal["terminate", "wait"]
@@ -81,16 +92,40 @@ def _whole_number(name: str, value: str) -> int:
     return number
 
 
-def read_cpu_cap(environ: Mapping[str, str]) -> int | None:
-    """``LOKY_MAX_CPU_COUNT`` as loky reads it (a cap on the CPUs counted), or ``None``."""
-    value = environ.get(CPU_CAP_ENV)
-    return None if value is None else _whole_number(CPU_CAP_ENV, value)
-
-
 def read_max_workers(environ: Mapping[str, str]) -> int | None:
     """``GPUPOOL_MAX_WORKERS``, the default for ``max_workers``, or ``None`` when unset."""
     value = environ.get(MAX_WORKERS_ENV)
     return None if value is None else _whole_number(MAX_WORKERS_ENV, value)
+
+
+def read_max_retries(environ: Mapping[str, str]) -> int | None:
+    """``GPUPOOL_MAX_RETRIES``, the default for ``max_retries`` (0 or more), or ``None``."""
+    value = environ.get(MAX_RETRIES_ENV)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise _refuse(
+            MAX_RETRIES_ENV, value, "set it to a whole number of retries, 0 or more, such as 5"
+        )
+    return number
+
+
+def read_room_wait_s(environ: Mapping[str, str]) -> float | None:
+    """``GPUPOOL_ROOM_WAIT_S``, the default for ``room_wait_s`` in seconds, or ``None``."""
+    value = environ.get(ROOM_WAIT_ENV)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise _refuse(ROOM_WAIT_ENV, value, "set it to a number of seconds, 0 or more, such as 120")
+    return seconds
 
 
 def read_size(environ: Mapping[str, str], name: str, *, allow_zero: bool) -> int | None:
@@ -163,7 +198,8 @@ class PoolDefaults:
         log_path: ``GPUPOOL_LOG_PATH``, checked, when ``log_path`` was not given.
         progress: as given, else ``GPUPOOL_PROGRESS``, else ``None``.
         on_interrupt: as given, else ``GPUPOOL_ON_INTERRUPT``, else ``"terminate"``.
-        cpu_cap: ``LOKY_MAX_CPU_COUNT``, else ``None``.
+        max_retries: as given, else ``GPUPOOL_MAX_RETRIES``, else 5.
+        room_wait_s: as given, else ``GPUPOOL_ROOM_WAIT_S``, else 120 s.
     """
 
     max_workers: int | None
@@ -172,7 +208,24 @@ class PoolDefaults:
     log_path: Path | None
     progress: bool | None
     on_interrupt: OnInterrupt
-    cpu_cap: int | None
+    max_retries: int
+    room_wait_s: float
+
+
+_V = TypeVar("_V")
+
+
+def _first(
+    given: _V | None,
+    read: Callable[[Mapping[str, str]], _V | None],
+    environ: Mapping[str, str],
+    default: _V,
+) -> _V:
+    """The argument as given, else its variable (read only then), else the default."""
+    if given is not None:
+        return given
+    from_environment = read(environ)
+    return default if from_environment is None else from_environment
 
 
 def read_pool_defaults(
@@ -184,6 +237,8 @@ def read_pool_defaults(
     log_path: str | os.PathLike[str] | None,
     progress: bool | None,
     on_interrupt: object,
+    max_retries: int | None = None,
+    room_wait_s: float | None = None,
 ) -> PoolDefaults:
     """Fill the arguments left out (``None``) from ``environ``; a given one wins unread."""
     return PoolDefaults(
@@ -203,5 +258,6 @@ def read_pool_defaults(
             if on_interrupt is not None
             else (read_on_interrupt(environ) or "terminate")
         ),
-        cpu_cap=read_cpu_cap(environ),
+        max_retries=_first(max_retries, read_max_retries, environ, DEFAULT_MAX_RETRIES),
+        room_wait_s=_first(room_wait_s, read_room_wait_s, environ, DEFAULT_ROOM_WAIT_S),
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import math
 import multiprocessing
@@ -28,8 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
-from gpupool._core.host import cap_usable_cpus
-from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S, PlannerConfig
+from gpupool._core.planner import PlannerConfig
 from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
     DEFAULT_MARGIN_FRACTION,
@@ -52,7 +50,7 @@ from gpupool._pool.dispatcher import (
     copy_broken,
     interpreter_exiting,
 )
-from gpupool._pool.environ import CPU_CAP_ENV, read_pool_defaults
+from gpupool._pool.environ import read_pool_defaults
 from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
@@ -296,11 +294,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             width (default); it reaches its future only when it ran alone on
             its card with its ask's room free, when ``max_retries`` is
             reached, or when others held its card for ``room_wait_s``.
-        max_retries: out-of-memory retries per task, in every mode (default 5);
-            the error names the cap when it is reached.
+        max_retries: out-of-memory retries per task, in every mode (default
+            ``GPUPOOL_MAX_RETRIES``, else 5); the error names the cap when it
+            is reached.
         room_wait_s: how long a task that ran out of memory alone waits for
             room while bytes that are not the pool's hold its card (default
-            120 s); then its error goes to its future.
+            ``GPUPOOL_ROOM_WAIT_S``, else 120 s); then its error goes to its
+            future.
         log_path: append every decision to this JSON Lines file.
         env: extra environment variables for every worker.
         sensor: where readings come from (default: NVML, or the simulator
@@ -359,8 +359,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         width: int | None = None,
         strict: bool = False,
         retry_oom: bool = True,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        room_wait_s: float = DEFAULT_ROOM_WAIT_S,
+        max_retries: int | None = None,
+        room_wait_s: float | None = None,
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         sensor: Sensor | None = None,
@@ -378,9 +378,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             log_path=log_path,
             progress=progress,
             on_interrupt=on_interrupt,
+            max_retries=max_retries,
+            room_wait_s=room_wait_s,
         )
         max_workers, task_peak = defaults.max_workers, defaults.task_peak
         reserve, progress = defaults.reserve, defaults.progress
+        max_retries, room_wait_s = defaults.max_retries, defaults.room_wait_s
         if max_workers is not None:
             if isinstance(max_workers, bool) or not isinstance(max_workers, int):
                 raise TypeError(f"max_workers must be an int, got {max_workers!r}")
@@ -505,11 +508,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             pid=os.getpid(),
         )
-        if defaults.cpu_cap is not None:
-            capped = cap_usable_cpus(
-                census.host, defaults.cpu_cap, source=f"{CPU_CAP_ENV}={defaults.cpu_cap}"
-            )
-            census = dataclasses.replace(census, host=capped)
         self._census = census
         for card in census.cards:
             if card.total_bytes is not None and policy.reserve_bytes >= card.total_bytes:

@@ -11,6 +11,8 @@
         v
     Census(cards=...), DeviceInfo per card (children are pinned by its UUID)
 
+    sensor.read_host()             usable CPUs and RAM, the CPUs capped by LOKY_MAX_CPU_COUNT
+
 Co-tenant bytes are ``total - free - own`` from the device's own totals,
 never a sum of per-process rows: inside containers the rows omit other
 containers' processes, or read 0 on some drivers.
@@ -23,9 +25,10 @@ from typing import TYPE_CHECKING
 
 from gpupool._core.census import CardCensus, Census
 from gpupool._errors import ConfigurationError, NoDriverError, SensorError
+from gpupool._sensors.host import cap_host_cpus
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from gpupool._sensors.base import DeviceInfo, ProcessReading, Sensor
 
@@ -219,6 +222,7 @@ def read_census(
     visible_devices: str | None = None,
     pid: int | None = None,
     device_order: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[Census, tuple[DeviceInfo, ...]]:
     """Take the census of every device the pool may use, and of the host.
 
@@ -236,6 +240,8 @@ def read_census(
         pid: the process whose device bytes are "own"; this process by default.
         device_order: the parent's ``CUDA_DEVICE_ORDER``; ``None`` reads it
             from this process's environment.
+        environ: where ``LOKY_MAX_CPU_COUNT`` is read, which caps the host's
+            usable CPUs; ``None`` reads this process's environment.
 
     Returns:
         ``(census, infos)``: ``infos[i]`` is the :class:`DeviceInfo` of
@@ -247,12 +253,13 @@ def read_census(
             by ``CUDA_VISIBLE_DEVICES``, is ambiguous or could not be
             identified; the message lists the visible devices. Or
             ``CUDA_VISIBLE_DEVICES`` names cards by index where CUDA's order
-            may differ from NVML's (see :func:`parse_visible_devices`).
+            may differ from NVML's (see :func:`parse_visible_devices`). Or
+            ``LOKY_MAX_CPU_COUNT`` is not a whole number of at least 1.
         SensorError: a driver answered but its device list could not be read.
     """
     if pid is None:
         pid = os.getpid()
-    host = sensor.read_host()
+    host = cap_host_cpus(sensor.read_host(), os.environ if environ is None else environ)
     try:
         listed = sensor.read_devices()
     except NoDriverError as exc:

@@ -17,7 +17,7 @@ the container's limit (psutil #2100).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 
 from gpupool._core.census import HostCensus
@@ -27,6 +27,7 @@ from gpupool._core.host import (
     CgroupMemory,
     CgroupVersion,
     MemInfo,
+    cap_usable_cpus,
     derive_available_ram,
     derive_usable_cpus,
     parse_cfs_quota,
@@ -38,11 +39,15 @@ from gpupool._core.host import (
     parse_memory_stat,
     parse_proc_self_cgroup,
 )
+from gpupool._errors import ConfigurationError
 
 __all__ = [
+    "CPU_CAP_ENV",
+    "cap_host_cpus",
     "is_descendant",
     "read_affinity_count",
     "read_ancestors",
+    "read_cpu_cap",
     "read_host_census",
     "read_meminfo",
 ]
@@ -114,6 +119,45 @@ def read_affinity_count() -> int | None:
         return len(getaffinity(0))
     except OSError:
         return None
+
+
+#: loky's (and so joblib's) cap on the CPUs it counts; gpupool caps its CPU count with it.
+CPU_CAP_ENV = "LOKY_MAX_CPU_COUNT"
+
+
+def read_cpu_cap(environ: Mapping[str, str]) -> int | None:
+    """``LOKY_MAX_CPU_COUNT`` as loky reads it (a cap on the CPUs counted), or ``None`` unset.
+
+    Raises:
+        ConfigurationError: the value is not a whole number of at least 1 (loky
+            reads ``0`` as 1 and fails on text with a bare ``ValueError``).
+    """
+    value = environ.get(CPU_CAP_ENV)
+    if value is None:
+        return None
+    try:
+        cap = int(value)
+    except ValueError:
+        cap = 0
+    if cap < 1:
+        raise ConfigurationError(
+            f"{CPU_CAP_ENV}={value!r}: set it to a whole number of at least 1, such as 4; "
+            f"or unset {CPU_CAP_ENV} for the default."
+        )
+    return cap
+
+
+def cap_host_cpus(host: HostCensus, environ: Mapping[str, str]) -> HostCensus:
+    """``host`` with its CPUs capped by ``LOKY_MAX_CPU_COUNT`` from ``environ``, where set.
+
+    The one place the host's CPU ceiling is finished: the pool's census and
+    ``gpupool census``/``plan`` both take it through
+    :func:`gpupool._sensors.census.read_census`.
+    """
+    cap = read_cpu_cap(environ)
+    if cap is None:
+        return host
+    return cap_usable_cpus(host, cap, source=f"{CPU_CAP_ENV}={cap}")
 
 
 def read_host_census(root: Path = Path("/"), *, affinity_count: int | None = None) -> HostCensus:
