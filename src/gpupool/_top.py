@@ -361,7 +361,8 @@ def _age(age_s: float) -> str:
 
 
 def run_top(args: argparse.Namespace, write: Callable[[str], object]) -> int:
-    """``gpupool top``: returns the exit status (0, or 1 where the sensor or the view fails)."""
+    """``gpupool top``: returns the exit status (0; 1 where the sensor fails or the live view
+    lacks ``rich``; 2 for the live view on an output that is not a terminal)."""
     live = not args.once and not args.json
     if live:
         try:
@@ -372,6 +373,12 @@ def run_top(args: argparse.Namespace, write: Callable[[str], object]) -> int:
                 f"{INSTALL_HINT} (--once and --json work without it)\n"
             )
             return 1
+    if live and not sys.stdout.isatty():
+        sys.stderr.write(
+            "gpupool top: standard output is not a terminal, so the live view cannot be "
+            "redrawn in place; use --once (one snapshot) or --json (one line per refresh)\n"
+        )
+        return 2
     try:
         gatherer = Gatherer()
     except SensorError as exc:

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -194,6 +195,21 @@ def test_the_snapshot_splits_the_card_into_pools_co_tenants_and_room() -> None:
     assert "live_gate_wait" in text
 
 
+def test_the_live_view_refuses_an_output_that_is_not_a_terminal() -> None:
+    """`gpupool top` into a pipe is a usage error pointing at --once and --json."""
+    pytest.importorskip("rich", reason="without rich the live view names the extra first")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool", "top"],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "not a terminal" in done.stderr
+    assert "--once" in done.stderr and "--json" in done.stderr
+
+
 def test_interval_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
     """--interval refuses what is not a number of seconds within its range, saying so."""
     for bad in ("0", "-1", "nan", "soon", "7200"):
@@ -264,6 +280,32 @@ def test_top_once_json_lists_a_pool_of_another_process(
     assert pool["last"]["kind"] in EVENTS
     assert pool["last"]["reason"]
     assert card["co_tenant_bytes"] == card["used_bytes"] - pool["measured_bytes"]
+
+
+def test_json_alone_prints_one_line_per_refresh_until_interrupted(
+    pool_elsewhere: tuple[subprocess.Popen[str], Path],
+) -> None:
+    """`gpupool top --json` writes one JSON object per line per refresh; Ctrl-C ends it (0)."""
+    child, _gate = pool_elsewhere
+    top = subprocess.Popen(
+        [sys.executable, "-m", "gpupool", "top", "--json", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert top.stdout is not None
+        lines = [json.loads(top.stdout.readline()) for _ in range(2)]
+        top.send_signal(signal.SIGINT)
+        assert top.wait(timeout=PATIENCE_S) == 0
+    finally:
+        if top.poll() is None:
+            top.kill()
+            top.wait(timeout=PATIENCE_S)
+        if top.stdout is not None:
+            top.stdout.close()
+    assert lines[0]["time_s"] < lines[1]["time_s"]
+    for snapshot in lines:
+        assert [pool["pid"] for pool in snapshot["cards"][0]["pools"]] == [child.pid]
 
 
 def _without_rich(*argv: str) -> subprocess.CompletedProcess[str]:

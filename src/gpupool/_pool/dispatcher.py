@@ -1403,8 +1403,14 @@ class Dispatcher:
         planner = self.planner
         first = int(starting)
         count = min(planner.waiting_count(starting=starting), _WAITS_SCANNED)
-        states = [planner.tasks[t] for t in itertools.islice(planner.pending, first, first + count)]
-        waits = group_waits((s.key, planner.asks.ask_for(s.key, s.size).ask_bytes) for s in states)
+        asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
+        entries: list[tuple[str, int]] = []
+        for t in itertools.islice(planner.pending, first, first + count):
+            slot = (planner.tasks[t].key, planner.tasks[t].size)
+            if slot not in asks:
+                asks[slot] = planner.asks.ask_for(*slot).ask_bytes
+            entries.append((slot[0], asks[slot]))
+        waits = group_waits(entries)
         last = self.log.last_decision
         if last is None:
             return {"waits": waits, "last": None}
