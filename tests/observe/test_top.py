@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -173,7 +174,7 @@ def test_the_snapshot_splits_the_card_into_pools_co_tenants_and_room() -> None:
     assert pool["measured_bytes"] == held
     assert card_view["co_tenant_bytes"] == 3 * GiB
     assert card_view["room_bytes"] == card_view["free_bytes"] - (6 * GiB - held)
-    assert pool["pid"] == os.getpid()
+    assert (pool["pid"], pool["workers_on_card"]) == (os.getpid(), 1)
     assert pool["running"] == [
         {
             "worker_pid": os.getpid(),
@@ -280,6 +281,17 @@ def test_top_once_json_lists_a_pool_of_another_process(
     assert pool["last"]["kind"] in EVENTS
     assert pool["last"]["reason"]
     assert card["co_tenant_bytes"] == card["used_bytes"] - pool["measured_bytes"]
+    assert pool["workers_on_card"] == 2
+    text = subprocess.run(
+        [sys.executable, "-m", "gpupool", "top", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
+        check=False,
+    )
+    assert text.returncode == 0, text.stderr
+    assert re.search(rf"pool \S+ top_pool_script\.py +{child.pid} ", text.stdout), text.stdout
+    assert "task train-step" in text.stdout
 
 
 def test_json_alone_prints_one_line_per_refresh_until_interrupted(
