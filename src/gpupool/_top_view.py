@@ -25,10 +25,11 @@ __all__ = ["live", "render", "render_text"]
 _STYLES = {"pool": "bold", "task": "", "waiting": "yellow", "last": "dim"}
 
 
-def render(snapshot: dict[str, Any]) -> RenderableType:
+def render(snapshot: dict[str, Any], *, live: bool = True) -> RenderableType:
     """The snapshot as ``rich`` renderables: a heading, then a table per card."""
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot["time_s"]))
-    parts: list[RenderableType] = [Text(f"gpupool top  {stamp}  (Ctrl-C to leave)", style="bold")]
+    hint = "  (Ctrl-C to leave)" if live else ""
+    parts: list[RenderableType] = [Text(f"gpupool top  {stamp}{hint}", style="bold")]
     if not snapshot["driver"] or not snapshot["cards"]:
         parts.append(Text(f"no device: {snapshot['reason'] or 'none visible'}"))
     for card in snapshot["cards"]:
@@ -55,7 +56,9 @@ def render_text(snapshot: dict[str, Any]) -> str:
     """The snapshot drawn as the live view draws it, as text without colour (``--once``)."""
     buffer = io.StringIO()
     width = shutil.get_terminal_size((120, 40)).columns
-    Console(file=buffer, width=width, color_system=None, highlight=False).print(render(snapshot))
+    Console(file=buffer, width=width, color_system=None, highlight=False).print(
+        render(snapshot, live=False)
+    )
     return buffer.getvalue()
 
 

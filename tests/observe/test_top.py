@@ -292,6 +292,7 @@ def test_top_once_json_lists_a_pool_of_another_process(
     assert text.returncode == 0, text.stderr
     assert re.search(rf"pool \S+ top_pool_script\.py +{child.pid} ", text.stdout), text.stdout
     assert "task train-step" in text.stdout
+    assert "Ctrl-C" not in text.stdout  # the live view's hint only
 
 
 def test_json_alone_prints_one_line_per_refresh_until_interrupted(
