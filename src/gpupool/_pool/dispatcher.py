@@ -1308,7 +1308,7 @@ class Dispatcher:
             waiting,
             need,
             total_bytes=device.census.total_bytes,
-            **self._row_notes(starting=True),
+            **self._row_notes(waiting, starting=True),
         )
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
@@ -1391,18 +1391,18 @@ class Dispatcher:
             waiting,
             self.planner.need_bytes(),
             total_bytes=device.census.total_bytes,
-            **self._row_notes(),
+            **self._row_notes(waiting),
         )
         self.others_seen[device.index] = bool(others is not None and others.pools)
         self.planner.observe_others(device.index, others, self.now())
 
-    def _row_notes(self, *, starting: bool = False) -> dict[str, Any]:
+    def _row_notes(self, waiting: int, *, starting: bool = False) -> dict[str, Any]:
         """What the pool's row in the host's table tells people (no pool prices by it): its
-        first waiting tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
+        first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
         decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
         planner = self.planner
         first = int(starting)
-        count = min(planner.waiting_count(starting=starting), _WAITS_SCANNED)
+        count = min(waiting, _WAITS_SCANNED)
         asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
         entries: list[tuple[str, int]] = []
         for t in itertools.islice(planner.pending, first, first + count):
