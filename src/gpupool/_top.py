@@ -46,6 +46,7 @@ __all__ = [
     "interval_type",
     "plain_text",
     "run_top",
+    "shown",
     "take_snapshot",
 ]
 
@@ -242,7 +243,7 @@ def _pool(pool: PoolBooking, held: dict[int, int] | None, now_s: float) -> dict[
 
 def card_heading(card: dict[str, Any]) -> str:
     """``device 0  GPU-...  <name>: 40.00 GiB total, ... room`` (the card's line)."""
-    head = f"device {card['device']}  {card['uuid']}  {card['name']}"
+    head = f"device {card['device']}  {shown(card['uuid'])}  {shown(card['name'])}"
     if card["total_bytes"] is None:
         return f"{head}: {card['reason']}"
     return (
@@ -261,7 +262,7 @@ def pool_lines(pool: dict[str, Any]) -> list[tuple[str, list[str]]]:
         (
             "pool",
             [
-                f"pool {pool['pool_id']} {pool['label'] or '-'}",
+                f"pool {shown(pool['pool_id'])} {shown(pool['label']) or '-'}",
                 str(pool["pid"]),
                 format_size(pool["booked_bytes"]),
                 _size_or(pool["measured_bytes"], "?"),
@@ -274,7 +275,7 @@ def pool_lines(pool: dict[str, Any]) -> list[tuple[str, list[str]]]:
             (
                 "task",
                 [
-                    f"  task {task['key']}",
+                    f"  task {shown(task['key'])}",
                     str(task["worker_pid"]),
                     format_size(task["booked_bytes"]),
                     _size_or(task["measured_bytes"], "-"),
@@ -284,7 +285,7 @@ def pool_lines(pool: dict[str, Any]) -> list[tuple[str, list[str]]]:
         )
     if pool["waiting"]:
         asks = ", ".join(
-            f"{wait['key']} {format_size(wait['ask_bytes'])} x{wait['count']}"
+            f"{shown(wait['key'])} {format_size(wait['ask_bytes'])} x{wait['count']}"
             for wait in pool["waits"]
         )
         lines.append(
@@ -310,7 +311,7 @@ def pool_lines(pool: dict[str, Any]) -> list[tuple[str, list[str]]]:
                     "",
                     "",
                     "",
-                    f"{last['kind']}, {_age(last['age_s'])}: {last['reason']}",
+                    f"{shown(last['kind'])}, {_age(last['age_s'])}: {shown(last['reason'])}",
                 ],
             )
         )
@@ -327,12 +328,12 @@ def plain_text(snapshot: dict[str, Any]) -> str:
         f"gpupool top  {time.strftime('%H:%M:%S', time.localtime(snapshot['time_s']))}"
     ]
     if not snapshot["driver"] or not snapshot["cards"]:
-        out.append(f"no device: {snapshot['reason'] or 'none visible'}")
+        out.append(f"no device: {shown(snapshot['reason'] or 'none visible')}")
     for card in snapshot["cards"]:
         out.append("")
         out.append(card_heading(card))
         if card["pools"] is None:
-            out.append(f"  pools: {card['pools_source']}")
+            out.append(f"  pools: {shown(card['pools_source'])}")
             continue
         if not card["pools"]:
             out.append("  no pool booked")
@@ -343,6 +344,13 @@ def plain_text(snapshot: dict[str, Any]) -> str:
             fixed = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
             out.append(f"  {fixed}  {row[-1]}".rstrip())
     return "\n".join(out) + "\n"
+
+
+def shown(text: str) -> str:
+    """``text`` safe to print on a terminal: every character that is not printable (escape
+    sequences, newlines) as ``?``. Keys and labels come from any process that can write
+    the table."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
 
 
 def _size_or(nbytes: int | None, missing: str) -> str:

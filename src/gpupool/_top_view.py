@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpupool._top import COLUMNS, card_heading, pool_lines
+from gpupool._top import COLUMNS, card_heading, pool_lines, shown
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -31,7 +31,7 @@ def render(snapshot: dict[str, Any], *, live: bool = True) -> RenderableType:
     hint = "  (Ctrl-C to leave)" if live else ""
     parts: list[RenderableType] = [Text(f"gpupool top  {stamp}{hint}", style="bold")]
     if not snapshot["driver"] or not snapshot["cards"]:
-        parts.append(Text(f"no device: {snapshot['reason'] or 'none visible'}"))
+        parts.append(Text(f"no device: {shown(snapshot['reason'] or 'none visible')}"))
     for card in snapshot["cards"]:
         parts.append(_card(card))
     return Group(*parts)
@@ -40,7 +40,7 @@ def render(snapshot: dict[str, Any], *, live: bool = True) -> RenderableType:
 def _card(card: dict[str, Any]) -> RenderableType:
     heading = Text(card_heading(card), style="bold cyan")
     if card["pools"] is None:
-        return Group(heading, Text(f"  pools: {card['pools_source']}"))
+        return Group(heading, Text(f"  pools: {shown(card['pools_source'])}"))
     if not card["pools"]:
         return Group(heading, Text("  no pool booked"))
     table = Table(box=None, pad_edge=False, padding=(0, 2), show_edge=False)
@@ -48,7 +48,8 @@ def _card(card: dict[str, Any]) -> RenderableType:
         table.add_column(name, justify="right" if n in (2, 3) else "left", no_wrap=n < 4)
     for pool in card["pools"]:
         for kind, cells in pool_lines(pool):
-            table.add_row(*cells, style=_STYLES[kind])
+            # Text, not markup: a key such as "[/]" is shown as written.
+            table.add_row(*(Text(cell) for cell in cells), style=_STYLES[kind])
     return Group(heading, table)
 
 

@@ -147,6 +147,36 @@ def test_top_lists_only_the_good_row_of_a_hostile_table(capsys: pytest.CaptureFi
     assert card["pools"][0]["last"]["kind"] == "widened"
 
 
+def test_keys_with_escape_sequences_and_markup_are_shown_inert() -> None:
+    """A key or reason holding terminal escapes or rich markup is printed as text: no escape
+    reaches the terminal, and the markup is shown as written."""
+    key = "[bold]fit[/] \x1b]0;title\x07\x1b[2J\nnext"
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
+        table = BookingTable(host.bookings_directory)
+        row = _own_row("me.1")
+        task = TaskBooking(worker_pid=os.getpid(), key=key, booked_bytes=GiB, reached_bytes=0)
+        last = LastDecision(kind="narrowed\x1b[31m", reason="\x1b[2J[/]", time_s=time.time())
+        assert table.exchange(host.device_uuid(0), row.pool_id, (task,), last=last)
+        gatherer = Gatherer()
+        try:
+            snapshot = gatherer.snapshot()
+        finally:
+            gatherer.close()
+            table.close()
+    assert snapshot["cards"][0]["pools"][0]["running"][0]["key"] == key  # the JSON keeps it
+    texts = [plain_text(snapshot)]
+    try:
+        from gpupool._top_view import render_text
+    except ImportError:
+        pass
+    else:
+        texts.append(render_text(snapshot))
+    for text in texts:
+        assert "\x1b" not in text and "\x07" not in text
+        assert "task [bold]fit[/] ?]0;title??[2J?next" in text
+        assert "narrowed?[31m" in text and "?[2J[/]" in text
+
+
 # -- the snapshot -------------------------------------------------------------------------
 
 
