@@ -61,6 +61,7 @@ from gpupool._errors import ConfigurationError
 __all__ = [
     "LOGGER",
     "REASON_CHARS",
+    "SAMPLE_EVENTS",
     "WARNING_EVENTS",
     "DecisionLog",
     "check_log_path",
@@ -75,6 +76,9 @@ LOGGER.addHandler(logging.NullHandler())
 #: (the serial floor), a fixed width wider than the bound. Every other event
 #: is ``INFO``.
 WARNING_EVENTS = frozenset({"out_of_memory", "serial_start", "fixed_width_over_bound"})
+
+#: Records that are samples, not decisions: not the pool's "last decision".
+SAMPLE_EVENTS = frozenset({"card_read"})
 
 #: The most characters of a record's ``reason`` the file keeps (the sentence
 #: can quote an exception's message; see ``ERROR_TEXT_CHARS`` for the rest).
@@ -279,6 +283,7 @@ class DecisionLog:
         self._warned_gone = False
         self.path = path
         self._records: list[Decision] = []
+        self._last: Decision | None = None
         self._lock = threading.Lock()
         self._write_errors = 0
         self._closed = False
@@ -308,6 +313,12 @@ class DecisionLog:
                 self._write_line(header)
 
     @property
+    def last_decision(self) -> Decision | None:
+        """The latest record that is a decision (not a sample such as ``card_read``)."""
+        with self._lock:
+            return self._last
+
+    @property
     def write_errors(self) -> int:
         """Records that could not be written to the file (0 without a file)."""
         with self._lock:
@@ -318,6 +329,8 @@ class DecisionLog:
         decision = dataclasses.replace(decision, run_id=self.run_id)
         with self._lock:
             self._records.append(decision)
+            if decision.event not in SAMPLE_EVENTS:
+                self._last = decision
             if self.path is not None and not self._closed:
                 record = decision.to_dict()
                 record["reason"] = truncate_text(decision.reason, REASON_CHARS)

@@ -1,4 +1,4 @@
-"""The command line: ``gpupool plan | census | demo | postmortem | plot``.
+"""The command line: ``gpupool plan | census | top | demo | postmortem | plot``.
 
 The only module that prints.
 
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_census(sub)
+    _add_top(sub)
     _add_plan(sub)
     _add_postmortem(sub)
     _add_plot(sub)
@@ -348,6 +349,44 @@ def _print_card(device: dict[str, Any]) -> None:
     _print_pools(device)
     if device["reason"]:
         _out(f"  note: {device['reason']}")
+
+
+# -- gpupool top ---------------------------------------------------------------
+
+
+def _add_top(sub: Any) -> None:
+    from gpupool._top import DEFAULT_INTERVAL_S, interval_type
+
+    top = sub.add_parser(
+        "top",
+        help="a live view of every gpupool pool on this host's cards",
+        description=(
+            "Every card (total, used, co-tenants, room left) and every gpupool pool on it "
+            "(booked and measured bytes, running tasks, waiting tasks, last decision), from "
+            "the host's booking table and the sensor, redrawn in place (needs "
+            "pip install 'gpupool[top]'); --once and --json work without it."
+        ),
+    )
+    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    top.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: one object with --once, else one line per refresh",
+    )
+    top.add_argument(
+        "--interval",
+        type=interval_type,
+        default=DEFAULT_INTERVAL_S,
+        metavar="S",
+        help=f"seconds between refreshes, 0.1 to 3600 (default {DEFAULT_INTERVAL_S:g})",
+    )
+    top.set_defaults(handler=_cmd_top)
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from gpupool._top import run_top
+
+    return run_top(args, sys.stdout.write)
 
 
 # -- gpupool plan --------------------------------------------------------------

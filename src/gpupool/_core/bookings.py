@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
@@ -28,17 +28,32 @@ from gpupool._core.events import Decision, JsonValue
 from gpupool._core.units import format_size
 
 __all__ = [
+    "MAX_DECISION_KIND_CHARS",
+    "MAX_DECISION_REASON_CHARS",
+    "MAX_WAIT_KEY_CHARS",
+    "MAX_WAITS",
     "TABLE_VERSION",
+    "LastDecision",
     "OtherPools",
     "PoolBooking",
     "TableNote",
     "TaskBooking",
+    "WaitBooking",
     "format_booking_table",
+    "group_waits",
+    "last_decision",
     "parse_booking_table",
 ]
 
 #: Bumped when the file's layout changes; a file of another version is not read.
 TABLE_VERSION = 1
+
+#: Bounds of a row's optional fields (``waits``, ``last``): a row past any of them, or
+#: with a value of the wrong type there, is dropped when the table is read.
+MAX_WAITS = 16
+MAX_WAIT_KEY_CHARS = 200
+MAX_DECISION_KIND_CHARS = 64
+MAX_DECISION_REASON_CHARS = 200
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +82,62 @@ class TaskBooking:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WaitBooking:
+    """Tasks of one key a pool holds back for room, for people watching the card.
+
+    Attributes:
+        key: the task key (at most :data:`MAX_WAIT_KEY_CHARS` characters).
+        ask_bytes: the device bytes the pool asks for one of them.
+        count: how many of the pool's waiting tasks have this key and ask (at least 1).
+    """
+
+    key: str
+    ask_bytes: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LastDecision:
+    """A pool's latest decision record, for people watching the card.
+
+    Attributes:
+        kind: the record's event (``"narrowed"``, ``"live_gate_wait"``...).
+        reason: its sentence, cut to :data:`MAX_DECISION_REASON_CHARS` characters.
+        time_s: when it was made, in seconds since the epoch.
+    """
+
+    kind: str
+    reason: str
+    time_s: float
+
+
+def group_waits(entries: Iterable[tuple[str, int]]) -> tuple[WaitBooking, ...]:
+    """Waiting tasks ``(key, ask_bytes)``, in queue order, as :class:`WaitBooking` entries:
+    one per key and ask, in order of first appearance, at most :data:`MAX_WAITS` (tasks of
+    a key and ask met after that many are not counted); keys cut to
+    :data:`MAX_WAIT_KEY_CHARS` characters."""
+    groups: dict[tuple[str, int], int] = {}
+    for key, ask_bytes in entries:
+        name = key[:MAX_WAIT_KEY_CHARS]
+        if (name, ask_bytes) in groups:
+            groups[(name, ask_bytes)] += 1
+        elif len(groups) < MAX_WAITS:
+            groups[(name, ask_bytes)] = 1
+    return tuple(
+        WaitBooking(key=key, ask_bytes=ask_bytes, count=count)
+        for (key, ask_bytes), count in groups.items()
+    )
+
+
+def last_decision(kind: str, reason: str, time_s: float) -> LastDecision:
+    """A decision as a row carries it: ``kind`` and ``reason`` cut to their bounds (a reason
+    that was cut ends in ``"..."``)."""
+    if len(reason) > MAX_DECISION_REASON_CHARS:
+        reason = reason[: MAX_DECISION_REASON_CHARS - 3] + "..."
+    return LastDecision(kind=kind[:MAX_DECISION_KIND_CHARS], reason=reason, time_s=time_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PoolBooking:
     """One pool's row in a card's table.
 
@@ -82,6 +153,9 @@ class PoolBooking:
             so that pools sharing the card share it (see :attr:`OtherPools.waiting_pools`).
         need_bytes: the ask of the first of them (0 when none waits): the room the pool
             needs to start its next task.
+        waits: the waiting tasks by key and ask, in queue order (at most
+            :data:`MAX_WAITS`; optional, for people: no pool prices by it).
+        last: the pool's latest decision, or ``None`` (optional, for people).
     """
 
     pool_id: str
@@ -92,6 +166,8 @@ class PoolBooking:
     tasks: tuple[TaskBooking, ...] = ()
     waiting: int = 0
     need_bytes: int = 0
+    waits: tuple[WaitBooking, ...] = ()
+    last: LastDecision | None = None
 
     @property
     def booked_bytes(self) -> int:
@@ -268,21 +344,23 @@ def format_booking_table(
 
 
 def _format_pool(pool: PoolBooking) -> str:
-    return json.dumps(
-        {
-            "pid": pool.pid,
-            "start": pool.start,
-            "label": pool.label,
-            "updated_s": pool.updated_s,
-            "waiting": pool.waiting,
-            "need_bytes": pool.need_bytes,
-            "tasks": [
-                [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
-                for task in pool.tasks
-            ],
-        },
-        separators=(",", ":"),
-    )
+    row: dict[str, object] = {
+        "pid": pool.pid,
+        "start": pool.start,
+        "label": pool.label,
+        "updated_s": pool.updated_s,
+        "waiting": pool.waiting,
+        "need_bytes": pool.need_bytes,
+        "tasks": [
+            [task.worker_pid, task.key, task.booked_bytes, task.reached_bytes]
+            for task in pool.tasks
+        ],
+    }
+    if pool.waits:
+        row["waits"] = [[wait.key, wait.ask_bytes, wait.count] for wait in pool.waits]
+    if pool.last is not None:
+        row["last"] = [pool.last.kind, pool.last.reason, pool.last.time_s]
+    return json.dumps(row, separators=(",", ":"))
 
 
 def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking]:
@@ -307,10 +385,17 @@ def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking
     pools = raw.get("pools")
     if not isinstance(pools, dict):
         raise ValueError("'pools' is not an object")
-    return {
-        str(pool_id): _parse_pool(str(pool_id), row)
-        for pool_id, row in cast("dict[object, object]", pools).items()
-    }
+    rows: dict[str, PoolBooking] = {}
+    for pool_id, row in cast("dict[object, object]", pools).items():
+        try:
+            rows[str(pool_id)] = _parse_pool(str(pool_id), row)
+        except _BadOptional:
+            continue
+    return rows
+
+
+class _BadOptional(ValueError):
+    """A row's optional field is past its bound or of the wrong type: the row is left out."""
 
 
 def _parse_pool(pool_id: str, row: object) -> PoolBooking:
@@ -349,7 +434,52 @@ def _parse_pool(pool_id: str, row: object) -> PoolBooking:
         tasks=tuple(tasks),
         waiting=_count(fields.get("waiting", 0), pool_id, "waiting"),
         need_bytes=_count(fields.get("need_bytes", 0), pool_id, "need_bytes"),
+        waits=_parse_waits(fields.get("waits", [])),
+        last=_parse_last(fields.get("last")),
     )
+
+
+def _parse_waits(value: object) -> tuple[WaitBooking, ...]:
+    """``[[key, ask_bytes, count], ...]``, at most :data:`MAX_WAITS` entries."""
+    if not isinstance(value, list) or len(value) > MAX_WAITS:
+        raise _BadOptional("'waits' is not a list of at most 16 entries")
+    waits: list[WaitBooking] = []
+    for entry in cast("list[object]", value):
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise _BadOptional("a wait is not [key, ask_bytes, count]")
+        key, ask, count = cast("list[object]", entry)
+        if not isinstance(key, str) or len(key) > MAX_WAIT_KEY_CHARS:
+            raise _BadOptional("a wait's key is not a short string")
+        if not (_is_count(ask) and _is_count(count)) or count == 0:
+            raise _BadOptional("a wait's ask or count is not a count")
+        waits.append(WaitBooking(key=key, ask_bytes=cast("int", ask), count=cast("int", count)))
+    return tuple(waits)
+
+
+def _parse_last(value: object) -> LastDecision | None:
+    """``[kind, reason, time_s]`` or absent."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 3):
+        raise _BadOptional("'last' is not [kind, reason, time_s]")
+    kind, reason, time_s = cast("list[object]", value)
+    if not (isinstance(kind, str) and len(kind) <= MAX_DECISION_KIND_CHARS):
+        raise _BadOptional("the last decision's kind is not a short string")
+    if not (isinstance(reason, str) and len(reason) <= MAX_DECISION_REASON_CHARS):
+        raise _BadOptional("the last decision's reason is not a short string")
+    if isinstance(time_s, bool) or not isinstance(time_s, (int, float)):
+        raise _BadOptional("the last decision's time_s is not a number")
+    try:
+        seconds = float(time_s)
+    except OverflowError:
+        raise _BadOptional("the last decision's time_s is out of range") from None
+    if not math.isfinite(seconds):
+        raise _BadOptional("the last decision's time_s is not finite")
+    return LastDecision(kind=kind, reason=reason, time_s=seconds)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _pid(value: object, pool_id: str) -> int:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
-from gpupool._core.bookings import TaskBooking
+from gpupool._core.bookings import TaskBooking, group_waits, last_decision
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
@@ -120,6 +120,9 @@ SPAWN_FIRST_WAIT_S = 0.05
 #: How long the pool waits for a worker whose initializer raised to exit (it
 #: exits right after saying so) before it reports itself broken.
 INIT_EXIT_WAIT_S = 5.0
+
+#: The most waiting tasks a row of the host's booking table describes by key (for people).
+_WAITS_SCANNED = 64
 
 _BROKEN_INIT = "A child process terminated abruptly, the process pool is not usable anymore"
 
@@ -1305,6 +1308,7 @@ class Dispatcher:
             waiting,
             need,
             total_bytes=device.census.total_bytes,
+            **self._row_notes(waiting, starting=True),
         )
         self.others_seen[start.device] = bool(others is not None and others.pools)
         self.planner.observe_others(start.device, others, self.now())
@@ -1387,9 +1391,31 @@ class Dispatcher:
             waiting,
             self.planner.need_bytes(),
             total_bytes=device.census.total_bytes,
+            **self._row_notes(waiting),
         )
         self.others_seen[device.index] = bool(others is not None and others.pools)
         self.planner.observe_others(device.index, others, self.now())
+
+    def _row_notes(self, waiting: int, *, starting: bool = False) -> dict[str, Any]:
+        """What the pool's row in the host's table tells people (no pool prices by it): its
+        first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
+        decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
+        planner = self.planner
+        first = int(starting)
+        count = min(waiting, _WAITS_SCANNED)
+        asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
+        entries: list[tuple[str, int]] = []
+        for t in itertools.islice(planner.pending, first, first + count):
+            slot = (planner.tasks[t].key, planner.tasks[t].size)
+            if slot not in asks:
+                asks[slot] = planner.asks.ask_for(*slot).ask_bytes
+            entries.append((slot[0], asks[slot]))
+        waits = group_waits(entries)
+        last = self.log.last_decision
+        if last is None:
+            return {"waits": waits, "last": None}
+        when_s = time.time() - (self.now() - last.time_s)
+        return {"waits": waits, "last": last_decision(last.event, last.reason, when_s)}
 
     def _forget(self, worker: _Worker) -> None:
         if worker.gone:

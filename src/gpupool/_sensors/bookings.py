@@ -48,10 +48,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from gpupool._core.bookings import (
+    LastDecision,
     OtherPools,
     PoolBooking,
     TableNote,
     TaskBooking,
+    WaitBooking,
     format_booking_table,
     parse_booking_table,
 )
@@ -274,9 +276,12 @@ class BookingTable:
         need_bytes: int = 0,
         *,
         total_bytes: int | None = None,
+        waits: Sequence[WaitBooking] = (),
+        last: LastDecision | None = None,
     ) -> OtherPools | None:
         """Publish ``pool_id``'s ``tasks`` (and how many of its tasks wait for room, and the
-        first one's ask) and read the other pools' rows, in one locked step."""
+        first one's ask; for people: its waiting tasks by key and its latest decision) and
+        read the other pools' rows, in one locked step."""
         row = PoolBooking(
             pool_id=pool_id,
             pid=os.getpid(),
@@ -286,6 +291,8 @@ class BookingTable:
             tasks=tuple(tasks),
             waiting=waiting,
             need_bytes=need_bytes,
+            waits=tuple(waits),
+            last=last,
         )
         self._rows[(card_uuid, pool_id)] = row
 
