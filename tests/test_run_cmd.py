@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -194,6 +195,54 @@ def test_a_line_with_spaces_and_quotes_reaches_the_command_whole(tmp_path: Path)
         )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"<{line}>" for line in lines]
+
+
+def test_commands_start_and_print_as_the_input_arrives(tmp_path: Path) -> None:
+    """The first line's command runs, and its output is printed, before the input ends."""
+    with _host():
+        proc = subprocess.Popen(
+            [*GPUPOOL_RUN, "--task-peak", "1GiB", "--", "echo"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        try:
+            proc.stdin.write("first\n")
+            proc.stdin.flush()
+            readable, _, _ = select.select([proc.stdout], [], [], DEADLINE_S)
+            assert readable, "no output while the input stayed open"
+            first = proc.stdout.readline()
+            out, err = proc.communicate("second\n", timeout=DEADLINE_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0, err
+    assert [first.strip(), *out.splitlines()] == ["first", "second"]
+
+
+def test_a_closed_output_is_quiet(tmp_path: Path) -> None:
+    """``gpupool run ... | head -1``: no traceback, exit 141, and no command after it starts."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"{n}\n" for n in range(1, 201)))
+    command = f"echo {{}}; echo {{}} >> {shlex.quote(str(tmp_path / 'ran.txt'))}"
+    argv = ["--task-peak", "1GiB", "--max-workers", "1", "-a", str(lines), "--", command]
+    with _host():
+        proc = subprocess.Popen(
+            [*GPUPOOL_RUN, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"1\n"
+        proc.stdout.close()
+        _, err = proc.communicate(timeout=DEADLINE_S)
+    assert b"Traceback" not in err, err.decode()
+    assert proc.returncode == 141
+    assert len((tmp_path / "ran.txt").read_text().split()) < 200
 
 
 #: Holds 5 GiB on the simulated card (5.3 GiB with its context) while it runs.

@@ -27,14 +27,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
@@ -202,6 +203,13 @@ class _Job:
     future: Future[int]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _InputEnded:
+    """The input thread's last word: the input ended, or reading or submitting raised."""
+
+    error: BaseException | None
+
+
 def run_commands(
     template: str,
     lines: Iterable[str],
@@ -214,7 +222,9 @@ def run_commands(
     """Run ``template`` once per line on a :class:`~gpupool.GpuPoolExecutor`; the number
     of commands that failed (a non-zero status, or a task that could not run).
 
-    Each command's standard output and error are written to ``stdout`` and
+    The lines are read, and their commands submitted, by a thread of their own
+    (:func:`_submit_lines`), so output is printed while the input waits. Each
+    command's standard output and error are written to ``stdout`` and
     ``stderr`` in input order, one command's after another's; a failed
     command's status follows its own standard error, with its line.
 
@@ -228,33 +238,63 @@ def run_commands(
         tempfile.TemporaryDirectory(prefix="gpupool-run-") as spool,
         GpuPoolExecutor(**pool_options, progress=False) as pool,
     ):
+        jobs: queue.SimpleQueue[_Job | _InputEnded] = queue.SimpleQueue()
+        room = threading.Semaphore(MAX_UNPRINTED)
         view = pool.options(key=key)
-        cwd = os.getcwd()
-        unprinted: deque[_Job] = deque()
+
+        def submit(command: str, cwd: str, out: str, err: str) -> Future[int]:
+            return view.submit(run_command, command, cwd, out, err)
+
+        # A daemon: at Ctrl-C it may be blocked reading a terminal, and must not hold the exit.
+        threading.Thread(
+            target=_submit_lines,
+            args=(template, lines, submit, spool, jobs, room),
+            name="gpupool-run-input",
+            daemon=True,
+        ).start()
         try:
-            for number, line in enumerate(lines, 1):
-                command = build_command(template, line)
-                out, err = (os.path.join(spool, f"{number}.{kind}") for kind in ("out", "err"))
-                future = view.submit(run_command, command, cwd, out, err)
-                unprinted.append(
-                    _Job(
-                        number=number,
-                        line=line,
-                        command=command,
-                        stdout_path=out,
-                        stderr_path=err,
-                        future=future,
-                    )
-                )
-                while unprinted and (unprinted[0].future.done() or len(unprinted) > MAX_UNPRINTED):
-                    failed += _print_job(unprinted.popleft(), stdout, stderr)
-            while unprinted:
-                failed += _print_job(unprinted.popleft(), stdout, stderr)
+            while not isinstance(job := jobs.get(), _InputEnded):
+                failed += _print_job(job, stdout, stderr)
+                room.release()
+            if job.error is not None:
+                raise job.error
         except Exception:
             # A closed output (``| head``): start nothing more; the running ones end.
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return failed
+
+
+def _submit_lines(
+    template: str,
+    lines: Iterable[str],
+    submit: Callable[[str, str, str, str], Future[int]],
+    spool: str,
+    jobs: queue.SimpleQueue[_Job | _InputEnded],
+    room: threading.Semaphore,
+) -> None:
+    """Submit a command per line, at most ``MAX_UNPRINTED`` ahead of the printing."""
+    cwd = os.getcwd()
+    try:
+        for number, line in enumerate(lines, 1):
+            room.acquire()
+            command = build_command(template, line)
+            out, err = (os.path.join(spool, f"{number}.{kind}") for kind in ("out", "err"))
+            future = submit(command, cwd, out, err)
+            jobs.put(
+                _Job(
+                    number=number,
+                    line=line,
+                    command=command,
+                    stdout_path=out,
+                    stderr_path=err,
+                    future=future,
+                )
+            )
+    except BaseException as exc:  # handed to the printing thread, which raises it
+        jobs.put(_InputEnded(error=exc))
+        return
+    jobs.put(_InputEnded(error=None))
 
 
 def _print_job(job: _Job, stdout: IO[bytes], stderr: IO[bytes]) -> int:
