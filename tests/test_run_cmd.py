@@ -311,10 +311,17 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_stops_every_command_and_exits_130(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("sig", "source"),
+    [(signal.SIGINT, "file"), (signal.SIGTERM, "file"), (signal.SIGINT, "stdin")],
+    ids=["ctrl-c", "sigterm", "ctrl-c-stdin-open"],
+)
+def test_ctrl_c_stops_every_command_and_exits_130(
+    tmp_path: Path, sig: signal.Signals, source: str
+) -> None:
     """SIGINT (or SIGTERM) while two commands block: exit 130, nothing started after, no
-    process of theirs left (one ignores SIGTERM and is orphaned: only its group reaches it)."""
+    process of theirs left (one ignores SIGTERM and is orphaned: only its group reaches it);
+    also while standard input stays open."""
     gate = tmp_path / "gate"
     os.mkfifo(gate)  # never opened for writing: a reader blocks until it is killed
     where = shlex.quote(str(tmp_path))
@@ -323,22 +330,30 @@ def test_ctrl_c_stops_every_command_and_exits_130(tmp_path: Path, sig: signal.Si
         f"echo $$ > {where}/{{}}.tmp && mv {where}/{{}}.tmp {where}/{{}}.pid; "
         f"exec cat {shlex.quote(str(gate))}"
     )
+    text = "".join(f"{n}\n" for n in range(1, 7))
     lines = tmp_path / "lines.txt"
-    lines.write_text("".join(f"{n}\n" for n in range(1, 7)))
-    argv = ["--task-peak", "1GiB", "--max-workers", "2", "-a", str(lines), "--", command]
+    lines.write_text(text)
+    argv = ["--task-peak", "1GiB", "--max-workers", "2", "--", command]
+    if source == "file":
+        argv[:0] = ["-a", str(lines)]
     with _host():
         proc = subprocess.Popen(
             [*GPUPOOL_RUN, *argv],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if source == "file" else subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
+        if proc.stdin is not None:  # left open: gpupool reads on while it is stopped
+            proc.stdin.write(text)
+            proc.stdin.flush()
         try:
             _wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, "two commands running")
             os.kill(proc.pid, sig)
-            _, err = proc.communicate(timeout=DEADLINE_S)
+            proc.wait(timeout=DEADLINE_S)
+            assert proc.stderr is not None
+            err = proc.stderr.read()
             assert proc.returncode == EXIT_INTERRUPTED, err
             assert err.strip().splitlines()[-1] == "gpupool: interrupted"
             assert "Traceback" not in err
@@ -352,6 +367,9 @@ def test_ctrl_c_stops_every_command_and_exits_130(tmp_path: Path, sig: signal.Si
             for pid in _recorded_pids(tmp_path):  # a failed run's: not for the next test
                 if _running(pid):
                     os.kill(pid, signal.SIGKILL)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
 
 
 def _recorded_pids(directory: Path) -> list[int]:

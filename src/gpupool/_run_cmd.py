@@ -32,7 +32,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -97,9 +96,11 @@ def exit_status(failed: int) -> int:
 
 def read_lines(stream: IO[bytes]) -> Iterator[str]:
     """The input lines without their newline, decoded as file names are (undecodable bytes
-    kept, as surrogate escapes, so they reach the command unchanged)."""
-    for raw in stream:
-        yield os.fsdecode(raw[:-1] if raw.endswith(b"\n") else raw)
+    kept, as surrogate escapes, so they reach the command unchanged); closes ``stream`` at
+    its end."""
+    with stream:
+        for raw in stream:
+            yield os.fsdecode(raw[:-1] if raw.endswith(b"\n") else raw)
 
 
 # -- the worker's side ---------------------------------------------------------------------
@@ -418,7 +419,8 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
         "reserve": args.reserve,
         "log_path": args.log,
     }
-    with _open_input(parser, args.input) as stream, _sigterm_interrupts():
+    stream = _open_input(parser, args.input)
+    with _sigterm_interrupts():
         try:
             failed = run_commands(
                 template,
@@ -429,6 +431,7 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
                 stderr=stderr,
             )
         except ConfigurationError as exc:
+            stream.close()  # refused before the input thread started
             parser.error(str(exc))
     return exit_status(failed)
 
@@ -453,17 +456,20 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-@contextlib.contextmanager
-def _open_input(parser: argparse.ArgumentParser, path: str | None) -> Iterator[IO[bytes]]:
-    if path is None or path == "-":
-        yield sys.stdin.buffer
-        return
+def _open_input(parser: argparse.ArgumentParser, path: str | None) -> IO[bytes]:
+    """The input, opened for the input thread, which alone reads and closes it.
+
+    Standard input is read through a stream of its own over a copy of its
+    descriptor, not ``sys.stdin``: at Ctrl-C the thread may be blocked reading
+    it, and the interpreter, exiting, would wait for ``sys.stdin``'s lock.
+    """
     try:
-        stream = open(path, "rb")  # noqa: SIM115 (closed below, after the run)
+        if path is None or path == "-":
+            return open(os.dup(0), "rb")  # closed by read_lines, as the file below
+        return open(path, "rb")
     except OSError as exc:
+        where = "standard input" if path is None or path == "-" else f"--input {path!r}"
         parser.error(
-            f"--input {path!r} cannot be read: {exc.strerror or exc}; pass a readable file "
+            f"{where} cannot be read: {exc.strerror or exc}; pass a readable file "
             "of one input per line, or give the lines on standard input"
         )
-    with stream:
-        yield stream
