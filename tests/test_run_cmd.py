@@ -166,9 +166,10 @@ def test_output_is_in_input_order(tmp_path: Path) -> None:
 
 
 def test_failed_commands_set_the_status_and_are_named(tmp_path: Path) -> None:
-    """Two failing commands: status 2, each named on stderr with its line; the rest kept."""
+    """Three failing commands (an exit status, a signal, a killed worker): status 3, each
+    named on stderr with its line; the other commands' results kept."""
     lines = tmp_path / "lines.txt"
-    lines.write_text("1\n2\n3\n4\n")
+    lines.write_text("1\n2\n3\n4\n5\n6\n")
     with _host():
         done = _gpupool_run(
             "--task-peak",
@@ -176,14 +177,28 @@ def test_failed_commands_set_the_status_and_are_named(tmp_path: Path) -> None:
             "-a",
             str(lines),
             "--",
-            "echo out {}; case {} in 2) exit 3;; 4) kill -9 $$;; esac",
+            "echo out {}; case {} in 2) exit 3;; 4) kill -9 $$;; 5) kill -9 $PPID; sleep 9;; esac",
         )
-    assert done.returncode == 2, done.stderr
-    assert done.stdout.splitlines() == ["out 1", "out 2", "out 3", "out 4"]
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == [f"out {n}" for n in range(1, 7)]
     assert "gpupool run: line 2 ('2'): exit status 3: echo out 2; case 2 in" in done.stderr
     assert "gpupool run: line 4 ('4'): killed by SIGKILL: echo out 4;" in done.stderr
-    assert "line 1 " not in done.stderr
-    assert "line 3 " not in done.stderr
+    assert "gpupool run: line 5 ('5'): could not run (WorkerLostError: " in done.stderr
+    for n in (1, 3, 6):
+        assert f"line {n} " not in done.stderr
+
+
+def test_undecodable_bytes_reach_the_command_unchanged(tmp_path: Path) -> None:
+    """A line that is not UTF-8 is passed on byte for byte."""
+    with _host():
+        done = subprocess.run(
+            [*GPUPOOL_RUN, "--task-peak", "1GiB", "--", "printf", "'%s\\n'"],
+            input=b"caf\xe9 \xff\n",
+            capture_output=True,
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"caf\xe9 \xff\n"
 
 
 def test_a_line_with_spaces_and_quotes_reaches_the_command_whole(tmp_path: Path) -> None:

@@ -15,11 +15,15 @@ shell and everything it starts). Output goes to two files per command in a
 private spool directory and is copied out in input order once the command and
 every one before it ended, so the output of two commands never interleaves.
 
-Ctrl-C (``KeyboardInterrupt`` in the parent) leaves the pool's ``with`` block:
-the pool cancels the commands not started and sends SIGTERM to the running
-tasks' workers and their process trees; a worker running a command forwards it
-to the command's process group, gives it :data:`COMMAND_GRACE_S`, sends
-SIGKILL to what is left of the group, and only then exits.
+A thread of its own reads the input and submits the commands, so output is
+printed while the input waits for its next line.
+
+Ctrl-C (``KeyboardInterrupt`` in the parent; SIGTERM is turned into one)
+leaves the pool's ``with`` block: the pool cancels the commands not started
+and sends SIGTERM to the running tasks' workers and their process trees; a
+worker running a command forwards it to the command's process group, gives it
+:data:`COMMAND_GRACE_S`, sends SIGKILL to what is left of the group, and only
+then exits.
 """
 
 from __future__ import annotations
@@ -254,11 +258,15 @@ def run_commands(
             daemon=True,
         ).start()
         try:
+            number = 0
             while not isinstance(job := jobs.get(), _InputEnded):
                 failed += _print_job(job, stdout, stderr)
+                number = job.number
                 room.release()
-            if job.error is not None:
-                raise job.error
+            if job.error is not None:  # the input could not be read, or the pool broke
+                error = f"{type(job.error).__name__}: {job.error}"
+                stderr.write(os.fsencode(f"gpupool run: stopped after line {number}: {error}\n"))
+                failed += 1
         except Exception:
             # A closed output (``| head``): start nothing more; the running ones end.
             pool.shutdown(wait=True, cancel_futures=True)
@@ -304,7 +312,7 @@ def _print_job(job: _Job, stdout: IO[bytes], stderr: IO[bytes]) -> int:
         status = job.future.result()
         problem = None if status == 0 else _describe_status(status)
     except Exception as exc:  # the task could not run: the pool broke, the shell did not start
-        problem = f"could not run: {type(exc).__name__}: {exc}"
+        problem = f"could not run ({type(exc).__name__}: {str(exc).rstrip('.')})"
     _copy_out(job.stdout_path, stdout)
     _copy_out(job.stderr_path, stderr)
     if problem is None:
