@@ -188,6 +188,13 @@ def test_failed_commands_set_the_status_and_are_named(tmp_path: Path) -> None:
         assert f"line {n} " not in done.stderr
 
 
+def test_no_input_runs_nothing() -> None:
+    """Empty input: exit 0, no output."""
+    with _host():
+        done = _gpupool_run("--task-peak", "1GiB", "--", "echo", "ran")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
 def test_undecodable_bytes_reach_the_command_unchanged(tmp_path: Path) -> None:
     """A line that is not UTF-8 is passed on byte for byte."""
     with _host():
@@ -336,7 +343,7 @@ def test_ctrl_c_stops_every_command_and_exits_130(
 ) -> None:
     """SIGINT (or SIGTERM) while two commands block: exit 130, nothing started after, no
     process of theirs left (one ignores SIGTERM and is orphaned: only its group reaches it);
-    also while standard input stays open."""
+    also while standard input stays open, and whatever GPUPOOL_ON_INTERRUPT says."""
     gate = tmp_path / "gate"
     os.mkfifo(gate)  # never opened for writing: a reader blocks until it is killed
     where = shlex.quote(str(tmp_path))
@@ -355,6 +362,8 @@ def test_ctrl_c_stops_every_command_and_exits_130(
         proc = subprocess.Popen(
             [*GPUPOOL_RUN, *argv],
             stdin=subprocess.DEVNULL if source == "file" else subprocess.PIPE,
+            # A pool's own default says wait for the running tasks; gpupool run does not.
+            env={**os.environ, "GPUPOOL_ON_INTERRUPT": "wait"},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

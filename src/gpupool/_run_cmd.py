@@ -241,7 +241,9 @@ def run_commands(
     failed = 0
     with (
         tempfile.TemporaryDirectory(prefix="gpupool-run-") as spool,
-        GpuPoolExecutor(**pool_options, progress=False) as pool,
+        # No bar among the commands' output; Ctrl-C always ends the commands, whatever
+        # GPUPOOL_PROGRESS and GPUPOOL_ON_INTERRUPT say.
+        GpuPoolExecutor(**pool_options, progress=False, on_interrupt="terminate") as pool,
     ):
         jobs: queue.SimpleQueue[_Job | _InputEnded] = queue.SimpleQueue()
         room = threading.Semaphore(MAX_UNPRINTED)
@@ -357,6 +359,10 @@ def add_run_parser(
     """Register ``gpupool run`` on ``sub`` (the CLI's subparsers)."""
     run = sub.add_parser(
         "run",
+        usage=(
+            "%(prog)s [-a FILE] [--task-peak SIZE] [--max-workers N] [--reserve SIZE] "
+            "[--key KEY] [--log LOG.jsonl] -- COMMAND..."
+        ),
         help="run a shell command per input line, each a task priced by its memory",
         description=(
             "Run COMMAND through the shell once per input line (standard input, or --input), "
@@ -379,16 +385,19 @@ def add_run_parser(
     run.add_argument(
         "--task-peak",
         type=size_type("--task-peak", allow_zero=False, pool=True),
+        metavar="SIZE",
         help="the estimated device peak of one command (6GiB); default: the first runs alone",
     )
     run.add_argument(
         "--max-workers",
         type=count_type("--max-workers"),
+        metavar="N",
         help="at most this many commands at once (default: the usable CPUs)",
     )
     run.add_argument(
         "--reserve",
         type=size_type("--reserve", pool=True),
+        metavar="SIZE",
         help="bytes kept free on every card (default 256MiB)",
     )
     run.add_argument(
