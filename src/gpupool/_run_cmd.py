@@ -376,6 +376,22 @@ def add_run_parser(
             "100 failed (as GNU parallel); 2 also a usage error; 130 interrupted"
         ),
     )
+    _add_pool_flags(run, size_type=size_type, count_type=count_type)
+    run.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="the command; {} stands for the input line",
+    )
+    run.set_defaults(handler=handler, parser=run)
+
+
+def _add_pool_flags(
+    run: argparse.ArgumentParser,
+    *,
+    size_type: Callable[..., Callable[[str], int]],
+    count_type: Callable[[str], Callable[[str], int]],
+) -> None:
     run.add_argument(
         "-a",
         "--input",
@@ -405,13 +421,6 @@ def add_run_parser(
         help="the task key the commands share their learned peak under (default: COMMAND)",
     )
     run.add_argument("--log", metavar="LOG.jsonl", help="append the pool's decisions to LOG.jsonl")
-    run.add_argument(
-        "command",
-        nargs=argparse.REMAINDER,
-        metavar="-- COMMAND",
-        help="the command; {} stands for the input line",
-    )
-    run.set_defaults(handler=handler, parser=run)
 
 
 def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[bytes]) -> int:
