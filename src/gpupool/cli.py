@@ -1,4 +1,4 @@
-"""The command line: ``gpupool plan | census | top | demo | postmortem | plot``.
+"""The command line: ``gpupool plan | census | top | demo | postmortem | plot | run``.
 
 The only module that prints.
 
@@ -8,7 +8,8 @@ Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in
 ====  =====================================================================
 0     done
 1     the command ran and reports a failure (no sensor, the demo's pool ran
-      a card out, the plot cannot be drawn or written)
+      a card out, the plot cannot be drawn or written); ``gpupool run``: 1-100
+      commands failed, 101 more than 100 (as GNU parallel)
 2     a usage error: a bad flag or value (argparse's own status), a value
       the pool would refuse, a ``--run`` that names no run
 3     the input is not a readable decision log (a FIFO, a device, not JSON,
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_postmortem(sub)
     _add_plot(sub)
     _add_demo(sub)
+    _add_run(sub)
     return parser
 
 
@@ -928,6 +930,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         say=_out,
     )
+
+
+# -- gpupool run -----------------------------------------------------------------
+
+
+def _add_run(sub: Any) -> None:
+    from gpupool._run_cmd import add_run_parser
+
+    add_run_parser(sub, handler=_cmd_run, size_type=_size_type, count_type=_count_type)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from gpupool._run_cmd import run_from_args
+
+    return run_from_args(args, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
 
 
 if __name__ == "__main__":  # pragma: no cover
