@@ -15,7 +15,7 @@ Two rules hold whatever the measurements say:
   as samples agree, growing with their spread as they disagree, but never by
   more than the range the peaks were measured over (``max - min``);
 * a learned measured ask never passes the room of the pool's largest card for
-  one task (:attr:`AskTable.room_bytes`) while the largest peak fits there.
+  one task (:attr:`AskTable.room_bytes`), nor falls below the largest peak.
 """
 
 from __future__ import annotations
@@ -377,8 +377,9 @@ class AskTable:
             were given no estimate of their own.
         room_bytes: the room of the pool's largest card for one task (its bound without
             the other pools' bookings; ``None``: unknown): with a learned margin, a
-            measured ask whose largest peak fits there is never priced past it. Set by
-            the planner (:meth:`limit_to_room`).
+            measured ask is never priced past it, nor below its largest peak (a peak past
+            the room is priced at that peak: its task runs alone, at the serial floor).
+            Set by the planner (:meth:`limit_to_room`).
     """
 
     policy: Policy
@@ -486,13 +487,9 @@ class AskTable:
             margin = estimate - state.peak_bytes
             capped = True
         room = self.room_bytes
-        if (
-            self.policy.learned
-            and room is not None
-            and state.peak_bytes <= room < state.peak_bytes + margin
-        ):
-            # The largest peak fits the card: no margin prices the key off it.
-            margin = room - state.peak_bytes
+        if self.policy.learned and room is not None and room < state.peak_bytes + margin:
+            # No margin prices the key off the card (a peak past the room: at that peak).
+            margin = max(0, room - state.peak_bytes)
             room_capped = True
         return Ask(
             key=key,
