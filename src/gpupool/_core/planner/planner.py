@@ -47,7 +47,7 @@ from gpupool._core.planner import records
 from gpupool._core.planner.evidence import room_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.samples import split_reading
-from gpupool._core.planner.sharing import others_terms
+from gpupool._core.planner.sharing import note_starved, others_terms
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
@@ -288,6 +288,7 @@ class Planner(Starts):
         card.others_held_bytes = terms.held_bytes
         card.others_overrun_bytes = terms.overrun_bytes
         card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
+        note_starved(card, now_s)
         if census:
             card.others_at_census_bytes = terms.held_bytes
             return
@@ -430,7 +431,9 @@ class Planner(Starts):
     def _limit_asks(self) -> None:
         """Hold learned asks within the largest card's room for one task, as it is now."""
         self.asks.limit_to_room(
-            room_alone_bytes(self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling)
+            room_alone_bytes(
+                self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
+            )
         )
 
     def _peaks_vary(self, ask: Ask, device: int, now_s: float) -> None:
