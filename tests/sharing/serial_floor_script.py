@@ -52,9 +52,7 @@ def main(argv: list[str]) -> int:
         with GpuPoolExecutor(3, task_peak="4GiB", log_path=log) as pool:
             results = list(pool.map(small_task, range(tasks), [out_dir] * tasks))
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    Path(out_dir, f"{role}.json").write_text(
-        json.dumps({"results": results, "records": records})
-    )
+    Path(out_dir, f"{role}.json").write_text(json.dumps({"results": results, "records": records}))
     return 0
 
 

@@ -41,9 +41,7 @@ def test_the_big_task_starts_while_the_small_pool_has_tasks_pending(tmp_path: Pa
     started = json.loads((tmp_path / "big-start.json").read_text())["small_started"]
     assert big["results"] == [started]
     assert 1 <= started < SMALL_TASKS, started
-    yields = [
-        r for r in small["records"] if r["event"] == "share_wait" and "yield_to_pool" in r
-    ]
+    yields = [r for r in small["records"] if r["event"] == "share_wait" and "yield_to_pool" in r]
     assert yields, [r["event"] for r in small["records"]]
     assert all(r["owed_bytes"] == 20 * 2**30 for r in yields)
     assert not [r for r in big["records"] if r["event"] == "serial_start"]
