@@ -73,9 +73,12 @@ LOGGER = logging.getLogger("gpupool")
 LOGGER.addHandler(logging.NullHandler())
 
 #: Events a user must act on: a card ran out, a task started past the bound
-#: (the serial floor), a fixed width wider than the bound. Every other event
-#: is ``INFO``.
-WARNING_EVENTS = frozenset({"out_of_memory", "serial_start", "fixed_width_over_bound"})
+#: (the serial floor), a fixed width wider than the bound, a key whose peaks
+#: vary a lot (give its tasks ``size=`` or keys of their own). Every other
+#: event is ``INFO``.
+WARNING_EVENTS = frozenset(
+    {"out_of_memory", "serial_start", "fixed_width_over_bound", "peaks_vary"}
+)
 
 #: Records that are samples, not decisions: not the pool's "last decision".
 SAMPLE_EVENTS = frozenset({"card_read"})

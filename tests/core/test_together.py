@@ -57,7 +57,9 @@ def test_a_fixed_margin_or_few_samples_price_every_task_at_the_full_ask(
 def test_an_out_of_memory_ends_pricing_together() -> None:
     """After an out-of-memory the key is priced K x ask again: the evidence is against
     counting on its peaks not coinciding."""
-    asks = measured([5 * GiB, 6 * GiB, 7 * GiB, 5.5 * GiB, 6.5 * GiB])
+    # Ten samples: with five, the one-task ask is held to the range measured (7 + 2 GiB) and
+    # four of them together cost no less than 4 x ask, so there would be no pooling to end.
+    asks = measured([5 * GiB, 6 * GiB, 7 * GiB, 5.5 * GiB, 6.5 * GiB] * 2)
     before = asks.ask("k")
     assert before.pooled and before.together_bytes(4) < 4 * before.ask_bytes
     after = asks.floor("k", before.ask_bytes)
@@ -85,13 +87,19 @@ def _exceeded(draw, n: int, count: int, trials: int, rng: random.Random) -> int:
 def test_new_peaks_together_pass_their_price_about_once_in_a_thousand(
     name: str, draw: Callable[[random.Random], float], seed: int
 ) -> None:
-    """Peaks drawn from one distribution and priced from n samples: one new peak passes the
-    ask, and K new peaks together pass S(K), about 0.1 % of the time. A fixed seed; 4000
-    trials per case, so 4 misses are expected and 16 would be four times the promise."""
+    """Peaks drawn from one distribution and priced from n samples: from ten samples on, one
+    new peak passes the ask, and K new peaks together pass S(K), about 0.1 % of the time (a
+    fixed seed; 4000 trials per case, so 4 misses are expected and 16 would be four times
+    the promise). With fewer, the margin is held to the range measured (never more than
+    max - min above the largest peak) and the promise is weaker, by the figures measured
+    here: with three samples about 6 % (at most 320 of 4000), with five about 1.5 % (at
+    most 80); a miss is an out-of-memory only where the card is packed to the bound, and
+    the retry catches it."""
     rng = random.Random(seed)
+    limits = {3: 320, 5: 80, 10: 16, 40: 16}
     for n in (3, 5, 10, 40):
         for count in (1, 2, 4, 8):
-            assert _exceeded(draw, n, count, 4000, rng) <= 16, (name, n, count)
+            assert _exceeded(draw, n, count, 4000, rng) <= limits[n], (name, n, count)
 
 
 def test_uniform_four_to_seven_gib_fits_four_on_the_limit_card_once_measured() -> None:
@@ -108,10 +116,10 @@ def test_uniform_four_to_seven_gib_fits_four_on_the_limit_card_once_measured() -
 
 
 def test_the_estimate_holds_the_spread_of_few_samples() -> None:
-    """Three samples 5.4-6.4 GiB under an 8 GiB estimate: the 99.9 % bound from three samples
-    (t = 22.3) is above 14 GiB; no measurement passed the estimate, so the ask stays there.
-    A peak past the estimate lifts the hold."""
-    asks = measured([5.4 * GiB, 6.4 * GiB, 5.9 * GiB], estimate_bytes=8 * GiB)
+    """Three samples 4.4-6.4 GiB under an 8 GiB estimate: the 99.9 % bound from three samples
+    (t = 22.3) is above 20 GiB, the range measured puts the ask at 8.4 GiB; no measurement
+    passed the estimate, so the ask stays there. A peak past the estimate lifts the hold."""
+    asks = measured([4.4 * GiB, 6.4 * GiB, 5.4 * GiB], estimate_bytes=8 * GiB)
     ask = asks.ask("k")
     assert ask.capped and ask.ask_bytes == 8 * GiB
     assert "held at the task_peak estimate" in ask.describe()

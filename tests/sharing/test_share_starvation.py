@@ -7,6 +7,7 @@ from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner.sharing import YIELD_S
 from gpupool._core.units import GiB
 from support import card_census, census_of
 
@@ -128,3 +129,58 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
     assert b.cards[0].oom_cap == 1
     assert _start_all(b, 0.3, 2000) == 0  # B can start nothing more while one runs
     assert b.waiting_count() == 0 and b.need_bytes() == 0
+
+
+def test_a_pool_whose_task_needs_the_card_gets_its_turn_while_the_other_has_tasks() -> None:
+    """B's one task (36 GiB of a 40 GiB card) fits beside none of A's 8 GiB tasks: A stops
+    starting while B waits, but its one task of its own used to start again each time its
+    last ended, so B ran only once A was out of tasks. A yields (holds even that start)
+    to B, a pool at the serial floor that came to wait before A ran nothing: B runs while
+    A still has tasks."""
+    assert _starved(8 * GiB, 36 * GiB) >= 1
+
+
+def _idle_pair(now_s: float) -> tuple[Planner, Planner]:
+    """A (8 GiB tasks, nothing running yet) and B (one 36 GiB task, waiting) on a 40 GiB card
+    another pool's 8 GiB task holds, each having read the other's row at ``now_s``."""
+    a = _planner(8 * GiB, 8, 1)
+    b = _planner(36 * GiB, 2, 2)
+    for t in range(5):
+        a.submit(t, "a")
+    b.submit(0, "b")
+    held = OtherPools(
+        card_uuid=UUID,
+        pools=(
+            PoolBooking(
+                pool_id="3.1",
+                pid=3,
+                start="s",
+                label="pool3",
+                updated_s=0.0,
+                tasks=(TaskBooking(worker_pid=30, key="c", booked_bytes=8 * GiB, reached_bytes=0),),
+            ),
+        ),
+    )
+    b.observe_others(0, held, now_s)
+    assert not isinstance(b.next_start(now_s), Start)  # B waits: 36 GiB beside the 8 GiB
+    a.observe_others(0, _row(b, 2), now_s)
+    return a, b
+
+
+def test_the_yield_to_a_pool_at_the_serial_floor_is_bounded() -> None:
+    """A, running nothing on the card, yields to B (waiting there since before A ran
+    nothing) with a share_wait record naming B, for at most YIELD_S from when it first saw
+    B wait; then A starts as the bound lets it."""
+    a, _b = _idle_pair(0.0)
+    a.cards[0].idle_since_s = 5.0  # A last ran something here after B came to wait
+    assert not isinstance(a.next_start(6.0), Start)
+    assert a.counts["share_waits"] >= 1
+    assert isinstance(a.next_start(0.0 + YIELD_S), Start)
+
+
+def test_two_pools_at_the_serial_floor_do_not_yield_to_each_other() -> None:
+    """A pool that runs nothing yields only to a pool that came to wait before it ran
+    nothing: B, waiting since A's idleness began, is not yielded to, so A starts."""
+    a, _b = _idle_pair(1.0)
+    a.cards[0].idle_since_s = 0.5  # A ran nothing here before it saw B wait
+    assert isinstance(a.next_start(2.0), Start)

@@ -12,7 +12,10 @@ Two rules hold whatever the measurements say:
 * with ``Policy(learned=True)`` (the pool's default) the margin is learned
   from how much the key's measurements vary (:func:`learned_margin`): a
   cautious prior with one sample, shrinking toward :data:`MARGIN_FLOOR_BYTES`
-  as samples agree, growing with their spread as they disagree.
+  as samples agree, growing with their spread as they disagree, but never by
+  more than the range the peaks were measured over (``max - min``);
+* a learned measured ask never passes the room of the pool's largest card for
+  one task (:attr:`AskTable.room_bytes`), nor falls below the largest peak.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "AskTable",
     "Policy",
     "learned_margin",
+    "peaks_vary",
 ]
 
 #: Margin added to a measured peak, in bytes, at least. The same task on the
@@ -92,6 +96,11 @@ _SPREAD_FROM_SAMPLES = 3
 #: freedom: the 99.9 % t quantile is 22.3; with one it is 318).
 _FIT_FROM_SAMPLES = 4
 
+#: A key's peaks "vary a lot" (:func:`peaks_vary`) from this many measurements on, when the
+#: largest is more than :data:`VARY_RATIO` times the least.
+VARY_FROM_SAMPLES = 3
+VARY_RATIO = 2.0
+
 #: The most a sized ask is priced at: 1 EiB, more than any card, so a task predicted past it
 #: starts only at the serial floor (a size the caller's unit makes astronomical is no float
 #: overflow that stops the pool).
@@ -124,16 +133,20 @@ def learned_margin(
     max_bytes: int,
     prior_bytes: int,
     floor_bytes: int = 0,
+    min_bytes: int | None = None,
 ) -> int:
     """The margin over ``max_bytes`` that a key's measurements justify.
 
-    ``max(floor, ucb - max, prior / samples**2)`` where ``ucb = mean + t * s *
-    sqrt(1 + 1/n)`` is the upper 99.9 % prediction bound of the next peak
+    ``max(floor, min(ucb - max, max - min), prior / samples**2)`` where ``ucb = mean + t *
+    s * sqrt(1 + 1/n)`` is the upper 99.9 % prediction bound of the next peak
     (Student's t with ``n - 1`` degrees of freedom, ``s`` the sample standard
     deviation), from three samples on: with one sample the margin is the prior (with
     two, a quarter of it); as samples agree it
     falls toward the floor (the prior's share fades with the square of the
-    count); as they disagree it grows with their spread. It assumes the
+    count); as they disagree it grows with their spread, but never past the
+    range they were measured over (``max - min``): with few samples t is large
+    (22.3 with three), and peaks 0.5-4 GiB apart would otherwise add 47 GiB,
+    more than the measurements show. It assumes the
     key's peaks are independent draws of one distribution; a peak that
     depends on the input (a larger input than any before) is not predicted
     and is caught by the out-of-memory retry instead.
@@ -145,6 +158,7 @@ def learned_margin(
         max_bytes: the largest.
         prior_bytes: the margin a single sample gets.
         floor_bytes: the least margin.
+        min_bytes: the least peak (``None``: the spread term is not limited by the range).
     """
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
@@ -153,7 +167,16 @@ def learned_margin(
     if samples >= _SPREAD_FROM_SAMPLES:
         ucb = mean_bytes + _t_999(samples - 1) * stdev_bytes * math.sqrt(1 + 1 / samples)
         spread = ucb - max_bytes
+        if min_bytes is not None:
+            spread = min(spread, max_bytes - min_bytes)
     return max(floor_bytes, math.ceil(max(prior, spread)))
+
+
+def peaks_vary(samples: int, min_bytes: int, max_bytes: int) -> bool:
+    """A key's peaks vary a lot: at least :data:`VARY_FROM_SAMPLES` measurements, the largest
+    more than :data:`VARY_RATIO` times the least (its tasks are not one workload: give them
+    ``size=`` or separate keys)."""
+    return samples >= VARY_FROM_SAMPLES and max_bytes > VARY_RATIO * max(0, min_bytes)
 
 
 #: Bytes kept free on every card beyond the priced terms. Not a pad for an
@@ -209,6 +232,8 @@ class Ask:
     pooled: bool = False
     capped: bool = False
     size: float | None = None
+    least_peak_bytes: int | None = None
+    room_capped: bool = False
 
     def together_bytes(self, count: int) -> int:
         """What ``count`` tasks of this key running at once are priced at, together.
@@ -263,6 +288,8 @@ class Ask:
             )
         if self.basis == "measured":
             capped = ", held at the task_peak estimate" if self.capped else ""
+            if self.room_capped:
+                capped = ", held at the card's room for one task"
             pooled = ""
             if self.pooled:
                 pooled = (
@@ -282,6 +309,7 @@ class Ask:
 class _KeyState:
     estimate_bytes: int | None
     peak_bytes: int | None = None
+    least_bytes: int | None = None
     samples: int = 0
     # Welford's running mean and sum of squared deviations of the peaks.
     mean_bytes: float = 0.0
@@ -347,12 +375,24 @@ class AskTable:
         policy: the margin to add to measurements.
         default_estimate_bytes: the pool's ``task_peak``, used for keys that
             were given no estimate of their own.
+        room_bytes: the room of the pool's largest card for one task (its bound without
+            the other pools' bookings; ``None``: unknown): with a learned margin, a
+            measured ask is never priced past it, nor below its largest peak (a peak past
+            the room is priced at that peak: its task runs alone, at the serial floor).
+            Set by the planner (:meth:`limit_to_room`).
     """
 
     policy: Policy
     default_estimate_bytes: int
+    room_bytes: int | None = None
     _keys: dict[str, _KeyState] = field(default_factory=dict)
     _cache: dict[str, Ask] = field(default_factory=dict)
+
+    def limit_to_room(self, room_bytes: int | None) -> None:
+        """Price no learned measured ask past ``room_bytes`` from now on (``None``: no limit)."""
+        if room_bytes != self.room_bytes:
+            self.room_bytes = room_bytes
+            self._cache.clear()
 
     def hint(self, key: str, estimate_bytes: int) -> None:
         """Give ``key`` an estimate of its own (a per-task peak hint).
@@ -380,6 +420,8 @@ class AskTable:
         state.m2 += delta * (peak_bytes - state.mean_bytes)
         if state.peak_bytes is None or peak_bytes > state.peak_bytes:
             state.peak_bytes = peak_bytes
+        if state.least_bytes is None or peak_bytes < state.least_bytes:
+            state.least_bytes = peak_bytes
         return self.ask(key)
 
     def floor(self, key: str, floor_bytes: int) -> Ask:
@@ -429,10 +471,11 @@ class AskTable:
                 max_bytes=state.peak_bytes,
                 prior_bytes=prior,
                 floor_bytes=self.policy.margin_floor_bytes,
+                min_bytes=state.least_bytes,
             )
         else:
             margin = prior
-        capped = False
+        capped = room_capped = False
         granule = self.policy.margin_floor_bytes if self.policy.learned else 0
         if (
             self.policy.learned
@@ -443,6 +486,11 @@ class AskTable:
             # samples does not price the key above what the caller vouched for.
             margin = estimate - state.peak_bytes
             capped = True
+        room = self.room_bytes
+        if self.policy.learned and room is not None and room < state.peak_bytes + margin:
+            # No margin prices the key off the card (a peak past the room: at that peak).
+            margin = max(0, room - state.peak_bytes)
+            room_capped = True
         return Ask(
             key=key,
             ask_bytes=max(1, state.peak_bytes + margin, state.floor_bytes),
@@ -462,6 +510,8 @@ class AskTable:
                 and not state.sized
             ),
             capped=capped,
+            least_peak_bytes=state.least_bytes,
+            room_capped=room_capped,
         )
 
     def ask_for(self, key: str, size: float | None) -> Ask:

@@ -82,6 +82,8 @@ class PlannerBase:
         self._recorded_asks: dict[str, Ask] = {}
         # Keys whose report of a descendant left running or a rejected reading was recorded.
         self._noted_reports: set[str] = set()
+        # Keys told to the user as having peaks that vary a lot (a ``peaks_vary`` record).
+        self._varied_keys: set[str] = set()
         self._last_key: str = ""
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()

@@ -44,9 +44,10 @@ from gpupool._core.bound import WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
+from gpupool._core.planner.evidence import room_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.samples import split_reading
-from gpupool._core.planner.sharing import others_terms
+from gpupool._core.planner.sharing import note_starved, others_terms
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
@@ -201,6 +202,7 @@ class Planner(Starts):
             own = reading.process_bytes.get(self.config.parent_pid)
         if own is not None and own > card.own_high_water_bytes:
             card.own_high_water_bytes = own
+            self._limit_asks()
             if own - card.recorded_own_bytes >= OWN_RECORD_STEP_BYTES:
                 card.recorded_own_bytes = own
                 self._review(
@@ -286,6 +288,7 @@ class Planner(Starts):
         card.others_held_bytes = terms.held_bytes
         card.others_overrun_bytes = terms.overrun_bytes
         card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
+        note_starved(card, now_s)
         if census:
             card.others_at_census_bytes = terms.held_bytes
             return
@@ -419,9 +422,26 @@ class Planner(Starts):
                 return
             after = self.asks.floor(run.key, peak + self.asks.policy.margin_for(peak))
         else:
+            self._limit_asks()
             after = self.asks.measure(run.key, report.device_peak_bytes, size=run.size)
+            self._peaks_vary(after, run.device, now_s)
         self._rebook(run.key)
         self._ask_changed(run.key, before, after, now_s, report)
+
+    def _limit_asks(self) -> None:
+        """Hold learned asks within the largest card's room for one task, as it is now."""
+        self.asks.limit_to_room(
+            room_alone_bytes(
+                self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
+            )
+        )
+
+    def _peaks_vary(self, ask: Ask, device: int, now_s: float) -> None:
+        """Tell the user, once per key, that its measured peaks vary a lot."""
+        found = None if ask.key in self._varied_keys else varied_peaks(ask)
+        if found is not None:
+            self._varied_keys.add(ask.key)
+            self.record(self._simple("peaks_vary", device, ask, found[0], now_s, extra=found[1]))
 
     def lost(
         self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]

@@ -16,7 +16,12 @@ card a start must keep two rules (:func:`share_wait`):
   others to shrink, not forever.
 
 One task of its own always may run; with no other pool waiting, the bound alone
-decides.
+decides. One exception, for a bounded time: a pool at the serial floor (it runs
+nothing on the card and waits for room its next task needs) is yielded to
+(:func:`yields_to`): for at most :data:`YIELD_S` from when this pool first saw it
+so, this pool starts nothing on the card that leaves less than that task's room,
+even its one task, while the task would fit once the pools there drained and the
+waiting pool came to wait before this pool last ran nothing there.
 """
 
 from __future__ import annotations
@@ -25,9 +30,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpupool._core.bookings import OtherPools
+from gpupool._core.events import JsonValue
 from gpupool._core.planner.state import Card
+from gpupool._core.units import format_size
 
-__all__ = ["OthersTerms", "ShareWait", "others_terms", "owed_bytes", "owes_room", "share_wait"]
+__all__ = [
+    "YIELD_S",
+    "OthersTerms",
+    "ShareWait",
+    "Yield",
+    "note_starved",
+    "others_terms",
+    "owed_bytes",
+    "owes_room",
+    "share_wait",
+    "yield_record",
+    "yields_to",
+]
+
+#: The longest a pool holds its starts on a card for another pool at the serial floor
+#: there, from when it first saw that pool so (afterwards that pool waits as before: at
+#: most ``room_wait_s``, then one task past the bound).
+YIELD_S = 30.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,3 +153,96 @@ def owes_room(card: Card, room_bytes: int | None) -> bool:
     mine = card.booked_bytes
     owed = owed_bytes(card, room_bytes, mine, share_bytes(card, room_bytes))
     return owed > 0 and room_bytes - mine < owed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Yield:
+    """Why a start waits for another pool at the serial floor, with the terms."""
+
+    pool_id: str
+    need_bytes: int
+    left_bytes: int
+    pools_room_bytes: int
+    waited_s: float
+
+
+def note_starved(card: Card, now_s: float) -> None:
+    """Keep, for each other pool on ``card`` that runs nothing there and waits for room, when
+    this pool first saw it so; and since when this pool runs nothing there."""
+    seen: dict[str, float] = {}
+    if card.others is not None:
+        for pool in card.others.pools:
+            if pool.waiting and pool.need_bytes and not pool.tasks:
+                seen[pool.pool_id] = card.starved_since_s.get(pool.pool_id, now_s)
+    card.starved_since_s = seen
+    _note_idle(card, now_s)
+
+
+def _note_idle(card: Card, now_s: float) -> None:
+    if card.runs:
+        card.idle_since_s = None
+    elif card.idle_since_s is None:
+        card.idle_since_s = now_s
+
+
+def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> Yield | None:
+    """The pool at the serial floor a start of ``next_bytes`` on ``card`` yields to (the one
+    waiting longest), or ``None``. A pool is yielded to while, for less than
+    :data:`YIELD_S` since this pool first saw it run nothing on the card and wait: the
+    room its next task needs is more than this start leaves, that task would fit once
+    the pools there drained, and (where this pool runs nothing there either) it came to
+    wait before this pool last ran nothing there: of two such pools, only the younger
+    yields."""
+    if room_bytes is None or not card.starved_since_s or card.others is None:
+        return None
+    _note_idle(card, now_s)
+    mine = card.booked_bytes
+    left = room_bytes - mine - next_bytes
+    pools_room = room_bytes + card.others_bytes + mine
+    found: tuple[float, Yield] | None = None
+    for pool in card.others.pools:
+        since = card.starved_since_s.get(pool.pool_id)
+        if (
+            since is None
+            or now_s - since >= YIELD_S
+            or pool.tasks
+            or not pool.waiting
+            or not left < pool.need_bytes <= pools_room
+            or (card.idle_since_s is not None and since >= card.idle_since_s)
+        ):
+            continue
+        if found is None or since < found[0]:
+            found = (
+                since,
+                Yield(
+                    pool_id=pool.pool_id,
+                    need_bytes=pool.need_bytes,
+                    left_bytes=left,
+                    pools_room_bytes=pools_room,
+                    waited_s=now_s - since,
+                ),
+            )
+    return None if found is None else found[1]
+
+
+def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[str, JsonValue]]:
+    """A yield to a pool at the serial floor, as a ``share_wait`` record: the sentence and
+    the terms."""
+    reason = (
+        f"card {card.index}: pool {wait.pool_id} runs nothing here and waits for "
+        f"{format_size(wait.need_bytes)} for its next task, which fits once the pools here "
+        f"drain ({format_size(wait.pools_room_bytes)} between them); this start would leave "
+        f"{format_size(wait.left_bytes)}, so this pool yields (it has for {wait.waited_s:.1f} "
+        f"s, at most {YIELD_S:g} s)"
+    )
+    return reason, {
+        "share_bytes": share_bytes(card, room_bytes),
+        "pool_booked_bytes": card.booked_bytes,
+        "next_bytes": room_bytes - card.booked_bytes - wait.left_bytes,
+        "owed_bytes": wait.need_bytes,
+        "other_pools_waiting": card.others_waiting,
+        "other_pools_active": card.others_active,
+        "yield_to_pool": wait.pool_id,
+        "yield_waited_s": round(wait.waited_s, 3),
+        "yield_limit_s": YIELD_S,
+    }

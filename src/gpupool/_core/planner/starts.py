@@ -18,7 +18,7 @@ from gpupool._core.planner.fit import (
     live_gate,
 )
 from gpupool._core.planner.order import Hold
-from gpupool._core.planner.sharing import ShareWait, share_wait
+from gpupool._core.planner.sharing import ShareWait, share_wait, yield_record, yields_to
 from gpupool._core.planner.state import Card, Critical, Run, TaskState
 from gpupool._core.planner.verdicts import (
     GATE_RECORD_INTERVAL_S,
@@ -332,6 +332,8 @@ class Starts(Views):
         other pools wait on, one at a time while readings fail, then the live gate."""
         if found.more == 0:
             return "no"
+        if self._yields(card, ask, found.next_bytes, found.bound.room_bytes, now_s):
+            return "no"
         wait = share_wait(card, found.next_bytes, found.bound.room_bytes)
         if wait is not None:
             self._share_wait(card, wait, now_s)
@@ -345,6 +347,22 @@ class Starts(Views):
             self._gate_shut(card, ask, gate, now_s)
             return "gate"
         return "yes"
+
+    def _yields(
+        self, card: Card, ask: Ask, next_bytes: int, room_bytes: int | None, now_s: float
+    ) -> bool:
+        """A start of ``next_bytes`` on ``card`` yields to another pool at the serial floor
+        there (:func:`~gpupool._core.planner.sharing.yields_to`; recorded as a share wait)."""
+        found = yields_to(card, next_bytes, room_bytes, now_s)
+        if found is None or room_bytes is None:
+            return False
+        self.counts["share_waits"] += 1
+        recorded = card.share_recorded_s
+        if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
+            card.share_recorded_s = now_s
+            reason, extra = yield_record(card, found, room_bytes)
+            self.record(self._simple("share_wait", card.index, ask, reason, now_s, extra=extra))
+        return True
 
     def still_admits(self, start: Start, now_s: float) -> bool:
         """After the other pools' bookings were read again in the same step that published
@@ -422,6 +440,15 @@ class Starts(Views):
             )
         if state.room_wait_until_s is not None:
             return Wait(reason="waiting for room after an out-of-memory", poll_s=LIVE_POLL_S)
+        ask = self.ask_of(head)
+        if any(
+            yields_to(card, ask.ask_bytes, self.bound(card.index, ask).room_bytes, now_s)
+            for card in self.cards
+        ):
+            # Not the serial floor: another pool waits at its own, and this one yields to it.
+            return Wait(
+                reason="this pool yields to another pool at the serial floor", poll_s=LIVE_POLL_S
+            )
         return self._serial_floor(head, state, now_s, gate_shut)
 
     def _serial_floor(

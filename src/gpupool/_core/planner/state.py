@@ -105,6 +105,10 @@ class Card:
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
     share_recorded_s: float | None = None
+    # Other pools that run nothing here and wait for room, by pool id: since when this pool
+    # saw them so; and since when this pool runs nothing here (``sharing.yields_to``).
+    starved_since_s: dict[str, float] = field(default_factory=dict)
+    idle_since_s: float | None = None
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)

@@ -25,7 +25,7 @@ from gpupool._core.planner.fit import (
     card_widths,
     fit,
 )
-from gpupool._core.planner.sharing import owes_room
+from gpupool._core.planner.sharing import owes_room, yields_to
 from gpupool._core.planner.verdicts import (
     LOOKAHEAD,
     RETIRE_AFTER_SHUT_S,
@@ -307,11 +307,16 @@ class Views(PlannerBase):
         running = len(card.runs)
         room = self.bound(device, self.asks.ask(self._last_key)).room_bytes
         if (
-            card.gate_shut_since_s is not None
-            and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
-        ) or owes_room(card, room):
+            (
+                card.gate_shut_since_s is not None
+                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+            )
+            or owes_room(card, room)
+            or yields_to(card, 0, room, now_s) is not None
+        ):
             # An idle worker's context is bytes the card needs: this pool's gate has been
-            # shut a while, or a waiting pool is owed room there that is not free.
+            # shut a while, or a waiting pool is owed room there that is not free (or this
+            # pool yields to one at the serial floor there).
             return running
         keys = self._present_keys() or [self._last_key]
         fits = max(

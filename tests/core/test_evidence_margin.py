@@ -1,0 +1,199 @@
+"""A learned price that stays on evidence: the margin of few, spread samples is held to the
+range they were measured over, the ask to the card's room, and a key whose peaks vary a lot
+is told to the user (pure core, hypothesis)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpupool._core import AskTable, Policy
+from gpupool._core.events import Decision
+from gpupool._core.peak import PeakReport
+from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.policy import MARGIN_FLOOR_BYTES, _t_999, peaks_vary
+from gpupool._core.units import GiB, MiB
+from support import card_census, census_of
+
+LEARNED = Policy(learned=True)
+PEAKS = st.lists(st.integers(min_value=0, max_value=80 * GiB), min_size=3, max_size=40)
+#: An estimate no peak reaches: the caller's task_peak holds nothing here.
+NO_ESTIMATE = 1000 * GiB
+
+
+def _table(peaks: list[int], room_bytes: int | None = None) -> AskTable:
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=NO_ESTIMATE)
+    asks.limit_to_room(room_bytes)
+    for peak in peaks:
+        asks.measure("k", peak)
+    return asks
+
+
+def _t_term(peaks: list[int]) -> float:
+    """ucb - max: how far the 99.9 % prediction bound of the next peak is above the largest."""
+    n = len(peaks)
+    ucb = statistics.fmean(peaks) + _t_999(n - 1) * statistics.stdev(peaks) * math.sqrt(1 + 1 / n)
+    return ucb - max(peaks)
+
+
+@given(PEAKS)
+def test_the_margin_of_spread_samples_never_passes_their_range(peaks: list[int]) -> None:
+    """From three samples on: where the t-bound would price the key more than max - min above
+    its largest peak, the ask is at most the largest peak + the range (or the floor, or the
+    prior's fading share, where either is larger); it is never below the largest peak."""
+    ask = _table(peaks).ask("k")
+    largest, spread = max(peaks), max(peaks) - min(peaks)
+    faded_prior = LEARNED.margin_for(largest) / len(peaks) ** 2
+    assert ask.ask_bytes >= largest + MARGIN_FLOOR_BYTES
+    assert ask.least_peak_bytes == min(peaks)
+    if _t_term(peaks) > spread:
+        assert ask.ask_bytes <= largest + max(spread, MARGIN_FLOOR_BYTES, math.ceil(faded_prior))
+
+
+@given(PEAKS)
+def test_tight_samples_keep_the_t_bound(peaks: list[int]) -> None:
+    """Where the t-bound stays within the range (many samples that agree), the margin is the
+    one it was: max(floor, ucb - max, prior / n^2)."""
+    if _t_term(peaks) > max(peaks) - min(peaks):
+        return
+    ask = _table(peaks).ask("k")
+    faded_prior = LEARNED.margin_for(max(peaks)) / len(peaks) ** 2
+    expected = max(MARGIN_FLOOR_BYTES, math.ceil(max(faded_prior, _t_term(peaks))))
+    assert abs(ask.margin_bytes - expected) <= 1  # the mean and stdev: Welford against two-pass
+
+
+def test_many_tight_samples_are_priced_by_the_t_bound() -> None:
+    """Forty peaks 6.0-6.3 GiB (a tight workload): the t-bound's margin is below the range, so
+    the range holds nothing and the ask is what the t-bound gives."""
+    peaks = [int((6.0 + 0.3 * ((i * 7) % 11) / 10) * GiB) for i in range(40)]
+    assert _t_term(peaks) < max(peaks) - min(peaks)
+    ask = _table(peaks).ask("k")
+    assert ask.margin_bytes == max(MARGIN_FLOOR_BYTES, math.ceil(_t_term(peaks)))
+
+
+@given(PEAKS, st.integers(min_value=1 * GiB, max_value=100 * GiB))
+def test_the_ask_never_passes_the_cards_room(peaks: list[int], room: int) -> None:
+    """With the card's room for one task known: the ask is within it where the largest peak
+    fits it, and never below the largest peak (a peak past the room is priced at that peak:
+    the measurement wins, and its task runs alone at the serial floor)."""
+    ask = _table(peaks, room).ask("k")
+    unlimited = _table(peaks).ask("k").ask_bytes
+    assert ask.ask_bytes >= max(peaks)
+    assert ask.ask_bytes == min(unlimited, max(room, max(peaks)))
+    assert ask.room_capped == (unlimited > room)
+    if max(peaks) <= room:
+        assert ask.ask_bytes <= room
+
+
+@given(
+    PEAKS,
+    st.integers(min_value=1 * GiB, max_value=100 * GiB),
+    st.integers(min_value=0, max_value=20 * GiB),
+)
+def test_more_room_never_lowers_the_ask(peaks: list[int], room: int, more: int) -> None:
+    """A larger room never prices the key lower, and no room at all prices it highest."""
+    smaller = _table(peaks, room).ask("k").ask_bytes
+    larger = _table(peaks, room + more).ask("k").ask_bytes
+    assert smaller <= larger <= _table(peaks).ask("k").ask_bytes
+
+
+@given(
+    st.integers(min_value=1 * GiB, max_value=40 * GiB),
+    st.integers(min_value=0, max_value=8 * GiB),
+    st.integers(min_value=0, max_value=8 * GiB),
+)
+def test_a_wider_range_never_lowers_the_ask(largest: int, gap: int, wider: int) -> None:
+    """Three peaks, the largest fixed: moving the other two down (a wider range, a wider
+    spread) never prices the key lower."""
+    gap = min(gap, largest)
+    narrow = [largest - gap, largest, largest - gap // 2]
+    wide = [max(0, largest - gap - wider), largest, max(0, largest - (gap + wider) // 2)]
+    assert _table(narrow).ask("k").ask_bytes <= _table(wide).ask("k").ask_bytes
+
+
+@given(PEAKS)
+def test_peaks_vary_is_max_over_twice_the_least(peaks: list[int]) -> None:
+    """A key's peaks vary a lot exactly when, from three on, the largest is more than twice
+    the least."""
+    assert peaks_vary(len(peaks), min(peaks), max(peaks)) == (max(peaks) > 2 * min(peaks))
+    assert not peaks_vary(2, 1, 100)
+
+
+def _planner(records: list[Decision], *, total_bytes: int, task_peak: int) -> Planner:
+    census = census_of(
+        [card_census(total_bytes=total_bytes, free_bytes=total_bytes - GiB // 2)],
+        cpus=16,
+        available_ram_bytes=128 * GiB,
+    )
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=task_peak)
+    config = PlannerConfig(max_workers=8, reserve_bytes=LEARNED.reserve_bytes, parent_pid=1)
+    planner = Planner(census=census, asks=asks, config=config, emit=records.append)
+    planner.construct(0.0)
+    return planner
+
+
+def _run_one(planner: Planner, task: int, peak_bytes: int, now_s: float) -> None:
+    planner.submit(task, "spread")
+    verdict = planner.next_start(now_s)
+    assert isinstance(verdict, Start)
+    planner.started(verdict.task, verdict.device, 100 + task, now_s)
+    report = PeakReport(device=0, device_peak_bytes=peak_bytes, device_source="simulator")
+    planner.finished(verdict.task, report, now_s + 0.5)
+
+
+def test_three_spread_peaks_on_a_24_gib_card_run_two_at_once_and_are_told() -> None:
+    """Peaks 0.5, 4.0 and 1.0 GiB (each with a 0.3 GiB context), task_peak 4.2 GiB, on a 24
+    GiB card: the old 99.9 % bound priced the key at 50.9 GiB (alone, at the serial floor);
+    now its ask is the largest peak + the range (7.8 GiB), within the card's room, two or more
+    run at once, and one peaks_vary record says why, with its terms."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=int(4.2 * GiB))
+    context = int(0.3 * GiB)
+    peaks = [GiB // 2 + context, 4 * GiB + context, GiB + context]
+    assert _t_term(peaks) > 46 * GiB  # what the key was priced off the card by
+    for task, peak in enumerate(peaks):
+        _run_one(planner, task, peak, float(task))
+    ask = planner.asks.ask("spread")
+    room = planner.bound(0, ask).room_bytes
+    assert room is not None and ask.ask_bytes <= room
+    assert ask.ask_bytes == max(peaks) + (max(peaks) - min(peaks))
+    assert planner.decide(ask)[0].width >= 2
+    [told] = [r for r in records if r.event == "peaks_vary"]
+    fields = told.to_dict()
+    assert fields["key"] == "spread"
+    assert fields["samples"] == 3
+    assert fields["least_peak_bytes"] == min(peaks)
+    assert fields["largest_peak_bytes"] == max(peaks)
+    assert fields["peak_range_bytes"] == max(peaks) - min(peaks)
+    assert fields["margin_bytes"] == ask.margin_bytes
+    assert "size=" in told.reason
+    _run_one(planner, 3, 2 * GiB, 4.0)  # a fourth sample: told once per key, not again
+    assert len([r for r in records if r.event == "peaks_vary"]) == 1
+
+
+def test_agreeing_peaks_are_not_told() -> None:
+    """Peaks within 2x of each other are one workload: no peaks_vary record."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, peak in enumerate([3 * GiB, 5 * GiB, 4 * GiB, 5.9 * GiB]):
+        _run_one(planner, task, int(peak), float(task))
+    assert not [r for r in records if r.event == "peaks_vary"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=64 * MiB, max_value=40 * GiB), min_size=3, max_size=8))
+def test_a_planner_never_prices_a_measured_key_past_its_card(peaks: list[int]) -> None:
+    """Through the planner, on a 24 GiB card: a key whose largest peak fits the card's room
+    is never priced past that room, whatever its peaks."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=40 * GiB)
+    for task, peak in enumerate(peaks):
+        _run_one(planner, task, peak, float(task))
+    ask = planner.asks.ask("spread")
+    room = planner.bound(0, ask).room_bytes
+    assert room is not None
+    if max(peaks) <= room:
+        assert ask.ask_bytes <= room
