@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from gpupool._core.readings import MAX_REJECTIONS, judge_tree_rows
 from gpupool._errors import SensorError
 from gpupool._sensors.base import Sensor
-from gpupool._sensors.bookings import read_start_token
+from gpupool._sensors.booking_rows import read_start_token
 from gpupool._sensors.tree import (
     read_children_rss_high_water,
     read_descendants,
