@@ -7,8 +7,10 @@ Here the parent's end of the socket is non-blocking; a message that does
 not fit the socket's buffer stays queued and is written as the worker
 reads (the dispatcher's selector watches for the socket to be writable),
 and a message is read piece by piece as it arrives. The worker keeps
-plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and
-``Connection.recv_bytes``: its end is its own.
+plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and reads
+(:func:`gpupool._pool.wire.read_frame`): its end is its own. Both ends ask
+for socket buffers of :data:`SOCKET_BUFFER_BYTES` (:func:`size_buffers`),
+so a frame of a few MiB passes in few writes.
 
 Frames are those of :class:`multiprocessing.connection.Connection`, so the
 two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
