@@ -55,6 +55,8 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import cloudpickle
+
 from gpupool._core.peak import PeakReport
 from gpupool._pool import wire
 from gpupool._pool.by_value import adopt_main_namespace, dumps_call
@@ -227,8 +229,6 @@ def _leave_if_channel_lost(fd: int) -> None:
 def _dump_exception(exc: BaseException) -> bytes:
     """Pickle an exception with its formatted traceback; survive one that cannot be pickled."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    import cloudpickle
-
     try:
         data: bytes = cloudpickle.dumps((exc, tb))
         return data
