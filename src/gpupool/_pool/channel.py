@@ -10,7 +10,7 @@ and a message is read piece by piece as it arrives. The worker keeps
 plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and reads
 (:func:`gpupool._pool.wire.read_frame`): its end is its own. Both ends ask
 for socket buffers of :data:`SOCKET_BUFFER_BYTES` (:func:`size_buffers`),
-so a frame of a few MiB passes in few writes.
+so that a frame of 1 MiB fits them.
 
 Frames are those of :class:`multiprocessing.connection.Connection`, so the
 two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
@@ -40,8 +40,9 @@ __all__ = ["SOCKET_BUFFER_BYTES", "Channel", "ChannelClosed", "ChannelCorrupt", 
 #: Bytes asked of one ``read`` while a frame's header or a small frame is read.
 _READ_CHUNK_BYTES = 256 * 1024
 #: The send and receive buffers asked for on each end of a worker's socket, so a frame of
-#: a few MiB passes in few writes; the kernel caps it (``net.core.wmem_max``, ``rmem_max``).
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+#: 1 MiB fits them (Linux doubles the figure for its bookkeeping, and caps it at
+#: ``net.core.wmem_max`` and ``rmem_max``); the kernel holds that much only while bytes wait.
+SOCKET_BUFFER_BYTES = 1024 * 1024
 
 _SMALL = struct.Struct("!i")
 _LARGE = struct.Struct("!Q")

@@ -24,7 +24,7 @@ is sliced out of the frame, never copied.
 
 The worker reads each of the parent's frames into one buffer of the size the
 frame announces (:func:`read_frame`), and both ends' socket buffers are sized
-for a large frame to pass in few writes (:func:`~gpupool._pool.channel.size_buffers`).
+for a frame of 1 MiB (:func:`~gpupool._pool.channel.size_buffers`).
 
 The parent takes an answer only from its worker's PID, only about the task
 that worker runs, and once; anything else (bytes that are not an answer,
