@@ -15,6 +15,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ import pytest
 from gpupool._core.peak import PeakReport
 from gpupool._pool import by_value, wire
 from gpupool._pool.by_value import dumps_call
-from gpupool._pool.channel import Channel, ChannelClosed
+from gpupool._pool.channel import SOCKET_BUFFER_BYTES, Channel, ChannelClosed, size_buffers
 
 WORKER_PID = 4242
 MiB = 1 << 20
@@ -97,7 +98,8 @@ def test_a_task_frame_of_several_mib_is_read_whole_by_the_worker(
     call = dumps_call((len, (os.urandom(6 * MiB),), {}))
     frames: list[bytearray | None] = []
     reader = _in_thread(lambda: frames.extend(wire.read_frame(worker.fileno()) for _ in "ab"))
-    done = channel.send(call, wire.task_prefix(3)) and channel.send(b"")
+    channel.send(call, wire.task_prefix(3))
+    done = channel.send(b"")
     with selectors.DefaultSelector() as selector:
         selector.register(channel.fd, selectors.EVENT_WRITE)
         while not done:
@@ -212,3 +214,24 @@ def test_objects_of_main_and_of_no_module_are_noticed_while_pickling(
     orphan = types.FunctionType((lambda: 4).__code__, {})
     orphan.__module__ = None  # type: ignore[assignment]
     assert pickle.loads(dumps_call(orphan))() == 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's caps")
+def test_socket_buffers_are_sized_for_a_large_frame_and_pipes_are_left_alone():
+    """Both buffers grow to what was asked (Linux doubles it) or to the kernel's cap; a
+    descriptor that is not a socket is left as it is, no descriptor left open."""
+    core = Path("/proc/sys/net/core")
+    caps = [int((core / name).read_text()) for name in ("wmem_max", "rmem_max")]
+    one, other = socket.socketpair()
+    with one, other:
+        size_buffers(one.fileno())
+        got = [one.getsockopt(socket.SOL_SOCKET, o) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF)]
+    assert got == [2 * min(SOCKET_BUFFER_BYTES, cap) for cap in caps]
+    read_end, write_end = os.pipe()
+    try:
+        before = sorted(os.listdir("/proc/self/fd"))
+        size_buffers(read_end)
+        assert sorted(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(read_end)
+        os.close(write_end)
