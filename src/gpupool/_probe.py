@@ -292,7 +292,7 @@ def allocator_cap_message(ask_bytes: int) -> bytes:
     return _CAP_PREFIX + str(int(ask_bytes)).encode("ascii")
 
 
-def read_allocator_cap_message(message: bytes) -> int | None:
+def read_allocator_cap_message(message: bytes | bytearray) -> int | None:
     """The ask in an :func:`allocator_cap_message`, or ``None`` for any other message."""
     if not message.startswith(_CAP_PREFIX):
         return None

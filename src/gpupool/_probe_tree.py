@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 from gpupool._core.readings import MAX_REJECTIONS, judge_tree_rows
 from gpupool._errors import SensorError
 from gpupool._sensors.base import Sensor
-from gpupool._sensors.bookings import read_start_token
 from gpupool._sensors.tree import (
     read_children_rss_high_water,
     read_descendants,
@@ -72,6 +71,14 @@ class TreeSummary:
     outliving_device_bytes: int | None
     rss_peak_bytes: int | None
     rejected: tuple[str, ...]
+
+
+def read_start_token(pid: int) -> str | None:
+    """:func:`gpupool._sensors.booking_rows.read_start_token`, imported when a task first has
+    a descendant to identify (a worker starts without the booking table's modules)."""
+    from gpupool._sensors.booking_rows import read_start_token as read
+
+    return read(pid)
 
 
 class TreeWatch:

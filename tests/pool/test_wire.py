@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from gpupool._core.peak import PeakReport
 from gpupool._pool import wire
 from gpupool._pool.channel import Channel, ChannelCorrupt
 
@@ -45,13 +46,16 @@ def test_an_answer_round_trips_with_its_task_and_pid(pair: tuple[socket.socket, 
     """What the worker sends is what the parent reads: pid, task, kind, report, payload."""
     worker, channel = pair
     payload = pickle.dumps(list(range(10_000)))
-    wire.send_answer(worker.fileno(), WORKER_PID, 7, "ok", {"device": 0}, payload)
+    report = PeakReport(
+        device=0, device_peak_bytes=3 << 30, device_source="simulator", rejected_readings=("x",)
+    )
+    wire.send_answer(worker.fileno(), WORKER_PID, 7, "ok", wire.report_values(report), payload)
     answer = _one_answer(channel)
-    assert (answer.pid, answer.task_id, answer.kind, answer.report) == (
+    assert (answer.pid, answer.task_id, answer.kind, answer.peak) == (
         WORKER_PID,
         7,
         "ok",
-        {"device": 0},
+        report,
     )
     assert pickle.loads(answer.payload) == list(range(10_000))
     _check(answer)  # the running task's own answer passes

@@ -1,33 +1,112 @@
-"""cloudpickle that keeps each code object's file name, so tracebacks show the source line.
+"""How calls and results are pickled, and what a function from ``__main__`` sees in a worker.
 
-A function defined in ``__main__`` (or a lambda, a closure) travels by value:
-cloudpickle rebuilds its code object in the worker, and since cloudpickle 3.0
-names its file ``<dynamic-code>``, so a failing task's traceback reads
-``File "<dynamic-code>", line 6, in bad`` with no source. The standard pool
-imports ``__main__`` in its workers and shows the script's file and line.
-This pickler sends the file name with the code object; the worker's
-traceback then names the script, and :mod:`linecache` reads the line from it.
+A call or a result is pickled by plain pickle when that is enough, into a
+buffer (:func:`dumps_call`): a pickle that names ``__main__`` (a function or
+class defined in the script) is noticed while it is written, from each
+function's, class's and object's ``__module__`` as the pickler meets it, and
+redone by value with cloudpickle; nothing scans the pickled bytes.
+
+Sent by value, a function's code object keeps its file name, so tracebacks
+show the source line: cloudpickle rebuilds the code object in the worker, and
+since cloudpickle 3.0 names its file ``<dynamic-code>``, so a failing task's
+traceback would read ``File "<dynamic-code>", line 6, in bad`` with no source.
+The standard pool imports ``__main__`` in its workers and shows the script's
+file and line. This pickler sends the file name with the code object; the
+worker's traceback then names the script, and :mod:`linecache` reads the line.
+
+Every function of the script's globals sent by value shares one namespace
+per worker (:func:`main_namespace`), as the standard pool's tasks share the
+worker's ``__mp_main__``: a global the initializer sets (``global MODEL;
+MODEL = load()``) is seen by every task of that worker, and one a task sets
+by the tasks after it. Each function still brings the values its code reads
+from the script's globals as they were when it was sent; one the worker
+rebound since (its initializer or a task assigned it) keeps the worker's
+value (:func:`_main_setstate`).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import sys
 import types
 from collections import ChainMap
 from typing import Any, ClassVar
 
 import cloudpickle
 
-__all__ = ["dumps_by_value", "named_code"]
+__all__ = ["adopt_main_namespace", "dumps_by_value", "dumps_call", "main_namespace", "named_code"]
 
 #: cloudpickle's own reducer for code objects (the name it gives the file aside).
 _CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+#: What cloudpickle's function reducer restores a function's state with.
+_CLOUDPICKLE_SETSTATE = cloudpickle.cloudpickle._function_setstate
+#: The module attributes a shared namespace takes from the script's globals.
+_MODULE_ATTRS = ("__package__", "__name__", "__file__")
+
+#: This process's namespace for the functions of the sender's ``__main__`` (created on
+#: first use), and the value of each name in it as the sender last sent it.
+_main_ns: dict[str, Any] | None = None
+_main_sent: dict[str, Any] = {}
 
 
 def named_code(code: types.CodeType, filename: str) -> types.CodeType:
     """``code`` with its file name back (run in the process that unpickles it)."""
     return code.replace(co_filename=filename)
+
+
+def main_namespace(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The one namespace of this process for functions of the sender's ``__main__`` (run in
+    the process that unpickles them); ``attrs`` fill the module attributes it lacks."""
+    global _main_ns
+    if _main_ns is None:
+        _main_ns = {}
+    for name, value in attrs.items():
+        _main_ns.setdefault(name, value)
+    return _main_ns
+
+
+def adopt_main_namespace(fn: object) -> None:
+    """Make the globals of ``fn`` this process's namespace for ``__main__`` when ``fn`` is a
+    function of the sender's ``__main__`` that arrived by value (the initializer, which
+    the process launcher's cloudpickle sent) and none exists yet; what it holds counts
+    as sent, so the initializer's own assignments are the worker's."""
+    global _main_ns
+    if _main_ns is not None or not isinstance(fn, types.FunctionType):
+        return
+    main = sys.modules.get("__main__")
+    if fn.__module__ != "__main__" or (main is not None and fn.__globals__ is vars(main)):
+        return
+    _main_ns = fn.__globals__
+    _main_sent.update(_main_ns)
+
+
+def _main_setstate(func: types.FunctionType, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """cloudpickle's state restore, except that a global the worker rebound since it was
+    last sent (by the initializer or a task) keeps the worker's value."""
+    namespace = func.__globals__
+    sent: dict[str, Any] = state[1]["__globals__"]
+    for name in list(sent):
+        if name in namespace and namespace[name] is not _main_sent.get(name, _MISSING):
+            del sent[name]  # rebound in this worker: its value wins
+        else:
+            _main_sent[name] = sent[name]
+    _CLOUDPICKLE_SETSTATE(func, state)
+
+
+_MISSING = object()
+
+
+class _MainGlobals:
+    """Pickles as the receiving process's :func:`main_namespace`."""
+
+    __slots__ = ("attrs",)
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+
+    def __reduce__(self) -> Any:
+        return main_namespace, (self.attrs,)
 
 
 class _Unnamed:
@@ -51,9 +130,58 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
     )
 
+    def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
+        reduced = super()._dynamic_function_reduce(func)
+        main = sys.modules.get("__main__")
+        if main is None or func.__globals__ is not vars(main):
+            return reduced
+        make, (code, _, name, defaults, closure), state, items, pairs, _ = reduced
+        attrs = {k: func.__globals__[k] for k in _MODULE_ATTRS if k in func.__globals__}
+        newargs = (code, _MainGlobals(attrs), name, defaults, closure)
+        return make, newargs, state, items, pairs, _main_setstate
+
 
 def dumps_by_value(obj: object) -> bytes:
-    """``cloudpickle.dumps(obj)`` at the highest protocol, every code object keeping its file."""
+    """``cloudpickle.dumps(obj)`` at the highest protocol, every code object keeping its file
+    and every function of ``__main__`` the receiver's :func:`main_namespace`."""
     with io.BytesIO() as file:
         _Pickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return file.getvalue()
+
+
+class _NamesMain(Exception):
+    """The object being pickled names ``__main__``: it goes by value."""
+
+
+class _ByName(pickle.Pickler):
+    """Plain pickle that stops at the first function, class or object of ``__main__``
+    (or of no module, which pickle would look for in ``__main__``)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for every object that is not a plain value (numbers, strings, bytes and
+        # the built-in containers are not), before pickle looks up a global by name.
+        if isinstance(obj, (type, types.FunctionType)):
+            module = obj.__module__
+        else:
+            module = type(obj).__module__
+        if module == "__main__" or module is None:
+            raise _NamesMain
+        return NotImplemented
+
+
+def dumps_call(obj: object) -> bytes:
+    """Pickle a task or a result: plain pickle when it is enough, cloudpickle otherwise.
+
+    Plain pickle is several times cheaper per call, and suffices for
+    functions and classes that the other process can import by name.
+    cloudpickle is needed for lambdas, closures and anything defined in
+    ``__main__`` (which a worker cannot import): plain pickle refuses the
+    first two, and the last is noticed while pickling (:class:`_ByName`).
+    """
+    with io.BytesIO() as file:
+        try:
+            _ByName(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+            return file.getvalue()
+        except Exception:
+            pass
+    return dumps_by_value(obj)  # tracebacks keep the file; one namespace for __main__

@@ -7,8 +7,10 @@ Here the parent's end of the socket is non-blocking; a message that does
 not fit the socket's buffer stays queued and is written as the worker
 reads (the dispatcher's selector watches for the socket to be writable),
 and a message is read piece by piece as it arrives. The worker keeps
-plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and
-``Connection.recv_bytes``: its end is its own.
+plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and reads
+(:func:`gpupool._pool.wire.read_frame`): its end is its own. Both ends ask
+for socket buffers of :data:`SOCKET_BUFFER_BYTES` (:func:`size_buffers`),
+so that a frame of 1 MiB fits them.
 
 Frames are those of :class:`multiprocessing.connection.Connection`, so the
 two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
@@ -29,13 +31,18 @@ from __future__ import annotations
 
 import collections
 import os
+import socket
 import struct
 from typing import Any
 
-__all__ = ["Channel", "ChannelClosed", "ChannelCorrupt"]
+__all__ = ["SOCKET_BUFFER_BYTES", "Channel", "ChannelClosed", "ChannelCorrupt", "size_buffers"]
 
 #: Bytes asked of one ``read`` while a frame's header or a small frame is read.
 _READ_CHUNK_BYTES = 256 * 1024
+#: The send and receive buffers asked for on each end of a worker's socket, so a frame of
+#: 1 MiB fits them (Linux doubles the figure for its bookkeeping, and caps it at
+#: ``net.core.wmem_max`` and ``rmem_max``); the kernel holds that much only while bytes wait.
+SOCKET_BUFFER_BYTES = 1024 * 1024
 
 _SMALL = struct.Struct("!i")
 _LARGE = struct.Struct("!Q")
@@ -48,6 +55,26 @@ class ChannelClosed(Exception):
 
 class ChannelCorrupt(ChannelClosed):
     """What arrived is not a frame of ours (the message quotes it): the stream is lost."""
+
+
+def size_buffers(fd: int, size_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+    """Ask for ``size_bytes`` send and receive buffers on the socket ``fd`` (the kernel caps
+    them); nothing when ``fd`` is not a socket or the kernel refuses."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return
+    with sock:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, size_bytes)
+            except OSError:
+                pass
 
 
 def frame_header(size: int) -> bytes:
@@ -85,6 +112,7 @@ class Channel:
         self.conn = conn
         self.fd: int = conn.fileno()
         os.set_blocking(self.fd, False)
+        size_buffers(self.fd)
         self._out: collections.deque[memoryview] = collections.deque()
         self.out_bytes = 0
         self._head = bytearray()

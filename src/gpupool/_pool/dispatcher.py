@@ -987,6 +987,7 @@ class Dispatcher:
         if answer is None:
             return
         kind, report_fields, payload = answer.kind, answer.report, answer.payload
+        report = answer.peak
         del answer
         if kind == "ready":  # no task's answer: the worker's initializer returned
             worker.ready = True
@@ -1017,7 +1018,6 @@ class Dispatcher:
             return
         if self.max_tasks_per_child is not None and worker.tasks_done >= self.max_tasks_per_child:
             worker.retiring = True
-        report = PeakReport(**report_fields) if report_fields is not None else None
         oom = kind == "oom" and report is not None
         if oom:
             assert report is not None

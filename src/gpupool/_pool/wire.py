@@ -16,9 +16,15 @@ ends::
 The header is plain pickle of ``(kind, report)``: plain values only, read
 with an unpickler that refuses every global, so the parent learns what
 happened even when the payload cannot be unpickled. ``kind`` is ``"ready"``
-or ``"init"`` (about no task) or ``"ok"``, ``"error"``, ``"oom"``,
-``"unpickle"`` (about the task the worker runs). The payload (a pickled
-result or exception) is sliced out of the frame, never copied.
+or ``"init"`` (about no task; the report a dict or ``None``) or ``"ok"``,
+``"error"``, ``"oom"``, ``"unpickle"`` (about the task the worker runs; the
+report the task's :class:`~gpupool._core.peak.PeakReport` as a tuple of its
+fields in order, or ``None``). The payload (a pickled result or exception)
+is sliced out of the frame, never copied.
+
+The worker reads each of the parent's frames into one buffer of the size the
+frame announces (:func:`read_frame`), and both ends' socket buffers are sized
+for a frame of 1 MiB (:func:`~gpupool._pool.channel.size_buffers`).
 
 The parent takes an answer only from its worker's PID, only about the task
 that worker runs, and once; anything else (bytes that are not an answer,
@@ -32,11 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import operator
 import os
 import pickle
 import struct
 from typing import Any
 
+from gpupool._core.peak import PeakReport
 from gpupool._pool.channel import frame_header
 
 __all__ = [
@@ -48,7 +56,9 @@ __all__ = [
     "check_answer",
     "describe",
     "parse_answer",
+    "read_frame",
     "read_task",
+    "report_values",
     "send_answer",
     "task_prefix",
 ]
@@ -59,6 +69,10 @@ _TASK_MAGIC = b"GPt1"
 _PREFIX = struct.Struct("!4sqqI")
 _TRAILER = struct.Struct("!4sqq")
 _TASK = struct.Struct("!4sq")
+#: A frame's header (:func:`~gpupool._pool.channel.frame_header`): its length, or -1 then
+#: an 8-byte length.
+_SMALL = struct.Struct("!i")
+_LARGE = struct.Struct("!Q")
 
 #: The task id of an answer about no task (``ready``, ``init``).
 NO_TASK = -1
@@ -70,6 +84,10 @@ _WORKER_KINDS = frozenset({"ready", "init"})
 #: How many bytes of what arrived a fault quotes.
 _QUOTE_BYTES = 32
 
+#: A task's report travels as the values of these fields of :class:`PeakReport`, in order.
+_REPORT_FIELDS = tuple(field.name for field in dataclasses.fields(PeakReport))
+_report_values = operator.attrgetter(*_REPORT_FIELDS)
+
 
 class ProtocolFault(Exception):
     """What a worker sent is not the answer the parent waits for; the message says what came."""
@@ -77,13 +95,15 @@ class ProtocolFault(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Answer:
-    """One answer, as parsed: who sent it, about which task, and its payload (a view)."""
+    """One answer, as parsed: who sent it, about which task, and its payload (a view).
+    ``report`` is a worker's (``ready``, ``init``), ``peak`` a task's report."""
 
     pid: int
     task_id: int | None
     kind: str
     report: dict[str, Any] | None
     payload: memoryview
+    peak: PeakReport | None = None
 
 
 def describe(data: bytes | bytearray | memoryview) -> str:
@@ -141,9 +161,14 @@ def parse_answer(frame: bytearray) -> Answer:
             f"{describe(frame)}: not an answer (its header does not unpickle: "
             f"{type(exc).__name__}: {exc})"
         ) from None
-    if kind not in _TASK_KINDS | _WORKER_KINDS or not (
+    if kind in _TASK_KINDS:
+        peak = None if report is None else _peak_report(frame, report)
+        report = None
+    elif kind in _WORKER_KINDS and (
         report is None or (isinstance(report, dict) and all(isinstance(k, str) for k in report))
     ):
+        peak = None
+    else:
         raise ProtocolFault(f"{describe(frame)}: not an answer (an unknown kind {kind!r:.40})")
     return Answer(
         pid=pid,
@@ -151,7 +176,22 @@ def parse_answer(frame: bytearray) -> Answer:
         kind=kind,
         report=report,
         payload=memoryview(frame)[header_end:payload_end],
+        peak=peak,
     )
+
+
+def _peak_report(frame: bytearray, values: object) -> PeakReport:
+    """The task's report from the values a worker sent (:func:`report_values`).
+
+    Raises:
+        ProtocolFault: they are not a tuple of one value per field.
+    """
+    if not isinstance(values, tuple) or len(values) != len(_REPORT_FIELDS):
+        raise ProtocolFault(
+            f"{describe(frame)}: not an answer (its report is not a tuple of the "
+            f"{len(_REPORT_FIELDS)} fields of a task's report: {values!r:.80})"
+        )
+    return PeakReport(**dict(zip(_REPORT_FIELDS, values, strict=True)))
 
 
 def check_answer(answer: Answer, *, worker_pid: int, ready: bool, running: int | None) -> None:
@@ -185,7 +225,56 @@ def _task(task_id: int | None) -> str:
 # -- the worker's side ----------------------------------------------------------------------
 
 
-def read_task(message: bytes) -> tuple[int, memoryview] | None:
+def report_values(report: PeakReport) -> tuple[Any, ...]:
+    """A task's report as the worker sends it: its fields' values, in order."""
+    values: tuple[Any, ...] = _report_values(report)
+    return values
+
+
+def read_frame(fd: int) -> bytearray | None:
+    """Read one frame from the blocking descriptor ``fd`` into a buffer of the size its
+    header announces; ``None`` at end of file before a frame began.
+
+    Raises:
+        EOFError: the other end closed in the middle of a frame.
+        OSError: the socket failed.
+    """
+    head = _read_exactly(fd, 4)
+    if head is None:
+        return None
+    (size,) = _SMALL.unpack(head)
+    if size == -1:
+        large = _read_exactly(fd, 8)
+        if large is None:
+            raise EOFError("the pool closed its end in a frame's header")
+        (size,) = _LARGE.unpack(large)
+    elif size < 0:
+        raise OSError(f"a frame of negative length {size} from the pool")
+    body = bytearray(size)
+    with memoryview(body) as view:
+        got = 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                raise EOFError(f"the pool closed its end after {got} of a frame's {size} bytes")
+            got += n
+    return body
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    """``size`` bytes; ``None`` at end of file before the first."""
+    data = os.read(fd, size)
+    if not data:
+        return None
+    while len(data) < size:
+        more = os.read(fd, size - len(data))
+        if not more:
+            raise EOFError("the pool closed its end in a frame's header")
+        data += more
+    return data
+
+
+def read_task(message: bytes | bytearray) -> tuple[int, memoryview] | None:
     """The task id and the pickled call (a view) of a task frame; ``None`` for any other."""
     if len(message) < _TASK.size or not message.startswith(_TASK_MAGIC):
         return None
@@ -198,7 +287,7 @@ def send_answer(
     pid: int,
     task_id: int,
     kind: str,
-    report: dict[str, Any] | None,
+    report: dict[str, Any] | tuple[Any, ...] | None,
     payload: bytes | bytearray | memoryview,
 ) -> None:
     """Write one answer frame on the blocking descriptor ``fd``, the payload uncopied.

@@ -45,8 +45,6 @@ At start a worker
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -61,7 +59,8 @@ import cloudpickle
 
 from gpupool._core.peak import PeakReport
 from gpupool._pool import wire
-from gpupool._pool.by_value import dumps_by_value
+from gpupool._pool.by_value import adopt_main_namespace, dumps_call
+from gpupool._pool.channel import size_buffers
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -106,6 +105,8 @@ def die_with_parent(parent_pid: int) -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
@@ -253,9 +254,12 @@ def worker_main(
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _isolate()
     _guard_forks(conn.fileno())
+    size_buffers(conn.fileno())
     if initializer is not None:
         try:
             fn, args = initializer
+            # A function of the script shares one namespace with the tasks (see by_value).
+            adopt_main_namespace(fn)
             fn(*args)
         except BaseException as exc:
             _leave_if_forked()
@@ -273,7 +277,7 @@ def worker_main(
     while max_tasks is None or done < max_tasks:
         _leave_if_channel_lost(conn.fileno())
         try:
-            message = conn.recv_bytes()
+            message = wire.read_frame(conn.fileno())
         except (EOFError, OSError):
             return
         if not message:
@@ -312,13 +316,13 @@ def worker_main(
             kind = "oom" if report.oom else "error"
             payload = _dump_exception(failure)
             failure = None
-        # The report as a dict of plain values: the parent rebuilds it with ``PeakReport(**...)``.
-        _answer(conn, task_id, kind, dataclasses.asdict(report), payload)
+        # The report as a tuple of plain values: the parent rebuilds it (wire.parse_answer).
+        _answer(conn, task_id, kind, wire.report_values(report), payload)
         del payload
         done += 1
 
 
-def _read_call(conn: Connection, message: bytes) -> tuple[int, Any] | None:
+def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
     """The task id and the unpickled ``(fn, args, kwargs)`` of a task frame; ``None`` when
     it could not be read (answered as ``"unpickle"``: the task never ran)."""
     task = wire.read_task(message)
@@ -328,7 +332,7 @@ def _read_call(conn: Connection, message: bytes) -> tuple[int, Any] | None:
         return None
     task_id, call = task
     try:
-        fn, args, kwargs = cloudpickle.loads(call)
+        fn, args, kwargs = pickle.loads(call)
         return task_id, (fn, args, kwargs)
     except BaseException as exc:
         _answer(conn, task_id, "unpickle", None, _dump_exception(exc))
@@ -360,31 +364,17 @@ def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None
 
 
 def _answer(
-    conn: Connection, task_id: int, kind: str, report: dict[str, Any] | None, payload: bytes
+    conn: Connection,
+    task_id: int,
+    kind: str,
+    report: dict[str, Any] | tuple[Any, ...] | None,
+    payload: bytes,
 ) -> None:
     """Send one answer about ``task_id`` as one frame (the payload not copied); a forked
     copy of the worker sends nothing and exits."""
     _leave_if_forked()
     _leave_if_channel_lost(conn.fileno())
     wire.send_answer(conn.fileno(), os.getpid(), task_id, kind, report, payload)
-
-
-def dumps_call(obj: object) -> bytes:
-    """Pickle a task or a result: plain pickle when it is enough, cloudpickle otherwise.
-
-    Plain pickle is several times cheaper per call, and suffices for
-    functions and classes that the other process can import by name.
-    cloudpickle is needed for lambdas, closures and anything defined in
-    ``__main__`` (which a worker cannot import): plain pickle refuses the
-    first two, and a stream that names ``__main__`` is redone by value.
-    """
-    try:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        data = b""
-    if not data or b"__main__" in data:
-        data = dumps_by_value(obj)  # tracebacks keep the file: see by_value
-    return data
 
 
 def process_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:

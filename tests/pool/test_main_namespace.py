@@ -1,0 +1,124 @@
+"""Functions of the script run as ``__main__`` share one namespace per worker, as the standard
+pool's do: a global the initializer sets is read by the tasks, and one a task sets by the tasks
+after it on that worker.
+
+The script runs as ``python script.py`` in a child process (so its functions are ``__main__``'s
+and travel by value), once on a simulated card and once on the host path; it runs the same
+calls on the standard pool (spawn) and prints both pools' results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """\
+import concurrent.futures
+import json
+import multiprocessing
+import sys
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+MODEL = None  # set by the initializer in each worker
+COUNT = 0  # counted up by the tasks of each worker
+LIMIT = 3  # rebound by the parent between submissions
+
+
+def load(scale):
+    return lambda x: x * scale
+
+
+def init(scale):
+    global MODEL
+    MODEL = load(scale)
+
+
+def predict(x):
+    return MODEL(x)
+
+
+def bump(_):
+    global COUNT
+    COUNT += 1
+    return COUNT
+
+
+def set_flag(value):
+    global FLAG
+    FLAG = value
+
+
+def get_flag(_):
+    return FLAG
+
+
+def read_limit(_):
+    return LIMIT
+
+
+def calls(ex):
+    global LIMIT
+    predicted = [ex.submit(predict, i).result() for i in range(3)]
+    counted = [ex.submit(bump, 0).result() for _ in range(3)]
+    ex.submit(set_flag, "on").result()
+    flag = ex.submit(get_flag, 0).result()
+    LIMIT = 5
+    return {"predicted": predicted, "counted": counted, "flag": flag,
+            "limit": ex.submit(read_limit, 0).result()}
+
+
+def run(where):
+    options = dict(max_workers=1, initializer=init, initargs=(10,))
+    if where == "card":
+        with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+            with GpuPoolExecutor(task_peak="1GiB", **options) as ex:
+                return calls(ex)
+    with GpuPoolExecutor(**options) as ex:
+        return calls(ex)
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(mp_context=spawn, **dict(
+        max_workers=1, initializer=init, initargs=(10,))) as ex:
+        standard = calls(ex)
+    LIMIT = 3
+    print(json.dumps({"standard": standard, "gpupool": run(sys.argv[1])}))
+"""
+
+
+@pytest.mark.parametrize("where", ["card", "host"])
+def test_initializer_and_tasks_of_main_share_the_worker_namespace(tmp_path: Path, where: str):
+    """The initializer's global is the tasks' (as the standard pool's), a global a task sets
+    is read by the next task on that worker (as the standard pool's), and a global the
+    parent rebinds between submissions is sent with the function (by value, as before)."""
+    script = tmp_path / "main_namespace_script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = dict(os.environ)
+    env.pop("GPUPOOL_SIMULATOR", None)
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script), where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    standard, ours = results["standard"], results["gpupool"]
+    assert ours["predicted"] == standard["predicted"] == [0, 10, 20]
+    assert ours["counted"] == standard["counted"] == [1, 2, 3]
+    assert ours["flag"] == standard["flag"] == "on"
+    # The standard worker imported the script: it sees the script's own value. gpupool sends
+    # the function by value with the parent's globals as they are when it is sent.
+    assert (standard["limit"], ours["limit"]) == (3, 5)
