@@ -174,6 +174,7 @@ class Planner(Starts):
         self.pending.append(task)
         self._pending_by_key[key] += 1
         self._last_key = key
+        self._width_due = True
 
     def withdraw(self, task: TaskId) -> None:
         """A pending task left the queue (cancelled, or failed by the pool)."""
