@@ -532,6 +532,8 @@ class Dispatcher:
             if self.cancel_requested:
                 self._cancel_pending()
                 poll_s = self._schedule()
+            if self.broken is None and self.kill_signal is None:
+                self._queue_behind_busy()
             self._retire_beyond_limits()
             workers = self._all_workers()
             busy = any(w.task is not None for w in workers)
@@ -734,6 +736,49 @@ class Dispatcher:
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
             self._send(item, worker, verdict.ask_bytes, payload)
             del payload
+
+    def _queue_behind_busy(self) -> None:
+        """Behind each busy worker, the next task of its key where the planner lets it wait
+        there (short tasks, in the worker's booking: :mod:`gpupool._core.planner.queued`):
+        the worker starts it without waiting for the parent. Its future is RUNNING from
+        here, as a standard pool's queued call is."""
+        limit = self.max_tasks_per_child
+        for worker in self._all_workers():
+            if not self.planner.pending:
+                return
+            head = worker.task
+            if (
+                head is None
+                or len(worker.queue) != 1
+                or not worker.ready
+                or worker.retiring
+                or worker.gone
+                or worker.fault is not None
+                or (limit is not None and worker.tasks_done + 2 > limit)
+            ):
+                continue
+            task = self.planner.queue_behind(head.task_id)
+            if task is None:
+                continue
+            item = self.items[task]
+            if not self._claim(item):
+                continue  # cancelled first: withdrawn from the planner
+            try:
+                payload = dumps_call(item.call)
+            except BaseException as exc:
+                self.items.pop(task, None)
+                self.planner.withdraw(task)
+                self._fail(item, _detached(exc))
+                continue
+            self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload)
+            del payload
+
+    def _requeue_behind(self, worker: _Worker) -> None:
+        """``worker`` is gone: the tasks queued behind its run never ran, so they go back to
+        the planner's queue (their futures stay RUNNING) and start elsewhere."""
+        for item in worker.queue:
+            self.planner.requeue(item.task_id)
+        worker.queue.clear()
 
     def _claim(self, item: WorkItem) -> bool:
         """Make ``item``'s future RUNNING (once); ``False`` when the caller cancelled it first
@@ -1028,6 +1073,9 @@ class Dispatcher:
             refused = self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
             if refused is not None:
                 self._refuse(refused)  # before its result is delivered: the next submit raises
+        if worker.queue and worker.queue[0].task_id in self.planner.queued:
+            # The task queued behind it runs now, in the booking it left.
+            self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
         if worker.device is not None and self.link is not None:
             self.link.changed(worker.device, self.now())
         if worker.retiring:
@@ -1167,6 +1215,7 @@ class Dispatcher:
                 self._break_at_start(worker, exitcode, how, signal_name)
             return
         item = worker.queue.popleft() if worker.queue else None
+        self._requeue_behind(worker)
         if item is None:
             return
         self._settle(item)
@@ -1204,6 +1253,7 @@ class Dispatcher:
         a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
         pool goes on (no task, when the fault came while it was idle)."""
         item = worker.queue.popleft() if worker.queue else None
+        self._requeue_behind(worker)
         if item is None:
             return
         self._settle(item)

@@ -89,6 +89,9 @@ class PlannerBase:
         self._critical_recorded_s: float | None = None
         self._hold_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()
+        # Tasks queued behind a running one on its worker (queued -> run), and those runs.
+        self.queued: dict[TaskId, TaskId] = {}
+        self._behind: set[TaskId] = set()
         # Tasks were submitted since the width was last derived (a start then derives it).
         self._width_due = False
         self.width = self._width_now()
