@@ -8,6 +8,8 @@ and checks the planner's invariants after every step.
 
 from __future__ import annotations
 
+import collections
+
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -437,6 +439,9 @@ class PlannerMachine(RuleBasedStateMachine):
         assert set(self.planner.queued).isdisjoint(self.planner.pending)
         assert set(self.planner.queued).isdisjoint(self.planner.running)
         assert set(self.planner.queued.values()) <= set(self.planner.running)
+        # What the next start reads instead of walking the queue: pending tasks per key.
+        keys = collections.Counter(self.planner.tasks[t].key for t in self.planner.pending)
+        assert keys == +self.planner._pending_by_key
 
     @invariant()
     def no_ask_below_its_pre_oom_value(self) -> None:

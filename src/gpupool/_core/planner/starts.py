@@ -83,9 +83,12 @@ class Starts(Views):
         if len(self.running) >= self.ceiling.value:
             return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
         head = self.pending[0]
-        firsts: dict[str, TaskId] = {}
-        for task in itertools.islice(self.pending, LOOKAHEAD):
-            firsts.setdefault(self.tasks[task].key, task)
+        firsts: dict[str, TaskId] = {self.tasks[head].key: head}
+        if self._pending_by_key[self.tasks[head].key] < len(self.pending):
+            # More than one key waits: each one's first within the lookahead (with one key,
+            # the head is its first, and the queue is not walked).
+            for task in itertools.islice(self.pending, LOOKAHEAD):
+                firsts.setdefault(self.tasks[task].key, task)
         candidates, critical = self._critical_first(list(firsts.values()))
         passed = self.tasks[head].passed
         if passed >= max(1, self.ceiling.value) and self.cards:
