@@ -164,6 +164,10 @@ class PlannerBase:
         keys: dict[str, None] = {}
         for run in self.running.values():
             keys[run.key] = None
+        head_key = self.tasks[self.pending[0]].key if self.pending else None
+        if head_key is not None and self._pending_by_key[head_key] == len(self.pending):
+            keys[head_key] = None  # one key pending: the queue is not walked
+            return list(keys)
         for task in itertools.islice(self.pending, LOOKAHEAD):
             keys[self.tasks[task].key] = None
         return list(keys)
