@@ -83,9 +83,6 @@ class BookingLink:
         self.others_seen: dict[int, bool] = {}
         # Per card: since when a change waits to be written (monotonic seconds).
         self.dirty_since_s: dict[int, float] = {}
-        #: Exchanges (locked writes) made, and starts that needed none (the table covered them).
-        self.writes = 0
-        self.covered_starts = 0
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -118,7 +115,6 @@ class BookingLink:
         )
         tasks = (*self._tasks(device.index), new)
         if self._covered(device.index, tasks):
-            self.covered_starts += 1
             self._mark(device.index)  # its key, or the waiting state, may be new
             return True
         waiting = self.planner.waiting_count(starting=True)
@@ -224,7 +220,6 @@ class BookingLink:
         _, waiting, need_bytes = row
         self.published[device.index] = row
         self.dirty_since_s.pop(device.index, None)
-        self.writes += 1
         others = self.table.exchange(
             device.info.uuid,
             self.pool_id,
