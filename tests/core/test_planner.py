@@ -442,6 +442,10 @@ class PlannerMachine(RuleBasedStateMachine):
         # What the next start reads instead of walking the queue: pending tasks per key.
         keys = collections.Counter(self.planner.tasks[t].key for t in self.planner.pending)
         assert keys == +self.planner._pending_by_key
+        # What a start, a finish and a fit read instead of walking a card's runs.
+        for card in self.planner.cards:
+            assert card.booked_bytes == sum(r.booked_bytes for r in card.runs.values())
+            assert +card.runs_by_key == collections.Counter(r.key for r in card.runs.values())
 
     @invariant()
     def no_ask_below_its_pre_oom_value(self) -> None:

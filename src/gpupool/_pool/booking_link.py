@@ -13,7 +13,8 @@ exchanges it per *change*, not per task:
   withdrawn, is at least as large) writes nothing: the other pools already
   price those bytes as this pool's.
 * **A release** is written before the task's result is given when nothing of
-  the pool is pending. While tasks are pending, the next start may take the
+  the pool is pending (and so is, at once, a running task's booking that grew
+  because its key's price rose). While tasks are pending, the next start may take the
   worker's booking as it stands, so the release, like **a change of the
   waiting state** (tasks began or stopped waiting for room), is written at most
   :data:`COALESCE_S` after it happened, with every other change of that window
@@ -146,8 +147,10 @@ class BookingLink:
     def changed(self, device: int, now_s: float) -> None:
         """A task on ``device`` ended: its booking is released in the table before its result
         is given, unless tasks are pending (the next start may take the worker's booking as
-        it stands; the release is then coalesced)."""
-        if self.planner.pending:
+        it stands; the release is then coalesced). A running task booked higher than the
+        table shows (its key's price rose) is written at once: a late release only delays
+        the other pools, a late growth could let them book those bytes."""
+        if self.planner.pending and self._covered(device, self._tasks(device)):
             self._mark(device)
         else:
             self._write(self.devices[device], now_s)

@@ -135,7 +135,7 @@ class PlannerBase:
     def _end_run(self, task: TaskId) -> Run | None:
         run = self.running.pop(task, None)
         if run is not None and run.device is not None:
-            self.cards[run.device].runs.pop(task, None)
+            self.cards[run.device].drop_run(task)
         return run
 
     def _retry(self, task: TaskId, reason: str) -> Retry:
@@ -155,9 +155,9 @@ class PlannerBase:
                 if run.key != key:
                     continue
                 if run.size is not None:
-                    run.booked_bytes = self.asks.ask_for(key, run.size).ask_bytes
+                    card.rebook(run, self.asks.ask_for(key, run.size).ask_bytes)
                     continue
-                run.booked_bytes = ask.next_bytes(seen)
+                card.rebook(run, ask.next_bytes(seen))
                 seen += 1
 
     def _present_keys(self) -> list[str]:

@@ -365,7 +365,7 @@ class Planner(Queued):
             run.shared = bool(card.others_tasks or card.runs)
             for other in card.runs.values():
                 other.shared = True
-            card.runs[task] = run
+            card.add_run(task, run)
             if pid is not None:
                 card.worker_pids.add(pid)
         self.running[task] = run

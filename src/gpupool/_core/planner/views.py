@@ -55,7 +55,7 @@ class Views(PlannerBase):
         return fit(
             card,
             ask,
-            list(card.runs.values()) if runs is None else runs,
+            runs,
             reserve_bytes=self.config.reserve_bytes,
             ceiling=self.ceiling,
             slots=self.ceiling.value - len(self.running) if slots is None else slots,
