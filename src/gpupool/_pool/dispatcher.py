@@ -178,7 +178,8 @@ _task_ids = itertools.count()
 
 
 class _Worker:
-    """One worker process and the task handed to it (a worker runs one task at a time).
+    """One worker process and the tasks handed to it: ``queue[0]`` runs (a worker runs one
+    task at a time), and a short task of its key may wait behind it (planner/queued).
 
     ``ready`` turns true when the worker says so: its initializer returned and
     its probe is set up. ``resident_bytes`` is what it held on its card then
