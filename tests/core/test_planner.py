@@ -8,7 +8,9 @@ and checks the planner's invariants after every step.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+import collections
+
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -36,6 +38,7 @@ from gpupool._core.planner import (
     Warm,
     Workers,
 )
+from gpupool._core.planner.state import Run
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 
@@ -84,6 +87,8 @@ class PlannerMachine(RuleBasedStateMachine):
         self.booting: dict[int | None, int] = {}
         self.worker_of: dict[int, int | None] = {}
         self.records_checked = 0
+        # Tasks queued behind a run on its worker (queued task -> run).
+        self.queued_on: dict[int, int] = {}
 
     @initialize(
         totals=st.lists(st.integers(20, 80), min_size=1, max_size=3),
@@ -299,8 +304,8 @@ class PlannerMachine(RuleBasedStateMachine):
             rss_peak_bytes=rss_mib * MiB,
         )
         self.planner.finished(task, report, self.now_s)
-        self.worker_idle(task)
         self.settled += 1
+        self.run_queued_after(task, run)
 
     @precondition(lambda self: self.planner.running)
     @rule(
@@ -334,7 +339,7 @@ class PlannerMachine(RuleBasedStateMachine):
         caps_before = [c.oom_cap for c in self.planner.cards]
         own_ask = run.ask_bytes
         verdict = self.planner.out_of_memory(task, report, reading, self.now_s, error="oom")
-        self.worker_idle(task)
+        self.run_queued_after(task, run)
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
         if lower > own_ask:
             # An underestimate (judged against the task's own ask when it started) raises
@@ -356,6 +361,51 @@ class PlannerMachine(RuleBasedStateMachine):
         self.planner.lost(task, self.now_s, message="worker lost", extra={})
         self.worker_of.pop(task, None)  # its worker died: no idle worker comes back
         self.settled += 1
+        for queued in [q for q, behind in self.queued_on.items() if behind == task]:
+            # It never ran: back to the head of the queue.
+            del self.queued_on[queued]
+            self.planner.requeue(queued)
+            assert self.planner.pending[0] == queued
+
+    @precondition(lambda self: self.planner.running)
+    @rule(data=st.data())
+    def queue_behind(self, data: st.DataObject) -> None:
+        run_task = data.draw(st.sampled_from(self.running_ids()))
+        run = self.planner.running[run_task]
+        head = self.planner.pending[0] if self.planner.pending else None
+        queued = self.planner.queue_behind(run_task)
+        if queued is None:
+            return
+        # Only the queue's head, of the run's key, short, in the run's booking; counted apart.
+        assert queued == head
+        assert run_task not in self.queued_on.values()
+        assert self.planner.tasks[queued].key == run.key
+        assert self.planner.short(run.key)
+        assert run.device is None or self.asks.ask(run.key).ask_bytes <= run.booked_bytes
+        assert queued not in self.planner.pending and queued not in self.planner.running
+        self.queued_on[queued] = run_task
+        event("a task queued behind a run")
+
+    def run_queued_after(self, task: int, run: Run) -> None:
+        """``task`` (``run``) ended: what was queued behind it runs on its worker, in the
+        booking it left, else the worker is idle."""
+        queued = [q for q, behind in self.queued_on.items() if behind == task]
+        if not queued:
+            self.worker_idle(task)
+            return
+        (next_task,) = queued
+        del self.queued_on[next_task]
+        device = self.worker_of.pop(task, None)
+        self.worker_of[next_task] = device
+        card = self.planner.cards[device] if device is not None else None
+        self.planner.run_queued(next_task, device, run.pid, self.now_s)
+        assert next_task in self.planner.running
+        if card is not None and run.device is not None:
+            key_bytes = sum(r.booked_bytes for r in card.runs.values() if r.key == run.key)
+            count = sum(1 for r in card.runs.values() if r.key == run.key)
+            # No start past the bound: the key's tasks there are booked together at its
+            # price, as they were before the run ended (unless the price itself moved).
+            assert key_bytes == self.asks.ask(run.key).together_bytes(count)
 
     @precondition(lambda self: self.planner.pending)
     @rule(data=st.data())
@@ -383,9 +433,19 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_task_is_lost(self) -> None:
-        held = len(self.planner.pending) + len(self.planner.running)
+        held = len(self.planner.pending) + len(self.planner.running) + len(self.planner.queued)
         assert held + self.settled == self.submitted
         assert set(self.planner.pending).isdisjoint(self.planner.running)
+        assert set(self.planner.queued).isdisjoint(self.planner.pending)
+        assert set(self.planner.queued).isdisjoint(self.planner.running)
+        assert set(self.planner.queued.values()) <= set(self.planner.running)
+        # What the next start reads instead of walking the queue: pending tasks per key.
+        keys = collections.Counter(self.planner.tasks[t].key for t in self.planner.pending)
+        assert keys == +self.planner._pending_by_key
+        # What a start, a finish and a fit read instead of walking a card's runs.
+        for card in self.planner.cards:
+            assert card.booked_bytes == sum(r.booked_bytes for r in card.runs.values())
+            assert +card.runs_by_key == collections.Counter(r.key for r in card.runs.values())
 
     @invariant()
     def no_ask_below_its_pre_oom_value(self) -> None:

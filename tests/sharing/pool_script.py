@@ -1,15 +1,18 @@
 """One pipeline of the several-pools scenarios, run as a script inside the test's SimulatedHost.
 
-    python pool_script.py BARRIER_DIR NAME POOLS MAX_WORKERS TASK_PEAK HOLD TASKS OUT
+    python pool_script.py BARRIER_DIR NAME POOLS MAX_WORKERS TASK_PEAK HOLD TASKS OUT \
+        [WAIT_S HOLD_S [warm]]
 
-It builds its pool, waits until all POOLS scripts have built theirs (files in
-BARRIER_DIR), submits TASKS tasks that each start, wait 0.3 s, then hold HOLD
-for 1 s, and writes what happened to OUT as JSON.
+It builds its pool (with ``warm``, it also starts its MAX_WORKERS workers), waits
+until all POOLS scripts have built theirs (files in BARRIER_DIR), submits TASKS
+tasks that each start, wait WAIT_S (0.3 s), then hold HOLD for HOLD_S (1 s), and
+writes what happened to OUT as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,22 +23,36 @@ from gpupool import GpuPoolExecutor
 PATIENCE_S = 120.0
 
 
-def task(i: int, size: str) -> int:
-    time.sleep(0.3)  # the workload: start, then allocate a moment later
+def task(i: int, size: str, wait_s: float = 0.3, hold_s: float = 1.0) -> int:
+    time.sleep(wait_s)  # the workload: start, then allocate a moment later
     with gt.hold(size):
-        time.sleep(1.0)
+        time.sleep(hold_s)
     return i
 
 
+def _meet(directory: str, count: str) -> None:
+    Path(directory).mkdir(exist_ok=True)
+    Path(directory, str(os.getpid())).touch()
+    deadline = time.monotonic() + PATIENCE_S
+    while len(list(Path(directory).iterdir())) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def main(argv: list[str]) -> int:
-    barrier, name, pools, max_workers, task_peak, size, tasks, out = argv
+    barrier, name, pools, max_workers, task_peak, size, tasks, out = argv[:8]
+    wait_s, hold_s = (float(argv[8]), float(argv[9])) if len(argv) > 8 else (0.3, 1.0)
     log = Path(out).with_suffix(".jsonl")
     with GpuPoolExecutor(max_workers=int(max_workers), task_peak=task_peak, log_path=log) as pool:
+        if argv[10:] == ["warm"]:
+            # As many tasks as workers, each until all have started: every worker is up.
+            meet = pool.options(key="meet", task_peak="64MiB")
+            count = int(max_workers)
+            list(meet.map(_meet, [barrier + f".{name}"] * count, [max_workers] * count))
         Path(barrier, name).touch()
         deadline = time.monotonic() + PATIENCE_S
         while len(list(Path(barrier).iterdir())) < int(pools) and time.monotonic() < deadline:
             time.sleep(0.01)
-        futures = [pool.submit(task, i, size) for i in range(int(tasks))]
+        futures = [pool.submit(task, i, size, wait_s, hold_s) for i in range(int(tasks))]
         results, errors = [], []
         for future in futures:
             try:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
-from gpupool._core.bookings import TaskBooking, group_waits, last_decision
+from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
@@ -67,7 +67,6 @@ from gpupool._core.planner import (
     PlannerConfig,
     Refuse,
     Retry,
-    Start,
     Wait,
     Warm,
     Workers,
@@ -84,6 +83,7 @@ from gpupool._errors import (
 )
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import wire
+from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
@@ -182,7 +182,8 @@ _task_ids = itertools.count()
 
 
 class _Worker:
-    """One worker process and the task handed to it (a worker runs one task at a time).
+    """One worker process and the tasks handed to it: ``queue[0]`` runs (a worker runs one
+    task at a time), and a short task of its key may wait behind it (planner/queued).
 
     ``ready`` turns true when the worker says so: its initializer returned and
     its probe is set up. ``resident_bytes`` is what it held on its card then
@@ -314,12 +315,15 @@ class Dispatcher:
         self.spawn_retry_at_s = 0.0
         # Workers in a row that died before they were ready (no task had been handed to them).
         self.boot_deaths = 0
-        # The host-wide booking table (None: sharing is off), and what this
-        # pool last published per device (an unchanged booking is not rewritten).
+        # The host-wide booking table (None: sharing is off), and this pool's exchanges
+        # with it (per change, coalesced: see booking_link).
         self.bookings = bookings
         self.pool_id = pool_id
-        self.published: dict[int, tuple[tuple[TaskBooking, ...], bool]] = {}
-        self.others_seen: dict[int, bool] = {}
+        self.link = (
+            None
+            if bookings is None
+            else BookingLink(bookings, pool_id, devices, sensor, self.planner, self._row_notes)
+        )
         # When the cards were last read (monotonic seconds).
         self.read_s = 0.0
         # Per card, the rows of its readings found not to be under any worker (_pool_pids).
@@ -500,7 +504,8 @@ class Dispatcher:
             with self.lock:
                 self.stopped = True  # enqueue refuses from now on; what came before fails below
             self._stop_workers()
-            self._publish_bookings(None)
+            if self.link is not None:
+                self.link.withdraw_all()
             self._note_table()
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
@@ -532,12 +537,18 @@ class Dispatcher:
             if self.cancel_requested:
                 self._cancel_pending()
                 poll_s = self._schedule()
+            if self.broken is None and self.kill_signal is None:
+                self._queue_behind_busy()
             self._retire_beyond_limits()
             workers = self._all_workers()
             busy = any(w.task is not None for w in workers)
             if busy:
                 poll_s = self._read_while_running(poll_s)
             self.planner.sample_cards(self.now())
+            if self.link is not None:
+                due_s = self.link.flush(self.now())
+                if due_s is not None:
+                    poll_s = due_s if poll_s is None else min(poll_s, due_s)
             self._note_table()
             self.publish()  # the end of the turn
             with self.lock:
@@ -606,12 +617,8 @@ class Dispatcher:
             reading = self._snapshot(device)
             if reading is not None:
                 self.planner.observe(device.index, reading, now)
-            if self.bookings is not None:
-                others = self.bookings.others(
-                    device.info.uuid, self.pool_id, total_bytes=device.census.total_bytes
-                )
-                self.others_seen[device.index] = bool(others is not None and others.pools)
-                self.planner.observe_others(device.index, others, now, census=census)
+            if self.link is not None:
+                self.link.read(device, now, census=census)
 
     def _read_while_running(self, poll_s: float | None) -> float | None:
         """While tasks run, read the cards every :data:`READ_WHILE_RUNNING_S` (the log's
@@ -683,10 +690,10 @@ class Dispatcher:
                 continue
             verdict = self.planner.next_start(self.now(), self._worker_counts())
             if verdict is None:
-                self._publish_waiting()
+                self._waiting_changed()
                 return None
             if isinstance(verdict, Wait):
-                self._publish_waiting()
+                self._waiting_changed()
                 return verdict.poll_s
             if isinstance(verdict, Refuse):
                 self._refuse(verdict)  # strict mode: the pool breaks
@@ -717,7 +724,9 @@ class Dispatcher:
             worker = next(w for w in pool if w.task is None and w.ready and not w.retiring)
             if not self._claim(item):
                 continue
-            if not self._book_with_others(verdict, worker.pid):
+            if self.link is not None and not self.link.book(
+                verdict, worker.pid, item.key, self.now()
+            ):
                 # Another pool booked the room first: the planner now knows, and the
                 # task waits (still RUNNING to its future) on a warm worker.
                 continue
@@ -730,10 +739,51 @@ class Dispatcher:
                 self._fail(item, _detached(exc))
                 continue
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
-            if device is not None:
-                self._publish_bookings(device)  # before the task can allocate
             self._send(item, worker, verdict.ask_bytes, payload)
             del payload
+
+    def _queue_behind_busy(self) -> None:
+        """Behind each busy worker, the next task of its key where the planner lets it wait
+        there (short tasks, in the worker's booking: :mod:`gpupool._core.planner.queued`):
+        the worker starts it without waiting for the parent. Its future is RUNNING from
+        here, as a standard pool's queued call is."""
+        limit = self.max_tasks_per_child
+        for worker in self._all_workers():
+            if not self.planner.pending:
+                return
+            head = worker.task
+            if (
+                head is None
+                or len(worker.queue) != 1
+                or not worker.ready
+                or worker.retiring
+                or worker.gone
+                or worker.fault is not None
+                or (limit is not None and worker.tasks_done + 2 > limit)
+            ):
+                continue
+            task = self.planner.queue_behind(head.task_id)
+            if task is None:
+                continue
+            item = self.items[task]
+            if not self._claim(item):
+                continue  # cancelled first: withdrawn from the planner
+            try:
+                payload = dumps_call(item.call)
+            except BaseException as exc:
+                self.items.pop(task, None)
+                self.planner.withdraw(task)
+                self._fail(item, _detached(exc))
+                continue
+            self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload)
+            del payload
+
+    def _requeue_behind(self, worker: _Worker) -> None:
+        """``worker`` is gone: the tasks queued behind its run never ran, so they go back to
+        the planner's queue (their futures stay RUNNING) and start elsewhere."""
+        for item in worker.queue:
+            self.planner.requeue(item.task_id)
+        worker.queue.clear()
 
     def _claim(self, item: WorkItem) -> bool:
         """Make ``item``'s future RUNNING (once); ``False`` when the caller cancelled it first
@@ -1028,8 +1078,11 @@ class Dispatcher:
             refused = self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
             if refused is not None:
                 self._refuse(refused)  # before its result is delivered: the next submit raises
-        if worker.device is not None:
-            self._publish_bookings(self.devices[worker.device])
+        if worker.queue and worker.queue[0].task_id in self.planner.queued:
+            # The task queued behind it runs now, in the booking it left.
+            self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
+        if worker.device is not None and self.link is not None:
+            self.link.changed(worker.device, self.now())
         if worker.retiring:
             self._retire(worker)
         if not oom:
@@ -1103,14 +1156,9 @@ class Dispatcher:
         exc = _load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
         reading = self._snapshot(device) if device is not None and device.census.readable else None
-        if device is not None and reading is not None and self.bookings is not None:
+        if device is not None and reading is not None and self.link is not None:
             # Other pools' bookings as they stand now: terms of the record.
-            others = self.bookings.others(
-                device.info.uuid, self.pool_id, total_bytes=device.census.total_bytes
-            )
-            self.planner.observe_others(
-                device.index, others, self.now(), rows=reading.process_bytes
-            )
+            self.link.read_for_record(device, reading.process_bytes or {}, self.now())
         verdict = self.planner.out_of_memory(
             item.task_id, report, reading, self.now(), error=f"{type(exc).__name__}: {exc}"
         )
@@ -1172,6 +1220,7 @@ class Dispatcher:
                 self._break_at_start(worker, exitcode, how, signal_name)
             return
         item = worker.queue.popleft() if worker.queue else None
+        self._requeue_behind(worker)
         if item is None:
             return
         self._settle(item)
@@ -1196,8 +1245,8 @@ class Dispatcher:
             message=message,
             extra={"exitcode": exitcode, "signal": signal_name, "pid": worker.pid},
         )
-        if worker.device is not None:
-            self._publish_bookings(self.devices[worker.device])
+        if worker.device is not None and self.link is not None:
+            self.link.changed(worker.device, self.now())
         self._resolve_error(
             item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
         )
@@ -1209,6 +1258,7 @@ class Dispatcher:
         a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
         pool goes on (no task, when the fault came while it was idle)."""
         item = worker.queue.popleft() if worker.queue else None
+        self._requeue_behind(worker)
         if item is None:
             return
         self._settle(item)
@@ -1229,8 +1279,8 @@ class Dispatcher:
                 "protocol_fault": what,
             },
         )
-        if worker.device is not None:
-            self._publish_bookings(self.devices[worker.device])
+        if worker.device is not None and self.link is not None:
+            self.link.changed(worker.device, self.now())
         self._resolve_error(
             item.future,
             WorkerProtocolError(
@@ -1279,124 +1329,20 @@ class Dispatcher:
             self._fail(item, copy_broken(error, str(error)))
         worker.queue.clear()
 
-    def _book_with_others(self, start: Start, worker_pid: int) -> bool:
-        """Book ``start`` in the host's table and re-read the other pools in one locked step;
-        ``False`` (the booking withdrawn) when their rows, read at that moment, leave no room."""
-        if self.bookings is None or start.device is None or start.past_bound:
-            return True
-        device = self.devices[start.device]
-        runs = [r for r in self.planner.running.values() if r.device == start.device]
-        tasks = tuple(
-            TaskBooking(
-                worker_pid=run.pid, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
-            )
-            for run in runs
-            if run.pid is not None
-        )
-        new = TaskBooking(
-            worker_pid=worker_pid,
-            key=self.items[start.task].key,
-            booked_bytes=start.booked_bytes,
-            reached_bytes=0,
-        )
-        waiting = self.planner.waiting_count(starting=True)
-        need = self.planner.need_bytes(starting=True)
-        others = self.bookings.exchange(
-            device.info.uuid,
-            self.pool_id,
-            (*tasks, new),
-            waiting,
-            need,
-            total_bytes=device.census.total_bytes,
-            **self._row_notes(waiting, starting=True),
-        )
-        self.others_seen[start.device] = bool(others is not None and others.pools)
-        self.planner.observe_others(start.device, others, self.now())
-        if self.planner.still_admits(start, self.now()):
-            return True
-        self.published.pop(start.device, None)
-        self._publish_bookings(device)
-        return False
-
     def _note_table(self) -> None:
         """Record what the booking table could not do since the last turn (steps it was
         passed over, a table that cannot be used), and count the steps."""
-        table = self.bookings
-        if table is None:
+        if self.link is None:
             return
-        for note in table.take_notes():
-            self.record(note.decision(self.now()))
-        if table.skipped_steps:
-            self.counts["bookings_skipped"] = table.skipped_steps
+        skipped = self.link.note(self.record, self.now())
+        if skipped:
+            self.counts["bookings_skipped"] = skipped
 
-    def _publish_waiting(self) -> None:
-        """Whether tasks wait for room, told on every card where other pools are, once per
-        change either way: a pool holding more than its share of a card takes no more while
-        another waits, and takes the room again once none does."""
-        if self.bookings is None:
-            return
-        waiting = self.planner.waiting_count() > 0
-        for device in self.devices:
-            if not self.others_seen.get(device.index):
-                continue
-            published = self.published.get(device.index)
-            if (published[1] if published else False) != waiting:
-                self._publish_bookings(device)
+    def _waiting_changed(self) -> None:
+        if self.link is not None:
+            self.link.waiting_changed()
 
-    def _publish_bookings(self, device: DeviceState | None) -> None:
-        """Tell the host's other pools what this pool has booked on ``device``, and hear theirs.
-
-        Each running task's booking (from the planner) with what its worker
-        holds now: the holdings are read from the card only while another
-        pool was on it at the last exchange (no one else reads them); else
-        they are published as 0, and a booking the same as the last one is not
-        written again. ``None``: the pool is shutting down, so its rows are
-        withdrawn from every card.
-        """
-        table = self.bookings
-        if table is None:
-            return
-        if device is None:
-            for state in self.devices:
-                table.withdraw(state.info.uuid, self.pool_id)
-            table.close()
-            return
-        runs = [r for r in self.planner.running.values() if r.device == device.index]
-        seen = self.others_seen.get(device.index, False)
-        held: dict[int, int] = {}
-        if runs and seen and device.census.readable:
-            try:
-                rows = self.sensor.read_processes(device.info) or ()
-            except Exception:
-                rows = ()  # unreadable now: published as not yet reached (the safe side)
-            held = {row.pid: row.used_bytes or 0 for row in rows}
-        tasks = tuple(
-            TaskBooking(
-                worker_pid=run.pid,
-                key=run.key,
-                booked_bytes=run.booked_bytes,
-                reached_bytes=held.get(run.pid, 0),
-            )
-            for run in runs
-            if run.pid is not None
-        )
-        waiting = self.planner.waiting_count()
-        if (tasks, waiting > 0) == self.published.get(device.index) and not seen:
-            return  # the same booking, and no one to tell
-        self.published[device.index] = (tasks, waiting > 0)
-        others = table.exchange(
-            device.info.uuid,
-            self.pool_id,
-            tasks,
-            waiting,
-            self.planner.need_bytes(),
-            total_bytes=device.census.total_bytes,
-            **self._row_notes(waiting),
-        )
-        self.others_seen[device.index] = bool(others is not None and others.pools)
-        self.planner.observe_others(device.index, others, self.now())
-
-    def _row_notes(self, waiting: int, *, starting: bool = False) -> dict[str, Any]:
+    def _row_notes(self, waiting: int, starting: bool = False) -> dict[str, Any]:
         """What the pool's row in the host's table tells people (no pool prices by it): its
         first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
         decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""

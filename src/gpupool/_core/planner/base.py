@@ -91,6 +91,11 @@ class PlannerBase:
         self._critical_recorded_s: float | None = None
         self._hold_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()
+        # Tasks queued behind a running one on its worker (queued -> run), and those runs.
+        self.queued: dict[TaskId, TaskId] = {}
+        self._behind: set[TaskId] = set()
+        # Tasks were submitted since the width was last derived (a start then derives it).
+        self._width_due = False
         self.width = self._width_now()
 
     @property
@@ -132,7 +137,7 @@ class PlannerBase:
     def _end_run(self, task: TaskId) -> Run | None:
         run = self.running.pop(task, None)
         if run is not None and run.device is not None:
-            self.cards[run.device].runs.pop(task, None)
+            self.cards[run.device].drop_run(task)
         return run
 
     def _retry(self, task: TaskId, reason: str) -> Retry:
@@ -152,15 +157,19 @@ class PlannerBase:
                 if run.key != key:
                     continue
                 if run.size is not None:
-                    run.booked_bytes = self.asks.ask_for(key, run.size).ask_bytes
+                    card.rebook(run, self.asks.ask_for(key, run.size).ask_bytes)
                     continue
-                run.booked_bytes = ask.next_bytes(seen)
+                card.rebook(run, ask.next_bytes(seen))
                 seen += 1
 
     def _present_keys(self) -> list[str]:
         keys: dict[str, None] = {}
         for run in self.running.values():
             keys[run.key] = None
+        head_key = self.tasks[self.pending[0]].key if self.pending else None
+        if head_key is not None and self._pending_by_key[head_key] == len(self.pending):
+            keys[head_key] = None  # one key pending: the queue is not walked
+            return list(keys)
         for task in itertools.islice(self.pending, LOOKAHEAD):
             keys[self.tasks[task].key] = None
         return list(keys)

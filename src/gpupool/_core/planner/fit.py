@@ -140,7 +140,7 @@ def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) ->
 def fit(
     card: Card,
     ask: Ask,
-    runs: Sequence[Held],
+    runs: Sequence[Held] | None,
     *,
     reserve_bytes: int,
     ceiling: Ceiling,
@@ -151,16 +151,22 @@ def fit(
     Args:
         card: the card (its census, own high-water, other pools, out-of-memory cap).
         ask: the price of the tasks to place.
-        runs: what is booked there (the card's runs, or a what-if).
+        runs: what is booked there (a what-if); ``None``: the card's runs, read off its
+            running sums.
         reserve_bytes: bytes kept free.
         ceiling: the pool-wide ceiling (named when ``slots`` is what stops).
         slots: the most tasks that may be placed (the ceiling's slots left in the pool).
     """
     bound = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
     host = bound.host_per_task_bytes
-    running = len(runs)
-    booked_now = sum(run.booked_bytes + host for run in runs)
-    same = sum(1 for run in runs if run.key == ask.key)
+    if runs is None:
+        running = len(card.runs)
+        booked_now = card.booked_bytes + host * running
+        same = card.same_key(ask.key)
+    else:
+        running = len(runs)
+        booked_now = sum(run.booked_bytes + host for run in runs)
+        same = sum(1 for run in runs if run.key == ask.key)
     room = bound.room_bytes
     limit: Limit
     if room is None:

@@ -46,9 +46,9 @@ from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.evidence import room_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
+from gpupool._core.planner.queued import Queued
 from gpupool._core.planner.samples import split_reading
 from gpupool._core.planner.sharing import note_starved, others_terms
-from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
     ASK_RECORD_STEP,
@@ -70,7 +70,7 @@ __all__ = ["CAP_LIFT_AFTER_S", "Planner"]
 CAP_LIFT_AFTER_S = 1.0
 
 
-class Planner(Starts):
+class Planner(Queued):
     """Owns every price, admission and width decision of one pool: the events. It is built
     as :class:`~gpupool._core.planner.base.PlannerBase` is (its arguments are listed there)."""
 
@@ -175,10 +175,12 @@ class Planner(Starts):
         self.pending.append(task)
         self._pending_by_key[key] += 1
         self._last_key = key
+        self._width_due = True
 
     def withdraw(self, task: TaskId) -> None:
         """A pending task left the queue (cancelled, or failed by the pool)."""
         self._issued.pop(task, None)
+        self._drop_queued(task)
         if task in self.tasks and task not in self.running:
             self._unqueue(task)
             del self.tasks[task]
@@ -366,7 +368,7 @@ class Planner(Starts):
             run.shared = bool(card.others_tasks or card.runs)
             for other in card.runs.values():
                 other.shared = True
-            card.runs[task] = run
+            card.add_run(task, run)
             if pid is not None:
                 card.worker_pids.add(pid)
         self.running[task] = run
@@ -394,6 +396,7 @@ class Planner(Starts):
     ) -> None:
         run = self._end_run(task)
         self.tasks.pop(task, None)
+        self._drop_queued(task)
         if run is not None:
             self._rebook(run.key)
         if run is not None and not failed:

@@ -58,13 +58,18 @@ class Starts(Views):
         a ready worker is idle, so the bound is checked when the task runs, not when it is
         handed to a worker that still boots; where it fits but none is ready, the verdict
         is :class:`Warm` (start one). ``None``: every card has a ready worker (a planner
-        driven without processes)."""
+        driven without processes).
+
+        The width is derived once per scheduling pass, at its end (a verdict that is not a
+        start), and on a start only when tasks were submitted since it was last derived."""
         self._workers = workers
         if workers is not None and workers.booting_total:
             # How many more the pool admits now, for the work it holds: no more boot than that.
             self.width = self._width_now()
         verdict = self._next_start(now_s)
-        self.width = self._width_now()
+        if self._width_due or not isinstance(verdict, (Start, Warm)):
+            self._width_due = False
+            self.width = self._width_now()
         if isinstance(verdict, Start):
             self._issued[verdict.task] = verdict
         return verdict
@@ -78,9 +83,12 @@ class Starts(Views):
         if len(self.running) >= self.ceiling.value:
             return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
         head = self.pending[0]
-        firsts: dict[str, TaskId] = {}
-        for task in itertools.islice(self.pending, LOOKAHEAD):
-            firsts.setdefault(self.tasks[task].key, task)
+        firsts: dict[str, TaskId] = {self.tasks[head].key: head}
+        if self._pending_by_key[self.tasks[head].key] < len(self.pending):
+            # More than one key waits: each one's first within the lookahead (with one key,
+            # the head is its first, and the queue is not walked).
+            for task in itertools.islice(self.pending, LOOKAHEAD):
+                firsts.setdefault(self.tasks[task].key, task)
         candidates, critical = self._critical_first(list(firsts.values()))
         passed = self.tasks[head].passed
         if passed >= max(1, self.ceiling.value) and self.cards:

@@ -4,11 +4,14 @@ One name for each idea: a task's price on its card is its ``booked_bytes`` (its
 share of its key's price together, :meth:`~gpupool._core.policy.Ask.next_bytes`);
 ``booked_at_start_bytes`` is what it was booked at when it started (an
 out-of-memory is judged against that, not against a price raised since); a
-card's runs are ``card.runs``.
+card's runs are ``card.runs``, added and dropped through the card, which keeps
+their running sums (what they book, how many of each key) so a start, a finish
+and a fit read them without walking the runs.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 from gpupool._core.bookings import OtherPools
@@ -112,15 +115,37 @@ class Card:
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
+    # The running sums of ``runs``: what they book between them, and how many of each key.
+    runs_booked_bytes: int = 0
+    runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def add_run(self, task: TaskId, run: Run) -> None:
+        """``run`` runs here now."""
+        self.runs[task] = run
+        self.runs_booked_bytes += run.booked_bytes
+        self.runs_by_key[run.key] += 1
+
+    def drop_run(self, task: TaskId) -> Run | None:
+        """``task``'s run ended here (``None``: it had none)."""
+        run = self.runs.pop(task, None)
+        if run is not None:
+            self.runs_booked_bytes -= run.booked_bytes
+            self.runs_by_key[run.key] -= 1
+        return run
+
+    def rebook(self, run: Run, booked_bytes: int) -> None:
+        """``run`` (one of this card's) is booked at ``booked_bytes`` from now on."""
+        self.runs_booked_bytes += booked_bytes - run.booked_bytes
+        run.booked_bytes = booked_bytes
 
     @property
     def booked_bytes(self) -> int:
         """What the pool's runs on this card book between them."""
-        return sum(run.booked_bytes for run in self.runs.values())
+        return self.runs_booked_bytes
 
     def same_key(self, key: str) -> int:
         """How many of the pool's runs on this card are of ``key``."""
-        return sum(1 for run in self.runs.values() if run.key == key)
+        return self.runs_by_key.get(key, 0)
 
     @property
     def others_waiting(self) -> int:

@@ -55,7 +55,7 @@ class Views(PlannerBase):
         return fit(
             card,
             ask,
-            list(card.runs.values()) if runs is None else runs,
+            runs,
             reserve_bytes=self.config.reserve_bytes,
             ceiling=self.ceiling,
             slots=self.ceiling.value - len(self.running) if slots is None else slots,
@@ -255,13 +255,17 @@ class Views(PlannerBase):
         # On the card a waiting head holds: what stays once the runs it waits for end, and it.
         after = self.hold.after(self.cards[self.hold.device]) if self.hold is not None else []
         total = len(self.running)
-        pending = list(itertools.islice(self.pending, LOOKAHEAD))
-        if self.hold is not None and pending:
-            pending = pending[1:]  # the held head: its room is placed already
-        asks = [self.asks.ask_for(self.tasks[t].key, self.tasks[t].size) for t in pending]
+        # The held head's room is placed already. Priced one by one: the walk ends at the
+        # ceiling, so a long queue costs no more than the width it could add.
+        skip = 1 if self.hold is not None else 0
+        pending = itertools.islice(self.pending, skip, LOOKAHEAD)
+        asks = (self.asks.ask_for(self.tasks[t].key, self.tasks[t].size) for t in pending)
         # What the next submits could add: more of the last key seen.
-        asks += [self.asks.ask(self._last_key)] * max(0, self.ceiling.value - total - len(asks))
-        for ask in asks:
+        placed_pending = max(0, min(len(self.pending), LOOKAHEAD) - skip)
+        more = itertools.repeat(
+            self.asks.ask(self._last_key), max(0, self.ceiling.value - total - placed_pending)
+        )
+        for ask in itertools.chain(asks, more):
             if total >= self.ceiling.value:
                 break
             best: Fit | None = None

@@ -1,0 +1,112 @@
+"""A short task queued behind a busy worker, in that worker's booking (pure core).
+
+A worker that ends a task waits for the parent to hand it the next one: the
+answer crosses the socket, the parent books the next start and sends it back.
+For tasks that take milliseconds that round trip is most of the time, so the
+next task of the same key may wait in the busy worker's socket and start the
+moment the running one ends. The planner allows it only where it books nothing
+new:
+
+* the task is the queue's head (the start order is kept; no scan of the queue)
+  and of the running task's key, with no size of its own (sized asks are priced
+  one by one) and no card to avoid;
+* the key is short: at least :data:`SHORT_MIN_TASKS` of its tasks were timed,
+  and their mean run time is under :data:`SHORT_TASK_S`;
+* on a card, nothing caps the card after an out-of-memory, the task's ask is
+  not above the running task's booking, and no room is held for a waiting task.
+
+A queued task leaves the pending queue and holds its slot behind the run: it is
+not counted as waiting, and no start is made for it. When the run ends, the
+queued task starts on that worker in the booking the run leaves
+(:meth:`Queued.run_queued`: the key's tasks on the card are booked together as
+before, at the key's price then, so its total booking does not grow unless the
+price did, as for any running task of a key whose ask moved). A queued task
+whose worker is lost goes back to the head of the queue (:meth:`Queued.requeue`);
+one the pool fails or withdraws leaves the planner as a pending one does.
+"""
+
+from __future__ import annotations
+
+from gpupool._core.planner.starts import Starts
+from gpupool._core.planner.verdicts import TaskId
+
+__all__ = ["SHORT_MIN_TASKS", "SHORT_TASK_S", "Queued"]
+
+#: A key's tasks are short when their mean measured run time is under this: a task queued
+#: behind one of them waits at most about that long while another worker may be idle.
+SHORT_TASK_S = 0.02
+#: How many of a key's tasks are timed before it may be found short.
+SHORT_MIN_TASKS = 3
+
+
+class Queued(Starts):
+    """Tasks queued behind running ones (``self.queued``: queued task -> the run it follows)."""
+
+    def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
+        """Handed to a worker: the planner's own (:meth:`Planner.started`)."""
+        raise NotImplementedError
+
+    def short(self, key: str) -> bool:
+        """Whether ``key``'s measured tasks are short (:data:`SHORT_TASK_S`)."""
+        count, mean_s = self._durations_s.get(key, (0, 0.0))
+        return count >= SHORT_MIN_TASKS and mean_s < SHORT_TASK_S
+
+    def queue_behind(self, behind: TaskId) -> TaskId | None:
+        """The pending task to queue behind the running ``behind`` on its worker, taken off
+        the pending queue; ``None`` when the queue's head may not follow it."""
+        run = self.running.get(behind)
+        if (
+            run is None
+            or not self.pending
+            or self.refused is not None
+            or self.hold is not None
+            or run.size is not None
+            or behind in self._behind
+        ):
+            return None
+        head = self.pending[0]
+        state = self.tasks[head]
+        if (
+            state.key != run.key
+            or state.size is not None
+            or state.hint_bytes is not None
+            or state.room_wait_until_s is not None
+            or not self.short(run.key)
+        ):
+            return None
+        if run.device is not None:
+            card = self.cards[run.device]
+            if (
+                run.device in state.avoid
+                or card.oom_cap is not None
+                or self.asks.ask(run.key).ask_bytes > run.booked_bytes
+            ):
+                return None
+        self._unqueue(head)
+        self.queued[head] = behind
+        self._behind.add(behind)
+        self.counts["queued_behind"] += 1
+        return head
+
+    def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
+        """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
+        that worker, in the booking the run left."""
+        behind = self.queued.pop(task)
+        self._behind.discard(behind)
+        self.started(task, device, pid, now_s)
+
+    def requeue(self, task: TaskId) -> None:
+        """``task`` was queued behind a run whose worker is gone: it never ran, so it goes
+        back to the head of the pending queue."""
+        behind = self.queued.pop(task, None)
+        if behind is None:
+            return
+        self._behind.discard(behind)
+        self.pending.appendleft(task)
+        self._pending_by_key[self.tasks[task].key] += 1
+
+    def _drop_queued(self, task: TaskId) -> None:
+        """``task`` left the planner (failed or withdrawn) while queued."""
+        behind = self.queued.pop(task, None)
+        if behind is not None:
+            self._behind.discard(behind)

@@ -1,0 +1,111 @@
+"""A short task queued behind a run, in the planner: who may be queued, and what it books."""
+
+from __future__ import annotations
+
+from gpupool._core import AskTable, Policy
+from gpupool._core.peak import PeakReport
+from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner.queued import SHORT_MIN_TASKS, SHORT_TASK_S
+from gpupool._core.units import GiB
+from support import card_census, census_of
+
+PARENT = 4242
+
+
+def _planner() -> Planner:
+    census = census_of(
+        [card_census(total_bytes=16 * GiB, free_bytes=16 * GiB)],
+        cpus=8,
+        available_ram_bytes=64 * GiB,
+    )
+    asks = AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=3 * GiB)
+    config = PlannerConfig(max_workers=2, reserve_bytes=0, parent_pid=PARENT)
+    planner = Planner(census=census, asks=asks, config=config, emit=lambda _r: None)
+    planner.construct(0.0)
+    return planner
+
+
+def _report(peak_bytes: int) -> PeakReport:
+    return PeakReport(device=0, device_peak_bytes=peak_bytes, device_source="simulator")
+
+
+def _run(planner: Planner, task: int, key: str, now_s: float) -> Start:
+    planner.submit(task, key)
+    verdict = planner.next_start(now_s)
+    assert isinstance(verdict, Start) and verdict.task == task
+    planner.started(task, verdict.device, 100 + task, now_s)
+    return verdict
+
+
+def _timed(planner: Planner, key: str, took_s: float) -> None:
+    """``SHORT_MIN_TASKS`` tasks of ``key`` that each took ``took_s``."""
+    for task in range(SHORT_MIN_TASKS):
+        _run(planner, 1000 + task, key, 0.0)
+        planner.finished(1000 + task, _report(GiB), took_s)
+
+
+def test_the_queues_head_of_a_short_key_is_queued_in_the_runs_booking() -> None:
+    planner = _planner()
+    _timed(planner, "k", SHORT_TASK_S / 2)
+    run = _run(planner, 1, "k", 1.0)
+    planner.submit(2, "k")
+    planner.submit(3, "k")
+    assert planner.queue_behind(1) == 2
+    assert planner.queue_behind(1) is None  # one behind each run
+    assert list(planner.pending) == [3]
+    assert planner.queued == {2: 1}
+    booked = sum(r.booked_bytes for r in planner.running.values())
+    planner.finished(1, _report(GiB), 1.001)
+    planner.run_queued(2, run.device, 101, 1.001)
+    assert list(planner.running) == [2]
+    assert planner.running[2].pid == 101
+    assert sum(r.booked_bytes for r in planner.running.values()) == booked  # its run's booking
+    assert planner.queued == {}
+
+
+def test_a_long_key_another_key_or_a_larger_ask_is_not_queued() -> None:
+    planner = _planner()
+    _timed(planner, "long", SHORT_TASK_S * 2)
+    _run(planner, 1, "long", 1.0)
+    planner.submit(2, "long")
+    assert planner.queue_behind(1) is None  # not short
+    planner = _planner()
+    _timed(planner, "k", 0.0)
+    _run(planner, 1, "k", 1.0)
+    planner.submit(2, "other")
+    planner.submit(3, "k")
+    assert planner.queue_behind(1) is None  # the head is of another key; no scan past it
+    planner = _planner()
+    _timed(planner, "k", 0.0)
+    _run(planner, 1, "k", 1.0)
+    planner.asks.floor("k", 5 * GiB)  # priced above the run's booking now
+    planner.submit(2, "k")
+    assert planner.queue_behind(1) is None
+
+
+def test_a_task_queued_behind_a_lost_run_goes_back_to_the_head() -> None:
+    planner = _planner()
+    _timed(planner, "k", 0.0)
+    _run(planner, 1, "k", 1.0)
+    planner.submit(2, "k")
+    planner.submit(3, "k")
+    assert planner.queue_behind(1) == 2
+    planner.lost(1, 1.5, message="worker lost", extra={})
+    planner.requeue(2)
+    assert list(planner.pending) == [2, 3]
+    assert planner.queued == {}
+    assert planner.waiting_count() == 2
+
+
+def test_a_queued_task_failed_or_withdrawn_leaves_no_trace() -> None:
+    planner = _planner()
+    _timed(planner, "k", 0.0)
+    _run(planner, 1, "k", 1.0)
+    planner.submit(2, "k")
+    assert planner.queue_behind(1) == 2
+    planner.withdraw(2)
+    assert planner.queued == {} and 2 not in planner.tasks
+    planner.submit(3, "k")
+    assert planner.queue_behind(1) == 3  # the run may take another
+    planner.finished(3, None, 1.2, failed=True)
+    assert planner.queued == {} and 3 not in planner.tasks

@@ -1,0 +1,32 @@
+"""Tasks for the queued-behind tests: one function (one key), whose action the test picks."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from gpupool.testing import hold
+
+PATIENCE_S = 60.0
+
+
+def _wait(path: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def step(action: str, path: str = "") -> int:
+    """``ok``: return at once. ``wait``: return once ``path`` exists. ``die``: exit the worker
+    once it exists. ``oom``: once it exists, allocate more than the card has. Every task
+    that returns answers its worker's PID."""
+    if action == "ok":
+        return os.getpid()
+    _wait(path)
+    if action == "die":
+        os._exit(3)
+    if action == "oom":
+        with hold("64GiB"):
+            pass
+    return os.getpid()

@@ -1,0 +1,96 @@
+"""A short task queued behind a busy worker: it runs there, or, where it no longer can, elsewhere.
+
+One worker, one key: after a warm-up its tasks are short, so the next task of
+the key waits in the busy worker's socket (its future RUNNING, as a standard
+pool's queued call is). Each test then takes that worker's run away another
+way (the worker dies, the run runs out of memory, the caller cancels) and
+checks the queued task is never lost and never left pending. The test waits on
+files it creates and on the futures' own states; nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import queue_tasks
+
+from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor, WorkerLostError
+from gpupool.testing import SimulatedDevice, SimulatedHost
+from support import wait_for
+
+WARM_UP = 20
+
+
+def _busy_with_one_queued(
+    pool: GpuPoolExecutor, action: str, gate: Path
+) -> tuple[Future[int], Future[int], Future[int]]:
+    """Warm the key up, start ``action`` on the one worker, and wait until the next task
+    (``ok``) is queued behind it; a third stays pending."""
+    assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
+    running = pool.submit(queue_tasks.step, action, str(gate))
+    queued = pool.submit(queue_tasks.step, "ok")
+    pending = pool.submit(queue_tasks.step, "ok")
+    # With one worker busy, the only way for the next future to be RUNNING is to be queued.
+    wait_for(queued.running, what="the next task queued behind the busy worker")
+    return running, queued, pending
+
+
+def _card() -> Any:
+    return SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB")
+
+
+def test_a_task_queued_behind_a_worker_that_dies_runs_on_another(tmp_path: Path) -> None:
+    gate = tmp_path / "die"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        first_pid = pool.submit(queue_tasks.step, "ok").result()
+        running, queued, pending = _busy_with_one_queued(pool, "die", gate)
+        gate.touch()
+        with pytest.raises(WorkerLostError):
+            running.result(timeout=60)
+        assert queued.result(timeout=60) != first_pid  # run again, by the new worker
+        assert pending.result(timeout=60) != first_pid
+
+
+def test_a_task_queued_behind_one_that_runs_out_of_memory_still_runs(tmp_path: Path) -> None:
+    gate = tmp_path / "oom"
+    with _card() as host, GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        running, queued, pending = _busy_with_one_queued(pool, "oom", gate)
+        gate.touch()
+        with pytest.raises(DeviceOutOfMemoryError):
+            running.result(timeout=60)
+        # Queued in the run's booking, it runs there at the key's price after the re-pricing.
+        assert queued.result(timeout=60) > 0
+        try:
+            pending.result(timeout=60)
+        except DeviceOutOfMemoryError:
+            pass  # priced past the card now: refused, not left pending
+        assert pending.done()
+        assert host.device_peak(0) <= host.devices[0].total_bytes
+
+
+def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> None:
+    gate = tmp_path / "go"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        running, queued, pending = _busy_with_one_queued(pool, "wait", gate)
+        assert not queued.cancel()  # RUNNING: handed to its worker, as in the standard pool
+        pool.shutdown(wait=False, cancel_futures=True)
+        gate.touch()
+        assert running.result(timeout=60) == queued.result(timeout=60)  # the same worker
+        assert pending.cancelled()
+
+
+def test_a_queued_task_on_the_host_runs_after_its_worker_is_killed(tmp_path: Path) -> None:
+    gate = tmp_path / "never"
+    pool = GpuPoolExecutor(max_workers=1)
+    try:
+        running, queued, pending = _busy_with_one_queued(pool, "wait", gate)
+        pool.kill_workers()
+        for future in (running, queued):
+            with pytest.raises(WorkerLostError):
+                future.result(timeout=60)
+        assert pending.cancelled()
+    finally:
+        pool.shutdown()
