@@ -197,3 +197,49 @@ def test_a_planner_never_prices_a_measured_key_past_its_card(peaks: list[int]) -
     assert room is not None
     if max(peaks) <= room:
         assert ask.ask_bytes <= room
+
+
+def _run_sized(planner: Planner, task: int, peak_bytes: int, size: float, now_s: float) -> None:
+    planner.submit(task, "sized", size=size)
+    verdict = planner.next_start(now_s)
+    assert isinstance(verdict, Start)
+    planner.started(verdict.task, verdict.device, 100 + task, now_s)
+    report = PeakReport(device=0, device_peak_bytes=peak_bytes, device_source="simulator")
+    planner.finished(verdict.task, report, now_s + 0.5)
+
+
+def test_a_key_whose_tasks_carry_sizes_is_not_told_to_give_sizes() -> None:
+    """Peaks 0.5, 2, 1 and 4 GiB of tasks given size=1, 4, 2 and 8: they vary more than 2x,
+    but with the sizes (the ask is predicted per size, and its key's own ask is not what
+    gates them). No peaks_vary record tells the caller to give size=, which they did."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, size in enumerate([1, 4, 2, 8]):
+        _run_sized(planner, task, int(size * GiB // 2), float(size), float(task))
+    assert not [r for r in records if r.event == "peaks_vary"]
+
+
+def test_the_record_of_a_small_key_does_not_claim_its_margin_is_within_the_range() -> None:
+    """Peaks 10, 30 and 25 MiB: the range is 20 MiB and the margin the least learned one
+    (64 MiB), larger than the range. The record states the margin and the range as they
+    are, and does not say the margin is at most the range."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, peak in enumerate([10 * MiB, 30 * MiB, 25 * MiB]):
+        _run_one(planner, task, peak, float(task))
+    [told] = [r for r in records if r.event == "peaks_vary"]
+    fields = told.to_dict()
+    assert fields["margin_bytes"] == MARGIN_FLOOR_BYTES > fields["peak_range_bytes"]
+    assert "at most the range" not in told.reason
+    assert "64.00 MiB" in told.reason and "20.00 MiB" in told.reason
+
+
+def test_a_peak_just_below_the_room_is_priced_at_the_room_not_past_it() -> None:
+    """One peak 1 MiB below the card's room for one task: the least learned margin (64 MiB)
+    would price it past the room; the room comes first, the margin is the 1 MiB left, and
+    the ask says it is held there."""
+    room = 16 * GiB
+    ask = _table([room - MiB], room).ask("k")
+    assert ask.ask_bytes == room
+    assert ask.margin_bytes == MiB < MARGIN_FLOOR_BYTES
+    assert ask.room_capped

@@ -61,7 +61,9 @@ DEFAULT_MARGIN_FRACTION = 0.10
 #: more. 64 MiB covers one 20 MiB segment, one 32 MiB workspace and a few 2 MiB
 #: blocks (20 + 32 + 3 x 2 = 58 MiB). It does not cover the sampler's blind
 #: spot (an allocation that lives shorter than one NVML sampling interval): the
-#: probe prefers the driver's exact per-process high-water where one is kept.
+#: probe prefers the driver's exact per-process high-water where one is kept. The
+#: card's room for one task comes first: a peak within this floor of the room is
+#: priced at the room (:attr:`Ask.room_capped`).
 MARGIN_FLOOR_BYTES = 64 * MiB
 
 #: One-sided 99.9 % quantiles of Student's t by degrees of freedom (n - 1),
@@ -216,7 +218,8 @@ class Policy:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ask:
     """One task key's price and how it was reached (``size``: the input size a task's ask was
-    predicted for, ``None`` for the key's own ask)."""
+    predicted for, ``None`` for the key's own ask; ``sized_samples``: how many of the key's
+    measurements came with a size)."""
 
     key: str
     ask_bytes: int
@@ -234,6 +237,7 @@ class Ask:
     size: float | None = None
     least_peak_bytes: int | None = None
     room_capped: bool = False
+    sized_samples: int = 0
 
     def together_bytes(self, count: int) -> int:
         """What ``count`` tasks of this key running at once are priced at, together.
@@ -512,6 +516,7 @@ class AskTable:
             capped=capped,
             least_peak_bytes=state.least_bytes,
             room_capped=room_capped,
+            sized_samples=state.sized,
         )
 
     def ask_for(self, key: str, size: float | None) -> Ask:

@@ -43,28 +43,37 @@ def room_alone_bytes(cards: Sequence[Card], *, reserve_bytes: int, ceiling: Ceil
 
 def varied_peaks(ask: Ask) -> tuple[str, dict[str, JsonValue]] | None:
     """The ``peaks_vary`` record's sentence and terms for a measured key whose peaks vary a
-    lot, else ``None``."""
+    lot, else ``None`` (also for a key whose tasks carry sizes: its asks are predicted per
+    size, so the advice to give sizes is not for it)."""
     largest, least = ask.measured_peak_bytes, ask.least_peak_bytes
     if (
         ask.basis != "measured"
         or ask.size is not None
+        or ask.sized_samples
         or largest is None
         or least is None
         or not peaks_vary(ask.samples, least, largest)
     ):
         return None
+    spread = largest - least
+    held = (
+        f"held to what was measured ({format_size(ask.margin_bytes)}, at most the range "
+        f"{format_size(spread)})"
+        if ask.margin_bytes <= spread
+        else f"the least it is given ({format_size(ask.margin_bytes)}, more than the range "
+        f"{format_size(spread)})"
+    )
     reason = (
         f"{ask.key}: {ask.samples} measured peaks range from {format_size(least)} to "
         f"{format_size(largest)} (more than {VARY_RATIO:g}x): its tasks are not one workload, "
-        f"so its margin is held to what was measured ({format_size(ask.margin_bytes)}, at most "
-        f"the range {format_size(largest - least)}) and its ask is {ask.describe()}; give its "
-        "tasks size= (the ask is then predicted per size) or split them into keys of their own"
+        f"so its margin is {held} and its ask is {ask.describe()}; give its tasks size= (the "
+        "ask is then predicted per size) or split them into keys of their own"
     )
     return reason, {
         "samples": ask.samples,
         "least_peak_bytes": least,
         "largest_peak_bytes": largest,
-        "peak_range_bytes": largest - least,
+        "peak_range_bytes": spread,
         "mean_peak_bytes": ask.mean_bytes,
         "stdev_bytes": ask.spread_bytes,
         "margin_bytes": ask.margin_bytes,
