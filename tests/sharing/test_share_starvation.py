@@ -184,3 +184,43 @@ def test_two_pools_at_the_serial_floor_do_not_yield_to_each_other() -> None:
     a, _b = _idle_pair(1.0)
     a.cards[0].idle_since_s = 0.5  # A ran nothing here before it saw B wait
     assert isinstance(a.next_start(2.0), Start)
+
+
+def _claims_to_wait(now_s: int) -> OtherPools:
+    """Rows that say their pool runs nothing on the card and waits for 36 GiB: a new pool id
+    every 5 s, each row kept 30 s (the bound per pool does not hold them)."""
+    return OtherPools(
+        card_uuid=UUID,
+        pools=tuple(
+            PoolBooking(
+                pool_id=f"900.{number}",
+                pid=900,
+                start="s",
+                label="claims",
+                updated_s=0.0,
+                waiting=1,
+                need_bytes=36 * GiB,
+            )
+            for number in range(max(0, now_s // 5 - 5), now_s // 5 + 1)
+        ),
+    )
+
+
+def test_fresh_rows_claiming_to_wait_hold_a_pool_at_most_half_the_time() -> None:
+    """Rows under a new pool id every 5 s say their pool runs nothing on the card and waits
+    for 36 GiB, and never start: each is yielded to for at most YIELD_S, but together they
+    held A (5 s tasks, room for four) idle most of 600 s. A yields on a card for at most
+    YIELD_S at a time and then as long not at all: A runs a task at least half the time."""
+    a = _planner(8 * GiB, 4, 1)
+    for t in range(1000):
+        a.submit(t, "a")
+    idle_s = 0
+    for now_s in range(600):
+        a.observe_others(0, _claims_to_wait(now_s), float(now_s))
+        _start_all(a, float(now_s), 1000)
+        if not a.running:
+            idle_s += 1
+        for task, run in list(a.running.items()):
+            if now_s - run.started_s >= 5:
+                a.finished(task, None, float(now_s))
+    assert idle_s <= 0.5 * 600
