@@ -243,3 +243,52 @@ def test_a_peak_just_below_the_room_is_priced_at_the_room_not_past_it() -> None:
     assert ask.ask_bytes == room
     assert ask.margin_bytes == MiB < MARGIN_FLOOR_BYTES
     assert ask.room_capped
+
+
+def test_a_size_just_past_those_measured_is_priced_on_the_card() -> None:
+    """Four sized tasks (sizes 1-4, peaks 1, 4, 1.5 and 4.5 GiB: a line with wide residuals)
+    on a 24 GiB card: the fit's 99.9 % bound (t = 22.3 with two degrees of freedom) priced a
+    size-4.2 task at 56.7 GiB and a size-5 one at 66 GiB, so each ran alone at the serial
+    floor. Past the sizes measured a sized ask is at most the key's ask scaled by the size
+    (the peak grows at most in proportion to its input), and never past the card's room
+    for one task where its predicted peak fits there."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, (size, peak) in enumerate([(1, 1.0), (2, 4.0), (3, 1.5), (4, 4.5)]):
+        _run_sized(planner, task, int(peak * GiB), float(size), float(task))
+    key_ask = planner.asks.ask("sized")
+    room = planner.bound(0, key_ask).room_bytes
+    assert room is not None
+    for size in (4.2, 5.0, 8.0):
+        ask = planner.asks.ask_for("sized", size)
+        assert key_ask.ask_bytes <= ask.ask_bytes <= math.ceil(key_ask.ask_bytes * size / 4)
+        assert ask.ask_bytes <= room
+    huge = planner.asks.ask_for("sized", 40.0)  # predicted past nothing the card cannot hold
+    assert huge.measured_peak_bytes is not None
+    if huge.measured_peak_bytes <= room:
+        assert huge.ask_bytes <= room
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.integers(min_value=64 * MiB, max_value=20 * GiB)),
+        min_size=4,
+        max_size=12,
+    ),
+    st.floats(min_value=0.5, max_value=256.0),
+    st.integers(min_value=4 * GiB, max_value=80 * GiB),
+)
+def test_a_sized_ask_stays_on_the_card_where_its_prediction_does(
+    samples: list[tuple[int, int]], size: float, room: int
+) -> None:
+    """With the card's room known: a sized ask whose predicted peak (and every peak
+    measured) fits the room is never priced past it, unless an out-of-memory floor says so."""
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=NO_ESTIMATE)
+    asks.limit_to_room(room)
+    for each_size, peak in samples:
+        asks.measure("k", peak, size=float(each_size))
+    ask = asks.ask_for("k", size)
+    predicted = ask.measured_peak_bytes or 0
+    if max(p for _, p in samples) <= room and predicted <= room:
+        assert ask.ask_bytes <= room

@@ -284,11 +284,12 @@ class Ask:
         if self.floor_bytes and self.floor_bytes >= self.ask_bytes:
             floor = f"; held at {format_size(self.floor_bytes)}, its price before an out-of-memory"
         if self.basis == "measured" and self.size is not None:
+            held = ", held at the card's room for one task" if self.room_capped else ""
             return (
                 f"{format_size(self.ask_bytes)} (measured: {format_size(self.measured_peak_bytes)} "
                 f"predicted for size {self.size:g} from {self.samples} "
                 f"task{'s' if self.samples != 1 else ''} with sizes + "
-                f"{format_size(self.margin_bytes)} margin{floor})"
+                f"{format_size(self.margin_bytes)} margin{held}{floor})"
             )
         if self.basis == "measured":
             capped = ", held at the task_peak estimate" if self.capped else ""
@@ -528,10 +529,13 @@ class AskTable:
         degrees of freedom) plus the allocator granule. It is never below the largest peak
         measured at a size up to this one (peaks do not shrink as inputs grow), and never
         above the key's ask for a size within those measured (the key's worst peak covers
-        it). Past the largest size measured it is never below the key's ask. Before the fit
-        a size past the largest measured scales the key's ask in proportion (a peak grows
-        at most in proportion to its input); any other size gets the key's ask. Sized asks
-        are never priced together. After an out-of-memory, never below its floor.
+        it). Past the largest size measured it is never below the key's ask, nor above the
+        key's ask scaled by the size (before the fit, it is that: a peak grows at most in
+        proportion to its input); any other size gets the key's ask. With a learned margin
+        and the card's room known (:meth:`limit_to_room`), no size is priced past the room
+        unless its predicted peak, a peak measured at a size up to it or an out-of-memory's
+        floor is. Sized asks are never priced together. After an out-of-memory, never below
+        its floor.
         """
         base = self.ask(key)
         state = self._keys.get(key)
@@ -566,9 +570,21 @@ class AskTable:
         else:
             below = state.peak_up_to(size) or 0
             ask = max(_whole_bytes(bound + granule), below + granule)
-            ask = min(ask, base.ask_bytes) if size <= largest else max(ask, base.ask_bytes)
+            if size <= largest:
+                ask = min(ask, base.ask_bytes)
+            else:
+                # A peak grows at most in proportion to its input: the line's bound (t = 22.3
+                # with four tasks) prices no size past the key's ask scaled by it.
+                scaled = _whole_bytes(base.ask_bytes * (size / largest))
+                ask = max(min(ask, scaled), base.ask_bytes)
         ask = max(1, ask, state.floor_bytes)
         peak = _whole_bytes(max(0.0, predicted))
+        room, room_capped = self.room_bytes, False
+        if self.policy.learned and room is not None and ask > room:
+            # As the key's ask: no margin prices a task off the card (a predicted or
+            # measured peak past the room, or an out-of-memory's floor: at that).
+            ask = max(1, room, peak, state.peak_up_to(size) or 0, state.floor_bytes)
+            room_capped = True
         return dataclasses.replace(
             base,
             ask_bytes=ask,
@@ -578,6 +594,7 @@ class AskTable:
             pooled=False,
             capped=False,
             size=size,
+            room_capped=room_capped,
         )
 
     def keys(self) -> tuple[str, ...]:
