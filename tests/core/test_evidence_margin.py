@@ -14,6 +14,7 @@ from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner.evidence import varied_peaks
 from gpupool._core.policy import MARGIN_FLOOR_BYTES, _t_999, peaks_vary
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
@@ -117,8 +118,10 @@ def test_a_wider_range_never_lowers_the_ask(largest: int, gap: int, wider: int) 
 @given(PEAKS)
 def test_peaks_vary_is_max_over_twice_the_least(peaks: list[int]) -> None:
     """A key's peaks vary a lot exactly when, from three on, the largest is more than twice
-    the least."""
-    assert peaks_vary(len(peaks), min(peaks), max(peaks)) == (max(peaks) > 2 * min(peaks))
+    the least and more than the least learned margin above it."""
+    assert peaks_vary(len(peaks), min(peaks), max(peaks)) == (
+        max(peaks) > 2 * min(peaks) and max(peaks) - min(peaks) > MARGIN_FLOOR_BYTES
+    )
     assert not peaks_vary(2, 1, 100)
 
 
@@ -219,19 +222,30 @@ def test_a_key_whose_tasks_carry_sizes_is_not_told_to_give_sizes() -> None:
     assert not [r for r in records if r.event == "peaks_vary"]
 
 
-def test_the_record_of_a_small_key_does_not_claim_its_margin_is_within_the_range() -> None:
-    """Peaks 10, 30 and 25 MiB: the range is 20 MiB and the margin the least learned one
-    (64 MiB), larger than the range. The record states the margin and the range as they
-    are, and does not say the margin is at most the range."""
+def test_peaks_apart_by_less_than_the_least_margin_are_not_told() -> None:
+    """Peaks of 1, 3 and 2 MiB (allocator granules: the margin is the 64 MiB floor whatever
+    their ratio): no peaks_vary WARNING, whose sentence would say a 64 MiB margin is at most
+    a 2 MiB range."""
     records: list[Decision] = []
     planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
-    for task, peak in enumerate([10 * MiB, 30 * MiB, 25 * MiB]):
+    for task, peak in enumerate([1 * MiB, 3 * MiB, 2 * MiB]):
         _run_one(planner, task, peak, float(task))
-    [told] = [r for r in records if r.event == "peaks_vary"]
-    fields = told.to_dict()
-    assert fields["margin_bytes"] == MARGIN_FLOOR_BYTES > fields["peak_range_bytes"]
-    assert "at most the range" not in told.reason
-    assert "64.00 MiB" in told.reason and "20.00 MiB" in told.reason
+    assert not [r for r in records if r.event == "peaks_vary"]
+
+
+@given(PEAKS, st.one_of(st.none(), st.integers(min_value=1 * GiB, max_value=100 * GiB)))
+def test_a_key_told_its_peaks_vary_has_its_margin_within_their_range(
+    peaks: list[int], room: int | None
+) -> None:
+    """Whenever the record is given, what it says holds: the margin is at most the range the
+    peaks were measured over, and the terms are the ask's."""
+    ask = _table(peaks, room).ask("k")
+    found = varied_peaks(ask)
+    if found is None:
+        return
+    _reason, terms = found
+    assert terms["margin_bytes"] == ask.margin_bytes <= max(peaks) - min(peaks)
+    assert terms["peak_range_bytes"] == max(peaks) - min(peaks)
 
 
 def test_a_peak_just_below_the_room_is_priced_at_the_room_not_past_it() -> None:

@@ -102,6 +102,9 @@ _FIT_FROM_SAMPLES = 4
 #: largest is more than :data:`VARY_RATIO` times the least.
 VARY_FROM_SAMPLES = 3
 VARY_RATIO = 2.0
+#: ... and they lie more than this far apart: within the least learned margin they differ by
+#: allocator granules, and the margin is that floor whatever their ratio.
+VARY_LEAST_RANGE_BYTES = MARGIN_FLOOR_BYTES
 
 #: The most a sized ask is priced at: 1 EiB, more than any card, so a task predicted past it
 #: starts only at the serial floor (a size the caller's unit makes astronomical is no float
@@ -176,9 +179,14 @@ def learned_margin(
 
 def peaks_vary(samples: int, min_bytes: int, max_bytes: int) -> bool:
     """A key's peaks vary a lot: at least :data:`VARY_FROM_SAMPLES` measurements, the largest
-    more than :data:`VARY_RATIO` times the least (its tasks are not one workload: give them
+    more than :data:`VARY_RATIO` times the least and more than
+    :data:`VARY_LEAST_RANGE_BYTES` above it (its tasks are not one workload: give them
     ``size=`` or separate keys)."""
-    return samples >= VARY_FROM_SAMPLES and max_bytes > VARY_RATIO * max(0, min_bytes)
+    return (
+        samples >= VARY_FROM_SAMPLES
+        and max_bytes > VARY_RATIO * max(0, min_bytes)
+        and max_bytes - min_bytes > VARY_LEAST_RANGE_BYTES
+    )
 
 
 #: Bytes kept free on every card beyond the priced terms. Not a pad for an

@@ -55,25 +55,18 @@ def varied_peaks(ask: Ask) -> tuple[str, dict[str, JsonValue]] | None:
         or not peaks_vary(ask.samples, least, largest)
     ):
         return None
-    spread = largest - least
-    held = (
-        f"held to what was measured ({format_size(ask.margin_bytes)}, at most the range "
-        f"{format_size(spread)})"
-        if ask.margin_bytes <= spread
-        else f"the least it is given ({format_size(ask.margin_bytes)}, more than the range "
-        f"{format_size(spread)})"
-    )
     reason = (
         f"{ask.key}: {ask.samples} measured peaks range from {format_size(least)} to "
         f"{format_size(largest)} (more than {VARY_RATIO:g}x): its tasks are not one workload, "
-        f"so its margin is {held} and its ask is {ask.describe()}; give its tasks size= (the "
-        "ask is then predicted per size) or split them into keys of their own"
+        f"so its margin is held to what was measured ({format_size(ask.margin_bytes)}, at most "
+        f"the range {format_size(largest - least)}) and its ask is {ask.describe()}; give its "
+        "tasks size= (the ask is then predicted per size) or split them into keys of their own"
     )
     return reason, {
         "samples": ask.samples,
         "least_peak_bytes": least,
         "largest_peak_bytes": largest,
-        "peak_range_bytes": spread,
+        "peak_range_bytes": largest - least,
         "mean_peak_bytes": ask.mean_bytes,
         "stdev_bytes": ask.spread_bytes,
         "margin_bytes": ask.margin_bytes,
