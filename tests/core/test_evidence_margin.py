@@ -306,3 +306,54 @@ def test_a_sized_ask_stays_on_the_card_where_its_prediction_does(
     predicted = ask.measured_peak_bytes or 0
     if max(p for _, p in samples) <= room and predicted <= room:
         assert ask.ask_bytes <= room
+
+
+def test_a_key_whose_peaks_fit_both_cards_runs_on_both() -> None:
+    """Two 24 GiB cards, one with a 1.5 GiB co-tenant (rooms 21.75 and 23.25 GiB), and a key
+    with peaks 1, 20 and 2 GiB: held at the larger card's room (23.25 GiB) the key ran on
+    that card alone, one task at a time, while the other held its 20 GiB peak too. The ask
+    is held at the room of the tightest card that holds its largest peak with the least
+    margin: two start at once, one on each card."""
+    census = census_of(
+        [
+            card_census(device=0, total_bytes=24 * GiB, free_bytes=22 * GiB),
+            card_census(device=1, total_bytes=24 * GiB, free_bytes=int(23.5 * GiB)),
+        ],
+        cpus=16,
+        available_ram_bytes=128 * GiB,
+    )
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=4 * GiB)
+    config = PlannerConfig(max_workers=8, reserve_bytes=LEARNED.reserve_bytes, parent_pid=1)
+    planner = Planner(census=census, asks=asks, config=config, emit=lambda _r: None)
+    planner.construct(0.0)
+    for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
+        _run_one(planner, task, peak, float(task))
+    ask = planner.asks.ask("spread")
+    rooms = [planner.bound(device, ask).room_bytes for device in (0, 1)]
+    assert ask.room_capped and ask.ask_bytes == min(r for r in rooms if r is not None)
+    for task in range(10, 14):
+        planner.submit(task, "spread")
+    devices = []
+    while isinstance(verdict := planner.next_start(10.0), Start):
+        planner.started(verdict.task, verdict.device, 500 + verdict.task, 10.0)
+        devices.append(verdict.device)
+    assert sorted(devices) == [0, 1]
+
+
+@given(PEAKS, st.lists(st.integers(min_value=1 * GiB, max_value=100 * GiB), min_size=1, max_size=4))
+def test_the_ask_fits_every_card_that_holds_its_largest_peak(
+    peaks: list[int], rooms: list[int]
+) -> None:
+    """With several cards' rooms known: the ask fits the room of every card that holds the
+    largest peak with the least learned margin; it never passes the largest room unless
+    the largest peak does, and is never below the largest peak."""
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=NO_ESTIMATE)
+    asks.limit_to_room(rooms)
+    for peak in peaks:
+        asks.measure("k", peak)
+    ask = asks.ask("k")
+    assert ask.ask_bytes >= max(peaks)
+    for room in rooms:
+        if room >= max(peaks) + MARGIN_FLOOR_BYTES:
+            assert ask.ask_bytes <= room
+    assert ask.ask_bytes <= max(max(rooms), max(peaks))

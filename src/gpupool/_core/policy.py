@@ -14,8 +14,9 @@ Two rules hold whatever the measurements say:
   cautious prior with one sample, shrinking toward :data:`MARGIN_FLOOR_BYTES`
   as samples agree, growing with their spread as they disagree, but never by
   more than the range the peaks were measured over (``max - min``);
-* a learned measured ask never passes the room of the pool's largest card for
-  one task (:attr:`AskTable.room_bytes`), nor falls below the largest peak.
+* a learned measured ask never passes the room for one task of the tightest of
+  the pool's cards that holds its largest peak (:meth:`AskTable.room_for`), nor
+  falls below the largest peak.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpupool._core.bound import AskBasis
@@ -388,24 +390,41 @@ class AskTable:
         policy: the margin to add to measurements.
         default_estimate_bytes: the pool's ``task_peak``, used for keys that
             were given no estimate of their own.
-        room_bytes: the room of the pool's largest card for one task (its bound without
-            the other pools' bookings; ``None``: unknown): with a learned margin, a
-            measured ask is never priced past it, nor below its largest peak (a peak past
-            the room is priced at that peak: its task runs alone, at the serial floor).
-            Set by the planner (:meth:`limit_to_room`).
+        rooms_bytes: the room for one task of each of the pool's cards (its bound
+            without the other pools' bookings), least first (empty: unknown): with a
+            learned margin, a measured ask is never priced past :meth:`room_for` its
+            largest peak, nor below that peak (a peak past every room is priced at that
+            peak: its task runs alone, at the serial floor). Set by the planner
+            (:meth:`limit_to_room`).
     """
 
     policy: Policy
     default_estimate_bytes: int
-    room_bytes: int | None = None
+    rooms_bytes: tuple[int, ...] = ()
     _keys: dict[str, _KeyState] = field(default_factory=dict)
     _cache: dict[str, Ask] = field(default_factory=dict)
 
-    def limit_to_room(self, room_bytes: int | None) -> None:
-        """Price no learned measured ask past ``room_bytes`` from now on (``None``: no limit)."""
-        if room_bytes != self.room_bytes:
-            self.room_bytes = room_bytes
+    def limit_to_room(self, room_bytes: int | Iterable[int] | None) -> None:
+        """Price no learned measured ask past the room of the tightest card that holds its
+        largest peak (``room_bytes``: one card's room, or each card's; ``None``: no limit)
+        from now on."""
+        if room_bytes is None:
+            rooms: tuple[int, ...] = ()
+        elif isinstance(room_bytes, int):
+            rooms = (room_bytes,)
+        else:
+            rooms = tuple(sorted(room_bytes))
+        if rooms != self.rooms_bytes:
+            self.rooms_bytes = rooms
             self._cache.clear()
+
+    def room_for(self, peak_bytes: int) -> int | None:
+        """The room a key whose largest peak is ``peak_bytes`` is held within: the least room
+        of a card that holds that peak with the least learned margin (so its ask fits each
+        such card), else the largest room; ``None`` when no room is known."""
+        floor = self.policy.margin_floor_bytes
+        fits = (room for room in self.rooms_bytes if room >= peak_bytes + floor)
+        return next(fits, self.rooms_bytes[-1] if self.rooms_bytes else None)
 
     def hint(self, key: str, estimate_bytes: int) -> None:
         """Give ``key`` an estimate of its own (a per-task peak hint).
@@ -499,7 +518,7 @@ class AskTable:
             # samples does not price the key above what the caller vouched for.
             margin = estimate - state.peak_bytes
             capped = True
-        room = self.room_bytes
+        room = self.room_for(state.peak_bytes)
         if self.policy.learned and room is not None and room < state.peak_bytes + margin:
             # No margin prices the key off the card (a peak past the room: at that peak).
             margin = max(0, room - state.peak_bytes)
@@ -587,7 +606,7 @@ class AskTable:
                 ask = max(min(ask, scaled), base.ask_bytes)
         ask = max(1, ask, state.floor_bytes)
         peak = _whole_bytes(max(0.0, predicted))
-        room, room_capped = self.room_bytes, False
+        room, room_capped = self.room_for(max(peak, state.peak_up_to(size) or 0)), False
         if self.policy.learned and room is not None and ask > room:
             # As the key's ask: no margin prices a task off the card (a predicted or
             # measured peak past the room, or an out-of-memory's floor: at that).

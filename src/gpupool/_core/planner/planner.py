@@ -44,7 +44,7 @@ from gpupool._core.bound import WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
-from gpupool._core.planner.evidence import room_alone_bytes, varied_peaks
+from gpupool._core.planner.evidence import rooms_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.samples import split_reading
 from gpupool._core.planner.sharing import note_starved, others_terms
@@ -429,9 +429,9 @@ class Planner(Starts):
         self._ask_changed(run.key, before, after, now_s, report)
 
     def _limit_asks(self) -> None:
-        """Hold learned asks within the largest card's room for one task, as it is now."""
+        """Hold learned asks within the cards' rooms for one task, as they are now."""
         self.asks.limit_to_room(
-            room_alone_bytes(
+            rooms_alone_bytes(
                 self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
             )
         )
