@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
-from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
 from gpupool._core.planner.evidence import varied_peaks
 from gpupool._core.policy import MARGIN_FLOOR_BYTES, _t_999, peaks_vary
 from gpupool._core.units import GiB, MiB
@@ -357,3 +357,28 @@ def test_the_ask_fits_every_card_that_holds_its_largest_peak(
         if room >= max(peaks) + MARGIN_FLOOR_BYTES:
             assert ask.ask_bytes <= room
     assert ask.ask_bytes <= max(max(rooms), max(peaks))
+
+
+def test_a_running_task_is_rebooked_when_its_cards_room_shrinks() -> None:
+    """Peaks 1, 20 and 2 GiB on a 24 GiB card: the ask is held at the card's room and a task
+    runs booked there. The parent then takes 1 GiB of the card (its own high-water): the
+    room, and the ask held at it, fall by 1 GiB, and the running task is booked at the new
+    ask (it was left at the old one, a booking the key's price no longer says)."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
+        _run_one(planner, task, peak, float(task))
+    before = planner.asks.ask("spread")
+    assert before.room_capped
+    planner.submit(10, "spread")
+    verdict = planner.next_start(5.0)
+    assert isinstance(verdict, Start)
+    planner.started(verdict.task, verdict.device, 500, 5.0)
+    reading = CardReading(
+        free_bytes=2 * GiB, used_bytes=22 * GiB, process_bytes={1: GiB, 500: 20 * GiB}
+    )
+    planner.observe(0, reading, 6.0)
+    after = planner.asks.ask("spread")
+    assert after.ask_bytes == before.ask_bytes - GiB
+    [run] = planner.running.values()
+    assert run.booked_bytes == after.ask_bytes

@@ -404,19 +404,21 @@ class AskTable:
     _keys: dict[str, _KeyState] = field(default_factory=dict)
     _cache: dict[str, Ask] = field(default_factory=dict)
 
-    def limit_to_room(self, room_bytes: int | Iterable[int] | None) -> None:
+    def limit_to_room(self, room_bytes: int | Iterable[int] | None) -> bool:
         """Price no learned measured ask past the room of the tightest card that holds its
         largest peak (``room_bytes``: one card's room, or each card's; ``None``: no limit)
-        from now on."""
+        from now on. Returns whether the rooms changed (asks may have moved)."""
         if room_bytes is None:
             rooms: tuple[int, ...] = ()
         elif isinstance(room_bytes, int):
             rooms = (room_bytes,)
         else:
             rooms = tuple(sorted(room_bytes))
-        if rooms != self.rooms_bytes:
-            self.rooms_bytes = rooms
-            self._cache.clear()
+        if rooms == self.rooms_bytes:
+            return False
+        self.rooms_bytes = rooms
+        self._cache.clear()
+        return True
 
     def room_for(self, peak_bytes: int) -> int | None:
         """The room a key whose largest peak is ``peak_bytes`` is held within: the least room

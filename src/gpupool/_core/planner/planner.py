@@ -429,12 +429,14 @@ class Planner(Starts):
         self._ask_changed(run.key, before, after, now_s, report)
 
     def _limit_asks(self) -> None:
-        """Hold learned asks within the cards' rooms for one task, as they are now."""
-        self.asks.limit_to_room(
-            rooms_alone_bytes(
-                self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
-            )
+        """Hold learned asks within the cards' rooms for one task, as they are now; where
+        the rooms moved, running tasks are booked at their keys' asks again."""
+        rooms = rooms_alone_bytes(
+            self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
         )
+        if self.asks.limit_to_room(rooms):
+            for key in {run.key for run in self.running.values()}:
+                self._rebook(key)
 
     def _peaks_vary(self, ask: Ask, device: int, now_s: float) -> None:
         """Tell the user, once per key, that its measured peaks vary a lot."""
