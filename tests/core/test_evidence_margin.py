@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
-from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
+from gpupool._core.planner.evidence import varied_peaks
 from gpupool._core.policy import MARGIN_FLOOR_BYTES, _t_999, peaks_vary
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
@@ -117,8 +118,10 @@ def test_a_wider_range_never_lowers_the_ask(largest: int, gap: int, wider: int) 
 @given(PEAKS)
 def test_peaks_vary_is_max_over_twice_the_least(peaks: list[int]) -> None:
     """A key's peaks vary a lot exactly when, from three on, the largest is more than twice
-    the least."""
-    assert peaks_vary(len(peaks), min(peaks), max(peaks)) == (max(peaks) > 2 * min(peaks))
+    the least and more than the least learned margin above it."""
+    assert peaks_vary(len(peaks), min(peaks), max(peaks)) == (
+        max(peaks) > 2 * min(peaks) and max(peaks) - min(peaks) > MARGIN_FLOOR_BYTES
+    )
     assert not peaks_vary(2, 1, 100)
 
 
@@ -197,3 +200,185 @@ def test_a_planner_never_prices_a_measured_key_past_its_card(peaks: list[int]) -
     assert room is not None
     if max(peaks) <= room:
         assert ask.ask_bytes <= room
+
+
+def _run_sized(planner: Planner, task: int, peak_bytes: int, size: float, now_s: float) -> None:
+    planner.submit(task, "sized", size=size)
+    verdict = planner.next_start(now_s)
+    assert isinstance(verdict, Start)
+    planner.started(verdict.task, verdict.device, 100 + task, now_s)
+    report = PeakReport(device=0, device_peak_bytes=peak_bytes, device_source="simulator")
+    planner.finished(verdict.task, report, now_s + 0.5)
+
+
+def test_a_key_whose_tasks_carry_sizes_is_not_told_to_give_sizes() -> None:
+    """Peaks 0.5, 2, 1 and 4 GiB of tasks given size=1, 4, 2 and 8: they vary more than 2x,
+    but with the sizes (the ask is predicted per size, and its key's own ask is not what
+    gates them). No peaks_vary record tells the caller to give size=, which they did."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, size in enumerate([1, 4, 2, 8]):
+        _run_sized(planner, task, int(size * GiB // 2), float(size), float(task))
+    assert not [r for r in records if r.event == "peaks_vary"]
+
+
+def test_peaks_apart_by_less_than_the_least_margin_are_not_told() -> None:
+    """Peaks of 1, 3 and 2 MiB (allocator granules: the margin is the 64 MiB floor whatever
+    their ratio): no peaks_vary WARNING, whose sentence would say a 64 MiB margin is at most
+    a 2 MiB range."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, peak in enumerate([1 * MiB, 3 * MiB, 2 * MiB]):
+        _run_one(planner, task, peak, float(task))
+    assert not [r for r in records if r.event == "peaks_vary"]
+
+
+@given(PEAKS, st.one_of(st.none(), st.integers(min_value=1 * GiB, max_value=100 * GiB)))
+def test_a_key_told_its_peaks_vary_has_its_margin_within_their_range(
+    peaks: list[int], room: int | None
+) -> None:
+    """Whenever the record is given, what it says holds: the margin is at most the range the
+    peaks were measured over, and the terms are the ask's."""
+    ask = _table(peaks, room).ask("k")
+    found = varied_peaks(ask)
+    if found is None:
+        return
+    _reason, terms = found
+    assert terms["margin_bytes"] == ask.margin_bytes <= max(peaks) - min(peaks)
+    assert terms["peak_range_bytes"] == max(peaks) - min(peaks)
+
+
+def test_a_peak_just_below_the_room_is_priced_at_the_room_not_past_it() -> None:
+    """One peak 1 MiB below the card's room for one task: the least learned margin (64 MiB)
+    would price it past the room; the room comes first, the margin is the 1 MiB left, and
+    the ask says it is held there."""
+    room = 16 * GiB
+    ask = _table([room - MiB], room).ask("k")
+    assert ask.ask_bytes == room
+    assert ask.margin_bytes == MiB < MARGIN_FLOOR_BYTES
+    assert ask.room_capped
+
+
+def test_a_size_just_past_those_measured_is_priced_on_the_card() -> None:
+    """Four sized tasks (sizes 1-4, peaks 1, 4, 1.5 and 4.5 GiB: a line with wide residuals)
+    on a 24 GiB card: the fit's 99.9 % bound (t = 22.3 with two degrees of freedom) priced a
+    size-4.2 task at 56.7 GiB and a size-5 one at 66 GiB, so each ran alone at the serial
+    floor. Past the sizes measured a sized ask is at most the key's ask scaled by the size
+    (the peak grows at most in proportion to its input), and never past the card's room
+    for one task where its predicted peak fits there."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, (size, peak) in enumerate([(1, 1.0), (2, 4.0), (3, 1.5), (4, 4.5)]):
+        _run_sized(planner, task, int(peak * GiB), float(size), float(task))
+    key_ask = planner.asks.ask("sized")
+    room = planner.bound(0, key_ask).room_bytes
+    assert room is not None
+    for size in (4.2, 5.0, 8.0):
+        ask = planner.asks.ask_for("sized", size)
+        assert key_ask.ask_bytes <= ask.ask_bytes <= math.ceil(key_ask.ask_bytes * size / 4)
+        assert ask.ask_bytes <= room
+    huge = planner.asks.ask_for("sized", 40.0)  # predicted past nothing the card cannot hold
+    assert huge.measured_peak_bytes is not None
+    if huge.measured_peak_bytes <= room:
+        assert huge.ask_bytes <= room
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.integers(min_value=64 * MiB, max_value=20 * GiB)),
+        min_size=4,
+        max_size=12,
+    ),
+    st.floats(min_value=0.5, max_value=256.0),
+    st.integers(min_value=4 * GiB, max_value=80 * GiB),
+)
+def test_a_sized_ask_stays_on_the_card_where_its_prediction_does(
+    samples: list[tuple[int, int]], size: float, room: int
+) -> None:
+    """With the card's room known: a sized ask whose predicted peak (and every peak
+    measured) fits the room is never priced past it, unless an out-of-memory floor says so."""
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=NO_ESTIMATE)
+    asks.limit_to_room(room)
+    for each_size, peak in samples:
+        asks.measure("k", peak, size=float(each_size))
+    ask = asks.ask_for("k", size)
+    predicted = ask.measured_peak_bytes or 0
+    if max(p for _, p in samples) <= room and predicted <= room:
+        assert ask.ask_bytes <= room
+
+
+def test_a_key_whose_peaks_fit_both_cards_runs_on_both() -> None:
+    """Two 24 GiB cards, one with a 1.5 GiB co-tenant (rooms 21.75 and 23.25 GiB), and a key
+    with peaks 1, 20 and 2 GiB: held at the larger card's room (23.25 GiB) the key ran on
+    that card alone, one task at a time, while the other held its 20 GiB peak too. The ask
+    is held at the room of the tightest card that holds its largest peak with the least
+    margin: two start at once, one on each card."""
+    census = census_of(
+        [
+            card_census(device=0, total_bytes=24 * GiB, free_bytes=22 * GiB),
+            card_census(device=1, total_bytes=24 * GiB, free_bytes=int(23.5 * GiB)),
+        ],
+        cpus=16,
+        available_ram_bytes=128 * GiB,
+    )
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=4 * GiB)
+    config = PlannerConfig(max_workers=8, reserve_bytes=LEARNED.reserve_bytes, parent_pid=1)
+    planner = Planner(census=census, asks=asks, config=config, emit=lambda _r: None)
+    planner.construct(0.0)
+    for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
+        _run_one(planner, task, peak, float(task))
+    ask = planner.asks.ask("spread")
+    rooms = [planner.bound(device, ask).room_bytes for device in (0, 1)]
+    assert ask.room_capped and ask.ask_bytes == min(r for r in rooms if r is not None)
+    for task in range(10, 14):
+        planner.submit(task, "spread")
+    devices = []
+    while isinstance(verdict := planner.next_start(10.0), Start):
+        planner.started(verdict.task, verdict.device, 500 + verdict.task, 10.0)
+        devices.append(verdict.device)
+    assert sorted(devices) == [0, 1]
+
+
+@given(PEAKS, st.lists(st.integers(min_value=1 * GiB, max_value=100 * GiB), min_size=1, max_size=4))
+def test_the_ask_fits_every_card_that_holds_its_largest_peak(
+    peaks: list[int], rooms: list[int]
+) -> None:
+    """With several cards' rooms known: the ask fits the room of every card that holds the
+    largest peak with the least learned margin; it never passes the largest room unless
+    the largest peak does, and is never below the largest peak."""
+    asks = AskTable(policy=LEARNED, default_estimate_bytes=NO_ESTIMATE)
+    asks.limit_to_room(rooms)
+    for peak in peaks:
+        asks.measure("k", peak)
+    ask = asks.ask("k")
+    assert ask.ask_bytes >= max(peaks)
+    for room in rooms:
+        if room >= max(peaks) + MARGIN_FLOOR_BYTES:
+            assert ask.ask_bytes <= room
+    assert ask.ask_bytes <= max(max(rooms), max(peaks))
+
+
+def test_a_running_task_is_rebooked_when_its_cards_room_shrinks() -> None:
+    """Peaks 1, 20 and 2 GiB on a 24 GiB card: the ask is held at the card's room and a task
+    runs booked there. The parent then takes 1 GiB of the card (its own high-water): the
+    room, and the ask held at it, fall by 1 GiB, and the running task is booked at the new
+    ask (it was left at the old one, a booking the key's price no longer says)."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
+        _run_one(planner, task, peak, float(task))
+    before = planner.asks.ask("spread")
+    assert before.room_capped
+    planner.submit(10, "spread")
+    verdict = planner.next_start(5.0)
+    assert isinstance(verdict, Start)
+    planner.started(verdict.task, verdict.device, 500, 5.0)
+    reading = CardReading(
+        free_bytes=2 * GiB, used_bytes=22 * GiB, process_bytes={1: GiB, 500: 20 * GiB}
+    )
+    planner.observe(0, reading, 6.0)
+    after = planner.asks.ask("spread")
+    assert after.ask_bytes == before.ask_bytes - GiB
+    [run] = planner.running.values()
+    assert run.booked_bytes == after.ask_bytes

@@ -260,4 +260,7 @@ def test_k_times_the_learned_ask_plus_the_terms_never_exceeds_the_room(
         task = running[0] if finish_first[index % len(finish_first)] else running[-1]
         report = PeakReport(device=0, device_peak_bytes=peak_mib * MiB, device_source="simulator")
         planner.finished(task, report, now)
-        assert planner.asks.ask("k").margin_bytes >= MARGIN_FLOOR_BYTES
+        # The least learned margin, except where the ask is held at the card's room for one
+        # task (a peak within the floor of the room: the room wins, the task runs alone).
+        learned = planner.asks.ask("k")
+        assert learned.margin_bytes >= MARGIN_FLOOR_BYTES or learned.room_capped

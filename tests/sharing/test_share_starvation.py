@@ -184,3 +184,85 @@ def test_two_pools_at_the_serial_floor_do_not_yield_to_each_other() -> None:
     a, _b = _idle_pair(1.0)
     a.cards[0].idle_since_s = 0.5  # A ran nothing here before it saw B wait
     assert isinstance(a.next_start(2.0), Start)
+
+
+def _claims_to_wait(now_s: int) -> OtherPools:
+    """Rows that say their pool runs nothing on the card and waits for 36 GiB: a new pool id
+    every 5 s, each row kept 30 s (the bound per pool does not hold them)."""
+    return OtherPools(
+        card_uuid=UUID,
+        pools=tuple(
+            PoolBooking(
+                pool_id=f"900.{number}",
+                pid=900,
+                start="s",
+                label="claims",
+                updated_s=0.0,
+                waiting=1,
+                need_bytes=36 * GiB,
+            )
+            for number in range(max(0, now_s // 5 - 5), now_s // 5 + 1)
+        ),
+    )
+
+
+def test_fresh_rows_claiming_to_wait_hold_a_pool_at_most_half_the_time() -> None:
+    """Rows under a new pool id every 5 s say their pool runs nothing on the card and waits
+    for 36 GiB, and never start: each is yielded to for at most YIELD_S, but together they
+    held A (5 s tasks, room for four) idle most of 600 s. A yields on a card for at most
+    YIELD_S at a time and then as long not at all: A runs a task at least half the time."""
+    a = _planner(8 * GiB, 4, 1)
+    for t in range(1000):
+        a.submit(t, "a")
+    idle_s = 0
+    for now_s in range(600):
+        a.observe_others(0, _claims_to_wait(now_s), float(now_s))
+        _start_all(a, float(now_s), 1000)
+        if not a.running:
+            idle_s += 1
+        for task, run in list(a.running.items()):
+            if now_s - run.started_s >= 5:
+                a.finished(task, None, float(now_s))
+    assert idle_s <= 0.5 * 600
+
+
+def _waiting_row(pool_id: str, *, running: bool) -> OtherPools:
+    """Pool ``pool_id``: waiting for 36 GiB and running nothing, or running its 36 GiB task."""
+    tasks = (TaskBooking(worker_pid=77, key="x", booked_bytes=36 * GiB, reached_bytes=0),)
+    return OtherPools(
+        card_uuid=UUID,
+        pools=(
+            PoolBooking(
+                pool_id=pool_id,
+                pid=int(pool_id.split(".")[0]),
+                start="s",
+                label=pool_id,
+                updated_s=0.0,
+                tasks=tasks if running else (),
+                waiting=0 if running else 1,
+                need_bytes=0 if running else 36 * GiB,
+            ),
+        ),
+    )
+
+
+def test_a_pool_that_got_its_turn_leaves_the_next_one_a_full_yield() -> None:
+    """A runs an 8 GiB task for 25 s; pool X waits at the serial floor meanwhile (A yields:
+    it starts nothing more), then runs its task; pool Y comes to wait right after. X had
+    its turn, so A's yield to X was not one a stranger took: A yields to Y at once, not
+    only after as long as it yielded to X."""
+    a = _planner(8 * GiB, 4, 1)
+    for t in range(10):
+        a.submit(t, "a")
+    assert _start_all(a, 0.0, 1000) >= 1
+    for task in list(a.running)[1:]:
+        a.finished(task, None, 0.0)  # one task of A left running
+    for now_s in range(1, 25):
+        a.observe_others(0, _waiting_row("7.1", running=False), float(now_s))
+        assert _start_all(a, float(now_s), 1000) == 0  # A yields to X
+    a.observe_others(0, _waiting_row("7.1", running=True), 25.0)  # X has its turn
+    a.observe_others(0, _waiting_row("8.1", running=False), 25.5)  # Y waits; X is done
+    a.finished(next(iter(a.running)), None, 26.0)
+    a.observe_others(0, _waiting_row("8.1", running=False), 26.5)
+    assert _start_all(a, 27.0, 1000) == 0  # A yields to Y, which waited before A ran nothing
+    assert _start_all(a, 25.5 + YIELD_S, 1000) >= 1  # for at most YIELD_S

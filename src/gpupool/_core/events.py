@@ -148,8 +148,8 @@ EVENTS: Mapping[str, str] = {
     "card_read": "a sample of a card as the pool read it: its used bytes, the parent's, the "
     "pool's workers', everything else's, and what the pool had booked there, by key",
     "peaks_vary": "a task key's measured peaks vary a lot (the largest more than twice the "
-    "least, from three on): its margin is held to their range; give its tasks size= or "
-    "keys of their own",
+    "least and more than the margin floor above it, from three on): its margin is held to "
+    "their range; give its tasks size= or keys of their own",
 }
 
 JsonScalar = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)

@@ -14,8 +14,9 @@ Two rules hold whatever the measurements say:
   cautious prior with one sample, shrinking toward :data:`MARGIN_FLOOR_BYTES`
   as samples agree, growing with their spread as they disagree, but never by
   more than the range the peaks were measured over (``max - min``);
-* a learned measured ask never passes the room of the pool's largest card for
-  one task (:attr:`AskTable.room_bytes`), nor falls below the largest peak.
+* a learned measured ask never passes the room for one task of the tightest of
+  the pool's cards that holds its largest peak (:meth:`AskTable.room_for`), nor
+  falls below the largest peak.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpupool._core.bound import AskBasis
@@ -61,7 +63,9 @@ DEFAULT_MARGIN_FRACTION = 0.10
 #: more. 64 MiB covers one 20 MiB segment, one 32 MiB workspace and a few 2 MiB
 #: blocks (20 + 32 + 3 x 2 = 58 MiB). It does not cover the sampler's blind
 #: spot (an allocation that lives shorter than one NVML sampling interval): the
-#: probe prefers the driver's exact per-process high-water where one is kept.
+#: probe prefers the driver's exact per-process high-water where one is kept. The
+#: card's room for one task comes first: a peak within this floor of the room is
+#: priced at the room (:attr:`Ask.room_capped`).
 MARGIN_FLOOR_BYTES = 64 * MiB
 
 #: One-sided 99.9 % quantiles of Student's t by degrees of freedom (n - 1),
@@ -100,6 +104,9 @@ _FIT_FROM_SAMPLES = 4
 #: largest is more than :data:`VARY_RATIO` times the least.
 VARY_FROM_SAMPLES = 3
 VARY_RATIO = 2.0
+#: ... and they lie more than this far apart: within the least learned margin they differ by
+#: allocator granules, and the margin is that floor whatever their ratio.
+VARY_LEAST_RANGE_BYTES = MARGIN_FLOOR_BYTES
 
 #: The most a sized ask is priced at: 1 EiB, more than any card, so a task predicted past it
 #: starts only at the serial floor (a size the caller's unit makes astronomical is no float
@@ -174,9 +181,14 @@ def learned_margin(
 
 def peaks_vary(samples: int, min_bytes: int, max_bytes: int) -> bool:
     """A key's peaks vary a lot: at least :data:`VARY_FROM_SAMPLES` measurements, the largest
-    more than :data:`VARY_RATIO` times the least (its tasks are not one workload: give them
+    more than :data:`VARY_RATIO` times the least and more than
+    :data:`VARY_LEAST_RANGE_BYTES` above it (its tasks are not one workload: give them
     ``size=`` or separate keys)."""
-    return samples >= VARY_FROM_SAMPLES and max_bytes > VARY_RATIO * max(0, min_bytes)
+    return (
+        samples >= VARY_FROM_SAMPLES
+        and max_bytes > VARY_RATIO * max(0, min_bytes)
+        and max_bytes - min_bytes > VARY_LEAST_RANGE_BYTES
+    )
 
 
 #: Bytes kept free on every card beyond the priced terms. Not a pad for an
@@ -216,7 +228,8 @@ class Policy:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ask:
     """One task key's price and how it was reached (``size``: the input size a task's ask was
-    predicted for, ``None`` for the key's own ask)."""
+    predicted for, ``None`` for the key's own ask; ``sized_samples``: how many of the key's
+    measurements came with a size)."""
 
     key: str
     ask_bytes: int
@@ -234,6 +247,7 @@ class Ask:
     size: float | None = None
     least_peak_bytes: int | None = None
     room_capped: bool = False
+    sized_samples: int = 0
 
     def together_bytes(self, count: int) -> int:
         """What ``count`` tasks of this key running at once are priced at, together.
@@ -280,11 +294,12 @@ class Ask:
         if self.floor_bytes and self.floor_bytes >= self.ask_bytes:
             floor = f"; held at {format_size(self.floor_bytes)}, its price before an out-of-memory"
         if self.basis == "measured" and self.size is not None:
+            held = ", held at the card's room for one task" if self.room_capped else ""
             return (
                 f"{format_size(self.ask_bytes)} (measured: {format_size(self.measured_peak_bytes)} "
                 f"predicted for size {self.size:g} from {self.samples} "
                 f"task{'s' if self.samples != 1 else ''} with sizes + "
-                f"{format_size(self.margin_bytes)} margin{floor})"
+                f"{format_size(self.margin_bytes)} margin{held}{floor})"
             )
         if self.basis == "measured":
             capped = ", held at the task_peak estimate" if self.capped else ""
@@ -375,24 +390,43 @@ class AskTable:
         policy: the margin to add to measurements.
         default_estimate_bytes: the pool's ``task_peak``, used for keys that
             were given no estimate of their own.
-        room_bytes: the room of the pool's largest card for one task (its bound without
-            the other pools' bookings; ``None``: unknown): with a learned margin, a
-            measured ask is never priced past it, nor below its largest peak (a peak past
-            the room is priced at that peak: its task runs alone, at the serial floor).
-            Set by the planner (:meth:`limit_to_room`).
+        rooms_bytes: the room for one task of each of the pool's cards (its bound
+            without the other pools' bookings), least first (empty: unknown): with a
+            learned margin, a measured ask is never priced past :meth:`room_for` its
+            largest peak, nor below that peak (a peak past every room is priced at that
+            peak: its task runs alone, at the serial floor). Set by the planner
+            (:meth:`limit_to_room`).
     """
 
     policy: Policy
     default_estimate_bytes: int
-    room_bytes: int | None = None
+    rooms_bytes: tuple[int, ...] = ()
     _keys: dict[str, _KeyState] = field(default_factory=dict)
     _cache: dict[str, Ask] = field(default_factory=dict)
 
-    def limit_to_room(self, room_bytes: int | None) -> None:
-        """Price no learned measured ask past ``room_bytes`` from now on (``None``: no limit)."""
-        if room_bytes != self.room_bytes:
-            self.room_bytes = room_bytes
-            self._cache.clear()
+    def limit_to_room(self, room_bytes: int | Iterable[int] | None) -> bool:
+        """Price no learned measured ask past the room of the tightest card that holds its
+        largest peak (``room_bytes``: one card's room, or each card's; ``None``: no limit)
+        from now on. Returns whether the rooms changed (asks may have moved)."""
+        if room_bytes is None:
+            rooms: tuple[int, ...] = ()
+        elif isinstance(room_bytes, int):
+            rooms = (room_bytes,)
+        else:
+            rooms = tuple(sorted(room_bytes))
+        if rooms == self.rooms_bytes:
+            return False
+        self.rooms_bytes = rooms
+        self._cache.clear()
+        return True
+
+    def room_for(self, peak_bytes: int) -> int | None:
+        """The room a key whose largest peak is ``peak_bytes`` is held within: the least room
+        of a card that holds that peak with the least learned margin (so its ask fits each
+        such card), else the largest room; ``None`` when no room is known."""
+        floor = self.policy.margin_floor_bytes
+        fits = (room for room in self.rooms_bytes if room >= peak_bytes + floor)
+        return next(fits, self.rooms_bytes[-1] if self.rooms_bytes else None)
 
     def hint(self, key: str, estimate_bytes: int) -> None:
         """Give ``key`` an estimate of its own (a per-task peak hint).
@@ -486,7 +520,7 @@ class AskTable:
             # samples does not price the key above what the caller vouched for.
             margin = estimate - state.peak_bytes
             capped = True
-        room = self.room_bytes
+        room = self.room_for(state.peak_bytes)
         if self.policy.learned and room is not None and room < state.peak_bytes + margin:
             # No margin prices the key off the card (a peak past the room: at that peak).
             margin = max(0, room - state.peak_bytes)
@@ -512,6 +546,7 @@ class AskTable:
             capped=capped,
             least_peak_bytes=state.least_bytes,
             room_capped=room_capped,
+            sized_samples=state.sized,
         )
 
     def ask_for(self, key: str, size: float | None) -> Ask:
@@ -523,10 +558,13 @@ class AskTable:
         degrees of freedom) plus the allocator granule. It is never below the largest peak
         measured at a size up to this one (peaks do not shrink as inputs grow), and never
         above the key's ask for a size within those measured (the key's worst peak covers
-        it). Past the largest size measured it is never below the key's ask. Before the fit
-        a size past the largest measured scales the key's ask in proportion (a peak grows
-        at most in proportion to its input); any other size gets the key's ask. Sized asks
-        are never priced together. After an out-of-memory, never below its floor.
+        it). Past the largest size measured it is never below the key's ask, nor above the
+        key's ask scaled by the size (before the fit, it is that: a peak grows at most in
+        proportion to its input); any other size gets the key's ask. With a learned margin
+        and the card's room known (:meth:`limit_to_room`), no size is priced past the room
+        unless its predicted peak, a peak measured at a size up to it or an out-of-memory's
+        floor is. Sized asks are never priced together. After an out-of-memory, never below
+        its floor.
         """
         base = self.ask(key)
         state = self._keys.get(key)
@@ -561,9 +599,21 @@ class AskTable:
         else:
             below = state.peak_up_to(size) or 0
             ask = max(_whole_bytes(bound + granule), below + granule)
-            ask = min(ask, base.ask_bytes) if size <= largest else max(ask, base.ask_bytes)
+            if size <= largest:
+                ask = min(ask, base.ask_bytes)
+            else:
+                # A peak grows at most in proportion to its input: the line's bound (t = 22.3
+                # with four tasks) prices no size past the key's ask scaled by it.
+                scaled = _whole_bytes(base.ask_bytes * (size / largest))
+                ask = max(min(ask, scaled), base.ask_bytes)
         ask = max(1, ask, state.floor_bytes)
         peak = _whole_bytes(max(0.0, predicted))
+        room, room_capped = self.room_for(max(peak, state.peak_up_to(size) or 0)), False
+        if self.policy.learned and room is not None and ask > room:
+            # As the key's ask: no margin prices a task off the card (a predicted or
+            # measured peak past the room, or an out-of-memory's floor: at that).
+            ask = max(1, room, peak, state.peak_up_to(size) or 0, state.floor_bytes)
+            room_capped = True
         return dataclasses.replace(
             base,
             ask_bytes=ask,
@@ -573,6 +623,7 @@ class AskTable:
             pooled=False,
             capped=False,
             size=size,
+            room_capped=room_capped,
         )
 
     def keys(self) -> tuple[str, ...]:

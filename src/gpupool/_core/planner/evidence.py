@@ -1,11 +1,12 @@
 """What a key's measurements support: the room its ask is held within, and the record that
 tells the user its peaks vary a lot (pure core).
 
-A learned ask is never priced past the room of the pool's largest card for one task
-(:func:`room_alone_bytes`: the card's bound as if no other pool booked anything there), and
-a key whose peaks vary a lot (:func:`~gpupool._core.policy.peaks_vary`) is named once in a
-``peaks_vary`` record with the terms: its tasks are not one workload, and the advice is to
-give them ``size=`` or keys of their own.
+A learned ask is never priced past the room for one task of the tightest of the pool's
+cards that holds its largest peak (:func:`rooms_alone_bytes`: each card's bound as if no
+other pool booked anything there), and a key whose peaks vary a lot
+(:func:`~gpupool._core.policy.peaks_vary`) is named once in a ``peaks_vary`` record with
+the terms: its tasks are not one workload, and the advice is to give them ``size=`` or keys
+of their own.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from gpupool._core.planner.state import Card
 from gpupool._core.policy import VARY_RATIO, Ask, peaks_vary
 from gpupool._core.units import format_size
 
-__all__ = ["room_alone_bytes", "varied_peaks"]
+__all__ = ["rooms_alone_bytes", "varied_peaks"]
 
 
-def room_alone_bytes(cards: Sequence[Card], *, reserve_bytes: int, ceiling: Ceiling) -> int | None:
-    """The most room one task has on any of ``cards`` once the other pools there drained:
-    ``total - co_tenant - own_high_water - reserve`` (less a task's child RSS on unified
-    memory); ``None`` when no card is readable."""
+def rooms_alone_bytes(
+    cards: Sequence[Card], *, reserve_bytes: int, ceiling: Ceiling
+) -> tuple[int, ...]:
+    """The room one task has on each readable card of ``cards`` once the other pools there
+    drained: ``total - co_tenant - own_high_water - reserve`` (less a task's child RSS on
+    unified memory)."""
     rooms: list[int] = []
     for card in cards:
         bound = derive_bound(
@@ -38,16 +41,18 @@ def room_alone_bytes(cards: Sequence[Card], *, reserve_bytes: int, ceiling: Ceil
         )
         if bound.room_bytes is not None:
             rooms.append(bound.room_bytes - host_per_task_bytes(card, ceiling))
-    return max(rooms, default=None)
+    return tuple(rooms)
 
 
 def varied_peaks(ask: Ask) -> tuple[str, dict[str, JsonValue]] | None:
     """The ``peaks_vary`` record's sentence and terms for a measured key whose peaks vary a
-    lot, else ``None``."""
+    lot, else ``None`` (also for a key whose tasks carry sizes: its asks are predicted per
+    size, so the advice to give sizes is not for it)."""
     largest, least = ask.measured_peak_bytes, ask.least_peak_bytes
     if (
         ask.basis != "measured"
         or ask.size is not None
+        or ask.sized_samples
         or largest is None
         or least is None
         or not peaks_vary(ask.samples, least, largest)

@@ -44,7 +44,7 @@ from gpupool._core.bound import WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
-from gpupool._core.planner.evidence import room_alone_bytes, varied_peaks
+from gpupool._core.planner.evidence import rooms_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.queued import Queued
 from gpupool._core.planner.samples import split_reading
@@ -432,12 +432,14 @@ class Planner(Queued):
         self._ask_changed(run.key, before, after, now_s, report)
 
     def _limit_asks(self) -> None:
-        """Hold learned asks within the largest card's room for one task, as it is now."""
-        self.asks.limit_to_room(
-            room_alone_bytes(
-                self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
-            )
+        """Hold learned asks within the cards' rooms for one task, as they are now; where
+        the rooms moved, running tasks are booked at their keys' asks again."""
+        rooms = rooms_alone_bytes(
+            self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
         )
+        if self.asks.limit_to_room(rooms):
+            for key in {run.key for run in self.running.values()}:
+                self._rebook(key)
 
     def _peaks_vary(self, ask: Ask, device: int, now_s: float) -> None:
         """Tell the user, once per key, that its measured peaks vary a lot."""

@@ -50,7 +50,8 @@ __all__ = [
 
 #: The longest a pool holds its starts on a card for another pool at the serial floor
 #: there, from when it first saw that pool so (afterwards that pool waits as before: at
-#: most ``room_wait_s``, then one task past the bound).
+#: most ``room_wait_s``, then one task past the bound); also the longest it yields there
+#: in a row to any pools, after which it yields there no more for as long.
 YIELD_S = 30.0
 
 
@@ -168,14 +169,32 @@ class Yield:
 
 def note_starved(card: Card, now_s: float) -> None:
     """Keep, for each other pool on ``card`` that runs nothing there and waits for room, when
-    this pool first saw it so; and since when this pool runs nothing there."""
+    this pool first saw it so; and since when this pool runs nothing there. A yield ends
+    when one of those pools runs a task there (it had its turn: the next may be yielded
+    to at once), or with none of them left to yield to (then :func:`_end_yield`)."""
     seen: dict[str, float] = {}
+    turn = False
     if card.others is not None:
         for pool in card.others.pools:
             if pool.waiting and pool.need_bytes and not pool.tasks:
                 seen[pool.pool_id] = card.starved_since_s.get(pool.pool_id, now_s)
+            elif pool.tasks and pool.pool_id in card.starved_since_s:
+                turn = True
     card.starved_since_s = seen
+    if turn:
+        card.yield_began_s = None
+    elif card.yield_began_s is not None and not any(now_s - t < YIELD_S for t in seen.values()):
+        _end_yield(card, now_s)
     _note_idle(card, now_s)
+
+
+def _end_yield(card: Card, now_s: float) -> None:
+    """This pool's yield on ``card`` ended with no pool it yielded to having run there (they
+    left, or it yielded :data:`YIELD_S` in a row): it yields there no more for as long as
+    the yield lasted."""
+    if card.yield_began_s is not None:
+        card.no_yield_until_s = now_s + (now_s - card.yield_began_s)
+        card.yield_began_s = None
 
 
 def _note_idle(card: Card, now_s: float) -> None:
@@ -192,10 +211,17 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
     room its next task needs is more than this start leaves, that task would fit once
     the pools there drained, and (where this pool runs nothing there either) it came to
     wait before this pool last ran nothing there: of two such pools, only the younger
-    yields."""
+    yields. This pool yields on a card at most :data:`YIELD_S` in a row, whichever pools
+    it yields to, and after a yield in which none of them ran there, not again there for
+    as long as it lasted: rows that claim to wait under new pool ids, and never run, hold
+    it at most half the time."""
     if room_bytes is None or not card.starved_since_s or card.others is None:
         return None
     _note_idle(card, now_s)
+    if card.yield_began_s is not None and now_s - card.yield_began_s >= YIELD_S:
+        _end_yield(card, now_s)
+    if now_s < card.no_yield_until_s:
+        return None
     mine = card.booked_bytes
     left = room_bytes - mine - next_bytes
     pools_room = room_bytes + card.others_bytes + mine
@@ -222,7 +248,11 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
                     waited_s=now_s - since,
                 ),
             )
-    return None if found is None else found[1]
+    if found is None:
+        return None
+    if card.yield_began_s is None:
+        card.yield_began_s = now_s
+    return found[1]
 
 
 def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[str, JsonValue]]:

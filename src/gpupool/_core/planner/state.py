@@ -112,6 +112,10 @@ class Card:
     # saw them so; and since when this pool runs nothing here (``sharing.yields_to``).
     starved_since_s: dict[str, float] = field(default_factory=dict)
     idle_since_s: float | None = None
+    # Since when this pool yields here without a break, and until when it yields here no
+    # more (after a yield, as long as it lasted: ``sharing.yields_to``).
+    yield_began_s: float | None = None
+    no_yield_until_s: float = float("-inf")
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
