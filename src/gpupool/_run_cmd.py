@@ -127,8 +127,10 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
 
     Runs in a pool's worker. Standard input is ``/dev/null``; standard output
     and error go to the two files. A negative status is the signal that ended
-    the shell. On SIGTERM (the pool stopping), the command's process group is
-    ended (:func:`_end_group`) before the worker exits by the same signal.
+    the shell. What the shell leaves running in its process group (``cmd &``)
+    is ended (:func:`_end_group`) once it exits, so no process of a command
+    outlives its task. On SIGTERM (the pool stopping), the command's process
+    group is ended before the worker exits by the same signal.
     """
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         proc = subprocess.Popen(
@@ -157,6 +159,8 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
         os.kill(os.getpid(), signal.SIGTERM)
         os._exit(128 + signal.SIGTERM)  # another thread took the signal: leave as it would
     assert status is not None
+    if _signal_group(proc.pid, 0):  # what the shell left running (``cmd &``) ends with it
+        _end_group(proc)
     return status
 
 
