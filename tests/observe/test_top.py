@@ -267,6 +267,21 @@ def test_interval_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"--interval {bad!r}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--once"], ["--once", "--json"]])
+def test_a_bad_cpu_cap_in_the_environment_is_one_line_and_status_1(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LOKY_MAX_CPU_COUNT that the census refuses: a line naming it, status 1 (as ``gpupool
+    census``), no traceback."""
+    monkeypatch.setenv("LOKY_MAX_CPU_COUNT", "abc")
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]):
+        assert main(["top", *argv]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("gpupool top: LOKY_MAX_CPU_COUNT='abc': set it to")
+    assert len(captured.err.splitlines()) == 1
+
+
 # -- a pool in another process ------------------------------------------------------------
 
 
