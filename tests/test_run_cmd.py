@@ -425,3 +425,18 @@ def test_a_commands_background_processes_end_with_it(tmp_path: Path) -> None:
         for pid in pids:  # a failed run's: not for the next test
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_line_too_long_for_a_command_fails_with_a_short_message() -> None:
+    """A line longer than the system takes as one argument: that command fails, named on one
+    short line (the line and command cut), and the next line's command runs."""
+    long_line = "x" * 300_000
+    with _host():
+        done = _gpupool_run("--task-peak", "1GiB", "--", "echo", stdin=f"{long_line}\nshort\n")
+    assert done.returncode == 1, done.stderr[:2000]
+    assert done.stdout == "short\n"
+    failures = [line for line in done.stderr.splitlines() if line.startswith("gpupool run:")]
+    assert len(failures) == 1
+    assert failures[0].startswith("gpupool run: line 1 ('xxx")
+    assert "could not run (OSError: [Errno 7] Argument list too long" in failures[0]
+    assert len(done.stderr) < 2000

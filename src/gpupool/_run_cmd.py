@@ -71,6 +71,9 @@ COMMAND_GRACE_S = 1.0
 #: the input is read further: bounds the spool files and futures one slow command holds back.
 MAX_UNPRINTED = 1024
 
+#: The most characters of a failed command's line, and of the command, its message shows.
+MAX_SHOWN_CHARS = 300
+
 #: How often a stopping worker looks whether its command's process group is empty.
 _GROUP_POLL_S = 0.02
 
@@ -323,11 +326,17 @@ def _print_job(job: _Job, stdout: IO[bytes], stderr: IO[bytes]) -> int:
     _copy_out(job.stderr_path, stderr)
     if problem is None:
         return 0
-    stderr.write(
-        os.fsencode(f"gpupool run: line {job.number} ({job.line!r}): {problem}: {job.command}\n")
-    )
+    line, command = _cut(repr(job.line)), _cut(job.command)
+    stderr.write(os.fsencode(f"gpupool run: line {job.number} ({line}): {problem}: {command}\n"))
     stderr.flush()
     return 1
+
+
+def _cut(text: str) -> str:
+    """``text`` for a failure's line: at most :data:`MAX_SHOWN_CHARS` characters."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[: MAX_SHOWN_CHARS - 3]}..."
 
 
 def _describe_status(status: int) -> str:
