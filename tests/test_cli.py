@@ -476,3 +476,29 @@ def test_ctrl_c_in_the_demo_is_one_line(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert err.strip() == "gpupool: interrupted"
+
+
+@pytest.mark.slow
+def test_the_demo_is_not_tuned_by_the_pool_settings_of_the_environment(tmp_path: Path) -> None:
+    """The demo is a fixed scenario: GPUPOOL_* pool defaults and LOKY_MAX_CPU_COUNT in the
+    shell, bad or good, neither fail it nor change its pools."""
+    env = {
+        **os.environ,
+        "GPUPOOL_RESERVE": "zz",
+        "GPUPOOL_MAX_WORKERS": "1",
+        "GPUPOOL_ROOM_WAIT_S": "soon",
+        "LOKY_MAX_CPU_COUNT": "abc",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool", "demo", "--simulate", "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "1. GpuPoolExecutor(max_workers=4, " in done.stdout
+    assert "36 completed, 0 failed" in done.stdout

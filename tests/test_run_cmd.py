@@ -403,3 +403,40 @@ def _recorded_pids(directory: Path) -> list[int]:
         if text:
             pids.append(int(text))
     return pids
+
+
+def test_a_commands_background_processes_end_with_it(tmp_path: Path) -> None:
+    """A command that leaves processes running (``cmd &``, one ignoring SIGTERM) does not
+    leave them behind: they end when its shell does, and the status is the shell's."""
+    where = shlex.quote(str(tmp_path))
+    command = (
+        f"sleep 600 & echo $! > {where}/{{}}.pid; "
+        f"(trap '' TERM; exec sleep 600) & echo $! > {where}/{{}}.child; echo started {{}}"
+    )
+    with _host():
+        done = _gpupool_run("--task-peak", "1GiB", "--", command, stdin="1\n2\n")
+    pids = _recorded_pids(tmp_path)
+    try:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["started 1", "started 2"]
+        assert len(pids) == 4, pids
+        _wait_for(lambda: not any(_running(pid) for pid in pids), f"{pids} to be gone")
+    finally:
+        for pid in pids:  # a failed run's: not for the next test
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_line_too_long_for_a_command_fails_with_a_short_message() -> None:
+    """A line longer than the system takes as one argument: that command fails, named on one
+    short line (the line and command cut), and the next line's command runs."""
+    long_line = "x" * 300_000
+    with _host():
+        done = _gpupool_run("--task-peak", "1GiB", "--", "echo", stdin=f"{long_line}\nshort\n")
+    assert done.returncode == 1, done.stderr[:2000]
+    assert done.stdout == "short\n"
+    failures = [line for line in done.stderr.splitlines() if line.startswith("gpupool run:")]
+    assert len(failures) == 1
+    assert failures[0].startswith("gpupool run: line 1 ('xxx")
+    assert "could not run (OSError: [Errno 7] Argument list too long" in failures[0]
+    assert len(done.stderr) < 2000

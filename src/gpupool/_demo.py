@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +280,7 @@ def run_demo_isolated(
     }
     child = subprocess.Popen(
         [sys.executable, "-m", "gpupool._demo", json.dumps(options)],
+        env=_fixed_scenario_env(os.environ),
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -305,6 +306,16 @@ def run_demo_isolated(
     if interrupted or status == 130:
         raise KeyboardInterrupt
     return status
+
+
+def _fixed_scenario_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The demo child's environment: without the variables that set a pool's defaults and
+    the CPU cap (``GPUPOOL_MAX_WORKERS``, ..., ``LOKY_MAX_CPU_COUNT``). The demo is a fixed
+    scenario; a pipeline's settings in the shell, good or bad, neither change nor fail it."""
+    from gpupool._pool import environ as pool_environ
+
+    names = {getattr(pool_environ, name) for name in pool_environ.__all__ if name.endswith("_ENV")}
+    return {name: value for name, value in environ.items() if name not in names}
 
 
 def _ignore_interrupt_until_ready() -> None:

@@ -71,6 +71,9 @@ COMMAND_GRACE_S = 1.0
 #: the input is read further: bounds the spool files and futures one slow command holds back.
 MAX_UNPRINTED = 1024
 
+#: The most characters of a failed command's line, and of the command, its message shows.
+MAX_SHOWN_CHARS = 300
+
 #: How often a stopping worker looks whether its command's process group is empty.
 _GROUP_POLL_S = 0.02
 
@@ -127,8 +130,10 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
 
     Runs in a pool's worker. Standard input is ``/dev/null``; standard output
     and error go to the two files. A negative status is the signal that ended
-    the shell. On SIGTERM (the pool stopping), the command's process group is
-    ended (:func:`_end_group`) before the worker exits by the same signal.
+    the shell. What the shell leaves running in its process group (``cmd &``)
+    is ended (:func:`_end_group`) once it exits, so no process of a command
+    outlives its task. On SIGTERM (the pool stopping), the command's process
+    group is ended before the worker exits by the same signal.
     """
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         proc = subprocess.Popen(
@@ -157,6 +162,8 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
         os.kill(os.getpid(), signal.SIGTERM)
         os._exit(128 + signal.SIGTERM)  # another thread took the signal: leave as it would
     assert status is not None
+    if _signal_group(proc.pid, 0):  # what the shell left running (``cmd &``) ends with it
+        _end_group(proc)
     return status
 
 
@@ -319,11 +326,17 @@ def _print_job(job: _Job, stdout: IO[bytes], stderr: IO[bytes]) -> int:
     _copy_out(job.stderr_path, stderr)
     if problem is None:
         return 0
-    stderr.write(
-        os.fsencode(f"gpupool run: line {job.number} ({job.line!r}): {problem}: {job.command}\n")
-    )
+    line, command = _cut(repr(job.line)), _cut(job.command)
+    stderr.write(os.fsencode(f"gpupool run: line {job.number} ({line}): {problem}: {command}\n"))
     stderr.flush()
     return 1
+
+
+def _cut(text: str) -> str:
+    """``text`` for a failure's line: at most :data:`MAX_SHOWN_CHARS` characters."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[: MAX_SHOWN_CHARS - 3]}..."
 
 
 def _describe_status(status: int) -> str:

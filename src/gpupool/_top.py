@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size
-from gpupool._errors import SensorError
+from gpupool._errors import ConfigurationError, SensorError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -86,6 +86,7 @@ class Gatherer:
 
     Raises:
         SensorError: the sensor could not list the cards.
+        ConfigurationError: ``LOKY_MAX_CPU_COUNT`` is not a whole number of at least 1.
     """
 
     def __init__(self) -> None:
@@ -369,8 +370,9 @@ def _age(age_s: float) -> str:
 
 
 def run_top(args: argparse.Namespace, write: Callable[[str], object]) -> int:
-    """``gpupool top``: returns the exit status (0; 1 where the sensor fails or the live view
-    lacks ``rich``; 2 for the live view on an output that is not a terminal)."""
+    """``gpupool top``: returns the exit status (0; 1 where the sensor fails, the census
+    refuses the environment or the live view lacks ``rich``; 2 for the live view on an
+    output that is not a terminal)."""
     live = not args.once and not args.json
     if live:
         try:
@@ -389,7 +391,7 @@ def run_top(args: argparse.Namespace, write: Callable[[str], object]) -> int:
         return 2
     try:
         gatherer = Gatherer()
-    except SensorError as exc:
+    except (SensorError, ConfigurationError) as exc:  # a bad LOKY_MAX_CPU_COUNT, as census
         sys.stderr.write(f"gpupool top: {exc}\n")
         return 1
     try:

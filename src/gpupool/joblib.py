@@ -124,11 +124,7 @@ class GpuPoolBackend(ParallelBackendBase):  # type: ignore[misc]  # joblib is un
         **pool_kwargs: Any,
     ) -> None:
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads)
-        if "max_workers" in pool_kwargs:
-            raise ConfigurationError(
-                "max_workers: pass n_jobs to parallel_config or Parallel instead; it is the "
-                "pool's max_workers (-1: the pool's default)."
-            )
+        _check_max_workers(pool_kwargs)
         unknown = sorted(set(pool_kwargs) - _pool_parameters())
         if unknown:
             raise ConfigurationError(
@@ -143,11 +139,7 @@ class GpuPoolBackend(ParallelBackendBase):  # type: ignore[misc]  # joblib is un
                     f"executor={executor!r}: pass a GpuPoolExecutor, or leave executor out "
                     "and give the pool's parameters."
                 )
-            if pool_kwargs:
-                raise ConfigurationError(
-                    f"{', '.join(sorted(pool_kwargs))}: given with executor=, whose pool is "
-                    "already built; set them where that pool is constructed."
-                )
+            _check_no_pool_kwargs(pool_kwargs)
         self.executor = executor
         self.pool_kwargs = dict(pool_kwargs)
         self._pool: GpuPoolExecutor | None = None
@@ -184,12 +176,23 @@ class GpuPoolBackend(ParallelBackendBase):  # type: ignore[misc]  # joblib is un
     ) -> int:
         """Build the call's pool (unless ``executor`` was given); return its ``max_workers``.
 
-        joblib's memmapping keywords (``max_nbytes``, ``mmap_mode``,
-        ``temp_folder``) do not apply: arguments travel pickled.
+        ``joblib_kwargs`` are the keywords given to ``Parallel`` itself: the
+        pool's parameters among them (``Parallel(backend="gpupool",
+        task_peak="6GiB")``) are used for this call's pool, over the
+        backend's own; joblib's memmapping keywords (``max_nbytes``,
+        ``mmap_mode``, ``temp_folder``) do not apply: arguments travel pickled.
+
+        Raises:
+            ConfigurationError: ``max_workers`` among them, or pool parameters
+                beside ``executor``.
         """
         from gpupool._pool.executor import GpuPoolExecutor
 
         self.parallel = parallel
+        _check_max_workers(joblib_kwargs)
+        given = {k: v for k, v in joblib_kwargs.items() if k in _pool_parameters()}
+        if self.executor is not None:
+            _check_no_pool_kwargs(given)
         max_workers = max_workers_for(n_jobs)
         if self.executor is not None and self.inner_max_num_threads is not None:
             raise ConfigurationError(
@@ -197,12 +200,13 @@ class GpuPoolBackend(ParallelBackendBase):  # type: ignore[misc]  # joblib is un
                 "configured; pass env={'OMP_NUM_THREADS': ...} where that pool is constructed."
             )
         if self.executor is None and self._pool is None:
-            self._pool = GpuPoolExecutor(max_workers, **self._pool_kwargs())
+            self._pool = GpuPoolExecutor(max_workers, **self._pool_kwargs(given))
         return self.effective_n_jobs(n_jobs)
 
-    def _pool_kwargs(self) -> dict[str, Any]:
-        """The pool's parameters, with ``inner_max_num_threads`` as its threads' variables."""
-        kwargs = dict(self.pool_kwargs)
+    def _pool_kwargs(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The pool's parameters (``given`` over the backend's), with
+        ``inner_max_num_threads`` as its threads' variables."""
+        kwargs = {**self.pool_kwargs, **given}
         threads = self.inner_max_num_threads
         if threads is not None:
             given = kwargs.get("env") or {}
@@ -253,6 +257,22 @@ class GpuPoolBackend(ParallelBackendBase):  # type: ignore[misc]  # joblib is un
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _check_max_workers(kwargs: Mapping[str, Any]) -> None:
+    if "max_workers" in kwargs:
+        raise ConfigurationError(
+            "max_workers: pass n_jobs to parallel_config or Parallel instead; it is the "
+            "pool's max_workers (-1: the pool's default)."
+        )
+
+
+def _check_no_pool_kwargs(kwargs: Mapping[str, Any]) -> None:
+    if kwargs:
+        raise ConfigurationError(
+            f"{', '.join(sorted(kwargs))}: given with executor=, whose pool is "
+            "already built; set them where that pool is constructed."
+        )
 
 
 def register(name: str = BACKEND_NAME) -> None:

@@ -54,6 +54,31 @@ def note_pid_then_wait_return(directory: str, i: int, release: str) -> int:
     return i
 
 
+def start_term_ignoring_children_then_wait(directory: str, i: int, release: str) -> int:
+    """Start two children that ignore SIGTERM (one in this worker's group, one in a session
+    of its own); write their PIDs to ``directory/<i>.child`` once both ignore it, then
+    ``<i>.pid``; wait for ``release``; return ``i``."""
+    import subprocess
+
+    ready = []
+    for n, own_session in enumerate((False, True)):
+        mark = os.path.join(directory, f"{i}-{n}.ready")
+        child = subprocess.Popen(
+            ["sh", "-c", f"trap '' TERM; touch {mark}; exec sleep 600"],
+            start_new_session=own_session,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # a pipe of the test's held open would hang the test
+            stderr=subprocess.DEVNULL,
+        )
+        ready.append((child.pid, mark))
+    for _, mark in ready:
+        wait_for_file(mark)
+    Path(directory, f"{i}.child").write_text(" ".join(str(pid) for pid, _ in ready))
+    note_pid(directory, str(i))
+    wait_for_file(release, timeout_s=600.0)
+    return i
+
+
 def hold_then_return(i: int, size: str, seconds: float) -> int:
     """Hold ``size`` simulated device bytes for ``seconds``; return ``i``."""
     with hold(size):

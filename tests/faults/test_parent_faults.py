@@ -220,6 +220,41 @@ def test_keyboard_interrupt_in_with_stops_running_tasks(tmp_path: Path, target: 
     _assert_workers_exit(workers, 5.0)
 
 
+def test_keyboard_interrupt_in_with_kills_the_tasks_children_that_ignore_sigterm(
+    tmp_path: Path,
+):
+    """Ctrl-C inside ``with``: the running tasks' children that ignore SIGTERM (in the worker's
+    group, and in a session of their own) get SIGKILL after the grace, though SIGTERM ended
+    their workers at once; nothing is left running."""
+    process, pids = _start(
+        tmp_path,
+        """
+        never = os.path.join(directory, "never-released")
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+                task = faulty.start_term_ignoring_children_then_wait
+                futures = [ex.submit(task, directory, i, never) for i in range(4)]
+                futures[0].result()
+        """,
+    )
+    children: set[int] = set()
+    try:
+        assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
+        children = {int(pid) for p in pids.glob("*.child") for pid in p.read_text().split()}
+        assert len(children) == 4
+        os.kill(process.pid, signal.SIGINT)
+        _, err = _finish(process, 30)
+        assert "KeyboardInterrupt" in err, err[-4000:]
+        _assert_workers_exit(children, 5.0)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        for pid in children:  # a failed run's: not for the next test
+            if not exited(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_keyboard_interrupt_with_on_interrupt_wait_lets_running_tasks_finish(tmp_path: Path):
     """on_interrupt="wait" keeps the standard pool's exit: every task runs to its result."""
     process, pids = _start(

@@ -112,6 +112,30 @@ def test_parallel_backend_and_n_jobs_on_parallel(host: gt.SimulatedHost, tmp_pat
     assert _run_settings(log)["max_workers"] == 2
 
 
+def test_pool_options_given_to_parallel_itself_reach_the_pool(
+    host: gt.SimulatedHost, tmp_path: Path
+) -> None:
+    """Parallel(backend="gpupool", task_peak=..., log_path=...): joblib hands these to the
+    backend's configure, and the pool is built with them (none silently dropped); beside a
+    pool of your own they are refused."""
+    log = tmp_path / "run.jsonl"
+    results = joblib.Parallel(n_jobs=2, backend="gpupool", task_peak="3GiB", log_path=log)(
+        joblib.delayed(_square)(i) for i in range(3)
+    )
+    assert [value for value, _ in results] == [0, 1, 4]
+    settings = _run_settings(log)
+    assert settings["max_workers"] == 2
+    assert settings["task_peak_bytes"] == gpupool.parse_size("3GiB")
+    with pytest.raises(gpupool.ConfigurationError, match="max_workers: pass n_jobs"):
+        joblib.Parallel(backend="gpupool", max_workers=2)(joblib.delayed(_square)(0) for _ in "a")
+    with gpupool.GpuPoolExecutor(max_workers=1) as ex:
+        with (
+            joblib.parallel_config(backend="gpupool", executor=ex),
+            pytest.raises(gpupool.ConfigurationError, match="task_peak: given with executor="),
+        ):
+            joblib.Parallel(task_peak="2GiB")(joblib.delayed(_square)(0) for _ in "a")
+
+
 def test_an_exception_aborts_the_rest_and_kills_the_running_call(
     host: gt.SimulatedHost, tmp_path: Path
 ) -> None:

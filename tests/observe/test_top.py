@@ -3,6 +3,7 @@ and the live view in a real terminal (tmux), and the row fields it reads from st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -123,14 +124,26 @@ def _hostile_file(good: PoolBooking) -> bytes:
     return json.dumps(rows).encode()
 
 
-def test_hostile_optional_fields_drop_their_row_and_keep_the_others() -> None:
-    """Oversized waits, long reasons and wrong types leave their row out; the good row stays."""
-    good = _own_row("good.1", waits=(WaitBooking(key="fit", ask_bytes=GiB, count=2),))
-    assert parse_booking_table(_hostile_file(good), card_uuid=UUID) == {"good.1": good}
+def test_hostile_optional_fields_are_left_out_and_their_rows_bookings_kept() -> None:
+    """Oversized waits, long reasons and wrong types leave that field out (read as none);
+    the row itself, whose bookings other pools price by, is kept whole."""
+    last = LastDecision(kind="widened", reason="ok", time_s=1.0)
+    good = _own_row("good.1", waits=(WaitBooking(key="fit", ask_bytes=GiB, count=2),), last=last)
+    rows = parse_booking_table(_hostile_file(good), card_uuid=UUID)
+    assert rows.pop("good.1") == good
+    assert sorted(rows) == sorted(HOSTILE)
+    for name, row in rows.items():
+        bad_field = next(iter(HOSTILE[name]))
+        kept = {"waits": good.waits, "last": good.last}
+        kept[bad_field] = () if bad_field == "waits" else None
+        assert row == dataclasses.replace(good, pool_id=name, **kept), name
+        assert row.booked_bytes == 6 * GiB
 
 
-def test_top_lists_only_the_good_row_of_a_hostile_table(capsys: pytest.CaptureFixture[str]) -> None:
-    """`gpupool top --once --json` over a planted table shows the good row alone."""
+def test_top_lists_every_row_of_a_hostile_table_without_its_bad_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`gpupool top --once --json` over a planted table: every row, a bad field left out."""
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
         uuid = host.device_uuid(0)
         directory = Path(host.bookings_directory)
@@ -143,8 +156,12 @@ def test_top_lists_only_the_good_row_of_a_hostile_table(capsys: pytest.CaptureFi
         capsys.readouterr()
         assert main(["top", "--once", "--json"]) == 0
         card = json.loads(capsys.readouterr().out)["cards"][0]
-    assert [pool["pool_id"] for pool in card["pools"]] == ["good.1"]
-    assert card["pools"][0]["last"]["kind"] == "widened"
+    pools = {pool["pool_id"]: pool for pool in card["pools"]}
+    assert sorted(pools) == sorted(["good.1", *HOSTILE])
+    assert pools["good.1"]["last"]["kind"] == "widened"
+    assert pools["last_reason_too_long"]["last"] is None
+    assert pools["too_many_waits"]["waits"] == []
+    assert all(pool["booked_bytes"] == 6 * GiB for pool in pools.values())
 
 
 def test_keys_with_escape_sequences_and_markup_are_shown_inert() -> None:
@@ -248,6 +265,21 @@ def test_interval_is_validated(capsys: pytest.CaptureFixture[str]) -> None:
             main(["top", "--once", "--interval", bad])
         assert exit_info.value.code == 2
         assert f"--interval {bad!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--once"], ["--once", "--json"]])
+def test_a_bad_cpu_cap_in_the_environment_is_one_line_and_status_1(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LOKY_MAX_CPU_COUNT that the census refuses: a line naming it, status 1 (as ``gpupool
+    census``), no traceback."""
+    monkeypatch.setenv("LOKY_MAX_CPU_COUNT", "abc")
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]):
+        assert main(["top", *argv]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("gpupool top: LOKY_MAX_CPU_COUNT='abc': set it to")
+    assert len(captured.err.splitlines()) == 1
 
 
 # -- a pool in another process ------------------------------------------------------------

@@ -145,6 +145,20 @@ def test_bad_values_are_refused_naming_the_variable(host, monkeypatch, name, val
         GpuPoolExecutor()
 
 
+def test_a_log_path_in_a_missing_directory_is_refused_in_one_sentence(host, monkeypatch, tmp_path):
+    """GPUPOOL_LOG_PATH in a directory that does not exist: the message names the variable,
+    the directory and the fix, without the argument's own punctuation doubled."""
+    path = tmp_path / "missing" / "run.jsonl"
+    monkeypatch.setenv("GPUPOOL_LOG_PATH", str(path))
+    with pytest.raises(ConfigurationError) as raised:
+        GpuPoolExecutor()
+    message = str(raised.value)
+    assert message.startswith(f"GPUPOOL_LOG_PATH={str(path)!r}: ")
+    assert "does not exist" in message
+    assert message.endswith("; or unset GPUPOOL_LOG_PATH for the default.")
+    assert ".;" not in message
+
+
 def test_a_bad_variable_is_not_read_when_its_argument_is_given(host, monkeypatch):
     """An explicit argument wins, so its variable is never parsed."""
     monkeypatch.setenv("GPUPOOL_TASK_PEAK", "abc")

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.units import format_size
@@ -45,11 +45,14 @@ __all__ = [
     "parse_booking_table",
 ]
 
+_T = TypeVar("_T")
+
 #: Bumped when the file's layout changes; a file of another version is not read.
 TABLE_VERSION = 1
 
-#: Bounds of a row's optional fields (``waits``, ``last``): a row past any of them, or
-#: with a value of the wrong type there, is dropped when the table is read.
+#: Bounds of a row's optional fields (``waits``, ``last``): a field past any of them, or
+#: of the wrong type, is left out when the table is read (read as none); its row, whose
+#: bookings other pools price by, is kept.
 MAX_WAITS = 16
 MAX_WAIT_KEY_CHARS = 200
 MAX_DECISION_KIND_CHARS = 64
@@ -387,15 +390,12 @@ def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking
         raise ValueError("'pools' is not an object")
     rows: dict[str, PoolBooking] = {}
     for pool_id, row in cast("dict[object, object]", pools).items():
-        try:
-            rows[str(pool_id)] = _parse_pool(str(pool_id), row)
-        except _BadOptional:
-            continue
+        rows[str(pool_id)] = _parse_pool(str(pool_id), row)
     return rows
 
 
 class _BadOptional(ValueError):
-    """A row's optional field is past its bound or of the wrong type: the row is left out."""
+    """A row's optional field is past its bound or of the wrong type: the field is left out."""
 
 
 def _parse_pool(pool_id: str, row: object) -> PoolBooking:
@@ -434,9 +434,18 @@ def _parse_pool(pool_id: str, row: object) -> PoolBooking:
         tasks=tuple(tasks),
         waiting=_count(fields.get("waiting", 0), pool_id, "waiting"),
         need_bytes=_count(fields.get("need_bytes", 0), pool_id, "need_bytes"),
-        waits=_parse_waits(fields.get("waits", [])),
-        last=_parse_last(fields.get("last")),
+        waits=_optional(_parse_waits, fields.get("waits", []), ()),
+        last=_optional(_parse_last, fields.get("last"), None),
     )
+
+
+def _optional(parse: Callable[[object], _T], value: object, missing: _T) -> _T:
+    """An optional field (for people: no pool prices by it), or ``missing`` where it is bad:
+    a newer writer's or a hostile one's field never hides the row's bookings."""
+    try:
+        return parse(value)
+    except _BadOptional:
+        return missing
 
 
 def _parse_waits(value: object) -> tuple[WaitBooking, ...]:

@@ -151,7 +151,7 @@ def read_log_path(environ: Mapping[str, str]) -> Path | None:
     try:
         return check_log_path(value)
     except ConfigurationError as exc:
-        raise _refuse(LOG_PATH_ENV, value, str(exc)) from None
+        raise _refuse(LOG_PATH_ENV, value, str(exc).rstrip(".")) from None
 
 
 def read_progress(environ: Mapping[str, str]) -> bool | None:

@@ -52,6 +52,7 @@ from gpupool._pool.dispatcher import (
 )
 from gpupool._pool.environ import read_pool_defaults
 from gpupool._pool.inputs import check_python_home, check_sensor
+from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
@@ -625,13 +626,22 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self.shutdown(wait=True)
 
     def _stop_on_interrupt(self) -> None:
-        """Ctrl-C left the ``with`` block: SIGTERM now, SIGKILL after the grace, then wait."""
+        """Ctrl-C left the ``with`` block: SIGTERM now, SIGKILL after the grace, then wait.
+
+        What the tasks started is listed before SIGTERM: a worker that SIGTERM ends
+        is reaped and forgotten at once, and a child of its task that ignores
+        SIGTERM would be out of the pool's reach at the grace's end.
+        """
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        below = trees_below(self._processes)
         self.terminate_workers()
         try:
             self._dispatcher.join(INTERRUPT_GRACE_S)
+            kill_left_after(below, deadline)
         finally:  # a second Ctrl-C during the grace kills at once
             if self._dispatcher.thread.is_alive():
                 self.kill_workers()
+            kill_left_after(below, 0.0)
             self._dispatcher.join()
 
     # -- CPython compatibility attributes ------------------------------------------------

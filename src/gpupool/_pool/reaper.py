@@ -23,11 +23,12 @@ from __future__ import annotations
 import os
 import select
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
 
-__all__ = ["POLL_WITHOUT_PIDFD_S", "ProcessWatch", "signal_tree"]
+__all__ = ["POLL_WITHOUT_PIDFD_S", "ProcessWatch", "kill_left_after", "signal_tree", "trees_below"]
 
 #: Without pidfds, how often the dispatcher asks ``waitpid`` whether a worker exited.
 POLL_WITHOUT_PIDFD_S = 0.1
@@ -111,3 +112,51 @@ def signal_tree(pid: int, sig: int) -> None:
             child.send_signal(sig)
         except psutil.Error:
             pass
+
+
+def trees_below(pids: Iterable[int]) -> list[psutil.Process]:
+    """The processes below the workers ``pids`` (not the workers themselves, whom their
+    dispatcher reaps): their descendants, and the other members of their process groups."""
+    roots = set(pids)
+    found: dict[int, psutil.Process] = {}
+    for pid in roots:
+        try:
+            found.update((p.pid, p) for p in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    for pid in psutil.pids():  # a background process whose parent exited: only its group
+        try:
+            if pid not in roots and pid not in found and os.getpgid(pid) in roots:
+                found[pid] = psutil.Process(pid)
+        except (OSError, psutil.Error):
+            continue
+    return [p for pid, p in found.items() if pid not in roots]
+
+
+def kill_left_after(processes: list[psutil.Process], deadline: float) -> None:
+    """Wait until ``deadline`` (``time.monotonic()``) for ``processes`` to exit, then SIGKILL
+    those left; at once when interrupted. psutil checks each one is the process it was (its
+    start time), so a PID reused meanwhile is never signalled."""
+    left = processes
+    try:
+        while left and time.monotonic() < deadline:
+            left = [p for p in left if _running(p)]
+            if left:
+                time.sleep(_LEFT_POLL_S)
+    finally:
+        for process in left:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+#: How often :func:`kill_left_after` looks whether the processes it waits for exited.
+_LEFT_POLL_S = 0.02
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
