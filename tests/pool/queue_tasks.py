@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from gpupool.testing import hold
+from gpupool.testing import SimulatedOutOfMemory, hold
 
 PATIENCE_S = 60.0
 
@@ -18,10 +18,15 @@ def _wait(path: str) -> None:
 
 
 def step(action: str, path: str = "") -> int:
-    """``ok``: return at once. ``wait``: return once ``path`` exists. ``die``: exit the worker
-    once it exists. ``oom``: once it exists, allocate more than the card has. Every task
+    """``ok``: return at once. ``mark``: create ``path`` and return. ``wait``: return once
+    ``path`` exists. ``die``: exit the worker
+    once it exists. ``oom``: once it exists, allocate more than the card has. ``oom-small``:
+    once it exists, raise the card's out-of-memory for 8 GiB. Every task
     that returns answers its worker's PID."""
     if action == "ok":
+        return os.getpid()
+    if action == "mark":
+        Path(path).touch()
         return os.getpid()
     _wait(path)
     if action == "die":
@@ -29,4 +34,8 @@ def step(action: str, path: str = "") -> int:
     if action == "oom":
         with hold("64GiB"):
             pass
+    if action == "oom-small":
+        raise SimulatedOutOfMemory(
+            device=0, requested_bytes=8 << 30, used_bytes=40 << 30, total_bytes=40 << 30
+        )
     return os.getpid()

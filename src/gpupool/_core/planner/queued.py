@@ -21,7 +21,8 @@ queued task starts on that worker in the booking the run leaves
 (:meth:`Queued.run_queued`: the key's tasks on the card are booked together as
 before, at the key's price then, so its total booking does not grow unless the
 price did, as for any running task of a key whose ask moved). A queued task
-whose worker is lost goes back to the head of the queue (:meth:`Queued.requeue`);
+whose worker is lost, or whose worker declines it because the run before it ran
+out of device memory, goes back to the head of the queue (:meth:`Queued.requeue`);
 one the pool fails or withdraws leaves the planner as a pending one does.
 """
 
