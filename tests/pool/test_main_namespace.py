@@ -122,3 +122,80 @@ def test_initializer_and_tasks_of_main_share_the_worker_namespace(tmp_path: Path
     # The standard worker imported the script: it sees the script's own value. gpupool sends
     # the function by value with the parent's globals as they are when it is sent.
     assert (standard["limit"], ours["limit"]) == (3, 5)
+
+
+DELETE_SCRIPT = """\
+import concurrent.futures
+import json
+import multiprocessing
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+DOOMED = 5  # deleted by the initializer in each worker
+LATER = 7  # deleted by a task
+
+
+def init():
+    global DOOMED
+    del DOOMED
+
+
+def read_doomed(_):
+    try:
+        return DOOMED
+    except NameError:
+        return "NameError"
+
+
+def read_later(_):
+    try:
+        return LATER
+    except NameError:
+        return "NameError"
+
+
+def drop_later(_):
+    global LATER
+    del LATER
+
+
+def calls(ex):
+    first = ex.submit(read_doomed, 0).result()
+    before = ex.submit(read_later, 0).result()
+    ex.submit(drop_later, 0).result()
+    return [first, before, ex.submit(read_later, 0).result(), ex.submit(read_doomed, 0).result()]
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
+        standard = calls(ex)
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
+            ours = calls(ex)
+    print(json.dumps({"standard": standard, "gpupool": ours}))
+"""
+
+
+def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path):
+    """A script's global deleted in the worker (by the initializer, by a task) is not put
+    back by the next task sent with it: those tasks raise NameError, as the standard pool's."""
+    script = tmp_path / "delete_script.py"
+    script.write_text(DELETE_SCRIPT)
+    env = dict(os.environ)
+    env.pop("GPUPOOL_SIMULATOR", None)
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = ["NameError", 7, "NameError", "NameError"]
+    assert results["standard"] == expected
+    assert results["gpupool"] == expected

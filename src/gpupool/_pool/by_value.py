@@ -82,13 +82,14 @@ def adopt_main_namespace(fn: object) -> None:
 
 
 def _main_setstate(func: types.FunctionType, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
-    """cloudpickle's state restore, except that a global the worker rebound since it was
-    last sent (by the initializer or a task) keeps the worker's value."""
+    """cloudpickle's state restore, except that a global the worker rebound or deleted since
+    it was last sent (by the initializer or a task) keeps the worker's value, or stays
+    deleted."""
     namespace = func.__globals__
     sent: dict[str, Any] = state[1]["__globals__"]
     for name in list(sent):
-        if name in namespace and namespace[name] is not _main_sent.get(name, _MISSING):
-            del sent[name]  # rebound in this worker: its value wins
+        if namespace.get(name, _MISSING) is not _main_sent.get(name, _MISSING):
+            del sent[name]  # rebound or deleted in this worker: the worker's state wins
         else:
             _main_sent[name] = sent[name]
     _CLOUDPICKLE_SETSTATE(func, state)
