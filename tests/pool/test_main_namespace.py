@@ -199,3 +199,80 @@ def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path
     expected = ["NameError", 7, "NameError", "NameError"]
     assert results["standard"] == expected
     assert results["gpupool"] == expected
+
+
+CACHE_SCRIPT = """\
+import concurrent.futures
+import json
+import multiprocessing
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+CACHE = {}  # filled in place: by the initializer, then by the tasks
+SEEN = []  # appended to by the tasks
+SCALE = 2  # rebound by the parent between submissions
+
+
+def init():
+    CACHE["model"] = "loaded"
+
+
+def remember(x):
+    SEEN.append(x)
+    CACHE.setdefault("first", x)
+    return [CACHE.get("model"), CACHE["first"], list(SEEN)]
+
+
+def scaled(x):
+    return x * SCALE
+
+
+def calls(ex):
+    global SCALE
+    remembered = [ex.submit(remember, x).result() for x in (1, 2, 3)]
+    before = ex.submit(scaled, 1).result()
+    SCALE = 10
+    after = ex.submit(scaled, 1).result()
+    SCALE = 2
+    return {"remembered": remembered, "scaled": [before, after]}
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
+        standard = calls(ex)
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
+            ours = calls(ex)
+    print(json.dumps({"standard": standard, "gpupool": ours}))
+"""
+
+
+def test_a_global_filled_in_place_in_the_worker_is_kept_as_the_standard_pool_keeps_it(
+    tmp_path: Path,
+):
+    """A script's dict the initializer fills, and a list the tasks append to, are the
+    worker's from then on (the script sends them again unchanged with each task): every task
+    sees what was put in them, as in the standard pool. A global the script rebinds between
+    submissions is still sent with the function."""
+    script = tmp_path / "cache_script.py"
+    script.write_text(CACHE_SCRIPT)
+    env = dict(os.environ)
+    env.pop("GPUPOOL_SIMULATOR", None)
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    standard, ours = results["standard"], results["gpupool"]
+    expected = [["loaded", 1, [1]], ["loaded", 1, [1, 2]], ["loaded", 1, [1, 2, 3]]]
+    assert standard["remembered"] == ours["remembered"] == expected
+    # The standard worker imported the script (its own value); gpupool sends the parent's.
+    assert (standard["scaled"], ours["scaled"]) == ([2, 2], [2, 10])

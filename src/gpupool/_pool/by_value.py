@@ -21,7 +21,10 @@ MODEL = load()``) is seen by every task of that worker, and one a task sets
 by the tasks after it. Each function still brings the values its code reads
 from the script's globals as they were when it was sent; one the worker
 rebound since (its initializer or a task assigned it) keeps the worker's
-value (:func:`_main_setstate`).
+value, one it deleted stays deleted, and one the script did not rebind since
+it was last sent (the same object there) keeps the worker's copy, with what
+the worker changed in it in place (a cache the initializer or a task fills,
+as the standard pool's workers keep it) (:func:`_main_setstate`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ _MODULE_ATTRS = ("__package__", "__name__", "__file__")
 #: first use), and the value of each name in it as the sender last sent it.
 _main_ns: dict[str, Any] | None = None
 _main_sent: dict[str, Any] = {}
+#: The sender's ``id`` of each value in ``_main_sent`` (``None``: not known, as for what the
+#: initializer brought), which tells a value the sender rebound from the same one sent again.
+_main_ids: dict[str, int | None] = {}
 
 
 def named_code(code: types.CodeType, filename: str) -> types.CodeType:
@@ -84,17 +90,26 @@ def adopt_main_namespace(fn: object) -> None:
 def _main_setstate(func: types.FunctionType, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
     """cloudpickle's state restore, except that a global the worker rebound or deleted since
     it was last sent (by the initializer or a task) keeps the worker's value, or stays
-    deleted."""
+    deleted, and one the sender sends again as the same object (its ``id`` there unchanged)
+    keeps the worker's copy, with what the worker changed in it in place."""
     namespace = func.__globals__
     sent: dict[str, Any] = state[1]["__globals__"]
+    ids: dict[str, int] = state[1].pop(_SENDER_IDS, None) or {}
     for name in list(sent):
-        if namespace.get(name, _MISSING) is not _main_sent.get(name, _MISSING):
-            del sent[name]  # rebound or deleted in this worker: the worker's state wins
+        last = _main_sent.get(name, _MISSING)
+        if namespace.get(name, _MISSING) is not last:
+            del sent[name]  # rebound, deleted or first set in this worker: its state wins
+        elif last is not _MISSING and _main_ids.setdefault(name, ids.get(name)) == ids.get(name):
+            del sent[name]  # the sender's same object again: the worker's copy stands
         else:
             _main_sent[name] = sent[name]
+            _main_ids[name] = ids.get(name)
     _CLOUDPICKLE_SETSTATE(func, state)
 
 
+#: The key of a function's state under which the sender puts the ``id`` of each global it
+#: sends with it (:meth:`_Pickler._dynamic_function_reduce`).
+_SENDER_IDS = "_gpupool_sender_ids"
 _MISSING = object()
 
 
@@ -137,6 +152,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if main is None or func.__globals__ is not vars(main):
             return reduced
         make, (code, _, name, defaults, closure), state, items, pairs, _ = reduced
+        slots = state[1]
+        slots[_SENDER_IDS] = {k: id(v) for k, v in slots["__globals__"].items()}
         attrs = {k: func.__globals__[k] for k in _MODULE_ATTRS if k in func.__globals__}
         newargs = (code, _MainGlobals(attrs), name, defaults, closure)
         return make, newargs, state, items, pairs, _main_setstate
