@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from gpupool._pool import by_value
+
 SCRIPT = """\
 import concurrent.futures
 import json
@@ -212,10 +214,16 @@ from gpupool.testing import SimulatedDevice, SimulatedHost
 CACHE = {}  # filled in place: by the initializer, then by the tasks
 SEEN = []  # appended to by the tasks
 SCALE = 2  # rebound by the parent between submissions
+CONFIG = {"i": -1}  # rebound by the parent to a new dict before each submission
 
 
 def init():
     CACHE["model"] = "loaded"
+    CACHE["scale"] = SCALE
+
+
+def read_config(_):
+    return CONFIG["i"]
 
 
 def remember(x):
@@ -229,13 +237,18 @@ def scaled(x):
 
 
 def calls(ex):
-    global SCALE
+    global SCALE, CONFIG
     remembered = [ex.submit(remember, x).result() for x in (1, 2, 3)]
-    before = ex.submit(scaled, 1).result()
-    SCALE = 10
-    after = ex.submit(scaled, 1).result()
+    SCALE = 10  # read by the initializer too: rebound since it was sent
+    first = ex.submit(scaled, 1).result()
+    SCALE = 3
+    second = ex.submit(scaled, 1).result()
     SCALE = 2
-    return {"remembered": remembered, "scaled": [before, after]}
+    configs = []
+    for i in range(20):
+        CONFIG = {"i": i}  # a new dict each time, often where the last one was
+        configs.append(ex.submit(read_config, 0).result())
+    return {"remembered": remembered, "scaled": [first, second], "configs": configs}
 
 
 if __name__ == "__main__":
@@ -274,5 +287,25 @@ def test_a_global_filled_in_place_in_the_worker_is_kept_as_the_standard_pool_kee
     standard, ours = results["standard"], results["gpupool"]
     expected = [["loaded", 1, [1]], ["loaded", 1, [1, 2]], ["loaded", 1, [1, 2, 3]]]
     assert standard["remembered"] == ours["remembered"] == expected
-    # The standard worker imported the script (its own value); gpupool sends the parent's.
-    assert (standard["scaled"], ours["scaled"]) == ([2, 2], [2, 10])
+    # The standard worker imported the script (its own value); gpupool sends the parent's,
+    # each time the parent rebound it, wherever the new object lies.
+    assert (standard["scaled"], ours["scaled"]) == ([2, 2], [10, 3])
+    assert standard["configs"] == [-1] * 20
+    assert ours["configs"] == list(range(20))
+
+
+def test_a_rebound_global_gets_a_new_version_even_where_the_last_one_lay():
+    """The sender tells a global sent again unchanged from one rebound to a new object, even
+    one created where the last one was freed (its ``id`` reused)."""
+    first = {"i": 0}
+    version = by_value._version("a_rebound_global", first)
+    assert by_value._version("a_rebound_global", first) == version
+    address = id(first)
+    del first
+    new = {"i": 1}
+    for _ in range(10_000):
+        if id(new) == address:
+            break
+        new = {"i": 1}
+    assert by_value._version("a_rebound_global", new) != version
+    assert by_value._version("a_rebound_global", new) == by_value._version("a_rebound_global", new)

@@ -84,6 +84,7 @@ from gpupool._errors import (
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
+from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
@@ -892,7 +893,10 @@ class Dispatcher:
                 os.getpid(),
                 device.info if device is not None else None,
                 device.index if device is not None else None,
-                self.initializer,
+                # With the ids of its globals here (what by_value's tasks send beside theirs).
+                (*self.initializer, sender_ids(self.initializer[0]))
+                if self.initializer is not None
+                else None,
                 self.max_tasks_per_child,
             ),
             env=env,

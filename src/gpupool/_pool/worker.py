@@ -12,11 +12,12 @@ the pickled exception and the formatted traceback), ``"oom"`` (a device
 out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
 task could not be unpickled), ``"declined"`` (a task sent queued behind the
 last one, which ended in a device out-of-memory: not run, the parent starts it
-again) or ``"init"`` (the initializer raised; the worker then exits). Before any of those, once its initializer returned and
-its probe is set up, a worker sends ``"ready"`` (its report:
-``{"resident_bytes": ...}``, its own device bytes then, ``None`` when
-unknown; an empty payload), so a worker that dies before it is ready is
-known to have died starting, not running a task. Every answer is one frame
+again) or ``"init"`` (the initializer raised; the worker then exits). Before
+any of those, once its initializer returned and its probe is set up, a
+worker sends ``"ready"`` (its report: ``{"resident_bytes": ...}``, its own
+device bytes then, ``None`` when unknown; an empty payload), so a worker
+that dies before it is ready is known to have died starting, not running a
+task. Every answer is one frame
 that names this worker's PID and the task it is about (no task for
 ``ready`` and ``init``), and the parent takes only its running task's answer,
 once (:mod:`gpupool._pool.wire`). An empty message asks the worker to exit.
@@ -247,7 +248,7 @@ def worker_main(
     parent_pid: int,
     device: DeviceInfo | None,
     device_index: int | None,
-    initializer: tuple[Any, tuple[Any, ...]] | None,
+    initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     max_tasks: int | None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran."""
@@ -258,9 +259,9 @@ def worker_main(
     size_buffers(conn.fileno())
     if initializer is not None:
         try:
-            fn, args = initializer
+            fn, args, ids = initializer
             # A function of the script shares one namespace with the tasks (see by_value).
-            adopt_main_namespace(fn)
+            adopt_main_namespace(fn, ids)
             fn(*args)
         except BaseException as exc:
             _leave_if_forked()
