@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
 from gpupool.testing import SimulatedOutOfMemory, hold
@@ -17,11 +19,18 @@ def _wait(path: str) -> None:
         time.sleep(0.005)
 
 
+def _exit_at_next_read(frame: types.FrameType, event: str, _arg: object) -> None:
+    """A profile hook: the process exits when it next starts to read a message."""
+    if event == "call" and frame.f_code.co_name == "read_frame":
+        os._exit(5)
+
+
 def step(action: str, path: str = "") -> int:
     """``ok``: return at once. ``mark``: create ``path`` and return. ``wait``: return once
     ``path`` exists. ``die``: exit the worker
     once it exists. ``oom``: once it exists, allocate more than the card has. ``oom-small``:
-    once it exists, raise the card's out-of-memory for 8 GiB. Every task
+    once it exists, raise the card's out-of-memory for 8 GiB. ``oom-then-exit``: as
+    ``oom-small``, and the worker then exits before it reads its next message. Every task
     that returns answers its worker's PID."""
     if action == "ok":
         return os.getpid()
@@ -34,6 +43,9 @@ def step(action: str, path: str = "") -> int:
     if action == "oom":
         with hold("64GiB"):
             pass
+    if action == "oom-then-exit":
+        sys.setprofile(_exit_at_next_read)
+        action = "oom-small"
     if action == "oom-small":
         raise SimulatedOutOfMemory(
             device=0, requested_bytes=8 << 30, used_bytes=40 << 30, total_bytes=40 << 30

@@ -89,6 +89,19 @@ def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> No
         assert pool.statistics().tasks_failed == 1
 
 
+def test_a_task_queued_behind_an_oom_whose_worker_then_exits_runs_again(tmp_path: Path) -> None:
+    gate = tmp_path / "oom"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        first_pid = pool.submit(queue_tasks.step, "ok").result()
+        running, queued, pending = _busy_with_one_queued(pool, "oom-then-exit", gate)
+        gate.touch()
+        with pytest.raises(DeviceOutOfMemoryError):
+            running.result(timeout=60)
+        # It never ran (its worker exited before reading it): not lost, it runs on another.
+        assert queued.result(timeout=60) != first_pid
+        assert pending.result(timeout=60) != first_pid
+
+
 def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> None:
     gate = tmp_path / "go"
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:

@@ -779,6 +779,14 @@ class Dispatcher:
             self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
             del payload
 
+    def _running_item(self, worker: _Worker) -> WorkItem | None:
+        """The task ``worker`` was running when it was lost, taken off its queue; ``None`` when
+        it ran none, or only a task queued behind one that ran out of memory, which it was
+        to decline and so never ran (that one goes back to the queue with the others)."""
+        if not worker.queue or worker.queue[0].task_id in self.planner.queued:
+            return None
+        return worker.queue.popleft()
+
     def _requeue_behind(self, worker: _Worker) -> None:
         """``worker`` is gone: the tasks queued behind its run never ran, so they go back to
         the planner's queue (their futures stay RUNNING) and start elsewhere."""
@@ -1243,7 +1251,7 @@ class Dispatcher:
             if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
                 self._break_at_start(worker, exitcode, how, signal_name)
             return
-        item = worker.queue.popleft() if worker.queue else None
+        item = self._running_item(worker)
         self._requeue_behind(worker)
         if item is None:
             return
@@ -1281,7 +1289,7 @@ class Dispatcher:
         """A ready worker killed for a protocol fault has exited: the task it ran fails with
         a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
         pool goes on (no task, when the fault came while it was idle)."""
-        item = worker.queue.popleft() if worker.queue else None
+        item = self._running_item(worker)
         self._requeue_behind(worker)
         if item is None:
             return
