@@ -30,6 +30,7 @@ as the standard pool's workers keep it) (:func:`_main_setstate`).
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import sys
 import types
@@ -65,9 +66,9 @@ _main_sent: dict[str, Any] = {}
 #: known), which tells a value the sender rebound from the same one sent again.
 _main_ids: dict[str, int | None] = {}
 #: In the sender: the last object sent for each global name (weakly where it can be), and
-#: its version; and the last version given.
+#: its version; and the versions to give.
 _sent: dict[str, tuple[Any, int]] = {}
-_last_version = 0
+_versions = itertools.count(1)
 
 
 def named_code(code: types.CodeType, filename: str) -> types.CodeType:
@@ -105,22 +106,22 @@ def _version(name: str, value: object) -> int:
     bytearray (which take none, and may be changed in place), by a strong one until the
     name is sent again rebound; any other value (immutable) gets a new version each time.
     """
-    global _last_version
     entry = _sent.get(name)
     if entry is not None:
         holder, version = entry
         held = holder() if isinstance(holder, weakref.ref) else holder
         if held is value:
             return version
-    _last_version += 1
+    # Never one given before, whichever pool's thread asks (a race only adds a version).
+    version = next(_versions)
     try:
-        _sent[name] = (weakref.ref(value), _last_version)
+        _sent[name] = (weakref.ref(value), version)
     except TypeError:
         if isinstance(value, (dict, list, set, bytearray)):
-            _sent[name] = (value, _last_version)
+            _sent[name] = (value, version)
         else:
             _sent.pop(name, None)
-    return _last_version
+    return version
 
 
 def adopt_main_namespace(fn: object, ids: dict[str, int] | None = None) -> None:
