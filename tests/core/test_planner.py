@@ -339,7 +339,6 @@ class PlannerMachine(RuleBasedStateMachine):
         caps_before = [c.oom_cap for c in self.planner.cards]
         own_ask = run.ask_bytes
         verdict = self.planner.out_of_memory(task, report, reading, self.now_s, error="oom")
-        self.run_queued_after(task, run)
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
         if lower > own_ask:
             # An underestimate (judged against the task's own ask when it started) raises
@@ -353,6 +352,7 @@ class PlannerMachine(RuleBasedStateMachine):
             assert task not in self.planner.running
             self.settled += 1
         assert self.asks.ask(key).ask_bytes >= ask_before
+        self.declined_after(task)
 
     @precondition(lambda self: self.planner.running)
     @rule(data=st.data())
@@ -385,6 +385,16 @@ class PlannerMachine(RuleBasedStateMachine):
         assert queued not in self.planner.pending and queued not in self.planner.running
         self.queued_on[queued] = run_task
         event("a task queued behind a run")
+
+    def declined_after(self, task: int) -> None:
+        """``task`` ran out of memory: its worker declines what was queued behind it (booked
+        before that was known), which goes back to the head of the queue; the worker idles."""
+        for queued in [q for q, behind in self.queued_on.items() if behind == task]:
+            del self.queued_on[queued]
+            self.planner.requeue(queued)
+            assert self.planner.pending[0] == queued
+            assert queued not in self.planner.running
+        self.worker_idle(task)
 
     def run_queued_after(self, task: int, run: Run) -> None:
         """``task`` (``run``) ended: what was queued behind it runs on its worker, in the

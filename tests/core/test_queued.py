@@ -5,7 +5,12 @@ from __future__ import annotations
 from gpupool._core import AskTable, Policy
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
-from gpupool._core.planner.queued import SHORT_MIN_TASKS, SHORT_TASK_S
+from gpupool._core.planner.queued import (
+    LONG_MEMORY_TASKS,
+    LONG_TASK_S,
+    SHORT_MIN_TASKS,
+    SHORT_TASK_S,
+)
 from gpupool._core.units import GiB
 from support import card_census, census_of
 
@@ -109,3 +114,28 @@ def test_a_queued_task_failed_or_withdrawn_leaves_no_trace() -> None:
     assert planner.queue_behind(1) == 3  # the run may take another
     planner.finished(3, None, 1.2, failed=True)
     assert planner.queued == {} and 3 not in planner.tasks
+
+
+def test_a_short_key_with_a_long_task_among_its_last_is_not_queued() -> None:
+    """Many short tasks keep a key's mean low; one long task among its last stops queueing
+    behind its runs (a long task would wait behind a long one) until enough ended after it."""
+    planner = _planner()
+    for task in range(100):
+        _run(planner, 1000 + task, "k", 0.0)
+        planner.finished(1000 + task, _report(GiB), 0.001)
+    _run(planner, 1, "k", 1.0)
+    planner.finished(1, _report(GiB), 1.0 + LONG_TASK_S)
+    assert planner.short("k") is False  # the mean is still far under SHORT_TASK_S
+    _run(planner, 2, "k", 2.0)
+    planner.submit(3, "k")
+    assert planner.queue_behind(2) is None
+    planner.withdraw(3)
+    planner.finished(2, _report(GiB), 2.001)
+    for task in range(LONG_MEMORY_TASKS - 1):
+        assert not planner.short("k")
+        _run(planner, 10 + task, "k", 3.0)
+        planner.finished(10 + task, _report(GiB), 3.001)
+    assert planner.short("k")
+    _run(planner, 4, "k", 4.0)
+    planner.submit(5, "k")
+    assert planner.queue_behind(4) == 5

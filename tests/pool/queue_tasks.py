@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
-from gpupool.testing import hold
+from gpupool.testing import SimulatedOutOfMemory, hold
 
 PATIENCE_S = 60.0
 
@@ -17,11 +19,23 @@ def _wait(path: str) -> None:
         time.sleep(0.005)
 
 
+def _exit_at_next_read(frame: types.FrameType, event: str, _arg: object) -> None:
+    """A profile hook: the process exits when it next starts to read a message."""
+    if event == "call" and frame.f_code.co_name == "read_frame":
+        os._exit(5)
+
+
 def step(action: str, path: str = "") -> int:
-    """``ok``: return at once. ``wait``: return once ``path`` exists. ``die``: exit the worker
-    once it exists. ``oom``: once it exists, allocate more than the card has. Every task
+    """``ok``: return at once. ``mark``: create ``path`` and return. ``wait``: return once
+    ``path`` exists. ``die``: exit the worker
+    once it exists. ``oom``: once it exists, allocate more than the card has. ``oom-small``:
+    once it exists, raise the card's out-of-memory for 8 GiB. ``oom-then-exit``: as
+    ``oom-small``, and the worker then exits before it reads its next message. Every task
     that returns answers its worker's PID."""
     if action == "ok":
+        return os.getpid()
+    if action == "mark":
+        Path(path).touch()
         return os.getpid()
     _wait(path)
     if action == "die":
@@ -29,4 +43,11 @@ def step(action: str, path: str = "") -> int:
     if action == "oom":
         with hold("64GiB"):
             pass
+    if action == "oom-then-exit":
+        sys.setprofile(_exit_at_next_read)
+        action = "oom-small"
+    if action == "oom-small":
+        raise SimulatedOutOfMemory(
+            device=0, requested_bytes=8 << 30, used_bytes=40 << 30, total_bytes=40 << 30
+        )
     return os.getpid()

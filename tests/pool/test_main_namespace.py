@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from gpupool._pool import by_value
+
 SCRIPT = """\
 import concurrent.futures
 import json
@@ -122,3 +124,188 @@ def test_initializer_and_tasks_of_main_share_the_worker_namespace(tmp_path: Path
     # The standard worker imported the script: it sees the script's own value. gpupool sends
     # the function by value with the parent's globals as they are when it is sent.
     assert (standard["limit"], ours["limit"]) == (3, 5)
+
+
+DELETE_SCRIPT = """\
+import concurrent.futures
+import json
+import multiprocessing
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+DOOMED = 5  # deleted by the initializer in each worker
+LATER = 7  # deleted by a task
+
+
+def init():
+    global DOOMED
+    del DOOMED
+
+
+def read_doomed(_):
+    try:
+        return DOOMED
+    except NameError:
+        return "NameError"
+
+
+def read_later(_):
+    try:
+        return LATER
+    except NameError:
+        return "NameError"
+
+
+def drop_later(_):
+    global LATER
+    del LATER
+
+
+def calls(ex):
+    first = ex.submit(read_doomed, 0).result()
+    before = ex.submit(read_later, 0).result()
+    ex.submit(drop_later, 0).result()
+    return [first, before, ex.submit(read_later, 0).result(), ex.submit(read_doomed, 0).result()]
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
+        standard = calls(ex)
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
+            ours = calls(ex)
+    print(json.dumps({"standard": standard, "gpupool": ours}))
+"""
+
+
+def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path):
+    """A script's global deleted in the worker (by the initializer, by a task) is not put
+    back by the next task sent with it: those tasks raise NameError, as the standard pool's."""
+    script = tmp_path / "delete_script.py"
+    script.write_text(DELETE_SCRIPT)
+    env = dict(os.environ)
+    env.pop("GPUPOOL_SIMULATOR", None)
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = ["NameError", 7, "NameError", "NameError"]
+    assert results["standard"] == expected
+    assert results["gpupool"] == expected
+
+
+CACHE_SCRIPT = """\
+import concurrent.futures
+import json
+import multiprocessing
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+CACHE = {}  # filled in place: by the initializer, then by the tasks
+SEEN = []  # appended to by the tasks
+SCALE = 2  # rebound by the parent between submissions
+CONFIG = {"i": -1}  # rebound by the parent to a new dict before each submission
+
+
+def init():
+    CACHE["model"] = "loaded"
+    CACHE["scale"] = SCALE
+
+
+def read_config(_):
+    return CONFIG["i"]
+
+
+def remember(x):
+    SEEN.append(x)
+    CACHE.setdefault("first", x)
+    return [CACHE.get("model"), CACHE["first"], list(SEEN)]
+
+
+def scaled(x):
+    return x * SCALE
+
+
+def calls(ex):
+    global SCALE, CONFIG
+    remembered = [ex.submit(remember, x).result() for x in (1, 2, 3)]
+    SCALE = 10  # read by the initializer too: rebound since it was sent
+    first = ex.submit(scaled, 1).result()
+    SCALE = 3
+    second = ex.submit(scaled, 1).result()
+    SCALE = 2
+    configs = []
+    for i in range(20):
+        CONFIG = {"i": i}  # a new dict each time, often where the last one was
+        configs.append(ex.submit(read_config, 0).result())
+    return {"remembered": remembered, "scaled": [first, second], "configs": configs}
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
+        standard = calls(ex)
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
+            ours = calls(ex)
+    print(json.dumps({"standard": standard, "gpupool": ours}))
+"""
+
+
+def test_a_global_filled_in_place_in_the_worker_is_kept_as_the_standard_pool_keeps_it(
+    tmp_path: Path,
+):
+    """A script's dict the initializer fills, and a list the tasks append to, are the
+    worker's from then on (the script sends them again unchanged with each task): every task
+    sees what was put in them, as in the standard pool. A global the script rebinds between
+    submissions is still sent with the function."""
+    script = tmp_path / "cache_script.py"
+    script.write_text(CACHE_SCRIPT)
+    env = dict(os.environ)
+    env.pop("GPUPOOL_SIMULATOR", None)
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    standard, ours = results["standard"], results["gpupool"]
+    expected = [["loaded", 1, [1]], ["loaded", 1, [1, 2]], ["loaded", 1, [1, 2, 3]]]
+    assert standard["remembered"] == ours["remembered"] == expected
+    # The standard worker imported the script (its own value); gpupool sends the parent's,
+    # each time the parent rebound it, wherever the new object lies.
+    assert (standard["scaled"], ours["scaled"]) == ([2, 2], [10, 3])
+    assert standard["configs"] == [-1] * 20
+    assert ours["configs"] == list(range(20))
+
+
+def test_a_rebound_global_gets_a_new_version_even_where_the_last_one_lay():
+    """The sender tells a global sent again unchanged from one rebound to a new object, even
+    one created where the last one was freed (its ``id`` reused)."""
+    first = {"i": 0}
+    version = by_value._version("a_rebound_global", first)
+    assert by_value._version("a_rebound_global", first) == version
+    address = id(first)
+    del first
+    new = {"i": 1}
+    for _ in range(10_000):
+        if id(new) == address:
+            break
+        new = {"i": 1}
+    assert by_value._version("a_rebound_global", new) != version
+    assert by_value._version("a_rebound_global", new) == by_value._version("a_rebound_global", new)

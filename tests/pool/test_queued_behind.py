@@ -61,7 +61,7 @@ def test_a_task_queued_behind_one_that_runs_out_of_memory_still_runs(tmp_path: P
         gate.touch()
         with pytest.raises(DeviceOutOfMemoryError):
             running.result(timeout=60)
-        # Queued in the run's booking, it runs there at the key's price after the re-pricing.
+        # Declined by the worker, it starts again checked against the bound, and runs.
         assert queued.result(timeout=60) > 0
         try:
             pending.result(timeout=60)
@@ -69,6 +69,37 @@ def test_a_task_queued_behind_one_that_runs_out_of_memory_still_runs(tmp_path: P
             pass  # priced past the card now: refused, not left pending
         assert pending.done()
         assert host.device_peak(0) <= host.devices[0].total_bytes
+
+
+def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> None:
+    gate = tmp_path / "oom"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
+        running = pool.submit(queue_tasks.step, "oom-small", str(gate))
+        queued = pool.submit(queue_tasks.step, "ok")
+        wait_for(queued.running, what="the next task queued behind the busy worker")
+        gate.touch()
+        with pytest.raises(DeviceOutOfMemoryError):
+            running.result(timeout=60)
+        # The worker declined it (queued at a booking made before the out-of-memory): back
+        # at the head of the queue, not failed and not left pending, it runs after a start
+        # checked against the key's new price.
+        assert queued.result(timeout=60) > 0
+        assert pool._dispatcher.counts["queued_declined"] == 1
+        assert pool.statistics().tasks_failed == 1
+
+
+def test_a_task_queued_behind_an_oom_whose_worker_then_exits_runs_again(tmp_path: Path) -> None:
+    gate = tmp_path / "oom"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        first_pid = pool.submit(queue_tasks.step, "ok").result()
+        running, queued, pending = _busy_with_one_queued(pool, "oom-then-exit", gate)
+        gate.touch()
+        with pytest.raises(DeviceOutOfMemoryError):
+            running.result(timeout=60)
+        # It never ran (its worker exited before reading it): not lost, it runs on another.
+        assert queued.result(timeout=60) != first_pid
+        assert pending.result(timeout=60) != first_pid
 
 
 def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> None:

@@ -159,3 +159,13 @@ def test_a_task_frame_carries_its_id():
     task_id, call = task
     assert task_id == 12 and pickle.loads(call) == ("fn", (1,), {})
     assert wire.read_task(b"gpupool-allocator-cap:123") is None
+
+
+def test_a_queued_task_frame_is_told_apart_and_still_read():
+    """A task sent behind a running one is marked so the worker can decline it; it reads as
+    any task frame."""
+    queued = wire.task_prefix(7, queued=True) + pickle.dumps(("fn", (), {}))
+    plain = wire.task_prefix(7) + pickle.dumps(("fn", (), {}))
+    assert wire.is_queued_task(queued) and not wire.is_queued_task(plain)
+    task = wire.read_task(queued)
+    assert task is not None and task[0] == 7

@@ -21,26 +21,40 @@ MODEL = load()``) is seen by every task of that worker, and one a task sets
 by the tasks after it. Each function still brings the values its code reads
 from the script's globals as they were when it was sent; one the worker
 rebound since (its initializer or a task assigned it) keeps the worker's
-value (:func:`_main_setstate`).
+value, one it deleted stays deleted, and one the script did not rebind since
+it was last sent (the same object there) keeps the worker's copy, with what
+the worker changed in it in place (a cache the initializer or a task fills,
+as the standard pool's workers keep it) (:func:`_main_setstate`).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import sys
 import types
+import weakref
 from collections import ChainMap
 from typing import Any, ClassVar
 
 import cloudpickle
 
-__all__ = ["adopt_main_namespace", "dumps_by_value", "dumps_call", "main_namespace", "named_code"]
+__all__ = [
+    "adopt_main_namespace",
+    "dumps_by_value",
+    "dumps_call",
+    "main_namespace",
+    "named_code",
+    "sender_ids",
+]
 
 #: cloudpickle's own reducer for code objects (the name it gives the file aside).
 _CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
 #: What cloudpickle's function reducer restores a function's state with.
 _CLOUDPICKLE_SETSTATE = cloudpickle.cloudpickle._function_setstate
+#: The names of the globals a code object (and the code nested in it) reads.
+_extract_code_globals = cloudpickle.cloudpickle._extract_code_globals
 #: The module attributes a shared namespace takes from the script's globals.
 _MODULE_ATTRS = ("__package__", "__name__", "__file__")
 
@@ -48,6 +62,13 @@ _MODULE_ATTRS = ("__package__", "__name__", "__file__")
 #: first use), and the value of each name in it as the sender last sent it.
 _main_ns: dict[str, Any] | None = None
 _main_sent: dict[str, Any] = {}
+#: The sender's version (:func:`_version`) of each value in ``_main_sent`` (``None``: not
+#: known), which tells a value the sender rebound from the same one sent again.
+_main_ids: dict[str, int | None] = {}
+#: In the sender: the last object sent for each global name (weakly where it can be), and
+#: its version; and the versions to give.
+_sent: dict[str, tuple[Any, int]] = {}
+_versions = itertools.count(1)
 
 
 def named_code(code: types.CodeType, filename: str) -> types.CodeType:
@@ -66,11 +87,49 @@ def main_namespace(attrs: dict[str, Any]) -> dict[str, Any]:
     return _main_ns
 
 
-def adopt_main_namespace(fn: object) -> None:
+def sender_ids(fn: object) -> dict[str, int]:
+    """The version (:func:`_version`) of each global ``fn`` reads, in the sender, when ``fn``
+    is a function of its ``__main__`` (the initializer: :func:`adopt_main_namespace` takes
+    them with it)."""
+    main = sys.modules.get("__main__")
+    if not isinstance(fn, types.FunctionType) or main is None or fn.__globals__ is not vars(main):
+        return {}
+    names = _extract_code_globals(fn.__code__)
+    return {name: _version(name, fn.__globals__[name]) for name in names if name in fn.__globals__}
+
+
+def _version(name: str, value: object) -> int:
+    """The version of the script's global ``name`` as sent now: the same while it is the
+    same object as last sent, a new one (never used before) once the script rebound it.
+
+    The last object sent is held by a weak reference, or, for a dict, list, set or
+    bytearray (which take none, and may be changed in place), by a strong one until the
+    name is sent again rebound; any other value (immutable) gets a new version each time.
+    """
+    entry = _sent.get(name)
+    if entry is not None:
+        holder, version = entry
+        held = holder() if isinstance(holder, weakref.ref) else holder
+        if held is value:
+            return version
+    # Never one given before, whichever pool's thread asks (a race only adds a version).
+    version = next(_versions)
+    try:
+        _sent[name] = (weakref.ref(value), version)
+    except TypeError:
+        if isinstance(value, (dict, list, set, bytearray)):
+            _sent[name] = (value, version)
+        else:
+            _sent.pop(name, None)
+    return version
+
+
+def adopt_main_namespace(fn: object, ids: dict[str, int] | None = None) -> None:
     """Make the globals of ``fn`` this process's namespace for ``__main__`` when ``fn`` is a
     function of the sender's ``__main__`` that arrived by value (the initializer, which
     the process launcher's cloudpickle sent) and none exists yet; what it holds counts
-    as sent, so the initializer's own assignments are the worker's."""
+    as sent (``ids``: their versions in the sender, :func:`sender_ids`), so the
+    initializer's own assignments, and what it puts in them in place, are the worker's."""
     global _main_ns
     if _main_ns is not None or not isinstance(fn, types.FunctionType):
         return
@@ -79,22 +138,37 @@ def adopt_main_namespace(fn: object) -> None:
         return
     _main_ns = fn.__globals__
     _main_sent.update(_main_ns)
+    for name in _main_ns:
+        _main_ids[name] = (ids or {}).get(name)
 
 
 def _main_setstate(func: types.FunctionType, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
-    """cloudpickle's state restore, except that a global the worker rebound since it was
-    last sent (by the initializer or a task) keeps the worker's value."""
+    """cloudpickle's state restore, except that a global the worker rebound or deleted since
+    it was last sent (by the initializer or a task) keeps the worker's value, or stays
+    deleted, and one the sender sends again as the same object (its version there
+    unchanged: :func:`_version`) keeps the worker's copy, with what the worker changed in
+    it in place."""
     namespace = func.__globals__
     sent: dict[str, Any] = state[1]["__globals__"]
+    ids: dict[str, int] = state[1].pop(_SENDER_IDS, None) or {}
     for name in list(sent):
-        if name in namespace and namespace[name] is not _main_sent.get(name, _MISSING):
-            del sent[name]  # rebound in this worker: its value wins
+        last = _main_sent.get(name, _MISSING)
+        if namespace.get(name, _MISSING) is not last:
+            del sent[name]  # rebound, deleted or first set in this worker: its state wins
+        elif last is not _MISSING and _main_ids.get(name) == ids.get(name, _NO_ID):
+            del sent[name]  # the sender's same object again: the worker's copy stands
         else:
             _main_sent[name] = sent[name]
+            _main_ids[name] = ids.get(name)
     _CLOUDPICKLE_SETSTATE(func, state)
 
 
+#: The key of a function's state under which the sender puts the version of each global it
+#: sends with it (:meth:`_Pickler._dynamic_function_reduce`).
+_SENDER_IDS = "_gpupool_sender_ids"
 _MISSING = object()
+#: Stands for a sender's id that was not sent (never equal to one recorded).
+_NO_ID = -1
 
 
 class _MainGlobals:
@@ -136,6 +210,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if main is None or func.__globals__ is not vars(main):
             return reduced
         make, (code, _, name, defaults, closure), state, items, pairs, _ = reduced
+        slots = state[1]
+        slots[_SENDER_IDS] = {k: _version(k, v) for k, v in slots["__globals__"].items()}
         attrs = {k: func.__globals__[k] for k in _MODULE_ATTRS if k in func.__globals__}
         newargs = (code, _MainGlobals(attrs), name, defaults, closure)
         return make, newargs, state, items, pairs, _main_setstate

@@ -84,6 +84,7 @@ from gpupool._errors import (
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
+from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
@@ -775,8 +776,16 @@ class Dispatcher:
                 self.planner.withdraw(task)
                 self._fail(item, _detached(exc))
                 continue
-            self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload)
+            self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
             del payload
+
+    def _running_item(self, worker: _Worker) -> WorkItem | None:
+        """The task ``worker`` was running when it was lost, taken off its queue; ``None`` when
+        it ran none, or only a task queued behind one that ran out of memory, which it was
+        to decline and so never ran (that one goes back to the queue with the others)."""
+        if not worker.queue or worker.queue[0].task_id in self.planner.queued:
+            return None
+        return worker.queue.popleft()
 
     def _requeue_behind(self, worker: _Worker) -> None:
         """``worker`` is gone: the tasks queued behind its run never ran, so they go back to
@@ -892,7 +901,10 @@ class Dispatcher:
                 os.getpid(),
                 device.info if device is not None else None,
                 device.index if device is not None else None,
-                self.initializer,
+                # With the ids of its globals here (what by_value's tasks send beside theirs).
+                (*self.initializer, sender_ids(self.initializer[0]))
+                if self.initializer is not None
+                else None,
                 self.max_tasks_per_child,
             ),
             env=env,
@@ -912,7 +924,11 @@ class Dispatcher:
         self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
         return worker
 
-    def _send(self, item: WorkItem, worker: _Worker, ask_bytes: int, payload: bytes) -> None:
+    def _send(
+        self, item: WorkItem, worker: _Worker, ask_bytes: int, payload: bytes, queued: bool = False
+    ) -> None:
+        """Hand ``item`` to ``worker``; ``queued``: behind the task it runs (which it declines
+        after a device out-of-memory: :meth:`_declined`)."""
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
@@ -920,7 +936,7 @@ class Dispatcher:
         if self.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes))
-        self._write(worker, payload, wire.task_prefix(item.task_id))
+        self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued))
 
     def _write(self, worker: _Worker, payload: bytes, prefix: bytes = b"") -> None:
         """Queue one frame for ``worker``; the selector writes what the socket cannot take now."""
@@ -1046,6 +1062,9 @@ class Dispatcher:
             return
         item = worker.queue.popleft() if worker.queue else None
         worker.started_s = time.monotonic()
+        if kind == "declined" and item is not None:
+            self._declined(worker, item)
+            return
         if kind == "init":
             # The worker exits right after this answer; wait for it (bounded), so that what
             # it logged on its way out (through a multiprocessing queue, say) is flushed
@@ -1078,8 +1097,9 @@ class Dispatcher:
             refused = self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
             if refused is not None:
                 self._refuse(refused)  # before its result is delivered: the next submit raises
-        if worker.queue and worker.queue[0].task_id in self.planner.queued:
-            # The task queued behind it runs now, in the booking it left.
+        if kind != "oom" and worker.queue and worker.queue[0].task_id in self.planner.queued:
+            # The task queued behind it runs now, in the booking it left (after a device
+            # OOM the worker declines it instead: _declined).
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
         if worker.device is not None and self.link is not None:
             self.link.changed(worker.device, self.now())
@@ -1090,6 +1110,18 @@ class Dispatcher:
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self._finish(item, kind, payload)
             del item, payload
+
+    def _declined(self, worker: _Worker, item: WorkItem) -> None:
+        """The worker declined ``item``, queued behind a task of its that ran out of device
+        memory: it never ran, so it goes back to the head of the queue (its future stays
+        RUNNING; not a failure, not a retry) and starts again checked against the bound."""
+        item.tries -= 1
+        self.planner.requeue(item.task_id)
+        self.counts["queued_declined"] += 1
+        if worker.device is not None and self.link is not None:
+            self.link.changed(worker.device, self.now())
+        if worker.retiring:
+            self._retire(worker)
 
     def _resolve(self, future: Future[Any], result: Any) -> None:
         """Set ``future``'s result, after a snapshot that counts it."""
@@ -1219,7 +1251,7 @@ class Dispatcher:
             if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
                 self._break_at_start(worker, exitcode, how, signal_name)
             return
-        item = worker.queue.popleft() if worker.queue else None
+        item = self._running_item(worker)
         self._requeue_behind(worker)
         if item is None:
             return
@@ -1257,7 +1289,7 @@ class Dispatcher:
         """A ready worker killed for a protocol fault has exited: the task it ran fails with
         a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
         pool goes on (no task, when the fault came while it was idle)."""
-        item = worker.queue.popleft() if worker.queue else None
+        item = self._running_item(worker)
         self._requeue_behind(worker)
         if item is None:
             return

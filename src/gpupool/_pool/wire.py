@@ -5,6 +5,11 @@ Both directions use the frames of :class:`multiprocessing.connection.Connection`
 
     b"GPt1" | task id (8 bytes, signed) | the pickled call
 
+or, for a task queued behind the one the worker runs (sent before that one
+ended), ``b"GPq1"`` in place of ``b"GPt1"``: the worker declines it (answers
+``"declined"`` without running it) when the task before it ended in a device
+out-of-memory, since its booking was made before that was known.
+
 (beside it, on the same channel: the allocator cap of the next task, and an
 empty frame that asks the worker to exit). A worker sends every answer as
 one frame, which names the task it is about and the worker's PID at both
@@ -17,7 +22,7 @@ The header is plain pickle of ``(kind, report)``: plain values only, read
 with an unpickler that refuses every global, so the parent learns what
 happened even when the payload cannot be unpickled. ``kind`` is ``"ready"``
 or ``"init"`` (about no task; the report a dict or ``None``) or ``"ok"``,
-``"error"``, ``"oom"``, ``"unpickle"`` (about the task the worker runs; the
+``"error"``, ``"oom"``, ``"unpickle"``, ``"declined"`` (about the task the worker runs; the
 report the task's :class:`~gpupool._core.peak.PeakReport` as a tuple of its
 fields in order, or ``None``). The payload (a pickled result or exception)
 is sliced out of the frame, never copied.
@@ -55,6 +60,7 @@ __all__ = [
     "ProtocolFault",
     "check_answer",
     "describe",
+    "is_queued_task",
     "parse_answer",
     "read_frame",
     "read_task",
@@ -66,6 +72,7 @@ __all__ = [
 ANSWER_MAGIC = b"GPa1"
 _TRAILER_MAGIC = b"GPz1"
 _TASK_MAGIC = b"GPt1"
+_QUEUED_MAGIC = b"GPq1"
 _PREFIX = struct.Struct("!4sqqI")
 _TRAILER = struct.Struct("!4sqq")
 _TASK = struct.Struct("!4sq")
@@ -79,7 +86,7 @@ NO_TASK = -1
 #: The smallest frame that can be an answer: its envelope with an empty header and payload.
 MIN_ANSWER_BYTES = _PREFIX.size + _TRAILER.size
 
-_TASK_KINDS = frozenset({"ok", "error", "oom", "unpickle"})
+_TASK_KINDS = frozenset({"ok", "error", "oom", "unpickle", "declined"})
 _WORKER_KINDS = frozenset({"ready", "init"})
 #: How many bytes of what arrived a fault quotes.
 _QUOTE_BYTES = 32
@@ -115,9 +122,10 @@ def describe(data: bytes | bytearray | memoryview) -> str:
 # -- the parent's side ----------------------------------------------------------------------
 
 
-def task_prefix(task_id: int) -> bytes:
-    """What goes before a pickled call in its frame."""
-    return _TASK.pack(_TASK_MAGIC, task_id)
+def task_prefix(task_id: int, *, queued: bool = False) -> bytes:
+    """What goes before a pickled call in its frame; ``queued``: the task is sent behind
+    the one the worker runs, to be declined when that one runs out of device memory."""
+    return _TASK.pack(_QUEUED_MAGIC if queued else _TASK_MAGIC, task_id)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -276,10 +284,15 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
 
 def read_task(message: bytes | bytearray) -> tuple[int, memoryview] | None:
     """The task id and the pickled call (a view) of a task frame; ``None`` for any other."""
-    if len(message) < _TASK.size or not message.startswith(_TASK_MAGIC):
+    if len(message) < _TASK.size or not message.startswith((_TASK_MAGIC, _QUEUED_MAGIC)):
         return None
     _, task_id = _TASK.unpack_from(message)
     return task_id, memoryview(message)[_TASK.size :]
+
+
+def is_queued_task(message: bytes | bytearray) -> bool:
+    """Whether ``message`` is a task frame sent behind a running task (:func:`task_prefix`)."""
+    return message.startswith(_QUEUED_MAGIC)
 
 
 def send_answer(

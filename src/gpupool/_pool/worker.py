@@ -10,12 +10,14 @@ so nothing in it can touch the wrong card. It then runs one task at a time::
 ``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
 the pickled exception and the formatted traceback), ``"oom"`` (a device
 out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
-task could not be unpickled) or ``"init"`` (the initializer raised; the
-worker then exits). Before any of those, once its initializer returned and
-its probe is set up, a worker sends ``"ready"`` (its report:
-``{"resident_bytes": ...}``, its own device bytes then, ``None`` when
-unknown; an empty payload), so a worker that dies before it is ready is
-known to have died starting, not running a task. Every answer is one frame
+task could not be unpickled), ``"declined"`` (a task sent queued behind the
+last one, which ended in a device out-of-memory: not run, the parent starts it
+again) or ``"init"`` (the initializer raised; the worker then exits). Before
+any of those, once its initializer returned and its probe is set up, a
+worker sends ``"ready"`` (its report: ``{"resident_bytes": ...}``, its own
+device bytes then, ``None`` when unknown; an empty payload), so a worker
+that dies before it is ready is known to have died starting, not running a
+task. Every answer is one frame
 that names this worker's PID and the task it is about (no task for
 ``ready`` and ``init``), and the parent takes only its running task's answer,
 once (:mod:`gpupool._pool.wire`). An empty message asks the worker to exit.
@@ -246,7 +248,7 @@ def worker_main(
     parent_pid: int,
     device: DeviceInfo | None,
     device_index: int | None,
-    initializer: tuple[Any, tuple[Any, ...]] | None,
+    initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     max_tasks: int | None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran."""
@@ -257,9 +259,9 @@ def worker_main(
     size_buffers(conn.fileno())
     if initializer is not None:
         try:
-            fn, args = initializer
+            fn, args, ids = initializer
             # A function of the script shares one namespace with the tasks (see by_value).
-            adopt_main_namespace(fn)
+            adopt_main_namespace(fn, ids)
             fn(*args)
         except BaseException as exc:
             _leave_if_forked()
@@ -274,6 +276,7 @@ def worker_main(
     if probe is None:
         return
     done = 0
+    last_oom = False  # whether the last task this worker ran ended in a device OOM
     while max_tasks is None or done < max_tasks:
         _leave_if_channel_lost(conn.fileno())
         try:
@@ -286,6 +289,12 @@ def worker_main(
         if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
             apply_allocator_cap(cap_bytes)
             continue
+        if last_oom and wire.is_queued_task(message):
+            # Queued behind the task that just ran out of device memory, at a booking made
+            # before that was known: the parent starts it again, checked against the bound.
+            _decline(conn, message)
+            continue
+        last_oom = False
         task = _read_call(conn, message)
         del message
         if task is None:
@@ -316,10 +325,19 @@ def worker_main(
             kind = "oom" if report.oom else "error"
             payload = _dump_exception(failure)
             failure = None
+        last_oom = kind == "oom"
         # The report as a tuple of plain values: the parent rebuilds it (wire.parse_answer).
         _answer(conn, task_id, kind, wire.report_values(report), payload)
         del payload
         done += 1
+
+
+def _decline(conn: Connection, message: bytearray) -> None:
+    """Answer ``"declined"`` to the queued task frame ``message``, unrun (and unread)."""
+    task = wire.read_task(message)
+    assert task is not None
+    task[1].release()
+    _answer(conn, task[0], "declined", None, b"")
 
 
 def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:

@@ -88,6 +88,9 @@ class PlannerBase:
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()
         self._durations_s: dict[str, tuple[int, float]] = {}
+        # Keys with a long task among their last ones: how many more must end before it is
+        # forgotten (planner/queued).
+        self._long_left: dict[str, int] = {}
         self._critical_recorded_s: float | None = None
         self._hold_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()

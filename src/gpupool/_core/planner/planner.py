@@ -403,6 +403,7 @@ class Planner(Queued):
             count, mean_s = self._durations_s.get(run.key, (0, 0.0))
             took_s = max(0.0, now_s - run.started_s)
             self._durations_s[run.key] = (count + 1, mean_s + (took_s - mean_s) / (count + 1))
+            self.timed(run.key, took_s)
         if run is None or report is None:
             return
         self._learn_rss(report, now_s)

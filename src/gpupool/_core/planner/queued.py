@@ -11,7 +11,10 @@ new:
   and of the running task's key, with no size of its own (sized asks are priced
   one by one) and no card to avoid;
 * the key is short: at least :data:`SHORT_MIN_TASKS` of its tasks were timed,
-  and their mean run time is under :data:`SHORT_TASK_S`;
+  their mean run time is under :data:`SHORT_TASK_S`, and none of its last
+  :data:`LONG_MEMORY_TASKS` took :data:`LONG_TASK_S` or more (a key whose run
+  times have a long tail, whose many short tasks would keep the mean low,
+  would otherwise queue a long task behind a long one while a worker idles);
 * on a card, nothing caps the card after an out-of-memory, the task's ask is
   not above the running task's booking, and no room is held for a waiting task.
 
@@ -21,7 +24,8 @@ queued task starts on that worker in the booking the run leaves
 (:meth:`Queued.run_queued`: the key's tasks on the card are booked together as
 before, at the key's price then, so its total booking does not grow unless the
 price did, as for any running task of a key whose ask moved). A queued task
-whose worker is lost goes back to the head of the queue (:meth:`Queued.requeue`);
+whose worker is lost, or whose worker declines it because the run before it ran
+out of device memory, goes back to the head of the queue (:meth:`Queued.requeue`);
 one the pool fails or withdraws leaves the planner as a pending one does.
 """
 
@@ -30,13 +34,17 @@ from __future__ import annotations
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.verdicts import TaskId
 
-__all__ = ["SHORT_MIN_TASKS", "SHORT_TASK_S", "Queued"]
+__all__ = ["LONG_MEMORY_TASKS", "LONG_TASK_S", "SHORT_MIN_TASKS", "SHORT_TASK_S", "Queued"]
 
 #: A key's tasks are short when their mean measured run time is under this: a task queued
 #: behind one of them waits at most about that long while another worker may be idle.
 SHORT_TASK_S = 0.02
 #: How many of a key's tasks are timed before it may be found short.
 SHORT_MIN_TASKS = 3
+#: A task of a key that took this long is a long one, whatever the key's mean ...
+LONG_TASK_S = 0.1
+#: ... and the key is not short until this many of its tasks ended after it.
+LONG_MEMORY_TASKS = 8
 
 
 class Queued(Starts):
@@ -47,9 +55,22 @@ class Queued(Starts):
         raise NotImplementedError
 
     def short(self, key: str) -> bool:
-        """Whether ``key``'s measured tasks are short (:data:`SHORT_TASK_S`)."""
+        """Whether ``key``'s measured tasks are short (:data:`SHORT_TASK_S`), with no long one
+        among the last of them (:data:`LONG_TASK_S`)."""
         count, mean_s = self._durations_s.get(key, (0, 0.0))
-        return count >= SHORT_MIN_TASKS and mean_s < SHORT_TASK_S
+        return count >= SHORT_MIN_TASKS and mean_s < SHORT_TASK_S and key not in self._long_left
+
+    def timed(self, key: str, took_s: float) -> None:
+        """A task of ``key`` ended after ``took_s``: a long one is remembered for the key's
+        next :data:`LONG_MEMORY_TASKS` tasks."""
+        if took_s >= LONG_TASK_S:
+            self._long_left[key] = LONG_MEMORY_TASKS
+        elif key in self._long_left:
+            left = self._long_left[key] - 1
+            if left > 0:
+                self._long_left[key] = left
+            else:
+                del self._long_left[key]
 
     def queue_behind(self, behind: TaskId) -> TaskId | None:
         """The pending task to queue behind the running ``behind`` on its worker, taken off
