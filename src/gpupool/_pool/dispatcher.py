@@ -323,7 +323,7 @@ class Dispatcher:
         self.link = (
             None
             if bookings is None
-            else BookingLink(bookings, pool_id, devices, sensor, self.planner, self._row_notes)
+            else BookingLink(bookings, pool_id, devices, sensor, self.planner, _weak_notes(self))
         )
         # When the cards were last read (monotonic seconds).
         self.read_s = 0.0
@@ -1601,6 +1601,19 @@ def _set_exception(future: Future[Any], exc: BaseException) -> None:
         future.set_exception(exc)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def _weak_notes(dispatcher: Dispatcher) -> Callable[[int, bool], Mapping[str, Any]]:
+    """The dispatcher's row notes, held weakly by its booking link: a bound method there
+    would make a cycle through the dispatcher, which keeps the initargs alive past the
+    executor until a garbage collection pass."""
+    method = weakref.WeakMethod(dispatcher._row_notes)
+
+    def notes(waiting: int, starting: bool) -> Mapping[str, Any]:
+        row_notes = method()
+        return {} if row_notes is None else row_notes(waiting, starting)
+
+    return notes
 
 
 def _loky_context() -> Any:
