@@ -6,11 +6,10 @@ must still name the script and quote the failing line, as the standard pool's do
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from support import run_script
 
 SCRIPT = """\
 from gpupool import GpuPoolExecutor
@@ -31,19 +30,8 @@ if __name__ == "__main__":
 
 def test_a_main_function_traceback_shows_the_script_line_and_source(tmp_path: Path):
     """The error text names the script's path, the line number and the line's source."""
+    done = run_script(tmp_path, "failing_script.py", textwrap.dedent(SCRIPT), timeout_s=120)
     script = tmp_path / "failing_script.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    env = dict(os.environ)
-    env.pop("GPUPOOL_SIMULATOR", None)
-    env["TMPDIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
     assert done.returncode != 0
     err = done.stderr
     assert f'File "{script}", line 7, in bad' in err, err[-4000:]

@@ -10,15 +10,13 @@ calls on the standard pool (spawn) and prints both pools' results.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from gpupool._pool import by_value
+from support import run_script
 
 SCRIPT = """\
 import concurrent.futures
@@ -102,19 +100,7 @@ def test_initializer_and_tasks_of_main_share_the_worker_namespace(tmp_path: Path
     """The initializer's global is the tasks' (as the standard pool's), a global a task sets
     is read by the next task on that worker (as the standard pool's), and a global the
     parent rebinds between submissions is sent with the function (by value, as before)."""
-    script = tmp_path / "main_namespace_script.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    env = dict(os.environ)
-    env.pop("GPUPOOL_SIMULATOR", None)
-    env["TMPDIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, str(script), where],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = run_script(tmp_path, "main_namespace_script.py", textwrap.dedent(SCRIPT), where)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     standard, ours = results["standard"], results["gpupool"]
@@ -183,19 +169,7 @@ if __name__ == "__main__":
 def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path):
     """A script's global deleted in the worker (by the initializer, by a task) is not put
     back by the next task sent with it: those tasks raise NameError, as the standard pool's."""
-    script = tmp_path / "delete_script.py"
-    script.write_text(DELETE_SCRIPT)
-    env = dict(os.environ)
-    env.pop("GPUPOOL_SIMULATOR", None)
-    env["TMPDIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = run_script(tmp_path, "delete_script.py", DELETE_SCRIPT)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     expected = ["NameError", 7, "NameError", "NameError"]
@@ -269,19 +243,7 @@ def test_a_global_filled_in_place_in_the_worker_is_kept_as_the_standard_pool_kee
     worker's from then on (the script sends them again unchanged with each task): every task
     sees what was put in them, as in the standard pool. A global the script rebinds between
     submissions is still sent with the function."""
-    script = tmp_path / "cache_script.py"
-    script.write_text(CACHE_SCRIPT)
-    env = dict(os.environ)
-    env.pop("GPUPOOL_SIMULATOR", None)
-    env["TMPDIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = run_script(tmp_path, "cache_script.py", CACHE_SCRIPT)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     standard, ours = results["standard"], results["gpupool"]

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,6 @@ from gpupool._pool.channel import SOCKET_BUFFER_BYTES, Channel, ChannelClosed, s
 
 WORKER_PID = 4242
 MiB = 1 << 20
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, Channel]]:
-    """The worker's end (blocking) and the parent's channel on the other end."""
-    worker, parent = socket.socketpair()
-    channel = Channel(parent, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES)
-    try:
-        yield worker, channel
-    finally:
-        worker.close()
-        parent.close()
 
 
 def _in_thread(fn: Callable[[], Any]) -> threading.Thread:

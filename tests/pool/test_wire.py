@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pickle
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,18 +17,6 @@ from gpupool._pool import wire
 from gpupool._pool.channel import Channel, ChannelCorrupt
 
 WORKER_PID = 4242
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, Channel]]:
-    """The worker's end (blocking) and the parent's channel on the other end."""
-    worker, parent = socket.socketpair()
-    channel = Channel(parent, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES)
-    try:
-        yield worker, channel
-    finally:
-        worker.close()
-        parent.close()
 
 
 def _one_answer(channel: Channel) -> wire.Answer:

@@ -6,8 +6,12 @@ this folder's parent on ``sys.path``).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from gpupool._core.census import CardCensus, Census, HostCensus
 from gpupool._core.units import parse_size
@@ -20,6 +24,7 @@ __all__ = [
     "INCIDENT_TOTAL_BYTES",
     "card_census",
     "census_of",
+    "run_script",
     "wait_for",
 ]
 
@@ -79,3 +84,24 @@ def wait_for(condition: Callable[[], bool], *, timeout_s: float = 30.0, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what or condition}")
         time.sleep(0.01)
+
+
+def run_script(
+    directory: Path, name: str, text: str, *args: str, timeout_s: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Write ``text`` to ``directory / name`` and run it as ``__main__`` in a Python of its own
+    (no simulator inherited from the test's environment; its temporary files in
+    ``directory``), returning what it printed and its exit status."""
+    script = directory / name
+    script.write_text(text)
+    env = dict(os.environ)
+    env.pop("GPUPOOL_SIMULATOR", None)
+    env["TMPDIR"] = str(directory)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=directory,
+    )
