@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypedDict
 
-from gpupool._sensors.bookings import read_start_token
+from gpupool._sensors.booking_rows import read_start_token
 
 if TYPE_CHECKING:
     from gpupool._sensors.simulated import DeviceState, ProcessState
