@@ -198,7 +198,7 @@ def _workers(pool: PoolBooking, held: dict[int, int]) -> set[int]:
 
 
 def _pool(pool: PoolBooking, held: dict[int, int] | None, now_s: float) -> dict[str, Any]:
-    workers = None if held is None else _workers(pool, held)
+    workers = set() if held is None else _workers(pool, held)
     last = pool.last
     return {
         "pool_id": pool.pool_id,
@@ -206,10 +206,8 @@ def _pool(pool: PoolBooking, held: dict[int, int] | None, now_s: float) -> dict[
         "label": pool.label,
         "updated_s": pool.updated_s,
         "booked_bytes": pool.booked_bytes,
-        "measured_bytes": (
-            None if held is None or workers is None else sum(held.get(w, 0) for w in workers)
-        ),
-        "workers_on_card": None if workers is None or held is None else len(workers & set(held)),
+        "measured_bytes": None if held is None else sum(held.get(w, 0) for w in workers),
+        "workers_on_card": None if held is None else len(workers & held.keys()),
         "running": [
             {
                 "worker_pid": task.worker_pid,
