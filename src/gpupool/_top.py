@@ -183,8 +183,7 @@ def _card(
 
 def _room(free_bytes: int, others: OtherPools, held: dict[int, int] | None) -> int:
     """Free bytes less what the pools booked and their tasks have not yet reached."""
-    live: dict[int, int | None] = dict(held or {})
-    return free_bytes - others.unreached_given(live)
+    return free_bytes - others.unreached_given(held or {})
 
 
 def _workers(pool: PoolBooking, held: dict[int, int]) -> set[int]:
