@@ -325,16 +325,15 @@ def plain_text(snapshot: dict[str, Any]) -> str:
     out: list[str] = [
         f"gpupool top  {time.strftime('%H:%M:%S', time.localtime(snapshot['time_s']))}"
     ]
-    if not snapshot["driver"] or not snapshot["cards"]:
-        out.append(f"no device: {shown(snapshot['reason'] or 'none visible')}")
+    no_device = no_device_line(snapshot)
+    if no_device is not None:
+        out.append(no_device)
     for card in snapshot["cards"]:
         out.append("")
         out.append(card_heading(card))
-        if card["pools"] is None:
-            out.append(f"  pools: {shown(card['pools_source'])}")
-            continue
-        if not card["pools"]:
-            out.append("  no pool booked")
+        note = pools_note(card)
+        if note is not None:
+            out.append(note)
             continue
         rows = [list(COLUMNS)] + [cells for pool in card["pools"] for _, cells in pool_lines(pool)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
@@ -342,6 +341,23 @@ def plain_text(snapshot: dict[str, Any]) -> str:
             fixed = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
             out.append(f"  {fixed}  {row[-1]}".rstrip())
     return "\n".join(out) + "\n"
+
+
+def no_device_line(snapshot: dict[str, Any]) -> str | None:
+    """``no device: <why>`` where the snapshot has no card to show, else ``None``."""
+    if snapshot["driver"] and snapshot["cards"]:
+        return None
+    return f"no device: {shown(snapshot['reason'] or 'none visible')}"
+
+
+def pools_note(card: dict[str, Any]) -> str | None:
+    """The line shown in place of a card's pools where it has none to list (the table was
+    not read, or no pool booked), else ``None``."""
+    if card["pools"] is None:
+        return f"  pools: {shown(card['pools_source'])}"
+    if not card["pools"]:
+        return "  no pool booked"
+    return None
 
 
 def shown(text: str) -> str:
