@@ -183,8 +183,7 @@ def _card(
 
 def _room(free_bytes: int, others: OtherPools, held: dict[int, int] | None) -> int:
     """Free bytes less what the pools booked and their tasks have not yet reached."""
-    live: dict[int, int | None] = dict(held or {})
-    return free_bytes - others.unreached_given(live)
+    return free_bytes - others.unreached_given(held or {})
 
 
 def _workers(pool: PoolBooking, held: dict[int, int]) -> set[int]:
@@ -198,7 +197,7 @@ def _workers(pool: PoolBooking, held: dict[int, int]) -> set[int]:
 
 
 def _pool(pool: PoolBooking, held: dict[int, int] | None, now_s: float) -> dict[str, Any]:
-    workers = None if held is None else _workers(pool, held)
+    workers = set() if held is None else _workers(pool, held)
     last = pool.last
     return {
         "pool_id": pool.pool_id,
@@ -206,10 +205,8 @@ def _pool(pool: PoolBooking, held: dict[int, int] | None, now_s: float) -> dict[
         "label": pool.label,
         "updated_s": pool.updated_s,
         "booked_bytes": pool.booked_bytes,
-        "measured_bytes": (
-            None if held is None or workers is None else sum(held.get(w, 0) for w in workers)
-        ),
-        "workers_on_card": None if workers is None or held is None else len(workers & set(held)),
+        "measured_bytes": None if held is None else sum(held.get(w, 0) for w in workers),
+        "workers_on_card": None if held is None else len(workers & held.keys()),
         "running": [
             {
                 "worker_pid": task.worker_pid,
@@ -328,16 +325,15 @@ def plain_text(snapshot: dict[str, Any]) -> str:
     out: list[str] = [
         f"gpupool top  {time.strftime('%H:%M:%S', time.localtime(snapshot['time_s']))}"
     ]
-    if not snapshot["driver"] or not snapshot["cards"]:
-        out.append(f"no device: {shown(snapshot['reason'] or 'none visible')}")
+    no_device = no_device_line(snapshot)
+    if no_device is not None:
+        out.append(no_device)
     for card in snapshot["cards"]:
         out.append("")
         out.append(card_heading(card))
-        if card["pools"] is None:
-            out.append(f"  pools: {shown(card['pools_source'])}")
-            continue
-        if not card["pools"]:
-            out.append("  no pool booked")
+        note = pools_note(card)
+        if note is not None:
+            out.append(note)
             continue
         rows = [list(COLUMNS)] + [cells for pool in card["pools"] for _, cells in pool_lines(pool)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
@@ -345,6 +341,23 @@ def plain_text(snapshot: dict[str, Any]) -> str:
             fixed = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
             out.append(f"  {fixed}  {row[-1]}".rstrip())
     return "\n".join(out) + "\n"
+
+
+def no_device_line(snapshot: dict[str, Any]) -> str | None:
+    """``no device: <why>`` where the snapshot has no card to show, else ``None``."""
+    if snapshot["driver"] and snapshot["cards"]:
+        return None
+    return f"no device: {shown(snapshot['reason'] or 'none visible')}"
+
+
+def pools_note(card: dict[str, Any]) -> str | None:
+    """The line shown in place of a card's pools where it has none to list (the table was
+    not read, or no pool booked), else ``None``."""
+    if card["pools"] is None:
+        return f"  pools: {shown(card['pools_source'])}"
+    if not card["pools"]:
+        return "  no pool booked"
+    return None
 
 
 def shown(text: str) -> str:

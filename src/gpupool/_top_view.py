@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpupool._top import COLUMNS, card_heading, pool_lines, shown
+from gpupool._top import COLUMNS, card_heading, no_device_line, pool_lines, pools_note
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -30,8 +30,9 @@ def render(snapshot: dict[str, Any], *, live: bool = True) -> RenderableType:
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot["time_s"]))
     hint = "  (Ctrl-C to leave)" if live else ""
     parts: list[RenderableType] = [Text(f"gpupool top  {stamp}{hint}", style="bold")]
-    if not snapshot["driver"] or not snapshot["cards"]:
-        parts.append(Text(f"no device: {shown(snapshot['reason'] or 'none visible')}"))
+    no_device = no_device_line(snapshot)
+    if no_device is not None:
+        parts.append(Text(no_device))
     for card in snapshot["cards"]:
         parts.append(_card(card))
     return Group(*parts)
@@ -39,10 +40,9 @@ def render(snapshot: dict[str, Any], *, live: bool = True) -> RenderableType:
 
 def _card(card: dict[str, Any]) -> RenderableType:
     heading = Text(card_heading(card), style="bold cyan")
-    if card["pools"] is None:
-        return Group(heading, Text(f"  pools: {shown(card['pools_source'])}"))
-    if not card["pools"]:
-        return Group(heading, Text("  no pool booked"))
+    note = pools_note(card)
+    if note is not None:
+        return Group(heading, Text(note))
     table = Table(box=None, pad_edge=False, padding=(0, 2), show_edge=False)
     for n, name in enumerate(COLUMNS):
         table.add_column(name, justify="right" if n in (2, 3) else "left", no_wrap=n < 4)

@@ -30,12 +30,17 @@ def task(i: int, size: str, wait_s: float = 0.3, hold_s: float = 1.0) -> int:
     return i
 
 
-def _meet(directory: str, count: str) -> None:
-    Path(directory).mkdir(exist_ok=True)
-    Path(directory, str(os.getpid())).touch()
+def _barrier(directory: str, name: str, count: str) -> None:
+    """Leave ``name`` in ``directory``, then wait until ``count`` names are there."""
+    Path(directory, name).touch()
     deadline = time.monotonic() + PATIENCE_S
     while len(list(Path(directory).iterdir())) < int(count) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _meet(directory: str, count: str) -> None:
+    Path(directory).mkdir(exist_ok=True)
+    _barrier(directory, str(os.getpid()), count)
 
 
 def main(argv: list[str]) -> int:
@@ -48,10 +53,7 @@ def main(argv: list[str]) -> int:
             meet = pool.options(key="meet", task_peak="64MiB")
             count = int(max_workers)
             list(meet.map(_meet, [barrier + f".{name}"] * count, [max_workers] * count))
-        Path(barrier, name).touch()
-        deadline = time.monotonic() + PATIENCE_S
-        while len(list(Path(barrier).iterdir())) < int(pools) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _barrier(barrier, name, pools)
         futures = [pool.submit(task, i, size, wait_s, hold_s) for i in range(int(tasks))]
         results, errors = [], []
         for future in futures:

@@ -388,10 +388,10 @@ def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking
     pools = raw.get("pools")
     if not isinstance(pools, dict):
         raise ValueError("'pools' is not an object")
-    rows: dict[str, PoolBooking] = {}
-    for pool_id, row in cast("dict[object, object]", pools).items():
-        rows[str(pool_id)] = _parse_pool(str(pool_id), row)
-    return rows
+    return {
+        str(pool_id): _parse_pool(str(pool_id), row)
+        for pool_id, row in cast("dict[object, object]", pools).items()
+    }
 
 
 class _BadOptional(ValueError):
@@ -451,7 +451,7 @@ def _optional(parse: Callable[[object], _T], value: object, missing: _T) -> _T:
 def _parse_waits(value: object) -> tuple[WaitBooking, ...]:
     """``[[key, ask_bytes, count], ...]``, at most :data:`MAX_WAITS` entries."""
     if not isinstance(value, list) or len(value) > MAX_WAITS:
-        raise _BadOptional("'waits' is not a list of at most 16 entries")
+        raise _BadOptional(f"'waits' is not a list of at most {MAX_WAITS} entries")
     waits: list[WaitBooking] = []
     for entry in cast("list[object]", value):
         if not (isinstance(entry, list) and len(entry) == 3):

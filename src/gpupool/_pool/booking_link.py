@@ -167,7 +167,7 @@ class BookingLink:
             if not self.others_seen.get(device.index):
                 continue
             published = self.published.get(device.index)
-            if (published[1] > 0 if published else False) != waiting:
+            if (published is not None and published[1] > 0) != waiting:
                 self._mark(device.index)
 
     def _mark(self, device: int) -> None:
