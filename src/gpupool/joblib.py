@@ -66,7 +66,10 @@ def max_workers_for(n_jobs: int | None) -> int | None:
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, int):
         raise ValueError(f"n_jobs={n_jobs!r}: pass a positive int, or -1 for the pool's default.")
     if n_jobs == 0:
-        raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        raise ValueError(
+            "n_jobs == 0 in Parallel has no meaning: pass a positive int, or -1 for the "
+            "pool's default."
+        )
     if n_jobs < 0:
         return max(int(cpu_count()) + 1 + n_jobs, 1)
     return n_jobs
