@@ -9,7 +9,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from gpupool._run_cmd import (
 )
 from gpupool.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
 from gpupool.testing import SimulatedDevice, SimulatedHost
+from support import wait_for
 
 PYTHON = shlex.quote(sys.executable)
 
@@ -316,14 +316,6 @@ def test_memory_sets_the_width(tmp_path: Path) -> None:
 # -- Ctrl-C --------------------------------------------------------------------------------
 
 
-def _wait_for(condition: object, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.02)
-
-
 def _running(pid: int) -> bool:
     """Whether ``pid`` is a process that has not exited (a zombie has)."""
     try:
@@ -373,7 +365,11 @@ def test_ctrl_c_stops_every_command_and_exits_130(
             proc.stdin.write(text)
             proc.stdin.flush()
         try:
-            _wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, "two commands running")
+            wait_for(
+                lambda: len(list(tmp_path.glob("*.pid"))) == 2,
+                timeout_s=DEADLINE_S,
+                what="two commands running",
+            )
             os.kill(proc.pid, sig)
             proc.wait(timeout=DEADLINE_S)
             assert proc.stderr is not None
@@ -384,7 +380,11 @@ def test_ctrl_c_stops_every_command_and_exits_130(
             pids = _recorded_pids(tmp_path)
             assert len(pids) == 4, pids  # two commands started, each with its child; no third
             # Signalled before gpupool exited; a killed process may take a moment to go.
-            _wait_for(lambda: not any(_running(pid) for pid in pids), f"{pids} to be gone")
+            wait_for(
+                lambda: not any(_running(pid) for pid in pids),
+                timeout_s=DEADLINE_S,
+                what=f"{pids} to be gone",
+            )
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -420,7 +420,11 @@ def test_a_commands_background_processes_end_with_it(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines() == ["started 1", "started 2"]
         assert len(pids) == 4, pids
-        _wait_for(lambda: not any(_running(pid) for pid in pids), f"{pids} to be gone")
+        wait_for(
+            lambda: not any(_running(pid) for pid in pids),
+            timeout_s=DEADLINE_S,
+            what=f"{pids} to be gone",
+        )
     finally:
         for pid in pids:  # a failed run's: not for the next test
             if _running(pid):

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMMAND_GRACE_S",
     "MAX_FAILED_STATUS",
-    "MAX_UNPRINTED",
+    "MAX_UNPRINTED_COMMANDS",
     "add_run_parser",
     "build_command",
     "exit_status",
@@ -69,7 +69,7 @@ COMMAND_GRACE_S = 1.0
 
 #: How many commands may wait to be printed (ended, or held behind an earlier one) before
 #: the input is read further: bounds the spool files and futures one slow command holds back.
-MAX_UNPRINTED = 1024
+MAX_UNPRINTED_COMMANDS = 1024
 
 #: The most characters of a failed command's line, and of the command, its message shows.
 MAX_SHOWN_CHARS = 300
@@ -253,7 +253,7 @@ def run_commands(
         GpuPoolExecutor(**pool_options, progress=False, on_interrupt="terminate") as pool,
     ):
         jobs: queue.SimpleQueue[_Job | _InputEnded] = queue.SimpleQueue()
-        room = threading.Semaphore(MAX_UNPRINTED)
+        room = threading.Semaphore(MAX_UNPRINTED_COMMANDS)
         view = pool.options(key=key)
 
         def submit(command: str, cwd: str, out: str, err: str) -> Future[int]:
@@ -291,7 +291,7 @@ def _submit_lines(
     jobs: queue.SimpleQueue[_Job | _InputEnded],
     room: threading.Semaphore,
 ) -> None:
-    """Submit a command per line, at most ``MAX_UNPRINTED`` ahead of the printing."""
+    """Submit a command per line, at most ``MAX_UNPRINTED_COMMANDS`` ahead of the printing."""
     cwd = os.getcwd()
     try:
         for number, line in enumerate(lines, 1):

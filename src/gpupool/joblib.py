@@ -44,7 +44,7 @@ BACKEND_NAME = "gpupool"
 
 #: The fewest concurrent calls the backend reports to joblib, which runs a
 #: ``Parallel`` of one job in the calling process instead of the backend.
-_IN_POOL = 2
+_MIN_REPORTED_JOBS = 2
 
 
 def _pool_parameters() -> frozenset[str]:
@@ -66,7 +66,10 @@ def max_workers_for(n_jobs: int | None) -> int | None:
     if isinstance(n_jobs, bool) or not isinstance(n_jobs, int):
         raise ValueError(f"n_jobs={n_jobs!r}: pass a positive int, or -1 for the pool's default.")
     if n_jobs == 0:
-        raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        raise ValueError(
+            "n_jobs == 0 in Parallel has no meaning: pass a positive int, or -1 for the "
+            "pool's default."
+        )
     if n_jobs < 0:
         return max(int(cpu_count()) + 1 + n_jobs, 1)
     return n_jobs
@@ -162,9 +165,9 @@ class GpuPoolBackend(ParallelBackendBase):  # type: ignore[misc]  # joblib is un
         """
         pool = self.pool
         if pool is not None:
-            return max(int(pool._max_workers), _IN_POOL)
+            return max(int(pool._max_workers), _MIN_REPORTED_JOBS)
         max_workers = max_workers_for(n_jobs)
-        return max(max_workers if max_workers is not None else int(cpu_count()), _IN_POOL)
+        return max(max_workers if max_workers is not None else int(cpu_count()), _MIN_REPORTED_JOBS)
 
     def configure(
         self,

@@ -52,6 +52,13 @@ def test_pythonhome_of_this_python_is_accepted(host: SimulatedHost) -> None:
     ex.shutdown()
 
 
+def test_an_empty_pythonhome_is_accepted(host: SimulatedHost) -> None:
+    """PYTHONHOME='' is ignored by Python (as every empty PYTHON* variable): a worker under it
+    starts and runs its task, so the check lets it through."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB", env={"PYTHONHOME": ""}) as ex:
+        assert ex.submit(tasks.sleep_return, 1, 0.0).result(timeout=60) == 1
+
+
 def test_an_empty_key_is_refused(host: SimulatedHost) -> None:
     """options(key='') was silently the default key: now refused, naming the fix."""
     with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:

@@ -75,11 +75,6 @@ _R = TypeVar("_R")
 _UNKNOWN_ESTIMATE_BYTES = GiB
 
 
-def _size(value: str | int, name: str, *, allow_zero: bool = True) -> int:
-    """``parse_size`` with gpupool's upper bound (shared with ``gpupool plan``)."""
-    return parse_pool_size(value, name=name, allow_zero=allow_zero)
-
-
 def _check_flag(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigurationError(
@@ -459,15 +454,23 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 "strict=True needs max_workers: the width that must not be narrowed."
             )
         peak_bytes = (
-            _size(task_peak, "task_peak", allow_zero=False) if task_peak is not None else None
+            parse_pool_size(task_peak, name="task_peak", allow_zero=False)
+            if task_peak is not None
+            else None
         )
         policy = Policy(
-            margin_bytes=(_size(margin, "margin") if margin is not None else DEFAULT_MARGIN_BYTES),
+            margin_bytes=(
+                parse_pool_size(margin, name="margin")
+                if margin is not None
+                else DEFAULT_MARGIN_BYTES
+            ),
             margin_fraction=(
                 float(margin_fraction) if margin_fraction is not None else DEFAULT_MARGIN_FRACTION
             ),
             reserve_bytes=(
-                _size(reserve, "reserve") if reserve is not None else DEFAULT_RESERVE_BYTES
+                parse_pool_size(reserve, name="reserve")
+                if reserve is not None
+                else DEFAULT_RESERVE_BYTES
             ),
             # An explicit margin keeps meaning what it says; by default the
             # margin is learned from the spread of each key's measurements.
@@ -699,7 +702,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 non-empty str, or ``size`` is not a positive, finite number.
         """
         if task_peak is not None:
-            _size(task_peak, "task_peak", allow_zero=False)
+            parse_pool_size(task_peak, name="task_peak", allow_zero=False)
         if key is not None and (not isinstance(key, str) or not key):
             raise ConfigurationError(
                 f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
@@ -744,7 +747,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 (options.key if options and options.key else None) or key or callable_name(fn)
             )
             hint = (
-                _size(options.task_peak, "task_peak", allow_zero=False)
+                parse_pool_size(options.task_peak, name="task_peak", allow_zero=False)
                 if options is not None and options.task_peak is not None
                 else None
             )

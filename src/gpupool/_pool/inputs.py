@@ -32,10 +32,11 @@ def check_python_home(env: Mapping[str, str]) -> None:
 
     Python looks for its standard library in ``<prefix>/lib/pythonX.Y`` under the
     ``PYTHONHOME`` prefix (``prefix:exec_prefix``); without it the interpreter
-    exits with code 1 before running any code of gpupool's.
+    exits with code 1 before running any code of gpupool's. An empty ``PYTHONHOME``
+    is accepted: Python ignores it, as it ignores every empty ``PYTHON*`` variable.
     """
     home = env.get("PYTHONHOME")
-    if home is None or os.name != "posix":
+    if not home or os.name != "posix":
         return
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     fix = (
