@@ -731,13 +731,8 @@ class Dispatcher:
                 # Another pool booked the room first: the planner now knows, and the
                 # task waits (still RUNNING to its future) on a warm worker.
                 continue
-            try:
-                payload = dumps_call(item.call)
-            except BaseException as exc:
-                # As CPython's pool: a call that cannot be pickled fails its own future.
-                self.items.pop(verdict.task, None)
-                self.planner.withdraw(verdict.task)
-                self._fail(item, _detached(exc))
+            payload = self._pickled(item)
+            if payload is None:
                 continue
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
             self._send(item, worker, verdict.ask_bytes, payload)
@@ -769,15 +764,22 @@ class Dispatcher:
             item = self.items[task]
             if not self._claim(item):
                 continue  # cancelled first: withdrawn from the planner
-            try:
-                payload = dumps_call(item.call)
-            except BaseException as exc:
-                self.items.pop(task, None)
-                self.planner.withdraw(task)
-                self._fail(item, _detached(exc))
+            payload = self._pickled(item)
+            if payload is None:
                 continue
             self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
             del payload
+
+    def _pickled(self, item: WorkItem) -> bytes | None:
+        """``item``'s call pickled to send; ``None`` when it cannot be pickled: as in CPython's
+        pool, that fails its own future (withdrawn from the planner)."""
+        try:
+            return dumps_call(item.call)
+        except BaseException as exc:
+            self.items.pop(item.task_id, None)
+            self.planner.withdraw(item.task_id)
+            self._fail(item, _detached(exc))
+            return None
 
     def _running_item(self, worker: _Worker) -> WorkItem | None:
         """The task ``worker`` was running when it was lost, taken off its queue; ``None`` when
