@@ -84,11 +84,11 @@ from gpupool._errors import (
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
-from gpupool._pool.by_value import sender_ids
+from gpupool._pool.by_value import dumps_call, sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
-from gpupool._pool.worker import dumps_call, worker_main
+from gpupool._pool.worker import worker_main
 from gpupool._probe import allocator_cap_message
 from gpupool._sensors.host import read_ancestors
 
