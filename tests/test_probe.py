@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -605,6 +607,17 @@ def test_cupy_held_bytes_are_not_taken_for_context(monkeypatch):
     assert report.device_peak_bytes == 3 * GiB + context
 
 
+@contextlib.contextmanager
+def _a_child() -> Iterator[subprocess.Popen[bytes]]:
+    """A child of this process that lives until the block ends (it reads its stdin to the end)."""
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as child:
+        assert child.stdin is not None
+        yield child
+        child.stdin.close()
+
+
 def test_a_childs_bytes_are_the_tasks_peak_never_the_workers_context(monkeypatch, fresh_cap):
     """A child holding 4 GiB beside a worker with a 500 MiB context: the task's peak counts the
     child, the context is the worker's own row less torch's (500 MiB, not 4.5 GiB), and the
@@ -613,10 +626,7 @@ def test_a_childs_bytes_are_the_tasks_peak_never_the_workers_context(monkeypatch
     card = h100(0)
     torch = standin_torch.make_torch(total_bytes=80 * GiB)
     context = 500 * MiB
-    with subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-    ) as child:
-        assert child.stdin is not None
+    with _a_child() as child:
 
         def rows(cuda):
             held = context + cuda.reserved_bytes
@@ -628,7 +638,6 @@ def test_a_childs_bytes_are_the_tasks_peak_never_the_workers_context(monkeypatch
         probe.start()
         torch.cuda.allocate(GiB)
         report = probe.stop()
-        child.stdin.close()
     assert report.device_peak_bytes == 5 * GiB + context
     assert (report.context_bytes, report.context_source) == (context, "process-row")
     apply_allocator_cap(8 * GiB)
@@ -649,10 +658,7 @@ def test_a_workers_counted_spike_is_added_to_its_childs_bytes(monkeypatch):
     card = h100(0)
     torch = standin_torch.make_torch(total_bytes=80 * GiB)
     context = 500 * MiB
-    with subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-    ) as child:
-        assert child.stdin is not None
+    with _a_child() as child:
         _child_holding_rows(card, pid, child.pid, context, 4 * GiB)
         probe = _nvml_probe(monkeypatch, card, torch)
         probe.start()
@@ -660,7 +666,6 @@ def test_a_workers_counted_spike_is_added_to_its_childs_bytes(monkeypatch):
         torch.cuda.free(8 * GiB)
         torch.cuda.empty_cache()
         report = probe.stop()
-        child.stdin.close()
     assert report.device_peak_bytes == 12 * GiB + context
     assert report.device_source == "torch+context+descendants"
 
@@ -670,16 +675,12 @@ def test_the_workers_accounting_maximum_is_added_to_its_childs_bytes(monkeypatch
     pid = os.getpid()
     context = 500 * MiB
     card = h100(0, accounting={pid: context})
-    with subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-    ) as child:
-        assert child.stdin is not None
+    with _a_child() as child:
         _child_holding_rows(card, pid, child.pid, context, 4 * GiB)
         probe = _nvml_probe(monkeypatch, card)
         probe.start()
         card.accounting = {pid: 8 * GiB + context}  # a spike the driver kept, sampling missed
         report = probe.stop()
-        child.stdin.close()
     assert report.device_peak_bytes == 12 * GiB + context
     assert report.device_source == "nvml-accounting+descendants"
 

@@ -537,10 +537,11 @@ class Probe:
             tree, own = sensor.read_root_bytes(device)
         except Exception:
             return None
-        self._note_context(_trusted(own), held_before, self._frameworks.sample())
+        own = _trusted(own)
+        self._note_context(own, held_before, self._frameworks.sample())
         tree = _trusted(tree)
         if tree is not None:
-            self._descendant_bytes = max(self._descendant_bytes, tree - (_trusted(own) or 0))
+            self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
         return tree
 
     def _sample(self) -> None:

@@ -62,6 +62,22 @@ def _start(tmp_path: Path, body: str) -> tuple[subprocess.Popen[str], Path]:
     return process, pids
 
 
+def _start_four_never_released(tmp_path: Path, task: str) -> tuple[subprocess.Popen[str], Path]:
+    """The script submits four of ``faulty``'s ``task`` to two workers, each waiting on a file
+    never created, and waits inside ``with`` for the first."""
+    return _start(
+        tmp_path,
+        f"""
+        never = os.path.join(directory, "never-released")
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+                task = faulty.{task}
+                futures = [ex.submit(task, directory, i, never) for i in range(4)]
+                futures[0].result()
+        """,
+    )
+
+
 def _worker_pids(pids: Path) -> set[int]:
     return {int(p.read_text()) for p in pids.glob("*.pid")}
 
@@ -190,17 +206,7 @@ def test_keyboard_interrupt_during_map_exits_and_leaves_no_worker(tmp_path: Path
 def test_keyboard_interrupt_in_with_stops_running_tasks(tmp_path: Path, target: str):
     """Ctrl-C inside ``with`` ends the running tasks (they would wait ten minutes): the script
     exits, the tasks not started are cancelled, and no worker is left."""
-    process, pids = _start(
-        tmp_path,
-        """
-        never = os.path.join(directory, "never-released")
-        with host():
-            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
-                task = faulty.note_pid_then_wait_return
-                futures = [ex.submit(task, directory, i, never) for i in range(4)]
-                futures[0].result()
-        """,
-    )
+    process, pids = _start_four_never_released(tmp_path, "note_pid_then_wait_return")
     try:
         assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
         workers = _worker_pids(pids)
@@ -226,17 +232,7 @@ def test_keyboard_interrupt_in_with_kills_the_tasks_children_that_ignore_sigterm
     """Ctrl-C inside ``with``: the running tasks' children that ignore SIGTERM (in the worker's
     group, and in a session of their own) get SIGKILL after the grace, though SIGTERM ended
     their workers at once; nothing is left running."""
-    process, pids = _start(
-        tmp_path,
-        """
-        never = os.path.join(directory, "never-released")
-        with host():
-            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
-                task = faulty.start_term_ignoring_children_then_wait
-                futures = [ex.submit(task, directory, i, never) for i in range(4)]
-                futures[0].result()
-        """,
-    )
+    process, pids = _start_four_never_released(tmp_path, "start_term_ignoring_children_then_wait")
     children: set[int] = set()
     try:
         assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()

@@ -112,7 +112,22 @@ def test_initializer_and_tasks_of_main_share_the_worker_namespace(tmp_path: Path
     assert (standard["limit"], ours["limit"]) == (3, 5)
 
 
-DELETE_SCRIPT = """\
+# The end of the scripts below: the same calls on the standard pool (spawn) and on ours, on a
+# simulated card, each with the script's ``init``; both pools' results printed as JSON.
+_BOTH_POOLS_MAIN = """\
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
+        standard = calls(ex)
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
+            ours = calls(ex)
+    print(json.dumps({"standard": standard, "gpupool": ours}))
+"""
+
+
+DELETE_SCRIPT = (
+    """\
 import concurrent.futures
 import json
 import multiprocessing
@@ -155,15 +170,9 @@ def calls(ex):
     return [first, before, ex.submit(read_later, 0).result(), ex.submit(read_doomed, 0).result()]
 
 
-if __name__ == "__main__":
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
-        standard = calls(ex)
-    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
-        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
-            ours = calls(ex)
-    print(json.dumps({"standard": standard, "gpupool": ours}))
 """
+    + _BOTH_POOLS_MAIN
+)
 
 
 def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path):
@@ -177,7 +186,8 @@ def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path
     assert results["gpupool"] == expected
 
 
-CACHE_SCRIPT = """\
+CACHE_SCRIPT = (
+    """\
 import concurrent.futures
 import json
 import multiprocessing
@@ -225,15 +235,9 @@ def calls(ex):
     return {"remembered": remembered, "scaled": [first, second], "configs": configs}
 
 
-if __name__ == "__main__":
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
-        standard = calls(ex)
-    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
-        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
-            ours = calls(ex)
-    print(json.dumps({"standard": standard, "gpupool": ours}))
 """
+    + _BOTH_POOLS_MAIN
+)
 
 
 def test_a_global_filled_in_place_in_the_worker_is_kept_as_the_standard_pool_keeps_it(

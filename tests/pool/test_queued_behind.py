@@ -42,16 +42,25 @@ def _card() -> Any:
     return SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB")
 
 
-def test_a_task_queued_behind_a_worker_that_dies_runs_on_another(tmp_path: Path) -> None:
-    gate = tmp_path / "die"
+def _assert_the_queued_tasks_run_on_a_new_worker(
+    tmp_path: Path, action: str, error: type[BaseException]
+) -> None:
+    """The busy worker's run of ``action`` fails with ``error`` and the worker goes: the task
+    queued behind it, and the pending one, run on the worker started in its place."""
+    gate = tmp_path / action
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
         first_pid = pool.submit(queue_tasks.step, "ok").result()
-        running, queued, pending = _busy_with_one_queued(pool, "die", gate)
+        running, queued, pending = _busy_with_one_queued(pool, action, gate)
         gate.touch()
-        with pytest.raises(WorkerLostError):
+        with pytest.raises(error):
             running.result(timeout=60)
-        assert queued.result(timeout=60) != first_pid  # run again, by the new worker
+        assert queued.result(timeout=60) != first_pid
         assert pending.result(timeout=60) != first_pid
+
+
+def test_a_task_queued_behind_a_worker_that_dies_runs_on_another(tmp_path: Path) -> None:
+    # The queued task is run again, by the new worker.
+    _assert_the_queued_tasks_run_on_a_new_worker(tmp_path, "die", WorkerLostError)
 
 
 def test_a_task_queued_behind_one_that_runs_out_of_memory_still_runs(tmp_path: Path) -> None:
@@ -90,16 +99,9 @@ def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> No
 
 
 def test_a_task_queued_behind_an_oom_whose_worker_then_exits_runs_again(tmp_path: Path) -> None:
-    gate = tmp_path / "oom"
-    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
-        first_pid = pool.submit(queue_tasks.step, "ok").result()
-        running, queued, pending = _busy_with_one_queued(pool, "oom-then-exit", gate)
-        gate.touch()
-        with pytest.raises(DeviceOutOfMemoryError):
-            running.result(timeout=60)
-        # It never ran (its worker exited before reading it): not lost, it runs on another.
-        assert queued.result(timeout=60) != first_pid
-        assert pending.result(timeout=60) != first_pid
+    # The queued task never ran (its worker exited before reading it): not lost, it runs on
+    # another.
+    _assert_the_queued_tasks_run_on_a_new_worker(tmp_path, "oom-then-exit", DeviceOutOfMemoryError)
 
 
 def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> None:

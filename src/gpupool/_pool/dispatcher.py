@@ -84,11 +84,11 @@ from gpupool._errors import (
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
-from gpupool._pool.by_value import sender_ids
+from gpupool._pool.by_value import dumps_call, sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
-from gpupool._pool.worker import dumps_call, worker_main
+from gpupool._pool.worker import worker_main
 from gpupool._probe import allocator_cap_message
 from gpupool._sensors.host import read_ancestors
 
@@ -731,13 +731,8 @@ class Dispatcher:
                 # Another pool booked the room first: the planner now knows, and the
                 # task waits (still RUNNING to its future) on a warm worker.
                 continue
-            try:
-                payload = dumps_call(item.call)
-            except BaseException as exc:
-                # As CPython's pool: a call that cannot be pickled fails its own future.
-                self.items.pop(verdict.task, None)
-                self.planner.withdraw(verdict.task)
-                self._fail(item, _detached(exc))
+            payload = self._pickled(item)
+            if payload is None:
                 continue
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
             self._send(item, worker, verdict.ask_bytes, payload)
@@ -769,15 +764,22 @@ class Dispatcher:
             item = self.items[task]
             if not self._claim(item):
                 continue  # cancelled first: withdrawn from the planner
-            try:
-                payload = dumps_call(item.call)
-            except BaseException as exc:
-                self.items.pop(task, None)
-                self.planner.withdraw(task)
-                self._fail(item, _detached(exc))
+            payload = self._pickled(item)
+            if payload is None:
                 continue
             self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
             del payload
+
+    def _pickled(self, item: WorkItem) -> bytes | None:
+        """``item``'s call pickled to send; ``None`` when it cannot be pickled: as in CPython's
+        pool, that fails its own future (withdrawn from the planner)."""
+        try:
+            return dumps_call(item.call)
+        except BaseException as exc:
+            self.items.pop(item.task_id, None)
+            self.planner.withdraw(item.task_id)
+            self._fail(item, _detached(exc))
+            return None
 
     def _running_item(self, worker: _Worker) -> WorkItem | None:
         """The task ``worker`` was running when it was lost, taken off its queue; ``None`` when
@@ -1101,8 +1103,7 @@ class Dispatcher:
             # The task queued behind it runs now, in the booking it left (after a device
             # OOM the worker declines it instead: _declined).
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
-        if worker.device is not None and self.link is not None:
-            self.link.changed(worker.device, self.now())
+        self._booking_changed(worker)
         if worker.retiring:
             self._retire(worker)
         if not oom:
@@ -1118,8 +1119,7 @@ class Dispatcher:
         item.tries -= 1
         self.planner.requeue(item.task_id)
         self.counts["queued_declined"] += 1
-        if worker.device is not None and self.link is not None:
-            self.link.changed(worker.device, self.now())
+        self._booking_changed(worker)
         if worker.retiring:
             self._retire(worker)
 
@@ -1251,11 +1251,9 @@ class Dispatcher:
             if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
                 self._break_at_start(worker, exitcode, how, signal_name)
             return
-        item = self._running_item(worker)
-        self._requeue_behind(worker)
+        item = self._lost_run(worker)
         if item is None:
             return
-        self._settle(item)
         if by_pool:
             how += (
                 ", sent by the pool itself ("
@@ -1271,16 +1269,11 @@ class Dispatcher:
             f"A worker process (pid {worker.pid}) running a task of {item.key} {how}; "
             f"only this task failed and the pool goes on.{hint}"
         )
-        self.planner.lost(
-            item.task_id,
-            self.now(),
-            message=message,
-            extra={"exitcode": exitcode, "signal": signal_name, "pid": worker.pid},
-        )
-        if worker.device is not None and self.link is not None:
-            self.link.changed(worker.device, self.now())
-        self._resolve_error(
-            item.future, WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
+        self._fail_lost(
+            worker,
+            item,
+            WorkerLostError(message, exitcode=exitcode, signal_name=signal_name),
+            {"exitcode": exitcode, "signal": signal_name, "pid": worker.pid},
         )
 
     def _lost_to_fault(
@@ -1289,40 +1282,51 @@ class Dispatcher:
         """A ready worker killed for a protocol fault has exited: the task it ran fails with
         a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
         pool goes on (no task, when the fault came while it was idle)."""
-        item = self._running_item(worker)
-        self._requeue_behind(worker)
+        item = self._lost_run(worker)
         if item is None:
             return
-        self._settle(item)
         message = (
             f"A worker process (pid {worker.pid}) running a task of {item.key} broke the "
             f"protocol with the pool: it sent {what}. The worker was killed and replaced; "
             "only this task failed and the pool goes on. A process the task forked that "
             "writes on the worker's descriptors, or a library that does, causes this."
         )
-        self.planner.lost(
-            item.task_id,
-            self.now(),
-            message=message,
-            extra={
+        self._fail_lost(
+            worker,
+            item,
+            WorkerProtocolError(
+                message, pid=worker.pid, received=what, exitcode=exitcode, signal_name=signal_name
+            ),
+            {
                 "exitcode": exitcode,
                 "signal": signal_name,
                 "pid": worker.pid,
                 "protocol_fault": what,
             },
         )
+
+    def _lost_run(self, worker: _Worker) -> WorkItem | None:
+        """The lost ``worker``'s run, taken off it and settled (``None``: it ran none); the
+        tasks queued behind it go back to the planner's queue."""
+        item = self._running_item(worker)
+        self._requeue_behind(worker)
+        if item is not None:
+            self._settle(item)
+        return item
+
+    def _fail_lost(
+        self, worker: _Worker, item: WorkItem, error: BaseException, extra: dict[str, Any]
+    ) -> None:
+        """``item``, the lost ``worker``'s run, is recorded lost (``extra``: the record's
+        terms beside ``error``'s message), its booking released, and its future fails."""
+        self.planner.lost(item.task_id, self.now(), message=str(error), extra=extra)
+        self._booking_changed(worker)
+        self._resolve_error(item.future, error)
+
+    def _booking_changed(self, worker: _Worker) -> None:
+        """What ``worker`` holds booked on its card changed: the host's table hears of it."""
         if worker.device is not None and self.link is not None:
             self.link.changed(worker.device, self.now())
-        self._resolve_error(
-            item.future,
-            WorkerProtocolError(
-                message,
-                pid=worker.pid,
-                received=what,
-                exitcode=exitcode,
-                signal_name=signal_name,
-            ),
-        )
 
     def _break_at_start(
         self, worker: _Worker, exitcode: int | None, how: str, signal_name: str | None

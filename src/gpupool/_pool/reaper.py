@@ -133,13 +133,13 @@ def trees_below(pids: Iterable[int]) -> list[psutil.Process]:
     return [p for pid, p in found.items() if pid not in roots]
 
 
-def kill_left_after(processes: list[psutil.Process], deadline: float) -> None:
-    """Wait until ``deadline`` (``time.monotonic()``) for ``processes`` to exit, then SIGKILL
+def kill_left_after(processes: list[psutil.Process], deadline_s: float) -> None:
+    """Wait until ``deadline_s`` (``time.monotonic()``) for ``processes`` to exit, then SIGKILL
     those left; at once when interrupted. psutil checks each one is the process it was (its
     start time), so a PID reused meanwhile is never signalled."""
     left = processes
     try:
-        while left and time.monotonic() < deadline:
+        while left and time.monotonic() < deadline_s:
             left = [p for p in left if _running(p)]
             if left:
                 time.sleep(_LEFT_POLL_S)

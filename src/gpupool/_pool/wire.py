@@ -50,7 +50,7 @@ import struct
 from typing import Any
 
 from gpupool._core.peak import PeakReport
-from gpupool._pool.channel import frame_header
+from gpupool._pool.channel import _LARGE, _SMALL, frame_header
 
 __all__ = [
     "ANSWER_MAGIC",
@@ -76,10 +76,6 @@ _QUEUED_MAGIC = b"GPq1"
 _PREFIX = struct.Struct("!4sqqI")
 _TRAILER = struct.Struct("!4sqq")
 _TASK = struct.Struct("!4sq")
-#: A frame's header (:func:`~gpupool._pool.channel.frame_header`): its length, or -1 then
-#: an 8-byte length.
-_SMALL = struct.Struct("!i")
-_LARGE = struct.Struct("!Q")
 
 #: The task id of an answer about no task (``ready``, ``init``).
 NO_TASK = -1

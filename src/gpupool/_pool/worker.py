@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from gpupool._probe import Probe
     from gpupool._sensors.base import DeviceInfo
 
-__all__ = ["dumps_call", "process_chunk", "worker_main"]
+__all__ = ["process_chunk", "worker_main"]
 
 #: How often a worker checks that its parent is alive, where the kernel cannot
 #: be asked to do it (not Linux). A worker whose parent was SIGKILLed must exit
