@@ -206,13 +206,13 @@ def _open_log(path: Path, shown: str, dir_fd: int | None = None) -> int:
             "pass a path in a writable directory."
         ) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
             raise ConfigurationError(
-                f"log_path={shown!r} is {_kind(mode)}, not a regular file; pass a file "
-                "path such as run.jsonl (or log_path=None for no file)."
+                f"log_path={shown!r} is {_kind(opened.st_mode)}, not a regular file; pass a "
+                "file path such as run.jsonl (or log_path=None for no file)."
             )
-        problem = _not_ours(os.fstat(fd), shown) or _linked(os.fstat(fd), shown)
+        problem = _not_ours(opened, shown) or _linked(opened, shown)
         if problem is not None:
             raise ConfigurationError(problem)
         os.set_blocking(fd, True)

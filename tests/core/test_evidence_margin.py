@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool._core import AskTable, Policy
+from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
@@ -382,3 +383,34 @@ def test_a_running_task_is_rebooked_when_its_cards_room_shrinks() -> None:
     assert after.ask_bytes == before.ask_bytes - GiB
     [run] = planner.running.values()
     assert run.booked_bytes == after.ask_bytes
+
+
+def test_room_freed_by_another_pool_at_census_lifts_the_held_ask_at_the_next_measure() -> None:
+    """Peaks 1, 20 and 2 GiB on a 24 GiB card whose census counted 0.5 GiB of co-tenant: the
+    ask is held at the card's room. Another pool's task is found to hold that 0.5 GiB (the
+    census' co-tenant bytes are that pool's, priced by its booking instead): the room for one
+    task alone grows by 0.5 GiB, and the key's next measured peak is held at the new room."""
+    records: list[Decision] = []
+    planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
+    for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
+        _run_one(planner, task, peak, float(task))
+    before = planner.asks.ask("spread")
+    assert before.room_capped
+    uuid = planner.cards[0].census.uuid
+    assert uuid is not None
+    other = PoolBooking(
+        pool_id="700.1",
+        pid=700,
+        start="s",
+        label="other",
+        updated_s=0.0,
+        tasks=(TaskBooking(worker_pid=701, key="o", booked_bytes=GiB // 2, reached_bytes=0),),
+    )
+    planner.observe_others(
+        0, OtherPools(card_uuid=uuid, pools=(other,)), 4.0, census=True, rows={701: GiB // 2}
+    )
+    planner.observe_others(0, OtherPools(card_uuid=uuid), 4.5)  # its task ended
+    _run_one(planner, 3, 2 * GiB, 5.0)
+    after = planner.asks.ask("spread")
+    assert after.room_capped
+    assert after.ask_bytes == before.ask_bytes + GiB // 2

@@ -17,7 +17,7 @@ limit up this process's cgroup hierarchy::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from gpupool._core.census import HostCensus
@@ -391,9 +391,6 @@ def cap_usable_cpus(host: HostCensus, cap: int | None, *, source: str) -> HostCe
     """
     if cap is None or cap >= host.cpus:
         return host
-    return HostCensus(
-        cpus=max(1, cap),
-        available_ram_bytes=host.available_ram_bytes,
-        cpu_source=f"{source} (below {host.cpus} from {host.cpu_source})",
-        ram_source=host.ram_source,
+    return replace(
+        host, cpus=max(1, cap), cpu_source=f"{source} (below {host.cpus} from {host.cpu_source})"
     )

@@ -99,6 +99,9 @@ class PlannerBase:
         self._behind: set[TaskId] = set()
         # Tasks were submitted since the width was last derived (a start then derives it).
         self._width_due = False
+        # A term of the cards' rooms for one task moved (a co-tenant at census, the child's
+        # RSS) since the asks were last held within them: the next measurement holds them.
+        self._rooms_due = True
         self.width = self._width_now()
 
     @property

@@ -293,6 +293,7 @@ class Planner(Queued):
         note_starved(card, now_s)
         if census:
             card.others_at_census_bytes = terms.held_bytes
+            self._rooms_due = True
             return
         if card.others_bytes != before:
             self._review(
@@ -426,7 +427,8 @@ class Planner(Queued):
                 return
             after = self.asks.floor(run.key, peak + self.asks.policy.margin_for(peak))
         else:
-            self._limit_asks()
+            if self._rooms_due:
+                self._limit_asks()
             after = self.asks.measure(run.key, report.device_peak_bytes, size=run.size)
             self._peaks_vary(after, run.device, now_s)
         self._rebook(run.key)
@@ -435,6 +437,7 @@ class Planner(Queued):
     def _limit_asks(self) -> None:
         """Hold learned asks within the cards' rooms for one task, as they are now; where
         the rooms moved, running tasks are booked at their keys' asks again."""
+        self._rooms_due = False
         rooms = rooms_alone_bytes(
             self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
         )
@@ -643,6 +646,7 @@ class Planner(Queued):
         if rss is None or (self.child_rss_bytes is not None and rss <= self.child_rss_bytes):
             return
         self.child_rss_bytes = rss
+        self._rooms_due = True  # on unified memory, a task's room is less its child's RSS
         before = self.ceiling
         self.ceiling = self._derive_ceiling()
         if self.ceiling.value == before.value:
