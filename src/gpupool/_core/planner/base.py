@@ -94,9 +94,8 @@ class PlannerBase:
         self._critical_recorded_s: float | None = None
         self._hold_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()
-        # Tasks queued behind a running one on its worker (queued -> run), and those runs.
+        # Tasks queued behind a running one on its worker (queued -> the run it waits on).
         self.queued: dict[TaskId, TaskId] = {}
-        self._behind: set[TaskId] = set()
         # Tasks were submitted since the width was last derived (a start then derives it).
         self._width_due = False
         # A term of the cards' rooms for one task moved (a co-tenant at census, the child's

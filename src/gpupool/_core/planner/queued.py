@@ -82,7 +82,7 @@ class Queued(Starts):
             or self.refused is not None
             or self.hold is not None
             or run.size is not None
-            or behind in self._behind
+            or behind in self.queued.values()
         ):
             return None
         head = self.pending[0]
@@ -105,29 +105,23 @@ class Queued(Starts):
                 return None
         self._unqueue(head)
         self.queued[head] = behind
-        self._behind.add(behind)
         self.counts["queued_behind"] += 1
         return head
 
     def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
         that worker, in the booking the run left."""
-        behind = self.queued.pop(task)
-        self._behind.discard(behind)
+        del self.queued[task]
         self.started(task, device, pid, now_s)
 
     def requeue(self, task: TaskId) -> None:
         """``task`` was queued behind a run whose worker is gone: it never ran, so it goes
         back to the head of the pending queue."""
-        behind = self.queued.pop(task, None)
-        if behind is None:
+        if self.queued.pop(task, None) is None:
             return
-        self._behind.discard(behind)
         self.pending.appendleft(task)
         self._pending_by_key[self.tasks[task].key] += 1
 
     def _drop_queued(self, task: TaskId) -> None:
         """``task`` left the planner (failed or withdrawn) while queued."""
-        behind = self.queued.pop(task, None)
-        if behind is not None:
-            self._behind.discard(behind)
+        self.queued.pop(task, None)
