@@ -133,10 +133,13 @@ class PlannerBase:
         return self.asks.ask_for(state.key, state.size)
 
     def _unqueue(self, task: TaskId) -> None:
-        try:
-            self.pending.remove(task)
-        except ValueError:
-            return
+        if self.pending and self.pending[0] == task:
+            self.pending.popleft()  # the usual case: a start takes the head
+        else:
+            try:
+                self.pending.remove(task)
+            except ValueError:
+                return
         self._pending_by_key[self.tasks[task].key] -= 1
 
     def _end_run(self, task: TaskId) -> Run | None:

@@ -341,8 +341,12 @@ class Planner(Queued):
     def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """``task`` was handed to a worker (``pid``) on ``device``: it books there what the
         :class:`Start` that admitted it carried."""
-        state = self.tasks[task]
         self._unqueue(task)
+        self._begin(task, device, pid, now_s)
+
+    def _begin(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
+        """``task``, off the pending queue, runs on ``device`` in worker ``pid``."""
+        state = self.tasks[task]
         issued = self._issued.pop(task, None)
         price = self.asks.ask_for(state.key, state.size)
         card = self.cards[device] if device is not None else None

@@ -50,8 +50,8 @@ LONG_MEMORY_TASKS = 8
 class Queued(Starts):
     """Tasks queued behind running ones (``self.queued``: queued task -> the run it follows)."""
 
-    def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
-        """Handed to a worker: the planner's own (:meth:`Planner.started`)."""
+    def _begin(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
+        """``task``, off the pending queue, runs: the planner's own (:meth:`Planner._begin`)."""
         raise NotImplementedError
 
     def short(self, key: str) -> bool:
@@ -112,7 +112,7 @@ class Queued(Starts):
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
         that worker, in the booking the run left."""
         del self.queued[task]
-        self.started(task, device, pid, now_s)
+        self._begin(task, device, pid, now_s)  # off the pending queue since it was queued
 
     def requeue(self, task: TaskId) -> None:
         """``task`` was queued behind a run whose worker is gone: it never ran, so it goes
