@@ -339,6 +339,8 @@ class Dispatcher:
         # Tasks handed to the planner since the last snapshot (one taken before any of their
         # futures is RUNNING, so that width and widths_by_key count them).
         self.unpublished_tasks = False
+        # Results of this turn's tasks, set at its end (_deliver), after its snapshot.
+        self.results: list[tuple[Future[Any], Any]] = []
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
@@ -508,6 +510,9 @@ class Dispatcher:
             if self.link is not None:
                 self.link.withdraw_all()
             self._note_table()
+            if self.results:  # results the turn that crashed had not delivered
+                self.publish()
+                self._deliver()
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
                 self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
@@ -552,6 +557,7 @@ class Dispatcher:
                     poll_s = due_s if poll_s is None else min(poll_s, due_s)
             self._note_table()
             self.publish()  # the end of the turn
+            self._deliver()  # the turn's results, counted by that snapshot
             with self.lock:
                 idle_pool = not self.incoming and not self.items and not busy
                 if self.shutdown_requested and idle_pool:
@@ -1124,9 +1130,19 @@ class Dispatcher:
             self._retire(worker)
 
     def _resolve(self, future: Future[Any], result: Any) -> None:
-        """Set ``future``'s result, after a snapshot that counts it."""
-        self.publish()
-        _set_result(future, result)
+        """Set ``future``'s result at the end of this turn (:meth:`_deliver`), after the
+        turn's snapshot, which counts it, and after the turn's starts: a worker that sent
+        it has its next task before the caller wakes."""
+        self.results.append((future, result))
+
+    def _deliver(self) -> None:
+        """Set the results of the turn's tasks; the caller published the snapshot that
+        counts them. Nothing of a result is kept here after it is set."""
+        results, self.results = self.results, []
+        while results:
+            future, result = results.pop(0)
+            _set_result(future, result)
+            del future, result
 
     def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
         """Set ``future``'s exception and count its task failed, after a snapshot that counts
