@@ -691,7 +691,7 @@ class Dispatcher:
             if self.broken is not None:
                 self._fail_pending()
                 return None
-            if not read and self.planner.pending:
+            if not read and self.planner.pending and self._may_start():
                 self._read_cards()
                 read = True
                 continue
@@ -743,6 +743,11 @@ class Dispatcher:
             self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
             self._send(item, worker, verdict.ask_bytes, payload)
             del payload
+
+    def _may_start(self) -> bool:
+        """Whether the planner may start a task now: fewer run than its ceiling (else its
+        verdict is to wait, and a reading of the cards would gate nothing)."""
+        return len(self.planner.running) < self.planner.ceiling.value
 
     def _queue_behind_busy(self) -> None:
         """Behind each busy worker, the next task of its key where the planner lets it wait
@@ -889,10 +894,12 @@ class Dispatcher:
         """Give back idle workers a card cannot use now (their contexts are its bytes)."""
         now = self.now()
         for device in self.devices:
-            keep = self.planner.warm_limit(device.index, now)
             live = [w for w in device.workers if not w.retiring]
             # A worker that boots is not idle: it was started for a task that fits.
             idle = [w for w in live if w.task is None and w.ready]
+            if not idle:
+                continue
+            keep = self.planner.warm_limit(device.index, now)
             for worker in idle[: max(0, len(live) - keep)]:
                 self._retire(worker)
 
