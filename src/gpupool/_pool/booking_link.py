@@ -23,8 +23,8 @@ exchanges it per *change*, not per task:
   more than it does, never less: a release told late costs them at most
   :data:`COALESCE_S` of waiting, and a waiting state told late lets a pool
   beyond its share take at most that much longer to stop.
-* **Reads** (once per scheduling pass, in the card reading) do not rewrite the
-  file, except to refresh this pool's stamp after
+* **Reads** (in the card reading, once in each scheduling pass that may start a
+  task) do not rewrite the file, except to refresh this pool's stamp after
   :data:`~gpupool._sensors.booking_rows.HEARTBEAT_S`.
 """
 
