@@ -207,6 +207,13 @@ def check_answer(answer: Answer, *, worker_pid: int, ready: bool, running: int |
     Raises:
         ProtocolFault: it is not; the message names what came and what was expected.
     """
+    if (
+        running is not None
+        and answer.task_id == running
+        and answer.pid == worker_pid
+        and answer.kind in _TASK_KINDS
+    ):
+        return  # the usual answer: about the task it runs, from the worker itself
     said = f"an answer {answer.kind!r} about {_task(answer.task_id)}"
     if answer.pid != worker_pid:
         raise ProtocolFault(
