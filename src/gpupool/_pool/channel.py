@@ -219,6 +219,10 @@ class Channel:
                     return
                 self._head += data
                 self._split_head()
+                if len(data) < _READ_CHUNK_BYTES and self._body is None:
+                    # The socket held less than a read takes: it is empty now (the selector
+                    # says when more comes), so no second read only to be told so.
+                    return
             else:
                 body = self._body
                 view = memoryview(body)[self._body_at :]
