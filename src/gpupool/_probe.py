@@ -483,7 +483,7 @@ class Probe:
     def start(self) -> None:
         """Open the measuring window for one task."""
         guard_torch_resets()
-        self._tree.open()
+        members = self._tree.open()
         _arm_cap_at_task_start()
         cuda = initialised_torch_cuda()
         if cuda is not None:
@@ -505,7 +505,7 @@ class Probe:
         if not self._exact:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
-            self._read_tree(sensor, device, held)
+            self._read_tree(sensor, device, held, members)
             self._sampled_peak_bytes = self._baseline_bytes
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
@@ -529,12 +529,17 @@ class Probe:
         _CAP.context_bytes = self._context_bytes
 
     def _read_tree(
-        self, sensor: TreeSensor, device: DeviceInfo, held_before: int | None
+        self,
+        sensor: TreeSensor,
+        device: DeviceInfo,
+        held_before: int | None,
+        members: frozenset[int] | None = None,
     ) -> int | None:
         """One reading of the tree: its bytes (``None``: not a measurement), noting the
-        worker's context from its own row and what its descendants held."""
+        worker's context from its own row and what its descendants held. ``members``:
+        the tree as just read (read now if ``None``)."""
         try:
-            tree, own = sensor.read_root_bytes(device)
+            tree, own = sensor.read_root_bytes(device, members)
         except Exception:
             return None
         own = _trusted(own)
@@ -611,11 +616,12 @@ class Probe:
 
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
+        members = self._tree.end()
         try:
             peak = sensor.read_process_peak_bytes(device, self._pid)
         except Exception:
             peak = None
-        self._read_tree(sensor, device, self._frameworks.sample())
+        self._read_tree(sensor, device, self._frameworks.sample(), members)
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
     def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
@@ -623,9 +629,10 @@ class Probe:
         if self._sampler is not None:
             self._sampler.join()
             self._sampler = None
+        members = self._tree.end()
         # Read before the caches are released: the worker's own row then holds the
         # frameworks' bytes plus everything outside them (the context).
-        now = self._read_tree(sensor, device, self._frameworks.sample())
+        now = self._read_tree(sensor, device, self._frameworks.sample(), members)
         peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
         source = f"{sensor.name}-sampled"
         try:
