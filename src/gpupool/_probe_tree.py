@@ -41,7 +41,7 @@ from gpupool._sensors.tree import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Iterable
+    from collections.abc import Callable, Collection, Iterable
 
     from gpupool._core.census import HostCensus
     from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading
@@ -99,8 +99,10 @@ class TreeWatch:
     window shorter than that is read only at its opening and its closing;
     while windows keep opening it wakes at most once an interval, and with no
     window for :data:`_PARK_AFTER_S` it waits until the next one opens. A
-    sample taken for one window never counts in another (each window has its
-    own generation), and closing a window waits for a sample of it in flight.
+    sample taken for one window never counts in another: opening or ending a
+    window waits for a sample in flight, and each window has its own
+    generation. After each sample it runs the window's *tick*, if one was set
+    (:meth:`tick_with`: the probe's device sampling), with the tree it read.
 
     Args:
         root_pid: the worker's PID.
@@ -131,6 +133,7 @@ class TreeWatch:
         self._due_s = 0.0  # when the open window's next sample is due (monotonic)
         self._parked = False  # the sampler waits for a window to open
         self._sampling = False  # the sampler reads the tree (outside the lock)
+        self._tick: Callable[[frozenset[int]], None] | None = None
         self._thread: threading.Thread | None = None
 
     def _identities(self, pids: Iterable[int]) -> set[tuple[int, str]]:
@@ -180,11 +183,16 @@ class TreeWatch:
         sampler. Returns the root and its live descendants now (one reading serves all)."""
         if self._owner_pid != os.getpid():
             self._new_sampler()
+        with self._wake:
+            self._open = False
+            while self._sampling:  # a window left open: its sample in flight ends first
+                self._wake.wait()
         descendants, at_start = self._read()
         rss_bytes = self._rss_of(descendants)
         children_rss = read_children_rss_high_water()
         with self._wake:
-            self._generation += 1  # a sample in flight for an earlier window is dropped
+            self._generation += 1
+            self._tick = None
             self._at_start = at_start
             self._seen = set(at_start)
             self._reasons = {}
@@ -207,6 +215,13 @@ class TreeWatch:
             thread.start()
         return frozenset((self.root_pid, *descendants))
 
+    def tick_with(self, tick: Callable[[frozenset[int]], None]) -> None:
+        """Run ``tick`` after each sample of the open window, with the tree it read (the root
+        and its descendants), on the sampler thread; until the window ends."""
+        with self._lock:
+            if self._open:
+                self._tick = tick
+
     def _turn(self, quiet: list[float]) -> None:
         """One turn of the sampler: wait for an open window's due sample, take it, keep it.
 
@@ -228,22 +243,33 @@ class TreeWatch:
             if self._due_s > now_s:
                 self._wake.wait(self._due_s - now_s)
                 return
-            generation = self._generation
+            generation, tick = self._generation, self._tick
             self._sampling = True
-        reading: tuple[set[tuple[int, str]], int] | None = None
         try:
-            descendants, identities = self._read()
-            reading = identities, self._rss_of(descendants)
-        except Exception:
-            reading = None  # a sample lost; the window's closing reads the tree again
+            self._sample(generation, tick)
         finally:
             with self._wake:
                 self._sampling = False
-                if reading is not None and generation == self._generation:
-                    self._seen |= reading[0]
-                    self._rss_peak_bytes = max(self._rss_peak_bytes, reading[1])
                 self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
-                self._wake.notify_all()  # a closing that waits for this sample
+                self._wake.notify_all()  # an opening or an end that waits for this sample
+
+    def _sample(self, generation: int, tick: Callable[[frozenset[int]], None] | None) -> None:
+        """One sample of window ``generation``: who is in the tree, their RSS; then its tick."""
+        try:
+            descendants, identities = self._read()
+            rss_bytes = self._rss_of(descendants)
+        except Exception:
+            return  # a sample lost; the window's end reads the tree again
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._seen |= identities
+            self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
+        if tick is not None:
+            try:
+                tick(frozenset((self.root_pid, *descendants)))
+            except Exception:
+                pass  # a tick's reading that fails is a reading missed, never the sampler's end
 
     def end(self) -> frozenset[int]:
         """End the open window: disarm the sampler (a sample of the window in flight is
@@ -256,6 +282,7 @@ class TreeWatch:
             while self._sampling:
                 self._wake.wait()
             self._generation += 1
+            self._tick = None
         descendants, running = self._read()
         rss_bytes = self._rss_of(descendants)
         with self._lock:

@@ -182,8 +182,11 @@ def test_a_sample_taken_for_one_window_never_counts_in_the_next(tmp_path: Path):
     listing.write_text(str(_CHILD))  # the sampler finds it, and waits on its status
     fd = _open_when_read(status)
     listing.write_text("")
-    watch.open()  # the next window, without it, while the sampler reads it for the first
+    # The next window opens, without it, while the sampler still reads it for the first.
+    opening = threading.Thread(target=watch.open)
+    opening.start()
     _finish(fd, "Name:\tchild\nVmHWM:\t  8192 kB\n")
+    opening.join()
     summary = watch.close(None)
     assert summary.rss_peak_bytes is None
     assert summary.descendants == 0
