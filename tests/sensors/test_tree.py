@@ -190,3 +190,26 @@ def test_a_sample_taken_for_one_window_never_counts_in_the_next(tmp_path: Path):
     summary = watch.close(None)
     assert summary.rss_peak_bytes is None
     assert summary.descendants == 0
+
+
+def test_a_child_started_by_a_thread_that_ended_is_still_a_descendant():
+    """Whichever thread started a child, and though that thread has ended, the child is
+    listed; once it is reaped, this process has no descendant again."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        started.append(
+            subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1)
+        )
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    [child] = started
+    try:
+        assert child.pid in read_descendants(os.getpid())
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+    assert child.pid not in read_descendants(os.getpid())

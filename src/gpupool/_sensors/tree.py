@@ -25,6 +25,8 @@ __all__ = [
 
 #: The most descendants one walk lists: a fork bomb must not stall the probe.
 MAX_DESCENDANTS = 4096
+#: Whether ``waitid`` can tell that this process has no child (not on macOS).
+_CAN_ASK_CHILDREN = hasattr(os, "waitid") and hasattr(os, "WNOWAIT")
 #: One ``read`` of a ``/proc`` file: more than a ``status`` or a short ``children`` file.
 _READ_BYTES = 8192
 
@@ -82,13 +84,29 @@ def _scan_parents(proc: str) -> dict[int, list[int]]:
     return children
 
 
+def _childless() -> bool:
+    """Whether this process has no child at all, running or exited and not yet reaped, by
+    one ``waitid`` that reaps nothing (any thread's children count)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def read_descendants(pid: int, proc: Path | str = "/proc") -> tuple[int, ...]:
     """Every live process started under ``pid`` (children, grandchildren...), ``pid`` excluded.
 
     A descendant whose parent exited before it was seen is re-parented (to
     init or a subreaper) and is no longer under ``pid``. At most
-    :data:`MAX_DESCENDANTS` are listed.
+    :data:`MAX_DESCENDANTS` are listed. For this process itself, one
+    ``waitid`` first tells whether it has any child, so that a process
+    without one costs no read of ``/proc``.
     """
+    if _CAN_ASK_CHILDREN and pid == os.getpid() and _childless():
+        return ()
     root = str(proc)
     scanned: dict[int, list[int]] | None = None
     found: list[int] = []
