@@ -198,6 +198,8 @@ class Ledger:
         # as long as the file holds the same bytes.
         self._raw: bytes | None = None
         self._parsed: LedgerState | None = None
+        # The processes a shared reading names (asked of the liveness as the same set).
+        self._named: tuple[LedgerState | None, set[tuple[int, str]]] = (None, set())
 
     @staticmethod
     def create(path: str, state: LedgerState) -> Ledger:
@@ -349,7 +351,9 @@ class Ledger:
         (one ``poll`` of their pidfds), this costs a read of the file and no parse.
         """
         state = self._load(size, private=False)
-        dead = self._liveness.dead(_named(state))
+        if self._named[0] is not state:
+            self._named = (state, _named(state))
+        dead = self._liveness.dead(self._named[1])
         if not dead:
             return state
         state = self._load(size, private=True)

@@ -45,26 +45,29 @@ class Liveness:
         self._names: dict[int, tuple[int, str]] = {}
         self._poll = select.poll() if _pidfd_open is not None and hasattr(select, "poll") else None
         self._can_open = self._poll is not None
+        # The set last asked about (the very object), and those of it without a pidfd.
+        self._known: Set[tuple[int, str]] | None = None
+        self._unwatched: list[tuple[int, str]] = []
 
     def dead(self, identities: Set[tuple[int, str]]) -> set[tuple[int, str]]:
         """The processes of ``identities`` that have exited or whose PID was reused.
 
         Identities no longer asked about are forgotten (their pidfds closed).
+        Asked again with the very same set (the ledger's unchanged reading),
+        only the poll runs, and the start tokens of processes without a pidfd.
         """
         fds = self._fds
-        dead: set[tuple[int, str]] = set()
-        for identity in identities:
-            if identity in fds or self._watch(identity):
-                continue
-            if read_start_token(identity[0]) != identity[1]:
-                dead.add(identity)
-        if fds:
+        if identities is not self._known:
+            self._unwatched = [i for i in identities if i not in fds and not self._watch(i)]
             for identity in fds.keys() - identities:
                 self._forget(identity)
+            self._known = identities
+        dead = {i for i in self._unwatched if read_start_token(i[0]) != i[1]}
         if fds and self._poll is not None:
             for fd, _ in self._poll.poll(0):
                 identity = self._names[fd]
                 self._forget(identity)
+                self._known = None  # asked next time as if anew: it is watched again if alive
                 if read_start_token(identity[0]) != identity[1]:
                     dead.add(identity)  # confirmed: not a descriptor a task closed and reused
         return dead
@@ -73,6 +76,7 @@ class Liveness:
         """Close every pidfd (this object may still be used: it reopens them)."""
         for identity in list(self._fds):
             self._forget(identity)
+        self._known = None
 
     def _watch(self, identity: tuple[int, str]) -> bool:
         """Open a pidfd on ``identity``'s process if it runs; whether one is now watched."""
