@@ -46,11 +46,11 @@ from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sen
 from gpupool._sensors.booking_rows import read_start_token
 from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.simulated_alive import Liveness
+from gpupool._sensors.simulated_check import ledger_problem
 from gpupool._sensors.simulated_tree import (
     TreeWindow,
     note_trees,
     tree_bytes,
-    tree_window_problem,
 )
 
 if TYPE_CHECKING:
@@ -333,7 +333,7 @@ class Ledger:
                 f"the simulated host's ledger {self.path} has version {value['version']!r}; "
                 f"this gpupool reads version {LEDGER_VERSION}"
             )
-        problem = _ledger_problem(value)
+        problem = ledger_problem(value)
         if problem is not None:
             raise self._not_a_ledger(f"it is not a well-formed ledger ({problem})")
         state: LedgerState = value  # type: ignore[assignment]
@@ -543,92 +543,6 @@ class Ledger:
 #: The variable that names the ledger (``select.SIMULATOR_ENV``; not imported, to keep
 #: this module free of the selection logic).
 SIMULATOR_ENV_NAME = "GPUPOOL_SIMULATOR"
-
-_TOP_FIELDS: dict[str, tuple[type, ...]] = {
-    "driver": (bool,),
-    "container": (bool,),
-    "context": (int,),
-    "cpus": (int, type(None)),
-    "ram": (int, type(None)),
-    "next_fake_pid": (int,),
-    "devices": (list,),
-    "ooms": (list,),
-}
-_DEVICE_FIELDS: dict[str, tuple[type, ...]] = {
-    "uuid": (str,),
-    "total": (int,),
-    "unified": (bool,),
-    "readable": (bool,),
-    "tenants": (dict,),
-    "procs": (dict,),
-    "peaks": (dict,),
-    "peak": (int,),
-    "trees": (dict,),
-}
-_PROC_FIELDS: dict[str, tuple[type, ...]] = {
-    "start": (str,),
-    "name": (str,),
-    "context": (int,),
-    "held": (int,),
-    "window": (int,),
-    "ancestors": (list,),
-}
-
-
-def _field_problem(
-    value: dict[str, object], fields: dict[str, tuple[type, ...]], where: str
-) -> str | None:
-    for key, types in fields.items():
-        if key not in value:
-            return f"{where} has no {key!r}"
-        if not isinstance(value[key], types) or (
-            isinstance(value[key], bool) and bool not in types
-        ):
-            return f"{where}'s {key!r} is {value[key]!r}"
-    return None
-
-
-def _ledger_problem(value: dict[str, object]) -> str | None:
-    """What makes ``value`` not a ledger, or ``None`` when every field has its type."""
-    problem = _field_problem(value, _TOP_FIELDS, "the ledger")
-    if problem is not None:
-        return problem
-    devices = value["devices"]
-    assert isinstance(devices, list)
-    for index, dev in enumerate(devices):
-        where = f"device {index}"
-        if not isinstance(dev, dict):
-            return f"{where} is {dev!r}"
-        problem = _field_problem(dev, _DEVICE_FIELDS, where)
-        if problem is not None:
-            return problem
-        for name, entry in dev["tenants"].items():
-            if not (
-                isinstance(entry, list)
-                and len(entry) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
-            ):
-                return f"{where}'s co-tenant {name!r} is {entry!r}"
-        for key, proc in dev["procs"].items():
-            if not key.isdigit() or not isinstance(proc, dict):
-                return f"{where}'s process {key!r} is {proc!r}"
-            problem = _field_problem(proc, _PROC_FIELDS, f"{where}'s process {key}")
-            if problem is not None:
-                return problem
-        for key, peak in dev["peaks"].items():
-            if not key.isdigit() or not isinstance(peak, int) or isinstance(peak, bool):
-                return f"{where}'s peak of {key!r} is {peak!r}"
-        for root, window in dev["trees"].items():
-            problem = tree_window_problem(root, window)
-            if problem is not None:
-                return f"{where}'s {problem}"
-    ooms = value["ooms"]
-    assert isinstance(ooms, list)
-    for record in ooms:
-        if not isinstance(record, dict):
-            return f"an out-of-memory record is {record!r}"
-    return None
-
 
 _OWN_IDENTITY: tuple[int, str] | None = None
 
