@@ -51,7 +51,6 @@ import builtins
 import importlib.util
 import re
 import sys
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +63,7 @@ from gpupool._frameworks import (
     initialised_torch_cuda,
     read_held_bytes,
 )
-from gpupool._probe_tree import TreeWatch, tree_sensor
+from gpupool._probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -88,10 +87,12 @@ __all__ = [
     "requested_bytes_of",
 ]
 
-#: Interval of the sampling thread, when the sensor has no exact high-water.
+#: Interval of the device sampling, when the sensor has no exact high-water: the
+#: tree's sampler (:data:`~gpupool._probe_tree.TREE_SAMPLE_INTERVAL_S`) reads the
+#: device right after the tree, so every reading judges the tree it was taken with.
 #: 10 ms catches allocations that live as long as a kernel launch sequence;
 #: torch's own peak counters catch the shorter ones that torch allocates.
-SAMPLE_INTERVAL_S = 0.010
+SAMPLE_INTERVAL_S = TREE_SAMPLE_INTERVAL_S
 
 #: What this process is taken to hold outside the frameworks' allocators (its
 #: CUDA context, mostly) where no device row of it can be read (containers,
@@ -457,8 +458,6 @@ class Probe:
         # allocator (its context, NCCL, other libraries), from its own device row:
         # it only grows, as a lazily loaded context does. None: never measured.
         self._context_bytes: int | None = None
-        self._stop = threading.Event()
-        self._sampler: threading.Thread | None = None
         self._exact = True
 
     @property
@@ -483,7 +482,7 @@ class Probe:
     def start(self) -> None:
         """Open the measuring window for one task."""
         guard_torch_resets()
-        self._tree.open()
+        members = self._tree.open()
         _arm_cap_at_task_start()
         cuda = initialised_torch_cuda()
         if cuda is not None:
@@ -505,11 +504,10 @@ class Probe:
         if not self._exact:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
-            self._read_tree(sensor, device, held)
+            self._read_tree(sensor, device, held, members)
             self._sampled_peak_bytes = self._baseline_bytes
-            self._stop.clear()
-            self._sampler = threading.Thread(target=self._sample, name="gpupool-probe", daemon=True)
-            self._sampler.start()
+            # Sampled on the tree's sampler thread, with the tree it just read.
+            self._tree.tick_with(self._sample)
 
     def _note_context(
         self, process_bytes: int | None, held_before: int | None, held_after: int | None
@@ -529,12 +527,17 @@ class Probe:
         _CAP.context_bytes = self._context_bytes
 
     def _read_tree(
-        self, sensor: TreeSensor, device: DeviceInfo, held_before: int | None
+        self,
+        sensor: TreeSensor,
+        device: DeviceInfo,
+        held_before: int | None,
+        members: frozenset[int] | None = None,
     ) -> int | None:
         """One reading of the tree: its bytes (``None``: not a measurement), noting the
-        worker's context from its own row and what its descendants held."""
+        worker's context from its own row and what its descendants held. ``members``:
+        the tree as just read (read now if ``None``)."""
         try:
-            tree, own = sensor.read_root_bytes(device)
+            tree, own = sensor.read_root_bytes(device, members)
         except Exception:
             return None
         own = _trusted(own)
@@ -544,16 +547,14 @@ class Probe:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
         return tree
 
-    def _sample(self) -> None:
+    def _sample(self, members: frozenset[int]) -> None:
+        """One sample of the device, for the tree's sampler: the tree's bytes now."""
         sensor, device = self._sensor, self._device
         assert sensor is not None and device is not None
-        while not self._stop.wait(SAMPLE_INTERVAL_S):
-            guard_torch_resets()  # a task that imports torch in its body is guarded too
-            now = self._read_tree(sensor, device, self._frameworks.sample())
-            if now is not None and (
-                self._sampled_peak_bytes is None or now > self._sampled_peak_bytes
-            ):
-                self._sampled_peak_bytes = now
+        guard_torch_resets()  # a task that imports torch in its body is guarded too
+        now = self._read_tree(sensor, device, self._frameworks.sample(), members)
+        if now is not None and (self._sampled_peak_bytes is None or now > self._sampled_peak_bytes):
+            self._sampled_peak_bytes = now
 
     def stop(self, *, oom: BaseException | None = None) -> PeakReport:
         """Close the window; return the task's peaks and how each was measured.
@@ -611,21 +612,19 @@ class Probe:
 
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
+        members = self._tree.end()
         try:
             peak = sensor.read_process_peak_bytes(device, self._pid)
         except Exception:
             peak = None
-        self._read_tree(sensor, device, self._frameworks.sample())
+        self._read_tree(sensor, device, self._frameworks.sample(), members)
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
     def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
-        self._stop.set()
-        if self._sampler is not None:
-            self._sampler.join()
-            self._sampler = None
+        members = self._tree.end()  # the sampler's last device sample has been taken
         # Read before the caches are released: the worker's own row then holds the
         # frameworks' bytes plus everything outside them (the context).
-        now = self._read_tree(sensor, device, self._frameworks.sample())
+        now = self._read_tree(sensor, device, self._frameworks.sample(), members)
         peak = max((v for v in (self._sampled_peak_bytes, now) if v is not None), default=None)
         source = f"{sensor.name}-sampled"
         try:

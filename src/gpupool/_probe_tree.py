@@ -23,7 +23,10 @@ pool kills a worker's whole tree when it retires the worker.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +41,7 @@ from gpupool._sensors.tree import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Iterable
+    from collections.abc import Callable, Collection, Iterable
 
     from gpupool._core.census import HostCensus
     from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading
@@ -49,6 +52,12 @@ __all__ = ["TREE_SAMPLE_INTERVAL_S", "TreeSensor", "TreeSummary", "TreeWatch", "
 #: device sampler (``SAMPLE_INTERVAL_S``), so a descendant the device sampler
 #: reads is one the tree knows. Each sample reads a few small ``/proc`` files.
 TREE_SAMPLE_INTERVAL_S = 0.010
+
+#: The sampler parks (waits without waking every interval) once no window has opened
+#: or closed for this long; the next window to open wakes it.
+_PARK_AFTER_S = 0.25
+#: How often a parked sampler looks whether its watch is still there.
+_PARKED_CHECK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +93,17 @@ def read_start_token(pid: int) -> str | None:
 class TreeWatch:
     """Follows the process tree under ``root_pid`` through one task window at a time.
 
+    One sampler thread per watch, started with the first window and kept: a
+    window arms it, closing the window disarms it. It samples an open window
+    every :data:`TREE_SAMPLE_INTERVAL_S` from the window's opening, so a
+    window shorter than that is read only at its opening and its closing;
+    while windows keep opening it wakes at most once an interval, and with no
+    window for :data:`_PARK_AFTER_S` it waits until the next one opens. A
+    sample taken for one window never counts in another: opening or ending a
+    window waits for a sample in flight, and each window has its own
+    generation. After each sample it runs the window's *tick*, if one was set
+    (:meth:`tick_with`: the probe's device sampling), with the tree it read.
+
     Args:
         root_pid: the worker's PID.
         proc: the ``/proc`` to read (a fake tree in tests).
@@ -92,15 +112,28 @@ class TreeWatch:
     def __init__(self, root_pid: int, *, proc: Path = Path("/proc")) -> None:
         self.root_pid = root_pid
         self.sensor: TreeSensor | None = None
-        self._proc = proc
-        self._lock = threading.Lock()
+        self._proc = str(proc)
         self._open = False
         self._at_start: set[tuple[int, str]] = set()
         self._seen: set[tuple[int, str]] = set()
         self._reasons: dict[str, None] = {}
         self._rss_peak_bytes = 0
         self._children_rss_at_start: int | None = None
-        self._stop = threading.Event()
+        # Who ran at the window's end, read by end() for close() to sum up.
+        self._ended: set[tuple[int, str]] | None = None
+        self._new_sampler()
+
+    def _new_sampler(self) -> None:
+        """The lock and the sampler's state, fresh: at first, and in a forked copy of the
+        process, where the parent's thread does not run and its lock may have been held."""
+        self._owner_pid = os.getpid()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._generation = 0  # bumped at each opening and closing of a window
+        self._due_s = 0.0  # when the open window's next sample is due (monotonic)
+        self._parked = False  # the sampler waits for a window to open
+        self._sampling = False  # the sampler reads the tree (outside the lock)
+        self._tick: Callable[[frozenset[int]], None] | None = None
         self._thread: threading.Thread | None = None
 
     def _identities(self, pids: Iterable[int]) -> set[tuple[int, str]]:
@@ -112,20 +145,28 @@ class TreeWatch:
                 found.add((pid, token))
         return found
 
-    def _descendants(self) -> tuple[int, ...]:
-        """The live descendants now, and those seen before that are still running though
-        re-parented away since (their parent exited: ``sh -c "cmd &"``, a launcher)."""
+    def _read(self) -> tuple[tuple[int, ...], set[tuple[int, str]]]:
+        """One reading of the tree: the live descendants now, with those seen before that are
+        still running though re-parented away since (their parent exited: ``sh -c "cmd &"``,
+        a launcher), and the identities of them all."""
         found = read_descendants(self.root_pid, self._proc)
+        identities = self._identities(found) if found else set()
         with self._lock:
-            seen = [(pid, token) for pid, token in self._seen if pid not in found]
-        orphans = [pid for pid, token in seen if read_start_token(pid) == token]
-        return (*found, *orphans) if orphans else found
+            earlier = [(pid, token) for pid, token in self._seen if pid not in found]
+        orphans = [(pid, token) for pid, token in earlier if read_start_token(pid) == token]
+        if not orphans:
+            return found, identities
+        identities.update(orphans)
+        return (*found, *(pid for pid, _ in orphans)), identities
+
+    def _rss_of(self, descendants: Iterable[int]) -> int:
+        """The sum of ``descendants``' RSS high-waters now."""
+        return sum(read_rss_high_water_of(pid, self._proc) or 0 for pid in descendants)
 
     def members(self) -> frozenset[int]:
         """The root and its live descendants now (noted as seen while a window is open)."""
-        descendants = self._descendants()
-        if self._open and descendants:
-            identities = self._identities(descendants)
+        descendants, identities = self._read()
+        if self._open and identities:
             with self._lock:
                 self._seen |= identities
         return frozenset((self.root_pid, *descendants))
@@ -137,47 +178,125 @@ class TreeWatch:
                 if len(self._reasons) < MAX_REJECTIONS:
                     self._reasons.setdefault(reason, None)
 
-    def open(self) -> None:
-        """Open a window: note the descendants already running, and start sampling."""
-        self._halt()
-        at_start = self._identities(self._descendants())
-        with self._lock:
+    def open(self) -> frozenset[int]:
+        """Open a window: note the descendants already running and their RSS, and arm the
+        sampler. Returns the root and its live descendants now (one reading serves all)."""
+        if self._owner_pid != os.getpid():
+            self._new_sampler()
+        with self._wake:
+            self._open = False
+            while self._sampling:  # a window left open: its sample in flight ends first
+                self._wake.wait()
+        descendants, at_start = self._read()
+        rss_bytes = self._rss_of(descendants)
+        children_rss = read_children_rss_high_water()
+        with self._wake:
+            self._generation += 1
+            self._tick = None
             self._at_start = at_start
             self._seen = set(at_start)
             self._reasons = {}
-            self._rss_peak_bytes = 0
-        self._children_rss_at_start = read_children_rss_high_water()
-        self._open = True
-        self._sample()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="gpupool-tree", daemon=True)
-        self._thread.start()
+            self._rss_peak_bytes = rss_bytes
+            self._children_rss_at_start = children_rss
+            self._ended = None
+            self._open = True
+            self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
+            if self._parked:
+                self._parked = False
+                self._wake.notify()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._thread = thread = threading.Thread(
+                target=_sample_while_watched,
+                args=(weakref.ref(self),),
+                name="gpupool-tree",
+                daemon=True,
+            )
+            thread.start()
+        return frozenset((self.root_pid, *descendants))
 
-    def _run(self) -> None:
-        while not self._stop.wait(TREE_SAMPLE_INTERVAL_S):
-            self._sample()
-
-    def _sample(self) -> None:
-        """One sample: who is in the tree, and the sum of the descendants' RSS high-waters."""
-        descendants = self._descendants()
-        identities = self._identities(descendants)
-        rss_bytes = sum(read_rss_high_water_of(pid, self._proc) or 0 for pid in descendants)
+    def tick_with(self, tick: Callable[[frozenset[int]], None]) -> None:
+        """Run ``tick`` after each sample of the open window, with the tree it read (the root
+        and its descendants), on the sampler thread; until the window ends."""
         with self._lock:
+            if self._open:
+                self._tick = tick
+
+    def _turn(self, quiet: list[float]) -> None:
+        """One turn of the sampler: wait for an open window's due sample, take it, keep it.
+
+        ``quiet`` is the sampler's own ``[generation seen, since when]``: how long no
+        window has opened or closed, to know when to park.
+        """
+        with self._wake:
+            now_s = time.monotonic()
+            if self._generation != quiet[0]:
+                quiet[0], quiet[1] = self._generation, now_s
+            if not self._open:
+                if now_s - quiet[1] < _PARK_AFTER_S:
+                    self._wake.wait(TREE_SAMPLE_INTERVAL_S)
+                else:
+                    self._parked = True  # the next opening wakes it
+                    self._wake.wait(_PARKED_CHECK_S)
+                    self._parked = False
+                return
+            if self._due_s > now_s:
+                self._wake.wait(self._due_s - now_s)
+                return
+            generation, tick = self._generation, self._tick
+            self._sampling = True
+        try:
+            self._sample(generation, tick)
+        finally:
+            with self._wake:
+                self._sampling = False
+                self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
+                self._wake.notify_all()  # an opening or an end that waits for this sample
+
+    def _sample(self, generation: int, tick: Callable[[frozenset[int]], None] | None) -> None:
+        """One sample of window ``generation``: who is in the tree, their RSS; then its tick."""
+        try:
+            descendants, identities = self._read()
+            rss_bytes = self._rss_of(descendants)
+        except Exception:
+            return  # a sample lost; the window's end reads the tree again
+        with self._lock:
+            if generation != self._generation:
+                return
             self._seen |= identities
             self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
+        if tick is not None:
+            try:
+                tick(frozenset((self.root_pid, *descendants)))
+            except Exception:
+                pass  # a tick's reading that fails is a reading missed, never the sampler's end
 
-    def _halt(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def end(self) -> frozenset[int]:
+        """End the open window: disarm the sampler (a sample of the window in flight is
+        kept), and take the window's last reading. Returns the root and its live
+        descendants now; :meth:`close` then sums the window up."""
+        if self._owner_pid != os.getpid():
+            self._new_sampler()
+        with self._wake:
+            self._open = False
+            while self._sampling:
+                self._wake.wait()
+            self._generation += 1
+            self._tick = None
+        descendants, running = self._read()
+        rss_bytes = self._rss_of(descendants)
+        with self._lock:
+            self._seen |= running
+            self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
+        self._ended = running
+        return frozenset((self.root_pid, *descendants))
 
     def close(self, device: DeviceInfo | None) -> TreeSummary:
-        """Close the window; what it saw, and what the task left running on ``device``."""
-        self._halt()
-        self._sample()
-        self._open = False
-        running = self._identities(self._descendants())
+        """Close the window (ending it first, see :meth:`end`, unless it was); what it saw,
+        and what the task left running on ``device``."""
+        if self._ended is None:
+            self.end()
+        running, self._ended = self._ended or set(), None
         with self._lock:
             outliving = tuple(sorted(pid for pid, _ in running - self._at_start))
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
@@ -198,6 +317,18 @@ class TreeWatch:
             rss_peak_bytes=rss_bytes or None,
             rejected=reasons,
         )
+
+
+def _sample_while_watched(ref: weakref.ReferenceType[TreeWatch]) -> None:
+    """The sampler thread: turns until its watch is gone (it holds the watch only weakly
+    between turns, so a watch dropped by its owner ends its thread)."""
+    quiet = [-1.0, time.monotonic()]
+    while True:
+        watch = ref()
+        if watch is None:
+            return
+        watch._turn(quiet)
+        del watch
 
 
 class TreeSensor(Sensor):
@@ -242,15 +373,18 @@ class TreeSensor(Sensor):
             return self.inner.read_process_bytes(device, pid)
         return self.read_members_bytes(device, self.watch.members())
 
-    def read_root_bytes(self, device: DeviceInfo) -> tuple[int | None, int | None]:
+    def read_root_bytes(
+        self, device: DeviceInfo, members: Collection[int] | None = None
+    ) -> tuple[int | None, int | None]:
         """The tree's bytes and the root's own row, from one reading of ``device``.
 
         Either is ``None`` where the reading is not a measurement; the root's
         own figure is also ``None`` where the root has no row. What the root
         holds outside its frameworks (its context) is measured from its own
-        row, never from its descendants'.
+        row, never from its descendants'. ``members``: the tree as the watch
+        just read it (its opening's or its end's reading); read now if ``None``.
         """
-        return self._read_members(device, self.watch.members())
+        return self._read_members(device, self.watch.members() if members is None else members)
 
     def read_members_bytes(self, device: DeviceInfo, members: Collection[int]) -> int | None:
         """What ``members`` hold by one reading of ``device``, or ``None`` (reasons kept)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_pynvml import (
@@ -285,6 +287,39 @@ def test_probe_prefers_accounting_when_it_rose_during_the_task(
     card.compute = [(pid, 3 * GiB)]  # below the lifetime maximum: accounting cannot tell
     stayed = probe.stop()
     assert (stayed.device_peak_bytes, stayed.device_source) == (3 * GiB, "nvml-sampled")
+
+
+def test_a_spike_only_the_sampler_read_is_the_tasks_sampled_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row that rose and fell while the task ran, read only by the tree's sampler between
+    the window's two ends, is the task's peak; the next window starts without it."""
+    from gpupool._probe import Probe
+
+    pid = os.getpid()
+    card = h100(0, free=70 * GiB, compute=[(pid, 1 * GiB)])
+    fake = install(monkeypatch, FakePynvml([card]))
+    spike_read = threading.Event()
+    read_rows = fake._processes
+
+    def watched(handle: Any, function: str, rows: list[tuple[int, int | None]]) -> list[Any]:
+        out = read_rows(handle, function, rows)
+        if (pid, 6 * GiB) in rows:
+            spike_read.set()
+        return out
+
+    monkeypatch.setattr(fake, "_processes", watched)
+    sensor = NvmlSensor()
+    probe = Probe(sensor, sensor.read_devices()[0], 0, pid)
+    probe.start()
+    card.compute = [(pid, 6 * GiB)]
+    assert spike_read.wait(120), "the sampler never read the device while the task ran"
+    card.compute = [(pid, 1 * GiB)]
+    spiked = probe.stop()
+    assert (spiked.device_peak_bytes, spiked.device_source) == (6 * GiB, "nvml-sampled")
+    probe.start()
+    calm = probe.stop()
+    assert (calm.device_peak_bytes, calm.device_source) == (1 * GiB, "nvml-sampled")
 
 
 def test_a_mig_instance_without_memory_info_is_unreadable_not_unified(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
-from gpupool._probe_tree import TreeWatch
+from gpupool._probe_tree import TreeSummary, TreeWatch
 from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.tree import (
     read_descendants,
@@ -97,3 +98,118 @@ def test_a_descendant_seen_in_the_window_stays_in_the_tree_when_orphaned():
         finally:
             child.stdin.close()  # the grandchild reads the same pipe: it ends
     assert summary.outliving_pids == (grandchild,)
+
+
+#: Fake PIDs above Linux's PID_MAX_LIMIT (2**22): no real process has them.
+_ROOT, _CHILD = 5_000_010, 5_000_011
+
+
+def _fake_root(proc: Path, children: str = "") -> Path:
+    """A fake root process whose only thread's ``children`` file lists ``children``."""
+    (proc / str(_ROOT) / "task" / str(_ROOT)).mkdir(parents=True)
+    listing = proc / str(_ROOT) / "task" / str(_ROOT) / "children"
+    listing.write_text(children)
+    return listing
+
+
+def _fifo_status(proc: Path, pid: int) -> Path:
+    """``pid``'s ``status`` as a FIFO: whoever reads it waits until the test writes it."""
+    (proc / str(pid)).mkdir(parents=True)
+    status = proc / str(pid) / "status"
+    os.mkfifo(status)
+    return status
+
+
+def _open_when_read(fifo: Path) -> int:
+    """Open ``fifo`` to write once a reader has opened it: the sampler is then in flight."""
+    opened: list[int] = []
+    opener = threading.Thread(target=lambda: opened.append(os.open(fifo, os.O_WRONLY)))
+    opener.start()
+    opener.join(120)
+    if not opened:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # let the opener go
+        opener.join()
+        raise AssertionError("the sampler never read the tree while the window was open")
+    return opened[0]
+
+
+def _finish(fd: int, text: str) -> None:
+    """Give the reader of a FIFO opened by :func:`_open_when_read` its text, and end it."""
+    os.write(fd, text.encode())
+    os.close(fd)
+
+
+def test_one_sampler_thread_serves_every_window(tmp_path: Path):
+    """Many windows, one sampler thread: it is started with the first window and kept."""
+
+    def samplers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "gpupool-tree"}
+
+    _fake_root(tmp_path)
+    watch = TreeWatch(_ROOT, proc=tmp_path)
+    before = samplers()  # other watches' samplers, ending or not
+    for _ in range(200):
+        watch.open()
+        summary = watch.close(None)
+        assert summary.descendants == 0 and summary.rss_peak_bytes is None
+    assert len(samplers() - before) == 1
+
+
+def test_a_sample_in_flight_when_the_window_closes_counts_in_it(tmp_path: Path):
+    """A descendant only the sampler saw (started and gone between the window's opening and
+    its closing) counts in the window: closing waits for the sample in flight."""
+    listing = _fake_root(tmp_path)
+    status = _fifo_status(tmp_path, _CHILD)
+    watch = TreeWatch(_ROOT, proc=tmp_path)
+    watch.open()
+    listing.write_text(str(_CHILD))  # the sampler finds it, and waits on its status
+    fd = _open_when_read(status)
+    listing.write_text("")  # gone before the window closes
+    closing = threading.Thread(target=lambda: summaries.append(watch.close(None)))
+    summaries: list[TreeSummary] = []
+    closing.start()
+    _finish(fd, "Name:\tchild\nVmHWM:\t  4096 kB\n")
+    closing.join()
+    assert summaries[0].rss_peak_bytes == 4096 * 1024
+
+
+def test_a_sample_taken_for_one_window_never_counts_in_the_next(tmp_path: Path):
+    """A sample in flight when the next window opens is dropped: that window never saw it."""
+    listing = _fake_root(tmp_path)
+    status = _fifo_status(tmp_path, _CHILD)
+    watch = TreeWatch(_ROOT, proc=tmp_path)
+    watch.open()
+    listing.write_text(str(_CHILD))  # the sampler finds it, and waits on its status
+    fd = _open_when_read(status)
+    listing.write_text("")
+    # The next window opens, without it, while the sampler still reads it for the first.
+    opening = threading.Thread(target=watch.open)
+    opening.start()
+    _finish(fd, "Name:\tchild\nVmHWM:\t  8192 kB\n")
+    opening.join()
+    summary = watch.close(None)
+    assert summary.rss_peak_bytes is None
+    assert summary.descendants == 0
+
+
+def test_a_child_started_by_a_thread_that_ended_is_still_a_descendant():
+    """Whichever thread started a child, and though that thread has ended, the child is
+    listed; once it is reaped, this process has no descendant again."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        started.append(
+            subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1)
+        )
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+    [child] = started
+    try:
+        assert child.pid in read_descendants(os.getpid())
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+    assert child.pid not in read_descendants(os.getpid())

@@ -45,12 +45,12 @@ from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.booking_rows import read_start_token
 from gpupool._sensors.host import read_ancestors
+from gpupool._sensors.simulated_alive import Liveness
+from gpupool._sensors.simulated_check import ledger_problem
 from gpupool._sensors.simulated_tree import (
     TreeWindow,
     note_trees,
     tree_bytes,
-    tree_window_problem,
-    trees_of_the_dead,
 )
 
 if TYPE_CHECKING:
@@ -192,6 +192,14 @@ class Ledger:
         self._thread_lock = threading.Lock()
         self._fd: int | None = None
         self._layout: tuple[bool, tuple[str, ...]] | None = None
+        self._liveness = Liveness()
+        # The ledger's bytes as this process last read (and validated) or wrote them, and
+        # their parse once asked for: shared by every reader (never changed), reused for
+        # as long as the file holds the same bytes.
+        self._raw: bytes | None = None
+        self._parsed: LedgerState | None = None
+        # The processes a shared reading names (asked of the liveness as the same set).
+        self._named: tuple[LedgerState | None, set[tuple[int, str]]] = (None, set())
 
     @staticmethod
     def create(path: str, state: LedgerState) -> Ledger:
@@ -207,18 +215,18 @@ class Ledger:
         operation (:class:`LedgerGoneError`).
         """
         with self._locked() as size:
-            state = self._read(size)
-            _drop_dead(state)
+            state, _ = self._current(size)
             os.unlink(self.path)
         self.close()
         return state
 
     def close(self) -> None:
-        """Close the file descriptor (reopened on the next operation)."""
+        """Close the file descriptor and the pidfds (reopened on the next operation)."""
         with self._thread_lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            self._liveness.close()
 
     # -- the locked read-modify-write ----------------------------------------------------
 
@@ -235,6 +243,8 @@ class Ledger:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)  # this process's copy only: the parent's lock stands
             self._fd = None
+            self._liveness.close()  # this process's copies of the parent's pidfds
+            self._liveness = Liveness()
         with self._thread_lock:
             if self._fd is None:
                 self._fd = self._open()
@@ -289,14 +299,33 @@ class Ledger:
             f"{SIMULATOR_ENV_NAME} to read the real cards."
         )
 
-    def _read(self, size: int) -> LedgerState:
+    def _load(self, size: int, *, private: bool) -> LedgerState:
+        """The state the file holds, its bytes validated once whoever wrote them.
+
+        ``private``: a copy the caller may change; else the parse shared by this
+        process's readers, kept while the file holds the same bytes (never change it).
+        """
         assert self._fd is not None
         try:
-            value = json.loads(os.pread(self._fd, size, 0))
-        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-            raise self._not_a_ledger(f"it is not JSON ({exc})") from None
+            raw = os.pread(self._fd, size, 0)
         except OSError as exc:
             raise self._not_a_ledger(f"it cannot be read ({exc.strerror or exc})") from exc
+        if raw != self._raw:
+            parsed = self._parse(raw)
+            self._raw, self._parsed = raw, None if private else parsed
+            return parsed
+        if not private and self._parsed is not None:
+            return self._parsed
+        state: LedgerState = json.loads(raw)  # validated before, or written by this process
+        if not private:
+            self._parsed = state
+        return state
+
+    def _parse(self, raw: bytes) -> LedgerState:
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            raise self._not_a_ledger(f"it is not JSON ({exc})") from None
         if not isinstance(value, dict) or "version" not in value:
             raise self._not_a_ledger("it is JSON but not a ledger (no version)")
         if value["version"] != LEDGER_VERSION:
@@ -304,10 +333,33 @@ class Ledger:
                 f"the simulated host's ledger {self.path} has version {value['version']!r}; "
                 f"this gpupool reads version {LEDGER_VERSION}"
             )
-        problem = _ledger_problem(value)
+        problem = ledger_problem(value)
         if problem is not None:
             raise self._not_a_ledger(f"it is not a well-formed ledger ({problem})")
         state: LedgerState = value  # type: ignore[assignment]
+        return state
+
+    def _current(self, size: int) -> tuple[LedgerState, bool]:
+        """A private copy of the state, dead processes dropped; whether any were."""
+        state = self._load(size, private=True)
+        return state, _drop_dead(state, self._liveness.dead(_named(state)))
+
+    def _view(self, size: int) -> LedgerState:
+        """The shared state, dead processes dropped (and the ledger written if any were).
+
+        While the file holds the same bytes and no process it names has exited
+        (one ``poll`` of their pidfds), this costs a read of the file and no parse.
+        """
+        state = self._load(size, private=False)
+        if self._named[0] is not state:
+            self._named = (state, _named(state))
+        dead = self._liveness.dead(self._named[1])
+        if not dead:
+            return state
+        state = self._load(size, private=True)
+        _drop_dead(state, dead)
+        self._write(state, size)
+        self._parsed = state  # from now on shared, as the file holds it
         return state
 
     def _write(self, state: LedgerState, size: int) -> None:
@@ -327,6 +379,7 @@ class Ledger:
             written += os.pwrite(self._fd, padded[written:], written)
         if len(data) < size:
             os.ftruncate(self._fd, len(data))
+        self._raw, self._parsed = data, None
 
     def _apply(self, change: Callable[[LedgerState], _T], *, writes: bool) -> _T:
         """Run ``change`` on the current state under the lock, after dropping dead processes.
@@ -335,8 +388,7 @@ class Ledger:
         process was dropped.
         """
         with self._locked() as size:
-            state = self._read(size)
-            pruned = _drop_dead(state)
+            state, pruned = self._current(size)
             result = change(state)
             if writes or pruned:
                 self._write(state, size)
@@ -346,7 +398,17 @@ class Ledger:
 
     def snapshot(self) -> LedgerState:
         """The whole state now, dead processes dropped (a copy: changing it changes nothing)."""
-        return self._apply(lambda state: state, writes=False)
+        with self._locked() as size:
+            self._view(size)
+            assert self._raw is not None
+            copy: LedgerState = json.loads(self._raw)
+            return copy
+
+    def view(self) -> LedgerState:
+        """The whole state now, dead processes dropped, shared by this process's readers:
+        never change it (:meth:`snapshot` gives a copy). Unchanged, it is not parsed again."""
+        with self._locked() as size:
+            return self._view(size)
 
     def layout(self) -> tuple[bool, tuple[str, ...]]:
         """Whether the host has a driver, and every device's UUID in index order.
@@ -354,7 +416,7 @@ class Ledger:
         Both are fixed for a ledger's life, so the first answer is kept.
         """
         if self._layout is None:
-            state = self.snapshot()
+            state = self.view()
             self._layout = (state["driver"], tuple(dev["uuid"] for dev in state["devices"]))
         return self._layout
 
@@ -450,134 +512,50 @@ class Ledger:
 
     def reset_window(self, device: int, pid: int) -> int:
         """Start a new high-water window for ``pid`` on ``device`` at its bytes now; return them."""
-        proc_now = 0
-
-        def change(state: LedgerState) -> bool:
-            nonlocal proc_now
-            proc = _device(state, device)["procs"].get(str(pid))
-            if proc is None:
-                return False
-            proc_now = _process_bytes(proc)
-            changed = proc["window"] != proc_now
-            proc["window"] = proc_now
-            return changed
-
+        key = str(pid)
         with self._locked() as size:
-            state = self._read(size)
-            pruned = _drop_dead(state)
-            if change(state) or pruned:
+            proc = _device(self._view(size), device)["procs"].get(key)
+            if proc is None:
+                return 0
+            now = _process_bytes(proc)
+            if proc["window"] != now:  # else the ledger stays as it is
+                state = self._load(size, private=True)
+                _device(state, device)["procs"][key]["window"] = now
                 self._write(state, size)
-        return proc_now
+        return now
 
     def open_tree(self, device: int, pid: int) -> int:
         """Open a tree window for ``pid`` on ``device`` at its tree's bytes now; return them."""
-
-        def change(state: LedgerState) -> int:
-            dev = _device(state, device)
-            identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
-            if identity is None:
-                raise ValueError(f"process {pid} does not exist; it has no process tree")
-            now = tree_bytes(dev, str(pid))
-            dev["trees"][str(pid)] = TreeWindow(start=identity, window=now)
-            return now
-
-        return self._apply(change, writes=True)
+        identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
+        if identity is None:
+            raise ValueError(f"process {pid} does not exist; it has no process tree")
+        key = str(pid)
+        with self._locked() as size:
+            dev = _device(self._view(size), device)
+            now = tree_bytes(dev, key)
+            if dev["trees"].get(key) != TreeWindow(start=identity, window=now):
+                state = self._load(size, private=True)
+                _device(state, device)["trees"][key] = TreeWindow(start=identity, window=now)
+                self._write(state, size)
+        return now
 
 
 #: The variable that names the ledger (``select.SIMULATOR_ENV``; not imported, to keep
 #: this module free of the selection logic).
 SIMULATOR_ENV_NAME = "GPUPOOL_SIMULATOR"
 
-_TOP_FIELDS: dict[str, tuple[type, ...]] = {
-    "driver": (bool,),
-    "container": (bool,),
-    "context": (int,),
-    "cpus": (int, type(None)),
-    "ram": (int, type(None)),
-    "next_fake_pid": (int,),
-    "devices": (list,),
-    "ooms": (list,),
-}
-_DEVICE_FIELDS: dict[str, tuple[type, ...]] = {
-    "uuid": (str,),
-    "total": (int,),
-    "unified": (bool,),
-    "readable": (bool,),
-    "tenants": (dict,),
-    "procs": (dict,),
-    "peaks": (dict,),
-    "peak": (int,),
-    "trees": (dict,),
-}
-_PROC_FIELDS: dict[str, tuple[type, ...]] = {
-    "start": (str,),
-    "name": (str,),
-    "context": (int,),
-    "held": (int,),
-    "window": (int,),
-    "ancestors": (list,),
-}
-
-
-def _field_problem(
-    value: dict[str, object], fields: dict[str, tuple[type, ...]], where: str
-) -> str | None:
-    for key, types in fields.items():
-        if key not in value:
-            return f"{where} has no {key!r}"
-        if not isinstance(value[key], types) or (
-            isinstance(value[key], bool) and bool not in types
-        ):
-            return f"{where}'s {key!r} is {value[key]!r}"
-    return None
-
-
-def _ledger_problem(value: dict[str, object]) -> str | None:
-    """What makes ``value`` not a ledger, or ``None`` when every field has its type."""
-    problem = _field_problem(value, _TOP_FIELDS, "the ledger")
-    if problem is not None:
-        return problem
-    devices = value["devices"]
-    assert isinstance(devices, list)
-    for index, dev in enumerate(devices):
-        where = f"device {index}"
-        if not isinstance(dev, dict):
-            return f"{where} is {dev!r}"
-        problem = _field_problem(dev, _DEVICE_FIELDS, where)
-        if problem is not None:
-            return problem
-        for name, entry in dev["tenants"].items():
-            if not (
-                isinstance(entry, list)
-                and len(entry) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
-            ):
-                return f"{where}'s co-tenant {name!r} is {entry!r}"
-        for key, proc in dev["procs"].items():
-            if not key.isdigit() or not isinstance(proc, dict):
-                return f"{where}'s process {key!r} is {proc!r}"
-            problem = _field_problem(proc, _PROC_FIELDS, f"{where}'s process {key}")
-            if problem is not None:
-                return problem
-        for key, peak in dev["peaks"].items():
-            if not key.isdigit() or not isinstance(peak, int) or isinstance(peak, bool):
-                return f"{where}'s peak of {key!r} is {peak!r}"
-        for root, window in dev["trees"].items():
-            problem = tree_window_problem(root, window)
-            if problem is not None:
-                return f"{where}'s {problem}"
-    ooms = value["ooms"]
-    assert isinstance(ooms, list)
-    for record in ooms:
-        if not isinstance(record, dict):
-            return f"an out-of-memory record is {record!r}"
-    return None
+_OWN_IDENTITY: tuple[int, str] | None = None
 
 
 def _own_identity() -> str:
-    identity = read_start_token(os.getpid())
-    assert identity is not None  # this process is running
-    return identity
+    """This process's start token (read once per process: it never changes)."""
+    global _OWN_IDENTITY
+    pid = os.getpid()
+    if _OWN_IDENTITY is None or _OWN_IDENTITY[0] != pid:
+        identity = read_start_token(pid)
+        assert identity is not None  # this process is running
+        _OWN_IDENTITY = (pid, identity)
+    return _OWN_IDENTITY[1]
 
 
 def _device(state: LedgerState, index: int) -> DeviceState:
@@ -615,18 +593,30 @@ def _note_peaks(dev: DeviceState, key: str, proc: ProcessState) -> None:
     note_trees(dev, key, proc)
 
 
-def _drop_dead(state: LedgerState) -> bool:
-    """Drop every process that has exited or whose PID was reused; whether any was dropped."""
+def _named(state: LedgerState) -> set[tuple[int, str]]:
+    """Every process the ledger names, with its start token: processes and tree roots."""
+    named: set[tuple[int, str]] = set()
+    for dev in state["devices"]:
+        named.update((int(key), proc["start"]) for key, proc in dev["procs"].items())
+        named.update((int(root), window["start"]) for root, window in dev["trees"].items())
+    return named
+
+
+def _drop_dead(state: LedgerState, dead: set[tuple[int, str]]) -> bool:
+    """Drop the processes and tree windows of ``dead`` (exited, or their PID reused);
+    whether any was dropped."""
+    if not dead:
+        return False
     dropped = False
     for dev in state["devices"]:
-        procs = dev["procs"]
-        for key in [
-            key for key, proc in procs.items() if read_start_token(int(key)) != proc["start"]
-        ]:
+        procs, trees = dev["procs"], dev["trees"]
+        for key in [key for key, proc in procs.items() if (int(key), proc["start"]) in dead]:
             del procs[key]
             dropped = True
-        for root in trees_of_the_dead(dev):
-            del dev["trees"][root]
+        for root in [
+            root for root, window in trees.items() if (int(root), window["start"]) in dead
+        ]:
+            del trees[root]
             dropped = True
     return dropped
 
@@ -637,7 +627,9 @@ _LEDGERS: dict[str, Ledger] = {}
 def _forget_ledgers() -> None:
     # A forked child must not share the parent's lock descriptor (flock locks
     # belong to the open file, so parent and child would both "hold" it) nor a
-    # thread lock another thread held at the fork.
+    # thread lock another thread held at the fork; its pidfds are this process's copies.
+    for ledger in _LEDGERS.values():
+        ledger._liveness.close()
     _LEDGERS.clear()
 
 
@@ -685,7 +677,7 @@ class SimulatedSensor(Sensor):
         return os.path.join(os.path.dirname(self._ledger.path), BOOKINGS_DIRECTORY)
 
     def _state_of(self, device: DeviceInfo) -> DeviceState:
-        state = self._ledger.snapshot()
+        state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
         return _device(state, device.index)
@@ -696,7 +688,7 @@ class SimulatedSensor(Sensor):
         Raises:
             NoDriverError: the host was made with ``driver=False``.
         """
-        state = self._ledger.snapshot()
+        state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
         return tuple(
@@ -719,7 +711,7 @@ class SimulatedSensor(Sensor):
         A co-tenant that has shrunk to 0 bytes has left the card and is not
         listed. ``None`` for an unreadable device.
         """
-        state = self._ledger.snapshot()
+        state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
         return _rows_of(state, _device(state, device.index))
@@ -728,7 +720,7 @@ class SimulatedSensor(Sensor):
         self, device: DeviceInfo
     ) -> tuple[MemoryReading, tuple[ProcessReading, ...] | None]:
         """Memory and rows from one ledger snapshot: both describe the same instant."""
-        state = self._ledger.snapshot()
+        state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
         dev = _device(state, device.index)
@@ -768,7 +760,7 @@ class SimulatedSensor(Sensor):
 
     def read_host(self) -> HostCensus:
         """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
-        state = self._ledger.snapshot()
+        state = self._ledger.view()
         cpus, ram = state["cpus"], state["ram"]
         cpu_source = ram_source = "simulator"
         if cpus is None or ram is None:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypedDict
 
-from gpupool._sensors.booking_rows import read_start_token
-
 if TYPE_CHECKING:
     from gpupool._sensors.simulated import DeviceState, ProcessState
 
-__all__ = ["TreeWindow", "note_trees", "tree_bytes", "tree_window_problem", "trees_of_the_dead"]
+__all__ = ["TreeWindow", "note_trees", "tree_bytes", "tree_window_problem"]
 
 
 class TreeWindow(TypedDict):
@@ -46,15 +44,6 @@ def note_trees(dev: DeviceState, key: str, proc: ProcessState) -> None:
     for root, window in dev["trees"].items():
         if _in_tree(key, proc, root):
             window["window"] = max(window["window"], tree_bytes(dev, root))
-
-
-def trees_of_the_dead(dev: DeviceState) -> list[str]:
-    """The roots of ``dev``'s windows that have exited (or whose PID was reused)."""
-    return [
-        root
-        for root, window in dev["trees"].items()
-        if read_start_token(int(root)) != window["start"]
-    ]
 
 
 def tree_window_problem(root: object, window: object) -> str | None:

@@ -25,29 +25,51 @@ __all__ = [
 
 #: The most descendants one walk lists: a fork bomb must not stall the probe.
 MAX_DESCENDANTS = 4096
+#: Whether ``waitid`` can tell that this process has no child (not on macOS).
+_CAN_ASK_CHILDREN = hasattr(os, "waitid") and hasattr(os, "WNOWAIT")
+#: One ``read`` of a ``/proc`` file: more than a ``status`` or a short ``children`` file.
+_READ_BYTES = 8192
 
 
-def _children_of(pid: int, proc: Path) -> list[int] | None:
-    """``pid``'s children, from its threads' ``children`` files; ``None``: the kernel has none."""
+def _read_small(path: str) -> bytes:
+    """The whole of a small ``/proc`` file (``os.open``/``os.read``: no file object)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        tids = os.listdir(proc / str(pid) / "task")
+        data = os.read(fd, _READ_BYTES)
+        if len(data) < _READ_BYTES:
+            return data
+        parts = [data]
+        while data:
+            data = os.read(fd, _READ_BYTES)
+            parts.append(data)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _children_of(pid: int, proc: str) -> list[int] | None:
+    """``pid``'s children, from its threads' ``children`` files; ``None``: the kernel has none."""
+    task = f"{proc}/{pid}/task"
+    try:
+        tids = os.listdir(task)
     except OSError:
         return []  # it has exited
     found: list[int] = []
     for tid in tids:
         try:
-            text = (proc / str(pid) / "task" / tid / "children").read_bytes()
+            text = _read_small(f"{task}/{tid}/children")
         except FileNotFoundError:
-            if tid == str(pid) and (proc / str(pid) / "task" / tid).is_dir():
+            if tid == str(pid) and os.path.isdir(f"{task}/{tid}"):
                 return None  # a kernel without CONFIG_PROC_CHILDREN
             continue  # the thread ended while we read
         except OSError:
             continue
-        found.extend(int(part) for part in text.split() if part.isdigit())
+        if text:
+            found.extend(int(part) for part in text.split() if part.isdigit())
     return found
 
 
-def _scan_parents(proc: Path) -> dict[int, list[int]]:
+def _scan_parents(proc: str) -> dict[int, list[int]]:
     """Every process's children, from one pass over ``/proc/<pid>/stat``."""
     children: dict[int, list[int]] = {}
     try:
@@ -56,29 +78,46 @@ def _scan_parents(proc: Path) -> dict[int, list[int]]:
         return children
     for name in names:
         if name.isdigit():
-            parent = read_parent_pid(int(name), proc)
+            parent = read_parent_pid(int(name), Path(proc))
             if parent is not None:
                 children.setdefault(parent, []).append(int(name))
     return children
 
 
-def read_descendants(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
+def _childless() -> bool:
+    """Whether this process has no child at all, running or exited and not yet reaped, by
+    one ``waitid`` that reaps nothing (any thread's children count)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def read_descendants(pid: int, proc: Path | str = "/proc") -> tuple[int, ...]:
     """Every live process started under ``pid`` (children, grandchildren...), ``pid`` excluded.
 
     A descendant whose parent exited before it was seen is re-parented (to
     init or a subreaper) and is no longer under ``pid``. At most
-    :data:`MAX_DESCENDANTS` are listed.
+    :data:`MAX_DESCENDANTS` are listed. For this process itself, one
+    ``waitid`` first tells whether it has any child, so that a process
+    without one costs no read of ``/proc``.
     """
+    if _CAN_ASK_CHILDREN and pid == os.getpid() and _childless():
+        return ()
+    root = str(proc)
     scanned: dict[int, list[int]] | None = None
     found: list[int] = []
     seen = {pid}
     stack = [pid]
     while stack and len(found) < MAX_DESCENDANTS:
         current = stack.pop()
-        children = None if scanned is not None else _children_of(current, proc)
+        children = None if scanned is not None else _children_of(current, root)
         if children is None:
             if scanned is None:
-                scanned = _scan_parents(proc)
+                scanned = _scan_parents(root)
             children = scanned.get(current, [])
         for child in children:
             if child not in seen:
@@ -88,17 +127,17 @@ def read_descendants(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
     return tuple(found[:MAX_DESCENDANTS])
 
 
-def read_rss_high_water_of(pid: int, proc: Path = Path("/proc")) -> int | None:
+def read_rss_high_water_of(pid: int, proc: Path | str = "/proc") -> int | None:
     """Process ``pid``'s resident-set high-water (``VmHWM``) in bytes; ``None`` if unknown."""
     try:
-        text = (proc / str(pid) / "status").read_bytes()
+        text = _read_small(f"{proc}/{pid}/status")
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith(b"VmHWM:"):
-            parts = line.split()
-            if len(parts) >= 2 and parts[1].isdigit():
-                return int(parts[1]) * 1024
+    at = text.find(b"\nVmHWM:")
+    if at >= 0:
+        parts = text[at + 7 : text.find(b"\n", at + 7)].split()
+        if parts and parts[0].isdigit():
+            return int(parts[0]) * 1024
     return None  # a kernel thread, or a zombie: no memory of its own
 
 

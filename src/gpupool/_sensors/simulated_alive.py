@@ -1,0 +1,111 @@
+"""Which processes the simulator's ledger names have exited (I/O edge, part of the ledger).
+
+The ledger frees a process's bytes once it has exited (a zombie counts: a
+driver frees a process's memory when it exits, not when it is reaped) or its
+PID was reused; every ledger operation asks. Reading each named process's
+``/proc/<pid>/stat`` at every operation costs a file read per process, so
+each is opened once as a *pidfd* (Linux 5.3 and later), which becomes
+readable when its process exits, and all are polled in one system call. A
+pidfd names one process, never a later one with its PID. A death the poll
+reports is confirmed by the process's start token before it counts; where no
+pidfd can be had (another system, too many processes), the start token is
+read at every operation, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+from typing import TYPE_CHECKING
+
+from gpupool._sensors.booking_rows import read_start_token
+
+if TYPE_CHECKING:
+    from collections.abc import Set
+
+__all__ = ["MAX_WATCHED", "Liveness"]
+
+#: The most processes watched through a pidfd; past that, their start tokens are read.
+MAX_WATCHED = 1024
+
+_pidfd_open = getattr(os, "pidfd_open", None)
+
+
+class Liveness:
+    """Tells which of the ledger's ``(pid, start token)`` identities have exited.
+
+    One per :class:`~gpupool._sensors.simulated.Ledger` and process (a forked
+    child makes its own).
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[tuple[int, str], int] = {}
+        self._names: dict[int, tuple[int, str]] = {}
+        self._poll = select.poll() if _pidfd_open is not None and hasattr(select, "poll") else None
+        self._can_open = self._poll is not None
+        # The set last asked about (the very object), and those of it without a pidfd.
+        self._known: Set[tuple[int, str]] | None = None
+        self._unwatched: list[tuple[int, str]] = []
+
+    def dead(self, identities: Set[tuple[int, str]]) -> set[tuple[int, str]]:
+        """The processes of ``identities`` that have exited or whose PID was reused.
+
+        Identities no longer asked about are forgotten (their pidfds closed).
+        Asked again with the very same set (the ledger's unchanged reading),
+        only the poll runs, and the start tokens of processes without a pidfd.
+        """
+        fds = self._fds
+        if identities is not self._known:
+            self._unwatched = [i for i in identities if i not in fds and not self._watch(i)]
+            for identity in fds.keys() - identities:
+                self._forget(identity)
+            self._known = identities
+        dead = {i for i in self._unwatched if read_start_token(i[0]) != i[1]}
+        if fds and self._poll is not None:
+            for fd, _ in self._poll.poll(0):
+                identity = self._names[fd]
+                self._forget(identity)
+                self._known = None  # asked next time as if anew: it is watched again if alive
+                if read_start_token(identity[0]) != identity[1]:
+                    dead.add(identity)  # confirmed: not a descriptor a task closed and reused
+        return dead
+
+    def close(self) -> None:
+        """Close every pidfd (this object may still be used: it reopens them)."""
+        for identity in list(self._fds):
+            self._forget(identity)
+        self._known = None
+
+    def _watch(self, identity: tuple[int, str]) -> bool:
+        """Open a pidfd on ``identity``'s process if it runs; whether one is now watched."""
+        if not self._can_open or self._poll is None or _pidfd_open is None:
+            return False
+        if len(self._fds) >= MAX_WATCHED:
+            return False
+        pid, token = identity
+        try:
+            fd: int = _pidfd_open(pid)
+        except ProcessLookupError:
+            return False  # exited: the start token says so
+        except OSError as exc:
+            if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
+                self._can_open = False  # no pidfds here (an old kernel, a sandbox)
+            return False  # out of descriptors, say: its start token is read
+        if read_start_token(pid) != token:
+            os.close(fd)  # another process now has this PID, or it is a zombie
+            return False
+        self._fds[identity] = fd
+        self._names[fd] = identity
+        self._poll.register(fd, select.POLLIN)
+        return True
+
+    def _forget(self, identity: tuple[int, str]) -> None:
+        fd = self._fds.pop(identity)
+        del self._names[fd]
+        if self._poll is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._poll.unregister(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)

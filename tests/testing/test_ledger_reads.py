@@ -1,0 +1,89 @@
+"""Reading the simulated host's ledger: parsed once per content, never stale about the dead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gpupool._core.units import GiB, MiB
+from gpupool._sensors.base import DeviceInfo
+from gpupool._sensors.simulated import Ledger
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+#: Hold argv[1] on the simulated card, say so, and keep it until stdin closes.
+_HOLDER = (
+    "import sys\nfrom gpupool.testing import hold\n"
+    "with hold(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.read()\n"
+)
+
+
+@contextmanager
+def _holder(size: str) -> Iterator[subprocess.Popen[str]]:
+    """A child process that holds ``size`` on the simulated card until it is killed."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, size],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "held\n"
+        yield child
+    finally:
+        child.kill()
+        child.communicate()
+
+
+def _kill_and_leave_unreaped(child: subprocess.Popen[str]) -> None:
+    """Kill ``child`` and wait until it has exited, leaving it a zombie (not reaped)."""
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+
+
+def test_an_unchanged_ledger_is_not_parsed_again_and_a_change_is_seen():
+    """Two readings of an unchanged ledger share one parse; another process's change is read."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        ledger = Ledger(host.ledger_path)
+        try:
+            first = ledger.view()
+            assert ledger.view() is first
+            with _holder("2GiB") as child:
+                held = ledger.view()
+                assert held is not first
+                assert held["devices"][0]["procs"][str(child.pid)]["held"] == 2 * GiB
+        finally:
+            ledger.close()
+
+
+def test_a_snapshot_is_a_copy_of_the_shared_reading():
+    """Changing a snapshot changes neither the ledger nor what the next reader sees."""
+    with SimulatedHost([SimulatedDevice("16GiB")]) as host:
+        ledger = Ledger(host.ledger_path)
+        try:
+            copy = ledger.snapshot()
+            copy["devices"][0]["total"] = 1
+            assert ledger.view()["devices"][0]["total"] == 16 * GiB
+            assert ledger.snapshot()["devices"][0]["total"] == 16 * GiB
+        finally:
+            ledger.close()
+
+
+def test_a_process_that_exits_between_two_readings_of_an_unchanged_ledger_holds_nothing():
+    """The file did not change, but its holder exited (a zombie, unreaped): the next reading of
+    the card frees its bytes and its tree window, as a driver frees a dead process's memory."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        sensor = host.sensor()
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        with _holder("2GiB") as child:
+            assert sensor.start_tree_window(info, child.pid) == 2 * GiB + 300 * MiB
+            memory, rows = sensor.read_snapshot(info)
+            assert memory.used_bytes == 2 * GiB + 300 * MiB
+            assert rows is not None and [row.pid for row in rows] == [child.pid]
+            _kill_and_leave_unreaped(child)
+            memory, rows = sensor.read_snapshot(info)
+            assert memory.used_bytes == 0 and rows == ()
+            assert sensor.read_tree_peak_bytes(info, child.pid) is None
+        assert host.process_peak(child.pid) == 2 * GiB + 300 * MiB
