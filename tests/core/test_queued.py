@@ -8,6 +8,7 @@ from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.planner.queued import (
     LONG_MEMORY_TASKS,
     LONG_TASK_S,
+    QUEUE_DEPTH,
     SHORT_MIN_TASKS,
     SHORT_TASK_S,
 )
@@ -53,19 +54,27 @@ def test_the_queues_head_of_a_short_key_is_queued_in_the_runs_booking() -> None:
     planner = _planner()
     _timed(planner, "k", SHORT_TASK_S / 2)
     run = _run(planner, 1, "k", 1.0)
-    planner.submit(2, "k")
-    planner.submit(3, "k")
+    for task in (2, 3, 4):
+        planner.submit(task, "k")
+    assert QUEUE_DEPTH == 2
     assert planner.queue_behind(1) == 2
-    assert planner.queue_behind(1) is None  # one behind each run
-    assert list(planner.pending) == [3]
-    assert planner.queued == {2: 1}
+    assert planner.queue_behind(1) == 3
+    assert planner.queue_behind(1) is None  # QUEUE_DEPTH behind each run
+    assert list(planner.pending) == [4]
+    assert planner.queued == {2: 1, 3: 1}
     booked = sum(r.booked_bytes for r in planner.running.values())
     planner.finished(1, _report(GiB), 1.001)
     planner.run_queued(2, run.device, 101, 1.001)
     assert list(planner.running) == [2]
     assert planner.running[2].pid == 101
     assert sum(r.booked_bytes for r in planner.running.values()) == booked  # its run's booking
-    assert planner.queued == {}
+    assert planner.queued == {3: 2}  # the one behind follows the new run
+    assert planner.queue_behind(2) == 4  # room behind the new run for one more
+    planner.finished(2, _report(GiB), 1.002)
+    planner.run_queued(3, run.device, 101, 1.002)
+    planner.finished(3, _report(GiB), 1.003)
+    planner.run_queued(4, run.device, 101, 1.003)
+    assert planner.queued == {} and list(planner.running) == [4]
 
 
 def test_a_long_key_another_key_or_a_larger_ask_is_not_queued() -> None:
@@ -92,12 +101,14 @@ def test_a_task_queued_behind_a_lost_run_goes_back_to_the_head() -> None:
     planner = _planner()
     _timed(planner, "k", 0.0)
     _run(planner, 1, "k", 1.0)
-    planner.submit(2, "k")
-    planner.submit(3, "k")
+    for task in (2, 3, 4):
+        planner.submit(task, "k")
     assert planner.queue_behind(1) == 2
+    assert planner.queue_behind(1) == 3
     planner.lost(1, 1.5, message="worker lost", extra={})
-    planner.requeue(2)
-    assert list(planner.pending) == [2, 3]
+    planner.requeue(2)  # told in their queue order (a worker's lost queue, or its declines)
+    planner.requeue(3)
+    assert list(planner.pending) == [2, 3, 4]  # back at the head, in their order
     assert planner.queued == {}
     assert planner.waiting_count() == 2
 

@@ -1,10 +1,11 @@
 """A short task queued behind a busy worker: it runs there, or, where it no longer can, elsewhere.
 
-One worker, one key: after a warm-up its tasks are short, so the next task of
-the key waits in the busy worker's socket (its future RUNNING, as a standard
-pool's queued call is). Each test then takes that worker's run away another
-way (the worker dies, the run runs out of memory, the caller cancels) and
-checks the queued task is never lost and never left pending. The test waits on
+One worker, one key: after a warm-up its tasks are short, so the next tasks of
+the key (``QUEUE_DEPTH`` of them) wait in the busy worker's socket (their
+futures RUNNING, as a standard pool's queued calls are). Each test then takes
+that worker's run away another way (the worker dies, the run runs out of
+memory, the caller cancels) and checks the queued tasks are never lost and
+never left pending. The test waits on
 files it creates and on the futures' own states; nothing depends on timing.
 """
 
@@ -18,23 +19,25 @@ import pytest
 import queue_tasks
 
 from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor, WorkerLostError
+from gpupool._core.planner import QUEUE_DEPTH
 from gpupool.testing import SimulatedDevice, SimulatedHost
 from support import wait_for
 
 WARM_UP = 20
 
 
-def _busy_with_one_queued(
+def _busy_with_queued(
     pool: GpuPoolExecutor, action: str, gate: Path
-) -> tuple[Future[int], Future[int], Future[int]]:
-    """Warm the key up, start ``action`` on the one worker, and wait until the next task
-    (``ok``) is queued behind it; a third stays pending."""
+) -> tuple[Future[int], list[Future[int]], Future[int]]:
+    """Warm the key up, start ``action`` on the one worker, and wait until the next tasks
+    (``ok``, ``QUEUE_DEPTH`` of them) are queued behind it; the one after stays pending."""
     assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
     running = pool.submit(queue_tasks.step, action, str(gate))
-    queued = pool.submit(queue_tasks.step, "ok")
+    queued = [pool.submit(queue_tasks.step, "ok") for _ in range(QUEUE_DEPTH)]
     pending = pool.submit(queue_tasks.step, "ok")
-    # With one worker busy, the only way for the next future to be RUNNING is to be queued.
-    wait_for(queued.running, what="the next task queued behind the busy worker")
+    # With one worker busy, the only way for the next futures to be RUNNING is to be queued.
+    for future in queued:
+        wait_for(future.running, what="the next tasks queued behind the busy worker")
     return running, queued, pending
 
 
@@ -50,12 +53,12 @@ def _assert_the_queued_tasks_run_on_a_new_worker(
     gate = tmp_path / action
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
         first_pid = pool.submit(queue_tasks.step, "ok").result()
-        running, queued, pending = _busy_with_one_queued(pool, action, gate)
+        running, queued, pending = _busy_with_queued(pool, action, gate)
         gate.touch()
         with pytest.raises(error):
             running.result(timeout=60)
-        assert queued.result(timeout=60) != first_pid
-        assert pending.result(timeout=60) != first_pid
+        for future in (*queued, pending):
+            assert future.result(timeout=60) != first_pid
 
 
 def test_a_task_queued_behind_a_worker_that_dies_runs_on_another(tmp_path: Path) -> None:
@@ -66,12 +69,12 @@ def test_a_task_queued_behind_a_worker_that_dies_runs_on_another(tmp_path: Path)
 def test_a_task_queued_behind_one_that_runs_out_of_memory_still_runs(tmp_path: Path) -> None:
     gate = tmp_path / "oom"
     with _card() as host, GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
-        running, queued, pending = _busy_with_one_queued(pool, "oom", gate)
+        running, queued, pending = _busy_with_queued(pool, "oom", gate)
         gate.touch()
         with pytest.raises(DeviceOutOfMemoryError):
             running.result(timeout=60)
-        # Declined by the worker, it starts again checked against the bound, and runs.
-        assert queued.result(timeout=60) > 0
+        # Declined by the worker, they start again checked against the bound, and run.
+        assert all(future.result(timeout=60) > 0 for future in queued)
         try:
             pending.result(timeout=60)
         except DeviceOutOfMemoryError:
@@ -85,16 +88,17 @@ def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> No
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
         assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
         running = pool.submit(queue_tasks.step, "oom-small", str(gate))
-        queued = pool.submit(queue_tasks.step, "ok")
-        wait_for(queued.running, what="the next task queued behind the busy worker")
+        queued = [pool.submit(queue_tasks.step, "ok") for _ in range(QUEUE_DEPTH)]
+        for future in queued:
+            wait_for(future.running, what="the next tasks queued behind the busy worker")
         gate.touch()
         with pytest.raises(DeviceOutOfMemoryError):
             running.result(timeout=60)
-        # The worker declined it (queued at a booking made before the out-of-memory): back
-        # at the head of the queue, not failed and not left pending, it runs after a start
+        # The worker declined them (queued at a booking made before the out-of-memory): back
+        # at the head of the queue, not failed and not left pending, they run after starts
         # checked against the key's new price.
-        assert queued.result(timeout=60) > 0
-        assert pool._dispatcher.counts["queued_declined"] == 1
+        assert all(future.result(timeout=60) > 0 for future in queued)
+        assert pool._dispatcher.counts["queued_declined"] == QUEUE_DEPTH
         assert pool.statistics().tasks_failed == 1
 
 
@@ -107,11 +111,12 @@ def test_a_task_queued_behind_an_oom_whose_worker_then_exits_runs_again(tmp_path
 def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> None:
     gate = tmp_path / "go"
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
-        running, queued, pending = _busy_with_one_queued(pool, "wait", gate)
-        assert not queued.cancel()  # RUNNING: handed to its worker, as in the standard pool
-        pool.shutdown(wait=False, cancel_futures=True)
+        running, queued, pending = _busy_with_queued(pool, "wait", gate)
+        assert not any(f.cancel() for f in queued)  # RUNNING: handed to its worker, as in
+        pool.shutdown(wait=False, cancel_futures=True)  # the standard pool
         gate.touch()
-        assert running.result(timeout=60) == queued.result(timeout=60)  # the same worker
+        pid = running.result(timeout=60)
+        assert [f.result(timeout=60) for f in queued] == [pid] * QUEUE_DEPTH  # the same worker
         assert pending.cancelled()
 
 
@@ -119,9 +124,9 @@ def test_a_queued_task_on_the_host_runs_after_its_worker_is_killed(tmp_path: Pat
     gate = tmp_path / "never"
     pool = GpuPoolExecutor(max_workers=1)
     try:
-        running, queued, pending = _busy_with_one_queued(pool, "wait", gate)
+        running, queued, pending = _busy_with_queued(pool, "wait", gate)
         pool.kill_workers()
-        for future in (running, queued):
+        for future in (running, *queued):
             with pytest.raises(WorkerLostError):
                 future.result(timeout=60)
         assert pending.cancelled()

@@ -60,6 +60,7 @@ from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
+    QUEUE_DEPTH,
     SAMPLE_MIN_GAP_S,
     CardReading,
     Fail,
@@ -761,25 +762,32 @@ class Dispatcher:
             head = worker.task
             if (
                 head is None
-                or len(worker.queue) != 1
                 or not worker.ready
                 or worker.retiring
                 or worker.gone
                 or worker.fault is not None
-                or (limit is not None and worker.tasks_done + 2 > limit)
             ):
                 continue
-            task = self.planner.queue_behind(head.task_id)
-            if task is None:
-                continue
-            item = self.items[task]
-            if not self._claim(item):
-                continue  # cancelled first: withdrawn from the planner
-            payload = self._pickled(item)
-            if payload is None:
-                continue
-            self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
-            del payload
+            while len(worker.queue) <= QUEUE_DEPTH and (
+                limit is None or worker.tasks_done + len(worker.queue) < limit
+            ):
+                if not self._queue_one_behind(worker, head):
+                    break
+
+    def _queue_one_behind(self, worker: _Worker, head: WorkItem) -> bool:
+        """Queue the next task behind ``worker``'s run ``head``, where the planner lets it;
+        whether one was queued (or withdrawn: then the next may be)."""
+        task = self.planner.queue_behind(head.task_id)
+        if task is None:
+            return False
+        item = self.items[task]
+        if not self._claim(item):
+            return True  # cancelled first: withdrawn from the planner
+        payload = self._pickled(item)
+        if payload is None:
+            return True  # failed its own future: withdrawn from the planner
+        self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
+        return True
 
     def _pickled(self, item: WorkItem) -> bytes | None:
         """``item``'s call pickled to send; ``None`` when it cannot be pickled: as in CPython's
@@ -802,7 +810,8 @@ class Dispatcher:
 
     def _requeue_behind(self, worker: _Worker) -> None:
         """``worker`` is gone: the tasks queued behind its run never ran, so they go back to
-        the planner's queue (their futures stay RUNNING) and start elsewhere."""
+        the planner's queue in their order (their futures stay RUNNING) and start
+        elsewhere."""
         for item in worker.queue:
             self.planner.requeue(item.task_id)
         worker.queue.clear()

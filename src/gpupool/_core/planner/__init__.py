@@ -18,6 +18,7 @@
 """
 
 from gpupool._core.planner.planner import CAP_LIFT_AFTER_S, Planner
+from gpupool._core.planner.queued import QUEUE_DEPTH
 from gpupool._core.planner.samples import SAMPLE_INTERVAL_S, SAMPLE_MIN_GAP_S
 from gpupool._core.planner.verdicts import (
     DEFAULT_CHILD_RSS_PRIOR_BYTES,
@@ -47,6 +48,7 @@ __all__ = [
     "GATE_RECORD_INTERVAL_S",
     "LIVE_POLL_S",
     "LOOKAHEAD",
+    "QUEUE_DEPTH",
     "RETIRE_AFTER_SHUT_S",
     "SAMPLE_INTERVAL_S",
     "SAMPLE_MIN_GAP_S",

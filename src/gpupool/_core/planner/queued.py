@@ -3,9 +3,9 @@
 A worker that ends a task waits for the parent to hand it the next one: the
 answer crosses the socket, the parent books the next start and sends it back.
 For tasks that take milliseconds that round trip is most of the time, so the
-next task of the same key may wait in the busy worker's socket and start the
-moment the running one ends. The planner allows it only where it books nothing
-new:
+next tasks of the same key (at most :data:`QUEUE_DEPTH`) may wait in the busy
+worker's socket, each starting the moment the one before ends. The planner
+allows it only where it books nothing new:
 
 * the task is the queue's head (the start order is kept; no scan of the queue)
   and of the running task's key, with no size of its own (sized asks are priced
@@ -20,13 +20,14 @@ new:
 
 A queued task leaves the pending queue and holds its slot behind the run: it is
 not counted as waiting, and no start is made for it. When the run ends, the
-queued task starts on that worker in the booking the run leaves
-(:meth:`Queued.run_queued`: the key's tasks on the card are booked together as
-before, at the key's price then, so its total booking does not grow unless the
-price did, as for any running task of a key whose ask moved). A queued task
-whose worker is lost, or whose worker declines it because the run before it ran
-out of device memory, goes back to the head of the queue (:meth:`Queued.requeue`);
-one the pool fails or withdraws leaves the planner as a pending one does.
+first queued task starts on that worker in the booking the run leaves, and the
+others follow it (:meth:`Queued.run_queued`: the key's tasks on the card are
+booked together as before, at the key's price then, so its total booking does
+not grow unless the price did, as for any running task of a key whose ask
+moved). Queued tasks whose worker is lost, or whose worker declines them
+because the run before them ran out of device memory, go back to the head of
+the queue in their order (:meth:`Queued.requeue`); one the pool fails or
+withdraws leaves the planner as a pending one does.
 """
 
 from __future__ import annotations
@@ -34,11 +35,20 @@ from __future__ import annotations
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.verdicts import TaskId
 
-__all__ = ["LONG_MEMORY_TASKS", "LONG_TASK_S", "SHORT_MIN_TASKS", "SHORT_TASK_S", "Queued"]
+__all__ = [
+    "LONG_MEMORY_TASKS",
+    "LONG_TASK_S",
+    "QUEUE_DEPTH",
+    "SHORT_MIN_TASKS",
+    "SHORT_TASK_S",
+    "Queued",
+]
 
 #: A key's tasks are short when their mean measured run time is under this: a task queued
 #: behind one of them waits at most about that long while another worker may be idle.
 SHORT_TASK_S = 0.02
+#: How many tasks may wait behind one worker's run, each starting as the one before ends.
+QUEUE_DEPTH = 2
 #: How many of a key's tasks are timed before it may be found short.
 SHORT_MIN_TASKS = 3
 #: A task of a key that took this long is a long one, whatever the key's mean ...
@@ -74,7 +84,8 @@ class Queued(Starts):
 
     def queue_behind(self, behind: TaskId) -> TaskId | None:
         """The pending task to queue behind the running ``behind`` on its worker, taken off
-        the pending queue; ``None`` when the queue's head may not follow it."""
+        the pending queue; ``None`` when the queue's head may not follow it (or
+        :data:`QUEUE_DEPTH` tasks already follow it)."""
         run = self.running.get(behind)
         if (
             run is None
@@ -82,7 +93,7 @@ class Queued(Starts):
             or self.refused is not None
             or self.hold is not None
             or run.size is not None
-            or behind in self.queued.values()
+            or sum(1 for followed in self.queued.values() if followed == behind) >= QUEUE_DEPTH
         ):
             return None
         head = self.pending[0]
@@ -110,16 +121,24 @@ class Queued(Starts):
 
     def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
-        that worker, in the booking the run left."""
-        del self.queued[task]
+        that worker, in the booking the run left; the tasks queued behind that run follow
+        ``task`` now."""
+        ended = self.queued.pop(task)
+        for queued, followed in self.queued.items():
+            if followed == ended:
+                self.queued[queued] = task
         self._begin(task, device, pid, now_s)  # off the pending queue since it was queued
 
     def requeue(self, task: TaskId) -> None:
-        """``task`` was queued behind a run whose worker is gone: it never ran, so it goes
-        back to the head of the pending queue."""
+        """``task`` was queued behind a run whose worker is gone (or declined it): it never
+        ran, so it goes back to the head of the pending queue, after the tasks queued before
+        it that went back before it (told in their queue order, they keep it)."""
         if self.queued.pop(task, None) is None:
             return
-        self.pending.appendleft(task)
+        at = 0
+        while at < min(QUEUE_DEPTH - 1, len(self.pending)) and self.pending[at] < task:
+            at += 1
+        self.pending.insert(at, task)
         self._pending_by_key[self.tasks[task].key] += 1
 
     def _drop_queued(self, task: TaskId) -> None:
