@@ -26,6 +26,7 @@ from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     GATE_RECORD_INTERVAL_S,
+    QUEUE_DEPTH,
     RETIRE_AFTER_SHUT_S,
     CardReading,
     Fail,
@@ -361,11 +362,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.planner.lost(task, self.now_s, message="worker lost", extra={})
         self.worker_of.pop(task, None)  # its worker died: no idle worker comes back
         self.settled += 1
-        for queued in [q for q, behind in self.queued_on.items() if behind == task]:
-            # It never ran: back to the head of the queue.
-            del self.queued_on[queued]
-            self.planner.requeue(queued)
-            assert self.planner.pending[0] == queued
+        self._requeued_in_order(task)
 
     @precondition(lambda self: self.planner.running)
     @rule(data=st.data())
@@ -378,7 +375,7 @@ class PlannerMachine(RuleBasedStateMachine):
             return
         # Only the queue's head, of the run's key, short, in the run's booking; counted apart.
         assert queued == head
-        assert run_task not in self.queued_on.values()
+        assert list(self.queued_on.values()).count(run_task) < QUEUE_DEPTH
         assert self.planner.tasks[queued].key == run.key
         assert self.planner.short(run.key)
         assert run.device is None or self.asks.ask(run.key).ask_bytes <= run.booked_bytes
@@ -389,12 +386,18 @@ class PlannerMachine(RuleBasedStateMachine):
     def declined_after(self, task: int) -> None:
         """``task`` ran out of memory: its worker declines what was queued behind it (booked
         before that was known), which goes back to the head of the queue; the worker idles."""
-        for queued in [q for q, behind in self.queued_on.items() if behind == task]:
+        self._requeued_in_order(task)
+        self.worker_idle(task)
+
+    def _requeued_in_order(self, task: int) -> None:
+        """What was queued behind ``task`` never ran: back to the head of the queue, told in
+        its queue order and kept in it."""
+        behind = [q for q, run in self.queued_on.items() if run == task]
+        for position, queued in enumerate(behind):
             del self.queued_on[queued]
             self.planner.requeue(queued)
-            assert self.planner.pending[0] == queued
+            assert self.planner.pending[position] == queued
             assert queued not in self.planner.running
-        self.worker_idle(task)
 
     def run_queued_after(self, task: int, run: Run) -> None:
         """``task`` (``run``) ended: what was queued behind it runs on its worker, in the
@@ -403,8 +406,10 @@ class PlannerMachine(RuleBasedStateMachine):
         if not queued:
             self.worker_idle(task)
             return
-        (next_task,) = queued
+        next_task, *after = queued  # the first queued runs; the others follow it now
         del self.queued_on[next_task]
+        for later in after:
+            self.queued_on[later] = next_task
         device = self.worker_of.pop(task, None)
         self.worker_of[next_task] = device
         card = self.planner.cards[device] if device is not None else None

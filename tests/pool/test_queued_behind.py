@@ -114,10 +114,12 @@ def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> 
         running, queued, pending = _busy_with_queued(pool, "wait", gate)
         assert not any(f.cancel() for f in queued)  # RUNNING: handed to its worker, as in
         pool.shutdown(wait=False, cancel_futures=True)  # the standard pool
+        # Nothing can start while the gate is shut (one worker, its queue full): the pending
+        # one is cancelled, and only then may the worker's tasks end.
+        wait_for(pending.cancelled, what="the pending task cancelled by the shutdown")
         gate.touch()
         pid = running.result(timeout=60)
         assert [f.result(timeout=60) for f in queued] == [pid] * QUEUE_DEPTH  # the same worker
-        assert pending.cancelled()
 
 
 def test_a_queued_task_on_the_host_runs_after_its_worker_is_killed(tmp_path: Path) -> None:

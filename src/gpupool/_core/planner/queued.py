@@ -131,14 +131,19 @@ class Queued(Starts):
 
     def requeue(self, task: TaskId) -> None:
         """``task`` was queued behind a run whose worker is gone (or declined it): it never
-        ran, so it goes back to the head of the pending queue, after the tasks queued before
-        it that went back before it (told in their queue order, they keep it)."""
-        if self.queued.pop(task, None) is None:
+        ran, so it goes back to the head of the pending queue; after the task queued behind
+        the same run that went back just before it (told in their queue order, the tasks
+        of one run keep it)."""
+        followed = self.queued.pop(task, None)
+        if followed is None:
             return
-        at = 0
-        while at < min(QUEUE_DEPTH - 1, len(self.pending)) and self.pending[at] < task:
-            at += 1
-        self.pending.insert(at, task)
+        before = self._requeued_last
+        self._requeued_last = (followed, task)
+        if before is not None and before[0] == followed and before[1] in self.pending:
+            # Queued behind the same run after the one told before it: it follows that one.
+            self.pending.insert(self.pending.index(before[1]) + 1, task)
+        else:
+            self.pending.appendleft(task)
         self._pending_by_key[self.tasks[task].key] += 1
 
     def _drop_queued(self, task: TaskId) -> None:
