@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpupool._core.bookings import OtherPools
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.verdicts import CardReading, TaskId
+
+if TYPE_CHECKING:
+    from gpupool._core.bound import Bound, Ceiling
+    from gpupool._core.planner.fit import Fit
+    from gpupool._core.policy import Ask
+
+    #: What a bound or a fit was worked out from on a card: the ask, the ceiling, and the
+    #: card's terms (``fit.card_bound``, ``fit.fit``).
+    BoundMemo = tuple[Ask, Ceiling, CardCensus, tuple[int, ...], Bound]
+    FitMemo = tuple[Ask, Ceiling, CardCensus, tuple[int | None, ...], Fit]
 
 __all__ = ["Card", "Critical", "Run", "TaskState"]
 
@@ -122,12 +133,22 @@ class Card:
     # The running sums of ``runs``: what they book between them, and how many of each key.
     runs_booked_bytes: int = 0
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    # ... and what each key's runs book between them.
+    runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    # The bounds and fits worked out on this card, by the ask's identity (an ask is never
+    # changed) and, for a fit, what it was placed beside; each kept with the terms it was
+    # worked out from, and served only while those are the card's terms still.
+    bound_memo: dict[int, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
+    fit_memo: dict[tuple[int, int, int, int, int], FitMemo] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def add_run(self, task: TaskId, run: Run) -> None:
         """``run`` runs here now."""
         self.runs[task] = run
         self.runs_booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
+        self.runs_booked_by_key[run.key] += run.booked_bytes
 
     def drop_run(self, task: TaskId) -> Run | None:
         """``task``'s run ended here (``None``: it had none)."""
@@ -135,11 +156,13 @@ class Card:
         if run is not None:
             self.runs_booked_bytes -= run.booked_bytes
             self.runs_by_key[run.key] -= 1
+            self.runs_booked_by_key[run.key] -= run.booked_bytes
         return run
 
     def rebook(self, run: Run, booked_bytes: int) -> None:
         """``run`` (one of this card's) is booked at ``booked_bytes`` from now on."""
         self.runs_booked_bytes += booked_bytes - run.booked_bytes
+        self.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
         run.booked_bytes = booked_bytes
 
     @property

@@ -9,6 +9,7 @@ gated the start beside it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from gpupool._core.planner.fit import (
     card_bound,
     card_widths,
     fit,
+    fit_counts,
 )
 from gpupool._core.planner.sharing import owes_room, yields_to
 from gpupool._core.planner.verdicts import (
@@ -287,6 +289,7 @@ class Views(PlannerBase):
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
         out: dict[str, int] = {}
+        running_keys = collections.Counter(run.key for run in self.running.values())
         for key in self._present_keys():
             if self.config.fixed_width is not None:
                 out[key] = self.config.fixed_width
@@ -295,12 +298,22 @@ class Views(PlannerBase):
                 out[key] = self.ceiling.value
                 continue
             ask = self.asks.ask(key)
-            others = sum(1 for r in self.running.values() if r.key != key)
+            others = len(self.running) - running_keys[key]
             total = 0
             for card in self.cards:
-                beside = [r for r in card.runs.values() if r.key != key]
-                alone = self.fit(card.index, ask, list(beside), slots=self.ceiling.value)
-                total += max(card.same_key(key), alone.more)
+                # Beside the other keys' runs there, read off the card's running sums.
+                same = card.same_key(key)
+                alone = fit_counts(
+                    card,
+                    ask,
+                    running=len(card.runs) - same,
+                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
+                    same=0,
+                    reserve_bytes=self.config.reserve_bytes,
+                    ceiling=self.ceiling,
+                    slots=self.ceiling.value,
+                )
+                total += max(same, alone.more)
             out[key] = max(1, min(total, self.ceiling.value - others))
         return out
 
