@@ -257,6 +257,30 @@ class Ask:
     _together: dict[int, int] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
+    _price: tuple[str, int, str, bool, int, int, int, int] | None = field(
+        default=None, init=False, repr=False, compare=False, hash=False
+    )
+
+    def price_terms(self) -> tuple[str, int, str, bool, int, int, int, int]:
+        """Every figure that prices this key's tasks on a card (:meth:`together_bytes`,
+        ``ask_bytes`` and ``basis``): two asks with the same terms price every count alike,
+        so what a card fits at one it fits at the other. The count of samples counts only
+        where the spread does (a spread of 0 prices every count of samples alike)."""
+        terms = self._price
+        if terms is None:
+            pooled = self.pooled
+            terms = (
+                self.key,
+                self.ask_bytes,
+                self.basis,
+                pooled,
+                self.mean_bytes if pooled else 0,
+                self.granule_bytes if pooled else 0,
+                self.spread_bytes if pooled else 0,
+                self.samples if pooled and self.spread_bytes else 0,
+            )
+            object.__setattr__(self, "_price", terms)  # worked out once (a frozen ask)
+        return terms
 
     def together_bytes(self, count: int) -> int:
         """What ``count`` tasks of this key running at once are priced at, together.

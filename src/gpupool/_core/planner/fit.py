@@ -123,28 +123,24 @@ def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) ->
     bookings; for a key priced together, how many of its tasks together fit alone; on
     unified memory each task's child RSS beside its ask (:func:`host_per_task_bytes`).
 
-    Worked out once per ask and terms: the card keeps the last ones (``card.bound_memo``)
-    and serves them while the card's terms (own high-water, other pools, reserve), its
-    census and the ceiling are the ones they were worked out from."""
+    Worked out once per price and terms: the card keeps the bounds it worked out by the
+    ask's :meth:`~gpupool._core.policy.Ask.price_terms` (``card.bound_memo``) and serves one
+    while the card's terms (own high-water, other pools, reserve), its census and the
+    ceiling are the ones it was worked out from."""
     terms = (
         card.own_high_water_bytes,
         card.others_bytes,
         card.others_at_census_bytes,
         reserve_bytes,
     )
-    memo = card.bound_memo.get(id(ask))
-    if (
-        memo is not None
-        and memo[0] is ask
-        and memo[1] is ceiling
-        and memo[2] is card.census
-        and memo[3] == terms
-    ):
-        return memo[4]
+    price = ask.price_terms()
+    memo = card.bound_memo.get(price)
+    if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
+        return memo[3]
     bound = _card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
     if len(card.bound_memo) >= MEMO_LIMIT:
         card.bound_memo.clear()
-    card.bound_memo[id(ask)] = (ask, ceiling, card.census, terms, bound)
+    card.bound_memo[price] = (ceiling, card.census, terms, bound)
     return bound
 
 
@@ -234,20 +230,14 @@ def fit_counts(
         card.oom_cap,
         reserve_bytes,
     )
-    place = (id(ask), running, booked_bytes, same, slots)
+    place = (ask.price_terms(), running, booked_bytes, same, slots)
     memo = card.fit_memo.get(place)
-    if (
-        memo is not None
-        and memo[0] is ask
-        and memo[1] is ceiling
-        and memo[2] is card.census
-        and memo[3] == terms
-    ):
-        return memo[4]
+    if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
+        return memo[3]
     found = _fit(card, ask, running, booked_bytes, same, reserve_bytes, ceiling, slots)
     if len(card.fit_memo) >= MEMO_LIMIT:
         card.fit_memo.clear()
-    card.fit_memo[place] = (ask, ceiling, card.census, terms, found)
+    card.fit_memo[place] = (ceiling, card.census, terms, found)
     return found
 
 

@@ -22,12 +22,12 @@ from gpupool._core.planner.verdicts import CardReading, TaskId
 if TYPE_CHECKING:
     from gpupool._core.bound import Bound, Ceiling
     from gpupool._core.planner.fit import Fit
-    from gpupool._core.policy import Ask
 
-    #: What a bound or a fit was worked out from on a card: the ask, the ceiling, and the
-    #: card's terms (``fit.card_bound``, ``fit.fit``).
-    BoundMemo = tuple[Ask, Ceiling, CardCensus, tuple[int, ...], Bound]
-    FitMemo = tuple[Ask, Ceiling, CardCensus, tuple[int | None, ...], Fit]
+    #: What a bound or a fit on a card was worked out from besides the ask's price: the
+    #: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
+    BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
+    FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
+    PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
 __all__ = ["Card", "Critical", "Run", "TaskState"]
 
@@ -135,11 +135,12 @@ class Card:
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
     # ... and what each key's runs book between them.
     runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    # The bounds and fits worked out on this card, by the ask's identity (an ask is never
-    # changed) and, for a fit, what it was placed beside; each kept with the terms it was
-    # worked out from, and served only while those are the card's terms still.
-    bound_memo: dict[int, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
-    fit_memo: dict[tuple[int, int, int, int, int], FitMemo] = field(
+    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit,
+    # what it was placed beside (how many runs, what they book, how many of the key, the
+    # slots); each kept with the terms it was worked out from, and served only while those
+    # are the card's terms still.
+    bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
+    fit_memo: dict[tuple[PriceTerms, int, int, int, int], FitMemo] = field(
         default_factory=dict, repr=False, compare=False
     )
 

@@ -39,6 +39,23 @@ from gpupool._core.policy import Ask
 __all__ = ["Views"]
 
 
+@dataclasses.dataclass(slots=True)
+class _Placed:
+    """What one card holds while :meth:`Views._width_now` places the pending asks: its runs
+    and the asks placed there, as the running sums a fit reads (how many, what they book,
+    how many of each key were placed)."""
+
+    running: int
+    booked_bytes: int
+    keys: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    def place(self, key: str, booked_bytes: int) -> None:
+        """One more task of ``key``, booked at ``booked_bytes``, is placed here."""
+        self.running += 1
+        self.booked_bytes += booked_bytes
+        self.keys[key] += 1
+
+
 class Views(PlannerBase):
     """The widths, the reviews that record them, and strict mode's refusal."""
 
@@ -82,8 +99,23 @@ class Views(PlannerBase):
 
     def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
         """Every card's width for tasks priced at ``ask``: its runs plus the ones that fit
-        beside them (the cap an out-of-memory set holds), within the ceiling."""
-        return card_widths([self.fit(i, ask) for i in range(len(self.cards))], self.ceiling)
+        beside them (the cap an out-of-memory set holds), within the ceiling.
+
+        Shared out once per set of fits: where every card's fit is the one the last decision
+        was shared out from (the same object, which its card's memo serves only while its
+        terms hold) and the ceiling is the same, that decision is the answer."""
+        fits = tuple(self.fit(i, ask) for i in range(len(self.cards)))
+        last = self._decided
+        if (
+            last is not None
+            and last[0][0] is self.ceiling
+            and len(last[0]) == len(fits) + 1
+            and all(a is b for a, b in zip(last[0][1:], fits, strict=True))
+        ):
+            return last[1]
+        decisions = card_widths(fits, self.ceiling)
+        self._decided = ((self.ceiling, *fits), decisions)
+        return decisions
 
     def _simple(
         self,
@@ -253,7 +285,9 @@ class Views(PlannerBase):
             return self.config.fixed_width
         if not self.cards:
             return self.ceiling.value
-        placed: list[list[Held]] = [list(card.runs.values()) for card in self.cards]
+        # What each card holds as the asks are placed: its runs' running sums, plus the
+        # placed asks (how many, what they book, how many of each key).
+        placed = [_Placed(len(card.runs), card.booked_bytes) for card in self.cards]
         # On the card a waiting head holds: what stays once the runs it waits for end, and it.
         after = self.hold.after(self.cards[self.hold.device]) if self.hold is not None else []
         total = len(self.running)
@@ -271,15 +305,30 @@ class Views(PlannerBase):
             if total >= self.ceiling.value:
                 break
             best: Fit | None = None
-            for index in range(len(self.cards)):
-                held = after if self.hold is not None and index == self.hold.device else None
-                option = self.fit_beside(index, ask, placed[index], held, slots=1)
+            for card, there in zip(self.cards, placed, strict=True):
+                option = fit_counts(
+                    card,
+                    ask,
+                    running=there.running,
+                    booked_bytes=there.booked_bytes,
+                    same=card.same_key(ask.key) + there.keys[ask.key],
+                    reserve_bytes=self.config.reserve_bytes,
+                    ceiling=self.ceiling,
+                    slots=1,
+                )
+                if (
+                    self.hold is not None
+                    and card.index == self.hold.device
+                    and option.more
+                    and not self.fit(card.index, ask, after, slots=1).more
+                ):
+                    continue  # it would delay the head (as :meth:`fit_beside` says)
                 if option.more and (
                     best is None or (option.left_bytes or 0) > (best.left_bytes or 0)
                 ):
                     best = option
             if best is not None:
-                placed[best.device].append(Booked(ask.key, best.next_bytes))
+                placed[best.device].place(ask.key, best.next_bytes)
                 if self.hold is not None and best.device == self.hold.device:
                     after.append(Booked(ask.key, best.next_bytes))
                 total += 1
