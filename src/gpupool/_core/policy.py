@@ -615,8 +615,10 @@ class AskTable:
         its floor.
         """
         base = self.ask(key)
+        if size is None:
+            return base
         state = self._keys.get(key)
-        if size is None or state is None or not state.sized or base.basis != "measured":
+        if state is None or not state.sized or base.basis != "measured":
             return base
         sized = self._sized_cache.setdefault(key, {})
         found = sized.get(size)

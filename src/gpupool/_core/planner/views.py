@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gpupool._core.bound import Bound, WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
@@ -28,6 +28,7 @@ from gpupool._core.planner.fit import (
     fit_counts,
 )
 from gpupool._core.planner.sharing import owes_room, yields_to
+from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import (
     LOOKAHEAD,
     RETIRE_AFTER_SHUT_S,
@@ -47,13 +48,19 @@ class _Placed:
 
     running: int
     booked_bytes: int
-    keys: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    keys: dict[str, int] | None = None
 
     def place(self, key: str, booked_bytes: int) -> None:
         """One more task of ``key``, booked at ``booked_bytes``, is placed here."""
         self.running += 1
         self.booked_bytes += booked_bytes
-        self.keys[key] += 1
+        if self.keys is None:
+            self.keys = {}
+        self.keys[key] = self.keys.get(key, 0) + 1
+
+    def same(self, card: Card, key: str) -> int:
+        """How many tasks of ``key`` ``card`` holds with those placed."""
+        return card.same_key(key) + (self.keys.get(key, 0) if self.keys else 0)
 
 
 class Views(PlannerBase):
@@ -71,13 +78,26 @@ class Views(PlannerBase):
         """The one fit on ``device`` at ``ask`` beside ``runs`` (default: the card's runs),
         within ``slots`` (default: what the ceiling leaves the pool)."""
         card = self.cards[device]
+        if slots is None:
+            slots = self.ceiling.value - len(self.running)
+        if runs is None:  # the card's runs, read off its running sums
+            return fit_counts(
+                card,
+                ask,
+                running=len(card.runs),
+                booked_bytes=card.booked_bytes,
+                same=card.same_key(ask.key),
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+                slots=slots,
+            )
         return fit(
             card,
             ask,
             runs,
             reserve_bytes=self.config.reserve_bytes,
             ceiling=self.ceiling,
-            slots=self.ceiling.value - len(self.running) if slots is None else slots,
+            slots=slots,
         )
 
     def fit_beside(
@@ -180,7 +200,7 @@ class Views(PlannerBase):
         self,
         now_s: float,
         *,
-        cause: str,
+        cause: str | Callable[[], str],
         key: str | None = None,
         devices: tuple[int, ...] | None = None,
         quiet: bool = False,
@@ -190,7 +210,8 @@ class Views(PlannerBase):
     ) -> bool:
         """A term of the bound changed: decide the widths again and record what moved.
 
-        ``unchanged`` names the record of a card whose width did not move
+        ``cause`` is what changed, in words (or a function that words it, called only where
+        a record is written). ``unchanged`` names the record of a card whose width did not move
         (``"measured"`` for a key's first measurement, ``"widen_refused"`` for
         a smaller ask the room does not let widen); ``moved_event`` names the record of
         one that moved (default: ``"widened"`` or ``"narrowed"``). Returns whether any
@@ -220,7 +241,8 @@ class Views(PlannerBase):
                     decision,
                     time_s=now_s,
                     width_before=old,
-                    reason=f"{decision.describe()}; {cause}; width {old} -> {new}",
+                    reason=f"{decision.describe()}; {cause if isinstance(cause, str) else cause()}"
+                    f"; width {old} -> {new}",
                     key=priced or None,
                     key_ask=ask if priced else None,
                     extra=dict(extra or {}) | {"oom_cap": card.oom_cap, "running": len(card.runs)},
@@ -311,7 +333,7 @@ class Views(PlannerBase):
                     ask,
                     running=there.running,
                     booked_bytes=there.booked_bytes,
-                    same=card.same_key(ask.key) + there.keys[ask.key],
+                    same=there.same(card, ask.key),
                     reserve_bytes=self.config.reserve_bytes,
                     ceiling=self.ceiling,
                     slots=1,
