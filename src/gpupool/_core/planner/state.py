@@ -5,8 +5,11 @@ share of its key's price together, :meth:`~gpupool._core.policy.Ask.next_bytes`)
 ``booked_at_start_bytes`` is what it was booked at when it started (an
 out-of-memory is judged against that, not against a price raised since); a
 card's runs are ``card.runs``, added and dropped through the card, which keeps
-their running sums (what they book, how many of each key) so a start, a finish
-and a fit read them without walking the runs.
+their running sums (what they book, how many of each key, what each key books)
+so a start, a finish and a fit read them without walking the runs. A card also
+keeps the bounds and fits worked out on it (``bound_memo``, ``fit_memo``: see
+:func:`~gpupool._core.planner.fit.fit_counts`), each served only while the terms
+it was worked out from are the card's terms still.
 """
 
 from __future__ import annotations
