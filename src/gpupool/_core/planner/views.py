@@ -9,7 +9,6 @@ gated the start beside it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
@@ -359,17 +358,17 @@ class Views(PlannerBase):
     def widths_by_key(self) -> dict[str, int]:
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
+        if self.config.fixed_width is not None or not self.cards:
+            fixed = self.config.fixed_width
+            width = fixed if fixed is not None else self.ceiling.value
+            return dict.fromkeys(self._present_keys(), width)
         out: dict[str, int] = {}
-        running_keys = collections.Counter(run.key for run in self.running.values())
+        running_keys: dict[str, int] = {}
+        for run in self.running.values():
+            running_keys[run.key] = running_keys.get(run.key, 0) + 1
         for key in self._present_keys():
-            if self.config.fixed_width is not None:
-                out[key] = self.config.fixed_width
-                continue
-            if not self.cards:
-                out[key] = self.ceiling.value
-                continue
             ask = self.asks.ask(key)
-            others = len(self.running) - running_keys[key]
+            others = len(self.running) - running_keys.get(key, 0)
             total = 0
             for card in self.cards:
                 # Beside the other keys' runs there, read off the card's running sums.
