@@ -358,11 +358,13 @@ class Views(PlannerBase):
     def widths_by_key(self) -> dict[str, int]:
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
+        out: dict[str, int] = {}
         if self.config.fixed_width is not None or not self.cards:
             fixed = self.config.fixed_width
             width = fixed if fixed is not None else self.ceiling.value
-            return dict.fromkeys(self._present_keys(), width)
-        out: dict[str, int] = {}
+            for key in self._present_keys():
+                out[key] = width
+            return out
         running_keys: dict[str, int] = {}
         for run in self.running.values():
             running_keys[run.key] = running_keys.get(run.key, 0) + 1
