@@ -208,3 +208,38 @@ def test_a_cached_sized_ask_is_the_fresh_derivation(
             fresh = dataclasses.replace(asks, _cache={}, _sized_cache={})
             assert asks.ask_for("k", probe) == fresh.ask_for("k", probe)
             assert asks.ask_for("k", probe) is asks.ask_for("k", probe)
+
+
+@given(
+    peaks=st.lists(st.sampled_from([GiB, 2 * GiB, 3 * GiB + 7]), min_size=1, max_size=8),
+    learned=st.booleans(),
+    more_samples=st.integers(0, 50),
+    margin_bytes=st.integers(0, 4 * GiB),
+    least_bytes=st.none() | st.integers(0, 4 * GiB),
+    estimate_bytes=st.none() | st.integers(1, 30 * GiB),
+)
+def test_asks_with_the_same_price_terms_price_every_count_alike(
+    peaks: list[int],
+    learned: bool,
+    more_samples: int,
+    margin_bytes: int,
+    least_bytes: int | None,
+    estimate_bytes: int | None,
+) -> None:
+    """The memos are kept by an ask's price terms: two asks whose terms are equal price every
+    count of their tasks alike, whatever their other figures (how many samples, where no
+    spread counts them; the margin, the least peak, the estimate)."""
+    ask = priced(peaks, learned, 30)
+    other = dataclasses.replace(
+        ask,
+        samples=ask.samples + more_samples,
+        margin_bytes=margin_bytes,
+        least_peak_bytes=least_bytes,
+        estimate_bytes=estimate_bytes,
+    )
+    if other.price_terms() != ask.price_terms():
+        assert ask.pooled and ask.spread_bytes and more_samples
+        return
+    for count in range(40):
+        assert other.together_bytes(count) == ask.together_bytes(count)
+    assert (other.ask_bytes, other.basis) == (ask.ask_bytes, ask.basis)
