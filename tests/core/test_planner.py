@@ -9,6 +9,7 @@ and checks the planner's invariants after every step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_fit_memo import walked_fit
 
 from gpupool._core import AskTable, Policy
 from gpupool._core.bound import admits
@@ -39,6 +41,7 @@ from gpupool._core.planner import (
     Warm,
     Workers,
 )
+from gpupool._core.planner.fit import _card_bound, card_bound, card_widths
 from gpupool._core.planner.state import Run
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
@@ -461,6 +464,35 @@ class PlannerMachine(RuleBasedStateMachine):
         for card in self.planner.cards:
             assert card.booked_bytes == sum(r.booked_bytes for r in card.runs.values())
             assert +card.runs_by_key == collections.Counter(r.key for r in card.runs.values())
+
+    @invariant()
+    def the_memos_answer_as_a_fresh_computation(self) -> None:
+        """What a card's memo serves (a bound, a fit), the decision shared out from its fits,
+        and a key's price together are what the plain computation gives now."""
+        if not hasattr(self, "planner"):
+            return
+        planner = self.planner
+        terms = {"reserve_bytes": self.config.reserve_bytes, "ceiling": planner.ceiling}
+        slots = planner.ceiling.value - len(planner.running)
+        for key in {"", *self.asks.keys()}:
+            ask = self.asks.ask(key)
+            fresh = dataclasses.replace(ask)  # the same price, with no memo of its own
+            fits = []
+            for card in planner.cards:
+                bound = _card_bound(card, fresh, **terms)
+                assert card_bound(card, ask, **terms) == bound
+                runs = list(card.runs.values())
+                walked = walked_fit(card, fresh, runs, slots=slots, **terms)
+                assert planner.fit(card.index, ask) == walked
+                fits.append(walked)
+            assert planner.decide(ask) == card_widths(fits, planner.ceiling)
+            for count in range(planner.ceiling.value + 2):
+                assert ask.together_bytes(count) == dataclasses.replace(ask).together_bytes(count)
+        for card in planner.cards:
+            by_key: collections.Counter[str] = collections.Counter()
+            for run in card.runs.values():
+                by_key[run.key] += run.booked_bytes
+            assert +card.runs_booked_by_key == +by_key
 
     @invariant()
     def no_ask_below_its_pre_oom_value(self) -> None:

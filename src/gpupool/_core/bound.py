@@ -343,11 +343,18 @@ def admits(ask_bytes: int, running_asks_bytes: Sequence[int], room_bytes: int | 
 
 def fits_together(together_bytes: Callable[[int], int], room_bytes: int, most: int) -> int:
     """The most tasks, up to ``most``, whose price together (``together_bytes(k)``, growing
-    with ``k``) fits in ``room_bytes``; 0 when not even one does."""
-    count = 0
-    while count < most and together_bytes(count + 1) <= room_bytes:
-        count += 1
-    return count
+    with ``k``) fits in ``room_bytes``; 0 when not even one does.
+
+    Found by bisection: as the price grows with ``k``, the counts that fit are ``1..answer``,
+    so it is the count a walk from 1 would stop before, in ``log2(most)`` prices."""
+    fits, fails = 0, max(0, most) + 1  # together_bytes(fits) fits; fails is past the answer
+    while fails - fits > 1:
+        middle = (fits + fails) // 2
+        if together_bytes(middle) <= room_bytes:
+            fits = middle
+        else:
+            fails = middle
+    return fits
 
 
 def live_gate_admits(

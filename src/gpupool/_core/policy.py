@@ -108,6 +108,10 @@ VARY_RATIO = 2.0
 #: allocator granules, and the margin is that floor whatever their ratio.
 VARY_LEAST_RANGE_BYTES = MARGIN_FLOOR_BYTES
 
+#: The most sizes of one key whose asks are kept (:meth:`AskTable.ask_for`) before they are
+#: forgotten (and derived again when read).
+_SIZED_CACHE_LIMIT = 1024
+
 #: The most a sized ask is priced at: 1 EiB, more than any card, so a task predicted past it
 #: starts only at the serial floor (a size the caller's unit makes astronomical is no float
 #: overflow that stops the pool).
@@ -248,6 +252,35 @@ class Ask:
     least_peak_bytes: int | None = None
     room_capped: bool = False
     sized_samples: int = 0
+    # ``together_bytes`` by count, worked out once per ask (an ask is never changed: a new
+    # price is a new ask, with an empty memo of its own).
+    _together: dict[int, int] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    _price: tuple[str, int, str, bool, int, int, int, int] | None = field(
+        default=None, init=False, repr=False, compare=False, hash=False
+    )
+
+    def price_terms(self) -> tuple[str, int, str, bool, int, int, int, int]:
+        """Every figure that prices this key's tasks on a card (:meth:`together_bytes`,
+        ``ask_bytes`` and ``basis``): two asks with the same terms price every count alike,
+        so what a card fits at one it fits at the other. The count of samples counts only
+        where the spread does (a spread of 0 prices every count of samples alike)."""
+        terms = self._price
+        if terms is None:
+            pooled = self.pooled
+            terms = (
+                self.key,
+                self.ask_bytes,
+                self.basis,
+                pooled,
+                self.mean_bytes if pooled else 0,
+                self.granule_bytes if pooled else 0,
+                self.spread_bytes if pooled else 0,
+                self.samples if pooled and self.spread_bytes else 0,
+            )
+            object.__setattr__(self, "_price", terms)  # worked out once (a frozen ask)
+        return terms
 
     def together_bytes(self, count: int) -> int:
         """What ``count`` tasks of this key running at once are priced at, together.
@@ -268,6 +301,13 @@ class Ask:
             return 0
         if not self.pooled or count == 1:
             return count * self.ask_bytes
+        known = self._together.get(count)
+        if known is None:
+            known = self._together[count] = self._pooled_bytes(count)
+        return known
+
+    def _pooled_bytes(self, count: int) -> int:
+        """:meth:`together_bytes` of a pooled key, for ``count`` of 2 or more."""
         each = self.mean_bytes + self.granule_bytes
         spread = (
             _t_999(self.samples - 1)
@@ -403,6 +443,13 @@ class AskTable:
     rooms_bytes: tuple[int, ...] = ()
     _keys: dict[str, _KeyState] = field(default_factory=dict)
     _cache: dict[str, Ask] = field(default_factory=dict)
+    # ``ask_for`` by key and size, until the key's ask changes (dropped with ``_cache[key]``).
+    _sized_cache: dict[str, dict[float, Ask]] = field(default_factory=dict)
+
+    def _forget(self, key: str) -> None:
+        """``key``'s price may change: its asks are derived again when next read."""
+        self._cache.pop(key, None)
+        self._sized_cache.pop(key, None)
 
     def limit_to_room(self, room_bytes: int | Iterable[int] | None) -> bool:
         """Price no learned measured ask past the room of the tightest card that holds its
@@ -418,6 +465,7 @@ class AskTable:
             return False
         self.rooms_bytes = rooms
         self._cache.clear()
+        self._sized_cache.clear()
         return True
 
     def room_for(self, peak_bytes: int) -> int | None:
@@ -434,7 +482,7 @@ class AskTable:
         A hint never overrides a measurement; a larger hint after a smaller
         one raises the estimate (the caller knows this input is bigger).
         """
-        self._cache.pop(key, None)
+        self._forget(key)
         state = self._keys.get(key)
         if state is None:
             self._keys[key] = _KeyState(estimate_bytes=estimate_bytes)
@@ -444,7 +492,7 @@ class AskTable:
     def measure(self, key: str, peak_bytes: int, size: float | None = None) -> Ask:
         """Record a child's measured device peak for ``key`` (of a task given ``size``);
         returns the new ask."""
-        self._cache.pop(key, None)
+        self._forget(key)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
         if size is not None:
             state.add_sized(size, peak_bytes)
@@ -464,7 +512,7 @@ class AskTable:
         Returns:
             The new ask, at least ``floor_bytes`` and at least the ask before.
         """
-        self._cache.pop(key, None)
+        self._forget(key)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
         state.floor_bytes = max(state.floor_bytes, floor_bytes)
         return self.ask(key)
@@ -567,9 +615,21 @@ class AskTable:
         its floor.
         """
         base = self.ask(key)
-        state = self._keys.get(key)
-        if size is None or state is None or not state.sized or base.basis != "measured":
+        if size is None:
             return base
+        state = self._keys.get(key)
+        if state is None or not state.sized or base.basis != "measured":
+            return base
+        sized = self._sized_cache.setdefault(key, {})
+        found = sized.get(size)
+        if found is None:
+            if len(sized) >= _SIZED_CACHE_LIMIT:
+                sized.clear()
+            found = sized[size] = self._sized_ask(base, state, size)
+        return found
+
+    def _sized_ask(self, base: Ask, state: _KeyState, size: float) -> Ask:
+        """:meth:`ask_for` a size of a key with sized measurements (its ask is ``base``)."""
         granule = self.policy.margin_floor_bytes
         largest = state.largest_size
         predicted: float | None = None

@@ -13,7 +13,7 @@ import collections
 import itertools
 from collections.abc import Callable
 
-from gpupool._core.bound import Ceiling, derive_ceiling
+from gpupool._core.bound import Ceiling, WidthDecision, derive_ceiling
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
 from gpupool._core.planner import samples
@@ -104,6 +104,9 @@ class PlannerBase:
         # A term of the cards' rooms for one task moved (a co-tenant at census, the child's
         # RSS) since the asks were last held within them: the next measurement holds them.
         self._rooms_due = True
+        # The last widths decided (:meth:`.views.Views.decide`) and the fits they were shared
+        # out from: the same fits (each card's, served by its memo) share out alike.
+        self._decided: tuple[tuple[object, ...], tuple[WidthDecision, ...]] | None = None
         self.width = self._width_now()
 
     @property

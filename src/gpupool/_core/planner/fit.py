@@ -31,6 +31,7 @@ from gpupool._core.planner.state import Card, Run
 from gpupool._core.policy import Ask
 
 __all__ = [
+    "MEMO_LIMIT",
     "Booked",
     "Fit",
     "Held",
@@ -38,9 +39,15 @@ __all__ = [
     "card_bound",
     "card_widths",
     "fit",
+    "fit_counts",
     "host_per_task_bytes",
     "live_gate",
 ]
+
+
+#: The most bounds, and the most fits, a card keeps (``card.bound_memo``, ``card.fit_memo``)
+#: before it forgets them all (and works them out again as they are asked for).
+MEMO_LIMIT = 256
 
 
 class Held(Protocol):
@@ -114,7 +121,31 @@ def host_per_task_bytes(card: Card, ceiling: Ceiling) -> int:
 def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> Bound:
     """``card``'s bound priced at ``ask``, with its own high-water so far and the other pools'
     bookings; for a key priced together, how many of its tasks together fit alone; on
-    unified memory each task's child RSS beside its ask (:func:`host_per_task_bytes`)."""
+    unified memory each task's child RSS beside its ask (:func:`host_per_task_bytes`).
+
+    Worked out once per price and terms: the card keeps the bounds it worked out by the
+    ask's :meth:`~gpupool._core.policy.Ask.price_terms` (``card.bound_memo``) and serves one
+    while the card's terms (own high-water, other pools, reserve), its census and the
+    ceiling are the ones it was worked out from."""
+    terms = (
+        card.own_high_water_bytes,
+        card.others_bytes,
+        card.others_at_census_bytes,
+        reserve_bytes,
+    )
+    price = ask.price_terms()
+    memo = card.bound_memo.get(price)
+    if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
+        return memo[3]
+    bound = _card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
+    if len(card.bound_memo) >= MEMO_LIMIT:
+        card.bound_memo.clear()
+    card.bound_memo[price] = (ceiling, card.census, terms, bound)
+    return bound
+
+
+def _card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> Bound:
+    """:func:`card_bound`, worked out."""
     host = host_per_task_bytes(card, ceiling)
     bound = derive_bound(
         card.census,
@@ -148,6 +179,10 @@ def fit(
 ) -> Fit:
     """How many more tasks at ``ask`` fit on ``card`` beside ``runs``, and what stops the next.
 
+    A fit reads the runs only through how many there are, what they book and how many are
+    of ``ask``'s key: the card keeps the fits it worked out by those (``card.fit_memo``)
+    and serves one while the card's terms are the ones it was worked out from.
+
     Args:
         card: the card (its census, own high-water, other pools, out-of-memory cap).
         ask: the price of the tasks to place.
@@ -157,29 +192,76 @@ def fit(
         ceiling: the pool-wide ceiling (named when ``slots`` is what stops).
         slots: the most tasks that may be placed (the ceiling's slots left in the pool).
     """
-    bound = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
-    host = bound.host_per_task_bytes
     if runs is None:
-        running = len(card.runs)
-        booked_now = card.booked_bytes + host * running
-        same = card.same_key(ask.key)
+        running, booked, same = len(card.runs), card.booked_bytes, card.same_key(ask.key)
     else:
         running = len(runs)
-        booked_now = sum(run.booked_bytes + host for run in runs)
+        booked = sum(run.booked_bytes for run in runs)
         same = sum(1 for run in runs if run.key == ask.key)
+    return fit_counts(
+        card,
+        ask,
+        running=running,
+        booked_bytes=booked,
+        same=same,
+        reserve_bytes=reserve_bytes,
+        ceiling=ceiling,
+        slots=slots,
+    )
+
+
+def fit_counts(
+    card: Card,
+    ask: Ask,
+    *,
+    running: int,
+    booked_bytes: int,
+    same: int,
+    reserve_bytes: int,
+    ceiling: Ceiling,
+    slots: int,
+) -> Fit:
+    """:func:`fit` beside ``running`` runs that book ``booked_bytes`` between them (without
+    their child RSS), ``same`` of them of ``ask``'s key."""
+    terms = (
+        card.own_high_water_bytes,
+        card.others_bytes,
+        card.others_at_census_bytes,
+        card.oom_cap,
+        reserve_bytes,
+    )
+    place = (ask.price_terms(), running, booked_bytes, same, slots)
+    memo = card.fit_memo.get(place)
+    if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
+        return memo[3]
+    found = _fit(card, ask, running, booked_bytes, same, reserve_bytes, ceiling, slots)
+    if len(card.fit_memo) >= MEMO_LIMIT:
+        card.fit_memo.clear()
+    card.fit_memo[place] = (ceiling, card.census, terms, found)
+    return found
+
+
+def _fit(
+    card: Card,
+    ask: Ask,
+    running: int,
+    booked_bytes: int,
+    same: int,
+    reserve_bytes: int,
+    ceiling: Ceiling,
+    slots: int,
+) -> Fit:
+    """:func:`fit_counts`, worked out."""
+    bound = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
+    host = bound.host_per_task_bytes
+    booked_now = booked_bytes + host * running
     room = bound.room_bytes
     limit: Limit
     if room is None:
         # Unreadable is not empty: one task of the pool at a time.
         more, limit = (0 if running else 1), "unreadable"
     else:
-        more, total = 0, booked_now
-        while more < max(0, slots):
-            step = ask.next_bytes(same + more) + host
-            if total + step > room:
-                break
-            total += step
-            more += 1
+        more = _more_fit(ask, same, booked_now, host, room, max(0, slots))
         limit = "memory"
         if more >= slots:
             limit = ceiling.limit
@@ -196,6 +278,30 @@ def fit(
         more=more,
         limit=limit,
     )
+
+
+def _more_fit(ask: Ask, same: int, booked_now: int, host: int, room: int, slots: int) -> int:
+    """The most tasks at ``ask``, up to ``slots``, that fit in ``room`` beside ``booked_now``
+    and ``same`` of their key: the count at which placing them one by one (each at
+    ``ask.next_bytes`` plus ``host``) would stop. The ``k`` placed book ``together_bytes(same
+    + k) - together_bytes(same) + k * host``, which grows with ``k``: for an ask priced
+    alone that is ``k`` steps of one size (a division), else a bisection."""
+    if slots <= 0:
+        return 0
+    if not ask.pooled:
+        step = ask.ask_bytes + host
+        if booked_now + step > room:
+            return 0
+        return slots if step <= 0 else min(slots, (room - booked_now) // step)
+    held = ask.together_bytes(same)
+    fits, fails = 0, slots + 1
+    while fails - fits > 1:
+        middle = (fits + fails) // 2
+        if booked_now + ask.together_bytes(same + middle) - held + middle * host <= room:
+            fits = middle
+        else:
+            fails = middle
+    return fits
 
 
 def card_widths(fits: Sequence[Fit], ceiling: Ceiling) -> tuple[WidthDecision, ...]:

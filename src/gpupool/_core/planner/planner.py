@@ -688,15 +688,20 @@ class Planner(Queued):
         last = self._recorded_asks.get(key, before)
         moved = abs(after.ask_bytes - last.ask_bytes) > ASK_RECORD_STEP * max(1, last.ask_bytes)
         changed_basis = last.basis != after.basis
-        cause = (
-            f"{key} measured {format_size(report.device_peak_bytes)} ({report.device_source}); "
-            f"ask {before.describe()} -> {after.describe()}"
-        )
-        if report.outliving_descendants:
-            cause += (
-                f"; {report.outliving_descendants} process(es) the task started outlived it, "
-                f"holding {format_size(report.outliving_device_bytes)} (the worker keeps them)"
+
+        def cause() -> str:  # worded only where a record is written
+            said = (
+                f"{key} measured {format_size(report.device_peak_bytes)} "
+                f"({report.device_source}); ask {before.describe()} -> {after.describe()}"
             )
+            if report.outliving_descendants:
+                said += (
+                    f"; {report.outliving_descendants} process(es) the task started outlived "
+                    f"it, holding {format_size(report.outliving_device_bytes)} (the worker "
+                    "keeps them)"
+                )
+            return said
+
         # A descendant left running, or a rejected reading, is recorded once per key.
         noted = bool(report.outliving_descendants or report.rejected_readings)
         noted = noted and key not in self._noted_reports

@@ -5,18 +5,32 @@ share of its key's price together, :meth:`~gpupool._core.policy.Ask.next_bytes`)
 ``booked_at_start_bytes`` is what it was booked at when it started (an
 out-of-memory is judged against that, not against a price raised since); a
 card's runs are ``card.runs``, added and dropped through the card, which keeps
-their running sums (what they book, how many of each key) so a start, a finish
-and a fit read them without walking the runs.
+their running sums (what they book, how many of each key, what each key books)
+so a start, a finish and a fit read them without walking the runs. A card also
+keeps the bounds and fits worked out on it (``bound_memo``, ``fit_memo``: see
+:func:`~gpupool._core.planner.fit.fit_counts`), each served only while the terms
+it was worked out from are the card's terms still.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpupool._core.bookings import OtherPools
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.verdicts import CardReading, TaskId
+
+if TYPE_CHECKING:
+    from gpupool._core.bound import Bound, Ceiling
+    from gpupool._core.planner.fit import Fit
+
+    #: What a bound or a fit on a card was worked out from besides the ask's price: the
+    #: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
+    BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
+    FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
+    PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
 __all__ = ["Card", "Critical", "Run", "TaskState"]
 
@@ -122,12 +136,23 @@ class Card:
     # The running sums of ``runs``: what they book between them, and how many of each key.
     runs_booked_bytes: int = 0
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    # ... and what each key's runs book between them.
+    runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit,
+    # what it was placed beside (how many runs, what they book, how many of the key, the
+    # slots); each kept with the terms it was worked out from, and served only while those
+    # are the card's terms still.
+    bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
+    fit_memo: dict[tuple[PriceTerms, int, int, int, int], FitMemo] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def add_run(self, task: TaskId, run: Run) -> None:
         """``run`` runs here now."""
         self.runs[task] = run
         self.runs_booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
+        self.runs_booked_by_key[run.key] += run.booked_bytes
 
     def drop_run(self, task: TaskId) -> Run | None:
         """``task``'s run ended here (``None``: it had none)."""
@@ -135,11 +160,13 @@ class Card:
         if run is not None:
             self.runs_booked_bytes -= run.booked_bytes
             self.runs_by_key[run.key] -= 1
+            self.runs_booked_by_key[run.key] -= run.booked_bytes
         return run
 
     def rebook(self, run: Run, booked_bytes: int) -> None:
         """``run`` (one of this card's) is booked at ``booked_bytes`` from now on."""
         self.runs_booked_bytes += booked_bytes - run.booked_bytes
+        self.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
         run.booked_bytes = booked_bytes
 
     @property

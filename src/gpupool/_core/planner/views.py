@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gpupool._core.bound import Bound, WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
@@ -24,8 +24,10 @@ from gpupool._core.planner.fit import (
     card_bound,
     card_widths,
     fit,
+    fit_counts,
 )
 from gpupool._core.planner.sharing import owes_room, yields_to
+from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import (
     LOOKAHEAD,
     RETIRE_AFTER_SHUT_S,
@@ -35,6 +37,29 @@ from gpupool._core.planner.verdicts import (
 from gpupool._core.policy import Ask
 
 __all__ = ["Views"]
+
+
+@dataclasses.dataclass(slots=True)
+class _Placed:
+    """What one card holds while :meth:`Views._width_now` places the pending asks: its runs
+    and the asks placed there, as the running sums a fit reads (how many, what they book,
+    how many of each key were placed)."""
+
+    running: int
+    booked_bytes: int
+    keys: dict[str, int] | None = None
+
+    def place(self, key: str, booked_bytes: int) -> None:
+        """One more task of ``key``, booked at ``booked_bytes``, is placed here."""
+        self.running += 1
+        self.booked_bytes += booked_bytes
+        if self.keys is None:
+            self.keys = {}
+        self.keys[key] = self.keys.get(key, 0) + 1
+
+    def same(self, card: Card, key: str) -> int:
+        """How many tasks of ``key`` ``card`` holds with those placed."""
+        return card.same_key(key) + (self.keys.get(key, 0) if self.keys else 0)
 
 
 class Views(PlannerBase):
@@ -52,13 +77,26 @@ class Views(PlannerBase):
         """The one fit on ``device`` at ``ask`` beside ``runs`` (default: the card's runs),
         within ``slots`` (default: what the ceiling leaves the pool)."""
         card = self.cards[device]
+        if slots is None:
+            slots = self.ceiling.value - len(self.running)
+        if runs is None:  # the card's runs, read off its running sums
+            return fit_counts(
+                card,
+                ask,
+                running=len(card.runs),
+                booked_bytes=card.booked_bytes,
+                same=card.same_key(ask.key),
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+                slots=slots,
+            )
         return fit(
             card,
             ask,
             runs,
             reserve_bytes=self.config.reserve_bytes,
             ceiling=self.ceiling,
-            slots=self.ceiling.value - len(self.running) if slots is None else slots,
+            slots=slots,
         )
 
     def fit_beside(
@@ -80,8 +118,23 @@ class Views(PlannerBase):
 
     def decide(self, ask: Ask) -> tuple[WidthDecision, ...]:
         """Every card's width for tasks priced at ``ask``: its runs plus the ones that fit
-        beside them (the cap an out-of-memory set holds), within the ceiling."""
-        return card_widths([self.fit(i, ask) for i in range(len(self.cards))], self.ceiling)
+        beside them (the cap an out-of-memory set holds), within the ceiling.
+
+        Shared out once per set of fits: where every card's fit is the one the last decision
+        was shared out from (the same object, which its card's memo serves only while its
+        terms hold) and the ceiling is the same, that decision is the answer."""
+        fits = tuple(self.fit(i, ask) for i in range(len(self.cards)))
+        last = self._decided
+        if (
+            last is not None
+            and last[0][0] is self.ceiling
+            and len(last[0]) == len(fits) + 1
+            and all(a is b for a, b in zip(last[0][1:], fits, strict=True))
+        ):
+            return last[1]
+        decisions = card_widths(fits, self.ceiling)
+        self._decided = ((self.ceiling, *fits), decisions)
+        return decisions
 
     def _simple(
         self,
@@ -146,7 +199,7 @@ class Views(PlannerBase):
         self,
         now_s: float,
         *,
-        cause: str,
+        cause: str | Callable[[], str],
         key: str | None = None,
         devices: tuple[int, ...] | None = None,
         quiet: bool = False,
@@ -156,7 +209,8 @@ class Views(PlannerBase):
     ) -> bool:
         """A term of the bound changed: decide the widths again and record what moved.
 
-        ``unchanged`` names the record of a card whose width did not move
+        ``cause`` is what changed, in words (or a function that words it, called only where
+        a record is written). ``unchanged`` names the record of a card whose width did not move
         (``"measured"`` for a key's first measurement, ``"widen_refused"`` for
         a smaller ask the room does not let widen); ``moved_event`` names the record of
         one that moved (default: ``"widened"`` or ``"narrowed"``). Returns whether any
@@ -186,7 +240,8 @@ class Views(PlannerBase):
                     decision,
                     time_s=now_s,
                     width_before=old,
-                    reason=f"{decision.describe()}; {cause}; width {old} -> {new}",
+                    reason=f"{decision.describe()}; {cause if isinstance(cause, str) else cause()}"
+                    f"; width {old} -> {new}",
                     key=priced or None,
                     key_ask=ask if priced else None,
                     extra=dict(extra or {}) | {"oom_cap": card.oom_cap, "running": len(card.runs)},
@@ -251,7 +306,9 @@ class Views(PlannerBase):
             return self.config.fixed_width
         if not self.cards:
             return self.ceiling.value
-        placed: list[list[Held]] = [list(card.runs.values()) for card in self.cards]
+        # What each card holds as the asks are placed: its runs' running sums, plus the
+        # placed asks (how many, what they book, how many of each key).
+        placed = [_Placed(len(card.runs), card.booked_bytes) for card in self.cards]
         # On the card a waiting head holds: what stays once the runs it waits for end, and it.
         after = self.hold.after(self.cards[self.hold.device]) if self.hold is not None else []
         total = len(self.running)
@@ -269,15 +326,30 @@ class Views(PlannerBase):
             if total >= self.ceiling.value:
                 break
             best: Fit | None = None
-            for index in range(len(self.cards)):
-                held = after if self.hold is not None and index == self.hold.device else None
-                option = self.fit_beside(index, ask, placed[index], held, slots=1)
+            for card, there in zip(self.cards, placed, strict=True):
+                option = fit_counts(
+                    card,
+                    ask,
+                    running=there.running,
+                    booked_bytes=there.booked_bytes,
+                    same=there.same(card, ask.key),
+                    reserve_bytes=self.config.reserve_bytes,
+                    ceiling=self.ceiling,
+                    slots=1,
+                )
+                if (
+                    self.hold is not None
+                    and card.index == self.hold.device
+                    and option.more
+                    and not self.fit(card.index, ask, after, slots=1).more
+                ):
+                    continue  # it would delay the head (as :meth:`fit_beside` says)
                 if option.more and (
                     best is None or (option.left_bytes or 0) > (best.left_bytes or 0)
                 ):
                     best = option
             if best is not None:
-                placed[best.device].append(Booked(ask.key, best.next_bytes))
+                placed[best.device].place(ask.key, best.next_bytes)
                 if self.hold is not None and best.device == self.hold.device:
                     after.append(Booked(ask.key, best.next_bytes))
                 total += 1
@@ -287,20 +359,33 @@ class Views(PlannerBase):
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
         out: dict[str, int] = {}
+        if self.config.fixed_width is not None or not self.cards:
+            fixed = self.config.fixed_width
+            width = fixed if fixed is not None else self.ceiling.value
+            for key in self._present_keys():
+                out[key] = width
+            return out
+        running_keys: dict[str, int] = {}
+        for run in self.running.values():
+            running_keys[run.key] = running_keys.get(run.key, 0) + 1
         for key in self._present_keys():
-            if self.config.fixed_width is not None:
-                out[key] = self.config.fixed_width
-                continue
-            if not self.cards:
-                out[key] = self.ceiling.value
-                continue
             ask = self.asks.ask(key)
-            others = sum(1 for r in self.running.values() if r.key != key)
+            others = len(self.running) - running_keys.get(key, 0)
             total = 0
             for card in self.cards:
-                beside = [r for r in card.runs.values() if r.key != key]
-                alone = self.fit(card.index, ask, list(beside), slots=self.ceiling.value)
-                total += max(card.same_key(key), alone.more)
+                # Beside the other keys' runs there, read off the card's running sums.
+                same = card.same_key(key)
+                alone = fit_counts(
+                    card,
+                    ask,
+                    running=len(card.runs) - same,
+                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
+                    same=0,
+                    reserve_bytes=self.config.reserve_bytes,
+                    ceiling=self.ceiling,
+                    slots=self.ceiling.value,
+                )
+                total += max(same, alone.more)
             out[key] = max(1, min(total, self.ceiling.value - others))
         return out
 
