@@ -7,7 +7,7 @@
     with GpuPoolExecutor(task_peak="6GiB") as ex:
         results = list(ex.map(render, scenes))
 
-Heavy modules (the pool, which imports loky; the sensors, which import
+Heavy modules (the pool, which imports multiprocessing; the sensors, which import
 pynvml) load on first use, so ``import gpupool`` stays cheap and never
 touches a driver.
 
