@@ -10,7 +10,7 @@
 Heavy modules (the pool, which imports multiprocessing; the sensors, which import
 pynvml) load on first use, so ``import gpupool`` stays cheap and never
 touches a driver. So do the records only the pool's parent side uses (the
-bound, the decisions, the asks, the progress helper): a worker, which
+census, the bound, the decisions, the asks, the progress helper): a worker, which
 imports this package first, does not load them.
 
 The records the pool returns (:class:`Census`, :class:`CardCensus`,
@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gpupool._core.census import CardCensus, Census, HostCensus
 from gpupool._core.units import format_size, parse_size
 from gpupool._errors import (
     ConfigurationError,
@@ -45,6 +44,7 @@ from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sen
 
 if TYPE_CHECKING:
     from gpupool._core.bound import Bound, Ceiling
+    from gpupool._core.census import CardCensus, Census, HostCensus
     from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (hints)
     from gpupool._core.policy import Ask
     from gpupool._pool.executor import GpuPoolExecutor, PoolStatistics, TaskOptions
@@ -87,10 +87,7 @@ __all__ = [
 
 # The lazy ones set theirs where they are defined.
 for _public in (
-    CardCensus,
-    Census,
     DeviceInfo,
-    HostCensus,
     MemoryReading,
     ProcessReading,
     Sensor,
@@ -101,6 +98,9 @@ del _public
 _LAZY = {
     "Ask": "gpupool._core.policy",
     "Bound": "gpupool._core.bound",
+    "CardCensus": "gpupool._core.census",
+    "Census": "gpupool._core.census",
+    "HostCensus": "gpupool._core.census",
     "Ceiling": "gpupool._core.bound",
     "Decision": "gpupool._core.events",
     "EVENTS": "gpupool._core.events",

@@ -18,7 +18,7 @@ from gpupool import GpuPoolExecutor
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
-#: log, and the libraries the parent reads processes and draws with. A worker importing any
+#: log, the host's census readers, and the libraries the parent reads processes and draws with. A worker importing any
 #: of them pays for it on every start.
 PARENT_SIDE = (
     "gpupool._core.planner",
@@ -28,6 +28,8 @@ PARENT_SIDE = (
     "gpupool._pool.dispatcher",
     "gpupool._pool.executor",
     "gpupool._log",
+    "gpupool._sensors.host",
+    "gpupool._core.host",
     "loky",
     "psutil",
     "rich",

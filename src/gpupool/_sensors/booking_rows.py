@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpupool._sensors.host import read_parent_pid
+from gpupool._sensors.ancestry import read_parent_pid
 
 if TYPE_CHECKING:
     from collections.abc import Callable
