@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import start_tasks
@@ -18,8 +19,8 @@ from gpupool import GpuPoolExecutor
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
-#: log, the host's census readers, and the libraries the parent reads processes and draws with. A worker importing any
-#: of them pays for it on every start.
+#: log, the host's census readers, and the libraries the parent reads processes and draws
+#: with. A worker importing any of them pays for it on every start.
 PARENT_SIDE = (
     "gpupool._core.planner",
     "gpupool._core.policy",
@@ -37,7 +38,7 @@ PARENT_SIDE = (
 
 
 @contextlib.contextmanager
-def _where(path: str) -> Iterator[dict[str, object]]:
+def _where(path: str) -> Iterator[dict[str, Any]]:
     """A pool's options on a simulated card, or on the host (no card)."""
     if path == "card":
         with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=4, host_ram="16GiB"):
@@ -50,7 +51,7 @@ def _where(path: str) -> Iterator[dict[str, object]]:
 def test_a_worker_loads_nothing_of_the_parents_side(path: str) -> None:
     """A worker that ran a task has imported none of the planner, the dispatcher, the log,
     loky, psutil or rich; the same check sees a module the task imported."""
-    with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:  # type: ignore[arg-type]
+    with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:
         assert ex.submit(start_tasks.loaded, PARENT_SIDE).result() == []
         assert ex.submit(start_tasks.loaded, PARENT_SIDE, "psutil").result() == ["psutil"]
 
