@@ -7,9 +7,11 @@
     with GpuPoolExecutor(task_peak="6GiB") as ex:
         results = list(ex.map(render, scenes))
 
-Heavy modules (the pool, which imports loky; the sensors, which import
+Heavy modules (the pool, which imports multiprocessing; the sensors, which import
 pynvml) load on first use, so ``import gpupool`` stays cheap and never
-touches a driver.
+touches a driver. So do the records only the pool's parent side uses (the
+census, the bound, the decisions, the asks, the progress helper): a worker, which
+imports this package first, does not load them.
 
 The records the pool returns (:class:`Census`, :class:`CardCensus`,
 :class:`HostCensus`, :class:`Decision`, :class:`Bound`, :class:`Ceiling`,
@@ -24,10 +26,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gpupool._core.bound import Bound, Ceiling
-from gpupool._core.census import CardCensus, Census, HostCensus
-from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (for hints)
-from gpupool._core.policy import Ask
 from gpupool._core.units import format_size, parse_size
 from gpupool._errors import (
     ConfigurationError,
@@ -42,11 +40,15 @@ from gpupool._errors import (
     WorkerLostError,
     WorkerProtocolError,
 )
-from gpupool._progress import track
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 
 if TYPE_CHECKING:
+    from gpupool._core.bound import Bound, Ceiling
+    from gpupool._core.census import CardCensus, Census, HostCensus
+    from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (hints)
+    from gpupool._core.policy import Ask
     from gpupool._pool.executor import GpuPoolExecutor, PoolStatistics, TaskOptions
+    from gpupool._progress import track
 
 __version__ = "0.1.0"
 
@@ -83,15 +85,9 @@ __all__ = [
     "track",
 ]
 
+# The lazy ones set theirs where they are defined.
 for _public in (
-    Ask,
-    Bound,
-    CardCensus,
-    Ceiling,
-    Census,
-    Decision,
     DeviceInfo,
-    HostCensus,
     MemoryReading,
     ProcessReading,
     Sensor,
@@ -100,6 +96,17 @@ for _public in (
 del _public
 
 _LAZY = {
+    "Ask": "gpupool._core.policy",
+    "Bound": "gpupool._core.bound",
+    "CardCensus": "gpupool._core.census",
+    "Census": "gpupool._core.census",
+    "HostCensus": "gpupool._core.census",
+    "Ceiling": "gpupool._core.bound",
+    "Decision": "gpupool._core.events",
+    "EVENTS": "gpupool._core.events",
+    "EventName": "gpupool._core.events",
+    "JsonValue": "gpupool._core.events",
+    "track": "gpupool._progress",
     "GpuPoolExecutor": "gpupool._pool.executor",
     "PoolStatistics": "gpupool._pool.executor",
     "TaskOptions": "gpupool._pool.executor",

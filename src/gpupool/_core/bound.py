@@ -374,3 +374,8 @@ def live_gate_admits(
     if live_free_bytes is None:
         return True
     return live_free_bytes >= ask_bytes + unreached_bytes + reserve_bytes
+
+
+# Re-exported by gpupool, which may not have imported this module yet (it loads it on
+# first use): the public path is set here, so reprs, docs and pickles name it whenever used.
+Bound.__module__ = Ceiling.__module__ = "gpupool"

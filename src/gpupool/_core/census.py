@@ -111,3 +111,8 @@ class Census:
     driver: bool
     sensor: str
     reason: str | None = None
+
+
+# Re-exported by gpupool, which may not have imported this module yet (it loads it on
+# first use): the public path is set here, so reprs, docs and pickles name it whenever used.
+CardCensus.__module__ = Census.__module__ = HostCensus.__module__ = "gpupool"

@@ -323,3 +323,8 @@ def run_record(
         out[SETTING_PREFIX + name] = truncate_text(value) if isinstance(value, str) else value
     out["reason"] = f"run {run_id} started by process {pid} (gpupool {gpupool_version})"
     return out
+
+
+# Re-exported by gpupool, which may not have imported this module yet (it loads it on
+# first use): the public path is set here, so reprs, docs and pickles name it whenever used.
+Decision.__module__ = "gpupool"

@@ -689,3 +689,8 @@ class AskTable:
     def keys(self) -> tuple[str, ...]:
         """Every key priced so far, in first-seen order."""
         return tuple(self._keys)
+
+
+# Re-exported by gpupool, which may not have imported this module yet (it loads it on
+# first use): the public path is set here, so reprs, docs and pickles name it whenever used.
+Ask.__module__ = "gpupool"

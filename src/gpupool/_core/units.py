@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal, localcontext
+from typing import TYPE_CHECKING
 
 from gpupool._errors import InvalidSizeError
+
+if TYPE_CHECKING:
+    from decimal import Decimal
 
 __all__ = ["MAX_SIZE_BYTES", "GiB", "KiB", "MiB", "format_size", "parse_pool_size", "parse_size"]
 
@@ -64,7 +67,10 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
     # Exact arithmetic: a float product can land one byte short ("8.54 GB"
     # was 8539999999), and float() overflows on a large int. The float is
     # only the finiteness check, so "1e400GiB" is refused before any exact
-    # arithmetic is asked to build a 400-digit number.
+    # arithmetic is asked to build a 400-digit number. (decimal loads here: a worker
+    # imports this module but parses a size only when a task ran out of memory.)
+    from decimal import Decimal, localcontext
+
     number: Decimal | int
     if isinstance(value, int):
         number = value

@@ -1,1 +1,1 @@
-"""The process layer: the only code that imports loky."""
+"""The process layer: the dispatcher thread, the workers and how they start."""

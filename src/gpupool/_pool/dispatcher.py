@@ -2,7 +2,7 @@
 
 Data flow::
 
-    caller threads             dispatcher thread                      workers (loky processes)
+    caller threads             dispatcher thread                      workers (spawned processes)
     --------------             -----------------                      -----------------------
     submit(fn, *a) -> incoming -> planner.submit (PENDING)
                       deque       read each card once (one snapshot)
@@ -22,16 +22,16 @@ futures. Every price, admission and width decision is made by the planner
 for memory stay PENDING in the parent, so ``cancel()`` works on them; a task
 becomes RUNNING only when it is handed to a worker, and a worker runs one
 task at a time, so the pool always knows which task a dead worker was
-running. Workers are started lazily by loky's process backend with their
+running. Workers are started lazily (:mod:`gpupool._pool.launch`) with their
 device pinned in the environment before any import, kept warm, and retired
 when the planner's limit for their card falls below them.
 
 Why not ``loky.ProcessPoolExecutor`` itself: it starts every worker at the
 first submit, takes one environment per executor, hands queued work to
 workers where it can no longer be cancelled, and breaks the whole executor
-when one worker dies. gpupool needs the opposite on each count, so it uses
-loky's process backend (fork+exec with a per-process ``env``, cloudpickle)
-under a dispatcher of its own.
+when one worker dies. gpupool needs the opposite on each count, so it starts
+its workers itself (fork+exec with a per-process ``env``, cloudpickle:
+:mod:`gpupool._pool.launch`) under a dispatcher of its own.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call, sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
+from gpupool._pool.launch import WorkerContext
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import worker_main
@@ -282,7 +283,7 @@ class Dispatcher:
         self.log = log
         self.env = dict(env)
         self.cap_allocator = cap_allocator
-        self.context = _loky_context()
+        self.context = WorkerContext()
         self.started_at_s = time.monotonic()
         # The log, not a method of self: a planner that held the dispatcher would be a
         # reference cycle, keeping initargs alive after shutdown until a GC pass.
@@ -1650,9 +1651,3 @@ def _weak_notes(dispatcher: Dispatcher) -> Callable[[int, bool], Mapping[str, An
         return {} if row_notes is None else row_notes(waiting, starting)
 
     return notes
-
-
-def _loky_context() -> Any:
-    from loky.backend.context import get_context
-
-    return get_context("loky")

@@ -259,7 +259,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             usable CPUs. An explicit value is not capped by the CPU count (as
             in the standard pool); the construction record notes it.
         mp_context: accepted for compatibility; workers always start with
-            spawn semantics (loky's fork+exec), since CUDA does not survive
+            spawn semantics (fork+exec), since CUDA does not survive
             ``fork``. A ``fork`` context is refused.
         initializer: called in each worker before its first task.
         initargs: arguments for ``initializer``.

@@ -1,12 +1,12 @@
 """Watching a worker process, and ending its whole tree (process layer).
 
-A worker's death is read from the process itself, not from a pipe: loky's
+A worker's death is read from the process itself, not from a pipe: its
 sentinel and the worker's socket are file descriptors that a task's own
 child can inherit (``os.fork``, ``os.system``), and then neither reports
 the worker's exit until that grandchild exits too. On Linux 5.3 and later
 a *pidfd* (:func:`os.pidfd_open`) becomes readable when the process
 exits, whoever holds its pipes; the dispatcher's selector watches it.
-Elsewhere the watch falls back to loky's sentinel, and the dispatcher
+Elsewhere the watch falls back to the process's sentinel, and the dispatcher
 polls ``waitpid`` as well (:data:`POLL_WITHOUT_PIDFD_S`), so a held pipe
 delays the news by that much at most.
 
@@ -55,7 +55,7 @@ class ProcessWatch:
 
     def exitcode(self) -> int | None:
         """The exit code once the process exited (reaping it), else ``None``; never blocks."""
-        code: int | None = self.process.exitcode  # waitpid(WNOHANG) through loky's Popen
+        code: int | None = self.process.exitcode  # waitpid(WNOHANG) through its Popen
         return code
 
     def wait(self, timeout_s: float) -> int | None:
@@ -75,7 +75,7 @@ class ProcessWatch:
                 select.select([self.fd], [], [], min(left, POLL_WITHOUT_PIDFD_S))
 
     def close(self) -> None:
-        """Give the pidfd back (the sentinel is loky's, closed with its process object)."""
+        """Give the pidfd back (the sentinel is closed with its process object)."""
         if self.pidfd is not None:
             try:
                 os.close(self.pidfd)

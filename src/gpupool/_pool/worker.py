@@ -1,7 +1,7 @@
 """Child side of the pool: the loop every worker process runs (process layer).
 
-A worker is started by loky's process backend with its environment set
-before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
+A worker is started as a fresh interpreter (:mod:`gpupool._pool.launch`)
+with its environment set before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
 so nothing in it can touch the wrong card. It then runs one task at a time::
 
     parent --frame: task id, pickle((fn, args, kwargs))------------> worker
@@ -35,7 +35,7 @@ At start a worker
 * makes a process group of its own, so the pool can signal everything its
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
-  does not hold the worker's socket or loky's sentinel;
+  does not hold the worker's socket or its start pipe;
 * guards its socket against forks (:func:`_guard_forks`): in a process a
   task (or its initializer) forks, the socket's descriptor is replaced by
   ``/dev/null`` at once, and a copy of the worker that comes back to this
@@ -124,9 +124,10 @@ def _isolate() -> None:
     """A process group of this worker's own; inherited descriptors closed on exec; the
     ``spawn`` start method for the processes its tasks start.
 
-    loky leaves its own start method (``"loky"``) set in the worker: a process a
-    task started with ``multiprocessing.get_context("spawn")`` (``torch.multiprocessing``)
-    was told to use it and, without loky imported, failed before running its target.
+    Set explicitly: the worker's start method must not be another's (a process a task
+    started with ``multiprocessing.get_context("spawn")``, as ``torch.multiprocessing``
+    does, once failed before running its target when the worker had one it could not
+    find), nor ``fork``, which a CUDA context does not survive.
     """
     try:
         os.setpgid(0, 0)

@@ -11,8 +11,10 @@ once, inside each sensor, and never escape it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpupool._core.census import HostCensus
+if TYPE_CHECKING:
+    from gpupool._core.census import HostCensus
 
 __all__ = ["DeviceInfo", "MemoryReading", "ProcessReading", "Sensor"]
 

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpupool._core.bookings import parse_booking_table
-from gpupool._sensors.host import read_parent_pid
+from gpupool._sensors.ancestry import read_parent_pid
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -264,6 +263,9 @@ def read_foreign(name: str, uid: int, card_uuid: str, dir_fd: int) -> dict[str, 
     """Another user's file ``name`` in the directory ``dir_fd``, if it is a regular file that
     user owns and within the size limit (no lock: a torn read is read again once, then
     passed over)."""
+    # Here, not at the top: a worker imports this module (start tokens) but never reads a table.
+    from gpupool._core.bookings import parse_booking_table
+
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)

@@ -40,6 +40,7 @@ from gpupool._core.host import (
     parse_proc_self_cgroup,
 )
 from gpupool._errors import ConfigurationError
+from gpupool._sensors.ancestry import is_descendant, read_ancestors, read_parent_pid
 
 __all__ = [
     "CPU_CAP_ENV",
@@ -50,6 +51,7 @@ __all__ = [
     "read_cpu_cap",
     "read_host_census",
     "read_meminfo",
+    "read_parent_pid",
 ]
 
 #: Where a v1 controller may be mounted under ``/sys/fs/cgroup``: its own
@@ -68,46 +70,6 @@ def read_meminfo(path: Path = Path("/proc/meminfo")) -> MemInfo:
         ValueError: it lacks ``MemTotal`` or ``MemFree``.
     """
     return parse_meminfo(path.read_text())
-
-
-#: How many parents :func:`read_ancestors` follows: process trees are shallow,
-#: and a loop (a PID reused while we walk) must end.
-_MAX_ANCESTRY = 64
-
-
-def read_parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """``pid``'s parent PID from ``/proc/<pid>/stat`` (field 4), or ``None`` if it is gone."""
-    try:
-        text = (proc / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rfind(b")") + 2 :].split()
-    if len(fields) < 2 or not fields[1].isdigit():
-        return None
-    return int(fields[1])
-
-
-def read_ancestors(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
-    """``pid``'s parent, its parent's parent... up to and excluding init (PID 1)."""
-    found: list[int] = []
-    current = read_parent_pid(pid, proc)
-    while current is not None and current > 1 and len(found) < _MAX_ANCESTRY:
-        if current in found:
-            break  # a PID reused while we walked
-        found.append(current)
-        current = read_parent_pid(current, proc)
-    return tuple(found)
-
-
-def is_descendant(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
-    """Whether process ``pid`` is ``ancestor`` or was started under it (a child, a grandchild...).
-
-    A pool's workers and the processes their tasks start are descendants of
-    the pool's parent: on unified memory they are the pool itself, not
-    competitors. A PID this namespace cannot see is not a descendant.
-    """
-    return pid == ancestor or ancestor in read_ancestors(pid, proc)
 
 
 def read_affinity_count() -> int | None:

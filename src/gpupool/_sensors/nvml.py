@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
+from gpupool._sensors.ancestry import is_descendant
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
-from gpupool._sensors.host import is_descendant, read_host_census, read_meminfo
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -390,6 +390,8 @@ class NvmlSensor(Sensor):
 
     def _read_unified_memory(self, device: DeviceInfo) -> MemoryReading:
         """Unified memory: the host's ``/proc/meminfo`` is the device's memory."""
+        from gpupool._sensors.host import read_meminfo  # not at the top: workers skip the census
+
         try:
             meminfo = read_meminfo(self._meminfo_path)
         except (OSError, ValueError) as exc:
@@ -513,6 +515,8 @@ class NvmlSensor(Sensor):
         No NVML call (``nvidia-smi`` has no equivalent); see
         :func:`gpupool._sensors.host.read_host_census`.
         """
+        from gpupool._sensors.host import read_host_census  # the parent's census only
+
         return read_host_census(self._host_root)
 
     def close(self) -> None:

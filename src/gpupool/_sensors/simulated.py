@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
+from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.booking_rows import read_start_token
-from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.simulated_alive import Liveness
 from gpupool._sensors.simulated_check import ledger_problem
 from gpupool._sensors.simulated_tree import (

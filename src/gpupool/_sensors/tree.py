@@ -14,7 +14,7 @@ import resource
 import sys
 from pathlib import Path
 
-from gpupool._sensors.host import read_parent_pid
+from gpupool._sensors.ancestry import read_parent_pid
 
 __all__ = [
     "MAX_DESCENDANTS",

@@ -1,0 +1,219 @@
+"""Starting a worker process: fork+exec of a fresh interpreter with an environment of its own
+(process layer).
+
+A worker is the standard library's spawn child (``python -c "from
+multiprocessing.spawn import spawn_main; ..." --multiprocessing-fork``),
+started with three differences:
+
+* its environment is the parent's plus the worker's own variables
+  (``CUDA_VISIBLE_DEVICES``...), set before the interpreter starts, so
+  nothing in it can touch the wrong card;
+* the process object is pickled with cloudpickle, so an initializer defined
+  in the script (or a lambda) reaches the worker by value; multiprocessing's
+  own reducers still apply, so queues, locks and connections in its
+  arguments work as with spawn;
+* the script's ``__main__`` is not run again in the worker (what a task
+  needs of it travels by value, :mod:`gpupool._pool.by_value`).
+
+The child imports only the standard library's spawn module before it
+unpickles its target, so its start costs what a standard worker's does.
+It shares multiprocessing's resource tracker with the parent, as a spawn
+child does. Descriptors other than the ones passed are closed in the child
+(``close_fds``), so no other pool's pipe leaks into it.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import sys
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Mapping
+from multiprocessing import popen_fork, process, spawn, util
+from multiprocessing.connection import Connection, Pipe
+from multiprocessing.context import set_spawning_popen
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, ClassVar
+
+import cloudpickle
+
+__all__ = ["WorkerContext", "WorkerProcess", "fork_exec"]
+
+
+class _DupFd:
+    """A descriptor the child inherits under the same number (multiprocessing's reducers)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) -> int:
+    """Start ``args`` with exactly ``env`` as its environment; only ``pass_fds`` (and stdio)
+    stay open in it. Returns its PID."""
+    import _posixsubprocess
+    import subprocess
+
+    call: Any = _posixsubprocess.fork_exec
+
+    encoded_args = [os.fsencode(arg) for arg in args]
+    encoded_env = [os.fsencode(f"{key}={value}") for key, value in env.items()]
+    fds = tuple(sorted({int(fd) for fd in pass_fds}))
+    # The signature of this private call changed twice (3.11: process group; 3.14: no vfork
+    # flag); multiprocessing's own spawn (util.spawnv_passfds) makes the same call.
+    if sys.version_info >= (3, 14):
+        tail: tuple[Any, ...] = ()
+        group: tuple[Any, ...] = (-1,)
+    elif sys.version_info >= (3, 11):
+        tail = (subprocess._USE_VFORK,)  # type: ignore[attr-defined]
+        group = (-1,)
+    else:
+        tail, group = (), ()
+    errpipe_read, errpipe_write = os.pipe()
+    try:
+        pid: int = call(
+            encoded_args,
+            encoded_args[:1],
+            True,  # close_fds
+            fds,
+            None,  # cwd
+            encoded_env,
+            -1,
+            -1,
+            -1,
+            -1,
+            -1,
+            -1,  # stdio: inherited
+            errpipe_read,
+            errpipe_write,
+            False,  # restore_signals
+            False,  # call_setsid
+            *group,
+            None,  # gid
+            None,  # extra_groups
+            None,  # uid
+            -1,  # child_umask
+            None,  # preexec_fn
+            *tail,
+        )
+        return pid
+    finally:
+        os.close(errpipe_read)
+        os.close(errpipe_write)
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle (functions of the script by value) with multiprocessing's reducers
+    (connections, sockets: passed as descriptors the child inherits)."""
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+        cloudpickle.Pickler.dispatch_table,
+        copyreg.dispatch_table,
+    )
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """What :func:`multiprocessing.spawn.prepare` sets up in the child before it unpickles
+    its target: the standard library's own data, less two entries. No ``start_method``:
+    reading it would fix this process's default start method as a side effect (a later
+    ``multiprocessing.set_start_method`` would raise). No ``init_main_from_*``: the
+    script is not run again in the worker; what a task needs of it goes by value."""
+    spawn._check_not_importing_main()  # type: ignore[attr-defined]
+    sys_path = [p if p != "" else process.ORIGINAL_DIR for p in sys.path]  # type: ignore[attr-defined]
+    data: dict[str, Any] = {
+        "log_to_stderr": util._log_to_stderr,  # type: ignore[attr-defined]
+        "authkey": bytes(process.current_process().authkey),
+        "name": name,
+        "sys_argv": sys.argv,
+        "sys_path": sys_path,
+        "orig_dir": process.ORIGINAL_DIR,  # type: ignore[attr-defined]
+        "dir": os.getcwd(),
+    }
+    logger = util._logger  # type: ignore[attr-defined]
+    if logger is not None:
+        data["log_level"] = logger.getEffectiveLevel()
+    return data
+
+
+class _Popen(popen_fork.Popen):
+    """multiprocessing's spawn ``Popen`` with the worker's environment, pickled by cloudpickle."""
+
+    method = "spawn"
+    DupFd = _DupFd
+
+    def __init__(self, process_obj: WorkerProcess) -> None:
+        self._fds: list[int] = []
+        super().__init__(process_obj)
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self._fds.append(fd)
+        return fd
+
+    def _launch(self, process_obj: WorkerProcess) -> None:
+        from multiprocessing import resource_tracker
+
+        tracker_fd: int = resource_tracker.getfd()  # type: ignore[assignment]
+        self._fds.append(tracker_fd)
+        prep_data = _preparation_data(process_obj.name)
+        fp = io.BytesIO()
+        set_spawning_popen(self)  # type: ignore[arg-type]
+        try:
+            ForkingPickler(fp).dump(prep_data)
+            _Pickler(fp).dump(process_obj)
+        finally:
+            set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            self._fds.extend([child_r, child_w])
+            env = {**os.environ, **process_obj.env}
+            self.pid = fork_exec(cmd, self._fds, env)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(
+                self,
+                util.close_fds,  # type: ignore[attr-defined]
+                [fd for fd in (parent_r, parent_w) if fd is not None],
+            )
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class WorkerProcess(process.BaseProcess):
+    """A ``multiprocessing`` process started as a fresh interpreter with ``env`` added to its
+    environment (see the module's docstring)."""
+
+    _start_method = "spawn"
+
+    def __init__(
+        self,
+        target: Callable[..., object],
+        args: tuple[Any, ...],
+        env: Mapping[str, str],
+        name: str | None = None,
+    ) -> None:
+        super().__init__(target=target, args=args, name=name)
+        self.env = dict(env)
+
+    @staticmethod
+    def _Popen(process_obj: WorkerProcess) -> _Popen:
+        return _Popen(process_obj)
+
+
+class WorkerContext:
+    """What the dispatcher starts workers with: :class:`WorkerProcess` and a duplex pipe."""
+
+    Process = WorkerProcess
+
+    @staticmethod
+    def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+        return Pipe(duplex)

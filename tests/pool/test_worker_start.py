@@ -1,0 +1,91 @@
+"""How a worker starts: a fresh interpreter that loads what its task loop needs and nothing of
+the parent's side, holds no descriptor of the parent's but its own, and leaves the parent's
+multiprocessing settings as they were."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import start_tasks
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+#: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
+#: log, the host's census readers, and the libraries the parent reads processes and draws
+#: with. A worker importing any of them pays for it on every start.
+PARENT_SIDE = (
+    "gpupool._core.planner",
+    "gpupool._core.policy",
+    "gpupool._core.bound",
+    "gpupool._core.events",
+    "gpupool._pool.dispatcher",
+    "gpupool._pool.executor",
+    "gpupool._log",
+    "gpupool._sensors.host",
+    "gpupool._core.host",
+    "loky",
+    "psutil",
+    "rich",
+)
+
+
+@contextlib.contextmanager
+def _where(path: str) -> Iterator[dict[str, Any]]:
+    """A pool's options on a simulated card, or on the host (no card)."""
+    if path == "card":
+        with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=4, host_ram="16GiB"):
+            yield {"task_peak": "1GiB"}
+    else:
+        yield {}
+
+
+@pytest.mark.parametrize("path", ["card", "host"])
+def test_a_worker_loads_nothing_of_the_parents_side(path: str) -> None:
+    """A worker that ran a task has imported none of the planner, the dispatcher, the log,
+    loky, psutil or rich; the same check sees a module the task imported."""
+    with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:
+        assert ex.submit(start_tasks.loaded, PARENT_SIDE).result() == []
+        assert ex.submit(start_tasks.loaded, PARENT_SIDE, "psutil").result() == ["psutil"]
+
+
+def test_a_worker_holds_no_inheritable_descriptor_of_the_parent(tmp_path: Path) -> None:
+    """A descriptor the parent made inheritable (as another library may) is closed in the
+    worker: only the worker's own descriptors are passed to it."""
+    marker = tmp_path / "parent-only"
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.set_inheritable(fd, True)
+        with GpuPoolExecutor(max_workers=1) as ex:
+            paths = ex.submit(start_tasks.open_paths).result()
+    finally:
+        os.close(fd)
+    assert paths, "the worker listed none of its descriptors"
+    assert str(marker) not in paths
+
+
+def test_a_pool_leaves_the_default_start_method_unset() -> None:
+    """After a pool ran, a program can still choose its start method: the pool neither set
+    nor fixed multiprocessing's default context (run in a fresh interpreter)."""
+    script = (
+        "import multiprocessing\n"
+        "from gpupool import GpuPoolExecutor\n"
+        "if __name__ == '__main__':\n"
+        "    with GpuPoolExecutor(max_workers=1) as ex:\n"
+        "        assert ex.submit(abs, -2).result() == 2\n"
+        "    print(multiprocessing.get_start_method(allow_none=True))\n"
+        "    multiprocessing.set_start_method('forkserver')\n"
+        "    print(multiprocessing.get_start_method())\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["None", "forkserver"]
