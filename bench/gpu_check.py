@@ -5,8 +5,8 @@ One command, from the root of the source tree, on the machine with the card::
     python3 bench/gpu_check.py --require-gpu --out "$OUT"
 
 It needs no network and no installed gpupool: it puts ``src/``, any
-``wheels/*.whl`` (loky, a pure-Python wheel, imports as a zip) and ``bench/``
-on ``sys.path`` and on the workers' ``PYTHONPATH``. This module is the command
+``wheels/*.whl`` (pure-Python wheels import as zips) and ``bench/`` on
+``sys.path`` and on the workers' ``PYTHONPATH``. This module is the command
 (its arguments, the order of the steps, the summary); the steps are in
 ``bench/gpu_check_steps.py`` and the tasks the pools run in
 ``bench/gpu_check_tasks.py``, which the workers import by name. It needs
