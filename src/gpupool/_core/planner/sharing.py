@@ -24,11 +24,12 @@ even its one task, while the task would fit once the pools there drained and the
 waiting pool came to wait before this pool last ran nothing there.
 
 The room one of this pool's tasks frees on a card goes first to another waiting pool
-that holds no more there than this pool now does (:func:`gives_way`): for at most as
-long as that task ran, and at most :data:`TURN_S`, this pool starts nothing there that
-leaves less than such a pool's next task needs, where the room free now holds it. Else
-the pool whose task ended, hearing of its own end first, takes the room again each time,
-and of pools that each hold a task, the one holding a second keeps it.
+that holds less there than this pool did before the task ended, and no more than it
+does now (:func:`gives_way`): for at most as long as that task ran, and at most
+:data:`TURN_S`, this pool starts nothing there that leaves less than such a pool's next
+task needs, where the room free now holds it. Else the pool whose task ended, hearing
+of its own end first, takes the room again each time, and of pools that each hold a
+task, the one holding a second keeps it.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ __all__ = [
 YIELD_S = 30.0
 
 #: The longest a pool leaves the room one of its tasks freed on a card to a waiting pool
-#: that holds no more there (:func:`gives_way`): long enough for a pool that reads the
-#: table every 0.2 s while it runs tasks to see the room and book it on a loaded host.
+#: that holds less there (:func:`gives_way`); the other pools read the table every 0.2 s
+#: while they run tasks.
 TURN_S = 2.0
 
 
