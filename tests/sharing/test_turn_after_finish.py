@@ -177,3 +177,14 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
         assert len(a.running) >= 1  # its one task always runs
         second_slot_steps += len(a.running) - 1
     assert 2 * second_slot_steps >= steps
+
+
+def test_a_pool_keeps_a_worker_for_its_share_while_the_room_goes_round() -> None:
+    """B runs one task, and the room left holds only that one beside A's two; but its share
+    (12 GiB of the 24 GiB card while A waits too) holds two, and the room A's next ended
+    task frees comes to it: B keeps an idle worker for it, rather than give it back and
+    boot another when its turn comes."""
+    a, b, _ = _two_and_one()
+    assert b.fit(0, b.asks.ask("b"), [], slots=3).more == 1
+    assert b.warm_limit(0, 0.0) == 2
+    assert a.warm_limit(0, 0.0) == 2  # A's two running tasks

@@ -56,6 +56,7 @@ __all__ = [
     "others_terms",
     "owed_bytes",
     "owes_room",
+    "share_tasks",
     "share_wait",
     "turn_record",
     "turn_wait",
@@ -123,6 +124,15 @@ class ShareWait:
 def share_bytes(card: Card, room_bytes: int) -> int:
     """An equal share of the room the pools on ``card`` have between them."""
     return (room_bytes + card.others_bytes) // (1 + card.others_active)
+
+
+def share_tasks(card: Card, room_bytes: int | None, ask_bytes: int) -> int:
+    """How many tasks of ``ask_bytes`` this pool's share of ``card`` admits (a start is
+    admitted while the middle of its booking is within the share), where other pools
+    wait there; 0 where none waits or the room is unknown."""
+    if not card.others_waiting or room_bytes is None or ask_bytes <= 0:
+        return 0
+    return max(0, (share_bytes(card, room_bytes) - ask_bytes // 2) // ask_bytes + 1)
 
 
 def owed_bytes(card: Card, room_bytes: int, mine_bytes: int, share: int) -> int:
