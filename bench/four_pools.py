@@ -16,11 +16,11 @@ Reported per pool: tasks run (completed), the longest wait of a task and the
 median wait (submit to start: the parent's ``time.time()`` at submit to the
 task's own ``time.time()`` on entry, the attempt that delivered; a task still
 unstarted at the end counts with the time it had waited by then, so a pool
-kept off the card cannot hide its wait), out-of-memory events and serial
+kept off the card cannot hide its wait), out-of-memory events, serial
 starts and worker processes started (``pool.statistics()``), and from each
-pool's JSON Lines decision log the
-count of ``share_wait`` and ``serial_start`` records, the longest
-``head_waiting_s``, and the spread key's largest ask. Overall: the least
+pool's JSON Lines decision log the count of ``share_wait`` and
+``serial_start`` records, the longest ``head_waiting_s``, and the spread
+key's largest ask. Overall: the least
 tasks run over the most (the fairness ratio) and the longest wait of any
 task. ``--rounds`` repeats the whole run; the figures are medians over
 rounds, with each round's row kept in the JSON.
