@@ -16,10 +16,11 @@ Reported per pool: tasks run (completed), the longest wait of a task and the
 median wait (submit to start: the parent's ``time.time()`` at submit to the
 task's own ``time.time()`` on entry, the attempt that delivered; a task still
 unstarted at the end counts with the time it had waited by then, so a pool
-kept off the card cannot hide its wait), out-of-memory events and serial
-starts (``pool.statistics()``), and from each pool's JSON Lines decision log the
-count of ``share_wait`` and ``serial_start`` records, the longest
-``head_waiting_s``, and the spread key's largest ask. Overall: the least
+kept off the card cannot hide its wait), out-of-memory events, serial
+starts and worker processes started (``pool.statistics()``), and from each
+pool's JSON Lines decision log the count of ``share_wait`` and
+``serial_start`` records, the longest ``head_waiting_s``, and the spread
+key's largest ask. Overall: the least
 tasks run over the most (the fairness ratio) and the longest wait of any
 task. ``--rounds`` repeats the whole run; the figures are medians over
 rounds, with each round's row kept in the JSON.
@@ -124,6 +125,7 @@ def run_pool(args: argparse.Namespace) -> dict[str, Any]:
         "out_of_memory": stats.out_of_memory,
         "serial_starts": stats.serial_starts,
         "retries": stats.retries,
+        "workers_started": stats.workers_started,
     }
 
 
@@ -237,7 +239,7 @@ def _print(report: dict[str, Any]) -> None:
     )
     print(
         f"{'round':>5}{'pool':>5} {'kind':<7}{'tasks':>7}{'longest wait s':>16}{'median':>8}"
-        f"{'OOMs':>6}{'serial':>8}{'share_wait':>12}{'max ask GiB':>13}"
+        f"{'OOMs':>6}{'serial':>8}{'share_wait':>12}{'max ask GiB':>13}{'workers':>9}"
     )
     for r, x in enumerate(report["rounds"]):
         for p in x["pools"]:
@@ -248,6 +250,7 @@ def _print(report: dict[str, Any]) -> None:
                 f"{p['longest_wait_s']:>16.2f}{median:>8}{p['out_of_memory']:>6}"
                 f"{p['serial_starts']:>8}{p['share_wait_records']:>12}"
                 f"{'-' if ask is None else f'{ask / GiB:.2f}':>13}"
+                f"{p.get('workers_started', '-'):>9}"
             )
         print(
             f"      least/most tasks {x['least_over_most']:.2f}, longest wait "

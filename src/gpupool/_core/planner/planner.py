@@ -48,7 +48,7 @@ from gpupool._core.planner.evidence import rooms_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.queued import Queued
 from gpupool._core.planner.samples import split_reading
-from gpupool._core.planner.sharing import note_starved, others_terms
+from gpupool._core.planner.sharing import note_freed, note_starved, others_terms
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
     ASK_RECORD_STEP,
@@ -403,6 +403,8 @@ class Planner(Queued):
         self.tasks.pop(task, None)
         self._drop_queued(task)
         if run is not None:
+            if run.device is not None:
+                note_freed(self.cards[run.device], run, now_s)
             self._rebook(run.key)
         if run is not None and not failed:
             count, mean_s = self._durations_s.get(run.key, (0, 0.0))

@@ -22,6 +22,14 @@ nothing on the card and waits for room its next task needs) is yielded to
 so, this pool starts nothing on the card that leaves less than that task's room,
 even its one task, while the task would fit once the pools there drained and the
 waiting pool came to wait before this pool last ran nothing there.
+
+The room one of this pool's tasks frees on a card goes first to another waiting pool
+that holds less there than this pool did before the task ended, and no more than it
+does now (:func:`gives_way`): for at most as long as that task ran, and at most
+:data:`TURN_S`, this pool starts nothing there that leaves less than such a pool's next
+task needs, where the room free now holds it. Else the pool whose task ended, hearing
+of its own end first, takes the room again each time, and of pools that each hold a
+task, the one holding a second keeps it.
 """
 
 from __future__ import annotations
@@ -31,19 +39,27 @@ from dataclasses import dataclass
 
 from gpupool._core.bookings import OtherPools
 from gpupool._core.events import JsonValue
-from gpupool._core.planner.state import Card
+from gpupool._core.planner.state import Card, Run
 from gpupool._core.units import format_size
 
 __all__ = [
+    "TURN_S",
     "YIELD_S",
+    "GiveWay",
     "OthersTerms",
     "ShareWait",
     "Yield",
+    "give_way_record",
+    "gives_way",
+    "note_freed",
     "note_starved",
     "others_terms",
     "owed_bytes",
     "owes_room",
+    "share_tasks",
     "share_wait",
+    "turn_record",
+    "turn_wait",
     "yield_record",
     "yields_to",
 ]
@@ -53,6 +69,11 @@ __all__ = [
 #: most ``room_wait_s``, then one task past the bound); also the longest it yields there
 #: in a row to any pools, after which it yields there no more for as long.
 YIELD_S = 30.0
+
+#: The longest a pool leaves the room one of its tasks freed on a card to a waiting pool
+#: that holds less there (:func:`gives_way`); the other pools read the table every 0.2 s
+#: while they run tasks.
+TURN_S = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +124,15 @@ class ShareWait:
 def share_bytes(card: Card, room_bytes: int) -> int:
     """An equal share of the room the pools on ``card`` have between them."""
     return (room_bytes + card.others_bytes) // (1 + card.others_active)
+
+
+def share_tasks(card: Card, room_bytes: int | None, ask_bytes: int) -> int:
+    """How many tasks of ``ask_bytes`` this pool's share of ``card`` admits (a start is
+    admitted while the middle of its booking is within the share), where other pools
+    wait there; 0 where none waits or the room is unknown."""
+    if not card.others_waiting or room_bytes is None or ask_bytes <= 0:
+        return 0
+    return max(0, (share_bytes(card, room_bytes) - ask_bytes // 2) // ask_bytes + 1)
 
 
 def owed_bytes(card: Card, room_bytes: int, mine_bytes: int, share: int) -> int:
@@ -276,3 +306,106 @@ def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[st
         "yield_waited_s": round(wait.waited_s, 3),
         "yield_limit_s": YIELD_S,
     }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GiveWay:
+    """Why a start leaves the room this pool's task freed to another waiting pool."""
+
+    pool_id: str
+    other_booked_bytes: int
+    need_bytes: int
+    left_bytes: int
+    turn_left_s: float
+
+
+def note_freed(card: Card, run: Run, now_s: float) -> None:
+    """``run``, one of this pool's tasks on ``card``, ended at ``now_s`` (and is off the
+    card's runs): the room it freed goes first, for as long as it ran and at most
+    :data:`TURN_S`, to a waiting pool that holds less than this pool did before it ended
+    (:func:`gives_way`). A turn still open is neither lengthened nor lowered, so each
+    task that ends leaves its room idle at most as long as it ran."""
+    if now_s >= card.give_way_until_s:
+        card.give_way_until_s = now_s + min(max(0.0, now_s - run.started_s), TURN_S)
+        card.give_way_below_bytes = card.booked_bytes + run.booked_bytes
+
+
+def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> GiveWay | None:
+    """The waiting pool a start of ``next_bytes`` on ``card`` leaves this pool's freed room
+    to (the one holding least), or ``None``. Within the turn :func:`note_freed` opened, a
+    start gives way to another pool that says it waits, holds less on the card than this
+    pool did before its task ended, no more than it does now, and less than its share,
+    and whose next task fits the room free now but not what this start would leave: the
+    pool whose task ended passes on the room that put it above that pool, and a pool
+    that ran no more than the others takes its room back at once. One task of its own
+    always may run: with none running there, no start gives way."""
+    if (
+        now_s >= card.give_way_until_s
+        or not card.runs
+        or room_bytes is None
+        or card.others is None
+        or not card.others_waiting
+    ):
+        return None
+    mine = card.booked_bytes
+    free = room_bytes - mine
+    left = free - next_bytes
+    below = min(mine + 1, card.give_way_below_bytes, share_bytes(card, room_bytes))
+    found: GiveWay | None = None
+    for pool in card.others.pools:
+        held = pool.booked_bytes
+        if not pool.waiting or held >= below or not left < pool.need_bytes <= free:
+            continue
+        if found is None or held < found.other_booked_bytes:
+            found = GiveWay(
+                pool_id=pool.pool_id,
+                other_booked_bytes=held,
+                need_bytes=pool.need_bytes,
+                left_bytes=left,
+                turn_left_s=card.give_way_until_s - now_s,
+            )
+    return found
+
+
+def give_way_record(card: Card, way: GiveWay, room_bytes: int) -> tuple[str, dict[str, JsonValue]]:
+    """A start that leaves this pool's freed room to another waiting pool, as a
+    ``share_wait`` record: the sentence and the terms."""
+    reason = (
+        f"card {card.index}: a task of this pool ended here, and pool {way.pool_id} waits "
+        f"holding {format_size(way.other_booked_bytes)} (this pool: "
+        f"{format_size(card.booked_bytes)}) for {format_size(way.need_bytes)} for its next "
+        f"task; this start would leave {format_size(way.left_bytes)}, so this pool leaves "
+        f"it the room (for {way.turn_left_s:.1f} s more, at most {TURN_S:g} s and as long "
+        f"as the task ran)"
+    )
+    return reason, {
+        "share_bytes": share_bytes(card, room_bytes),
+        "pool_booked_bytes": card.booked_bytes,
+        "next_bytes": room_bytes - card.booked_bytes - way.left_bytes,
+        "owed_bytes": way.need_bytes,
+        "other_pools_waiting": card.others_waiting,
+        "other_pools_active": card.others_active,
+        "give_way_to_pool": way.pool_id,
+        "give_way_pool_booked_bytes": way.other_booked_bytes,
+        "give_way_left_s": round(way.turn_left_s, 3),
+        "give_way_limit_s": TURN_S,
+    }
+
+
+def turn_wait(
+    card: Card, next_bytes: int, room_bytes: int | None, now_s: float
+) -> Yield | GiveWay | None:
+    """Whose turn a start of ``next_bytes`` on ``card`` waits for: a pool at the serial floor
+    (:func:`yields_to`), else a waiting pool this pool's freed room goes to
+    (:func:`gives_way`), else ``None``."""
+    found = yields_to(card, next_bytes, room_bytes, now_s)
+    return found if found is not None else gives_way(card, next_bytes, room_bytes, now_s)
+
+
+def turn_record(
+    card: Card, wait: Yield | GiveWay, room_bytes: int
+) -> tuple[str, dict[str, JsonValue]]:
+    """A start that waits for another pool's turn, as a ``share_wait`` record."""
+    if isinstance(wait, Yield):
+        return yield_record(card, wait, room_bytes)
+    return give_way_record(card, wait, room_bytes)

@@ -18,7 +18,13 @@ from gpupool._core.planner.fit import (
     live_gate,
 )
 from gpupool._core.planner.order import Hold
-from gpupool._core.planner.sharing import ShareWait, share_wait, yield_record, yields_to
+from gpupool._core.planner.sharing import (
+    ShareWait,
+    share_wait,
+    turn_record,
+    turn_wait,
+    yields_to,
+)
 from gpupool._core.planner.state import Card, Critical, Run, TaskState
 from gpupool._core.planner.verdicts import (
     GATE_RECORD_INTERVAL_S,
@@ -359,16 +365,16 @@ class Starts(Views):
     def _yields(
         self, card: Card, ask: Ask, next_bytes: int, room_bytes: int | None, now_s: float
     ) -> bool:
-        """A start of ``next_bytes`` on ``card`` yields to another pool at the serial floor
-        there (:func:`~gpupool._core.planner.sharing.yields_to`; recorded as a share wait)."""
-        found = yields_to(card, next_bytes, room_bytes, now_s)
+        """A start of ``next_bytes`` on ``card`` waits for another pool's turn there
+        (:func:`~gpupool._core.planner.sharing.turn_wait`; recorded as a share wait)."""
+        found = turn_wait(card, next_bytes, room_bytes, now_s)
         if found is None or room_bytes is None:
             return False
         self.counts["share_waits"] += 1
         recorded = card.share_recorded_s
         if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
             card.share_recorded_s = now_s
-            reason, extra = yield_record(card, found, room_bytes)
+            reason, extra = turn_record(card, found, room_bytes)
             self.record(self._simple("share_wait", card.index, ask, reason, now_s, extra=extra))
         return True
 

@@ -130,6 +130,11 @@ class Card:
     # more (after a yield, as long as it lasted: ``sharing.yields_to``).
     yield_began_s: float | None = None
     no_yield_until_s: float = float("-inf")
+    # Until when the room this pool's ended task freed here goes first to a waiting pool
+    # holding less than this pool booked before it ended, and no more than it books now,
+    # and what it booked then (``sharing.gives_way``).
+    give_way_until_s: float = float("-inf")
+    give_way_below_bytes: int = 0
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)

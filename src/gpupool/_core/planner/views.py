@@ -26,7 +26,7 @@ from gpupool._core.planner.fit import (
     fit,
     fit_counts,
 )
-from gpupool._core.planner.sharing import owes_room, yields_to
+from gpupool._core.planner.sharing import owes_room, share_tasks, yields_to
 from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import (
     LOOKAHEAD,
@@ -390,8 +390,10 @@ class Views(PlannerBase):
         return out
 
     def warm_limit(self, device: int, now_s: float) -> int:
-        """How many workers ``device`` may keep (running and idle): its runs, or as many tasks
-        of a present key as fit there alone, whichever is more."""
+        """How many workers ``device`` may keep (running and idle): its runs, as many tasks
+        of a present key as fit there alone, or, while other pools wait there, as many as
+        this pool's share holds (the room a pool's ended task frees goes round the pools
+        by turns: ``sharing.gives_way``), whichever is more."""
         card = self.cards[device]
         running = len(card.runs)
         room = self.bound(device, self.asks.ask(self._last_key)).room_bytes
@@ -411,7 +413,8 @@ class Views(PlannerBase):
         fits = max(
             self.fit(device, self.asks.ask(k), [], slots=self.ceiling.value).more for k in keys
         )
-        return max(running, min(max(1, fits), self.ceiling.value))
+        turns = share_tasks(card, room, self.asks.ask(self._last_key).ask_bytes)
+        return max(running, min(max(1, fits, turns), self.ceiling.value))
 
     def waiting_count(self, *, starting: bool = False) -> int:
         """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
