@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import pytest
 
 from gpupool._core.units import GiB, MiB
 from gpupool._sensors.base import DeviceInfo
@@ -87,3 +90,47 @@ def test_a_process_that_exits_between_two_readings_of_an_unchanged_ledger_holds_
             assert memory.used_bytes == 0 and rows == ()
             assert sensor.read_tree_peak_bytes(info, child.pid) is None
         assert host.process_peak(child.pid) == 2 * GiB + 300 * MiB
+
+
+def _pidfds() -> list[int]:
+    """This process's open pidfds."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if "pidfd" in os.readlink(f"/proc/self/fd/{name}"):
+                found.append(int(name))
+        except OSError:
+            continue  # the descriptor listdir read the directory through
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfds on this system")
+def test_a_pidfd_closed_behind_the_ledgers_back_is_never_closed_again_by_number():
+    """A task closes every descriptor (``os.closerange``) and files take the numbers the
+    ledger's pidfds had: the next readings leave those files open and still see the death."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        ledger = Ledger(host.ledger_path)
+        placed: list[int] = []
+        try:
+            with _holder("2GiB") as child:
+                assert ledger.view()["devices"][0]["procs"][str(child.pid)]["held"] == 2 * GiB
+                placed = _pidfds()
+                assert placed, "the ledger watches its holder through a pidfd"
+                null = os.open(os.devnull, os.O_RDONLY)
+                try:
+                    for fd in placed:
+                        os.close(fd)
+                        os.dup2(null, fd)  # another file on the pidfd's number
+                finally:
+                    os.close(null)
+                ledger.view()
+                ledger.view()
+                for fd in placed:
+                    assert os.path.samestat(os.fstat(fd), os.stat(os.devnull)), fd
+                _kill_and_leave_unreaped(child)
+                assert str(child.pid) not in ledger.view()["devices"][0]["procs"]
+        finally:
+            for fd in placed:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            ledger.close()

@@ -9,7 +9,8 @@ readable when its process exits, and all are polled in one system call. A
 pidfd names one process, never a later one with its PID. A death the poll
 reports is confirmed by the process's start token before it counts; where no
 pidfd can be had (another system, too many processes), the start token is
-read at every operation, as before.
+read at every operation, as before. A pidfd a task closed (``os.closerange``)
+is never closed again by number: the number may now be another file's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Liveness:
     def __init__(self) -> None:
         self._fds: dict[tuple[int, str], int] = {}
         self._names: dict[int, tuple[int, str]] = {}
+        # What each pidfd is (``fstat``'s device and inode), to tell it from a file that
+        # took its number after a task closed it.
+        self._files: dict[int, tuple[int, int] | None] = {}
         self._poll = select.poll() if _pidfd_open is not None and hasattr(select, "poll") else None
         self._can_open = self._poll is not None
         # The set last asked about (the very object), and those of it without a pidfd.
@@ -58,9 +62,14 @@ class Liveness:
         """
         fds = self._fds
         if identities is not self._known:
-            self._unwatched = [i for i in identities if i not in fds and not self._watch(i)]
             for identity in fds.keys() - identities:
                 self._forget(identity)
+            pending = [i for i in identities if i not in fds]
+            self._unwatched = []
+            while pending:
+                identity = pending.pop()
+                if not self._watch(identity, pending):
+                    self._unwatched.append(identity)
             self._known = identities
         dead = {i for i in self._unwatched if read_start_token(i[0]) != i[1]}
         if fds and self._poll is not None:
@@ -78,8 +87,12 @@ class Liveness:
             self._forget(identity)
         self._known = None
 
-    def _watch(self, identity: tuple[int, str]) -> bool:
-        """Open a pidfd on ``identity``'s process if it runs; whether one is now watched."""
+    def _watch(self, identity: tuple[int, str], pending: list[tuple[int, str]]) -> bool:
+        """Open a pidfd on ``identity``'s process if it runs; whether one is now watched.
+
+        A pidfd that comes back on the number of one still on the books was closed
+        behind this object's back: the process that had it goes to ``pending``.
+        """
         if not self._can_open or self._poll is None or _pidfd_open is None:
             return False
         if len(self._fds) >= MAX_WATCHED:
@@ -96,16 +109,34 @@ class Liveness:
         if read_start_token(pid) != token:
             os.close(fd)  # another process now has this PID, or it is a zombie
             return False
+        stale = self._names.get(fd)
+        if stale is not None:  # its pidfd was closed by someone else: this number is ours now
+            self._forget(stale, close=False)
+            pending.append(stale)
         self._fds[identity] = fd
         self._names[fd] = identity
+        self._files[fd] = _file_of(fd)
         self._poll.register(fd, select.POLLIN)
         return True
 
-    def _forget(self, identity: tuple[int, str]) -> None:
+    def _forget(self, identity: tuple[int, str], *, close: bool = True) -> None:
+        """Stop watching ``identity``; close its pidfd if ``close`` and the number still
+        holds that pidfd (a task may have closed it, and another file taken the number)."""
         fd = self._fds.pop(identity)
         del self._names[fd]
+        file = self._files.pop(fd, None)
         if self._poll is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._poll.unregister(fd)
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        if close and file is not None and _file_of(fd) == file:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _file_of(fd: int) -> tuple[int, int] | None:
+    """``fd``'s device and inode, or ``None`` where it is closed."""
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return None
+    return (status.st_dev, status.st_ino)
