@@ -134,3 +134,43 @@ def test_a_pidfd_closed_behind_the_ledgers_back_is_never_closed_again_by_number(
                 with contextlib.suppress(OSError):
                     os.close(fd)
             ledger.close()
+
+
+def _descriptors_of(path: str) -> list[int]:
+    """This process's descriptors open on ``path``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == path:
+                found.append(int(name))
+        except OSError:
+            continue  # the descriptor listdir read the directory through
+    return found
+
+
+def test_a_ledger_descriptor_closed_behind_its_back_is_reopened_and_never_closed_by_number():
+    """A task closes every descriptor and a file takes the ledger's number: the ledger is
+    read and changed through a descriptor of its own, and closing it leaves that file open."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        ledger = Ledger(host.ledger_path)
+        placed: list[int] = []
+        try:
+            ledger.view()
+            placed = _descriptors_of(os.path.realpath(host.ledger_path))
+            assert len(placed) == 1
+            null = os.open(os.devnull, os.O_RDONLY)
+            try:
+                os.close(placed[0])
+                os.dup2(null, placed[0])  # another file on the ledger's number
+            finally:
+                os.close(null)
+            assert ledger.allocate(0, os.getpid(), GiB) is None
+            assert ledger.view()["devices"][0]["procs"][str(os.getpid())]["held"] == GiB
+            ledger.release(0, os.getpid(), GiB)
+            ledger.close()
+            assert os.path.samestat(os.fstat(placed[0]), os.stat(os.devnull))
+        finally:
+            for fd in placed:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            ledger.close()
