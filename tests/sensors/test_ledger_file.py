@@ -104,6 +104,24 @@ def test_a_pid_that_is_not_ascii_digits_is_refused(
     assert why in str(_refused(path))
 
 
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (_ledger_with({"12": {**_PROC, "held": -(1 << 30)}}, {}, {}), "process 12's 'held'"),
+        (_ledger_with({"12": {**_PROC, "context": -1}}, {}, {}), "process 12's 'context'"),
+        (_ledger_with({}, {"12": -5}, {}), "device 0's peak of '12'"),
+        (_ledger_with({}, {}, {"12": {"start": "1", "window": -5}}), "tree window '12'"),
+    ],
+    ids=["held", "context", "peak", "tree-window"],
+)
+def test_a_negative_size_is_refused(tmp_path: Path, content: bytes, why: str) -> None:
+    """A negative byte count would be read as a card with more free bytes than it has: the
+    ledger is refused with a SensorError naming the field."""
+    path = tmp_path / "ledger.json"
+    path.write_bytes(content)
+    assert why in str(_refused(path))
+
+
 def test_a_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path) -> None:
     """A 2 GB sparse file is refused by its size, before a byte of it is read."""
     path = tmp_path / "sparse.json"

@@ -52,6 +52,9 @@ def _field_problem(
             isinstance(value[key], bool) and bool not in types
         ):
             return f"{where}'s {key!r} is {value[key]!r}"
+        number = value[key]
+        if isinstance(number, int) and number < 0:  # every count and size is >= 0
+            return f"{where}'s {key!r} is {number!r}"
     return None
 
 
@@ -73,7 +76,7 @@ def ledger_problem(value: dict[str, object]) -> str | None:
             if not (
                 isinstance(entry, list)
                 and len(entry) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry)
             ):
                 return f"{where}'s co-tenant {name!r} is {entry!r}"
         for key, proc in dev["procs"].items():
@@ -83,7 +86,7 @@ def ledger_problem(value: dict[str, object]) -> str | None:
             if problem is not None:
                 return problem
         for key, peak in dev["peaks"].items():
-            if not is_pid_key(key) or not isinstance(peak, int) or isinstance(peak, bool):
+            if not is_pid_key(key) or type(peak) is not int or peak < 0:
                 return f"{where}'s peak of {key!r} is {peak!r}"
         for root, window in dev["trees"].items():
             problem = tree_window_problem(root, window)

@@ -62,6 +62,7 @@ def tree_window_problem(root: object, window: object) -> str | None:
     """What makes ``window`` not a tree window, or ``None``."""
     if not is_pid_key(root) or not isinstance(window, dict):
         return f"tree window {root!r} is {window!r}"
-    if not isinstance(window.get("start"), str) or type(window.get("window")) is not int:
+    size = window.get("window")
+    if not isinstance(window.get("start"), str) or type(size) is not int or size < 0:
         return f"tree window {root!r} is {window!r}"
     return None
