@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from gpupool._core.units import GiB, MiB
 from gpupool._sensors.base import DeviceInfo
+from gpupool._sensors.booking_rows import read_start_token
 from gpupool._sensors.simulated import Ledger
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
@@ -174,3 +176,50 @@ def test_a_ledger_descriptor_closed_behind_its_back_is_reopened_and_never_closed
                 with contextlib.suppress(OSError):
                     os.close(fd)
             ledger.close()
+
+
+#: Read the ledger argv[1] with a limit of 64 descriptors; open files after; say how many it named.
+_TIGHT_READER = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from gpupool._sensors.simulated import Ledger
+ledger = Ledger(sys.argv[1])
+named = len(ledger.view()["devices"][0]["procs"])
+named = len(ledger.view()["devices"][0]["procs"])
+files = [open(sys.argv[1], "rb") for _ in range(16)]
+print(named, flush=True)
+"""
+
+
+def test_a_ledger_naming_more_processes_than_descriptors_leaves_the_reader_room():
+    """A ledger names 80 running processes; a process allowed 64 descriptors reads it twice
+    and still opens 16 files: its pidfds never fill its descriptor table."""
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(80)]
+    try:
+        with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+            ledger = Ledger(host.ledger_path)
+            try:
+                ledger.allocate(0, os.getpid(), GiB)  # the ledger's own way of naming one
+                with open(host.ledger_path, encoding="utf-8") as file:
+                    state = json.load(file)
+                own = state["devices"][0]["procs"][str(os.getpid())]
+                for sleeper in sleepers:
+                    token = read_start_token(sleeper.pid)
+                    assert token is not None
+                    state["devices"][0]["procs"][str(sleeper.pid)] = {**own, "start": token}
+                with open(host.ledger_path, "w", encoding="utf-8") as file:
+                    json.dump(state, file)
+                done = subprocess.run(
+                    [sys.executable, "-c", _TIGHT_READER, host.ledger_path],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                assert done.returncode == 0, done.stderr
+                assert done.stdout.split() == ["81"]
+            finally:
+                ledger.close()
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()

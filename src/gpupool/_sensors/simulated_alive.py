@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import select
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,9 @@ __all__ = ["MAX_WATCHED", "Liveness"]
 
 #: The most processes watched through a pidfd; past that, their start tokens are read.
 MAX_WATCHED = 1024
+#: At most this share of the process's descriptor limit goes to pidfds (``1 / 4``): a ledger
+#: that names many processes must leave the program room for its own files.
+_SHARE_OF_LIMIT = 4
 
 _pidfd_open = getattr(os, "pidfd_open", None)
 
@@ -49,6 +53,7 @@ class Liveness:
         self._files: dict[int, tuple[int, int] | None] = {}
         self._poll = select.poll() if _pidfd_open is not None and hasattr(select, "poll") else None
         self._can_open = self._poll is not None
+        self._most = _most_watched()
         # The set last asked about (the very object), and those of it without a pidfd.
         self._known: Set[tuple[int, str]] | None = None
         self._unwatched: list[tuple[int, str]] = []
@@ -95,7 +100,7 @@ class Liveness:
         """
         if not self._can_open or self._poll is None or _pidfd_open is None:
             return False
-        if len(self._fds) >= MAX_WATCHED:
+        if len(self._fds) >= self._most:
             return False
         pid, token = identity
         try:
@@ -131,6 +136,18 @@ class Liveness:
         if close and file is not None and _file_of(fd) == file:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _most_watched() -> int:
+    """How many pidfds one :class:`Liveness` may hold: :data:`MAX_WATCHED`, or a quarter of
+    this process's descriptor limit where that is less."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return MAX_WATCHED
+    if soft == resource.RLIM_INFINITY:
+        return MAX_WATCHED
+    return min(MAX_WATCHED, soft // _SHARE_OF_LIMIT)
 
 
 def _file_of(fd: int) -> tuple[int, int] | None:
