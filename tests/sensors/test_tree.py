@@ -213,3 +213,42 @@ def test_a_child_started_by_a_thread_that_ended_is_still_a_descendant():
         child.stdin.close()
         child.wait()
     assert child.pid not in read_descendants(os.getpid())
+
+
+#: Fork argv[1] children that wait on one pipe, print their PIDs, and wait for stdin to close
+#: (the pipe's writing end closes with this process: every child then exits).
+_MANY = """
+import os, sys
+r, w = os.pipe()
+pids = []
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    pids.append(pid)
+os.close(r)
+print(*pids, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_children_file_longer_than_one_read_is_read_to_its_end():
+    """A process with more children than one page of its ``children`` file holds (the
+    kernel hands such a file out a page per read): every child is a descendant."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _MANY, "1200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert parent.stdout is not None
+        pids = {int(word) for word in parent.stdout.readline().split()}
+        assert len(pids) == 1200
+        with open(f"/proc/{parent.pid}/task/{parent.pid}/children", "rb") as file:
+            assert len(file.read()) > os.sysconf("SC_PAGE_SIZE")  # more than one read gives
+        assert set(read_descendants(parent.pid)) == pids
+    finally:
+        assert parent.stdin is not None and parent.stdout is not None
+        parent.stdin.close()
+        parent.wait()
+        parent.stdout.close()
