@@ -100,6 +100,53 @@ def test_a_descendant_seen_in_the_window_stays_in_the_tree_when_orphaned():
     assert summary.outliving_pids == (grandchild,)
 
 
+#: A launcher: given a line on stdin, it starts a process of its own, prints its PID, and
+#: waits for stdin to close (its process reads the same stdin).
+_LAUNCHER = (
+    "import subprocess, sys\n"
+    "sys.stdin.readline()\n"
+    "started = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'])\n"
+    "print(started.pid, flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+#: A child that starts the launcher, prints its PID, and waits for a signal.
+_LAUNCHING_PARENT = f"""
+import signal, subprocess, sys
+launcher = subprocess.Popen([sys.executable, "-c", {_LAUNCHER!r}])
+print(launcher.pid, flush=True)
+signal.pause()
+"""
+
+
+def test_a_process_an_orphaned_descendant_starts_is_in_the_tree():
+    """A launcher seen under this process is re-parented away, then starts a process (as
+    ``nohup torchrun`` does): that process is a member too, and is reported as left running."""
+    watch = TreeWatch(os.getpid())
+    watch.open()
+    with subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHING_PARENT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        launcher = int(child.stdout.readline())
+        try:
+            assert launcher in watch.members()  # seen while its parent lives
+            child.kill()
+            child.wait()
+            assert launcher not in read_descendants(os.getpid())  # re-parented away
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            started = int(child.stdout.readline())  # by the launcher, once orphaned
+            assert started in watch.members()
+            summary = watch.close(None)
+        finally:
+            child.stdin.close()  # the launcher and its process read the same pipe: they end
+    assert summary.outliving_pids == tuple(sorted((launcher, started)))
+
+
 #: Fake PIDs above Linux's PID_MAX_LIMIT (2**22): no real process has them.
 _ROOT, _CHILD = 5_000_010, 5_000_011
 
