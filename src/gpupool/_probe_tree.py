@@ -35,6 +35,7 @@ from gpupool._core.readings import MAX_REJECTIONS, judge_tree_rows
 from gpupool._errors import SensorError
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.tree import (
+    MAX_DESCENDANTS,
     read_children_rss_high_water,
     read_descendants,
     read_rss_high_water_of,
@@ -148,16 +149,25 @@ class TreeWatch:
     def _read(self) -> tuple[tuple[int, ...], set[tuple[int, str]]]:
         """One reading of the tree: the live descendants now, with those seen before that are
         still running though re-parented away since (their parent exited: ``sh -c "cmd &"``,
-        a launcher), and the identities of them all."""
+        a launcher) and every process under those, and the identities of them all."""
         found = read_descendants(self.root_pid, self._proc)
         identities = self._identities(found) if found else set()
+        known = set(found)
         with self._lock:
-            earlier = [(pid, token) for pid, token in self._seen if pid not in found]
+            earlier = [(pid, token) for pid, token in self._seen if pid not in known]
         orphans = [(pid, token) for pid, token in earlier if read_start_token(pid) == token]
         if not orphans:
             return found, identities
         identities.update(orphans)
-        return (*found, *(pid for pid, _ in orphans)), identities
+        known.update(pid for pid, _ in orphans)
+        below: list[int] = []  # what the orphans started, before or after they left the tree
+        for pid, _ in orphans:
+            for descendant in read_descendants(pid, self._proc):
+                if descendant not in known and len(known) < MAX_DESCENDANTS:
+                    known.add(descendant)
+                    below.append(descendant)
+        identities |= self._identities(below)
+        return (*found, *(pid for pid, _ in orphans), *below), identities
 
     def _rss_of(self, descendants: Iterable[int]) -> int:
         """The sum of ``descendants``' RSS high-waters now."""

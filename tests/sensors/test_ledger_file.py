@@ -54,6 +54,74 @@ def test_a_file_that_is_not_a_ledger_is_refused(tmp_path: Path, content: bytes, 
     assert why in str(_refused(path))
 
 
+def _ledger_with(procs: dict, peaks: dict, trees: dict) -> bytes:
+    """A well-formed ledger of one device, with these processes, peaks and tree windows."""
+    device = {
+        "uuid": "GPU-x",
+        "total": 1 << 30,
+        "unified": False,
+        "readable": True,
+        "tenants": {},
+        "procs": procs,
+        "peaks": peaks,
+        "peak": 0,
+        "trees": trees,
+    }
+    ledger = {
+        "version": 1,
+        "driver": True,
+        "container": False,
+        "context": 0,
+        "cpus": None,
+        "ram": None,
+        "next_fake_pid": 1,
+        "ooms": [],
+        "devices": [device],
+    }
+    return json.dumps(ledger).encode()
+
+
+_PROC = {"start": "1", "name": "x", "context": 0, "held": 5, "window": 5, "ancestors": []}
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (_ledger_with({"\u00b2": _PROC}, {}, {}), "device 0's process '\u00b2'"),
+        (_ledger_with({"\u0663": _PROC}, {}, {}), "device 0's process '\u0663'"),
+        (_ledger_with({}, {"\u00b2": 5}, {}), "device 0's peak of '\u00b2'"),
+        (_ledger_with({}, {}, {"\u00b2": {"start": "1", "window": 5}}), "tree window '\u00b2'"),
+    ],
+    ids=["superscript-pid", "arabic-indic-pid", "superscript-peak", "superscript-tree-root"],
+)
+def test_a_pid_that_is_not_ascii_digits_is_refused(
+    tmp_path: Path, content: bytes, why: str
+) -> None:
+    """A PID key that ``str.isdigit`` takes but that is no decimal PID ("2" as a superscript,
+    an Arabic-Indic "3") gives a SensorError naming it, never a ValueError from ``int``."""
+    path = tmp_path / "ledger.json"
+    path.write_bytes(content)
+    assert why in str(_refused(path))
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (_ledger_with({"12": {**_PROC, "held": -(1 << 30)}}, {}, {}), "process 12's 'held'"),
+        (_ledger_with({"12": {**_PROC, "context": -1}}, {}, {}), "process 12's 'context'"),
+        (_ledger_with({}, {"12": -5}, {}), "device 0's peak of '12'"),
+        (_ledger_with({}, {}, {"12": {"start": "1", "window": -5}}), "tree window '12'"),
+    ],
+    ids=["held", "context", "peak", "tree-window"],
+)
+def test_a_negative_size_is_refused(tmp_path: Path, content: bytes, why: str) -> None:
+    """A negative byte count would be read as a card with more free bytes than it has: the
+    ledger is refused with a SensorError naming the field."""
+    path = tmp_path / "ledger.json"
+    path.write_bytes(content)
+    assert why in str(_refused(path))
+
+
 def test_a_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path) -> None:
     """A 2 GB sparse file is refused by its size, before a byte of it is read."""
     path = tmp_path / "sparse.json"

@@ -100,6 +100,53 @@ def test_a_descendant_seen_in_the_window_stays_in_the_tree_when_orphaned():
     assert summary.outliving_pids == (grandchild,)
 
 
+#: A launcher: given a line on stdin, it starts a process of its own, prints its PID, and
+#: waits for stdin to close (its process reads the same stdin).
+_LAUNCHER = (
+    "import subprocess, sys\n"
+    "sys.stdin.readline()\n"
+    "started = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'])\n"
+    "print(started.pid, flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+#: A child that starts the launcher, prints its PID, and waits for a signal.
+_LAUNCHING_PARENT = f"""
+import signal, subprocess, sys
+launcher = subprocess.Popen([sys.executable, "-c", {_LAUNCHER!r}])
+print(launcher.pid, flush=True)
+signal.pause()
+"""
+
+
+def test_a_process_an_orphaned_descendant_starts_is_in_the_tree():
+    """A launcher seen under this process is re-parented away, then starts a process (as
+    ``nohup torchrun`` does): that process is a member too, and is reported as left running."""
+    watch = TreeWatch(os.getpid())
+    watch.open()
+    with subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHING_PARENT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        launcher = int(child.stdout.readline())
+        try:
+            assert launcher in watch.members()  # seen while its parent lives
+            child.kill()
+            child.wait()
+            assert launcher not in read_descendants(os.getpid())  # re-parented away
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            started = int(child.stdout.readline())  # by the launcher, once orphaned
+            assert started in watch.members()
+            summary = watch.close(None)
+        finally:
+            child.stdin.close()  # the launcher and its process read the same pipe: they end
+    assert summary.outliving_pids == tuple(sorted((launcher, started)))
+
+
 #: Fake PIDs above Linux's PID_MAX_LIMIT (2**22): no real process has them.
 _ROOT, _CHILD = 5_000_010, 5_000_011
 
@@ -213,3 +260,42 @@ def test_a_child_started_by_a_thread_that_ended_is_still_a_descendant():
         child.stdin.close()
         child.wait()
     assert child.pid not in read_descendants(os.getpid())
+
+
+#: Fork argv[1] children that wait on one pipe, print their PIDs, and wait for stdin to close
+#: (the pipe's writing end closes with this process: every child then exits).
+_MANY = """
+import os, sys
+r, w = os.pipe()
+pids = []
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    pids.append(pid)
+os.close(r)
+print(*pids, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_children_file_longer_than_one_read_is_read_to_its_end():
+    """A process with more children than one page of its ``children`` file holds (the
+    kernel hands such a file out a page per read): every child is a descendant."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _MANY, "1200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert parent.stdout is not None
+        pids = {int(word) for word in parent.stdout.readline().split()}
+        assert len(pids) == 1200
+        with open(f"/proc/{parent.pid}/task/{parent.pid}/children", "rb") as file:
+            assert len(file.read()) > os.sysconf("SC_PAGE_SIZE")  # more than one read gives
+        assert set(read_descendants(parent.pid)) == pids
+    finally:
+        assert parent.stdin is not None and parent.stdout is not None
+        parent.stdin.close()
+        parent.wait()
+        parent.stdout.close()

@@ -191,6 +191,9 @@ class Ledger:
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
         self._fd: int | None = None
+        # What ``_fd`` is (``fstat``'s device and inode): a task that closes every
+        # descriptor (``os.closerange``) may leave another file on its number.
+        self._file: tuple[int, int] | None = None
         self._layout: tuple[bool, tuple[str, ...]] | None = None
         self._liveness = Liveness()
         # The ledger's bytes as this process last read (and validated) or wrote them, and
@@ -223,10 +226,22 @@ class Ledger:
     def close(self) -> None:
         """Close the file descriptor and the pidfds (reopened on the next operation)."""
         with self._thread_lock:
-            if self._fd is not None:
+            if self._descriptor_is_ours():
+                assert self._fd is not None
                 os.close(self._fd)
-                self._fd = None
+            self._fd = None
             self._liveness.close()
+
+    def _descriptor_is_ours(self) -> bool:
+        """Whether ``_fd`` is open on the ledger this object opened (not closed behind its
+        back, its number then taken by another file)."""
+        if self._fd is None:
+            return False
+        try:
+            status = os.fstat(self._fd)
+        except OSError:
+            return False
+        return (status.st_dev, status.st_ino) == self._file
 
     # -- the locked read-modify-write ----------------------------------------------------
 
@@ -239,16 +254,17 @@ class Ledger:
             # may have been held by another thread at the fork. Start afresh.
             self._pid = os.getpid()
             self._thread_lock = threading.Lock()
-            if self._fd is not None:
+            if self._descriptor_is_ours():
+                assert self._fd is not None
                 with contextlib.suppress(OSError):
                     os.close(self._fd)  # this process's copy only: the parent's lock stands
             self._fd = None
             self._liveness.close()  # this process's copies of the parent's pidfds
             self._liveness = Liveness()
         with self._thread_lock:
-            if self._fd is None:
-                self._fd = self._open()
             fd = self._fd
+            if fd is None or not self._descriptor_is_ours():
+                fd = self._fd = self._open()  # the first time, or another file took its number
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 status = os.fstat(fd)
@@ -273,13 +289,14 @@ class Ledger:
         except OSError as exc:
             raise self._not_a_ledger(f"it cannot be opened ({exc.strerror or exc})") from exc
         try:
-            mode = os.fstat(fd).st_mode
+            status = os.fstat(fd)
         except OSError as exc:
             os.close(fd)
             raise self._not_a_ledger(f"it cannot be read ({exc.strerror or exc})") from exc
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(status.st_mode):
             os.close(fd)
             raise self._not_a_ledger("it is not a regular file")
+        self._file = (status.st_dev, status.st_ino)
         return fd
 
     def _not_a_ledger(self, why: str) -> SensorError:

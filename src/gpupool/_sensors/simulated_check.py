@@ -7,7 +7,7 @@ field's type is checked once per content before the state is used
 
 from __future__ import annotations
 
-from gpupool._sensors.simulated_tree import tree_window_problem
+from gpupool._sensors.simulated_tree import is_pid_key, tree_window_problem
 
 __all__ = ["ledger_problem"]
 
@@ -52,6 +52,9 @@ def _field_problem(
             isinstance(value[key], bool) and bool not in types
         ):
             return f"{where}'s {key!r} is {value[key]!r}"
+        number = value[key]
+        if isinstance(number, int) and number < 0:  # every count and size is >= 0
+            return f"{where}'s {key!r} is {number!r}"
     return None
 
 
@@ -73,17 +76,17 @@ def ledger_problem(value: dict[str, object]) -> str | None:
             if not (
                 isinstance(entry, list)
                 and len(entry) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry)
             ):
                 return f"{where}'s co-tenant {name!r} is {entry!r}"
         for key, proc in dev["procs"].items():
-            if not key.isdigit() or not isinstance(proc, dict):
+            if not is_pid_key(key) or not isinstance(proc, dict):
                 return f"{where}'s process {key!r} is {proc!r}"
             problem = _field_problem(proc, _PROC_FIELDS, f"{where}'s process {key}")
             if problem is not None:
                 return problem
         for key, peak in dev["peaks"].items():
-            if not key.isdigit() or not isinstance(peak, int) or isinstance(peak, bool):
+            if not is_pid_key(key) or type(peak) is not int or peak < 0:
                 return f"{where}'s peak of {key!r} is {peak!r}"
         for root, window in dev["trees"].items():
             problem = tree_window_problem(root, window)

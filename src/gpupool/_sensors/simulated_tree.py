@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypedDict
 if TYPE_CHECKING:
     from gpupool._sensors.simulated import DeviceState, ProcessState
 
-__all__ = ["TreeWindow", "note_trees", "tree_bytes", "tree_window_problem"]
+__all__ = ["TreeWindow", "is_pid_key", "note_trees", "tree_bytes", "tree_window_problem"]
 
 
 class TreeWindow(TypedDict):
@@ -46,10 +46,23 @@ def note_trees(dev: DeviceState, key: str, proc: ProcessState) -> None:
             window["window"] = max(window["window"], tree_bytes(dev, root))
 
 
+def is_pid_key(key: object) -> bool:
+    """Whether ``key`` is a PID as the ledger writes one: ASCII decimal digits, no leading 0
+    (``str.isdigit`` alone takes a superscript "2", which ``int`` refuses, and other scripts'
+    digits, which ``int`` reads as another spelling of a PID)."""
+    return (
+        isinstance(key, str)
+        and key.isascii()
+        and key.isdigit()
+        and (key == "0" or not key.startswith("0"))
+    )
+
+
 def tree_window_problem(root: object, window: object) -> str | None:
     """What makes ``window`` not a tree window, or ``None``."""
-    if not isinstance(root, str) or not root.isdigit() or not isinstance(window, dict):
+    if not is_pid_key(root) or not isinstance(window, dict):
         return f"tree window {root!r} is {window!r}"
-    if not isinstance(window.get("start"), str) or type(window.get("window")) is not int:
+    size = window.get("window")
+    if not isinstance(window.get("start"), str) or type(size) is not int or size < 0:
         return f"tree window {root!r} is {window!r}"
     return None

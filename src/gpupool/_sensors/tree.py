@@ -32,11 +32,16 @@ _READ_BYTES = 8192
 
 
 def _read_small(path: str) -> bytes:
-    """The whole of a small ``/proc`` file (``os.open``/``os.read``: no file object)."""
+    """The whole of a small ``/proc`` file (``os.open``/``os.read``: no file object).
+
+    A read shorter than asked is not the end of the file: the kernel hands a
+    ``/proc`` file out at most a page per read (a ``children`` file of some
+    700 children is longer). Only an empty read is.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         data = os.read(fd, _READ_BYTES)
-        if len(data) < _READ_BYTES:
+        if not data:
             return data
         parts = [data]
         while data:
