@@ -26,6 +26,7 @@ from gpupool._core.planner import (
     Workers,
 )
 from gpupool._core.planner.fit import Booked, card_widths, fit
+from gpupool._core.planner.order import head_hold, keep_hold
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 
@@ -96,6 +97,71 @@ def test_the_fit_counts_what_fits_beside_the_runs_and_names_what_stops_more() ->
         state, ask, [Booked("a", 5 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
     )
     assert (capped.more, capped.limit) == (1, "out_of_memory")
+
+
+def test_on_unified_memory_the_width_counts_each_placed_tasks_child_rss_once() -> None:
+    """On unified memory each task is priced at its ask plus its child's RSS in the card's
+    room: 1 GiB + 1 GiB on 16 GiB is 8 at once. The width stated before any start places
+    the pending asks as admission does, so it says the 8 that then start (not 5, as it would
+    with each placed task's child RSS counted in its booking and again beside it)."""
+    planner = Planner(
+        census=census_of(
+            [card_census(total_bytes=16 * GiB, free_bytes=16 * GiB, unified=True)],
+            cpus=64,
+            available_ram_bytes=512 * GiB,
+        ),
+        asks=AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=GiB),
+        config=PlannerConfig(
+            max_workers=16, reserve_bytes=0, parent_pid=PARENT, child_rss_prior_bytes=GiB
+        ),
+        emit=lambda _record: None,
+    )
+    planner.construct(0.0)
+    for task in range(16):
+        planner.submit(task, "a")
+    assert planner.fit(0, planner.asks.ask("a"), []).more == 8
+    first = planner.next_start(0.0)
+    assert isinstance(first, Start)
+    assert planner.width == 8
+    planner.started(first.task, first.device, 100, 0.0)
+    assert len(start_all(planner, 0.0)) == 7
+
+
+def test_on_unified_memory_a_kept_hold_books_the_head_as_its_hold_was_chosen() -> None:
+    """A hold's booking is the head's share of its key's price (its child's RSS is priced
+    beside each booking by the fit): kept, it books the same, so the room beside the head
+    is not narrowed by its child's RSS twice."""
+    planner = Planner(
+        census=census_of(
+            [card_census(total_bytes=16 * GiB, free_bytes=16 * GiB, unified=True)],
+            cpus=64,
+            available_ram_bytes=512 * GiB,
+        ),
+        asks=AskTable(policy=Policy(reserve_bytes=0), default_estimate_bytes=3 * GiB),
+        config=PlannerConfig(
+            max_workers=16, reserve_bytes=0, parent_pid=PARENT, child_rss_prior_bytes=GiB
+        ),
+        emit=lambda _record: None,
+    )
+    planner.construct(0.0)
+    ask = planner.asks.ask("a")
+    state = planner.cards[0]
+    chosen = head_hold(
+        [state],
+        ask,
+        set(),
+        reserve_bytes=0,
+        ceiling=planner.ceiling,
+        expected_end_s=lambda run: run.started_s,
+    )
+    assert chosen is not None
+    assert chosen.held_bytes == 3 * GiB
+    kept = keep_hold(chosen, state, ask, reserve_bytes=0, ceiling=planner.ceiling)
+    assert kept is not None
+    assert kept.held_bytes == chosen.held_bytes
+    # Beside the held head (3 GiB + 1 GiB): three more tasks of 4 GiB on 16 GiB.
+    beside = fit(state, ask, kept.after(state), reserve_bytes=0, ceiling=planner.ceiling, slots=8)
+    assert beside.more == 3
 
 
 def test_unreadable_cards_run_one_at_a_time() -> None:

@@ -98,6 +98,13 @@ class Fit:
         return self.running + self.more
 
     @property
+    def next_booked_bytes(self) -> int:
+        """What one more task at the ask is booked at (its share of its key's price together),
+        without its child's RSS: what a what-if booking of it (:class:`Booked`) holds, as the
+        fit prices each booking's child RSS beside it."""
+        return self.next_bytes - self.bound.host_per_task_bytes
+
+    @property
     def left_bytes(self) -> int | None:
         """The room left once one more task is booked (``None``: unreadable)."""
         room = self.bound.room_bytes

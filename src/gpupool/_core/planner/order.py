@@ -195,4 +195,4 @@ def keep_hold(
     found = fit(card, ask, stays, reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
     if found.more == 0 or found.bound.room_bytes is None:
         return None
-    return Hold(device=hold.device, key=ask.key, held_bytes=found.next_bytes, ending=ending)
+    return Hold(device=hold.device, key=ask.key, held_bytes=found.next_booked_bytes, ending=ending)

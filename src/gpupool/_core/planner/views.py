@@ -349,9 +349,10 @@ class Views(PlannerBase):
                 ):
                     best = option
             if best is not None:
-                placed[best.device].place(ask.key, best.next_bytes)
+                # Booked without the child's RSS: the fit prices that beside each booking.
+                placed[best.device].place(ask.key, best.next_booked_bytes)
                 if self.hold is not None and best.device == self.hold.device:
-                    after.append(Booked(ask.key, best.next_bytes))
+                    after.append(Booked(ask.key, best.next_booked_bytes))
                 total += 1
         return max(1, min(total, self.ceiling.value))
 
