@@ -134,3 +134,41 @@ def test_a_queued_task_on_the_host_runs_after_its_worker_is_killed(tmp_path: Pat
         assert pending.cancelled()
     finally:
         pool.shutdown()
+
+
+def test_a_done_callback_that_crashes_the_dispatcher_leaves_the_turns_other_results_delivered(
+    tmp_path: Path,
+) -> None:
+    """A turn's results are set together at its end. The first one's done-callback raises
+    ``SystemExit`` on the dispatcher thread, which breaks the pool: the result read in the
+    same turn after it is still delivered, not failed as lost."""
+    gate, after_run, answered = tmp_path / "go", tmp_path / "after-run", tmp_path / "answered"
+    with _card():
+        pool = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+        try:
+            assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
+            running = pool.submit(queue_tasks.step, "wait", str(gate))
+            first = pool.submit(queue_tasks.step, "wait", str(after_run))
+            last = pool.submit(queue_tasks.step, "mark-after-answer", str(answered))
+            for future in (first, last):
+                wait_for(future.running, what="the next tasks queued behind the busy worker")
+
+            def after(_future: Future[int]) -> None:
+                # On the dispatcher thread, once ``running``'s result is set (the queued ones
+                # cannot have ended yet): let them run, and wait until the worker has
+                # answered both, so that the next turn reads the two answers together.
+                after_run.touch()
+                wait_for(answered.exists, timeout_s=60, what="both queued tasks answered")
+
+            running.add_done_callback(after)
+            first.add_done_callback(lambda _f: _exit())
+            gate.touch()
+            pid = running.result(timeout=60)
+            assert first.result(timeout=60) == pid
+            assert last.result(timeout=60) == pid  # delivered, not lost with the crash
+        finally:
+            pool.shutdown()
+
+
+def _exit() -> None:
+    raise SystemExit("a done-callback exits")

@@ -514,7 +514,10 @@ class Dispatcher:
             self._note_table()
             if self.results:  # results the turn that crashed had not delivered
                 self.publish()
-                self._deliver()
+                try:
+                    self._deliver()
+                except BaseException:  # a callback's, again: the futures are set all the same
+                    LOGGER.exception("a done-callback raised as the pool stopped")
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
                 self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
@@ -1154,12 +1157,22 @@ class Dispatcher:
 
     def _deliver(self) -> None:
         """Set the results of the turn's tasks; the caller published the snapshot that
-        counts them. Nothing of a result is kept here after it is set."""
+        counts them. Nothing of a result is kept here after it is set.
+
+        A done-callback that raises what is not an ``Exception`` (``SystemExit``) crashes
+        the dispatcher, but only after every other result of the turn is set: none of them
+        is failed as lost for it."""
         results, self.results = self.results, []
+        crash: BaseException | None = None
         while results:
             future, result = results.pop(0)
-            _set_result(future, result)
+            try:
+                _set_result(future, result)
+            except BaseException as exc:  # raised by a callback, after the result was set
+                crash = crash or exc
             del future, result
+        if crash is not None:
+            raise crash
 
     def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
         """Set ``future``'s exception and count its task failed, after a snapshot that counts
