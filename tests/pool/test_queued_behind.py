@@ -172,3 +172,27 @@ def test_a_done_callback_that_crashes_the_dispatcher_leaves_the_turns_other_resu
 
 def _exit() -> None:
     raise SystemExit("a done-callback exits")
+
+
+def test_no_worker_is_started_beside_one_that_has_yet_to_decline_its_queue(
+    tmp_path: Path,
+) -> None:
+    """After the run before them ran out of memory, the tasks queued behind it are yet to be
+    declined: their worker is about to be idle, so a pool of one worker starts no second
+    one for the task pending behind them (max_workers processes at most)."""
+    gate = tmp_path / "oom"
+    release = tmp_path / "oom-release"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        running, queued, pending = _busy_with_queued(pool, "oom-then-hold", gate)
+        gate.touch()
+        with pytest.raises(DeviceOutOfMemoryError):
+            running.result(timeout=60)
+        # The worker holds its declines. A task of another key, submitted now, is seen by a
+        # scheduling pass after the out-of-memory (the statistics name its key once one
+        # ended), which would have started a second worker for ``pending``.
+        other = pool.options(key="other").submit(queue_tasks.step, "ok")
+        wait_for(lambda: "other" in pool.statistics().widths_by_key, what="a pass after it")
+        release.touch()
+        pid = queued[0].result(timeout=60)
+        assert [f.result(timeout=60) for f in (*queued, pending, other)] == [pid] * 4
+        assert pool.statistics().workers_started == 1

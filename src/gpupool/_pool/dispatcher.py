@@ -836,13 +836,18 @@ class Dispatcher:
         return True
 
     def _worker_counts(self) -> Workers:
-        """The workers per card as the planner needs them: ready and idle, and booting."""
+        """The workers per card as the planner needs them: ready and idle, and booting.
+
+        A worker whose run ran out of device memory, with the tasks queued behind it yet to
+        be declined, runs nothing and is idle once it has declined them (answers, so
+        events): it counts as booting, so that no other worker is started in its place."""
         ready: collections.Counter[int | None] = collections.Counter()
         booting: collections.Counter[int | None] = collections.Counter()
         for worker in self._all_workers():
             if worker.gone or worker.retiring:
                 continue
-            if not worker.ready:
+            head = worker.task
+            if not worker.ready or (head is not None and head.task_id in self.planner.queued):
                 booting[worker.device] += 1
             elif worker.task is None:
                 ready[worker.device] += 1
