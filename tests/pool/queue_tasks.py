@@ -58,12 +58,16 @@ def step(action: str, path: str = "") -> int:
     ``oom-then-hold``: as ``oom-small``, and the worker then waits for ``path`` +
     ``"-release"`` before it reads its next message.
     ``mark-after-answer``: return, and create ``path`` once the answer is sent (when the
-    worker next reads). Every task that returns answers its worker's PID."""
+    worker next reads); ``raise-then-mark``: the same, raising ``ValueError``. Every task
+    that returns answers its worker's PID."""
     if action == "ok":
         return os.getpid()
     if action == "mark-after-answer":
         _mark_at_next_read(path)
         return os.getpid()
+    if action == "raise-then-mark":
+        _mark_at_next_read(path)
+        raise ValueError("raise-then-mark")
     if action == "mark":
         Path(path).touch()
         return os.getpid()

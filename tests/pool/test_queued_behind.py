@@ -196,3 +196,36 @@ def test_no_worker_is_started_beside_one_that_has_yet_to_decline_its_queue(
         pid = queued[0].result(timeout=60)
         assert [f.result(timeout=60) for f in (*queued, pending, other)] == [pid] * 4
         assert pool.statistics().workers_started == 1
+
+
+def test_futures_are_done_in_the_order_their_tasks_answered_a_failure_included(
+    tmp_path: Path,
+) -> None:
+    """One worker runs its tasks one after another: a task that fails after one that
+    returned is done after it, even when both answers are read in one turn (a result is set
+    at the turn's end; a failure must not overtake it)."""
+    gate, after_run, answered = tmp_path / "go", tmp_path / "after-run", tmp_path / "answered"
+    order: list[str] = []
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
+        running = pool.submit(queue_tasks.step, "wait", str(gate))
+        first = pool.submit(queue_tasks.step, "wait", str(after_run))
+        last = pool.submit(queue_tasks.step, "raise-then-mark", str(answered))
+        for future in (first, last):
+            wait_for(future.running, what="the next tasks queued behind the busy worker")
+
+        def after(_future: Future[int]) -> None:
+            # On the dispatcher thread, once ``running``'s result is set: the queued tasks
+            # run, and both answer before the next turn reads them.
+            order.append("running")
+            after_run.touch()
+            wait_for(answered.exists, timeout_s=60, what="both queued tasks answered")
+
+        running.add_done_callback(after)
+        first.add_done_callback(lambda _f: order.append("first"))
+        last.add_done_callback(lambda _f: order.append("last"))
+        gate.touch()
+        with pytest.raises(ValueError, match="raise-then-mark"):
+            last.result(timeout=60)
+        assert first.result(timeout=60) == running.result(timeout=60)
+    assert order == ["running", "first", "last"]

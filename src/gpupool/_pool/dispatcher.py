@@ -1181,7 +1181,13 @@ class Dispatcher:
 
     def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
         """Set ``future``'s exception and count its task failed, after a snapshot that counts
-        it: every future the pool fails is counted here, once (one already done is left)."""
+        it: every future the pool fails is counted here, once (one already done is left).
+
+        The turn's results so far are set first: a failure never overtakes a result that
+        answered before it (one worker's tasks are done in the order they ran)."""
+        if self.results:
+            self.publish()
+            self._deliver()
         if future.done():
             return
         self.counts["failed"] += 1
