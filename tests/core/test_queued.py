@@ -150,3 +150,23 @@ def test_a_short_key_with_a_long_task_among_its_last_is_not_queued() -> None:
     _run(planner, 4, "k", 4.0)
     planner.submit(5, "k")
     assert planner.queue_behind(4) == 5
+
+
+def test_tasks_sent_back_from_two_runs_told_in_turn_keep_each_runs_order() -> None:
+    """Two workers' queues go back at once (one worker's declines are read between another's):
+    the tasks queued behind each run keep their order, whatever is told between them."""
+    planner = _planner()
+    _timed(planner, "k", 0.0)
+    _run(planner, 1, "k", 1.0)
+    _run(planner, 5, "k", 1.0)
+    for task in (2, 3, 6, 7, 8):
+        planner.submit(task, "k")
+    assert [planner.queue_behind(1), planner.queue_behind(1)] == [2, 3]
+    assert [planner.queue_behind(5), planner.queue_behind(5)] == [6, 7]
+    planner.lost(1, 1.5, message="worker lost", extra={})
+    planner.lost(5, 1.5, message="worker lost", extra={})
+    for task in (2, 6, 3, 7):  # each run's in their queue order, the runs' in turn
+        planner.requeue(task)
+    pending = list(planner.pending)
+    assert pending.index(2) < pending.index(3) and pending.index(6) < pending.index(7)
+    assert pending[-1] == 8 and planner.queued == {}

@@ -134,3 +134,98 @@ def test_a_queued_task_on_the_host_runs_after_its_worker_is_killed(tmp_path: Pat
         assert pending.cancelled()
     finally:
         pool.shutdown()
+
+
+def test_a_done_callback_that_crashes_the_dispatcher_leaves_the_turns_other_results_delivered(
+    tmp_path: Path,
+) -> None:
+    """A turn's results are set together at its end. The first one's done-callback raises
+    ``SystemExit`` on the dispatcher thread, which breaks the pool: the result read in the
+    same turn after it is still delivered, not failed as lost."""
+    gate, after_run, answered = tmp_path / "go", tmp_path / "after-run", tmp_path / "answered"
+    with _card():
+        pool = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
+        try:
+            assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
+            running = pool.submit(queue_tasks.step, "wait", str(gate))
+            first = pool.submit(queue_tasks.step, "wait", str(after_run))
+            last = pool.submit(queue_tasks.step, "mark-after-answer", str(answered))
+            for future in (first, last):
+                wait_for(future.running, what="the next tasks queued behind the busy worker")
+
+            def after(_future: Future[int]) -> None:
+                # On the dispatcher thread, once ``running``'s result is set (the queued ones
+                # cannot have ended yet): let them run, and wait until the worker has
+                # answered both, so that the next turn reads the two answers together.
+                after_run.touch()
+                wait_for(answered.exists, timeout_s=60, what="both queued tasks answered")
+
+            running.add_done_callback(after)
+            first.add_done_callback(lambda _f: _exit())
+            gate.touch()
+            pid = running.result(timeout=60)
+            assert first.result(timeout=60) == pid
+            assert last.result(timeout=60) == pid  # delivered, not lost with the crash
+        finally:
+            pool.shutdown()
+
+
+def _exit() -> None:
+    raise SystemExit("a done-callback exits")
+
+
+def test_no_worker_is_started_beside_one_that_has_yet_to_decline_its_queue(
+    tmp_path: Path,
+) -> None:
+    """After the run before them ran out of memory, the tasks queued behind it are yet to be
+    declined: their worker is about to be idle, so a pool of one worker starts no second
+    one for the task pending behind them (max_workers processes at most)."""
+    gate = tmp_path / "oom"
+    release = tmp_path / "oom-release"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        running, queued, pending = _busy_with_queued(pool, "oom-then-hold", gate)
+        gate.touch()
+        with pytest.raises(DeviceOutOfMemoryError):
+            running.result(timeout=60)
+        # The worker holds its declines. A task of another key, submitted now, is seen by a
+        # scheduling pass after the out-of-memory (the statistics name its key once one
+        # ended), which would have started a second worker for ``pending``.
+        other = pool.options(key="other").submit(queue_tasks.step, "ok")
+        wait_for(lambda: "other" in pool.statistics().widths_by_key, what="a pass after it")
+        release.touch()
+        pid = queued[0].result(timeout=60)
+        assert [f.result(timeout=60) for f in (*queued, pending, other)] == [pid] * 4
+        assert pool.statistics().workers_started == 1
+
+
+def test_futures_are_done_in_the_order_their_tasks_answered_a_failure_included(
+    tmp_path: Path,
+) -> None:
+    """One worker runs its tasks one after another: a task that fails after one that
+    returned is done after it, even when both answers are read in one turn (a result is set
+    at the turn's end; a failure must not overtake it)."""
+    gate, after_run, answered = tmp_path / "go", tmp_path / "after-run", tmp_path / "answered"
+    order: list[str] = []
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
+        running = pool.submit(queue_tasks.step, "wait", str(gate))
+        first = pool.submit(queue_tasks.step, "wait", str(after_run))
+        last = pool.submit(queue_tasks.step, "raise-then-mark", str(answered))
+        for future in (first, last):
+            wait_for(future.running, what="the next tasks queued behind the busy worker")
+
+        def after(_future: Future[int]) -> None:
+            # On the dispatcher thread, once ``running``'s result is set: the queued tasks
+            # run, and both answer before the next turn reads them.
+            order.append("running")
+            after_run.touch()
+            wait_for(answered.exists, timeout_s=60, what="both queued tasks answered")
+
+        running.add_done_callback(after)
+        first.add_done_callback(lambda _f: order.append("first"))
+        last.add_done_callback(lambda _f: order.append("last"))
+        gate.touch()
+        with pytest.raises(ValueError, match="raise-then-mark"):
+            last.result(timeout=60)
+        assert first.result(timeout=60) == running.result(timeout=60)
+    assert order == ["running", "first", "last"]

@@ -514,7 +514,10 @@ class Dispatcher:
             self._note_table()
             if self.results:  # results the turn that crashed had not delivered
                 self.publish()
-                self._deliver()
+                try:
+                    self._deliver()
+                except BaseException:  # a callback's, again: the futures are set all the same
+                    LOGGER.exception("a done-callback raised as the pool stopped")
             lost = list(self.unresolved)
             for future in lost:  # never leave a future pending, even after a bug
                 self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
@@ -833,13 +836,18 @@ class Dispatcher:
         return True
 
     def _worker_counts(self) -> Workers:
-        """The workers per card as the planner needs them: ready and idle, and booting."""
+        """The workers per card as the planner needs them: ready and idle, and booting.
+
+        A worker whose run ran out of device memory, with the tasks queued behind it yet to
+        be declined, runs nothing and is idle once it has declined them (answers, so
+        events): it counts as booting, so that no other worker is started in its place."""
         ready: collections.Counter[int | None] = collections.Counter()
         booting: collections.Counter[int | None] = collections.Counter()
         for worker in self._all_workers():
             if worker.gone or worker.retiring:
                 continue
-            if not worker.ready:
+            head = worker.task
+            if not worker.ready or (head is not None and head.task_id in self.planner.queued):
                 booting[worker.device] += 1
             elif worker.task is None:
                 ready[worker.device] += 1
@@ -1154,16 +1162,32 @@ class Dispatcher:
 
     def _deliver(self) -> None:
         """Set the results of the turn's tasks; the caller published the snapshot that
-        counts them. Nothing of a result is kept here after it is set."""
+        counts them. Nothing of a result is kept here after it is set.
+
+        A done-callback that raises what is not an ``Exception`` (``SystemExit``) crashes
+        the dispatcher, but only after every other result of the turn is set: none of them
+        is failed as lost for it."""
         results, self.results = self.results, []
+        crash: BaseException | None = None
         while results:
             future, result = results.pop(0)
-            _set_result(future, result)
+            try:
+                _set_result(future, result)
+            except BaseException as exc:  # raised by a callback, after the result was set
+                crash = crash or exc
             del future, result
+        if crash is not None:
+            raise crash
 
     def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
         """Set ``future``'s exception and count its task failed, after a snapshot that counts
-        it: every future the pool fails is counted here, once (one already done is left)."""
+        it: every future the pool fails is counted here, once (one already done is left).
+
+        The turn's results so far are set first: a failure never overtakes a result that
+        answered before it (one worker's tasks are done in the order they ran)."""
+        if self.results:
+            self.publish()
+            self._deliver()
         if future.done():
             return
         self.counts["failed"] += 1

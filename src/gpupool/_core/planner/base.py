@@ -96,9 +96,9 @@ class PlannerBase:
         self._sensor_errors: set[tuple[int, str]] = set()
         # Tasks queued behind a running one on its worker (queued -> the run it waits on).
         self.queued: dict[TaskId, TaskId] = {}
-        # The last queued task sent back to the queue, and the run it followed: the next one
-        # sent back from that run goes after it (planner/queued).
-        self._requeued_last: tuple[TaskId, TaskId] | None = None
+        # By run with tasks still queued behind it, the last of them sent back to the queue:
+        # the next one sent back from that run goes after it (planner/queued).
+        self._requeued_last: dict[TaskId, TaskId] = {}
         # Tasks were submitted since the width was last derived (a start then derives it).
         self._width_due = False
         # A term of the cards' rooms for one task moved (a co-tenant at census, the child's

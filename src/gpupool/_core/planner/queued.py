@@ -133,19 +133,27 @@ class Queued(Starts):
         """``task`` was queued behind a run whose worker is gone (or declined it): it never
         ran, so it goes back to the head of the pending queue; after the task queued behind
         the same run that went back just before it (told in their queue order, the tasks
-        of one run keep it)."""
+        of one run keep it, whatever other runs' tasks are told between them)."""
         followed = self.queued.pop(task, None)
         if followed is None:
             return
-        before = self._requeued_last
-        self._requeued_last = (followed, task)
-        if before is not None and before[0] == followed and before[1] in self.pending:
+        before = self._requeued_last.get(followed)
+        if before is not None and before in self.pending:
             # Queued behind the same run after the one told before it: it follows that one.
-            self.pending.insert(self.pending.index(before[1]) + 1, task)
+            self.pending.insert(self.pending.index(before) + 1, task)
         else:
             self.pending.appendleft(task)
         self._pending_by_key[self.tasks[task].key] += 1
+        self._requeued_last[followed] = task
+        self._forget_requeued(followed)
+
+    def _forget_requeued(self, followed: TaskId) -> None:
+        """No task waits behind ``followed`` any more: none of its is sent back after now."""
+        if followed in self._requeued_last and followed not in self.queued.values():
+            del self._requeued_last[followed]
 
     def _drop_queued(self, task: TaskId) -> None:
         """``task`` left the planner (failed or withdrawn) while queued."""
-        self.queued.pop(task, None)
+        followed = self.queued.pop(task, None)
+        if followed is not None:
+            self._forget_requeued(followed)
