@@ -188,3 +188,28 @@ def test_a_pool_keeps_a_worker_for_its_share_while_the_room_goes_round() -> None
     assert b.fit(0, b.asks.ask("b"), [], slots=3).more == 1
     assert b.warm_limit(0, 0.0) == 2
     assert a.warm_limit(0, 0.0) == 2  # A's two running tasks
+
+
+def test_a_row_that_claims_to_wait_holds_the_room_at_most_half_the_time_with_mixed_tasks() -> None:
+    """As above, but A's tasks alternate between 1 s and 0.3 s. Each turn lasts as long as
+    the task that opened it ran, but the second slot then runs a short task and a long one
+    ends at once after the turn: the turns followed each other with no gap, and the row held
+    the second slot two thirds of the time. A turn the waiting pool does not take is
+    followed by as long without one: the second slot runs at least half the time."""
+    records: list[Decision] = []
+    a = _planner(records, 1, max_workers=2)
+    for t in range(2000):
+        a.submit(t, "a")
+    second_slot_steps = 0
+    steps = int(60 / STEP_S)
+    for step in range(steps):
+        now_s = round(step * STEP_S, 6)
+        for task, run in list(a.running.items()):
+            if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
+                a.finished(task, None, now_s)
+        a.observe_others(0, _claims_to_wait(now_s), now_s)
+        _start_all(a, now_s, 2000 + step * 10)
+        assert len(a.running) >= 1  # its one task always runs
+        second_slot_steps += len(a.running) - 1
+    assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")
+    assert 2 * second_slot_steps >= steps
