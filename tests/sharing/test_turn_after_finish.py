@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
@@ -188,3 +190,59 @@ def test_a_pool_keeps_a_worker_for_its_share_while_the_room_goes_round() -> None
     assert b.fit(0, b.asks.ask("b"), [], slots=3).more == 1
     assert b.warm_limit(0, 0.0) == 2
     assert a.warm_limit(0, 0.0) == 2  # A's two running tasks
+
+
+def test_a_row_that_claims_to_wait_holds_the_room_at_most_half_the_time_with_mixed_tasks() -> None:
+    """As above, but A's tasks alternate between 1 s and 0.3 s. Each turn lasts as long as
+    the task that opened it ran, but the second slot then runs a short task and a long one
+    ends at once after the turn: the turns followed each other with no gap, and the row held
+    the second slot two thirds of the time. A turn the waiting pool does not take is
+    followed by as long without one: the second slot runs at least half the time."""
+    records: list[Decision] = []
+    a = _planner(records, 1, max_workers=2)
+    for t in range(2000):
+        a.submit(t, "a")
+    second_slot_steps = 0
+    steps = int(60 / STEP_S)
+    for step in range(steps):
+        now_s = round(step * STEP_S, 6)
+        for task, run in list(a.running.items()):
+            if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
+                a.finished(task, None, now_s)
+        a.observe_others(0, _claims_to_wait(now_s), now_s)
+        _start_all(a, now_s, 2000 + step * 10)
+        assert len(a.running) >= 1  # its one task always runs
+        second_slot_steps += len(a.running) - 1
+    assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")
+    assert 2 * second_slot_steps >= steps
+
+
+def test_a_row_that_books_a_byte_more_now_and_then_has_not_taken_the_turn() -> None:
+    """As above, but the row books one byte more at every other read: a pool that books more
+    than when the turn opened took it, and the next turn may open at once; a byte more is
+    not taking the room it waits for (half its need or more is), so the row still holds
+    the second slot at most half the time."""
+    records: list[Decision] = []
+    a = _planner(records, 1, max_workers=2)
+    for t in range(2000):
+        a.submit(t, "a")
+    second_slot_steps = 0
+    steps = int(60 / STEP_S)
+    for step in range(steps):
+        now_s = round(step * STEP_S, 6)
+        for task, run in list(a.running.items()):
+            if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
+                a.finished(task, None, now_s)
+        others = _claims_to_wait(now_s)
+        if step % 2:
+            row = others.pools[0]
+            more = TaskBooking(worker_pid=902, key="x", booked_bytes=1, reached_bytes=0)
+            others = OtherPools(
+                card_uuid=UUID,
+                pools=(dataclasses.replace(row, tasks=(*row.tasks, more)),),
+            )
+        a.observe_others(0, others, now_s)
+        _start_all(a, now_s, 2000 + step * 10)
+        second_slot_steps += len(a.running) - 1
+    assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")
+    assert 2 * second_slot_steps >= steps

@@ -48,7 +48,12 @@ from gpupool._core.planner.evidence import rooms_alone_bytes, varied_peaks
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
 from gpupool._core.planner.queued import Queued
 from gpupool._core.planner.samples import split_reading
-from gpupool._core.planner.sharing import note_freed, note_starved, others_terms
+from gpupool._core.planner.sharing import (
+    note_freed,
+    note_starved,
+    note_turn_taken,
+    others_terms,
+)
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
     ASK_RECORD_STEP,
@@ -291,6 +296,7 @@ class Planner(Queued):
         card.others_overrun_bytes = terms.overrun_bytes
         card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
         note_starved(card, now_s)
+        note_turn_taken(card)
         if census:
             card.others_at_census_bytes = terms.held_bytes
             self._rooms_due = True

@@ -53,6 +53,7 @@ __all__ = [
     "gives_way",
     "note_freed",
     "note_starved",
+    "note_turn_taken",
     "others_terms",
     "owed_bytes",
     "owes_room",
@@ -324,10 +325,42 @@ def note_freed(card: Card, run: Run, now_s: float) -> None:
     card's runs): the room it freed goes first, for as long as it ran and at most
     :data:`TURN_S`, to a waiting pool that holds less than this pool did before it ended
     (:func:`gives_way`). A turn still open is neither lengthened nor lowered, so each
-    task that ends leaves its room idle at most as long as it ran."""
-    if now_s >= card.give_way_until_s:
-        card.give_way_until_s = now_s + min(max(0.0, now_s - run.started_s), TURN_S)
-        card.give_way_below_bytes = card.booked_bytes + run.booked_bytes
+    task that ends leaves its room idle at most as long as it ran. A turn that held a
+    start and that no other pool took (none that waited when it opened books half its
+    need more there since) is followed by as long without one: rows that say they wait
+    and never start hold the room at most half the time, whatever the lengths of this
+    pool's tasks."""
+    if now_s < card.give_way_until_s:
+        return
+    if now_s < card.give_way_rest_until_s:
+        return
+    turn_s = min(max(0.0, now_s - run.started_s), TURN_S)
+    card.give_way_until_s = now_s + turn_s
+    card.give_way_turn_s = turn_s
+    card.give_way_below_bytes = card.booked_bytes + run.booked_bytes
+    pools = card.others.pools if card.others is not None else ()
+    card.give_way_booked = {
+        pool.pool_id: (pool.booked_bytes, pool.need_bytes) for pool in pools if pool.waiting
+    }
+
+
+def note_turn_taken(card: Card) -> None:
+    """The other pools' rows on ``card`` were read again: where a pool that waited there
+    when this pool's last turn opened books at least half the room it waited for more now,
+    it took the turn, and the next may open at once (a pool that came since cannot have
+    taken it; a row that books a byte more has not)."""
+    if card.others is not None and any(
+        _took(pool.booked_bytes, card.give_way_booked.get(pool.pool_id))
+        for pool in card.others.pools
+    ):
+        card.give_way_rest_until_s = float("-inf")
+
+
+def _took(booked_bytes: int, opened: tuple[int, int] | None) -> bool:
+    if opened is None:
+        return False
+    was_bytes, need_bytes = opened
+    return need_bytes > 0 and booked_bytes - was_bytes >= (need_bytes + 1) // 2
 
 
 def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> GiveWay | None:
@@ -364,6 +397,9 @@ def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
                 left_bytes=left,
                 turn_left_s=card.give_way_until_s - now_s,
             )
+    if found is not None:
+        # This turn holds a start: unless a pool takes it, none opens for as long after it.
+        card.give_way_rest_until_s = card.give_way_until_s + card.give_way_turn_s
     return found
 
 

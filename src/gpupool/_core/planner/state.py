@@ -135,6 +135,13 @@ class Card:
     # and what it booked then (``sharing.gives_way``).
     give_way_until_s: float = float("-inf")
     give_way_below_bytes: int = 0
+    # How long the last turn here lasts; until when no new turn opens here (a turn that held
+    # a start and no pool took is followed by as long without one); and what each other pool
+    # that waited here when the last turn opened booked then and waited for: one that books
+    # half that more since took it (``sharing.note_freed``).
+    give_way_turn_s: float = 0.0
+    give_way_rest_until_s: float = float("-inf")
+    give_way_booked: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
