@@ -89,3 +89,44 @@ def test_a_pool_leaves_the_default_start_method_unset() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["None", "forkserver"]
+
+
+_BOOT_DEATH_WITH_BIG_INITARGS = """
+import concurrent.futures, os
+from gpupool import GpuPoolExecutor
+
+def init(blob):
+    pass
+
+if __name__ == "__main__":
+    ex = GpuPoolExecutor(
+        max_workers=1, env={{"PYTHONPATH": {boot!r}}}, initializer=init,
+        initargs=(b"x" * {size_bytes},),
+    )
+    future = ex.submit(abs, -1)
+    done, _ = concurrent.futures.wait([future], timeout=120)
+    if not done:  # the pool would never answer: say so, and leave at once
+        print("pending", flush=True)
+        os._exit(1)
+    print(type(future.exception()).__name__, flush=True)
+    ex.shutdown()
+"""
+
+
+@pytest.mark.parametrize("size_bytes", [16, 4 * 2**20], ids=["small", "beyond-a-pipe"])
+def test_a_worker_that_dies_before_reading_its_start_data_fails_like_any_boot_death(
+    tmp_path: Path, size_bytes: int
+) -> None:
+    """A worker whose interpreter exits as it starts (a sitecustomize that exits) breaks
+    the pool with InitializerError whatever the size of its start data (before: with
+    initargs beyond a pipe's buffer, the parent kept the child's end of the pipe open
+    while it wrote, and the pool hung for ever in that write)."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
+    script = _BOOT_DEATH_WITH_BIG_INITARGS.format(boot=str(boot), size_bytes=size_bytes)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    assert done.stdout.split() == ["InitializerError"]

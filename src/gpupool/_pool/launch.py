@@ -175,8 +175,17 @@ class _Popen(popen_fork.Popen):
             env = {**os.environ, **process_obj.env}
             self.pid = fork_exec(cmd, self._fds, env)
             self.sentinel = parent_r
-            with open(parent_w, "wb", closefd=False) as f:
-                f.write(fp.getbuffer())
+            # The child's ends are closed before the write: a child that dies before it
+            # read everything (a start-up that exits) breaks the pipe instead of leaving
+            # the write blocked for ever on a full pipe the parent itself kept open.
+            os.close(child_r)
+            os.close(child_w)
+            child_r = child_w = None
+            try:
+                with open(parent_w, "wb", closefd=False) as f:
+                    f.write(fp.getbuffer())
+            except BrokenPipeError:
+                pass  # it exited before it read all: its exit is seen like any other
         finally:
             self.finalizer = util.Finalize(
                 self,
