@@ -5,6 +5,7 @@ multiprocessing settings as they were."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -130,3 +131,14 @@ def test_a_worker_that_dies_before_reading_its_start_data_fails_like_any_boot_de
     )
     assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
     assert done.stdout.split() == ["InitializerError"]
+
+
+def test_an_environment_the_kernel_refuses_fails_the_task_with_the_exec_error() -> None:
+    """A variable beyond what ``execve`` takes (one string over 128 KiB on Linux) fails the
+    task with the exec's own error, E2BIG (before: the pipe the child reports an exec
+    failure on was closed in it before its exec, so the cause went unseen)."""
+    with GpuPoolExecutor(max_workers=1, env={"HUGE": "a" * 2**18}) as ex:
+        future = ex.submit(abs, -1)
+        with pytest.raises(OSError, match="could not run") as caught:
+            future.result(timeout=240)
+    assert caught.value.errno == errno.E2BIG, caught.value

@@ -61,7 +61,6 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
 
     encoded_args = [os.fsencode(arg) for arg in args]
     encoded_env = [os.fsencode(f"{key}={value}") for key, value in env.items()]
-    fds = tuple(sorted({int(fd) for fd in pass_fds}))
     # The signature of this private call changed twice (3.11: process group; 3.14: no vfork
     # flag); multiprocessing's own spawn (util.spawnv_passfds) makes the same call.
     if sys.version_info >= (3, 14):
@@ -73,6 +72,8 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
     else:
         tail, group = (), ()
     errpipe_read, errpipe_write = os.pipe()
+    # Kept open in the child until its exec (close-on-exec), to report an exec that failed.
+    fds = tuple(sorted({int(fd) for fd in pass_fds} | {errpipe_write}))
     try:
         pid: int = call(
             encoded_args,
@@ -99,10 +100,40 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
             None,  # preexec_fn
             *tail,
         )
+        os.close(errpipe_write)
+        errpipe_write = -1
+        _raise_exec_error(pid, os.fsdecode(args[0]), errpipe_read)
         return pid
     finally:
         os.close(errpipe_read)
-        os.close(errpipe_write)
+        if errpipe_write != -1:
+            os.close(errpipe_write)
+
+
+def _raise_exec_error(pid: int, executable: str, errpipe_read: int) -> None:
+    """Raise the error the child met before its ``exec`` succeeded (``E2BIG`` for an
+    environment the kernel refuses, ``ENOENT`` for a missing interpreter), as
+    :mod:`subprocess` does; return once it ran the interpreter (the pipe closed on exec)."""
+    data = b""
+    while True:
+        part = os.read(errpipe_read, 50_000)
+        data += part
+        if not part or len(data) > 50_000:
+            break
+    if not data:
+        return
+    os.waitpid(pid, 0)  # it exits at once after the report: reap it
+    name, _, rest = data.partition(b":")
+    hex_errno, _, message = rest.partition(b":")
+    try:
+        errno_num = int(hex_errno, 16)
+    except ValueError:
+        errno_num = 0
+    what = f"could not run {executable!r} for a worker process"
+    if errno_num:
+        raise OSError(errno_num, f"{os.strerror(errno_num)} ({what})")
+    detail = (name + b": " + message).decode(errors="replace")
+    raise OSError(f"{what}: {detail}")
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
