@@ -142,3 +142,25 @@ def test_an_environment_the_kernel_refuses_fails_the_task_with_the_exec_error() 
         with pytest.raises(OSError, match="could not run") as caught:
             future.result(timeout=240)
     assert caught.value.errno == errno.E2BIG, caught.value
+
+
+def test_a_worker_starts_when_the_parents_working_directory_was_removed(tmp_path: Path) -> None:
+    """A program whose working directory was removed (a temporary directory cleaned up
+    under it) still gets workers (before: every start failed in os.getcwd(), and every task
+    with FileNotFoundError)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (
+        "import os\n"
+        "from gpupool import GpuPoolExecutor\n"
+        "if __name__ == '__main__':\n"
+        f"    os.chdir({str(gone)!r})\n"
+        f"    os.rmdir({str(gone)!r})\n"
+        "    with GpuPoolExecutor(max_workers=1) as ex:\n"
+        "        print(ex.submit(abs, -2).result(timeout=120))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.split() == ["2"]

@@ -51,9 +51,11 @@ class _DupFd:
         return self.fd
 
 
-def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) -> int:
-    """Start ``args`` with exactly ``env`` as its environment; only ``pass_fds`` (and stdio)
-    stay open in it. Returns its PID."""
+def fork_exec(
+    args: list[str], pass_fds: Iterable[int], env: Mapping[str, str], cwd: str | None = None
+) -> int:
+    """Start ``args`` with exactly ``env`` as its environment, in ``cwd`` (``None``: this
+    process's); only ``pass_fds`` (and stdio) stay open in it. Returns its PID."""
     import _posixsubprocess
     import subprocess
 
@@ -80,7 +82,7 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
             encoded_args[:1],
             True,  # close_fds
             fds,
-            None,  # cwd
+            None if cwd is None else os.fsencode(cwd),
             encoded_env,
             -1,
             -1,
@@ -162,8 +164,11 @@ def _preparation_data(name: str) -> dict[str, Any]:
         "sys_argv": sys.argv,
         "sys_path": sys_path,
         "orig_dir": process.ORIGINAL_DIR,  # type: ignore[attr-defined]
-        "dir": os.getcwd(),
     }
+    try:
+        data["dir"] = os.getcwd()
+    except FileNotFoundError:
+        pass  # removed: the child starts in the root directory (see _Popen._launch)
     logger = util._logger  # type: ignore[attr-defined]
     if logger is not None:
         data["log_level"] = logger.getEffectiveLevel()
@@ -204,7 +209,10 @@ class _Popen(popen_fork.Popen):
             cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
             self._fds.extend([child_r, child_w])
             env = {**os.environ, **process_obj.env}
-            self.pid = fork_exec(cmd, self._fds, env)
+            # A removed working directory is no place to start an interpreter (3.13's
+            # imports fail in it): the child starts in the root directory instead.
+            cwd = None if "dir" in prep_data else os.path.abspath(os.sep)
+            self.pid = fork_exec(cmd, self._fds, env, cwd)
             self.sentinel = parent_r
             # The child's ends are closed before the write: a child that dies before it
             # read everything (a start-up that exits) breaks the pipe instead of leaving
