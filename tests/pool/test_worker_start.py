@@ -9,6 +9,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import start_tasks
 
-from gpupool import GpuPoolExecutor
+from gpupool import GpuPoolExecutor, InitializerError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
@@ -94,7 +95,7 @@ def test_a_pool_leaves_the_default_start_method_unset() -> None:
 
 _BOOT_DEATH_WITH_BIG_INITARGS = """
 import concurrent.futures, os
-from gpupool import GpuPoolExecutor
+from gpupool import GpuPoolExecutor, InitializerError
 
 def init(blob):
     pass
@@ -164,3 +165,19 @@ def test_a_worker_starts_when_the_parents_working_directory_was_removed(tmp_path
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.split() == ["2"]
+
+
+def test_initargs_that_cannot_be_pickled_break_the_pool_at_once() -> None:
+    """initargs no worker can be sent (a thread lock) break the pool with InitializerError
+    saying so, as an initializer that raises does, and no process is started (before: each
+    task went through the start retries and failed alone with 'could not start a worker
+    process', and the pool went on failing every task the same way)."""
+    with GpuPoolExecutor(
+        max_workers=1, initializer=start_tasks.loaded, initargs=(threading.Lock(),)
+    ) as ex:
+        future = ex.submit(abs, -1)
+        with pytest.raises(InitializerError, match="cannot be sent to a worker process"):
+            future.result(timeout=240)
+        with pytest.raises(InitializerError):
+            ex.submit(abs, -2)
+        assert ex.statistics().workers_started == 0

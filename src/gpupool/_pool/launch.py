@@ -38,7 +38,12 @@ from typing import Any, ClassVar
 
 import cloudpickle
 
-__all__ = ["WorkerContext", "WorkerProcess", "fork_exec"]
+__all__ = ["StartDataError", "WorkerContext", "WorkerProcess", "fork_exec"]
+
+
+class StartDataError(Exception):
+    """What a worker starts with (its target's arguments: the initializer and its initargs)
+    could not be pickled; no process was started. Starting again cannot help."""
 
 
 class _DupFd:
@@ -199,7 +204,10 @@ class _Popen(popen_fork.Popen):
         set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             ForkingPickler(fp).dump(prep_data)
-            _Pickler(fp).dump(process_obj)
+            try:
+                _Pickler(fp).dump(process_obj)
+            except Exception as exc:
+                raise StartDataError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             set_spawning_popen(None)
         parent_r = child_w = child_r = parent_w = None
