@@ -5,9 +5,11 @@ multiprocessing settings as they were."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import start_tasks
 
-from gpupool import GpuPoolExecutor
+from gpupool import GpuPoolExecutor, InitializerError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
@@ -89,3 +91,93 @@ def test_a_pool_leaves_the_default_start_method_unset() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["None", "forkserver"]
+
+
+_BOOT_DEATH_WITH_BIG_INITARGS = """
+import concurrent.futures, os
+from gpupool import GpuPoolExecutor, InitializerError
+
+def init(blob):
+    pass
+
+if __name__ == "__main__":
+    ex = GpuPoolExecutor(
+        max_workers=1, env={{"PYTHONPATH": {boot!r}}}, initializer=init,
+        initargs=(b"x" * {size_bytes},),
+    )
+    future = ex.submit(abs, -1)
+    done, _ = concurrent.futures.wait([future], timeout=120)
+    if not done:  # the pool would never answer: say so, and leave at once
+        print("pending", flush=True)
+        os._exit(1)
+    print(type(future.exception()).__name__, flush=True)
+    ex.shutdown()
+"""
+
+
+@pytest.mark.parametrize("size_bytes", [16, 4 * 2**20], ids=["small", "beyond-a-pipe"])
+def test_a_worker_that_dies_before_reading_its_start_data_fails_like_any_boot_death(
+    tmp_path: Path, size_bytes: int
+) -> None:
+    """A worker whose interpreter exits as it starts (a sitecustomize that exits) breaks
+    the pool with InitializerError whatever the size of its start data (before: with
+    initargs beyond a pipe's buffer, the parent kept the child's end of the pipe open
+    while it wrote, and the pool hung for ever in that write)."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
+    script = _BOOT_DEATH_WITH_BIG_INITARGS.format(boot=str(boot), size_bytes=size_bytes)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    assert done.stdout.split() == ["InitializerError"]
+
+
+def test_an_environment_the_kernel_refuses_fails_the_task_with_the_exec_error() -> None:
+    """A variable beyond what ``execve`` takes (one string over 128 KiB on Linux) fails the
+    task with the exec's own error, E2BIG (before: the pipe the child reports an exec
+    failure on was closed in it before its exec, so the cause went unseen)."""
+    with GpuPoolExecutor(max_workers=1, env={"HUGE": "a" * 2**18}) as ex:
+        future = ex.submit(abs, -1)
+        with pytest.raises(OSError, match="could not run") as caught:
+            future.result(timeout=240)
+    assert caught.value.errno == errno.E2BIG, caught.value
+
+
+def test_a_worker_starts_when_the_parents_working_directory_was_removed(tmp_path: Path) -> None:
+    """A program whose working directory was removed (a temporary directory cleaned up
+    under it) still gets workers (before: every start failed in os.getcwd(), and every task
+    with FileNotFoundError)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (
+        "import os\n"
+        "from gpupool import GpuPoolExecutor\n"
+        "if __name__ == '__main__':\n"
+        f"    os.chdir({str(gone)!r})\n"
+        f"    os.rmdir({str(gone)!r})\n"
+        "    with GpuPoolExecutor(max_workers=1) as ex:\n"
+        "        print(ex.submit(abs, -2).result(timeout=120))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.split() == ["2"]
+
+
+def test_initargs_that_cannot_be_pickled_break_the_pool_at_once() -> None:
+    """initargs no worker can be sent (a thread lock) break the pool with InitializerError
+    saying so, as an initializer that raises does, and no process is started (before: each
+    task went through the start retries and failed alone with 'could not start a worker
+    process', and the pool went on failing every task the same way)."""
+    with GpuPoolExecutor(
+        max_workers=1, initializer=start_tasks.loaded, initargs=(threading.Lock(),)
+    ) as ex:
+        future = ex.submit(abs, -1)
+        with pytest.raises(InitializerError, match="cannot be sent to a worker process"):
+            future.result(timeout=240)
+        with pytest.raises(InitializerError):
+            ex.submit(abs, -2)
+        assert ex.statistics().workers_started == 0

@@ -87,7 +87,7 @@ from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call, sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
-from gpupool._pool.launch import WorkerContext
+from gpupool._pool.launch import StartDataError, WorkerContext
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import worker_main
@@ -869,6 +869,9 @@ class Dispatcher:
             return None
         try:
             worker = self._spawn(device)
+        except StartDataError as exc:
+            self._break_unpicklable_start(exc)
+            return None
         except Exception as exc:
             self.spawn_failures += 1
             self.counts["spawn_failures"] += 1
@@ -1384,6 +1387,25 @@ class Dispatcher:
         """What ``worker`` holds booked on its card changed: the host's table hears of it."""
         if worker.device is not None and self.link is not None:
             self.link.changed(worker.device, self.now())
+
+    def _break_unpicklable_start(self, exc: StartDataError) -> None:
+        """The initializer or its initargs cannot be pickled: no worker can ever start, so
+        the pool breaks at once, as when an initializer raises."""
+        error: BrokenProcessPool
+        if self.initializer is None:  # the pool's own arguments: not expected
+            error = _broken_by(f"a worker process cannot be started ({exc})", exc)
+            self._break(str(error), error)
+            return
+        name = callable_name(self.initializer[0])
+        error = InitializerError(
+            f"{_BROKEN_INIT}: the initializer {name} or its initargs cannot be sent to a "
+            f"worker process ({exc}). Workers are spawned: pass initargs that pickle "
+            "(multiprocessing queues, locks and events from "
+            "multiprocessing.get_context('spawn'), or a Manager's proxies).",
+            initializer=name,
+        )
+        error.__cause__ = _detached(exc.__cause__ or exc)
+        self._break(str(error), error)
 
     def _break_at_start(
         self, worker: _Worker, exitcode: int | None, how: str, signal_name: str | None

@@ -38,7 +38,12 @@ from typing import Any, ClassVar
 
 import cloudpickle
 
-__all__ = ["WorkerContext", "WorkerProcess", "fork_exec"]
+__all__ = ["StartDataError", "WorkerContext", "WorkerProcess", "fork_exec"]
+
+
+class StartDataError(Exception):
+    """What a worker starts with (its target's arguments: the initializer and its initargs)
+    could not be pickled; no process was started. Starting again cannot help."""
 
 
 class _DupFd:
@@ -51,9 +56,11 @@ class _DupFd:
         return self.fd
 
 
-def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) -> int:
-    """Start ``args`` with exactly ``env`` as its environment; only ``pass_fds`` (and stdio)
-    stay open in it. Returns its PID."""
+def fork_exec(
+    args: list[str], pass_fds: Iterable[int], env: Mapping[str, str], cwd: str | None = None
+) -> int:
+    """Start ``args`` with exactly ``env`` as its environment, in ``cwd`` (``None``: this
+    process's); only ``pass_fds`` (and stdio) stay open in it. Returns its PID."""
     import _posixsubprocess
     import subprocess
 
@@ -61,7 +68,6 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
 
     encoded_args = [os.fsencode(arg) for arg in args]
     encoded_env = [os.fsencode(f"{key}={value}") for key, value in env.items()]
-    fds = tuple(sorted({int(fd) for fd in pass_fds}))
     # The signature of this private call changed twice (3.11: process group; 3.14: no vfork
     # flag); multiprocessing's own spawn (util.spawnv_passfds) makes the same call.
     if sys.version_info >= (3, 14):
@@ -73,13 +79,15 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
     else:
         tail, group = (), ()
     errpipe_read, errpipe_write = os.pipe()
+    # Kept open in the child until its exec (close-on-exec), to report an exec that failed.
+    fds = tuple(sorted({int(fd) for fd in pass_fds} | {errpipe_write}))
     try:
         pid: int = call(
             encoded_args,
             encoded_args[:1],
             True,  # close_fds
             fds,
-            None,  # cwd
+            None if cwd is None else os.fsencode(cwd),
             encoded_env,
             -1,
             -1,
@@ -99,10 +107,40 @@ def fork_exec(args: list[str], pass_fds: Iterable[int], env: Mapping[str, str]) 
             None,  # preexec_fn
             *tail,
         )
+        os.close(errpipe_write)
+        errpipe_write = -1
+        _raise_exec_error(pid, os.fsdecode(args[0]), errpipe_read)
         return pid
     finally:
         os.close(errpipe_read)
-        os.close(errpipe_write)
+        if errpipe_write != -1:
+            os.close(errpipe_write)
+
+
+def _raise_exec_error(pid: int, executable: str, errpipe_read: int) -> None:
+    """Raise the error the child met before its ``exec`` succeeded (``E2BIG`` for an
+    environment the kernel refuses, ``ENOENT`` for a missing interpreter), as
+    :mod:`subprocess` does; return once it ran the interpreter (the pipe closed on exec)."""
+    data = b""
+    while True:
+        part = os.read(errpipe_read, 50_000)
+        data += part
+        if not part or len(data) > 50_000:
+            break
+    if not data:
+        return
+    os.waitpid(pid, 0)  # it exits at once after the report: reap it
+    name, _, rest = data.partition(b":")
+    hex_errno, _, message = rest.partition(b":")
+    try:
+        errno_num = int(hex_errno, 16)
+    except ValueError:
+        errno_num = 0
+    what = f"could not run {executable!r} for a worker process"
+    if errno_num:
+        raise OSError(errno_num, f"{os.strerror(errno_num)} ({what})")
+    detail = (name + b": " + message).decode(errors="replace")
+    raise OSError(f"{what}: {detail}")
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -131,8 +169,11 @@ def _preparation_data(name: str) -> dict[str, Any]:
         "sys_argv": sys.argv,
         "sys_path": sys_path,
         "orig_dir": process.ORIGINAL_DIR,  # type: ignore[attr-defined]
-        "dir": os.getcwd(),
     }
+    try:
+        data["dir"] = os.getcwd()
+    except FileNotFoundError:
+        pass  # removed: the child starts in the root directory (see _Popen._launch)
     logger = util._logger  # type: ignore[attr-defined]
     if logger is not None:
         data["log_level"] = logger.getEffectiveLevel()
@@ -163,7 +204,10 @@ class _Popen(popen_fork.Popen):
         set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             ForkingPickler(fp).dump(prep_data)
-            _Pickler(fp).dump(process_obj)
+            try:
+                _Pickler(fp).dump(process_obj)
+            except Exception as exc:
+                raise StartDataError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             set_spawning_popen(None)
         parent_r = child_w = child_r = parent_w = None
@@ -173,10 +217,22 @@ class _Popen(popen_fork.Popen):
             cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
             self._fds.extend([child_r, child_w])
             env = {**os.environ, **process_obj.env}
-            self.pid = fork_exec(cmd, self._fds, env)
+            # A removed working directory is no place to start an interpreter (3.13's
+            # imports fail in it): the child starts in the root directory instead.
+            cwd = None if "dir" in prep_data else os.path.abspath(os.sep)
+            self.pid = fork_exec(cmd, self._fds, env, cwd)
             self.sentinel = parent_r
-            with open(parent_w, "wb", closefd=False) as f:
-                f.write(fp.getbuffer())
+            # The child's ends are closed before the write: a child that dies before it
+            # read everything (a start-up that exits) breaks the pipe instead of leaving
+            # the write blocked for ever on a full pipe the parent itself kept open.
+            os.close(child_r)
+            os.close(child_w)
+            child_r = child_w = None
+            try:
+                with open(parent_w, "wb", closefd=False) as f:
+                    f.write(fp.getbuffer())
+            except BrokenPipeError:
+                pass  # it exited before it read all: its exit is seen like any other
         finally:
             self.finalizer = util.Finalize(
                 self,
