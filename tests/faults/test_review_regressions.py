@@ -13,7 +13,7 @@ import pytest
 import regress_tasks as rt
 from leakguard import wait_until
 
-from gpupool import GpuPoolExecutor, WidthError
+from gpupool import GpuPoolExecutor, InitializerError, WidthError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 pytestmark = pytest.mark.faults
@@ -54,15 +54,19 @@ def test_strict_oom_beside_a_neighbour_leaves_no_future_pending(tmp_path):
 
 
 def test_a_worker_that_cannot_start_fails_its_task():
-    """initargs that cannot be pickled when a worker starts fail the task, never hang it."""
+    """initargs that cannot be pickled when a worker starts fail the task, never hang it: no
+    worker can ever start, so the pool breaks at once, naming the initializer."""
     with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB"):
         ex = GpuPoolExecutor(
             max_workers=1, task_peak="1GiB", initializer=print, initargs=(threading.Lock(),)
         )
         try:
             future = ex.submit(rt.sleep_for, 0.0)
-            with pytest.raises(BrokenProcessPool, match=r"could not start a worker process"):
+            with pytest.raises(
+                InitializerError, match=r"builtins.print or its initargs cannot be sent"
+            ):
                 future.result(timeout=30)
+            assert isinstance(future.exception(), BrokenProcessPool)
         finally:
             ex.shutdown()
 
