@@ -9,7 +9,7 @@ from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.planner.sharing import YIELD_S
 from gpupool._core.units import GiB
-from support import card_census, census_of
+from support import card_census, census_of, other_pools
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -29,22 +29,7 @@ def _planner(estimate: int, max_workers: int, pid: int) -> Planner:
 
 
 def _row(planner: Planner, pid: int) -> OtherPools:
-    row = PoolBooking(
-        pool_id=f"{pid}.1",
-        pid=pid,
-        start="s",
-        label=f"pool{pid}",
-        updated_s=0.0,
-        tasks=tuple(
-            TaskBooking(
-                worker_pid=r.pid or 0, key=r.key, booked_bytes=r.booked_bytes, reached_bytes=0
-            )
-            for r in planner.running.values()
-        ),
-        waiting=planner.waiting_count(),
-        need_bytes=planner.need_bytes(),
-    )
-    return OtherPools(card_uuid=UUID, pools=(row,))
+    return other_pools(planner, pid, UUID)
 
 
 def _start_all(planner: Planner, now_s: float, pid_base: int) -> int:

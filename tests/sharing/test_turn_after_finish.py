@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
@@ -10,7 +11,7 @@ from gpupool._core.events import Decision
 from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.planner.sharing import TURN_S
 from gpupool._core.units import GiB
-from support import card_census, census_of
+from support import card_census, census_of, other_pools
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -33,27 +34,9 @@ def _planner(records: list[Decision], pid: int, max_workers: int = 3) -> Planner
     return planner
 
 
-def _row(planner: Planner, pid: int) -> PoolBooking:
-    return PoolBooking(
-        pool_id=f"{pid}.1",
-        pid=pid,
-        start="s",
-        label=f"pool{pid}",
-        updated_s=0.0,
-        tasks=tuple(
-            TaskBooking(
-                worker_pid=r.pid or 0, key=r.key, booked_bytes=r.booked_bytes, reached_bytes=0
-            )
-            for r in planner.running.values()
-        ),
-        waiting=planner.waiting_count(),
-        need_bytes=planner.need_bytes(),
-    )
-
-
 def _exchange(a: Planner, b: Planner, now_s: float) -> None:
-    a.observe_others(0, OtherPools(card_uuid=UUID, pools=(_row(b, 2),)), now_s)
-    b.observe_others(0, OtherPools(card_uuid=UUID, pools=(_row(a, 1),)), now_s)
+    a.observe_others(0, other_pools(b, 2, UUID), now_s)
+    b.observe_others(0, other_pools(a, 1, UUID), now_s)
 
 
 def _start_all(planner: Planner, now_s: float, pid_base: int) -> int:
@@ -198,23 +181,9 @@ def test_a_row_that_claims_to_wait_holds_the_room_at_most_half_the_time_with_mix
     ends at once after the turn: the turns followed each other with no gap, and the row held
     the second slot two thirds of the time. A turn the waiting pool does not take is
     followed by as long without one: the second slot runs at least half the time."""
-    records: list[Decision] = []
-    a = _planner(records, 1, max_workers=2)
-    for t in range(2000):
-        a.submit(t, "a")
-    second_slot_steps = 0
-    steps = int(60 / STEP_S)
-    for step in range(steps):
-        now_s = round(step * STEP_S, 6)
-        for task, run in list(a.running.items()):
-            if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
-                a.finished(task, None, now_s)
-        a.observe_others(0, _claims_to_wait(now_s), now_s)
-        _start_all(a, now_s, 2000 + step * 10)
-        assert len(a.running) >= 1  # its one task always runs
-        second_slot_steps += len(a.running) - 1
-    assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")
-    assert 2 * second_slot_steps >= steps
+    _assert_the_row_holds_the_second_slot_at_most_half_the_time(
+        lambda _step, now_s: _claims_to_wait(now_s)
+    )
 
 
 def test_a_row_that_books_a_byte_more_now_and_then_has_not_taken_the_turn() -> None:
@@ -222,6 +191,25 @@ def test_a_row_that_books_a_byte_more_now_and_then_has_not_taken_the_turn() -> N
     than when the turn opened took it, and the next turn may open at once; a byte more is
     not taking the room it waits for (half its need or more is), so the row still holds
     the second slot at most half the time."""
+
+    def a_byte_more_now_and_then(step: int, now_s: float) -> OtherPools:
+        others = _claims_to_wait(now_s)
+        if not step % 2:
+            return others
+        row = others.pools[0]
+        more = TaskBooking(worker_pid=902, key="x", booked_bytes=1, reached_bytes=0)
+        return OtherPools(
+            card_uuid=UUID, pools=(dataclasses.replace(row, tasks=(*row.tasks, more)),)
+        )
+
+    _assert_the_row_holds_the_second_slot_at_most_half_the_time(a_byte_more_now_and_then)
+
+
+def _assert_the_row_holds_the_second_slot_at_most_half_the_time(
+    others_at: Callable[[int, float], OtherPools],
+) -> None:
+    """A, of two workers, runs tasks of 1 s and 0.3 s in turn for 60 s beside the row
+    ``others_at(step, now_s)``: it gives way, and runs a second task at least half the time."""
     records: list[Decision] = []
     a = _planner(records, 1, max_workers=2)
     for t in range(2000):
@@ -233,16 +221,9 @@ def test_a_row_that_books_a_byte_more_now_and_then_has_not_taken_the_turn() -> N
         for task, run in list(a.running.items()):
             if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
                 a.finished(task, None, now_s)
-        others = _claims_to_wait(now_s)
-        if step % 2:
-            row = others.pools[0]
-            more = TaskBooking(worker_pid=902, key="x", booked_bytes=1, reached_bytes=0)
-            others = OtherPools(
-                card_uuid=UUID,
-                pools=(dataclasses.replace(row, tasks=(*row.tasks, more)),),
-            )
-        a.observe_others(0, others, now_s)
+        a.observe_others(0, others_at(step, now_s), now_s)
         _start_all(a, now_s, 2000 + step * 10)
+        assert len(a.running) >= 1  # its one task always runs
         second_slot_steps += len(a.running) - 1
     assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")
     assert 2 * second_slot_steps >= steps

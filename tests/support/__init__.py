@@ -12,9 +12,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.census import CardCensus, Census, HostCensus
 from gpupool._core.units import parse_size
+
+if TYPE_CHECKING:
+    from gpupool._core.planner import Planner
 
 __all__ = [
     "INCIDENT_CO_TENANT_BYTES",
@@ -71,6 +76,27 @@ def census_of(
         driver=True,
         sensor="given",
     )
+
+
+def other_pools(planner: Planner, pid: int, card_uuid: str) -> OtherPools:
+    """What another pool reading the booking table sees of ``planner`` (a pool whose
+    process is ``pid``) on the card ``card_uuid``: its running tasks and what it waits for."""
+    row = PoolBooking(
+        pool_id=f"{pid}.1",
+        pid=pid,
+        start="s",
+        label=f"pool{pid}",
+        updated_s=0.0,
+        tasks=tuple(
+            TaskBooking(
+                worker_pid=r.pid or 0, key=r.key, booked_bytes=r.booked_bytes, reached_bytes=0
+            )
+            for r in planner.running.values()
+        ),
+        waiting=planner.waiting_count(),
+        need_bytes=planner.need_bytes(),
+    )
+    return OtherPools(card_uuid=card_uuid, pools=(row,))
 
 
 def wait_for(condition: Callable[[], bool], *, timeout_s: float = 30.0, what: str = "") -> None:
