@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpupool._probe_tree import TreeSummary, TreeWatch
@@ -75,28 +77,38 @@ signal.pause()
 """
 
 
-def test_a_descendant_seen_in_the_window_stays_in_the_tree_when_orphaned():
-    """A grandchild seen under this process stays a member, and is reported as left running,
-    after its parent exits and it is re-parented away (``sh -c "cmd &"``, a launcher)."""
+@contextlib.contextmanager
+def _orphaned(script: str) -> Iterator[tuple[TreeWatch, subprocess.Popen[str], int]]:
+    """Open a window and run ``script``, which prints the PID of a process it started; see
+    that process in the tree, then kill ``script``'s own process, which leaves it
+    re-parented away. Yields the watch, the killed child (its stdin open) and that PID;
+    closing the child's stdin at the end ends what it started."""
     watch = TreeWatch(os.getpid())
     watch.open()
     with subprocess.Popen(
-        [sys.executable, "-c", _ORPHANING_PARENT],
+        [sys.executable, "-c", script],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     ) as child:
         assert child.stdin is not None and child.stdout is not None
-        grandchild = int(child.stdout.readline())
+        pid = int(child.stdout.readline())
         try:
-            assert grandchild in watch.members()  # seen while its parent lives
+            assert pid in watch.members()  # seen while its parent lives
             child.kill()
             child.wait()
-            assert grandchild not in read_descendants(os.getpid())  # re-parented away
-            assert grandchild in watch.members()
-            summary = watch.close(None)
+            assert pid not in read_descendants(os.getpid())  # re-parented away
+            yield watch, child, pid
         finally:
-            child.stdin.close()  # the grandchild reads the same pipe: it ends
+            child.stdin.close()  # what it started reads the same pipe: it ends
+
+
+def test_a_descendant_seen_in_the_window_stays_in_the_tree_when_orphaned():
+    """A grandchild seen under this process stays a member, and is reported as left running,
+    after its parent exits and it is re-parented away (``sh -c "cmd &"``, a launcher)."""
+    with _orphaned(_ORPHANING_PARENT) as (watch, _child, grandchild):
+        assert grandchild in watch.members()
+        summary = watch.close(None)
     assert summary.outliving_pids == (grandchild,)
 
 
@@ -122,28 +134,13 @@ signal.pause()
 def test_a_process_an_orphaned_descendant_starts_is_in_the_tree():
     """A launcher seen under this process is re-parented away, then starts a process (as
     ``nohup torchrun`` does): that process is a member too, and is reported as left running."""
-    watch = TreeWatch(os.getpid())
-    watch.open()
-    with subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHING_PARENT],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as child:
+    with _orphaned(_LAUNCHING_PARENT) as (watch, child, launcher):
         assert child.stdin is not None and child.stdout is not None
-        launcher = int(child.stdout.readline())
-        try:
-            assert launcher in watch.members()  # seen while its parent lives
-            child.kill()
-            child.wait()
-            assert launcher not in read_descendants(os.getpid())  # re-parented away
-            child.stdin.write("go\n")
-            child.stdin.flush()
-            started = int(child.stdout.readline())  # by the launcher, once orphaned
-            assert started in watch.members()
-            summary = watch.close(None)
-        finally:
-            child.stdin.close()  # the launcher and its process read the same pipe: they end
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        started = int(child.stdout.readline())  # by the launcher, once orphaned
+        assert started in watch.members()
+        summary = watch.close(None)
     assert summary.outliving_pids == tuple(sorted((launcher, started)))
 
 
