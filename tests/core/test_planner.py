@@ -295,8 +295,15 @@ class PlannerMachine(RuleBasedStateMachine):
         )
 
     @precondition(lambda self: self.planner.running)
-    @rule(data=st.data(), factor=st.floats(0.3, 1.4), rss_mib=st.integers(100, 4000))
-    def finish(self, data: st.DataObject, factor: float, rss_mib: int) -> None:
+    @rule(
+        data=st.data(),
+        factor=st.floats(0.3, 1.4),
+        rss_mib=st.integers(100, 4000),
+        settle=st.booleans(),
+    )
+    def finish(self, data: st.DataObject, factor: float, rss_mib: int, settle: bool) -> None:
+        """A task ends; its peak is priced at once, or (as the dispatcher does, once per turn)
+        at a later :meth:`settle`, other events coming between."""
         task = data.draw(st.sampled_from(self.running_ids()))
         run = self.planner.running[task]
         report = PeakReport(
@@ -307,9 +314,25 @@ class PlannerMachine(RuleBasedStateMachine):
             device_source="simulator",
             rss_peak_bytes=rss_mib * MiB,
         )
-        self.planner.finished(task, report, self.now_s)
+        if settle:
+            self.planner.finished(task, report, self.now_s)
+        else:
+            self.planner.ended(task, report, self.now_s)
         self.settled += 1
         self.run_queued_after(task, run)
+
+    @precondition(lambda self: self.planner._learned)
+    @rule()
+    def settle(self) -> None:
+        """What the tasks that ended since measured is priced: each key's ask takes every
+        peak kept for it."""
+        samples = {key: self.asks.ask(key).samples for key in self.planner._learned}
+        kept = {key: len(learned.peaks) for key, learned in self.planner._learned.items()}
+        self.planner.settle(self.now_s)
+        assert not self.planner._learned
+        for key, count in kept.items():
+            if self.asks.ask(key).basis == "measured":
+                assert self.asks.ask(key).samples == samples[key] + count
 
     @precondition(lambda self: self.planner.running)
     @rule(

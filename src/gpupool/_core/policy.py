@@ -492,6 +492,12 @@ class AskTable:
     def measure(self, key: str, peak_bytes: int, size: float | None = None) -> Ask:
         """Record a child's measured device peak for ``key`` (of a task given ``size``);
         returns the new ask."""
+        self.sample(key, peak_bytes, size)
+        return self.ask(key)
+
+    def sample(self, key: str, peak_bytes: int, size: float | None = None) -> None:
+        """Record a child's measured device peak for ``key`` (of a task given ``size``); the
+        new ask is derived when it is next asked for (:meth:`ask`)."""
         self._forget(key)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
         if size is not None:
@@ -504,7 +510,6 @@ class AskTable:
             state.peak_bytes = peak_bytes
         if state.least_bytes is None or peak_bytes < state.least_bytes:
             state.least_bytes = peak_bytes
-        return self.ask(key)
 
     def floor(self, key: str, floor_bytes: int) -> Ask:
         """Never price ``key`` below ``floor_bytes`` again (what an out-of-memory proved).

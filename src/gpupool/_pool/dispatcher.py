@@ -11,7 +11,7 @@ Data flow::
                                   (RUNNING once handed over)             probe.start(); fn(*a)
                                                                          probe.stop() -> report
                     futures  <-   result / error / oom / worker death  <- (pid, task, kind, report)
-                                  planner.finished / out_of_memory /
+                                  planner.ended (settled next turn) / oom /
                                   lost; its records -> DecisionLog
     statistics(), width  <-       snapshot (PoolSnapshot, replaced whole at the end
                                   of each turn and before a future changes state)
@@ -544,6 +544,7 @@ class Dispatcher:
             self.wake_flag = False
             if self.kill_signal is not None:
                 self._kill_workers()
+            self._settle_asks()
             poll_s = self._schedule()
             if self.cancel_requested:
                 self._cancel_pending()
@@ -570,6 +571,13 @@ class Dispatcher:
                 if self.broken is not None and not busy:
                     return
             self._wait_and_serve(workers, poll_s)
+
+    def _settle_asks(self) -> None:
+        """Price what the tasks that ended last turn measured, once per key, before this
+        turn reads a card, starts a task, publishes or delivers a result."""
+        refused = self.planner.settle(self.now())
+        if refused is not None:
+            self._refuse(refused)  # before the results are delivered: the next submit raises
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""
@@ -1130,9 +1138,8 @@ class Dispatcher:
         else:
             # The task never ran when it could not be unpickled: nothing to learn.
             self._settle(item)
-            refused = self.planner.finished(item.task_id, report, self.now(), failed=kind != "ok")
-            if refused is not None:
-                self._refuse(refused)  # before its result is delivered: the next submit raises
+            # Its peak is a sample now, priced at the top of the next turn (_settle_asks).
+            self.planner.ended(item.task_id, report, self.now(), failed=kind != "ok")
         if kind != "oom" and worker.queue and worker.queue[0].task_id in self.planner.queued:
             # The task queued behind it runs now, in the booking it left (after a device
             # OOM the worker declines it instead: _declined).

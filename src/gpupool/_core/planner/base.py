@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpupool._core.bound import Ceiling, WidthDecision, derive_ceiling
 from gpupool._core.census import Census
@@ -29,6 +30,9 @@ from gpupool._core.planner.verdicts import (
     Workers,
 )
 from gpupool._core.policy import Ask, AskTable
+
+if TYPE_CHECKING:
+    from gpupool._core.planner.learning import Learned
 
 __all__ = ["PlannerBase"]
 
@@ -84,6 +88,8 @@ class PlannerBase:
         self._noted_reports: set[str] = set()
         # Keys told to the user as having peaks that vary a lot (a ``peaks_vary`` record).
         self._varied_keys: set[str] = set()
+        # By key, what its tasks that ended since the last settle measured (planner/learning).
+        self._learned: dict[str, Learned] = {}
         self._last_key: str = ""
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()

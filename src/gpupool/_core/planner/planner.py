@@ -14,6 +14,7 @@ and readings are values the dispatcher took::
     observe_error(device, error)                construct(now) -> Refuse | None (strict)
     started(task, device, pid)                  records -> emit(Decision)
     finished(task, report)    (a result or an error, with its peak report)
+    ended(task, report)       (the same, priced at the next settle(now): once per turn)
     out_of_memory(task, report, reading)
     lost(task, message)       (its worker died)
 
@@ -41,22 +42,19 @@ from collections.abc import Mapping
 
 from gpupool._core.bookings import OtherPools
 from gpupool._core.bound import WidthDecision
-from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
-from gpupool._core.planner.evidence import rooms_alone_bytes, varied_peaks
+from gpupool._core.planner.learning import Learning
 from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
-from gpupool._core.planner.queued import Queued
 from gpupool._core.planner.samples import split_reading
 from gpupool._core.planner.sharing import (
-    note_freed,
     note_starved,
     note_turn_taken,
     others_terms,
 )
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import (
-    ASK_RECORD_STEP,
     OWN_RECORD_STEP_BYTES,
     CardReading,
     Fail,
@@ -75,7 +73,7 @@ __all__ = ["CAP_LIFT_AFTER_S", "Planner"]
 CAP_LIFT_AFTER_S = 1.0
 
 
-class Planner(Queued):
+class Planner(Learning):
     """Owns every price, admission and width decision of one pool: the events. It is built
     as :class:`~gpupool._core.planner.base.PlannerBase` is (its arguments are listed there)."""
 
@@ -325,25 +323,6 @@ class Planner(Queued):
         card.reading_error = error
         self.sensor_error(device, error, "the live gate runs one task at a time", now_s)
 
-    def sensor_error(self, device: int | None, error: str, effect: str, now_s: float) -> None:
-        """Record a failed reading, once per card and kind of error."""
-        kind = (-1 if device is None else device, error.split(":", 1)[0])
-        if kind in self._sensor_errors:
-            return
-        self._sensor_errors.add(kind)
-        self.counts["sensor_errors"] += 1
-        self.record(
-            self._simple(
-                "sensor_error",
-                device,
-                self.asks.ask(self._last_key),
-                f"card {device}: a reading failed ({error}); {effect} while it fails; the "
-                "static bound still applies",
-                now_s,
-                extra={"error": error[:500]},
-            )
-        )
-
     def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """``task`` was handed to a worker (``pid``) on ``device``: it books there what the
         :class:`Start` that admitted it carried."""
@@ -389,81 +368,6 @@ class Planner(Queued):
         state.waiting_since_s = None
         self._last_key = state.key
 
-    def finished(
-        self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool = False
-    ) -> Refuse | None:
-        """``task`` ended with a result or an ordinary error; learn from its peak report.
-        Returns strict mode's refusal where what it taught narrows the pool below
-        ``max_workers`` (the pool breaks before the result is delivered).
-
-        A task that raised (``failed``) is no sample of its key's peaks: it may have stopped
-        before allocating what the work needs. Its peak only raises the key's ask, where it
-        passed it (as an out-of-memory's does)."""
-        self._finished(task, report, now_s, failed=failed)
-        return self.refused
-
-    def _finished(
-        self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool
-    ) -> None:
-        run = self._end_run(task)
-        self.tasks.pop(task, None)
-        self._drop_queued(task)
-        if run is not None:
-            if run.device is not None:
-                note_freed(self.cards[run.device], run, now_s)
-            self._rebook(run.key)
-        if run is not None and not failed:
-            count, mean_s = self._durations_s.get(run.key, (0, 0.0))
-            took_s = max(0.0, now_s - run.started_s)
-            self._durations_s[run.key] = (count + 1, mean_s + (took_s - mean_s) / (count + 1))
-            self.timed(run.key, took_s)
-        if run is None or report is None:
-            return
-        self._learn_rss(report, now_s)
-        if report.device is None or run.device is None:
-            return
-        if report.device_peak_bytes is None:
-            rejected = "; ".join(report.rejected_readings)
-            self.sensor_error(
-                run.device,
-                "NoMeasurement: a worker could not measure its task's device peak"
-                + (f" (rejected: {rejected})" if rejected else ""),
-                f"{run.key}'s ask stays as it was",
-                now_s,
-            )
-            return
-        before = self.asks.ask(run.key)
-        if failed:
-            peak = report.device_peak_bytes
-            if peak <= before.ask_bytes:
-                return
-            after = self.asks.floor(run.key, peak + self.asks.policy.margin_for(peak))
-        else:
-            if self._rooms_due:
-                self._limit_asks()
-            after = self.asks.measure(run.key, report.device_peak_bytes, size=run.size)
-            self._peaks_vary(after, run.device, now_s)
-        self._rebook(run.key)
-        self._ask_changed(run.key, before, after, now_s, report)
-
-    def _limit_asks(self) -> None:
-        """Hold learned asks within the cards' rooms for one task, as they are now; where
-        the rooms moved, running tasks are booked at their keys' asks again."""
-        self._rooms_due = False
-        rooms = rooms_alone_bytes(
-            self.cards, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
-        )
-        if self.asks.limit_to_room(rooms):
-            for key in {run.key for run in self.running.values()}:
-                self._rebook(key)
-
-    def _peaks_vary(self, ask: Ask, device: int, now_s: float) -> None:
-        """Tell the user, once per key, that its measured peaks vary a lot."""
-        found = None if ask.key in self._varied_keys else varied_peaks(ask)
-        if found is not None:
-            self._varied_keys.add(ask.key)
-            self.record(self._simple("peaks_vary", device, ask, found[0], now_s, extra=found[1]))
-
     def lost(
         self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
     ) -> None:
@@ -505,6 +409,7 @@ class Planner(Queued):
             now_s: the time.
             error: the error's text (truncated in the record).
         """
+        self.settle(now_s)  # judged against the asks every measurement before it priced
         self.counts["oom"] += 1
         run = self._end_run(task)
         assert run is not None
@@ -652,109 +557,6 @@ class Planner(Queued):
             ):
                 best = (index, room)
         return best[0] if best else None
-
-    def _learn_rss(self, report: PeakReport, now_s: float) -> None:
-        rss = report.rss_peak_bytes
-        if rss is None or (self.child_rss_bytes is not None and rss <= self.child_rss_bytes):
-            return
-        self.child_rss_bytes = rss
-        self._rooms_due = True  # on unified memory, a task's room is less its child's RSS
-        before = self.ceiling
-        self.ceiling = self._derive_ceiling()
-        if self.ceiling.value == before.value:
-            return
-        event: EventName = "narrowed" if self.ceiling.value < before.value else "widened"
-        self.record(
-            Decision(
-                event=event,
-                time_s=now_s,
-                device=None,
-                width_before=before.value,
-                width_after=self.ceiling.value,
-                reason=(
-                    f"the ceiling goes {before.value} -> {self.ceiling.value}: host RAM "
-                    f"({format_size(self.ceiling.host_ram_bytes)} available) at "
-                    f"{format_size(rss)} measured RSS per child (was "
-                    f"{format_size(before.child_rss_bytes)}"
-                    + (
-                        ")"
-                        if before.child_rss_bytes != self.config.child_rss_prior_bytes
-                        else ", the prior)"
-                    )
-                    + f"; set by {self.ceiling.limit}"
-                ),
-                ceiling=self.ceiling,
-                limit=self.ceiling.limit,
-            )
-        )
-        self.width = self._width_now()
-        self._timeline(now_s)
-
-    def _ask_changed(
-        self, key: str, before: Ask, after: Ask, now_s: float, report: PeakReport
-    ) -> None:
-        last = self._recorded_asks.get(key, before)
-        moved = abs(after.ask_bytes - last.ask_bytes) > ASK_RECORD_STEP * max(1, last.ask_bytes)
-        changed_basis = last.basis != after.basis
-
-        def cause() -> str:  # worded only where a record is written
-            said = (
-                f"{key} measured {format_size(report.device_peak_bytes)} "
-                f"({report.device_source}); ask {before.describe()} -> {after.describe()}"
-            )
-            if report.outliving_descendants:
-                said += (
-                    f"; {report.outliving_descendants} process(es) the task started outlived "
-                    f"it, holding {format_size(report.outliving_device_bytes)} (the worker "
-                    "keeps them)"
-                )
-            return said
-
-        # A descendant left running, or a rejected reading, is recorded once per key.
-        noted = bool(report.outliving_descendants or report.rejected_readings)
-        noted = noted and key not in self._noted_reports
-        if noted:
-            self._noted_reports.add(key)
-        unchanged: EventName = "bound_changed"
-        if changed_basis:
-            unchanged = "measured"
-        elif after.ask_bytes < last.ask_bytes:
-            unchanged = "widen_refused"
-        widths_moved = self._review(
-            now_s,
-            cause=cause,
-            key=key,
-            quiet=not (moved or changed_basis or noted),
-            unchanged=unchanged,
-            extra=records.peak_terms(report)
-            | {
-                "margin_bytes": after.margin_bytes,
-                "spread_bytes": after.spread_bytes,
-                "samples": after.samples,
-            },
-        )
-        if widths_moved or moved or changed_basis:
-            self._recorded_asks[key] = after
-
-    def flush_asks(self, now_s: float) -> None:
-        """Record each key's final ask where it moved since its last record (at most one record
-        per key: a log read afterwards ends with every key's true price)."""
-        for key in self.asks.keys():  # noqa: SIM118 (AskTable is not a dict)
-            ask = self.asks.ask(key)
-            last = self._recorded_asks.get(key)
-            if last is None or last.ask_bytes == ask.ask_bytes or not self.cards:
-                continue
-            self._recorded_asks[key] = ask
-            self.record(
-                self._simple(
-                    "bound_changed",
-                    None,
-                    ask,
-                    f"{key}: final ask {ask.describe()} (last recorded "
-                    f"{format_size(last.ask_bytes)})",
-                    now_s,
-                )
-            )
 
     def shutdown_record(
         self, now_s: float, counts: Mapping[str, int], *, tasks_lost: int
