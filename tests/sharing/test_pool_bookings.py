@@ -117,6 +117,34 @@ def test_a_finished_task_is_unbooked_before_its_result_is_given() -> None:
             assert [(p.pid, p.tasks) for p in seen.pools] == [(os.getpid(), ())]
 
 
+def _hold_and_return(size: str) -> int:
+    """Run in a worker: hold ``size`` a moment; return the worker's PID."""
+    with gt.hold(size):
+        return os.getpid()
+
+
+def test_a_booking_that_grew_with_its_keys_price_is_written_before_the_result(
+    tmp_path: Path,
+) -> None:
+    """A measurement that raises a key's price books its running tasks higher: when the
+    measured task's future has its result, the table shows the running one's new booking."""
+    directory = str(tmp_path)
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
+        table = BookingTable(host.bookings_directory)
+        with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as pool:
+            tasks = pool.options(key="grows")
+            first = tasks.submit(_hold_until_released, "512MiB", directory)
+            _wait_for(Path(directory, "held"))
+            measured_pid = tasks.submit(_hold_and_return, "6GiB").result()
+            seen = table.others(host.device_uuid(0))
+            Path(directory, "release").touch()
+            first.result()
+    assert seen is not None
+    (row,) = seen.pools
+    (booking,) = [t for t in row.tasks if t.worker_pid != measured_pid]
+    assert booking.booked_bytes >= 6 * GiB  # was 1 GiB (the estimate) when it started
+
+
 def test_what_a_task_holds_is_published_while_another_pool_is_on_the_card(
     tmp_path: Path,
 ) -> None:

@@ -135,15 +135,28 @@ class BookingLink:
     def _covered(self, device: int, tasks: Sequence[TaskBooking]) -> bool:
         """Whether the row last written books at least ``tasks``' bytes for each of their
         workers (the other pools then price them all as this pool's already)."""
+        wanted: dict[int, int] = {}
+        for task in tasks:
+            wanted[task.worker_pid] = wanted.get(task.worker_pid, 0) + task.booked_bytes
+        return self._shows(device, wanted)
+
+    def _covers_runs(self, device: int) -> bool:
+        """:meth:`_covered` for the pool's running tasks on ``device``, read off the runs."""
+        wanted: dict[int, int] = {}
+        for run in self.planner.running.values():
+            if run.device == device and run.pid is not None:
+                wanted[run.pid] = wanted.get(run.pid, 0) + run.booked_bytes
+        return self._shows(device, wanted)
+
+    def _shows(self, device: int, wanted: Mapping[int, int]) -> bool:
+        """Whether the row last written on ``device`` books at least ``wanted`` bytes (by
+        worker PID) for each worker."""
         published = self.published.get(device)
         if published is None:
             return False
         shown: dict[int, int] = {}
         for task in published[0]:
             shown[task.worker_pid] = max(shown.get(task.worker_pid, 0), task.booked_bytes)
-        wanted: dict[int, int] = {}
-        for task in tasks:
-            wanted[task.worker_pid] = wanted.get(task.worker_pid, 0) + task.booked_bytes
         return all(shown.get(pid, -1) >= booked for pid, booked in wanted.items())
 
     # -- changes ---------------------------------------------------------------------------
@@ -154,7 +167,7 @@ class BookingLink:
         it stands; the release is then coalesced). A running task booked higher than the
         table shows (its key's price rose) is written at once: a late release only delays
         the other pools, a late growth could let them book those bytes."""
-        if self.planner.pending and self._covered(device, self._tasks(device)):
+        if self.planner.pending and self._covers_runs(device):
             self._mark(device)
         else:
             self._write(self.devices[device], now_s)

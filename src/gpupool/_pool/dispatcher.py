@@ -574,10 +574,16 @@ class Dispatcher:
 
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
-        turn reads a card, starts a task, publishes or delivers a result."""
+        turn reads a card, starts a task, publishes or delivers a result. A booking that
+        grew with its key's price is written to the host's table at once."""
+        if not self.planner.unsettled:
+            return
         refused = self.planner.settle(self.now())
         if refused is not None:
             self._refuse(refused)  # before the results are delivered: the next submit raises
+        if self.link is not None:
+            for device in self.devices:
+                self.link.changed(device.index, self.now())
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""

@@ -56,6 +56,11 @@ def _noteworthy(report: PeakReport) -> bool:
 class Learning(Queued):
     """Ended tasks and what their peak reports teach: the asks, the child's RSS, the records."""
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether tasks ended whose peaks :meth:`settle` has not priced yet."""
+        return bool(self._learned)
+
     def finished(
         self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool = False
     ) -> Refuse | None:
