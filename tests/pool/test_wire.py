@@ -156,3 +156,40 @@ def test_a_queued_task_frame_is_told_apart_and_still_read():
     assert wire.is_queued_task(queued) and not wire.is_queued_task(plain)
     task = wire.read_task(queued)
     assert task is not None and task[0] == 7
+
+
+def _answer_frame(task_id: int, values: tuple[object, ...], kind: str = "ok") -> bytearray:
+    header = pickle.dumps((kind, values))
+    prefix = wire._PREFIX.pack(wire.ANSWER_MAGIC, WORKER_PID, task_id, len(header))
+    return bytearray(prefix + header + wire._TRAILER.pack(b"GPz1", WORKER_PID, task_id))
+
+
+def test_a_report_parsed_once_is_the_same_report_for_the_same_header():
+    """Tasks of one key often report the same figures: the second answer with the same header
+    gets the report the first one's parse made, and a different header gets its own."""
+    wire._TASK_HEADERS.clear()
+    report = PeakReport(device=0, device_peak_bytes=3 << 30, device_source="simulator")
+    first = wire.parse_answer(_answer_frame(7, wire.report_values(report)))
+    again = wire.parse_answer(_answer_frame(8, wire.report_values(report)))
+    other = PeakReport(device=0, device_peak_bytes=4 << 30, device_source="simulator")
+    third = wire.parse_answer(_answer_frame(9, wire.report_values(other)))
+    assert first.peak == report and again.peak is first.peak
+    assert (first.task_id, again.task_id, third.task_id) == (7, 8, 9)
+    assert third.peak == other and third.peak is not first.peak
+
+
+def test_the_parsed_headers_kept_are_bounded():
+    """However many different reports come, at most ``_TASK_HEADERS_LIMIT`` are kept; a
+    header that is not an answer's is never kept."""
+    wire._TASK_HEADERS.clear()
+    for peak in range(3 * wire._TASK_HEADERS_LIMIT):
+        report = PeakReport(device=0, device_peak_bytes=peak, device_source="simulator")
+        parsed = wire.parse_answer(_answer_frame(peak, wire.report_values(report)))
+        assert parsed.peak == report
+        assert len(wire._TASK_HEADERS) <= wire._TASK_HEADERS_LIMIT
+    wire._TASK_HEADERS.clear()
+    with pytest.raises(wire.ProtocolFault, match="unknown kind"):
+        wire.parse_answer(_answer_frame(1, (), kind="surprise"))
+    with pytest.raises(wire.ProtocolFault, match="is not a tuple of the"):
+        wire.parse_answer(_answer_frame(1, (1, 2)))
+    assert wire._TASK_HEADERS == {}

@@ -124,6 +124,13 @@ def task_prefix(task_id: int, *, queued: bool = False) -> bytes:
     return _TASK.pack(_QUEUED_MAGIC if queued else _TASK_MAGIC, task_id)
 
 
+#: A task's answer header (its kind and report) already parsed, by its bytes: tasks of one
+#: key often report the very same figures, and a report is never changed once made. At most
+#: :data:`_TASK_HEADERS_LIMIT` are kept (then it starts again, empty).
+_TASK_HEADERS: dict[bytes, tuple[str, PeakReport | None]] = {}
+_TASK_HEADERS_LIMIT = 64
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Plain values only: a header that names a class or function is not one of ours."""
 
@@ -158,6 +165,26 @@ def parse_answer(frame: bytearray) -> Answer:
         )
     with memoryview(frame) as view:
         header = bytes(view[_PREFIX.size : header_end])
+    known = _TASK_HEADERS.get(header)
+    if known is not None:
+        (kind, peak), report = known, None
+    else:
+        kind, report, peak = _parse_header(frame, header)
+    return Answer(
+        pid=pid,
+        task_id=None if task_id == NO_TASK else task_id,
+        kind=kind,
+        report=report,
+        payload=memoryview(frame)[header_end:payload_end],
+        peak=peak,
+    )
+
+
+def _parse_header(
+    frame: bytearray, header: bytes
+) -> tuple[str, dict[str, Any] | None, PeakReport | None]:
+    """The answer's ``(kind, worker's report, task's report)`` from its header; a task's
+    is remembered by the header's bytes (:data:`_TASK_HEADERS`)."""
     try:
         kind, report = _PlainUnpickler(io.BytesIO(header)).load()
     except Exception as exc:
@@ -167,21 +194,15 @@ def parse_answer(frame: bytearray) -> Answer:
         ) from None
     if kind in _TASK_KINDS:
         peak = None if report is None else _peak_report(frame, report)
-        report = None
-    elif kind in _WORKER_KINDS and (
+        if len(_TASK_HEADERS) >= _TASK_HEADERS_LIMIT:
+            _TASK_HEADERS.clear()
+        _TASK_HEADERS[header] = (kind, peak)
+        return kind, None, peak
+    if kind in _WORKER_KINDS and (
         report is None or (isinstance(report, dict) and all(isinstance(k, str) for k in report))
     ):
-        peak = None
-    else:
-        raise ProtocolFault(f"{describe(frame)}: not an answer (an unknown kind {kind!r:.40})")
-    return Answer(
-        pid=pid,
-        task_id=None if task_id == NO_TASK else task_id,
-        kind=kind,
-        report=report,
-        payload=memoryview(frame)[header_end:payload_end],
-        peak=peak,
-    )
+        return kind, report, None
+    raise ProtocolFault(f"{describe(frame)}: not an answer (an unknown kind {kind!r:.40})")
 
 
 def _peak_report(frame: bytearray, values: object) -> PeakReport:
