@@ -103,6 +103,39 @@ def test_a_task_frame_of_several_mib_is_read_whole_by_the_worker(
     assert (task_id, fn(*args, **kwargs)) == (3, 6 * MiB)
 
 
+def test_frames_queued_together_are_written_in_order_and_whole(
+    pair: tuple[socket.socket, Channel],
+):
+    """Frames queued without writing (``now=False``: tasks queued behind a busy worker) go
+    out together at the next flush, small and large alike, each read whole and in order,
+    however the socket splits the writes."""
+    worker, channel = pair
+    sizes = [10, 3 * MiB, 20, 70_000, 5]
+    calls = [dumps_call((len, (b"x" * size,), {})) for size in sizes]
+    frames: list[bytearray | None] = []
+    reader = _in_thread(lambda: frames.extend(wire.read_frame(worker.fileno()) for _ in sizes))
+    for task_id, call in enumerate(calls):
+        assert channel.send(call, wire.task_prefix(task_id, queued=True), now=False) is False
+    assert channel.wants_write
+    done = channel.flush()
+    with selectors.DefaultSelector() as selector:
+        selector.register(channel.fd, selectors.EVENT_WRITE)
+        while not done:
+            selector.select()
+            done = channel.flush()
+    reader.join()
+    assert not channel.wants_write
+    results = []
+    for frame in frames:
+        assert frame is not None
+        task = wire.read_task(frame)
+        assert task is not None
+        task_id, body = task
+        fn, args, kwargs = pickle.loads(body)
+        results.append((task_id, fn(*args, **kwargs)))
+    assert results == list(enumerate(sizes))
+
+
 def test_a_truncated_task_frame_is_an_error_not_a_task():
     """A frame whose sender closed before its announced length: ``EOFError`` (the worker
     exits); an end of file before any frame is ``None``."""

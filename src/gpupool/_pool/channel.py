@@ -30,6 +30,7 @@ socket therefore never make the parent allocate what their length claims.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import socket
 import struct
@@ -39,6 +40,8 @@ __all__ = ["SOCKET_BUFFER_BYTES", "Channel", "ChannelClosed", "ChannelCorrupt", 
 
 #: Bytes asked of one ``read`` while a frame's header or a small frame is read.
 _READ_CHUNK_BYTES = 256 * 1024
+#: At most this many queued pieces go in one write (well under any IOV_MAX).
+_WRITEV_MAX = 64
 #: The send and receive buffers asked for on each end of a worker's socket, so a frame of
 #: 1 MiB fits them (Linux doubles the figure for its bookkeeping, and caps it at
 #: ``net.core.wmem_max`` and ``rmem_max``); the kernel holds that much only while bytes wait.
@@ -135,9 +138,12 @@ class Channel:
         """Whether bytes are queued that the socket has not taken yet."""
         return self.out_bytes > 0
 
-    def send(self, payload: bytes | bytearray | memoryview, prefix: bytes = b"") -> bool:
+    def send(
+        self, payload: bytes | bytearray | memoryview, prefix: bytes = b"", *, now: bool = True
+    ) -> bool:
         """Queue one frame, ``prefix`` then ``payload`` (not copied when large), and write
-        what the socket takes now; ``True`` when all is written.
+        what the socket takes now; ``True`` when all is written. ``now=False``: only queue
+        it (the next :meth:`flush` writes the frames queued together, in one call).
 
         Raises:
             ChannelClosed: the worker's end is closed.
@@ -152,7 +158,7 @@ class Channel:
             self._out.append(memoryview(header))
             self._out.append(view)
         self.out_bytes += len(header) + view.nbytes
-        return self.flush()
+        return self.flush() if now else False
 
     def flush(self) -> bool:
         """Write queued bytes until the socket is full; ``True`` when nothing is left queued.
@@ -162,9 +168,11 @@ class Channel:
         """
         out = self._out
         while out:
-            view = out[0]
             try:
-                written = os.write(self.fd, view)
+                if len(out) == 1:
+                    written = os.write(self.fd, out[0])
+                else:  # the frames queued together, in one call
+                    written = os.writev(self.fd, list(itertools.islice(out, _WRITEV_MAX)))
             except BlockingIOError:
                 return False
             except InterruptedError:
@@ -172,11 +180,15 @@ class Channel:
             except OSError as exc:  # EPIPE, ECONNRESET, EBADF: the worker is gone
                 raise ChannelClosed(str(exc)) from exc
             self.out_bytes -= written
-            if written == view.nbytes:
-                out.popleft()
-                view.release()
-            else:
-                out[0] = view[written:]
+            while written:
+                view = out[0]
+                if written >= view.nbytes:
+                    written -= view.nbytes
+                    out.popleft()
+                    view.release()
+                else:
+                    out[0] = view[written:]
+                    written = 0
         return True
 
     def discard_output(self) -> None:

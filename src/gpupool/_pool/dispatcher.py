@@ -786,11 +786,15 @@ class Dispatcher:
                 or worker.fault is not None
             ):
                 continue
+            queued = False
             while len(worker.queue) <= QUEUE_DEPTH and (
                 limit is None or worker.tasks_done + len(worker.queue) < limit
             ):
                 if not self._queue_one_behind(worker, head):
                     break
+                queued = True
+            if queued:  # the tasks queued behind it, written together
+                self._write_queued(worker)
 
     def _queue_one_behind(self, worker: _Worker, head: WorkItem) -> bool:
         """Queue the next task behind ``worker``'s run ``head``, where the planner lets it;
@@ -804,7 +808,9 @@ class Dispatcher:
         payload = self._pickled(item)
         if payload is None:
             return True  # failed its own future: withdrawn from the planner
-        self._send(item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True)
+        self._send(
+            item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True, now=False
+        )
         return True
 
     def _pickled(self, item: WorkItem) -> bytes | None:
@@ -975,26 +981,50 @@ class Dispatcher:
         return worker
 
     def _send(
-        self, item: WorkItem, worker: _Worker, ask_bytes: int, payload: bytes, queued: bool = False
+        self,
+        item: WorkItem,
+        worker: _Worker,
+        ask_bytes: int,
+        payload: bytes,
+        queued: bool = False,
+        *,
+        now: bool = True,
     ) -> None:
         """Hand ``item`` to ``worker``; ``queued``: behind the task it runs (which it declines
-        after a device out-of-memory: :meth:`_declined`)."""
+        after a device out-of-memory: :meth:`_declined`); ``now=False``: written at the
+        caller's :meth:`_flush`."""
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
         item.tries += 1
         if self.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
-            self._write(worker, allocator_cap_message(ask_bytes))
-        self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued))
+            self._write(worker, allocator_cap_message(ask_bytes), now=now)
+        self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued), now=now)
 
-    def _write(self, worker: _Worker, payload: bytes, prefix: bytes = b"") -> None:
-        """Queue one frame for ``worker``; the selector writes what the socket cannot take now."""
+    def _write(
+        self, worker: _Worker, payload: bytes, prefix: bytes = b"", *, now: bool = True
+    ) -> None:
+        """Queue one frame for ``worker`` (written now, or at the caller's :meth:`_flush`); the
+        selector writes what the socket cannot take now."""
+        if not now:
+            worker.channel.send(payload, prefix, now=False)
+            return
         try:
             done = worker.channel.send(payload, prefix)
         except ChannelClosed:
             # The worker died before it could take the task: its exit will be seen.
             worker.channel.discard_output()
+            return
+        if not done:
+            self._watch_writable(worker, True)
+
+    def _write_queued(self, worker: _Worker) -> None:
+        """Write the frames queued for ``worker`` (:meth:`_write` with ``now=False``)."""
+        try:
+            done = worker.channel.flush()
+        except ChannelClosed:
+            worker.channel.discard_output()  # the worker died: its exit will be seen
             return
         if not done:
             self._watch_writable(worker, True)
