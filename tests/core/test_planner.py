@@ -347,6 +347,9 @@ class PlannerMachine(RuleBasedStateMachine):
         task = data.draw(st.sampled_from(self.running_ids()))
         run = self.planner.running[task]
         key = run.key
+        # An out-of-memory is judged after the peaks of the tasks that ended before it are
+        # priced (the planner settles them first): the ask before it is the settled one.
+        self.planner.settle(self.now_s)
         ask_before = self.asks.ask(key).ask_bytes
         self.pre_oom_ask[key] = max(self.pre_oom_ask.get(key, 0), ask_before)
         report = PeakReport(

@@ -251,6 +251,8 @@ class Learning(Queued):
         noted = noted and key not in self._noted_reports
         if noted:
             self._noted_reports.add(key)
+        if not (moved or changed_basis or noted) and after.price_terms() == before.price_terms():
+            return  # the peaks priced the key as before: no term of any width moved
         unchanged: EventName = "bound_changed"
         if changed_basis:
             unchanged = "measured"
