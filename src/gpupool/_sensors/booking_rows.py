@@ -66,6 +66,8 @@ _MAX_DIRECTORY_ENTRIES = 4096
 _LOCK_POLL_S = 0.002
 #: Workers already found to be children of their pool: forgotten past this many.
 _KNOWN_WORKERS = 16384
+#: Rows whose own terms and workers were found good: forgotten past this many.
+_KNOWN_ROWS = 1024
 
 
 def process_owner(pid: int) -> int | None:
@@ -128,6 +130,9 @@ class RowChecks:
     own_pid: int
     own_start: str
     _workers: set[tuple[int, str, int]] = field(default_factory=set)
+    # Rows (by identity: a row parsed once is met again while its file's text is unchanged)
+    # whose own terms and workers passed, for the card total they were checked against.
+    _formed: dict[int, tuple[PoolBooking, int | None]] = field(default_factory=dict)
 
     def keep(
         self,
@@ -151,6 +156,8 @@ class RowChecks:
                 kept += 1
         for key in dropped:
             del pools[key]
+        if len(self._formed) > _KNOWN_ROWS:
+            self._formed.clear()
         return dropped
 
     def _believed(
@@ -161,13 +168,18 @@ class RowChecks:
         now_s: float,
         total_bytes: int | None,
     ) -> bool:
-        if row.pid <= 1 or len(row.tasks) > MAX_TASKS_PER_POOL:
+        known = self._formed.get(id(row))
+        formed = known is not None and known[0] is row and known[1] == total_bytes
+        if not formed and (
+            row.pid <= 1
+            or len(row.tasks) > MAX_TASKS_PER_POOL
+            or (
+                total_bytes is not None
+                and (row.booked_bytes > total_bytes or row.need_bytes > total_bytes)
+            )
+        ):
             return False
         if not now_s - STALE_AFTER_S <= row.updated_s <= now_s + FUTURE_SLACK_S:
-            return False
-        if total_bytes is not None and (
-            row.booked_bytes > total_bytes or row.need_bytes > total_bytes
-        ):
             return False
         if row.pid not in tokens:
             tokens[row.pid] = self.start_token(row.pid)
@@ -176,7 +188,12 @@ class RowChecks:
         owner = os.geteuid() if row.pid == self.own_pid else process_owner(row.pid)
         if owner != owner_uid:
             return False
-        return all(self._worker_of(task.worker_pid, row) for task in row.tasks)
+        if formed:
+            return True  # the row object met before, its workers found then
+        if not all(self._worker_of(task.worker_pid, row) for task in row.tasks):
+            return False
+        self._formed[id(row)] = (row, total_bytes)
+        return True
 
     def _worker_of(self, worker: int, row: PoolBooking) -> bool:
         """Whether ``worker`` is the row's process or one of its children."""
@@ -189,6 +206,7 @@ class RowChecks:
             return False
         if len(self._workers) >= _KNOWN_WORKERS:
             self._workers.clear()
+            self._formed.clear()  # its rows' workers are looked up again
         self._workers.add(known)
         return True
 

@@ -70,7 +70,7 @@ from gpupool._sensors.booking_rows import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
     from gpupool._core.events import JsonValue
     from gpupool._sensors.base import Sensor
@@ -189,6 +189,8 @@ class BookingTable:
         # parsed again, and an unchanged row not encoded again).
         self._cache: dict[str, tuple[bytes, dict[str, PoolBooking]]] = {}
         self._fragments: dict[str, dict[int, tuple[PoolBooking, str]]] = {}
+        # Per card: the rows of the last answer of others() or exchange(), and that answer.
+        self._memo: dict[str, tuple[list[PoolBooking], OtherPools]] = {}
         # The directory, opened once; every file is opened in it (a link later put in
         # place of a directory above it cannot redirect the table).
         self._dir_fd: int | None = None
@@ -263,7 +265,7 @@ class BookingTable:
         """
 
         def change(pools: dict[str, PoolBooking], foreign: list[PoolBooking]) -> OtherPools:
-            return _others(card_uuid, pools, foreign, pool_id)
+            return self._others(card_uuid, pools, foreign, pool_id)
 
         return self._apply(card_uuid, change, total_bytes=total_bytes, refresh=pool_id)
 
@@ -298,7 +300,7 @@ class BookingTable:
 
         def change(pools: dict[str, PoolBooking], foreign: list[PoolBooking]) -> OtherPools:
             pools[pool_id] = row
-            return _others(card_uuid, pools, foreign, pool_id)
+            return self._others(card_uuid, pools, foreign, pool_id)
 
         return self._apply(card_uuid, change, writes=True, total_bytes=total_bytes)
 
@@ -339,7 +341,8 @@ class BookingTable:
             self._skipped(card_uuid, None)
             return None
         try:
-            with self._locked(card_uuid) as (fd, size):
+            fd, lock_fd, size = self._lock_file(card_uuid)
+            try:
                 now_s = time.time()
                 pools = self._read(fd, size, card_uuid)
                 dropped = self._row_checks().keep(
@@ -354,6 +357,8 @@ class BookingTable:
                     _write(fd, data, size)
                     self._cache[card_uuid] = (data, dict(pools))
                 return result
+            finally:
+                self._unlock_file(lock_fd)
         except _Busy:
             self._busy_until_s = time.monotonic() + RETRY_AFTER_S
             self._skipped(card_uuid, "busy")
@@ -447,8 +452,9 @@ class BookingTable:
 
     # -- files -------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self, card_uuid: str) -> Iterator[tuple[int, int]]:
+    def _lock_file(self, card_uuid: str) -> tuple[int, int, int]:
+        """Take the thread lock and the card's file lock: the file's descriptor, the one
+        locked, and the file's size (released by :meth:`_unlock_file`, only then)."""
         if self._pid != os.getpid():
             # A forked child: the inherited descriptors share the parent's flock.
             self._pid = os.getpid()
@@ -456,9 +462,11 @@ class BookingTable:
             self._lock = threading.Lock()
             self._fds = {}
             self._cache = {}
+            self._memo = {}
             self._rows = {}
             self._own_start = None
-        with self._lock:
+        self._lock.acquire()
+        try:
             fd, lock_fd = self._open(card_uuid)
             _flock_or_busy(lock_fd)
             status = os.fstat(fd)
@@ -470,10 +478,16 @@ class BookingTable:
                 fd, lock_fd = self._open(card_uuid)
                 _flock_or_busy(lock_fd)
                 status = os.fstat(fd)
-            try:
-                yield fd, status.st_size
-            finally:
-                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._lock.release()
+            raise
+        return fd, lock_fd, status.st_size
+
+    def _unlock_file(self, lock_fd: int) -> None:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
     def _open(self, card_uuid: str) -> tuple[int, int]:
         """This user's file for the card, and the descriptor to lock (the file itself in a
@@ -588,14 +602,12 @@ class BookingTable:
             return {}
         data = os.pread(fd, size, 0) if size else b""
         cached = self._cache.get(card_uuid)
-        if cached is not None and cached[0] == data.rstrip():
-            # Unchanged since this handle last read or wrote it: parsing costs
-            # more than the whole locked step otherwise.
+        if cached is not None and cached[0] == data:
+            # The very bytes this handle last read or wrote (never judged by the file's
+            # timestamps: two writes can share one): their rows, not parsed again.
             return dict(cached[1])
         try:
             pools = parse_booking_table(data, card_uuid=card_uuid)
-            self._cache[card_uuid] = (data.rstrip(), dict(pools))
-            return pools
         except ValueError as exc:
             # Written by another gpupool version, or damaged: start it afresh
             # (each live pool puts its row back at its next start, finish or heartbeat).
@@ -604,7 +616,9 @@ class BookingTable:
                 f"the booking table file {self._path(card_uuid)} could not "
                 f"be read ({exc}); it is started afresh",
             )
-            return {}
+            pools = {}
+        self._cache[card_uuid] = (data, dict(pools))
+        return pools
 
     def _foreign_rows(
         self, card_uuid: str, now_s: float, total_bytes: int | None
@@ -623,6 +637,27 @@ class BookingTable:
                 checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
                 rows.extend(pools.values())
         return rows
+
+    def _others(
+        self,
+        card_uuid: str,
+        pools: dict[str, PoolBooking],
+        foreign: list[PoolBooking],
+        pool_id: str | None,
+    ) -> OtherPools:
+        """The believed rows but ``pool_id``'s, oldest pool first: the last answer for the card
+        again when its rows are the same (a pass that finds the table as it was builds
+        nothing)."""
+        rows = [row for key, row in pools.items() if key != pool_id]
+        rows.extend(foreign)
+        memo = self._memo.get(card_uuid)
+        if memo is not None and memo[0] == rows:
+            return memo[1]
+        answer = OtherPools(
+            card_uuid=card_uuid, pools=tuple(sorted(rows, key=lambda row: (row.pid, row.pool_id)))
+        )
+        self._memo[card_uuid] = (rows, answer)
+        return answer
 
     def _own_start_token(self) -> str:
         if self._own_start is None:
@@ -646,18 +681,6 @@ class BookingTable:
 def _flock_or_busy(fd: int) -> None:
     if not flock_within(fd, LOCK_WAIT_S):
         raise _Busy
-
-
-def _others(
-    card_uuid: str,
-    pools: dict[str, PoolBooking],
-    foreign: list[PoolBooking],
-    pool_id: str | None,
-) -> OtherPools:
-    rows = [row for key, row in pools.items() if key != pool_id]
-    rows.extend(foreign)
-    rows.sort(key=lambda row: (row.pid, row.pool_id))
-    return OtherPools(card_uuid=card_uuid, pools=tuple(rows))
 
 
 def _write(fd: int, data: bytes, size: int) -> None:
