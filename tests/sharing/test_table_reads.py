@@ -160,3 +160,16 @@ def test_a_row_met_again_is_held_to_its_stamp_its_process_and_the_card_total(
     assert kept(now_s, total_bytes=None)
     alive[sleeper.pid] = None  # exited
     assert not kept(now_s)
+
+
+def test_this_processs_rows_count_under_the_user_its_checks_were_built_for() -> None:
+    """This process's own rows are owned by the user the checks were built with (no lookup
+    of its own process at every read): in a file of that user they count, in another's not."""
+    own_start = read_start_token(os.getpid())
+    assert own_start is not None
+    row = _row(os.getpid(), "mine.1", GiB, time.time())
+    checks = RowChecks(start_token={}.get, own_pid=os.getpid(), own_start=own_start, own_uid=4321)
+    for owner_uid, counts in ((4321, True), (os.geteuid(), False)):
+        pools = {row.pool_id: row}
+        checks.keep(pools, owner_uid=owner_uid, now_s=time.time(), total_bytes=TOTAL_BYTES)
+        assert (row.pool_id in pools) is counts

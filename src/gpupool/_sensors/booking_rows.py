@@ -124,11 +124,13 @@ class RowChecks:
         start_token: a PID's start token, or ``None`` when it is not a live process.
         own_pid: this process (alive, owned by this user).
         own_start: its start token.
+        own_uid: its user (by default, its effective user now).
     """
 
     start_token: Callable[[int], str | None]
     own_pid: int
     own_start: str
+    own_uid: int = field(default_factory=os.geteuid)
     _workers: set[tuple[int, str, int]] = field(default_factory=set)
     # Rows (by identity: a row parsed once is met again while its file's text is unchanged)
     # whose own terms and workers passed, for the card total they were checked against.
@@ -185,7 +187,7 @@ class RowChecks:
             tokens[row.pid] = self.start_token(row.pid)
         if tokens[row.pid] != row.start:
             return False  # exited, a zombie, or the PID now names another process
-        owner = os.geteuid() if row.pid == self.own_pid else process_owner(row.pid)
+        owner = self.own_uid if row.pid == self.own_pid else process_owner(row.pid)
         if owner != owner_uid:
             return False
         if formed:

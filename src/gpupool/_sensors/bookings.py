@@ -388,11 +388,13 @@ class BookingTable:
         return True
 
     def _row_checks(self) -> RowChecks:
-        if self._checks is None or self._checks.own_pid != os.getpid():
+        """The checks for this process (its pid as :meth:`_lock_file` last found it)."""
+        if self._checks is None or self._checks.own_pid != self._pid:
             self._checks = RowChecks(
                 start_token=read_start_token,
-                own_pid=os.getpid(),
+                own_pid=self._pid,
                 own_start=self._own_start_token(),
+                own_uid=self._uid,
             )
         return self._checks
 
