@@ -648,13 +648,19 @@ class BookingTable:
         pool_id: str | None,
     ) -> OtherPools:
         """The believed rows but ``pool_id``'s, oldest pool first: the last answer for the card
-        again when its rows are the same (a pass that finds the table as it was builds
-        nothing)."""
+        again when its rows are the same objects (a pass that finds the file's text as it was
+        builds nothing)."""
         rows = [row for key, row in pools.items() if key != pool_id]
         rows.extend(foreign)
         memo = self._memo.get(card_uuid)
-        if memo is not None and memo[0] == rows:
-            return memo[1]
+        if (
+            memo is not None
+            and len(memo[0]) == len(rows)
+            and all(a is b for a, b in zip(memo[0], rows, strict=True))
+        ):
+            return memo[
+                1
+            ]  # the very row objects (compared by identity: a value compare costs more)
         answer = OtherPools(
             card_uuid=card_uuid, pools=tuple(sorted(rows, key=lambda row: (row.pid, row.pool_id)))
         )
