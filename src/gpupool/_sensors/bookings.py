@@ -218,6 +218,8 @@ class BookingTable:
 
     def take_notes(self) -> list[TableNote]:
         """What the decision log should say about the table since the last call."""
+        if not self._notes:
+            return []  # a note added meanwhile is handed at the next call
         with self._lock:
             notes, self._notes = self._notes, []
         return notes
