@@ -1,4 +1,4 @@
-"""Which rows and files of the booking table to believe, and how long to wait for it (I/O edge).
+"""Which rows and files of the booking table to believe, how long to wait, how to write (I/O edge).
 
 Anyone who can write a table file can write any row into it. A row counts only
 where it speaks for a live pool of the file's owner::
@@ -47,6 +47,7 @@ __all__ = [
     "read_foreign",
     "read_start_token",
     "user_files",
+    "write_in_place",
 ]
 
 #: A pool rewrites its row's stamp at least this often while it reads the table
@@ -308,3 +309,19 @@ def read_foreign(name: str, uid: int, card_uuid: str, dir_fd: int) -> dict[str, 
         return {}
     finally:
         os.close(fd)
+
+
+def write_in_place(fd: int, data: bytes, size: int) -> None:
+    """Overwrite the file in place, valid at every instant.
+
+    The new text is padded with spaces to the old length (JSON ignores
+    trailing whitespace) and written with one ``pwrite``, so a process
+    killed at any point leaves the old text or the new; then the file is
+    cut to the new length. A file past the size limit is not padded.
+    """
+    padded = data.ljust(size) if size <= MAX_FILE_BYTES else data
+    written = os.pwrite(fd, padded, 0)
+    while written < len(padded):  # only on a full disk or an odd filesystem
+        written += os.pwrite(fd, padded[written:], written)
+    if len(data) < size:
+        os.ftruncate(fd, len(data))

@@ -67,6 +67,7 @@ from gpupool._sensors.booking_rows import (
     read_foreign,
     read_start_token,
     user_files,
+    write_in_place,
 )
 
 if TYPE_CHECKING:
@@ -356,7 +357,7 @@ class BookingTable:
                 if writes or dropped or refreshed or result is True:
                     fragments = self._fragments.setdefault(card_uuid, {})
                     data = format_booking_table(card_uuid, list(pools.values()), fragments)
-                    _write(fd, data, size)
+                    write_in_place(fd, data, size)
                     self._cache[card_uuid] = (data, dict(pools))
                 return result
             finally:
@@ -691,22 +692,6 @@ class BookingTable:
 def _flock_or_busy(fd: int) -> None:
     if not flock_within(fd, LOCK_WAIT_S):
         raise _Busy
-
-
-def _write(fd: int, data: bytes, size: int) -> None:
-    """Overwrite the file in place, valid at every instant.
-
-    The new text is padded with spaces to the old length (JSON ignores
-    trailing whitespace) and written with one ``pwrite``, so a process
-    killed at any point leaves the old text or the new; then the file is
-    cut to the new length. A file past the size limit is not padded.
-    """
-    padded = data.ljust(size) if size <= MAX_FILE_BYTES else data
-    written = os.pwrite(fd, padded, 0)
-    while written < len(padded):  # only on a full disk or an odd filesystem
-        written += os.pwrite(fd, padded[written:], written)
-    if len(data) < size:
-        os.ftruncate(fd, len(data))
 
 
 def open_booking_table(
