@@ -31,7 +31,7 @@ exchanges it per *change*, not per task:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bookings import OtherPools, TaskBooking
@@ -86,6 +86,8 @@ class BookingLink:
         # were on it at the last read.
         self.published: dict[int, _Row] = {}
         self.others_seen: dict[int, bool] = {}
+        # Per card: the row last written, and per worker the largest booking it shows.
+        self.shown: dict[int, tuple[_Row, dict[int, int]]] = {}
         # Per card: since when a change waits to be written (monotonic seconds).
         self.dirty_since_s: dict[int, float] = {}
 
@@ -115,13 +117,15 @@ class BookingLink:
         if start.device is None or start.past_bound:
             return True
         device = self.devices[start.device]
+        if self._covered(
+            device.index, [*self._running(device.index), (worker_pid, start.booked_bytes)]
+        ):
+            self._mark(device.index)  # its key, or the waiting state, may be new
+            return True
         new = TaskBooking(
             worker_pid=worker_pid, key=key, booked_bytes=start.booked_bytes, reached_bytes=0
         )
         tasks = (*self._tasks(device.index), new)
-        if self._covered(device.index, tasks):
-            self._mark(device.index)  # its key, or the waiting state, may be new
-            return True
         waiting = self.planner.waiting_count(starting=True)
         row = (tasks, waiting, self.planner.need_bytes(starting=True))
         others = self._exchange(device, row, self._told(device, tasks), starting=True)
@@ -132,32 +136,32 @@ class BookingLink:
         self._write(device, now_s)
         return False
 
-    def _covered(self, device: int, tasks: Sequence[TaskBooking]) -> bool:
-        """Whether the row last written books at least ``tasks``' bytes for each of their
-        workers (the other pools then price them all as this pool's already)."""
+    def _covered(self, device: int, tasks: Iterable[tuple[int, int]]) -> bool:
+        """Whether the row last written books at least ``tasks``' bytes (``(worker pid,
+        booked bytes)`` pairs) for each of their workers (the other pools then price them
+        all as this pool's already)."""
+        shown = self._shown(device)
+        if shown is None:
+            return False
         wanted: dict[int, int] = {}
-        for task in tasks:
-            wanted[task.worker_pid] = wanted.get(task.worker_pid, 0) + task.booked_bytes
-        return self._shows(device, wanted)
+        for pid, booked in tasks:
+            wanted[pid] = wanted.get(pid, 0) + booked
+        return all(shown.get(pid, -1) >= booked for pid, booked in wanted.items())
 
-    def _covers_runs(self, device: int) -> bool:
-        """:meth:`_covered` for the pool's running tasks on ``device``, read off the runs."""
-        wanted: dict[int, int] = {}
-        for run in self.planner.running.values():
-            if run.device == device and run.pid is not None:
-                wanted[run.pid] = wanted.get(run.pid, 0) + run.booked_bytes
-        return self._shows(device, wanted)
-
-    def _shows(self, device: int, wanted: Mapping[int, int]) -> bool:
-        """Whether the row last written on ``device`` books at least ``wanted`` bytes (by
-        worker PID) for each worker."""
+    def _shown(self, device: int) -> dict[int, int] | None:
+        """Per worker, the largest booking the row last written on ``device`` shows (``None``:
+        none written), worked out once per row written."""
         published = self.published.get(device)
         if published is None:
-            return False
+            return None
+        memo = self.shown.get(device)
+        if memo is not None and memo[0] is published:
+            return memo[1]
         shown: dict[int, int] = {}
         for task in published[0]:
             shown[task.worker_pid] = max(shown.get(task.worker_pid, 0), task.booked_bytes)
-        return all(shown.get(pid, -1) >= booked for pid, booked in wanted.items())
+        self.shown[device] = (published, shown)
+        return shown
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class BookingLink:
         it stands; the release is then coalesced). A running task booked higher than the
         table shows (its key's price rose) is written at once: a late release only delays
         the other pools, a late growth could let them book those bytes."""
-        if self.planner.pending and self._covers_runs(device):
+        if self.planner.pending and self._covered(device, self._running(device)):
             self._mark(device)
         else:
             self._write(self.devices[device], now_s)
@@ -257,6 +261,14 @@ class BookingLink:
         )
         self.others_seen[device.index] = bool(others is not None and others.pools)
         return others
+
+    def _running(self, device: int) -> list[tuple[int, int]]:
+        """This pool's running tasks on ``device`` as ``(worker pid, booked bytes)``."""
+        return [
+            (run.pid, run.booked_bytes)
+            for run in self.planner.running.values()
+            if run.device == device and run.pid is not None
+        ]
 
     def _tasks(self, device: int) -> tuple[TaskBooking, ...]:
         """This pool's running tasks on ``device`` as table rows (reached bytes as 0)."""

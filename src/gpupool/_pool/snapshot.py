@@ -15,19 +15,16 @@ copies what ``statistics()``, ``width`` and ``track`` need into a
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpupool._core.planner import Planner
     from gpupool._core.policy import Ask, AskTable
 
 __all__ = ["PoolSnapshot", "take_snapshot"]
-
-V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,45 +65,53 @@ def take_snapshot(
     Each value equal to ``last``'s is ``last``'s own object, and ``last`` itself
     comes back when nothing changed.
     """
-    totals = collections.Counter(counts)
-    totals.update(planner.counts)
-    now_counts: Mapping[str, int] = dict(totals)
+    now_counts = dict(counts)
+    for name, count in planner.counts.items():
+        now_counts[name] = now_counts.get(name, 0) + count
     # The planner only appends to its width timeline: the same length and last entry are the
     # same timeline, and a long run does not copy it at every turn.
+    timeline = planner.widths
     widths = (
         last.widths
         if last is not None
-        and len(last.widths) == len(planner.widths)
-        and last.widths[-1:] == tuple(planner.widths[-1:])
-        else tuple(planner.widths)
+        and len(last.widths) == len(timeline)
+        and (not timeline or last.widths[-1] == timeline[-1])
+        else tuple(timeline)
     )
-    now_asks: Mapping[str, Ask] = {key: asks.ask(key) for key in asks.keys()}  # noqa: SIM118
-    by_key: Mapping[str, int] = planner.widths_by_key()
-    if last is not None:
-        now_counts = last.counts if last.counts == now_counts else now_counts
-        now_asks = last.asks if last.asks == now_asks else now_asks
-        by_key = last.widths_by_key if last.widths_by_key == by_key else by_key
-        if (
-            now_counts is last.counts
-            and now_asks is last.asks
-            and by_key is last.widths_by_key
-            and widths is last.widths
-            and planner.width == last.width
-            and log_write_errors == last.log_write_errors
-            and bookings_unavailable == last.bookings_unavailable
-        ):
-            return last
+    now_asks = {key: asks.ask(key) for key in asks.keys()}  # noqa: SIM118
+    # Copied: the planner may keep the dict it hands out.
+    by_key = dict(planner.widths_by_key())
+    if last is None:
+        return PoolSnapshot(
+            counts=MappingProxyType(now_counts),
+            width=planner.width,
+            widths=widths,
+            asks=MappingProxyType(now_asks),
+            widths_by_key=MappingProxyType(by_key),
+            log_write_errors=log_write_errors,
+            bookings_unavailable=bookings_unavailable,
+        )
+    # Each value equal to the last snapshot's is that snapshot's object; a new one is a
+    # read-only view of a dict built here, which nothing else holds.
+    counts_view = last.counts if last.counts == now_counts else MappingProxyType(now_counts)
+    asks_view = last.asks if last.asks == now_asks else MappingProxyType(now_asks)
+    by_key_view = last.widths_by_key if last.widths_by_key == by_key else MappingProxyType(by_key)
+    if (
+        counts_view is last.counts
+        and asks_view is last.asks
+        and by_key_view is last.widths_by_key
+        and widths is last.widths
+        and planner.width == last.width
+        and log_write_errors == last.log_write_errors
+        and bookings_unavailable == last.bookings_unavailable
+    ):
+        return last
     return PoolSnapshot(
-        counts=_frozen(now_counts),
+        counts=counts_view,
         width=planner.width,
         widths=widths,
-        asks=_frozen(now_asks),
-        widths_by_key=_frozen(by_key),
+        asks=asks_view,
+        widths_by_key=by_key_view,
         log_write_errors=log_write_errors,
         bookings_unavailable=bookings_unavailable,
     )
-
-
-def _frozen(values: Mapping[str, V]) -> Mapping[str, V]:
-    """A read-only view of a fresh dict (a view already made stays as it is)."""
-    return values if isinstance(values, MappingProxyType) else MappingProxyType(dict(values))

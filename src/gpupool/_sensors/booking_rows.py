@@ -1,4 +1,4 @@
-"""Which rows and files of the booking table to believe, and how long to wait for it (I/O edge).
+"""Which rows and files of the booking table to believe, how long to wait, how to write (I/O edge).
 
 Anyone who can write a table file can write any row into it. A row counts only
 where it speaks for a live pool of the file's owner::
@@ -47,6 +47,7 @@ __all__ = [
     "read_foreign",
     "read_start_token",
     "user_files",
+    "write_in_place",
 ]
 
 #: A pool rewrites its row's stamp at least this often while it reads the table
@@ -66,6 +67,8 @@ _MAX_DIRECTORY_ENTRIES = 4096
 _LOCK_POLL_S = 0.002
 #: Workers already found to be children of their pool: forgotten past this many.
 _KNOWN_WORKERS = 16384
+#: Rows whose own terms and workers were found good: forgotten past this many.
+_KNOWN_ROWS = 1024
 
 
 def process_owner(pid: int) -> int | None:
@@ -122,12 +125,17 @@ class RowChecks:
         start_token: a PID's start token, or ``None`` when it is not a live process.
         own_pid: this process (alive, owned by this user).
         own_start: its start token.
+        own_uid: its user (by default, its effective user now).
     """
 
     start_token: Callable[[int], str | None]
     own_pid: int
     own_start: str
+    own_uid: int = field(default_factory=os.geteuid)
     _workers: set[tuple[int, str, int]] = field(default_factory=set)
+    # Rows (by identity: a row parsed once is met again while its file's text is unchanged)
+    # whose own terms and workers passed, for the card total they were checked against.
+    _formed: dict[int, tuple[PoolBooking, int | None]] = field(default_factory=dict)
 
     def keep(
         self,
@@ -151,6 +159,8 @@ class RowChecks:
                 kept += 1
         for key in dropped:
             del pools[key]
+        if len(self._formed) > _KNOWN_ROWS:
+            self._formed.clear()
         return dropped
 
     def _believed(
@@ -161,22 +171,32 @@ class RowChecks:
         now_s: float,
         total_bytes: int | None,
     ) -> bool:
-        if row.pid <= 1 or len(row.tasks) > MAX_TASKS_PER_POOL:
+        known = self._formed.get(id(row))
+        formed = known is not None and known[0] is row and known[1] == total_bytes
+        if not formed and (
+            row.pid <= 1
+            or len(row.tasks) > MAX_TASKS_PER_POOL
+            or (
+                total_bytes is not None
+                and (row.booked_bytes > total_bytes or row.need_bytes > total_bytes)
+            )
+        ):
             return False
         if not now_s - STALE_AFTER_S <= row.updated_s <= now_s + FUTURE_SLACK_S:
-            return False
-        if total_bytes is not None and (
-            row.booked_bytes > total_bytes or row.need_bytes > total_bytes
-        ):
             return False
         if row.pid not in tokens:
             tokens[row.pid] = self.start_token(row.pid)
         if tokens[row.pid] != row.start:
             return False  # exited, a zombie, or the PID now names another process
-        owner = os.geteuid() if row.pid == self.own_pid else process_owner(row.pid)
+        owner = self.own_uid if row.pid == self.own_pid else process_owner(row.pid)
         if owner != owner_uid:
             return False
-        return all(self._worker_of(task.worker_pid, row) for task in row.tasks)
+        if formed:
+            return True  # the row object met before, its workers found then
+        if not all(self._worker_of(task.worker_pid, row) for task in row.tasks):
+            return False
+        self._formed[id(row)] = (row, total_bytes)
+        return True
 
     def _worker_of(self, worker: int, row: PoolBooking) -> bool:
         """Whether ``worker`` is the row's process or one of its children."""
@@ -189,6 +209,7 @@ class RowChecks:
             return False
         if len(self._workers) >= _KNOWN_WORKERS:
             self._workers.clear()
+            self._formed.clear()  # its rows' workers are looked up again
         self._workers.add(known)
         return True
 
@@ -288,3 +309,19 @@ def read_foreign(name: str, uid: int, card_uuid: str, dir_fd: int) -> dict[str, 
         return {}
     finally:
         os.close(fd)
+
+
+def write_in_place(fd: int, data: bytes, size: int) -> None:
+    """Overwrite the file in place, valid at every instant.
+
+    The new text is padded with spaces to the old length (JSON ignores
+    trailing whitespace) and written with one ``pwrite``, so a process
+    killed at any point leaves the old text or the new; then the file is
+    cut to the new length. A file past the size limit is not padded.
+    """
+    padded = data.ljust(size) if size <= MAX_FILE_BYTES else data
+    written = os.pwrite(fd, padded, 0)
+    while written < len(padded):  # only on a full disk or an odd filesystem
+        written += os.pwrite(fd, padded[written:], written)
+    if len(data) < size:
+        os.ftruncate(fd, len(data))

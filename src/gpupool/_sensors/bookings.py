@@ -67,10 +67,11 @@ from gpupool._sensors.booking_rows import (
     read_foreign,
     read_start_token,
     user_files,
+    write_in_place,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
     from gpupool._core.events import JsonValue
     from gpupool._sensors.base import Sensor
@@ -189,6 +190,8 @@ class BookingTable:
         # parsed again, and an unchanged row not encoded again).
         self._cache: dict[str, tuple[bytes, dict[str, PoolBooking]]] = {}
         self._fragments: dict[str, dict[int, tuple[PoolBooking, str]]] = {}
+        # Per card: the rows of the last answer of others() or exchange(), and that answer.
+        self._memo: dict[str, tuple[list[PoolBooking], OtherPools]] = {}
         # The directory, opened once; every file is opened in it (a link later put in
         # place of a directory above it cannot redirect the table).
         self._dir_fd: int | None = None
@@ -216,6 +219,8 @@ class BookingTable:
 
     def take_notes(self) -> list[TableNote]:
         """What the decision log should say about the table since the last call."""
+        if not self._notes:
+            return []  # a note added meanwhile is handed at the next call
         with self._lock:
             notes, self._notes = self._notes, []
         return notes
@@ -263,7 +268,7 @@ class BookingTable:
         """
 
         def change(pools: dict[str, PoolBooking], foreign: list[PoolBooking]) -> OtherPools:
-            return _others(card_uuid, pools, foreign, pool_id)
+            return self._others(card_uuid, pools, foreign, pool_id)
 
         return self._apply(card_uuid, change, total_bytes=total_bytes, refresh=pool_id)
 
@@ -298,7 +303,7 @@ class BookingTable:
 
         def change(pools: dict[str, PoolBooking], foreign: list[PoolBooking]) -> OtherPools:
             pools[pool_id] = row
-            return _others(card_uuid, pools, foreign, pool_id)
+            return self._others(card_uuid, pools, foreign, pool_id)
 
         return self._apply(card_uuid, change, writes=True, total_bytes=total_bytes)
 
@@ -339,7 +344,8 @@ class BookingTable:
             self._skipped(card_uuid, None)
             return None
         try:
-            with self._locked(card_uuid) as (fd, size):
+            fd, lock_fd, size = self._lock_file(card_uuid)
+            try:
                 now_s = time.time()
                 pools = self._read(fd, size, card_uuid)
                 dropped = self._row_checks().keep(
@@ -351,9 +357,11 @@ class BookingTable:
                 if writes or dropped or refreshed or result is True:
                     fragments = self._fragments.setdefault(card_uuid, {})
                     data = format_booking_table(card_uuid, list(pools.values()), fragments)
-                    _write(fd, data, size)
+                    write_in_place(fd, data, size)
                     self._cache[card_uuid] = (data, dict(pools))
                 return result
+            finally:
+                self._unlock_file(lock_fd)
         except _Busy:
             self._busy_until_s = time.monotonic() + RETRY_AFTER_S
             self._skipped(card_uuid, "busy")
@@ -383,11 +391,13 @@ class BookingTable:
         return True
 
     def _row_checks(self) -> RowChecks:
-        if self._checks is None or self._checks.own_pid != os.getpid():
+        """The checks for this process (its pid as :meth:`_lock_file` last found it)."""
+        if self._checks is None or self._checks.own_pid != self._pid:
             self._checks = RowChecks(
                 start_token=read_start_token,
-                own_pid=os.getpid(),
+                own_pid=self._pid,
                 own_start=self._own_start_token(),
+                own_uid=self._uid,
             )
         return self._checks
 
@@ -447,8 +457,9 @@ class BookingTable:
 
     # -- files -------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self, card_uuid: str) -> Iterator[tuple[int, int]]:
+    def _lock_file(self, card_uuid: str) -> tuple[int, int, int]:
+        """Take the thread lock and the card's file lock: the file's descriptor, the one
+        locked, and the file's size (released by :meth:`_unlock_file`, only then)."""
         if self._pid != os.getpid():
             # A forked child: the inherited descriptors share the parent's flock.
             self._pid = os.getpid()
@@ -456,9 +467,11 @@ class BookingTable:
             self._lock = threading.Lock()
             self._fds = {}
             self._cache = {}
+            self._memo = {}
             self._rows = {}
             self._own_start = None
-        with self._lock:
+        self._lock.acquire()
+        try:
             fd, lock_fd = self._open(card_uuid)
             _flock_or_busy(lock_fd)
             status = os.fstat(fd)
@@ -470,10 +483,16 @@ class BookingTable:
                 fd, lock_fd = self._open(card_uuid)
                 _flock_or_busy(lock_fd)
                 status = os.fstat(fd)
-            try:
-                yield fd, status.st_size
-            finally:
-                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._lock.release()
+            raise
+        return fd, lock_fd, status.st_size
+
+    def _unlock_file(self, lock_fd: int) -> None:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        finally:
+            self._lock.release()
 
     def _open(self, card_uuid: str) -> tuple[int, int]:
         """This user's file for the card, and the descriptor to lock (the file itself in a
@@ -588,14 +607,12 @@ class BookingTable:
             return {}
         data = os.pread(fd, size, 0) if size else b""
         cached = self._cache.get(card_uuid)
-        if cached is not None and cached[0] == data.rstrip():
-            # Unchanged since this handle last read or wrote it: parsing costs
-            # more than the whole locked step otherwise.
+        if cached is not None and cached[0] == data:
+            # The very bytes this handle last read or wrote (never judged by the file's
+            # timestamps: two writes can share one): their rows, not parsed again.
             return dict(cached[1])
         try:
             pools = parse_booking_table(data, card_uuid=card_uuid)
-            self._cache[card_uuid] = (data.rstrip(), dict(pools))
-            return pools
         except ValueError as exc:
             # Written by another gpupool version, or damaged: start it afresh
             # (each live pool puts its row back at its next start, finish or heartbeat).
@@ -604,7 +621,9 @@ class BookingTable:
                 f"the booking table file {self._path(card_uuid)} could not "
                 f"be read ({exc}); it is started afresh",
             )
-            return {}
+            pools = {}
+        self._cache[card_uuid] = (data, dict(pools))
+        return pools
 
     def _foreign_rows(
         self, card_uuid: str, now_s: float, total_bytes: int | None
@@ -623,6 +642,33 @@ class BookingTable:
                 checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
                 rows.extend(pools.values())
         return rows
+
+    def _others(
+        self,
+        card_uuid: str,
+        pools: dict[str, PoolBooking],
+        foreign: list[PoolBooking],
+        pool_id: str | None,
+    ) -> OtherPools:
+        """The believed rows but ``pool_id``'s, oldest pool first: the last answer for the card
+        again when its rows are the same objects (a pass that finds the file's text as it was
+        builds nothing)."""
+        rows = [row for key, row in pools.items() if key != pool_id]
+        rows.extend(foreign)
+        memo = self._memo.get(card_uuid)
+        if (
+            memo is not None
+            and len(memo[0]) == len(rows)
+            and all(a is b for a, b in zip(memo[0], rows, strict=True))
+        ):
+            return memo[
+                1
+            ]  # the very row objects (compared by identity: a value compare costs more)
+        answer = OtherPools(
+            card_uuid=card_uuid, pools=tuple(sorted(rows, key=lambda row: (row.pid, row.pool_id)))
+        )
+        self._memo[card_uuid] = (rows, answer)
+        return answer
 
     def _own_start_token(self) -> str:
         if self._own_start is None:
@@ -646,34 +692,6 @@ class BookingTable:
 def _flock_or_busy(fd: int) -> None:
     if not flock_within(fd, LOCK_WAIT_S):
         raise _Busy
-
-
-def _others(
-    card_uuid: str,
-    pools: dict[str, PoolBooking],
-    foreign: list[PoolBooking],
-    pool_id: str | None,
-) -> OtherPools:
-    rows = [row for key, row in pools.items() if key != pool_id]
-    rows.extend(foreign)
-    rows.sort(key=lambda row: (row.pid, row.pool_id))
-    return OtherPools(card_uuid=card_uuid, pools=tuple(rows))
-
-
-def _write(fd: int, data: bytes, size: int) -> None:
-    """Overwrite the file in place, valid at every instant.
-
-    The new text is padded with spaces to the old length (JSON ignores
-    trailing whitespace) and written with one ``pwrite``, so a process
-    killed at any point leaves the old text or the new; then the file is
-    cut to the new length. A file past the size limit is not padded.
-    """
-    padded = data.ljust(size) if size <= MAX_FILE_BYTES else data
-    written = os.pwrite(fd, padded, 0)
-    while written < len(padded):  # only on a full disk or an odd filesystem
-        written += os.pwrite(fd, padded[written:], written)
-    if len(data) < size:
-        os.ftruncate(fd, len(data))
 
 
 def open_booking_table(
