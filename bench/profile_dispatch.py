@@ -18,8 +18,9 @@ construction, the warm-up or the shutdown.
 Per function: calls per task and microseconds per task, cumulative (with
 what it calls) and own (``tottime``), each the median over ``--rounds``
 rounds (5). The table lists the functions of interest first (the booking
-table's exchange, publishing the bookings, the planner's next start, width
-and finish, reading the cards, the waiting counts, the asks; a row for each
+table's exchange, publishing the bookings, the planner's next start, width,
+a task's end and the turn's settle of what the ended tasks measured, parsing
+an answer, reading the cards, the waiting counts, the asks; a row for each
 that was called), then the other gpupool functions by cumulative time
 (``--top``, 15). The thread's own total per task is the sum of every
 function's own time; the time spent waiting in ``select`` (the thread idle)
@@ -64,6 +65,9 @@ OF_INTEREST = (
     ".next_start",
     "._width_now",
     ".finished",
+    "Learning.ended",
+    "Learning.settle",
+    "parse_answer",
     ".waiting_count",
     ".need_bytes",
     ".ask_for",
