@@ -540,6 +540,11 @@ class Probe:
             tree, own = sensor.read_root_bytes(device, members)
         except Exception:
             return None
+        return self._note_tree(tree, own, held_before)
+
+    def _note_tree(self, tree: int | None, own: int | None, held_before: int | None) -> int | None:
+        """Note the worker's context and its descendants' bytes from one reading of the tree
+        (``tree``: its bytes, ``own``: the worker's row); the tree's bytes, or ``None``."""
         own = _trusted(own)
         self._note_context(own, held_before, self._frameworks.sample())
         tree = _trusted(tree)
@@ -613,11 +618,10 @@ class Probe:
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
         members = self._tree.end()
-        try:
-            peak = sensor.read_process_peak_bytes(device, self._pid)
-        except Exception:
-            peak = None
-        self._read_tree(sensor, device, self._frameworks.sample(), members)
+        held_before = self._frameworks.sample()
+        # The high-water and the tree's rows, from one reading where the sensor can.
+        peak, tree, own = sensor.read_peak_and_root(device, members)
+        self._note_tree(tree, own, held_before)
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
     def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:

@@ -83,6 +83,16 @@ class TreeSummary:
     rejected: tuple[str, ...]
 
 
+#: What a window that saw no process under the worker, and no rejected reading, sums up to.
+_NOTHING_SEEN = TreeSummary(
+    descendants=0,
+    outliving_pids=(),
+    outliving_device_bytes=None,
+    rss_peak_bytes=None,
+    rejected=(),
+)
+
+
 def read_start_token(pid: int) -> str | None:
     """:func:`gpupool._sensors.booking_rows.read_start_token`, imported when a task first has
     a descendant to identify (a worker starts without the booking table's modules)."""
@@ -129,6 +139,8 @@ class TreeWatch:
         process, where the parent's thread does not run and its lock may have been held."""
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
+        # Taken directly (``with self._lock``) where nothing waits: a Condition is entered
+        # through a Python call.
         self._wake = threading.Condition(self._lock)
         self._generation = 0  # bumped at each opening and closing of a window
         self._due_s = 0.0  # when the open window's next sample is due (monotonic)
@@ -151,6 +163,8 @@ class TreeWatch:
         still running though re-parented away since (their parent exited: ``sh -c "cmd &"``,
         a launcher) and every process under those, and the identities of them all."""
         found = read_descendants(self.root_pid, self._proc)
+        if not found and not self._seen:
+            return found, set()  # the usual case: no process under the worker, before or now
         identities = self._identities(found) if found else set()
         known = set(found)
         with self._lock:
@@ -169,8 +183,10 @@ class TreeWatch:
         identities |= self._identities(below)
         return (*found, *(pid for pid, _ in orphans), *below), identities
 
-    def _rss_of(self, descendants: Iterable[int]) -> int:
+    def _rss_of(self, descendants: Collection[int]) -> int:
         """The sum of ``descendants``' RSS high-waters now."""
+        if not descendants:
+            return 0
         return sum(read_rss_high_water_of(pid, self._proc) or 0 for pid in descendants)
 
     def members(self) -> frozenset[int]:
@@ -193,14 +209,14 @@ class TreeWatch:
         sampler. Returns the root and its live descendants now (one reading serves all)."""
         if self._owner_pid != os.getpid():
             self._new_sampler()
-        with self._wake:
+        with self._lock:
             self._open = False
             while self._sampling:  # a window left open: its sample in flight ends first
                 self._wake.wait()
         descendants, at_start = self._read()
         rss_bytes = self._rss_of(descendants)
         children_rss = read_children_rss_high_water()
-        with self._wake:
+        with self._lock:
             self._generation += 1
             self._tick = None
             self._at_start = at_start
@@ -238,7 +254,7 @@ class TreeWatch:
         ``quiet`` is the sampler's own ``[generation seen, since when]``: how long no
         window has opened or closed, to know when to park.
         """
-        with self._wake:
+        with self._lock:
             now_s = time.monotonic()
             if self._generation != quiet[0]:
                 quiet[0], quiet[1] = self._generation, now_s
@@ -258,7 +274,7 @@ class TreeWatch:
         try:
             self._sample(generation, tick)
         finally:
-            with self._wake:
+            with self._lock:
                 self._sampling = False
                 self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
                 self._wake.notify_all()  # an opening or an end that waits for this sample
@@ -287,17 +303,18 @@ class TreeWatch:
         descendants now; :meth:`close` then sums the window up."""
         if self._owner_pid != os.getpid():
             self._new_sampler()
-        with self._wake:
+        with self._lock:
             self._open = False
             while self._sampling:
                 self._wake.wait()
             self._generation += 1
             self._tick = None
         descendants, running = self._read()
-        rss_bytes = self._rss_of(descendants)
-        with self._lock:
-            self._seen |= running
-            self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
+        if descendants:
+            rss_bytes = self._rss_of(descendants)
+            with self._lock:
+                self._seen |= running
+                self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
         self._ended = running
         return frozenset((self.root_pid, *descendants))
 
@@ -314,6 +331,8 @@ class TreeWatch:
         before = self._children_rss_at_start
         if children is not None and before is not None and children > before:
             rss_bytes = max(rss_bytes, children)  # a child reaped before a sample saw it
+        if not (seen or rss_bytes or reasons):
+            return _NOTHING_SEEN  # the usual case: no process under the worker
         outliving_bytes = None
         if outliving and self.sensor is not None and device is not None:
             try:
@@ -400,6 +419,22 @@ class TreeSensor(Sensor):
         """What ``members`` hold by one reading of ``device``, or ``None`` (reasons kept)."""
         return self._read_members(device, members)[0]
 
+    def read_peak_and_root(
+        self, device: DeviceInfo, members: Collection[int]
+    ) -> tuple[int | None, int | None, int | None]:
+        """The root's exact high-water (:meth:`read_process_peak_bytes`), then the tree's
+        bytes and the root's own row (:meth:`read_root_bytes`); ``None`` for a figure
+        that cannot be read."""
+        try:
+            peak = self.read_process_peak_bytes(device, self.watch.root_pid)
+        except Exception:
+            peak = None
+        try:
+            tree, own = self.read_root_bytes(device, members)
+        except Exception:
+            tree, own = None, None
+        return peak, tree, own
+
     def _read_members(
         self, device: DeviceInfo, members: Collection[int]
     ) -> tuple[int | None, int | None]:
@@ -409,6 +444,15 @@ class TreeSensor(Sensor):
             memory, rows = self.inner.read_snapshot(device)
         except SensorError:
             memory, rows = None, self.inner.read_processes(device)
+        return self._judge(memory, rows, members)
+
+    def _judge(
+        self,
+        memory: MemoryReading | None,
+        rows: tuple[ProcessReading, ...] | None,
+        members: Collection[int],
+    ) -> tuple[int | None, int | None]:
+        """``members``' bytes and the root's own row in one reading's rows (reasons kept)."""
         if rows is None:
             return None, None
         # On unified memory "used" is the host's, not a device total to bound rows by.
@@ -435,6 +479,20 @@ class _ExactTreeSensor(TreeSensor):
         if pid != self.watch.root_pid:
             return self.inner.read_process_peak_bytes(device, pid)
         return self.inner.read_tree_peak_bytes(device, pid)
+
+    def read_peak_and_root(
+        self, device: DeviceInfo, members: Collection[int]
+    ) -> tuple[int | None, int | None, int | None]:
+        """As :meth:`TreeSensor.read_peak_and_root`, from one reading of ``device`` where the
+        sensor gives the tree's high-water and the rows together (``read_tree_snapshot``)."""
+        both = getattr(self.inner, "read_tree_snapshot", None)
+        if both is None:
+            return super().read_peak_and_root(device, members)
+        try:
+            peak, memory, rows = both(device, self.watch.root_pid)
+        except Exception:
+            return None, None, None
+        return (peak, *self._judge(memory, rows, members))
 
 
 def tree_sensor(inner: Sensor, watch: TreeWatch) -> TreeSensor:

@@ -54,7 +54,7 @@ from gpupool._sensors.simulated_tree import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
 __all__ = [
     "BOOKINGS_DIRECTORY",
@@ -177,6 +177,21 @@ def _own_name() -> str:
         return Path(sys.executable).name
 
 
+class _Held:
+    """``with ledger._locked() as size``: the ledger's locks held for one operation."""
+
+    __slots__ = ("_ledger",)
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+
+    def __enter__(self) -> int:
+        return self._ledger._acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._ledger._release()
+
+
 class Ledger:
     """Read and change one simulated host's ledger, one locked operation at a time.
 
@@ -203,6 +218,8 @@ class Ledger:
         self._parsed: LedgerState | None = None
         # The processes a shared reading names (asked of the liveness as the same set).
         self._named: tuple[LedgerState | None, set[tuple[int, str]]] = (None, set())
+        self._held = _Held(self)
+        self._held_by: tuple[int, threading.Lock] = (-1, self._thread_lock)
 
     @staticmethod
     def create(path: str, state: LedgerState) -> Ledger:
@@ -245,9 +262,16 @@ class Ledger:
 
     # -- the locked read-modify-write ----------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[int]:
-        """Hold the thread lock and the file lock; yields the ledger's size in bytes."""
+    def _locked(self) -> _Held:
+        """Hold the thread lock and the file lock (``with``); gives the ledger's size in bytes."""
+        return self._held
+
+    def _acquire(self) -> int:
+        """Take the thread lock and the file lock; the ledger's size in bytes.
+
+        Paired with :meth:`_release` by :class:`_Held` (a plain object, not a generator:
+        every reading of the card takes this path).
+        """
         if self._pid != os.getpid():
             # A forked child: the inherited descriptor is the parent's open file,
             # whose flock parent and child would both "hold", and the thread lock
@@ -261,7 +285,9 @@ class Ledger:
             self._fd = None
             self._liveness.close()  # this process's copies of the parent's pidfds
             self._liveness = Liveness()
-        with self._thread_lock:
+        lock = self._thread_lock
+        lock.acquire()
+        try:
             fd = self._fd
             if fd is None or not self._descriptor_is_ours():
                 fd = self._fd = self._open()  # the first time, or another file took its number
@@ -275,9 +301,22 @@ class Ledger:
                         f"it holds {status.st_size} bytes, more than any ledger "
                         f"({MAX_LEDGER_BYTES})"
                     )
-                yield status.st_size
-            finally:
+            except BaseException:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            lock.release()
+            raise
+        self._held_by = (fd, lock)
+        return status.st_size
+
+    def _release(self) -> None:
+        """Give back the locks :meth:`_acquire` took."""
+        fd, lock = self._held_by
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            lock.release()
 
     def _open(self) -> int:
         """Open the ledger; anything but a regular file is refused without reading it."""
@@ -640,6 +679,9 @@ def _drop_dead(state: LedgerState, dead: set[tuple[int, str]]) -> bool:
 
 _LEDGERS: dict[str, Ledger] = {}
 
+#: One device's memory and rows, as :meth:`SimulatedSensor.read_snapshot` gives them.
+_Snapshot = tuple[MemoryReading, "tuple[ProcessReading, ...] | None"]
+
 
 def _forget_ledgers() -> None:
     # A forked child must not share the parent's lock descriptor (flock locks
@@ -682,6 +724,9 @@ class SimulatedSensor(Sensor):
 
     def __init__(self, ledger_path: str) -> None:
         self._ledger = ledger_at(ledger_path)
+        # One device's memory and rows, and the shared reading (the very object) and device
+        # index they were made from: read again from an unchanged ledger, they are reused.
+        self._made: tuple[LedgerState | None, int, _Snapshot] | None = None
 
     @property
     def ledger_path(self) -> str:
@@ -736,12 +781,44 @@ class SimulatedSensor(Sensor):
     def read_snapshot(
         self, device: DeviceInfo
     ) -> tuple[MemoryReading, tuple[ProcessReading, ...] | None]:
-        """Memory and rows from one ledger snapshot: both describe the same instant."""
+        """Memory and rows from one ledger snapshot: both describe the same instant.
+
+        While the ledger holds the same bytes (and no process it names has exited),
+        the reading made from it last is given again, not made anew.
+        """
         state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return self._snapshot_of(state, device)
+
+    def _snapshot_of(self, state: LedgerState, device: DeviceInfo) -> _Snapshot:
+        """``device``'s memory and rows in the shared reading ``state`` (made once per reading)."""
+        made = self._made
+        if made is not None and made[0] is state and made[1] == device.index:
+            return made[2]
         dev = _device(state, device.index)
-        return _memory_of(device, dev), _rows_of(state, dev)
+        snapshot = (_memory_of(device, dev), _rows_of(state, dev))
+        self._made = (state, device.index, snapshot)
+        return snapshot
+
+    def read_tree_snapshot(
+        self, device: DeviceInfo, pid: int
+    ) -> tuple[int | None, MemoryReading | None, tuple[ProcessReading, ...] | None]:
+        """:meth:`read_tree_peak_bytes` and :meth:`read_snapshot`, from one ledger reading.
+
+        The memory and rows are ``None`` for an unreadable device (the tree's
+        high-water still answers, as :meth:`read_tree_peak_bytes` does).
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        window = _device(state, device.index)["trees"].get(str(pid))
+        peak = None if window is None else window["window"]
+        try:
+            memory, rows = self._snapshot_of(state, device)
+        except DeviceUnreadableError:
+            return peak, None, None
+        return peak, memory, rows
 
     def read_process_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
         """``pid``'s exact device high-water since :meth:`reset_process_peak` (0: never touched).
