@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
-    from gpupool._sensors.simulated import DeviceState, ProcessState
+    from gpupool._sensors.simulated_state import DeviceState, ProcessState
 
 __all__ = ["TreeWindow", "is_pid_key", "note_trees", "tree_bytes", "tree_window_problem"]
 
