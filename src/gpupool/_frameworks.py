@@ -127,6 +127,9 @@ def _jax() -> tuple[int, int] | None:
 def _read() -> dict[str, tuple[int, int | None]]:
     """Each loaded and started framework: ``(held now, its own peak or None)``."""
     found: dict[str, tuple[int, int | None]] = {}
+    modules = sys.modules
+    if "torch" not in modules and "cupy" not in modules and "jax" not in modules:
+        return found  # the usual case outside a GPU task: nothing to ask
     torch = _torch()
     if torch is not None:
         found["torch"] = torch
@@ -234,6 +237,8 @@ class FrameworkWindow:
         folded = _take_folded()
         peaks: dict[str, int] = {}
         with self._lock:
+            if not found and not self._max_held:
+                return peaks, 0  # no framework loaded and started during the window
             for name in FRAMEWORKS:
                 now = found.get(name)
                 peak = max(self._max_held.get(name, 0), now[0] if now is not None else 0)

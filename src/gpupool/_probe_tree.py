@@ -158,11 +158,12 @@ class TreeWatch:
                 found.add((pid, token))
         return found
 
-    def _read(self) -> tuple[tuple[int, ...], set[tuple[int, str]]]:
+    def _read(self, *, own: bool | None = None) -> tuple[tuple[int, ...], set[tuple[int, str]]]:
         """One reading of the tree: the live descendants now, with those seen before that are
         still running though re-parented away since (their parent exited: ``sh -c "cmd &"``,
-        a launcher) and every process under those, and the identities of them all."""
-        found = read_descendants(self.root_pid, self._proc)
+        a launcher) and every process under those, and the identities of them all. ``own``:
+        whether the root is this process, where the caller knows (``None``: asked)."""
+        found = read_descendants(self.root_pid, self._proc, own=own)
         if not found and not self._seen:
             return found, set()  # the usual case: no process under the worker, before or now
         identities = self._identities(found) if found else set()
@@ -213,7 +214,7 @@ class TreeWatch:
             self._open = False
             while self._sampling:  # a window left open: its sample in flight ends first
                 self._wake.wait()
-        descendants, at_start = self._read()
+        descendants, at_start = self._read(own=self.root_pid == self._owner_pid)
         rss_bytes = self._rss_of(descendants)
         children_rss = read_children_rss_high_water()
         with self._lock:
@@ -231,7 +232,7 @@ class TreeWatch:
                 self._parked = False
                 self._wake.notify()
         thread = self._thread
-        if thread is None or not thread.is_alive():
+        if thread is None:  # the first window, or the sampler ended (it says so, as it ends)
             self._thread = thread = threading.Thread(
                 target=_sample_while_watched,
                 args=(weakref.ref(self),),
@@ -309,7 +310,7 @@ class TreeWatch:
                 self._wake.wait()
             self._generation += 1
             self._tick = None
-        descendants, running = self._read()
+        descendants, running = self._read(own=self.root_pid == self._owner_pid)
         if descendants:
             rss_bytes = self._rss_of(descendants)
             with self._lock:
@@ -352,12 +353,17 @@ def _sample_while_watched(ref: weakref.ReferenceType[TreeWatch]) -> None:
     """The sampler thread: turns until its watch is gone (it holds the watch only weakly
     between turns, so a watch dropped by its owner ends its thread)."""
     quiet = [-1.0, time.monotonic()]
-    while True:
+    try:
+        while True:
+            watch = ref()
+            if watch is None:
+                return
+            watch._turn(quiet)
+            del watch
+    finally:
         watch = ref()
-        if watch is None:
-            return
-        watch._turn(quiet)
-        del watch
+        if watch is not None and watch._thread is threading.current_thread():
+            watch._thread = None  # the next window starts another
 
 
 class TreeSensor(Sensor):

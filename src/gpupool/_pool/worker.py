@@ -278,10 +278,11 @@ def worker_main(
         return
     done = 0
     last_oom = False  # whether the last task this worker ran ended in a device OOM
+    fd = conn.fileno()
     while max_tasks is None or done < max_tasks:
-        _leave_if_channel_lost(conn.fileno())
+        # Whether a task closed or replaced the socket was checked as its answer was sent.
         try:
-            message = wire.read_frame(conn.fileno())
+            message = wire.read_frame(fd)
         except (EOFError, OSError):
             return
         if not message:
@@ -392,8 +393,10 @@ def _answer(
     """Send one answer about ``task_id`` as one frame (the payload not copied); a forked
     copy of the worker sends nothing and exits."""
     _leave_if_forked()
-    _leave_if_channel_lost(conn.fileno())
-    wire.send_answer(conn.fileno(), os.getpid(), task_id, kind, report, payload)
+    fd = conn.fileno()
+    _leave_if_channel_lost(fd)
+    # Not a forked copy: this process is the worker (whose PID _guard_forks kept).
+    wire.send_answer(fd, _worker_pid or os.getpid(), task_id, kind, report, payload)
 
 
 def process_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:

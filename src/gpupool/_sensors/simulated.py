@@ -242,19 +242,7 @@ class Ledger:
         Paired with :meth:`_release` by :class:`_Held` (a plain object, not a generator:
         every reading of the card takes this path).
         """
-        if self._pid != os.getpid():
-            # A forked child: the inherited descriptor is the parent's open file,
-            # whose flock parent and child would both "hold", and the thread lock
-            # may have been held by another thread at the fork. Start afresh.
-            self._pid = os.getpid()
-            self._thread_lock = threading.Lock()
-            if self._descriptor_is_ours():
-                assert self._fd is not None
-                with contextlib.suppress(OSError):
-                    os.close(self._fd)  # this process's copy only: the parent's lock stands
-            self._fd = None
-            self._liveness.close()  # this process's copies of the parent's pidfds
-            self._liveness = Liveness()
+        self._leave_parent()
         lock = self._thread_lock
         lock.acquire()
         try:
@@ -279,6 +267,22 @@ class Ledger:
             raise
         self._held_by = (fd, lock)
         return status.st_size
+
+    def _leave_parent(self) -> None:
+        """In a forked child, start afresh: the inherited descriptor is the parent's open file,
+        whose flock parent and child would both "hold", and the thread lock may have been
+        held by another thread at the fork."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._thread_lock = threading.Lock()
+        if self._descriptor_is_ours():
+            assert self._fd is not None
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # this process's copy only: the parent's lock stands
+        self._fd = None
+        self._liveness.close()  # this process's copies of the parent's pidfds
+        self._liveness = Liveness()
 
     def _release(self) -> None:
         """Give back the locks :meth:`_acquire` took."""
@@ -399,6 +403,39 @@ class Ledger:
         self._dead_seen |= dead
         return None
 
+    def _unchanged(self) -> LedgerState | None:
+        """The shared reading, where the file still holds exactly the bytes it was made from
+        and no process it names has exited; else ``None`` (read under the file lock).
+
+        The file is compared without its lock: a change is written in place, so a read
+        that overlaps it may mix old and new bytes, but one that comes out equal to the
+        bytes read before under the lock holds that state, whole, as it stood at an
+        instant of the read (the bytes a change would have altered were read before it).
+        A longer or shorter file reads unequal. Four system calls (``getpid`` by the
+        caller, ``fstat``, ``pread``, ``poll``), and no wait for another process.
+        """
+        raw, fd = self._raw, self._fd
+        if raw is None or fd is None:
+            return None
+        try:
+            status = os.fstat(fd)
+            if (status.st_dev, status.st_ino) != self._file or status.st_nlink == 0:
+                return None  # another file took the number, or the host removed the ledger
+            if os.pread(fd, len(raw) + 1, 0) != raw:
+                return None
+        except OSError:
+            return None
+        state = self._parsed
+        if state is None:  # bytes this process wrote, or parsed for a change: parsed again
+            state = self._parsed = json.loads(raw)
+        if self._named[0] is not state:
+            self._named = (state, named_processes(state))
+        dead = self._liveness.dead(self._named[1])
+        if dead:
+            self._dead_seen |= dead
+            return None
+        return state
+
     def _look(self, size: int) -> tuple[LedgerState, set[tuple[int, str]]]:
         """The shared state as the file holds it, and the processes it names that are dead."""
         state = self._load(size, private=False)
@@ -407,12 +444,21 @@ class Ledger:
         return state, self._liveness.dead(self._named[1])
 
     def _settled(self, step: Callable[[LedgerState, int | None], _T | _Again]) -> _T:
-        """``step`` on the state now: first under the shared lock (``size`` ``None``: it
-        may not write, and answers :data:`_Again.WRITE` where it has to), then, if it has
-        to write or a dead process has to be dropped, under the exclusive lock.
+        """``step`` on the state now (``size`` ``None``: it may not write, and answers
+        :data:`_Again.WRITE` where it has to): on the reading this process already holds
+        where the file still holds its bytes (:meth:`_unchanged`), else under the shared
+        lock; then, if it has to write or a dead process has to be dropped, under the
+        exclusive lock.
 
         A reading that changes nothing waits for no other reading, in any process.
         """
+        self._leave_parent()
+        with self._thread_lock:
+            state = self._unchanged()
+            if state is not None:
+                result = step(state, None)
+                if result is not _Again.WRITE:
+                    return result
         with self._locked(shared=True) as size:
             state = self._view_shared(size)
             if state is not None:
