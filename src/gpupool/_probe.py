@@ -458,7 +458,13 @@ class Probe:
         # allocator (its context, NCCL, other libraries), from its own device row:
         # it only grows, as a lazily loaded context does. None: never measured.
         self._context_bytes: int | None = None
-        self._exact = True
+        # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
+        # window is sampled.
+        sensor = self._sensor
+        self._exact = (
+            sensor is None
+            or type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
+        )
 
     @property
     def context_bytes(self) -> int | None:
@@ -496,12 +502,11 @@ class Probe:
             self._baseline_bytes = sensor.start_peak_window(device, self._pid)
         except Exception:
             self._baseline_bytes = None
-        try:
-            self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
-        except Exception:
-            self._max_at_start = None
-        self._exact = type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
         if not self._exact:
+            try:  # the driver's lifetime maximum, for the sampled path's stop
+                self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
+            except Exception:
+                self._max_at_start = None
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
             self._read_tree(sensor, device, held, members)
@@ -546,7 +551,8 @@ class Probe:
         """Note the worker's context and its descendants' bytes from one reading of the tree
         (``tree``: its bytes, ``own``: the worker's row); the tree's bytes, or ``None``."""
         own = _trusted(own)
-        self._note_context(own, held_before, self._frameworks.sample())
+        if own is not None and held_before is not None:  # else nothing to tell apart
+            self._note_context(own, held_before, self._frameworks.sample())
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))

@@ -640,7 +640,7 @@ class Ledger:
 
     def open_tree(self, device: int, pid: int) -> int:
         """Open a tree window for ``pid`` on ``device`` at its tree's bytes now; return them."""
-        identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
+        identity = _identity_of(pid)
         if identity is None:
             raise ValueError(f"process {pid} does not exist; it has no process tree")
         key = str(pid)
@@ -664,6 +664,14 @@ class Ledger:
 SIMULATOR_ENV_NAME = "GPUPOOL_SIMULATOR"
 
 _OWN_IDENTITY: tuple[int, str] | None = None
+
+
+def _identity_of(pid: int) -> str | None:
+    """``pid``'s start token (``None``: no such process); this process's own, read once."""
+    own = _OWN_IDENTITY
+    if own is not None and own[0] == pid and pid == os.getpid():
+        return own[1]
+    return read_start_token(pid) if pid != os.getpid() else _own_identity()
 
 
 def _own_identity() -> str:
