@@ -20,9 +20,11 @@ ledger (plus a thread lock, since ``flock`` does not exclude two threads
 sharing one descriptor), written in place so that a process killed at any
 instant leaves a valid ledger behind (see :meth:`Ledger._write`). A reading
 that changes nothing (the card read, a window already where it would be set)
-takes the ``flock`` shared, so readers in several processes do not wait for
-one another; one that finds something to write reads again under the
-exclusive lock (:meth:`Ledger._settled`). An operation costs tens of
+first compares the file's bytes with those this process read last, without
+the ``flock`` (:meth:`Ledger._unchanged`), and where they differ takes the
+``flock`` shared, so readers in several processes never wait for one
+another; one that finds something to write reads again under the exclusive
+lock (:meth:`Ledger._settled`). An operation costs a few to tens of
 microseconds.
 
 As the driver frees a dead process's memory, every operation first drops the
