@@ -232,8 +232,8 @@ def _info(host: SimulatedHost) -> DeviceInfo:
 
 
 def test_a_card_reading_is_made_once_per_ledger_content_and_again_when_it_changes():
-    """Two readings of an unchanged card are one object; another process's hold, and its
-    exit, each make a new reading with the new figures."""
+    """Two readings of an unchanged card are one object (the memory and the rows read alone
+    too); another process's hold, and its exit, each make a new reading with the new figures."""
     with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
         sensor, info = host.sensor(), _info(host)
         first = sensor.read_snapshot(info)
@@ -245,6 +245,8 @@ def test_a_card_reading_is_made_once_per_ledger_content_and_again_when_it_change
             assert rows is not None and [(r.pid, r.used_bytes) for r in rows] == [
                 (child.pid, 2 * GiB + 300 * MiB)
             ]
+            # The memory and the rows asked for alone come from that same reading.
+            assert sensor.read_memory(info) is memory and sensor.read_processes(info) is rows
             _kill_and_leave_unreaped(child)
             memory, rows = sensor.read_snapshot(info)
             assert memory.used_bytes == 0 and rows == ()

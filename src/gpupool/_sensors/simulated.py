@@ -772,7 +772,10 @@ class SimulatedSensor(Sensor):
             DeviceUnreadableError: the device was made with ``readable=False``.
             NoDriverError: the host was made with ``driver=False``.
         """
-        return memory_of(device, self._state_of(device))
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return self._snapshot_of(state, device)[0]
 
     def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
         """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
@@ -783,7 +786,9 @@ class SimulatedSensor(Sensor):
         state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
-        return rows_of(state, device_of(state, device.index))
+        if not device_of(state, device.index)["readable"]:
+            return None
+        return self._snapshot_of(state, device)[1]
 
     def read_snapshot(
         self, device: DeviceInfo
