@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from gpupool._core.readings import MAX_REJECTIONS, judge_tree_rows
 from gpupool._errors import SensorError
 from gpupool._sensors.base import Sensor
+from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.tree import (
     MAX_DESCENDANTS,
     read_children_rss_high_water,
@@ -208,7 +209,7 @@ class TreeWatch:
     def open(self) -> frozenset[int]:
         """Open a window: note the descendants already running and their RSS, and arm the
         sampler. Returns the root and its live descendants now (one reading serves all)."""
-        if self._owner_pid != os.getpid():
+        if self._owner_pid != own_pid():
             self._new_sampler()
         with self._lock:
             self._open = False
@@ -302,7 +303,7 @@ class TreeWatch:
         """End the open window: disarm the sampler (a sample of the window in flight is
         kept), and take the window's last reading. Returns the root and its live
         descendants now; :meth:`close` then sums the window up."""
-        if self._owner_pid != os.getpid():
+        if self._owner_pid != own_pid():
             self._new_sampler()
         with self._lock:
             self._open = False

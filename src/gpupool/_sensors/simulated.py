@@ -51,6 +51,7 @@ from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.booking_rows import read_start_token
+from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.simulated_alive import Liveness
 from gpupool._sensors.simulated_check import ledger_problem
 from gpupool._sensors.simulated_state import (
@@ -274,9 +275,9 @@ class Ledger:
         """In a forked child, start afresh: the inherited descriptor is the parent's open file,
         whose flock parent and child would both "hold", and the thread lock may have been
         held by another thread at the fork."""
-        if self._pid == os.getpid():
+        if self._pid == own_pid():
             return
-        self._pid = os.getpid()
+        self._pid = own_pid()
         self._thread_lock = threading.Lock()
         if self._descriptor_is_ours():
             assert self._fd is not None
@@ -545,7 +546,7 @@ class Ledger:
             dev = device_of(state, device)
             proc = dev["procs"].get(key)
             if proc is None:
-                identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
+                identity = _identity_of(pid)
                 if identity is None:
                     raise ValueError(f"process {pid} does not exist; it cannot hold device bytes")
                 context = state["context"]
@@ -670,16 +671,15 @@ _OWN_IDENTITY: tuple[int, str] | None = None
 
 def _identity_of(pid: int) -> str | None:
     """``pid``'s start token (``None``: no such process); this process's own, read once."""
-    own = _OWN_IDENTITY
-    if own is not None and own[0] == pid and pid == os.getpid():
-        return own[1]
-    return read_start_token(pid) if pid != os.getpid() else _own_identity()
+    if pid != own_pid():
+        return read_start_token(pid)
+    return _own_identity()
 
 
 def _own_identity() -> str:
     """This process's start token (read once per process: it never changes)."""
     global _OWN_IDENTITY
-    pid = os.getpid()
+    pid = own_pid()
     if _OWN_IDENTITY is None or _OWN_IDENTITY[0] != pid:
         identity = read_start_token(pid)
         assert identity is not None  # this process is running
