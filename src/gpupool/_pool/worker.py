@@ -329,7 +329,8 @@ def worker_main(
             failure = None
         last_oom = kind == "oom"
         # The report as a tuple of plain values: the parent rebuilds it (wire.parse_answer).
-        _answer(conn, task_id, kind, wire.report_values(report), payload)
+        # A forked copy of the worker left right after the task returned (above).
+        _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
         del payload
         done += 1
 
@@ -389,10 +390,14 @@ def _answer(
     kind: str,
     report: dict[str, Any] | tuple[Any, ...] | None,
     payload: bytes,
+    *,
+    forked_checked: bool = False,
 ) -> None:
     """Send one answer about ``task_id`` as one frame (the payload not copied); a forked
-    copy of the worker sends nothing and exits."""
-    _leave_if_forked()
+    copy of the worker sends nothing and exits (``forked_checked``: the caller just made
+    sure this is no such copy)."""
+    if not forked_checked:
+        _leave_if_forked()
     fd = conn.fileno()
     _leave_if_channel_lost(fd)
     # Not a forked copy: this process is the worker (whose PID _guard_forks kept).
