@@ -751,3 +751,21 @@ def test_a_window_without_any_framework_reports_no_device_peak(monkeypatch):
     report = probe.stop()
     assert (report.device_peak_bytes, report.device_source) == (None, "none")
     assert (report.context_bytes, report.context_source) == (None, "none")
+
+
+def test_a_rejected_reading_of_an_unchanged_card_is_named_in_every_window():
+    """The card's reading is the same object from window to window (nothing changed on the
+    simulated card), and its row is rejected (a 1 MiB context, below any real one): each
+    window's report still says why, and neither takes the row as a measurement."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="1MiB") as host:
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        with hold(0):
+            pass  # the context alone stays charged: this process's row is 1 MiB
+        probe = Probe(host.sensor(), info, 0, os.getpid())
+        reports = []
+        for _ in range(2):
+            probe.start()
+            reports.append(probe.stop())
+    for report in reports:
+        assert any("context" in reason for reason in report.rejected_readings), report
+        assert report.context_bytes is None  # the row was never read as the context

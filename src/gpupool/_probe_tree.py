@@ -381,6 +381,19 @@ class TreeSensor(Sensor):
         self.watch = watch
         self.name = inner.name
         watch.sensor = self
+        # The last judgement of a reading's rows (the very rows and memory objects, and the
+        # tree): a sensor that gives the same objects for an unchanged card (the
+        # simulator's) is not judged again for the same tree.
+        self._judged: (
+            tuple[
+                tuple[ProcessReading, ...],
+                MemoryReading | None,
+                frozenset[int],
+                tuple[str, ...],
+                tuple[int | None, int | None],
+            ]
+            | None
+        ) = None
 
     def read_devices(self) -> tuple[DeviceInfo, ...]:
         return self.inner.read_devices()
@@ -462,16 +475,39 @@ class TreeSensor(Sensor):
         """``members``' bytes and the root's own row in one reading's rows (reasons kept)."""
         if rows is None:
             return None, None
+        judged = self._judged
+        if (
+            judged is not None
+            and judged[0] is rows
+            and judged[1] is memory
+            and judged[2] == members
+        ):
+            reasons, answer = judged[3], judged[4]  # the same reading of the same tree
+        else:
+            reasons, answer = self._judge_anew(memory, rows, members)
+            self._judged = (rows, memory, frozenset(members), reasons, answer)
+        if reasons:
+            self.watch.note_rejections(reasons)
+        return answer
+
+    def _judge_anew(
+        self,
+        memory: MemoryReading | None,
+        rows: tuple[ProcessReading, ...],
+        members: Collection[int],
+    ) -> tuple[tuple[str, ...], tuple[int | None, int | None]]:
+        """Why readings were rejected, and the tree's bytes and the root's own row."""
         # On unified memory "used" is the host's, not a device total to bound rows by.
         used = memory.used_bytes if memory is not None and not memory.unified else None
         verdict = judge_tree_rows(
             [(row.pid, row.used_bytes) for row in rows], members, device_used_bytes=used
         )
-        self.watch.note_rejections(verdict.reasons)
+        reasons = tuple(verdict.reasons)
         if verdict.tree_bytes is None:
-            return None, None
+            return reasons, (None, None)
         own = [row.used_bytes for row in rows if row.pid == self.watch.root_pid]
-        return verdict.tree_bytes, own[0] if own and self.watch.root_pid in members else None
+        root_row = own[0] if own and self.watch.root_pid in members else None
+        return reasons, (verdict.tree_bytes, root_row)
 
 
 class _ExactTreeSensor(TreeSensor):

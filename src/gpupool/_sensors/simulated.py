@@ -455,7 +455,8 @@ class Ledger:
 
         A reading that changes nothing waits for no other reading, in any process.
         """
-        self._leave_parent()
+        if self._pid != own_pid():
+            self._leave_parent()
         with self._thread_lock:
             state = self._unchanged()
             if state is not None:
@@ -651,7 +652,8 @@ class Ledger:
         def open_window(view: LedgerState, size: int | None) -> int | _Again:
             dev = device_of(view, device)
             now = tree_bytes(dev, key)
-            if dev["trees"].get(key) != TreeWindow(start=identity, window=now):
+            window = dev["trees"].get(key)
+            if window is None or window["window"] != now or window["start"] != identity:
                 if size is None:
                     return _Again.WRITE
                 state = self._load(size, private=True)
@@ -671,6 +673,9 @@ _OWN_IDENTITY: tuple[int, str] | None = None
 
 def _identity_of(pid: int) -> str | None:
     """``pid``'s start token (``None``: no such process); this process's own, read once."""
+    own = _OWN_IDENTITY
+    if own is not None and own[0] == pid == own_pid():
+        return own[1]
     if pid != own_pid():
         return read_start_token(pid)
     return _own_identity()
