@@ -487,12 +487,16 @@ class Probe:
 
     def start(self) -> None:
         """Open the measuring window for one task."""
-        guard_torch_resets()
+        modules = sys.modules  # torch's hooks only where the worker imported it
+        if "torch" in modules:
+            guard_torch_resets()
         members = self._tree.open()
-        _arm_cap_at_task_start()
-        cuda = initialised_torch_cuda()
-        if cuda is not None:
-            _reset_torch_peaks(cuda)
+        if _CAP.ask_bytes is not None:
+            _arm_cap_at_task_start()  # may import torch
+        if "torch" in modules:
+            cuda = initialised_torch_cuda()
+            if cuda is not None:
+                _reset_torch_peaks(cuda)
         held = self._frameworks.open()
         self._descendant_bytes = 0
         sensor, device = self._sensor, self._device
@@ -594,10 +598,11 @@ class Probe:
             if peak is None or counted > peak:
                 suffix = "" if context[1] == "process-row" else "-estimated"
                 peak, source = counted, f"{names}+context{suffix}{self._with_descendants()}"
-        release_caches()
-        cuda = initialised_torch_cuda()
-        if cuda is not None:
-            _reset_torch_peaks(cuda)
+        if "torch" in sys.modules or "cupy" in sys.modules:  # else no cache to give back
+            release_caches()
+            cuda = initialised_torch_cuda()
+            if cuda is not None:
+                _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
         tree = self._tree.close(self._device)
         rss = read_rss_high_water()
