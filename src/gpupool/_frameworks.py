@@ -213,10 +213,11 @@ class FrameworkWindow:
     def open(self) -> int | None:
         """Open a window (after the probe reset torch's peak); what the frameworks hold now
         (``None``: no framework is loaded and started)."""
-        _take_folded()
+        if _FOLDED.peak_bytes:  # a reset folded before this window: not this window's
+            _take_folded()
         found = _read()
         with self._lock:
-            self._max_held = {name: held for name, (held, _) in found.items()}
+            self._max_held = {name: held for name, (held, _) in found.items()} if found else {}
             jax = found.get("jax")
             self._jax_peak_at_open = jax[1] if jax is not None else None
         return sum(held for held, _ in found.values()) if found else None
@@ -234,7 +235,7 @@ class FrameworkWindow:
         """Each framework's peak over the window (those that held anything), and what they
         hold together now (before the caches are released)."""
         found = _read()
-        folded = _take_folded()
+        folded = _take_folded() if _FOLDED.peak_bytes else 0
         peaks: dict[str, int] = {}
         with self._lock:
             if not found and not self._max_held:

@@ -327,7 +327,7 @@ class TreeWatch:
             self.end()
         running, self._ended = self._ended or set(), None
         with self._lock:
-            outliving = tuple(sorted(pid for pid, _ in running - self._at_start))
+            outliving = tuple(sorted(pid for pid, _ in running - self._at_start)) if running else ()
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
         children = read_children_rss_high_water()
         before = self._children_rss_at_start
