@@ -725,3 +725,47 @@ def test_cap_subtracts_the_other_frameworks_pools(monkeypatch, fresh_cap):
     probe.stop()
     expected = (4 * GiB - GiB - CONTEXT_ESTIMATE_BYTES) / (16 * GiB)
     assert torch.cuda.fractions[-1][0] == expected
+
+
+def test_a_framework_the_task_loads_during_its_window_is_measured(monkeypatch):
+    """No framework is loaded when the window opens (the probe then asks none); the task
+    imports torch and allocates: its peak and the estimated context are the report's."""
+    for name in ("torch", "cupy", "jax", "jax._src", "jax._src.xla_bridge"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    probe = Probe(None, None, None, os.getpid())
+    probe.start()
+    monkeypatch.setitem(sys.modules, "torch", torch)  # the task's import
+    torch.cuda.allocate(2 * GiB)
+    report = probe.stop()
+    assert report.device_peak_bytes == 2 * GiB + CONTEXT_ESTIMATE_BYTES
+    assert report.device_source == "torch+context-estimated"
+
+
+def test_a_window_without_any_framework_reports_no_device_peak(monkeypatch):
+    """No framework before, during or after the window, no device: nothing on the device."""
+    for name in ("torch", "cupy", "jax", "jax._src", "jax._src.xla_bridge"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    probe = Probe(None, None, None, os.getpid())
+    probe.start()
+    report = probe.stop()
+    assert (report.device_peak_bytes, report.device_source) == (None, "none")
+    assert (report.context_bytes, report.context_source) == (None, "none")
+
+
+def test_a_rejected_reading_of_an_unchanged_card_is_named_in_every_window():
+    """The card's reading is the same object from window to window (nothing changed on the
+    simulated card), and its row is rejected (a 1 MiB context, below any real one): each
+    window's report still says why, and neither takes the row as a measurement."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="1MiB") as host:
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        with hold(0):
+            pass  # the context alone stays charged: this process's row is 1 MiB
+        probe = Probe(host.sensor(), info, 0, os.getpid())
+        reports = []
+        for _ in range(2):
+            probe.start()
+            reports.append(probe.stop())
+    for report in reports:
+        assert any("context" in reason for reason in report.rejected_readings), report
+        assert report.context_bytes is None  # the row was never read as the context

@@ -127,6 +127,9 @@ def _jax() -> tuple[int, int] | None:
 def _read() -> dict[str, tuple[int, int | None]]:
     """Each loaded and started framework: ``(held now, its own peak or None)``."""
     found: dict[str, tuple[int, int | None]] = {}
+    modules = sys.modules
+    if "torch" not in modules and "cupy" not in modules and "jax" not in modules:
+        return found  # the usual case outside a GPU task: nothing to ask
     torch = _torch()
     if torch is not None:
         found["torch"] = torch
@@ -210,10 +213,11 @@ class FrameworkWindow:
     def open(self) -> int | None:
         """Open a window (after the probe reset torch's peak); what the frameworks hold now
         (``None``: no framework is loaded and started)."""
-        _take_folded()
+        if _FOLDED.peak_bytes:  # a reset folded before this window: not this window's
+            _take_folded()
         found = _read()
         with self._lock:
-            self._max_held = {name: held for name, (held, _) in found.items()}
+            self._max_held = {name: held for name, (held, _) in found.items()} if found else {}
             jax = found.get("jax")
             self._jax_peak_at_open = jax[1] if jax is not None else None
         return sum(held for held, _ in found.values()) if found else None
@@ -231,9 +235,11 @@ class FrameworkWindow:
         """Each framework's peak over the window (those that held anything), and what they
         hold together now (before the caches are released)."""
         found = _read()
-        folded = _take_folded()
+        folded = _take_folded() if _FOLDED.peak_bytes else 0
         peaks: dict[str, int] = {}
         with self._lock:
+            if not found and not self._max_held:
+                return peaks, 0  # no framework loaded and started during the window
             for name in FRAMEWORKS:
                 now = found.get(name)
                 peak = max(self._max_held.get(name, 0), now[0] if now is not None else 0)

@@ -458,7 +458,13 @@ class Probe:
         # allocator (its context, NCCL, other libraries), from its own device row:
         # it only grows, as a lazily loaded context does. None: never measured.
         self._context_bytes: int | None = None
-        self._exact = True
+        # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
+        # window is sampled.
+        sensor = self._sensor
+        self._exact = (
+            sensor is None
+            or type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
+        )
 
     @property
     def context_bytes(self) -> int | None:
@@ -481,12 +487,16 @@ class Probe:
 
     def start(self) -> None:
         """Open the measuring window for one task."""
-        guard_torch_resets()
+        modules = sys.modules  # torch's hooks only where the worker imported it
+        if "torch" in modules:
+            guard_torch_resets()
         members = self._tree.open()
-        _arm_cap_at_task_start()
-        cuda = initialised_torch_cuda()
-        if cuda is not None:
-            _reset_torch_peaks(cuda)
+        if _CAP.ask_bytes is not None:
+            _arm_cap_at_task_start()  # may import torch
+        if "torch" in modules:
+            cuda = initialised_torch_cuda()
+            if cuda is not None:
+                _reset_torch_peaks(cuda)
         held = self._frameworks.open()
         self._descendant_bytes = 0
         sensor, device = self._sensor, self._device
@@ -496,12 +506,11 @@ class Probe:
             self._baseline_bytes = sensor.start_peak_window(device, self._pid)
         except Exception:
             self._baseline_bytes = None
-        try:
-            self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
-        except Exception:
-            self._max_at_start = None
-        self._exact = type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
         if not self._exact:
+            try:  # the driver's lifetime maximum, for the sampled path's stop
+                self._max_at_start = sensor.read_process_max_bytes(device, self._pid)
+            except Exception:
+                self._max_at_start = None
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
             self._read_tree(sensor, device, held, members)
@@ -540,8 +549,14 @@ class Probe:
             tree, own = sensor.read_root_bytes(device, members)
         except Exception:
             return None
+        return self._note_tree(tree, own, held_before)
+
+    def _note_tree(self, tree: int | None, own: int | None, held_before: int | None) -> int | None:
+        """Note the worker's context and its descendants' bytes from one reading of the tree
+        (``tree``: its bytes, ``own``: the worker's row); the tree's bytes, or ``None``."""
         own = _trusted(own)
-        self._note_context(own, held_before, self._frameworks.sample())
+        if own is not None and held_before is not None:  # else nothing to tell apart
+            self._note_context(own, held_before, self._frameworks.sample())
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
@@ -583,10 +598,11 @@ class Probe:
             if peak is None or counted > peak:
                 suffix = "" if context[1] == "process-row" else "-estimated"
                 peak, source = counted, f"{names}+context{suffix}{self._with_descendants()}"
-        release_caches()
-        cuda = initialised_torch_cuda()
-        if cuda is not None:
-            _reset_torch_peaks(cuda)
+        if "torch" in sys.modules or "cupy" in sys.modules:  # else no cache to give back
+            release_caches()
+            cuda = initialised_torch_cuda()
+            if cuda is not None:
+                _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
         tree = self._tree.close(self._device)
         rss = read_rss_high_water()
@@ -613,11 +629,10 @@ class Probe:
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
         members = self._tree.end()
-        try:
-            peak = sensor.read_process_peak_bytes(device, self._pid)
-        except Exception:
-            peak = None
-        self._read_tree(sensor, device, self._frameworks.sample(), members)
+        held_before = self._frameworks.sample()
+        # The high-water and the tree's rows, from one reading where the sensor can.
+        peak, tree, own = sensor.read_peak_and_root(device, members)
+        self._note_tree(tree, own, held_before)
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
     def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:

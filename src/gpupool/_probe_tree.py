@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from gpupool._core.readings import MAX_REJECTIONS, judge_tree_rows
 from gpupool._errors import SensorError
 from gpupool._sensors.base import Sensor
+from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.tree import (
     MAX_DESCENDANTS,
     read_children_rss_high_water,
@@ -83,6 +84,16 @@ class TreeSummary:
     rejected: tuple[str, ...]
 
 
+#: What a window that saw no process under the worker, and no rejected reading, sums up to.
+_NOTHING_SEEN = TreeSummary(
+    descendants=0,
+    outliving_pids=(),
+    outliving_device_bytes=None,
+    rss_peak_bytes=None,
+    rejected=(),
+)
+
+
 def read_start_token(pid: int) -> str | None:
     """:func:`gpupool._sensors.booking_rows.read_start_token`, imported when a task first has
     a descendant to identify (a worker starts without the booking table's modules)."""
@@ -129,6 +140,8 @@ class TreeWatch:
         process, where the parent's thread does not run and its lock may have been held."""
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
+        # Taken directly (``with self._lock``) where nothing waits: a Condition is entered
+        # through a Python call.
         self._wake = threading.Condition(self._lock)
         self._generation = 0  # bumped at each opening and closing of a window
         self._due_s = 0.0  # when the open window's next sample is due (monotonic)
@@ -146,11 +159,14 @@ class TreeWatch:
                 found.add((pid, token))
         return found
 
-    def _read(self) -> tuple[tuple[int, ...], set[tuple[int, str]]]:
+    def _read(self, *, own: bool | None = None) -> tuple[tuple[int, ...], set[tuple[int, str]]]:
         """One reading of the tree: the live descendants now, with those seen before that are
         still running though re-parented away since (their parent exited: ``sh -c "cmd &"``,
-        a launcher) and every process under those, and the identities of them all."""
-        found = read_descendants(self.root_pid, self._proc)
+        a launcher) and every process under those, and the identities of them all. ``own``:
+        whether the root is this process, where the caller knows (``None``: asked)."""
+        found = read_descendants(self.root_pid, self._proc, own=own)
+        if not found and not self._seen:
+            return found, set()  # the usual case: no process under the worker, before or now
         identities = self._identities(found) if found else set()
         known = set(found)
         with self._lock:
@@ -169,8 +185,10 @@ class TreeWatch:
         identities |= self._identities(below)
         return (*found, *(pid for pid, _ in orphans), *below), identities
 
-    def _rss_of(self, descendants: Iterable[int]) -> int:
+    def _rss_of(self, descendants: Collection[int]) -> int:
         """The sum of ``descendants``' RSS high-waters now."""
+        if not descendants:
+            return 0
         return sum(read_rss_high_water_of(pid, self._proc) or 0 for pid in descendants)
 
     def members(self) -> frozenset[int]:
@@ -191,16 +209,16 @@ class TreeWatch:
     def open(self) -> frozenset[int]:
         """Open a window: note the descendants already running and their RSS, and arm the
         sampler. Returns the root and its live descendants now (one reading serves all)."""
-        if self._owner_pid != os.getpid():
+        if self._owner_pid != own_pid():
             self._new_sampler()
-        with self._wake:
+        with self._lock:
             self._open = False
             while self._sampling:  # a window left open: its sample in flight ends first
                 self._wake.wait()
-        descendants, at_start = self._read()
+        descendants, at_start = self._read(own=self.root_pid == self._owner_pid)
         rss_bytes = self._rss_of(descendants)
         children_rss = read_children_rss_high_water()
-        with self._wake:
+        with self._lock:
             self._generation += 1
             self._tick = None
             self._at_start = at_start
@@ -215,7 +233,7 @@ class TreeWatch:
                 self._parked = False
                 self._wake.notify()
         thread = self._thread
-        if thread is None or not thread.is_alive():
+        if thread is None:  # the first window, or the sampler ended (it says so, as it ends)
             self._thread = thread = threading.Thread(
                 target=_sample_while_watched,
                 args=(weakref.ref(self),),
@@ -238,7 +256,7 @@ class TreeWatch:
         ``quiet`` is the sampler's own ``[generation seen, since when]``: how long no
         window has opened or closed, to know when to park.
         """
-        with self._wake:
+        with self._lock:
             now_s = time.monotonic()
             if self._generation != quiet[0]:
                 quiet[0], quiet[1] = self._generation, now_s
@@ -258,7 +276,7 @@ class TreeWatch:
         try:
             self._sample(generation, tick)
         finally:
-            with self._wake:
+            with self._lock:
                 self._sampling = False
                 self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
                 self._wake.notify_all()  # an opening or an end that waits for this sample
@@ -285,19 +303,20 @@ class TreeWatch:
         """End the open window: disarm the sampler (a sample of the window in flight is
         kept), and take the window's last reading. Returns the root and its live
         descendants now; :meth:`close` then sums the window up."""
-        if self._owner_pid != os.getpid():
+        if self._owner_pid != own_pid():
             self._new_sampler()
-        with self._wake:
+        with self._lock:
             self._open = False
             while self._sampling:
                 self._wake.wait()
             self._generation += 1
             self._tick = None
-        descendants, running = self._read()
-        rss_bytes = self._rss_of(descendants)
-        with self._lock:
-            self._seen |= running
-            self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
+        descendants, running = self._read(own=self.root_pid == self._owner_pid)
+        if descendants:
+            rss_bytes = self._rss_of(descendants)
+            with self._lock:
+                self._seen |= running
+                self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
         self._ended = running
         return frozenset((self.root_pid, *descendants))
 
@@ -308,12 +327,14 @@ class TreeWatch:
             self.end()
         running, self._ended = self._ended or set(), None
         with self._lock:
-            outliving = tuple(sorted(pid for pid, _ in running - self._at_start))
+            outliving = tuple(sorted(pid for pid, _ in running - self._at_start)) if running else ()
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
         children = read_children_rss_high_water()
         before = self._children_rss_at_start
         if children is not None and before is not None and children > before:
             rss_bytes = max(rss_bytes, children)  # a child reaped before a sample saw it
+        if not (seen or rss_bytes or reasons):
+            return _NOTHING_SEEN  # the usual case: no process under the worker
         outliving_bytes = None
         if outliving and self.sensor is not None and device is not None:
             try:
@@ -333,12 +354,17 @@ def _sample_while_watched(ref: weakref.ReferenceType[TreeWatch]) -> None:
     """The sampler thread: turns until its watch is gone (it holds the watch only weakly
     between turns, so a watch dropped by its owner ends its thread)."""
     quiet = [-1.0, time.monotonic()]
-    while True:
+    try:
+        while True:
+            watch = ref()
+            if watch is None:
+                return
+            watch._turn(quiet)
+            del watch
+    finally:
         watch = ref()
-        if watch is None:
-            return
-        watch._turn(quiet)
-        del watch
+        if watch is not None and watch._thread is threading.current_thread():
+            watch._thread = None  # the next window starts another
 
 
 class TreeSensor(Sensor):
@@ -355,6 +381,19 @@ class TreeSensor(Sensor):
         self.watch = watch
         self.name = inner.name
         watch.sensor = self
+        # The last judgement of a reading's rows (the very rows and memory objects, and the
+        # tree): a sensor that gives the same objects for an unchanged card (the
+        # simulator's) is not judged again for the same tree.
+        self._judged: (
+            tuple[
+                tuple[ProcessReading, ...],
+                MemoryReading | None,
+                frozenset[int],
+                tuple[str, ...],
+                tuple[int | None, int | None],
+            ]
+            | None
+        ) = None
 
     def read_devices(self) -> tuple[DeviceInfo, ...]:
         return self.inner.read_devices()
@@ -400,6 +439,22 @@ class TreeSensor(Sensor):
         """What ``members`` hold by one reading of ``device``, or ``None`` (reasons kept)."""
         return self._read_members(device, members)[0]
 
+    def read_peak_and_root(
+        self, device: DeviceInfo, members: Collection[int]
+    ) -> tuple[int | None, int | None, int | None]:
+        """The root's exact high-water (:meth:`read_process_peak_bytes`), then the tree's
+        bytes and the root's own row (:meth:`read_root_bytes`); ``None`` for a figure
+        that cannot be read."""
+        try:
+            peak = self.read_process_peak_bytes(device, self.watch.root_pid)
+        except Exception:
+            peak = None
+        try:
+            tree, own = self.read_root_bytes(device, members)
+        except Exception:
+            tree, own = None, None
+        return peak, tree, own
+
     def _read_members(
         self, device: DeviceInfo, members: Collection[int]
     ) -> tuple[int | None, int | None]:
@@ -409,18 +464,50 @@ class TreeSensor(Sensor):
             memory, rows = self.inner.read_snapshot(device)
         except SensorError:
             memory, rows = None, self.inner.read_processes(device)
+        return self._judge(memory, rows, members)
+
+    def _judge(
+        self,
+        memory: MemoryReading | None,
+        rows: tuple[ProcessReading, ...] | None,
+        members: Collection[int],
+    ) -> tuple[int | None, int | None]:
+        """``members``' bytes and the root's own row in one reading's rows (reasons kept)."""
         if rows is None:
             return None, None
+        judged = self._judged
+        if (
+            judged is not None
+            and judged[0] is rows
+            and judged[1] is memory
+            and judged[2] == members
+        ):
+            reasons, answer = judged[3], judged[4]  # the same reading of the same tree
+        else:
+            reasons, answer = self._judge_anew(memory, rows, members)
+            self._judged = (rows, memory, frozenset(members), reasons, answer)
+        if reasons:
+            self.watch.note_rejections(reasons)
+        return answer
+
+    def _judge_anew(
+        self,
+        memory: MemoryReading | None,
+        rows: tuple[ProcessReading, ...],
+        members: Collection[int],
+    ) -> tuple[tuple[str, ...], tuple[int | None, int | None]]:
+        """Why readings were rejected, and the tree's bytes and the root's own row."""
         # On unified memory "used" is the host's, not a device total to bound rows by.
         used = memory.used_bytes if memory is not None and not memory.unified else None
         verdict = judge_tree_rows(
             [(row.pid, row.used_bytes) for row in rows], members, device_used_bytes=used
         )
-        self.watch.note_rejections(verdict.reasons)
+        reasons = tuple(verdict.reasons)
         if verdict.tree_bytes is None:
-            return None, None
+            return reasons, (None, None)
         own = [row.used_bytes for row in rows if row.pid == self.watch.root_pid]
-        return verdict.tree_bytes, own[0] if own and self.watch.root_pid in members else None
+        root_row = own[0] if own and self.watch.root_pid in members else None
+        return reasons, (verdict.tree_bytes, root_row)
 
 
 class _ExactTreeSensor(TreeSensor):
@@ -435,6 +522,20 @@ class _ExactTreeSensor(TreeSensor):
         if pid != self.watch.root_pid:
             return self.inner.read_process_peak_bytes(device, pid)
         return self.inner.read_tree_peak_bytes(device, pid)
+
+    def read_peak_and_root(
+        self, device: DeviceInfo, members: Collection[int]
+    ) -> tuple[int | None, int | None, int | None]:
+        """As :meth:`TreeSensor.read_peak_and_root`, from one reading of ``device`` where the
+        sensor gives the tree's high-water and the rows together (``read_tree_snapshot``)."""
+        both = getattr(self.inner, "read_tree_snapshot", None)
+        if both is None:
+            return super().read_peak_and_root(device, members)
+        try:
+            peak, memory, rows = both(device, self.watch.root_pid)
+        except Exception:
+            return None, None, None
+        return (peak, *self._judge(memory, rows, members))
 
 
 def tree_sensor(inner: Sensor, watch: TreeWatch) -> TreeSensor:

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from gpupool._probe_tree import TreeSummary, TreeWatch
 from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.tree import (
@@ -296,3 +298,46 @@ def test_a_children_file_longer_than_one_read_is_read_to_its_end():
         parent.stdin.close()
         parent.wait()
         parent.stdout.close()
+
+
+# The sampler's error is the point of the test: the thread's end is reported, and expected.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sampler_that_ended_is_started_again_by_the_next_window(tmp_path: Path):
+    """The sampler thread ends on an error of its own: the next window starts another, and
+    that one samples (a descendant only it saw counts in the window)."""
+    listing = _fake_root(tmp_path)
+    status = _fifo_status(tmp_path, _CHILD)
+    watch = TreeWatch(_ROOT, proc=tmp_path)
+    watch.open()
+    first = watch._thread
+    assert first is not None
+    with watch._lock:
+        watch._due_s = None  # type: ignore[assignment]  # its next turn fails on this
+    first.join()
+    watch.close(None)
+    watch.open()
+    assert watch._thread is not None and watch._thread is not first
+    listing.write_text(str(_CHILD))  # the new sampler finds it, and waits on its status
+    fd = _open_when_read(status)
+    listing.write_text("")  # gone before the window closes
+    closing = threading.Thread(target=lambda: summaries.append(watch.close(None)))
+    summaries: list[TreeSummary] = []
+    closing.start()
+    _finish(fd, "Name:\tchild\nVmHWM:\t  4096 kB\n")
+    closing.join()
+    assert summaries[0].rss_peak_bytes == 4096 * 1024
+
+
+def test_a_window_with_nothing_under_the_worker_sums_up_to_nothing(tmp_path: Path):
+    """No descendant before, during or after the window: the summary is all empty."""
+    _fake_root(tmp_path)
+    watch = TreeWatch(_ROOT, proc=tmp_path)
+    watch.open()
+    summary = watch.close(None)
+    assert summary == TreeSummary(
+        descendants=0,
+        outliving_pids=(),
+        outliving_device_bytes=None,
+        rss_peak_bytes=None,
+        rejected=(),
+    )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -223,3 +225,121 @@ def test_a_ledger_naming_more_processes_than_descriptors_leaves_the_reader_room(
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
+
+
+def _info(host: SimulatedHost) -> DeviceInfo:
+    return DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+
+
+def test_a_card_reading_is_made_once_per_ledger_content_and_again_when_it_changes():
+    """Two readings of an unchanged card are one object (the memory and the rows read alone
+    too); another process's hold, and its exit, each make a new reading with the new figures."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        sensor, info = host.sensor(), _info(host)
+        first = sensor.read_snapshot(info)
+        assert sensor.read_snapshot(info) is first
+        assert first[0].used_bytes == 0 and first[1] == ()
+        with _holder("2GiB") as child:
+            memory, rows = sensor.read_snapshot(info)
+            assert memory.used_bytes == 2 * GiB + 300 * MiB
+            assert rows is not None and [(r.pid, r.used_bytes) for r in rows] == [
+                (child.pid, 2 * GiB + 300 * MiB)
+            ]
+            # The memory and the rows asked for alone come from that same reading.
+            assert sensor.read_memory(info) is memory and sensor.read_processes(info) is rows
+            _kill_and_leave_unreaped(child)
+            memory, rows = sensor.read_snapshot(info)
+            assert memory.used_bytes == 0 and rows == ()
+
+
+def test_the_tree_high_water_and_the_card_come_from_one_reading():
+    """``read_tree_snapshot`` answers what ``read_tree_peak_bytes`` and ``read_snapshot``
+    answer one after the other, while the ledger stands still."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        sensor, info = host.sensor(), _info(host)
+        with _holder("2GiB") as child:
+            assert sensor.start_tree_window(info, child.pid) == 2 * GiB + 300 * MiB
+            peak, memory, rows = sensor.read_tree_snapshot(info, child.pid)
+            assert peak == sensor.read_tree_peak_bytes(info, child.pid) == 2 * GiB + 300 * MiB
+            assert (memory, rows) == sensor.read_snapshot(info)
+        assert sensor.read_tree_snapshot(info, os.getpid()) == (
+            None,
+            *sensor.read_snapshot(info),
+        )
+
+
+def test_on_an_unreadable_card_the_tree_high_water_still_answers():
+    """The driver lists no rows (``readable=False``): no memory and no rows, the tree's
+    exact high-water as ``read_tree_peak_bytes`` gives it."""
+    with SimulatedHost([SimulatedDevice("16GiB", readable=False)], context="300MiB") as host:
+        sensor, info = host.sensor(), _info(host)
+        with _holder("1GiB") as child:
+            assert sensor.start_tree_window(info, child.pid) == GiB + 300 * MiB
+            assert sensor.read_tree_snapshot(info, child.pid) == (GiB + 300 * MiB, None, None)
+
+
+def _read_beside(path: str, mode: int, read: Callable[[], object]) -> object:
+    """``read()`` on a thread while another descriptor of this process holds ``path``'s
+    flock in ``mode``; what it returned. A read that waits for the lock fails the test (the
+    lock is let go then, so the thread ends)."""
+    results: list[object] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, mode)
+        reader = threading.Thread(target=lambda: results.append(read()), daemon=True)
+        reader.start()
+        reader.join(timeout=120)  # only a bound for a failing run: it never passes by waiting
+        assert not reader.is_alive(), "the reading waited for the ledger's lock"
+    finally:
+        os.close(fd)
+    return results[0]
+
+
+def test_a_reading_of_an_unchanged_ledger_waits_for_no_lock():
+    """Another process holds the ledger's lock to change it: a reading of the ledger as it
+    stands needs no lock (it compares the file's bytes), and gives the reading it holds."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        ledger = Ledger(host.ledger_path)
+        try:
+            first = ledger.view()
+            assert _read_beside(host.ledger_path, fcntl.LOCK_EX, ledger.view) is first
+        finally:
+            ledger.close()
+
+
+def test_a_reading_of_a_changed_ledger_goes_on_beside_another_reader():
+    """The ledger changed since this reader last read it, and another reader holds the lock
+    shared: the reading takes it shared too, and sees the change."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        ledger, other = Ledger(host.ledger_path), Ledger(host.ledger_path)
+        try:
+            ledger.view()
+            assert other.allocate(0, os.getpid(), GiB) is None
+            state = _read_beside(host.ledger_path, fcntl.LOCK_SH, ledger.view)
+            assert isinstance(state, dict)
+            assert state["devices"][0]["procs"][str(os.getpid())]["held"] == GiB
+            other.release(0, os.getpid(), GiB)
+        finally:
+            ledger.close()
+            other.close()
+
+
+def test_a_window_already_open_at_the_bytes_now_is_not_written_again():
+    """Opening a tree window where it already stands (nothing allocated since) leaves the
+    ledger's bytes as they were; one allocation later, it is written."""
+    with SimulatedHost([SimulatedDevice("16GiB")], context="300MiB") as host:
+        ledger = Ledger(host.ledger_path)
+        try:
+            assert ledger.open_tree(0, os.getpid()) == 0
+            with open(host.ledger_path, "rb") as file:
+                before = file.read()
+            assert ledger.open_tree(0, os.getpid()) == 0
+            with open(host.ledger_path, "rb") as file:
+                assert file.read() == before
+            assert ledger.allocate(0, os.getpid(), GiB) is None
+            ledger.release(0, os.getpid(), GiB)
+            assert ledger.open_tree(0, os.getpid()) == 300 * MiB
+            window = ledger.view()["devices"][0]["trees"][str(os.getpid())]
+            assert window["window"] == 300 * MiB
+        finally:
+            ledger.close()

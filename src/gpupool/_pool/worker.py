@@ -278,10 +278,11 @@ def worker_main(
         return
     done = 0
     last_oom = False  # whether the last task this worker ran ended in a device OOM
+    fd = conn.fileno()
     while max_tasks is None or done < max_tasks:
-        _leave_if_channel_lost(conn.fileno())
+        # Whether a task closed or replaced the socket was checked as its answer was sent.
         try:
-            message = wire.read_frame(conn.fileno())
+            message = wire.read_frame(fd)
         except (EOFError, OSError):
             return
         if not message:
@@ -328,7 +329,8 @@ def worker_main(
             failure = None
         last_oom = kind == "oom"
         # The report as a tuple of plain values: the parent rebuilds it (wire.parse_answer).
-        _answer(conn, task_id, kind, wire.report_values(report), payload)
+        # A forked copy of the worker left right after the task returned (above).
+        _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
         del payload
         done += 1
 
@@ -388,12 +390,18 @@ def _answer(
     kind: str,
     report: dict[str, Any] | tuple[Any, ...] | None,
     payload: bytes,
+    *,
+    forked_checked: bool = False,
 ) -> None:
     """Send one answer about ``task_id`` as one frame (the payload not copied); a forked
-    copy of the worker sends nothing and exits."""
-    _leave_if_forked()
-    _leave_if_channel_lost(conn.fileno())
-    wire.send_answer(conn.fileno(), os.getpid(), task_id, kind, report, payload)
+    copy of the worker sends nothing and exits (``forked_checked``: the caller just made
+    sure this is no such copy)."""
+    if not forked_checked:
+        _leave_if_forked()
+    fd = conn.fileno()
+    _leave_if_channel_lost(fd)
+    # Not a forked copy: this process is the worker (whose PID _guard_forks kept).
+    wire.send_answer(fd, _worker_pid or os.getpid(), task_id, kind, report, payload)
 
 
 def process_chunk(fn: Any, chunk: list[tuple[Any, ...]]) -> list[Any]:

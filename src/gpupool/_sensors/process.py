@@ -19,7 +19,7 @@ def read_rss_high_water(path: Path = _STATUS) -> int | None:
     Linux it comes from ``getrusage`` (``ru_maxrss``, KiB: the kernel's
     ``VmHWM``), one system call per task; ``path`` is read elsewhere.
     """
-    if sys.platform == "linux" and path == _STATUS:
+    if sys.platform == "linux" and (path is _STATUS or path == _STATUS):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         text = path.read_text()

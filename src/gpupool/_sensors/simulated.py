@@ -18,8 +18,14 @@ changes the ledger through :class:`Ledger`, finds it through the
 One operation is one read-modify-write under an exclusive ``flock`` on the
 ledger (plus a thread lock, since ``flock`` does not exclude two threads
 sharing one descriptor), written in place so that a process killed at any
-instant leaves a valid ledger behind (see :meth:`Ledger._write`). An
-operation costs tens of microseconds.
+instant leaves a valid ledger behind (see :meth:`Ledger._write`). A reading
+that changes nothing (the card read, a window already where it would be set)
+first compares the file's bytes with those this process read last, without
+the ``flock`` (:meth:`Ledger._unchanged`), and where they differ takes the
+``flock`` shared, so readers in several processes never wait for one
+another; one that finds something to write reads again under the exclusive
+lock (:meth:`Ledger._settled`). An operation costs a few to tens of
+microseconds.
 
 As the driver frees a dead process's memory, every operation first drops the
 entries of processes that have exited (zombies included: the driver frees a
@@ -30,31 +36,44 @@ PID was reused (the start time recorded at first touch no longer matches).
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import json
 import os
 import stat
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 from gpupool._sensors.booking_rows import read_start_token
+from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.simulated_alive import Liveness
 from gpupool._sensors.simulated_check import ledger_problem
-from gpupool._sensors.simulated_tree import (
-    TreeWindow,
-    note_trees,
-    tree_bytes,
+from gpupool._sensors.simulated_state import (
+    DeviceState,
+    LedgerState,
+    OutOfMemoryRecord,
+    ProcessState,
+    Snapshot,
+    device_of,
+    device_used_bytes,
+    drop_dead,
+    memory_of,
+    named_processes,
+    note_peaks,
+    process_bytes,
+    refuse,
+    rows_of,
 )
+from gpupool._sensors.simulated_tree import TreeWindow, tree_bytes
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
 __all__ = [
     "BOOKINGS_DIRECTORY",
@@ -95,56 +114,6 @@ BOOKINGS_DIRECTORY = "bookings"
 _T = TypeVar("_T")
 
 
-class ProcessState(TypedDict):
-    """A real process's charge on one device, as the ledger keeps it."""
-
-    start: str  # identity token: start time, so a reused PID is not mistaken for us
-    name: str
-    context: int  # the one-off context charge, kept until the process dies
-    held: int  # bytes held by open ``hold()`` blocks
-    window: int  # high-water since the last reset_process_peak
-    ancestors: list[int]  # parent, grandparent... at the first touch (simulated_tree)
-
-
-class DeviceState(TypedDict):
-    """One simulated device in the ledger."""
-
-    uuid: str
-    total: int
-    unified: bool
-    readable: bool
-    tenants: dict[str, list[int]]  # name -> [fake pid, bytes]
-    procs: dict[str, ProcessState]  # str(pid) -> charge
-    peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
-    peak: int  # the device's high-water of used bytes over the run
-    trees: dict[str, TreeWindow]  # str(root pid) -> its tree's high-water window
-
-
-class OutOfMemoryRecord(TypedDict):
-    """An allocation the simulated card refused (fields as ``OutOfMemoryEvent``)."""
-
-    pid: int
-    device: int
-    requested_bytes: int
-    used_bytes: int
-    total_bytes: int
-    time_s: float
-
-
-class LedgerState(TypedDict):
-    """The whole ledger: the host's options, its devices, and every refusal."""
-
-    version: int
-    driver: bool
-    container: bool
-    context: int
-    cpus: int | None
-    ram: int | None
-    next_fake_pid: int
-    devices: list[DeviceState]
-    ooms: list[OutOfMemoryRecord]
-
-
 class LedgerGoneError(SensorError):
     """The ledger file does not exist: its ``SimulatedHost`` block has exited (or never ran)."""
 
@@ -154,20 +123,8 @@ def simulated_uuid(index: int) -> str:
     return f"GPU-51a1a7ed-0000-4000-8000-{index:012d}"
 
 
-def device_used_bytes(device: DeviceState) -> int:
-    """Everything on the card now: co-tenants, plus every process's context and held bytes."""
-    used = sum(entry[1] for entry in device["tenants"].values())
-    for proc in device["procs"].values():
-        used += proc["context"] + proc["held"]
-    return used
-
-
 def _encode(state: LedgerState) -> bytes:
     return json.dumps(state, separators=(",", ":")).encode()
-
-
-def _process_bytes(proc: ProcessState) -> int:
-    return proc["context"] + proc["held"]
 
 
 def _own_name() -> str:
@@ -175,6 +132,28 @@ def _own_name() -> str:
         return Path("/proc/self/comm").read_text().strip()
     except OSError:
         return Path(sys.executable).name
+
+
+class _Again(enum.Enum):
+    """What a step of :meth:`Ledger._settled` answers under the shared lock where it must write."""
+
+    WRITE = "write"
+
+
+class _Held:
+    """``with ledger._locked() as size``: the ledger's locks held for one operation."""
+
+    __slots__ = ("_ledger", "_shared")
+
+    def __init__(self, ledger: Ledger, *, shared: bool) -> None:
+        self._ledger = ledger
+        self._shared = shared
+
+    def __enter__(self) -> int:
+        return self._ledger._acquire(shared=self._shared)
+
+    def __exit__(self, *exc: object) -> None:
+        self._ledger._release()
 
 
 class Ledger:
@@ -203,6 +182,12 @@ class Ledger:
         self._parsed: LedgerState | None = None
         # The processes a shared reading names (asked of the liveness as the same set).
         self._named: tuple[LedgerState | None, set[tuple[int, str]]] = (None, set())
+        self._held = _Held(self, shared=False)
+        self._held_shared = _Held(self, shared=True)
+        # Processes a reading under the shared lock found dead, for the next exclusive
+        # one to drop (a dead identity stays dead: its PID's next process has another token).
+        self._dead_seen: set[tuple[int, str]] = set()
+        self._held_by: tuple[int, threading.Lock] = (-1, self._thread_lock)
 
     @staticmethod
     def create(path: str, state: LedgerState) -> Ledger:
@@ -245,27 +230,29 @@ class Ledger:
 
     # -- the locked read-modify-write ----------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[int]:
-        """Hold the thread lock and the file lock; yields the ledger's size in bytes."""
-        if self._pid != os.getpid():
-            # A forked child: the inherited descriptor is the parent's open file,
-            # whose flock parent and child would both "hold", and the thread lock
-            # may have been held by another thread at the fork. Start afresh.
-            self._pid = os.getpid()
-            self._thread_lock = threading.Lock()
-            if self._descriptor_is_ours():
-                assert self._fd is not None
-                with contextlib.suppress(OSError):
-                    os.close(self._fd)  # this process's copy only: the parent's lock stands
-            self._fd = None
-            self._liveness.close()  # this process's copies of the parent's pidfds
-            self._liveness = Liveness()
-        with self._thread_lock:
+    def _locked(self, *, shared: bool = False) -> _Held:
+        """Hold the thread lock and the file lock (``with``); gives the ledger's size in bytes.
+
+        ``shared``: the file lock in shared mode, for a reading that changes nothing (other
+        processes' readings go on meanwhile; a change waits for it, and it for a change).
+        """
+        return self._held_shared if shared else self._held
+
+    def _acquire(self, *, shared: bool) -> int:
+        """Take the thread lock and the file lock (shared or exclusive); the ledger's size in
+        bytes.
+
+        Paired with :meth:`_release` by :class:`_Held` (a plain object, not a generator:
+        every reading of the card takes this path).
+        """
+        self._leave_parent()
+        lock = self._thread_lock
+        lock.acquire()
+        try:
             fd = self._fd
             if fd is None or not self._descriptor_is_ours():
                 fd = self._fd = self._open()  # the first time, or another file took its number
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             try:
                 status = os.fstat(fd)
                 if status.st_nlink == 0:  # unlinked by its host while we held it open
@@ -275,9 +262,38 @@ class Ledger:
                         f"it holds {status.st_size} bytes, more than any ledger "
                         f"({MAX_LEDGER_BYTES})"
                     )
-                yield status.st_size
-            finally:
+            except BaseException:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                raise
+        except BaseException:
+            lock.release()
+            raise
+        self._held_by = (fd, lock)
+        return status.st_size
+
+    def _leave_parent(self) -> None:
+        """In a forked child, start afresh: the inherited descriptor is the parent's open file,
+        whose flock parent and child would both "hold", and the thread lock may have been
+        held by another thread at the fork."""
+        if self._pid == own_pid():
+            return
+        self._pid = own_pid()
+        self._thread_lock = threading.Lock()
+        if self._descriptor_is_ours():
+            assert self._fd is not None
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # this process's copy only: the parent's lock stands
+        self._fd = None
+        self._liveness.close()  # this process's copies of the parent's pidfds
+        self._liveness = Liveness()
+
+    def _release(self) -> None:
+        """Give back the locks :meth:`_acquire` took."""
+        fd, lock = self._held_by
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            lock.release()
 
     def _open(self) -> int:
         """Open the ledger; anything but a regular file is refused without reading it."""
@@ -359,25 +375,104 @@ class Ledger:
     def _current(self, size: int) -> tuple[LedgerState, bool]:
         """A private copy of the state, dead processes dropped; whether any were."""
         state = self._load(size, private=True)
-        return state, _drop_dead(state, self._liveness.dead(_named(state)))
+        return state, drop_dead(state, self._liveness.dead(named_processes(state)))
 
     def _view(self, size: int) -> LedgerState:
-        """The shared state, dead processes dropped (and the ledger written if any were).
+        """The shared state, dead processes dropped (and the ledger written if any were),
+        under the exclusive lock.
 
         While the file holds the same bytes and no process it names has exited
         (one ``poll`` of their pidfds), this costs a read of the file and no parse.
         """
-        state = self._load(size, private=False)
-        if self._named[0] is not state:
-            self._named = (state, _named(state))
-        dead = self._liveness.dead(self._named[1])
+        state, dead = self._look(size)
+        if self._dead_seen:
+            dead |= self._dead_seen
+            self._dead_seen = set()
         if not dead:
             return state
-        state = self._load(size, private=True)
-        _drop_dead(state, dead)
-        self._write(state, size)
-        self._parsed = state  # from now on shared, as the file holds it
+        private = self._load(size, private=True)
+        if not drop_dead(private, dead):
+            return state  # found dead under the shared lock, and dropped by another since
+        self._write(private, size)
+        self._parsed = private  # from now on shared, as the file holds it
+        return private
+
+    def _view_shared(self, size: int) -> LedgerState | None:
+        """As :meth:`_view`, under the shared lock, where nothing may be written: ``None``
+        when a dead process has to be dropped (kept for the exclusive reading that follows)."""
+        state, dead = self._look(size)
+        if not dead:
+            return state
+        self._dead_seen |= dead
+        return None
+
+    def _unchanged(self) -> LedgerState | None:
+        """The shared reading, where the file still holds exactly the bytes it was made from
+        and no process it names has exited; else ``None`` (read under the file lock).
+
+        The file is compared without its lock: a change is written in place, so a read
+        that overlaps it may mix old and new bytes, but one that comes out equal to the
+        bytes read before under the lock holds that state, whole, as it stood at an
+        instant of the read (the bytes a change would have altered were read before it).
+        A longer or shorter file reads unequal. Four system calls (``getpid`` by the
+        caller, ``fstat``, ``pread``, ``poll``), and no wait for another process.
+        """
+        raw, fd = self._raw, self._fd
+        if raw is None or fd is None:
+            return None
+        try:
+            status = os.fstat(fd)
+            if (status.st_dev, status.st_ino) != self._file or status.st_nlink == 0:
+                return None  # another file took the number, or the host removed the ledger
+            if os.pread(fd, len(raw) + 1, 0) != raw:
+                return None
+        except OSError:
+            return None
+        state = self._parsed
+        if state is None:  # bytes this process wrote, or parsed for a change: parsed again
+            state = self._parsed = json.loads(raw)
+        if self._named[0] is not state:
+            self._named = (state, named_processes(state))
+        dead = self._liveness.dead(self._named[1])
+        if dead:
+            self._dead_seen |= dead
+            return None
         return state
+
+    def _look(self, size: int) -> tuple[LedgerState, set[tuple[int, str]]]:
+        """The shared state as the file holds it, and the processes it names that are dead."""
+        state = self._load(size, private=False)
+        if self._named[0] is not state:
+            self._named = (state, named_processes(state))
+        return state, self._liveness.dead(self._named[1])
+
+    def _settled(self, step: Callable[[LedgerState, int | None], _T | _Again]) -> _T:
+        """``step`` on the state now (``size`` ``None``: it may not write, and answers
+        :data:`_Again.WRITE` where it has to): on the reading this process already holds
+        where the file still holds its bytes (:meth:`_unchanged`), else under the shared
+        lock; then, if it has to write or a dead process has to be dropped, under the
+        exclusive lock.
+
+        A reading that changes nothing waits for no other reading, in any process.
+        """
+        if self._pid != own_pid():
+            self._leave_parent()
+        with self._thread_lock:
+            state = self._unchanged()
+            if state is not None:
+                result = step(state, None)
+                if result is not _Again.WRITE:
+                    return result
+        with self._locked(shared=True) as size:
+            state = self._view_shared(size)
+            if state is not None:
+                result = step(state, None)
+                if result is not _Again.WRITE:
+                    return result
+        with self._locked() as size:
+            result = step(self._view(size), size)
+            assert result is not _Again.WRITE, "a step under the exclusive lock writes itself"
+            return result
 
     def _write(self, state: LedgerState, size: int) -> None:
         """Overwrite the ledger in place, valid JSON at every instant.
@@ -415,17 +510,18 @@ class Ledger:
 
     def snapshot(self) -> LedgerState:
         """The whole state now, dead processes dropped (a copy: changing it changes nothing)."""
-        with self._locked() as size:
-            self._view(size)
-            assert self._raw is not None
-            copy: LedgerState = json.loads(self._raw)
-            return copy
+
+        def copy(state: LedgerState, size: int | None) -> LedgerState:
+            assert self._raw is not None  # the bytes ``state`` was read from
+            copied: LedgerState = json.loads(self._raw)
+            return copied
+
+        return self._settled(copy)
 
     def view(self) -> LedgerState:
         """The whole state now, dead processes dropped, shared by this process's readers:
         never change it (:meth:`snapshot` gives a copy). Unchanged, it is not parsed again."""
-        with self._locked() as size:
-            return self._view(size)
+        return self._settled(lambda state, size: state)
 
     def layout(self) -> tuple[bool, tuple[str, ...]]:
         """Whether the host has a driver, and every device's UUID in index order.
@@ -448,14 +544,14 @@ class Ledger:
         key = str(pid)
 
         def change(state: LedgerState) -> OutOfMemoryRecord | None:
-            dev = _device(state, device)
+            dev = device_of(state, device)
             proc = dev["procs"].get(key)
             if proc is None:
-                identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
+                identity = _identity_of(pid)
                 if identity is None:
                     raise ValueError(f"process {pid} does not exist; it cannot hold device bytes")
                 context = state["context"]
-                refusal = _refuse(state, device, pid, context)
+                refusal = refuse(state, device, pid, context)
                 if refusal is not None:
                     return refusal
                 name = _own_name() if pid == os.getpid() else "python"
@@ -468,12 +564,12 @@ class Ledger:
                     ancestors=list(read_ancestors(pid)),
                 )
                 dev["procs"][key] = proc
-                _note_peaks(dev, key, proc)
-            refusal = _refuse(state, device, pid, nbytes)
+                note_peaks(dev, key, proc)
+            refusal = refuse(state, device, pid, nbytes)
             if refusal is not None:
                 return refusal
             proc["held"] += nbytes
-            _note_peaks(dev, key, proc)
+            note_peaks(dev, key, proc)
             return None
 
         return self._apply(change, writes=True)
@@ -482,7 +578,7 @@ class Ledger:
         """Give back ``nbytes`` that ``pid`` holds on ``device`` (its context stays)."""
 
         def change(state: LedgerState) -> None:
-            proc = _device(state, device)["procs"].get(str(pid))
+            proc = device_of(state, device)["procs"].get(str(pid))
             if proc is not None:
                 proc["held"] = max(0, proc["held"] - nbytes)
 
@@ -492,13 +588,13 @@ class Ledger:
         """Add ``nbytes`` to co-tenant ``name`` (created if new); the refusal if it does not fit."""
 
         def change(state: LedgerState) -> OutOfMemoryRecord | None:
-            dev = _device(state, device)
+            dev = device_of(state, device)
             entry = dev["tenants"].get(name)
             if entry is None:
                 entry = [state["next_fake_pid"], 0]
                 state["next_fake_pid"] += 1
                 dev["tenants"][name] = entry
-            refusal = _refuse(state, device, entry[0], nbytes)
+            refusal = refuse(state, device, entry[0], nbytes)
             if refusal is not None:
                 return refusal
             entry[1] += nbytes
@@ -515,7 +611,7 @@ class Ledger:
         """
 
         def change(state: LedgerState) -> None:
-            entry = _device(state, device)["tenants"].get(name)
+            entry = device_of(state, device)["tenants"].get(name)
             if entry is None:
                 raise ValueError(f"simulated device {device} has no co-tenant named {name!r}")
             if nbytes > entry[1]:
@@ -530,31 +626,42 @@ class Ledger:
     def reset_window(self, device: int, pid: int) -> int:
         """Start a new high-water window for ``pid`` on ``device`` at its bytes now; return them."""
         key = str(pid)
-        with self._locked() as size:
-            proc = _device(self._view(size), device)["procs"].get(key)
+
+        def reset(view: LedgerState, size: int | None) -> int | _Again:
+            proc = device_of(view, device)["procs"].get(key)
             if proc is None:
                 return 0
-            now = _process_bytes(proc)
+            now = process_bytes(proc)
             if proc["window"] != now:  # else the ledger stays as it is
+                if size is None:
+                    return _Again.WRITE
                 state = self._load(size, private=True)
-                _device(state, device)["procs"][key]["window"] = now
+                device_of(state, device)["procs"][key]["window"] = now
                 self._write(state, size)
-        return now
+            return now
+
+        return self._settled(reset)
 
     def open_tree(self, device: int, pid: int) -> int:
         """Open a tree window for ``pid`` on ``device`` at its tree's bytes now; return them."""
-        identity = read_start_token(pid) if pid != os.getpid() else _own_identity()
+        identity = _identity_of(pid)
         if identity is None:
             raise ValueError(f"process {pid} does not exist; it has no process tree")
         key = str(pid)
-        with self._locked() as size:
-            dev = _device(self._view(size), device)
+
+        def open_window(view: LedgerState, size: int | None) -> int | _Again:
+            dev = device_of(view, device)
             now = tree_bytes(dev, key)
-            if dev["trees"].get(key) != TreeWindow(start=identity, window=now):
+            window = dev["trees"].get(key)
+            if window is None or window["window"] != now or window["start"] != identity:
+                if size is None:
+                    return _Again.WRITE
                 state = self._load(size, private=True)
-                _device(state, device)["trees"][key] = TreeWindow(start=identity, window=now)
+                device_of(state, device)["trees"][key] = TreeWindow(start=identity, window=now)
                 self._write(state, size)
-        return now
+            return now
+
+        return self._settled(open_window)
 
 
 #: The variable that names the ledger (``select.SIMULATOR_ENV``; not imported, to keep
@@ -564,78 +671,25 @@ SIMULATOR_ENV_NAME = "GPUPOOL_SIMULATOR"
 _OWN_IDENTITY: tuple[int, str] | None = None
 
 
+def _identity_of(pid: int) -> str | None:
+    """``pid``'s start token (``None``: no such process); this process's own, read once."""
+    own = _OWN_IDENTITY
+    if own is not None and own[0] == pid == own_pid():
+        return own[1]
+    if pid != own_pid():
+        return read_start_token(pid)
+    return _own_identity()
+
+
 def _own_identity() -> str:
     """This process's start token (read once per process: it never changes)."""
     global _OWN_IDENTITY
-    pid = os.getpid()
+    pid = own_pid()
     if _OWN_IDENTITY is None or _OWN_IDENTITY[0] != pid:
         identity = read_start_token(pid)
         assert identity is not None  # this process is running
         _OWN_IDENTITY = (pid, identity)
     return _OWN_IDENTITY[1]
-
-
-def _device(state: LedgerState, index: int) -> DeviceState:
-    devices = state["devices"]
-    if not 0 <= index < len(devices):
-        raise ValueError(
-            f"the simulated host has {len(devices)} device(s); there is no device {index}"
-        )
-    return devices[index]
-
-
-def _refuse(state: LedgerState, device: int, pid: int, nbytes: int) -> OutOfMemoryRecord | None:
-    """The refusal of ``nbytes`` more on ``device`` (recorded), or ``None`` if it fits."""
-    dev = state["devices"][device]
-    used = device_used_bytes(dev)
-    if used + nbytes <= dev["total"]:
-        return None
-    record = OutOfMemoryRecord(
-        pid=pid,
-        device=device,
-        requested_bytes=nbytes,
-        used_bytes=used,
-        total_bytes=dev["total"],
-        time_s=time.time(),
-    )
-    state["ooms"].append(record)
-    return record
-
-
-def _note_peaks(dev: DeviceState, key: str, proc: ProcessState) -> None:
-    now = _process_bytes(proc)
-    proc["window"] = max(proc["window"], now)
-    dev["peaks"][key] = max(dev["peaks"].get(key, 0), now)
-    dev["peak"] = max(dev["peak"], device_used_bytes(dev))
-    note_trees(dev, key, proc)
-
-
-def _named(state: LedgerState) -> set[tuple[int, str]]:
-    """Every process the ledger names, with its start token: processes and tree roots."""
-    named: set[tuple[int, str]] = set()
-    for dev in state["devices"]:
-        named.update((int(key), proc["start"]) for key, proc in dev["procs"].items())
-        named.update((int(root), window["start"]) for root, window in dev["trees"].items())
-    return named
-
-
-def _drop_dead(state: LedgerState, dead: set[tuple[int, str]]) -> bool:
-    """Drop the processes and tree windows of ``dead`` (exited, or their PID reused);
-    whether any was dropped."""
-    if not dead:
-        return False
-    dropped = False
-    for dev in state["devices"]:
-        procs, trees = dev["procs"], dev["trees"]
-        for key in [key for key, proc in procs.items() if (int(key), proc["start"]) in dead]:
-            del procs[key]
-            dropped = True
-        for root in [
-            root for root, window in trees.items() if (int(root), window["start"]) in dead
-        ]:
-            del trees[root]
-            dropped = True
-    return dropped
 
 
 _LEDGERS: dict[str, Ledger] = {}
@@ -682,6 +736,9 @@ class SimulatedSensor(Sensor):
 
     def __init__(self, ledger_path: str) -> None:
         self._ledger = ledger_at(ledger_path)
+        # One device's memory and rows, and the shared reading (the very object) and device
+        # index they were made from: read again from an unchanged ledger, they are reused.
+        self._made: tuple[LedgerState | None, int, Snapshot] | None = None
 
     @property
     def ledger_path(self) -> str:
@@ -697,7 +754,7 @@ class SimulatedSensor(Sensor):
         state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
-        return _device(state, device.index)
+        return device_of(state, device.index)
 
     def read_devices(self) -> tuple[DeviceInfo, ...]:
         """Every simulated device, named ``"Simulated GPU"``.
@@ -720,7 +777,10 @@ class SimulatedSensor(Sensor):
             DeviceUnreadableError: the device was made with ``readable=False``.
             NoDriverError: the host was made with ``driver=False``.
         """
-        return _memory_of(device, self._state_of(device))
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return self._snapshot_of(state, device)[0]
 
     def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
         """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
@@ -731,17 +791,51 @@ class SimulatedSensor(Sensor):
         state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
-        return _rows_of(state, _device(state, device.index))
+        if not device_of(state, device.index)["readable"]:
+            return None
+        return self._snapshot_of(state, device)[1]
 
     def read_snapshot(
         self, device: DeviceInfo
     ) -> tuple[MemoryReading, tuple[ProcessReading, ...] | None]:
-        """Memory and rows from one ledger snapshot: both describe the same instant."""
+        """Memory and rows from one ledger snapshot: both describe the same instant.
+
+        While the ledger holds the same bytes (and no process it names has exited),
+        the reading made from it last is given again, not made anew.
+        """
         state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
-        dev = _device(state, device.index)
-        return _memory_of(device, dev), _rows_of(state, dev)
+        return self._snapshot_of(state, device)
+
+    def _snapshot_of(self, state: LedgerState, device: DeviceInfo) -> Snapshot:
+        """``device``'s memory and rows in the shared reading ``state`` (made once per reading)."""
+        made = self._made
+        if made is not None and made[0] is state and made[1] == device.index:
+            return made[2]
+        dev = device_of(state, device.index)
+        snapshot = (memory_of(device, dev), rows_of(state, dev))
+        self._made = (state, device.index, snapshot)
+        return snapshot
+
+    def read_tree_snapshot(
+        self, device: DeviceInfo, pid: int
+    ) -> tuple[int | None, MemoryReading | None, tuple[ProcessReading, ...] | None]:
+        """:meth:`read_tree_peak_bytes` and :meth:`read_snapshot`, from one ledger reading.
+
+        The memory and rows are ``None`` for an unreadable device (the tree's
+        high-water still answers, as :meth:`read_tree_peak_bytes` does).
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        window = device_of(state, device.index)["trees"].get(str(pid))
+        peak = None if window is None else window["window"]
+        try:
+            memory, rows = self._snapshot_of(state, device)
+        except DeviceUnreadableError:
+            return peak, None, None
+        return peak, memory, rows
 
     def read_process_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
         """``pid``'s exact device high-water since :meth:`reset_process_peak` (0: never touched).
@@ -793,38 +887,6 @@ class SimulatedSensor(Sensor):
     def close(self) -> None:
         """Nothing to release: the ledger is shared by every sensor of this process."""
         return None
-
-
-def _memory_of(device: DeviceInfo, dev: DeviceState) -> MemoryReading:
-    if not dev["readable"]:
-        raise DeviceUnreadableError(
-            f"simulated device {device.index} is unreadable (SimulatedDevice(readable=False))"
-        )
-    used = device_used_bytes(dev)
-    return MemoryReading(
-        total_bytes=dev["total"],
-        free_bytes=dev["total"] - used,
-        used_bytes=used,
-        reserved_bytes=None,
-        unified=dev["unified"],
-        source="meminfo" if dev["unified"] else "simulator",
-    )
-
-
-def _rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] | None:
-    if not dev["readable"]:
-        return None
-    rows = [
-        ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
-        for name, entry in dev["tenants"].items()
-        if entry[1] > 0
-    ]
-    if not state["container"]:
-        rows.extend(
-            ProcessReading(pid=int(key), used_bytes=_process_bytes(proc), name=proc["name"])
-            for key, proc in dev["procs"].items()
-        )
-    return tuple(rows)
 
 
 def _read_real_host() -> HostCensus:

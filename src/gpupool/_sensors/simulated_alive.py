@@ -76,7 +76,8 @@ class Liveness:
                 if not self._watch(identity, pending):
                     self._unwatched.append(identity)
             self._known = identities
-        dead = {i for i in self._unwatched if read_start_token(i[0]) != i[1]}
+        unwatched = self._unwatched
+        dead = {i for i in unwatched if read_start_token(i[0]) != i[1]} if unwatched else set()
         if fds and self._poll is not None:
             for fd, _ in self._poll.poll(0):
                 identity = self._names[fd]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
-    from gpupool._sensors.simulated import DeviceState, ProcessState
+    from gpupool._sensors.simulated_state import DeviceState, ProcessState
 
 __all__ = ["TreeWindow", "is_pid_key", "note_trees", "tree_bytes", "tree_window_problem"]
 
@@ -32,6 +32,8 @@ def _in_tree(key: str, proc: ProcessState, root: str) -> bool:
 
 def tree_bytes(dev: DeviceState, root: str) -> int:
     """What ``root`` and every process under it hold on ``dev`` now."""
+    if not dev["procs"]:
+        return 0
     return sum(
         proc["context"] + proc["held"]
         for key, proc in dev["procs"].items()

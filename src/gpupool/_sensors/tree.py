@@ -101,16 +101,21 @@ def _childless() -> bool:
     return False
 
 
-def read_descendants(pid: int, proc: Path | str = "/proc") -> tuple[int, ...]:
+def read_descendants(
+    pid: int, proc: Path | str = "/proc", *, own: bool | None = None
+) -> tuple[int, ...]:
     """Every live process started under ``pid`` (children, grandchildren...), ``pid`` excluded.
 
     A descendant whose parent exited before it was seen is re-parented (to
     init or a subreaper) and is no longer under ``pid``. At most
     :data:`MAX_DESCENDANTS` are listed. For this process itself, one
     ``waitid`` first tells whether it has any child, so that a process
-    without one costs no read of ``/proc``.
+    without one costs no read of ``/proc``. ``own``: whether ``pid`` is this
+    process, where the caller knows (``None``: asked of ``os.getpid``).
     """
-    if _CAN_ASK_CHILDREN and pid == os.getpid() and _childless():
+    if own is None:
+        own = pid == os.getpid()
+    if _CAN_ASK_CHILDREN and own and _childless():
         return ()
     root = str(proc)
     scanned: dict[int, list[int]] | None = None

@@ -1,0 +1,194 @@
+"""The simulator's ledger state: its layout, and what is computed from it (part of the ledger).
+
+Functions of a parsed ledger (:class:`LedgerState`), with no I/O (:func:`refuse`
+stamps the refusal it records with the time), used by
+:class:`~gpupool._sensors.simulated.Ledger` under its lock and by
+:class:`~gpupool._sensors.simulated.SimulatedSensor` to read a card.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TypedDict
+
+from gpupool._errors import DeviceUnreadableError
+from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading
+from gpupool._sensors.simulated_tree import TreeWindow, note_trees
+
+__all__ = [
+    "DeviceState",
+    "LedgerState",
+    "OutOfMemoryRecord",
+    "ProcessState",
+    "Snapshot",
+    "device_of",
+    "device_used_bytes",
+    "drop_dead",
+    "memory_of",
+    "named_processes",
+    "note_peaks",
+    "process_bytes",
+    "refuse",
+    "rows_of",
+]
+
+
+class ProcessState(TypedDict):
+    """A real process's charge on one device, as the ledger keeps it."""
+
+    start: str  # identity token: start time, so a reused PID is not mistaken for us
+    name: str
+    context: int  # the one-off context charge, kept until the process dies
+    held: int  # bytes held by open ``hold()`` blocks
+    window: int  # high-water since the last reset_process_peak
+    ancestors: list[int]  # parent, grandparent... at the first touch (simulated_tree)
+
+
+class DeviceState(TypedDict):
+    """One simulated device in the ledger."""
+
+    uuid: str
+    total: int
+    unified: bool
+    readable: bool
+    tenants: dict[str, list[int]]  # name -> [fake pid, bytes]
+    procs: dict[str, ProcessState]  # str(pid) -> charge
+    peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
+    peak: int  # the device's high-water of used bytes over the run
+    trees: dict[str, TreeWindow]  # str(root pid) -> its tree's high-water window
+
+
+class OutOfMemoryRecord(TypedDict):
+    """An allocation the simulated card refused (fields as ``OutOfMemoryEvent``)."""
+
+    pid: int
+    device: int
+    requested_bytes: int
+    used_bytes: int
+    total_bytes: int
+    time_s: float
+
+
+class LedgerState(TypedDict):
+    """The whole ledger: the host's options, its devices, and every refusal."""
+
+    version: int
+    driver: bool
+    container: bool
+    context: int
+    cpus: int | None
+    ram: int | None
+    next_fake_pid: int
+    devices: list[DeviceState]
+    ooms: list[OutOfMemoryRecord]
+
+
+#: One device's memory and rows, as :meth:`SimulatedSensor.read_snapshot` gives them.
+Snapshot = tuple[MemoryReading, "tuple[ProcessReading, ...] | None"]
+
+
+def device_used_bytes(device: DeviceState) -> int:
+    """Everything on the card now: co-tenants, plus every process's context and held bytes."""
+    used = sum(entry[1] for entry in device["tenants"].values())
+    for proc in device["procs"].values():
+        used += proc["context"] + proc["held"]
+    return used
+
+
+def process_bytes(proc: ProcessState) -> int:
+    return proc["context"] + proc["held"]
+
+
+def device_of(state: LedgerState, index: int) -> DeviceState:
+    devices = state["devices"]
+    if not 0 <= index < len(devices):
+        raise ValueError(
+            f"the simulated host has {len(devices)} device(s); there is no device {index}"
+        )
+    return devices[index]
+
+
+def refuse(state: LedgerState, device: int, pid: int, nbytes: int) -> OutOfMemoryRecord | None:
+    """The refusal of ``nbytes`` more on ``device`` (recorded), or ``None`` if it fits."""
+    dev = state["devices"][device]
+    used = device_used_bytes(dev)
+    if used + nbytes <= dev["total"]:
+        return None
+    record = OutOfMemoryRecord(
+        pid=pid,
+        device=device,
+        requested_bytes=nbytes,
+        used_bytes=used,
+        total_bytes=dev["total"],
+        time_s=time.time(),
+    )
+    state["ooms"].append(record)
+    return record
+
+
+def note_peaks(dev: DeviceState, key: str, proc: ProcessState) -> None:
+    now = process_bytes(proc)
+    proc["window"] = max(proc["window"], now)
+    dev["peaks"][key] = max(dev["peaks"].get(key, 0), now)
+    dev["peak"] = max(dev["peak"], device_used_bytes(dev))
+    note_trees(dev, key, proc)
+
+
+def named_processes(state: LedgerState) -> set[tuple[int, str]]:
+    """Every process the ledger names, with its start token: processes and tree roots."""
+    named: set[tuple[int, str]] = set()
+    for dev in state["devices"]:
+        named.update((int(key), proc["start"]) for key, proc in dev["procs"].items())
+        named.update((int(root), window["start"]) for root, window in dev["trees"].items())
+    return named
+
+
+def drop_dead(state: LedgerState, dead: set[tuple[int, str]]) -> bool:
+    """Drop the processes and tree windows of ``dead`` (exited, or their PID reused);
+    whether any was dropped."""
+    if not dead:
+        return False
+    dropped = False
+    for dev in state["devices"]:
+        procs, trees = dev["procs"], dev["trees"]
+        for key in [key for key, proc in procs.items() if (int(key), proc["start"]) in dead]:
+            del procs[key]
+            dropped = True
+        for root in [
+            root for root, window in trees.items() if (int(root), window["start"]) in dead
+        ]:
+            del trees[root]
+            dropped = True
+    return dropped
+
+
+def memory_of(device: DeviceInfo, dev: DeviceState) -> MemoryReading:
+    if not dev["readable"]:
+        raise DeviceUnreadableError(
+            f"simulated device {device.index} is unreadable (SimulatedDevice(readable=False))"
+        )
+    used = device_used_bytes(dev)
+    return MemoryReading(
+        total_bytes=dev["total"],
+        free_bytes=dev["total"] - used,
+        used_bytes=used,
+        reserved_bytes=None,
+        unified=dev["unified"],
+        source="meminfo" if dev["unified"] else "simulator",
+    )
+
+
+def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] | None:
+    if not dev["readable"]:
+        return None
+    rows = [
+        ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
+        for name, entry in dev["tenants"].items()
+        if entry[1] > 0
+    ]
+    if not state["container"]:
+        rows.extend(
+            ProcessReading(pid=int(key), used_bytes=process_bytes(proc), name=proc["name"])
+            for key, proc in dev["procs"].items()
+        )
+    return tuple(rows)
