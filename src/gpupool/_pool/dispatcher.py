@@ -861,17 +861,18 @@ class Dispatcher:
         A worker whose run ran out of device memory, with the tasks queued behind it yet to
         be declined, runs nothing and is idle once it has declined them (answers, so
         events): it counts as booting, so that no other worker is started in its place."""
-        ready: collections.Counter[int | None] = collections.Counter()
-        booting: collections.Counter[int | None] = collections.Counter()
+        ready: dict[int | None, int] = {}
+        booting: dict[int | None, int] = {}
+        queued = self.planner.queued
         for worker in self._all_workers():
             if worker.gone or worker.retiring:
                 continue
             head = worker.task
-            if not worker.ready or (head is not None and head.task_id in self.planner.queued):
-                booting[worker.device] += 1
-            elif worker.task is None:
-                ready[worker.device] += 1
-        return Workers(ready=dict(ready), booting=dict(booting))
+            if not worker.ready or (head is not None and head.task_id in queued):
+                booting[worker.device] = booting.get(worker.device, 0) + 1
+            elif head is None:
+                ready[worker.device] = ready.get(worker.device, 0) + 1
+        return Workers(ready=ready, booting=booting)
 
     def _start_for(
         self, item: WorkItem, device: DeviceState | None, pool: list[_Worker]
