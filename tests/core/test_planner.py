@@ -404,7 +404,8 @@ class PlannerMachine(RuleBasedStateMachine):
             return
         # Only the queue's head, of the run's key, short, in the run's booking; counted apart.
         assert queued == head
-        assert list(self.queued_on.values()).count(run_task) < QUEUE_DEPTH
+        assert list(self.queued_on.values()).count(run_task) < self.planner.queue_depth(run.key)
+        assert self.planner.queue_depth(run.key) <= QUEUE_DEPTH
         assert self.planner.tasks[queued].key == run.key
         assert self.planner.short(run.key)
         assert run.device is None or self.asks.ask(run.key).ask_bytes <= run.booked_bytes

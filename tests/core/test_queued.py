@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gpupool._core import AskTable, Policy
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
@@ -9,6 +11,8 @@ from gpupool._core.planner.queued import (
     LONG_MEMORY_TASKS,
     LONG_TASK_S,
     QUEUE_DEPTH,
+    QUEUE_DEPTH_LEAST,
+    QUEUED_WORK_S,
     SHORT_MIN_TASKS,
     SHORT_TASK_S,
 )
@@ -50,16 +54,42 @@ def _timed(planner: Planner, key: str, took_s: float) -> None:
         planner.finished(1000 + task, _report(GiB), took_s)
 
 
+@pytest.mark.parametrize(
+    ("mean_s", "depth"),
+    [
+        (0.0001, QUEUE_DEPTH),
+        (QUEUED_WORK_S / QUEUE_DEPTH, QUEUE_DEPTH),
+        (QUEUED_WORK_S / 4, 4),
+        (QUEUED_WORK_S / 3, 3),
+        (QUEUED_WORK_S / 2, 2),
+        (QUEUED_WORK_S * 0.9, QUEUE_DEPTH_LEAST),
+    ],
+)
+def test_as_many_wait_behind_a_run_as_the_keys_mean_run_time_fits(
+    mean_s: float, depth: int
+) -> None:
+    """Tasks of a few milliseconds queue deeper than tasks of tens (the last queued waits
+    about ``QUEUED_WORK_S``), never fewer than ``QUEUE_DEPTH_LEAST``; so many are queued."""
+    planner = _planner()
+    _timed(planner, "k", mean_s)
+    assert planner.queue_depth("k") == depth
+    _run(planner, 1, "k", 1.0)
+    for task in range(2, 2 + QUEUE_DEPTH + 2):
+        planner.submit(task, "k")
+    queued = [planner.queue_behind(1) for _ in range(QUEUE_DEPTH + 2)]
+    assert queued == [*range(2, 2 + depth), *[None] * (QUEUE_DEPTH + 2 - depth)]
+
+
 def test_the_queues_head_of_a_short_key_is_queued_in_the_runs_booking() -> None:
     planner = _planner()
     _timed(planner, "k", SHORT_TASK_S / 2)
     run = _run(planner, 1, "k", 1.0)
     for task in (2, 3, 4):
         planner.submit(task, "k")
-    assert QUEUE_DEPTH == 2
+    assert planner.queue_depth("k") == 2
     assert planner.queue_behind(1) == 2
     assert planner.queue_behind(1) == 3
-    assert planner.queue_behind(1) is None  # QUEUE_DEPTH behind each run
+    assert planner.queue_behind(1) is None  # queue_depth behind each run
     assert list(planner.pending) == [4]
     assert planner.queued == {2: 1, 3: 1}
     booked = sum(r.booked_bytes for r in planner.running.values())

@@ -1,7 +1,7 @@
 """A short task queued behind a busy worker: it runs there, or, where it no longer can, elsewhere.
 
 One worker, one key: after a warm-up its tasks are short, so the next tasks of
-the key (``QUEUE_DEPTH`` of them) wait in the busy worker's socket (their
+the key (as many as ``queue_depth`` says for it) wait in the busy worker's socket (their
 futures RUNNING, as a standard pool's queued calls are). Each test then takes
 that worker's run away another way (the worker dies, the run runs out of
 memory, the caller cancels) and checks the queued tasks are never lost and
@@ -19,7 +19,6 @@ import pytest
 import queue_tasks
 
 from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor, WorkerLostError
-from gpupool._core.planner import QUEUE_DEPTH
 from gpupool._pool.dispatcher import callable_name
 from gpupool.testing import SimulatedDevice, SimulatedHost
 from support import wait_for
@@ -29,14 +28,15 @@ WARM_UP = 20
 WARM_UP_ROUNDS = 50
 
 
-def _warm_up(pool: GpuPoolExecutor) -> None:
+def _warm_up(pool: GpuPoolExecutor) -> int:
     """Run the key's ``ok`` tasks on the one worker until the planner finds the key short
-    (on a loaded machine a task can take long, and the key is not short for the next ones)."""
+    (on a loaded machine a task can take long, and the key is not short for the next ones);
+    returns how many of its tasks may then wait behind a run (it holds while none ends)."""
     key = callable_name(queue_tasks.step)
     for _ in range(WARM_UP_ROUNDS):
         assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
         if pool._dispatcher.planner.short(key):
-            return
+            return pool._dispatcher.planner.queue_depth(key)
     pytest.fail(f"{key} was not found short after {WARM_UP_ROUNDS * WARM_UP} tasks")
 
 
@@ -44,10 +44,10 @@ def _busy_with_queued(
     pool: GpuPoolExecutor, action: str, gate: Path
 ) -> tuple[Future[int], list[Future[int]], Future[int]]:
     """Warm the key up, start ``action`` on the one worker, and wait until the next tasks
-    (``ok``, ``QUEUE_DEPTH`` of them) are queued behind it; the one after stays pending."""
-    _warm_up(pool)
+    (``ok``, as many as may wait) are queued behind it; the one after stays pending."""
+    depth = _warm_up(pool)
     running = pool.submit(queue_tasks.step, action, str(gate))
-    queued = [pool.submit(queue_tasks.step, "ok") for _ in range(QUEUE_DEPTH)]
+    queued = [pool.submit(queue_tasks.step, "ok") for _ in range(depth)]
     pending = pool.submit(queue_tasks.step, "ok")
     # With one worker busy, the only way for the next futures to be RUNNING is to be queued.
     for future in queued:
@@ -100,9 +100,9 @@ def test_a_task_queued_behind_one_that_runs_out_of_memory_still_runs(tmp_path: P
 def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> None:
     gate = tmp_path / "oom"
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
-        _warm_up(pool)
+        depth = _warm_up(pool)
         running = pool.submit(queue_tasks.step, "oom-small", str(gate))
-        queued = [pool.submit(queue_tasks.step, "ok") for _ in range(QUEUE_DEPTH)]
+        queued = [pool.submit(queue_tasks.step, "ok") for _ in range(depth)]
         for future in queued:
             wait_for(future.running, what="the next tasks queued behind the busy worker")
         gate.touch()
@@ -112,7 +112,7 @@ def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> No
         # at the head of the queue, not failed and not left pending, they run after starts
         # checked against the key's new price.
         assert all(future.result(timeout=60) > 0 for future in queued)
-        assert pool._dispatcher.counts["queued_declined"] == QUEUE_DEPTH
+        assert pool._dispatcher.counts["queued_declined"] == depth
         assert pool.statistics().tasks_failed == 1
 
 
@@ -133,7 +133,7 @@ def test_a_queued_task_is_not_cancelled_and_a_pending_one_is(tmp_path: Path) -> 
         wait_for(pending.cancelled, what="the pending task cancelled by the shutdown")
         gate.touch()
         pid = running.result(timeout=60)
-        assert [f.result(timeout=60) for f in queued] == [pid] * QUEUE_DEPTH  # the same worker
+        assert [f.result(timeout=60) for f in queued] == [pid] * len(queued)  # the same worker
 
 
 def test_a_queued_task_on_the_host_runs_after_its_worker_is_killed(tmp_path: Path) -> None:
@@ -208,7 +208,9 @@ def test_no_worker_is_started_beside_one_that_has_yet_to_decline_its_queue(
         wait_for(lambda: "other" in pool.statistics().widths_by_key, what="a pass after it")
         release.touch()
         pid = queued[0].result(timeout=60)
-        assert [f.result(timeout=60) for f in (*queued, pending, other)] == [pid] * 4
+        assert [f.result(timeout=60) for f in (*queued, pending, other)] == [pid] * (
+            len(queued) + 2
+        )
         assert pool.statistics().workers_started == 1
 
 

@@ -3,9 +3,11 @@
 A worker that ends a task waits for the parent to hand it the next one: the
 answer crosses the socket, the parent books the next start and sends it back.
 For tasks that take milliseconds that round trip is most of the time, so the
-next tasks of the same key (at most :data:`QUEUE_DEPTH`) may wait in the busy
-worker's socket, each starting the moment the one before ends. The planner
-allows it only where it books nothing new:
+next tasks of the same key may wait in the busy worker's socket, each starting
+the moment the one before ends: as many as the key's mean run time fits in
+:data:`QUEUED_WORK_S` (so the last of them waits about that long), at least
+:data:`QUEUE_DEPTH_LEAST` and at most :data:`QUEUE_DEPTH` (:meth:`Queued.queue_depth`).
+The planner allows it only where it books nothing new:
 
 * the task is the queue's head (the start order is kept; no scan of the queue)
   and of the running task's key, with no size of its own (sized asks are priced
@@ -38,7 +40,9 @@ from gpupool._core.planner.verdicts import TaskId
 __all__ = [
     "LONG_MEMORY_TASKS",
     "LONG_TASK_S",
+    "QUEUED_WORK_S",
     "QUEUE_DEPTH",
+    "QUEUE_DEPTH_LEAST",
     "SHORT_MIN_TASKS",
     "SHORT_TASK_S",
     "Queued",
@@ -47,8 +51,13 @@ __all__ = [
 #: A key's tasks are short when their mean measured run time is under this: a task queued
 #: behind one of them waits at most about that long while another worker may be idle.
 SHORT_TASK_S = 0.02
-#: How many tasks may wait behind one worker's run, each starting as the one before ends.
-QUEUE_DEPTH = 2
+#: At most this many tasks wait behind one worker's run, each starting as the one before ends
+#: (tasks of a few milliseconds: the parent hands over a few per turn, not one) ...
+QUEUE_DEPTH = 8
+#: ... as many as the key's mean run time fits in this (the last waits about this long) ...
+QUEUED_WORK_S = SHORT_TASK_S
+#: ... and at least this many.
+QUEUE_DEPTH_LEAST = 2
 #: How many of a key's tasks are timed before it may be found short.
 SHORT_MIN_TASKS = 3
 #: A task of a key that took this long is a long one, whatever the key's mean ...
@@ -82,10 +91,19 @@ class Queued(Starts):
             else:
                 del self._long_left[key]
 
+    def queue_depth(self, key: str) -> int:
+        """How many tasks of ``key`` may wait behind one of its runs: as many as its mean
+        measured run time fits in :data:`QUEUED_WORK_S`, within :data:`QUEUE_DEPTH_LEAST` and
+        :data:`QUEUE_DEPTH`."""
+        _, mean_s = self._durations_s.get(key, (0, 0.0))
+        if mean_s * QUEUE_DEPTH <= QUEUED_WORK_S:
+            return QUEUE_DEPTH
+        return max(QUEUE_DEPTH_LEAST, int(QUEUED_WORK_S / mean_s))
+
     def queue_behind(self, behind: TaskId) -> TaskId | None:
         """The pending task to queue behind the running ``behind`` on its worker, taken off
         the pending queue; ``None`` when the queue's head may not follow it (or
-        :data:`QUEUE_DEPTH` tasks already follow it)."""
+        :meth:`queue_depth` tasks already follow it)."""
         run = self.running.get(behind)
         if (
             run is None
@@ -93,7 +111,8 @@ class Queued(Starts):
             or self.refused is not None
             or self.hold is not None
             or run.size is not None
-            or sum(1 for followed in self.queued.values() if followed == behind) >= QUEUE_DEPTH
+            or sum(1 for followed in self.queued.values() if followed == behind)
+            >= self.queue_depth(run.key)
         ):
             return None
         head = self.pending[0]
