@@ -49,6 +49,33 @@ def _where(path: str) -> Iterator[dict[str, Any]]:
         yield {}
 
 
+#: Modules a worker loads only when a task needs them: cloudpickle (a call, result or
+#: exception that goes by value), the standard pool's module and what comes with it
+#: (concurrent.futures, logging, traceback), and the errors that are a BrokenProcessPool.
+ON_FIRST_USE = (
+    "cloudpickle",
+    "concurrent.futures",
+    "logging",
+    "traceback",
+    "gpupool._broken",
+)
+
+
+@pytest.mark.parametrize("path", ["card", "host"])
+def test_a_worker_starts_without_what_only_some_tasks_need(path: str) -> None:
+    """A worker's first task by name, with a plain result, finds none of cloudpickle,
+    concurrent.futures, logging, traceback or the BrokenProcessPool errors loaded; a task
+    by value loads cloudpickle there, and a task that raises comes back with its traceback."""
+    with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:
+        assert ex.submit(start_tasks.loaded, ON_FIRST_USE).result() == []
+        by_value = ex.submit(lambda: start_tasks.loaded(ON_FIRST_USE)).result()
+        assert "cloudpickle" in by_value
+        error = ex.submit(start_tasks.loaded, ON_FIRST_USE, "no_such_module_here").exception()
+    assert isinstance(error, ModuleNotFoundError)
+    assert "no_such_module_here" in str(error)
+    assert "start_tasks.py" in str(error.__cause__)  # the worker's traceback, as text
+
+
 @pytest.mark.parametrize("path", ["card", "host"])
 def test_a_worker_loads_nothing_of_the_parents_side(path: str) -> None:
     """A worker that ran a task has imported none of the planner, the dispatcher, the log,
