@@ -21,9 +21,10 @@ from gpupool import GpuPoolExecutor, InitializerError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
-#: log, the host's census readers, and the libraries the parent reads processes and draws
-#: with. A worker importing any of them pays for it on every start.
+#: log, the census (its records and the host's readers), and the libraries the parent reads
+#: processes and draws with. A worker importing any of them pays for it on every start.
 PARENT_SIDE = (
+    "gpupool._core.census",
     "gpupool._core.planner",
     "gpupool._core.policy",
     "gpupool._core.bound",

@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
-from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
@@ -55,6 +54,8 @@ from gpupool._sensors.simulated_tree import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+
+    from gpupool._core.census import HostCensus
 
 __all__ = [
     "BOOKINGS_DIRECTORY",
@@ -777,6 +778,8 @@ class SimulatedSensor(Sensor):
 
     def read_host(self) -> HostCensus:
         """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
+        from gpupool._core.census import HostCensus  # the parent's: a worker never loads it
+
         state = self._ledger.view()
         cpus, ram = state["cpus"], state["ram"]
         cpu_source = ram_source = "simulator"
