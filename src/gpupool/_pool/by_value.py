@@ -37,7 +37,7 @@ import sys
 import types
 import weakref
 from collections import ChainMap
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "adopt_main_namespace",
@@ -52,9 +52,10 @@ __all__ = [
 def _cloudpickle() -> Any:
     """cloudpickle's module, imported on first use: a worker whose calls and results all
     pickle by name (and the parent until it pickles one by value) never loads it."""
-    import cloudpickle.cloudpickle
+    import cloudpickle
 
     return cloudpickle.cloudpickle
+
 
 #: The module attributes a shared namespace takes from the script's globals.
 _MODULE_ATTRS = ("__package__", "__name__", "__file__")
@@ -206,8 +207,10 @@ def _pickler_class() -> type[Any]:
     ``__main__`` the receiver's :func:`main_namespace` (made on first use)."""
     base: Any = _cloudpickle().Pickler
 
-    class _Pickler(base):  # type: ignore[misc,valid-type]
-        dispatch_table = ChainMap({types.CodeType: _reduce_code}, base.dispatch_table)
+    class _Pickler(base):  # type: ignore[misc]
+        dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+            {types.CodeType: _reduce_code}, base.dispatch_table
+        )
 
         def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
             reduced = super()._dynamic_function_reduce(func)
