@@ -52,20 +52,22 @@ def _where(path: str) -> Iterator[dict[str, Any]]:
 
 #: Modules a worker loads only when a task needs them: cloudpickle (a call, result or
 #: exception that goes by value), the standard pool's module and what comes with it
-#: (concurrent.futures, logging, traceback), and the errors that are a BrokenProcessPool.
+#: (concurrent.futures, logging, traceback), the errors that are a BrokenProcessPool, and
+#: pathlib (the probe and the sensors read ``/proc`` without it).
 ON_FIRST_USE = (
     "cloudpickle",
     "concurrent.futures",
     "logging",
     "traceback",
     "gpupool._broken",
+    "pathlib",
 )
 
 
 @pytest.mark.parametrize("path", ["card", "host"])
 def test_a_worker_starts_without_what_only_some_tasks_need(path: str) -> None:
     """A worker's first task by name, with a plain result, finds none of cloudpickle,
-    concurrent.futures, logging, traceback or the BrokenProcessPool errors loaded; a task
+    concurrent.futures, logging, traceback, the BrokenProcessPool errors or pathlib loaded; a task
     by value loads cloudpickle there, and a task that raises comes back with its traceback."""
     with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:
         assert ex.submit(start_tasks.loaded, ON_FIRST_USE).result() == []

@@ -37,7 +37,6 @@ import stat
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
@@ -173,9 +172,10 @@ def _process_bytes(proc: ProcessState) -> int:
 
 def _own_name() -> str:
     try:
-        return Path("/proc/self/comm").read_text().strip()
+        with open("/proc/self/comm", encoding="utf-8", errors="replace") as file:
+            return file.read().strip()
     except OSError:
-        return Path(sys.executable).name
+        return os.path.basename(sys.executable)
 
 
 class Ledger:
