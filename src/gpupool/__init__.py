@@ -10,8 +10,9 @@
 Heavy modules (the pool, which imports multiprocessing; the sensors, which import
 pynvml) load on first use, so ``import gpupool`` stays cheap and never
 touches a driver. So do the records only the pool's parent side uses (the
-census, the bound, the decisions, the asks, the progress helper): a worker, which
-imports this package first, does not load them.
+census, the bound, the decisions, the asks, the progress helper) and the two
+errors that are also a ``BrokenProcessPool``: a worker, which imports this
+package first, does not load them.
 
 The records the pool returns (:class:`Census`, :class:`CardCensus`,
 :class:`HostCensus`, :class:`Decision`, :class:`Bound`, :class:`Ceiling`,
@@ -32,17 +33,15 @@ from gpupool._errors import (
     DeviceOutOfMemoryError,
     DeviceUnreadableError,
     GpuPoolError,
-    InitializerError,
     InvalidSizeError,
     NoDriverError,
     SensorError,
     WidthError,
-    WorkerLostError,
-    WorkerProtocolError,
 )
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 
 if TYPE_CHECKING:
+    from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
     from gpupool._core.bound import Bound, Ceiling
     from gpupool._core.census import CardCensus, Census, HostCensus
     from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (hints)
@@ -110,6 +109,10 @@ _LAZY = {
     "GpuPoolExecutor": "gpupool._pool.executor",
     "PoolStatistics": "gpupool._pool.executor",
     "TaskOptions": "gpupool._pool.executor",
+    # Also BrokenProcessPool: their base's module is loaded with them, not by a worker.
+    "InitializerError": "gpupool._broken",
+    "WorkerLostError": "gpupool._broken",
+    "WorkerProtocolError": "gpupool._broken",
 }
 
 

@@ -18,6 +18,9 @@ Configuration errors are also :class:`ValueError`, as CPython's are, so
 existing ``except ValueError`` clauses keep working; a lost worker and a
 failed initializer are a :class:`concurrent.futures.process.BrokenProcessPool`,
 as the standard library and loky raise for a dead worker and a broken pool.
+Those two are defined in :mod:`gpupool._broken` and loaded on first use
+(their base's module, :mod:`concurrent.futures.process`, is no import of a
+worker's); they are importable from here as the others are.
 
 Every one of them pickles with its attributes (a task may raise one, and
 it must reach the caller intact): ``GpuPoolError.__reduce__`` rebuilds
@@ -27,8 +30,10 @@ need no positional stand-in.
 
 from __future__ import annotations
 
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
 
 __all__ = [
     "ConfigurationError",
@@ -126,74 +131,13 @@ class DeviceOutOfMemoryError(GpuPoolError):
         self.detail = detail
 
 
-class WorkerLostError(GpuPoolError, BrokenProcessPool):
-    """A worker process died while running a task; only that task fails.
-
-    Attributes:
-        exitcode: the worker's exit code (negative: killed by that signal).
-        signal_name: e.g. ``"SIGKILL"`` when a signal ended it, else ``None``.
-    """
-
-    def __init__(
-        self, message: str, *, exitcode: int | None = None, signal_name: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.exitcode = exitcode
-        self.signal_name = signal_name
+#: The errors that are also a ``BrokenProcessPool`` (:mod:`gpupool._broken`).
+_BROKEN = frozenset({"InitializerError", "WorkerLostError", "WorkerProtocolError"})
 
 
-class WorkerProtocolError(WorkerLostError):
-    """A worker sent what is not the answer to the task it runs, so the pool killed it;
-    only that task fails, and the worker is replaced.
+def __getattr__(name: str) -> Any:
+    if name in _BROKEN:
+        from gpupool import _broken
 
-    What came may be bytes that are not an answer, an answer from another
-    process (a child the task forked, writing on the worker's socket), an
-    answer about a task the worker was not running, or a second answer.
-
-    Attributes:
-        pid: the worker's PID.
-        received: what arrived, as the pool saw it (its first bytes quoted).
-        exitcode: the worker's exit code (the pool's SIGKILL: ``-9``).
-        signal_name: ``"SIGKILL"`` when the pool's signal ended it, else ``None``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        pid: int | None = None,
-        received: str = "",
-        exitcode: int | None = None,
-        signal_name: str | None = None,
-    ) -> None:
-        super().__init__(message, exitcode=exitcode, signal_name=signal_name)
-        self.pid = pid
-        self.received = received
-
-
-class InitializerError(GpuPoolError, BrokenProcessPool):
-    """A worker's initializer raised, or its worker died before it was ready: the pool
-    is broken, as the standard pool breaks when an initializer fails.
-
-    Every pending task fails with it and ``submit`` raises it; no task is
-    charged with the death as if it had run.
-
-    Attributes:
-        initializer: the initializer's name (``module.qualname``).
-        exitcode: the worker's exit code (negative: killed by that signal);
-            ``None`` when the initializer raised (the exception is the cause).
-        signal_name: e.g. ``"SIGSEGV"`` when a signal ended the worker, else ``None``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        initializer: str = "",
-        exitcode: int | None = None,
-        signal_name: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.initializer = initializer
-        self.exitcode = exitcode
-        self.signal_name = signal_name
+        return getattr(_broken, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

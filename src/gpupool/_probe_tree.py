@@ -28,7 +28,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpupool._core.readings import MAX_REJECTIONS, judge_tree_rows
@@ -44,6 +43,7 @@ from gpupool._sensors.tree import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable
+    from pathlib import Path
 
     from gpupool._core.census import HostCensus
     from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading
@@ -121,7 +121,7 @@ class TreeWatch:
         proc: the ``/proc`` to read (a fake tree in tests).
     """
 
-    def __init__(self, root_pid: int, *, proc: Path = Path("/proc")) -> None:
+    def __init__(self, root_pid: int, *, proc: Path | str = "/proc") -> None:
         self.root_pid = root_pid
         self.sensor: TreeSensor | None = None
         self._proc = str(proc)

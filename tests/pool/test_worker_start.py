@@ -21,9 +21,10 @@ from gpupool import GpuPoolExecutor, InitializerError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Modules only the parent needs: the planner and its pricing, the dispatcher, the decision
-#: log, the host's census readers, and the libraries the parent reads processes and draws
-#: with. A worker importing any of them pays for it on every start.
+#: log, the census (its records and the host's readers), and the libraries the parent reads
+#: processes and draws with. A worker importing any of them pays for it on every start.
 PARENT_SIDE = (
+    "gpupool._core.census",
     "gpupool._core.planner",
     "gpupool._core.policy",
     "gpupool._core.bound",
@@ -47,6 +48,35 @@ def _where(path: str) -> Iterator[dict[str, Any]]:
             yield {"task_peak": "1GiB"}
     else:
         yield {}
+
+
+#: Modules a worker loads only when a task needs them: cloudpickle (a call, result or
+#: exception that goes by value), the standard pool's module and what comes with it
+#: (concurrent.futures, logging, traceback), the errors that are a BrokenProcessPool, and
+#: pathlib (the probe and the sensors read ``/proc`` without it).
+ON_FIRST_USE = (
+    "cloudpickle",
+    "concurrent.futures",
+    "logging",
+    "traceback",
+    "gpupool._broken",
+    "pathlib",
+)
+
+
+@pytest.mark.parametrize("path", ["card", "host"])
+def test_a_worker_starts_without_what_only_some_tasks_need(path: str) -> None:
+    """A worker's first task by name, with a plain result, finds none of cloudpickle,
+    concurrent.futures, logging, traceback, the BrokenProcessPool errors or pathlib loaded; a task
+    by value loads cloudpickle there, and a task that raises comes back with its traceback."""
+    with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:
+        assert ex.submit(start_tasks.loaded, ON_FIRST_USE).result() == []
+        by_value = ex.submit(lambda: start_tasks.loaded(ON_FIRST_USE)).result()
+        assert "cloudpickle" in by_value
+        error = ex.submit(start_tasks.loaded, ON_FIRST_USE, "no_such_module_here").exception()
+    assert isinstance(error, ModuleNotFoundError)
+    assert "no_such_module_here" in str(error)
+    assert "start_tasks.py" in str(error.__cause__)  # the worker's traceback, as text
 
 
 @pytest.mark.parametrize("path", ["card", "host"])

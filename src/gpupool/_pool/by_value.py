@@ -29,6 +29,7 @@ as the standard pool's workers keep it) (:func:`_main_setstate`).
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import pickle
@@ -37,8 +38,6 @@ import types
 import weakref
 from collections import ChainMap
 from typing import Any, ClassVar
-
-import cloudpickle
 
 __all__ = [
     "adopt_main_namespace",
@@ -49,12 +48,15 @@ __all__ = [
     "sender_ids",
 ]
 
-#: cloudpickle's own reducer for code objects (the name it gives the file aside).
-_CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
-#: What cloudpickle's function reducer restores a function's state with.
-_CLOUDPICKLE_SETSTATE = cloudpickle.cloudpickle._function_setstate
-#: The names of the globals a code object (and the code nested in it) reads.
-_extract_code_globals = cloudpickle.cloudpickle._extract_code_globals
+
+def _cloudpickle() -> Any:
+    """cloudpickle's module, imported on first use: a worker whose calls and results all
+    pickle by name (and the parent until it pickles one by value) never loads it."""
+    import cloudpickle
+
+    return cloudpickle.cloudpickle
+
+
 #: The module attributes a shared namespace takes from the script's globals.
 _MODULE_ATTRS = ("__package__", "__name__", "__file__")
 
@@ -94,7 +96,7 @@ def sender_ids(fn: object) -> dict[str, int]:
     main = sys.modules.get("__main__")
     if not isinstance(fn, types.FunctionType) or main is None or fn.__globals__ is not vars(main):
         return {}
-    names = _extract_code_globals(fn.__code__)
+    names = _cloudpickle()._extract_code_globals(fn.__code__)
     return {name: _version(name, fn.__globals__[name]) for name in names if name in fn.__globals__}
 
 
@@ -160,11 +162,11 @@ def _main_setstate(func: types.FunctionType, state: tuple[dict[str, Any], dict[s
         else:
             _main_sent[name] = sent[name]
             _main_ids[name] = ids.get(name)
-    _CLOUDPICKLE_SETSTATE(func, state)
+    _cloudpickle()._function_setstate(func, state)
 
 
 #: The key of a function's state under which the sender puts the version of each global it
-#: sends with it (:meth:`_Pickler._dynamic_function_reduce`).
+#: sends with it (the pickler's ``_dynamic_function_reduce``, :func:`_pickler_class`).
 _SENDER_IDS = "_gpupool_sender_ids"
 _MISSING = object()
 #: Stands for a sender's id that was not sent (never equal to one recorded).
@@ -192,36 +194,44 @@ class _Unnamed:
         self.code = code
 
     def __reduce__(self) -> Any:
-        return _CLOUDPICKLE_CODE_REDUCE(self.code)
+        return _cloudpickle().Pickler.dispatch_table[types.CodeType](self.code)
 
 
 def _reduce_code(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
     return named_code, (_Unnamed(code), code.co_filename)
 
 
-class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
-    )
+@functools.cache
+def _pickler_class() -> type[Any]:
+    """cloudpickle's pickler, every code object keeping its file and every function of
+    ``__main__`` the receiver's :func:`main_namespace` (made on first use)."""
+    base: Any = _cloudpickle().Pickler
 
-    def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
-        reduced = super()._dynamic_function_reduce(func)
-        main = sys.modules.get("__main__")
-        if main is None or func.__globals__ is not vars(main):
-            return reduced
-        make, (code, _, name, defaults, closure), state, items, pairs, _ = reduced
-        slots = state[1]
-        slots[_SENDER_IDS] = {k: _version(k, v) for k, v in slots["__globals__"].items()}
-        attrs = {k: func.__globals__[k] for k in _MODULE_ATTRS if k in func.__globals__}
-        newargs = (code, _MainGlobals(attrs), name, defaults, closure)
-        return make, newargs, state, items, pairs, _main_setstate
+    class _Pickler(base):  # type: ignore[misc]
+        dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+            {types.CodeType: _reduce_code}, base.dispatch_table
+        )
+
+        def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
+            reduced = super()._dynamic_function_reduce(func)
+            main = sys.modules.get("__main__")
+            if main is None or func.__globals__ is not vars(main):
+                return reduced
+            make, (code, _, name, defaults, closure), state, items, pairs, _ = reduced
+            slots = state[1]
+            slots[_SENDER_IDS] = {k: _version(k, v) for k, v in slots["__globals__"].items()}
+            attrs = {k: func.__globals__[k] for k in _MODULE_ATTRS if k in func.__globals__}
+            newargs = (code, _MainGlobals(attrs), name, defaults, closure)
+            return make, newargs, state, items, pairs, _main_setstate
+
+    return _Pickler
 
 
 def dumps_by_value(obj: object) -> bytes:
     """``cloudpickle.dumps(obj)`` at the highest protocol, every code object keeping its file
     and every function of ``__main__`` the receiver's :func:`main_namespace`."""
     with io.BytesIO() as file:
-        _Pickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        _pickler_class()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return file.getvalue()
 
 

@@ -16,7 +16,9 @@ started with three differences:
   needs of it travels by value, :mod:`gpupool._pool.by_value`).
 
 The child imports only the standard library's spawn module before it
-unpickles its target, so its start costs what a standard worker's does.
+unpickles its target, so its start costs what a standard worker's does;
+unpickling :class:`WorkerProcess` imports this module there, which loads
+cloudpickle only when the parent pickles a process (:func:`_pickler_class`).
 It shares multiprocessing's resource tracker with the parent, as a spawn
 child does. Descriptors other than the ones passed are closed in the child
 (``close_fds``), so no other pool's pipe leaks into it.
@@ -25,6 +27,7 @@ child does. Descriptors other than the ones passed are closed in the child
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import os
 import sys
@@ -34,9 +37,7 @@ from multiprocessing import popen_fork, process, spawn, util
 from multiprocessing.connection import Connection, Pipe
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, ClassVar
-
-import cloudpickle
+from typing import Any
 
 __all__ = ["StartDataError", "WorkerContext", "WorkerProcess", "fork_exec"]
 
@@ -143,15 +144,21 @@ def _raise_exec_error(pid: int, executable: str, errpipe_read: int) -> None:
     raise OSError(f"{what}: {detail}")
 
 
-class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+@functools.cache
+def _pickler_class() -> type[Any]:
     """cloudpickle (functions of the script by value) with multiprocessing's reducers
-    (connections, sockets: passed as descriptors the child inherits)."""
+    (connections, sockets: passed as descriptors the child inherits).
 
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+    Made on first use, in the parent: a worker imports this module to unpickle its
+    :class:`WorkerProcess`, and never needs cloudpickle to start."""
+    import cloudpickle
+
+    table = ChainMap(
         ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
         cloudpickle.Pickler.dispatch_table,
         copyreg.dispatch_table,
     )
+    return type("_Pickler", (cloudpickle.Pickler,), {"dispatch_table": table})
 
 
 def _preparation_data(name: str) -> dict[str, Any]:
@@ -205,7 +212,7 @@ class _Popen(popen_fork.Popen):
         try:
             ForkingPickler(fp).dump(prep_data)
             try:
-                _Pickler(fp).dump(process_obj)
+                _pickler_class()(fp).dump(process_obj)
             except Exception as exc:
                 raise StartDataError(f"{type(exc).__name__}: {exc}") from exc
         finally:

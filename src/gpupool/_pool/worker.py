@@ -47,17 +47,13 @@ At start a worker
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import threading
-import traceback
 from typing import TYPE_CHECKING, Any
-
-import cloudpickle
 
 from gpupool._core.peak import PeakReport
 from gpupool._pool import wire
@@ -65,6 +61,7 @@ from gpupool._pool.by_value import adopt_main_namespace, dumps_call
 from gpupool._pool.channel import size_buffers
 
 if TYPE_CHECKING:
+    import logging
     from multiprocessing.connection import Connection
 
     from gpupool._probe import Probe
@@ -80,7 +77,14 @@ PARENT_CHECK_INTERVAL_S = 0.5
 #: ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
 
-_LOGGER = logging.getLogger("concurrent.futures")
+
+def _logger() -> logging.Logger:
+    """The standard pool's logger (imported when a worker first logs: a worker that never
+    does never loads :mod:`logging`)."""
+    import logging
+
+    return logging.getLogger("concurrent.futures")
+
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
 #: this module's code is a forked copy of the worker, and never sends on its socket.
@@ -231,6 +235,10 @@ def _leave_if_channel_lost(fd: int) -> None:
 
 def _dump_exception(exc: BaseException) -> bytes:
     """Pickle an exception with its formatted traceback; survive one that cannot be pickled."""
+    import traceback
+
+    import cloudpickle  # a worker's first failure loads it, not its start
+
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         data: bytes = cloudpickle.dumps((exc, tb))
@@ -266,7 +274,7 @@ def worker_main(
             fn(*args)
         except BaseException as exc:
             _leave_if_forked()
-            _LOGGER.critical("Exception in initializer:", exc_info=True)
+            _logger().critical("Exception in initializer:", exc_info=True)
             _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
             return
         _leave_if_forked()

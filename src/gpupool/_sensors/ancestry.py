@@ -7,7 +7,7 @@ not load the census and its parsers.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 __all__ = ["is_descendant", "read_ancestors", "read_parent_pid"]
 
@@ -16,10 +16,11 @@ __all__ = ["is_descendant", "read_ancestors", "read_parent_pid"]
 _MAX_ANCESTRY = 64
 
 
-def read_parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+def read_parent_pid(pid: int, proc: str | os.PathLike[str] = "/proc") -> int | None:
     """``pid``'s parent PID from ``/proc/<pid>/stat`` (field 4), or ``None`` if it is gone."""
     try:
-        text = (proc / str(pid) / "stat").read_bytes()
+        with open(os.path.join(proc, str(pid), "stat"), "rb") as file:
+            text = file.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
@@ -29,7 +30,7 @@ def read_parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
     return int(fields[1])
 
 
-def read_ancestors(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
+def read_ancestors(pid: int, proc: str | os.PathLike[str] = "/proc") -> tuple[int, ...]:
     """``pid``'s parent, its parent's parent... up to and excluding init (PID 1)."""
     found: list[int] = []
     current = read_parent_pid(pid, proc)
@@ -41,7 +42,7 @@ def read_ancestors(pid: int, proc: Path = Path("/proc")) -> tuple[int, ...]:
     return tuple(found)
 
 
-def is_descendant(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
+def is_descendant(pid: int, ancestor: int, proc: str | os.PathLike[str] = "/proc") -> bool:
     """Whether process ``pid`` is ``ancestor`` or was started under it (a child, a grandchild...).
 
     A pool's workers and the processes their tasks start are descendants of

@@ -23,13 +23,13 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpupool._sensors.ancestry import read_parent_pid
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
     from gpupool._core.bookings import PoolBooking
 

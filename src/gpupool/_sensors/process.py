@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
-from pathlib import Path
 
 __all__ = ["read_rss_high_water"]
 
-_STATUS = Path("/proc/self/status")
+_STATUS = "/proc/self/status"
 
 
-def read_rss_high_water(path: Path = _STATUS) -> int | None:
+def read_rss_high_water(path: str | os.PathLike[str] = _STATUS) -> int | None:
     """This process's resident-set high-water (``VmHWM``) in bytes, or ``None`` if unknown.
 
     The high-water covers the worker's whole life, which is what a warm
@@ -22,7 +22,8 @@ def read_rss_high_water(path: Path = _STATUS) -> int | None:
     if sys.platform == "linux" and (path is _STATUS or path == _STATUS):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
-        text = path.read_text()
+        with open(path, encoding="ascii", errors="replace") as file:
+            text = file.read()
     except OSError:
         return None
     for line in text.splitlines():

@@ -43,10 +43,8 @@ import os
 import stat
 import sys
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from gpupool._core.census import HostCensus
 from gpupool._errors import DeviceUnreadableError, NoDriverError, SensorError
 from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
@@ -74,6 +72,8 @@ from gpupool._sensors.simulated_tree import TreeWindow, tree_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from gpupool._core.census import HostCensus
 
 __all__ = [
     "BOOKINGS_DIRECTORY",
@@ -129,9 +129,10 @@ def _encode(state: LedgerState) -> bytes:
 
 def _own_name() -> str:
     try:
-        return Path("/proc/self/comm").read_text().strip()
+        with open("/proc/self/comm", encoding="utf-8", errors="replace") as file:
+            return file.read().strip()
     except OSError:
-        return Path(sys.executable).name
+        return os.path.basename(sys.executable)
 
 
 class _Again(enum.Enum):
@@ -871,6 +872,8 @@ class SimulatedSensor(Sensor):
 
     def read_host(self) -> HostCensus:
         """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
+        from gpupool._core.census import HostCensus  # the parent's: a worker never loads it
+
         state = self._ledger.view()
         cpus, ram = state["cpus"], state["ram"]
         cpu_source = ram_source = "simulator"

@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpupool._sensors.ancestry import read_parent_pid
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "MAX_DESCENDANTS",
@@ -83,7 +86,7 @@ def _scan_parents(proc: str) -> dict[int, list[int]]:
         return children
     for name in names:
         if name.isdigit():
-            parent = read_parent_pid(int(name), Path(proc))
+            parent = read_parent_pid(int(name), proc)
             if parent is not None:
                 children.setdefault(parent, []).append(int(name))
     return children
