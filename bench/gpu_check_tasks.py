@@ -36,7 +36,7 @@ SIMULATOR_ENV = "GPUPOOL_SIMULATOR"
 def card_reading(uuid: str) -> dict[str, int]:
     """The card's total, free and used bytes (NVML device-level, or the simulated card's)."""
     if os.environ.get(SIMULATOR_ENV):
-        from gpupool._sensors.simulated import SimulatedSensor
+        from gpupool._sensors.simulated_sensor import SimulatedSensor
 
         sensor = SimulatedSensor(os.environ[SIMULATOR_ENV])
         device = next(d for d in sensor.read_devices() if d.uuid == uuid)
@@ -53,7 +53,7 @@ def _own_row_bytes() -> int | None:
     """This process's row on its card (NVML's per-process figure), ``None`` when missing."""
     uuid = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if os.environ.get(SIMULATOR_ENV):
-        from gpupool._sensors.simulated import SimulatedSensor
+        from gpupool._sensors.simulated_sensor import SimulatedSensor
 
         sensor = SimulatedSensor(os.environ[SIMULATOR_ENV])
         device = next(d for d in sensor.read_devices() if d.uuid == uuid)
@@ -73,7 +73,7 @@ nbytes, conv = int(sys.argv[1]), sys.argv[2] == "conv"
 uuid = os.environ.get("CUDA_VISIBLE_DEVICES", "")
 if os.environ.get("GPUPOOL_SIMULATOR"):
     import gpupool.testing as gt
-    from gpupool._sensors.simulated import SimulatedSensor
+    from gpupool._sensors.simulated_sensor import SimulatedSensor
     reserved = max(nbytes, 16 << 20)  # the stand-in for torch's reserved bytes
     gt.hold(reserved).__enter__()  # held until this process exits
     sensor = SimulatedSensor(os.environ["GPUPOOL_SIMULATOR"])

@@ -49,12 +49,12 @@ from gpupool._sensors.simulated import (
     LedgerGoneError,
     LedgerState,
     OutOfMemoryRecord,
-    SimulatedSensor,
     device_used_bytes,
     forget_ledger,
     ledger_at,
     simulated_uuid,
 )
+from gpupool._sensors.simulated_sensor import SimulatedSensor
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

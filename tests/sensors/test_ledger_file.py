@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpupool import GpuPoolExecutor, SensorError
-from gpupool._sensors.simulated import MAX_LEDGER_BYTES, SimulatedSensor, forget_ledger
+from gpupool._sensors.simulated import MAX_LEDGER_BYTES, forget_ledger
+from gpupool._sensors.simulated_sensor import SimulatedSensor
 
 
 def _refused(path: Path) -> SensorError:

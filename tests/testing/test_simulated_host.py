@@ -23,7 +23,8 @@ import gpupool
 import gpupool.testing as gt
 from gpupool._core.units import GiB, MiB
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
-from gpupool._sensors.simulated import CO_TENANT_PID_BASE, Ledger, SimulatedSensor
+from gpupool._sensors.simulated import CO_TENANT_PID_BASE, Ledger
+from gpupool._sensors.simulated_sensor import SimulatedSensor
 
 SPAWN = multiprocessing.get_context("spawn")
 # How long a child waits for a signal from the test before giving up (a

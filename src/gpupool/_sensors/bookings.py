@@ -719,7 +719,8 @@ def open_booking_table(
     if directory is not None:
         return BookingTable(directory, shared=shared)
     from gpupool._sensors.select import SIMULATOR_ENV
-    from gpupool._sensors.simulated import BOOKINGS_DIRECTORY, SimulatedSensor
+    from gpupool._sensors.simulated import BOOKINGS_DIRECTORY
+    from gpupool._sensors.simulated_sensor import SimulatedSensor
 
     if isinstance(sensor, SimulatedSensor):
         return BookingTable(sensor.bookings_directory, shared=shared)

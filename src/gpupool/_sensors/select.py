@@ -17,7 +17,7 @@ def default_sensor() -> Sensor:
     """The simulator's sensor inside a ``SimulatedHost`` block, NVML everywhere else."""
     ledger = os.environ.get(SIMULATOR_ENV)
     if ledger:
-        from gpupool._sensors.simulated import SimulatedSensor
+        from gpupool._sensors.simulated_sensor import SimulatedSensor
 
         return SimulatedSensor(ledger)
     from gpupool._sensors.nvml import NvmlSensor

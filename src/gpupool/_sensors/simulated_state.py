@@ -3,7 +3,7 @@
 Functions of a parsed ledger (:class:`LedgerState`), with no I/O (:func:`refuse`
 stamps the refusal it records with the time), used by
 :class:`~gpupool._sensors.simulated.Ledger` under its lock and by
-:class:`~gpupool._sensors.simulated.SimulatedSensor` to read a card.
+:class:`~gpupool._sensors.simulated_sensor.SimulatedSensor` to read a card.
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""The simulated host's sensor: its ledger read as a driver reads a card (I/O edge).
+
+:class:`SimulatedSensor` is what :func:`~gpupool._sensors.select.default_sensor`
+returns inside a :class:`gpupool.testing.SimulatedHost` block; it reads the
+host's ledger (:class:`~gpupool._sensors.simulated.Ledger`) through this
+process's one :class:`~gpupool._sensors.simulated.Ledger` for its path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from gpupool._errors import DeviceUnreadableError, NoDriverError
+from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
+from gpupool._sensors.simulated import (
+    BOOKINGS_DIRECTORY,
+    DEVICE_NAME,
+    ledger_at,
+)
+from gpupool._sensors.simulated_state import (
+    DeviceState,
+    LedgerState,
+    Snapshot,
+    device_of,
+    memory_of,
+    rows_of,
+)
+
+if TYPE_CHECKING:
+    from gpupool._core.census import HostCensus
+
+__all__ = ["SimulatedSensor"]
+
+
+class SimulatedSensor(Sensor):
+    """The sensor of a simulated host: reads its ledger as NVML would read a card.
+
+    It is what :func:`~gpupool._sensors.select.default_sensor` returns inside a
+    :class:`gpupool.testing.SimulatedHost` block, in the parent and in every child.
+
+    Args:
+        ledger_path: the ledger file, the value of ``GPUPOOL_SIMULATOR``.
+    """
+
+    name = "simulator"
+
+    def __init__(self, ledger_path: str) -> None:
+        self._ledger = ledger_at(ledger_path)
+        # One device's memory and rows, and the shared reading (the very object) and device
+        # index they were made from: read again from an unchanged ledger, they are reused.
+        self._made: tuple[LedgerState | None, int, Snapshot] | None = None
+
+    @property
+    def ledger_path(self) -> str:
+        """The ledger this sensor reads."""
+        return self._ledger.path
+
+    @property
+    def bookings_directory(self) -> str:
+        """The simulated host's booking table: beside its ledger, shared by its processes only."""
+        return os.path.join(os.path.dirname(self._ledger.path), BOOKINGS_DIRECTORY)
+
+    def _state_of(self, device: DeviceInfo) -> DeviceState:
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return device_of(state, device.index)
+
+    def read_devices(self) -> tuple[DeviceInfo, ...]:
+        """Every simulated device, named ``"Simulated GPU"``.
+
+        Raises:
+            NoDriverError: the host was made with ``driver=False``.
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return tuple(
+            DeviceInfo(index=index, uuid=dev["uuid"], name=DEVICE_NAME)
+            for index, dev in enumerate(state["devices"])
+        )
+
+    def read_memory(self, device: DeviceInfo) -> MemoryReading:
+        """Total, free and used bytes from the ledger (as ``/proc/meminfo`` for unified devices).
+
+        Raises:
+            DeviceUnreadableError: the device was made with ``readable=False``.
+            NoDriverError: the host was made with ``driver=False``.
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return self._snapshot_of(state, device)[0]
+
+    def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
+        """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
+
+        A co-tenant that has shrunk to 0 bytes has left the card and is not
+        listed. ``None`` for an unreadable device.
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        if not device_of(state, device.index)["readable"]:
+            return None
+        return self._snapshot_of(state, device)[1]
+
+    def read_snapshot(
+        self, device: DeviceInfo
+    ) -> tuple[MemoryReading, tuple[ProcessReading, ...] | None]:
+        """Memory and rows from one ledger snapshot: both describe the same instant.
+
+        While the ledger holds the same bytes (and no process it names has exited),
+        the reading made from it last is given again, not made anew.
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        return self._snapshot_of(state, device)
+
+    def _snapshot_of(self, state: LedgerState, device: DeviceInfo) -> Snapshot:
+        """``device``'s memory and rows in the shared reading ``state`` (made once per reading)."""
+        made = self._made
+        if made is not None and made[0] is state and made[1] == device.index:
+            return made[2]
+        dev = device_of(state, device.index)
+        snapshot = (memory_of(device, dev), rows_of(state, dev))
+        self._made = (state, device.index, snapshot)
+        return snapshot
+
+    def read_tree_snapshot(
+        self, device: DeviceInfo, pid: int
+    ) -> tuple[int | None, MemoryReading | None, tuple[ProcessReading, ...] | None]:
+        """:meth:`read_tree_peak_bytes` and :meth:`read_snapshot`, from one ledger reading.
+
+        The memory and rows are ``None`` for an unreadable device (the tree's
+        high-water still answers, as :meth:`read_tree_peak_bytes` does).
+        """
+        state = self._ledger.view()
+        if not state["driver"]:
+            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        window = device_of(state, device.index)["trees"].get(str(pid))
+        peak = None if window is None else window["window"]
+        try:
+            memory, rows = self._snapshot_of(state, device)
+        except DeviceUnreadableError:
+            return peak, None, None
+        return peak, memory, rows
+
+    def read_process_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """``pid``'s exact device high-water since :meth:`reset_process_peak` (0: never touched).
+
+        It answers in container mode too: it stands for the process's own
+        report of itself (as ``torch.cuda`` statistics would), not a driver row.
+        """
+        proc = self._state_of(device)["procs"].get(str(pid))
+        return 0 if proc is None else proc["window"]
+
+    def reset_process_peak(self, device: DeviceInfo, pid: int) -> None:
+        """Start a new high-water window for ``pid`` at its bytes now."""
+        self._ledger.reset_window(device.index, pid)
+
+    def start_peak_window(self, device: DeviceInfo, pid: int) -> int | None:
+        """Start a new high-water window and return ``pid``'s bytes now, in one ledger step."""
+        return self._ledger.reset_window(device.index, pid)
+
+    def start_tree_window(self, device: DeviceInfo, pid: int) -> int | None:
+        """Open ``pid``'s tree window and return what its tree holds now, in one ledger step."""
+        return self._ledger.open_tree(device.index, pid)
+
+    def read_tree_peak_bytes(self, device: DeviceInfo, pid: int) -> int | None:
+        """The most ``pid`` and its descendants held together since :meth:`start_tree_window`.
+
+        Exact: the ledger raises the window at every allocation of a process
+        of the tree, under its lock. Like :meth:`read_process_peak_bytes` it
+        answers in container mode too (a self-report, not a driver row).
+        ``None`` when no window of ``pid`` is open.
+        """
+        window = self._state_of(device)["trees"].get(str(pid))
+        return None if window is None else window["window"]
+
+    def read_host(self) -> HostCensus:
+        """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
+        from gpupool._core.census import HostCensus  # the parent's: a worker never loads it
+
+        state = self._ledger.view()
+        cpus, ram = state["cpus"], state["ram"]
+        cpu_source = ram_source = "simulator"
+        if cpus is None or ram is None:
+            real = _read_real_host()
+            if cpus is None:
+                cpus, cpu_source = real.cpus, real.cpu_source
+            if ram is None:
+                ram, ram_source = real.available_ram_bytes, real.ram_source
+        return HostCensus(
+            cpus=cpus, available_ram_bytes=ram, cpu_source=cpu_source, ram_source=ram_source
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the ledger is shared by every sensor of this process."""
+        return None
+
+
+def _read_real_host() -> HostCensus:
+    """The real host's figures, for the terms a ``SimulatedHost`` leaves as ``None``."""
+    # Imported here: the cgroup walk is only needed when a term was left to the host.
+    from gpupool._sensors.host import read_host_census
+
+    return read_host_census()
