@@ -24,3 +24,24 @@ def open_paths(_: object = None) -> list[str]:
         except OSError:
             pass  # the listing's own descriptor, closed by now
     return paths
+
+
+def raise_where_nothing_imports(how: str) -> None:
+    """Raise ``ValueError`` where no module can be imported any more: ``"path"``, with
+    ``sys.path`` emptied; ``"files"``, with every descriptor this process may open in use
+    (held by this frame, so still while the worker sends the error back)."""
+    if how == "path":
+        sys.path[:] = []
+        sys.path_importer_cache.clear()
+        raise ValueError("raised with sys.path emptied")
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, open_now + 64), hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        raise ValueError(f"raised with every descriptor in use ({len(held)} opened)") from exc

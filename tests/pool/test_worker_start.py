@@ -79,6 +79,20 @@ def test_a_worker_starts_without_what_only_some_tasks_need(path: str) -> None:
     assert "start_tasks.py" in str(error.__cause__)  # the worker's traceback, as text
 
 
+@pytest.mark.parametrize("how", ["path", "files"])
+def test_a_task_that_raises_where_nothing_imports_fails_with_its_own_error(how: str) -> None:
+    """A task that raises after emptying ``sys.path``, or with every descriptor in use, fails
+    with its own exception and its traceback, on a card (before: the worker's first failure
+    imported traceback and cloudpickle, that import failed, and the worker died: the task
+    failed with WorkerLostError)."""
+    with _where("card") as options, GpuPoolExecutor(max_workers=1, **options) as ex:
+        error = ex.submit(start_tasks.raise_where_nothing_imports, how).exception(timeout=120)
+    assert isinstance(error, ValueError), repr(error)
+    assert str(error).startswith("raised with")
+    assert "start_tasks.py" in str(error.__cause__)  # the worker's traceback, as text
+    assert "raise_where_nothing_imports" in str(error.__cause__)
+
+
 @pytest.mark.parametrize("path", ["card", "host"])
 def test_a_worker_loads_nothing_of_the_parents_side(path: str) -> None:
     """A worker that ran a task has imported none of the planner, the dispatcher, the log,

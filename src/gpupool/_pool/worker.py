@@ -234,22 +234,52 @@ def _leave_if_channel_lost(fd: int) -> None:
 
 
 def _dump_exception(exc: BaseException) -> bytes:
-    """Pickle an exception with its formatted traceback; survive one that cannot be pickled."""
-    import traceback
+    """Pickle an exception with its formatted traceback; survive one that cannot be pickled.
 
-    import cloudpickle  # a worker's first failure loads it, not its start
-
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    traceback and cloudpickle are imported here, at a worker's first failure; where the
+    task left nothing importable (``sys.path`` emptied, every descriptor in use), the
+    traceback is written out by hand and the exception pickled by plain pickle.
+    """
     try:
-        data: bytes = cloudpickle.dumps((exc, tb))
+        import traceback
+
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:
+        tb = _plain_traceback(exc)
+    try:
+        import cloudpickle  # a worker's first failure loads it, not its start
+
+        dumps: Any = cloudpickle.dumps
+    except Exception:
+        dumps = pickle.dumps
+    try:
+        data: bytes = dumps((exc, tb))
         return data
     except BaseException as pickling_error:
         stand_in = RuntimeError(
             f"the task raised {type(exc).__name__}: {exc!s:.2000}, and that exception could "
             f"not be pickled to send it back ({type(pickling_error).__name__}: {pickling_error})"
         )
-        data = cloudpickle.dumps((stand_in, tb))
+        data = pickle.dumps((stand_in, tb))
         return data
+
+
+def _plain_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as :func:`traceback.format_exception` lays it out (its frames'
+    files, lines and functions, then the exception), without importing anything."""
+    lines = ["Traceback (most recent call last):\n"]
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        lines.append(f'  File "{code.co_filename}", line {tb.tb_lineno}, in {code.co_name}\n')
+        tb = tb.tb_next
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<the exception's str() raised>"
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    lines.append(f"{name.removeprefix('builtins.')}: {text}\n" if text else f"{name}\n")
+    return "".join(lines)
 
 
 def worker_main(
@@ -274,7 +304,10 @@ def worker_main(
             fn(*args)
         except BaseException as exc:
             _leave_if_forked()
-            _logger().critical("Exception in initializer:", exc_info=True)
+            try:
+                _logger().critical("Exception in initializer:", exc_info=True)
+            except Exception:  # the initializer left logging unimportable: the answer says it
+                pass
             _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
             return
         _leave_if_forked()
