@@ -343,3 +343,59 @@ def test_a_window_already_open_at_the_bytes_now_is_not_written_again():
             assert window["window"] == 300 * MiB
         finally:
             ledger.close()
+
+
+def test_a_change_and_its_undoing_never_give_the_ledger_its_earlier_bytes_again():
+    """A co-tenant that grows and shrinks back leaves the card as it was, but not the
+    ledger's text: a reader that compares the bytes with those it read before never takes a
+    later state for the earlier one."""
+    with SimulatedHost([SimulatedDevice("16GiB", co_tenants={"b": "2GiB"})]) as host:
+        host.grow("b", "5GiB")
+        host.shrink("b", "5GiB")  # the device's peak stays at 7 GiB from here on
+        with open(host.ledger_path, "rb") as file:
+            before = file.read()
+        host.grow("b", "1GiB")
+        host.shrink("b", "1GiB")
+        with open(host.ledger_path, "rb") as file:
+            after = file.read()
+        assert host.used(0) == 2 * GiB
+    assert after != before
+
+
+def test_a_lock_free_reading_overtaken_by_changes_is_never_an_earlier_state(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A lock-free reading that two changes overtake half-way through its read (a ``pread``
+    is not atomic against a ``pwrite`` on Linux: the kernel copies page cache to the reader
+    while a writer copies into it) answers a state the ledger held during the read, never
+    the earlier one its old bytes came from (before: one co-tenant's old bytes read before
+    the changes and the other's, restored by the second change, after them equalled the
+    earlier text, and the reading said 4 GiB where the card held at least 5 all along)."""
+    card = SimulatedDevice("16GiB", co_tenants={"a": "2GiB", "b": "2GiB"})
+    with SimulatedHost([card]) as host:
+        host.grow("b", "5GiB")
+        host.shrink("b", "5GiB")  # the peak stays at 9 GiB: only the co-tenants move below
+        reader = Ledger(host.ledger_path)
+        real_pread = os.pread
+        try:
+            reader.view()  # the reader's earlier bytes: a and b at 2 GiB each
+            host.grow("b", "1GiB")  # from here on a and b hold at least 5 GiB together
+            earlier = reader._raw
+            assert earlier is not None
+            split = earlier.index(b'"b":')
+
+            def overtaken(fd: int, length: int, offset: int) -> bytes:
+                if fd != reader._fd or offset != 0 or length != len(earlier) + 1:
+                    return real_pread(fd, length, offset)
+                monkeypatch.setattr(os, "pread", real_pread)
+                head = real_pread(fd, split, 0)  # a's bytes, read before the two changes
+                host.grow("a", "1GiB")
+                host.shrink("b", "1GiB")  # b's bytes back to what they were before
+                return head + real_pread(fd, length - split, split)
+
+            monkeypatch.setattr(os, "pread", overtaken)
+            tenants = reader.view()["devices"][0]["tenants"]
+        finally:
+            monkeypatch.setattr(os, "pread", real_pread)
+            reader.close()
+    assert tenants["a"][1] + tenants["b"][1] >= 5 * GiB, tenants

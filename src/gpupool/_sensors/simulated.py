@@ -59,6 +59,7 @@ from gpupool._sensors.simulated_state import (
     device_of,
     device_used_bytes,
     drop_dead,
+    encode_next,
     named_processes,
     note_peaks,
     process_bytes,
@@ -406,10 +407,13 @@ class Ledger:
         and no process it names has exited; else ``None`` (read under the file lock).
 
         The file is compared without its lock: a change is written in place, so a read
-        that overlaps it may mix old and new bytes, but one that comes out equal to the
-        bytes read before under the lock holds that state, whole, as it stood at an
-        instant of the read (the bytes a change would have altered were read before it).
-        A longer or shorter file reads unequal. Four system calls (``getpid`` by the
+        that overlaps one or several may mix their bytes (the kernel copies the page cache
+        to a reader while a writer copies into it). Every write counts itself in the
+        ledger's first field (:func:`encode_next`), so the file never holds the same
+        bytes twice: a read that comes out equal to the bytes read before saw that count,
+        which no write had yet replaced as it was read, and no later state restored by a
+        change and its undoing can pass for the earlier one. A longer or shorter file
+        reads unequal. Four system calls (``getpid`` by the
         caller, ``fstat``, ``pread``, ``poll``), and no wait for another process.
         """
         raw, fd = self._raw, self._fd
@@ -473,13 +477,14 @@ class Ledger:
         """Overwrite the ledger in place, valid JSON at every instant.
 
         Renaming a fresh file over the ledger costs ~200 us on ext4; an
-        in-place write costs a few. The new text is padded with spaces to the
-        old length (JSON ignores trailing whitespace) and written in one
-        ``pwrite``, so a process killed at any point leaves either the old
-        state or the new one, then the file is cut to the new length.
+        in-place write costs a few. The text counts this write (:func:`encode_next`).
+        The new text is padded with spaces to the old length (JSON ignores
+        trailing whitespace) and written in one ``pwrite``, so a process killed
+        at any point leaves either the old state or the new one, then the file
+        is cut to the new length.
         """
         assert self._fd is not None
-        data = _encode(state)
+        data = encode_next(state)
         padded = data.ljust(size)
         written = os.pwrite(self._fd, padded, 0)
         while written < len(padded):  # only on a full disk or an odd filesystem

@@ -63,6 +63,9 @@ def ledger_problem(value: dict[str, object]) -> str | None:
     problem = _field_problem(value, _TOP_FIELDS, "the ledger")
     if problem is not None:
         return problem
+    writes = value.get("writes", 0)  # the count of writes, absent before the first
+    if type(writes) is not int or writes < 0:
+        return f"the ledger's 'writes' is {writes!r}"
     devices = value["devices"]
     assert isinstance(devices, list)
     for index, dev in enumerate(devices):

@@ -8,14 +8,16 @@ stamps the refusal it records with the time), used by
 
 from __future__ import annotations
 
+import json
 import time
-from typing import TypedDict
+from typing import TypedDict, cast
 
 from gpupool._errors import DeviceUnreadableError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading
 from gpupool._sensors.simulated_tree import TreeWindow, note_trees
 
 __all__ = [
+    "WRITES_FIELD",
     "DeviceState",
     "LedgerState",
     "OutOfMemoryRecord",
@@ -24,6 +26,7 @@ __all__ = [
     "device_of",
     "device_used_bytes",
     "drop_dead",
+    "encode_next",
     "memory_of",
     "named_processes",
     "note_peaks",
@@ -85,6 +88,19 @@ class LedgerState(TypedDict):
 
 #: One device's memory and rows, as :meth:`SimulatedSensor.read_snapshot` gives them.
 Snapshot = tuple[MemoryReading, "tuple[ProcessReading, ...] | None"]
+
+
+#: The ledger's count of writes, its first field (absent from a ledger never written to).
+WRITES_FIELD = "writes"
+
+
+def encode_next(state: LedgerState) -> bytes:
+    """``state``'s text for the next write: its count of writes one higher (set in ``state``
+    too), written first, so that no two writes ever give the file the same bytes."""
+    fields = cast("dict[str, object]", state)
+    count = fields.get(WRITES_FIELD, 0)
+    fields[WRITES_FIELD] = (count if type(count) is int else 0) + 1
+    return json.dumps({WRITES_FIELD: 0, **fields}, separators=(",", ":")).encode()
 
 
 def device_used_bytes(device: DeviceState) -> int:
