@@ -270,10 +270,16 @@ class Ledger:
     def _leave_parent(self) -> None:
         """In a forked child, start afresh: the inherited descriptor is the parent's open file,
         whose flock parent and child would both "hold", and the thread lock may have been
-        held by another thread at the fork."""
-        if self._pid == own_pid():
+        held by another thread at the fork.
+
+        Asked of the kernel (``os.getpid``), not :func:`own_pid`: a child forked below
+        Python (C code, ``ctypes``) runs no fork hook, and would take its parent's lock
+        as its own (one ``getpid`` per locked operation; the lock-free reading, which
+        takes no lock, asks :func:`own_pid`)."""
+        pid = os.getpid()
+        if self._pid == pid:
             return
-        self._pid = own_pid()
+        self._pid = pid
         self._thread_lock = threading.Lock()
         if self._descriptor_is_ours():
             assert self._fd is not None
