@@ -93,6 +93,19 @@ def test_a_task_that_raises_where_nothing_imports_fails_with_its_own_error(how: 
     assert "raise_where_nothing_imports" in str(error.__cause__)
 
 
+def test_an_initializer_that_raises_where_nothing_imports_is_the_pools_cause() -> None:
+    """An initializer that raises after emptying ``sys.path`` breaks the pool with its own
+    exception as the cause (before: logging and traceback were imported after it raised,
+    that import failed, and the worker died: no cause)."""
+    with GpuPoolExecutor(
+        max_workers=1, initializer=start_tasks.raise_where_nothing_imports, initargs=("path",)
+    ) as ex:
+        error = ex.submit(abs, -1).exception(timeout=120)
+    assert isinstance(error, InitializerError), repr(error)
+    assert isinstance(error.__cause__, ValueError), repr(error.__cause__)
+    assert str(error.__cause__) == "raised with sys.path emptied"
+
+
 @pytest.mark.parametrize("path", ["card", "host"])
 def test_a_worker_loads_nothing_of_the_parents_side(path: str) -> None:
     """A worker that ran a task has imported none of the planner, the dispatcher, the log,
