@@ -574,16 +574,19 @@ class Dispatcher:
 
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
-        turn reads a card, starts a task, publishes or delivers a result. A booking that
-        grew with its key's price is written to the host's table at once."""
-        if not self.planner.unsettled:
-            return
-        refused = self.planner.settle(self.now())
-        if refused is not None:
-            self._refuse(refused)  # before the results are delivered: the next submit raises
-        if self.link is not None:
-            for device in self.devices:
-                self.link.changed(device.index, self.now())
+        turn reads a card, starts a task, publishes or delivers a result (a failure
+        given mid-turn gives the results before it: :meth:`_resolve_error` settles first).
+        A booking that grew with its key's price is written to the host's table at once.
+        Strict mode's refusal breaks the pool here, also one the planner made when it
+        settled by itself (before an out-of-memory, or a failed task's peak)."""
+        if self.planner.unsettled:
+            self.planner.settle(self.now())
+            if self.link is not None:
+                for device in self.devices:
+                    self.link.changed(device.index, self.now())
+        if self.planner.refused is not None and self.broken is None:
+            # Before the results are delivered: the next submit raises.
+            self._refuse(self.planner.refused)
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""
@@ -1232,6 +1235,7 @@ class Dispatcher:
         The turn's results so far are set first: a failure never overtakes a result that
         answered before it (one worker's tasks are done in the order they ran)."""
         if self.results:
+            self._settle_asks()  # the results' measurements priced before they are given
             self.publish()
             self._deliver()
         if future.done():
