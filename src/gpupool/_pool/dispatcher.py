@@ -581,12 +581,22 @@ class Dispatcher:
         settled by itself (before an out-of-memory, or a failed task's peak)."""
         if self.planner.unsettled:
             self.planner.settle(self.now())
-            if self.link is not None:
+            self.planner.take_grown()
+            if self.link is not None:  # moved either way: the table hears of each card
                 for device in self.devices:
                     self.link.changed(device.index, self.now())
+        self._bookings_grew()  # grown where the planner settled by itself
         if self.planner.refused is not None and self.broken is None:
             # Before the results are delivered: the next submit raises.
             self._refuse(self.planner.refused)
+
+    def _bookings_grew(self) -> None:
+        """Write at once the cards where a running task was booked higher (its key's price
+        rose: at a settle, or when a failed task or an out-of-memory raised it)."""
+        grown = self.planner.take_grown()
+        if self.link is not None:
+            for index in grown:
+                self.link.changed(index, self.now())
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""
@@ -1184,6 +1194,7 @@ class Dispatcher:
             # OOM the worker declines it instead: _declined).
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
         self._booking_changed(worker)
+        self._bookings_grew()  # a failed task's or an out-of-memory's peak raised its price
         if worker.retiring:
             self._retire(worker)
         if not oom:
