@@ -113,3 +113,10 @@ def exit_when_told(pid: str, go: str) -> None:
     Path(pid).write_text(str(os.getpid()))
     _wait_for(Path(go), timeout_s=600.0)
     os._exit(3)
+
+
+def hold_then_raise(size: str) -> None:
+    """Hold ``size`` a moment, then raise ValueError."""
+    with hold(size):
+        time.sleep(0.01)
+    raise ValueError(f"raised after holding {size}")

@@ -230,6 +230,33 @@ def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_
     assert seen == ["WidthError"]
 
 
+def test_a_strict_pool_breaks_when_a_failed_task_held_more_than_its_ask():
+    """strict=True: a task that raised after holding more than its key's ask raises the
+    price, narrowing below max_workers: the pool breaks before the failure is given (the
+    next submit raises WidthError)."""
+    seen: list[str] = []
+
+    def submit_again(_future: object) -> None:
+        try:
+            ex.submit(faulty.square, 0)
+        except WidthError:
+            seen.append("WidthError")
+        else:
+            seen.append("accepted")
+
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="1GiB", reserve=0)
+        try:
+            assert ex.width == 2
+            failed = ex.submit(rt.hold_then_raise, "6GiB")
+            failed.add_done_callback(submit_again)  # run as the failure is given
+            with pytest.raises(ValueError, match="after holding"):
+                failed.result(timeout=TIMEOUT_S)
+        finally:
+            ex.shutdown()
+    assert seen == ["WidthError"]
+
+
 # -- workers that die as they boot, after shutdown() was called --------------------------
 
 _BOOT_DEATH_AT_SHUTDOWN = """

@@ -1195,6 +1195,8 @@ class Dispatcher:
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
         self._booking_changed(worker)
         self._bookings_grew()  # a failed task's or an out-of-memory's peak raised its price
+        if self.planner.refused is not None:
+            self._refuse(self.planner.refused)  # that price narrowed: before the task's end
         if worker.retiring:
             self._retire(worker)
         if not oom:
