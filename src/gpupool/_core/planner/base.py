@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PlannerBase"]
 
+_NO_CARDS: frozenset[int] = frozenset()
+
 
 class PlannerBase:
     """What the planner holds, and the steps its rules share.
@@ -187,10 +189,13 @@ class PlannerBase:
                 if run.booked_bytes > before_bytes:
                     self._grown_cards.add(card.index)
 
-    def take_grown(self) -> set[int]:
+    def take_grown(self) -> frozenset[int]:
         """The cards where a running task was booked higher (its key's price rose) since the
         last call: the process layer tells the host's table of them before anything else."""
-        grown, self._grown_cards = self._grown_cards, set()
+        if not self._grown_cards:
+            return _NO_CARDS  # the usual answer, built once
+        grown = frozenset(self._grown_cards)
+        self._grown_cards.clear()
         return grown
 
     def _present_keys(self) -> list[str]:
