@@ -754,3 +754,33 @@ def test_the_live_gate_counts_an_idle_workers_context_once():
     planner.cards[0].worker_pids.discard(pid)
     observe({pid: context})
     assert isinstance(planner.next_start(0.5), Wait)
+
+
+def test_a_settle_of_several_peaks_names_the_last_and_notes_a_descendant_once():
+    """Two tasks of one key end in one turn, the first leaving a descendant running: the
+    settle's one record names the peak measured last as the last, and the descendant once."""
+    records: list[Decision] = []
+    planner = _one_card_planner(records, total_gib=24)
+    for task in range(2):
+        planner.submit(task, "k")
+    first, last = _start_all(planner, 0.1)[:2]
+    planner.ended(
+        first.task,
+        PeakReport(
+            device=0,
+            device_peak_bytes=1 * GiB,
+            device_source="simulator",
+            outliving_descendants=1,
+            outliving_device_bytes=10 * MiB,
+        ),
+        0.2,
+    )
+    planner.ended(
+        last.task, PeakReport(device=0, device_peak_bytes=5 * GiB, device_source="simulator"), 0.3
+    )
+    seen = len(records)
+    planner.settle(0.4)
+    told = [r for r in records[seen:] if "k measured" in r.reason]
+    assert len(told) == 1
+    assert "2 peaks, the last 5.00 GiB" in told[0].reason
+    assert told[0].reason.count("outlived") == 1

@@ -78,3 +78,45 @@ def hold_until_told(i: int, size: str, ready: str, release: str) -> int:
         Path(ready).touch()
         _wait_for(Path(release))
     return i
+
+
+def hold_and_say_sent(size: str, sent: str) -> int:
+    """Hold ``size`` a moment and return the worker's PID; a thread touches ``sent`` once the
+    answer is sent (the worker's main thread is back reading its next frame)."""
+    import os
+    import sys
+    import threading
+
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main)
+            while frame is not None and frame.f_code.co_name != "read_frame":
+                frame = frame.f_back
+            if frame is not None:
+                Path(sent).touch()
+                return
+            time.sleep(0.005)
+
+    with hold(size):
+        time.sleep(0.01)
+    threading.Thread(target=watch, daemon=True).start()
+    return os.getpid()
+
+
+def exit_when_told(pid: str, go: str) -> None:
+    """Write the worker's PID to ``pid``, wait for ``go``, then end the worker at once."""
+    import os
+
+    Path(pid).write_text(str(os.getpid()))
+    _wait_for(Path(go), timeout_s=600.0)
+    os._exit(3)
+
+
+def hold_then_raise(size: str) -> None:
+    """Hold ``size`` a moment, then raise ValueError."""
+    with hold(size):
+        time.sleep(0.01)
+    raise ValueError(f"raised after holding {size}")

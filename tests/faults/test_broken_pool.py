@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+import threading
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -169,6 +170,91 @@ def test_a_strict_break_mid_run_delivers_what_ran_and_keeps_its_books(tmp_path: 
         shutdown["tasks_lost"],
     )
     assert totals == (4, 3, 0, 0)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (its parent has not seen it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_path: Path):
+    """strict=True: a measurement that narrows below max_workers breaks the pool before the
+    measured task's result is given, even when a worker dies in the same turn (its task's
+    failure gives the turn's results at once): a submit from the result's callback raises
+    WidthError."""
+    sent, pid_path, go = tmp_path / "sent", tmp_path / "pid", tmp_path / "go"
+    release = threading.Event()
+    seen: list[str] = []
+
+    def block(_future: object) -> None:  # the dispatcher waits here, the answers pile up
+        release.wait(TIMEOUT_S)
+
+    def submit_again(_future: object) -> None:
+        try:
+            ex.submit(faulty.square, 0)
+        except WidthError:
+            seen.append("WidthError")
+        else:
+            seen.append("accepted")
+
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="1GiB", reserve=0)
+        try:
+            assert ex.width == 2
+            dies = ex.options(key="dies").submit(rt.exit_when_told, str(pid_path), str(go))
+            assert wait_until(pid_path.exists, TIMEOUT_S)
+            trigger = ex.options(key="trigger").submit(
+                rt.tell_and_wait, str(tmp_path / "ready"), str(tmp_path / "end")
+            )
+            measured = ex.options(key="measured").submit(rt.hold_and_say_sent, "6GiB", str(sent))
+            measured.add_done_callback(submit_again)
+            trigger.add_done_callback(block)
+            (tmp_path / "end").touch()  # the measured task starts in the trigger's place
+            # While the dispatcher waits in the trigger's callback: the measured task answers
+            # and the other worker dies; the next turn reads both.
+            assert wait_until(sent.exists, TIMEOUT_S), "the measured task never answered"
+            go.touch()
+            worker_pid = int(pid_path.read_text())
+            assert wait_until(lambda: _zombie(worker_pid), TIMEOUT_S)
+            release.set()
+            measured.result(timeout=TIMEOUT_S)
+            with pytest.raises(WorkerLostError):
+                dies.result(timeout=TIMEOUT_S)
+        finally:
+            release.set()
+            ex.shutdown()
+    assert seen == ["WidthError"]
+
+
+def test_a_strict_pool_breaks_when_a_failed_task_held_more_than_its_ask():
+    """strict=True: a task that raised after holding more than its key's ask raises the
+    price, narrowing below max_workers: the pool breaks before the failure is given (the
+    next submit raises WidthError)."""
+    seen: list[str] = []
+
+    def submit_again(_future: object) -> None:
+        try:
+            ex.submit(faulty.square, 0)
+        except WidthError:
+            seen.append("WidthError")
+        else:
+            seen.append("accepted")
+
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="1GiB", reserve=0)
+        try:
+            assert ex.width == 2
+            failed = ex.submit(rt.hold_then_raise, "6GiB")
+            failed.add_done_callback(submit_again)  # run as the failure is given
+            with pytest.raises(ValueError, match="after holding"):
+                failed.result(timeout=TIMEOUT_S)
+        finally:
+            ex.shutdown()
+    assert seen == ["WidthError"]
 
 
 # -- workers that die as they boot, after shutdown() was called --------------------------

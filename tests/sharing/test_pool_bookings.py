@@ -145,6 +145,39 @@ def test_a_booking_that_grew_with_its_keys_price_is_written_before_the_result(
     assert booking.booked_bytes >= 6 * GiB  # was 1 GiB (the estimate) when it started
 
 
+def _hold_then_raise(size: str) -> None:
+    """Run in a worker: hold ``size`` a moment, then raise, naming the worker's card."""
+    with gt.hold(size):
+        pass
+    raise ValueError(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def test_a_booking_that_grew_on_another_card_is_written_before_the_failure(
+    tmp_path: Path,
+) -> None:
+    """A task that raised after holding more than its key's ask raises the key's price and
+    books the key's task running on the other card higher: when the failure is given, the
+    other card's table shows that task's new booking."""
+    directory = str(tmp_path)
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB"), gt.SimulatedDevice("40GiB")]) as host:
+        table = BookingTable(host.bookings_directory)
+        with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as pool:
+            tasks = pool.options(key="grows")
+            first = tasks.submit(_hold_until_released, "512MiB", directory)
+            _wait_for(Path(directory, "held"))
+            with pytest.raises(ValueError, match=r".") as raised:
+                tasks.submit(_hold_then_raise, "6GiB").result()
+            failed_on = str(raised.value)
+            (other,) = [i for i in range(2) if host.device_uuid(i) != failed_on]
+            seen = table.others(host.device_uuid(other))
+            Path(directory, "release").touch()
+            first.result()
+    assert seen is not None
+    assert len(seen.pools) == 1, "the running task is on the failed task's card"
+    (booking,) = seen.pools[0].tasks
+    assert booking.booked_bytes >= 6 * GiB  # was 1 GiB (the estimate) when it started
+
+
 def test_what_a_task_holds_is_published_while_another_pool_is_on_the_card(
     tmp_path: Path,
 ) -> None:

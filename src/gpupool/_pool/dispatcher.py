@@ -574,16 +574,29 @@ class Dispatcher:
 
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
-        turn reads a card, starts a task, publishes or delivers a result. A booking that
-        grew with its key's price is written to the host's table at once."""
-        if not self.planner.unsettled:
-            return
-        refused = self.planner.settle(self.now())
-        if refused is not None:
-            self._refuse(refused)  # before the results are delivered: the next submit raises
+        turn reads a card, starts a task, publishes or delivers a result (a failure
+        given mid-turn gives the results before it: :meth:`_resolve_error` settles first).
+        A booking that grew with its key's price is written to the host's table at once.
+        Strict mode's refusal breaks the pool here, also one the planner made when it
+        settled by itself (before an out-of-memory, or a failed task's peak)."""
+        if self.planner.unsettled:
+            self.planner.settle(self.now())
+            self.planner.take_grown()
+            if self.link is not None:  # moved either way: the table hears of each card
+                for device in self.devices:
+                    self.link.changed(device.index, self.now())
+        self._bookings_grew()  # grown where the planner settled by itself
+        if self.planner.refused is not None and self.broken is None:
+            # Before the results are delivered: the next submit raises.
+            self._refuse(self.planner.refused)
+
+    def _bookings_grew(self) -> None:
+        """Write at once the cards where a running task was booked higher (its key's price
+        rose: at a settle, or when a failed task or an out-of-memory raised it)."""
+        grown = self.planner.take_grown()
         if self.link is not None:
-            for device in self.devices:
-                self.link.changed(device.index, self.now())
+            for index in grown:
+                self.link.changed(index, self.now())
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""
@@ -1182,6 +1195,9 @@ class Dispatcher:
             # OOM the worker declines it instead: _declined).
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
         self._booking_changed(worker)
+        self._bookings_grew()  # a failed task's or an out-of-memory's peak raised its price
+        if self.planner.refused is not None:
+            self._refuse(self.planner.refused)  # that price narrowed: before the task's end
         if worker.retiring:
             self._retire(worker)
         if not oom:
@@ -1233,6 +1249,7 @@ class Dispatcher:
         The turn's results so far are set first: a failure never overtakes a result that
         answered before it (one worker's tasks are done in the order they ran)."""
         if self.results:
+            self._settle_asks()  # the results' measurements priced before they are given
             self.publish()
             self._deliver()
         if future.done():

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PlannerBase"]
 
+_NO_CARDS: frozenset[int] = frozenset()
+
 
 class PlannerBase:
     """What the planner holds, and the steps its rules share.
@@ -90,6 +92,8 @@ class PlannerBase:
         self._varied_keys: set[str] = set()
         # By key, what its tasks that ended since the last settle measured (planner/learning).
         self._learned: dict[str, Learned] = {}
+        # Cards where a running task was booked higher since the last take_grown().
+        self._grown_cards: set[int] = set()
         self._last_key: str = ""
         # Pending tasks per key, and each key's measured task durations (count, mean seconds).
         self._pending_by_key: collections.Counter[str] = collections.Counter()
@@ -176,11 +180,23 @@ class PlannerBase:
             for run in card.runs.values():
                 if run.key != key:
                     continue
+                before_bytes = run.booked_bytes
                 if run.size is not None:
                     card.rebook(run, self.asks.ask_for(key, run.size).ask_bytes)
-                    continue
-                card.rebook(run, ask.next_bytes(seen))
-                seen += 1
+                else:
+                    card.rebook(run, ask.next_bytes(seen))
+                    seen += 1
+                if run.booked_bytes > before_bytes:
+                    self._grown_cards.add(card.index)
+
+    def take_grown(self) -> frozenset[int]:
+        """The cards where a running task was booked higher (its key's price rose) since the
+        last call: the process layer tells the host's table of them before anything else."""
+        if not self._grown_cards:
+            return _NO_CARDS  # the usual answer, built once
+        grown = frozenset(self._grown_cards)
+        self._grown_cards.clear()
+        return grown
 
     def _present_keys(self) -> list[str]:
         keys: dict[str, None] = {}

@@ -233,16 +233,18 @@ class Learning(Queued):
 
         def cause() -> str:  # worded only where a record is written
             count = len(learned.peaks)
+            # The peak measured last (the report stated may be an earlier one: its note).
             peaks = f"{count} peaks, the last " if count > 1 else ""
             said = (
-                f"{key} measured {peaks}{format_size(report.device_peak_bytes)} "
+                f"{key} measured {peaks}{format_size(learned.peaks[-1][0])} "
                 f"({report.device_source}); ask {before.describe()} -> {after.describe()}"
             )
             if report.outliving_descendants:
                 said += (
-                    f"; {report.outliving_descendants} process(es) the task started outlived "
-                    f"it, holding {format_size(report.outliving_device_bytes)} (the worker "
-                    "keeps them)"
+                    f"; {report.outliving_descendants} process(es) "
+                    + ("the task" if count == 1 else "one of these tasks")
+                    + " started outlived it, holding "
+                    f"{format_size(report.outliving_device_bytes)} (the worker keeps them)"
                 )
             return said
 
