@@ -11,6 +11,7 @@ import concurrent.futures
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -181,6 +182,21 @@ def _zombie(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def _submits_again(ex: GpuPoolExecutor, seen: list[str]) -> Callable[[object], None]:
+    """A done-callback that submits to ``ex`` again and tells ``seen`` whether the submit
+    raised ``WidthError`` (the pool broke before the future was done) or was accepted."""
+
+    def submit_again(_future: object) -> None:
+        try:
+            ex.submit(faulty.square, 0)
+        except WidthError:
+            seen.append("WidthError")
+        else:
+            seen.append("accepted")
+
+    return submit_again
+
+
 def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_path: Path):
     """strict=True: a measurement that narrows below max_workers breaks the pool before the
     measured task's result is given, even when a worker dies in the same turn (its task's
@@ -193,14 +209,6 @@ def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_
     def block(_future: object) -> None:  # the dispatcher waits here, the answers pile up
         release.wait(TIMEOUT_S)
 
-    def submit_again(_future: object) -> None:
-        try:
-            ex.submit(faulty.square, 0)
-        except WidthError:
-            seen.append("WidthError")
-        else:
-            seen.append("accepted")
-
     with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
         ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="1GiB", reserve=0)
         try:
@@ -211,7 +219,7 @@ def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_
                 rt.tell_and_wait, str(tmp_path / "ready"), str(tmp_path / "end")
             )
             measured = ex.options(key="measured").submit(rt.hold_and_say_sent, "6GiB", str(sent))
-            measured.add_done_callback(submit_again)
+            measured.add_done_callback(_submits_again(ex, seen))
             trigger.add_done_callback(block)
             (tmp_path / "end").touch()  # the measured task starts in the trigger's place
             # While the dispatcher waits in the trigger's callback: the measured task answers
@@ -236,20 +244,12 @@ def test_a_strict_pool_breaks_when_a_failed_task_held_more_than_its_ask():
     next submit raises WidthError)."""
     seen: list[str] = []
 
-    def submit_again(_future: object) -> None:
-        try:
-            ex.submit(faulty.square, 0)
-        except WidthError:
-            seen.append("WidthError")
-        else:
-            seen.append("accepted")
-
     with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
         ex = GpuPoolExecutor(max_workers=2, strict=True, task_peak="1GiB", reserve=0)
         try:
             assert ex.width == 2
             failed = ex.submit(rt.hold_then_raise, "6GiB")
-            failed.add_done_callback(submit_again)  # run as the failure is given
+            failed.add_done_callback(_submits_again(ex, seen))  # run as the failure is given
             with pytest.raises(ValueError, match="after holding"):
                 failed.result(timeout=TIMEOUT_S)
         finally:

@@ -77,6 +77,15 @@ def test_numpy_arrays_round_trip_by_name(pair: tuple[socket.socket, Channel]):
     assert all(np.array_equal(a, b) for a, b in zip(got, arrays, strict=True))
 
 
+def _write_all(channel: Channel, done: bool) -> None:
+    """Flush ``channel`` whenever its socket can take more, until all is written."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(channel.fd, selectors.EVENT_WRITE)
+        while not done:
+            selector.select()
+            done = channel.flush()
+
+
 def test_a_task_frame_of_several_mib_is_read_whole_by_the_worker(
     pair: tuple[socket.socket, Channel],
 ):
@@ -87,12 +96,7 @@ def test_a_task_frame_of_several_mib_is_read_whole_by_the_worker(
     frames: list[bytearray | None] = []
     reader = _in_thread(lambda: frames.extend(wire.read_frame(worker.fileno()) for _ in "ab"))
     channel.send(call, wire.task_prefix(3))
-    done = channel.send(b"")
-    with selectors.DefaultSelector() as selector:
-        selector.register(channel.fd, selectors.EVENT_WRITE)
-        while not done:
-            selector.select()
-            done = channel.flush()
+    _write_all(channel, channel.send(b""))
     reader.join()
     first, empty = frames
     assert first is not None and empty == bytearray()
@@ -117,12 +121,7 @@ def test_frames_queued_together_are_written_in_order_and_whole(
     for task_id, call in enumerate(calls):
         assert channel.send(call, wire.task_prefix(task_id, queued=True), now=False) is False
     assert channel.wants_write
-    done = channel.flush()
-    with selectors.DefaultSelector() as selector:
-        selector.register(channel.fd, selectors.EVENT_WRITE)
-        while not done:
-            selector.select()
-            done = channel.flush()
+    _write_all(channel, channel.flush())
     reader.join()
     assert not channel.wants_write
     results = []

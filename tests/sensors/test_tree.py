@@ -208,15 +208,24 @@ def test_a_sample_in_flight_when_the_window_closes_counts_in_it(tmp_path: Path):
     status = _fifo_status(tmp_path, _CHILD)
     watch = TreeWatch(_ROOT, proc=tmp_path)
     watch.open()
-    listing.write_text(str(_CHILD))  # the sampler finds it, and waits on its status
+    assert _closed_over_a_child_only_the_sampler_saw(watch, listing, status) == 4096 * 1024
+
+
+def _closed_over_a_child_only_the_sampler_saw(
+    watch: TreeWatch, listing: Path, status: Path
+) -> int | None:
+    """In ``watch``'s open window, a child appears (its sampler finds it and waits on its
+    status), is gone before the window closes, and its status says 4 MiB only then: the
+    RSS peak the closed window sums."""
+    listing.write_text(str(_CHILD))
     fd = _open_when_read(status)
-    listing.write_text("")  # gone before the window closes
-    closing = threading.Thread(target=lambda: summaries.append(watch.close(None)))
+    listing.write_text("")
     summaries: list[TreeSummary] = []
+    closing = threading.Thread(target=lambda: summaries.append(watch.close(None)))
     closing.start()
     _finish(fd, "Name:\tchild\nVmHWM:\t  4096 kB\n")
     closing.join()
-    assert summaries[0].rss_peak_bytes == 4096 * 1024
+    return summaries[0].rss_peak_bytes
 
 
 def test_a_sample_taken_for_one_window_never_counts_in_the_next(tmp_path: Path):
@@ -317,15 +326,7 @@ def test_a_sampler_that_ended_is_started_again_by_the_next_window(tmp_path: Path
     watch.close(None)
     watch.open()
     assert watch._thread is not None and watch._thread is not first
-    listing.write_text(str(_CHILD))  # the new sampler finds it, and waits on its status
-    fd = _open_when_read(status)
-    listing.write_text("")  # gone before the window closes
-    closing = threading.Thread(target=lambda: summaries.append(watch.close(None)))
-    summaries: list[TreeSummary] = []
-    closing.start()
-    _finish(fd, "Name:\tchild\nVmHWM:\t  4096 kB\n")
-    closing.join()
-    assert summaries[0].rss_peak_bytes == 4096 * 1024
+    assert _closed_over_a_child_only_the_sampler_saw(watch, listing, status) == 4096 * 1024
 
 
 def test_a_window_with_nothing_under_the_worker_sums_up_to_nothing(tmp_path: Path):
