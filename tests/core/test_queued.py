@@ -200,3 +200,25 @@ def test_tasks_sent_back_from_two_runs_told_in_turn_keep_each_runs_order() -> No
     pending = list(planner.pending)
     assert pending.index(2) < pending.index(3) and pending.index(6) < pending.index(7)
     assert pending[-1] == 8 and planner.queued == {}
+
+
+def test_a_key_whose_tasks_grow_slower_stops_queueing_deep_behind_them() -> None:
+    """Many tasks of a millisecond, then tasks of 50 ms (under ``LONG_TASK_S``, so none is
+    remembered as long): after ``LONG_MEMORY_TASKS`` of them the key is no longer short, and
+    while it still is, no more of them wait behind a run than fit in ``QUEUED_WORK_S``
+    (``QUEUE_DEPTH_LEAST`` at least); a mean over all its tasks would keep queueing 8 deep."""
+    planner = _planner()
+    for task in range(200):
+        _run(planner, 1000 + task, "k", 0.0)
+        planner.finished(1000 + task, _report(GiB), 0.001)
+    assert planner.queue_depth("k") == QUEUE_DEPTH
+    slow_s = 0.05
+    assert slow_s < LONG_TASK_S
+    for task in range(LONG_MEMORY_TASKS):
+        _run(planner, 2000 + task, "k", 1.0)
+        planner.finished(2000 + task, _report(GiB), 1.0 + slow_s)
+        assert planner.queue_depth("k") <= max(QUEUE_DEPTH_LEAST, int(QUEUED_WORK_S / slow_s))
+    assert planner.short("k") is False
+    _run(planner, 1, "k", 2.0)
+    planner.submit(2, "k")
+    assert planner.queue_behind(1) is None
