@@ -222,3 +222,25 @@ def test_a_key_whose_tasks_grow_slower_stops_queueing_deep_behind_them() -> None
     _run(planner, 1, "k", 2.0)
     planner.submit(2, "k")
     assert planner.queue_behind(1) is None
+
+
+def test_no_task_is_queued_behind_a_run_whose_card_its_risen_price_overbooks() -> None:
+    """Two runs of a short key share a 16 GiB card; one ends with a peak that prices the key
+    past half the card. A start in the ended run's place is held back by the bound, and so
+    is a task queued behind either run (it would keep both running, booked past the card)."""
+    planner = _planner()
+    _timed(planner, "k", 0.001)
+    planner.settle(0.0)
+    run = _run(planner, 1, "k", 1.0)
+    _run(planner, 2, "k", 1.0)
+    for task in range(3, 8):
+        planner.submit(task, "k")
+    assert planner.queue_behind(1) == 3  # priced low: queued in its run's booking
+    planner.finished(1, _report(int(7.5 * GiB)), 1.001)
+    planner.run_queued(3, run.device, 101, 1.001)
+    planner.settle(1.001)
+    ask_bytes = planner.asks.ask("k").ask_bytes
+    assert 2 * ask_bytes > 16 * GiB  # two no longer fit
+    assert planner.queue_behind(2) is None
+    assert planner.queue_behind(3) is None
+    assert planner.queued == {} and planner.pending[0] == 4  # it waits for a checked start

@@ -18,8 +18,12 @@ The planner allows it only where it books nothing new:
   :data:`LONG_MEMORY_TASKS` took :data:`LONG_TASK_S` or more (a key whose run
   times have a long tail, whose many short tasks would keep the mean low,
   would otherwise queue a long task behind a long one while a worker idles);
-* on a card, nothing caps the card after an out-of-memory, the task's ask is
-  not above the running task's booking, and no room is held for a waiting task.
+* no more tasks run than the pool's ceiling; on a card, nothing caps the card
+  after an out-of-memory, the task's ask is not above the running task's
+  booking, a task at the key's price now would fit the bound in the run's place
+  beside the card's other runs (a price that rose, or other pools that took the
+  room, stop queueing as they stop a start), and no room is held for a waiting
+  task.
 
 A queued task leaves the pending queue and holds its slot behind the run: it is
 not counted as waiting, and no start is made for it. When the run ends, the
@@ -35,7 +39,9 @@ withdraws leaves the planner as a pending one does.
 
 from __future__ import annotations
 
+from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.starts import Starts
+from gpupool._core.planner.state import Card, Run
 from gpupool._core.planner.verdicts import TaskId
 
 __all__ = [
@@ -124,6 +130,7 @@ class Queued(Starts):
             or self.refused is not None
             or self.hold is not None
             or run.size is not None
+            or len(self.running) > self.ceiling.value
             or sum(1 for followed in self.queued.values() if followed == behind)
             >= self.queue_depth(run.key)
         ):
@@ -144,12 +151,32 @@ class Queued(Starts):
                 run.device in state.avoid
                 or card.oom_cap is not None
                 or self.asks.ask(run.key).ask_bytes > run.booked_bytes
+                or not self._fits_in_place(card, run)
             ):
                 return None
         self._unqueue(head)
         self.queued[head] = behind
         self.counts["queued_behind"] += 1
         return head
+
+    def _fits_in_place(self, card: Card, run: Run) -> bool:
+        """Whether a task of ``run``'s key at its price now fits the bound on ``card`` in
+        ``run``'s place, beside the card's other runs, as a start there would be checked:
+        a price that rose past the card's room, or other pools that took it, stop the
+        tasks queued behind the runs as they stop a start."""
+        return (
+            fit_counts(
+                card,
+                self.asks.ask(run.key),
+                running=len(card.runs) - 1,
+                booked_bytes=card.booked_bytes - run.booked_bytes,
+                same=card.same_key(run.key) - 1,
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+                slots=1,
+            ).more
+            > 0
+        )
 
     def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
