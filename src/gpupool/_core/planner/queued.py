@@ -156,7 +156,6 @@ class Queued(Starts):
                 return None
         self._unqueue(head)
         self.queued[head] = behind
-        self.counts["queued_behind"] += 1
         return head
 
     def _fits_in_place(self, card: Card, run: Run) -> bool:
