@@ -200,3 +200,47 @@ def test_tasks_sent_back_from_two_runs_told_in_turn_keep_each_runs_order() -> No
     pending = list(planner.pending)
     assert pending.index(2) < pending.index(3) and pending.index(6) < pending.index(7)
     assert pending[-1] == 8 and planner.queued == {}
+
+
+def test_a_key_whose_tasks_grow_slower_stops_queueing_deep_behind_them() -> None:
+    """Many tasks of a millisecond, then tasks of 50 ms (under ``LONG_TASK_S``, so none is
+    remembered as long): after ``LONG_MEMORY_TASKS`` of them the key is no longer short, and
+    while it still is, no more of them wait behind a run than fit in ``QUEUED_WORK_S``
+    (``QUEUE_DEPTH_LEAST`` at least); a mean over all its tasks would keep queueing 8 deep."""
+    planner = _planner()
+    for task in range(200):
+        _run(planner, 1000 + task, "k", 0.0)
+        planner.finished(1000 + task, _report(GiB), 0.001)
+    assert planner.queue_depth("k") == QUEUE_DEPTH
+    slow_s = 0.05
+    assert slow_s < LONG_TASK_S
+    for task in range(LONG_MEMORY_TASKS):
+        _run(planner, 2000 + task, "k", 1.0)
+        planner.finished(2000 + task, _report(GiB), 1.0 + slow_s)
+        assert planner.queue_depth("k") <= max(QUEUE_DEPTH_LEAST, int(QUEUED_WORK_S / slow_s))
+    assert planner.short("k") is False
+    _run(planner, 1, "k", 2.0)
+    planner.submit(2, "k")
+    assert planner.queue_behind(1) is None
+
+
+def test_no_task_is_queued_behind_a_run_whose_card_its_risen_price_overbooks() -> None:
+    """Two runs of a short key share a 16 GiB card; one ends with a peak that prices the key
+    past half the card. A start in the ended run's place is held back by the bound, and so
+    is a task queued behind either run (it would keep both running, booked past the card)."""
+    planner = _planner()
+    _timed(planner, "k", 0.001)
+    planner.settle(0.0)
+    run = _run(planner, 1, "k", 1.0)
+    _run(planner, 2, "k", 1.0)
+    for task in range(3, 8):
+        planner.submit(task, "k")
+    assert planner.queue_behind(1) == 3  # priced low: queued in its run's booking
+    planner.finished(1, _report(int(7.5 * GiB)), 1.001)
+    planner.run_queued(3, run.device, 101, 1.001)
+    planner.settle(1.001)
+    ask_bytes = planner.asks.ask("k").ask_bytes
+    assert 2 * ask_bytes > 16 * GiB  # two no longer fit
+    assert planner.queue_behind(2) is None
+    assert planner.queue_behind(3) is None
+    assert planner.queued == {} and planner.pending[0] == 4  # it waits for a checked start

@@ -245,3 +245,34 @@ def test_futures_are_done_in_the_order_their_tasks_answered_a_failure_included(
             last.result(timeout=60)
         assert first.result(timeout=60) == running.result(timeout=60)
     assert order == ["running", "first", "last"]
+
+
+def test_tasks_a_shutdown_cancelled_are_not_counted_as_queued(tmp_path: Path) -> None:
+    """``shutdown(cancel_futures=True)`` while the worker's queue is full: the pending tasks
+    it cancels are withdrawn when its queue has room again (its last queued task still runs),
+    never counted as tasks queued behind a run (``queued_behind`` counts tasks handed to a
+    worker)."""
+    gate, last_gate = tmp_path / "go", tmp_path / "last"
+    with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
+        depth = _warm_up(pool)
+        running = pool.submit(queue_tasks.step, "wait", str(gate))
+        queued = [pool.submit(queue_tasks.step, "ok") for _ in range(depth - 1)]
+        queued.append(pool.submit(queue_tasks.step, "wait", str(last_gate)))
+        for future in queued:
+            wait_for(future.running, what="the next tasks queued behind the busy worker")
+        # Published before the queued futures were made RUNNING: they are counted in it.
+        before = pool._dispatcher.snapshot.counts.get("queued_behind", 0)
+        pending = [pool.submit(queue_tasks.step, "ok") for _ in range(20)]
+        pool.shutdown(wait=False, cancel_futures=True)
+        for future in pending:
+            wait_for(future.cancelled, what="the pending tasks cancelled by the shutdown")
+        gate.touch()
+        # The worker runs its last queued task while the cancelled ones are withdrawn.
+        wait_for(
+            lambda: pool.statistics().tasks_cancelled == len(pending),
+            what="the cancelled tasks withdrawn",
+        )
+        last_gate.touch()
+        pool.shutdown(wait=True)
+    assert [f.result() for f in queued] == [running.result()] * len(queued)
+    assert pool._dispatcher.snapshot.counts.get("queued_behind", 0) == before

@@ -824,6 +824,7 @@ class Dispatcher:
         self._send(
             item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True, now=False
         )
+        self.counts["queued_behind"] += 1  # handed to the worker (not one withdrawn above)
         return True
 
     def _pickled(self, item: WorkItem) -> bytes | None:

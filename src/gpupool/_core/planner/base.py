@@ -101,6 +101,9 @@ class PlannerBase:
         # Keys with a long task among their last ones: how many more must end before it is
         # forgotten (planner/queued).
         self._long_left: dict[str, int] = {}
+        # By key, the mean run time of its last tasks (the last LONG_MEMORY_TASKS weigh most),
+        # which decides whether it is short and how deep it queues (planner/queued).
+        self._recent_s: dict[str, float] = {}
         self._critical_recorded_s: float | None = None
         self._hold_recorded_s: float | None = None
         self._sensor_errors: set[tuple[int, str]] = set()

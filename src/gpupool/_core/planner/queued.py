@@ -4,7 +4,7 @@ A worker that ends a task waits for the parent to hand it the next one: the
 answer crosses the socket, the parent books the next start and sends it back.
 For tasks that take milliseconds that round trip is most of the time, so the
 next tasks of the same key may wait in the busy worker's socket, each starting
-the moment the one before ends: as many as the key's mean run time fits in
+the moment the one before ends: as many as the key's recent mean run time fits in
 :data:`QUEUED_WORK_S` (so the last of them waits about that long), at least
 :data:`QUEUE_DEPTH_LEAST` and at most :data:`QUEUE_DEPTH` (:meth:`Queued.queue_depth`).
 The planner allows it only where it books nothing new:
@@ -13,12 +13,17 @@ The planner allows it only where it books nothing new:
   and of the running task's key, with no size of its own (sized asks are priced
   one by one) and no card to avoid;
 * the key is short: at least :data:`SHORT_MIN_TASKS` of its tasks were timed,
-  their mean run time is under :data:`SHORT_TASK_S`, and none of its last
+  the mean run time of its recent ones (:meth:`Queued.timed`) is under
+  :data:`SHORT_TASK_S`, and none of its last
   :data:`LONG_MEMORY_TASKS` took :data:`LONG_TASK_S` or more (a key whose run
   times have a long tail, whose many short tasks would keep the mean low,
   would otherwise queue a long task behind a long one while a worker idles);
-* on a card, nothing caps the card after an out-of-memory, the task's ask is
-  not above the running task's booking, and no room is held for a waiting task.
+* no more tasks run than the pool's ceiling; on a card, nothing caps the card
+  after an out-of-memory, the task's ask is not above the running task's
+  booking, a task at the key's price now would fit the bound in the run's place
+  beside the card's other runs (a price that rose, or other pools that took the
+  room, stop queueing as they stop a start), and no room is held for a waiting
+  task.
 
 A queued task leaves the pending queue and holds its slot behind the run: it is
 not counted as waiting, and no start is made for it. When the run ends, the
@@ -34,7 +39,9 @@ withdraws leaves the planner as a pending one does.
 
 from __future__ import annotations
 
+from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.starts import Starts
+from gpupool._core.planner.state import Card, Run
 from gpupool._core.planner.verdicts import TaskId
 
 __all__ = [
@@ -75,13 +82,25 @@ class Queued(Starts):
 
     def short(self, key: str) -> bool:
         """Whether ``key``'s measured tasks are short (:data:`SHORT_TASK_S`), with no long one
-        among the last of them (:data:`LONG_TASK_S`)."""
-        count, mean_s = self._durations_s.get(key, (0, 0.0))
-        return count >= SHORT_MIN_TASKS and mean_s < SHORT_TASK_S and key not in self._long_left
+        among the last of them (:data:`LONG_TASK_S`); the mean is of its recent tasks (each
+        of the last :data:`LONG_MEMORY_TASKS` weighs 1/8 of it), so a key whose tasks grew
+        slower stops being short within a few of them, whatever ran before."""
+        count, _ = self._durations_s.get(key, (0, 0.0))
+        return (
+            count >= SHORT_MIN_TASKS
+            and self._recent_s.get(key, 0.0) < SHORT_TASK_S
+            and key not in self._long_left
+        )
 
     def timed(self, key: str, took_s: float) -> None:
         """A task of ``key`` ended after ``took_s``: a long one is remembered for the key's
-        next :data:`LONG_MEMORY_TASKS` tasks."""
+        next :data:`LONG_MEMORY_TASKS` tasks; the key's recent mean follows ``took_s`` (the
+        plain mean over its first :data:`LONG_MEMORY_TASKS`, a weight of
+        1/:data:`LONG_MEMORY_TASKS` after them)."""
+        count, _ = self._durations_s.get(key, (1, 0.0))
+        weight = 1.0 / min(max(count, 1), LONG_MEMORY_TASKS)
+        recent_s = self._recent_s.get(key, took_s)
+        self._recent_s[key] = recent_s + (took_s - recent_s) * weight
         if took_s >= LONG_TASK_S:
             self._long_left[key] = LONG_MEMORY_TASKS
         elif key in self._long_left:
@@ -92,10 +111,10 @@ class Queued(Starts):
                 del self._long_left[key]
 
     def queue_depth(self, key: str) -> int:
-        """How many tasks of ``key`` may wait behind one of its runs: as many as its mean
-        measured run time fits in :data:`QUEUED_WORK_S`, within :data:`QUEUE_DEPTH_LEAST` and
-        :data:`QUEUE_DEPTH`."""
-        _, mean_s = self._durations_s.get(key, (0, 0.0))
+        """How many tasks of ``key`` may wait behind one of its runs: as many as its recent
+        mean measured run time (:meth:`timed`) fits in :data:`QUEUED_WORK_S`, within
+        :data:`QUEUE_DEPTH_LEAST` and :data:`QUEUE_DEPTH`."""
+        mean_s = self._recent_s.get(key, 0.0)
         if mean_s * QUEUE_DEPTH <= QUEUED_WORK_S:
             return QUEUE_DEPTH
         return max(QUEUE_DEPTH_LEAST, int(QUEUED_WORK_S / mean_s))
@@ -111,6 +130,7 @@ class Queued(Starts):
             or self.refused is not None
             or self.hold is not None
             or run.size is not None
+            or len(self.running) > self.ceiling.value
             or sum(1 for followed in self.queued.values() if followed == behind)
             >= self.queue_depth(run.key)
         ):
@@ -131,12 +151,31 @@ class Queued(Starts):
                 run.device in state.avoid
                 or card.oom_cap is not None
                 or self.asks.ask(run.key).ask_bytes > run.booked_bytes
+                or not self._fits_in_place(card, run)
             ):
                 return None
         self._unqueue(head)
         self.queued[head] = behind
-        self.counts["queued_behind"] += 1
         return head
+
+    def _fits_in_place(self, card: Card, run: Run) -> bool:
+        """Whether a task of ``run``'s key at its price now fits the bound on ``card`` in
+        ``run``'s place, beside the card's other runs, as a start there would be checked:
+        a price that rose past the card's room, or other pools that took it, stop the
+        tasks queued behind the runs as they stop a start."""
+        return (
+            fit_counts(
+                card,
+                self.asks.ask(run.key),
+                running=len(card.runs) - 1,
+                booked_bytes=card.booked_bytes - run.booked_bytes,
+                same=card.same_key(run.key) - 1,
+                reserve_bytes=self.config.reserve_bytes,
+                ceiling=self.ceiling,
+                slots=1,
+            ).more
+            > 0
+        )
 
     def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
