@@ -4,8 +4,8 @@ A worker that ends a task waits for the parent to hand it the next one: the
 answer crosses the socket, the parent books the next start and sends it back.
 For tasks that take milliseconds that round trip is most of the time, so the
 next tasks of the same key may wait in the busy worker's socket, each starting
-the moment the one before ends: as many as the key's recent mean run time fits in
-:data:`QUEUED_WORK_S` (so the last of them waits about that long), at least
+the moment the one before ends: as many as the key's recent mean run time fits
+in :data:`QUEUED_WORK_S` (so the last of them waits about that long), at least
 :data:`QUEUE_DEPTH_LEAST` and at most :data:`QUEUE_DEPTH` (:meth:`Queued.queue_depth`).
 The planner allows it only where it books nothing new:
 
