@@ -48,7 +48,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from typing import TYPE_CHECKING, Any, cast
@@ -575,28 +575,25 @@ class Dispatcher:
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
         turn reads a card, starts a task, publishes or delivers a result (a failure
-        given mid-turn gives the results before it: :meth:`_resolve_error` settles first).
-        A booking that grew with its key's price is written to the host's table at once.
-        Strict mode's refusal breaks the pool here, also one the planner made when it
-        settled by itself (before an out-of-memory, or a failed task's peak)."""
+        given mid-turn gives the results before it: :meth:`_resolve_error` settles first);
+        then what moved is told (:meth:`_bookings_moved`)."""
         if self.planner.unsettled:
             self.planner.settle(self.now())
-            self.planner.take_grown()
-            if self.link is not None:  # moved either way: the table hears of each card
-                for device in self.devices:
-                    self.link.changed(device.index, self.now())
-        self._bookings_grew()  # grown where the planner settled by itself
-        if self.planner.refused is not None and self.broken is None:
-            # Before the results are delivered: the next submit raises.
-            self._refuse(self.planner.refused)
+            self._bookings_moved(range(len(self.devices)))  # moved either way, on any card
+        else:
+            self._bookings_moved()  # where the planner settled by itself
 
-    def _bookings_grew(self) -> None:
-        """Write at once the cards where a running task was booked higher (its key's price
-        rose: at a settle, or when a failed task or an out-of-memory raised it)."""
+    def _bookings_moved(self, cards: Iterable[int] = ()) -> None:
+        """The host's table hears at once of ``cards`` and of those where a running task was
+        booked higher (its key's price rose: at a settle, or when a failed task or an
+        out-of-memory raised it); strict mode's refusal, made at any of them, breaks the
+        pool before the results are delivered (the next submit raises)."""
         grown = self.planner.take_grown()
         if self.link is not None:
-            for index in grown:
+            for index in {*cards, *grown}:
                 self.link.changed(index, self.now())
+        if self.planner.refused is not None:
+            self._refuse(self.planner.refused)
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""
@@ -1196,9 +1193,7 @@ class Dispatcher:
             # OOM the worker declines it instead: _declined).
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
         self._booking_changed(worker)
-        self._bookings_grew()  # a failed task's or an out-of-memory's peak raised its price
-        if self.planner.refused is not None:
-            self._refuse(self.planner.refused)  # that price narrowed: before the task's end
+        self._bookings_moved()  # a failed task's or an out-of-memory's peak raised its price
         if worker.retiring:
             self._retire(worker)
         if not oom:
