@@ -18,13 +18,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from gpupool._core.planner import Planner
     from gpupool._core.policy import Ask, AskTable
 
 __all__ = ["PoolSnapshot", "take_snapshot"]
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,23 +83,14 @@ def take_snapshot(
     now_asks = {key: asks.ask(key) for key in asks.keys()}  # noqa: SIM118
     # Copied: the planner may keep the dict it hands out.
     by_key = dict(planner.widths_by_key())
-    if last is None:
-        return PoolSnapshot(
-            counts=MappingProxyType(now_counts),
-            width=planner.width,
-            widths=widths,
-            asks=MappingProxyType(now_asks),
-            widths_by_key=MappingProxyType(by_key),
-            log_write_errors=log_write_errors,
-            bookings_unavailable=bookings_unavailable,
-        )
     # Each value equal to the last snapshot's is that snapshot's object; a new one is a
     # read-only view of a dict built here, which nothing else holds.
-    counts_view = last.counts if last.counts == now_counts else MappingProxyType(now_counts)
-    asks_view = last.asks if last.asks == now_asks else MappingProxyType(now_asks)
-    by_key_view = last.widths_by_key if last.widths_by_key == by_key else MappingProxyType(by_key)
+    counts_view = _kept(last.counts if last else None, now_counts)
+    asks_view = _kept(last.asks if last else None, now_asks)
+    by_key_view = _kept(last.widths_by_key if last else None, by_key)
     if (
-        counts_view is last.counts
+        last is not None
+        and counts_view is last.counts
         and asks_view is last.asks
         and by_key_view is last.widths_by_key
         and widths is last.widths
@@ -115,3 +108,8 @@ def take_snapshot(
         log_write_errors=log_write_errors,
         bookings_unavailable=bookings_unavailable,
     )
+
+
+def _kept(last: Mapping[str, V] | None, now: dict[str, V]) -> Mapping[str, V]:
+    """``last`` where it equals ``now``, else a read-only view of ``now``."""
+    return last if last is not None and last == now else MappingProxyType(now)
