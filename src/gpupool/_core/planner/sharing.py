@@ -286,6 +286,22 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
     return found[1]
 
 
+def _wait_terms(
+    card: Card, room_bytes: int, left_bytes: int, need_bytes: int
+) -> dict[str, JsonValue]:
+    """The terms every ``share_wait`` record of a start held back for another pool states:
+    this pool's share and bookings on ``card``, its next task's bytes (the start would leave
+    ``left_bytes`` of ``room_bytes``), what the other pool needs, and the pools there."""
+    return {
+        "share_bytes": share_bytes(card, room_bytes),
+        "pool_booked_bytes": card.booked_bytes,
+        "next_bytes": room_bytes - card.booked_bytes - left_bytes,
+        "owed_bytes": need_bytes,
+        "other_pools_waiting": card.others_waiting,
+        "other_pools_active": card.others_active,
+    }
+
+
 def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[str, JsonValue]]:
     """A yield to a pool at the serial floor, as a ``share_wait`` record: the sentence and
     the terms."""
@@ -296,13 +312,7 @@ def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[st
         f"{format_size(wait.left_bytes)}, so this pool yields (it has for {wait.waited_s:.1f} "
         f"s, at most {YIELD_S:g} s)"
     )
-    return reason, {
-        "share_bytes": share_bytes(card, room_bytes),
-        "pool_booked_bytes": card.booked_bytes,
-        "next_bytes": room_bytes - card.booked_bytes - wait.left_bytes,
-        "owed_bytes": wait.need_bytes,
-        "other_pools_waiting": card.others_waiting,
-        "other_pools_active": card.others_active,
+    return reason, _wait_terms(card, room_bytes, wait.left_bytes, wait.need_bytes) | {
         "yield_to_pool": wait.pool_id,
         "yield_waited_s": round(wait.waited_s, 3),
         "yield_limit_s": YIELD_S,
@@ -414,13 +424,7 @@ def give_way_record(card: Card, way: GiveWay, room_bytes: int) -> tuple[str, dic
         f"it the room (for {way.turn_left_s:.1f} s more, at most {TURN_S:g} s and as long "
         f"as the task ran)"
     )
-    return reason, {
-        "share_bytes": share_bytes(card, room_bytes),
-        "pool_booked_bytes": card.booked_bytes,
-        "next_bytes": room_bytes - card.booked_bytes - way.left_bytes,
-        "owed_bytes": way.need_bytes,
-        "other_pools_waiting": card.others_waiting,
-        "other_pools_active": card.others_active,
+    return reason, _wait_terms(card, room_bytes, way.left_bytes, way.need_bytes) | {
         "give_way_to_pool": way.pool_id,
         "give_way_pool_booked_bytes": way.other_booked_bytes,
         "give_way_left_s": round(way.turn_left_s, 3),
