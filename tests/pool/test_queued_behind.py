@@ -55,6 +55,21 @@ def _busy_with_queued(
     return running, queued, pending
 
 
+def _two_behind_one(
+    pool: GpuPoolExecutor, gate: Path, after_run: Path, last_action: str, answered: Path
+) -> tuple[Future[int], Future[int], Future[int]]:
+    """Warm the key up, start a run that waits for ``gate`` on the one worker, and queue two
+    behind it: one that waits for ``after_run``, then ``last_action`` (which marks
+    ``answered``); returns the three once both are queued."""
+    _warm_up(pool)
+    running = pool.submit(queue_tasks.step, "wait", str(gate))
+    first = pool.submit(queue_tasks.step, "wait", str(after_run))
+    last = pool.submit(queue_tasks.step, last_action, str(answered))
+    for future in (first, last):
+        wait_for(future.running, what="the next tasks queued behind the busy worker")
+    return running, first, last
+
+
 def _card() -> Any:
     return SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB")
 
@@ -160,12 +175,9 @@ def test_a_done_callback_that_crashes_the_dispatcher_leaves_the_turns_other_resu
     with _card():
         pool = GpuPoolExecutor(max_workers=1, task_peak="1GiB")
         try:
-            _warm_up(pool)
-            running = pool.submit(queue_tasks.step, "wait", str(gate))
-            first = pool.submit(queue_tasks.step, "wait", str(after_run))
-            last = pool.submit(queue_tasks.step, "mark-after-answer", str(answered))
-            for future in (first, last):
-                wait_for(future.running, what="the next tasks queued behind the busy worker")
+            running, first, last = _two_behind_one(
+                pool, gate, after_run, "mark-after-answer", answered
+            )
 
             def after(_future: Future[int]) -> None:
                 # On the dispatcher thread, once ``running``'s result is set (the queued ones
@@ -223,12 +235,7 @@ def test_futures_are_done_in_the_order_their_tasks_answered_a_failure_included(
     gate, after_run, answered = tmp_path / "go", tmp_path / "after-run", tmp_path / "answered"
     order: list[str] = []
     with _card(), GpuPoolExecutor(max_workers=1, task_peak="1GiB") as pool:
-        _warm_up(pool)
-        running = pool.submit(queue_tasks.step, "wait", str(gate))
-        first = pool.submit(queue_tasks.step, "wait", str(after_run))
-        last = pool.submit(queue_tasks.step, "raise-then-mark", str(answered))
-        for future in (first, last):
-            wait_for(future.running, what="the next tasks queued behind the busy worker")
+        running, first, last = _two_behind_one(pool, gate, after_run, "raise-then-mark", answered)
 
         def after(_future: Future[int]) -> None:
             # On the dispatcher thread, once ``running``'s result is set: the queued tasks
