@@ -23,6 +23,22 @@ def _refused(path: Path) -> SensorError:
     return info.value
 
 
+def _ledger_of(devices: list[dict[str, object]]) -> bytes:
+    """A ledger's text with these devices and every host field well-formed."""
+    ledger = {
+        "version": 1,
+        "driver": True,
+        "container": False,
+        "context": 0,
+        "cpus": None,
+        "ram": None,
+        "next_fake_pid": 1,
+        "ooms": [],
+        "devices": devices,
+    }
+    return json.dumps(ledger).encode()
+
+
 @pytest.mark.parametrize(
     ("content", "why"),
     [
@@ -30,19 +46,7 @@ def _refused(path: Path) -> SensorError:
         (b"[1, 2, 3]", "not a ledger (no version)"),
         (json.dumps({"version": 1}).encode(), "the ledger has no 'driver'"),
         (
-            json.dumps(
-                {
-                    "version": 1,
-                    "driver": True,
-                    "container": False,
-                    "context": 0,
-                    "cpus": None,
-                    "ram": None,
-                    "next_fake_pid": 1,
-                    "ooms": [],
-                    "devices": [{"uuid": "GPU-x", "total": "lots"}],
-                }
-            ).encode(),
+            _ledger_of([{"uuid": "GPU-x", "total": "lots"}]),
             "device 0's 'total' is 'lots'",
         ),
     ],
@@ -68,18 +72,7 @@ def _ledger_with(procs: dict, peaks: dict, trees: dict) -> bytes:
         "peak": 0,
         "trees": trees,
     }
-    ledger = {
-        "version": 1,
-        "driver": True,
-        "container": False,
-        "context": 0,
-        "cpus": None,
-        "ram": None,
-        "next_fake_pid": 1,
-        "ooms": [],
-        "devices": [device],
-    }
-    return json.dumps(ledger).encode()
+    return _ledger_of([device])
 
 
 _PROC = {"start": "1", "name": "x", "context": 0, "held": 5, "window": 5, "ancestors": []}
