@@ -44,7 +44,7 @@ from gpupool._core.planner import (
 from gpupool._core.planner.fit import _card_bound, card_bound, card_widths
 from gpupool._core.planner.state import Run
 from gpupool._core.units import GiB, MiB
-from support import card_census, census_of
+from support import card_census, census_of, start_all
 
 KEYS = ("small", "large", "medium")
 PARENT = 1
@@ -580,23 +580,13 @@ def _one_card_planner(records: list[Decision], *, total_gib: int = 16) -> Planne
     return planner
 
 
-def _start_all(planner: Planner, now_s: float) -> list[Start]:
-    starts = []
-    while True:
-        verdict = planner.next_start(now_s)
-        if not isinstance(verdict, Start):
-            return starts
-        planner.started(verdict.task, verdict.device, 100 + verdict.task, now_s)
-        starts.append(verdict)
-
-
 def test_the_reported_width_never_passes_an_out_of_memory_cap():
     """After an out-of-memory capped a card at 2, a smaller measured ask reports no wider."""
     records: list[Decision] = []
     planner = _one_card_planner(records)
     for task in range(4):
         planner.submit(task, "k")
-    assert len(_start_all(planner, 0.1)) == 4
+    assert len(start_all(planner, 0.1)) == 4
     oom = PeakReport(device=0, device_peak_bytes=2 * GiB, device_source="simulator", oom=True)
     verdict = planner.out_of_memory(0, oom, None, 0.2, error="oom")
     assert isinstance(verdict, Retry)
@@ -607,7 +597,7 @@ def test_the_reported_width_never_passes_an_out_of_memory_cap():
         planner.finished(task, small, 0.3)
     for task in range(4, 12):
         planner.submit(task, "k")
-    assert len(_start_all(planner, 0.4)) == cap
+    assert len(start_all(planner, 0.4)) == cap
     assert planner.width <= cap
     later = [r for r in records if r.time_s > 0.2 and r.event in {"widened", "narrowed"}]
     assert all(r.width_after is not None and r.width_after <= cap for r in later)
@@ -626,7 +616,7 @@ def test_retries_are_capped_in_every_mode_and_the_error_names_the_cap():
         planner.construct(0.0)
         planner.submit(0, "k")
         planner.submit(1, "neighbour")
-        assert len(_start_all(planner, 0.0)) == 2
+        assert len(start_all(planner, 0.0)) == 2
         oom = PeakReport(device=0, device_peak_bytes=GiB, device_source="simulator", oom=True)
         outcomes = []
         for step in range(10):
@@ -733,7 +723,7 @@ def test_the_live_gate_counts_an_idle_workers_context_once():
         )
 
     observe({})
-    assert len(_start_all(planner, 0.1)) == 5
+    assert len(start_all(planner, 0.1)) == 5
     done = min(planner.running)
     pid = planner.running[done].pid
     assert pid is not None
@@ -763,7 +753,7 @@ def test_a_settle_of_several_peaks_names_the_last_and_notes_a_descendant_once():
     planner = _one_card_planner(records, total_gib=24)
     for task in range(2):
         planner.submit(task, "k")
-    first, last = _start_all(planner, 0.1)[:2]
+    first, last = start_all(planner, 0.1)[:2]
     planner.ended(
         first.task,
         PeakReport(

@@ -11,10 +11,10 @@ from gpupool import GpuPoolExecutor
 from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
-from gpupool._core.planner import Planner, PlannerConfig, Start, Wait
+from gpupool._core.planner import Planner, PlannerConfig, Wait
 from gpupool._core.units import GiB
 from gpupool._sensors.bookings import BookingTable
-from support import card_census, census_of, wait_for
+from support import card_census, census_of, start_all, wait_for
 
 #: A safety net so that a broken test fails instead of hanging; never asserted on.
 PATIENCE_S = 120.0
@@ -52,14 +52,6 @@ def _other(tasks: int, waiting: int) -> OtherPools:
     return OtherPools(card_uuid=UUID, pools=(row,))
 
 
-def _start_all(planner: Planner, now_s: float) -> list[Start]:
-    started = []
-    while isinstance(verdict := planner.next_start(now_s), Start):
-        planner.started(verdict.task, verdict.device, 100 + verdict.task, now_s)
-        started.append(verdict)
-    return started
-
-
 def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_none_does() -> None:
     """Another pool runs one task and waits with more: this pool starts three (its share of
     (33.5 + 6.5) GiB between two pools is 20 GiB), records why, and takes the free room
@@ -69,7 +61,7 @@ def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_n
     for task in range(10):
         planner.submit(task, "k")
     planner.observe_others(0, _other(tasks=1, waiting=11), 0.0)
-    started = _start_all(planner, 0.0)
+    started = start_all(planner, 0.0)
     assert len(started) == 3  # 3 x 6.5 = 19.5 GiB <= 20 GiB; a fourth would pass it
     held = [r for r in records if r.event == "share_wait"]
     assert len(held) == 1
@@ -82,7 +74,7 @@ def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_n
     assert isinstance(wait, Wait) and wait.poll_s is not None  # it polls the table
     # The other pool waits no more (its tasks all started): the bound alone decides.
     planner.observe_others(0, _other(tasks=1, waiting=0), 0.2)
-    assert len(_start_all(planner, 0.2)) == 2
+    assert len(start_all(planner, 0.2)) == 2
 
 
 def test_a_pool_without_a_running_task_may_always_start_one() -> None:
@@ -92,7 +84,7 @@ def test_a_pool_without_a_running_task_may_always_start_one() -> None:
     planner.submit(0, "k")
     # The other pool books five tasks and waits with more: the share would be 3.25 GiB.
     planner.observe_others(0, _other(tasks=5, waiting=7), 0.0)
-    started = _start_all(planner, 0.0)
+    started = start_all(planner, 0.0)
     assert [s.task for s in started] == [0]
     assert not [r for r in records if r.event == "share_wait"]
 
@@ -104,7 +96,7 @@ def test_with_no_other_pool_waiting_the_share_does_not_bind() -> None:
     for task in range(10):
         planner.submit(task, "k")
     planner.observe_others(0, _other(tasks=2, waiting=0), 0.0)
-    assert len(_start_all(planner, 0.0)) == 4  # (40 - 13) // 6.5
+    assert len(start_all(planner, 0.0)) == 4  # (40 - 13) // 6.5
     assert not [r for r in records if r.event == "share_wait"]
 
 
@@ -116,7 +108,7 @@ def test_a_pool_at_its_own_ceiling_is_not_waiting_for_room() -> None:
         planner.submit(task, "k")
     assert planner.waiting_count() == 6
     assert planner.waiting_count(starting=True) == 5
-    assert len(_start_all(planner, 0.0)) == 6  # the bound and max_workers agree: 6
+    assert len(start_all(planner, 0.0)) == 6  # the bound and max_workers agree: 6
     assert isinstance(planner.next_start(0.1), Wait)
     assert len(planner.pending) == 2 and planner.waiting_count() == 0
 
@@ -142,7 +134,7 @@ def test_the_share_rounds_to_the_nearest_task() -> None:
         waiting=4,
     )
     planner.observe_others(0, OtherPools(card_uuid=UUID, pools=(row,)), 0.0)
-    assert len(_start_all(planner, 0.0)) == 3
+    assert len(start_all(planner, 0.0)) == 3
 
 
 def test_a_pool_tells_the_table_while_its_tasks_wait_for_room_and_stops_when_they_start(
@@ -209,7 +201,7 @@ def test_idle_workers_go_while_a_waiting_pool_is_owed_room() -> None:
     planner = _planner(records, estimate_bytes=8 * GiB)
     for task in range(2):
         planner.submit(task, "k")
-    assert len(_start_all(planner, 0.0)) == 2
+    assert len(start_all(planner, 0.0)) == 2
     assert planner.warm_limit(0, 0.0) == 5  # 40 // 8
     waiting = PoolBooking(
         pool_id="9.1",

@@ -9,7 +9,7 @@ from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.planner.sharing import YIELD_S
 from gpupool._core.units import GiB
-from support import card_census, census_of, other_pools
+from support import card_census, census_of, other_pools, start_all
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -32,14 +32,6 @@ def _row(planner: Planner, pid: int) -> OtherPools:
     return other_pools(planner, pid, UUID)
 
 
-def _start_all(planner: Planner, now_s: float, pid_base: int) -> int:
-    n = 0
-    while isinstance(verdict := planner.next_start(now_s), Start):
-        planner.started(verdict.task, verdict.device, pid_base + verdict.task, now_s)
-        n += 1
-    return n
-
-
 def _exchange(a: Planner, b: Planner, now_s: float) -> None:
     a.observe_others(0, _row(b, 2), now_s)
     b.observe_others(0, _row(a, 1), now_s)
@@ -53,7 +45,7 @@ def _starved(a_task: int, b_task: int) -> int:
     b = _planner(b_task, 2, 2)
     for t in range(30):
         a.submit(t, "a")
-    _start_all(a, 0.0, 1000)  # alone: A takes what the bound admits
+    len(start_all(a, 0.0, 1000))  # alone: A takes what the bound admits
     for t in range(2):
         b.submit(t, "b")
     now = 0.0
@@ -61,7 +53,7 @@ def _starved(a_task: int, b_task: int) -> int:
     for _ in range(20):
         now += 1.0
         _exchange(a, b, now)
-        b_started += _start_all(b, now, 2000)
+        b_started += len(start_all(b, now, 2000))
         if not a.running:
             break
         # A hears of its own task's end first and refills at once (same process);
@@ -69,7 +61,7 @@ def _starved(a_task: int, b_task: int) -> int:
         oldest = next(iter(a.running))
         a.finished(oldest, None, now)
         _exchange(a, b, now)
-        _start_all(a, now, 1000)
+        len(start_all(a, now, 1000))
     return b_started
 
 
@@ -99,7 +91,7 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
     b = _planner(4 * GiB, 2, 2)
     for t in range(10):
         b.submit(t, "b")
-    assert _start_all(b, 0.0, 2000) == 2
+    assert len(start_all(b, 0.0, 2000)) == 2
     first = next(iter(b.running))
     report = PeakReport(
         device=0,
@@ -112,7 +104,7 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
     while len(b.running) > 1:  # its other tasks end
         b.finished(next(iter(b.running)), None, 0.2)
     assert b.cards[0].oom_cap == 1
-    assert _start_all(b, 0.3, 2000) == 0  # B can start nothing more while one runs
+    assert len(start_all(b, 0.3, 2000)) == 0  # B can start nothing more while one runs
     assert b.waiting_count() == 0 and b.need_bytes() == 0
 
 
@@ -202,7 +194,7 @@ def test_fresh_rows_claiming_to_wait_hold_a_pool_at_most_half_the_time() -> None
     idle_s = 0
     for now_s in range(600):
         a.observe_others(0, _claims_to_wait(now_s), float(now_s))
-        _start_all(a, float(now_s), 1000)
+        len(start_all(a, float(now_s), 1000))
         if not a.running:
             idle_s += 1
         for task, run in list(a.running.items()):
@@ -239,15 +231,15 @@ def test_a_pool_that_got_its_turn_leaves_the_next_one_a_full_yield() -> None:
     a = _planner(8 * GiB, 4, 1)
     for t in range(10):
         a.submit(t, "a")
-    assert _start_all(a, 0.0, 1000) >= 1
+    assert len(start_all(a, 0.0, 1000)) >= 1
     for task in list(a.running)[1:]:
         a.finished(task, None, 0.0)  # one task of A left running
     for now_s in range(1, 25):
         a.observe_others(0, _waiting_row("7.1", running=False), float(now_s))
-        assert _start_all(a, float(now_s), 1000) == 0  # A yields to X
+        assert len(start_all(a, float(now_s), 1000)) == 0  # A yields to X
     a.observe_others(0, _waiting_row("7.1", running=True), 25.0)  # X has its turn
     a.observe_others(0, _waiting_row("8.1", running=False), 25.5)  # Y waits; X is done
     a.finished(next(iter(a.running)), None, 26.0)
     a.observe_others(0, _waiting_row("8.1", running=False), 26.5)
-    assert _start_all(a, 27.0, 1000) == 0  # A yields to Y, which waited before A ran nothing
-    assert _start_all(a, 25.5 + YIELD_S, 1000) >= 1  # for at most YIELD_S
+    assert len(start_all(a, 27.0, 1000)) == 0  # A yields to Y, which waited before A ran nothing
+    assert len(start_all(a, 25.5 + YIELD_S, 1000)) >= 1  # for at most YIELD_S

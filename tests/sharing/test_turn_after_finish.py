@@ -8,10 +8,10 @@ from collections.abc import Callable
 from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
-from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.planner import Planner, PlannerConfig
 from gpupool._core.planner.sharing import TURN_S
 from gpupool._core.units import GiB
-from support import card_census, census_of, other_pools
+from support import card_census, census_of, other_pools, start_all
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -39,14 +39,6 @@ def _exchange(a: Planner, b: Planner, now_s: float) -> None:
     b.observe_others(0, other_pools(a, 1, UUID), now_s)
 
 
-def _start_all(planner: Planner, now_s: float, pid_base: int) -> int:
-    n = 0
-    while isinstance(verdict := planner.next_start(now_s), Start):
-        planner.started(verdict.task, verdict.device, pid_base + verdict.task, now_s)
-        n += 1
-    return n
-
-
 def _two_and_one() -> tuple[Planner, Planner, list[Decision]]:
     """A runs two 8 GiB tasks (its share of the 24 GiB card, rounded to the nearest task),
     B runs the one left room holds; both have more waiting."""
@@ -57,9 +49,9 @@ def _two_and_one() -> tuple[Planner, Planner, list[Decision]]:
         a.submit(t, "a")
         b.submit(t, "b")
     _exchange(a, b, 0.0)
-    assert _start_all(a, 0.0, 1000) == 2
+    assert len(start_all(a, 0.0, 1000)) == 2
     _exchange(a, b, 0.0)
-    assert _start_all(b, 0.0, 2000) == 1
+    assert len(start_all(b, 0.0, 2000)) == 1
     _exchange(a, b, 0.0)
     return a, b, records
 
@@ -73,13 +65,13 @@ def test_the_room_a_task_frees_goes_to_the_waiting_pool_that_holds_less() -> Non
     first = next(iter(a.running))
     # The task ends 6 s in (a share_wait record was written at 0 s; one per 5 s).
     a.finished(first, None, 6.0)
-    assert _start_all(a, 6.0, 1000) == 0
+    assert len(start_all(a, 6.0, 1000)) == 0
     held = [r for r in records if r.event == "share_wait"]
     assert held[-1].extra["give_way_to_pool"] == "2.1"
     assert held[-1].extra["give_way_pool_booked_bytes"] == 8 * GiB
     assert held[-1].extra["pool_booked_bytes"] == 8 * GiB
     _exchange(a, b, 6.0 + STEP_S)
-    assert _start_all(b, 6.0 + STEP_S, 2000) == 1
+    assert len(start_all(b, 6.0 + STEP_S, 2000)) == 1
     assert len(b.running) == 2 and len(a.running) == 1
 
 
@@ -96,10 +88,10 @@ def _completed() -> tuple[int, int]:
                 if now_s - run.started_s >= TASK_S - 1e-9:
                     pool.finished(task, None, now_s)
                     done[pid] += 1
-            _start_all(pool, now_s, pid * 1000 + step * 10)
+            len(start_all(pool, now_s, pid * 1000 + step * 10))
         _exchange(a, b, now_s)
-        _start_all(b, now_s, 2000 + step * 10)
-        _start_all(a, now_s, 1000 + step * 10)
+        len(start_all(b, now_s, 2000 + step * 10))
+        len(start_all(a, now_s, 1000 + step * 10))
     return done[1], done[2]
 
 
@@ -139,17 +131,17 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
     for t in range(200):
         a.submit(t, "a")
     a.observe_others(0, _claims_to_wait(0.0), 0.0)
-    assert _start_all(a, 0.0, 1000) == 2
+    assert len(start_all(a, 0.0, 1000)) == 2
     for task in list(a.running):
         a.finished(task, None, TASK_S)
     a.observe_others(0, _claims_to_wait(TASK_S), TASK_S)
-    assert _start_all(a, TASK_S, 1000) == 1  # its one task; the second leaves the row room ...
+    assert len(start_all(a, TASK_S, 1000)) == 1  # its one task; the second leaves the row room ...
     held = [r for r in records if r.event == "share_wait"]
     assert held[-1].extra["give_way_to_pool"] == "900.1"
     assert held[-1].extra["give_way_limit_s"] == TURN_S
     # ... for as long as the task ran (1 s, under TURN_S), then takes it again.
-    assert _start_all(a, 2 * TASK_S - STEP_S, 1000) == 0
-    assert _start_all(a, 2 * TASK_S, 1000) == 1
+    assert len(start_all(a, 2 * TASK_S - STEP_S, 1000)) == 0
+    assert len(start_all(a, 2 * TASK_S, 1000)) == 1
     second_slot_steps = 0
     steps = int(60 / STEP_S)
     for step in range(steps):
@@ -158,7 +150,7 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
             if now_s - run.started_s >= TASK_S - 1e-9:
                 a.finished(task, None, now_s)
         a.observe_others(0, _claims_to_wait(now_s), now_s)
-        _start_all(a, now_s, 2000 + step * 10)
+        len(start_all(a, now_s, 2000 + step * 10))
         assert len(a.running) >= 1  # its one task always runs
         second_slot_steps += len(a.running) - 1
     assert 2 * second_slot_steps >= steps
@@ -222,7 +214,7 @@ def _assert_the_row_holds_the_second_slot_at_most_half_the_time(
             if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
                 a.finished(task, None, now_s)
         a.observe_others(0, others_at(step, now_s), now_s)
-        _start_all(a, now_s, 2000 + step * 10)
+        len(start_all(a, now_s, 2000 + step * 10))
         assert len(a.running) >= 1  # its one task always runs
         second_slot_steps += len(a.running) - 1
     assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")

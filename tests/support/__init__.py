@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.census import CardCensus, Census, HostCensus
+from gpupool._core.planner import Start
 from gpupool._core.units import parse_size
 
 if TYPE_CHECKING:
@@ -131,3 +132,13 @@ def run_script(
         env=env,
         cwd=directory,
     )
+
+
+def start_all(planner: Planner, now_s: float, pid_base: int = 100) -> list[Start]:
+    """Start every task ``planner`` admits now, each on a worker of PID ``pid_base + task``;
+    the starts, in order."""
+    started = []
+    while isinstance(verdict := planner.next_start(now_s), Start):
+        planner.started(verdict.task, verdict.device, pid_base + verdict.task, now_s)
+        started.append(verdict)
+    return started
