@@ -218,3 +218,61 @@ def test_the_pricing_check_is_not_vacuous() -> None:
     """The check flags a pricing import, and the planner's fit (which prices) is flagged by it."""
     assert _pricing_imports("from gpupool._core.bound import admits") == ["line 1: admits"]
     assert _pricing_imports((CORE / "planner" / "fit.py").read_text(encoding="utf-8"))
+
+
+#: What the process layer may ask of the planner: events in, verdicts, records and
+#: views out. Its state (``running``, ``pending``, ``queued``, ``tasks``, ``ceiling``,
+#: ``asks``, ``refused``, the cards) stays in the core.
+PLANNER_SURFACE = frozenset(
+    {
+        # events in
+        "submit", "withdraw", "requeue", "observe", "observe_error", "observe_others",
+        "sample_cards", "started", "finished", "ended", "settle", "out_of_memory", "lost",
+        "flush_asks", "construct",
+        # verdicts out
+        "next_start", "queue_behind", "run_queued", "still_admits", "take_grown",
+        "strict_refusal", "shutdown_record",
+        # views out
+        "width", "widths", "widths_by_key", "warm_limit", "waiting_count", "need_bytes",
+        "waiting_for_room", "pending_tasks", "ask_of", "unsettled", "counts", "has_pending",
+        "may_start", "is_queued", "waiting_asks", "bookings_on",
+    }
+)  # fmt: skip
+
+
+def _planner_members(source: str) -> list[tuple[int, str]]:
+    """Every ``planner.X`` or ``self.planner.X`` read in ``source``, as ``(line, X)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        named = (isinstance(owner, ast.Name) and owner.id == "planner") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "planner"
+        )
+        if named:
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def _outside_the_core() -> list[Path]:
+    package = CORE.parent
+    return sorted(path for path in package.rglob("*.py") if CORE not in path.parents)
+
+
+def test_the_planner_surface_check_is_not_vacuous() -> None:
+    """The check sees the dispatcher's planner calls, and flags a read of raw state."""
+    dispatcher = (CORE.parent / "_pool" / "dispatcher.py").read_text(encoding="utf-8")
+    assert {"next_start", "started"} <= {name for _, name in _planner_members(dispatcher)}
+    raw = "n = len(self.planner.running) < planner.ceiling.value"
+    assert _planner_members(raw) == [(1, "running"), (1, "ceiling")]
+
+
+@pytest.mark.parametrize(
+    "path", _outside_the_core(), ids=lambda path: path.relative_to(CORE.parent).as_posix()
+)
+def test_the_process_layer_reads_no_planner_state(path: Path) -> None:
+    """Outside the core, the planner is asked through its events, verdicts and views only:
+    nothing reads ``running``, ``queued``, ``ceiling`` or any other of its fields."""
+    members = _planner_members(path.read_text(encoding="utf-8"))
+    assert [(line, name) for line, name in members if name not in PLANNER_SURFACE] == []

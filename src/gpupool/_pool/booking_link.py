@@ -171,7 +171,7 @@ class BookingLink:
         it stands; the release is then coalesced). A running task booked higher than the
         table shows (its key's price rose) is written at once: a late release only delays
         the other pools, a late growth could let them book those bytes."""
-        if self.planner.pending and self._covered(device, self._running(device)):
+        if self.planner.has_pending() and self._covered(device, self._running(device)):
             self._mark(device)
         else:
             self._write(self.devices[device], now_s)
@@ -264,21 +264,11 @@ class BookingLink:
 
     def _running(self, device: int) -> list[tuple[int, int]]:
         """This pool's running tasks on ``device`` as ``(worker pid, booked bytes)``."""
-        return [
-            (run.pid, run.booked_bytes)
-            for run in self.planner.running.values()
-            if run.device == device and run.pid is not None
-        ]
+        return [(row.worker_pid, row.booked_bytes) for row in self.planner.bookings_on(device)]
 
     def _tasks(self, device: int) -> tuple[TaskBooking, ...]:
         """This pool's running tasks on ``device`` as table rows (reached bytes as 0)."""
-        return tuple(
-            TaskBooking(
-                worker_pid=run.pid, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
-            )
-            for run in self.planner.running.values()
-            if run.device == device and run.pid is not None
-        )
+        return self.planner.bookings_on(device)
 
     # -- the end ---------------------------------------------------------------------------
 

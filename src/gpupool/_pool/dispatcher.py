@@ -592,8 +592,9 @@ class Dispatcher:
         if self.link is not None:
             for index in {*cards, *grown}:
                 self.link.changed(index, self.now())
-        if self.planner.refused is not None:
-            self._refuse(self.planner.refused)
+        refused = self.planner.strict_refusal()
+        if refused is not None:
+            self._refuse(refused)
 
     def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
         """Wait for the selector, then write, read and reap what it says is ready."""
@@ -720,7 +721,7 @@ class Dispatcher:
             if self.broken is not None:
                 self._fail_pending()
                 return None
-            if not read and self.planner.pending and self._may_start():
+            if not read and self.planner.has_pending() and self.planner.may_start():
                 self._read_cards()
                 read = True
                 continue
@@ -773,11 +774,6 @@ class Dispatcher:
             self._send(item, worker, verdict.ask_bytes, payload)
             del payload
 
-    def _may_start(self) -> bool:
-        """Whether the planner may start a task now: fewer run than its ceiling (else its
-        verdict is to wait, and a reading of the cards would gate nothing)."""
-        return len(self.planner.running) < self.planner.ceiling.value
-
     def _queue_behind_busy(self) -> None:
         """Behind each busy worker, the next task of its key where the planner lets it wait
         there (short tasks, in the worker's booking: :mod:`gpupool._core.planner.queued`):
@@ -785,7 +781,7 @@ class Dispatcher:
         here, as a standard pool's queued call is."""
         limit = self.max_tasks_per_child
         for worker in self._all_workers():
-            if not self.planner.pending:
+            if not self.planner.has_pending():
                 return
             head = worker.task
             if (
@@ -839,7 +835,7 @@ class Dispatcher:
         """The task ``worker`` was running when it was lost, taken off its queue; ``None`` when
         it ran none, or only a task queued behind one that ran out of memory, which it was
         to decline and so never ran (that one goes back to the queue with the others)."""
-        if not worker.queue or worker.queue[0].task_id in self.planner.queued:
+        if not worker.queue or self.planner.is_queued(worker.queue[0].task_id):
             return None
         return worker.queue.popleft()
 
@@ -874,12 +870,11 @@ class Dispatcher:
         events): it counts as booting, so that no other worker is started in its place."""
         ready: dict[int | None, int] = {}
         booting: dict[int | None, int] = {}
-        queued = self.planner.queued
         for worker in self._all_workers():
             if worker.gone or worker.retiring:
                 continue
             head = worker.task
-            if not worker.ready or (head is not None and head.task_id in queued):
+            if not worker.ready or (head is not None and self.planner.is_queued(head.task_id)):
                 booting[worker.device] = booting.get(worker.device, 0) + 1
             elif head is None:
                 ready[worker.device] = ready.get(worker.device, 0) + 1
@@ -1188,7 +1183,7 @@ class Dispatcher:
             self._settle(item)
             # Its peak is a sample now, priced at the top of the next turn (_settle_asks).
             self.planner.ended(item.task_id, report, self.now(), failed=kind != "ok")
-        if kind != "oom" and worker.queue and worker.queue[0].task_id in self.planner.queued:
+        if kind != "oom" and worker.queue and self.planner.is_queued(worker.queue[0].task_id):
             # The task queued behind it runs now, in the booking it left (after a device
             # OOM the worker declines it instead: _declined).
             self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
@@ -1518,16 +1513,7 @@ class Dispatcher:
         """What the pool's row in the host's table tells people (no pool prices by it): its
         first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
         decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
-        planner = self.planner
-        first = int(starting)
-        count = min(waiting, _WAITS_SCANNED)
-        asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
-        entries: list[tuple[str, int]] = []
-        for t in itertools.islice(planner.pending, first, first + count):
-            slot = (planner.tasks[t].key, planner.tasks[t].size)
-            if slot not in asks:
-                asks[slot] = planner.asks.ask_for(*slot).ask_bytes
-            entries.append((slot[0], asks[slot]))
+        entries = self.planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
         waits = group_waits(entries)
         last = self.log.last_decision
         if last is None:

@@ -38,9 +38,10 @@ room for one task), logged as ``serial_start``. Explicit concurrency
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Mapping
 
-from gpupool._core.bookings import OtherPools
+from gpupool._core.bookings import OtherPools, TaskBooking
 from gpupool._core.bound import WidthDecision
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
@@ -565,3 +566,44 @@ class Planner(Learning):
         totals = collections.Counter(self.counts)
         totals.update(counts)
         return records.shutdown(now_s, self.width, totals, tasks_lost=tasks_lost)
+
+    # -- what the process layer reads (never the state itself) ------------------------------
+
+    def has_pending(self) -> bool:
+        """Whether any task waits to start (queued behind a run or not)."""
+        return bool(self.pending)
+
+    def may_start(self) -> bool:
+        """Whether fewer tasks run than the ceiling (else the verdict is to wait, and a
+        reading of the cards would gate nothing)."""
+        return len(self.running) < self.ceiling.value
+
+    def is_queued(self, task: TaskId) -> bool:
+        """Whether ``task`` waits behind a run on that run's worker."""
+        return task in self.queued
+
+    def strict_refusal(self) -> Refuse | None:
+        """Strict mode's refusal to narrow, once made (the pool breaks with it)."""
+        return self.refused
+
+    def waiting_asks(self, first: int, count: int) -> list[tuple[str, int]]:
+        """The key and ask of the pending tasks ``first`` to ``first + count``, in order."""
+        asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
+        entries: list[tuple[str, int]] = []
+        for task in itertools.islice(self.pending, first, first + count):
+            slot = (self.tasks[task].key, self.tasks[task].size)
+            if slot not in asks:
+                asks[slot] = self.asks.ask_for(*slot).ask_bytes
+            entries.append((slot[0], asks[slot]))
+        return entries
+
+    def bookings_on(self, device: int) -> tuple[TaskBooking, ...]:
+        """This pool's running tasks on ``device`` that have a worker, as booking-table rows
+        (what each reached is not the planner's to know: 0)."""
+        return tuple(
+            TaskBooking(
+                worker_pid=run.pid, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
+            )
+            for run in self.running.values()
+            if run.device == device and run.pid is not None
+        )
