@@ -135,7 +135,9 @@ def test_core_module_imports_nothing_from_the_world(path: Path) -> None:
         pytest.param(
             "from .. import testing", ["line 1: imports gpupool.testing"], id="relative-testing"
         ),
-        pytest.param("import gpupool.cli", ["line 1: imports gpupool.cli"], id="cli"),
+        pytest.param(
+            "import gpupool._commands.cli", ["line 1: imports gpupool._commands.cli"], id="cli"
+        ),
         pytest.param(
             "from gpupool import GpuPoolExecutor",
             ["line 1: imports gpupool.GpuPoolExecutor"],
@@ -202,7 +204,12 @@ def _outside_the_planner() -> list[Path]:
 def test_the_pricing_check_looks_everywhere() -> None:
     """The check reads the process layer, the CLI and the rest of the core."""
     names = {path.relative_to(CORE.parent).as_posix() for path in _outside_the_planner()}
-    assert {"_pool/dispatcher.py", "_pool/executor.py", "cli.py", "_core/events.py"} <= names
+    assert {
+        "_pool/dispatcher.py",
+        "_pool/executor.py",
+        "_commands/cli.py",
+        "_core/events.py",
+    } <= names
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from gpupool._core.units import GiB
-from gpupool._postmortem import read_postmortem, read_runs
+from gpupool._observe.postmortem import read_postmortem, read_runs
 
 pytest.importorskip("matplotlib")
 
-from gpupool._demo import demo_columns
-from gpupool._plot import CardView, card_views, plot_figure, write_plot
+from gpupool._commands.demo import demo_columns
+from gpupool._observe.plot import CardView, card_views, plot_figure, write_plot
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

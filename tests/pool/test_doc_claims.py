@@ -21,7 +21,7 @@ from gpupool import ConfigurationError, GpuPoolExecutor, WidthError, WorkerLostE
 from gpupool._core import AskTable, CardCensus, Policy, decide_width, derive_bound, derive_ceiling
 from gpupool._core.events import SCHEMA_VERSION, Decision
 from gpupool._core.units import GiB, MiB, format_size, parse_size
-from gpupool._log import DecisionLog
+from gpupool._observe.log import DecisionLog
 from gpupool._sensors.census import parse_visible_devices
 from gpupool.testing import SimulatedDevice, SimulatedHost
 

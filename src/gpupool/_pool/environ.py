@@ -24,7 +24,7 @@ from typing import Literal, TypeVar
 from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
-from gpupool._log import check_log_path
+from gpupool._observe.log import check_log_path
 from gpupool._sensors.host import CPU_CAP_ENV, read_cpu_cap
 
 __all__ = [

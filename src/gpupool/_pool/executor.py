@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
+from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
 from gpupool._core.planner import PlannerConfig
@@ -41,7 +42,7 @@ from gpupool._errors import (
     ConfigurationError,
     WidthError,
 )
-from gpupool._log import DecisionLog, check_log_path
+from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool.dispatcher import (
     DeviceState,
     Dispatcher,
@@ -54,7 +55,6 @@ from gpupool._pool.environ import read_pool_defaults
 from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
-from gpupool._probe import ALLOCATOR_CAP_NOTE
 from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
 
 if TYPE_CHECKING:
@@ -782,7 +782,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def _track(self, results: Iterator[Any], iterables: Sequence[Iterable[Any]]) -> Iterator[Any]:
         if self._progress is False:
             return results
-        from gpupool._progress import track
+        from gpupool._observe.progress import track
 
         sizes = [len(it) for it in iterables if isinstance(it, Sized)]
         total = min(sizes) if iterables and len(sizes) == len(iterables) else None

@@ -18,7 +18,7 @@ from gpupool._core.attribution import record_int
 from gpupool._core.units import format_size
 
 if TYPE_CHECKING:
-    from gpupool._postmortem import Postmortem
+    from gpupool._observe.postmortem import Postmortem
 
 __all__ = [
     "MARK_EVENTS",

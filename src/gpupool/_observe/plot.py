@@ -1,6 +1,6 @@
 """Draw a decision log: per card and run, the card as it was read, what was booked, the width.
 
-A reader of :class:`gpupool._postmortem.Postmortem`, never of the pool. Each
+A reader of :class:`gpupool._observe.postmortem.Postmortem`, never of the pool. Each
 run is a column, on one time axis shared by every panel of the figure; each
 card of a run is three panels:
 
@@ -46,10 +46,10 @@ from xml.sax.saxutils import escape
 
 from gpupool._core.units import GiB, format_size
 from gpupool._errors import GpuPoolError
-from gpupool._plot_series import CardView, Mark, PoolView, View, card_views
+from gpupool._observe.plot_series import CardView, Mark, PoolView, View, card_views
 
 if TYPE_CHECKING:
-    from gpupool._postmortem import Postmortem
+    from gpupool._observe.postmortem import Postmortem
 
 __all__ = [
     "FORMATS",
