@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
+from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
 from gpupool._child.probe import allocator_cap_message
 from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import CardCensus, Census
@@ -75,14 +76,7 @@ from gpupool._core.planner import (
 )
 from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
-from gpupool._errors import (
-    DeviceOutOfMemoryError,
-    GpuPoolError,
-    InitializerError,
-    WidthError,
-    WorkerLostError,
-    WorkerProtocolError,
-)
+from gpupool._errors import DeviceOutOfMemoryError, GpuPoolError, WidthError
 from gpupool._observe.log import LOGGER, DecisionLog
 from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
