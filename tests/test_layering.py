@@ -163,9 +163,6 @@ def test_the_checker_catches_what_it_should(source: str, expected: list[str]) ->
 #: width stated anywhere is decided in one place.
 PRICING = frozenset(
     {
-        "admits",
-        "decide_width",
-        "decide_widths",
         "derive_bound",
         "derive_ceiling",
         "fits_together",
@@ -223,7 +220,9 @@ def test_nothing_outside_the_planner_prices(path: Path) -> None:
 
 def test_the_pricing_check_is_not_vacuous() -> None:
     """The check flags a pricing import, and the planner's fit (which prices) is flagged by it."""
-    assert _pricing_imports("from gpupool._core.bound import admits") == ["line 1: admits"]
+    assert _pricing_imports("from gpupool._core.planner.fit import card_widths") == [
+        "line 1: card_widths"
+    ]
     assert _pricing_imports((CORE / "planner" / "fit.py").read_text(encoding="utf-8"))
 
 

@@ -516,16 +516,17 @@ def _draw_width(width_ax: Any, view: CardView) -> None:
     top = max([1, *shown, *[f for f in fits if f <= 2 * max([1, *shown])]]) + 1
     if view.limit:
         times, values = _steps(view.limit, end)
-        width_ax.step(
-            times,
-            [min(v[0], top) for v in values],
-            where="post",
-            color=_LIMIT,
-            linestyle="--",
-            linewidth=1.6,
-            zorder=3,
-            label="this card's limit (room / ask)",
-        )
+        if max(fits) >= 0:  # not where the log states none (-1: written before tasks_fit)
+            width_ax.step(
+                times,
+                [min(v[0], top) if v[0] >= 0 else float("nan") for v in values],
+                where="post",
+                color=_LIMIT,
+                linestyle="--",
+                linewidth=1.6,
+                zorder=3,
+                label="this card's limit (tasks its room holds)",
+            )
         if max(fits) > top:
             width_ax.annotate(
                 f"room holds {max(fits)}",

@@ -130,8 +130,8 @@ class DevicePlot:
         keys: ``(time_s, *booked_bytes)`` with each reading: what the tasks running then
             were booked at when they started, summed per key of ``key_names``.
         limit: ``(time_s, tasks_fit, oom_cap)`` at each change of this card's own limit:
-            the tasks its room holds at the ask (``room / ask``, or the tasks priced
-            together), and the cap an out-of-memory set (``-1``: none).
+            the tasks its room holds at the ask (the record's ``tasks_fit``), and the cap
+            an out-of-memory set (``-1``: none, or not in the record).
         marks: per event of :data:`MARK_EVENTS`, its marks; the value is the bytes the
             card was asked for (used + refused) for an out-of-memory, else the width.
         total_bytes: the card's total, as the last record that carries it says (0: none).
@@ -244,19 +244,17 @@ def _keys(plot: DevicePlot, table: object, time_s: float) -> None:
 
 
 def _limit(plot: DevicePlot, record: Mapping[str, Any], time_s: float) -> None:
-    """This card's own limit: the tasks its room holds at the ask, and an out-of-memory's cap."""
+    """This card's own limit: the tasks its room holds at the ask, as the record states it
+    (``tasks_fit``: the planner's count, never worked out again here; a log written before
+    the records carried it draws no such limit), and an out-of-memory's cap."""
     fit, cap = plot._limit if plot._limit is not None else (-1, -1)
-    room = record_int(record, "room_bytes")
-    ask = record_int(record, "ask_bytes")
-    together = record_int(record, "together_tasks")
-    if together is not None:
-        fit = together
-    elif room is not None and ask:
-        fit = max(0, room // ask)
+    if "tasks_fit" in record:
+        stated = record_int(record, "tasks_fit")
+        fit = stated if stated is not None else -1
     if "oom_cap" in record:
         capped = record_int(record, "oom_cap")
         cap = capped if capped is not None else -1
-    if fit >= 0 and (fit, cap) != plot._limit:
+    if (fit >= 0 or cap >= 0) and (fit, cap) != plot._limit:
         plot._limit = (fit, cap)
         plot.limit.add(time_s, fit, cap)
 
