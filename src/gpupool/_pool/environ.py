@@ -4,24 +4,21 @@
 (:func:`gpupool._sensors.host.cap_host_cpus`, shared with ``gpupool census``);
 its name and reader are re-exported here.
 
-Read once per pool, at construction (never at import), from the mapping the
-executor passes (``os.environ``). Precedence: an argument given to the
-constructor, then its variable, then the built-in default; a variable whose
-argument was given is never read, so a bad value there cannot fail a pool that
-does not use it. A bad value is refused with a :class:`ConfigurationError`
-that names the variable and what to set it to.
+Each reader takes the mapping the pool's options are read from (``os.environ``, at
+construction, never at import) and returns its variable's value, or ``None`` when it is
+unset. :func:`gpupool._pool.options.read_options` calls a reader only for an argument
+left out: an argument given to the constructor, then its variable, then the built-in
+default. A bad value is refused with a :class:`ConfigurationError` that names the
+variable and what to set it to.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal
 
-from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
@@ -39,9 +36,6 @@ __all__ = [
     "ROOM_WAIT_ENV",
     "TASK_PEAK_ENV",
     "OnInterrupt",
-    "PoolDefaults",
-    "check_on_interrupt",
-    "read_pool_defaults",
     "read_cpu_cap",
     "read_log_path",
     "read_max_retries",
@@ -174,90 +168,3 @@ def read_on_interrupt(environ: Mapping[str, str]) -> OnInterrupt | None:
         if value.strip().lower() == choice:
             return choice
     raise _refuse(ON_INTERRUPT_ENV, value, "set it to 'terminate' or 'wait'")
-
-
-def check_on_interrupt(value: object) -> OnInterrupt:
-    """The ``on_interrupt=`` argument, refused unless it is one of :data:`INTERRUPT_CHOICES`."""
-    for choice in INTERRUPT_CHOICES:
-        if value == choice:
-            return choice
-    raise ConfigurationError(
-        f"on_interrupt={value!r}: pass 'terminate' (Ctrl-C stops the running tasks) or "
-        "'wait' (Ctrl-C waits for them, as the standard pool does)."
-    )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolDefaults:
-    """The constructor's arguments once the environment has filled those left out.
-
-    Attributes:
-        max_workers: as given, else ``GPUPOOL_MAX_WORKERS``, else ``None``.
-        task_peak: as given, else ``GPUPOOL_TASK_PEAK`` in bytes, else ``None``.
-        reserve: as given, else ``GPUPOOL_RESERVE`` in bytes, else ``None``.
-        log_path: ``GPUPOOL_LOG_PATH``, checked, when ``log_path`` was not given.
-        progress: as given, else ``GPUPOOL_PROGRESS``, else ``None``.
-        on_interrupt: as given, else ``GPUPOOL_ON_INTERRUPT``, else ``"terminate"``.
-        max_retries: as given, else ``GPUPOOL_MAX_RETRIES``, else 5.
-        room_wait_s: as given, else ``GPUPOOL_ROOM_WAIT_S``, else 120 s.
-    """
-
-    max_workers: int | None
-    task_peak: str | int | None
-    reserve: str | int | None
-    log_path: Path | None
-    progress: bool | None
-    on_interrupt: OnInterrupt
-    max_retries: int
-    room_wait_s: float
-
-
-_V = TypeVar("_V")
-
-
-def _first(
-    given: _V | None,
-    read: Callable[[Mapping[str, str]], _V | None],
-    environ: Mapping[str, str],
-    default: _V,
-) -> _V:
-    """The argument as given, else its variable (read only then), else the default."""
-    if given is not None:
-        return given
-    from_environment = read(environ)
-    return default if from_environment is None else from_environment
-
-
-def read_pool_defaults(
-    environ: Mapping[str, str],
-    *,
-    max_workers: int | None,
-    task_peak: str | int | None,
-    reserve: str | int | None,
-    log_path: str | os.PathLike[str] | None,
-    progress: bool | None,
-    on_interrupt: object,
-    max_retries: int | None = None,
-    room_wait_s: float | None = None,
-) -> PoolDefaults:
-    """Fill the arguments left out (``None``) from ``environ``; a given one wins unread."""
-    return PoolDefaults(
-        max_workers=max_workers if max_workers is not None else read_max_workers(environ),
-        task_peak=(
-            task_peak
-            if task_peak is not None
-            else read_size(environ, TASK_PEAK_ENV, allow_zero=False)
-        ),
-        reserve=reserve
-        if reserve is not None
-        else read_size(environ, RESERVE_ENV, allow_zero=True),
-        log_path=None if log_path is not None else read_log_path(environ),
-        progress=progress if progress is not None else read_progress(environ),
-        on_interrupt=(
-            check_on_interrupt(on_interrupt)
-            if on_interrupt is not None
-            else (read_on_interrupt(environ) or "terminate")
-        ),
-        max_retries=_first(max_retries, read_max_retries, environ, DEFAULT_MAX_RETRIES),
-        room_wait_s=_first(room_wait_s, read_room_wait_s, environ, DEFAULT_ROOM_WAIT_S),
-    )
