@@ -5,20 +5,23 @@
 its name and reader are re-exported here.
 
 Each reader takes the mapping the pool's options are read from (``os.environ``, at
-construction, never at import) and returns its variable's value, or ``None`` when it is
-unset. :func:`gpupool._pool.options.read_options` calls a reader only for an argument
-left out: an argument given to the constructor, then its variable, then the built-in
-default. A bad value is refused with a :class:`ConfigurationError` that names the
-variable and what to set it to.
+construction, never at import) and returns its variable's value, or when it is unset,
+the built-in default of its argument. :func:`gpupool._pool.options.read_options` calls
+a reader only for an argument left out (``None``): an argument given to the constructor
+wins, and a bad value in its variable cannot fail a pool that does not use it. A bad
+value is refused with a :class:`ConfigurationError` that names the variable and what to
+set it to.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
+from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
+from gpupool._core.policy import DEFAULT_RESERVE_BYTES
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
@@ -42,8 +45,10 @@ __all__ = [
     "read_max_workers",
     "read_on_interrupt",
     "read_progress",
+    "read_reserve",
     "read_room_wait_s",
     "read_size",
+    "read_task_peak",
 ]
 
 MAX_WORKERS_ENV = "GPUPOOL_MAX_WORKERS"
@@ -59,15 +64,11 @@ ROOM_WAIT_ENV = "GPUPOOL_ROOM_WAIT_S"
 OnInterrupt = Literal["terminate", "wait"]
 INTERRUPT_CHOICES: tuple[OnInterrupt, ...] = ("terminate", "wait")
 
+_N = TypeVar("_N", int, float)
+
 _PROGRESS_WORDS: dict[str, bool | None] = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
     "auto": None,
 }
 
@@ -76,50 +77,52 @@ def _refuse(name: str, value: str, what: str) -> ConfigurationError:
     return ConfigurationError(f"{name}={value!r}: {what}; or unset {name} for the default.")
 
 
-def _whole_number(name: str, value: str) -> int:
+def _number(
+    environ: Mapping[str, str], name: str, parse: Callable[[str], _N], least: _N, what: str
+) -> _N | None:
+    """Variable ``name`` read with ``parse`` (``None`` when unset), refused unless it is a finite
+    number of at least ``least``."""
+    value = environ.get(name)
+    if value is None:
+        return None
     try:
-        number = int(value)
+        number = parse(value)
     except ValueError:
-        number = 0
-    if number < 1:
-        raise _refuse(name, value, "set it to a whole number of at least 1, such as 4")
+        raise _refuse(name, value, what) from None
+    if not number >= least or number == math.inf:  # NaN is never >= least
+        raise _refuse(name, value, what)
     return number
 
 
 def read_max_workers(environ: Mapping[str, str]) -> int | None:
     """``GPUPOOL_MAX_WORKERS``, the default for ``max_workers``, or ``None`` when unset."""
-    value = environ.get(MAX_WORKERS_ENV)
-    return None if value is None else _whole_number(MAX_WORKERS_ENV, value)
+    what = "set it to a whole number of at least 1, such as 4"
+    return _number(environ, MAX_WORKERS_ENV, int, 1, what)
 
 
-def read_max_retries(environ: Mapping[str, str]) -> int | None:
-    """``GPUPOOL_MAX_RETRIES``, the default for ``max_retries`` (0 or more), or ``None``."""
-    value = environ.get(MAX_RETRIES_ENV)
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise _refuse(
-            MAX_RETRIES_ENV, value, "set it to a whole number of retries, 0 or more, such as 5"
-        )
-    return number
+def read_max_retries(environ: Mapping[str, str]) -> int:
+    """``GPUPOOL_MAX_RETRIES``, the default for ``max_retries`` (0 or more), else 5."""
+    what = "set it to a whole number of retries, 0 or more, such as 5"
+    retries = _number(environ, MAX_RETRIES_ENV, int, 0, what)
+    return DEFAULT_MAX_RETRIES if retries is None else retries
 
 
-def read_room_wait_s(environ: Mapping[str, str]) -> float | None:
-    """``GPUPOOL_ROOM_WAIT_S``, the default for ``room_wait_s`` in seconds, or ``None``."""
-    value = environ.get(ROOM_WAIT_ENV)
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise _refuse(ROOM_WAIT_ENV, value, "set it to a number of seconds, 0 or more, such as 120")
-    return seconds
+def read_room_wait_s(environ: Mapping[str, str]) -> float:
+    """``GPUPOOL_ROOM_WAIT_S``, the default for ``room_wait_s`` in seconds, else 120."""
+    what = "set it to a number of seconds, 0 or more, such as 120"
+    seconds = _number(environ, ROOM_WAIT_ENV, float, 0.0, what)
+    return DEFAULT_ROOM_WAIT_S if seconds is None else seconds
+
+
+def read_task_peak(environ: Mapping[str, str]) -> int | None:
+    """``GPUPOOL_TASK_PEAK`` in bytes, the default for ``task_peak``, or ``None`` when unset."""
+    return read_size(environ, TASK_PEAK_ENV, allow_zero=False)
+
+
+def read_reserve(environ: Mapping[str, str]) -> int:
+    """``GPUPOOL_RESERVE`` in bytes, the default for ``reserve``, else 256 MiB."""
+    reserve = read_size(environ, RESERVE_ENV, allow_zero=True)
+    return DEFAULT_RESERVE_BYTES if reserve is None else reserve
 
 
 def read_size(environ: Mapping[str, str], name: str, *, allow_zero: bool) -> int | None:
@@ -159,11 +162,11 @@ def read_progress(environ: Mapping[str, str]) -> bool | None:
     return _PROGRESS_WORDS[word]
 
 
-def read_on_interrupt(environ: Mapping[str, str]) -> OnInterrupt | None:
-    """``GPUPOOL_ON_INTERRUPT``, the default for ``on_interrupt``, or ``None`` when unset."""
+def read_on_interrupt(environ: Mapping[str, str]) -> OnInterrupt:
+    """``GPUPOOL_ON_INTERRUPT``, the default for ``on_interrupt``, else ``"terminate"``."""
     value = environ.get(ON_INTERRUPT_ENV)
     if value is None:
-        return None
+        return "terminate"
     for choice in INTERRUPT_CHOICES:
         if value.strip().lower() == choice:
             return choice

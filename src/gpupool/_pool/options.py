@@ -1,11 +1,10 @@
 """The pool's options: the constructor's arguments and the ``GPUPOOL_*`` variables, checked once.
 
-:func:`read_options` turns what ``GpuPoolExecutor(...)`` was given into one frozen
-:class:`PoolOptions`; :func:`gpupool._pool.build.build_dispatcher` builds the pool from
-it. Each argument is checked once, where it is read, by a check that names it and the
-fix; a variable (:mod:`gpupool._pool.environ`) is read only for an argument left out,
-so a bad value there cannot fail a pool that does not use it. Checks that need the
-cards (a reserve as large as a card) are the builder's.
+:func:`read_options` checks each argument where it reads it, with a message that names it
+and the fix, and reads a variable (:mod:`gpupool._pool.environ`) only for an argument left
+out, so a bad value there cannot fail a pool that does not use it. The frozen
+:class:`PoolOptions` it returns is what :func:`gpupool._pool.build.build_dispatcher` builds
+the pool from; a check that needs the cards (a reserve as large as one) is the builder's.
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpupool._core.events import JsonValue
-from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
 from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
     DEFAULT_MARGIN_FRACTION,
-    DEFAULT_RESERVE_BYTES,
     Policy,
 )
 from gpupool._core.units import parse_pool_size
@@ -33,16 +30,15 @@ from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
 from gpupool._pool.environ import (
     INTERRUPT_CHOICES,
-    RESERVE_ENV,
-    TASK_PEAK_ENV,
     OnInterrupt,
     read_log_path,
     read_max_retries,
     read_max_workers,
     read_on_interrupt,
     read_progress,
+    read_reserve,
     read_room_wait_s,
-    read_size,
+    read_task_peak,
 )
 
 if TYPE_CHECKING:
@@ -55,20 +51,15 @@ SENSOR_METHODS = ("read_devices", "read_memory", "read_host")
 
 _A = TypeVar("_A")
 _V = TypeVar("_V")
-_D = TypeVar("_D")
+
+_parse_task_peak = partial(parse_pool_size, name="task_peak", allow_zero=False)
+_parse_reserve = partial(parse_pool_size, name="reserve")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerOptions:
-    """How the pool's workers start and run.
-
-    Attributes:
-        mp_context: as given: ``None`` or a context that does not fork (kept as CPython's
-            ``_mp_context``; workers always start with spawn semantics).
-        initializer: the initializer and its arguments, or ``None``.
-        max_tasks_per_child: a worker exits after this many tasks (``None``: never).
-        env: the ``env=`` variables, checked (the builder adds the pool's own).
-        cap_allocator: cap each worker's PyTorch allocator at its task's ask.
+    """How the pool's workers start and run: the constructor's arguments of these names,
+    checked (``initializer``: with its ``initargs``; ``env``: the builder adds the pool's own).
     """
 
     mp_context: Any
@@ -80,25 +71,10 @@ class WorkerOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolOptions:
-    """The constructor's arguments, checked, with the environment's for those left out.
-
-    Attributes:
-        max_workers: as given, else ``GPUPOOL_MAX_WORKERS``, else ``None`` (the CPUs).
-        width: the fixed width, or ``None`` for the bound.
-        strict: refuse to narrow below ``max_workers``.
-        retry_oom: retry a task that ran out of device memory.
-        max_retries: as given, else ``GPUPOOL_MAX_RETRIES``, else 5.
-        room_wait_s: as given, else ``GPUPOOL_ROOM_WAIT_S``, else 120 s.
-        task_peak_bytes: ``task_peak``, else ``GPUPOOL_TASK_PEAK``, in bytes, else ``None``.
-        policy: the margin and the reserve (``reserve``, else ``GPUPOOL_RESERVE``).
-        devices: the device indexes and UUIDs the pool may use (``None``: all visible).
-        sensor: as given (``None``: the default, chosen by the builder).
-        share_bookings: ``True``, ``"host"`` or ``False``.
-        bookings_dir: the booking table's directory (``None``: the default).
-        log_path: ``log_path``, else ``GPUPOOL_LOG_PATH``, checked, else ``None``.
-        progress: as given, else ``GPUPOOL_PROGRESS``, else ``None`` (on a terminal).
-        on_interrupt: as given, else ``GPUPOOL_ON_INTERRUPT``, else ``"terminate"``.
-        workers: how the workers start and run.
+    """The constructor's arguments of these names, checked, and where one was left out, its
+    ``GPUPOOL_*`` variable's value, else its default (see :class:`~gpupool.GpuPoolExecutor`).
+    ``task_peak`` is in bytes, ``margin``, ``margin_fraction`` and ``reserve`` are in ``policy``,
+    and the arguments that say how workers start are in ``workers``.
     """
 
     max_workers: int | None
@@ -187,10 +163,15 @@ def read_options(
         ConfigurationError: an argument or a variable is wrong; the message names it and the
             fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
     """
-    _check_not_daemon()
+    if multiprocessing.current_process().daemon:
+        raise ConfigurationError(
+            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
+            "processes may not have children); run it from a non-daemonic process, e.g. "
+            "set distributed.worker.daemon=False for Dask workers."
+        )
     # The arguments are checked in this order (the keywords are evaluated left to right).
     return PoolOptions(
-        max_workers=_resolve(max_workers, _check_max_workers, read_max_workers, environ, None),
+        max_workers=_resolve(max_workers, _check_max_workers, read_max_workers, environ),
         workers=_read_workers(
             mp_context, initializer, initargs, max_tasks_per_child, env, cap_allocator
         ),
@@ -198,52 +179,27 @@ def read_options(
         strict=_check_flag(strict, "strict"),
         retry_oom=_check_flag(retry_oom, "retry_oom"),
         devices=_check_devices(devices),
-        max_retries=_resolve(
-            max_retries, _check_max_retries, read_max_retries, environ, DEFAULT_MAX_RETRIES
-        ),
-        room_wait_s=_resolve(
-            room_wait_s, _check_room_wait_s, read_room_wait_s, environ, DEFAULT_ROOM_WAIT_S
-        ),
-        task_peak_bytes=_resolve(
-            task_peak,
-            partial(parse_pool_size, name="task_peak", allow_zero=False),
-            partial(read_size, name=TASK_PEAK_ENV, allow_zero=False),
-            environ,
-            None,
-        ),
+        max_retries=_resolve(max_retries, _check_max_retries, read_max_retries, environ),
+        room_wait_s=_resolve(room_wait_s, _check_room_wait_s, read_room_wait_s, environ),
+        task_peak_bytes=_resolve(task_peak, _parse_task_peak, read_task_peak, environ),
         policy=_read_policy(margin, margin_fraction, reserve, environ),
-        log_path=check_log_path(log_path) if log_path is not None else read_log_path(environ),
-        progress=_resolve(progress, _check_progress, read_progress, environ, None),
+        log_path=read_log_path(environ) if log_path is None else check_log_path(log_path),
+        progress=_resolve(progress, _check_progress, read_progress, environ),
         share_bookings=_check_share_bookings(share_bookings),
         bookings_dir=_check_bookings_dir(bookings_dir),
         sensor=None if sensor is None else _check_sensor(sensor),
-        on_interrupt=_resolve(
-            on_interrupt, _check_on_interrupt, read_on_interrupt, environ, "terminate"
-        ),
+        on_interrupt=_resolve(on_interrupt, _check_on_interrupt, read_on_interrupt, environ),
     )
 
 
 def _resolve(
     given: _A | None,
     check: Callable[[_A], _V],
-    read: Callable[[Mapping[str, str]], _V | None],
+    read: Callable[[Mapping[str, str]], _V],
     environ: Mapping[str, str],
-    default: _D,
-) -> _V | _D:
-    """The argument, checked, when given; else its variable (read only then); else ``default``."""
-    if given is not None:
-        return check(given)
-    value = read(environ)
-    return default if value is None else value
-
-
-def _check_not_daemon() -> None:
-    if multiprocessing.current_process().daemon:
-        raise ConfigurationError(
-            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
-            "processes may not have children); run it from a non-daemonic process, e.g. "
-            "set distributed.worker.daemon=False for Dask workers."
-        )
+) -> _V:
+    """The argument, checked, when given; else its variable or default (read only then)."""
+    return check(given) if given is not None else read(environ)
 
 
 def _check_max_workers(value: object) -> int:
@@ -323,13 +279,7 @@ def _read_policy(
         margin_fraction=(
             DEFAULT_MARGIN_FRACTION if margin_fraction is None else float(margin_fraction)
         ),
-        reserve_bytes=_resolve(
-            reserve,
-            partial(parse_pool_size, name="reserve"),
-            partial(read_size, name=RESERVE_ENV, allow_zero=True),
-            environ,
-            DEFAULT_RESERVE_BYTES,
-        ),
+        reserve_bytes=_resolve(reserve, _parse_reserve, read_reserve, environ),
         # An explicit margin keeps meaning what it says; by default the
         # margin is learned from the spread of each key's measurements.
         learned=margin is None and margin_fraction is None,
