@@ -40,12 +40,7 @@ def build_dispatcher(options: PoolOptions) -> Dispatcher:
     """
     sensor, census, infos = read_cards(options.sensor, options.devices)
     reserve_bytes = options.policy.reserve_bytes
-    for card in census.cards:
-        if card.total_bytes is not None and reserve_bytes >= card.total_bytes:
-            raise ConfigurationError(
-                f"reserve={format_size(reserve_bytes)} is not smaller than card "
-                f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
-            )
+    _check_reserve(census, reserve_bytes)
     devices = [
         DeviceState(i, info, card)
         for i, (info, card) in enumerate(zip(infos, census.cards, strict=True))
@@ -120,6 +115,15 @@ def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
         worker_env[SIMULATOR_ENV] = simulator
     worker_env.update(env)
     return worker_env
+
+
+def _check_reserve(census: Census, reserve_bytes: int) -> None:
+    for card in census.cards:
+        if card.total_bytes is not None and reserve_bytes >= card.total_bytes:
+            raise ConfigurationError(
+                f"reserve={format_size(reserve_bytes)} is not smaller than card "
+                f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
+            )
 
 
 def _decide_first_widths(dispatcher: Dispatcher, *, priced: bool) -> None:
