@@ -28,18 +28,7 @@ from gpupool._core.policy import (
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._log import check_log_path
-from gpupool._pool.environ import (
-    INTERRUPT_CHOICES,
-    OnInterrupt,
-    read_log_path,
-    read_max_retries,
-    read_max_workers,
-    read_on_interrupt,
-    read_progress,
-    read_reserve,
-    read_room_wait_s,
-    read_task_peak,
-)
+from gpupool._pool import environ as variables
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
@@ -91,7 +80,7 @@ class PoolOptions:
     bookings_dir: str | os.PathLike[str] | None
     log_path: Path | None
     progress: bool | None
-    on_interrupt: OnInterrupt
+    on_interrupt: variables.OnInterrupt
     workers: WorkerOptions
 
     def __post_init__(self) -> None:
@@ -171,7 +160,7 @@ def read_options(
         )
     # The arguments are checked in this order (the keywords are evaluated left to right).
     return PoolOptions(
-        max_workers=_resolve(max_workers, _check_max_workers, read_max_workers, environ),
+        max_workers=_resolve(max_workers, _check_max_workers, variables.read_max_workers, environ),
         workers=_read_workers(
             mp_context, initializer, initargs, max_tasks_per_child, env, cap_allocator
         ),
@@ -179,16 +168,18 @@ def read_options(
         strict=_check_flag(strict, "strict"),
         retry_oom=_check_flag(retry_oom, "retry_oom"),
         devices=_check_devices(devices),
-        max_retries=_resolve(max_retries, _check_max_retries, read_max_retries, environ),
-        room_wait_s=_resolve(room_wait_s, _check_room_wait_s, read_room_wait_s, environ),
-        task_peak_bytes=_resolve(task_peak, _parse_task_peak, read_task_peak, environ),
+        max_retries=_resolve(max_retries, _check_max_retries, variables.read_max_retries, environ),
+        room_wait_s=_resolve(room_wait_s, _check_room_wait_s, variables.read_room_wait_s, environ),
+        task_peak_bytes=_resolve(task_peak, _parse_task_peak, variables.read_task_peak, environ),
         policy=_read_policy(margin, margin_fraction, reserve, environ),
-        log_path=read_log_path(environ) if log_path is None else check_log_path(log_path),
-        progress=_resolve(progress, _check_progress, read_progress, environ),
+        log_path=variables.read_log_path(environ) if log_path is None else check_log_path(log_path),
+        progress=_resolve(progress, _check_progress, variables.read_progress, environ),
         share_bookings=_check_share_bookings(share_bookings),
         bookings_dir=_check_bookings_dir(bookings_dir),
         sensor=None if sensor is None else _check_sensor(sensor),
-        on_interrupt=_resolve(on_interrupt, _check_on_interrupt, read_on_interrupt, environ),
+        on_interrupt=_resolve(
+            on_interrupt, _check_on_interrupt, variables.read_on_interrupt, environ
+        ),
     )
 
 
@@ -279,7 +270,7 @@ def _read_policy(
         margin_fraction=(
             DEFAULT_MARGIN_FRACTION if margin_fraction is None else float(margin_fraction)
         ),
-        reserve_bytes=_resolve(reserve, _parse_reserve, read_reserve, environ),
+        reserve_bytes=_resolve(reserve, _parse_reserve, variables.read_reserve, environ),
         # An explicit margin keeps meaning what it says; by default the
         # margin is learned from the spread of each key's measurements.
         learned=margin is None and margin_fraction is None,
@@ -439,9 +430,9 @@ def _check_sensor(sensor: Sensor) -> Sensor:
     return sensor
 
 
-def _check_on_interrupt(value: object) -> OnInterrupt:
-    """The ``on_interrupt=`` argument, refused unless it is one of :data:`INTERRUPT_CHOICES`."""
-    for choice in INTERRUPT_CHOICES:
+def _check_on_interrupt(value: object) -> variables.OnInterrupt:
+    """The ``on_interrupt=`` argument, refused unless it is one of ``INTERRUPT_CHOICES``."""
+    for choice in variables.INTERRUPT_CHOICES:
         if value == choice:
             return choice
     raise ConfigurationError(
