@@ -43,6 +43,7 @@ from collections.abc import Mapping
 
 from gpupool._core.bookings import OtherPools, TaskBooking
 from gpupool._core.bound import WidthDecision
+from gpupool._core.census import Census
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
@@ -65,7 +66,7 @@ from gpupool._core.planner.verdicts import (
     TaskId,
 )
 from gpupool._core.policy import Ask
-from gpupool._core.units import format_size
+from gpupool._core.units import GiB, format_size
 
 __all__ = ["CAP_LIFT_AFTER_S", "Planner"]
 
@@ -607,3 +608,16 @@ class Planner(Learning):
             for run in self.running.values()
             if run.device == device and run.pid is not None
         )
+
+    @staticmethod
+    def price_without_peak(census: Census, reserve_bytes: int) -> int:
+        """The estimate of a pool given no ``task_peak``: the whole room of its roomiest card
+        at the census (``total - co_tenant - own - reserve``), so that the first task of each
+        key runs alone until a child has measured it; at least 1 GiB, the estimate where no
+        card's total is known."""
+        rooms = [
+            card.total_bytes - (card.co_tenant_bytes or 0) - (card.own_bytes or 0) - reserve_bytes
+            for card in census.cards
+            if card.total_bytes is not None
+        ]
+        return max([*rooms, GiB])
