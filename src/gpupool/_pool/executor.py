@@ -55,7 +55,7 @@ from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
 from gpupool._probe import ALLOCATOR_CAP_NOTE
-from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
+from gpupool._sensors.select import default_sensor
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
@@ -509,7 +509,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         census, infos = read_census(
             self._sensor,
             devices=devices,
-            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            visible_devices=self._sensor.read_visible_devices(),
             pid=os.getpid(),
         )
         self._census = census
@@ -539,9 +539,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._max_workers = max_workers or census.host.cpus
         asks = AskTable(policy=policy, default_estimate_bytes=estimate)
         worker_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        simulator = os.environ.get(SIMULATOR_ENV)
-        if simulator:
-            worker_env[SIMULATOR_ENV] = simulator
         worker_env.update(worker_env_given)
         # Passed to each worker as a process argument, pickled while the worker is
         # spawned: multiprocessing queues and locks in initargs work, as in CPython.

@@ -6,14 +6,28 @@ errors: :class:`~gpupool.NoDriverError` when there is no driver at all,
 :class:`~gpupool.DeviceUnreadableError` when a driver is present but the
 reading failed. Backend errors (``pynvml.NVMLError_*``) are mapped to these
 once, inside each sensor, and never escape it.
+
+A sensor also carries its vendor's facts, so that nothing else in gpupool
+names a vendor: the variable that hides devices from a process and its
+grammar (:attr:`Sensor.visible_devices_env`, :meth:`Sensor.parse_visible_devices`),
+the variables that pin a worker to one card (:meth:`Sensor.worker_env`), and
+how a worker makes its own sensor (:meth:`Sensor.worker_factory`, picklable:
+the pool passes it to each worker at launch). The defaults are CUDA's
+(:mod:`gpupool._sensors.cuda`), which NVML and the simulator both speak; a
+sensor for another vendor overrides them, and is passed as ``sensor=``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpupool._sensors import cuda
+
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from gpupool._core.census import HostCensus
 
 __all__ = ["DeviceInfo", "MemoryReading", "ProcessReading", "Sensor"]
@@ -95,6 +109,62 @@ class Sensor:
 
     #: Short name recorded as the source of every figure.
     name: str = "sensor"
+
+    #: The variable through which this vendor's runtime hides devices from a process.
+    visible_devices_env: str = cuda.VISIBLE_DEVICES_ENV
+
+    def read_visible_devices(self) -> str | None:
+        """This process's :attr:`visible_devices_env` (``None``: unset, every device is visible)."""
+        return os.environ.get(self.visible_devices_env)
+
+    def parse_visible_devices(
+        self, value: str | None, listed: Sequence[DeviceInfo], *, device_order: str | None = None
+    ) -> tuple[tuple[DeviceInfo, ...], str | None]:
+        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see.
+
+        Args:
+            value: the variable's value; ``None`` (unset) leaves every device.
+            listed: the devices :meth:`read_devices` lists.
+            device_order: CUDA's ``CUDA_DEVICE_ORDER``; ``None`` reads this process's.
+
+        Returns:
+            The visible devices in the value's order, and a note for the
+            census' reason when some entry was ignored or everything is hidden
+            (CUDA's grammar: :func:`gpupool._sensors.cuda.parse_visible_devices`).
+
+        Raises:
+            ConfigurationError: the value cannot be honoured as given.
+        """
+        if device_order is None:
+            device_order = os.environ.get(cuda.DEVICE_ORDER_ENV)
+        return cuda.parse_visible_devices(value, listed, device_order=device_order)
+
+    def worker_env(self, device: DeviceInfo | None) -> dict[str, str]:
+        """The variables a worker starts with, set before its interpreter runs.
+
+        Args:
+            device: the card the worker is pinned to (CUDA's default:
+                ``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``);
+                ``None`` for a worker of a pool without cards (nothing to pin).
+        """
+        return {} if device is None else cuda.pin_env(device)
+
+    def worker_factory(self) -> Callable[[], Sensor]:
+        """What a worker calls once, at start, for the sensor its probe reads: picklable.
+
+        The default is :func:`~gpupool._sensors.select.default_sensor` (NVML, or
+        the simulator inside a ``SimulatedHost`` block), which a sensor that
+        wraps one of those also wants; another vendor's sensor returns its own
+        (a class, or a :func:`functools.partial` of one with its arguments).
+        """
+        from gpupool._sensors.select import default_sensor
+
+        return default_sensor
+
+    @property
+    def bookings_directory(self) -> str | None:
+        """Where pools on this sensor's cards book them, or ``None`` for the host's table."""
+        return None
 
     def read_devices(self) -> tuple[DeviceInfo, ...]:
         """Every device the driver lists (MIG instances as devices of their own).

@@ -8,11 +8,13 @@ process's one :class:`~gpupool._sensors.simulated.Ledger` for its path.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
+from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated import (
     BOOKINGS_DIRECTORY,
     DEVICE_NAME,
@@ -28,6 +30,8 @@ from gpupool._sensors.simulated_state import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gpupool._core.census import HostCensus
 
 __all__ = ["SimulatedSensor"]
@@ -60,6 +64,14 @@ class SimulatedSensor(Sensor):
     def bookings_directory(self) -> str:
         """The simulated host's booking table: beside its ledger, shared by its processes only."""
         return os.path.join(os.path.dirname(self._ledger.path), BOOKINGS_DIRECTORY)
+
+    def worker_env(self, device: DeviceInfo | None) -> dict[str, str]:
+        """CUDA's pinning, and the ledger for what a task runs (``gpupool.testing.hold``)."""
+        return {**super().worker_env(device), SIMULATOR_ENV: self._ledger.path}
+
+    def worker_factory(self) -> Callable[[], Sensor]:
+        """A sensor on this ledger, whatever the worker's environment says."""
+        return functools.partial(SimulatedSensor, self._ledger.path)
 
     def _state_of(self, device: DeviceInfo) -> DeviceState:
         state = self._ledger.view()
