@@ -43,7 +43,7 @@ class RocmLikeSensor(Sensor):
     # -- the vendor's facts ----------------------------------------------------------------
 
     def parse_visible_devices(
-        self, value: str | None, listed: Sequence[DeviceInfo], *, device_order: str | None = None
+        self, value: str | None, listed: Sequence[DeviceInfo]
     ) -> tuple[tuple[DeviceInfo, ...], str | None]:
         """Indexes or ``HIP-`` names, comma-separated; an unknown entry hides the rest."""
         if value is None:

@@ -1,10 +1,9 @@
 """Child side of the pool: the loop every worker process runs (process layer).
 
 A worker is started as a fresh interpreter (:mod:`gpupool._pool.launch`)
-with its environment set before any import (the sensor's ``worker_env``:
-``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER`` for NVIDIA), so nothing in it can
-touch the wrong card; its probe reads the card through the sensor that the pool's
-sensor's picklable ``worker_factory`` makes here. It then runs one task at a time::
+with its environment set before any import (the sensor's ``worker_env``: for NVIDIA,
+``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``), so nothing in it can touch the
+wrong card. It then runs one task at a time::
 
     parent --frame: task id, pickle((fn, args, kwargs))------------> worker
     parent <--frame: pid, task id, pickle((kind, report)), payload-- worker
@@ -294,10 +293,8 @@ def worker_main(
     max_tasks: int | None,
     sensor_factory: Callable[[], Sensor],
 ) -> None:
-    """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran.
-
-    ``sensor_factory`` (the pool's sensor's :meth:`~gpupool._sensors.base.Sensor.worker_factory`)
-    makes the sensor the probe reads ``device`` with."""
+    """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
+    probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``)."""
     if not die_with_parent(parent_pid):
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _isolate()

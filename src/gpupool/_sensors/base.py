@@ -7,14 +7,11 @@ errors: :class:`~gpupool.NoDriverError` when there is no driver at all,
 reading failed. Backend errors (``pynvml.NVMLError_*``) are mapped to these
 once, inside each sensor, and never escape it.
 
-A sensor also carries its vendor's facts, so that nothing else in gpupool
-names a vendor: the variable that hides devices from a process and its
-grammar (:attr:`Sensor.visible_devices_env`, :meth:`Sensor.parse_visible_devices`),
-the variables that pin a worker to one card (:meth:`Sensor.worker_env`), and
-how a worker makes its own sensor (:meth:`Sensor.worker_factory`, picklable:
-the pool passes it to each worker at launch). The defaults are CUDA's
-(:mod:`gpupool._sensors.cuda`), which NVML and the simulator both speak; a
-sensor for another vendor overrides them, and is passed as ``sensor=``.
+A sensor also carries its vendor's facts, so nothing else names a vendor: the
+variable that hides devices and its grammar, the variables that pin a worker to
+a card, and a picklable factory of the worker's own sensor (the pool passes it
+to each worker). The defaults are CUDA's (:mod:`gpupool._sensors.cuda`); another
+vendor's sensor overrides them, and a pool takes it as ``sensor=``.
 """
 
 from __future__ import annotations
@@ -118,44 +115,32 @@ class Sensor:
         return os.environ.get(self.visible_devices_env)
 
     def parse_visible_devices(
-        self, value: str | None, listed: Sequence[DeviceInfo], *, device_order: str | None = None
+        self, value: str | None, listed: Sequence[DeviceInfo]
     ) -> tuple[tuple[DeviceInfo, ...], str | None]:
         """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see.
 
-        Args:
-            value: the variable's value; ``None`` (unset) leaves every device.
-            listed: the devices :meth:`read_devices` lists.
-            device_order: CUDA's ``CUDA_DEVICE_ORDER``; ``None`` reads this process's.
-
-        Returns:
-            The visible devices in the value's order, and a note for the
-            census' reason when some entry was ignored or everything is hidden
-            (CUDA's grammar: :func:`gpupool._sensors.cuda.parse_visible_devices`).
+        Returns the visible devices in the value's order, and a note for the census'
+        reason when an entry was ignored or everything is hidden (``None`` leaves every
+        device). The default is CUDA's grammar, :func:`gpupool._sensors.cuda.parse_visible_devices`,
+        with this process's ``CUDA_DEVICE_ORDER``.
 
         Raises:
             ConfigurationError: the value cannot be honoured as given.
         """
-        if device_order is None:
-            device_order = os.environ.get(cuda.DEVICE_ORDER_ENV)
-        return cuda.parse_visible_devices(value, listed, device_order=device_order)
+        order = os.environ.get(cuda.DEVICE_ORDER_ENV)
+        return cuda.parse_visible_devices(value, listed, device_order=order)
 
     def worker_env(self, device: DeviceInfo | None) -> dict[str, str]:
-        """The variables a worker starts with, set before its interpreter runs.
-
-        Args:
-            device: the card the worker is pinned to (CUDA's default:
-                ``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``);
-                ``None`` for a worker of a pool without cards (nothing to pin).
-        """
+        """The variables a worker starts with, pinning it to ``device`` (``None``: a pool without
+        cards); CUDA's are ``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``."""
         return {} if device is None else cuda.pin_env(device)
 
     def worker_factory(self) -> Callable[[], Sensor]:
-        """What a worker calls once, at start, for the sensor its probe reads: picklable.
+        """What a worker calls once, at start, for its probe's sensor: picklable.
 
-        The default is :func:`~gpupool._sensors.select.default_sensor` (NVML, or
-        the simulator inside a ``SimulatedHost`` block), which a sensor that
-        wraps one of those also wants; another vendor's sensor returns its own
-        (a class, or a :func:`functools.partial` of one with its arguments).
+        The default, :func:`~gpupool._sensors.select.default_sensor` (NVML, or the
+        simulator inside a ``SimulatedHost`` block), also serves a sensor wrapping one
+        of those; another vendor's sensor returns its own class, or a partial of it.
         """
         from gpupool._sensors.select import default_sensor
 

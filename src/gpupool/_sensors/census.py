@@ -122,7 +122,6 @@ def read_census(
     devices: Sequence[int | str] | None = None,
     visible_devices: str | None = None,
     pid: int | None = None,
-    device_order: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Census, tuple[DeviceInfo, ...]]:
     """Take the census of every device the pool may use, and of the host.
@@ -140,8 +139,6 @@ def read_census(
             for NVML); it narrows which devices may be used, in the
             sensor's grammar (:meth:`Sensor.parse_visible_devices`).
         pid: the process whose device bytes are "own"; this process by default.
-        device_order: the parent's ``CUDA_DEVICE_ORDER`` for a CUDA sensor's
-            index entries; ``None`` reads it from this process's environment.
         environ: where ``LOKY_MAX_CPU_COUNT`` is read, which caps the host's
             usable CPUs; ``None`` reads this process's environment.
 
@@ -177,7 +174,7 @@ def read_census(
             (),
         )
     notes: list[str] = []
-    visible, note = sensor.parse_visible_devices(visible_devices, listed, device_order=device_order)
+    visible, note = sensor.parse_visible_devices(visible_devices, listed)
     if note:
         notes.append(note)
     hidden_by = sensor.visible_devices_env

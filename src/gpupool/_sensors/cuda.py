@@ -1,16 +1,10 @@
-"""What CUDA means by visible devices, and how a worker is pinned to one card (I/O edge).
+"""CUDA's visible devices and worker pinning, the defaults of every sensor (I/O edge).
 
-NVIDIA's facts, shared by the two sensors that speak CUDA (NVML and the
-simulator, whose cards are simulated NVIDIA cards) through the defaults of
-:class:`~gpupool._sensors.base.Sensor`; another vendor's sensor overrides them::
-
-    parent's CUDA_VISIBLE_DEVICES --parse_visible_devices--> the cards a pool may use
-    a pool's card (DeviceInfo)    --pin_env--> CUDA_VISIBLE_DEVICES=<uuid>,
-                                               CUDA_DEVICE_ORDER=PCI_BUS_ID  (a worker's)
-
-NVML orders cards by PCI bus and ignores ``CUDA_VISIBLE_DEVICES``; CUDA
-numbers them "fastest first" unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. So a
-worker is pinned by UUID, in PCI bus order, and never by an index.
+NVML and the simulator (whose cards are simulated NVIDIA cards) speak CUDA through
+:class:`~gpupool._sensors.base.Sensor`'s defaults; another vendor's sensor overrides
+them. NVML orders cards by PCI bus and ignores ``CUDA_VISIBLE_DEVICES``; CUDA numbers
+them "fastest first" unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. So a worker is pinned
+by UUID, in PCI bus order, never by an index (:func:`pin_env`).
 """
 
 from __future__ import annotations
