@@ -971,7 +971,7 @@ class Dispatcher:
                 if self.initializer is not None
                 else None,
                 self.max_tasks_per_child,
-                self.sensor.worker_factory(),
+                self.sensor.worker_factory() if device is not None else None,
             ),
             env=env,
             name="gpupool-worker",

@@ -291,10 +291,11 @@ def worker_main(
     device_index: int | None,
     initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     max_tasks: int | None,
-    sensor_factory: Callable[[], Sensor],
+    sensor_factory: Callable[[], Sensor] | None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
-    probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``)."""
+    probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
+    ``None`` without a device, so that a worker without one never imports a sensor)."""
     if not die_with_parent(parent_pid):
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _isolate()
@@ -411,7 +412,7 @@ def _ready(
     conn: Connection,
     device: DeviceInfo | None,
     device_index: int | None,
-    sensor_factory: Callable[[], Sensor],
+    sensor_factory: Callable[[], Sensor] | None,
 ) -> Probe | None:
     """Set up the probe and tell the parent this worker is ready, with its own device bytes
     now (what the initializer left on the card is this worker's, not a task's); ``None``
@@ -419,7 +420,7 @@ def _ready(
     from gpupool._probe import Probe
 
     sensor = None
-    if device is not None:
+    if device is not None and sensor_factory is not None:
         try:
             sensor = sensor_factory()
         except Exception:
