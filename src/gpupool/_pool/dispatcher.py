@@ -76,7 +76,6 @@ from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
 from gpupool._errors import (
     DeviceOutOfMemoryError,
-    GpuPoolError,
     InitializerError,
     WidthError,
     WorkerLostError,
@@ -87,6 +86,7 @@ from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call, sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
+from gpupool._pool.inbox import Inbox, copy_broken
 from gpupool._pool.launch import StartDataError, WorkerContext
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
@@ -103,7 +103,6 @@ __all__ = [
     "Dispatcher",
     "WorkItem",
     "callable_name",
-    "copy_broken",
     "interpreter_exiting",
 ]
 
@@ -138,7 +137,7 @@ def _python_exit() -> None:
     global _global_shutdown
     _global_shutdown = True
     for dispatcher in list(_dispatchers):
-        dispatcher.request_shutdown()
+        dispatcher.inbox.request_shutdown()
     for dispatcher in list(_dispatchers):
         dispatcher.join()
 
@@ -288,30 +287,18 @@ class Dispatcher:
         # The log, not a method of self: a planner that held the dispatcher would be a
         # reference cycle, keeping initargs alive after shutdown until a GC pass.
         self.planner = Planner(census=census, asks=asks, config=config, emit=log.append, now_s=0.0)
-        self.lock = threading.Lock()
-        # Submitted by caller threads, not yet seen by the planner.
-        self.incoming: collections.deque[WorkItem] = collections.deque()
+        # What caller threads hand over (tasks, flags), and all they may touch but the snapshot.
+        self.inbox = Inbox()
         # Every task the planner holds (pending or running), by task id.
         self.items: dict[int, WorkItem] = {}
-        # Every future not yet done: the shutdown record counts what is left (none, or a bug).
-        self.unresolved: set[Future[Any]] = set()
+        # Every future taken from the inbox, held weakly: the shutdown record counts those not
+        # done (none, or a bug), and fails them.
+        self.unresolved: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
         self.host_workers: list[_Worker] = []
         self.processes: dict[int, Any] = {}
-        self.shutdown_requested = False
-        self.cancel_requested = False
-        self.stopped = False
-        self.kill_signal: int | None = None
         self.signalled: set[tuple[int, int]] = set()
-        self.broken: str | None = None
-        self.broken_exc: BaseException | None = None
-        # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained
-        # with one read, so a burst of submits costs a burst of one-byte writes at most.
-        self.wake_reader, self.wake_writer = os.pipe()
-        os.set_blocking(self.wake_reader, False)
-        os.set_blocking(self.wake_writer, False)
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.wake_reader, selectors.EVENT_READ, None)
-        self.wake_flag = False
+        self.selector.register(self.inbox.wake_reader, selectors.EVENT_READ, None)
         self.counts = collections.Counter[str]()
         # Failed worker starts in a row, and when the next try may be made.
         self.spawn_failures = 0
@@ -331,9 +318,7 @@ class Dispatcher:
         self.read_s = 0.0
         # Per card, the rows of its readings found not to be under any worker (_pool_pids).
         self.not_pool_pids: dict[int, set[int]] = {}
-        # Tasks submitted (under ``lock``, by caller threads), and the snapshot readers on
-        # other threads read: only the dispatcher thread replaces it, in one assignment.
-        self.submitted_count = 0
+        # What readers on other threads read: only the dispatcher thread replaces it, whole.
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.counts, log_write_errors=0, last=None
         )
@@ -346,12 +331,6 @@ class Dispatcher:
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
-
-    @property
-    def submitted(self) -> int:
-        """Tasks handed to the pool, counted at submit (under the lock, in the caller's thread)."""
-        with self.lock:
-            return self.submitted_count
 
     def publish(self) -> None:
         """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
@@ -386,56 +365,7 @@ class Dispatcher:
         self.publish()  # before the thread: the construction's width and records
         self.thread.start()
 
-    def _wake_locked(self) -> None:
-        """Wake the dispatcher; the caller holds ``self.lock`` (so the pipe is still open)."""
-        if not self.wake_flag and not self.stopped:
-            self.wake_flag = True
-            try:
-                os.write(self.wake_writer, b"\0")
-            except BlockingIOError:
-                pass  # full: the dispatcher has wake-ups to read anyway
-
-    def enqueue(self, item: WorkItem) -> None:
-        """Hand a task to the dispatcher.
-
-        Raises:
-            BrokenProcessPool: the pool broke (checked under the dispatcher's lock,
-                so no task is appended after the dispatcher has stopped).
-            RuntimeError: the dispatcher has stopped.
-        """
-        with self.lock:
-            if self.broken is not None:
-                raise copy_broken(self.broken_exc, self.broken)
-            if self.stopped:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            self.incoming.append(item)
-            self.submitted_count += 1
-            self.unresolved.add(item.future)
-            self._wake_locked()
-        # Outside the lock: a future already done runs the callback at once.
-        item.future.add_done_callback(self.unresolved.discard)
-
-    def request_shutdown(self, cancel_futures: bool = False) -> None:
-        """Stop taking work; with ``cancel_futures`` the dispatcher cancels what it has not
-        started, after it has started what fits now (as CPython's does with its call queue)."""
-        with self.lock:
-            self.shutdown_requested = True
-            if cancel_futures:
-                self.cancel_requested = True
-            self._wake_locked()
-
-    def request_kill(self, sig: int) -> None:
-        """``terminate_workers``/``kill_workers``: cancel what has not started, fail what
-        waits to be retried, start nothing more, and signal every worker (the dispatcher
-        does it, so a worker being started right now is signalled too)."""
-        with self.lock:
-            self.shutdown_requested = True
-            self.cancel_requested = True
-            self.kill_signal = sig
-            self._wake_locked()
-
-    def _kill_workers(self) -> None:
-        assert self.kill_signal is not None
+    def _kill_workers(self, sig: int) -> None:
         self._drain_incoming()
         for task in self.planner.pending_tasks():
             item = self.items.pop(task)
@@ -446,14 +376,12 @@ class Dispatcher:
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
         for worker in self._all_workers():
-            sent = (worker.pid, self.kill_signal)  # SIGKILL after SIGTERM is sent too
+            sent = (worker.pid, sig)  # SIGKILL after SIGTERM is sent too
             if sent not in self.signalled:
                 self.signalled.add(sent)
-                signal_tree(worker.pid, self.kill_signal)
+                signal_tree(worker.pid, sig)
 
     def _cancel_pending(self) -> None:
-        with self.lock:
-            self.cancel_requested = False
         self._drain_incoming()
         items = [self.items[t] for t in self.planner.pending_tasks() if not self.items[t].started]
         # A task waiting for room after a lone out-of-memory has started (its future is
@@ -478,14 +406,12 @@ class Dispatcher:
 
     def close(self) -> None:
         """Release the dispatcher's descriptors (its thread's last act, or a failed start)."""
-        with self.lock:
-            self.stopped = True
+        self.inbox.stop()
         self.log.close()
         if self.bookings is not None:
             self.bookings.close()
         self.selector.close()
-        os.close(self.wake_reader)
-        os.close(self.wake_writer)
+        self.inbox.close()
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
@@ -506,8 +432,7 @@ class Dispatcher:
             LOGGER.critical("the gpupool dispatcher thread crashed", exc_info=True)
             self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
         finally:
-            with self.lock:
-                self.stopped = True  # enqueue refuses from now on; what came before fails below
+            self.inbox.stop()  # submit refuses from now on; what came before fails below
             self._stop_workers()
             if self.link is not None:
                 self.link.withdraw_all()
@@ -518,7 +443,7 @@ class Dispatcher:
                     self._deliver()
                 except BaseException:  # a callback's, again: the futures are set all the same
                     LOGGER.exception("a done-callback raised as the pool stopped")
-            lost = list(self.unresolved)
+            lost = [future for future in self.unresolved if not future.done()]
             for future in lost:  # never leave a future pending, even after a bug
                 self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
             self.planner.flush_asks(self.now())
@@ -536,20 +461,16 @@ class Dispatcher:
 
     def _loop(self) -> None:
         while True:
-            try:
-                while os.read(self.wake_reader, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-            self.wake_flag = False
-            if self.kill_signal is not None:
-                self._kill_workers()
+            self.inbox.woken()
+            kill_signal = self.inbox.kill_signal
+            if kill_signal is not None:
+                self._kill_workers(kill_signal)
             self._settle_asks()
             poll_s = self._schedule()
-            if self.cancel_requested:
+            if self.inbox.take_cancel():
                 self._cancel_pending()
                 poll_s = self._schedule()
-            if self.broken is None and self.kill_signal is None:
+            if self.inbox.broken is None and kill_signal is None:
                 self._queue_behind_busy()
             self._retire_beyond_limits()
             workers = self._all_workers()
@@ -564,12 +485,8 @@ class Dispatcher:
             self._note_table()
             self.publish()  # the end of the turn
             self._deliver()  # the turn's results, counted by that snapshot
-            with self.lock:
-                idle_pool = not self.incoming and not self.items and not busy
-                if self.shutdown_requested and idle_pool:
-                    return
-                if self.broken is not None and not busy:
-                    return
+            if self.inbox.done(holding=bool(self.items), busy=busy):
+                return
             self._wait_and_serve(workers, poll_s)
 
     def _settle_asks(self) -> None:
@@ -628,11 +545,8 @@ class Dispatcher:
 
     def _drain_incoming(self) -> None:
         """Hand what callers submitted to the planner (cancelled ones are settled here)."""
-        while True:
-            with self.lock:
-                if not self.incoming:
-                    return
-                item = self.incoming.popleft()
+        while (item := self.inbox.take()) is not None:
+            self.unresolved.add(item.future)
             if item.future.cancelled():
                 # CANCELLED -> CANCELLED_AND_NOTIFIED: wakes wait() and as_completed().
                 item.future.set_running_or_notify_cancel()
@@ -718,7 +632,7 @@ class Dispatcher:
         self._drain_incoming()
         read = False
         while True:
-            if self.broken is not None:
+            if self.inbox.broken is not None:
                 self._fail_pending()
                 return None
             if not read and self.planner.has_pending() and self.planner.may_start():
@@ -1258,7 +1172,7 @@ class Dispatcher:
         What has not started fails with it; what runs is let finish and deliver, since it
         ran at the width asked for (the refusal is about the next starts).
         """
-        if self.broken is not None:
+        if self.inbox.broken is not None:
             return
         error = WidthError(refused.reason, decision=refused.decision.to_dict())
         self._break(refused.reason, error, running_finish=True)
@@ -1597,10 +1511,7 @@ class Dispatcher:
         a worker fails with ``exc``. Tasks handed to workers fail too, unless
         ``running_finish`` (a strict refusal: they run to their end and deliver). The
         first break's error is the pool's."""
-        with self.lock:
-            if self.broken is None:
-                self.broken = message
-                self.broken_exc = exc
+        self.inbox.break_with(message, exc)
         self._fail_pending()
         if running_finish:
             return
@@ -1616,34 +1527,20 @@ class Dispatcher:
             items.append(self.items.pop(task))
             self.planner.withdraw(task)
         for item in items:
-            if self.broken is None and item.future.cancel():
+            if self.inbox.broken is None and item.future.cancel():
                 item.future.set_running_or_notify_cancel()
                 self.counts["cancelled"] += 1
             elif not item.started and not item.future.set_running_or_notify_cancel():
                 # Broken, but the caller cancelled it first: counted (and its waiters told) so.
                 self.counts["cancelled"] += 1
-            elif self.broken is not None:
-                self._resolve_error(item.future, copy_broken(self.broken_exc, self.broken))
+            elif self.inbox.broken is not None:
+                self._resolve_error(
+                    item.future, copy_broken(self.inbox.broken_exc, self.inbox.broken)
+                )
             else:
                 self._resolve_error(
                     item.future, WorkerLostError("the pool stopped before this task ran")
                 )
-
-
-def copy_broken(exc: BaseException | None, message: str) -> BaseException:
-    """A fresh copy of the pool's breaking error for one future or one ``submit`` (each
-    raise adds its own traceback), with its attributes and cause."""
-    if isinstance(exc, GpuPoolError):
-        copy = type(exc).__new__(type(exc), *exc.args)
-        copy.args = exc.args
-        copy.__dict__.update(exc.__dict__)
-        copy.__cause__ = exc.__cause__
-        return copy
-    if isinstance(exc, BrokenProcessPool):
-        return type(exc)(*exc.args)
-    error = BrokenProcessPool(message)
-    error.__cause__ = exc
-    return error
 
 
 def _load_exception(payload: bytes | bytearray | memoryview) -> BaseException:

@@ -47,10 +47,10 @@ from gpupool._pool.dispatcher import (
     Dispatcher,
     WorkItem,
     callable_name,
-    copy_broken,
     interpreter_exiting,
 )
 from gpupool._pool.environ import read_pool_defaults
+from gpupool._pool.inbox import copy_broken
 from gpupool._pool.inputs import check_python_home, check_sensor
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
@@ -605,7 +605,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             self._dispatcher.close()  # no thread will: give its descriptors back
             raise
         self._dispatcher.start()
-        weakref.finalize(self, self._dispatcher.request_shutdown)
+        weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
 
     def _construct(self, peak_bytes: int | None) -> None:
         planner = self._dispatcher.planner
@@ -656,7 +656,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
     @property
     def _broken(self) -> str | bool:
-        return self._dispatcher.broken or False
+        return self._dispatcher.inbox.broken or False
 
     # -- the executor contract ----------------------------------------------------------
 
@@ -734,10 +734,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         options: TaskOptions | None,
         key: str | None = None,
     ) -> Future[Any]:
-        d = self._dispatcher
+        inbox = self._dispatcher.inbox
         with self._shutdown_lock:
-            if d.broken is not None:
-                raise copy_broken(d.broken_exc, d.broken)
+            if inbox.broken is not None:
+                raise copy_broken(inbox.broken_exc, inbox.broken)
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if interpreter_exiting():
@@ -753,7 +753,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             )
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
             size = options.size if options is not None else None
-            d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
+            inbox.put(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
             return future
 
     def map(
@@ -838,7 +838,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         """
         with self._shutdown_lock:
             self._shutdown = True
-        self._dispatcher.request_shutdown(cancel_futures)
+        self._dispatcher.inbox.request_shutdown(cancel_futures)
         if wait:
             self._dispatcher.join()
 
@@ -853,7 +853,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def _force(self, sig: signal.Signals) -> None:
         with self._shutdown_lock:
             self._shutdown = True
-        self._dispatcher.request_kill(sig)
+        self._dispatcher.inbox.request_kill(sig)
 
     # -- what the pool decided ----------------------------------------------------------
 
@@ -886,7 +886,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         d = self._dispatcher
         snapshot = d.snapshot
         # After the snapshot: every task it counts as ended was submitted before it.
-        submitted = d.submitted
+        submitted = d.inbox.submitted
         counts = snapshot.counts
         return PoolStatistics(
             tasks_submitted=submitted,

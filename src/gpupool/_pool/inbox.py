@@ -1,0 +1,169 @@
+"""The inbox: the only part of a pool's dispatcher that caller threads touch (process layer).
+
+Caller threads (``submit``, ``shutdown``, ``terminate_workers``, an interpreter
+exiting, a garbage-collected executor) hand tasks and flags to the dispatcher
+thread here, under one lock, and wake it through a pipe; the dispatcher thread
+takes them, and says here when the pool broke or stopped (``submit`` refuses
+from then on). Everything else of the dispatcher is its thread's own; callers
+read what it publishes whole (:class:`gpupool._pool.snapshot.PoolSnapshot`).
+This is loky's ``executor_flags``: the state that crosses threads, in one small
+object behind one lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from concurrent.futures.process import BrokenProcessPool
+from typing import TYPE_CHECKING
+
+from gpupool._errors import GpuPoolError
+
+if TYPE_CHECKING:
+    from gpupool._pool.dispatcher import WorkItem
+
+__all__ = ["Inbox", "copy_broken"]
+
+
+class Inbox:
+    """Tasks submitted and not yet taken, the flags callers raise, and the wake pipe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.incoming: collections.deque[WorkItem] = collections.deque()
+        # Tasks handed to the pool (read by statistics(): ended tasks never outnumber it).
+        self.submitted_count = 0
+        self.shutdown_requested = False
+        self.cancel_requested = False
+        self.kill_signal: int | None = None
+        # Set by the dispatcher thread: it takes no task from now on (its descriptors close).
+        self.stopped = False
+        # Set by the dispatcher thread, once: the pool broke, and every submit raises a copy.
+        self.broken: str | None = None
+        self.broken_exc: BaseException | None = None
+        # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained with one
+        # read, so a burst of submits costs a burst of one-byte writes at most.
+        self.wake_reader, self.wake_writer = os.pipe()
+        os.set_blocking(self.wake_reader, False)
+        os.set_blocking(self.wake_writer, False)
+        self.wake_flag = False
+
+    # -- caller threads ------------------------------------------------------------------
+
+    @property
+    def submitted(self) -> int:
+        """Tasks handed to the pool, counted at submit (under the lock)."""
+        with self.lock:
+            return self.submitted_count
+
+    def put(self, item: WorkItem) -> None:
+        """Hand a task to the dispatcher.
+
+        Raises:
+            BrokenProcessPool: the pool broke (checked under the lock, so no task is
+                appended after the dispatcher has stopped).
+            RuntimeError: the dispatcher has stopped.
+        """
+        with self.lock:
+            if self.broken is not None:
+                raise copy_broken(self.broken_exc, self.broken)
+            if self.stopped:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self.incoming.append(item)
+            self.submitted_count += 1
+            self._wake_locked()
+
+    def request_shutdown(self, cancel_futures: bool = False) -> None:
+        """Stop taking work; with ``cancel_futures`` the dispatcher cancels what it has not
+        started, after it has started what fits now (as CPython's does with its call queue)."""
+        with self.lock:
+            self.shutdown_requested = True
+            if cancel_futures:
+                self.cancel_requested = True
+            self._wake_locked()
+
+    def request_kill(self, sig: int) -> None:
+        """``terminate_workers``/``kill_workers``: cancel what has not started, fail what
+        waits to be retried, start nothing more, and signal every worker (the dispatcher
+        does it, so a worker being started right now is signalled too)."""
+        with self.lock:
+            self.shutdown_requested = True
+            self.cancel_requested = True
+            self.kill_signal = sig
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        """Wake the dispatcher; the caller holds the lock (so the pipe is still open)."""
+        if not self.wake_flag and not self.stopped:
+            self.wake_flag = True
+            try:
+                os.write(self.wake_writer, b"\0")
+            except BlockingIOError:
+                pass  # full: the dispatcher has wake-ups to read anyway
+
+    # -- the dispatcher thread -----------------------------------------------------------
+
+    def woken(self) -> None:
+        """Read the wake-ups written so far (the next write wakes the dispatcher again)."""
+        try:
+            while os.read(self.wake_reader, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self.wake_flag = False
+
+    def take(self) -> WorkItem | None:
+        """The oldest task submitted and not yet taken, or ``None``."""
+        with self.lock:
+            return self.incoming.popleft() if self.incoming else None
+
+    def take_cancel(self) -> bool:
+        """Whether ``shutdown(cancel_futures=True)`` asked to cancel since the last call."""
+        if not self.cancel_requested:
+            return False
+        with self.lock:
+            self.cancel_requested = False
+        return True
+
+    def done(self, *, holding: bool, busy: bool) -> bool:
+        """Whether the dispatcher may stop: shut down with nothing submitted, held
+        (``holding``) or running (``busy``), or broken with nothing running."""
+        with self.lock:
+            if self.shutdown_requested and not self.incoming and not holding and not busy:
+                return True
+            return self.broken is not None and not busy
+
+    def break_with(self, message: str, exc: BaseException) -> None:
+        """The pool broke: ``submit`` raises a copy of the first break's ``exc`` from now on."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = message
+                self.broken_exc = exc
+
+    def stop(self) -> None:
+        """The dispatcher takes nothing more: ``submit`` refuses from now on."""
+        with self.lock:
+            self.stopped = True
+
+    def close(self) -> None:
+        """Stop, and close the wake pipe (the dispatcher thread's last act)."""
+        self.stop()
+        os.close(self.wake_reader)
+        os.close(self.wake_writer)
+
+
+def copy_broken(exc: BaseException | None, message: str) -> BaseException:
+    """A fresh copy of the pool's breaking error for one future or one ``submit`` (each
+    raise adds its own traceback), with its attributes and cause."""
+    if isinstance(exc, GpuPoolError):
+        copy = type(exc).__new__(type(exc), *exc.args)
+        copy.args = exc.args
+        copy.__dict__.update(exc.__dict__)
+        copy.__cause__ = exc.__cause__
+        return copy
+    if isinstance(exc, BrokenProcessPool):
+        return type(exc)(*exc.args)
+    error = BrokenProcessPool(message)
+    error.__cause__ = exc
+    return error
