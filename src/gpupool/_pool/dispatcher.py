@@ -37,8 +37,6 @@ its workers itself (fork+exec with a per-process ``env``, cloudpickle:
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import functools
 import itertools
 import os
 import select
@@ -46,14 +44,10 @@ import selectors
 import signal
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
-from typing import TYPE_CHECKING, Any, cast
-
-import cloudpickle
+from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import CardCensus, Census
@@ -73,13 +67,10 @@ from gpupool._core.planner import (
     Workers,
 )
 from gpupool._core.policy import AskTable
-from gpupool._core.units import format_size
 from gpupool._errors import (
     DeviceOutOfMemoryError,
-    InitializerError,
     WidthError,
     WorkerLostError,
-    WorkerProtocolError,
 )
 from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import wire
@@ -88,6 +79,18 @@ from gpupool._pool.by_value import dumps_call, sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.inbox import Inbox, copy_broken
 from gpupool._pool.launch import StartDataError, WorkerContext
+from gpupool._pool.outcomes import (
+    Outcomes,
+    boot_error,
+    callable_name,
+    detached,
+    initializer_error,
+    load_exception,
+    lost_error,
+    oom_error,
+    spawn_error,
+    start_data_error,
+)
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import worker_main
@@ -126,8 +129,6 @@ INIT_EXIT_WAIT_S = 5.0
 #: The most waiting tasks a row of the host's booking table describes by key (for people).
 _WAITS_SCANNED = 64
 
-_BROKEN_INIT = "A child process terminated abruptly, the process pool is not usable anymore"
-
 _dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 _global_shutdown = False
 
@@ -160,7 +161,7 @@ class WorkItem:
     under the item's ``task_id``.
     """
 
-    __slots__ = ("call", "future", "hint_bytes", "key", "size", "started", "task_id", "tries")
+    __slots__ = ("call", "future", "hint_bytes", "key", "size", "started", "task_id")
 
     def __init__(
         self,
@@ -176,7 +177,6 @@ class WorkItem:
         self.hint_bytes = hint_bytes
         self.size = size
         self.started = False
-        self.tries = 0
         self.task_id = next(_task_ids)
 
 
@@ -289,17 +289,13 @@ class Dispatcher:
         self.planner = Planner(census=census, asks=asks, config=config, emit=log.append, now_s=0.0)
         # What caller threads hand over (tasks, flags), and all they may touch but the snapshot.
         self.inbox = Inbox()
-        # Every task the planner holds (pending or running), by task id.
-        self.items: dict[int, WorkItem] = {}
-        # Every future taken from the inbox, held weakly: the shutdown record counts those not
-        # done (none, or a bug), and fails them.
-        self.unresolved: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
+        # The tasks held, their futures, the outbox and the counts.
+        self.outcomes = Outcomes()
         self.host_workers: list[_Worker] = []
         self.processes: dict[int, Any] = {}
         self.signalled: set[tuple[int, int]] = set()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.inbox.wake_reader, selectors.EVENT_READ, None)
-        self.counts = collections.Counter[str]()
         # Failed worker starts in a row, and when the next try may be made.
         self.spawn_failures = 0
         self.spawn_retry_at_s = 0.0
@@ -320,14 +316,12 @@ class Dispatcher:
         self.not_pool_pids: dict[int, set[int]] = {}
         # What readers on other threads read: only the dispatcher thread replaces it, whole.
         self.snapshot: PoolSnapshot = take_snapshot(
-            self.planner, asks, self.counts, log_write_errors=0, last=None
+            self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
         )
         self.publish_failed = False
         # Tasks handed to the planner since the last snapshot (one taken before any of their
         # futures is RUNNING, so that width and widths_by_key count them).
         self.unpublished_tasks = False
-        # Results of this turn's tasks, set at its end (_deliver), after its snapshot.
-        self.results: list[tuple[Future[Any], Any]] = []
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
 
     # -- what the planner decided (read by the executor) -------------------------------
@@ -345,7 +339,7 @@ class Dispatcher:
             self.snapshot = take_snapshot(
                 self.planner,
                 self.asks,
-                self.counts,
+                self.outcomes.counts,
                 log_write_errors=self.log.write_errors,
                 bookings_unavailable=None
                 if self.bookings is None
@@ -368,13 +362,13 @@ class Dispatcher:
     def _kill_workers(self, sig: int) -> None:
         self._drain_incoming()
         for task in self.planner.pending_tasks():
-            item = self.items.pop(task)
+            item = self.outcomes.items.pop(task)
             self.planner.withdraw(task)
             if item.started:
-                self._fail(item, WorkerLostError("the pool's workers were stopped before this ran"))
-            elif item.future.cancel():
-                item.future.set_running_or_notify_cancel()
-                self.counts["cancelled"] += 1
+                error = WorkerLostError("the pool's workers were stopped before this ran")
+                self.outcomes.fail(item, error)
+            else:
+                self.outcomes.cancel(item)
         for worker in self._all_workers():
             sent = (worker.pid, sig)  # SIGKILL after SIGTERM is sent too
             if sent not in self.signalled:
@@ -383,14 +377,15 @@ class Dispatcher:
 
     def _cancel_pending(self) -> None:
         self._drain_incoming()
-        items = [self.items[t] for t in self.planner.pending_tasks() if not self.items[t].started]
+        held = self.outcomes.items
+        items = [held[t] for t in self.planner.pending_tasks() if not held[t].started]
         # A task waiting for room after a lone out-of-memory has started (its future is
         # RUNNING, so it cannot be cancelled), but nothing of it runs: it fails now rather
         # than hold the shutdown for up to room_wait_s.
-        waiting = [self.items.pop(t) for t in self.planner.waiting_for_room()]
+        waiting = [held[t] for t in self.planner.waiting_for_room()]
         for item in waiting:
             self.planner.withdraw(item.task_id)
-            self._fail(
+            self.outcomes.fail(
                 item,
                 DeviceOutOfMemoryError(
                     f"a task of {item.key} ran out of device memory alone and was waiting for "
@@ -400,9 +395,9 @@ class Dispatcher:
                     detail="shut down while waiting for room",
                 ),
             )
-        # Outside the lock: a cancelled future's callbacks may call shutdown().
+        # A cancelled future's callbacks may call shutdown(): the inbox's lock is not held.
         for item in items:
-            item.future.cancel()
+            item.future.cancel()  # then let go when the planner offers it (_claim)
 
     def close(self) -> None:
         """Release the dispatcher's descriptors (its thread's last act, or a failed start)."""
@@ -433,23 +428,26 @@ class Dispatcher:
             self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
         finally:
             self.inbox.stop()  # submit refuses from now on; what came before fails below
+            self._deliver_last()  # what the turn that crashed had not delivered
             self._stop_workers()
             if self.link is not None:
                 self.link.withdraw_all()
             self._note_table()
-            if self.results:  # results the turn that crashed had not delivered
-                self.publish()
-                try:
-                    self._deliver()
-                except BaseException:  # a callback's, again: the futures are set all the same
-                    LOGGER.exception("a done-callback raised as the pool stopped")
-            lost = [future for future in self.unresolved if not future.done()]
-            for future in lost:  # never leave a future pending, even after a bug
-                self._resolve_error(future, WorkerLostError("the pool stopped and lost this task"))
+            lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
             self.planner.flush_asks(self.now())
-            self.record(self.planner.shutdown_record(self.now(), self.counts, tasks_lost=len(lost)))
-            self.publish()  # the last one: what statistics() says from now on
+            counts = self.outcomes.counts
+            self.record(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
+            self._deliver_last()  # with the last snapshot: what statistics() says from now on
             self.close()
+
+    def _deliver_last(self) -> None:
+        """Publish, and deliver the outbox, as the pool stops (a callback's crash is logged:
+        the futures are set all the same)."""
+        self.publish()
+        try:
+            self.outcomes.deliver()
+        except BaseException:
+            LOGGER.exception("a done-callback raised as the pool stopped")
 
     def _all_workers(self) -> list[_Worker]:
         if not self.devices:
@@ -484,16 +482,15 @@ class Dispatcher:
                     poll_s = due_s if poll_s is None else min(poll_s, due_s)
             self._note_table()
             self.publish()  # the end of the turn
-            self._deliver()  # the turn's results, counted by that snapshot
-            if self.inbox.done(holding=bool(self.items), busy=busy):
+            self.outcomes.deliver()  # the turn's outcomes, counted by that snapshot
+            if self.inbox.done(holding=bool(self.outcomes.items), busy=busy):
                 return
             self._wait_and_serve(workers, poll_s)
 
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
-        turn reads a card, starts a task, publishes or delivers a result (a failure
-        given mid-turn gives the results before it: :meth:`_resolve_error` settles first);
-        then what moved is told (:meth:`_bookings_moved`)."""
+        turn reads a card, starts a task, publishes or delivers a result; then what moved
+        is told (:meth:`_bookings_moved`)."""
         if self.planner.unsettled:
             self.planner.settle(self.now())
             self._bookings_moved(range(len(self.devices)))  # moved either way, on any card
@@ -546,13 +543,8 @@ class Dispatcher:
     def _drain_incoming(self) -> None:
         """Hand what callers submitted to the planner (cancelled ones are settled here)."""
         while (item := self.inbox.take()) is not None:
-            self.unresolved.add(item.future)
-            if item.future.cancelled():
-                # CANCELLED -> CANCELLED_AND_NOTIFIED: wakes wait() and as_completed().
-                item.future.set_running_or_notify_cancel()
-                self.counts["cancelled"] += 1
-                continue
-            self.items[item.task_id] = item
+            if not self.outcomes.take(item):
+                continue  # cancelled by its caller first
             self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
             self.unpublished_tasks = True
             item.hint_bytes = None
@@ -649,7 +641,7 @@ class Dispatcher:
             if isinstance(verdict, Refuse):
                 self._refuse(verdict)  # strict mode: the pool breaks
                 continue
-            item = self.items[verdict.task]
+            item = self.outcomes.items[verdict.task]
             if isinstance(verdict, Warm):
                 # A task fits there now but no ready worker is idle: start one for it. Its
                 # future is RUNNING from here, as a standard pool's is once handed to a
@@ -661,13 +653,12 @@ class Dispatcher:
                 device = self.devices[verdict.device] if verdict.device is not None else None
                 pool = device.workers if device is not None else self.host_workers
                 if self._start_for(item, device, pool) is None:
-                    if verdict.task not in self.items:
+                    if verdict.task not in self.outcomes.items:
                         continue  # it failed: the start's error is in its future
                     return max(0.01, self.spawn_retry_at_s - time.monotonic())
                 continue
             if isinstance(verdict, Fail):
-                self.items.pop(verdict.task, None)
-                self._fail_oom(item, verdict, None)
+                self.outcomes.fail(item, oom_error(item.key, verdict, None))
                 continue
             device = self.devices[verdict.device] if verdict.device is not None else None
             pool = device.workers if device is not None else self.host_workers
@@ -722,7 +713,7 @@ class Dispatcher:
         task = self.planner.queue_behind(head.task_id)
         if task is None:
             return False
-        item = self.items[task]
+        item = self.outcomes.items[task]
         if not self._claim(item):
             return True  # cancelled first: withdrawn from the planner
         payload = self._pickled(item)
@@ -731,7 +722,7 @@ class Dispatcher:
         self._send(
             item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True, now=False
         )
-        self.counts["queued_behind"] += 1  # handed to the worker (not one withdrawn above)
+        self.outcomes.counts["queued_behind"] += 1  # handed to the worker (not one withdrawn above)
         return True
 
     def _pickled(self, item: WorkItem) -> bytes | None:
@@ -740,9 +731,8 @@ class Dispatcher:
         try:
             return dumps_call(item.call)
         except BaseException as exc:
-            self.items.pop(item.task_id, None)
             self.planner.withdraw(item.task_id)
-            self._fail(item, _detached(exc))
+            self.outcomes.fail(item, detached(exc))
             return None
 
     def _running_item(self, worker: _Worker) -> WorkItem | None:
@@ -768,12 +758,9 @@ class Dispatcher:
             return True
         if self.unpublished_tasks:
             self.publish()  # before its future is RUNNING: the width counts its task
-        if not item.future.set_running_or_notify_cancel():
-            self.items.pop(item.task_id, None)
+        if not self.outcomes.claim(item):
             self.planner.withdraw(item.task_id)
-            self.counts["cancelled"] += 1
             return False
-        item.started = True
         return True
 
     def _worker_counts(self) -> Workers:
@@ -815,7 +802,7 @@ class Dispatcher:
             return None
         except Exception as exc:
             self.spawn_failures += 1
-            self.counts["spawn_failures"] += 1
+            self.outcomes.counts["spawn_failures"] += 1
             tries = self.spawn_failures
             if tries < SPAWN_TRIES:
                 wait_s = SPAWN_FIRST_WAIT_S * 4 ** (tries - 1)
@@ -831,22 +818,8 @@ class Dispatcher:
                 )
                 return None
             self.spawn_failures = 0
-            note = (
-                f"gpupool could not start a worker process for this task in {tries} tries "
-                f"over {sum(SPAWN_FIRST_WAIT_S * 4**i for i in range(tries - 1)):.2f} s; "
-                "only this task failed and the pool goes on"
-            )
-            error: BaseException
-            os_error = _os_error_in(exc)
-            if os_error is not None:
-                # The start's own error (OSError picks EMFILE's subclass, and so on).
-                error = OSError(os_error.errno, f"{os_error.strerror} ({note})")
-            else:
-                error = BrokenProcessPool(f"{type(exc).__name__}: {exc} ({note})")
-            error.__cause__ = _detached(exc)
-            self.items.pop(item.task_id, None)
             self.planner.withdraw(item.task_id)
-            self._fail(item, error)
+            self.outcomes.fail(item, spawn_error(exc, tries, SPAWN_FIRST_WAIT_S))
             return None
         self.spawn_failures = 0
         pool.append(worker)
@@ -894,7 +867,7 @@ class Dispatcher:
             raise
         finally:
             child_conn.close()
-        self.counts["workers_started"] += 1
+        self.outcomes.counts["workers_started"] += 1
         worker = _Worker(process, parent_conn, device.index if device is not None else None)
         self.processes[worker.pid] = process
         self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
@@ -917,7 +890,6 @@ class Dispatcher:
         if not worker.queue:
             worker.started_s = time.monotonic()
         worker.queue.append(item)
-        item.tries += 1
         if self.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes), now=now)
@@ -997,8 +969,8 @@ class Dispatcher:
                 self._receive_one(worker, frame)
             except BaseException as exc:
                 # A crash here still ends the task's future.
-                if head is not None and not head.future.done():
-                    self._resolve_error(head.future, exc)
+                if head is not None:
+                    self.outcomes.fail(head, exc)
                 raise
             del head, frame  # keep nothing of a finished task
         if worker.channel.corrupt is not None:
@@ -1071,13 +1043,8 @@ class Dispatcher:
             # it logged on its way out (through a multiprocessing queue, say) is flushed
             # before the pool reports itself broken, as the standard pool's order is.
             worker.process.join(timeout=INIT_EXIT_WAIT_S)
-            exc = _load_exception(payload)
             assert self.initializer is not None
-            name = callable_name(self.initializer[0])
-            error = InitializerError(
-                f"{_BROKEN_INIT}: the initializer {name} raised {exc!r}", initializer=name
-            )
-            error.__cause__ = exc
+            error = initializer_error(self.initializer[0], payload)
             if item is not None:
                 worker.queue.appendleft(item)
             self._fail_queued(worker, error)
@@ -1093,8 +1060,6 @@ class Dispatcher:
             assert report is not None
             self._on_oom(worker, item, report, payload)
         else:
-            # The task never ran when it could not be unpickled: nothing to learn.
-            self._settle(item)
             # Its peak is a sample now, priced at the top of the next turn (_settle_asks).
             self.planner.ended(item.task_id, report, self.now(), failed=kind != "ok")
         if kind != "oom" and worker.queue and self.planner.is_queued(worker.queue[0].task_id):
@@ -1108,63 +1073,18 @@ class Dispatcher:
         if not oom:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
-            self._finish(item, kind, payload)
+            self.outcomes.answered(item, kind, payload)
             del item, payload
 
     def _declined(self, worker: _Worker, item: WorkItem) -> None:
         """The worker declined ``item``, queued behind a task of its that ran out of device
         memory: it never ran, so it goes back to the head of the queue (its future stays
         RUNNING; not a failure, not a retry) and starts again checked against the bound."""
-        item.tries -= 1
         self.planner.requeue(item.task_id)
-        self.counts["queued_declined"] += 1
+        self.outcomes.counts["queued_declined"] += 1
         self._booking_changed(worker)
         if worker.retiring:
             self._retire(worker)
-
-    def _resolve(self, future: Future[Any], result: Any) -> None:
-        """Set ``future``'s result at the end of this turn (:meth:`_deliver`), after the
-        turn's snapshot, which counts it, and after the turn's starts: a worker that sent
-        it has its next task before the caller wakes."""
-        self.results.append((future, result))
-
-    def _deliver(self) -> None:
-        """Set the results of the turn's tasks; the caller published the snapshot that
-        counts them. Nothing of a result is kept here after it is set.
-
-        A done-callback that raises what is not an ``Exception`` (``SystemExit``) crashes
-        the dispatcher, but only after every other result of the turn is set: none of them
-        is failed as lost for it."""
-        results, self.results = self.results, []
-        crash: BaseException | None = None
-        while results:
-            future, result = results.pop(0)
-            try:
-                _set_result(future, result)
-            except BaseException as exc:  # raised by a callback, after the result was set
-                crash = crash or exc
-            del future, result
-        if crash is not None:
-            raise crash
-
-    def _resolve_error(self, future: Future[Any], exc: BaseException) -> None:
-        """Set ``future``'s exception and count its task failed, after a snapshot that counts
-        it: every future the pool fails is counted here, once (one already done is left).
-
-        The turn's results so far are set first: a failure never overtakes a result that
-        answered before it (one worker's tasks are done in the order they ran)."""
-        if self.results:
-            self._settle_asks()  # the results' measurements priced before they are given
-            self.publish()
-            self._deliver()
-        if future.done():
-            return
-        self.counts["failed"] += 1
-        self.publish()
-        _set_exception(future, exc)
-
-    def _settle(self, item: WorkItem) -> None:
-        self.items.pop(item.task_id, None)
 
     def _refuse(self, refused: Refuse) -> None:
         """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError.
@@ -1177,41 +1097,10 @@ class Dispatcher:
         error = WidthError(refused.reason, decision=refused.decision.to_dict())
         self._break(refused.reason, error, running_finish=True)
 
-    def _finish(self, item: WorkItem, kind: str, payload: memoryview) -> None:
-        if kind == "ok":
-            try:
-                result = cloudpickle.loads(payload)
-            except BaseException as exc:
-                self._fail(
-                    item,
-                    _broken_by(
-                        "A result has failed to un-serialize in the parent. Please ensure "
-                        "that the objects returned by the function are always picklable.",
-                        _detached(exc),
-                    ),
-                )
-                return
-            self.counts["completed"] += 1
-            self._resolve(item.future, result)
-        elif kind == "unpickle":
-            self._fail(
-                item,
-                _broken_by(
-                    "A task has failed to un-serialize in the worker. Please ensure that the "
-                    "arguments of the function are all picklable.",
-                    _load_exception(payload),
-                ),
-            )
-        else:
-            self._fail(item, _load_exception(payload))
-
-    def _fail(self, item: WorkItem, error: BaseException) -> None:
-        self._resolve_error(item.future, error)
-
     def _on_oom(
         self, worker: _Worker, item: WorkItem, report: PeakReport, payload: memoryview
     ) -> None:
-        exc = _load_exception(payload)
+        exc = load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
         reading = self._snapshot(device) if device is not None and device.census.readable else None
         if device is not None and reading is not None and self.link is not None:
@@ -1225,33 +1114,16 @@ class Dispatcher:
             self.planner.observe(device.index, reading, self.now())
         if isinstance(verdict, Retry):
             return  # the planner holds it pending again, at the head of its queue
-        self._settle(item)
-        self._fail_oom(item, verdict, exc)
-
-    def _fail_oom(self, item: WorkItem, verdict: Fail, exc: BaseException | None) -> None:
-        where = f"card {verdict.device}" if verdict.device is not None else "the pool"
-        remedy = (
-            "Run it on a larger card, or make it need less (a smaller batch or model shard)."
-            if verdict.kind == "larger_than_card"
-            else "Free the card, or give a larger task_peak."
-        )
-        error = DeviceOutOfMemoryError(
-            f"{where}: a task of {item.key} ran out of device memory and failed: "
-            f"{verdict.reason} (booked at {format_size(verdict.booked_bytes)}). {remedy}",
-            device=verdict.device,
-            ask_bytes=verdict.booked_bytes,
-            detail=str(exc) if exc is not None else verdict.kind,
-        )
-        error.__cause__ = exc
-        self._fail(item, error)
+        self.outcomes.fail(item, oom_error(item.key, verdict, exc))
 
     # -- workers ending ---------------------------------------------------------------
 
     def _reap(self, worker: _Worker) -> None:
-        """A worker's process ended: fail only the task it ran, and forget it.
+        """A worker's process ended: fail only the task it ran, and forget it; the tasks
+        queued behind it go back to the planner's queue.
 
-        A worker that dies before it is ready while an initializer is set
-        breaks the pool instead (:meth:`_break_at_start`): no task ran in it.
+        A worker that dies before it is ready breaks the pool instead, when an
+        initializer is set or after :data:`SPAWN_TRIES` in a row: no task ran in it.
         """
         # What it sent before it exited is in the socket still: handle that first.
         self._receive(worker)
@@ -1259,14 +1131,7 @@ class Dispatcher:
             return
         exitcode = worker.watch.wait(1.0)
         self._forget(worker)
-        signal_name = _signal_name(exitcode)
-        how = f"was killed by {signal_name}" if signal_name else f"exited with code {exitcode}"
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
-        if worker.fault is not None:
-            if worker.ready:
-                self._lost_to_fault(worker, worker.fault, exitcode, signal_name)
-                return
-            how = f"broke the protocol with the pool (it sent {worker.fault}) and was killed"
         if not worker.ready and not by_pool:
             # No task is handed to a worker before it is ready, so none is charged with it.
             # With an initializer the pool breaks, as the standard pool does; without one, a
@@ -1275,79 +1140,20 @@ class Dispatcher:
             # would otherwise be started again without end.
             self.boot_deaths += 1
             if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
-                self._break_at_start(worker, exitcode, how, signal_name)
+                init = self.initializer[0] if self.initializer is not None else None
+                error = boot_error(worker.pid, exitcode, worker.fault, init, self.boot_deaths)
+                self._fail_queued(worker, error)
+                self._break(str(error), error)
             return
-        item = self._lost_run(worker)
-        if item is None:
-            return
-        if by_pool:
-            how += (
-                ", sent by the pool itself ("
-                + ("kill_workers()" if exitcode == -signal.SIGKILL else "terminate_workers()")
-                + ")"
-            )
-        hint = (
-            " SIGKILL often means the host's out-of-memory killer; check host RAM."
-            if signal_name == "SIGKILL" and not by_pool
-            else ""
-        )
-        message = (
-            f"A worker process (pid {worker.pid}) running a task of {item.key} {how}; "
-            f"only this task failed and the pool goes on.{hint}"
-        )
-        self._fail_lost(
-            worker,
-            item,
-            WorkerLostError(message, exitcode=exitcode, signal_name=signal_name),
-            {"exitcode": exitcode, "signal": signal_name, "pid": worker.pid},
-        )
-
-    def _lost_to_fault(
-        self, worker: _Worker, what: str, exitcode: int | None, signal_name: str | None
-    ) -> None:
-        """A ready worker killed for a protocol fault has exited: the task it ran fails with
-        a :class:`WorkerProtocolError` saying what arrived, its booking is released, and the
-        pool goes on (no task, when the fault came while it was idle)."""
-        item = self._lost_run(worker)
-        if item is None:
-            return
-        message = (
-            f"A worker process (pid {worker.pid}) running a task of {item.key} broke the "
-            f"protocol with the pool: it sent {what}. The worker was killed and replaced; "
-            "only this task failed and the pool goes on. A process the task forked that "
-            "writes on the worker's descriptors, or a library that does, causes this."
-        )
-        self._fail_lost(
-            worker,
-            item,
-            WorkerProtocolError(
-                message, pid=worker.pid, received=what, exitcode=exitcode, signal_name=signal_name
-            ),
-            {
-                "exitcode": exitcode,
-                "signal": signal_name,
-                "pid": worker.pid,
-                "protocol_fault": what,
-            },
-        )
-
-    def _lost_run(self, worker: _Worker) -> WorkItem | None:
-        """The lost ``worker``'s run, taken off it and settled (``None``: it ran none); the
-        tasks queued behind it go back to the planner's queue."""
         item = self._running_item(worker)
         self._requeue_behind(worker)
-        if item is not None:
-            self._settle(item)
-        return item
-
-    def _fail_lost(
-        self, worker: _Worker, item: WorkItem, error: BaseException, extra: dict[str, Any]
-    ) -> None:
-        """``item``, the lost ``worker``'s run, is recorded lost (``extra``: the record's
-        terms beside ``error``'s message), its booking released, and its future fails."""
-        self.planner.lost(item.task_id, self.now(), message=str(error), extra=extra)
+        if item is None:
+            return
+        fault = worker.fault if worker.ready else None
+        lost, extra = lost_error(worker.pid, item.key, exitcode, by_pool, fault)
+        self.planner.lost(item.task_id, self.now(), message=str(lost), extra=extra)
         self._booking_changed(worker)
-        self._resolve_error(item.future, error)
+        self.outcomes.fail(item, lost)
 
     def _booking_changed(self, worker: _Worker) -> None:
         """What ``worker`` holds booked on its card changed: the host's table hears of it."""
@@ -1357,57 +1163,15 @@ class Dispatcher:
     def _break_unpicklable_start(self, exc: StartDataError) -> None:
         """The initializer or its initargs cannot be pickled: no worker can ever start, so
         the pool breaks at once, as when an initializer raises."""
-        error: BrokenProcessPool
-        if self.initializer is None:  # the pool's own arguments: not expected
-            error = _broken_by(f"a worker process cannot be started ({exc})", exc)
-            self._break(str(error), error)
-            return
-        name = callable_name(self.initializer[0])
-        error = InitializerError(
-            f"{_BROKEN_INIT}: the initializer {name} or its initargs cannot be sent to a "
-            f"worker process ({exc}). Workers are spawned: pass initargs that pickle "
-            "(multiprocessing queues, locks and events from "
-            "multiprocessing.get_context('spawn'), or a Manager's proxies).",
-            initializer=name,
-        )
-        error.__cause__ = _detached(exc.__cause__ or exc)
-        self._break(str(error), error)
-
-    def _break_at_start(
-        self, worker: _Worker, exitcode: int | None, how: str, signal_name: str | None
-    ) -> None:
-        """A worker died before it was ready (with an initializer set, or SPAWN_TRIES in a row
-        without one): the pool breaks, as the standard pool does, and what was pending fails
-        with it (no task ran in such a worker: none is charged as if it had)."""
-        error: BrokenProcessPool
-        if self.initializer is not None:
-            name = callable_name(self.initializer[0])
-            error = InitializerError(
-                f"{_BROKEN_INIT}: a worker process (pid {worker.pid}) {how} before it was "
-                f"ready, in the initializer {name} or the start-up after it; no task ran in "
-                "it. An initializer that kills its process (os._exit, a failed CUDA "
-                "initialisation) breaks the pool as one that raises does.",
-                initializer=name,
-                exitcode=exitcode,
-                signal_name=signal_name,
-            )
-        else:
-            error = BrokenProcessPool(
-                f"A process in the process pool was terminated abruptly while the future was "
-                f"running or pending: {self.boot_deaths} worker processes in a row (the last, "
-                f"pid {worker.pid}, {how}) died before they were ready; no task ran in them. "
-                "Check that the workers can start (imports, the environment, host memory)."
-            )
-        self._fail_queued(worker, error)
+        error = start_data_error(self.initializer[0] if self.initializer else None, exc)
         self._break(str(error), error)
 
     def _fail_queued(self, worker: _Worker, error: BaseException) -> None:
         """Fail what was handed to ``worker`` with a copy of ``error`` each; release its
         bookings (nothing is learned from a task that did not end by itself)."""
         for item in worker.queue:
-            self._settle(item)
             self.planner.finished(item.task_id, None, self.now(), failed=True)
-            self._fail(item, copy_broken(error, str(error)))
+            self.outcomes.fail(item, copy_broken(error, str(error)))
         worker.queue.clear()
 
     def _note_table(self) -> None:
@@ -1417,7 +1181,7 @@ class Dispatcher:
             return
         skipped = self.link.note(self.record, self.now())
         if skipped:
-            self.counts["bookings_skipped"] = skipped
+            self.outcomes.counts["bookings_skipped"] = skipped
 
     def _waiting_changed(self) -> None:
         if self.link is not None:
@@ -1524,106 +1288,20 @@ class Dispatcher:
         self._drain_incoming()
         items = []
         for task in self.planner.pending_tasks():
-            items.append(self.items.pop(task))
+            items.append(self.outcomes.items.pop(task))
             self.planner.withdraw(task)
+        broken = self.inbox.broken
         for item in items:
-            if self.inbox.broken is None and item.future.cancel():
-                item.future.set_running_or_notify_cancel()
-                self.counts["cancelled"] += 1
-            elif not item.started and not item.future.set_running_or_notify_cancel():
-                # Broken, but the caller cancelled it first: counted (and its waiters told) so.
-                self.counts["cancelled"] += 1
-            elif self.inbox.broken is not None:
-                self._resolve_error(
-                    item.future, copy_broken(self.inbox.broken_exc, self.inbox.broken)
-                )
-            else:
-                self._resolve_error(
-                    item.future, WorkerLostError("the pool stopped before this task ran")
-                )
-
-
-def _load_exception(payload: bytes | bytearray | memoryview) -> BaseException:
-    try:
-        exc, tb = cloudpickle.loads(payload)
-    except BaseException as error:
-        broken = BrokenProcessPool(
-            "An exception raised by the task has failed to un-serialize in the parent."
-        )
-        broken.__cause__ = _detached(error)
-        return broken
-    exc.__cause__ = _RemoteTraceback(tb)
-    return exc  # type: ignore[no-any-return]
-
-
-def _os_error_in(exc: BaseException) -> OSError | None:
-    """The OSError behind ``exc``: itself, or one it was raised while handling.
-
-    loky's start raises an ``UnboundLocalError`` from its cleanup when
-    ``os.pipe()`` fails; the EMFILE behind it is that error's context.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _signal_name(exitcode: int | None) -> str | None:
-    """The name of the signal that ended a process (``exitcode`` negative), else ``None``."""
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
-def callable_name(fn: Callable[..., object]) -> str:
-    """``module.qualname`` of a callable (a partial's function): a task's default key, and
-    the initializer's name in messages."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{name}"
-
-
-def _broken_by(message: str, cause: BaseException) -> BrokenProcessPool:
-    error = BrokenProcessPool(message)
-    error.__cause__ = cause
-    return error
-
-
-def _detached(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback kept as text only.
-
-    Its frames reach the dispatcher's loop, whose locals hold every worker
-    (and each worker's process sentinel): a caller keeping the exception
-    would keep those file descriptors open.
-    """
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    exc = exc.with_traceback(None)
-    if exc.__cause__ is None:
-        exc.__cause__ = _RemoteTraceback(cast(Any, text))
-    return exc
-
-
-def _set_result(future: Future[Any], result: Any) -> None:
-    try:
-        future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def _set_exception(future: Future[Any], exc: BaseException) -> None:
-    try:
-        future.set_exception(exc)
-    except concurrent.futures.InvalidStateError:
-        pass
+            if broken is None and self.outcomes.cancel(item):
+                continue
+            # Broken, or started to its future (or, broken, cancelled by its caller first:
+            # counted so by the outcomes).
+            self.outcomes.fail(
+                item,
+                copy_broken(self.inbox.broken_exc, broken)
+                if broken is not None
+                else WorkerLostError("the pool stopped before this task ran"),
+            )
 
 
 def _weak_notes(dispatcher: Dispatcher) -> Callable[[int, bool], Mapping[str, Any]]:
