@@ -2,22 +2,37 @@
 
 Data flow::
 
-    caller threads             dispatcher thread                      workers (spawned processes)
-    --------------             -----------------                      -----------------------
-    submit(fn, *a) -> incoming -> planner.submit (PENDING)
-                      deque       read each card once (one snapshot)
-                                  planner.next_start -> Start/Wait/Fail
-                                  Start: a warm or new worker         -> (task id, task)
-                                  (RUNNING once handed over)             probe.start(); fn(*a)
-                                                                         probe.stop() -> report
-                    futures  <-   result / error / oom / worker death  <- (pid, task, kind, report)
-                                  planner.ended (settled next turn) / oom /
-                                  lost; its records -> DecisionLog
-    statistics(), width  <-       snapshot (PoolSnapshot, replaced whole at the end
-                                  of each turn and before a future changes state)
+    caller threads           dispatcher thread (the loop)                 workers (processes)
+    --------------           ----------------------------                 -------------------
+    submit(fn, *a) -> Inbox -> Outcomes.take -> planner.submit (PENDING)
+                     (lock,    CardReader.read -> planner.observe
+                     flags,    planner.next_start -> Start / Warm / Wait / Fail
+                     wake)     Start: WorkerSet.send (RUNNING)            -> (task id, task)
+                                                                             fn(*a) -> report
+                               WorkerSet.serve -> Ready / Answered / Exited <- (pid, task, kind)
+                               planner.ended / out_of_memory / lost
+                               Outcomes: result or error -> one outbox
+    statistics(), width  <-    end of turn: publish the snapshot, then deliver the outbox
+    futures              <-
 
-This module is mechanism only: the thread, the pipes, the workers and the
-futures. Every price, admission and width decision is made by the planner
+The parts own their state, and only the dispatcher thread calls them (but the
+inbox, which caller threads share under its lock):
+
+* :class:`~gpupool._pool.inbox.Inbox`: tasks submitted and not yet taken, the
+  flags callers raise (shutdown, cancel, kill), the wake pipe, the break.
+* :class:`~gpupool._pool.workers.WorkerSet`: the processes, their channels, the
+  selector, the spawn back-off; it returns events and never touches a future
+  or the planner.
+* :class:`~gpupool._pool.cards.CardReader`: one reading of a card, the pool's
+  PIDs told from a co-tenant's.
+* :class:`~gpupool._pool.booking_link.BookingLink`: this pool's exchanges with
+  the host's booking table.
+* :class:`~gpupool._pool.outcomes.Outcomes`: the futures, one ordered outbox
+  of results and failures, the counts, every error's wording.
+* :class:`Dispatcher`, the loop: the only code that asks the planner; it acts
+  on the events and the verdicts.
+
+Every price, admission and width decision is made by the planner
 (:mod:`gpupool._core.planner`), which touches none of them. Tasks held back
 for memory stay PENDING in the parent, so ``cancel()`` works on them; a task
 becomes RUNNING only when it is handed to a worker, and a worker runs one
@@ -36,12 +51,8 @@ its workers itself (fork+exec with a per-process ``env``, cloudpickle:
 
 from __future__ import annotations
 
-import collections
+import functools
 import itertools
-import os
-import select
-import selectors
-import signal
 import threading
 import time
 import weakref
@@ -51,34 +62,28 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import CardCensus, Census
-from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     QUEUE_DEPTH,
-    SAMPLE_MIN_GAP_S,
     CardReading,
     Fail,
     Planner,
     PlannerConfig,
     Refuse,
     Retry,
+    Start,
     Wait,
     Warm,
     Workers,
 )
 from gpupool._core.policy import AskTable
-from gpupool._errors import (
-    DeviceOutOfMemoryError,
-    WidthError,
-    WorkerLostError,
-)
+from gpupool._errors import DeviceOutOfMemoryError, WidthError, WorkerLostError
 from gpupool._log import LOGGER, DecisionLog
-from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
-from gpupool._pool.by_value import dumps_call, sender_ids
-from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
+from gpupool._pool.by_value import dumps_call
+from gpupool._pool.cards import READ_WHILE_RUNNING_S, CardReader
 from gpupool._pool.inbox import Inbox, copy_broken
-from gpupool._pool.launch import StartDataError, WorkerContext
+from gpupool._pool.launch import StartDataError
 from gpupool._pool.outcomes import (
     Outcomes,
     boot_error,
@@ -91,17 +96,23 @@ from gpupool._pool.outcomes import (
     spawn_error,
     start_data_error,
 )
-from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
-from gpupool._pool.worker import worker_main
-from gpupool._probe import allocator_cap_message
-from gpupool._sensors.host import read_ancestors
+from gpupool._pool.workers import (
+    SPAWN_FIRST_WAIT_S,
+    SPAWN_TRIES,
+    Answered,
+    Exited,
+    SpawnFailed,
+    Worker,
+    WorkerSet,
+)
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
     from gpupool._sensors.bookings import BookingTable
 
 __all__ = [
+    "SPAWN_TRIES",
     "DeviceState",
     "Dispatcher",
     "WorkItem",
@@ -111,20 +122,6 @@ __all__ = [
 
 #: How long shutdown waits for workers told to exit before it kills them.
 STOP_WAIT_S = 10.0
-
-#: Tries to start a worker for one task before that task fails with the start's
-#: error (EMFILE, EAGAIN, ENOMEM...); the waits between them grow from the first
-#: by a factor of four: 0.05, 0.2, 0.8, 3.2 s (4.25 s in all). Only the task that
-#: needed the worker fails; the pool and its running tasks go on.
-SPAWN_TRIES = 5
-#: While tasks run, the cards are read at least this often (the planner samples
-#: these readings into the decision log, coalesced: see ``card_read``).
-READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
-SPAWN_FIRST_WAIT_S = 0.05
-
-#: How long the pool waits for a worker whose initializer raised to exit (it
-#: exits right after saying so) before it reports itself broken.
-INIT_EXIT_WAIT_S = 5.0
 
 #: The most waiting tasks a row of the host's booking table describes by key (for people).
 _WAITS_SCANNED = 64
@@ -183,78 +180,29 @@ class WorkItem:
 _task_ids = itertools.count()
 
 
-class _Worker:
-    """One worker process and the tasks handed to it: ``queue[0]`` runs (a worker runs one
-    task at a time), and a short task of its key may wait behind it (planner/queued).
-
-    ``ready`` turns true when the worker says so: its initializer returned and
-    its probe is set up. ``resident_bytes`` is what it held on its card then
-    (a model its initializer loaded, its context), ``None`` when unknown.
-    """
-
-    __slots__ = (
-        "channel",
-        "conn",
-        "device",
-        "fault",
-        "frames",
-        "gone",
-        "pid",
-        "process",
-        "queue",
-        "ready",
-        "resident_bytes",
-        "retiring",
-        "started_s",
-        "tasks_done",
-        "watch",
-    )
-
-    def __init__(self, process: Any, conn: Any, device: int | None) -> None:
-        self.process = process
-        self.conn = conn
-        self.channel = Channel(conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES)
-        self.watch = ProcessWatch(process)
-        # Frames read but not yet handled (one answer each).
-        self.frames: collections.deque[bytearray] = collections.deque()
-        # What it sent that broke the protocol (quoted), once it did: it is being killed.
-        self.fault: str | None = None
-        self.device = device
-        self.pid: int = process.pid
-        self.queue: collections.deque[WorkItem] = collections.deque()
-        self.tasks_done = 0
-        self.retiring = False
-        self.gone = False
-        self.started_s = 0.0
-        self.ready = False
-        self.resident_bytes: int | None = None
-
-    @property
-    def task(self) -> WorkItem | None:
-        """The task running now, or ``None`` when idle."""
-        return self.queue[0] if self.queue else None
-
-
 class DeviceState:
-    """One card the pool uses: how to reach it and the workers pinned to it."""
+    """One card the pool uses: its index, how to reach it, and its census."""
 
-    __slots__ = ("census", "index", "info", "workers")
+    __slots__ = ("census", "index", "info")
 
     def __init__(self, index: int, info: DeviceInfo, census: CardCensus) -> None:
         self.index = index
         self.info = info
         self.census = census
-        self.workers: list[_Worker] = []
 
 
 class Dispatcher:
-    """Owns the workers, pipes and futures; only its thread changes them (submit only appends).
+    """The loop: the dispatcher thread's turns over the parts, and the only code that asks the
+    planner (:class:`gpupool._core.planner.Planner`).
 
-    Every price, admission and width decision is the planner's
-    (:class:`gpupool._core.planner.Planner`): before every start the
-    dispatcher reads each card once (free and per-process bytes in one
-    snapshot), tells the planner, and does what its verdict says.
+    Each turn it takes what callers submitted, reads each card once before a start, does
+    what the planner's verdicts say, and acts on what the worker set reports; at the end
+    of the turn it publishes the snapshot and delivers the outbox. Caller threads reach
+    :attr:`inbox` and what is published (:attr:`snapshot`, ``workers.processes``) only.
     """
+
+    #: What other threads may read: the inbox is theirs; the rest is replaced whole.
+    PUBLISHED = frozenset({"inbox", "snapshot", "workers", "thread", "join"})
 
     def __init__(
         self,
@@ -272,48 +220,40 @@ class Dispatcher:
         bookings: BookingTable | None = None,
         pool_id: str = "",
     ) -> None:
-        self.census = census
         self.devices = devices
-        self.sensor = sensor
         self.asks = asks
-        self.config = config
-        self.max_tasks_per_child = max_tasks_per_child
-        self.initializer = initializer
+        self.initializer = initializer[0] if initializer is not None else None
         self.log = log
-        self.env = dict(env)
-        self.cap_allocator = cap_allocator
-        self.context = WorkerContext()
         self.started_at_s = time.monotonic()
         # The log, not a method of self: a planner that held the dispatcher would be a
         # reference cycle, keeping initargs alive after shutdown until a GC pass.
         self.planner = Planner(census=census, asks=asks, config=config, emit=log.append, now_s=0.0)
-        # What caller threads hand over (tasks, flags), and all they may touch but the snapshot.
         self.inbox = Inbox()
-        # The tasks held, their futures, the outbox and the counts.
         self.outcomes = Outcomes()
-        self.host_workers: list[_Worker] = []
-        self.processes: dict[int, Any] = {}
-        self.signalled: set[tuple[int, int]] = set()
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.inbox.wake_reader, selectors.EVENT_READ, None)
-        # Failed worker starts in a row, and when the next try may be made.
-        self.spawn_failures = 0
-        self.spawn_retry_at_s = 0.0
-        # Workers in a row that died before they were ready (no task had been handed to them).
-        self.boot_deaths = 0
+        self.cards = CardReader(sensor)
+        self.workers = WorkerSet(
+            cards=devices,
+            env=env,
+            initializer=initializer,
+            max_tasks_per_child=max_tasks_per_child,
+            cap_allocator=cap_allocator,
+            wake_fd=self.inbox.wake_reader,
+        )
         # The host-wide booking table (None: sharing is off), and this pool's exchanges
         # with it (per change, coalesced: see booking_link).
         self.bookings = bookings
-        self.pool_id = pool_id
         self.link = (
             None
             if bookings is None
-            else BookingLink(bookings, pool_id, devices, sensor, self.planner, _weak_notes(self))
+            else BookingLink(
+                bookings,
+                pool_id,
+                devices,
+                sensor,
+                self.planner,
+                functools.partial(_row_notes, self.planner, log, self.started_at_s),
+            )
         )
-        # When the cards were last read (monotonic seconds).
-        self.read_s = 0.0
-        # Per card, the rows of its readings found not to be under any worker (_pool_pids).
-        self.not_pool_pids: dict[int, set[int]] = {}
         # What readers on other threads read: only the dispatcher thread replaces it, whole.
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
@@ -323,8 +263,6 @@ class Dispatcher:
         # futures is RUNNING, so that width and widths_by_key count them).
         self.unpublished_tasks = False
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
-
-    # -- what the planner decided (read by the executor) -------------------------------
 
     def publish(self) -> None:
         """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
@@ -352,52 +290,10 @@ class Dispatcher:
                 self.publish_failed = True
                 LOGGER.exception("gpupool could not take the statistics snapshot")
 
-    # -- called from caller threads -------------------------------------------------
-
     def start(self) -> None:
         _dispatchers.add(self)
         self.publish()  # before the thread: the construction's width and records
         self.thread.start()
-
-    def _kill_workers(self, sig: int) -> None:
-        self._drain_incoming()
-        for task in self.planner.pending_tasks():
-            item = self.outcomes.items.pop(task)
-            self.planner.withdraw(task)
-            if item.started:
-                error = WorkerLostError("the pool's workers were stopped before this ran")
-                self.outcomes.fail(item, error)
-            else:
-                self.outcomes.cancel(item)
-        for worker in self._all_workers():
-            sent = (worker.pid, sig)  # SIGKILL after SIGTERM is sent too
-            if sent not in self.signalled:
-                self.signalled.add(sent)
-                signal_tree(worker.pid, sig)
-
-    def _cancel_pending(self) -> None:
-        self._drain_incoming()
-        held = self.outcomes.items
-        items = [held[t] for t in self.planner.pending_tasks() if not held[t].started]
-        # A task waiting for room after a lone out-of-memory has started (its future is
-        # RUNNING, so it cannot be cancelled), but nothing of it runs: it fails now rather
-        # than hold the shutdown for up to room_wait_s.
-        waiting = [held[t] for t in self.planner.waiting_for_room()]
-        for item in waiting:
-            self.planner.withdraw(item.task_id)
-            self.outcomes.fail(
-                item,
-                DeviceOutOfMemoryError(
-                    f"a task of {item.key} ran out of device memory alone and was waiting for "
-                    "room when the pool was shut down with cancel_futures=True",
-                    device=None,
-                    ask_bytes=self.asks.ask(item.key).ask_bytes,
-                    detail="shut down while waiting for room",
-                ),
-            )
-        # A cancelled future's callbacks may call shutdown(): the inbox's lock is not held.
-        for item in items:
-            item.future.cancel()  # then let go when the planner offers it (_claim)
 
     def close(self) -> None:
         """Release the dispatcher's descriptors (its thread's last act, or a failed start)."""
@@ -405,20 +301,22 @@ class Dispatcher:
         self.log.close()
         if self.bookings is not None:
             self.bookings.close()
-        self.selector.close()
+        self.workers.close()
         self.inbox.close()
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout)
 
-    # -- the dispatcher thread --------------------------------------------------------
-
     def now(self) -> float:
         return time.monotonic() - self.started_at_s
 
-    def record(self, decision: Decision) -> None:
-        self.log.append(decision)
+    def read_census_terms(self) -> None:
+        """Before the first decision: what other pools hold now is in the census' co-tenant
+        bytes; the planner prices them by their bookings instead."""
+        self._read_cards(census=True)
+
+    # -- the turn ----------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -429,14 +327,17 @@ class Dispatcher:
         finally:
             self.inbox.stop()  # submit refuses from now on; what came before fails below
             self._deliver_last()  # what the turn that crashed had not delivered
-            self._stop_workers()
+            stopped = WorkerLostError("the pool stopped before this task finished")
+            for worker in self.workers.stop(STOP_WAIT_S):
+                self._fail_items(self.workers.take_queue(worker), stopped)
+            self._fail_pending()
             if self.link is not None:
                 self.link.withdraw_all()
             self._note_table()
             lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
             self.planner.flush_asks(self.now())
             counts = self.outcomes.counts
-            self.record(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
+            self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
             self._deliver_last()  # with the last snapshot: what statistics() says from now on
             self.close()
 
@@ -448,14 +349,6 @@ class Dispatcher:
             self.outcomes.deliver()
         except BaseException:
             LOGGER.exception("a done-callback raised as the pool stopped")
-
-    def _all_workers(self) -> list[_Worker]:
-        if not self.devices:
-            return self.host_workers
-        workers = list(self.host_workers)
-        for device in self.devices:
-            workers.extend(device.workers)
-        return workers
 
     def _loop(self) -> None:
         while True:
@@ -471,21 +364,24 @@ class Dispatcher:
             if self.inbox.broken is None and kill_signal is None:
                 self._queue_behind_busy()
             self._retire_beyond_limits()
-            workers = self._all_workers()
-            busy = any(w.task is not None for w in workers)
-            if busy:
-                poll_s = self._read_while_running(poll_s)
+            busy = any(w.task is not None for w in self.workers.all())
+            if busy:  # the cards are read every READ_WHILE_RUNNING_S while tasks run
+                due_s = self.cards.due_s()
+                if due_s <= 0:
+                    self._read_cards()
+                    due_s = READ_WHILE_RUNNING_S
+                poll_s = due_s if poll_s is None else min(poll_s, due_s)
             self.planner.sample_cards(self.now())
             if self.link is not None:
-                due_s = self.link.flush(self.now())
-                if due_s is not None:
-                    poll_s = due_s if poll_s is None else min(poll_s, due_s)
+                flush_s = self.link.flush(self.now())
+                if flush_s is not None:
+                    poll_s = flush_s if poll_s is None else min(poll_s, flush_s)
             self._note_table()
             self.publish()  # the end of the turn
             self.outcomes.deliver()  # the turn's outcomes, counted by that snapshot
             if self.inbox.done(holding=bool(self.outcomes.items), busy=busy):
                 return
-            self._wait_and_serve(workers, poll_s)
+            self._serve(poll_s)
 
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
@@ -510,33 +406,20 @@ class Dispatcher:
         if refused is not None:
             self._refuse(refused)
 
-    def _wait_and_serve(self, workers: list[_Worker], timeout_s: float | None) -> None:
-        """Wait for the selector, then write, read and reap what it says is ready."""
-        unwatched = [w for w in workers if w.watch.pidfd is None]
-        if unwatched:
-            # No pidfd: the sentinel may be held by a grandchild, so ask waitpid too.
-            timeout_s = (
-                POLL_WITHOUT_PIDFD_S if timeout_s is None else min(timeout_s, POLL_WITHOUT_PIDFD_S)
-            )
-        ready = self.selector.select(timeout_s)
-        ended: list[_Worker] = []
-        for key, events in ready:
-            if not key.data:
-                continue
-            worker, what = key.data
-            if worker.gone:
-                continue
-            if what == "exit":
-                ended.append(worker)
-                continue
-            if events & selectors.EVENT_WRITE:
-                self._flush(worker)
-            if events & selectors.EVENT_READ and not worker.gone:
-                self._receive(worker)
-        ended.extend(w for w in unwatched if w not in ended and w.watch.exitcode() is not None)
-        for worker in ended:
-            if not worker.gone:
-                self._reap(worker)
+    def _serve(self, timeout_s: float | None) -> None:
+        """Wait for the workers (or the inbox's wake-up), and act on what they report, one
+        event at a time (the worker set reads on once the loop has acted)."""
+        for event in self.workers.serve(timeout_s):
+            if isinstance(event, Answered):
+                try:
+                    self._answered(event)
+                except BaseException as exc:
+                    if event.item is not None:  # a crash here still ends the task's future
+                        self.outcomes.fail(event.item, exc)
+                    raise
+            elif isinstance(event, Exited):
+                self._exited(event)
+            del event  # keep nothing of a finished task
 
     # -- placing tasks ----------------------------------------------------------------
 
@@ -553,71 +436,25 @@ class Dispatcher:
         """One live snapshot of every readable card, for the planner's live gate and own term,
         and the other pools' bookings from the host's table."""
         now = self.now()
-        self.read_s = time.monotonic()
+        self.cards.reading_all()
         for device in self.devices:
             if not device.census.readable:
                 continue
-            reading = self._snapshot(device)
+            reading = self._reading(device, now)
             if reading is not None:
                 self.planner.observe(device.index, reading, now)
             if self.link is not None:
                 self.link.read(device, now, census=census)
 
-    def _read_while_running(self, poll_s: float | None) -> float | None:
-        """While tasks run, read the cards every :data:`READ_WHILE_RUNNING_S` (the log's
-        samples of what the cards held come from these readings); returns the turn's wait."""
-        due_s = self.read_s + READ_WHILE_RUNNING_S - time.monotonic()
-        if due_s <= 0:
-            self._read_cards()
-            due_s = READ_WHILE_RUNNING_S
-        return due_s if poll_s is None else min(poll_s, due_s)
-
-    def read_census_terms(self) -> None:
-        """Before the first decision: what other pools hold now is in the census' co-tenant
-        bytes; the planner prices them by their bookings instead."""
-        self._read_cards(census=True)
-
-    def _snapshot(self, device: DeviceState) -> CardReading | None:
-        try:
-            memory, rows = self.sensor.read_snapshot(device.info)
-        except Exception as exc:
-            # Unreadable is not empty: while the live reading fails, the card
-            # runs one task of the pool at a time, as an unreadable card does.
-            self.planner.observe_error(device.index, f"{type(exc).__name__}: {exc}", self.now())
+    def _reading(self, device: DeviceState, now: float) -> CardReading | None:
+        """``device`` read now; ``None`` when it could not be. Unreadable is not empty: while
+        the live reading fails, the card runs one task of the pool at a time, as an
+        unreadable card does."""
+        reading = self.cards.read(device, [w.pid for w in self.workers.all()])
+        if isinstance(reading, str):
+            self.planner.observe_error(device.index, reading, now)
             return None
-        process_bytes = None
-        pool_pids: frozenset[int] = frozenset()
-        if rows is not None:
-            process_bytes = {r.pid: r.used_bytes or 0 for r in rows}
-            pool_pids = self._pool_pids(device.index, process_bytes)
-        return CardReading(
-            free_bytes=memory.free_bytes,
-            used_bytes=memory.used_bytes,
-            process_bytes=process_bytes,
-            pool_pids=pool_pids,
-        )
-
-    def _pool_pids(self, device: int, rows: Mapping[int, int]) -> frozenset[int]:
-        """The rows' PIDs that are the pool's workers (on any card) or were started under
-        one (a task's subprocess): the pool's bytes, never a co-tenant's.
-
-        A row found not to be under any worker is not walked again while it stays in the
-        rows (a process is never re-parented under a worker), so the cards' readings every
-        0.2 s walk ``/proc`` only for rows that are new."""
-        workers = frozenset(w.pid for w in self._all_workers())
-        strangers = self.not_pool_pids.setdefault(device, set())
-        strangers &= rows.keys()
-        ours = set()
-        for pid in rows:
-            if pid in workers:
-                ours.add(pid)
-            elif pid == os.getpid() or pid in strangers:
-                continue
-            elif workers.isdisjoint(read_ancestors(pid)):
-                strangers.add(pid)
-            else:
-                ours.add(pid)
-        return frozenset(ours)
+        return reading
 
     def _schedule(self) -> float | None:
         """Start what the planner admits; returns how soon to ask again (``None``: on an event)."""
@@ -632,98 +469,98 @@ class Dispatcher:
                 read = True
                 continue
             verdict = self.planner.next_start(self.now(), self._worker_counts())
-            if verdict is None:
-                self._waiting_changed()
-                return None
-            if isinstance(verdict, Wait):
-                self._waiting_changed()
-                return verdict.poll_s
+            if verdict is None or isinstance(verdict, Wait):
+                if self.link is not None:
+                    self.link.waiting_changed()
+                return None if verdict is None else verdict.poll_s
             if isinstance(verdict, Refuse):
                 self._refuse(verdict)  # strict mode: the pool breaks
                 continue
             item = self.outcomes.items[verdict.task]
-            if isinstance(verdict, Warm):
-                # A task fits there now but no ready worker is idle: start one for it. Its
-                # future is RUNNING from here, as a standard pool's is once handed to a
-                # worker's queue (a shutdown that cancels pending work no longer takes it),
-                # but the planner admits it only when a ready worker can run it (the ready
-                # message is an event), against the readings of that moment.
-                if not self._claim(item):
-                    continue
-                device = self.devices[verdict.device] if verdict.device is not None else None
-                pool = device.workers if device is not None else self.host_workers
-                if self._start_for(item, device, pool) is None:
-                    if verdict.task not in self.outcomes.items:
-                        continue  # it failed: the start's error is in its future
-                    return max(0.01, self.spawn_retry_at_s - time.monotonic())
-                continue
             if isinstance(verdict, Fail):
                 self.outcomes.fail(item, oom_error(item.key, verdict, None))
-                continue
-            device = self.devices[verdict.device] if verdict.device is not None else None
-            pool = device.workers if device is not None else self.host_workers
-            # The planner admitted it where a ready worker is idle: it runs now.
-            worker = next(w for w in pool if w.task is None and w.ready and not w.retiring)
-            if not self._claim(item):
-                continue
-            if self.link is not None and not self.link.book(
-                verdict, worker.pid, item.key, self.now()
-            ):
-                # Another pool booked the room first: the planner now knows, and the
-                # task waits (still RUNNING to its future) on a warm worker.
-                continue
-            payload = self._pickled(item)
-            if payload is None:
-                continue
-            self.planner.started(verdict.task, verdict.device, worker.pid, self.now())
-            self._send(item, worker, verdict.ask_bytes, payload)
-            del payload
+            elif isinstance(verdict, Warm):
+                retry_s = self._warm(item, verdict.device)
+                if retry_s is not None:
+                    return retry_s
+            else:
+                self._start(item, verdict)
+
+    def _warm(self, item: WorkItem, card: int | None) -> float | None:
+        """A task fits on ``card`` now but no ready worker is idle: start one for it; how soon
+        to try again when the start failed and is to be tried again.
+
+        Its future is RUNNING from here, as a standard pool's is once handed to a worker's
+        queue (a shutdown that cancels pending work no longer takes it), but the planner
+        admits it only when a ready worker can run it (the ready message is an event),
+        against the readings of that moment. A start that fails (EMFILE, EAGAIN, ENOMEM)
+        leaves it at the head of the planner's queue; after ``SPAWN_TRIES`` in a row it
+        alone fails with the start's error, and no other task is affected.
+        """
+        if not self._claim(item):
+            return None
+        try:
+            started = self.workers.spawn(card)
+        except StartDataError as exc:
+            error = start_data_error(self.initializer, exc)
+            self._break(str(error), error)
+            return None
+        if started is None:
+            return self.workers.retry_in_s()
+        if isinstance(started, SpawnFailed):
+            self.outcomes.counts["spawn_failures"] += 1
+            if not started.final:
+                return self.workers.retry_in_s()
+            self.planner.withdraw(item.task_id)
+            self.outcomes.fail(item, spawn_error(started.error, started.tries, SPAWN_FIRST_WAIT_S))
+            return None
+        self.outcomes.counts["workers_started"] += 1
+        return None
+
+    def _start(self, item: WorkItem, start: Start) -> None:
+        """The planner admitted ``item`` where a ready worker is idle: it runs now."""
+        worker = next(w for w in self.workers.on(start.device) if w.task is None and w.open)
+        if not self._claim(item):
+            return
+        if self.link is not None and not self.link.book(start, worker.pid, item.key, self.now()):
+            # Another pool booked the room first: the planner now knows, and the
+            # task waits (still RUNNING to its future) on a warm worker.
+            return
+        payload = self._pickled(item)
+        if payload is not None:
+            self.planner.started(start.task, start.device, worker.pid, self.now())
+            self.workers.send(worker, item, payload, start.ask_bytes)
 
     def _queue_behind_busy(self) -> None:
-        """Behind each busy worker, the next task of its key where the planner lets it wait
+        """Behind each busy worker, the next tasks of its key where the planner lets them wait
         there (short tasks, in the worker's booking: :mod:`gpupool._core.planner.queued`):
-        the worker starts it without waiting for the parent. Its future is RUNNING from
-        here, as a standard pool's queued call is."""
-        limit = self.max_tasks_per_child
-        for worker in self._all_workers():
+        the worker starts them without waiting for the parent. Their futures are RUNNING
+        from here, as a standard pool's queued calls are."""
+        limit = self.workers.max_tasks_per_child
+        for worker in self.workers.all():
             if not self.planner.has_pending():
                 return
             head = worker.task
-            if (
-                head is None
-                or not worker.ready
-                or worker.retiring
-                or worker.gone
-                or worker.fault is not None
-            ):
+            if head is None or not worker.open:
                 continue
             queued = False
             while len(worker.queue) <= QUEUE_DEPTH and (
                 limit is None or worker.tasks_done + len(worker.queue) < limit
             ):
-                if not self._queue_one_behind(worker, head):
+                task = self.planner.queue_behind(head.task_id)
+                if task is None:
                     break
+                item = self.outcomes.items[task]
+                # Cancelled first, or unpicklable (its own future failed): withdrawn.
+                payload = self._pickled(item) if self._claim(item) else None
+                if payload is None:
+                    continue
+                ask_bytes = self.planner.ask_of(task).ask_bytes
+                self.workers.send(worker, item, payload, ask_bytes, queued=True, now=False)
+                self.outcomes.counts["queued_behind"] += 1
                 queued = True
             if queued:  # the tasks queued behind it, written together
-                self._write_queued(worker)
-
-    def _queue_one_behind(self, worker: _Worker, head: WorkItem) -> bool:
-        """Queue the next task behind ``worker``'s run ``head``, where the planner lets it;
-        whether one was queued (or withdrawn: then the next may be)."""
-        task = self.planner.queue_behind(head.task_id)
-        if task is None:
-            return False
-        item = self.outcomes.items[task]
-        if not self._claim(item):
-            return True  # cancelled first: withdrawn from the planner
-        payload = self._pickled(item)
-        if payload is None:
-            return True  # failed its own future: withdrawn from the planner
-        self._send(
-            item, worker, self.planner.ask_of(task).ask_bytes, payload, queued=True, now=False
-        )
-        self.outcomes.counts["queued_behind"] += 1  # handed to the worker (not one withdrawn above)
-        return True
+                self.workers.flush_queued(worker)
 
     def _pickled(self, item: WorkItem) -> bytes | None:
         """``item``'s call pickled to send; ``None`` when it cannot be pickled: as in CPython's
@@ -735,22 +572,6 @@ class Dispatcher:
             self.outcomes.fail(item, detached(exc))
             return None
 
-    def _running_item(self, worker: _Worker) -> WorkItem | None:
-        """The task ``worker`` was running when it was lost, taken off its queue; ``None`` when
-        it ran none, or only a task queued behind one that ran out of memory, which it was
-        to decline and so never ran (that one goes back to the queue with the others)."""
-        if not worker.queue or self.planner.is_queued(worker.queue[0].task_id):
-            return None
-        return worker.queue.popleft()
-
-    def _requeue_behind(self, worker: _Worker) -> None:
-        """``worker`` is gone: the tasks queued behind its run never ran, so they go back to
-        the planner's queue in their order (their futures stay RUNNING) and start
-        elsewhere."""
-        for item in worker.queue:
-            self.planner.requeue(item.task_id)
-        worker.queue.clear()
-
     def _claim(self, item: WorkItem) -> bool:
         """Make ``item``'s future RUNNING (once); ``False`` when the caller cancelled it first
         (it is withdrawn and counted)."""
@@ -758,10 +579,10 @@ class Dispatcher:
             return True
         if self.unpublished_tasks:
             self.publish()  # before its future is RUNNING: the width counts its task
-        if not self.outcomes.claim(item):
-            self.planner.withdraw(item.task_id)
-            return False
-        return True
+        if self.outcomes.claim(item):
+            return True
+        self.planner.withdraw(item.task_id)
+        return False
 
     def _worker_counts(self) -> Workers:
         """The workers per card as the planner needs them: ready and idle, and booting.
@@ -771,7 +592,7 @@ class Dispatcher:
         events): it counts as booting, so that no other worker is started in its place."""
         ready: dict[int | None, int] = {}
         booting: dict[int | None, int] = {}
-        for worker in self._all_workers():
+        for worker in self.workers.all():
             if worker.gone or worker.retiring:
                 continue
             head = worker.task
@@ -781,310 +602,132 @@ class Dispatcher:
                 ready[worker.device] = ready.get(worker.device, 0) + 1
         return Workers(ready=ready, booting=booting)
 
-    def _start_for(
-        self, item: WorkItem, device: DeviceState | None, pool: list[_Worker]
-    ) -> _Worker | None:
-        """Start a worker for ``item``; ``None`` when it could not start (yet).
-
-        A start that fails (EMFILE, EAGAIN, ENOMEM: the host is short of
-        something, often briefly) leaves ``item`` at the head of the planner's
-        queue and is tried again after a growing wait; after
-        :data:`SPAWN_TRIES` failures in a row, ``item`` alone fails with the
-        start's error. No running task and no other queued task is affected.
-        """
-        now = time.monotonic()
-        if self.spawn_failures and now < self.spawn_retry_at_s:
-            return None
-        try:
-            worker = self._spawn(device)
-        except StartDataError as exc:
-            self._break_unpicklable_start(exc)
-            return None
-        except Exception as exc:
-            self.spawn_failures += 1
-            self.outcomes.counts["spawn_failures"] += 1
-            tries = self.spawn_failures
-            if tries < SPAWN_TRIES:
-                wait_s = SPAWN_FIRST_WAIT_S * 4 ** (tries - 1)
-                self.spawn_retry_at_s = now + wait_s
-                LOGGER.warning(
-                    "gpupool could not start a worker process (%s: %s); trying again in "
-                    "%.2f s (try %d of %d)",
-                    type(exc).__name__,
-                    exc,
-                    wait_s,
-                    tries,
-                    SPAWN_TRIES,
-                )
-                return None
-            self.spawn_failures = 0
-            self.planner.withdraw(item.task_id)
-            self.outcomes.fail(item, spawn_error(exc, tries, SPAWN_FIRST_WAIT_S))
-            return None
-        self.spawn_failures = 0
-        pool.append(worker)
-        return worker
-
     def _retire_beyond_limits(self) -> None:
         """Give back idle workers a card cannot use now (their contexts are its bytes)."""
         now = self.now()
         for device in self.devices:
-            live = [w for w in device.workers if not w.retiring]
+            live = [w for w in self.workers.on(device.index) if not w.retiring]
             # A worker that boots is not idle: it was started for a task that fits.
             idle = [w for w in live if w.task is None and w.ready]
             if not idle:
                 continue
             keep = self.planner.warm_limit(device.index, now)
             for worker in idle[: max(0, len(live) - keep)]:
-                self._retire(worker)
+                self.workers.retire(worker)
 
-    def _spawn(self, device: DeviceState | None) -> _Worker:
-        env = dict(self.env)
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device.info.uuid
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        parent_conn, child_conn = self.context.Pipe(duplex=True)
-        process = self.context.Process(
-            target=worker_main,
-            args=(
-                child_conn,
-                os.getpid(),
-                device.info if device is not None else None,
-                device.index if device is not None else None,
-                # With the ids of its globals here (what by_value's tasks send beside theirs).
-                (*self.initializer, sender_ids(self.initializer[0]))
-                if self.initializer is not None
-                else None,
-                self.max_tasks_per_child,
-            ),
-            env=env,
-            name="gpupool-worker",
-        )
-        try:
-            process.start()
-        except BaseException:
-            parent_conn.close()
-            raise
-        finally:
-            child_conn.close()
-        self.outcomes.counts["workers_started"] += 1
-        worker = _Worker(process, parent_conn, device.index if device is not None else None)
-        self.processes[worker.pid] = process
-        self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
-        self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
-        return worker
+    # -- events ------------------------------------------------------------------------
 
-    def _send(
-        self,
-        item: WorkItem,
-        worker: _Worker,
-        ask_bytes: int,
-        payload: bytes,
-        queued: bool = False,
-        *,
-        now: bool = True,
-    ) -> None:
-        """Hand ``item`` to ``worker``; ``queued``: behind the task it runs (which it declines
-        after a device out-of-memory: :meth:`_declined`); ``now=False``: written at the
-        caller's :meth:`_flush`."""
-        if not worker.queue:
-            worker.started_s = time.monotonic()
-        worker.queue.append(item)
-        if self.cap_allocator and worker.device is not None:
-            # Before the call, on the same ordered channel: the cap is set when the task starts.
-            self._write(worker, allocator_cap_message(ask_bytes), now=now)
-        self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued), now=now)
-
-    def _write(
-        self, worker: _Worker, payload: bytes, prefix: bytes = b"", *, now: bool = True
-    ) -> None:
-        """Queue one frame for ``worker`` (written now, or at the caller's :meth:`_flush`); the
-        selector writes what the socket cannot take now."""
-        if not now:
-            worker.channel.send(payload, prefix, now=False)
-            return
-        try:
-            done = worker.channel.send(payload, prefix)
-        except ChannelClosed:
-            # The worker died before it could take the task: its exit will be seen.
-            worker.channel.discard_output()
-            return
-        if not done:
-            self._watch_writable(worker, True)
-
-    def _write_queued(self, worker: _Worker) -> None:
-        """Write the frames queued for ``worker`` (:meth:`_write` with ``now=False``)."""
-        try:
-            done = worker.channel.flush()
-        except ChannelClosed:
-            worker.channel.discard_output()  # the worker died: its exit will be seen
-            return
-        if not done:
-            self._watch_writable(worker, True)
-
-    def _flush(self, worker: _Worker) -> None:
-        try:
-            done = worker.channel.flush()
-        except ChannelClosed:
-            worker.channel.discard_output()
-            done = True
-        if done:
-            self._watch_writable(worker, False)
-
-    def _watch_writable(self, worker: _Worker, on: bool) -> None:
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
-        try:
-            self.selector.modify(worker.channel.fd, events, (worker, "conn"))
-        except (KeyError, ValueError):
-            pass  # forgotten already
-
-    # -- results ----------------------------------------------------------------------
-
-    def _receive(self, worker: _Worker) -> None:
-        """Read what ``worker`` sent; handle each complete answer, oldest first.
-
-        At end of file the socket stops being watched: the worker's exit,
-        seen from the process itself, then fails what it ran. What is not
-        an answer of that worker's is its protocol fault (:meth:`_protocol_fault`).
-        """
-        if worker.fault is not None:
-            return  # nothing it sends is read any more
-        try:
-            frames = worker.channel.receive()
-        except ChannelCorrupt as exc:
-            self._protocol_fault(worker, str(exc))
-            return
-        except ChannelClosed:
-            frames = []
-            try:
-                self.selector.unregister(worker.channel.fd)
-            except (KeyError, ValueError):
-                pass
-        worker.frames.extend(frames)
-        del frames
-        while worker.frames and not worker.gone and worker.fault is None:
-            frame = worker.frames.popleft()
-            head = worker.task
-            try:
-                self._receive_one(worker, frame)
-            except BaseException as exc:
-                # A crash here still ends the task's future.
-                if head is not None:
-                    self.outcomes.fail(head, exc)
-                raise
-            del head, frame  # keep nothing of a finished task
-        if worker.channel.corrupt is not None:
-            self._protocol_fault(worker, worker.channel.corrupt)
-
-    def _protocol_fault(self, worker: _Worker, what: str) -> None:
-        """``worker`` sent what is not an answer it may send now (bytes that are not an
-        answer, an answer from another PID, about a task it does not run, or a second one):
-        nothing more of it is read, it takes no task, and it is SIGKILLed. Its exit then
-        fails the task it ran with a :class:`WorkerProtocolError` (:meth:`_reap`), and a
-        new worker is started as for any other lost one. Only the worker is killed: what
-        its tasks started in the background is left as a worker's death leaves it."""
-        if worker.fault is not None or worker.gone:
-            return
-        worker.fault = what
-        worker.retiring = True
-        worker.frames.clear()
-        worker.channel.discard_output()
-        try:
-            self.selector.unregister(worker.channel.fd)
-        except (KeyError, ValueError):
-            pass
-        LOGGER.warning(
-            "gpupool: a worker process (pid %d) broke the protocol with the pool: it sent %s; "
-            "it is killed and replaced",
-            worker.pid,
-            what,
-        )
-        try:
-            os.kill(worker.pid, signal.SIGKILL)
-        except OSError:
-            pass  # gone already: its exit is seen all the same
-
-    def _checked(self, worker: _Worker, frame: bytearray) -> wire.Answer | None:
-        """``frame`` as an answer ``worker`` may send now; ``None`` (its protocol fault)
-        when it is not one."""
-        head = worker.task
-        try:
-            answer = wire.parse_answer(frame)
-            wire.check_answer(
-                answer,
-                worker_pid=worker.pid,
-                ready=worker.ready,
-                running=head.task_id if head is not None else None,
-            )
-        except wire.ProtocolFault as fault:
-            self._protocol_fault(worker, str(fault))
-            return None
-        return answer
-
-    def _receive_one(self, worker: _Worker, frame: bytearray) -> None:
-        answer = self._checked(worker, frame)
-        if answer is None:
-            return
-        kind, report_fields, payload = answer.kind, answer.report, answer.payload
-        report = answer.peak
-        del answer
-        if kind == "ready":  # no task's answer: the worker's initializer returned
-            worker.ready = True
-            self.boot_deaths = 0
-            worker.resident_bytes = (report_fields or {}).get("resident_bytes")
-            return
-        item = worker.queue.popleft() if worker.queue else None
-        worker.started_s = time.monotonic()
-        if kind == "declined" and item is not None:
-            self._declined(worker, item)
-            return
-        if kind == "init":
-            # The worker exits right after this answer; wait for it (bounded), so that what
-            # it logged on its way out (through a multiprocessing queue, say) is flushed
-            # before the pool reports itself broken, as the standard pool's order is.
-            worker.process.join(timeout=INIT_EXIT_WAIT_S)
+    def _answered(self, event: Answered) -> None:
+        """A worker answered for a task: what it measured goes to the planner, the task
+        queued behind it runs, and its result or error goes to the outbox, last."""
+        worker, item, kind = event.worker, event.item, event.kind
+        if kind == "init":  # the initializer raised: the pool breaks, as the standard pool's
             assert self.initializer is not None
-            error = initializer_error(self.initializer[0], payload)
-            if item is not None:
-                worker.queue.appendleft(item)
-            self._fail_queued(worker, error)
+            error = initializer_error(self.initializer, event.payload)
+            ran = [item] if item is not None else []
+            self._fail_items([*ran, *self.workers.take_queue(worker)], error)
             self._break(str(error), error)
             return
-        worker.tasks_done += 1
         if item is None:
             return
-        if self.max_tasks_per_child is not None and worker.tasks_done >= self.max_tasks_per_child:
-            worker.retiring = True
-        oom = kind == "oom" and report is not None
+        if kind == "declined":
+            # Queued behind a task of its worker that ran out of device memory, it never
+            # ran: back to the head of the queue (its future stays RUNNING; not a failure,
+            # not a retry), to start again checked against the bound.
+            self.planner.requeue(item.task_id)
+            self.outcomes.counts["queued_declined"] += 1
+            self._booking_changed(worker)
+            return
+        oom = kind == "oom" and event.report is not None
         if oom:
-            assert report is not None
-            self._on_oom(worker, item, report, payload)
+            assert event.report is not None
+            self._on_oom(worker, item, event.report, event.payload)
         else:
             # Its peak is a sample now, priced at the top of the next turn (_settle_asks).
-            self.planner.ended(item.task_id, report, self.now(), failed=kind != "ok")
-        if kind != "oom" and worker.queue and self.planner.is_queued(worker.queue[0].task_id):
+            self.planner.ended(item.task_id, event.report, self.now(), failed=kind != "ok")
+        head = worker.task
+        if kind != "oom" and head is not None and self.planner.is_queued(head.task_id):
             # The task queued behind it runs now, in the booking it left (after a device
-            # OOM the worker declines it instead: _declined).
-            self.planner.run_queued(worker.queue[0].task_id, worker.device, worker.pid, self.now())
+            # OOM the worker declines it instead).
+            self.planner.run_queued(head.task_id, worker.device, worker.pid, self.now())
         self._booking_changed(worker)
         self._bookings_moved()  # a failed task's or an out-of-memory's peak raised its price
-        if worker.retiring:
-            self._retire(worker)
         if not oom:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
-            self.outcomes.answered(item, kind, payload)
-            del item, payload
+            self.outcomes.answered(item, kind, event.payload)
 
-    def _declined(self, worker: _Worker, item: WorkItem) -> None:
-        """The worker declined ``item``, queued behind a task of its that ran out of device
-        memory: it never ran, so it goes back to the head of the queue (its future stays
-        RUNNING; not a failure, not a retry) and starts again checked against the bound."""
-        self.planner.requeue(item.task_id)
-        self.outcomes.counts["queued_declined"] += 1
+    def _on_oom(self, worker: Worker, item: WorkItem, report: PeakReport, payload: Any) -> None:
+        exc = load_exception(payload)
+        device = self.devices[worker.device] if worker.device is not None else None
+        readable = device is not None and device.census.readable
+        reading = self._reading(device, self.now()) if device is not None and readable else None
+        if device is not None and reading is not None and self.link is not None:
+            # Other pools' bookings as they stand now: terms of the record.
+            self.link.read_for_record(device, reading.process_bytes or {}, self.now())
+        verdict = self.planner.out_of_memory(
+            item.task_id, report, reading, self.now(), error=f"{type(exc).__name__}: {exc}"
+        )
+        if device is not None and reading is not None:
+            # After the record, which names the own high-water the tasks were priced at.
+            self.planner.observe(device.index, reading, self.now())
+        if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
+            self.outcomes.fail(item, oom_error(item.key, verdict, exc))
+
+    def _exited(self, event: Exited) -> None:
+        """A worker's process ended: only the task it ran fails, and the tasks queued behind
+        it (which never ran) go back to the planner's queue in their order.
+
+        A worker that dies before it is ready breaks the pool instead, when an
+        initializer is set or after ``SPAWN_TRIES`` in a row: no task ran in it. After
+        shutdown() too: the pending work still needs workers, and one that keeps dying
+        would otherwise be started again without end.
+        """
+        worker = event.worker
+        queue = self.workers.take_queue(worker)
+        if event.boot_deaths:
+            if self.initializer is not None or event.boot_deaths >= SPAWN_TRIES:
+                error = boot_error(
+                    worker.pid, event.exitcode, worker.fault, self.initializer, event.boot_deaths
+                )
+                self._fail_items(queue, error)
+                self._break(str(error), error)
+            return
+        # Its run, unless it ran none, or only a task queued behind one that ran out of
+        # memory, which it was to decline and so never ran.
+        run = queue.pop(0) if queue and not self.planner.is_queued(queue[0].task_id) else None
+        for behind in queue:
+            self.planner.requeue(behind.task_id)
+        if run is None:
+            return
+        fault = worker.fault if worker.ready else None
+        lost, extra = lost_error(worker.pid, run.key, event.exitcode, event.by_pool, fault)
+        self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
         self._booking_changed(worker)
-        if worker.retiring:
-            self._retire(worker)
+        self.outcomes.fail(run, lost)
+
+    def _booking_changed(self, worker: Worker) -> None:
+        """What ``worker`` holds booked on its card changed: the host's table hears of it."""
+        if worker.device is not None and self.link is not None:
+            self.link.changed(worker.device, self.now())
+
+    def _note_table(self) -> None:
+        """Record what the booking table could not do since the last turn (steps it was
+        passed over, a table that cannot be used), and count the steps."""
+        if self.link is None:
+            return
+        skipped = self.link.note(self.log.append, self.now())
+        if skipped:
+            self.outcomes.counts["bookings_skipped"] = skipped
+
+    # -- ending ------------------------------------------------------------------------
+
+    def _fail_items(self, items: Iterable[WorkItem], error: BaseException) -> None:
+        """Fail ``items``, handed to a worker, with a copy of ``error`` each; release their
+        bookings (nothing is learned from a task that did not end by itself)."""
+        for item in items:
+            self.planner.finished(item.task_id, None, self.now(), failed=True)
+            self.outcomes.fail(item, copy_broken(error, str(error)))
 
     def _refuse(self, refused: Refuse) -> None:
         """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError.
@@ -1097,179 +740,6 @@ class Dispatcher:
         error = WidthError(refused.reason, decision=refused.decision.to_dict())
         self._break(refused.reason, error, running_finish=True)
 
-    def _on_oom(
-        self, worker: _Worker, item: WorkItem, report: PeakReport, payload: memoryview
-    ) -> None:
-        exc = load_exception(payload)
-        device = self.devices[worker.device] if worker.device is not None else None
-        reading = self._snapshot(device) if device is not None and device.census.readable else None
-        if device is not None and reading is not None and self.link is not None:
-            # Other pools' bookings as they stand now: terms of the record.
-            self.link.read_for_record(device, reading.process_bytes or {}, self.now())
-        verdict = self.planner.out_of_memory(
-            item.task_id, report, reading, self.now(), error=f"{type(exc).__name__}: {exc}"
-        )
-        if device is not None and reading is not None:
-            # After the record, which names the own high-water the tasks were priced at.
-            self.planner.observe(device.index, reading, self.now())
-        if isinstance(verdict, Retry):
-            return  # the planner holds it pending again, at the head of its queue
-        self.outcomes.fail(item, oom_error(item.key, verdict, exc))
-
-    # -- workers ending ---------------------------------------------------------------
-
-    def _reap(self, worker: _Worker) -> None:
-        """A worker's process ended: fail only the task it ran, and forget it; the tasks
-        queued behind it go back to the planner's queue.
-
-        A worker that dies before it is ready breaks the pool instead, when an
-        initializer is set or after :data:`SPAWN_TRIES` in a row: no task ran in it.
-        """
-        # What it sent before it exited is in the socket still: handle that first.
-        self._receive(worker)
-        if worker.gone:
-            return
-        exitcode = worker.watch.wait(1.0)
-        self._forget(worker)
-        by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
-        if not worker.ready and not by_pool:
-            # No task is handed to a worker before it is ready, so none is charged with it.
-            # With an initializer the pool breaks, as the standard pool does; without one, a
-            # worker that keeps dying as it boots breaks it after SPAWN_TRIES in a row. After
-            # shutdown() too: the pending work still needs workers, and one that keeps dying
-            # would otherwise be started again without end.
-            self.boot_deaths += 1
-            if self.initializer is not None or self.boot_deaths >= SPAWN_TRIES:
-                init = self.initializer[0] if self.initializer is not None else None
-                error = boot_error(worker.pid, exitcode, worker.fault, init, self.boot_deaths)
-                self._fail_queued(worker, error)
-                self._break(str(error), error)
-            return
-        item = self._running_item(worker)
-        self._requeue_behind(worker)
-        if item is None:
-            return
-        fault = worker.fault if worker.ready else None
-        lost, extra = lost_error(worker.pid, item.key, exitcode, by_pool, fault)
-        self.planner.lost(item.task_id, self.now(), message=str(lost), extra=extra)
-        self._booking_changed(worker)
-        self.outcomes.fail(item, lost)
-
-    def _booking_changed(self, worker: _Worker) -> None:
-        """What ``worker`` holds booked on its card changed: the host's table hears of it."""
-        if worker.device is not None and self.link is not None:
-            self.link.changed(worker.device, self.now())
-
-    def _break_unpicklable_start(self, exc: StartDataError) -> None:
-        """The initializer or its initargs cannot be pickled: no worker can ever start, so
-        the pool breaks at once, as when an initializer raises."""
-        error = start_data_error(self.initializer[0] if self.initializer else None, exc)
-        self._break(str(error), error)
-
-    def _fail_queued(self, worker: _Worker, error: BaseException) -> None:
-        """Fail what was handed to ``worker`` with a copy of ``error`` each; release its
-        bookings (nothing is learned from a task that did not end by itself)."""
-        for item in worker.queue:
-            self.planner.finished(item.task_id, None, self.now(), failed=True)
-            self.outcomes.fail(item, copy_broken(error, str(error)))
-        worker.queue.clear()
-
-    def _note_table(self) -> None:
-        """Record what the booking table could not do since the last turn (steps it was
-        passed over, a table that cannot be used), and count the steps."""
-        if self.link is None:
-            return
-        skipped = self.link.note(self.record, self.now())
-        if skipped:
-            self.outcomes.counts["bookings_skipped"] = skipped
-
-    def _waiting_changed(self) -> None:
-        if self.link is not None:
-            self.link.waiting_changed()
-
-    def _row_notes(self, waiting: int, starting: bool = False) -> dict[str, Any]:
-        """What the pool's row in the host's table tells people (no pool prices by it): its
-        first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
-        decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
-        entries = self.planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
-        waits = group_waits(entries)
-        last = self.log.last_decision
-        if last is None:
-            return {"waits": waits, "last": None}
-        when_s = time.time() - (self.now() - last.time_s)
-        return {"waits": waits, "last": last_decision(last.event, last.reason, when_s)}
-
-    def _forget(self, worker: _Worker) -> None:
-        if worker.gone:
-            return
-        worker.gone = True
-        for fd in (worker.channel.fd, worker.watch.fd):
-            try:
-                self.selector.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-        if worker.watch.exitcode() is not None:
-            # Reaped: join returns at once, and multiprocessing lets the process
-            # object go (its finalizer closes loky's sentinel).
-            worker.process.join(timeout=0)
-        worker.watch.close()
-        worker.channel.discard_output()
-        worker.frames.clear()
-        self.processes.pop(worker.pid, None)
-        pool = self.host_workers if worker.device is None else self.devices[worker.device].workers
-        if worker in pool:
-            pool.remove(worker)
-        try:
-            worker.conn.close()
-        except OSError:
-            pass
-
-    def _retire(self, worker: _Worker) -> None:
-        """Ask a worker to exit once idle; its exit then tells the loop to forget it."""
-        worker.retiring = True
-        if worker.task is None:
-            self._write(worker, b"")
-
-    def _stop_workers(self) -> None:
-        workers = list(self._all_workers())
-        for worker in workers:
-            if not worker.retiring or worker.task is not None:
-                worker.retiring = True
-                self._write(worker, b"")
-        self._await_exits(workers, STOP_WAIT_S)
-        for worker in workers:
-            if worker.watch.exitcode() is None:
-                signal_tree(worker.pid, signal.SIGKILL)
-                worker.watch.wait(5.0)
-            self._fail_queued(worker, WorkerLostError("the pool stopped before this task finished"))
-            self._forget(worker)
-        self._fail_pending()
-
-    def _await_exits(self, workers: list[_Worker], timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for ``workers`` to exit, writing what they were sent and
-        reading (and dropping) what they send, so none stays blocked on its socket."""
-        deadline = time.monotonic() + timeout_s
-        waiting = list(workers)
-        while waiting:
-            waiting = [w for w in waiting if w.watch.exitcode() is None]
-            left = deadline - time.monotonic()
-            if not waiting or left <= 0:
-                return
-            reads: list[int] = []
-            writes: list[int] = []
-            for worker in waiting:
-                reads.append(worker.watch.fd)
-                try:
-                    if worker.channel.flush():
-                        worker.channel.receive()
-                        reads.append(worker.channel.fd)
-                    else:
-                        writes.append(worker.channel.fd)
-                except ChannelClosed:
-                    pass
-            timeout = min(left, POLL_WITHOUT_PIDFD_S)
-            select.select(reads, writes, [], timeout)
-
     def _break(self, message: str, exc: BaseException, *, running_finish: bool = False) -> None:
         """The pool is broken: ``submit`` raises from now on, and every task not handed to
         a worker fails with ``exc``. Tasks handed to workers fail too, unless
@@ -1279,8 +749,8 @@ class Dispatcher:
         self._fail_pending()
         if running_finish:
             return
-        for worker in list(self._all_workers()):
-            self._fail_queued(worker, exc)
+        for worker in self.workers.all():
+            self._fail_items(self.workers.take_queue(worker), exc)
 
     def _fail_pending(self) -> None:
         """End every task not handed to a worker: with the pool's error when it is broken,
@@ -1303,15 +773,60 @@ class Dispatcher:
                 else WorkerLostError("the pool stopped before this task ran"),
             )
 
+    def _kill_workers(self, sig: int) -> None:
+        """``terminate_workers``/``kill_workers``: cancel what has not started, fail what
+        waits to be retried, and signal every worker (a worker started by now too)."""
+        self._drain_incoming()
+        for task in self.planner.pending_tasks():
+            item = self.outcomes.items.pop(task)
+            self.planner.withdraw(task)
+            if item.started:
+                error = WorkerLostError("the pool's workers were stopped before this ran")
+                self.outcomes.fail(item, error)
+            else:
+                self.outcomes.cancel(item)
+        self.workers.kill(sig)
 
-def _weak_notes(dispatcher: Dispatcher) -> Callable[[int, bool], Mapping[str, Any]]:
-    """The dispatcher's row notes, held weakly by its booking link: a bound method there
-    would make a cycle through the dispatcher, which keeps the initargs alive past the
-    executor until a garbage collection pass."""
-    method = weakref.WeakMethod(dispatcher._row_notes)
+    def _cancel_pending(self) -> None:
+        """``shutdown(cancel_futures=True)``: cancel what has not started (after what fits now
+        has started, as CPython's does with its call queue)."""
+        self._drain_incoming()
+        held = self.outcomes.items
+        items = [held[t] for t in self.planner.pending_tasks() if not held[t].started]
+        # A task waiting for room after a lone out-of-memory has started (its future is
+        # RUNNING, so it cannot be cancelled), but nothing of it runs: it fails now rather
+        # than hold the shutdown for up to room_wait_s.
+        for item in [held[t] for t in self.planner.waiting_for_room()]:
+            self.planner.withdraw(item.task_id)
+            self.outcomes.fail(
+                item,
+                DeviceOutOfMemoryError(
+                    f"a task of {item.key} ran out of device memory alone and was waiting for "
+                    "room when the pool was shut down with cancel_futures=True",
+                    device=None,
+                    ask_bytes=self.asks.ask(item.key).ask_bytes,
+                    detail="shut down while waiting for room",
+                ),
+            )
+        # A cancelled future's callbacks may call shutdown(): the inbox's lock is not held.
+        for item in items:
+            item.future.cancel()  # then let go when the planner offers it (_claim)
 
-    def notes(waiting: int, starting: bool) -> Mapping[str, Any]:
-        row_notes = method()
-        return {} if row_notes is None else row_notes(waiting, starting)
 
-    return notes
+def _row_notes(
+    planner: Planner, log: DecisionLog, started_at_s: float, waiting: int, starting: bool
+) -> dict[str, Any]:
+    """What a pool's row in the host's table tells people (no pool prices by it): its
+    first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
+    decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``.
+
+    Bound to the planner and the log, not to the dispatcher: the booking link holding the
+    dispatcher would be a reference cycle, keeping the initargs alive past the executor
+    until a garbage collection pass."""
+    entries = planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
+    waits = group_waits(entries)
+    last = log.last_decision
+    if last is None:
+        return {"waits": waits, "last": None}
+    when_s = time.time() - (time.monotonic() - started_at_s - last.time_s)
+    return {"waits": waits, "last": last_decision(last.event, last.reason, when_s)}

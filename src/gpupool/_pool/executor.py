@@ -611,7 +611,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         planner = self._dispatcher.planner
         self._dispatcher.read_census_terms()
         note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
-        extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self._dispatcher.cap_allocator else {}
+        cap_allocator = self._dispatcher.workers.cap_allocator
+        extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if cap_allocator else {}
         # Time 0 is the census: the construction records say so, however long
         # the readings beside it took on a loaded host.
         refused = planner.construct(0.0, note=note, extra=extra)
@@ -652,7 +653,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     @property
     def _processes(self) -> dict[int, Any]:
         # A copy (one step under the interpreter lock): the dispatcher thread changes its own.
-        return dict(self._dispatcher.processes)
+        return dict(self._dispatcher.workers.processes)
 
     @property
     def _broken(self) -> str | bool:
