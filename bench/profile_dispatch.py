@@ -73,7 +73,7 @@ OF_INTEREST = (
     ".ask_for",
     "Dispatcher._schedule",
     "WorkerSet._receive",
-    "WorkerSet._flush",
+    "WorkerSet.flush",
     "CardReader.read",
     "Dispatcher.publish",
 )

@@ -21,8 +21,7 @@ import tasks
 from gpupool import GpuPoolExecutor
 from gpupool._core.planner import Planner
 from gpupool._pool.booking_link import BookingLink
-from gpupool._pool.cards import CardReader
-from gpupool._pool.dispatcher import Dispatcher
+from gpupool._pool.dispatcher import CardReader, Dispatcher
 from gpupool._pool.outcomes import Outcomes
 from gpupool._pool.workers import WorkerSet
 from gpupool.testing import SimulatedDevice, SimulatedHost

@@ -15,31 +15,15 @@ Data flow::
     statistics(), width  <-    end of turn: publish the snapshot, then deliver the outbox
     futures              <-
 
-The parts own their state, and only the dispatcher thread calls them (but the
-inbox, which caller threads share under its lock):
-
-* :class:`~gpupool._pool.inbox.Inbox`: tasks submitted and not yet taken, the
-  flags callers raise (shutdown, cancel, kill), the wake pipe, the break.
-* :class:`~gpupool._pool.workers.WorkerSet`: the processes, their channels, the
-  selector, the spawn back-off; it returns events and never touches a future
-  or the planner.
-* :class:`~gpupool._pool.cards.CardReader`: one reading of a card, the pool's
-  PIDs told from a co-tenant's.
-* :class:`~gpupool._pool.booking_link.BookingLink`: this pool's exchanges with
-  the host's booking table.
-* :class:`~gpupool._pool.outcomes.Outcomes`: the futures, one ordered outbox
-  of results and failures, the counts, every error's wording.
-* :class:`Dispatcher`, the loop: the only code that asks the planner; it acts
-  on the events and the verdicts.
-
-Every price, admission and width decision is made by the planner
-(:mod:`gpupool._core.planner`), which touches none of them. Tasks held back
-for memory stay PENDING in the parent, so ``cancel()`` works on them; a task
-becomes RUNNING only when it is handed to a worker, and a worker runs one
-task at a time, so the pool always knows which task a dead worker was
-running. Workers are started lazily (:mod:`gpupool._pool.launch`) with their
-device pinned in the environment before any import, kept warm, and retired
-when the planner's limit for their card falls below them.
+Each part owns its state. Caller threads touch the inbox only, and read what is
+published whole; the loop (:class:`Dispatcher`) is the only code that asks the
+planner: the parts return events and values, and the loop decides. Every
+price, admission and width decision is the planner's (:mod:`gpupool._core.planner`).
+Tasks held back for memory stay PENDING in the parent, so ``cancel()`` works on
+them; a task becomes RUNNING only when it is handed to a worker, and a worker
+runs one task at a time, so the pool always knows which task a dead worker ran.
+Workers are started lazily with their card pinned in the environment before
+any import, kept warm, and retired when their card's limit falls below them.
 
 Why not ``loky.ProcessPoolExecutor`` itself: it starts every worker at the
 first submit, takes one environment per executor, hands queued work to
@@ -53,11 +37,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bookings import group_waits, last_decision
@@ -65,6 +51,7 @@ from gpupool._core.census import CardCensus, Census
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     QUEUE_DEPTH,
+    SAMPLE_MIN_GAP_S,
     CardReading,
     Fail,
     Planner,
@@ -79,33 +66,15 @@ from gpupool._core.planner import (
 from gpupool._core.policy import AskTable
 from gpupool._errors import DeviceOutOfMemoryError, WidthError, WorkerLostError
 from gpupool._log import LOGGER, DecisionLog
+from gpupool._pool import outcomes as said
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call
-from gpupool._pool.cards import READ_WHILE_RUNNING_S, CardReader
 from gpupool._pool.inbox import Inbox, copy_broken
 from gpupool._pool.launch import StartDataError
-from gpupool._pool.outcomes import (
-    Outcomes,
-    boot_error,
-    callable_name,
-    detached,
-    initializer_error,
-    load_exception,
-    lost_error,
-    oom_error,
-    spawn_error,
-    start_data_error,
-)
+from gpupool._pool.outcomes import Outcomes, callable_name
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
-from gpupool._pool.workers import (
-    SPAWN_FIRST_WAIT_S,
-    SPAWN_TRIES,
-    Answered,
-    Exited,
-    SpawnFailed,
-    Worker,
-    WorkerSet,
-)
+from gpupool._pool.workers import SPAWN_TRIES, Answered, Exited, SpawnFailed, Worker, WorkerSet
+from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -122,6 +91,10 @@ __all__ = [
 
 #: How long shutdown waits for workers told to exit before it kills them.
 STOP_WAIT_S = 10.0
+
+#: While tasks run, the cards are read at least this often (the planner samples
+#: these readings into the decision log, coalesced: see ``card_read``).
+READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
 
 #: The most waiting tasks a row of the host's booking table describes by key (for people).
 _WAITS_SCANNED = 64
@@ -148,60 +121,105 @@ def interpreter_exiting() -> bool:
     return _global_shutdown
 
 
-class WorkItem:
-    """One submitted task: its future, its call, its key, and whether it started.
-
-    ``call`` is ``(fn, args, kwargs)`` as given: it is pickled when it is sent to
-    a worker (as CPython's pool pickles in its feeder thread), so the parent
-    never holds a pickled copy of work that waits. Everything the pool prices
-    about it (its booking, its retries, where it may run) is the planner's,
-    under the item's ``task_id``.
-    """
-
-    __slots__ = ("call", "future", "hint_bytes", "key", "size", "started", "task_id")
-
-    def __init__(
-        self,
-        future: Future[Any],
-        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
-        key: str,
-        hint_bytes: int | None,
-        size: float | None = None,
-    ) -> None:
-        self.future = future
-        self.call = call
-        self.key = key
-        self.hint_bytes = hint_bytes
-        self.size = size
-        self.started = False
-        self.task_id = next(_task_ids)
-
-
 _task_ids = itertools.count()
 
 
+@dataclass(eq=False, slots=True)
+class WorkItem:
+    """One submitted task: its future, its call, its key, and whether it started.
+
+    ``call`` is ``(fn, args, kwargs)`` as given, pickled when it is sent to a worker (as
+    CPython's pool pickles in its feeder thread): the parent never holds a pickled copy of
+    work that waits. What the pool prices about it is the planner's, under ``task_id``.
+    """
+
+    future: Future[Any]
+    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+    key: str
+    hint_bytes: int | None
+    size: float | None = None
+    started: bool = False
+    task_id: int = field(default_factory=functools.partial(next, _task_ids))
+
+
+@dataclass(slots=True)
 class DeviceState:
     """One card the pool uses: its index, how to reach it, and its census."""
 
-    __slots__ = ("census", "index", "info")
+    index: int
+    info: DeviceInfo
+    census: CardCensus
 
-    def __init__(self, index: int, info: DeviceInfo, census: CardCensus) -> None:
-        self.index = index
-        self.info = info
-        self.census = census
+
+class CardReader:
+    """Reads the pool's cards through ``sensor`` (free and per-process bytes in one reading),
+    and tells the pool's bytes from a co-tenant's; returns readings, asks nothing of the
+    planner. It remembers when it last read every card, and per card the PIDs found not to
+    be the pool's."""
+
+    def __init__(self, sensor: Sensor) -> None:
+        self.sensor = sensor
+        # When every card was last read (monotonic seconds).
+        self.read_s = 0.0
+        # Per card, the rows of its readings found not to be under any worker (pool_pids).
+        self.not_pool_pids: dict[int, set[int]] = {}
+
+    def due_s(self) -> float:
+        """How soon the cards are due to be read again while tasks run (<= 0: now)."""
+        return self.read_s + READ_WHILE_RUNNING_S - time.monotonic()
+
+    def reading_all(self) -> None:
+        """The cards are being read, all of them, now."""
+        self.read_s = time.monotonic()
+
+    def read(self, device: DeviceState, workers: Collection[int]) -> CardReading | str:
+        """One live snapshot of ``device``, its rows of ``workers`` (and of what they started)
+        told as the pool's; the error's text when the sensor could not read it."""
+        try:
+            memory, rows = self.sensor.read_snapshot(device.info)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        process_bytes = None
+        pool_pids: frozenset[int] = frozenset()
+        if rows is not None:
+            process_bytes = {r.pid: r.used_bytes or 0 for r in rows}
+            pool_pids = self._pool_pids(device.index, process_bytes, frozenset(workers))
+        return CardReading(
+            free_bytes=memory.free_bytes,
+            used_bytes=memory.used_bytes,
+            process_bytes=process_bytes,
+            pool_pids=pool_pids,
+        )
+
+    def _pool_pids(
+        self, device: int, rows: Mapping[int, int], workers: frozenset[int]
+    ) -> frozenset[int]:
+        """The rows' PIDs that are the pool's workers (on any card) or were started under
+        one (a task's subprocess): the pool's bytes, never a co-tenant's.
+
+        A row found not to be under any worker is not walked again while it stays in the
+        rows (a process is never re-parented under a worker), so the cards' readings every
+        0.2 s walk ``/proc`` only for rows that are new."""
+        strangers = self.not_pool_pids.setdefault(device, set())
+        strangers &= rows.keys()
+        ours = set()
+        for pid in rows:
+            if pid in workers:
+                ours.add(pid)
+            elif pid == os.getpid() or pid in strangers:
+                continue
+            elif workers.isdisjoint(read_ancestors(pid)):
+                strangers.add(pid)
+            else:
+                ours.add(pid)
+        return frozenset(ours)
 
 
 class Dispatcher:
-    """The loop: the dispatcher thread's turns over the parts, and the only code that asks the
-    planner (:class:`gpupool._core.planner.Planner`).
+    """The loop: the dispatcher thread's turns over the parts, the only code that asks the
+    planner. Caller threads reach what ``PUBLISHED`` names, and nothing else."""
 
-    Each turn it takes what callers submitted, reads each card once before a start, does
-    what the planner's verdicts say, and acts on what the worker set reports; at the end
-    of the turn it publishes the snapshot and delivers the outbox. Caller threads reach
-    :attr:`inbox` and what is published (:attr:`snapshot`, ``workers.processes``) only.
-    """
-
-    #: What other threads may read: the inbox is theirs; the rest is replaced whole.
+    #: What other threads may reach: the inbox is theirs; the rest is replaced whole.
     PUBLISHED = frozenset({"inbox", "snapshot", "workers", "thread", "join"})
 
     def __init__(
@@ -240,21 +258,14 @@ class Dispatcher:
             wake_fd=self.inbox.wake_reader,
         )
         # The host-wide booking table (None: sharing is off), and this pool's exchanges
-        # with it (per change, coalesced: see booking_link).
+        # with it; its row notes are bound to the planner and the log, not to self (a cycle).
         self.bookings = bookings
+        notes = functools.partial(_row_notes, self.planner, log, self.started_at_s)
         self.link = (
             None
             if bookings is None
-            else BookingLink(
-                bookings,
-                pool_id,
-                devices,
-                sensor,
-                self.planner,
-                functools.partial(_row_notes, self.planner, log, self.started_at_s),
-            )
+            else BookingLink(bookings, pool_id, devices, sensor, self.planner, notes)
         )
-        # What readers on other threads read: only the dispatcher thread replaces it, whole.
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
         )
@@ -268,9 +279,9 @@ class Dispatcher:
         """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
 
         Called only where the planner is not shared: before the thread starts, then by the
-        thread itself at the end of every turn, before a future becomes RUNNING or done (so a
-        caller never sees a future newer than the statistics it reads), and at shutdown after
-        the last record. A value that did not change is the same object as before.
+        thread at the end of every turn, before a future becomes RUNNING or done (a caller
+        never sees a future newer than the statistics it reads), and after the last record.
+        A value that did not change is the same object as before.
         """
         self.unpublished_tasks = False
         try:
@@ -342,20 +353,19 @@ class Dispatcher:
             self.close()
 
     def _deliver_last(self) -> None:
-        """Publish, and deliver the outbox, as the pool stops (a callback's crash is logged:
-        the futures are set all the same)."""
         self.publish()
         try:
             self.outcomes.deliver()
-        except BaseException:
+        except BaseException:  # a callback's: the futures are set all the same
             LOGGER.exception("a done-callback raised as the pool stopped")
 
     def _loop(self) -> None:
         while True:
             self.inbox.woken()
             kill_signal = self.inbox.kill_signal
-            if kill_signal is not None:
-                self._kill_workers(kill_signal)
+            if kill_signal is not None:  # fail what waits to be retried, signal every worker
+                self._fail_pending("the pool's workers were stopped before this ran")
+                self.workers.kill(kill_signal)
             self._settle_asks()
             poll_s = self._schedule()
             if self.inbox.take_cancel():
@@ -385,8 +395,7 @@ class Dispatcher:
 
     def _settle_asks(self) -> None:
         """Price what the tasks that ended last turn measured, once per key, before this
-        turn reads a card, starts a task, publishes or delivers a result; then what moved
-        is told (:meth:`_bookings_moved`)."""
+        turn reads a card, starts a task, publishes or delivers a result."""
         if self.planner.unsettled:
             self.planner.settle(self.now())
             self._bookings_moved(range(len(self.devices)))  # moved either way, on any card
@@ -395,9 +404,8 @@ class Dispatcher:
 
     def _bookings_moved(self, cards: Iterable[int] = ()) -> None:
         """The host's table hears at once of ``cards`` and of those where a running task was
-        booked higher (its key's price rose: at a settle, or when a failed task or an
-        out-of-memory raised it); strict mode's refusal, made at any of them, breaks the
-        pool before the results are delivered (the next submit raises)."""
+        booked higher (its key's price rose); strict mode's refusal, made at any of them,
+        breaks the pool before the results are delivered (the next submit raises)."""
         grown = self.planner.take_grown()
         if self.link is not None:
             for index in {*cards, *grown}:
@@ -407,8 +415,7 @@ class Dispatcher:
             self._refuse(refused)
 
     def _serve(self, timeout_s: float | None) -> None:
-        """Wait for the workers (or the inbox's wake-up), and act on what they report, one
-        event at a time (the worker set reads on once the loop has acted)."""
+        """Wait for the workers (or a wake-up), and act on each event as it comes."""
         for event in self.workers.serve(timeout_s):
             if isinstance(event, Answered):
                 try:
@@ -424,13 +431,11 @@ class Dispatcher:
     # -- placing tasks ----------------------------------------------------------------
 
     def _drain_incoming(self) -> None:
-        """Hand what callers submitted to the planner (cancelled ones are settled here)."""
         while (item := self.inbox.take()) is not None:
-            if not self.outcomes.take(item):
-                continue  # cancelled by its caller first
-            self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
-            self.unpublished_tasks = True
-            item.hint_bytes = None
+            if self.outcomes.take(item):  # else cancelled by its caller first
+                self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
+                self.unpublished_tasks = True
+                item.hint_bytes = None
 
     def _read_cards(self, *, census: bool = False) -> None:
         """One live snapshot of every readable card, for the planner's live gate and own term,
@@ -438,18 +443,16 @@ class Dispatcher:
         now = self.now()
         self.cards.reading_all()
         for device in self.devices:
-            if not device.census.readable:
-                continue
-            reading = self._reading(device, now)
-            if reading is not None:
-                self.planner.observe(device.index, reading, now)
-            if self.link is not None:
-                self.link.read(device, now, census=census)
+            if device.census.readable:
+                reading = self._reading(device, now)
+                if reading is not None:
+                    self.planner.observe(device.index, reading, now)
+                if self.link is not None:
+                    self.link.read(device, now, census=census)
 
     def _reading(self, device: DeviceState, now: float) -> CardReading | None:
-        """``device`` read now; ``None`` when it could not be. Unreadable is not empty: while
-        the live reading fails, the card runs one task of the pool at a time, as an
-        unreadable card does."""
+        """``device`` read now, or ``None``. Unreadable is not empty: while the reading fails,
+        the card runs one task of the pool at a time, as an unreadable card does."""
         reading = self.cards.read(device, [w.pid for w in self.workers.all()])
         if isinstance(reading, str):
             self.planner.observe_error(device.index, reading, now)
@@ -478,7 +481,7 @@ class Dispatcher:
                 continue
             item = self.outcomes.items[verdict.task]
             if isinstance(verdict, Fail):
-                self.outcomes.fail(item, oom_error(item.key, verdict, None))
+                self.outcomes.fail(item, said.oom_error(item.key, verdict, None))
             elif isinstance(verdict, Warm):
                 retry_s = self._warm(item, verdict.device)
                 if retry_s is not None:
@@ -488,32 +491,29 @@ class Dispatcher:
 
     def _warm(self, item: WorkItem, card: int | None) -> float | None:
         """A task fits on ``card`` now but no ready worker is idle: start one for it; how soon
-        to try again when the start failed and is to be tried again.
+        to try again, when the start failed and is to be tried again.
 
         Its future is RUNNING from here, as a standard pool's is once handed to a worker's
         queue (a shutdown that cancels pending work no longer takes it), but the planner
-        admits it only when a ready worker can run it (the ready message is an event),
-        against the readings of that moment. A start that fails (EMFILE, EAGAIN, ENOMEM)
-        leaves it at the head of the planner's queue; after ``SPAWN_TRIES`` in a row it
-        alone fails with the start's error, and no other task is affected.
+        admits it only when a ready worker can run it, against the readings of that moment.
+        After ``SPAWN_TRIES`` failed starts in a row it alone fails with the start's error.
         """
         if not self._claim(item):
             return None
         try:
             started = self.workers.spawn(card)
         except StartDataError as exc:
-            error = start_data_error(self.initializer, exc)
+            error = said.start_data_error(self.initializer, exc)
             self._break(str(error), error)
             return None
-        if started is None:
-            return self.workers.retry_in_s()
         if isinstance(started, SpawnFailed):
             self.outcomes.counts["spawn_failures"] += 1
-            if not started.final:
-                return self.workers.retry_in_s()
-            self.planner.withdraw(item.task_id)
-            self.outcomes.fail(item, spawn_error(started.error, started.tries, SPAWN_FIRST_WAIT_S))
-            return None
+            if started.final:
+                self.planner.withdraw(item.task_id)
+                self.outcomes.fail(item, said.spawn_error(started))
+                return None
+        if started is None or isinstance(started, SpawnFailed):
+            return self.workers.retry_in_s()
         self.outcomes.counts["workers_started"] += 1
         return None
 
@@ -553,14 +553,13 @@ class Dispatcher:
                 item = self.outcomes.items[task]
                 # Cancelled first, or unpicklable (its own future failed): withdrawn.
                 payload = self._pickled(item) if self._claim(item) else None
-                if payload is None:
-                    continue
-                ask_bytes = self.planner.ask_of(task).ask_bytes
-                self.workers.send(worker, item, payload, ask_bytes, queued=True, now=False)
-                self.outcomes.counts["queued_behind"] += 1
-                queued = True
+                if payload is not None:
+                    ask_bytes = self.planner.ask_of(task).ask_bytes
+                    self.workers.send(worker, item, payload, ask_bytes, queued=True, now=False)
+                    self.outcomes.counts["queued_behind"] += 1
+                    queued = True
             if queued:  # the tasks queued behind it, written together
-                self.workers.flush_queued(worker)
+                self.workers.flush(worker)
 
     def _pickled(self, item: WorkItem) -> bytes | None:
         """``item``'s call pickled to send; ``None`` when it cannot be pickled: as in CPython's
@@ -569,7 +568,7 @@ class Dispatcher:
             return dumps_call(item.call)
         except BaseException as exc:
             self.planner.withdraw(item.task_id)
-            self.outcomes.fail(item, detached(exc))
+            self.outcomes.fail(item, said.detached(exc))
             return None
 
     def _claim(self, item: WorkItem) -> bool:
@@ -603,27 +602,26 @@ class Dispatcher:
         return Workers(ready=ready, booting=booting)
 
     def _retire_beyond_limits(self) -> None:
-        """Give back idle workers a card cannot use now (their contexts are its bytes)."""
+        """Give back idle workers a card cannot use now (their contexts are its bytes); one
+        that boots is not idle: it was started for a task that fits."""
         now = self.now()
         for device in self.devices:
             live = [w for w in self.workers.on(device.index) if not w.retiring]
-            # A worker that boots is not idle: it was started for a task that fits.
             idle = [w for w in live if w.task is None and w.ready]
-            if not idle:
-                continue
-            keep = self.planner.warm_limit(device.index, now)
-            for worker in idle[: max(0, len(live) - keep)]:
-                self.workers.retire(worker)
+            if idle:
+                keep = self.planner.warm_limit(device.index, now)
+                for worker in idle[: max(0, len(live) - keep)]:
+                    self.workers.retire(worker)
 
     # -- events ------------------------------------------------------------------------
 
     def _answered(self, event: Answered) -> None:
-        """A worker answered for a task: what it measured goes to the planner, the task
-        queued behind it runs, and its result or error goes to the outbox, last."""
+        """What the task measured goes to the planner, the task queued behind it runs, and
+        its result or error goes to the outbox, last."""
         worker, item, kind = event.worker, event.item, event.kind
         if kind == "init":  # the initializer raised: the pool breaks, as the standard pool's
             assert self.initializer is not None
-            error = initializer_error(self.initializer, event.payload)
+            error = said.initializer_error(self.initializer, event.payload)
             ran = [item] if item is not None else []
             self._fail_items([*ran, *self.workers.take_queue(worker)], error)
             self._break(str(error), error)
@@ -631,9 +629,8 @@ class Dispatcher:
         if item is None:
             return
         if kind == "declined":
-            # Queued behind a task of its worker that ran out of device memory, it never
-            # ran: back to the head of the queue (its future stays RUNNING; not a failure,
-            # not a retry), to start again checked against the bound.
+            # Queued behind a task that ran out of device memory, it never ran: back to the
+            # head of the queue (RUNNING to its future; not a failure, not a retry).
             self.planner.requeue(item.task_id)
             self.outcomes.counts["queued_declined"] += 1
             self._booking_changed(worker)
@@ -650,15 +647,16 @@ class Dispatcher:
             # The task queued behind it runs now, in the booking it left (after a device
             # OOM the worker declines it instead).
             self.planner.run_queued(head.task_id, worker.device, worker.pid, self.now())
-        self._booking_changed(worker)
-        self._bookings_moved()  # a failed task's or an out-of-memory's peak raised its price
+        # Its card's booking changed, and a failed task's or an out-of-memory's peak raised
+        # its key's price.
+        self._bookings_moved(() if worker.device is None else (worker.device,))
         if not oom:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self.outcomes.answered(item, kind, event.payload)
 
     def _on_oom(self, worker: Worker, item: WorkItem, report: PeakReport, payload: Any) -> None:
-        exc = load_exception(payload)
+        exc = said.load_exception(payload)
         device = self.devices[worker.device] if worker.device is not None else None
         readable = device is not None and device.census.readable
         reading = self._reading(device, self.now()) if device is not None and readable else None
@@ -672,24 +670,21 @@ class Dispatcher:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
-            self.outcomes.fail(item, oom_error(item.key, verdict, exc))
+            self.outcomes.fail(item, said.oom_error(item.key, verdict, exc))
 
     def _exited(self, event: Exited) -> None:
         """A worker's process ended: only the task it ran fails, and the tasks queued behind
         it (which never ran) go back to the planner's queue in their order.
 
-        A worker that dies before it is ready breaks the pool instead, when an
-        initializer is set or after ``SPAWN_TRIES`` in a row: no task ran in it. After
-        shutdown() too: the pending work still needs workers, and one that keeps dying
-        would otherwise be started again without end.
+        A worker that dies before it is ready breaks the pool instead, when an initializer
+        is set or after ``SPAWN_TRIES`` in a row (after shutdown() too: the pending work
+        still needs workers): no task ran in it.
         """
         worker = event.worker
         queue = self.workers.take_queue(worker)
         if event.boot_deaths:
             if self.initializer is not None or event.boot_deaths >= SPAWN_TRIES:
-                error = boot_error(
-                    worker.pid, event.exitcode, worker.fault, self.initializer, event.boot_deaths
-                )
+                error = said.boot_error(event, self.initializer)
                 self._fail_items(queue, error)
                 self._break(str(error), error)
             return
@@ -698,27 +693,22 @@ class Dispatcher:
         run = queue.pop(0) if queue and not self.planner.is_queued(queue[0].task_id) else None
         for behind in queue:
             self.planner.requeue(behind.task_id)
-        if run is None:
-            return
-        fault = worker.fault if worker.ready else None
-        lost, extra = lost_error(worker.pid, run.key, event.exitcode, event.by_pool, fault)
-        self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
-        self._booking_changed(worker)
-        self.outcomes.fail(run, lost)
+        if run is not None:
+            lost, extra = said.lost_error(event, run.key)
+            self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
+            self._booking_changed(worker)
+            self.outcomes.fail(run, lost)
 
     def _booking_changed(self, worker: Worker) -> None:
-        """What ``worker`` holds booked on its card changed: the host's table hears of it."""
         if worker.device is not None and self.link is not None:
             self.link.changed(worker.device, self.now())
 
     def _note_table(self) -> None:
-        """Record what the booking table could not do since the last turn (steps it was
-        passed over, a table that cannot be used), and count the steps."""
-        if self.link is None:
-            return
-        skipped = self.link.note(self.log.append, self.now())
-        if skipped:
-            self.outcomes.counts["bookings_skipped"] = skipped
+        """Record what the booking table could not do since the last turn, and count it."""
+        if self.link is not None:
+            skipped = self.link.note(self.log.append, self.now())
+            if skipped:
+                self.outcomes.counts["bookings_skipped"] = skipped
 
     # -- ending ------------------------------------------------------------------------
 
@@ -731,61 +721,36 @@ class Dispatcher:
 
     def _refuse(self, refused: Refuse) -> None:
         """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError.
-
-        What has not started fails with it; what runs is let finish and deliver, since it
-        ran at the width asked for (the refusal is about the next starts).
-        """
-        if self.inbox.broken is not None:
-            return
-        error = WidthError(refused.reason, decision=refused.decision.to_dict())
-        self._break(refused.reason, error, running_finish=True)
+        What has not started fails with it; what runs ran at the width asked for, and is
+        let finish and deliver."""
+        if self.inbox.broken is None:
+            error = WidthError(refused.reason, decision=refused.decision.to_dict())
+            self._break(refused.reason, error, running_finish=True)
 
     def _break(self, message: str, exc: BaseException, *, running_finish: bool = False) -> None:
         """The pool is broken: ``submit`` raises from now on, and every task not handed to
-        a worker fails with ``exc``. Tasks handed to workers fail too, unless
-        ``running_finish`` (a strict refusal: they run to their end and deliver). The
-        first break's error is the pool's."""
+        a worker fails with ``exc``; those handed to workers too, unless ``running_finish``.
+        The first break's error is the pool's."""
         self.inbox.break_with(message, exc)
         self._fail_pending()
-        if running_finish:
-            return
-        for worker in self.workers.all():
-            self._fail_items(self.workers.take_queue(worker), exc)
+        if not running_finish:
+            for worker in self.workers.all():
+                self._fail_items(self.workers.take_queue(worker), exc)
 
-    def _fail_pending(self) -> None:
+    def _fail_pending(self, lost: str = "the pool stopped before this task ran") -> None:
         """End every task not handed to a worker: with the pool's error when it is broken,
-        else cancelled (or, started to its future, failed as never run)."""
+        else cancelled, or (started to its future) failed with ``lost``."""
         self._drain_incoming()
-        items = []
-        for task in self.planner.pending_tasks():
-            items.append(self.outcomes.items.pop(task))
-            self.planner.withdraw(task)
         broken = self.inbox.broken
-        for item in items:
+        for task in self.planner.pending_tasks():
+            item = self.outcomes.items.pop(task)
+            self.planner.withdraw(task)
             if broken is None and self.outcomes.cancel(item):
                 continue
             # Broken, or started to its future (or, broken, cancelled by its caller first:
             # counted so by the outcomes).
-            self.outcomes.fail(
-                item,
-                copy_broken(self.inbox.broken_exc, broken)
-                if broken is not None
-                else WorkerLostError("the pool stopped before this task ran"),
-            )
-
-    def _kill_workers(self, sig: int) -> None:
-        """``terminate_workers``/``kill_workers``: cancel what has not started, fail what
-        waits to be retried, and signal every worker (a worker started by now too)."""
-        self._drain_incoming()
-        for task in self.planner.pending_tasks():
-            item = self.outcomes.items.pop(task)
-            self.planner.withdraw(task)
-            if item.started:
-                error = WorkerLostError("the pool's workers were stopped before this ran")
-                self.outcomes.fail(item, error)
-            else:
-                self.outcomes.cancel(item)
-        self.workers.kill(sig)
+            error = copy_broken(self.inbox.broken_exc, broken) if broken else WorkerLostError(lost)
+            self.outcomes.fail(item, error)
 
     def _cancel_pending(self) -> None:
         """``shutdown(cancel_futures=True)``: cancel what has not started (after what fits now
@@ -816,13 +781,9 @@ class Dispatcher:
 def _row_notes(
     planner: Planner, log: DecisionLog, started_at_s: float, waiting: int, starting: bool
 ) -> dict[str, Any]:
-    """What a pool's row in the host's table tells people (no pool prices by it): its
-    first ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest
-    decision, stamped in seconds since the epoch. ``starting``: as in ``need_bytes``.
-
-    Bound to the planner and the log, not to the dispatcher: the booking link holding the
-    dispatcher would be a reference cycle, keeping the initargs alive past the executor
-    until a garbage collection pass."""
+    """What a pool's row in the host's table tells people (no pool prices by it): its first
+    ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest decision,
+    stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
     entries = planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
     waits = group_waits(entries)
     last = log.last_decision

@@ -1,13 +1,10 @@
 """The inbox: the only part of a pool's dispatcher that caller threads touch (process layer).
 
-Caller threads (``submit``, ``shutdown``, ``terminate_workers``, an interpreter
-exiting, a garbage-collected executor) hand tasks and flags to the dispatcher
-thread here, under one lock, and wake it through a pipe; the dispatcher thread
-takes them, and says here when the pool broke or stopped (``submit`` refuses
-from then on). Everything else of the dispatcher is its thread's own; callers
-read what it publishes whole (:class:`gpupool._pool.snapshot.PoolSnapshot`).
-This is loky's ``executor_flags``: the state that crosses threads, in one small
-object behind one lock.
+Caller threads (``submit``, ``shutdown``, ``terminate_workers``, an exiting
+interpreter, a collected executor) leave tasks and flags here under one lock and
+wake the dispatcher thread through a pipe; the dispatcher thread says here that
+the pool broke or stopped, and ``submit`` refuses from then on. This is loky's
+``executor_flags``: the state that crosses threads, in one small object.
 """
 
 from __future__ import annotations
@@ -27,23 +24,20 @@ __all__ = ["Inbox", "copy_broken"]
 
 
 class Inbox:
-    """Tasks submitted and not yet taken, the flags callers raise, and the wake pipe."""
+    """Tasks submitted and not yet taken, the flags callers raise, the break, the wake pipe."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.incoming: collections.deque[WorkItem] = collections.deque()
-        # Tasks handed to the pool (read by statistics(): ended tasks never outnumber it).
-        self.submitted_count = 0
+        self.submitted_count = 0  # ended tasks never outnumber it (statistics())
         self.shutdown_requested = False
         self.cancel_requested = False
         self.kill_signal: int | None = None
-        # Set by the dispatcher thread: it takes no task from now on (its descriptors close).
-        self.stopped = False
-        # Set by the dispatcher thread, once: the pool broke, and every submit raises a copy.
-        self.broken: str | None = None
+        self.stopped = False  # the dispatcher takes nothing more (its descriptors close)
+        self.broken: str | None = None  # the first break's, set once: submit raises a copy
         self.broken_exc: BaseException | None = None
-        # A non-blocking pipe wakes the dispatcher: one byte per wake-up, drained with one
-        # read, so a burst of submits costs a burst of one-byte writes at most.
+        # Non-blocking: one byte per wake-up, drained with one read, so a burst of submits
+        # costs a burst of one-byte writes at most.
         self.wake_reader, self.wake_writer = os.pipe()
         os.set_blocking(self.wake_reader, False)
         os.set_blocking(self.wake_writer, False)
@@ -53,7 +47,6 @@ class Inbox:
 
     @property
     def submitted(self) -> int:
-        """Tasks handed to the pool, counted at submit (under the lock)."""
         with self.lock:
             return self.submitted_count
 
@@ -79,8 +72,7 @@ class Inbox:
         started, after it has started what fits now (as CPython's does with its call queue)."""
         with self.lock:
             self.shutdown_requested = True
-            if cancel_futures:
-                self.cancel_requested = True
+            self.cancel_requested = self.cancel_requested or cancel_futures
             self._wake_locked()
 
     def request_kill(self, sig: int) -> None:
@@ -88,14 +80,12 @@ class Inbox:
         waits to be retried, start nothing more, and signal every worker (the dispatcher
         does it, so a worker being started right now is signalled too)."""
         with self.lock:
-            self.shutdown_requested = True
-            self.cancel_requested = True
+            self.shutdown_requested = self.cancel_requested = True
             self.kill_signal = sig
             self._wake_locked()
 
     def _wake_locked(self) -> None:
-        """Wake the dispatcher; the caller holds the lock (so the pipe is still open)."""
-        if not self.wake_flag and not self.stopped:
+        if not self.wake_flag and not self.stopped:  # stopped: the pipe may be closed
             self.wake_flag = True
             try:
                 os.write(self.wake_writer, b"\0")
@@ -105,7 +95,7 @@ class Inbox:
     # -- the dispatcher thread -----------------------------------------------------------
 
     def woken(self) -> None:
-        """Read the wake-ups written so far (the next write wakes the dispatcher again)."""
+        """Read the wake-ups so far (the next write wakes the dispatcher again)."""
         try:
             while os.read(self.wake_reader, 4096):
                 pass
@@ -114,7 +104,7 @@ class Inbox:
         self.wake_flag = False
 
     def take(self) -> WorkItem | None:
-        """The oldest task submitted and not yet taken, or ``None``."""
+        """The oldest task not yet taken, or ``None``."""
         with self.lock:
             return self.incoming.popleft() if self.incoming else None
 
@@ -135,19 +125,15 @@ class Inbox:
             return self.broken is not None and not busy
 
     def break_with(self, message: str, exc: BaseException) -> None:
-        """The pool broke: ``submit`` raises a copy of the first break's ``exc`` from now on."""
         with self.lock:
             if self.broken is None:
-                self.broken = message
-                self.broken_exc = exc
+                self.broken, self.broken_exc = message, exc
 
     def stop(self) -> None:
-        """The dispatcher takes nothing more: ``submit`` refuses from now on."""
         with self.lock:
             self.stopped = True
 
     def close(self) -> None:
-        """Stop, and close the wake pipe (the dispatcher thread's last act)."""
         self.stop()
         os.close(self.wake_reader)
         os.close(self.wake_writer)

@@ -1,12 +1,9 @@
 """The outcomes: the pool's futures, one ordered outbox, the counts, every error's wording.
 
-The dispatcher's loop says how each task ended (a result, an error, a
-cancellation); this part words the error, counts it, and puts it in one outbox
-in the order the loop said it. The loop publishes the snapshot that counts them
-and then delivers the outbox (:meth:`Outcomes.deliver`), so a caller never
-sees a future newer than the statistics it reads, and a failure never
-overtakes a result that came before it. Nothing here reads a card, a worker or
-the planner.
+The loop says how each task ended; this part words the error, counts it, and
+queues it in one outbox in that order. The loop publishes the snapshot that
+counts them, then delivers the outbox: a caller never sees a future newer than
+the statistics it reads, and a failure never overtakes a result before it.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from gpupool._errors import (
 if TYPE_CHECKING:
     from gpupool._core.planner import Fail
     from gpupool._pool.dispatcher import WorkItem
+    from gpupool._pool.workers import Exited, SpawnFailed
 
 __all__ = ["Outcomes", "callable_name"]
 
@@ -42,22 +40,21 @@ BROKEN_INIT = "A child process terminated abruptly, the process pool is not usab
 
 
 class Outcomes:
-    """The tasks the dispatcher holds (by task id), their futures, the outbox and the counts."""
+    """The tasks the planner holds (pending or running) by task id, their futures, the
+    outbox and the counts."""
 
     def __init__(self) -> None:
-        # Every task the planner holds (pending or running), by task id.
         self.items: dict[int, WorkItem] = {}
-        # Every future taken from the inbox, held weakly: the shutdown record counts those
-        # not done (none, or a bug), and fails them.
+        # Every future taken, held weakly: at shutdown, those not done are lost (a bug).
         self.unresolved: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
         self.counts = collections.Counter[str]()
-        # How this turn's tasks ended, in order, set at its end (deliver), after its snapshot.
+        # How tasks ended this turn, in order: set at its end (deliver), after its snapshot.
         self.outbox: list[tuple[Future[Any], bool, Any]] = []
         self.in_outbox: set[Future[Any]] = set()
 
     def take(self, item: WorkItem) -> bool:
-        """Hold ``item``, taken from the inbox; ``False`` when its caller cancelled it first
-        (then settled here: CANCELLED_AND_NOTIFIED wakes ``wait()`` and ``as_completed()``)."""
+        """Hold ``item``; ``False`` when its caller cancelled it first (then settled:
+        CANCELLED_AND_NOTIFIED wakes ``wait()`` and ``as_completed()``)."""
         self.unresolved.add(item.future)
         if item.future.cancelled():
             item.future.set_running_or_notify_cancel()
@@ -68,7 +65,7 @@ class Outcomes:
 
     def claim(self, item: WorkItem) -> bool:
         """Make ``item``'s future RUNNING (once); ``False`` when the caller cancelled it first
-        (it is let go and counted; the loop withdraws it from the planner)."""
+        (let go and counted)."""
         if item.started:
             return True
         if not item.future.set_running_or_notify_cancel():
@@ -87,39 +84,35 @@ class Outcomes:
         return True
 
     def answered(self, item: WorkItem, kind: str, payload: memoryview) -> None:
-        """``item`` ended with a worker's answer of ``kind`` (``ok``, ``error``,
-        ``unpickle``): its result, or its error, goes to the outbox."""
+        """``item`` ended with a worker's answer (``ok``, ``error``, ``unpickle``)."""
         self.items.pop(item.task_id, None)
+        error: BaseException
         if kind == "ok":
             try:
                 result = cloudpickle.loads(payload)
             except BaseException as exc:
-                self.fail(
-                    item,
-                    broken_by(
-                        "A result has failed to un-serialize in the parent. Please ensure "
-                        "that the objects returned by the function are always picklable.",
-                        detached(exc),
-                    ),
+                error = broken_by(
+                    "A result has failed to un-serialize in the parent. Please ensure "
+                    "that the objects returned by the function are always picklable.",
+                    detached(exc),
                 )
+            else:
+                self.counts["completed"] += 1
+                self.outbox.append((item.future, True, result))
+                self.in_outbox.add(item.future)
                 return
-            self.counts["completed"] += 1
-            self._put(item.future, True, result)
         elif kind == "unpickle":
-            self.fail(
-                item,
-                broken_by(
-                    "A task has failed to un-serialize in the worker. Please ensure that the "
-                    "arguments of the function are all picklable.",
-                    load_exception(payload),
-                ),
+            error = broken_by(
+                "A task has failed to un-serialize in the worker. Please ensure that the "
+                "arguments of the function are all picklable.",
+                load_exception(payload),
             )
         else:
-            self.fail(item, load_exception(payload))
+            error = load_exception(payload)
+        self.fail(item, error)
 
     def fail(self, item: WorkItem, error: BaseException) -> None:
-        """``item`` failed with ``error``: let go, counted (once), and its future fails at the
-        end of the turn, after the results before it."""
+        """``item`` failed with ``error``: let go and counted, once."""
         self.items.pop(item.task_id, None)
         future = item.future
         if future.done() or future in self.in_outbox:
@@ -131,8 +124,7 @@ class Outcomes:
         self._put(future, False, error)
 
     def fail_lost(self) -> int:
-        """Fail every future neither done nor in the outbox (the pool lost it: a bug); how
-        many."""
+        """Fail every future neither done nor in the outbox (lost: a bug); how many."""
         lost = [f for f in self.unresolved if not f.done() and f not in self.in_outbox]
         for future in lost:
             self.counts["failed"] += 1
@@ -144,11 +136,9 @@ class Outcomes:
         self.in_outbox.add(future)
 
     def deliver(self) -> None:
-        """Set what the outbox holds, in order; the caller published the snapshot that counts
-        it. Nothing of a result is kept here after it is set.
-
-        A done-callback that raises what is not an ``Exception`` (``SystemExit``) crashes
-        the dispatcher, but only after every other future of the outbox is set."""
+        """Set the outbox's futures in order, keeping nothing of a result after it is set. A
+        done-callback that raises a ``BaseException`` (``SystemExit``) crashes the
+        dispatcher, but only after every other future of the outbox is set."""
         outbox, self.outbox = self.outbox, []
         self.in_outbox.clear()
         crash: BaseException | None = None
@@ -191,10 +181,11 @@ def oom_error(key: str, verdict: Fail, exc: BaseException | None) -> DeviceOutOf
     return error
 
 
-def lost_error(
-    pid: int, key: str, exitcode: int | None, by_pool: bool, fault: str | None
-) -> tuple[BaseException, dict[str, Any]]:
-    """The error of the task a lost worker ran, and its record's terms beside the message."""
+def lost_error(exited: Exited, key: str) -> tuple[BaseException, dict[str, Any]]:
+    """The error of the task of ``key`` that the ``exited`` worker ran, and its record's
+    terms beside the message."""
+    pid, exitcode, by_pool = exited.worker.pid, exited.exitcode, exited.by_pool
+    fault = exited.worker.fault if exited.worker.ready else None
     signal_name = _signal_name(exitcode)
     extra: dict[str, Any] = {"exitcode": exitcode, "signal": signal_name, "pid": pid}
     if fault is not None:
@@ -227,15 +218,10 @@ def lost_error(
     return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
 
 
-def boot_error(
-    pid: int,
-    exitcode: int | None,
-    fault: str | None,
-    initializer: Callable[..., object] | None,
-    boot_deaths: int,
-) -> BrokenProcessPool:
-    """A worker died before it was ready (with an initializer set, or too many in a row
-    without one): the pool's breaking error (no task ran in such a worker)."""
+def boot_error(exited: Exited, initializer: Callable[..., object] | None) -> BrokenProcessPool:
+    """The ``exited`` worker died before it was ready (with an initializer set, or too many
+    in a row without one): the pool's breaking error (no task ran in such a worker)."""
+    pid, exitcode, fault = exited.worker.pid, exited.exitcode, exited.worker.fault
     how = (
         exit_how(exitcode)
         if fault is None
@@ -254,7 +240,7 @@ def boot_error(
         )
     return BrokenProcessPool(
         f"A process in the process pool was terminated abruptly while the future was "
-        f"running or pending: {boot_deaths} worker processes in a row (the last, "
+        f"running or pending: {exited.boot_deaths} worker processes in a row (the last, "
         f"pid {pid}, {how}) died before they were ready; no task ran in them. "
         "Check that the workers can start (imports, the environment, host memory)."
     )
@@ -289,13 +275,12 @@ def start_data_error(
     return error
 
 
-def spawn_error(exc: BaseException, tries: int, first_wait_s: float) -> BaseException:
-    """A worker could not be started for a task in ``tries`` tries: that task's error (the
-    start's own OSError where there is one)."""
+def spawn_error(failed: SpawnFailed) -> BaseException:
+    """No worker could be started for a task: its error (the start's own OSError, if any)."""
+    exc = failed.error
     note = (
-        f"gpupool could not start a worker process for this task in {tries} tries "
-        f"over {sum(first_wait_s * 4**i for i in range(tries - 1)):.2f} s; "
-        "only this task failed and the pool goes on"
+        f"gpupool could not start a worker process for this task in {failed.tries} tries "
+        f"over {failed.waited_s:.2f} s; only this task failed and the pool goes on"
     )
     error: BaseException
     os_error = _os_error_in(exc)

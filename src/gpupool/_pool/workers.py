@@ -1,17 +1,10 @@
 """The worker set: a pool's worker processes, their channels, one selector (process layer).
 
-It starts workers (with a growing wait after a failed start), writes what the
-loop hands them, reads what they answer, kills one that breaks the protocol,
-and reaps them. What happened comes back to the loop as events, in the order
-it happened::
-
-    spawn(card)            -> Worker | SpawnFailed | None (backing off)
-    serve(timeout_s)       -> Ready | Answered | Exited, one at a time
-
-It never touches a future, a price or the planner: which task runs where, and
-what an answer or an exit means for the pool, is the loop's
-(:mod:`gpupool._pool.dispatcher`). Only the dispatcher thread calls it; other
-threads read :attr:`WorkerSet.processes`, which it replaces whole.
+It starts, writes to, reads from and reaps the workers, and says what happened
+as events, in order: ``spawn(card) -> Worker | SpawnFailed | None`` (backing
+off), ``serve(timeout_s) -> Ready | Answered | Exited``. It never touches a
+future or the planner: what an answer or an exit means is the loop's
+(:mod:`gpupool._pool.dispatcher`).
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import selectors
 import signal
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpupool._log import LOGGER
@@ -41,15 +34,7 @@ if TYPE_CHECKING:
     from gpupool._core.peak import PeakReport
     from gpupool._pool.dispatcher import DeviceState, WorkItem
 
-__all__ = [
-    "Answered",
-    "Exited",
-    "Ready",
-    "SpawnFailed",
-    "Worker",
-    "WorkerSet",
-    "worker_env",
-]
+__all__ = ["Answered", "Exited", "Ready", "SpawnFailed", "Worker", "WorkerSet", "worker_env"]
 
 #: Tries to start a worker for one task before that task fails with the start's
 #: error (EMFILE, EAGAIN, ENOMEM...); the waits between them grow from the first
@@ -63,50 +48,37 @@ SPAWN_FIRST_WAIT_S = 0.05
 INIT_EXIT_WAIT_S = 5.0
 
 
+@dataclass(eq=False, slots=True)
 class Worker:
     """One worker process and the tasks handed to it: ``queue[0]`` runs (a worker runs one
     task at a time), and a short task of its key may wait behind it (planner/queued).
+    Only the worker set changes a worker; the loop reads it."""
 
-    ``ready`` turns true when the worker says so: its initializer returned and
-    its probe is set up. Only the worker set changes a worker; the loop reads it.
-    """
+    process: Any
+    conn: Any
+    device: int | None
+    channel: Channel = field(init=False)
+    watch: ProcessWatch = field(init=False)
+    pid: int = field(init=False)
+    queue: collections.deque[WorkItem] = field(default_factory=collections.deque)
+    # Frames read but not yet handled (one answer each).
+    frames: collections.deque[bytearray] = field(default_factory=collections.deque)
+    # What it sent that broke the protocol (quoted), once it did: it is being killed.
+    fault: str | None = None
+    tasks_done: int = 0
+    retiring: bool = False
+    gone: bool = False
+    # Its initializer returned and its probe is set up, holding this on its card then (a
+    # model its initializer loaded, its context; None when unknown).
+    ready: bool = False
+    resident_bytes: int | None = None
 
-    __slots__ = (
-        "channel",
-        "conn",
-        "device",
-        "fault",
-        "frames",
-        "gone",
-        "pid",
-        "process",
-        "queue",
-        "ready",
-        "resident_bytes",
-        "retiring",
-        "tasks_done",
-        "watch",
-    )
-
-    def __init__(self, process: Any, conn: Any, device: int | None) -> None:
-        self.process = process
-        self.conn = conn
-        self.channel = Channel(conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES)
-        self.watch = ProcessWatch(process)
-        # Frames read but not yet handled (one answer each).
-        self.frames: collections.deque[bytearray] = collections.deque()
-        # What it sent that broke the protocol (quoted), once it did: it is being killed.
-        self.fault: str | None = None
-        self.device = device
-        self.pid: int = process.pid
-        self.queue: collections.deque[WorkItem] = collections.deque()
-        self.tasks_done = 0
-        self.retiring = False
-        self.gone = False
-        self.ready = False
-        # What it held on its card when it was ready (a model its initializer loaded, its
-        # context); None when unknown.
-        self.resident_bytes: int | None = None
+    def __post_init__(self) -> None:
+        self.channel = Channel(
+            self.conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES
+        )
+        self.watch = ProcessWatch(self.process)
+        self.pid = self.process.pid
 
     @property
     def task(self) -> WorkItem | None:
@@ -117,9 +89,6 @@ class Worker:
     def open(self) -> bool:
         """Whether it may be handed a task: ready, not retiring, not gone, not at fault."""
         return self.ready and not self.retiring and not self.gone and self.fault is None
-
-
-# -- events ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +125,12 @@ class Exited:
 
 @dataclass(frozen=True, slots=True)
 class SpawnFailed:
-    """A worker could not be started; ``final``: after :data:`SPAWN_TRIES` tries in a row
-    (the task that needed it fails), else it is tried again after a wait."""
+    """A worker could not be started, ``tries`` in a row over ``waited_s``; ``final``: at
+    :data:`SPAWN_TRIES` (the task that needed it fails), else it is tried after a wait."""
 
     error: BaseException
     tries: int
+    waited_s: float
     final: bool
 
 
@@ -174,18 +144,9 @@ def worker_env(env: Mapping[str, str], device: DeviceState | None) -> dict[str, 
 
 
 class WorkerSet:
-    """The pool's worker processes by card, one selector over their channels and exits,
-    the spawn back-off, and the workers that died as they booted.
-
-    Args:
-        cards: the pool's cards (workers are pinned by index; ``None`` for a pool
-            without one).
-        env: every worker's environment, before its card is pinned.
-        initializer: ``(initializer, initargs)``, run by every worker as it starts.
-        max_tasks_per_child: a worker exits after this many tasks.
-        cap_allocator: each task is sent with its booking as its allocator's cap.
-        wake_fd: read by the selector too (the inbox's wake pipe), as an empty event.
-    """
+    """The pool's worker processes by card (``None``: pinned to none), one selector over
+    their channels, their exits and ``wake_fd`` (the inbox's), the spawn back-off, and the
+    workers that died as they booted. Only the dispatcher thread calls it."""
 
     #: What other threads may read (replaced whole, never changed in place).
     PUBLISHED = frozenset({"processes"})
@@ -212,11 +173,9 @@ class WorkerSet:
         self.processes: dict[int, Any] = {}
         self.selector = selectors.DefaultSelector()
         self.selector.register(wake_fd, selectors.EVENT_READ, None)
-        # Failed starts in a row, and when the next try may be made.
-        self.spawn_failures = 0
+        self.spawn_failures = 0  # in a row
         self.spawn_retry_at_s = 0.0
-        # Workers in a row that died before they were ready (no task had been handed to them).
-        self.boot_deaths = 0
+        self.boot_deaths = 0  # in a row, before they were ready (no task handed to them)
         # (pid, signal) the pool sent (terminate_workers, kill_workers).
         self.signalled: set[tuple[int, int]] = set()
 
@@ -233,11 +192,8 @@ class WorkerSet:
     # -- starting --------------------------------------------------------------------
 
     def spawn(self, card: int | None) -> Worker | SpawnFailed | None:
-        """Start a worker on ``card``; ``None`` while a failed start is waited out.
-
-        A start that fails (EMFILE, EAGAIN, ENOMEM: the host is short of something,
-        often briefly) is tried again after a growing wait; after :data:`SPAWN_TRIES`
-        in a row, :class:`SpawnFailed` is ``final``.
+        """Start a worker on ``card``; ``None`` while a failed start (EMFILE, EAGAIN, ENOMEM:
+        the host is short of something, often briefly) is waited out.
 
         Raises:
             StartDataError: the initializer or its initargs cannot be pickled.
@@ -252,9 +208,10 @@ class WorkerSet:
         except Exception as exc:
             self.spawn_failures += 1
             tries = self.spawn_failures
+            waited_s = sum(SPAWN_FIRST_WAIT_S * 4**i for i in range(tries - 1))
             if tries >= SPAWN_TRIES:
                 self.spawn_failures = 0
-                return SpawnFailed(exc, tries, final=True)
+                return SpawnFailed(exc, tries, waited_s, final=True)
             wait_s = SPAWN_FIRST_WAIT_S * 4 ** (tries - 1)
             self.spawn_retry_at_s = now + wait_s
             LOGGER.warning(
@@ -266,7 +223,7 @@ class WorkerSet:
                 tries,
                 SPAWN_TRIES,
             )
-            return SpawnFailed(exc, tries, final=False)
+            return SpawnFailed(exc, tries, waited_s, final=False)
         self.spawn_failures = 0
         self.by_card[card].append(worker)
         return worker
@@ -321,22 +278,12 @@ class WorkerSet:
     ) -> None:
         """Hand ``item`` (``payload``, its pickled call) to ``worker``; ``queued``: behind
         the task it runs (which it declines after a device out-of-memory); ``now=False``:
-        written at :meth:`flush_queued`."""
+        written at :meth:`flush`."""
         worker.queue.append(item)
         if self.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes), now=now)
         self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued), now=now)
-
-    def flush_queued(self, worker: Worker) -> None:
-        """Write the frames :meth:`send` queued for ``worker`` with ``now=False``."""
-        try:
-            done = worker.channel.flush()
-        except ChannelClosed:
-            worker.channel.discard_output()  # the worker died: its exit will be seen
-            return
-        if not done:
-            self._watch_writable(worker, True)
 
     def retire(self, worker: Worker) -> None:
         """Ask a worker to exit once idle; its exit is then an event."""
@@ -361,28 +308,20 @@ class WorkerSet:
     def _write(
         self, worker: Worker, payload: bytes, prefix: bytes = b"", *, now: bool = True
     ) -> None:
-        """Queue one frame for ``worker`` (written now, or at :meth:`flush_queued`); the
-        selector writes what the socket cannot take now."""
-        if not now:
-            worker.channel.send(payload, prefix, now=False)
-            return
-        try:
-            done = worker.channel.send(payload, prefix)
-        except ChannelClosed:
-            # The worker died before it could take the task: its exit will be seen.
-            worker.channel.discard_output()
-            return
-        if not done:
-            self._watch_writable(worker, True)
+        """Queue one frame for ``worker``, written now or at :meth:`flush`."""
+        worker.channel.send(payload, prefix, now=False)
+        if now:
+            self.flush(worker)
 
-    def _flush(self, worker: Worker) -> None:
+    def flush(self, worker: Worker) -> None:
+        """Write what is queued for ``worker``; the selector writes what the socket cannot
+        take now."""
         try:
             done = worker.channel.flush()
         except ChannelClosed:
-            worker.channel.discard_output()
+            worker.channel.discard_output()  # the worker died: its exit will be seen
             done = True
-        if done:
-            self._watch_writable(worker, False)
+        self._watch_writable(worker, not done)
 
     def _watch_writable(self, worker: Worker, on: bool) -> None:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
@@ -394,11 +333,9 @@ class WorkerSet:
     # -- reading ---------------------------------------------------------------------
 
     def serve(self, timeout_s: float | None) -> Iterator[Ready | Answered | Exited]:
-        """Wait for the selector (or the wake pipe), then write what may be written and
-        yield what the workers said and which of them ended, in order.
-
-        Each event is yielded before the next frame is read: the loop has acted on it
-        (sent the worker its next task, retired it) when the worker set goes on."""
+        """Wait for the selector (or the wake pipe), write what may be written, and yield what
+        the workers said and which ended, in order; the loop has acted on each event (sent
+        the worker its next task, say) before the next frame is read."""
         workers = self.all()
         unwatched = [w for w in workers if w.watch.pidfd is None]
         if unwatched:
@@ -418,7 +355,7 @@ class WorkerSet:
                 ended.append(worker)
                 continue
             if events & selectors.EVENT_WRITE:
-                self._flush(worker)
+                self.flush(worker)
             if events & selectors.EVENT_READ and not worker.gone:
                 yield from self._receive(worker)
         ended.extend(w for w in unwatched if w not in ended and w.watch.exitcode() is not None)
@@ -430,12 +367,8 @@ class WorkerSet:
                 yield self._reap(worker)
 
     def _receive(self, worker: Worker) -> Iterator[Ready | Answered]:
-        """What ``worker`` sent, one answer at a time, oldest first.
-
-        At end of file the socket stops being watched: the worker's exit, seen
-        from the process itself, is the next event. What is not an answer of
-        that worker's is its protocol fault (:meth:`_protocol_fault`).
-        """
+        """What ``worker`` sent, oldest first. At end of file the socket stops being watched:
+        the worker's exit, seen from the process itself, is the next event."""
         if worker.fault is not None:
             return  # nothing it sends is read any more
         try:
@@ -496,9 +429,8 @@ class WorkerSet:
     def _protocol_fault(self, worker: Worker, what: str) -> None:
         """``worker`` sent what is not an answer it may send now (bytes that are not an
         answer, an answer from another PID, about a task it does not run, or a second one):
-        nothing more of it is read, it takes no task, and it is SIGKILLed. Its exit is then
-        an event, as any other worker's: only the worker is killed, and what its tasks
-        started in the background is left as a worker's death leaves it."""
+        nothing more of it is read, it takes no task, and it is SIGKILLed (only the worker:
+        what its tasks started is left as a worker's death leaves it)."""
         if worker.fault is not None or worker.gone:
             return
         worker.fault = what
@@ -559,8 +491,8 @@ class WorkerSet:
             pass
 
     def stop(self, wait_s: float) -> list[Worker]:
-        """Ask every worker to exit, wait up to ``wait_s`` for them, SIGKILL those left,
-        and forget them all; returns them (their queues as they were)."""
+        """Ask every worker to exit, wait up to ``wait_s``, SIGKILL those left, and forget
+        them all; returns them (their queues as they were)."""
         workers = list(self.all())
         for worker in workers:
             if not worker.retiring or worker.task is not None:
