@@ -10,9 +10,11 @@ those classes for the test only, fails any other thread that reads one.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ import tasks
 
 from gpupool import GpuPoolExecutor
 from gpupool._core.planner import Planner
+from gpupool._pool import inbox, outcomes, workers
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.dispatcher import CardReader, Dispatcher
 from gpupool._pool.outcomes import Outcomes
@@ -153,3 +156,27 @@ def test_caller_threads_reach_only_the_inbox_and_what_is_published(host, ownersh
     assert stats.tasks_submitted == 60 + 5 + 1 + 30
     ended = stats.tasks_completed + stats.tasks_failed + stats.tasks_cancelled
     assert ended == stats.tasks_submitted
+
+
+def _names(module: object) -> set[str]:
+    """Every name and attribute the code of ``module`` reads (docstrings aside)."""
+    tree = ast.parse(Path(str(getattr(module, "__file__", ""))).read_text(encoding="utf-8"))
+    return {
+        node.attr if isinstance(node, ast.Attribute) else node.id
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Attribute, ast.Name))
+    }
+
+
+@pytest.mark.parametrize("module", [workers, outcomes, inbox], ids=lambda m: m.__name__)
+def test_only_the_loop_asks_the_planner(module: object) -> None:
+    """The worker set, the outcomes and the inbox name no planner: they return events and
+    values, and the loop (the dispatcher) decides."""
+    assert _names(module) & {"planner", "Planner"} == set()
+
+
+@pytest.mark.parametrize("module", [workers, inbox], ids=lambda m: m.__name__)
+def test_only_the_outcomes_set_a_future(module: object) -> None:
+    """The worker set and the inbox never read or set a task's future."""
+    found = _names(module) & {"future", "set_result", "set_exception", "cancel"}
+    assert found <= ({"future"} if module is inbox else set())  # WorkItem's own field

@@ -36,18 +36,15 @@ its workers itself (fork+exec with a per-process ``env``, cloudpickle:
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bookings import group_waits, last_decision
-from gpupool._core.census import CardCensus, Census
+from gpupool._core.census import Census
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     QUEUE_DEPTH,
@@ -69,15 +66,23 @@ from gpupool._log import LOGGER, DecisionLog
 from gpupool._pool import outcomes as said
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call
-from gpupool._pool.inbox import Inbox, copy_broken
+from gpupool._pool.inbox import Inbox, WorkItem, copy_broken
 from gpupool._pool.launch import StartDataError
 from gpupool._pool.outcomes import Outcomes, callable_name
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
-from gpupool._pool.workers import SPAWN_TRIES, Answered, Exited, SpawnFailed, Worker, WorkerSet
+from gpupool._pool.workers import (
+    SPAWN_TRIES,
+    Answered,
+    DeviceState,
+    Exited,
+    SpawnFailed,
+    Worker,
+    WorkerSet,
+)
 from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
-    from gpupool._sensors.base import DeviceInfo, Sensor
+    from gpupool._sensors.base import Sensor
     from gpupool._sensors.bookings import BookingTable
 
 __all__ = [
@@ -119,36 +124,6 @@ threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
 def interpreter_exiting() -> bool:
     """Whether the interpreter has begun to exit (``submit`` then refuses new work)."""
     return _global_shutdown
-
-
-_task_ids = itertools.count()
-
-
-@dataclass(eq=False, slots=True)
-class WorkItem:
-    """One submitted task: its future, its call, its key, and whether it started.
-
-    ``call`` is ``(fn, args, kwargs)`` as given, pickled when it is sent to a worker (as
-    CPython's pool pickles in its feeder thread): the parent never holds a pickled copy of
-    work that waits. What the pool prices about it is the planner's, under ``task_id``.
-    """
-
-    future: Future[Any]
-    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-    key: str
-    hint_bytes: int | None
-    size: float | None = None
-    started: bool = False
-    task_id: int = field(default_factory=functools.partial(next, _task_ids))
-
-
-@dataclass(slots=True)
-class DeviceState:
-    """One card the pool uses: its index, how to reach it, and its census."""
-
-    index: int
-    info: DeviceInfo
-    census: CardCensus
 
 
 class CardReader:

@@ -10,17 +10,39 @@ the pool broke or stopped, and ``submit`` refuses from then on. This is loky's
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
 from gpupool._errors import GpuPoolError
 
-if TYPE_CHECKING:
-    from gpupool._pool.dispatcher import WorkItem
+__all__ = ["Inbox", "WorkItem", "copy_broken"]
 
-__all__ = ["Inbox", "copy_broken"]
+_task_ids = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class WorkItem:
+    """One submitted task: its future, its call, its key, and whether it started.
+
+    ``call`` is ``(fn, args, kwargs)`` as given, pickled when it is sent to a worker (as
+    CPython's pool pickles in its feeder thread): the parent never holds a pickled copy of
+    work that waits. What the pool prices about it is the planner's, under ``task_id``.
+    """
+
+    future: Future[Any]
+    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+    key: str
+    hint_bytes: int | None
+    size: float | None = None
+    started: bool = False
+    task_id: int = field(default_factory=functools.partial(next, _task_ids))
 
 
 class Inbox:

@@ -31,7 +31,7 @@ from gpupool._errors import (
 
 if TYPE_CHECKING:
     from gpupool._core.planner import Fail
-    from gpupool._pool.dispatcher import WorkItem
+    from gpupool._pool.inbox import WorkItem
     from gpupool._pool.workers import Exited, SpawnFailed
 
 __all__ = ["Outcomes", "callable_name"]

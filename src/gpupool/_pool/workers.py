@@ -31,10 +31,21 @@ from gpupool._probe import allocator_cap_message
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from gpupool._core.census import CardCensus
     from gpupool._core.peak import PeakReport
-    from gpupool._pool.dispatcher import DeviceState, WorkItem
+    from gpupool._pool.inbox import WorkItem
+    from gpupool._sensors.base import DeviceInfo
 
-__all__ = ["Answered", "Exited", "Ready", "SpawnFailed", "Worker", "WorkerSet", "worker_env"]
+__all__ = [
+    "Answered",
+    "DeviceState",
+    "Exited",
+    "Ready",
+    "SpawnFailed",
+    "Worker",
+    "WorkerSet",
+    "worker_env",
+]
 
 #: Tries to start a worker for one task before that task fails with the start's
 #: error (EMFILE, EAGAIN, ENOMEM...); the waits between them grow from the first
@@ -46,6 +57,15 @@ SPAWN_FIRST_WAIT_S = 0.05
 #: How long the pool waits for a worker whose initializer raised to exit (it
 #: exits right after saying so) before it reports itself broken.
 INIT_EXIT_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class DeviceState:
+    """One card the pool uses: its index, how to reach it, and its census."""
+
+    index: int
+    info: DeviceInfo
+    census: CardCensus
 
 
 @dataclass(eq=False, slots=True)
