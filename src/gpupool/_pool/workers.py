@@ -81,8 +81,6 @@ class Worker:
     watch: ProcessWatch = field(init=False)
     pid: int = field(init=False)
     queue: collections.deque[WorkItem] = field(default_factory=collections.deque)
-    # Frames read but not yet handled (one answer each).
-    frames: collections.deque[bytearray] = field(default_factory=collections.deque)
     # What it sent that broke the protocol (quoted), once it did: it is being killed.
     fault: str | None = None
     tasks_done: int = 0
@@ -399,10 +397,9 @@ class WorkerSet:
         except ChannelClosed:
             frames = []
             self._unwatch(worker.channel.fd)
-        worker.frames.extend(frames)
-        del frames
-        while worker.frames and not worker.gone and worker.fault is None:
-            event = self._answer(worker, worker.frames.popleft())
+        frames.reverse()  # popped oldest first: nothing of a handled answer is kept
+        while frames and not worker.gone and worker.fault is None:
+            event = self._answer(worker, frames.pop())
             if event is None:
                 continue
             yield event
@@ -455,7 +452,6 @@ class WorkerSet:
             return
         worker.fault = what
         worker.retiring = True
-        worker.frames.clear()
         worker.channel.discard_output()
         self._unwatch(worker.channel.fd)
         LOGGER.warning(
@@ -499,7 +495,6 @@ class WorkerSet:
             worker.process.join(timeout=0)
         worker.watch.close()
         worker.channel.discard_output()
-        worker.frames.clear()
         if worker.pid in self.processes:
             self.processes = {p: v for p, v in self.processes.items() if p != worker.pid}
         workers = self.by_card[worker.device]
