@@ -72,9 +72,9 @@ OF_INTEREST = (
     ".need_bytes",
     ".ask_for",
     "Dispatcher._schedule",
-    "Dispatcher._receive",
-    "Dispatcher._flush",
-    "Dispatcher._read_while_running",
+    "WorkerSet._receive",
+    "WorkerSet.flush",
+    "CardReader.read",
     "Dispatcher.publish",
 )
 

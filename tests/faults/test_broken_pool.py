@@ -97,7 +97,7 @@ def test_a_ready_worker_reports_what_its_initializer_left_on_the_card():
         ) as ex:
             assert ex.submit(faulty.square, 3).result(timeout=TIMEOUT_S) == 9
             # The ready answer comes before the task's, on the same ordered channel.
-            (worker,) = ex._dispatcher.devices[0].workers
+            (worker,) = ex._dispatcher.workers.on(0)
             assert worker.ready
             assert worker.resident_bytes == 2 * GiB + 300 * MiB
 
@@ -107,7 +107,7 @@ def test_a_worker_without_an_initializer_is_ready_and_holding_nothing_known():
     with _host(context="300MiB"):
         with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
             assert ex.submit(faulty.square, 3).result(timeout=TIMEOUT_S) == 9
-            (worker,) = ex._dispatcher.devices[0].workers
+            (worker,) = ex._dispatcher.workers.on(0)
             assert worker.ready
             assert worker.resident_bytes is None
 

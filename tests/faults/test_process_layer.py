@@ -214,7 +214,7 @@ running = ex.submit(faulty.wait_for_file, {gate1!r})
 until(running.running)
 starve()
 brief = ex.submit(faulty.square, 3)
-until(lambda: d.counts["spawn_failures"] >= 2)
+until(lambda: d.outcomes.counts["spawn_failures"] >= 2)
 feed()
 assert brief.result(timeout=120) == 9, brief
 assert not running.done()
@@ -234,7 +234,7 @@ open({gate2!r}, "w").close()
 assert running.result(timeout=120) is True
 assert ex.submit(faulty.square, 5).result(timeout=120) == 25
 ex.shutdown()
-print("ok", d.counts["spawn_failures"])
+print("ok", d.outcomes.counts["spawn_failures"])
 """
 
 

@@ -127,7 +127,7 @@ def test_a_declined_task_runs_once_a_checked_start_lets_it(tmp_path: Path) -> No
         # at the head of the queue, not failed and not left pending, they run after starts
         # checked against the key's new price.
         assert all(future.result(timeout=60) > 0 for future in queued)
-        assert pool._dispatcher.counts["queued_declined"] == depth
+        assert pool._dispatcher.outcomes.counts["queued_declined"] == depth
         assert pool.statistics().tasks_failed == 1
 
 

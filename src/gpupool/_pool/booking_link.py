@@ -39,7 +39,7 @@ from gpupool._core.bookings import OtherPools, TaskBooking
 if TYPE_CHECKING:
     from gpupool._core.events import Decision
     from gpupool._core.planner import Planner, Start
-    from gpupool._pool.dispatcher import DeviceState
+    from gpupool._pool.workers import DeviceState
     from gpupool._sensors.base import Sensor
     from gpupool._sensors.bookings import BookingTable
 

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["build_dispatcher", "read_cards", "worker_environment"]
 
 
-def build_dispatcher(options: PoolOptions) -> Dispatcher:
-    """The pool's dispatcher, its first widths decided and recorded, not yet started.
+def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
+    """The pool's dispatcher, its first widths decided and recorded, not yet started; with
+    the census it priced and the ``max_workers`` it was given or chose (the CPUs).
 
     Raises:
         ConfigurationError: ``reserve`` is not smaller than a card, or the census refused
@@ -85,7 +86,7 @@ def build_dispatcher(options: PoolOptions) -> Dispatcher:
     except BaseException:
         dispatcher.close()  # no thread will: give its descriptors back
         raise
-    return dispatcher
+    return dispatcher, census, config.max_workers
 
 
 def read_cards(
@@ -128,7 +129,7 @@ def _decide_first_widths(dispatcher: Dispatcher, *, priced: bool) -> None:
     other pools hold now. Raises :class:`WidthError` where ``strict=True`` refuses it."""
     dispatcher.read_census_terms()
     note = "" if priced else " (no task_peak: priced at the room)"
-    extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if dispatcher.cap_allocator else {}
+    extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if dispatcher.workers.cap_allocator else {}
     # Time 0 is the census: the construction records say so, however long
     # the readings beside it took on a loaded host.
     refused = dispatcher.planner.construct(0.0, note=note, extra=extra)

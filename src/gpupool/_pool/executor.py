@@ -29,12 +29,8 @@ from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._pool.build import build_dispatcher
-from gpupool._pool.dispatcher import (
-    WorkItem,
-    callable_name,
-    copy_broken,
-    interpreter_exiting,
-)
+from gpupool._pool.dispatcher import callable_name, interpreter_exiting
+from gpupool._pool.inbox import WorkItem, copy_broken
 from gpupool._pool.options import read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
@@ -314,11 +310,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._mp_context = options.workers.mp_context
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
-        self._dispatcher = build_dispatcher(options)
+        self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
         self._log = self._dispatcher.log
-        self._max_workers = self._dispatcher.config.max_workers
         self._dispatcher.start()
-        weakref.finalize(self, self._dispatcher.request_shutdown)
+        weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         if (
@@ -354,11 +349,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     @property
     def _processes(self) -> dict[int, Any]:
         # A copy (one step under the interpreter lock): the dispatcher thread changes its own.
-        return dict(self._dispatcher.processes)
+        return dict(self._dispatcher.workers.processes)
 
     @property
     def _broken(self) -> str | bool:
-        return self._dispatcher.broken or False
+        return self._dispatcher.inbox.broken or False
 
     # -- the executor contract ----------------------------------------------------------
 
@@ -440,10 +435,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         view: _OptionsView | None,
         key: str | None = None,
     ) -> Future[Any]:
-        d = self._dispatcher
+        inbox = self._dispatcher.inbox
         with self._shutdown_lock:
-            if d.broken is not None:
-                raise copy_broken(d.broken_exc, d.broken)
+            if inbox.broken is not None:
+                raise copy_broken(inbox.broken_exc, inbox.broken)
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if interpreter_exiting():
@@ -454,7 +449,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             hint = view._hint_bytes if view is not None else None
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
             size = options.size if options is not None else None
-            d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
+            inbox.put(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
             return future
 
     def map(
@@ -539,7 +534,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         """
         with self._shutdown_lock:
             self._shutdown = True
-        self._dispatcher.request_shutdown(cancel_futures)
+        self._dispatcher.inbox.request_shutdown(cancel_futures)
         if wait:
             self._dispatcher.join()
 
@@ -554,7 +549,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def _force(self, sig: signal.Signals) -> None:
         with self._shutdown_lock:
             self._shutdown = True
-        self._dispatcher.request_kill(sig)
+        self._dispatcher.inbox.request_kill(sig)
 
     # -- what the pool decided ----------------------------------------------------------
 
@@ -567,7 +562,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     @property
     def census(self) -> Census:
         """The census taken at construction."""
-        return self._dispatcher.census
+        return self._census
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -587,7 +582,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         d = self._dispatcher
         snapshot = d.snapshot
         # After the snapshot: every task it counts as ended was submitted before it.
-        submitted = d.submitted
+        submitted = d.inbox.submitted
         counts = snapshot.counts
         return PoolStatistics(
             tasks_submitted=submitted,

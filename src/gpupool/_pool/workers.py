@@ -1,0 +1,543 @@
+"""The worker set: a pool's worker processes, their channels, one selector (process layer).
+
+It starts, writes to, reads from and reaps the workers, and says what happened
+as events, in order: ``spawn(card) -> Worker | SpawnFailed | None`` (backing
+off), ``serve(timeout_s) -> Ready | Answered | Exited``. It never touches a
+future or the planner: what an answer or an exit means is the loop's
+(:mod:`gpupool._pool.dispatcher`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import selectors
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpupool._child.probe import allocator_cap_message
+from gpupool._observe.log import LOGGER
+from gpupool._pool import wire
+from gpupool._pool.by_value import sender_ids
+from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
+from gpupool._pool.launch import StartDataError, WorkerContext
+from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.worker import worker_main
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gpupool._core.census import CardCensus
+    from gpupool._core.peak import PeakReport
+    from gpupool._pool.inbox import WorkItem
+    from gpupool._sensors.base import DeviceInfo, Sensor
+
+__all__ = [
+    "Answered",
+    "DeviceState",
+    "Exited",
+    "Ready",
+    "SpawnFailed",
+    "Worker",
+    "WorkerSet",
+]
+
+#: Tries to start a worker for one task before that task fails with the start's
+#: error (EMFILE, EAGAIN, ENOMEM...); the waits between them grow from the first
+#: by a factor of four: 0.05, 0.2, 0.8, 3.2 s (4.25 s in all). Only the task that
+#: needed the worker fails; the pool and its running tasks go on.
+SPAWN_TRIES = 5
+SPAWN_FIRST_WAIT_S = 0.05
+
+#: How long the pool waits for a worker whose initializer raised to exit (it
+#: exits right after saying so) before it reports itself broken.
+INIT_EXIT_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class DeviceState:
+    """One card the pool uses: its index, how to reach it, and its census."""
+
+    index: int
+    info: DeviceInfo
+    census: CardCensus
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """One worker process and the tasks handed to it: ``queue[0]`` runs (a worker runs one
+    task at a time), and a short task of its key may wait behind it (planner/queued).
+    Only the worker set changes a worker; the loop reads it."""
+
+    process: Any
+    conn: Any
+    device: int | None
+    channel: Channel = field(init=False)
+    watch: ProcessWatch = field(init=False)
+    pid: int = field(init=False)
+    queue: collections.deque[WorkItem] = field(default_factory=collections.deque)
+    # What it sent that broke the protocol (quoted), once it did: it is being killed.
+    fault: str | None = None
+    tasks_done: int = 0
+    retiring: bool = False
+    gone: bool = False
+    # Its initializer returned and its probe is set up, holding this on its card then (a
+    # model its initializer loaded, its context; None when unknown).
+    ready: bool = False
+    resident_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        self.channel = Channel(
+            self.conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES
+        )
+        self.watch = ProcessWatch(self.process)
+        self.pid = self.process.pid
+
+    @property
+    def task(self) -> WorkItem | None:
+        """The task running now, or ``None`` when idle."""
+        return self.queue[0] if self.queue else None
+
+    @property
+    def open(self) -> bool:
+        """Whether it may be handed a task: ready, not retiring, not gone, not at fault."""
+        return self.ready and not self.retiring and not self.gone and self.fault is None
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """``worker``'s initializer returned: it may be handed tasks."""
+
+    worker: Worker
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """``worker`` answered for ``item`` (taken off its queue): ``kind`` is ``ok``, ``error``,
+    ``unpickle``, ``oom``, ``declined`` (queued behind a run that ran out of memory) or
+    ``init`` (its initializer raised; it exits)."""
+
+    worker: Worker
+    item: WorkItem | None
+    kind: str
+    report: PeakReport | None
+    payload: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """``worker``'s process ended (it is forgotten; its queue is as it was). ``by_pool``:
+    by a signal the pool sent; ``boot_deaths``: the workers in a row, this one the last,
+    that died before they were ready (0 when it was ready, or the pool killed it)."""
+
+    worker: Worker
+    exitcode: int | None
+    by_pool: bool
+    boot_deaths: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnFailed:
+    """A worker could not be started, ``tries`` in a row over ``waited_s``; ``final``: at
+    :data:`SPAWN_TRIES` (the task that needed it fails), else it is tried after a wait."""
+
+    error: BaseException
+    tries: int
+    waited_s: float
+    final: bool
+
+
+class WorkerSet:
+    """The pool's worker processes by card (``None``: pinned to none), one selector over
+    their channels, their exits and ``wake_fd`` (the inbox's), the spawn back-off, and the
+    workers that died as they booted. Only the dispatcher thread calls it."""
+
+    #: What other threads may read (replaced whole, never changed in place).
+    PUBLISHED = frozenset({"processes"})
+
+    def __init__(
+        self,
+        *,
+        cards: list[DeviceState],
+        sensor: Sensor,
+        env: Mapping[str, str],
+        initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
+        max_tasks_per_child: int | None,
+        cap_allocator: bool,
+        wake_fd: int,
+    ) -> None:
+        self.cards = cards
+        self.sensor = sensor  # its vendor pins a worker and gives it a sensor of its own
+        self.env = dict(env)
+        self.initializer = initializer
+        self.max_tasks_per_child = max_tasks_per_child
+        self.cap_allocator = cap_allocator
+        self.context = WorkerContext()
+        self.by_card: dict[int | None, list[Worker]] = {None: []}
+        self.by_card.update((card.index, []) for card in cards)
+        # The processes by PID, as CPython's ``_processes``: replaced whole at each change.
+        self.processes: dict[int, Any] = {}
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(wake_fd, selectors.EVENT_READ, None)
+        self.spawn_failures = 0  # in a row
+        self.spawn_retry_at_s = 0.0
+        self.boot_deaths = 0  # in a row, before they were ready (no task handed to them)
+        # (pid, signal) the pool sent (terminate_workers, kill_workers).
+        self.signalled: set[tuple[int, int]] = set()
+
+    def all(self) -> list[Worker]:
+        """Every worker not forgotten, on every card."""
+        if len(self.by_card) == 1:
+            return self.by_card[None]
+        return [w for workers in self.by_card.values() for w in workers]
+
+    def on(self, card: int | None) -> list[Worker]:
+        """The workers pinned to ``card`` (``None``: the pool's workers without one)."""
+        return self.by_card[card]
+
+    # -- starting --------------------------------------------------------------------
+
+    def spawn(self, card: int | None) -> Worker | SpawnFailed | None:
+        """Start a worker on ``card``; ``None`` while a failed start (EMFILE, EAGAIN, ENOMEM:
+        the host is short of something, often briefly) is waited out.
+
+        Raises:
+            StartDataError: the initializer or its initargs cannot be pickled.
+        """
+        now = time.monotonic()
+        if self.spawn_failures and now < self.spawn_retry_at_s:
+            return None
+        try:
+            worker = self._spawn(card)
+        except StartDataError:
+            raise
+        except Exception as exc:
+            self.spawn_failures += 1
+            tries = self.spawn_failures
+            waited_s = sum(SPAWN_FIRST_WAIT_S * 4**i for i in range(tries - 1))
+            if tries >= SPAWN_TRIES:
+                self.spawn_failures = 0
+                return SpawnFailed(exc, tries, waited_s, final=True)
+            wait_s = SPAWN_FIRST_WAIT_S * 4 ** (tries - 1)
+            self.spawn_retry_at_s = now + wait_s
+            LOGGER.warning(
+                "gpupool could not start a worker process (%s: %s); trying again in "
+                "%.2f s (try %d of %d)",
+                type(exc).__name__,
+                exc,
+                wait_s,
+                tries,
+                SPAWN_TRIES,
+            )
+            return SpawnFailed(exc, tries, waited_s, final=False)
+        self.spawn_failures = 0
+        self.by_card[card].append(worker)
+        return worker
+
+    def retry_in_s(self) -> float:
+        """How long until the next start may be tried (at least 10 ms)."""
+        return max(0.01, self.spawn_retry_at_s - time.monotonic())
+
+    def _spawn(self, card: int | None) -> Worker:
+        device = self.cards[card] if card is not None else None
+        parent_conn, child_conn = self.context.Pipe(duplex=True)
+        process = self.context.Process(
+            target=worker_main,
+            args=(
+                child_conn,
+                os.getpid(),
+                device.info if device is not None else None,
+                card,
+                # With the ids of its globals here (what by_value's tasks send beside theirs).
+                (*self.initializer, sender_ids(self.initializer[0]))
+                if self.initializer is not None
+                else None,
+                self.max_tasks_per_child,
+                self.sensor.worker_factory() if device is not None else None,
+            ),
+            env={**self.env, **self.sensor.worker_env(device.info if device is not None else None)},
+            name="gpupool-worker",
+        )
+        try:
+            process.start()
+        except BaseException:
+            parent_conn.close()
+            raise
+        finally:
+            child_conn.close()
+        worker = Worker(process, parent_conn, card)
+        self.processes = {**self.processes, worker.pid: process}
+        self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
+        self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
+        return worker
+
+    # -- writing ---------------------------------------------------------------------
+
+    def send(
+        self,
+        worker: Worker,
+        item: WorkItem,
+        payload: bytes,
+        ask_bytes: int,
+        *,
+        queued: bool = False,
+        now: bool = True,
+    ) -> None:
+        """Hand ``item`` (``payload``, its pickled call) to ``worker``; ``queued``: behind
+        the task it runs (which it declines after a device out-of-memory); ``now=False``:
+        written at :meth:`flush`."""
+        worker.queue.append(item)
+        if self.cap_allocator and worker.device is not None:
+            # Before the call, on the same ordered channel: the cap is set when the task starts.
+            self._write(worker, allocator_cap_message(ask_bytes), now=now)
+        self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued), now=now)
+
+    def retire(self, worker: Worker) -> None:
+        """Ask a worker to exit once idle; its exit is then an event."""
+        worker.retiring = True
+        if worker.task is None:
+            self._write(worker, b"")
+
+    def take_queue(self, worker: Worker) -> list[WorkItem]:
+        """What was handed to ``worker`` and not answered for, taken off it, in order."""
+        items = list(worker.queue)
+        worker.queue.clear()
+        return items
+
+    def kill(self, sig: int) -> None:
+        """Signal every worker's process tree (each signal once per worker)."""
+        for worker in self.all():
+            sent = (worker.pid, sig)  # SIGKILL after SIGTERM is sent too
+            if sent not in self.signalled:
+                self.signalled.add(sent)
+                signal_tree(worker.pid, sig)
+
+    def _write(
+        self, worker: Worker, payload: bytes, prefix: bytes = b"", *, now: bool = True
+    ) -> None:
+        """Queue one frame for ``worker``, written now or at :meth:`flush`."""
+        worker.channel.send(payload, prefix, now=False)
+        if now:
+            self.flush(worker)
+
+    def flush(self, worker: Worker) -> None:
+        """Write what is queued for ``worker``; the selector writes what the socket cannot
+        take now."""
+        try:
+            done = worker.channel.flush()
+        except ChannelClosed:
+            worker.channel.discard_output()  # the worker died: its exit will be seen
+            done = True
+        self._watch_writable(worker, not done)
+
+    def _watch_writable(self, worker: Worker, on: bool) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        try:
+            self.selector.modify(worker.channel.fd, events, (worker, "conn"))
+        except (KeyError, ValueError):
+            pass  # forgotten already
+
+    # -- reading ---------------------------------------------------------------------
+
+    def serve(self, timeout_s: float | None) -> Iterator[Ready | Answered | Exited]:
+        """Wait for the selector (or the wake pipe), write what may be written, and yield what
+        the workers said and which ended, in order; the loop has acted on each event (sent
+        the worker its next task, say) before the next frame is read."""
+        workers = self.all()
+        unwatched = [w for w in workers if w.watch.pidfd is None]
+        if unwatched:
+            # No pidfd: the sentinel may be held by a grandchild, so ask waitpid too.
+            timeout_s = (
+                POLL_WITHOUT_PIDFD_S if timeout_s is None else min(timeout_s, POLL_WITHOUT_PIDFD_S)
+            )
+        ready = self.selector.select(timeout_s)
+        ended: list[Worker] = []
+        for key, events in ready:
+            if not key.data:
+                continue
+            worker, what = key.data
+            if worker.gone:
+                continue
+            if what == "exit":
+                ended.append(worker)
+                continue
+            if events & selectors.EVENT_WRITE:
+                self.flush(worker)
+            if events & selectors.EVENT_READ and not worker.gone:
+                yield from self._receive(worker)
+        ended.extend(w for w in unwatched if w not in ended and w.watch.exitcode() is not None)
+        for worker in ended:
+            if not worker.gone:
+                # What it sent before it exited is in the socket still: that first.
+                yield from self._receive(worker)
+            if not worker.gone:
+                yield self._reap(worker)
+
+    def _receive(self, worker: Worker) -> Iterator[Ready | Answered]:
+        """What ``worker`` sent, oldest first. At end of file the socket stops being watched:
+        the worker's exit, seen from the process itself, is the next event."""
+        if worker.fault is not None:
+            return  # nothing it sends is read any more
+        try:
+            frames = worker.channel.receive()
+        except ChannelCorrupt as exc:
+            self._protocol_fault(worker, str(exc))
+            return
+        except ChannelClosed:
+            frames = []
+            self._unwatch(worker.channel.fd)
+        frames.reverse()  # popped oldest first: nothing of a handled answer is kept
+        while frames and not worker.gone and worker.fault is None:
+            event = self._answer(worker, frames.pop())
+            if event is None:
+                continue
+            yield event
+            if isinstance(event, Answered) and event.kind != "init" and worker.retiring:
+                self.retire(worker)
+            del event  # keep nothing of a finished task
+        if worker.channel.corrupt is not None:
+            self._protocol_fault(worker, worker.channel.corrupt)
+
+    def _answer(self, worker: Worker, frame: bytearray) -> Ready | Answered | None:
+        """``frame`` as an event, the worker's state moved by it; ``None`` (its protocol
+        fault) when it is not an answer ``worker`` may send now."""
+        head = worker.task
+        try:
+            answer = wire.parse_answer(frame)
+            wire.check_answer(
+                answer,
+                worker_pid=worker.pid,
+                ready=worker.ready,
+                running=head.task_id if head is not None else None,
+            )
+        except wire.ProtocolFault as fault:
+            self._protocol_fault(worker, str(fault))
+            return None
+        kind = answer.kind
+        if kind == "ready":  # no task's answer: the worker's initializer returned
+            worker.ready = True
+            worker.resident_bytes = (answer.report or {}).get("resident_bytes")
+            self.boot_deaths = 0
+            return Ready(worker)
+        item = worker.queue.popleft() if worker.queue else None
+        if kind == "init":
+            # It exits right after this answer; wait for it (bounded), so that what it
+            # logged on its way out (through a multiprocessing queue, say) is flushed
+            # before the pool reports itself broken, as the standard pool's order is.
+            worker.process.join(timeout=INIT_EXIT_WAIT_S)
+        elif kind != "declined":
+            worker.tasks_done += 1
+            limit = self.max_tasks_per_child
+            if limit is not None and worker.tasks_done >= limit:
+                worker.retiring = True
+        return Answered(worker, item, kind, answer.peak, answer.payload)
+
+    def _protocol_fault(self, worker: Worker, what: str) -> None:
+        """``worker`` sent what is not an answer it may send now (bytes that are not an
+        answer, an answer from another PID, about a task it does not run, or a second one):
+        nothing more of it is read, it takes no task, and it is SIGKILLed (only the worker:
+        what its tasks started is left as a worker's death leaves it)."""
+        if worker.fault is not None or worker.gone:
+            return
+        worker.fault = what
+        worker.retiring = True
+        worker.channel.discard_output()
+        self._unwatch(worker.channel.fd)
+        LOGGER.warning(
+            "gpupool: a worker process (pid %d) broke the protocol with the pool: it sent %s; "
+            "it is killed and replaced",
+            worker.pid,
+            what,
+        )
+        try:
+            os.kill(worker.pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone already: its exit is seen all the same
+
+    # -- ending ----------------------------------------------------------------------
+
+    def _reap(self, worker: Worker) -> Exited:
+        exitcode = worker.watch.wait(1.0)
+        self._forget(worker)
+        by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
+        boot_deaths = 0
+        if not worker.ready and not by_pool:
+            self.boot_deaths += 1
+            boot_deaths = self.boot_deaths
+        return Exited(worker, exitcode, by_pool, boot_deaths)
+
+    def _unwatch(self, fd: int) -> None:
+        try:
+            self.selector.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def _forget(self, worker: Worker) -> None:
+        if worker.gone:
+            return
+        worker.gone = True
+        self._unwatch(worker.channel.fd)
+        self._unwatch(worker.watch.fd)
+        if worker.watch.exitcode() is not None:
+            # Reaped: join returns at once, and multiprocessing lets the process
+            # object go (its finalizer closes loky's sentinel).
+            worker.process.join(timeout=0)
+        worker.watch.close()
+        worker.channel.discard_output()
+        if worker.pid in self.processes:
+            self.processes = {p: v for p, v in self.processes.items() if p != worker.pid}
+        workers = self.by_card[worker.device]
+        if worker in workers:
+            workers.remove(worker)
+        try:
+            worker.conn.close()
+        except OSError:
+            pass
+
+    def stop(self, wait_s: float) -> list[Worker]:
+        """Ask every worker to exit, wait up to ``wait_s``, SIGKILL those left, and forget
+        them all; returns them (their queues as they were)."""
+        workers = list(self.all())
+        for worker in workers:
+            if not worker.retiring or worker.task is not None:
+                worker.retiring = True
+                self._write(worker, b"")
+        self._await_exits(workers, wait_s)
+        for worker in workers:
+            if worker.watch.exitcode() is None:
+                signal_tree(worker.pid, signal.SIGKILL)
+                worker.watch.wait(5.0)
+            self._forget(worker)
+        return workers
+
+    def _await_exits(self, workers: list[Worker], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for ``workers`` to exit, writing what they were sent and
+        reading (and dropping) what they send, so none stays blocked on its socket."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(workers)
+        while waiting:
+            waiting = [w for w in waiting if w.watch.exitcode() is None]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            reads: list[int] = []
+            writes: list[int] = []
+            for worker in waiting:
+                reads.append(worker.watch.fd)
+                try:
+                    if worker.channel.flush():
+                        worker.channel.receive()
+                        reads.append(worker.channel.fd)
+                    else:
+                        writes.append(worker.channel.fd)
+                except ChannelClosed:
+                    pass
+            timeout = min(left, POLL_WITHOUT_PIDFD_S)
+            select.select(reads, writes, [], timeout)
+
+    def close(self) -> None:
+        self.selector.close()
