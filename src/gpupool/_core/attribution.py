@@ -237,7 +237,7 @@ def analyse_oom(
         runs_by_key=_runs_by_key(record.get("runs")),
         retry=record.get("retry") is True,
         wrong_terms=figures.wrong_terms,
-        verdict=figures.verdict,
+        verdict=figures.wrong_terms[0][0] if figures.wrong_terms else "unattributed",
         explanation=_explain(terms, figures, missing),
         missing=tuple(missing),
     )
@@ -325,11 +325,6 @@ class _Figures:
     room: int | None
     unattributed: int | None
     wrong_terms: tuple[tuple[str, int], ...]
-
-    @property
-    def verdict(self) -> str:
-        """The first wrong term, or ``"unattributed"``."""
-        return self.wrong_terms[0][0] if self.wrong_terms else "unattributed"
 
 
 def _derive_figures(t: _Terms, later_own_hw: int | None, most_running: int | None) -> _Figures:
