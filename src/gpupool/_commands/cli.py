@@ -808,15 +808,11 @@ def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
 
     try:
         return read_runs(path, run=run, on_cut=say_cut), EXIT_OK
-    except EmptyLogError as exc:
+    except (DecisionLogError, NoSuchRunError) as exc:
         sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, EXIT_EMPTY_LOG
-    except DecisionLogError as exc:
-        sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, EXIT_BAD_LOG
-    except NoSuchRunError as exc:
-        sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, EXIT_USAGE
+        if isinstance(exc, NoSuchRunError):
+            return None, EXIT_USAGE
+        return None, EXIT_EMPTY_LOG if isinstance(exc, EmptyLogError) else EXIT_BAD_LOG
 
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:
