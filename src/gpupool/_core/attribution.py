@@ -203,7 +203,7 @@ def analyse_oom(
     Returns:
         The card as it stood and the verdict.
     """
-    terms = _read_terms(record)
+    terms = _parse_terms(record)
     figures = _derive_figures(terms, later_own_high_water_bytes, most_running)
     missing = terms.missing()
     return OomAnalysis(
@@ -283,7 +283,7 @@ class _Terms:
         return missing
 
 
-def _read_terms(record: Mapping[str, object]) -> _Terms:
+def _parse_terms(record: Mapping[str, object]) -> _Terms:
     """Gather: the record's terms, with the older names a log may still carry."""
     census_co = record_int(record, "census_co_tenant_bytes")
     if census_co is None:
