@@ -447,6 +447,50 @@ def test_plan_refuses_what_the_pool_refuses(
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--co-tenant", "1GiB"], r"--co-tenant is a what-if figure: give --total with it$"),
+        (["--own", "1GiB"], r"--own is a what-if figure: give --total with it$"),
+        (
+            ["--total", "8GiB", "--task-peak", "1GiB", "--margin", "1GiB"],
+            r"--margin applies to a measured peak: give --measured-peak with it$",
+        ),
+        (
+            ["--total", "8GiB", "--measured-peak", "1GiB"],
+            r"--measured-peak needs --task-peak \(the estimate it replaces\)$",
+        ),
+        (
+            ["--total", "8GiB", "--co-tenant", "5GiB", "--own", "4GiB", "--task-peak", "1GiB"],
+            r"--co-tenant plus --own \(9\.00 GiB\) exceed --total \(8\.00 GiB\)$",
+        ),
+    ],
+)
+def test_plan_refuses_flags_that_mean_nothing_alone(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """A flag that needs another, or what-if figures past the card: exit 2, with the fix."""
+    with pytest.raises(SystemExit) as info:
+        main(["plan", *argv])
+    assert info.value.code == EXIT_USAGE
+    assert re.search(message, capsys.readouterr().err.strip())
+
+
+def test_a_live_plan_on_a_card_needs_a_task_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """A live plan with a card and no --task-peak is a usage error (exit 2) that says so."""
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=2, host_ram="8GiB"):
+        with pytest.raises(SystemExit) as info:
+            main(["plan"])
+    assert info.value.code == EXIT_USAGE
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("--task-peak is required to plan a pool on a device")
+    )
+
+
 def test_the_pool_refuses_the_same_reserve() -> None:
     """The refusal ``plan`` mirrors: a pool with reserve >= the card raises ConfigurationError."""
     from gpupool import ConfigurationError, GpuPoolExecutor

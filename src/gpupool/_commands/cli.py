@@ -420,6 +420,7 @@ def _count_type(flag: str) -> Callable[[str], int]:
 
 
 def _add_plan(sub: Any) -> None:
+    """``gpupool plan``'s parser, with the flags of the card's room."""
     plan = sub.add_parser(
         "plan",
         help="show the memory bound term by term and the width it implies",
@@ -447,6 +448,14 @@ def _add_plan(sub: Any) -> None:
         default=None,
         help=f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
     )
+    _add_plan_width_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(handler=_cmd_plan, parser=plan)
+
+
+def _add_plan_width_flags(plan: argparse.ArgumentParser) -> None:
+    """The plan's flags past the card's room: the ask, and the ceiling's terms."""
+    size = _size_type
     plan.add_argument(
         "--task-peak",
         type=size("--task-peak", allow_zero=False, pool=True),
@@ -482,8 +491,6 @@ def _add_plan(sub: Any) -> None:
         type=size("--child-rss", allow_zero=False),
         help="a child's host RSS high-water; with the host RAM it caps the width",
     )
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
-    plan.set_defaults(handler=_cmd_plan, parser=plan)
 
 
 def _bound_json(decision: WidthDecision) -> dict[str, Any]:
@@ -562,67 +569,21 @@ def _phase(
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    """``gpupool plan``: the width a pool would take, from the figures given or this host."""
     parser: argparse.ArgumentParser = args.parser
-    given_figures = args.total is not None
-    if not given_figures:
-        for flag, value in (("--co-tenant", args.co_tenant), ("--own", args.own)):
-            if value is not None:
-                parser.error(f"{flag} is a what-if figure: give --total with it")
-    if args.margin is not None and args.measured_peak is None:
-        parser.error("--margin applies to a measured peak: give --measured-peak with it")
-    if args.measured_peak is not None and args.task_peak is None:
-        parser.error("--measured-peak needs --task-peak (the estimate it replaces)")
+    _check_plan_flags(parser, args)
     reserve = DEFAULT_RESERVE_BYTES if args.reserve is None else args.reserve
     notes: list[str] = []
-    if given_figures:
-        co_tenant = args.co_tenant or 0
-        own = args.own or 0
-        if co_tenant + own > args.total:
-            parser.error(
-                f"--co-tenant plus --own ({format_size(co_tenant + own)}) exceed --total "
-                f"({format_size(args.total)})"
-            )
-        cards: tuple[CardCensus, ...] = (
-            CardCensus(
-                device=0,
-                uuid="what-if",
-                name="what-if card",
-                total_bytes=args.total,
-                free_bytes=args.total - co_tenant - own,
-                own_bytes=own,
-                source="given",
-                own_source="given",
-            ),
-        )
-        driver = True
-        # What-if numbers are the ones typed, never this machine's: a term not
-        # given (CPUs, host RAM) does not bound the plan.
-        host = None
-    else:
-        try:
-            sensor, census, _infos = _live_sensor_census()
-        except (SensorError, ConfigurationError) as exc:
-            sys.stderr.write(f"gpupool plan: {exc}\n")
-            return EXIT_FAILURE
-        sensor.close()
-        cards = census.cards
-        driver = census.driver
-        host = census.host
-        if census.reason:
-            notes.append(census.reason)
-        if cards and args.task_peak is None:
-            parser.error("--task-peak is required to plan a pool on a device")
-    for card in cards:
+    census = _read_plan_census(parser, args, notes)
+    if census is None:
+        return EXIT_FAILURE
+    for card in census.cards:
         # The pool refuses this at construction (ConfigurationError): so does the plan.
         if card.total_bytes is not None and reserve >= card.total_bytes:
             parser.error(
                 f"--reserve {format_size(reserve)} is not smaller than card {card.device}'s "
                 f"{format_size(card.total_bytes)}; a pool refuses it. Pass a smaller reserve."
             )
-    cpus = args.cpus if args.cpus is not None else (host.cpus if host else None)
-    host_ram = (
-        args.host_ram if args.host_ram is not None else (host.available_ram_bytes if host else None)
-    )
     if args.margin is not None:
         policy = Policy(margin_bytes=args.margin, margin_fraction=0.0, reserve_bytes=reserve)
     else:
@@ -634,10 +595,76 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         estimated_ask = table.ask("plan")
         if args.measured_peak is not None:
             measured_ask = table.measure("plan", args.measured_peak)
-    # The census a pool would take here (or the figures given), and the configuration it
-    # would have: as a pool, an explicit max_workers is not capped by the CPU count.
-    census = Census(
-        cards=tuple(cards),
+    config = _decide_plan_config(args, census, table, measured_ask or estimated_ask, notes)
+    estimated = _phase(census, asks=table, ask=estimated_ask, config=config)
+    measured = (
+        None
+        if measured_ask is None
+        else _phase(census, asks=table, ask=measured_ask, config=config)
+    )
+    if not census.cards:
+        notes.append(
+            "no device: a host-bounded process pool, as wide as the ceiling"
+            if not census.driver
+            else "no device is visible: a host-bounded process pool, as wide as the ceiling"
+        )
+    result: dict[str, Any] = {
+        "mode": "what-if" if args.total is not None else "live",
+        "driver": census.driver,
+        "device_count": len(census.cards),
+        **(measured if measured is not None else estimated),
+        "estimated": estimated,
+        "measured": measured,
+        "notes": notes,
+    }
+    if args.json:
+        _json_out(result)
+    else:
+        _print_plan(result, census.cards)
+    return 0
+
+
+def _check_plan_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the flags that mean nothing without another (a usage error, exit 2)."""
+    if args.total is None:
+        for flag, value in (("--co-tenant", args.co_tenant), ("--own", args.own)):
+            if value is not None:
+                parser.error(f"{flag} is a what-if figure: give --total with it")
+    if args.margin is not None and args.measured_peak is None:
+        parser.error("--margin applies to a measured peak: give --measured-peak with it")
+    if args.measured_peak is not None and args.task_peak is None:
+        parser.error("--measured-peak needs --task-peak (the estimate it replaces)")
+
+
+def _read_plan_census(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, notes: list[str]
+) -> Census | None:
+    """The census a pool would take here, or the figures given, with the host's flags over
+    it (``None``: this host's census could not be read; the reason is on standard error)."""
+    cards: tuple[CardCensus, ...]
+    host: HostCensus | None
+    if args.total is not None:
+        # What-if numbers are the ones typed, never this machine's: a term not
+        # given (CPUs, host RAM) does not bound the plan.
+        cards, driver, host = (_what_if_card(parser, args),), True, None
+    else:
+        try:
+            sensor, census, _infos = _live_sensor_census()
+        except (SensorError, ConfigurationError) as exc:
+            sys.stderr.write(f"gpupool plan: {exc}\n")
+            return None
+        sensor.close()
+        cards, driver, host = census.cards, census.driver, census.host
+        if census.reason:
+            notes.append(census.reason)
+        if cards and args.task_peak is None:
+            parser.error("--task-peak is required to plan a pool on a device")
+    cpus = args.cpus if args.cpus is not None else (host.cpus if host else None)
+    host_ram = (
+        args.host_ram if args.host_ram is not None else (host.available_ram_bytes if host else None)
+    )
+    return Census(
+        cards=cards,
         host=HostCensus(
             cpus=cpus if cpus is not None else 1,
             available_ram_bytes=host_ram,
@@ -647,52 +674,57 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         driver=driver,
         sensor="given",
     )
-    rss_prior = args.child_rss if args.child_rss is not None else DEFAULT_CHILD_RSS_PRIOR_BYTES
+
+
+def _what_if_card(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CardCensus:
+    """The one card of a what-if plan, from ``--total``, ``--co-tenant`` and ``--own``."""
+    co_tenant = args.co_tenant or 0
+    own = args.own or 0
+    if co_tenant + own > args.total:
+        parser.error(
+            f"--co-tenant plus --own ({format_size(co_tenant + own)}) exceed --total "
+            f"({format_size(args.total)})"
+        )
+    return CardCensus(
+        device=0,
+        uuid="what-if",
+        name="what-if card",
+        total_bytes=args.total,
+        free_bytes=args.total - co_tenant - own,
+        own_bytes=own,
+        source="given",
+        own_source="given",
+    )
+
+
+def _decide_plan_config(
+    args: argparse.Namespace, census: Census, table: AskTable, ask: Ask | None, notes: list[str]
+) -> PlannerConfig:
+    """The configuration the pool would have: as a pool, an explicit max_workers is not
+    capped by the CPU count; without one or a CPU count, as wide as the cards hold."""
+    reserve = table.policy.reserve_bytes
+    # A what-if plan without --cpus has no CPU term (its census counts 1 CPU).
+    cpus = None if args.cpus is None and args.total is not None else census.host.cpus
     if args.max_workers is not None or cpus is not None:
         max_workers = args.max_workers if args.max_workers is not None else cpus
         assert max_workers is not None
     else:
         # Neither max_workers nor a CPU count: plan as wide as the cards hold at the ask.
         widest = PlannerConfig(max_workers=MAX_PLANNED_WIDTH, reserve_bytes=reserve)
-        answer = what_if(census, table, widest, measured_ask or estimated_ask)
+        answer = what_if(census, table, widest, ask)
         max_workers = max(1, answer.width) if answer.decisions else 1
         notes.append(
             f"max_workers not given: planned at {max_workers}, what the card holds "
             "(a pool's default is its host's usable CPUs)"
         )
-    config = PlannerConfig(
+    return PlannerConfig(
         max_workers=max_workers,
         max_workers_given=args.max_workers is not None or cpus is None,
         reserve_bytes=reserve,
-        child_rss_prior_bytes=rss_prior,
+        child_rss_prior_bytes=(
+            args.child_rss if args.child_rss is not None else DEFAULT_CHILD_RSS_PRIOR_BYTES
+        ),
     )
-    estimated = _phase(census, asks=table, ask=estimated_ask, config=config)
-    measured = (
-        None
-        if measured_ask is None
-        else _phase(census, asks=table, ask=measured_ask, config=config)
-    )
-    final = measured if measured is not None else estimated
-    if not cards:
-        notes.append(
-            "no device: a host-bounded process pool, as wide as the ceiling"
-            if not driver
-            else "no device is visible: a host-bounded process pool, as wide as the ceiling"
-        )
-    result: dict[str, Any] = {
-        "mode": "what-if" if given_figures else "live",
-        "driver": driver,
-        "device_count": len(cards),
-        **final,
-        "estimated": estimated,
-        "measured": measured,
-        "notes": notes,
-    }
-    if args.json:
-        _json_out(result)
-    else:
-        _print_plan(result, cards)
-    return 0
 
 
 def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
@@ -775,15 +807,11 @@ def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
 
     try:
         return read_runs(path, run=run, on_cut=say_cut), EXIT_OK
-    except EmptyLogError as exc:
+    except (DecisionLogError, NoSuchRunError) as exc:
         sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, EXIT_EMPTY_LOG
-    except DecisionLogError as exc:
-        sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, EXIT_BAD_LOG
-    except NoSuchRunError as exc:
-        sys.stderr.write(f"gpupool {command}: {exc}\n")
-        return None, EXIT_USAGE
+        if isinstance(exc, NoSuchRunError):
+            return None, EXIT_USAGE
+        return None, EXIT_EMPTY_LOG if isinstance(exc, EmptyLogError) else EXIT_BAD_LOG
 
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:

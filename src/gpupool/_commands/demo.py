@@ -25,9 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    import subprocess
 
 __all__ = ["INCIDENT", "entry", "run_demo", "torch_entry"]
 
@@ -286,6 +289,20 @@ def run_demo_isolated(
         start_new_session=True,
         preexec_fn=_ignore_interrupt_until_ready,
     )
+    interrupted = _relay(child, say)
+    try:
+        status = child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        status = child.wait()
+    if interrupted or status == 130:
+        raise KeyboardInterrupt
+    return status
+
+
+def _relay(child: subprocess.Popen[str], say: Callable[[str], None]) -> bool:
+    """Relay the demo child's lines through ``say`` until it closes its output, passing the
+    first Ctrl-C on to it; returns whether one came."""
     assert child.stdout is not None
     interrupted = False
     while True:
@@ -298,14 +315,7 @@ def run_demo_isolated(
                 interrupted = True
                 child.send_signal(signal.SIGINT)
     child.stdout.close()
-    try:
-        status = child.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        status = child.wait()
-    if interrupted or status == 130:
-        raise KeyboardInterrupt
-    return status
+    return interrupted
 
 
 def _fixed_scenario_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -382,81 +392,23 @@ def _run_simulated(
     say: Callable[[str], None],
     hold_s: float,
 ) -> int:
-    from gpupool._pool.executor import GpuPoolExecutor
-    from gpupool.testing import DEFAULT_CONTEXT, SimulatedDevice, SimulatedHost, hold
+    """The incident on a simulated card: gpupool, then a fixed pool, then the two compared."""
+    from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 
     inc = INCIDENT
     n = inc["entries"]
     log = _fresh_log(log_path)
     if plot_path is not None:
         _preload_plotting()
-    say("gpupool demo: the incident, on a simulated card (no GPU needed)")
-    say(
-        f"  a {format_size(parse_size(inc['card_total']))} card; a serving co-tenant holds "
-        f"{format_size(parse_size(inc['co_tenant']))},"
-    )
-    say(
-        f"  the parent {format_size(parse_size(inc['parent_holds']))}; {n} entries of "
-        f"{format_size(parse_size(inc['entry_holds']))} each"
-    )
-    context = parse_size(DEFAULT_CONTEXT)
-    say(f"  each process on it also holds a {format_size(context)} CUDA context, so the")
-    say(
-        f"  parent reads {format_size(parse_size(inc['parent_holds']) + context)} and an entry "
-        f"{format_size(parse_size(inc['entry_holds']) + context)}"
-    )
+    _say_incident(say)
     card = SimulatedDevice(inc["card_total"], co_tenants={"serve": inc["co_tenant"]})
     args = [(i, hold_s, inc["entry_holds"]) for i in range(n)]
     with (
         SimulatedHost([card], cpus=inc["cpus"], host_ram=inc["host_ram"]) as host,
         hold(inc["parent_holds"]),
     ):
-        say("")
-        say(f"1. GpuPoolExecutor(max_workers={inc['max_workers']}, task_peak={inc['task_peak']!r})")
-        start = time.monotonic()
-        with (
-            _Sampler(host) as ours,
-            GpuPoolExecutor(
-                max_workers=inc["max_workers"],
-                task_peak=inc["task_peak"],
-                log_path=log,
-                initializer=ignore_interrupt,
-            ) as pool,
-        ):
-            done, failed = _run_pool(pool, entry, args, progress)
-            stats = pool.statistics()
-        gpupool_s = time.monotonic() - start
-        gpupool_ooms = len(host.out_of_memory_events)
-        gpupool_peak = host.device_peak(0)
-        _say_decisions(say, pool.decisions)
-        widths = " -> ".join(str(w) for _, w in stats.widths) or str(stats.width)
-        say(f"   {done} completed, {failed} failed in {gpupool_s:.1f} s; width {widths}")
-        say(
-            f"   {gpupool_ooms} out-of-memory; card peak {format_size(gpupool_peak)} of "
-            f"{format_size(host.devices[0].total_bytes)}"
-        )
-        say("")
-        say(f"2. concurrent.futures.ProcessPoolExecutor(max_workers={inc['max_workers']})")
-        start = time.monotonic()
-        spawn = multiprocessing.get_context("spawn")
-        with (
-            _Sampler(host) as theirs,
-            concurrent.futures.ProcessPoolExecutor(
-                max_workers=inc["max_workers"], mp_context=spawn, initializer=ignore_interrupt
-            ) as stdlib,
-        ):
-            std_done, std_failed = _run_pool(stdlib, entry, args, progress)
-        std_s = time.monotonic() - start
-        std_events = host.out_of_memory_events[gpupool_ooms:]
-        std_ooms = len(std_events)
-        say(
-            f"   {std_done} completed, {std_failed} failed in {std_s:.1f} s at a fixed width "
-            f"of {inc['max_workers']}"
-        )
-        say(
-            f"   {std_ooms} out-of-memory (SimulatedOutOfMemory); card peak "
-            f"{format_size(host.device_peak(0))}"
-        )
+        ours, failed, gpupool_ooms = _run_gpupool_side(host, args, log, progress, say)
+        theirs, std_s, std_events = _run_fixed_side(host, args, progress, say)
         total_bytes = host.devices[0].total_bytes
     say("")
     say(f"decision log: {log}")
@@ -468,11 +420,103 @@ def _run_simulated(
         _maybe_plot(log, plot_path, say, used=ours.points, beside=fixed)
     say(f"comparison: the same {n} tasks ran the card out of memory")
     say(
-        f"  {std_ooms} times under a fixed pool of {inc['max_workers']}, "
+        f"  {len(std_events)} times under a fixed pool of {inc['max_workers']}, "
         f"{gpupool_ooms} under gpupool."
     )
     say(f"every number above, explained: {DOCS_PAGE}")
     return 0 if gpupool_ooms == 0 and failed == 0 else 1
+
+
+def _say_incident(say: Callable[[str], None]) -> None:
+    """The scenario's figures, so a reader can check the runs' numbers against them."""
+    from gpupool.testing import DEFAULT_CONTEXT
+
+    inc = INCIDENT
+    say("gpupool demo: the incident, on a simulated card (no GPU needed)")
+    say(
+        f"  a {format_size(parse_size(inc['card_total']))} card; a serving co-tenant holds "
+        f"{format_size(parse_size(inc['co_tenant']))},"
+    )
+    say(
+        f"  the parent {format_size(parse_size(inc['parent_holds']))}; {inc['entries']} entries "
+        f"of {format_size(parse_size(inc['entry_holds']))} each"
+    )
+    context = parse_size(DEFAULT_CONTEXT)
+    say(f"  each process on it also holds a {format_size(context)} CUDA context, so the")
+    say(
+        f"  parent reads {format_size(parse_size(inc['parent_holds']) + context)} and an entry "
+        f"{format_size(parse_size(inc['entry_holds']) + context)}"
+    )
+
+
+def _run_gpupool_side(
+    host: Any,
+    args: list[tuple[Any, ...]],
+    log: Path,
+    progress: bool | None,
+    say: Callable[[str], None],
+) -> tuple[_Sampler, int, int]:
+    """Part 1: the entries through gpupool, with what it decided; returns the card's samples,
+    how many entries failed and how many times the card ran out."""
+    from gpupool._pool.executor import GpuPoolExecutor
+
+    inc = INCIDENT
+    say("")
+    say(f"1. GpuPoolExecutor(max_workers={inc['max_workers']}, task_peak={inc['task_peak']!r})")
+    start = time.monotonic()
+    with (
+        _Sampler(host) as ours,
+        GpuPoolExecutor(
+            max_workers=inc["max_workers"],
+            task_peak=inc["task_peak"],
+            log_path=log,
+            initializer=ignore_interrupt,
+        ) as pool,
+    ):
+        done, failed = _run_pool(pool, entry, args, progress)
+        stats = pool.statistics()
+    elapsed_s = time.monotonic() - start
+    ooms = len(host.out_of_memory_events)
+    peak_bytes = host.device_peak(0)
+    _say_decisions(say, pool.decisions)
+    widths = " -> ".join(str(w) for _, w in stats.widths) or str(stats.width)
+    say(f"   {done} completed, {failed} failed in {elapsed_s:.1f} s; width {widths}")
+    say(
+        f"   {ooms} out-of-memory; card peak {format_size(peak_bytes)} of "
+        f"{format_size(host.devices[0].total_bytes)}"
+    )
+    return ours, failed, ooms
+
+
+def _run_fixed_side(
+    host: Any, args: list[tuple[Any, ...]], progress: bool | None, say: Callable[[str], None]
+) -> tuple[_Sampler, float, list[Any]]:
+    """Part 2: the same entries through CPython's fixed pool (spawn) on the same card; returns
+    the card's samples, the run's seconds and its out-of-memory events."""
+    inc = INCIDENT
+    before = len(host.out_of_memory_events)
+    say("")
+    say(f"2. concurrent.futures.ProcessPoolExecutor(max_workers={inc['max_workers']})")
+    start = time.monotonic()
+    spawn = multiprocessing.get_context("spawn")
+    with (
+        _Sampler(host) as theirs,
+        concurrent.futures.ProcessPoolExecutor(
+            max_workers=inc["max_workers"], mp_context=spawn, initializer=ignore_interrupt
+        ) as stdlib,
+    ):
+        done, failed = _run_pool(stdlib, entry, args, progress)
+    elapsed_s = time.monotonic() - start
+    events: list[Any] = host.out_of_memory_events[before:]
+    say(
+        f"   {done} completed, {failed} failed in {elapsed_s:.1f} s at a fixed width "
+        f"of {inc['max_workers']}"
+    )
+    say(
+        f"   {len(events)} out-of-memory (SimulatedOutOfMemory); card peak "
+        f"{format_size(host.device_peak(0))}"
+    )
+    return theirs, elapsed_s, events
 
 
 def _fixed_pool_view(

@@ -203,7 +203,88 @@ def analyse_oom(
     Returns:
         The card as it stood and the verdict.
     """
-    total = record_int(record, "total_bytes")
+    terms = _parse_terms(record)
+    figures = _derive_figures(terms, later_own_high_water_bytes, most_running)
+    missing = terms.missing()
+    return OomAnalysis(
+        line=line,
+        time_s=record_float(record.get("time_s")),
+        device=record_int(record, "device"),
+        key=record_str(record, "key"),
+        total_bytes=terms.total,
+        census_co_tenant_bytes=terms.census_co,
+        own_high_water_bytes=terms.own_hw,
+        reserve_bytes=terms.reserve,
+        booked_bytes=terms.booked,
+        running=terms.running,
+        task_ask_bytes=terms.ask,
+        key_ask_bytes=record_int(record, "ask_bytes"),
+        ask_basis=record_str(record, "ask_basis"),
+        reached_bytes=terms.reached,
+        requested_bytes=terms.requested,
+        live_used_bytes=terms.used,
+        live_free_bytes=terms.free,
+        need_bytes=figures.need,
+        ask_shortfall_bytes=figures.shortfall,
+        children_bytes=figures.children,
+        co_tenant_live_bytes=figures.split.co_live,
+        co_tenant_growth_bytes=figures.split.co_growth,
+        own_live_bytes=figures.split.own_live,
+        own_growth_bytes=figures.split.own_growth,
+        own_separable=figures.split.separable,
+        unattributed_bytes=figures.unattributed,
+        pool_read=terms.live_pool is not None,
+        runs_by_key=_runs_by_key(record.get("runs")),
+        retry=record.get("retry") is True,
+        wrong_terms=figures.wrong_terms,
+        verdict=figures.wrong_terms[0][0] if figures.wrong_terms else "unattributed",
+        explanation=_explain(terms, figures, missing),
+        missing=tuple(missing),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Terms:
+    """The record's terms (the module docstring's letters), read once; ``None`` if absent."""
+
+    total: int | None
+    census_co: int | None
+    own_hw: int | None
+    reserve: int
+    booked: int | None
+    running: int | None
+    ask: int | None
+    reached: int | None
+    requested: int | None
+    used: int | None
+    free: int | None
+    live_pool: int | None
+    live_own: int | None
+    others_held: int
+    others_overrun: int
+    other_pools: int
+
+    def missing(self) -> list[str]:
+        """The needed terms the record lacks, by their names in the record."""
+        needed = {
+            "total_bytes": self.total,
+            "census_co_tenant_bytes": self.census_co,
+            "own_high_water_bytes": self.own_hw,
+            "booked_bytes": self.booked,
+            "running": self.running,
+            "task_ask_bytes": self.ask,
+            "reached_bytes": self.reached,
+            "requested_bytes": self.requested,
+            "live_used_bytes": self.used,
+        }
+        missing = [name for name, value in needed.items() if value is None]
+        if self.live_own is None:
+            missing.append("live_own_bytes")
+        return missing
+
+
+def _parse_terms(record: Mapping[str, object]) -> _Terms:
+    """Gather: the record's terms, with the older names a log may still carry."""
     census_co = record_int(record, "census_co_tenant_bytes")
     if census_co is None:
         census_co = record_int(record, "co_tenant_bytes")
@@ -213,124 +294,104 @@ def analyse_oom(
     own_hw = record_int(record, "priced_own_high_water_bytes")
     if own_hw is None:
         own_hw = record_int(record, "own_high_water_bytes")
-    reserve = record_int(record, "reserve_bytes") or 0
-    booked = record_int(record, "booked_bytes")
-    running = record_int(record, "running")
-    ask = record_int(record, "task_ask_bytes")
-    reached = record_int(record, "reached_bytes")
-    requested = record_int(record, "requested_bytes")
-    used = record_int(record, "live_used_bytes")
-    free = record_int(record, "live_free_bytes")
-    live_pool = record_int(record, "live_pool_bytes")
-    live_own = record_int(record, "live_own_bytes")
-    others_held = record_int(record, "other_pools_held_bytes") or 0
-    others_overrun = record_int(record, "other_pools_overrun_bytes") or 0
-    needed = {
-        "total_bytes": total,
-        "census_co_tenant_bytes": census_co,
-        "own_high_water_bytes": own_hw,
-        "booked_bytes": booked,
-        "running": running,
-        "task_ask_bytes": ask,
-        "reached_bytes": reached,
-        "requested_bytes": requested,
-        "live_used_bytes": used,
-    }
-    missing = [name for name, value in needed.items() if value is None]
-    if live_own is None:
-        missing.append("live_own_bytes")
+    return _Terms(
+        total=record_int(record, "total_bytes"),
+        census_co=census_co,
+        own_hw=own_hw,
+        reserve=record_int(record, "reserve_bytes") or 0,
+        booked=record_int(record, "booked_bytes"),
+        running=record_int(record, "running"),
+        ask=record_int(record, "task_ask_bytes"),
+        reached=record_int(record, "reached_bytes"),
+        requested=record_int(record, "requested_bytes"),
+        used=record_int(record, "live_used_bytes"),
+        free=record_int(record, "live_free_bytes"),
+        live_pool=record_int(record, "live_pool_bytes"),
+        live_own=record_int(record, "live_own_bytes"),
+        others_held=record_int(record, "other_pools_held_bytes") or 0,
+        others_overrun=record_int(record, "other_pools_overrun_bytes") or 0,
+        other_pools=record_int(record, "other_pools_bytes") or 0,
+    )
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Figures:
+    """What steps 1 to 6 derive from the terms, and the wrong terms they found."""
+
+    need: int | None
+    shortfall: int
+    children: int | None
+    split: _Growth
+    room: int | None
+    unattributed: int | None
+    wrong_terms: tuple[tuple[str, int], ...]
+
+
+def _derive_figures(t: _Terms, later_own_hw: int | None, most_running: int | None) -> _Figures:
+    """Derive: the module docstring's steps, in its order, on the record's terms."""
     # 1. the ask
-    need = reached + requested if reached is not None and requested is not None else None
-    shortfall = max(0, need - ask) if need is not None and ask is not None else 0
+    need = t.reached + t.requested if t.reached is not None and t.requested is not None else None
+    shortfall = max(0, need - t.ask) if need is not None and t.ask is not None else 0
 
     # 2. the pool's children at the reading
-    children = live_pool
-    if children is None and booked is not None and ask is not None:
+    children = t.live_pool
+    if children is None and t.booked is not None and t.ask is not None:
         children = _children_from_bookings(
-            booked, ask, need, shortfall, running, reached, most_running
+            t.booked, t.ask, need, shortfall, t.running, t.reached, most_running
         )
 
     # 3. outside the pool; 4. own or co-tenant
-    split = _Growth(own_live=live_own, separable=live_own is not None)
-    if used is not None and children is not None and census_co is not None and own_hw is not None:
+    split = _Growth(own_live=t.live_own, separable=t.live_own is not None)
+    if (
+        t.used is not None
+        and children is not None
+        and t.census_co is not None
+        and t.own_hw is not None
+    ):
         # Other gpupool pools' tasks are priced by their bookings, not as co-tenants.
-        split = _split_growth(
-            used - children - others_held, census_co, own_hw, live_own, later_own_high_water_bytes
-        )
+        outside = t.used - children - t.others_held
+        split = _split_growth(outside, t.census_co, t.own_hw, t.live_own, later_own_hw)
+
+    # 5. over the room
+    room = None
+    if t.total is not None and t.census_co is not None and t.own_hw is not None:
+        room = t.total - t.census_co - t.own_hw - t.reserve - t.other_pools
+
+    # 6. unattributed
+    unattributed: int | None = None
+    if t.used is not None and t.requested is not None and t.total is not None:
+        unattributed = max(0, t.used + t.requested - t.total)
+    return _Figures(
+        need=need,
+        shortfall=shortfall,
+        children=children,
+        split=split,
+        room=room,
+        unattributed=unattributed,
+        wrong_terms=_judge_terms(t, need, shortfall, split, room),
+    )
+
+
+def _judge_terms(
+    t: _Terms, need: int | None, shortfall: int, split: _Growth, room: int | None
+) -> tuple[tuple[str, int], ...]:
+    """Judge: every term past its price (growth only past the reserve), in the verdict's order."""
     terms: list[tuple[str, int]] = []
-    if need is not None and total is not None and need > total:
-        terms.append(("larger_than_card", need - total))
+    if need is not None and t.total is not None and need > t.total:
+        terms.append(("larger_than_card", need - t.total))
     if shortfall > 0:
         terms.append(("ask", shortfall))
-    if split.co_growth > reserve:
+    if split.co_growth > t.reserve:
         terms.append(("co_tenant", split.co_growth))
-    if split.own_growth > reserve:
+    if split.own_growth > t.reserve:
         terms.append(("own", split.own_growth))
-    if others_overrun > reserve:
-        terms.append(("another_pool", others_overrun))
-    room = None
-    if total is not None and census_co is not None and own_hw is not None:
-        room = total - census_co - own_hw - reserve - (record_int(record, "other_pools_bytes") or 0)
-        if booked is not None and booked > max(room, 0):
-            terms.append(("over_room", booked - max(room, 0)))
+    if t.others_overrun > t.reserve:
+        terms.append(("another_pool", t.others_overrun))
+    if room is not None and t.booked is not None and t.booked > max(room, 0):
+        terms.append(("over_room", t.booked - max(room, 0)))
     # A task larger than the card is named first: no other term could have let it run.
     terms.sort(key=lambda term: (term[0] != "larger_than_card", -term[1]))
-    unattributed: int | None = None
-    if used is not None and requested is not None and total is not None:
-        unattributed = max(0, used + requested - total)
-    verdict = terms[0][0] if terms else "unattributed"
-    explanation = _explain(
-        verdict,
-        terms,
-        ask=ask,
-        need=need,
-        total=total,
-        reached=reached,
-        requested=requested,
-        census_co=census_co,
-        own_hw=own_hw,
-        separable=split.separable,
-        unattributed=unattributed,
-        missing=missing,
-        booked=booked,
-        room=room,
-    )
-    return OomAnalysis(
-        line=line,
-        time_s=record_float(record.get("time_s")),
-        device=record_int(record, "device"),
-        key=record_str(record, "key"),
-        total_bytes=total,
-        census_co_tenant_bytes=census_co,
-        own_high_water_bytes=own_hw,
-        reserve_bytes=reserve,
-        booked_bytes=booked,
-        running=running,
-        task_ask_bytes=ask,
-        key_ask_bytes=record_int(record, "ask_bytes"),
-        ask_basis=record_str(record, "ask_basis"),
-        reached_bytes=reached,
-        requested_bytes=requested,
-        live_used_bytes=used,
-        live_free_bytes=free,
-        need_bytes=need,
-        ask_shortfall_bytes=shortfall,
-        children_bytes=children,
-        co_tenant_live_bytes=split.co_live,
-        co_tenant_growth_bytes=split.co_growth,
-        own_live_bytes=split.own_live,
-        own_growth_bytes=split.own_growth,
-        own_separable=split.separable,
-        unattributed_bytes=unattributed,
-        pool_read=live_pool is not None,
-        runs_by_key=_runs_by_key(record.get("runs")),
-        retry=record.get("retry") is True,
-        wrong_terms=tuple(terms),
-        verdict=verdict,
-        explanation=explanation,
-        missing=tuple(missing),
-    )
+    return tuple(terms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -408,78 +469,62 @@ def _runs_by_key(table: object) -> tuple[tuple[str, int, int], ...]:
     return tuple((key, n, b) for key, (n, b) in by_key.items())
 
 
-def _explain(
-    verdict: str,
-    terms: list[tuple[str, int]],
-    *,
-    ask: int | None,
-    need: int | None,
-    total: int | None,
-    reached: int | None,
-    requested: int | None,
-    census_co: int | None,
-    own_hw: int | None,
-    separable: bool,
-    unattributed: int | None,
-    missing: list[str],
-    booked: int | None = None,
-    room: int | None = None,
-) -> str:
-    parts: list[str] = []
-    for term, nbytes in terms:
-        if term == "larger_than_card":
-            parts.append(
-                f"the task needs more than the card can hold: at least {format_size(need)} "
-                f"({format_size(reached)} held + {format_size(requested)} refused) on a "
-                f"{format_size(total)} card; its ask was {format_size(ask)}, and no price or "
-                "width would have run it there"
-            )
-        elif term == "ask":
-            parts.append(
-                f"the ask was underestimated: the task needed at least {format_size(need)} "
-                f"({format_size(reached)} reached + {format_size(requested)} refused), "
-                f"{format_size(nbytes)} more than its price of {format_size(ask)}"
-            )
-        elif term == "co_tenant":
-            note = (
-                ""
-                if separable
-                else " (or this process: the two cannot be told apart. The card's process "
-                "rows at the out-of-memory would have: this process's own row "
-                "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none of "
-                "them, as in a container (no rows before driver 535.113, other PIDs after) or "
-                "on a MIG instance)"
-            )
-            parts.append(
-                f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
-                f"the {format_size(census_co)} it was priced at{note}"
-            )
-        elif term == "another_pool":
-            parts.append(
-                f"another pool on the card grew {format_size(nbytes)} past what it had booked"
-            )
-        elif term == "over_room":
-            parts.append(
-                f"the running tasks were booked at {format_size(booked)}, more than the card's "
-                f"room of {format_size(room)}: the width ran past the bound (a fixed width= "
-                "wider than the bound, or the serial floor), so no price was wrong"
-            )
-        elif term == "own":
-            parts.append(
-                f"the pool's own process grew {format_size(nbytes)} past the "
-                f"{format_size(own_hw)} high-water the width was priced at"
-            )
-    if not parts:
-        if [m for m in missing if m != "live_own_bytes"]:
-            return "no term can be named: the record lacks " + ", ".join(
-                m for m in missing if m != "live_own_bytes"
-            )
+def _explain(t: _Terms, f: _Figures, missing: list[str]) -> str:
+    """Format: the verdict in one sentence, every number in it, or why none can be named."""
+    if f.wrong_terms:
+        return "; ".join(_explain_term(term, nbytes, t, f) for term, nbytes in f.wrong_terms)
+    lacking = [m for m in missing if m != "live_own_bytes"]
+    if lacking:
+        return "no term can be named: the record lacks " + ", ".join(lacking)
+    return (
+        "no term went past its price by the record's figures; "
+        f"{format_size(f.unattributed)} (live used + refused - total) is unattributed: "
+        "allocator fragmentation, the driver, or a reading taken after the card recovered"
+    )
+
+
+def _explain_term(term: str, nbytes: int, t: _Terms, f: _Figures) -> str:
+    """One wrong term's clause, with the figures that show it wrong."""
+    if term == "larger_than_card":
         return (
-            "no term went past its price by the record's figures; "
-            f"{format_size(unattributed)} (live used + refused - total) is unattributed: "
-            "allocator fragmentation, the driver, or a reading taken after the card recovered"
+            f"the task needs more than the card can hold: at least {format_size(f.need)} "
+            f"({format_size(t.reached)} held + {format_size(t.requested)} refused) on a "
+            f"{format_size(t.total)} card; its ask was {format_size(t.ask)}, and no price or "
+            "width would have run it there"
         )
-    return "; ".join(parts)
+    if term == "ask":
+        return (
+            f"the ask was underestimated: the task needed at least {format_size(f.need)} "
+            f"({format_size(t.reached)} reached + {format_size(t.requested)} refused), "
+            f"{format_size(nbytes)} more than its price of {format_size(t.ask)}"
+        )
+    if term == "co_tenant":
+        note = (
+            ""
+            if f.split.separable
+            else " (or this process: the two cannot be told apart. The card's process "
+            "rows at the out-of-memory would have: this process's own row "
+            "(live_own_bytes) and its workers' (live_pool_bytes); the driver listed none of "
+            "them, as in a container (no rows before driver 535.113, other PIDs after) or "
+            "on a MIG instance)"
+        )
+        return (
+            f"a co-tenant grew after the census by at least {format_size(nbytes)} beyond "
+            f"the {format_size(t.census_co)} it was priced at{note}"
+        )
+    if term == "another_pool":
+        return f"another pool on the card grew {format_size(nbytes)} past what it had booked"
+    if term == "over_room":
+        return (
+            f"the running tasks were booked at {format_size(t.booked)}, more than the card's "
+            f"room of {format_size(f.room)}: the width ran past the bound (a fixed width= "
+            "wider than the bound, or the serial floor), so no price was wrong"
+        )
+    # "own", the last term _judge_terms names
+    return (
+        f"the pool's own process grew {format_size(nbytes)} past the "
+        f"{format_size(t.own_hw)} high-water the width was priced at"
+    )
 
 
 def record_float(value: object) -> float:

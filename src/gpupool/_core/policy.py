@@ -532,64 +532,46 @@ class AskTable:
         return ask
 
     def _derive(self, key: str) -> Ask:
+        """The key's price from its state: the estimate until it is measured."""
         state = self._keys.get(key)
         estimate = self.default_estimate_bytes
         if state is not None and state.estimate_bytes is not None:
             estimate = state.estimate_bytes
-        if state is None or state.peak_bytes is None:
-            floor = state.floor_bytes if state is not None else 0
-            return Ask(
-                key=key,
-                ask_bytes=max(estimate, floor),
-                basis="estimated",
-                estimate_bytes=estimate,
-                measured_peak_bytes=None,
-                margin_bytes=0,
-                samples=0,
-                floor_bytes=floor,
-            )
-        prior = self.policy.margin_for(state.peak_bytes)
-        stdev = math.sqrt(state.m2 / (state.samples - 1)) if state.samples > 1 else 0.0
-        if self.policy.learned:
-            margin = learned_margin(
-                samples=state.samples,
-                mean_bytes=state.mean_bytes,
-                stdev_bytes=stdev,
-                max_bytes=state.peak_bytes,
-                prior_bytes=prior,
-                floor_bytes=self.policy.margin_floor_bytes,
-                min_bytes=state.least_bytes,
-            )
-        else:
-            margin = prior
-        capped = room_capped = False
-        granule = self.policy.margin_floor_bytes if self.policy.learned else 0
-        if (
-            self.policy.learned
-            and estimate >= state.peak_bytes + granule
-            and state.peak_bytes + margin > estimate
-        ):
-            # No measurement has passed the caller's estimate: the spread of a few
-            # samples does not price the key above what the caller vouched for.
-            margin = estimate - state.peak_bytes
-            capped = True
-        room = self.room_for(state.peak_bytes)
-        if self.policy.learned and room is not None and room < state.peak_bytes + margin:
-            # No margin prices the key off the card (a peak past the room: at that peak).
-            margin = max(0, room - state.peak_bytes)
-            room_capped = True
+        if state is not None and state.peak_bytes is not None:
+            return self._derive_measured(key, state, state.peak_bytes, estimate)
+        floor = state.floor_bytes if state is not None else 0
         return Ask(
             key=key,
-            ask_bytes=max(1, state.peak_bytes + margin, state.floor_bytes),
-            basis="measured",
+            ask_bytes=max(estimate, floor),
+            basis="estimated",
             estimate_bytes=estimate,
-            measured_peak_bytes=state.peak_bytes,
+            measured_peak_bytes=None,
+            margin_bytes=0,
+            samples=0,
+            floor_bytes=floor,
+        )
+
+    def _derive_measured(
+        self, key: str, state: _KeyState, peak_bytes: int, estimate_bytes: int
+    ) -> Ask:
+        """A measured key's price: its largest ``peak_bytes`` plus the margin, with the evidence."""
+        stdev_bytes = math.sqrt(state.m2 / (state.samples - 1)) if state.samples > 1 else 0.0
+        granule_bytes = self.policy.margin_floor_bytes if self.policy.learned else 0
+        margin, capped, room_capped = self._derive_margin(
+            state, peak_bytes, estimate_bytes, stdev_bytes
+        )
+        return Ask(
+            key=key,
+            ask_bytes=max(1, peak_bytes + margin, state.floor_bytes),
+            basis="measured",
+            estimate_bytes=estimate_bytes,
+            measured_peak_bytes=peak_bytes,
             margin_bytes=margin,
             samples=state.samples,
-            spread_bytes=round(stdev),
+            spread_bytes=round(stdev_bytes),
             floor_bytes=state.floor_bytes,
             mean_bytes=round(state.mean_bytes),
-            granule_bytes=granule,
+            granule_bytes=granule_bytes,
             pooled=(
                 self.policy.learned
                 and state.samples >= _SPREAD_FROM_SAMPLES
@@ -601,6 +583,36 @@ class AskTable:
             room_capped=room_capped,
             sized_samples=state.sized,
         )
+
+    def _derive_margin(
+        self, state: _KeyState, peak_bytes: int, estimate_bytes: int, stdev_bytes: float
+    ) -> tuple[int, bool, bool]:
+        """The margin over ``peak_bytes``, and whether the estimate or the room capped it."""
+        prior = self.policy.margin_for(peak_bytes)
+        if not self.policy.learned:
+            return prior, False, False
+        margin = learned_margin(
+            samples=state.samples,
+            mean_bytes=state.mean_bytes,
+            stdev_bytes=stdev_bytes,
+            max_bytes=peak_bytes,
+            prior_bytes=prior,
+            floor_bytes=self.policy.margin_floor_bytes,
+            min_bytes=state.least_bytes,
+        )
+        capped = room_capped = False
+        granule_bytes = self.policy.margin_floor_bytes  # the least learned margin
+        if estimate_bytes >= peak_bytes + granule_bytes and peak_bytes + margin > estimate_bytes:
+            # No measurement has passed the caller's estimate: the spread of a few
+            # samples does not price the key above what the caller vouched for.
+            margin = estimate_bytes - peak_bytes
+            capped = True
+        room = self.room_for(peak_bytes)
+        if room is not None and room < peak_bytes + margin:
+            # No margin prices the key off the card (a peak past the room: at that peak).
+            margin = max(0, room - peak_bytes)
+            room_capped = True
+        return margin, capped, room_capped
 
     def ask_for(self, key: str, size: float | None) -> Ask:
         """The price of one task of ``key`` whose input has ``size`` (``None``: the key's ask).

@@ -99,6 +99,23 @@ def judge_tree_rows(
                     "driver's, as with early R535 drivers), so none of its rows is a measurement",
                 ),
             )
+    summed = _sum_member_rows(rows, members, floor_bytes)
+    total = summed.tree_bytes
+    if total is not None and device_used_bytes is not None and total > device_used_bytes:
+        return TreeRows(
+            tree_bytes=None,
+            reasons=(
+                f"the rows of the task's processes add up to {total} bytes, more than the "
+                f"{device_used_bytes} bytes in use on the whole device: not a measurement",
+            ),
+        )
+    return summed
+
+
+def _sum_member_rows(
+    rows: Sequence[tuple[int, int | None]], members: Collection[int], floor_bytes: int
+) -> TreeRows:
+    """The members' rows summed, unless one of them is not a measurement or none is listed."""
     total = 0
     listed = False
     for pid, used in rows:
@@ -116,14 +133,4 @@ def judge_tree_rows(
             )
         total += used
         listed = True
-    if not listed:
-        return TreeRows(tree_bytes=None)
-    if device_used_bytes is not None and total > device_used_bytes:
-        return TreeRows(
-            tree_bytes=None,
-            reasons=(
-                f"the rows of the task's processes add up to {total} bytes, more than the "
-                f"{device_used_bytes} bytes in use on the whole device: not a measurement",
-            ),
-        )
-    return TreeRows(tree_bytes=total)
+    return TreeRows(tree_bytes=total if listed else None)

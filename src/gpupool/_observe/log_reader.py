@@ -214,17 +214,9 @@ def iter_records(
             if raw.strip():
                 # readline() stops short of a newline only at the end of the file, as
                 # it stands now: a live writer may append the rest after this read.
-                try:
-                    record = _parse_line(raw, number=number, last=not ended, path=name)
-                except _CutRecordError:
-                    (on_cut or _warn_cut)(CutLine(name, number, len(raw)))
+                record = _line_record(raw, number=number, last=not ended, path=name, on_cut=on_cut)
+                if record is None:
                     break
-                except DecisionLogError:
-                    followed = _after_a_cut(raw, number=number, path=name)
-                    if followed is None:
-                        raise
-                    cut_bytes, record = followed
-                    (on_cut or _warn_cut)(CutLine(name, number, cut_bytes, followed=True))
                 seen += 1
                 yield number, record
             if not ended:
@@ -238,6 +230,25 @@ def iter_records(
             path=name,
             line=None,
         )
+
+
+def _line_record(
+    raw: bytes, *, number: int, last: bool, path: str, on_cut: OnCut | None
+) -> dict[str, Any] | None:
+    """One line's record, its cut part (if any) told to ``on_cut``; ``None``: the last line
+    was cut short, and reading stops there."""
+    try:
+        return _parse_line(raw, number=number, last=last, path=path)
+    except _CutRecordError:
+        (on_cut or _warn_cut)(CutLine(path, number, len(raw)))
+        return None
+    except DecisionLogError:
+        followed = _after_a_cut(raw, number=number, path=path)
+        if followed is None:
+            raise
+        cut_bytes, record = followed
+        (on_cut or _warn_cut)(CutLine(path, number, cut_bytes, followed=True))
+        return record
 
 
 def _after_a_cut(raw: bytes, *, number: int, path: str) -> tuple[int, dict[str, Any]] | None:

@@ -392,9 +392,11 @@ def read_runs(
     runs = [reader.pm for reader in readers.values()]
     for reader in readers.values():
         reader.flush(None)
-    if run is None:
-        return runs
-    wanted = str(run)
+    return runs if run is None else _choose_run(name, runs, str(run))
+
+
+def _choose_run(name: str, runs: list[Postmortem], wanted: str) -> list[Postmortem]:
+    """The one run ``wanted`` names; else the error lists the runs there are, to choose from."""
     chosen = [pm for pm in runs if _selects(pm, wanted)]
     if len(chosen) != 1:
         listing = ", ".join(f"{pm.run_index}: {pm.run_id}" for pm in runs)
@@ -454,6 +456,38 @@ def format_runs(runs: list[Postmortem]) -> list[str]:
 
 def format_postmortem(pm: Postmortem) -> list[str]:
     """One run in words, one string per line."""
+    lines = _format_run(pm)
+    lines.append(
+        "widths over time: "
+        + (", ".join(f"{int(w)} at {t:.2f} s" for t, w in pm.widths.points) or "none recorded")
+    )
+    for device, series in sorted(pm.device_widths.items()):
+        if len(pm.device_widths) > 1:
+            lines.append(
+                f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
+            )
+    lines += _format_asks(pm)
+    refused = pm.events.get("widen_refused", 0)
+    waits = pm.events.get("live_gate_wait", 0)
+    serial = pm.events.get("serial_start", 0)
+    over = pm.events.get("fixed_width_over_bound", 0)
+    lines.append(
+        f"refused widens: {refused}; live-gate waits: {waits}; serial starts: {serial}"
+        + (f"; fixed width over the bound: {over}" if over else "")
+    )
+    lines += _format_shutdown(pm)
+    lines.append(f"out of memory: {pm.out_of_memory}")
+    for number, analysis in enumerate(pm.ooms, 1):
+        lines.extend(_format_oom(number, analysis))
+    if pm.out_of_memory > len(pm.ooms):
+        lines.append(f"  ({pm.out_of_memory - len(pm.ooms)} more not shown)")
+    if pm.verdicts:
+        lines.append("verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(pm.verdicts.items())))
+    return lines
+
+
+def _format_run(pm: Postmortem) -> list[str]:
+    """The report's head: which run of which log, its settings, and how much it recorded."""
     started = f", started {pm.started_at}" if pm.started_at else ""
     by = f" by process {pm.pid}" if pm.pid is not None else ""
     version = f" (gpupool {pm.gpupool_version})" if pm.gpupool_version else ""
@@ -468,60 +502,41 @@ def format_postmortem(pm: Postmortem) -> list[str]:
         f"{pm.records} record{'s' if pm.records != 1 else ''} over {pm.duration_s:.2f} s"
         + (f" ({samples} of them samples of a card)" if samples else "")
     )
-    lines.append(
-        "widths over time: "
-        + (", ".join(f"{int(w)} at {t:.2f} s" for t, w in pm.widths.points) or "none recorded")
-    )
-    for device, series in sorted(pm.device_widths.items()):
-        if len(pm.device_widths) > 1:
-            lines.append(
-                f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
-            )
-    if pm.asks:
-        lines.append("asks per task key (each key's own ask, and its largest measured peak):")
-        for key, series in sorted(pm.asks.items()):
-            history = (
-                " -> ".join(
-                    f"{format_size(int(a))} ({_BASES[int(b)]})" for _t, a, b in series.points
-                )
-                or "not in the log (written before gpupool recorded each key's ask)"
-            )
-            peak = pm.key_peaks.get(key)
-            lines.append(
-                f"  {key}: {history}" + (f"; peak {format_size(peak)}" if peak is not None else "")
-            )
-    refused = pm.events.get("widen_refused", 0)
-    waits = pm.events.get("live_gate_wait", 0)
-    serial = pm.events.get("serial_start", 0)
-    over = pm.events.get("fixed_width_over_bound", 0)
-    lines.append(
-        f"refused widens: {refused}; live-gate waits: {waits}; serial starts: {serial}"
-        + (f"; fixed width over the bound: {over}" if over else "")
-    )
+    return lines
+
+
+def _format_asks(pm: Postmortem) -> list[str]:
+    """Each key's asks over the run, and its largest measured peak (none: no lines)."""
+    if not pm.asks:
+        return []
+    lines = ["asks per task key (each key's own ask, and its largest measured peak):"]
+    for key, series in sorted(pm.asks.items()):
+        history = (
+            " -> ".join(f"{format_size(int(a))} ({_BASES[int(b)]})" for _t, a, b in series.points)
+            or "not in the log (written before gpupool recorded each key's ask)"
+        )
+        peak = pm.key_peaks.get(key)
+        lines.append(
+            f"  {key}: {history}" + (f"; peak {format_size(peak)}" if peak is not None else "")
+        )
+    return lines
+
+
+def _format_shutdown(pm: Postmortem) -> list[str]:
+    """How the run ended: its shutdown record's counts, and whether a task was lost."""
     shutdown = pm.shutdown
     if shutdown is None:
-        lines.append("no shutdown record: the pool did not shut down cleanly, or is still running")
-    else:
-        lost = pm.tasks_lost
-        lines.append(
-            f"shutdown: {shutdown.get('tasks_completed')} completed, "
-            f"{shutdown.get('tasks_failed')} failed, {shutdown.get('tasks_cancelled')} "
-            f"cancelled; {shutdown.get('out_of_memory')} out-of-memory, "
-            f"{shutdown.get('retries')} retries, {shutdown.get('workers_lost')} workers lost"
-        )
-        lines.append(
-            "tasks lost: none"
-            if lost == 0
-            else f"TASKS LOST: {lost} (the pool must never lose a task: report this)"
-        )
-    lines.append(f"out of memory: {pm.out_of_memory}")
-    for number, analysis in enumerate(pm.ooms, 1):
-        lines.extend(_format_oom(number, analysis))
-    if pm.out_of_memory > len(pm.ooms):
-        lines.append(f"  ({pm.out_of_memory - len(pm.ooms)} more not shown)")
-    if pm.verdicts:
-        lines.append("verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(pm.verdicts.items())))
-    return lines
+        return ["no shutdown record: the pool did not shut down cleanly, or is still running"]
+    lost = pm.tasks_lost
+    return [
+        f"shutdown: {shutdown.get('tasks_completed')} completed, "
+        f"{shutdown.get('tasks_failed')} failed, {shutdown.get('tasks_cancelled')} "
+        f"cancelled; {shutdown.get('out_of_memory')} out-of-memory, "
+        f"{shutdown.get('retries')} retries, {shutdown.get('workers_lost')} workers lost",
+        "tasks lost: none"
+        if lost == 0
+        else f"TASKS LOST: {lost} (the pool must never lose a task: report this)",
+    ]
 
 
 def _format_oom(number: int, a: OomAnalysis) -> list[str]:

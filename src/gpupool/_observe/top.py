@@ -251,29 +251,24 @@ def pool_lines(pool: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """A pool's rows as ``(kind, cells)``: kind ``"pool"``, ``"task"``, ``"waiting"`` or
     ``"last"``; cells: what, pid, booked, measured, notes."""
     running = len(pool["running"])
-    lines: list[tuple[str, list[str]]] = [
-        (
+    lines = [
+        _row(
             "pool",
-            [
-                f"pool {shown(pool['pool_id'])} {shown(pool['label']) or '-'}",
-                str(pool["pid"]),
-                format_size(pool["booked_bytes"]),
-                _size_or(pool["measured_bytes"], "?"),
-                f"{running} running, {pool['waiting']} waiting",
-            ],
+            f"pool {shown(pool['pool_id'])} {shown(pool['label']) or '-'}",
+            f"{running} running, {pool['waiting']} waiting",
+            pid=str(pool["pid"]),
+            booked=format_size(pool["booked_bytes"]),
+            measured=_size_or(pool["measured_bytes"], "?"),
         )
     ]
     for task in pool["running"]:
         lines.append(
-            (
+            _row(
                 "task",
-                [
-                    f"  task {shown(task['key'])}",
-                    str(task["worker_pid"]),
-                    format_size(task["booked_bytes"]),
-                    _size_or(task["measured_bytes"], "-"),
-                    "",
-                ],
+                f"  task {shown(task['key'])}",
+                pid=str(task["worker_pid"]),
+                booked=format_size(task["booked_bytes"]),
+                measured=_size_or(task["measured_bytes"], "-"),
             )
         )
     if pool["waiting"]:
@@ -281,34 +276,26 @@ def pool_lines(pool: dict[str, Any]) -> list[tuple[str, list[str]]]:
             f"{shown(wait['key'])} {format_size(wait['ask_bytes'])} x{wait['count']}"
             for wait in pool["waits"]
         )
+        needs = f"first needs {format_size(pool['need_bytes'])}"
         lines.append(
-            (
+            _row(
                 "waiting",
-                [
-                    f"  waiting {pool['waiting']}",
-                    "",
-                    "",
-                    "",
-                    f"first needs {format_size(pool['need_bytes'])}"
-                    + (f"; asks: {asks}" if asks else ""),
-                ],
+                f"  waiting {pool['waiting']}",
+                needs + (f"; asks: {asks}" if asks else ""),
             )
         )
     last = pool["last"]
     if last is not None:
-        lines.append(
-            (
-                "last",
-                [
-                    "  last decision",
-                    "",
-                    "",
-                    "",
-                    f"{shown(last['kind'])}, {_age(last['age_s'])}: {shown(last['reason'])}",
-                ],
-            )
-        )
+        said = f"{shown(last['kind'])}, {_age(last['age_s'])}: {shown(last['reason'])}"
+        lines.append(_row("last", "  last decision", said))
     return lines
+
+
+def _row(
+    kind: str, what: str, notes: str = "", *, pid: str = "", booked: str = "", measured: str = ""
+) -> tuple[str, list[str]]:
+    """One row of a pool's table, in :data:`COLUMNS` order (a cell not given is blank)."""
+    return kind, [what, pid, booked, measured, notes]
 
 
 #: The columns of a card's table.
