@@ -17,8 +17,8 @@
   (``gpupool plan``).
 """
 
+from gpupool._core.planner.durations import QUEUE_DEPTH
 from gpupool._core.planner.planner import CAP_LIFT_AFTER_S, Planner
-from gpupool._core.planner.queued import QUEUE_DEPTH
 from gpupool._core.planner.samples import SAMPLE_INTERVAL_S, SAMPLE_MIN_GAP_S
 from gpupool._core.planner.verdicts import (
     DEFAULT_CHILD_RSS_PRIOR_BYTES,
