@@ -179,9 +179,7 @@ class Learning:
         found = None if ask.key in self._varied_keys else varied_peaks(ask)
         if found is not None:
             self._varied_keys.add(ask.key)
-            self._log.record(
-                self._views.simple("peaks_vary", device, ask, found[0], now_s, extra=found[1])
-            )
+            self._views.note("peaks_vary", device, ask, found[0], now_s, extra=found[1])
 
     def _learn_rss(self, report: PeakReport, now_s: float) -> None:
         rss = report.rss_peak_bytes
@@ -281,13 +279,10 @@ class Learning:
             if last is None or last.ask_bytes == ask.ask_bytes or not self._state.cards:
                 continue
             self._recorded_asks[key] = ask
-            self._log.record(
-                self._views.simple(
-                    "bound_changed",
-                    None,
-                    ask,
-                    f"{key}: final ask {ask.describe()} (last recorded "
-                    f"{format_size(last.ask_bytes)})",
-                    now_s,
-                )
+            self._views.note(
+                "bound_changed",
+                None,
+                ask,
+                f"{key}: final ask {ask.describe()} (last recorded {format_size(last.ask_bytes)})",
+                now_s,
             )

@@ -341,15 +341,13 @@ class Planner:
             self.state.rebook(run.key)
         key = run.key if run else state.key if state else self.state.last_key
         self.state.counts["lost"] += 1
-        self.log.record(
-            self.views.simple(
-                "worker_lost",
-                run.device if run else None,
-                self.state.asks.ask(key),
-                message,
-                now_s,
-                extra=extra,
-            )
+        self.views.note(
+            "worker_lost",
+            run.device if run else None,
+            self.state.asks.ask(key),
+            message,
+            now_s,
+            extra=extra,
         )
 
     def flush_asks(self, now_s: float) -> None:

@@ -50,6 +50,11 @@ Admission = Literal["yes", "no", "gate"]
 CAP_POLL_S = 0.25
 
 
+def _due(recorded_s: float | None, now_s: float) -> bool:
+    """Whether a wait's record is due (at most one every :data:`GATE_RECORD_INTERVAL_S`)."""
+    return recorded_s is None or now_s - recorded_s >= GATE_RECORD_INTERVAL_S
+
+
 class Starts:
     """The decision before every start (the only writer of the starts issued and the workers
     reported with the last ``next_start``).
@@ -149,30 +154,22 @@ class Starts:
 
     def _critical_wait(self, critical: Critical, held_key: str, index: int, now_s: float) -> None:
         self._state.counts["critical_waits"] += 1
-        if (
-            self._critical_recorded_s is not None
-            and now_s - self._critical_recorded_s < GATE_RECORD_INTERVAL_S
-        ):
+        if not _due(self._critical_recorded_s, now_s):
             return
         self._critical_recorded_s = now_s
         reason, extra = records.critical_wait(critical, held_key, index)
-        self._log.record(
-            self._views.simple(
-                "critical_wait",
-                index,
-                self._state.asks.ask(critical.key),
-                reason,
-                now_s,
-                extra=extra,
-            )
+        self._views.note(
+            "critical_wait",
+            index,
+            self._state.asks.ask(critical.key),
+            reason,
+            now_s,
+            extra=extra,
         )
 
     def _head_wait(self, hold: Hold, now_s: float) -> None:
         self._state.counts["head_waits"] += 1
-        if (
-            self._hold_recorded_s is not None
-            and now_s - self._hold_recorded_s < GATE_RECORD_INTERVAL_S
-        ):
+        if not _due(self._hold_recorded_s, now_s):
             return
         self._hold_recorded_s = now_s
         head = self._state.tasks[self._state.pending[0]]
@@ -180,10 +177,8 @@ class Starts:
         reason, extra = records.head_wait(
             hold, self._state.cards[hold.device], head.passed, now_s - since_s
         )
-        self._log.record(
-            self._views.simple(
-                "head_wait", hold.device, self._state.asks.ask(hold.key), reason, now_s, extra=extra
-            )
+        self._views.note(
+            "head_wait", hold.device, self._state.asks.ask(hold.key), reason, now_s, extra=extra
         )
 
     def _try_start(
@@ -331,13 +326,10 @@ class Starts:
         if found is None or room_bytes is None:
             return False
         self._state.counts["share_waits"] += 1
-        recorded = card.share_recorded_s
-        if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
+        if _due(card.share_recorded_s, now_s):
             card.share_recorded_s = now_s
             reason, extra = turn_record(card, found, room_bytes)
-            self._log.record(
-                self._views.simple("share_wait", card.index, ask, reason, now_s, extra=extra)
-            )
+            self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
         return True
 
     def still_admits(self, start: Start, now_s: float) -> bool:
@@ -371,16 +363,13 @@ class Starts:
 
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
         self._state.counts["share_waits"] += 1
-        recorded = card.share_recorded_s
-        if recorded is not None and now_s - recorded < GATE_RECORD_INTERVAL_S:
+        if not _due(card.share_recorded_s, now_s):
             return
         card.share_recorded_s = now_s
         reason, extra = records.share_wait(card, wait)
         last = list(card.runs.values())[-1]
-        self._log.record(
-            self._views.simple(
-                "share_wait", card.index, self._state.asks.ask(last.key), reason, now_s, extra=extra
-            )
+        self._views.note(
+            "share_wait", card.index, self._state.asks.ask(last.key), reason, now_s, extra=extra
         )
 
     def _gate_shut(self, card: Card, ask: Ask, gate: LiveGate, now_s: float) -> None:
@@ -388,18 +377,13 @@ class Starts:
             card.gate_shut_since_s = now_s
             card.gate_episodes += 1
             self._state.counts["gate_waits"] += 1
-        if (
-            card.gate_recorded_s is not None
-            and now_s - card.gate_recorded_s < GATE_RECORD_INTERVAL_S
-        ):
+        if not _due(card.gate_recorded_s, now_s):
             return
         episodes = card.gate_episodes
         card.gate_recorded_s = now_s
         card.gate_episodes = 0
         reason, extra = records.live_gate_wait(card, gate, episodes)
-        self._log.record(
-            self._views.simple("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
-        )
+        self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _blocked(self, head: TaskId, now_s: float, gate_shut: bool) -> Wait | Warm | Start:
         state = self._state.tasks[head]
@@ -460,16 +444,14 @@ class Starts:
             if gate_shut
             else "no card has room for one task"
         )
-        self._log.record(
-            self._views.simple(
-                "serial_start",
-                index,
-                ask,
-                f"card {index}: {why} and nothing of the pool is running, so one task of "
-                f"{state.key} starts past the bound (the serial floor); ask {ask.describe()}",
-                now_s,
-                limit="floor",
-            )
+        self._views.note(
+            "serial_start",
+            index,
+            ask,
+            f"card {index}: {why} and nothing of the pool is running, so one task of "
+            f"{state.key} starts past the bound (the serial floor); ask {ask.describe()}",
+            now_s,
+            limit="floor",
         )
         return Start(
             task=head,

@@ -198,16 +198,14 @@ class Views:
         if not self._log.first_error(device, error):
             return
         self._state.counts["sensor_errors"] += 1
-        self._log.record(
-            self.simple(
-                "sensor_error",
-                device,
-                self._state.asks.ask(self._state.last_key),
-                f"card {device}: a reading failed ({error}); {effect} while it fails; the "
-                "static bound still applies",
-                now_s,
-                extra={"error": error[:500]},
-            )
+        self.note(
+            "sensor_error",
+            device,
+            self._state.asks.ask(self._state.last_key),
+            f"card {device}: a reading failed ({error}); {effect} while it fails; the "
+            "static bound still applies",
+            now_s,
+            extra={"error": error[:500]},
         )
 
     def bound(self, device: int, ask: Ask) -> Bound:
@@ -284,7 +282,7 @@ class Views:
         self._decided = ((self._state.ceiling, *fits), decisions)
         return decisions
 
-    def simple(
+    def note(
         self,
         event: EventName,
         device: int | None,
@@ -294,24 +292,26 @@ class Views:
         *,
         limit: str | None = None,
         extra: Mapping[str, JsonValue] | None = None,
-    ) -> Decision:
-        """A record that moves no width: the card's width as the fit states it now."""
+    ) -> None:
+        """Record what moves no width: the card's width as the fit states it now."""
         bound = None
         width = self.width
         if device is not None and self._state.cards:
             bound = self.bound(device, ask)
             width = self.decide(ask)[device].width
-        return records.simple(
-            event,
-            device=device,
-            width=width,
-            ask=ask,
-            bound=bound,
-            ceiling=self._state.ceiling,
-            reason=reason,
-            now_s=now_s,
-            limit=limit,
-            extra=extra,
+        self._log.record(
+            records.simple(
+                event,
+                device=device,
+                width=width,
+                ask=ask,
+                bound=bound,
+                ceiling=self._state.ceiling,
+                reason=reason,
+                now_s=now_s,
+                limit=limit,
+                extra=extra,
+            )
         )
 
     def _check_fixed(self, decisions: tuple[WidthDecision, ...], now_s: float) -> None:
