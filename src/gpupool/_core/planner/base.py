@@ -67,6 +67,10 @@ class PlannerState:
             child_rss_bytes=rss if rss is not None else self.config.child_rss_prior_bytes,
         )
 
+    def count(self, kind: str) -> None:
+        """One more of ``kind`` happened (a retry, an out-of-memory, a wait, ...)."""
+        self.counts[kind] += 1
+
     def learn_rss(self, rss_bytes: int | None) -> Ceiling | None:
         """A child reported ``rss_bytes`` of host RSS: where it is the largest yet, the ceiling
         is derived again at it. Returns the ceiling before, where the RSS grew."""

@@ -59,7 +59,7 @@ class OutOfMemory:
             now_s: the time.
             error: the error's text (truncated in the record).
         """
-        self._state.counts["oom"] += 1
+        self._state.count("oom")
         run = self._state.end_run(task)
         assert run is not None
         state = self._state.tasks[task]
@@ -118,7 +118,7 @@ class OutOfMemory:
         elif verdict.kind == "elsewhere" and run.device is not None:
             state.avoid.add(run.device)
         if verdict.retry:
-            self._state.counts["retries"] += 1
+            self._state.count("retries")
             self._state.put_back(task)
             return Retry(task=task, reason=why)
         kind: FailKind = (

@@ -340,7 +340,7 @@ class Planner:
         if run is not None:
             self.state.rebook(run.key)
         key = run.key if run else state.key if state else self.state.last_key
-        self.state.counts["lost"] += 1
+        self.state.count("lost")
         self.views.note(
             "worker_lost",
             run.device if run else None,

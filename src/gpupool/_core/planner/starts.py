@@ -153,7 +153,7 @@ class Starts:
         return self._blocked(head, now_s, gate_shut)
 
     def _critical_wait(self, critical: Critical, held_key: str, index: int, now_s: float) -> None:
-        self._state.counts["critical_waits"] += 1
+        self._state.count("critical_waits")
         if not _due(self._critical_recorded_s, now_s):
             return
         self._critical_recorded_s = now_s
@@ -168,7 +168,7 @@ class Starts:
         )
 
     def _head_wait(self, hold: Hold, now_s: float) -> None:
-        self._state.counts["head_waits"] += 1
+        self._state.count("head_waits")
         if not _due(self._hold_recorded_s, now_s):
             return
         self._hold_recorded_s = now_s
@@ -325,7 +325,7 @@ class Starts:
         found = turn_wait(card, next_bytes, room_bytes, now_s)
         if found is None or room_bytes is None:
             return False
-        self._state.counts["share_waits"] += 1
+        self._state.count("share_waits")
         if _due(card.share_recorded_s, now_s):
             card.share_recorded_s = now_s
             reason, extra = turn_record(card, found, room_bytes)
@@ -362,7 +362,7 @@ class Starts:
         )
 
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
-        self._state.counts["share_waits"] += 1
+        self._state.count("share_waits")
         if not _due(card.share_recorded_s, now_s):
             return
         card.share_recorded_s = now_s
@@ -376,7 +376,7 @@ class Starts:
         if card.gate_shut_since_s is None:
             card.gate_shut_since_s = now_s
             card.gate_episodes += 1
-            self._state.counts["gate_waits"] += 1
+            self._state.count("gate_waits")
         if not _due(card.gate_recorded_s, now_s):
             return
         episodes = card.gate_episodes
@@ -437,7 +437,7 @@ class Starts:
             return Wait(reason="other pools' bookings hold the card", poll_s=LIVE_POLL_S)
         if not self._ready(index):
             return Warm(device=index, task=head)
-        self._state.counts["serial_starts"] += 1
+        self._state.count("serial_starts")
         why = (
             "the live gate is shut (others' bytes fill the card; if the task runs out of "
             "memory it waits for room, it does not fail)"

@@ -197,7 +197,7 @@ class Views:
         """Record a failed reading, once per card and kind of error."""
         if not self._log.first_error(device, error):
             return
-        self._state.counts["sensor_errors"] += 1
+        self._state.count("sensor_errors")
         self.note(
             "sensor_error",
             device,
