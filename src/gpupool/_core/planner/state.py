@@ -16,23 +16,63 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gpupool._core.bookings import OtherPools
+from gpupool._core.bound import Bound, Ceiling, Limit
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.verdicts import CardReading, TaskId
 
-if TYPE_CHECKING:
-    from gpupool._core.bound import Bound, Ceiling
-    from gpupool._core.planner.fit import Fit
+__all__ = ["Card", "Critical", "Fit", "Run", "TaskState"]
 
-    #: What a bound or a fit on a card was worked out from besides the ask's price: the
-    #: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
-    BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
-    FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
-    PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
-__all__ = ["Card", "Critical", "Run", "TaskState"]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    """What fits on one card beside its runs at one ask.
+
+    Attributes:
+        device: the card.
+        bound: the card's terms priced at the ask (its room).
+        running: the runs it was asked beside.
+        booked_bytes: what they book between them (on unified memory, with each
+            one's child RSS: :func:`~.fit.host_per_task_bytes`).
+        next_bytes: what one more task at the ask books beside them (likewise).
+        more: how many more tasks at the ask fit now (memory, out-of-memory
+            cap, and the slots the ceiling leaves).
+        limit: what stops one more past ``more``.
+    """
+
+    device: int
+    bound: Bound
+    running: int
+    booked_bytes: int
+    next_bytes: int
+    more: int
+    limit: Limit
+
+    @property
+    def width(self) -> int:
+        """The runs there plus the ones that fit beside them."""
+        return self.running + self.more
+
+    @property
+    def next_booked_bytes(self) -> int:
+        """What one more task at the ask is booked at (its share of its key's price together),
+        without its child's RSS: what a what-if booking of it (:class:`~.fit.Booked`) holds, as the
+        fit prices each booking's child RSS beside it."""
+        return self.next_bytes - self.bound.host_per_task_bytes
+
+    @property
+    def left_bytes(self) -> int | None:
+        """The room left once one more task is booked (``None``: unreadable)."""
+        room = self.bound.room_bytes
+        return None if room is None else room - self.booked_bytes - self.next_bytes
+
+
+#: What a bound or a fit on a card was worked out from besides the ask's price: the
+#: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
+BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
+FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
+PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
 
 @dataclass(slots=True)
