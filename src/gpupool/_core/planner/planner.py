@@ -157,8 +157,7 @@ class Planner:
             self.state.forget(task)
 
     def requeue(self, task: TaskId) -> None:
-        """``task`` was queued behind a run whose worker is gone (or declined it): it goes back
-        to the head of the pending queue (:meth:`~.queued.Queue.requeue`)."""
+        """``task``'s worker is gone, or declined it: it goes back to the queue's head."""
         self.queue.requeue(task)
 
     def observe(self, device: int, reading: CardReading, now_s: float) -> None:
@@ -310,9 +309,8 @@ class Planner:
             self.learning.learn(run, report, now_s, failed=failed)
 
     def settle(self, now_s: float) -> Refuse | None:
-        """Price what the tasks that ended since the last settle measured
-        (:meth:`~.learning.Learning.settle`). Returns strict mode's refusal where a narrowing
-        below ``max_workers`` was refused."""
+        """Price what the tasks that ended since the last settle measured (strict mode's
+        refusal where that narrowed the pool)."""
         return self.learning.settle(now_s)
 
     def out_of_memory(
@@ -351,8 +349,7 @@ class Planner:
         )
 
     def flush_asks(self, now_s: float) -> None:
-        """Record each key's final ask where it moved since its last record
-        (:meth:`~.learning.Learning.flush_asks`)."""
+        """Record each key's final ask where it moved since its last record."""
         self.learning.flush_asks(now_s)
 
     # -- verdicts out ------------------------------------------------------------------------
@@ -360,24 +357,19 @@ class Planner:
     def next_start(
         self, now_s: float, workers: Workers | None = None
     ) -> Start | Warm | Wait | Fail | Refuse | None:
-        """What to start now (:meth:`~.starts.Starts.next_start`): a task and its card, a
-        worker to warm for it, a wait (with why), a failure, strict mode's refusal, or ``None``
-        when nothing is pending. :attr:`width` is brought up to date with the work held."""
+        """What to start now (:meth:`~.starts.Starts.next_start`)."""
         return self.starts.next_start(now_s, workers)
 
     def queue_behind(self, behind: TaskId) -> TaskId | None:
-        """The pending task to queue behind the running ``behind`` on its worker, taken off
-        the pending queue, or ``None`` (:meth:`~.queued.Queue.queue_behind`)."""
+        """The pending task to queue behind ``behind`` on its worker, or ``None``."""
         return self.queue.queue_behind(behind)
 
     def still_admits(self, start: Start, now_s: float) -> bool:
-        """After the other pools' bookings were read again in the same step that published
-        this start's: does the start still fit? (:meth:`~.starts.Starts.still_admits`)"""
+        """Whether ``start`` still fits beside the other pools' bookings read again."""
         return self.starts.still_admits(start, now_s)
 
     def take_grown(self) -> frozenset[int]:
-        """The cards where a running task was booked higher (its key's price rose) since the
-        last call: the process layer tells the host's table of them before anything else."""
+        """The cards where a running task was booked higher since the last call."""
         return self.state.take_grown()
 
     def strict_refusal(self) -> Refuse | None:
@@ -415,23 +407,19 @@ class Planner:
         return self.learning.unsettled
 
     def widths_by_key(self) -> dict[str, int]:
-        """For each key with work pending or running: how many of its tasks could run at once
-        beside the other keys' running tasks."""
+        """By key with work: how many of its tasks could run beside the other keys' runs."""
         return self.views.widths_by_key()
 
     def warm_limit(self, device: int, now_s: float) -> int:
-        """How many workers ``device`` may keep, running and idle
-        (:meth:`~.views.Views.warm_limit`)."""
+        """How many workers ``device`` may keep, running and idle."""
         return self.views.warm_limit(device, now_s)
 
     def waiting_count(self, *, starting: bool = False) -> int:
-        """How many pending tasks the pool's own ceiling (or fixed width) would let start now
-        (:meth:`~.views.Views.waiting_count`)."""
+        """How many pending tasks the pool's ceiling (or fixed width) would let start now."""
         return self.views.waiting_count(starting=starting)
 
     def need_bytes(self, *, starting: bool = False) -> int:
-        """The ask of the first pending task that waits for room, 0 when none does
-        (:meth:`~.views.Views.need_bytes`)."""
+        """The ask of the first pending task that waits for room (0: none does)."""
         return self.views.need_bytes(starting=starting)
 
     def waiting_for_room(self) -> tuple[TaskId, ...]:

@@ -452,67 +452,65 @@ class Views:
         tasks, plus the pending asks placed card by card where the fit admits them beside
         what runs (and, on the card a waiting head holds, beside what stays once the runs it
         waits for end, and the head)."""
-        if self._state.config.fixed_width is not None:
-            return self._state.config.fixed_width
-        if not self._state.cards:
-            return self._state.ceiling.value
+        state, hold = self._state, self._order.hold
+        if state.config.fixed_width is not None:
+            return state.config.fixed_width
+        if not state.cards:
+            return state.ceiling.value
         # What each card holds as the asks are placed: its runs' running sums, plus the
         # placed asks (how many, what they book, how many of each key).
-        placed = [_Placed(len(card.runs), card.booked_bytes) for card in self._state.cards]
+        placed = [_Placed(len(card.runs), card.booked_bytes) for card in state.cards]
         # On the card a waiting head holds: what stays once the runs it waits for end, and it.
-        after = (
-            self._order.hold.after(self._state.cards[self._order.hold.device])
-            if self._order.hold is not None
-            else []
-        )
-        total = len(self._state.running)
+        after = hold.after(state.cards[hold.device]) if hold is not None else []
+        total = len(state.running)
         # The held head's room is placed already. Priced one by one: the walk ends at the
         # ceiling, so a long queue costs no more than the width it could add.
-        skip = 1 if self._order.hold is not None else 0
-        pending = itertools.islice(self._state.pending, skip, LOOKAHEAD)
-        asks = (
-            self._state.asks.ask_for(self._state.tasks[t].key, self._state.tasks[t].size)
-            for t in pending
-        )
+        skip = 1 if hold is not None else 0
+        pending = itertools.islice(state.pending, skip, LOOKAHEAD)
+        asks = (state.asks.ask_for(state.tasks[t].key, state.tasks[t].size) for t in pending)
         # What the next submits could add: more of the last key seen.
-        placed_pending = max(0, min(len(self._state.pending), LOOKAHEAD) - skip)
+        placed_pending = max(0, min(len(state.pending), LOOKAHEAD) - skip)
         more = itertools.repeat(
-            self._state.asks.ask(self._state.last_key),
-            max(0, self._state.ceiling.value - total - placed_pending),
+            state.asks.ask(state.last_key), max(0, state.ceiling.value - total - placed_pending)
         )
         for ask in itertools.chain(asks, more):
-            if total >= self._state.ceiling.value:
+            if total >= state.ceiling.value:
                 break
-            best: Fit | None = None
-            for card, there in zip(self._state.cards, placed, strict=True):
-                option = fit_counts(
-                    card,
-                    ask,
-                    running=there.running,
-                    booked_bytes=there.booked_bytes,
-                    same=there.same(card, ask.key),
-                    reserve_bytes=self._state.config.reserve_bytes,
-                    ceiling=self._state.ceiling,
-                    slots=1,
-                )
-                if (
-                    self._order.hold is not None
-                    and card.index == self._order.hold.device
-                    and option.more
-                    and not self.fit(card.index, ask, after, slots=1).more
-                ):
-                    continue  # it would delay the head (as :meth:`fit_beside` says)
-                if option.more and (
-                    best is None or (option.left_bytes or 0) > (best.left_bytes or 0)
-                ):
-                    best = option
+            best = self._best_placed(ask, placed, after)
             if best is not None:
                 # Booked without the child's RSS: the fit prices that beside each booking.
                 placed[best.device].place(ask.key, best.next_booked_bytes)
-                if self._order.hold is not None and best.device == self._order.hold.device:
+                if hold is not None and best.device == hold.device:
                     after.append(Booked(ask.key, best.next_booked_bytes))
                 total += 1
-        return max(1, min(total, self._state.ceiling.value))
+        return max(1, min(total, state.ceiling.value))
+
+    def _best_placed(self, ask: Ask, placed: list[_Placed], after: list[Held]) -> Fit | None:
+        """The card with the most room left once a task at ``ask`` is placed beside what each
+        holds (``placed``), never one where it would delay the waiting head (``after``)."""
+        state, hold = self._state, self._order.hold
+        best: Fit | None = None
+        for card, there in zip(state.cards, placed, strict=True):
+            option = fit_counts(
+                card,
+                ask,
+                running=there.running,
+                booked_bytes=there.booked_bytes,
+                same=there.same(card, ask.key),
+                reserve_bytes=state.config.reserve_bytes,
+                ceiling=state.ceiling,
+                slots=1,
+            )
+            if (
+                hold is not None
+                and card.index == hold.device
+                and option.more
+                and not self.fit(card.index, ask, after, slots=1).more
+            ):
+                continue  # it would delay the head (as :meth:`fit_beside` says)
+            if option.more and (best is None or (option.left_bytes or 0) > (best.left_bytes or 0)):
+                best = option
+        return best
 
     def widths_by_key(self) -> dict[str, int]:
         """For each key with work pending or running: how many of its tasks could run at once
