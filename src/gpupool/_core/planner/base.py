@@ -37,11 +37,14 @@ class PlannerState:
         self.asks = asks
         self.config = config
         self.cards = [
-            Card(index=i, census=card, own_high_water_bytes=card.own_bytes or 0)
+            Card(
+                index=i,
+                census=card,
+                own_high_water_bytes=card.own_bytes or 0,
+                recorded_own_bytes=card.own_bytes or 0,
+            )
             for i, card in enumerate(census.cards)
         ]
-        for card in self.cards:
-            card.recorded_own_bytes = card.own_high_water_bytes
         self.tasks: dict[TaskId, TaskState] = {}
         self.pending: collections.deque[TaskId] = collections.deque()
         # Pending tasks per key.
@@ -144,18 +147,16 @@ class PlannerState:
             ask_bytes=price.ask_bytes,
             booked_bytes=booked_bytes,
             booked_at_start_bytes=booked_bytes,
+            # Another pool's task, or another of ours, on the card: not alone.
+            shared=card is not None and bool(card.others_tasks or card.runs),
             started_s=now_s,
             size=state.size,
+            own_high_water_bytes=card.own_high_water_bytes if card is not None else 0,
         )
         if card is not None:
-            run.own_high_water_bytes = card.own_high_water_bytes
-            # Another pool's task, or another of ours, on the card: not alone.
-            run.shared = bool(card.others_tasks or card.runs)
             for other in card.runs.values():
                 other.shared = True
             card.add_run(task, run)
-            if pid is not None:
-                card.worker_pids.add(pid)
         self.running[task] = run
         state.last_device = device
         state.last_booked_bytes = booked_bytes

@@ -65,9 +65,6 @@ class OutOfMemory:
         state = self._state.tasks[task]
         state.retries += 1
         card = self._state.cards[run.device] if run.device is not None else None
-        if card is not None and reading is not None:
-            # The reading the record states (the own high-water is observed after it).
-            card.reading, card.reading_s = reading, now_s
         facts = self._oom_facts(run, state, card, report, reading)
         verdict = judge(facts, self._state.config, card)
         outcome = self._apply(verdict, task, state, run, card, now_s)

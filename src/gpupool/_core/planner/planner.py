@@ -68,7 +68,7 @@ from gpupool._core.planner.order import Order
 from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S, OutOfMemory
 from gpupool._core.planner.queued import Queue
 from gpupool._core.planner.samples import Recorder
-from gpupool._core.planner.sharing import note_freed, note_starved, note_turn_taken, others_terms
+from gpupool._core.planner.sharing import note_freed, note_others
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.verdicts import (
     OWN_RECORD_STEP_BYTES,
@@ -168,12 +168,8 @@ class Planner:
         card.reading = reading
         card.reading_s = now_s
         card.reading_error = None
-        if reading.process_bytes is not None and card.worker_pids:
-            # A worker with no row holds nothing (or has exited): forget it.
-            running = {r.pid for r in card.runs.values()}
-            card.worker_pids = {
-                pid for pid in card.worker_pids if pid in reading.process_bytes or pid in running
-            }
+        if reading.process_bytes is not None:
+            card.keep_workers(reading.process_bytes)
         own = None
         if reading.process_bytes is not None and self.state.config.parent_pid is not None:
             own = reading.process_bytes.get(self.state.config.parent_pid)
@@ -227,19 +223,9 @@ class Planner:
             rows = {}
             if card.reading is not None and card.reading.process_bytes is not None:
                 rows = card.reading.process_bytes
-        terms = others_terms(others, rows)
         before = card.others_bytes
-        card.others = others
-        card.others_bytes = terms.priced_bytes
-        card.others_unreached_bytes = terms.unreached_bytes
-        card.others_tasks = terms.tasks
-        card.others_held_bytes = terms.held_bytes
-        card.others_overrun_bytes = terms.overrun_bytes
-        card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
-        note_starved(card, now_s)
-        note_turn_taken(card)
+        terms = note_others(card, others, rows, now_s, census=census)
         if census:
-            card.others_at_census_bytes = terms.held_bytes
             self.learning.rooms_moved()
             return
         if card.others_bytes != before:
@@ -327,6 +313,11 @@ class Planner:
         (:meth:`~.out_of_memory.OutOfMemory.handle`), against the asks every measurement
         before it priced."""
         self.settle(now_s)
+        device = self.state.running[task].device
+        if device is not None and reading is not None:
+            # The reading the record states (the own high-water is observed after it).
+            card = self.state.cards[device]
+            card.reading, card.reading_s = reading, now_s
         return self.oom.handle(task, report, reading, now_s, error=error)
 
     def lost(

@@ -15,6 +15,7 @@ it was worked out from are the card's terms still.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpupool._core.bookings import OtherPools
@@ -200,11 +201,22 @@ class Card:
     )
 
     def add_run(self, task: TaskId, run: Run) -> None:
-        """``run`` runs here now."""
+        """``run`` runs here now (in its worker, which the card keeps)."""
         self.runs[task] = run
+        if run.pid is not None:
+            self.worker_pids.add(run.pid)
         self.runs_booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
         self.runs_booked_by_key[run.key] += run.booked_bytes
+
+    def keep_workers(self, process_bytes: Mapping[int, int]) -> None:
+        """A reading's per-process rows: a worker with no row holds nothing (or has exited),
+        unless it runs a task here: forget it."""
+        if self.worker_pids:
+            running = {r.pid for r in self.runs.values()}
+            self.worker_pids = {
+                pid for pid in self.worker_pids if pid in process_bytes or pid in running
+            }
 
     def drop_run(self, task: TaskId) -> Run | None:
         """``task``'s run ended here (``None``: it had none)."""
