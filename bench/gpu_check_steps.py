@@ -344,7 +344,7 @@ def _row_check(name: str, row: int | None, container: bool, report: bool = False
 
 
 def step_context(run: Run) -> None:
-    from gpupool import _probe
+    from gpupool._child import probe as _probe
 
     figure = getattr(_probe, "CONTEXT_ALLOWANCE_BYTES", None)
     checks: list[dict[str, Any]] = []
@@ -522,7 +522,7 @@ def _oom_pair(run: Run, ex: Any, framework: str, markers: Path) -> list[dict[str
 
 
 def step_ooms(run: Run) -> None:
-    from gpupool._probe import is_device_oom
+    from gpupool._child.probe import is_device_oom
 
     markers = Path(tempfile.mkdtemp(prefix="gpu-check-oom-"))
     for framework in ("torch", "cupy", "jax"):

@@ -323,7 +323,7 @@ def companion(nbytes: int, held: str, tried: str, after_s: float) -> int:
 
 def break_probe() -> None:
     """Worker initializer (``--break-probe``): the probe reports a quarter of each device peak."""
-    from gpupool import _probe
+    from gpupool._child import probe as _probe
 
     original = _probe.Probe.stop
 

@@ -211,7 +211,7 @@ def install_in_worker(total_bytes: int, mirror: bool = False) -> None:
 
 def capped_task(nbytes: int) -> dict[str, Any]:
     """A torch task on the stand-in: allocate (initialising CUDA), report the cap it met."""
-    from gpupool._probe import allocator_cap_state
+    from gpupool._child.probe import allocator_cap_state
 
     cuda = sys.modules["torch"].cuda
     fractions_before = list(cuda.fractions)

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpupool._core.units import GiB
-from gpupool.cli import (
+from gpupool._commands.cli import (
     EXIT_BAD_LOG,
     EXIT_BROKEN_PIPE,
     EXIT_EMPTY_LOG,
@@ -25,6 +24,7 @@ from gpupool.cli import (
     build_parser,
     main,
 )
+from gpupool._core.units import GiB
 
 sys.path.insert(0, str(Path(__file__).parent / "sensors"))
 from fake_pynvml import FakePynvml, h100

@@ -135,7 +135,9 @@ def test_core_module_imports_nothing_from_the_world(path: Path) -> None:
         pytest.param(
             "from .. import testing", ["line 1: imports gpupool.testing"], id="relative-testing"
         ),
-        pytest.param("import gpupool.cli", ["line 1: imports gpupool.cli"], id="cli"),
+        pytest.param(
+            "import gpupool._commands.cli", ["line 1: imports gpupool._commands.cli"], id="cli"
+        ),
         pytest.param(
             "from gpupool import GpuPoolExecutor",
             ["line 1: imports gpupool.GpuPoolExecutor"],
@@ -161,9 +163,6 @@ def test_the_checker_catches_what_it_should(source: str, expected: list[str]) ->
 #: width stated anywhere is decided in one place.
 PRICING = frozenset(
     {
-        "admits",
-        "decide_width",
-        "decide_widths",
         "derive_bound",
         "derive_ceiling",
         "fits_together",
@@ -202,7 +201,12 @@ def _outside_the_planner() -> list[Path]:
 def test_the_pricing_check_looks_everywhere() -> None:
     """The check reads the process layer, the CLI and the rest of the core."""
     names = {path.relative_to(CORE.parent).as_posix() for path in _outside_the_planner()}
-    assert {"_pool/dispatcher.py", "_pool/executor.py", "cli.py", "_core/events.py"} <= names
+    assert {
+        "_pool/dispatcher.py",
+        "_pool/executor.py",
+        "_commands/cli.py",
+        "_core/events.py",
+    } <= names
 
 
 @pytest.mark.parametrize(
@@ -216,7 +220,9 @@ def test_nothing_outside_the_planner_prices(path: Path) -> None:
 
 def test_the_pricing_check_is_not_vacuous() -> None:
     """The check flags a pricing import, and the planner's fit (which prices) is flagged by it."""
-    assert _pricing_imports("from gpupool._core.bound import admits") == ["line 1: admits"]
+    assert _pricing_imports("from gpupool._core.planner.fit import card_widths") == [
+        "line 1: card_widths"
+    ]
     assert _pricing_imports((CORE / "planner" / "fit.py").read_text(encoding="utf-8"))
 
 

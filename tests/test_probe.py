@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "sensors"))
 from fake_pynvml import FakePynvml, h100
 
 from gpupool import GpuPoolExecutor
-from gpupool._core.units import GiB, MiB
-from gpupool._probe import (
+from gpupool._child.probe import (
     CONTEXT_ESTIMATE_BYTES,
     Probe,
     allocator_cap_message,
@@ -31,6 +30,7 @@ from gpupool._probe import (
     release_caches,
     requested_bytes_of,
 )
+from gpupool._core.units import GiB, MiB
 from gpupool._sensors.base import DeviceInfo
 from gpupool._sensors.nvml import NvmlSensor
 from gpupool.testing import SimulatedDevice, SimulatedHost, SimulatedOutOfMemory, hold
@@ -363,7 +363,7 @@ def test_release_caches_frees_torch_and_cupy_pools(monkeypatch):
 @pytest.fixture
 def fresh_cap(monkeypatch):
     """The cap's process-wide state, reset for one test."""
-    import gpupool._probe as probe_module
+    import gpupool._child.probe as probe_module
 
     monkeypatch.setattr(probe_module, "_CAP", probe_module._CapState())
     return probe_module

@@ -11,8 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "sensors"))
 from fake_nvml_lib import FakeNvmlCard, install
 
+from gpupool._child.probe import Probe
 from gpupool._core.units import GiB, MiB
-from gpupool._probe import Probe
 from gpupool._sensors.nvml import NvmlSensor
 
 pytest.importorskip("pynvml", reason="nvidia-ml-py (a gpupool dependency) is not installed")

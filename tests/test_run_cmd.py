@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from gpupool._core.units import GiB
-from gpupool._pool.executor import INTERRUPT_GRACE_S
-from gpupool._run_cmd import (
+from gpupool._commands.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
+from gpupool._commands.run import (
     COMMAND_GRACE_S,
     MAX_FAILED_STATUS,
     build_command,
     exit_status,
 )
-from gpupool.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
+from gpupool._core.units import GiB
+from gpupool._pool.executor import INTERRUPT_GRACE_S
 from gpupool.testing import SimulatedDevice, SimulatedHost
 from support import wait_for
 

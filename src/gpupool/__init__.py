@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from gpupool._core.census import CardCensus, Census, HostCensus
     from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (hints)
     from gpupool._core.policy import Ask
+    from gpupool._observe.progress import track
     from gpupool._pool.executor import GpuPoolExecutor, PoolStatistics, TaskOptions
-    from gpupool._progress import track
 
 __version__ = "0.1.0"
 
@@ -105,7 +105,7 @@ _LAZY = {
     "EVENTS": "gpupool._core.events",
     "EventName": "gpupool._core.events",
     "JsonValue": "gpupool._core.events",
-    "track": "gpupool._progress",
+    "track": "gpupool._observe.progress",
     "GpuPoolExecutor": "gpupool._pool.executor",
     "PoolStatistics": "gpupool._pool.executor",
     "TaskOptions": "gpupool._pool.executor",

@@ -18,9 +18,9 @@ Configuration errors are also :class:`ValueError`, as CPython's are, so
 existing ``except ValueError`` clauses keep working; a lost worker and a
 failed initializer are a :class:`concurrent.futures.process.BrokenProcessPool`,
 as the standard library and loky raise for a dead worker and a broken pool.
-Those two are defined in :mod:`gpupool._broken` and loaded on first use
-(their base's module, :mod:`concurrent.futures.process`, is no import of a
-worker's); they are importable from here as the others are.
+Those are defined in :mod:`gpupool._broken`, which builds on this module (their
+base's module, :mod:`concurrent.futures.process`, is no import of a worker's);
+``gpupool`` loads them on first use.
 
 Every one of them pickles with its attributes (a task may raise one, and
 it must reach the caller intact): ``GpuPoolError.__reduce__`` rebuilds
@@ -30,23 +30,17 @@ need no positional stand-in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
+from typing import Any
 
 __all__ = [
     "ConfigurationError",
     "DeviceOutOfMemoryError",
     "DeviceUnreadableError",
     "GpuPoolError",
-    "InitializerError",
     "InvalidSizeError",
     "NoDriverError",
     "SensorError",
     "WidthError",
-    "WorkerLostError",
-    "WorkerProtocolError",
 ]
 
 
@@ -129,15 +123,3 @@ class DeviceOutOfMemoryError(GpuPoolError):
         self.device = device
         self.ask_bytes = ask_bytes
         self.detail = detail
-
-
-#: The errors that are also a ``BrokenProcessPool`` (:mod:`gpupool._broken`).
-_BROKEN = frozenset({"InitializerError", "WorkerLostError", "WorkerProtocolError"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _BROKEN:
-        from gpupool import _broken
-
-        return getattr(_broken, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

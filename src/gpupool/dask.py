@@ -56,7 +56,7 @@ from dask.utils import key_split
 from distributed.core import error_message
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from gpupool._dask_child import run_task
+from gpupool._child.dask import run_task
 from gpupool._errors import ConfigurationError
 
 #: What Dask's worker hands an executor that is not a thread pool; a future

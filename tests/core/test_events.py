@@ -13,12 +13,11 @@ from gpupool._core import (
     SCHEMA_VERSION,
     CardCensus,
     Decision,
-    decide_width,
-    derive_bound,
     derive_ceiling,
 )
 from gpupool._core.events import EventName
 from gpupool._core.units import GiB
+from support.fit import flat_ask, planner_width
 
 TERM_KEYS = {
     "event",
@@ -47,14 +46,13 @@ def width_record(*, total: int | None = 44 * GiB, free: int | None = 20 * GiB) -
         own_bytes=4 * GiB,
         source="given",
     )
-    bound = derive_bound(
+    decision = planner_width(
         census,
+        flat_ask(7 * GiB, basis="measured"),
+        ceiling=derive_ceiling(max_workers=4, cpus=16, pending_items=36),
         own_high_water_bytes=6 * GiB,
         reserve_bytes=GiB // 4,
-        ask_bytes=7 * GiB,
-        ask_basis="measured",
     )
-    decision = decide_width(bound, derive_ceiling(max_workers=4, cpus=16, pending_items=36))
     return Decision.from_width(
         "widened",
         decision,

@@ -20,11 +20,11 @@ from gpupool._core import (
     CardCensus,
     Ceiling,
     Policy,
-    decide_width,
-    derive_bound,
+    WidthDecision,
     derive_ceiling,
 )
 from gpupool._core.units import GiB
+from support.fit import planner_width
 
 TOTAL = parse_size("44.39GiB")
 CO_TENANT = parse_size("9.54GiB")  # the eager-serving parent, resident
@@ -54,16 +54,21 @@ def incident_card(total: int = TOTAL) -> CardCensus:
     )
 
 
-def price(census: CardCensus, table: AskTable) -> Bound:
-    """Derive the bound for the incident key from the table's current ask."""
-    ask = table.ask(KEY)
-    return derive_bound(
+def decide(census: CardCensus, table: AskTable) -> WidthDecision:
+    """The planner's width for the incident key at the table's current ask (its fit on the
+    card, within the ceiling)."""
+    return planner_width(
         census,
+        table.ask(KEY),
+        ceiling=ceiling(),
         own_high_water_bytes=OWN_HIGH_WATER,
         reserve_bytes=INCIDENT_POLICY.reserve_bytes,
-        ask_bytes=ask.ask_bytes,
-        ask_basis=ask.basis,
     )
+
+
+def price(census: CardCensus, table: AskTable) -> Bound:
+    """The bound the planner priced the incident key's width at."""
+    return decide(census, table).bound
 
 
 def ceiling() -> Ceiling:
@@ -85,8 +90,8 @@ def test_the_census_names_the_incident_terms() -> None:
 def test_the_estimated_ask_runs_one_at_a_time() -> None:
     """On the 9.90 GiB estimate the 18.65 GiB of room holds one task: width 1."""
     table = fresh_table()
-    bound = price(incident_card(), table)
-    decision = decide_width(bound, ceiling())
+    decision = decide(incident_card(), table)
+    bound = decision.bound
     assert table.ask(KEY).basis == "estimated"
     assert format_size(bound.room_bytes) == "18.65 GiB"
     assert bound.tasks_fit == 1
@@ -117,8 +122,8 @@ def test_the_measurement_widens_to_two_and_two_fit_the_card() -> None:
     """Measured at 7.02 GiB with max_workers 4, the width is 2: 39.77 GiB against 44.39 GiB."""
     table = fresh_table()
     table.measure(KEY, MEASURED_PEAK)
-    bound = price(incident_card(), table)
-    decision = decide_width(bound, ceiling())
+    decision = decide(incident_card(), table)
+    bound = decision.bound
     assert (decision.width, decision.limit) == (2, "memory")
     priced = decision.width * bound.ask_bytes + CO_TENANT + OWN_HIGH_WATER
     assert priced <= TOTAL
@@ -145,8 +150,8 @@ def test_the_same_measurement_on_an_80_gib_card_widens_to_four() -> None:
     """Not a revert: with the same residents, an 80 GiB card holds all four children."""
     table = fresh_table()
     table.measure(KEY, MEASURED_PEAK)
-    bound = price(incident_card(total=80 * GiB), table)
-    decision = decide_width(bound, ceiling())
+    decision = decide(incident_card(total=80 * GiB), table)
+    bound = decision.bound
     assert (decision.width, decision.limit) == (REQUESTED_WIDTH, "max_workers")
     assert REQUESTED_WIDTH * bound.ask_bytes + CO_TENANT + OWN_HIGH_WATER <= 80 * GiB
 
@@ -186,7 +191,7 @@ def test_an_unreadable_incident_card_refuses_to_widen(basis: str) -> None:
         source="given",
         reason="NVML: memory info failed",
     )
-    decision = decide_width(price(unreadable, table), ceiling())
+    decision = decide(unreadable, table)
     assert table.ask(KEY).basis == basis
     assert (decision.width, decision.limit) == (1, "unreadable")
 
@@ -199,16 +204,15 @@ def test_the_learned_margin_packs_three_after_three_agreeing_measurements() -> N
     census = incident_card()
 
     def width() -> int:
-        ask = table.ask(KEY)
-        bound = derive_bound(
+        decision = planner_width(
             census,
+            table.ask(KEY),
+            ceiling=derive_ceiling(max_workers=4),
             own_high_water_bytes=OWN_HIGH_WATER,
             reserve_bytes=policy.reserve_bytes,
-            ask_bytes=ask.ask_bytes,
-            ask_basis=ask.basis,
         )
-        assert format_size(bound.room_bytes) == "18.40 GiB"
-        return decide_width(bound, derive_ceiling(max_workers=4)).width
+        assert format_size(decision.bound.room_bytes) == "18.40 GiB"
+        return decision.width
 
     widths = [width()]
     asks = []

@@ -21,11 +21,10 @@ from gpupool._core import (
     Census,
     HostCensus,
     WidthDecision,
-    decide_widths,
-    derive_bound,
     derive_ceiling,
 )
 from gpupool._core.units import GiB
+from support.fit import planner_widths
 
 
 def cards(*free_of_total: tuple[int | None, int | None]) -> tuple[CardCensus, ...]:
@@ -69,17 +68,10 @@ def plan(census: Census, row: Row) -> tuple[Ceiling, tuple[WidthDecision, ...]]:
         child_rss_bytes=None if row.child_rss_gib is None else row.child_rss_gib * GiB,
         pending_items=row.pending,
     )
-    bounds = [
-        derive_bound(
-            card,
-            own_high_water_bytes=0,
-            reserve_bytes=DEFAULT_RESERVE_BYTES,
-            ask_bytes=row.ask_gib * GiB,
-            ask_basis="estimated",
-        )
-        for card in census.cards
-    ]
-    return ceiling, decide_widths(bounds, ceiling)
+    # The planner's own widths: each card's fit at the row's ask, the ceiling shared out.
+    return ceiling, planner_widths(
+        census.cards, row.ask_gib * GiB, ceiling=ceiling, reserve_bytes=DEFAULT_RESERVE_BYTES
+    )
 
 
 def census_of(row: Row) -> Census:

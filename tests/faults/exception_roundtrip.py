@@ -21,7 +21,7 @@ import gpupool
 from gpupool import GpuPoolError
 
 #: Modules left out of the walk: they pull in distributed, which patches pickling.
-SKIPPED = {"gpupool.dask", "gpupool._dask_child", "gpupool.__main__"}
+SKIPPED = {"gpupool.dask", "gpupool._child.dask", "gpupool.__main__"}
 
 #: A sample value for each keyword the exceptions' constructors take.
 SAMPLES: dict[str, object] = {

@@ -191,7 +191,7 @@ def raise_invalid_size(text: str) -> None:
 
 def raise_decision_log_error(text: str) -> None:
     """Raise gpupool's DecisionLogError (keyword-only attributes) from a task."""
-    from gpupool._log_reader import DecisionLogError
+    from gpupool._observe.log_reader import DecisionLogError
 
     raise DecisionLogError(f"line 7 of {text} is not JSON", path=text, line=7)
 

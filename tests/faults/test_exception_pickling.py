@@ -11,7 +11,7 @@ import faulty
 import pytest
 
 from gpupool import GpuPoolExecutor, InvalidSizeError
-from gpupool._log_reader import DecisionLogError
+from gpupool._observe.log_reader import DecisionLogError
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 _SCRIPT = Path(__file__).with_name("exception_roundtrip.py")

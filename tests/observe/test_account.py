@@ -12,9 +12,9 @@ import observe_tasks
 import pytest
 
 from gpupool import DeviceOutOfMemoryError, GpuPoolExecutor
+from gpupool._commands.cli import main
 from gpupool._core.units import GiB
-from gpupool._postmortem import read_postmortem
-from gpupool.cli import main
+from gpupool._observe.postmortem import read_postmortem
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 from support import wait_for
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from gpupool._commands.cli import EXIT_BAD_LOG, EXIT_EMPTY_LOG, main
 from gpupool._core.events import SCHEMA_VERSION
-from gpupool._postmortem import read_postmortem
-from gpupool.cli import EXIT_BAD_LOG, EXIT_EMPTY_LOG, main
+from gpupool._observe.postmortem import read_postmortem
 
 
 def _run(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

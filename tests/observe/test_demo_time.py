@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool._demo import ENTRY_HOLD_S, INCIDENT
+from gpupool._commands.demo import ENTRY_HOLD_S, INCIDENT
 
 #: The width gpupool reaches on the incident's card (the demo's decisions: 1 -> 2).
 GPUPOOL_WIDTH = 2
@@ -29,7 +29,7 @@ def test_plotting_is_imported_beside_the_runs() -> None:
     src = str(Path(__file__).resolve().parents[2] / "src")
     script = (
         "import sys, threading\n"
-        "import gpupool._demo as demo\n"
+        "import gpupool._commands.demo as demo\n"
         "assert 'matplotlib.figure' not in sys.modules\n"
         "demo._preload_plotting()\n"
         "(loader,) = [t for t in threading.enumerate() if t.name == 'gpupool-demo-preload']\n"

@@ -20,9 +20,9 @@ import observe_tasks
 import pytest
 
 from gpupool import GpuPoolExecutor
-from gpupool._log_reader import CutLine, CutLogWarning, iter_records
-from gpupool._postmortem import read_runs
-from gpupool.cli import EXIT_EMPTY_LOG, main
+from gpupool._commands.cli import EXIT_EMPTY_LOG, main
+from gpupool._observe.log_reader import CutLine, CutLogWarning, iter_records
+from gpupool._observe.postmortem import read_runs
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 from support import wait_for
 

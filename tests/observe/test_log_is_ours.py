@@ -17,7 +17,7 @@ import pytest
 
 from gpupool import ConfigurationError, GpuPoolExecutor
 from gpupool._core.events import Decision
-from gpupool._log import DecisionLog, check_log_path
+from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: A line another user could add to a file they can write.

@@ -9,13 +9,15 @@ from typing import Any
 
 import pytest
 
+from gpupool import GpuPoolExecutor
 from gpupool._core.units import GiB
-from gpupool._postmortem import read_postmortem, read_runs
+from gpupool._observe.postmortem import read_postmortem, read_runs
+from gpupool.testing import SimulatedDevice, SimulatedHost
 
 pytest.importorskip("matplotlib")
 
-from gpupool._demo import demo_columns
-from gpupool._plot import CardView, card_views, plot_figure, write_plot
+from gpupool._commands.demo import demo_columns
+from gpupool._observe.plot import CardView, card_views, plot_figure, write_plot
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -72,16 +74,21 @@ def test_an_svg_names_each_out_of_memory_and_refused_widen_on_hover(
     assert wanted >= 2
 
 
+LIMIT = "this card's limit (tasks its room holds)"
+
+
 def test_each_card_shows_its_own_limit_and_the_pool_its_ceiling(logs: dict[str, Path]) -> None:
     """Two cards of 24 GiB (4 GiB co-tenant) and 12 GiB at 5 GiB a task: each card's panel
-    draws its own room-over-ask limit; the pool-wide ceiling of 8 is drawn once, for the pool."""
+    draws its own limit, the tasks its room holds as its records state them (on a discrete
+    card, room over ask); the pool-wide ceiling of 8 is drawn once, for the pool."""
     records = _records(logs["two_cards"])
     runs = read_runs(logs["two_cards"])
     figure = plot_figure(runs)
     fits: dict[int, set[int]] = {0: set(), 1: set()}
     for record in records:
         if record.get("room_bytes") is not None and record.get("device") is not None:
-            fits[record["device"]].add(max(0, record["room_bytes"] // record["ask_bytes"]))
+            assert record["tasks_fit"] == max(0, record["room_bytes"] // record["ask_bytes"])
+            fits[record["device"]].add(record["tasks_fit"])
     assert fits[0] != fits[1]
     for device in (0, 1):
         view = card_views(runs)[0][device]
@@ -89,7 +96,7 @@ def test_each_card_shows_its_own_limit_and_the_pool_its_ceiling(logs: dict[str, 
         assert {int(p[1]) for p in view.limit} == fits[device]
         ax = _axes(figure, f"width: card {device}")
         lines = {line.get_label(): line for line in ax.get_lines()}
-        assert set(lines["this card's limit (room / ask)"].get_ydata()) == fits[device]
+        assert set(lines[LIMIT].get_ydata()) == fits[device]
         assert all(max(line.get_ydata(), default=0) < 8 for line in lines.values())
     pool = _axes(figure, "pool")
     lines = {line.get_label(): line for line in pool.get_lines()}
@@ -153,3 +160,46 @@ def test_a_log_of_samples_alone_draws_the_card_as_read(
     out = tmp_path / "tail.png"
     write_plot(read_runs(tail), out)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_on_unified_memory_the_limit_drawn_is_the_planners_count(tmp_path: Path) -> None:
+    """On a unified card (GB10, Jetson) each task is priced at its ask plus its child's RSS:
+    16 GiB at 3 GiB + 1 GiB holds 4, not the 5 that room over ask would say. The plot's
+    limit is the count the record states, which is the planner's width and its bound's."""
+    log = tmp_path / "unified.jsonl"
+    host = SimulatedHost([SimulatedDevice("16GiB", unified=True)], cpus=16, host_ram="16GiB")
+    with host, GpuPoolExecutor(max_workers=8, task_peak="3GiB", reserve=0, log_path=log) as ex:
+        constructed = ex.decisions[0]
+    assert constructed.bound is not None
+    assert constructed.bound.host_per_task_bytes == GiB
+    assert (constructed.width_after, constructed.bound.tasks_fit) == (4, 4)
+    (record,) = [r for r in _records(log) if r["event"] == "constructed"]
+    assert (record["tasks_fit"], record["host_per_task_bytes"]) == (4, GiB)
+    assert record["room_bytes"] // record["ask_bytes"] == 5  # what the plot drew before
+    runs = read_runs(log)
+    (view,) = card_views(runs)[0]
+    assert {p[1] for p in view.limit} == {4}
+    lines = {line.get_label(): line for line in _axes(plot_figure(runs), "width: card 0").lines}
+    assert set(lines[LIMIT].get_ydata()) == {4}
+
+
+def test_a_log_written_before_tasks_fit_draws_no_limit(
+    logs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Records without ``tasks_fit`` (written before it) draw no limit line: the reader does
+    not work out again what the planner counted (on unified memory it would draw more); an
+    out-of-memory's cap they state is still drawn."""
+    old = tmp_path / "old.jsonl"
+    lines = []
+    for record in _records(logs["co_tenant"]):
+        record.pop("tasks_fit", None)
+        lines.append(json.dumps(record))
+    old.write_text("\n".join(lines) + "\n")
+    runs = read_runs(old)
+    (view,) = card_views(runs)[0]
+    assert view.limit
+    assert {p[1] for p in view.limit} == {-1}
+    assert any(p[2] >= 0 for p in view.limit)
+    drawn = {line.get_label() for line in _axes(plot_figure(runs), "width: card 0").lines}
+    assert LIMIT not in drawn
+    assert "this card's cap after an out-of-memory" in drawn

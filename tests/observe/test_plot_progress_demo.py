@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from progress_pool import FakeAsk, FakePool, FakeStats
 
-from gpupool._progress import describe_asks, progress_enabled, track
-from gpupool.cli import EXIT_BAD_LOG, main
+from gpupool._commands.cli import EXIT_BAD_LOG, main
+from gpupool._observe.progress import describe_asks, progress_enabled, track
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -146,7 +146,7 @@ def test_the_memory_axis_is_fitted_to_the_card() -> None:
     the total, and the point is drawn at the top edge with its value written beside it."""
     pytest.importorskip("matplotlib")
     from gpupool._core.units import GiB
-    from gpupool._plot import CardView, plot_figure
+    from gpupool._observe.plot import CardView, plot_figure
 
     view = CardView(
         title="card 0",

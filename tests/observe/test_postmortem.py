@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from gpupool._commands.cli import main
 from gpupool._core.units import GiB
-from gpupool._log_reader import iter_records
-from gpupool._postmortem import analyse_oom, read_postmortem
-from gpupool.cli import main
+from gpupool._observe.log_reader import iter_records
+from gpupool._observe.postmortem import analyse_oom, read_postmortem
 
 
 def _json(capsys: pytest.CaptureFixture[str], path: Path) -> dict[str, Any]:

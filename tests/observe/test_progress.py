@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from progress_pool import FakePool
 
-from gpupool._progress import progress_enabled, track
+from gpupool._observe.progress import progress_enabled, track
 
 #: The module tqdm.auto (and gpupool) find loaded inside a Jupyter kernel.
 KERNEL_MODULE = "ipykernel.zmqshell"

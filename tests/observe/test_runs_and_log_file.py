@@ -16,11 +16,11 @@ import observe_tasks
 import pytest
 
 from gpupool import ConfigurationError, GpuPoolExecutor
+from gpupool._commands.cli import EXIT_USAGE, main
 from gpupool._core.events import ERROR_TEXT_CHARS, OOM_TERMS, Decision, truncate_text
 from gpupool._core.units import GiB
-from gpupool._log import DecisionLog, check_log_path, level_for
-from gpupool._postmortem import NoSuchRunError, read_runs
-from gpupool.cli import EXIT_USAGE, main
+from gpupool._observe.log import DecisionLog, check_log_path, level_for
+from gpupool._observe.postmortem import NoSuchRunError, read_runs
 from gpupool.testing import SimulatedDevice, SimulatedHost, hold
 
 

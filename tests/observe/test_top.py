@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import gpupool.testing as gt
+from gpupool._commands.cli import main
 from gpupool._core.bookings import (
     MAX_DECISION_REASON_CHARS,
     MAX_WAITS,
@@ -34,10 +35,9 @@ from gpupool._core.bookings import (
 )
 from gpupool._core.events import EVENTS
 from gpupool._core.units import GiB
+from gpupool._observe.top import Gatherer, plain_text
 from gpupool._sensors.bookings import BookingTable, read_start_token
 from gpupool._sensors.select import SIMULATOR_ENV
-from gpupool._top import Gatherer, plain_text
-from gpupool.cli import main
 
 SCRIPT = str(Path(__file__).with_name("top_pool_script.py"))
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
@@ -183,7 +183,7 @@ def test_keys_with_escape_sequences_and_markup_are_shown_inert() -> None:
     assert snapshot["cards"][0]["pools"][0]["running"][0]["key"] == key  # the JSON keeps it
     texts = [plain_text(snapshot)]
     try:
-        from gpupool._top_view import render_text
+        from gpupool._observe.top_view import render_text
     except ImportError:
         pass
     else:
@@ -386,7 +386,7 @@ def test_json_alone_prints_one_line_per_refresh_until_interrupted(
 def _without_rich(*argv: str) -> subprocess.CompletedProcess[str]:
     """``gpupool ARGV`` in a fresh interpreter where ``import rich`` fails."""
     code = (
-        "import sys; sys.modules['rich'] = None; from gpupool.cli import main; "
+        "import sys; sys.modules['rich'] = None; from gpupool._commands.cli import main; "
         f"sys.exit(main({list(argv)!r}))"
     )
     return subprocess.run(

@@ -13,7 +13,7 @@ import pytest
 import tasks
 
 from gpupool import ConfigurationError, GpuPoolExecutor
-from gpupool.cli import EXIT_USAGE, main
+from gpupool._commands.cli import EXIT_USAGE, main
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 

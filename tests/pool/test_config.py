@@ -205,3 +205,23 @@ def test_sizes_above_a_pebibyte_are_refused(host, name):
         GpuPoolExecutor(**{"task_peak": "1GiB", name: 10**30})
     with pytest.raises(ConfigurationError, match=r"^task_peak='2PiB' is"):
         GpuPoolExecutor(task_peak="1GiB").options(task_peak="2PiB")
+
+
+def test_an_options_task_peak_is_parsed_once_not_at_each_submit(host, monkeypatch):
+    """options(task_peak=...) parses the size once; each submit of the view reuses its bytes."""
+    import gpupool._pool.executor as executor_module
+
+    parsed = []
+    parse = executor_module.parse_pool_size
+
+    def counted(value, **kwargs):
+        parsed.append(value)
+        return parse(value, **kwargs)
+
+    monkeypatch.setattr(executor_module, "parse_pool_size", counted)
+    with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+        big = ex.options(key="big", task_peak="2GiB")
+        futures = [big.submit(tasks.sleep_return, i, 0.0) for i in range(3)]
+        assert [f.result(timeout=60) for f in futures] == [0, 1, 2]
+        assert ex.statistics().asks["big"].estimate_bytes == 2 * 1024**3
+    assert parsed == ["2GiB"]

@@ -18,12 +18,13 @@ import tasks
 
 import gpupool.testing as gt
 from gpupool import ConfigurationError, GpuPoolExecutor, WidthError, WorkerLostError
-from gpupool._core import AskTable, CardCensus, Policy, decide_width, derive_bound, derive_ceiling
+from gpupool._core import AskTable, CardCensus, Policy, derive_ceiling
 from gpupool._core.events import SCHEMA_VERSION, Decision
 from gpupool._core.units import GiB, MiB, format_size, parse_size
-from gpupool._log import DecisionLog
+from gpupool._observe.log import DecisionLog
 from gpupool._sensors.census import parse_visible_devices
 from gpupool.testing import SimulatedDevice, SimulatedHost
+from support.fit import planner_width
 
 TOTAL = parse_size("44.39GiB")
 CO_TENANT = parse_size("9.54GiB")
@@ -48,16 +49,15 @@ def test_the_incident_under_the_default_policy_asks_6_62_gib_of_18_40_gib_room()
     ceiling = derive_ceiling(max_workers=4)
 
     def width() -> tuple[int, int]:
-        ask = table.ask("entry")
-        bound = derive_bound(
+        decision = planner_width(
             card,
+            table.ask("entry"),
+            ceiling=ceiling,
             own_high_water_bytes=OWN_HIGH_WATER,
             reserve_bytes=policy.reserve_bytes,
-            ask_bytes=ask.ask_bytes,
-            ask_basis=ask.basis,
         )
-        assert bound.room_bytes is not None
-        return decide_width(bound, ceiling).width, bound.room_bytes
+        assert decision.bound.room_bytes is not None
+        return decision.width, decision.bound.room_bytes
 
     estimated_width, room = width()
     assert format_size(room) == "18.40 GiB"

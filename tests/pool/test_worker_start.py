@@ -31,7 +31,7 @@ PARENT_SIDE = (
     "gpupool._core.events",
     "gpupool._pool.dispatcher",
     "gpupool._pool.executor",
-    "gpupool._log",
+    "gpupool._observe.log",
     "gpupool._sensors.host",
     "gpupool._core.host",
     "loky",

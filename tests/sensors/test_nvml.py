@@ -244,7 +244,8 @@ def test_import_gpupool_does_not_import_pynvml() -> None:
     import subprocess
 
     code = (
-        "import sys, gpupool, gpupool._sensors.nvml, gpupool._sensors.census, gpupool.cli\n"
+        "import sys, gpupool, gpupool._sensors.nvml, gpupool._sensors.census\n"
+        "import gpupool._commands.cli\n"
         "assert 'pynvml' not in sys.modules, 'pynvml imported'\n"
         "assert 'psutil' not in sys.modules, 'psutil imported'\n"
     )
@@ -268,7 +269,7 @@ def test_probe_prefers_accounting_when_it_rose_during_the_task(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The probe reports NVML accounting's maximum when it rose during the task, else sampling."""
-    from gpupool._probe import Probe
+    from gpupool._child.probe import Probe
 
     pid = os.getpid()
     # 9.5 GiB in use on the card: the rows below are within it.
@@ -294,7 +295,7 @@ def test_a_spike_only_the_sampler_read_is_the_tasks_sampled_peak(
 ) -> None:
     """A row that rose and fell while the task ran, read only by the tree's sampler between
     the window's two ends, is the task's peak; the next window starts without it."""
-    from gpupool._probe import Probe
+    from gpupool._child.probe import Probe
 
     pid = os.getpid()
     card = h100(0, free=70 * GiB, compute=[(pid, 1 * GiB)])

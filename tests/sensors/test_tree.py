@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool._probe_tree import TreeSummary, TreeWatch
+from gpupool._child.probe_tree import TreeSummary, TreeWatch
 from gpupool._sensors.host import read_ancestors
 from gpupool._sensors.tree import (
     read_descendants,

@@ -16,9 +16,9 @@ import pytest
 
 import gpupool.testing as gt
 from gpupool import ConfigurationError, GpuPoolExecutor
+from gpupool._commands.cli import main
 from gpupool._core.units import GiB, MiB, format_size
 from gpupool._sensors.bookings import BookingTable, default_bookings_directory
-from gpupool.cli import main
 
 CHILD = str(Path(__file__).with_name("booking_child.py"))
 #: A safety net so that a broken test fails instead of hanging; never asserted on.

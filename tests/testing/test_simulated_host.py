@@ -603,7 +603,7 @@ def test_the_census_command_prints_the_simulated_devices_and_their_co_tenants(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`gpupool census --json` inside a SimulatedHost reads the simulated cards and co-tenants."""
-    from gpupool.cli import main
+    from gpupool._commands.cli import main
 
     devices = [card("44GiB", co_tenants={"server": "9GiB", "trainer": "1GiB"}), card("8GiB")]
     with gt.SimulatedHost(devices, cpus=16, host_ram="128GiB") as host:

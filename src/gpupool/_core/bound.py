@@ -1,4 +1,4 @@
-"""The bound, the ceiling and the width decision: the heart of gpupool (pure core).
+"""The bound and the ceiling, the terms of every width: the heart of gpupool (pure core).
 
 For each device, from its census and the pool's measured terms::
 
@@ -15,6 +15,10 @@ children's RSS, and the work items still pending. The floor of 1 is for the
 pool as a whole (the serial path); with several devices, a device without
 room gets 0 while another has room. An unreadable device gets 1 with its
 reason, never a width computed from a guess.
+
+The width itself is worked out in one place, the planner's fit
+(:mod:`gpupool._core.planner.fit`: ``fit`` per card, ``card_widths`` for the
+pool); this module prices its terms and names them (:class:`WidthDecision`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from gpupool._core.units import format_size
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from gpupool._core.census import CardCensus
 
@@ -34,9 +38,6 @@ __all__ = [
     "Bound",
     "Ceiling",
     "WidthDecision",
-    "admits",
-    "decide_width",
-    "decide_widths",
     "derive_bound",
     "derive_ceiling",
     "fits_together",
@@ -262,83 +263,6 @@ class WidthDecision:
             "out_of_memory": "the cap an out-of-memory set on this card",
         }[self.limit]
         return f"{self.bound.describe()}; width {self.width}, set by {why}"
-
-
-def decide_widths(bounds: Sequence[Bound], ceiling: Ceiling) -> tuple[WidthDecision, ...]:
-    """Split the pool's width over its devices, within each device's room and the ceiling.
-
-    Each readable device holds at most ``floor(room / ask)`` tasks; an
-    unreadable device holds 1. The total never passes ``ceiling.value``;
-    devices with the most room are filled first. When no device has room for
-    one task, the device with the most room (an unreadable one if none is
-    readable) gets the pool's serial width of 1.
-
-    Args:
-        bounds: one bound per device, in device order (may be empty: a pool
-            without devices has no device widths).
-        ceiling: the pool-wide cap.
-
-    Returns:
-        One decision per bound, in the same order.
-    """
-    fits: list[int] = []
-    for bound in bounds:
-        tasks = bound.tasks_fit
-        fits.append(1 if tasks is None else tasks)
-    order = sorted(
-        range(len(bounds)),
-        key=lambda i: (
-            bounds[i].room_bytes is None,
-            -(bounds[i].room_bytes or 0),
-            i,
-        ),
-    )
-    widths = [0] * len(bounds)
-    limits: list[Limit] = ["memory"] * len(bounds)
-    left = ceiling.value
-    for i in order:
-        take = min(fits[i], left)
-        widths[i] = take
-        left -= take
-        if bounds[i].room_bytes is None:
-            limits[i] = "unreadable"
-        elif take < fits[i]:
-            limits[i] = ceiling.limit
-        elif fits[i] == 0:
-            limits[i] = "no_room"
-    if bounds and sum(widths) == 0:
-        # No card has room for one task: the pool runs serially on the card
-        # with the most room, and every card's record names that floor (a
-        # "no_room" record would claim another card has room).
-        for i in order:
-            if bounds[i].room_bytes is not None:
-                limits[i] = "floor"
-        first = order[0]
-        widths[first] = 1
-        limits[first] = "unreadable" if bounds[first].room_bytes is None else "floor"
-    return tuple(
-        WidthDecision(
-            device=bound.device, width=widths[i], limit=limits[i], bound=bound, ceiling=ceiling
-        )
-        for i, bound in enumerate(bounds)
-    )
-
-
-def decide_width(bound: Bound, ceiling: Ceiling) -> WidthDecision:
-    """The width of a one-device pool: ``clamp(floor(room / ask), 1, ceiling)``."""
-    return decide_widths((bound,), ceiling)[0]
-
-
-def admits(ask_bytes: int, running_asks_bytes: Sequence[int], room_bytes: int | None) -> bool:
-    """May a task of ``ask_bytes`` start beside tasks booked at ``running_asks_bytes``?
-
-    Byte-level admission for mixed asks: the booked asks plus the new one
-    must fit in the room. An unreadable card (``room_bytes=None``) admits one
-    task at a time. For equal asks this admits exactly ``floor(room / ask)``.
-    """
-    if room_bytes is None:
-        return not running_asks_bytes
-    return sum(running_asks_bytes) + ask_bytes <= room_bytes
 
 
 def fits_together(together_bytes: Callable[[int], int], room_bytes: int, most: int) -> int:

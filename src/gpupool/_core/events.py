@@ -250,6 +250,7 @@ class Decision:
                 ask_bytes=self.bound.ask_bytes,
                 ask_basis=self.bound.ask_basis,
                 room_bytes=self.bound.room_bytes,
+                tasks_fit=self.bound.tasks_fit,
             )
             if self.bound.together_bytes is not None:
                 out["together_tasks"] = self.bound.together_tasks

@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
+from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
+from gpupool._child.probe import allocator_cap_message
 from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import CardCensus, Census
 from gpupool._core.events import Decision
@@ -74,15 +76,8 @@ from gpupool._core.planner import (
 )
 from gpupool._core.policy import AskTable
 from gpupool._core.units import format_size
-from gpupool._errors import (
-    DeviceOutOfMemoryError,
-    GpuPoolError,
-    InitializerError,
-    WidthError,
-    WorkerLostError,
-    WorkerProtocolError,
-)
-from gpupool._log import LOGGER, DecisionLog
+from gpupool._errors import DeviceOutOfMemoryError, GpuPoolError, WidthError
+from gpupool._observe.log import LOGGER, DecisionLog
 from gpupool._pool import wire
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call, sender_ids
@@ -91,7 +86,6 @@ from gpupool._pool.launch import StartDataError, WorkerContext
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.worker import worker_main
-from gpupool._probe import allocator_cap_message
 from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:

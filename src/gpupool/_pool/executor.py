@@ -11,8 +11,6 @@ import collections
 import concurrent.futures
 import itertools
 import math
-import multiprocessing
-import multiprocessing.connection
 import numbers
 import os
 import signal
@@ -27,35 +25,19 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import Decision
-from gpupool._core.planner import PlannerConfig
-from gpupool._core.policy import (
-    DEFAULT_MARGIN_BYTES,
-    DEFAULT_MARGIN_FRACTION,
-    DEFAULT_RESERVE_BYTES,
-    Ask,
-    AskTable,
-    Policy,
-)
-from gpupool._core.units import GiB, format_size, parse_pool_size
-from gpupool._errors import (
-    ConfigurationError,
-    WidthError,
-)
-from gpupool._log import DecisionLog, check_log_path
+from gpupool._core.policy import Ask
+from gpupool._core.units import parse_pool_size
+from gpupool._errors import ConfigurationError
+from gpupool._pool.build import build_dispatcher
 from gpupool._pool.dispatcher import (
-    DeviceState,
-    Dispatcher,
     WorkItem,
     callable_name,
     copy_broken,
     interpreter_exiting,
 )
-from gpupool._pool.environ import read_pool_defaults
-from gpupool._pool.inputs import check_python_home, check_sensor
+from gpupool._pool.options import read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
-from gpupool._probe import ALLOCATOR_CAP_NOTE
-from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
@@ -70,75 +52,6 @@ INTERRUPT_GRACE_S = 2.0
 #: The submitted function's parameters and result: futures keep the function's types.
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-
-#: Estimate used when no ``task_peak`` is given and no card is readable.
-_UNKNOWN_ESTIMATE_BYTES = GiB
-
-
-def _check_flag(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigurationError(
-            f"{name}={value!r}: pass True or False (a string such as 'no' would count as True)."
-        )
-    return value
-
-
-def _check_env(env: object) -> dict[str, str]:
-    """The ``env=`` mapping, refused unless every key and value can reach a worker as given."""
-    if env is None:
-        return {}
-    if not isinstance(env, Mapping):
-        raise ConfigurationError(
-            f"env={env!r}: pass a mapping of variable names to values, such as "
-            "{'OMP_NUM_THREADS': '1'}."
-        )
-    checked: dict[str, str] = {}
-    for key, value in env.items():
-        if not isinstance(key, str) or not key:
-            raise ConfigurationError(f"env: the key {key!r} is not a non-empty str.")
-        if "=" in key or "\0" in key:
-            raise ConfigurationError(
-                f"env: the key {key!r} holds {'=' if '=' in key else 'a NUL byte'}, which no "
-                "environment variable name can; the child would see another variable."
-            )
-        if not isinstance(value, str):
-            raise ConfigurationError(
-                f"env[{key!r}]={value!r}: values must be str (None would reach the worker as "
-                f"'None'); pass str(value), or leave {key!r} out."
-            )
-        if "\0" in value:
-            raise ConfigurationError(
-                f"env[{key!r}]={value!r} holds a NUL byte, which no environment value can."
-            )
-        checked[key] = value
-    return checked
-
-
-def _check_devices(devices: object) -> list[int | str] | None:
-    """The ``devices=`` selection: a sequence of indexes and UUIDs, never a bare one."""
-    if devices is None:
-        return None
-    if isinstance(devices, (str, bytes, int)):
-        raise ConfigurationError(
-            f"devices={devices!r}: pass a list of device indexes or UUIDs, such as "
-            f"devices=[{devices!r}]."
-        )
-    if not isinstance(devices, Sequence):
-        raise ConfigurationError(
-            f"devices={devices!r}: pass a list of device indexes or UUIDs, such as devices=[0, 1]."
-        )
-    checked: list[int | str] = []
-    for entry in devices:
-        if isinstance(entry, bool) or not isinstance(entry, (int, str)):
-            raise ConfigurationError(
-                f"devices entry {entry!r}: each entry is a device index (int) or UUID (str)."
-            )
-        if isinstance(entry, int) and entry < 0:
-            raise ConfigurationError(f"devices entry {entry!r}: an index is 0 or more.")
-        checked.append(entry)
-    if not checked:
-        raise ConfigurationError("devices=[]: name at least one device, or pass None for all.")
-    return checked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,13 +137,17 @@ class PoolStatistics:
 class _OptionsView:
     """``submit`` and ``map`` with per-call options; see :meth:`GpuPoolExecutor.options`."""
 
-    def __init__(self, executor: GpuPoolExecutor, options: TaskOptions) -> None:
+    def __init__(
+        self, executor: GpuPoolExecutor, options: TaskOptions, hint_bytes: int | None
+    ) -> None:
         self._executor = executor
         self._options = options
+        # ``options.task_peak`` in bytes, parsed once (by ``options()``), not at each submit.
+        self._hint_bytes = hint_bytes
 
     def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """As :meth:`GpuPoolExecutor.submit`, with this view's key and peak hint."""
-        return self._executor._submit(fn, args, kwargs, self._options)
+        return self._executor._submit(fn, args, kwargs, self)
 
     def map(
         self,
@@ -241,7 +158,7 @@ class _OptionsView:
         buffersize: int | None = None,
     ) -> Iterator[_R]:
         """As :meth:`GpuPoolExecutor.map`, with this view's key and peak hint."""
-        return self._executor._map(fn, iterables, timeout, chunksize, buffersize, self._options)
+        return self._executor._map(fn, iterables, timeout, chunksize, buffersize, self)
 
 
 class GpuPoolExecutor(concurrent.futures.Executor):
@@ -366,257 +283,42 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         bookings_dir: str | os.PathLike[str] | None = None,
         on_interrupt: Literal["terminate", "wait"] | None = None,
     ) -> None:
-        defaults = read_pool_defaults(
+        options = read_options(
             os.environ,
             max_workers=max_workers,
+            mp_context=mp_context,
+            initializer=initializer,
+            initargs=initargs,
+            max_tasks_per_child=max_tasks_per_child,
             task_peak=task_peak,
             reserve=reserve,
-            log_path=log_path,
-            progress=progress,
-            on_interrupt=on_interrupt,
-            max_retries=max_retries,
-            room_wait_s=room_wait_s,
-        )
-        max_workers, task_peak = defaults.max_workers, defaults.task_peak
-        reserve, progress = defaults.reserve, defaults.progress
-        max_retries, room_wait_s = defaults.max_retries, defaults.room_wait_s
-        if max_workers is not None:
-            if isinstance(max_workers, bool) or not isinstance(max_workers, int):
-                raise TypeError(f"max_workers must be an int, got {max_workers!r}")
-            if max_workers <= 0:
-                raise ValueError("max_workers must be greater than 0")
-        if mp_context is not None:
-            method = mp_context.get_start_method(allow_none=False)
-            if method == "fork":
-                if max_tasks_per_child is not None:
-                    raise ValueError(
-                        "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
-                        "start method; supply a different mp_context."
-                    )
-                raise ConfigurationError(
-                    "mp_context uses 'fork', which CUDA does not survive; gpupool starts "
-                    "workers with spawn semantics. Pass mp_context=None or a spawn context."
-                )
-        if initializer is not None and not callable(initializer):
-            raise TypeError("initializer must be a callable")
-        if max_tasks_per_child is not None:
-            if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
-                raise TypeError("max_tasks_per_child must be an integer")
-            if max_tasks_per_child <= 0:
-                raise ValueError("max_tasks_per_child must be >= 1")
-        if width is not None and (
-            isinstance(width, bool) or not isinstance(width, int) or width <= 0
-        ):
-            raise ConfigurationError(
-                f"width={width!r}: a fixed width must be a positive int, or None for the bound."
-            )
-        if margin_fraction is not None and not (
-            isinstance(margin_fraction, (int, float))
-            and not isinstance(margin_fraction, bool)
-            and math.isfinite(margin_fraction)
-            and 0 <= margin_fraction <= 10
-        ):
-            raise ConfigurationError(
-                f"margin_fraction={margin_fraction!r}: pass a fraction such as 0.10."
-            )
-        if multiprocessing.current_process().daemon:
-            raise ConfigurationError(
-                "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
-                "processes may not have children); run it from a non-daemonic process, e.g. "
-                "set distributed.worker.daemon=False for Dask workers."
-            )
-        strict = _check_flag(strict, "strict")
-        retry_oom = _check_flag(retry_oom, "retry_oom")
-        worker_env_given = _check_env(env)
-        check_python_home(worker_env_given)
-        devices = _check_devices(devices)
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ConfigurationError(
-                f"max_retries={max_retries!r}: pass a whole number of retries, 0 or more."
-            )
-        if (
-            isinstance(room_wait_s, bool)
-            or not isinstance(room_wait_s, (int, float))
-            or not math.isfinite(room_wait_s)
-            or room_wait_s < 0
-        ):
-            raise ConfigurationError(
-                f"room_wait_s={room_wait_s!r}: pass a number of seconds, 0 or more (such as 120)."
-            )
-        if width is not None and max_workers is not None and width > max_workers:
-            raise ConfigurationError(
-                f"width={width} is more than max_workers={max_workers}: a fixed width runs "
-                "exactly that many at once, so pass one of them, or a width of at most "
-                "max_workers."
-            )
-        if strict and max_workers is None:
-            raise ConfigurationError(
-                "strict=True needs max_workers: the width that must not be narrowed."
-            )
-        peak_bytes = (
-            parse_pool_size(task_peak, name="task_peak", allow_zero=False)
-            if task_peak is not None
-            else None
-        )
-        policy = Policy(
-            margin_bytes=(
-                parse_pool_size(margin, name="margin")
-                if margin is not None
-                else DEFAULT_MARGIN_BYTES
-            ),
-            margin_fraction=(
-                float(margin_fraction) if margin_fraction is not None else DEFAULT_MARGIN_FRACTION
-            ),
-            reserve_bytes=(
-                parse_pool_size(reserve, name="reserve")
-                if reserve is not None
-                else DEFAULT_RESERVE_BYTES
-            ),
-            # An explicit margin keeps meaning what it says; by default the
-            # margin is learned from the spread of each key's measurements.
-            learned=margin is None and margin_fraction is None,
-        )
-        path = check_log_path(log_path) if log_path is not None else defaults.log_path
-
-        if progress is not None and not isinstance(progress, bool):
-            raise ConfigurationError(f"progress={progress!r}: pass True, False or None.")
-        if not isinstance(cap_allocator, bool):
-            raise ConfigurationError(f"cap_allocator={cap_allocator!r}: pass True or False.")
-        if share_bookings not in (True, False, "host") or (
-            not isinstance(share_bookings, (bool, str))
-        ):
-            raise ConfigurationError(
-                f"share_bookings={share_bookings!r}: pass True (this user's pools), 'host' "
-                "(every user's pools) or False (no booking table)."
-            )
-        if bookings_dir is not None and (
-            not isinstance(bookings_dir, (str, os.PathLike)) or not os.fspath(bookings_dir)
-        ):
-            raise ConfigurationError(
-                f"bookings_dir={bookings_dir!r}: pass a directory path, or None for the default."
-            )
-        self._progress = progress
-        self._on_interrupt = defaults.on_interrupt
-        self._mp_context = mp_context
-        self._shutdown_lock = threading.Lock()
-        self._shutdown = False
-        if sensor is not None:
-            check_sensor(sensor)
-        self._sensor = sensor if sensor is not None else default_sensor()
-
-        from gpupool._sensors.census import read_census
-
-        census, infos = read_census(
-            self._sensor,
+            margin=margin,
+            margin_fraction=margin_fraction,
             devices=devices,
-            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            pid=os.getpid(),
-        )
-        self._census = census
-        for card in census.cards:
-            if card.total_bytes is not None and policy.reserve_bytes >= card.total_bytes:
-                raise ConfigurationError(
-                    f"reserve={format_size(policy.reserve_bytes)} is not smaller than card "
-                    f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
-                )
-        device_states = [
-            DeviceState(i, info, card)
-            for i, (info, card) in enumerate(zip(infos, census.cards, strict=True))
-        ]
-        estimate = peak_bytes
-        if estimate is None:
-            # Priced at the whole room of the roomiest card: the first task of
-            # each key runs alone until a child has measured it.
-            rooms = [
-                card.total_bytes
-                - (card.co_tenant_bytes or 0)
-                - (card.own_bytes or 0)
-                - policy.reserve_bytes
-                for card in census.cards
-                if card.total_bytes is not None
-            ]
-            estimate = max([*rooms, _UNKNOWN_ESTIMATE_BYTES])
-        self._max_workers = max_workers or census.host.cpus
-        asks = AskTable(policy=policy, default_estimate_bytes=estimate)
-        worker_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        simulator = os.environ.get(SIMULATOR_ENV)
-        if simulator:
-            worker_env[SIMULATOR_ENV] = simulator
-        worker_env.update(worker_env_given)
-        # Passed to each worker as a process argument, pickled while the worker is
-        # spawned: multiprocessing queues and locks in initargs work, as in CPython.
-        init_call = (initializer, tuple(initargs)) if initializer is not None else None
-        log = DecisionLog(
-            path,
-            settings={
-                "max_workers": max_workers,
-                "task_peak_bytes": peak_bytes,
-                "reserve_bytes": policy.reserve_bytes,
-                "margin_bytes": policy.margin_bytes,
-                "margin_fraction": policy.margin_fraction,
-                "width": width,
-                "strict": bool(strict),
-                "retry_oom": bool(retry_oom),
-                "max_tasks_per_child": max_tasks_per_child,
-                "devices": None if devices is None else ",".join(str(d) for d in devices),
-                "max_retries": max_retries,
-                "room_wait_s": float(room_wait_s),
-                "learned_margin": policy.learned,
-                "cap_allocator": bool(cap_allocator),
-                "share_bookings": str(share_bookings),
-            },
-        )
-        self._log = log
-        config = PlannerConfig(
-            max_workers=self._max_workers,
-            max_workers_given=max_workers is not None,
-            fixed_width=width,
+            width=width,
             strict=strict,
             retry_oom=retry_oom,
             max_retries=max_retries,
-            room_wait_s=float(room_wait_s),
-            reserve_bytes=policy.reserve_bytes,
-            parent_pid=os.getpid(),
-        )
-        from gpupool._sensors.bookings import new_pool_id, open_booking_table
-
-        bookings = (
-            open_booking_table(share=share_bookings, directory=bookings_dir, sensor=self._sensor)
-            if device_states
-            else None
-        )
-        self._dispatcher = Dispatcher(
-            census=census,
-            devices=device_states,
-            sensor=self._sensor,
-            asks=asks,
-            config=config,
-            max_tasks_per_child=max_tasks_per_child,
-            initializer=init_call,
-            log=log,
-            env=worker_env,
+            room_wait_s=room_wait_s,
+            log_path=log_path,
+            env=env,
+            sensor=sensor,
+            progress=progress,
             cap_allocator=cap_allocator,
-            bookings=bookings,
-            pool_id=new_pool_id(),
+            share_bookings=share_bookings,
+            bookings_dir=bookings_dir,
+            on_interrupt=on_interrupt,
         )
-        try:
-            self._construct(peak_bytes)
-        except BaseException:
-            self._dispatcher.close()  # no thread will: give its descriptors back
-            raise
+        self._progress = options.progress
+        self._on_interrupt = options.on_interrupt
+        self._mp_context = options.workers.mp_context
+        self._shutdown_lock = threading.Lock()
+        self._shutdown = False
+        self._dispatcher = build_dispatcher(options)
+        self._log = self._dispatcher.log
+        self._max_workers = self._dispatcher.config.max_workers
         self._dispatcher.start()
         weakref.finalize(self, self._dispatcher.request_shutdown)
-
-    def _construct(self, peak_bytes: int | None) -> None:
-        planner = self._dispatcher.planner
-        self._dispatcher.read_census_terms()
-        note = "" if peak_bytes is not None else " (no task_peak: priced at the room)"
-        extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self._dispatcher.cap_allocator else {}
-        # Time 0 is the census: the construction records say so, however long
-        # the readings beside it took on a loaded host.
-        refused = planner.construct(0.0, note=note, extra=extra)
-        if refused is not None:
-            raise WidthError(refused.reason, decision=refused.decision.to_dict())
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         if (
@@ -701,8 +403,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
                 non-empty str, or ``size`` is not a positive, finite number.
         """
-        if task_peak is not None:
-            parse_pool_size(task_peak, name="task_peak", allow_zero=False)
+        hint_bytes = (
+            None
+            if task_peak is None
+            else parse_pool_size(task_peak, name="task_peak", allow_zero=False)
+        )
         if key is not None and (not isinstance(key, str) or not key):
             raise ConfigurationError(
                 f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
@@ -724,14 +429,15 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                     f"size={size!r}: a task's input size must be a positive, finite number "
                     "(tokens, rows, bytes: one unit for every task of the key)."
                 )
-        return _OptionsView(self, TaskOptions(key=key, task_peak=task_peak, size=value))
+        options = TaskOptions(key=key, task_peak=task_peak, size=value)
+        return _OptionsView(self, options, hint_bytes)
 
     def _submit(
         self,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        options: TaskOptions | None,
+        view: _OptionsView | None,
         key: str | None = None,
     ) -> Future[Any]:
         d = self._dispatcher
@@ -743,14 +449,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             if interpreter_exiting():
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             future: Future[Any] = Future()
-            task_key = (
-                (options.key if options and options.key else None) or key or callable_name(fn)
-            )
-            hint = (
-                parse_pool_size(options.task_peak, name="task_peak", allow_zero=False)
-                if options is not None and options.task_peak is not None
-                else None
-            )
+            options = view._options if view is not None else None
+            task_key = (options.key if options else None) or key or callable_name(fn)
+            hint = view._hint_bytes if view is not None else None
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
             size = options.size if options is not None else None
             d.enqueue(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
@@ -782,7 +483,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def _track(self, results: Iterator[Any], iterables: Sequence[Iterable[Any]]) -> Iterator[Any]:
         if self._progress is False:
             return results
-        from gpupool._progress import track
+        from gpupool._observe.progress import track
 
         sizes = [len(it) for it in iterables if isinstance(it, Sized)]
         total = min(sizes) if iterables and len(sizes) == len(iterables) else None
@@ -795,7 +496,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         timeout: float | None,
         chunksize: int,
         buffersize: int | None,
-        options: TaskOptions | None,
+        view: _OptionsView | None,
     ) -> Iterator[Any]:
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
@@ -806,13 +507,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         args_iter = zip(*iterables, strict=False)
         if chunksize == 1:
             submit_one: Callable[[tuple[Any, ...]], Future[Any]] = partial(
-                self._submit_args, fn, options, key
+                self._submit_args, fn, view, key
             )
             calls: Iterator[Future[Any]] = map(submit_one, args_iter)
         else:
             chunk_fn = partial(process_chunk, fn)
             calls = (
-                self._submit(chunk_fn, (list(chunk),), {}, options, key)
+                self._submit(chunk_fn, (list(chunk),), {}, view, key)
                 for chunk in _batched(args_iter, chunksize)
             )
         futures: collections.deque[Future[Any]] = collections.deque(
@@ -824,9 +525,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         return self._track(results, iterables)
 
     def _submit_args(
-        self, fn: Callable[..., Any], options: TaskOptions | None, key: str, args: tuple[Any, ...]
+        self, fn: Callable[..., Any], view: _OptionsView | None, key: str, args: tuple[Any, ...]
     ) -> Future[Any]:
-        return self._submit(fn, args, {}, options, key)
+        return self._submit(fn, args, {}, view, key)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; by default wait for what was submitted to finish.
@@ -866,7 +567,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     @property
     def census(self) -> Census:
         """The census taken at construction."""
-        return self._census
+        return self._dispatcher.census
 
     @property
     def decisions(self) -> tuple[Decision, ...]:

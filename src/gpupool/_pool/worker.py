@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     import logging
     from multiprocessing.connection import Connection
 
-    from gpupool._probe import Probe
+    from gpupool._child.probe import Probe
     from gpupool._sensors.base import DeviceInfo
 
 __all__ = ["process_chunk", "worker_main"]
@@ -312,7 +312,7 @@ def worker_main(
             return
         _leave_if_forked()
 
-    from gpupool._probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
+    from gpupool._child.probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
 
     probe = _ready(conn, device, device_index)
     if probe is None:
@@ -407,7 +407,7 @@ def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None
     """Set up the probe and tell the parent this worker is ready, with its own device bytes
     now (what the initializer left on the card is this worker's, not a task's); ``None``
     when the parent's end is closed."""
-    from gpupool._probe import Probe
+    from gpupool._child.probe import Probe
 
     sensor = None
     if device is not None:

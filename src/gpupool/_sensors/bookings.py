@@ -57,7 +57,7 @@ from gpupool._core.bookings import (
     format_booking_table,
     parse_booking_table,
 )
-from gpupool._log import LOGGER
+from gpupool._observe.log import LOGGER
 from gpupool._sensors.booking_rows import (
     HEARTBEAT_S,
     MAX_FILE_BYTES,

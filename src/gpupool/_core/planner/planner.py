@@ -85,7 +85,7 @@ from gpupool._core.planner.verdicts import (
 )
 from gpupool._core.planner.views import Views
 from gpupool._core.policy import Ask, AskTable
-from gpupool._core.units import format_size
+from gpupool._core.units import GiB, format_size
 
 __all__ = ["CAP_LIFT_AFTER_S", "Planner"]
 
@@ -461,3 +461,16 @@ class Planner:
             for run in self.state.running.values()
             if run.device == device and run.pid is not None
         )
+
+    @staticmethod
+    def price_without_peak(census: Census, reserve_bytes: int) -> int:
+        """The estimate of a pool given no ``task_peak``: the whole room of its roomiest card
+        at the census (``total - co_tenant - own - reserve``), so that the first task of each
+        key runs alone until a child has measured it; at least 1 GiB, the estimate where no
+        card's total is known."""
+        rooms = [
+            card.total_bytes - (card.co_tenant_bytes or 0) - (card.own_bytes or 0) - reserve_bytes
+            for card in census.cards
+            if card.total_bytes is not None
+        ]
+        return max([*rooms, GiB])

@@ -10,7 +10,7 @@ Sources of the device peak; the report takes the largest that is trusted:
    stayed below an earlier one falls through to the next source);
 3. the sensor's per-process reading (NVML), sampled on a thread while the
    task runs, which includes the context and non-PyTorch allocations;
-4. the frameworks' own counters (:mod:`gpupool._frameworks`: torch's reserved
+4. the frameworks' own counters (:mod:`gpupool._child.frameworks`: torch's reserved
    peak, CuPy's pool, JAX's device peak; each only where the task loaded it
    and started its backend) plus what this process holds outside them (its
    CUDA context, NCCL, cuBLAS workspaces, other libraries). That figure is
@@ -23,7 +23,7 @@ Sources of the device peak; the report takes the largest that is trusted:
 
 The sensor's per-process figures (1 and 3) are the worker's process tree's:
 the worker and every process alive under it during the task
-(:mod:`gpupool._probe_tree`). Figures 2 and 4 are the worker's own: the most
+(:mod:`gpupool._child.probe_tree`). Figures 2 and 4 are the worker's own: the most
 its descendants held in one reading of the tree's rows is added to them (the
 source ends ``+descendants``). A per-process reading that is not plausible is
 not a measurement (:func:`gpupool._core.readings.judge_tree_rows`: a list
@@ -54,23 +54,23 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpupool._core.peak import PeakReport
-from gpupool._core.units import MiB, parse_size
-from gpupool._frameworks import (
+from gpupool._child.frameworks import (
     FRAMEWORKS,
     FrameworkWindow,
     guard_torch_resets,
     initialised_torch_cuda,
     read_held_bytes,
 )
-from gpupool._probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
+from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
+from gpupool._core.peak import PeakReport
+from gpupool._core.units import MiB, parse_size
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from gpupool._probe_tree import TreeSensor
+    from gpupool._child.probe_tree import TreeSensor
     from gpupool._sensors.base import DeviceInfo
 
 __all__ = [
@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 #: Interval of the device sampling, when the sensor has no exact high-water: the
-#: tree's sampler (:data:`~gpupool._probe_tree.TREE_SAMPLE_INTERVAL_S`) reads the
+#: tree's sampler (:data:`~gpupool._child.probe_tree.TREE_SAMPLE_INTERVAL_S`) reads the
 #: device right after the tree, so every reading judges the tree it was taken with.
 #: 10 ms catches allocations that live as long as a kernel launch sequence;
 #: torch's own peak counters catch the shorter ones that torch allocates.
@@ -440,7 +440,7 @@ class Probe:
     def __init__(
         self, sensor: Sensor | None, device: DeviceInfo | None, device_index: int | None, pid: int
     ) -> None:
-        # The worker's bytes are its process tree's: see gpupool._probe_tree.
+        # The worker's bytes are its process tree's: see gpupool._child.probe_tree.
         self._tree = TreeWatch(pid)
         self._sensor = tree_sensor(sensor, self._tree) if sensor is not None else None
         self._device = device

@@ -357,7 +357,7 @@ def _print_card(device: dict[str, Any]) -> None:
 
 
 def _add_top(sub: Any) -> None:
-    from gpupool._top import DEFAULT_INTERVAL_S, interval_type
+    from gpupool._observe.top import DEFAULT_INTERVAL_S, interval_type
 
     top = sub.add_parser(
         "top",
@@ -386,7 +386,7 @@ def _add_top(sub: Any) -> None:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from gpupool._top import run_top
+    from gpupool._commands.top import run_top
 
     return run_top(args, sys.stdout.write)
 
@@ -768,8 +768,8 @@ def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
     A last line cut short (a pool killed mid-write, or still writing) is
     dropped, and said on stderr in one line; the records before it are read.
     """
-    from gpupool._log_reader import CutLine, DecisionLogError, EmptyLogError
-    from gpupool._postmortem import NoSuchRunError, read_runs
+    from gpupool._observe.log_reader import CutLine, DecisionLogError, EmptyLogError
+    from gpupool._observe.postmortem import NoSuchRunError, read_runs
 
     def say_cut(cut: CutLine) -> None:
         sys.stderr.write(f"gpupool {command}: {cut}\n")
@@ -789,7 +789,7 @@ def _read_log(command: str, path: str, run: str | None) -> tuple[Any, int]:
 
 def _cmd_postmortem(args: argparse.Namespace) -> int:
     from gpupool._core.events import SCHEMA_VERSION
-    from gpupool._postmortem import format_runs
+    from gpupool._observe.postmortem import format_runs
 
     runs, status = _read_log("postmortem", args.log, args.run)
     if runs is None:
@@ -859,7 +859,7 @@ def _plot_format(parser: argparse.ArgumentParser, output: str, given: str | None
 def _cmd_plot(args: argparse.Namespace) -> int:
     import io
 
-    from gpupool._plot import PlotUnavailableError, write_plot
+    from gpupool._observe.plot import PlotUnavailableError, write_plot
 
     fmt = _plot_format(args.parser, args.output, args.format)
     if args.output == "-" and sys.stdout.isatty():
@@ -921,7 +921,7 @@ def _add_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gpupool._demo import run_demo_isolated
+    from gpupool._commands.demo import run_demo_isolated
 
     return run_demo_isolated(
         log_path=args.log,
@@ -936,13 +936,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_run(sub: Any) -> None:
-    from gpupool._run_cmd import add_run_parser
+    from gpupool._commands.run import add_run_parser
 
     add_run_parser(sub, handler=_cmd_run, size_type=_size_type, count_type=_count_type)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from gpupool._run_cmd import run_from_args
+    from gpupool._commands.run import run_from_args
 
     return run_from_args(args, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
 

@@ -10,15 +10,11 @@ most :data:`MAX_PLOT_KEYS` task keys, and books the rest together under
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpupool._core.attribution import record_int
-from gpupool._core.units import format_size
-
-if TYPE_CHECKING:
-    from gpupool._postmortem import Postmortem
 
 __all__ = [
     "MARK_EVENTS",
@@ -34,7 +30,6 @@ __all__ = [
     "PoolView",
     "Series",
     "View",
-    "card_views",
     "plot_point",
 ]
 
@@ -130,8 +125,8 @@ class DevicePlot:
         keys: ``(time_s, *booked_bytes)`` with each reading: what the tasks running then
             were booked at when they started, summed per key of ``key_names``.
         limit: ``(time_s, tasks_fit, oom_cap)`` at each change of this card's own limit:
-            the tasks its room holds at the ask (``room / ask``, or the tasks priced
-            together), and the cap an out-of-memory set (``-1``: none).
+            the tasks its room holds at the ask (the record's ``tasks_fit``), and the cap
+            an out-of-memory set (``-1``: none, or not in the record).
         marks: per event of :data:`MARK_EVENTS`, its marks; the value is the bytes the
             card was asked for (used + refused) for an out-of-memory, else the width.
         total_bytes: the card's total, as the last record that carries it says (0: none).
@@ -244,19 +239,17 @@ def _keys(plot: DevicePlot, table: object, time_s: float) -> None:
 
 
 def _limit(plot: DevicePlot, record: Mapping[str, Any], time_s: float) -> None:
-    """This card's own limit: the tasks its room holds at the ask, and an out-of-memory's cap."""
+    """This card's own limit: the tasks its room holds at the ask, as the record states it
+    (``tasks_fit``: the planner's count, never worked out again here; a log written before
+    the records carried it draws no such limit), and an out-of-memory's cap."""
     fit, cap = plot._limit if plot._limit is not None else (-1, -1)
-    room = record_int(record, "room_bytes")
-    ask = record_int(record, "ask_bytes")
-    together = record_int(record, "together_tasks")
-    if together is not None:
-        fit = together
-    elif room is not None and ask:
-        fit = max(0, room // ask)
+    if "tasks_fit" in record:
+        stated = record_int(record, "tasks_fit")
+        fit = stated if stated is not None else -1
     if "oom_cap" in record:
         capped = record_int(record, "oom_cap")
         cap = capped if capped is not None else -1
-    if fit >= 0 and (fit, cap) != plot._limit:
+    if (fit >= 0 or cap >= 0) and (fit, cap) != plot._limit:
         plot._limit = (fit, cap)
         plot.limit.add(time_s, fit, cap)
 
@@ -334,76 +327,3 @@ class PoolView:
 
 
 View = CardView | PoolView
-
-
-def _pool_ceiling(pm: Postmortem) -> list[tuple[float, int]]:
-    """The pool-wide ceiling's steps, as every card's records carried it."""
-    points = sorted(
-        (p[0], int(p[6])) for card in pm.devices.values() for p in card.terms.points if p[6] >= 0
-    )
-    return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
-
-
-def _card_view(pm: Postmortem, card: DevicePlot, run: str, one_card: bool) -> CardView | None:
-    points = card.terms.points
-    if not points and not (card.reads.points and card.total_bytes > 0):
-        return None  # a log of samples alone (a long log's tail) draws its readings
-    priced: list[tuple[float, int, int, int]] = []
-    width_now = 1
-    for time_s, _total, co, own, ask, width, _ceiling in points:
-        width_now = int(width) if width >= 0 else width_now
-        priced.append((time_s, int(co), int(own), int(ask) * width_now))
-    series = pm.device_widths.get(card.device)
-    total = int(points[-1][1]) if points else card.total_bytes
-    marks = {event: m.points for event, m in card.marks.items()}
-    counts = {event: m.count for event, m in card.marks.items()}
-    view = CardView(
-        title="",
-        name=f"{run}card {card.device}",
-        total_bytes=total,
-        end_s=max(pm.duration_s, 1e-3),
-        priced=priced,
-        reads=[(p[0], int(p[1]), int(p[2]), int(p[3]), int(p[4])) for p in card.reads.points],
-        key_names=list(card.key_names),
-        keys=[(p[0], tuple(int(b) for b in p[1:])) for p in card.keys.points],
-        used=[(p[0], int(p[1])) for p in card.live_used.points],
-        width=[(t, int(w)) for t, w in series.points] if series is not None else [],
-        limit=[(p[0], int(p[1]), int(p[2])) for p in card.limit.points],
-        ceiling=_pool_ceiling(pm) if one_card else [],
-        marks=marks,
-        counts=counts,
-    )
-    waits = sum(view.count(e) for e in WAIT_EVENTS)
-    view.title = (
-        f"{view.name}, {format_size(total)}: {view.count('out_of_memory')} out-of-memory, "
-        f"{view.count('widen_refused')} refused widens, {waits} waits"
-    )
-    return view
-
-
-def card_views(runs: Postmortem | Sequence[Postmortem]) -> list[list[View]]:
-    """One column per run: a :class:`CardView` per card that a record priced, and for a run
-    of several cards a :class:`PoolView` under them."""
-    runs = [runs] if not isinstance(runs, Sequence) else list(runs)
-    columns: list[list[View]] = []
-    for pm in runs:
-        run = f"run {pm.run_index} " if len(runs) > 1 else ""
-        one_card = len(pm.devices) == 1
-        column: list[View] = [
-            view
-            for _, card in sorted(pm.devices.items())
-            if (view := _card_view(pm, card, run, one_card)) is not None
-        ]
-        if len(column) > 1:
-            column.append(
-                PoolView(
-                    title=f"{run}the pool: its cards' widths together, under the pool-wide ceiling",
-                    name=f"{run}pool",
-                    end_s=max(pm.duration_s, 1e-3),
-                    width=[(t, int(w)) for t, w in pm.widths.points],
-                    ceiling=_pool_ceiling(pm),
-                )
-            )
-        if column:
-            columns.append(column)
-    return columns

@@ -1,7 +1,7 @@
 """``gpupool top``: every pool on the host's cards, read from the booking table and the sensor.
 
 One snapshot is a JSON-ready dict (:func:`take_snapshot`); the plain text and the
-live view (:mod:`gpupool._top_view`, with ``rich``) are drawn from it::
+live view (:mod:`gpupool._observe.top_view`, with ``rich``) are drawn from it::
 
     device 0  GPU-1234  40.00 GiB total, 22.00 GiB used, 3.00 GiB co-tenants, 12.00 GiB room
       pool 2817.1  pid 2817  train.py   booked 13.00 GiB  measured 12.30 GiB  2 running, 3 waiting
@@ -20,19 +20,15 @@ row where it has one).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size
-from gpupool._errors import ConfigurationError, SensorError
+from gpupool._errors import SensorError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from gpupool._core.bookings import OtherPools, PoolBooking
     from gpupool._core.census import Census
     from gpupool._sensors.base import DeviceInfo, Sensor
@@ -45,7 +41,6 @@ __all__ = [
     "Gatherer",
     "interval_type",
     "plain_text",
-    "run_top",
     "shown",
     "take_snapshot",
 ]
@@ -377,57 +372,3 @@ def _age(age_s: float) -> str:
     if age_s < 3600:
         return f"{age_s / 60:.0f} min ago"
     return f"{age_s / 3600:.1f} h ago"
-
-
-# -- the command --------------------------------------------------------------------------
-
-
-def run_top(args: argparse.Namespace, write: Callable[[str], object]) -> int:
-    """``gpupool top``: returns the exit status (0; 1 where the sensor fails, the census
-    refuses the environment or the live view lacks ``rich``; 2 for the live view on an
-    output that is not a terminal)."""
-    live = not args.once and not args.json
-    if live:
-        try:
-            from gpupool import _top_view
-        except ImportError:
-            sys.stderr.write(
-                "gpupool top: the live view needs the 'rich' library: "
-                f"{INSTALL_HINT} (--once and --json work without it)\n"
-            )
-            return 1
-    if live and not sys.stdout.isatty():
-        sys.stderr.write(
-            "gpupool top: standard output is not a terminal, so the live view cannot be "
-            "redrawn in place; use --once (one snapshot) or --json (one line per refresh)\n"
-        )
-        return 2
-    try:
-        gatherer = Gatherer()
-    except (SensorError, ConfigurationError) as exc:  # a bad LOKY_MAX_CPU_COUNT, as census
-        sys.stderr.write(f"gpupool top: {exc}\n")
-        return 1
-    try:
-        if live:
-            return _top_view.live(gatherer, args.interval)
-        if args.once:
-            snapshot = gatherer.snapshot()
-            write(json.dumps(snapshot, indent=2) + "\n" if args.json else _once_text(snapshot))
-            return 0
-        while True:  # --json alone: one line per refresh, until interrupted
-            write(json.dumps(gatherer.snapshot(), separators=(",", ":")) + "\n")
-            sys.stdout.flush()
-            time.sleep(args.interval)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        gatherer.close()
-
-
-def _once_text(snapshot: dict[str, Any]) -> str:
-    """One snapshot for people: with ``rich`` as the live view draws it, else plain text."""
-    try:
-        from gpupool._top_view import render_text
-    except ImportError:
-        return plain_text(snapshot)
-    return render_text(snapshot)

@@ -1,6 +1,6 @@
 """Child side: what the frameworks a task loaded hold on the device, from their own counters.
 
-Runs inside every worker, for the probe (:mod:`gpupool._probe`). It never
+Runs inside every worker, for the probe (:mod:`gpupool._child.probe`). It never
 imports a framework nor starts its CUDA backend: each is read only when the
 task already imported it (``sys.modules``), and torch and JAX only once the
 task started their CUDA backend, so reading creates no context.

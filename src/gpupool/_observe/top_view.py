@@ -12,12 +12,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpupool._top import COLUMNS, card_heading, no_device_line, pool_lines, pools_note
+from gpupool._observe.top import COLUMNS, card_heading, no_device_line, pool_lines, pools_note
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from gpupool._top import Gatherer
+    from gpupool._observe.top import Gatherer
 
 __all__ = ["live", "render", "render_text"]
 

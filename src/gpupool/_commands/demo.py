@@ -11,7 +11,7 @@ ledger. With a real NVIDIA card and torch it runs a small torch workload of
 known footprint on the card instead.
 
 The task functions are module-level so that spawned children import them.
-Printing goes through the ``say`` callback (``cli.py`` is the only module
+Printing goes through the ``say`` callback (the command line is the only module
 that prints); the progress bar, when on, is tqdm's, on stderr.
 """
 
@@ -199,7 +199,7 @@ def _run_pool(
 
 
 def _follow(pool: Any, futures: list[Any], progress: bool | None) -> tuple[int, int]:
-    from gpupool._progress import track
+    from gpupool._observe.progress import track
 
     done = failed = 0
     observed = pool if hasattr(pool, "statistics") else None
@@ -270,7 +270,7 @@ def run_demo_isolated(
     import subprocess
     import sys
 
-    from gpupool._progress import progress_enabled
+    from gpupool._observe.progress import progress_enabled
 
     options = {
         "log_path": str(log_path),
@@ -279,7 +279,7 @@ def run_demo_isolated(
         "progress": progress_enabled(progress),
     }
     child = subprocess.Popen(
-        [sys.executable, "-m", "gpupool._demo", json.dumps(options)],
+        [sys.executable, "-m", "gpupool._commands.demo", json.dumps(options)],
         env=_fixed_scenario_env(os.environ),
         stdout=subprocess.PIPE,
         text=True,
@@ -324,7 +324,7 @@ def _ignore_interrupt_until_ready() -> None:
 
 
 def _child_main(argv: list[str]) -> int:
-    """``python -m gpupool._demo OPTIONS``: the child of :func:`run_demo_isolated`."""
+    """``python -m gpupool._commands.demo OPTIONS``: the child of :func:`run_demo_isolated`."""
     import json
 
     options = json.loads(argv[0])
@@ -334,8 +334,8 @@ def _child_main(argv: list[str]) -> int:
 
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # The module by its name, not as __main__: task keys read gpupool._demo.entry.
-        import gpupool._demo as demo
+        # The module by its name, not as __main__: task keys read gpupool._commands.demo.entry.
+        import gpupool._commands.demo as demo
 
         status: int = demo.run_demo(say=say, **options)
         return status
@@ -479,7 +479,7 @@ def _fixed_pool_view(
     sampler: _Sampler, events: list[Any], *, total_bytes: int, width: int, end_s: float
 ) -> Any:
     """The fixed pool's column of the plot: what the card held, and where it ran out."""
-    from gpupool._plot import CardView
+    from gpupool._observe.plot import CardView
 
     return CardView(
         title=(
@@ -547,8 +547,8 @@ def demo_columns(
 ) -> list[list[Any]]:
     """The demo figure's columns: the pool's run from its log (its first card drawn with the
     demo's own samples of the card, when given), then ``beside`` (the fixed pool's view)."""
-    from gpupool._plot import card_views
-    from gpupool._postmortem import read_runs
+    from gpupool._observe.plot import card_views
+    from gpupool._observe.postmortem import read_runs
 
     columns: list[list[Any]] = card_views(read_runs(log))
     if used and columns and columns[0]:
@@ -574,7 +574,7 @@ def _maybe_plot(
     used: list[tuple[float, int]] | None = None,
     beside: Any = None,
 ) -> None:
-    from gpupool._plot import PlotUnavailableError, write_plot
+    from gpupool._observe.plot import PlotUnavailableError, write_plot
 
     columns = demo_columns(log, used=used, beside=beside)
     try:

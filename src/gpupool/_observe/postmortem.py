@@ -32,10 +32,10 @@ from gpupool._core.events import (
 )
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
-from gpupool._log_reader import OnCut, iter_records
-from gpupool._plot_series import MAX_POINTS, DevicePlot
-from gpupool._plot_series import Series as _Series
-from gpupool._plot_series import plot_point as _plot_point
+from gpupool._observe.log_reader import OnCut, iter_records
+from gpupool._observe.plot_series import MAX_POINTS, DevicePlot
+from gpupool._observe.plot_series import Series as _Series
+from gpupool._observe.plot_series import plot_point as _plot_point
 
 __all__ = [
     "MAX_OOM_DETAILS",

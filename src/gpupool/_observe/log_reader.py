@@ -7,7 +7,7 @@ and checks each record against the schema of :mod:`gpupool._core.events`
 (known events, readable schema versions, flat values or bounded tables). A
 last line cut short, as a killed or still-running pool leaves it, is dropped
 and named (:class:`CutLine`); every record before it is read.
-:mod:`gpupool._postmortem` folds the records into what ``gpupool postmortem``
+:mod:`gpupool._observe.postmortem` folds the records into what ``gpupool postmortem``
 and ``gpupool plot`` say.
 """
 

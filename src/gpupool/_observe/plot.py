@@ -1,6 +1,6 @@
 """Draw a decision log: per card and run, the card as it was read, what was booked, the width.
 
-A reader of :class:`gpupool._postmortem.Postmortem`, never of the pool. Each
+A reader of :class:`gpupool._observe.postmortem.Postmortem`, never of the pool. Each
 run is a column, on one time axis shared by every panel of the figure; each
 card of a run is three panels:
 
@@ -46,10 +46,10 @@ from xml.sax.saxutils import escape
 
 from gpupool._core.units import GiB, format_size
 from gpupool._errors import GpuPoolError
-from gpupool._plot_series import CardView, Mark, PoolView, View, card_views
+from gpupool._observe.plot_series import WAIT_EVENTS, CardView, DevicePlot, Mark, PoolView, View
 
 if TYPE_CHECKING:
-    from gpupool._postmortem import Postmortem
+    from gpupool._observe.postmortem import Postmortem
 
 __all__ = [
     "FORMATS",
@@ -110,6 +110,82 @@ _HOVER_PREFIX = "gpupool-hover-"
 
 class PlotUnavailableError(GpuPoolError):
     """matplotlib is not installed (the ``plot`` extra), or the log has nothing to draw."""
+
+
+# -- the views of a run's cards ------------------------------------------------------
+
+
+def _pool_ceiling(pm: Postmortem) -> list[tuple[float, int]]:
+    """The pool-wide ceiling's steps, as every card's records carried it."""
+    points = sorted(
+        (p[0], int(p[6])) for card in pm.devices.values() for p in card.terms.points if p[6] >= 0
+    )
+    return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
+
+
+def _card_view(pm: Postmortem, card: DevicePlot, run: str, one_card: bool) -> CardView | None:
+    points = card.terms.points
+    if not points and not (card.reads.points and card.total_bytes > 0):
+        return None  # a log of samples alone (a long log's tail) draws its readings
+    priced: list[tuple[float, int, int, int]] = []
+    width_now = 1
+    for time_s, _total, co, own, ask, width, _ceiling in points:
+        width_now = int(width) if width >= 0 else width_now
+        priced.append((time_s, int(co), int(own), int(ask) * width_now))
+    series = pm.device_widths.get(card.device)
+    total = int(points[-1][1]) if points else card.total_bytes
+    marks = {event: m.points for event, m in card.marks.items()}
+    counts = {event: m.count for event, m in card.marks.items()}
+    view = CardView(
+        title="",
+        name=f"{run}card {card.device}",
+        total_bytes=total,
+        end_s=max(pm.duration_s, 1e-3),
+        priced=priced,
+        reads=[(p[0], int(p[1]), int(p[2]), int(p[3]), int(p[4])) for p in card.reads.points],
+        key_names=list(card.key_names),
+        keys=[(p[0], tuple(int(b) for b in p[1:])) for p in card.keys.points],
+        used=[(p[0], int(p[1])) for p in card.live_used.points],
+        width=[(t, int(w)) for t, w in series.points] if series is not None else [],
+        limit=[(p[0], int(p[1]), int(p[2])) for p in card.limit.points],
+        ceiling=_pool_ceiling(pm) if one_card else [],
+        marks=marks,
+        counts=counts,
+    )
+    waits = sum(view.count(e) for e in WAIT_EVENTS)
+    view.title = (
+        f"{view.name}, {format_size(total)}: {view.count('out_of_memory')} out-of-memory, "
+        f"{view.count('widen_refused')} refused widens, {waits} waits"
+    )
+    return view
+
+
+def card_views(runs: Postmortem | Sequence[Postmortem]) -> list[list[View]]:
+    """One column per run: a :class:`CardView` per card that a record priced, and for a run
+    of several cards a :class:`PoolView` under them."""
+    runs = [runs] if not isinstance(runs, Sequence) else list(runs)
+    columns: list[list[View]] = []
+    for pm in runs:
+        run = f"run {pm.run_index} " if len(runs) > 1 else ""
+        one_card = len(pm.devices) == 1
+        column: list[View] = [
+            view
+            for _, card in sorted(pm.devices.items())
+            if (view := _card_view(pm, card, run, one_card)) is not None
+        ]
+        if len(column) > 1:
+            column.append(
+                PoolView(
+                    title=f"{run}the pool: its cards' widths together, under the pool-wide ceiling",
+                    name=f"{run}pool",
+                    end_s=max(pm.duration_s, 1e-3),
+                    width=[(t, int(w)) for t, w in pm.widths.points],
+                    ceiling=_pool_ceiling(pm),
+                )
+            )
+        if column:
+            columns.append(column)
+    return columns
 
 
 def _require_matplotlib() -> tuple[Any, Any]:
@@ -516,16 +592,17 @@ def _draw_width(width_ax: Any, view: CardView) -> None:
     top = max([1, *shown, *[f for f in fits if f <= 2 * max([1, *shown])]]) + 1
     if view.limit:
         times, values = _steps(view.limit, end)
-        width_ax.step(
-            times,
-            [min(v[0], top) for v in values],
-            where="post",
-            color=_LIMIT,
-            linestyle="--",
-            linewidth=1.6,
-            zorder=3,
-            label="this card's limit (room / ask)",
-        )
+        if max(fits) >= 0:  # not where the log states none (-1: written before tasks_fit)
+            width_ax.step(
+                times,
+                [min(v[0], top) if v[0] >= 0 else float("nan") for v in values],
+                where="post",
+                color=_LIMIT,
+                linestyle="--",
+                linewidth=1.6,
+                zorder=3,
+                label="this card's limit (tasks its room holds)",
+            )
         if max(fits) > top:
             width_ax.annotate(
                 f"room holds {max(fits)}",

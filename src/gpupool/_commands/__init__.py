@@ -1,0 +1,1 @@
+"""The command line (``gpupool ...``, ``python -m gpupool``): the only package that prints."""

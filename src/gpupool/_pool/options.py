@@ -1,0 +1,441 @@
+"""The pool's options: the constructor's arguments and the ``GPUPOOL_*`` variables, checked once.
+
+:func:`read_options` checks each argument where it reads it, with a message that names it
+and the fix, and reads a variable (:mod:`gpupool._pool.environ`) only for an argument left
+out, so a bad value there cannot fail a pool that does not use it. The frozen
+:class:`PoolOptions` it returns is what :func:`gpupool._pool.build.build_dispatcher` builds
+the pool from; a check that needs the cards (a reserve as large as one) is the builder's.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from gpupool._core.events import JsonValue
+from gpupool._core.policy import (
+    DEFAULT_MARGIN_BYTES,
+    DEFAULT_MARGIN_FRACTION,
+    Policy,
+)
+from gpupool._core.units import parse_pool_size
+from gpupool._errors import ConfigurationError
+from gpupool._observe.log import check_log_path
+from gpupool._pool import environ as variables
+
+if TYPE_CHECKING:
+    from gpupool._sensors.base import Sensor
+
+__all__ = ["PoolOptions", "WorkerOptions", "read_options"]
+
+#: What a sensor must answer (``gpupool._sensors.base.Sensor`` implements them all).
+SENSOR_METHODS = ("read_devices", "read_memory", "read_host")
+
+_A = TypeVar("_A")
+_V = TypeVar("_V")
+
+_parse_task_peak = partial(parse_pool_size, name="task_peak", allow_zero=False)
+_parse_reserve = partial(parse_pool_size, name="reserve")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerOptions:
+    """How the pool's workers start and run: the constructor's arguments of these names,
+    checked (``initializer``: with its ``initargs``; ``env``: the builder adds the pool's own).
+    """
+
+    mp_context: Any
+    initializer: tuple[Callable[..., object], tuple[Any, ...]] | None
+    max_tasks_per_child: int | None
+    env: Mapping[str, str]
+    cap_allocator: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolOptions:
+    """The constructor's arguments of these names, checked, and where one was left out, its
+    ``GPUPOOL_*`` variable's value, else its default (see :class:`~gpupool.GpuPoolExecutor`).
+    ``task_peak`` is in bytes, ``margin``, ``margin_fraction`` and ``reserve`` are in ``policy``,
+    and the arguments that say how workers start are in ``workers``.
+    """
+
+    max_workers: int | None
+    width: int | None
+    strict: bool
+    retry_oom: bool
+    max_retries: int
+    room_wait_s: float
+    task_peak_bytes: int | None
+    policy: Policy
+    devices: tuple[int | str, ...] | None
+    sensor: Sensor | None
+    share_bookings: bool | str
+    bookings_dir: str | os.PathLike[str] | None
+    log_path: Path | None
+    progress: bool | None
+    on_interrupt: variables.OnInterrupt
+    workers: WorkerOptions
+
+    def __post_init__(self) -> None:
+        workers = self.max_workers
+        if self.width is not None and workers is not None and self.width > workers:
+            raise ConfigurationError(
+                f"width={self.width} is more than max_workers={workers}: a fixed width runs "
+                "exactly that many at once, so pass one of them, or a width of at most "
+                "max_workers."
+            )
+        if self.strict and self.max_workers is None:
+            raise ConfigurationError(
+                "strict=True needs max_workers: the width that must not be narrowed."
+            )
+
+    def settings(self) -> dict[str, JsonValue]:
+        """The options as the decision log's ``run_started`` record states them."""
+        devices = None if self.devices is None else ",".join(str(d) for d in self.devices)
+        return {
+            "max_workers": self.max_workers,
+            "task_peak_bytes": self.task_peak_bytes,
+            "reserve_bytes": self.policy.reserve_bytes,
+            "margin_bytes": self.policy.margin_bytes,
+            "margin_fraction": self.policy.margin_fraction,
+            "width": self.width,
+            "strict": self.strict,
+            "retry_oom": self.retry_oom,
+            "max_tasks_per_child": self.workers.max_tasks_per_child,
+            "devices": devices,
+            "max_retries": self.max_retries,
+            "room_wait_s": self.room_wait_s,
+            "learned_margin": self.policy.learned,
+            "cap_allocator": self.workers.cap_allocator,
+            "share_bookings": str(self.share_bookings),
+        }
+
+
+def read_options(
+    environ: Mapping[str, str],
+    *,
+    max_workers: int | None,
+    mp_context: Any,
+    initializer: Callable[..., object] | None,
+    initargs: tuple[Any, ...],
+    max_tasks_per_child: int | None,
+    task_peak: str | int | None,
+    reserve: str | int | None,
+    margin: str | int | None,
+    margin_fraction: float | None,
+    devices: Sequence[int | str] | None,
+    width: int | None,
+    strict: bool,
+    retry_oom: bool,
+    max_retries: int | None,
+    room_wait_s: float | None,
+    log_path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None,
+    sensor: Sensor | None,
+    progress: bool | None,
+    cap_allocator: bool,
+    share_bookings: bool | str,
+    bookings_dir: str | os.PathLike[str] | None,
+    on_interrupt: str | None,
+) -> PoolOptions:
+    """The options of ``GpuPoolExecutor(...)``: each argument checked, each one left out
+    (``None``) read from its ``GPUPOOL_*`` variable in ``environ``, else its default.
+
+    Raises:
+        ConfigurationError: an argument or a variable is wrong; the message names it and the
+            fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
+    """
+    if multiprocessing.current_process().daemon:
+        raise ConfigurationError(
+            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
+            "processes may not have children); run it from a non-daemonic process, e.g. "
+            "set distributed.worker.daemon=False for Dask workers."
+        )
+    # The arguments are checked in this order (the keywords are evaluated left to right).
+    return PoolOptions(
+        max_workers=_resolve(max_workers, _check_max_workers, variables.read_max_workers, environ),
+        workers=_read_workers(
+            mp_context, initializer, initargs, max_tasks_per_child, env, cap_allocator
+        ),
+        width=_check_width(width),
+        strict=_check_flag(strict, "strict"),
+        retry_oom=_check_flag(retry_oom, "retry_oom"),
+        devices=_check_devices(devices),
+        max_retries=_resolve(max_retries, _check_max_retries, variables.read_max_retries, environ),
+        room_wait_s=_resolve(room_wait_s, _check_room_wait_s, variables.read_room_wait_s, environ),
+        task_peak_bytes=_resolve(task_peak, _parse_task_peak, variables.read_task_peak, environ),
+        policy=_read_policy(margin, margin_fraction, reserve, environ),
+        log_path=variables.read_log_path(environ) if log_path is None else check_log_path(log_path),
+        progress=_resolve(progress, _check_progress, variables.read_progress, environ),
+        share_bookings=_check_share_bookings(share_bookings),
+        bookings_dir=_check_bookings_dir(bookings_dir),
+        sensor=None if sensor is None else _check_sensor(sensor),
+        on_interrupt=_resolve(
+            on_interrupt, _check_on_interrupt, variables.read_on_interrupt, environ
+        ),
+    )
+
+
+def _resolve(
+    given: _A | None,
+    check: Callable[[_A], _V],
+    read: Callable[[Mapping[str, str]], _V],
+    environ: Mapping[str, str],
+) -> _V:
+    """The argument, checked, when given; else its variable or default (read only then)."""
+    return check(given) if given is not None else read(environ)
+
+
+def _check_max_workers(value: object) -> int:
+    """As CPython's pool checks it, with its exception types and words."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_workers must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError("max_workers must be greater than 0")
+    return value
+
+
+def _read_workers(
+    mp_context: Any,
+    initializer: object,
+    initargs: tuple[Any, ...],
+    max_tasks_per_child: object,
+    env: object,
+    cap_allocator: object,
+) -> WorkerOptions:
+    """How workers start; the compatibility arguments with CPython's exception types and words."""
+    if mp_context is not None and mp_context.get_start_method(allow_none=False) == "fork":
+        if max_tasks_per_child is not None:
+            raise ValueError(
+                "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
+                "start method; supply a different mp_context."
+            )
+        raise ConfigurationError(
+            "mp_context uses 'fork', which CUDA does not survive; gpupool starts "
+            "workers with spawn semantics. Pass mp_context=None or a spawn context."
+        )
+    if initializer is not None and not callable(initializer):
+        raise TypeError("initializer must be a callable")
+    if max_tasks_per_child is not None:
+        if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
+            raise TypeError("max_tasks_per_child must be an integer")
+        if max_tasks_per_child <= 0:
+            raise ValueError("max_tasks_per_child must be >= 1")
+    checked_env = _check_env(env)
+    if not isinstance(cap_allocator, bool):
+        raise ConfigurationError(f"cap_allocator={cap_allocator!r}: pass True or False.")
+    return WorkerOptions(
+        mp_context=mp_context,
+        # Passed to each worker as a process argument, pickled while the worker is
+        # spawned: multiprocessing queues and locks in initargs work, as in CPython.
+        initializer=None if initializer is None else (initializer, tuple(initargs)),
+        max_tasks_per_child=max_tasks_per_child,
+        env=checked_env,
+        cap_allocator=cap_allocator,
+    )
+
+
+def _check_width(width: object) -> int | None:
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+        raise ConfigurationError(
+            f"width={width!r}: a fixed width must be a positive int, or None for the bound."
+        )
+    return width
+
+
+def _read_policy(
+    margin: object, margin_fraction: object, reserve: object, environ: Mapping[str, str]
+) -> Policy:
+    """The margin over measured peaks and the reserve (``reserve``, else its variable)."""
+    if margin_fraction is not None and not (
+        isinstance(margin_fraction, (int, float))
+        and not isinstance(margin_fraction, bool)
+        and math.isfinite(margin_fraction)
+        and 0 <= margin_fraction <= 10
+    ):
+        raise ConfigurationError(
+            f"margin_fraction={margin_fraction!r}: pass a fraction such as 0.10."
+        )
+    return Policy(
+        margin_bytes=(
+            DEFAULT_MARGIN_BYTES if margin is None else parse_pool_size(margin, name="margin")
+        ),
+        margin_fraction=(
+            DEFAULT_MARGIN_FRACTION if margin_fraction is None else float(margin_fraction)
+        ),
+        reserve_bytes=_resolve(reserve, _parse_reserve, variables.read_reserve, environ),
+        # An explicit margin keeps meaning what it says; by default the
+        # margin is learned from the spread of each key's measurements.
+        learned=margin is None and margin_fraction is None,
+    )
+
+
+def _check_flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"{name}={value!r}: pass True or False (a string such as 'no' would count as True)."
+        )
+    return value
+
+
+def _check_env(env: object) -> dict[str, str]:
+    """The ``env=`` mapping, refused unless every key and value can reach a worker as given,
+    and unless a ``PYTHONHOME`` in it names a Python (:func:`_check_python_home`)."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ConfigurationError(
+            f"env={env!r}: pass a mapping of variable names to values, such as "
+            "{'OMP_NUM_THREADS': '1'}."
+        )
+    checked: dict[str, str] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigurationError(f"env: the key {key!r} is not a non-empty str.")
+        if "=" in key or "\0" in key:
+            raise ConfigurationError(
+                f"env: the key {key!r} holds {'=' if '=' in key else 'a NUL byte'}, which no "
+                "environment variable name can; the child would see another variable."
+            )
+        if not isinstance(value, str):
+            raise ConfigurationError(
+                f"env[{key!r}]={value!r}: values must be str (None would reach the worker as "
+                f"'None'); pass str(value), or leave {key!r} out."
+            )
+        if "\0" in value:
+            raise ConfigurationError(
+                f"env[{key!r}]={value!r} holds a NUL byte, which no environment value can."
+            )
+        checked[key] = value
+    _check_python_home(checked)
+    return checked
+
+
+def _check_python_home(env: Mapping[str, str]) -> None:
+    """Refuse an ``env`` ``PYTHONHOME`` under which no worker could start (every worker would
+    die at boot, "exited with code 1").
+
+    Python looks for its standard library in ``<prefix>/lib/pythonX.Y`` under the
+    ``PYTHONHOME`` prefix (``prefix:exec_prefix``); without it the interpreter
+    exits with code 1 before running any code of gpupool's. An empty ``PYTHONHOME``
+    is accepted: Python ignores it, as it ignores every empty ``PYTHON*`` variable.
+    """
+    home = env.get("PYTHONHOME")
+    if not home or os.name != "posix":
+        return
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    fix = (
+        f"no worker could start (Python looks for its standard library there). Pass the "
+        f"prefix of this Python (sys.prefix is {sys.base_prefix!r}), or leave PYTHONHOME out."
+    )
+    for prefix in home.split(":"):
+        if not os.path.isdir(prefix):
+            raise ConfigurationError(
+                f"env: PYTHONHOME={home!r}: the directory {prefix!r} does not exist; {fix}"
+            )
+        if not os.path.isdir(os.path.join(prefix, "lib", version)):
+            raise ConfigurationError(
+                f"env: PYTHONHOME={home!r}: {prefix!r} has no lib/{version}; {fix}"
+            )
+
+
+def _check_devices(devices: object) -> tuple[int | str, ...] | None:
+    """The ``devices=`` selection: a sequence of indexes and UUIDs, never a bare one."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, bytes, int)):
+        raise ConfigurationError(
+            f"devices={devices!r}: pass a list of device indexes or UUIDs, such as "
+            f"devices=[{devices!r}]."
+        )
+    if not isinstance(devices, Sequence):
+        raise ConfigurationError(
+            f"devices={devices!r}: pass a list of device indexes or UUIDs, such as devices=[0, 1]."
+        )
+    checked: list[int | str] = []
+    for entry in devices:
+        if isinstance(entry, bool) or not isinstance(entry, (int, str)):
+            raise ConfigurationError(
+                f"devices entry {entry!r}: each entry is a device index (int) or UUID (str)."
+            )
+        if isinstance(entry, int) and entry < 0:
+            raise ConfigurationError(f"devices entry {entry!r}: an index is 0 or more.")
+        checked.append(entry)
+    if not checked:
+        raise ConfigurationError("devices=[]: name at least one device, or pass None for all.")
+    return tuple(checked)
+
+
+def _check_max_retries(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(
+            f"max_retries={value!r}: pass a whole number of retries, 0 or more."
+        )
+    return value
+
+
+def _check_room_wait_s(value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigurationError(
+            f"room_wait_s={value!r}: pass a number of seconds, 0 or more (such as 120)."
+        )
+    return float(value)
+
+
+def _check_progress(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"progress={value!r}: pass True, False or None.")
+    return value
+
+
+def _check_share_bookings(value: object) -> bool | str:
+    if value not in (True, False, "host") or not isinstance(value, (bool, str)):
+        raise ConfigurationError(
+            f"share_bookings={value!r}: pass True (this user's pools), 'host' "
+            "(every user's pools) or False (no booking table)."
+        )
+    return value
+
+
+def _check_bookings_dir(value: object) -> str | os.PathLike[str] | None:
+    if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+        raise ConfigurationError(
+            f"bookings_dir={value!r}: pass a directory path, or None for the default."
+        )
+    return value
+
+
+def _check_sensor(sensor: Sensor) -> Sensor:
+    """Refuse a ``sensor=`` that lacks a method the census calls (it would fail there, far from
+    where it was given, with an ``AttributeError``), naming what is missing."""
+    missing = [name for name in SENSOR_METHODS if not callable(getattr(sensor, name, None))]
+    if missing:
+        raise ConfigurationError(
+            f"sensor={sensor!r}: not a sensor (it has no {', '.join(missing)}). Pass a "
+            "gpupool sensor (a subclass of gpupool._sensors.base.Sensor, such as "
+            "gpupool.testing.SimulatedHost(...).sensor()), or None for the default."
+        )
+    return sensor
+
+
+def _check_on_interrupt(value: object) -> variables.OnInterrupt:
+    """The ``on_interrupt=`` argument, refused unless it is one of ``INTERRUPT_CHOICES``."""
+    for choice in variables.INTERRUPT_CHOICES:
+        if value == choice:
+            return choice
+    raise ConfigurationError(
+        f"on_interrupt={value!r}: pass 'terminate' (Ctrl-C stops the running tasks) or "
+        "'wait' (Ctrl-C waits for them, as the standard pool does)."
+    )
