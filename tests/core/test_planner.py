@@ -508,6 +508,32 @@ class PlannerMachine(RuleBasedStateMachine):
             assert +card.runs_by_key == collections.Counter(r.key for r in card.runs.values())
 
     @invariant()
+    def the_surface_is_a_view_of_the_rooms(self) -> None:
+        """What the process layer reads (the planner's views) says what the rooms hold, and
+        the state's runs are the cards' runs."""
+        if not hasattr(self, "planner"):
+            return
+        planner, state = self.planner, self.planner.state
+        for card in state.cards:
+            assert card.runs == {t: r for t, r in state.running.items() if r.device == card.index}
+            assert [
+                (b.worker_pid, b.key, b.booked_bytes) for b in planner.bookings_on(card.index)
+            ] == [(r.pid, r.key, r.booked_bytes) for r in card.runs.values() if r.pid is not None]
+        assert planner.pending_tasks() == tuple(state.pending)
+        assert planner.has_pending() == bool(state.pending)
+        assert planner.may_start() == (len(state.running) < state.ceiling.value)
+        assert all(planner.is_queued(t) for t in planner.queue.queued)
+        assert not any(planner.is_queued(t) for t in state.pending)
+        assert set(planner.waiting_for_room()) <= set(state.pending)
+        assert [key for key, _ in planner.waiting_asks(0, len(state.pending))] == [
+            state.tasks[t].key for t in state.pending
+        ]
+        assert planner.counts is state.counts
+        assert planner.strict_refusal() is planner.views.refused
+        assert planner.unsettled == bool(planner.learning.learned())
+        assert planner.widths is planner.log.widths
+
+    @invariant()
     def the_memos_answer_as_a_fresh_computation(self) -> None:
         """What a card's memo serves (a bound, a fit), the decision shared out from its fits,
         and a key's price together are what the plain computation gives now."""
