@@ -116,7 +116,7 @@ class Planner:
         now_s: float = 0.0,
     ) -> None:
         self.state = PlannerState(census=census, asks=asks, config=config)
-        self.log = Recorder(self.state.cards, config.parent_pid, emit)
+        self.log = Recorder(self.state, emit)
         self.durations = Durations()
         self.order = Order(self.state, self.durations)
         self.views = Views(self.state, self.order, self.log)

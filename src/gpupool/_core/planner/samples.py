@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gpupool._core.events import Decision, JsonTable, JsonValue
+from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import CardReading
 from gpupool._core.units import MiB, format_size
@@ -210,16 +211,12 @@ class Recorder:
     reading its card's decision was made on, and the pool's width over time.
 
     Args:
-        cards: the planner's cards (read: their last readings).
-        parent_pid: this process, whose row a sample names as its own.
+        state: the planner's state (read: its cards' last readings, this process's pid).
         emit: where records go (the decision log).
     """
 
-    def __init__(
-        self, cards: list[Card], parent_pid: int | None, emit: Callable[[Decision], None]
-    ) -> None:
-        self._cards = cards
-        self._parent_pid = parent_pid
+    def __init__(self, state: PlannerState, emit: Callable[[Decision], None]) -> None:
+        self._state = state
         self._emit = emit
         # The pool's width over time: (seconds, width) where it moved.
         self.widths: list[tuple[float, int]] = []
@@ -228,8 +225,9 @@ class Recorder:
 
     def record(self, decision: Decision) -> None:
         """Write one record, after a sample of its card's reading where one is due."""
-        if decision.device is not None and decision.device < len(self._cards):
-            self.sample(self._cards[decision.device], decision.time_s, decision=True)
+        cards = self._state.cards
+        if decision.device is not None and decision.device < len(cards):
+            self.sample(cards[decision.device], decision.time_s, decision=True)
         self._emit(decision)
 
     def sample(self, card: Card, now_s: float, *, decision: bool) -> None:
@@ -242,7 +240,7 @@ class Recorder:
             or not sample_due(card, now_s, decision=decision)
         ):
             return
-        split = split_reading(card, reading, self._parent_pid)
+        split = split_reading(card, reading, self._state.config.parent_pid)
         card.sampled_reading = reading
         card.sampled_s = now_s
         card.sampled_used_bytes = reading.used_bytes
