@@ -63,15 +63,23 @@ from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.learning import Learning
 from gpupool._core.planner.order import Order
 from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S, OutOfMemory
 from gpupool._core.planner.queued import Queue
 from gpupool._core.planner.samples import Recorder
-from gpupool._core.planner.sharing import note_freed, note_others
+from gpupool._core.planner.sharing import (
+    note_freed,
+    note_others,
+    owes_room,
+    share_tasks,
+    yields_to,
+)
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.verdicts import (
     OWN_RECORD_STEP_BYTES,
+    RETIRE_AFTER_SHUT_S,
     CardReading,
     Fail,
     PlannerConfig,
@@ -398,20 +406,87 @@ class Planner:
         return self.learning.unsettled
 
     def widths_by_key(self) -> dict[str, int]:
-        """By key with work: how many of its tasks could run beside the other keys' runs."""
-        return self.views.widths_by_key()
+        """For each key with work pending or running: how many of its tasks could run at once
+        beside the other keys' running tasks."""
+        out: dict[str, int] = {}
+        if self.state.config.fixed_width is not None or not self.state.cards:
+            fixed = self.state.config.fixed_width
+            width = fixed if fixed is not None else self.state.ceiling.value
+            for key in self.state.present_keys():
+                out[key] = width
+            return out
+        running_keys: dict[str, int] = {}
+        for run in self.state.running.values():
+            running_keys[run.key] = running_keys.get(run.key, 0) + 1
+        for key in self.state.present_keys():
+            ask = self.state.asks.ask(key)
+            others = len(self.state.running) - running_keys.get(key, 0)
+            total = 0
+            for card in self.state.cards:
+                # Beside the other keys' runs there, read off the card's running sums.
+                same = card.same_key(key)
+                alone = fit_counts(
+                    card,
+                    ask,
+                    running=len(card.runs) - same,
+                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
+                    same=0,
+                    reserve_bytes=self.state.config.reserve_bytes,
+                    ceiling=self.state.ceiling,
+                    slots=self.state.ceiling.value,
+                )
+                total += max(same, alone.more)
+            out[key] = max(1, min(total, self.state.ceiling.value - others))
+        return out
 
     def warm_limit(self, device: int, now_s: float) -> int:
-        """How many workers ``device`` may keep, running and idle."""
-        return self.views.warm_limit(device, now_s)
+        """How many workers ``device`` may keep (running and idle): its runs, as many tasks
+        of a present key as fit there alone, or, while other pools wait there, as many as
+        this pool's share holds (the room a pool's ended task frees goes round the pools
+        by turns: ``sharing.gives_way``), whichever is more."""
+        card = self.state.cards[device]
+        running = len(card.runs)
+        room = self.views.bound(device, self.state.asks.ask(self.state.last_key)).room_bytes
+        if (
+            (
+                card.gate_shut_since_s is not None
+                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+            )
+            or owes_room(card, room)
+            or yields_to(card, 0, room, now_s) is not None
+        ):
+            # An idle worker's context is bytes the card needs: this pool's gate has been
+            # shut a while, or a waiting pool is owed room there that is not free (or this
+            # pool yields to one at the serial floor there).
+            return running
+        keys = self.state.present_keys() or [self.state.last_key]
+        fits = max(
+            self.views.fit(device, self.state.asks.ask(k), [], slots=self.state.ceiling.value).more
+            for k in keys
+        )
+        turns = share_tasks(card, room, self.state.asks.ask(self.state.last_key).ask_bytes)
+        return max(running, min(max(1, fits, turns), self.state.ceiling.value))
 
     def waiting_count(self, *, starting: bool = False) -> int:
-        """How many pending tasks the pool's ceiling (or fixed width) would let start now."""
-        return self.views.waiting_count(starting=starting)
+        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
+        what other pools on its cards are told waits for room. ``starting``: one pending
+        task is being started (it counts as running)."""
+        pending = len(self.state.pending) - starting
+        running = len(self.state.running) + starting
+        count = min(pending, self.state.ceiling.value - running)
+        if self.state.cards and all(card.oom_cap is not None for card in self.state.cards):
+            # Every card runs at most its out-of-memory cap: no more can start than those.
+            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in self.state.cards)
+            count = min(count, free - starting)
+        return max(0, count)
 
     def need_bytes(self, *, starting: bool = False) -> int:
-        """The ask of the first pending task that waits for room (0: none does)."""
-        return self.views.need_bytes(starting=starting)
+        """The ask of the first pending task that waits for room (0 when none does): the room
+        other pools are told this pool needs for its next task."""
+        if self.waiting_count(starting=starting) == 0 or len(self.state.pending) <= starting:
+            return 0
+        state = self.state.tasks[self.state.pending[int(starting)]]
+        return self.state.asks.ask_for(state.key, state.size).ask_bytes
 
     def waiting_for_room(self) -> tuple[TaskId, ...]:
         """Pending tasks that ran out of memory alone and wait for others to free the room."""

@@ -28,11 +28,9 @@ from gpupool._core.planner.fit import (
 )
 from gpupool._core.planner.order import Order
 from gpupool._core.planner.samples import Recorder
-from gpupool._core.planner.sharing import owes_room, share_tasks, yields_to
 from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import (
     LOOKAHEAD,
-    RETIRE_AFTER_SHUT_S,
     Refuse,
 )
 from gpupool._core.policy import Ask
@@ -511,86 +509,3 @@ class Views:
             if option.more and (best is None or (option.left_bytes or 0) > (best.left_bytes or 0)):
                 best = option
         return best
-
-    def widths_by_key(self) -> dict[str, int]:
-        """For each key with work pending or running: how many of its tasks could run at once
-        beside the other keys' running tasks."""
-        out: dict[str, int] = {}
-        if self._state.config.fixed_width is not None or not self._state.cards:
-            fixed = self._state.config.fixed_width
-            width = fixed if fixed is not None else self._state.ceiling.value
-            for key in self._state.present_keys():
-                out[key] = width
-            return out
-        running_keys: dict[str, int] = {}
-        for run in self._state.running.values():
-            running_keys[run.key] = running_keys.get(run.key, 0) + 1
-        for key in self._state.present_keys():
-            ask = self._state.asks.ask(key)
-            others = len(self._state.running) - running_keys.get(key, 0)
-            total = 0
-            for card in self._state.cards:
-                # Beside the other keys' runs there, read off the card's running sums.
-                same = card.same_key(key)
-                alone = fit_counts(
-                    card,
-                    ask,
-                    running=len(card.runs) - same,
-                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
-                    same=0,
-                    reserve_bytes=self._state.config.reserve_bytes,
-                    ceiling=self._state.ceiling,
-                    slots=self._state.ceiling.value,
-                )
-                total += max(same, alone.more)
-            out[key] = max(1, min(total, self._state.ceiling.value - others))
-        return out
-
-    def warm_limit(self, device: int, now_s: float) -> int:
-        """How many workers ``device`` may keep (running and idle): its runs, as many tasks
-        of a present key as fit there alone, or, while other pools wait there, as many as
-        this pool's share holds (the room a pool's ended task frees goes round the pools
-        by turns: ``sharing.gives_way``), whichever is more."""
-        card = self._state.cards[device]
-        running = len(card.runs)
-        room = self.bound(device, self._state.asks.ask(self._state.last_key)).room_bytes
-        if (
-            (
-                card.gate_shut_since_s is not None
-                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
-            )
-            or owes_room(card, room)
-            or yields_to(card, 0, room, now_s) is not None
-        ):
-            # An idle worker's context is bytes the card needs: this pool's gate has been
-            # shut a while, or a waiting pool is owed room there that is not free (or this
-            # pool yields to one at the serial floor there).
-            return running
-        keys = self._state.present_keys() or [self._state.last_key]
-        fits = max(
-            self.fit(device, self._state.asks.ask(k), [], slots=self._state.ceiling.value).more
-            for k in keys
-        )
-        turns = share_tasks(card, room, self._state.asks.ask(self._state.last_key).ask_bytes)
-        return max(running, min(max(1, fits, turns), self._state.ceiling.value))
-
-    def waiting_count(self, *, starting: bool = False) -> int:
-        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
-        what other pools on its cards are told waits for room. ``starting``: one pending
-        task is being started (it counts as running)."""
-        pending = len(self._state.pending) - starting
-        running = len(self._state.running) + starting
-        count = min(pending, self._state.ceiling.value - running)
-        if self._state.cards and all(card.oom_cap is not None for card in self._state.cards):
-            # Every card runs at most its out-of-memory cap: no more can start than those.
-            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in self._state.cards)
-            count = min(count, free - starting)
-        return max(0, count)
-
-    def need_bytes(self, *, starting: bool = False) -> int:
-        """The ask of the first pending task that waits for room (0 when none does): the room
-        other pools are told this pool needs for its next task."""
-        if self.waiting_count(starting=starting) == 0 or len(self._state.pending) <= starting:
-            return 0
-        state = self._state.tasks[self._state.pending[int(starting)]]
-        return self._state.asks.ask_for(state.key, state.size).ask_bytes
