@@ -62,12 +62,12 @@ class OutOfMemory:
         self._state.count("oom")
         run = self._state.end_run(task)
         assert run is not None
-        state = self._state.tasks[task]
-        state.retries += 1
+        task_state = self._state.tasks[task]
+        task_state.retries += 1
         card = self._state.cards[run.device] if run.device is not None else None
-        facts = self._oom_facts(run, state, card, report, reading)
+        facts = self._oom_facts(run, task_state, card, report, reading)
         verdict = judge(facts, self._state.config, card)
-        outcome = self._apply(verdict, task, state, run, card, now_s)
+        outcome = self._apply(verdict, task, task_state, run, card, now_s)
         bound = self._views.bound(card.index, facts.key_ask_after) if card is not None else None
         self._log.record(
             records.out_of_memory(
@@ -95,7 +95,7 @@ class OutOfMemory:
         self,
         verdict: Judgement,
         task: TaskId,
-        state: TaskState,
+        task_state: TaskState,
         run: Run,
         card: Card | None,
         now_s: float,
@@ -104,16 +104,16 @@ class OutOfMemory:
         avoid it names, then the retry or the failure."""
         why = verdict.why
         if verdict.kind == "fixed_width":
-            state.wait_below = verdict.cap
+            task_state.wait_below = verdict.cap
         elif verdict.cap is not None and card is not None:
             card.oom_cap = verdict.cap
             card.cap_clear_since_s = None
         elif verdict.kind == "held":
-            if state.room_wait_until_s is None:
-                state.room_wait_until_s = now_s + self._state.config.room_wait_s
-            why += f" (until {state.room_wait_until_s:.1f} s)"
+            if task_state.room_wait_until_s is None:
+                task_state.room_wait_until_s = now_s + self._state.config.room_wait_s
+            why += f" (until {task_state.room_wait_until_s:.1f} s)"
         elif verdict.kind == "elsewhere" and run.device is not None:
-            state.avoid.add(run.device)
+            task_state.avoid.add(run.device)
         if verdict.retry:
             self._state.count("retries")
             self._state.put_back(task)
@@ -134,7 +134,7 @@ class OutOfMemory:
     def _oom_facts(
         self,
         run: Run,
-        state: TaskState,
+        task_state: TaskState,
         card: Card | None,
         report: PeakReport,
         reading: CardReading | None,
@@ -159,7 +159,7 @@ class OutOfMemory:
         needed = after.ask_bytes + self._state.config.reserve_bytes
         return Facts(
             run=run,
-            tries=state.retries,
+            tries=task_state.retries,
             running_then=len(others) + 1,
             shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
             reached_bytes=report.device_peak_bytes,

@@ -55,6 +55,12 @@ def _due(recorded_s: float | None, now_s: float) -> bool:
     return recorded_s is None or now_s - recorded_s >= GATE_RECORD_INTERVAL_S
 
 
+def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
+    """``task`` starts on ``card``, booked at its share of its key's price together there."""
+    booked_bytes = ask.next_bytes(card.same_key(ask.key))
+    return Start(task=task, device=card.index, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes)
+
+
 class Starts:
     """The decision before every start (the only writer of the starts issued and the workers
     reported with the last ``next_start``).
@@ -186,7 +192,7 @@ class Starts:
     ) -> tuple[Start | Warm | Fail | None, bool]:
         """Start ``task`` on a card that admits it, never on ``held`` (a card whose room is
         left to the critical key), and on ``hold``'s card only beside the room held there."""
-        state = self._state.tasks[task]
+        task_state = self._state.tasks[task]
         if not self._state.cards:
             if self._ready(None):
                 return Start(task=task, device=None, ask_bytes=0, booked_bytes=0), False
@@ -194,9 +200,9 @@ class Starts:
             return (Warm(device=None, task=task) if self._may_warm(None, slots) else None), False
         ask = self._state.ask_of(task)
         if self._state.config.fixed_width is not None:
-            return self._fixed_start(task, state, ask, now_s)
+            return self._fixed_start(task, task_state, ask, now_s)
         gate_shut = False
-        fits = self._fits_for(state, ask, held, hold)
+        fits = self._fits_for(task_state, ask, held, hold)
         # The card with the most room left after it first; a card whose ready worker can run
         # it now before one where a worker must boot for it.
         warm: Warm | None = None
@@ -213,33 +219,29 @@ class Starts:
                 if warm is None and self._may_warm(found.device, found.more):
                     warm = Warm(device=found.device, task=task)
                 continue  # (its room may wait for the workers booting there)
-            booked_bytes = ask.next_bytes(card.same_key(ask.key))
-            start = Start(
-                task=task, device=found.device, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes
-            )
-            return start, False
+            return _start_on(task, card, ask), False
         if warm is not None:
             return warm, gate_shut
         if (
             held is None
-            and state.room_wait_until_s is not None
-            and now_s >= state.room_wait_until_s
+            and task_state.room_wait_until_s is not None
+            and now_s >= task_state.room_wait_until_s
         ):
             # (Not while a card was left to the critical key: that card may have its room.)
-            return self._expired(task, state, ask), gate_shut
+            return self._expired(task, task_state, ask), gate_shut
         return None, gate_shut
 
     def _fits_for(
-        self, state: TaskState, ask: Ask, held: int | None, hold: Hold | None
+        self, task_state: TaskState, ask: Ask, held: int | None, hold: Hold | None
     ) -> list[Fit]:
-        """The fit of a task (``state``, at ``ask``) on every card it may use: not ``held``,
+        """The fit of a task (``task_state``, at ``ask``) on every card it may use: not ``held``,
         not one it avoids, and on ``hold``'s card only where it also fits beside what stays
         once the runs the head waits for end, and the head (so it never delays the head)."""
         slots = self._state.ceiling.value - len(self._state.running)
         fits: list[Fit] = []
         for card in self._state.cards:
             if card.index == held or (
-                card.index in state.avoid and len(state.avoid) < len(self._state.cards)
+                card.index in task_state.avoid and len(task_state.avoid) < len(self._state.cards)
             ):
                 continue
             after = hold.after(card) if hold is not None and hold.device == card.index else None
@@ -269,32 +271,28 @@ class Starts:
         )
 
     def _fixed_start(
-        self, task: TaskId, state: TaskState, ask: Ask, now_s: float
+        self, task: TaskId, task_state: TaskState, ask: Ask, now_s: float
     ) -> tuple[Start | Warm | Fail | None, bool]:
         """Under a fixed width: the card running fewest, whatever the bound says."""
         booting = self._workers.booting if self._workers is not None else {}
         card = min(
             self._state.cards, key=lambda c: (len(c.runs) + booting.get(c.index, 0), c.index)
         )
-        if state.wait_below is not None and len(card.runs) >= state.wait_below:
+        if task_state.wait_below is not None and len(card.runs) >= task_state.wait_below:
             return None, False
         # Waiting for room others hold: the live gate as if nothing of the pool ran.
         if (
-            state.room_wait_until_s is not None
+            task_state.room_wait_until_s is not None
             and not live_gate(card, ask, [], reserve_bytes=self._state.config.reserve_bytes).admits
         ):
-            if now_s >= state.room_wait_until_s:
-                return self._expired(task, state, ask), False
+            if now_s >= task_state.room_wait_until_s:
+                return self._expired(task, task_state, ask), False
             return None, True
         if not self._ready(card.index):
             slots = self._state.ceiling.value - len(self._state.running)
             warm = self._may_warm(card.index, slots)
             return (Warm(device=card.index, task=task) if warm else None), False
-        booked_bytes = ask.next_bytes(card.same_key(ask.key))
-        start = Start(
-            task=task, device=card.index, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes
-        )
-        return start, False
+        return _start_on(task, card, ask), False
 
     def _admits_on(self, card: Card, ask: Ask, found: Fit, now_s: float) -> Admission:
         """Admission on one card: the fit (bound, cap, ceiling: ``found``), the share of a card
@@ -339,14 +337,14 @@ class Starts:
         if start.past_bound or start.device is None or self._state.config.fixed_width is not None:
             return True
         card = self._state.cards[start.device]
-        state = self._state.tasks[start.task]
-        ask = self._state.asks.ask_for(state.key, state.size)
+        task_state = self._state.tasks[start.task]
+        ask = self._state.asks.ask_for(task_state.key, task_state.size)
         admitted = self._admits_on(card, ask, self._views.fit(card.index, ask), now_s) == "yes"
         if not admitted:
             self._issued.pop(start.task, None)
         return admitted
 
-    def _expired(self, task: TaskId, state: TaskState, ask: Ask) -> Fail:
+    def _expired(self, task: TaskId, task_state: TaskState, ask: Ask) -> Fail:
         self._state.unqueue(task)
         self._state.forget(task)
         return Fail(
@@ -357,8 +355,8 @@ class Starts:
                 f"room for its ask {ask.describe()} came free within room_wait_s="
                 f"{self._state.config.room_wait_s:g}"
             ),
-            device=state.last_device,
-            booked_bytes=state.last_booked_bytes or ask.ask_bytes,
+            device=task_state.last_device,
+            booked_bytes=task_state.last_booked_bytes or ask.ask_bytes,
         )
 
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
@@ -386,7 +384,7 @@ class Starts:
         self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _blocked(self, head: TaskId, now_s: float, gate_shut: bool) -> Wait | Warm | Start:
-        state = self._state.tasks[head]
+        task_state = self._state.tasks[head]
         if self._workers is not None and self._workers.booting_total:
             # A worker that boots reports ready (an event): admit then, against that reading.
             return Wait(reason="workers are starting", poll_s=LIVE_POLL_S if gate_shut else None)
@@ -400,7 +398,7 @@ class Starts:
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back", poll_s=poll_s
             )
-        if state.room_wait_until_s is not None:
+        if task_state.room_wait_until_s is not None:
             return Wait(reason="waiting for room after an out-of-memory", poll_s=LIVE_POLL_S)
         ask = self._state.ask_of(head)
         if any(
@@ -411,17 +409,17 @@ class Starts:
             return Wait(
                 reason="this pool yields to another pool at the serial floor", poll_s=LIVE_POLL_S
             )
-        return self._serial_floor(head, state, now_s, gate_shut)
+        return self._serial_floor(head, task_state, now_s, gate_shut)
 
     def _serial_floor(
-        self, head: TaskId, state: TaskState, now_s: float, gate_shut: bool
+        self, head: TaskId, task_state: TaskState, now_s: float, gate_shut: bool
     ) -> Wait | Warm | Start:
         """Nothing of the pool runs anywhere, and the head does not start: one task starts past
         the bound, on the card with the most room (logged), unless other pools hold it."""
         ask = self._state.ask_of(head)
-        candidates = [i for i in range(len(self._state.cards)) if i not in state.avoid] or list(
-            range(len(self._state.cards))
-        )
+        candidates = [
+            i for i in range(len(self._state.cards)) if i not in task_state.avoid
+        ] or list(range(len(self._state.cards)))
         index = max(
             candidates,
             key=lambda i: (
@@ -449,7 +447,7 @@ class Starts:
             index,
             ask,
             f"card {index}: {why} and nothing of the pool is running, so one task of "
-            f"{state.key} starts past the bound (the serial floor); ask {ask.describe()}",
+            f"{task_state.key} starts past the bound (the serial floor); ask {ask.describe()}",
             now_s,
             limit="floor",
         )

@@ -130,7 +130,13 @@ class Critical:
 
 @dataclass(slots=True)
 class Card:
-    """One card: its census, the pool's runs on it, its live reading and its terms."""
+    """One card: its census, the pool's runs on it, its live reading and its terms.
+
+    A record past the house's ~15 fields, grouped by the one rule that writes each
+    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods),
+    the reading (the planner's events), the width (``views``), the cap
+    (``out_of_memory``), the gate's clock (``starts``), the samples (``samples``), the
+    other pools (``sharing``), the memos (``fit``)."""
 
     index: int
     census: CardCensus
