@@ -39,7 +39,7 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size, parse_size
-from gpupool._sensors.select import SIMULATOR_ENV
+from gpupool._sensors.select import SIMULATOR_ENV, read_simulator_ledger
 from gpupool._sensors.simulated import (
     BOOKINGS_DIRECTORY,
     CO_TENANT_PID_BASE,
@@ -319,7 +319,7 @@ class SimulatedHost:
         Ledger.create(path, self._initial_state())
         self._directory = directory
         self._ledger = ledger_at(path)
-        self._saved_env = os.environ.get(SIMULATOR_ENV)
+        self._saved_env = read_simulator_ledger()
         os.environ[SIMULATOR_ENV] = path
         return self
 
@@ -339,7 +339,7 @@ class SimulatedHost:
             # Restore only what this host set: hosts exited out of order must
             # not leave the variable naming a ledger that is gone.
             _EXITED_LEDGERS.add(ledger.path)
-            if os.environ.get(SIMULATOR_ENV) == ledger.path:
+            if read_simulator_ledger() == ledger.path:
                 if self._saved_env is None or self._saved_env in _EXITED_LEDGERS:
                     os.environ.pop(SIMULATOR_ENV, None)
                 else:
@@ -539,7 +539,7 @@ class _Hold:
     def __enter__(self) -> int:
         if self._entered is not None:
             raise RuntimeError("this hold() is already entered; call hold() again for another")
-        path = os.environ.get(SIMULATOR_ENV)
+        path = read_simulator_ledger()
         if not path:
             raise RuntimeError(_NO_HOST)
         ledger = ledger_at(path)
@@ -577,7 +577,7 @@ class _Hold:
 
 def _pinned_device(uuids: tuple[str, ...]) -> int:
     """The device this process is pinned to by ``CUDA_VISIBLE_DEVICES``; 0 when unpinned."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get(SimulatedSensor.visible_devices_env)
     if visible is None:
         return 0
     first = visible.split(",")[0].strip()

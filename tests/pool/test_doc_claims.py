@@ -22,7 +22,7 @@ from gpupool._core import AskTable, CardCensus, Policy, derive_ceiling
 from gpupool._core.events import SCHEMA_VERSION, Decision
 from gpupool._core.units import GiB, MiB, format_size, parse_size
 from gpupool._observe.log import DecisionLog
-from gpupool._sensors.census import parse_visible_devices
+from gpupool._sensors.cuda import parse_visible_devices
 from gpupool.testing import SimulatedDevice, SimulatedHost
 from support.fit import planner_width
 

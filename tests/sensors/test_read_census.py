@@ -276,7 +276,7 @@ def test_mps_enumeration_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_unicode_digit_in_cuda_visible_devices_is_an_invalid_entry() -> None:
     """'²' looks like a digit to str.isdigit but is no index: it hides what follows, no crash."""
     from gpupool._sensors.base import DeviceInfo
-    from gpupool._sensors.census import parse_visible_devices
+    from gpupool._sensors.cuda import parse_visible_devices
 
     listed = (DeviceInfo(index=0, uuid="GPU-aaaa", name="a"),)
     visible, note = parse_visible_devices("\u00b2", listed)

@@ -147,7 +147,8 @@ def test_index_entries_on_mixed_cards_without_pci_order_are_refused(
 def test_index_entries_are_read_with_pci_order_or_uuids(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CUDA_DEVICE_ORDER=PCI_BUS_ID, or by UUID, mixed cards resolve to the right card."""
     sensor = sensor_for(monkeypatch, FakePynvml(_mixed()))
-    _, infos = read_census(sensor, visible_devices="1", pid=os.getpid(), device_order="PCI_BUS_ID")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    _, infos = read_census(sensor, visible_devices="1", pid=os.getpid())
     assert [info.name for info in infos] == ["Tesla T4"]
     _, infos = read_census(sensor, visible_devices=h100(1).uuid, pid=os.getpid())
     assert [info.name for info in infos] == ["Tesla T4"]

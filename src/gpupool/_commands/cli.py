@@ -64,7 +64,6 @@ EXIT_BROKEN_PIPE = 141
 PLOT_FORMATS = ("png", "svg", "pdf")
 
 #: The environment variable a parent's own device restriction comes from.
-_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,13 +128,13 @@ def _json_out(value: object) -> None:
 
 
 def _live_sensor_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
-    """The live census as a pool takes it: default sensor, this process's CUDA_VISIBLE_DEVICES."""
+    """The live census as a pool takes it: default sensor, narrowed by its visible devices."""
     from gpupool._sensors.census import read_census
     from gpupool._sensors.select import default_sensor
 
     sensor = default_sensor()
     try:
-        census, infos = read_census(sensor, visible_devices=os.environ.get(_VISIBLE_ENV))
+        census, infos = read_census(sensor, visible_devices=sensor.read_visible_devices())
     except BaseException:
         sensor.close()
         raise

@@ -148,16 +148,16 @@ def _real_card_present() -> bool:
     """Whether NVML finds a device (never inside a simulated host)."""
     from gpupool._errors import SensorError
     from gpupool._sensors.census import read_census
-    from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
+    from gpupool._sensors.select import default_sensor, read_simulator_ledger
 
-    if os.environ.get(SIMULATOR_ENV):
+    if read_simulator_ledger():
         return False
     try:
         sensor = default_sensor()
     except (SensorError, ImportError):
         return False
     try:
-        census, _ = read_census(sensor, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        census, _ = read_census(sensor, visible_devices=sensor.read_visible_devices())
     except SensorError:
         return False
     finally:

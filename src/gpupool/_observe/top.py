@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +51,6 @@ DEFAULT_INTERVAL_S = 1.0
 MIN_INTERVAL_S = 0.1
 MAX_INTERVAL_S = 3600.0
 INSTALL_HINT = "pip install 'gpupool[top]'"
-_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def interval_type(text: str) -> float:
@@ -91,7 +89,9 @@ class Gatherer:
 
         self.sensor: Sensor = default_sensor()
         try:
-            census, infos = read_census(self.sensor, visible_devices=os.environ.get(_VISIBLE_ENV))
+            census, infos = read_census(
+                self.sensor, visible_devices=self.sensor.read_visible_devices()
+            )
             self.census: Census = census
             self.infos: tuple[DeviceInfo, ...] = infos
             self.table: BookingTable | None = open_booking_table(

@@ -21,7 +21,7 @@ from gpupool._errors import ConfigurationError, WidthError
 from gpupool._observe.log import DecisionLog
 from gpupool._pool.dispatcher import DeviceState, Dispatcher
 from gpupool._pool.options import PoolOptions
-from gpupool._sensors.select import SIMULATOR_ENV, default_sensor
+from gpupool._sensors.select import default_sensor
 
 if TYPE_CHECKING:
     from gpupool._core.census import Census
@@ -93,26 +93,23 @@ def read_cards(
 ) -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
     """The sensor the pool reads (the one given, else the default: NVML, or the simulator
     inside a ``SimulatedHost``) and its census of the cards the pool may use: ``devices``,
-    among those the parent's ``CUDA_VISIBLE_DEVICES`` leaves visible."""
+    among those the sensor's visible-devices variable leaves visible."""
     chosen = sensor if sensor is not None else default_sensor()
     from gpupool._sensors.census import read_census
 
     census, infos = read_census(
         chosen,
         devices=devices,
-        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        visible_devices=chosen.read_visible_devices(),
         pid=os.getpid(),
     )
     return chosen, census, infos
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """Every worker's extra variables: JAX told not to preallocate 75 % of the card, the
-    simulator's choice passed on, then ``env=``, which wins."""
+    """Every worker's extra variables: JAX told not to preallocate 75 % of the card, then
+    ``env=``, which wins (the sensor adds its own pinning when a worker starts)."""
     worker_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    simulator = os.environ.get(SIMULATOR_ENV)
-    if simulator:
-        worker_env[SIMULATOR_ENV] = simulator
     worker_env.update(env)
     return worker_env
 

@@ -946,10 +946,7 @@ class Dispatcher:
                 self._retire(worker)
 
     def _spawn(self, device: DeviceState | None) -> _Worker:
-        env = dict(self.env)
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device.info.uuid
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env = {**self.env, **self.sensor.worker_env(device.info if device is not None else None)}
         parent_conn, child_conn = self.context.Pipe(duplex=True)
         process = self.context.Process(
             target=worker_main,
@@ -963,6 +960,7 @@ class Dispatcher:
                 if self.initializer is not None
                 else None,
                 self.max_tasks_per_child,
+                self.sensor.worker_factory() if device is not None else None,
             ),
             env=env,
             name="gpupool-worker",

@@ -1,8 +1,9 @@
 """Child side of the pool: the loop every worker process runs (process layer).
 
 A worker is started as a fresh interpreter (:mod:`gpupool._pool.launch`)
-with its environment set before any import (``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``),
-so nothing in it can touch the wrong card. It then runs one task at a time::
+with its environment set before any import (the sensor's ``worker_env``: for NVIDIA,
+``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``), so nothing in it can touch the
+wrong card. It then runs one task at a time::
 
     parent --frame: task id, pickle((fn, args, kwargs))------------> worker
     parent <--frame: pid, task id, pickle((kind, report)), payload-- worker
@@ -62,10 +63,11 @@ from gpupool._pool.channel import size_buffers
 
 if TYPE_CHECKING:
     import logging
+    from collections.abc import Callable
     from multiprocessing.connection import Connection
 
     from gpupool._child.probe import Probe
-    from gpupool._sensors.base import DeviceInfo
+    from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = ["process_chunk", "worker_main"]
 
@@ -289,8 +291,11 @@ def worker_main(
     device_index: int | None,
     initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     max_tasks: int | None,
+    sensor_factory: Callable[[], Sensor] | None,
 ) -> None:
-    """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran."""
+    """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
+    probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
+    ``None`` without a device, so that a worker without one never imports a sensor)."""
     if not die_with_parent(parent_pid):
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _isolate()
@@ -314,7 +319,7 @@ def worker_main(
 
     from gpupool._child.probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
 
-    probe = _ready(conn, device, device_index)
+    probe = _ready(conn, device, device_index, sensor_factory)
     if probe is None:
         return
     done = 0
@@ -403,18 +408,21 @@ def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
         call.release()
 
 
-def _ready(conn: Connection, device: DeviceInfo | None, device_index: int | None) -> Probe | None:
+def _ready(
+    conn: Connection,
+    device: DeviceInfo | None,
+    device_index: int | None,
+    sensor_factory: Callable[[], Sensor] | None,
+) -> Probe | None:
     """Set up the probe and tell the parent this worker is ready, with its own device bytes
     now (what the initializer left on the card is this worker's, not a task's); ``None``
     when the parent's end is closed."""
     from gpupool._child.probe import Probe
 
     sensor = None
-    if device is not None:
-        from gpupool._sensors.select import default_sensor
-
+    if device is not None and sensor_factory is not None:
         try:
-            sensor = default_sensor()
+            sensor = sensor_factory()
         except Exception:
             sensor = None
     probe = Probe(sensor, device, device_index, os.getpid())

@@ -6,14 +6,25 @@ errors: :class:`~gpupool.NoDriverError` when there is no driver at all,
 :class:`~gpupool.DeviceUnreadableError` when a driver is present but the
 reading failed. Backend errors (``pynvml.NVMLError_*``) are mapped to these
 once, inside each sensor, and never escape it.
+
+A sensor also carries its vendor's facts, so nothing else names a vendor: the
+variable that hides devices and its grammar, the variables that pin a worker to
+a card, and a picklable factory of the worker's own sensor (the pool passes it
+to each worker). The defaults are CUDA's (:mod:`gpupool._sensors.cuda`); another
+vendor's sensor overrides them, and a pool takes it as ``sensor=``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpupool._sensors import cuda
+
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from gpupool._core.census import HostCensus
 
 __all__ = ["DeviceInfo", "MemoryReading", "ProcessReading", "Sensor"]
@@ -95,6 +106,50 @@ class Sensor:
 
     #: Short name recorded as the source of every figure.
     name: str = "sensor"
+
+    #: The variable through which this vendor's runtime hides devices from a process.
+    visible_devices_env: str = cuda.VISIBLE_DEVICES_ENV
+
+    def read_visible_devices(self) -> str | None:
+        """This process's :attr:`visible_devices_env` (``None``: unset, every device is visible)."""
+        return os.environ.get(self.visible_devices_env)
+
+    def parse_visible_devices(
+        self, value: str | None, listed: Sequence[DeviceInfo]
+    ) -> tuple[tuple[DeviceInfo, ...], str | None]:
+        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see.
+
+        Returns the visible devices in the value's order, and a note for the census'
+        reason when an entry was ignored or everything is hidden (``None`` leaves every
+        device). The default is CUDA's grammar, :func:`gpupool._sensors.cuda.parse_visible_devices`,
+        with this process's ``CUDA_DEVICE_ORDER``.
+
+        Raises:
+            ConfigurationError: the value cannot be honoured as given.
+        """
+        order = os.environ.get(cuda.DEVICE_ORDER_ENV)
+        return cuda.parse_visible_devices(value, listed, device_order=order)
+
+    def worker_env(self, device: DeviceInfo | None) -> dict[str, str]:
+        """The variables a worker starts with, pinning it to ``device`` (``None``: a pool without
+        cards); CUDA's are ``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER=PCI_BUS_ID``."""
+        return {} if device is None else cuda.pin_env(device)
+
+    def worker_factory(self) -> Callable[[], Sensor]:
+        """What a worker calls once, at start, for its probe's sensor: picklable.
+
+        The default, :func:`~gpupool._sensors.select.default_sensor` (NVML, or the
+        simulator inside a ``SimulatedHost`` block), also serves a sensor wrapping one
+        of those; another vendor's sensor returns its own class, or a partial of it.
+        """
+        from gpupool._sensors.select import default_sensor
+
+        return default_sensor
+
+    @property
+    def bookings_directory(self) -> str | None:
+        """Where pools on this sensor's cards book them, or ``None`` for the host's table."""
+        return None
 
     def read_devices(self) -> tuple[DeviceInfo, ...]:
         """Every device the driver lists (MIG instances as devices of their own).

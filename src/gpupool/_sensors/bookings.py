@@ -702,8 +702,8 @@ def open_booking_table(
 ) -> BookingTable | None:
     """The table a pool with these options uses, or ``None`` when sharing is off.
 
-    Where it lives, first that applies: ``directory``; the simulated host's
-    own directory when ``sensor`` reads one, or inside a ``SimulatedHost``
+    Where it lives, first that applies: ``directory``; the sensor's own
+    (:attr:`Sensor.bookings_directory`: a simulated host's), or inside a ``SimulatedHost``
     block whatever the sensor (a sensor wrapping the simulator's; simulated
     cards never book in the real host's table); the ``GPUPOOL_BOOKINGS``
     environment variable; :func:`default_bookings_directory`.
@@ -718,13 +718,13 @@ def open_booking_table(
     shared = share == "host"
     if directory is not None:
         return BookingTable(directory, shared=shared)
-    from gpupool._sensors.select import SIMULATOR_ENV
+    from gpupool._sensors.select import read_simulator_ledger
     from gpupool._sensors.simulated import BOOKINGS_DIRECTORY
-    from gpupool._sensors.simulated_sensor import SimulatedSensor
 
-    if isinstance(sensor, SimulatedSensor):
-        return BookingTable(sensor.bookings_directory, shared=shared)
-    ledger = os.environ.get(SIMULATOR_ENV)
+    own = sensor.bookings_directory
+    if own is not None:
+        return BookingTable(own, shared=shared)
+    ledger = read_simulator_ledger()
     if ledger:
         return BookingTable(Path(ledger).parent / BOOKINGS_DIRECTORY, shared=shared)
     override = os.environ.get(BOOKINGS_ENV)

@@ -3,7 +3,8 @@
 ::
 
     sensor.read_devices()          every device the driver lists (NVML order)
-        | narrowed by the parent's CUDA_VISIBLE_DEVICES (indexes, GPU-/MIG- UUIDs)
+        | narrowed by the parent's visible-devices variable (the sensor's:
+        |   CUDA_VISIBLE_DEVICES for NVML and the simulator, see _sensors/cuda.py)
         | selected by the pool's devices= option (index or UUID)
         v
     per device: sensor.read_memory()      total, free, reserved   (unreadable -> None + reason)
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from gpupool._core.census import CardCensus, Census
 from gpupool._errors import ConfigurationError, NoDriverError, SensorError
+from gpupool._sensors.cuda import count_cards, match_entry
 from gpupool._sensors.host import cap_host_cpus
 
 if TYPE_CHECKING:
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = [
     "OWN_ROW_MISSING_REASON",
     "OWN_ROWS_UNAVAILABLE_REASON",
-    "parse_visible_devices",
     "read_census",
 ]
 
@@ -54,115 +55,9 @@ OWN_ROWS_UNAVAILABLE_REASON = (
     "a parent that has created no CUDA context"
 )
 
-#: Values of CUDA_VISIBLE_DEVICES that hide every device.
-_HIDE_ALL = frozenset({"", "-1", "nodevfiles"})
-
 #: NVML presents MPS "locality domain" devices and MPS-provided memory
 #: figures when this is set (nvml.h); the census then reads MPS's view.
 _MPS_ENUMERATION_ENV = "NVML_MPS_DEVICE_ENUMERATION"
-
-
-def parse_visible_devices(
-    value: str | None, listed: Sequence[DeviceInfo], *, device_order: str | None = None
-) -> tuple[tuple[DeviceInfo, ...], str | None]:
-    """Narrow ``listed`` to what a ``CUDA_VISIBLE_DEVICES`` value lets CUDA see.
-
-    Entries are NVML indexes, ``GPU-`` UUIDs or ``MIG-`` UUIDs, each
-    possibly a unique prefix. An index, or the ``GPU-`` UUID of a
-    MIG-enabled card, selects that card's MIG instances. As in CUDA, the
-    first entry that matches nothing (or several cards) hides itself and
-    every entry after it.
-
-    An index is CUDA's index, which is NVML's (PCI bus) order only with
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; CUDA's default order is "fastest
-    first". Where the two orders can differ (the cards are not all the same
-    model), index entries without ``PCI_BUS_ID`` are refused, never guessed.
-
-    Args:
-        value: the variable's value; ``None`` (unset) leaves every device.
-        listed: the devices the driver lists.
-        device_order: the value of ``CUDA_DEVICE_ORDER`` (``None``: unset).
-
-    Returns:
-        The visible devices in the variable's order, and a note for the
-        census' reason when some entry was ignored or everything is hidden.
-
-    Raises:
-        ConfigurationError: index entries, ``CUDA_DEVICE_ORDER`` other than
-            ``PCI_BUS_ID``, and cards of more than one model.
-    """
-    if value is None:
-        return tuple(listed), None
-    stripped = value.strip()
-    if stripped.lower() in _HIDE_ALL:
-        return (), f"CUDA_VISIBLE_DEVICES={value!r} hides every device"
-    _check_index_order(value, listed, device_order)
-    chosen: list[DeviceInfo] = []
-    for raw in stripped.split(","):
-        entry = raw.strip()
-        matches = _match_entry(entry, listed)
-        if len(matches) == 0 or (not (entry.isascii() and entry.isdigit()) and _cards(matches) > 1):
-            why = "matches no device" if not matches else "is ambiguous"
-            note = (
-                f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; like CUDA, gpupool ignores it "
-                "and every entry after it"
-            )
-            return tuple(chosen), note
-        for info in matches:
-            if info not in chosen:
-                chosen.append(info)
-    if not chosen:
-        return (), f"CUDA_VISIBLE_DEVICES={value!r} hides every device"
-    return tuple(chosen), None
-
-
-def _check_index_order(value: str, listed: Sequence[DeviceInfo], device_order: str | None) -> None:
-    """Refuse index entries whose meaning depends on an order CUDA may not share with NVML."""
-    if (device_order or "").strip().upper() == "PCI_BUS_ID":
-        return
-    entries = [raw.strip() for raw in value.split(",")]
-    if not any(entry.isascii() and entry.isdigit() for entry in entries):
-        return
-    models: dict[int, str] = {}
-    for info in listed:
-        if info.error is None:  # a card that cannot be read has no model to compare
-            models.setdefault(info.index, info.name)
-    if len(set(models.values())) <= 1:
-        return  # one model: fastest first is PCI bus order
-    cards = ", ".join(f"{index}: {name}" for index, name in sorted(models.items()))
-    raise ConfigurationError(
-        f"CUDA_VISIBLE_DEVICES={value!r} names cards by index, but CUDA_DEVICE_ORDER is "
-        f"{device_order!r} (CUDA's default numbers cards fastest first) and this host has "
-        f"cards of different models ({cards}), so CUDA's card numbers may not be NVML's. "
-        "Set CUDA_DEVICE_ORDER=PCI_BUS_ID, or name the cards by UUID "
-        "(CUDA_VISIBLE_DEVICES=GPU-...; `nvidia-smi -L` lists them)."
-    )
-
-
-def _cards(matches: Sequence[DeviceInfo]) -> int:
-    """How many physical cards ``matches`` covers (a card's MIG instances are one card)."""
-    return len({info.parent_uuid or info.uuid or f"index {info.index}" for info in matches})
-
-
-def _match_entry(entry: str, listed: Sequence[DeviceInfo]) -> list[DeviceInfo]:
-    if entry.isascii() and entry.isdigit():
-        return [info for info in listed if info.index == int(entry)]
-    lowered = entry.lower()
-    if lowered.startswith(("gpu-", "mig-")):
-        exact = [
-            info
-            for info in listed
-            if lowered in (info.uuid.lower(), (info.parent_uuid or "").lower())
-        ]
-        if exact:
-            return exact
-        return [
-            info
-            for info in listed
-            if (info.uuid and info.uuid.lower().startswith(lowered))
-            or (info.parent_uuid or "").lower().startswith(lowered)
-        ]
-    return []
 
 
 def _describe(listed: Sequence[DeviceInfo]) -> str:
@@ -175,9 +70,15 @@ def _describe(listed: Sequence[DeviceInfo]) -> str:
 
 
 def _select(
-    wanted: Sequence[int | str], visible: Sequence[DeviceInfo], listed: Sequence[DeviceInfo]
+    wanted: Sequence[int | str],
+    visible: Sequence[DeviceInfo],
+    listed: Sequence[DeviceInfo],
+    hidden_by: str,
 ) -> tuple[DeviceInfo, ...]:
-    """Apply the pool's ``devices=`` option to the visible devices."""
+    """Apply the pool's ``devices=`` option (indexes, CUDA's UUIDs) to the visible devices.
+
+    ``hidden_by`` names the variable that hid the devices left out of ``visible``.
+    """
     chosen: list[DeviceInfo] = []
     for want in wanted:
         if isinstance(want, bool) or not isinstance(want, (int, str)):
@@ -191,15 +92,15 @@ def _select(
                 f"devices entry {want!r} is neither an index nor a GPU-/MIG- UUID; "
                 f"visible devices: {_describe(visible)}"
             )
-        matches = _match_entry(key, visible)
-        if not (key.isascii() and key.isdigit()) and _cards(matches) > 1:
+        matches = match_entry(key, visible)
+        if not (key.isascii() and key.isdigit()) and count_cards(matches) > 1:
             raise ConfigurationError(
                 f"devices entry {want!r} matches {len(matches)} devices; give more of the "
                 f"UUID. Visible devices: {_describe(visible)}"
             )
         if not matches:
-            hidden = _match_entry(key, listed)
-            why = "is hidden by CUDA_VISIBLE_DEVICES" if hidden else "does not exist on this host"
+            hidden = match_entry(key, listed)
+            why = f"is hidden by {hidden_by}" if hidden else "does not exist on this host"
             raise ConfigurationError(
                 f"devices entry {want!r} {why}; visible devices: {_describe(visible)}"
             )
@@ -221,7 +122,6 @@ def read_census(
     devices: Sequence[int | str] | None = None,
     visible_devices: str | None = None,
     pid: int | None = None,
-    device_order: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Census, tuple[DeviceInfo, ...]]:
     """Take the census of every device the pool may use, and of the host.
@@ -234,12 +134,11 @@ def read_census(
         devices: the pool's own selection, by NVML index (as ``gpupool
             census`` and ``nvidia-smi`` number them) or by UUID (a unique
             prefix is enough); ``None`` takes every visible device.
-        visible_devices: the parent's ``CUDA_VISIBLE_DEVICES`` (the caller
-            passes ``os.environ.get("CUDA_VISIBLE_DEVICES")``); it narrows
-            which devices may be used.
+        visible_devices: the parent's visible-devices value (the caller
+            passes ``sensor.read_visible_devices()``, ``CUDA_VISIBLE_DEVICES``
+            for NVML); it narrows which devices may be used, in the
+            sensor's grammar (:meth:`Sensor.parse_visible_devices`).
         pid: the process whose device bytes are "own"; this process by default.
-        device_order: the parent's ``CUDA_DEVICE_ORDER``; ``None`` reads it
-            from this process's environment.
         environ: where ``LOKY_MAX_CPU_COUNT`` is read, which caps the host's
             usable CPUs; ``None`` reads this process's environment.
 
@@ -250,10 +149,11 @@ def read_census(
 
     Raises:
         ConfigurationError: an entry of ``devices`` does not exist, is hidden
-            by ``CUDA_VISIBLE_DEVICES``, is ambiguous or could not be
-            identified; the message lists the visible devices. Or
-            ``CUDA_VISIBLE_DEVICES`` names cards by index where CUDA's order
-            may differ from NVML's (see :func:`parse_visible_devices`). Or
+            by the visible-devices variable, is ambiguous or could not be
+            identified; the message lists the visible devices. Or the
+            sensor refuses the variable's value (``CUDA_VISIBLE_DEVICES``
+            names cards by index where CUDA's order may differ from NVML's,
+            see :func:`gpupool._sensors.cuda.parse_visible_devices`). Or
             ``LOKY_MAX_CPU_COUNT`` is not a whole number of at least 1.
         SensorError: a driver answered but its device list could not be read.
     """
@@ -274,12 +174,11 @@ def read_census(
             (),
         )
     notes: list[str] = []
-    if device_order is None:
-        device_order = os.environ.get("CUDA_DEVICE_ORDER")
-    visible, note = parse_visible_devices(visible_devices, listed, device_order=device_order)
+    visible, note = sensor.parse_visible_devices(visible_devices, listed)
     if note:
         notes.append(note)
-    chosen = visible if devices is None else _select(devices, visible, listed)
+    hidden_by = sensor.visible_devices_env
+    chosen = visible if devices is None else _select(devices, visible, listed, hidden_by)
     unidentified = [info for info in chosen if not info.uuid]
     for info in unidentified:
         what = f"device {info.index}" + (f" MIG {info.mig_index}" if info.mig else "")

@@ -22,6 +22,7 @@ same figure, so a reading can be checked by hand.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from contextlib import contextmanager
@@ -127,6 +128,12 @@ class NvmlSensor(Sensor):
         self._lib: ModuleType | None = None
         self._init_error: SensorError | None = None
         self._handles: dict[str, Any] = {}
+
+    def worker_factory(self) -> Callable[[], Sensor]:
+        """This sensor again, in a worker: NVML reading the same paths."""
+        return functools.partial(
+            NvmlSensor, meminfo_path=self._meminfo_path, host_root=self._host_root
+        )
 
     # -- NVML plumbing -------------------------------------------------------
 

@@ -6,16 +6,23 @@ import os
 
 from gpupool._sensors.base import Sensor
 
-__all__ = ["SIMULATOR_ENV", "default_sensor"]
+__all__ = ["SIMULATOR_ENV", "default_sensor", "read_simulator_ledger"]
 
-#: Set by :class:`gpupool.testing.SimulatedHost` to its ledger's path; the
-#: pool passes it on to children, so parent and children read one simulated host.
+#: Set by :class:`gpupool.testing.SimulatedHost` to its ledger's path, for the
+#: processes started inside its block (a pool's workers get it from the
+#: simulator's sensor, :meth:`SimulatedSensor.worker_env`).
 SIMULATOR_ENV = "GPUPOOL_SIMULATOR"
+
+
+def read_simulator_ledger() -> str | None:
+    """The ledger path of the simulated host this process is in, or ``None`` (the one reading
+    of :data:`SIMULATOR_ENV`)."""
+    return os.environ.get(SIMULATOR_ENV)
 
 
 def default_sensor() -> Sensor:
     """The simulator's sensor inside a ``SimulatedHost`` block, NVML everywhere else."""
-    ledger = os.environ.get(SIMULATOR_ENV)
+    ledger = read_simulator_ledger()
     if ledger:
         from gpupool._sensors.simulated_sensor import SimulatedSensor
 

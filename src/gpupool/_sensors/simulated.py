@@ -49,6 +49,7 @@ from gpupool._errors import SensorError
 from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.booking_rows import read_start_token
 from gpupool._sensors.own_pid import own_pid
+from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated_alive import Liveness
 from gpupool._sensors.simulated_check import ledger_problem
 from gpupool._sensors.simulated_state import (
@@ -319,19 +320,19 @@ class Ledger:
 
     def _not_a_ledger(self, why: str) -> SensorError:
         return SensorError(
-            f"{SIMULATOR_ENV_NAME}={self.path!r} does not name a simulated host's ledger: {why}. "
-            f"Unset {SIMULATOR_ENV_NAME} outside a gpupool.testing.SimulatedHost block, or "
+            f"{SIMULATOR_ENV}={self.path!r} does not name a simulated host's ledger: {why}. "
+            f"Unset {SIMULATOR_ENV} outside a gpupool.testing.SimulatedHost block, or "
             "point it at the ledger a SimulatedHost wrote."
         )
 
     def _gone(self) -> LedgerGoneError:
         return LedgerGoneError(
-            f"{SIMULATOR_ENV_NAME}={self.path!r} names a file that does not exist (the simulated "
-            f"host's ledger is gone). {SIMULATOR_ENV_NAME} is set by "
+            f"{SIMULATOR_ENV}={self.path!r} names a file that does not exist (the simulated "
+            f"host's ledger is gone). {SIMULATOR_ENV} is set by "
             "gpupool.testing.SimulatedHost to its ledger while its block runs (child processes "
             "inherit it): that block has exited, or the variable was set by hand or left over. "
             "Run simulated work inside `with gpupool.testing.SimulatedHost(...)`, or unset "
-            f"{SIMULATOR_ENV_NAME} to read the real cards."
+            f"{SIMULATOR_ENV} to read the real cards."
         )
 
     def _load(self, size: int, *, private: bool) -> LedgerState:
@@ -669,10 +670,6 @@ class Ledger:
 
         return self._settled(open_window)
 
-
-#: The variable that names the ledger (``select.SIMULATOR_ENV``; not imported, to keep
-#: this module free of the selection logic).
-SIMULATOR_ENV_NAME = "GPUPOOL_SIMULATOR"
 
 _OWN_IDENTITY: tuple[int, str] | None = None
 

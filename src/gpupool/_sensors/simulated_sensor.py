@@ -8,11 +8,13 @@ process's one :class:`~gpupool._sensors.simulated.Ledger` for its path.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
+from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated import (
     BOOKINGS_DIRECTORY,
     DEVICE_NAME,
@@ -28,6 +30,8 @@ from gpupool._sensors.simulated_state import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gpupool._core.census import HostCensus
 
 __all__ = ["SimulatedSensor"]
@@ -61,11 +65,23 @@ class SimulatedSensor(Sensor):
         """The simulated host's booking table: beside its ledger, shared by its processes only."""
         return os.path.join(os.path.dirname(self._ledger.path), BOOKINGS_DIRECTORY)
 
-    def _state_of(self, device: DeviceInfo) -> DeviceState:
+    def worker_env(self, device: DeviceInfo | None) -> dict[str, str]:
+        """CUDA's pinning, and the ledger for what a task runs (``gpupool.testing.hold``)."""
+        return {**super().worker_env(device), SIMULATOR_ENV: self._ledger.path}
+
+    def worker_factory(self) -> Callable[[], Sensor]:
+        """A sensor on this ledger, whatever the worker's environment says."""
+        return functools.partial(SimulatedSensor, self._ledger.path)
+
+    def _view(self) -> LedgerState:
+        """The ledger's state, as a driver answers: not at all on a host without one."""
         state = self._ledger.view()
         if not state["driver"]:
             raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
-        return device_of(state, device.index)
+        return state
+
+    def _state_of(self, device: DeviceInfo) -> DeviceState:
+        return device_of(self._view(), device.index)
 
     def read_devices(self) -> tuple[DeviceInfo, ...]:
         """Every simulated device, named ``"Simulated GPU"``.
@@ -73,9 +89,7 @@ class SimulatedSensor(Sensor):
         Raises:
             NoDriverError: the host was made with ``driver=False``.
         """
-        state = self._ledger.view()
-        if not state["driver"]:
-            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        state = self._view()
         return tuple(
             DeviceInfo(index=index, uuid=dev["uuid"], name=DEVICE_NAME)
             for index, dev in enumerate(state["devices"])
@@ -88,9 +102,7 @@ class SimulatedSensor(Sensor):
             DeviceUnreadableError: the device was made with ``readable=False``.
             NoDriverError: the host was made with ``driver=False``.
         """
-        state = self._ledger.view()
-        if not state["driver"]:
-            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        state = self._view()
         return self._snapshot_of(state, device)[0]
 
     def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
@@ -99,9 +111,7 @@ class SimulatedSensor(Sensor):
         A co-tenant that has shrunk to 0 bytes has left the card and is not
         listed. ``None`` for an unreadable device.
         """
-        state = self._ledger.view()
-        if not state["driver"]:
-            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        state = self._view()
         if not device_of(state, device.index)["readable"]:
             return None
         return self._snapshot_of(state, device)[1]
@@ -114,9 +124,7 @@ class SimulatedSensor(Sensor):
         While the ledger holds the same bytes (and no process it names has exited),
         the reading made from it last is given again, not made anew.
         """
-        state = self._ledger.view()
-        if not state["driver"]:
-            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        state = self._view()
         return self._snapshot_of(state, device)
 
     def _snapshot_of(self, state: LedgerState, device: DeviceInfo) -> Snapshot:
@@ -137,9 +145,7 @@ class SimulatedSensor(Sensor):
         The memory and rows are ``None`` for an unreadable device (the tree's
         high-water still answers, as :meth:`read_tree_peak_bytes` does).
         """
-        state = self._ledger.view()
-        if not state["driver"]:
-            raise NoDriverError("the simulated host has no driver (SimulatedHost(driver=False))")
+        state = self._view()
         window = device_of(state, device.index)["trees"].get(str(pid))
         peak = None if window is None else window["window"]
         try:
