@@ -61,7 +61,7 @@ def test_samples_grow_with_time_not_with_tasks(tasks: int, duration_s: float, ju
         now_s = (i + 1) * step_s
         used = (20 if jumpy and i % 2 else 2) * GiB
         planner.observe(0, CardReading(free_bytes=40 * GiB - used, used_bytes=used), now_s)
-        for run_task in list(planner.cards[0].runs):
+        for run_task in list(planner.state.cards[0].runs):
             planner.finished(run_task, None, now_s)
         start_all(planner, now_s)
         planner.sample_cards(now_s)
@@ -142,7 +142,7 @@ def test_the_pools_idle_workers_and_their_tasks_children_are_never_co_tenants() 
         process_bytes=rows,
         pool_pids=frozenset({100, 101, 555}),
     )
-    split = split_reading(planner.cards[0], reading, PARENT)
+    split = split_reading(planner.state.cards[0], reading, PARENT)
     assert split.own_bytes == GiB
     assert split.pool_bytes == 300 * MiB + 2 * GiB + 4 * GiB
     assert split.running_bytes == 2 * GiB
@@ -162,7 +162,7 @@ def test_rows_that_list_none_of_the_pools_processes_split_nothing() -> None:
     reading = CardReading(
         free_bytes=30 * GiB - used, used_bytes=used, process_bytes={7777: 4 * GiB}
     )
-    split = split_reading(planner.cards[0], reading, PARENT)
+    split = split_reading(planner.state.cards[0], reading, PARENT)
     assert split.co_tenant_bytes is None and split.pool_bytes is None
     assert split.own_bytes is None and split.used_bytes == used
     outcome = planner.out_of_memory(0, oom_report(2 * GiB, 2 * GiB), reading, 1.0, error="OOM")
@@ -182,7 +182,7 @@ def _oom_wave(retry_oom: bool) -> tuple[list[Decision], list[Retry | Fail]]:
     records: list[Decision] = []
     planner = planner_on([card(30)], records, estimate_bytes=int(3.15 * GiB), max_workers=6)
     if not retry_oom:
-        planner.config = dataclasses.replace(planner.config, retry_oom=False)
+        planner.state.config = dataclasses.replace(planner.state.config, retry_oom=False)
     for task in range(12):
         planner.submit(task, "k")
     assert len(start_all(planner, 0.0)) == 6

@@ -78,7 +78,7 @@ def simulate(
     planner = learned_planner(
         [card], out.records, estimate_bytes=max(hints.values()), max_workers=max_workers
     )
-    policy = planner.asks.policy
+    policy = planner.state.asks.policy
     for task, job in enumerate(jobs):
         planner.submit(task, job.key, hints.get(job.key))
     rng = random.Random(seed)
@@ -87,14 +87,14 @@ def simulate(
     terms = CO_TENANT_BYTES + OWN_BYTES + policy.reserve_bytes
     while True:
         while True:
-            held = sum(jobs[t].peak_bytes for t in planner.running)
+            held = sum(jobs[t].peak_bytes for t in planner.state.running)
             planner.observe(
                 0,
                 CardReading(
                     free_bytes=TOTAL_BYTES - CO_TENANT_BYTES - OWN_BYTES - held,
                     used_bytes=CO_TENANT_BYTES + OWN_BYTES + held,
                     process_bytes={1: OWN_BYTES}
-                    | {1000 + t: jobs[t].peak_bytes for t in planner.running},
+                    | {1000 + t: jobs[t].peak_bytes for t in planner.state.running},
                 ),
                 now,
             )
@@ -102,14 +102,14 @@ def simulate(
             if not isinstance(verdict, Start):
                 break
             if not verdict.past_bound:
-                booked = sum(r.booked_bytes for r in planner.running.values())
+                booked = sum(r.booked_bytes for r in planner.state.running.values())
                 assert booked + verdict.booked_bytes + terms <= TOTAL_BYTES
             planner.started(verdict.task, verdict.device, 1000 + verdict.task, now)
             job = jobs[verdict.task]
             heapq.heappush(
                 ends, (now + job.duration_s * (1 + rng.uniform(0, jitter)) + 0.005, verdict.task)
             )
-            running = [jobs[t].key for t in planner.running]
+            running = [jobs[t].key for t in planner.state.running]
             for key in set(running):
                 out.most_at_once[key] = max(out.most_at_once.get(key, 0), running.count(key))
         if not ends:
@@ -121,7 +121,7 @@ def simulate(
         planner.finished(task, report, now)
         out.finished += 1
     out.makespan_s = now
-    assert not planner.pending and not planner.running
+    assert not planner.state.pending and not planner.state.running
     return out
 
 
@@ -233,17 +233,17 @@ def test_a_card_the_critical_key_cannot_use_still_takes_the_other_keys_tasks() -
     submit("small", 1, 4 * GiB)
     start_all(0.0)
     for ran, (peak, now) in zip(
-        list(planner.running), [(18 * GiB, 1.0), (3 * GiB, 2.0)], strict=True
+        list(planner.state.running), [(18 * GiB, 1.0), (3 * GiB, 2.0)], strict=True
     ):
         planner.finished(ran, PeakReport(device=0, device_peak_bytes=peak, device_source="s"), now)
     submit("small", 8)
     assert len(start_all(2.0)) == 8
-    assert {r.device for r in planner.running.values()} == {0}
+    assert {r.device for r in planner.state.running.values()} == {0}
     submit("large", 10)
     submit("small", 20)
     start_all(2.0)
-    on_second = [r for r in planner.running.values() if r.device == 1]
+    on_second = [r for r in planner.state.running.values() if r.device == 1]
     assert [r.key for r in on_second] == ["small"] * 3
-    assert not [r for r in planner.running.values() if r.key == "large"]
-    assert sum(1 for r in planner.running.values() if r.device == 0) == 8
+    assert not [r for r in planner.state.running.values() if r.key == "large"]
+    assert sum(1 for r in planner.state.running.values() if r.device == 0) == 8
     assert [r for r in records if r.event == "critical_wait"]

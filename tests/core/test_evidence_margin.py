@@ -160,11 +160,11 @@ def test_three_spread_peaks_on_a_24_gib_card_run_two_at_once_and_are_told() -> N
     assert _t_term(peaks) > 46 * GiB  # what the key was priced off the card by
     for task, peak in enumerate(peaks):
         _run_one(planner, task, peak, float(task))
-    ask = planner.asks.ask("spread")
-    room = planner.bound(0, ask).room_bytes
+    ask = planner.state.asks.ask("spread")
+    room = planner.views.bound(0, ask).room_bytes
     assert room is not None and ask.ask_bytes <= room
     assert ask.ask_bytes == max(peaks) + (max(peaks) - min(peaks))
-    assert planner.decide(ask)[0].width >= 2
+    assert planner.views.decide(ask)[0].width >= 2
     [told] = [r for r in records if r.event == "peaks_vary"]
     fields = told.to_dict()
     assert fields["key"] == "spread"
@@ -196,8 +196,8 @@ def test_a_planner_never_prices_a_measured_key_past_its_card(peaks: list[int]) -
     planner = _planner(records, total_bytes=24 * GiB, task_peak=40 * GiB)
     for task, peak in enumerate(peaks):
         _run_one(planner, task, peak, float(task))
-    ask = planner.asks.ask("spread")
-    room = planner.bound(0, ask).room_bytes
+    ask = planner.state.asks.ask("spread")
+    room = planner.views.bound(0, ask).room_bytes
     assert room is not None
     if max(peaks) <= room:
         assert ask.ask_bytes <= room
@@ -271,14 +271,14 @@ def test_a_size_just_past_those_measured_is_priced_on_the_card() -> None:
     planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
     for task, (size, peak) in enumerate([(1, 1.0), (2, 4.0), (3, 1.5), (4, 4.5)]):
         _run_sized(planner, task, int(peak * GiB), float(size), float(task))
-    key_ask = planner.asks.ask("sized")
-    room = planner.bound(0, key_ask).room_bytes
+    key_ask = planner.state.asks.ask("sized")
+    room = planner.views.bound(0, key_ask).room_bytes
     assert room is not None
     for size in (4.2, 5.0, 8.0):
-        ask = planner.asks.ask_for("sized", size)
+        ask = planner.state.asks.ask_for("sized", size)
         assert key_ask.ask_bytes <= ask.ask_bytes <= math.ceil(key_ask.ask_bytes * size / 4)
         assert ask.ask_bytes <= room
-    huge = planner.asks.ask_for("sized", 40.0)  # predicted past nothing the card cannot hold
+    huge = planner.state.asks.ask_for("sized", 40.0)  # predicted past nothing the card cannot hold
     assert huge.measured_peak_bytes is not None
     if huge.measured_peak_bytes <= room:
         assert huge.ask_bytes <= room
@@ -329,8 +329,8 @@ def test_a_key_whose_peaks_fit_both_cards_runs_on_both() -> None:
     planner.construct(0.0)
     for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
         _run_one(planner, task, peak, float(task))
-    ask = planner.asks.ask("spread")
-    rooms = [planner.bound(device, ask).room_bytes for device in (0, 1)]
+    ask = planner.state.asks.ask("spread")
+    rooms = [planner.views.bound(device, ask).room_bytes for device in (0, 1)]
     assert ask.room_capped and ask.ask_bytes == min(r for r in rooms if r is not None)
     for task in range(10, 14):
         planner.submit(task, "spread")
@@ -369,7 +369,7 @@ def test_a_running_task_is_rebooked_when_its_cards_room_shrinks() -> None:
     planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
     for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
         _run_one(planner, task, peak, float(task))
-    before = planner.asks.ask("spread")
+    before = planner.state.asks.ask("spread")
     assert before.room_capped
     planner.submit(10, "spread")
     verdict = planner.next_start(5.0)
@@ -379,9 +379,9 @@ def test_a_running_task_is_rebooked_when_its_cards_room_shrinks() -> None:
         free_bytes=2 * GiB, used_bytes=22 * GiB, process_bytes={1: GiB, 500: 20 * GiB}
     )
     planner.observe(0, reading, 6.0)
-    after = planner.asks.ask("spread")
+    after = planner.state.asks.ask("spread")
     assert after.ask_bytes == before.ask_bytes - GiB
-    [run] = planner.running.values()
+    [run] = planner.state.running.values()
     assert run.booked_bytes == after.ask_bytes
 
 
@@ -394,9 +394,9 @@ def test_room_freed_by_another_pool_at_census_lifts_the_held_ask_at_the_next_mea
     planner = _planner(records, total_bytes=24 * GiB, task_peak=4 * GiB)
     for task, peak in enumerate([1 * GiB, 20 * GiB, 2 * GiB]):
         _run_one(planner, task, peak, float(task))
-    before = planner.asks.ask("spread")
+    before = planner.state.asks.ask("spread")
     assert before.room_capped
-    uuid = planner.cards[0].census.uuid
+    uuid = planner.state.cards[0].census.uuid
     assert uuid is not None
     other = PoolBooking(
         pool_id="700.1",
@@ -411,6 +411,6 @@ def test_room_freed_by_another_pool_at_census_lifts_the_held_ask_at_the_next_mea
     )
     planner.observe_others(0, OtherPools(card_uuid=uuid), 4.5)  # its task ended
     _run_one(planner, 3, 2 * GiB, 5.0)
-    after = planner.asks.ask("spread")
+    after = planner.state.asks.ask("spread")
     assert after.room_capped
     assert after.ask_bytes == before.ask_bytes + GiB // 2

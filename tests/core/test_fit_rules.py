@@ -80,21 +80,21 @@ def start_all(planner: Planner, now_s: float, pid: int = 100) -> list[Start]:
 def test_the_fit_counts_what_fits_beside_the_runs_and_names_what_stops_more() -> None:
     records: list[Decision] = []
     planner = planner_on([card(30, 6)], records, estimate_bytes=5 * GiB, max_workers=8)
-    state = planner.cards[0]
-    ask = planner.asks.ask("a")
-    alone = fit(state, ask, [], reserve_bytes=0, ceiling=planner.ceiling, slots=8)
+    state = planner.state.cards[0]
+    ask = planner.state.asks.ask("a")
+    alone = fit(state, ask, [], reserve_bytes=0, ceiling=planner.state.ceiling, slots=8)
     assert (alone.more, alone.limit, alone.width) == (4, "memory", 4)  # 24 GiB room / 5 GiB
     beside = fit(
-        state, ask, [Booked("b", 12 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
+        state, ask, [Booked("b", 12 * GiB)], reserve_bytes=0, ceiling=planner.state.ceiling, slots=8
     )
     assert (beside.more, beside.width, beside.running) == (2, 3, 1)
     assert beside.next_bytes == 5 * GiB
     assert beside.left_bytes == 24 * GiB - 12 * GiB - 5 * GiB
-    slots = fit(state, ask, [], reserve_bytes=0, ceiling=planner.ceiling, slots=2)
+    slots = fit(state, ask, [], reserve_bytes=0, ceiling=planner.state.ceiling, slots=2)
     assert (slots.more, slots.limit) == (2, "max_workers")
     state.oom_cap = 2
     capped = fit(
-        state, ask, [Booked("a", 5 * GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=8
+        state, ask, [Booked("a", 5 * GiB)], reserve_bytes=0, ceiling=planner.state.ceiling, slots=8
     )
     assert (capped.more, capped.limit) == (1, "out_of_memory")
 
@@ -119,7 +119,7 @@ def test_on_unified_memory_the_width_counts_each_placed_tasks_child_rss_once() -
     planner.construct(0.0)
     for task in range(16):
         planner.submit(task, "a")
-    assert planner.fit(0, planner.asks.ask("a"), []).more == 8
+    assert planner.views.fit(0, planner.state.asks.ask("a"), []).more == 8
     first = planner.next_start(0.0)
     assert isinstance(first, Start)
     assert planner.width == 8
@@ -144,23 +144,25 @@ def test_on_unified_memory_a_kept_hold_books_the_head_as_its_hold_was_chosen() -
         emit=lambda _record: None,
     )
     planner.construct(0.0)
-    ask = planner.asks.ask("a")
-    state = planner.cards[0]
+    ask = planner.state.asks.ask("a")
+    state = planner.state.cards[0]
     chosen = head_hold(
         [state],
         ask,
         set(),
         reserve_bytes=0,
-        ceiling=planner.ceiling,
+        ceiling=planner.state.ceiling,
         expected_end_s=lambda run: run.started_s,
     )
     assert chosen is not None
     assert chosen.held_bytes == 3 * GiB
-    kept = keep_hold(chosen, state, ask, reserve_bytes=0, ceiling=planner.ceiling)
+    kept = keep_hold(chosen, state, ask, reserve_bytes=0, ceiling=planner.state.ceiling)
     assert kept is not None
     assert kept.held_bytes == chosen.held_bytes
     # Beside the held head (3 GiB + 1 GiB): three more tasks of 4 GiB on 16 GiB.
-    beside = fit(state, ask, kept.after(state), reserve_bytes=0, ceiling=planner.ceiling, slots=8)
+    beside = fit(
+        state, ask, kept.after(state), reserve_bytes=0, ceiling=planner.state.ceiling, slots=8
+    )
     assert beside.more == 3
 
 
@@ -168,10 +170,17 @@ def test_unreadable_cards_run_one_at_a_time() -> None:
     records: list[Decision] = []
     cards = [card_census(device=0, total_bytes=None, free_bytes=None)]
     planner = planner_on(cards, records, estimate_bytes=GiB, max_workers=4)
-    ask = planner.asks.ask("a")
-    empty = fit(planner.cards[0], ask, [], reserve_bytes=0, ceiling=planner.ceiling, slots=4)
+    ask = planner.state.asks.ask("a")
+    empty = fit(
+        planner.state.cards[0], ask, [], reserve_bytes=0, ceiling=planner.state.ceiling, slots=4
+    )
     busy = fit(
-        planner.cards[0], ask, [Booked("a", GiB)], reserve_bytes=0, ceiling=planner.ceiling, slots=4
+        planner.state.cards[0],
+        ask,
+        [Booked("a", GiB)],
+        reserve_bytes=0,
+        ceiling=planner.state.ceiling,
+        slots=4,
     )
     assert (empty.more, empty.limit, busy.more) == (1, "unreadable", 0)
 
@@ -181,19 +190,21 @@ def test_card_widths_share_the_ceiling_and_keep_the_serial_floor() -> None:
     planner = planner_on(
         [card(40, device=0), card(12, device=1)], records, estimate_bytes=5 * GiB, max_workers=6
     )
-    ask = planner.asks.ask("a")
+    ask = planner.state.asks.ask("a")
     fits = [
-        fit(c, ask, [], reserve_bytes=0, ceiling=planner.ceiling, slots=6) for c in planner.cards
+        fit(c, ask, [], reserve_bytes=0, ceiling=planner.state.ceiling, slots=6)
+        for c in planner.state.cards
     ]
-    decisions = card_widths(fits, planner.ceiling)
+    decisions = card_widths(fits, planner.state.ceiling)
     # 8 fit on the large card alone: the ceiling's 6 go there first, none is left for card 1.
     assert [(d.width, d.limit) for d in decisions] == [(6, "max_workers"), (0, "max_workers")]
-    planner.asks.hint("huge", 100 * GiB)
-    huge = planner.asks.ask("huge")
+    planner.state.asks.hint("huge", 100 * GiB)
+    huge = planner.state.asks.ask("huge")
     fits = [
-        fit(c, huge, [], reserve_bytes=0, ceiling=planner.ceiling, slots=6) for c in planner.cards
+        fit(c, huge, [], reserve_bytes=0, ceiling=planner.state.ceiling, slots=6)
+        for c in planner.state.cards
     ]
-    floor = card_widths(fits, planner.ceiling)
+    floor = card_widths(fits, planner.state.ceiling)
     assert [(d.width, d.limit) for d in floor] == [(1, "floor"), (0, "floor")]
 
 
@@ -219,19 +230,19 @@ def test_every_record_states_the_runs_on_its_card(
     def emit(record: Decision) -> None:
         records.append(record)
         if planner is not None:
-            stated.append((record, {c.index: len(c.runs) for c in planner.cards}))
+            stated.append((record, {c.index: len(c.runs) for c in planner.state.cards}))
 
     planner = planner_on(
         cards, records, estimate_bytes=small_gib * GiB, max_workers=max_workers, emit=emit
     )
-    planner.asks.hint("large", large_gib * GiB)
-    planner.asks.hint("small", small_gib * GiB)
+    planner.state.asks.hint("large", large_gib * GiB)
+    planner.state.asks.hint("small", small_gib * GiB)
     for task, large in enumerate(order):
         planner.submit(task, "large" if large else "small")
         start_all(planner, float(task))
-        if task % 3 == 2 and planner.running:
-            done = min(planner.running)
-            run = planner.running[done]
+        if task % 3 == 2 and planner.state.running:
+            done = min(planner.state.running)
+            run = planner.state.running[done]
             report = PeakReport(
                 device=run.device,
                 device_peak_bytes=run.booked_bytes,
@@ -276,11 +287,11 @@ def test_an_underestimate_raises_its_ask_and_caps_no_card() -> None:
         assert isinstance(verdict, Retry)
         assert "underestimated" in verdict.reason
         assert "something else" not in verdict.reason
-    assert planner.cards[0].oom_cap is None
-    assert planner.asks.ask("big").ask_bytes >= 6 * GiB
+    assert planner.state.cards[0].oom_cap is None
+    assert planner.state.asks.ask("big").ask_bytes >= 6 * GiB
     for task in planner.pending_tasks():
         planner.withdraw(task)
-    planner.asks.hint("small", 1300 * MiB)
+    planner.state.asks.hint("small", 1300 * MiB)
     for task in range(100, 112):
         planner.submit(task, "small")
     assert len(start_all(planner, 2.0)) == 6
@@ -300,7 +311,7 @@ def test_something_that_grew_caps_the_card_until_the_reading_shows_the_room_back
     spike = 20 * GiB
 
     def reading(co_tenant_bytes: int) -> CardReading:
-        rows = {100 + r: 3 * GiB for r in planner.running}
+        rows = {100 + r: 3 * GiB for r in planner.state.running}
         used = co_tenant_bytes + sum(rows.values())
         return CardReading(free_bytes=total - used, used_bytes=used, process_bytes=rows)
 
@@ -308,24 +319,24 @@ def test_something_that_grew_caps_the_card_until_the_reading_shows_the_room_back
         starts[0].task, oom_report(0, 3 * GiB, 2 * GiB), reading(2 * GiB + spike), 1.0, error="oom"
     )
     assert isinstance(verdict, Retry)
-    assert planner.cards[0].oom_cap == 5
+    assert planner.state.cards[0].oom_cap == 5
     # The spike goes on: readings show it, and the cap holds however long.
     for step in range(5):
         planner.observe(0, reading(2 * GiB + spike), 2.0 + step)
-    assert planner.cards[0].oom_cap == 5
+    assert planner.state.cards[0].oom_cap == 5
     # The spike ends: the cap lifts only after the room has been back CAP_LIFT_AFTER_S.
     planner.observe(0, reading(2 * GiB), 10.0)
-    assert planner.cards[0].oom_cap == 5
+    assert planner.state.cards[0].oom_cap == 5
     planner.observe(0, reading(2 * GiB), 10.0 + CAP_LIFT_AFTER_S)
-    assert planner.cards[0].oom_cap is None
+    assert planner.state.cards[0].oom_cap is None
     lifted = [r for r in records if r.event == "cap_lifted"]
     assert len(lifted) == 1
     terms = lifted[0].to_dict()
     assert terms["oom_cap_before"] == 5
     assert terms["live_not_pool_bytes"] == 2 * GiB
     assert terms["width_after"] == 6
-    while planner.running:
-        planner.finished(min(planner.running), None, 11.0)
+    while planner.state.running:
+        planner.finished(min(planner.state.running), None, 11.0)
     planner.observe(0, reading(2 * GiB), 12.0)
     assert len(start_all(planner, 12.0)) == 6
 
@@ -339,18 +350,18 @@ def test_a_cap_does_not_lift_on_one_good_reading_between_bad_ones() -> None:
     starts = start_all(planner, 0.0)
 
     def reading(co_tenant_bytes: int) -> CardReading:
-        used = co_tenant_bytes + 2 * GiB * len(planner.running)
-        rows = {100 + r: 2 * GiB for r in planner.running}
+        used = co_tenant_bytes + 2 * GiB * len(planner.state.running)
+        rows = {100 + r: 2 * GiB for r in planner.state.running}
         return CardReading(free_bytes=total - used, used_bytes=used, process_bytes=rows)
 
     planner.out_of_memory(
         starts[0].task, oom_report(0, 2 * GiB, GiB), reading(8 * GiB), 0.5, error="oom"
     )
-    assert planner.cards[0].oom_cap == 3
+    assert planner.state.cards[0].oom_cap == 3
     for step in range(10):  # good, bad, good, bad: never CAP_LIFT_AFTER_S of good in a row
         co_tenant = 0 if step % 2 == 0 else 8 * GiB
         planner.observe(0, reading(co_tenant), 1.0 + step * CAP_LIFT_AFTER_S * 0.6)
-    assert planner.cards[0].oom_cap == 3
+    assert planner.state.cards[0].oom_cap == 3
 
 
 # -- the room held for a waiting head -------------------------------------------------------
@@ -364,8 +375,8 @@ def test_small_tasks_keep_starting_while_a_large_head_waits_and_never_delay_it()
     moment the first two end (3 s), not later; a record says what is held and why."""
     records: list[Decision] = []
     planner = planner_on([card(40)], records, estimate_bytes=2 * GiB, max_workers=6)
-    planner.asks.hint("large", 18 * GiB)
-    planner.asks.hint("small", 2 * GiB)
+    planner.state.asks.hint("large", 18 * GiB)
+    planner.state.asks.hint("small", 2 * GiB)
     took_s = {"large": 3.0, "small": 0.5}
     for task in range(63):
         planner.submit(task, "large" if task < 3 else "small")
@@ -376,15 +387,15 @@ def test_small_tasks_keep_starting_while_a_large_head_waits_and_never_delay_it()
     while True:
         while isinstance(verdict := planner.next_start(now), Start):
             planner.started(verdict.task, verdict.device, 100 + verdict.task, now)
-            run = planner.running[verdict.task]
+            run = planner.state.running[verdict.task]
             started_s[verdict.task] = now
             heapq.heappush(ends, (now + took_s[run.key], verdict.task))
-            hold = planner.hold
+            hold = planner.order.hold
             if run.key == "small" and hold is not None:
                 beside_hold += 1
-                kept = [r for t, r in planner.cards[0].runs.items() if t not in hold.ending]
+                kept = [r for t, r in planner.state.cards[0].runs.items() if t not in hold.ending]
                 assert sum(r.booked_bytes for r in kept) + hold.held_bytes <= 40 * GiB
-                assert planner.width <= len(planner.running) + 1
+                assert planner.width <= len(planner.state.running) + 1
         if not ends:
             break
         now, done = heapq.heappop(ends)
@@ -408,7 +419,7 @@ def test_the_head_starts_when_the_runs_its_hold_first_named_end() -> None:
     records: list[Decision] = []
     planner = planner_on([card(40)], records, estimate_bytes=2 * GiB, max_workers=6)
     for key, size_gib in {"m": 11, "l": 14, "large": 20, "quick": 2, "slow": 2}.items():
-        planner.asks.hint(key, size_gib * GiB)
+        planner.state.asks.hint(key, size_gib * GiB)
     tasks = [("m", 1.0), ("m", 3.0), ("l", 10.0), ("large", 1.0)]
     tasks += [("quick", 0.25)] * 6 + [("slow", 5.0)] * 20
     for task, (key, _took_s) in enumerate(tasks):
@@ -422,8 +433,8 @@ def test_the_head_starts_when_the_runs_its_hold_first_named_end() -> None:
             planner.started(verdict.task, verdict.device, 100 + verdict.task, now)
             started_s[verdict.task] = now
             heapq.heappush(ends, (now + tasks[verdict.task][1], verdict.task))
-            if first_hold is None and planner.hold is not None:
-                first_hold = planner.hold.ending
+            if first_hold is None and planner.order.hold is not None:
+                first_hold = planner.order.hold.ending
         if not ends:
             break
         now, done = heapq.heappop(ends)
@@ -442,7 +453,7 @@ def test_a_retry_put_in_front_of_a_waiting_head_does_not_reset_its_turn() -> Non
     records: list[Decision] = []
     planner = planner_on([card(46)], records, estimate_bytes=2 * GiB, max_workers=6)
     for key, size_gib in {"b": 14, "a": 14, "large": 20, "quick": 2, "slow": 2}.items():
-        planner.asks.hint(key, size_gib * GiB)
+        planner.state.asks.hint(key, size_gib * GiB)
     tasks = [("b", 3.0), ("a", 10.0), ("large", 1.0)]
     tasks += [("quick", 0.25)] * 6 + [("slow", 5.0)] * 20
     for task, (key, _took_s) in enumerate(tasks):
@@ -459,11 +470,11 @@ def test_a_retry_put_in_front_of_a_waiting_head_does_not_reset_its_turn() -> Non
         if not ends:
             break
         now, done = heapq.heappop(ends)
-        if done not in planner.running:
+        if done not in planner.state.running:
             continue  # its run ran out of memory and was retried
         planner.finished(done, None, now)
         if retried is None and now >= 0.5:
-            slow = min(t for t, run in planner.running.items() if run.key == "slow")
+            slow = min(t for t, run in planner.state.running.items() if run.key == "slow")
             verdict = planner.out_of_memory(
                 slow, oom_report(0, 3 * GiB, GiB), None, now, error="oom"
             )
@@ -513,8 +524,8 @@ def test_no_more_workers_boot_than_the_tasks_that_fit_now() -> None:
     workers share the host's CPUs with each other."""
     records: list[Decision] = []
     planner = planner_on([card(40, 7)], records, estimate_bytes=2 * GiB, max_workers=8)
-    planner.asks.hint("large", 11 * GiB)
-    planner.asks.hint("small", 2500 * MiB)
+    planner.state.asks.hint("large", 11 * GiB)
+    planner.state.asks.hint("small", 2500 * MiB)
     for task in range(40):
         planner.submit(task, "large" if task % 3 == 0 else "small")
     booting = 0

@@ -142,14 +142,14 @@ def test_the_incident_card_packs_three_after_three_agreeing_samples() -> None:
         policy=Policy(learned=True),
         max_workers=4,
     )
-    room = planner.bound(0, planner.asks.ask("entry")).room_bytes
+    room = planner.views.bound(0, planner.state.asks.ask("entry")).room_bytes
     assert room is not None and abs(room / GiB - 18.40) < 0.01
     widths = []
     for _sample in range(3):
-        planner.asks.measure("entry", INCIDENT_MEASURED_PEAK_BYTES)
-        decision = planner.decide(planner.asks.ask("entry"))[0]
+        planner.state.asks.measure("entry", INCIDENT_MEASURED_PEAK_BYTES)
+        decision = planner.views.decide(planner.state.asks.ask("entry"))[0]
         widths.append(decision.width)
-    ask = planner.asks.ask("entry").ask_bytes
+    ask = planner.state.asks.ask("entry").ask_bytes
     assert ask <= room // 3 and ask / GiB < 6.10
     assert widths == [2, 2, 3]
     fixed = Policy().margin_for(INCIDENT_MEASURED_PEAK_BYTES) + INCIDENT_MEASURED_PEAK_BYTES
@@ -225,14 +225,14 @@ def test_k_times_the_learned_ask_plus_the_terms_never_exceeds_the_room(
         now += 0.1
         # Start what the bound admits; each start checked against the card's total.
         while True:
-            used = sum(r.booked_bytes // 2 for r in planner.running.values())
+            used = sum(r.booked_bytes // 2 for r in planner.state.running.values())
             planner.observe(
                 0,
                 CardReading(
                     free_bytes=max(0, total - co_tenant - own - used),
                     used_bytes=co_tenant + own + used,
                     process_bytes={1: own}
-                    | {r.pid or 0: r.booked_bytes // 2 for r in planner.running.values()},
+                    | {r.pid or 0: r.booked_bytes // 2 for r in planner.state.running.values()},
                 ),
                 now,
             )
@@ -240,27 +240,27 @@ def test_k_times_the_learned_ask_plus_the_terms_never_exceeds_the_room(
             if not isinstance(verdict, Start):
                 break
             if not verdict.past_bound:
-                booked = sum(r.booked_bytes for r in planner.running.values())
+                booked = sum(r.booked_bytes for r in planner.state.running.values())
                 assert booked + verdict.booked_bytes + terms <= total
             planner.started(verdict.task, verdict.device, pid, now)
             pid += 1
-        for decision in planner.decide(planner.asks.ask("k")):
+        for decision in planner.views.decide(planner.state.asks.ask("k")):
             # The serial floor (no room for one task) is the one width past the bound.
             # A width counts the tasks running there: where it admits more than those,
             # they all fit together.
-            running_here = sum(1 for r in planner.running.values() if r.device == 0)
+            running_here = sum(1 for r in planner.state.running.values() if r.device == 0)
             if decision.limit != "floor" and decision.width > running_here:
-                ask = planner.asks.ask("k")
+                ask = planner.state.asks.ask("k")
                 together = ask.together_bytes(decision.width)
                 assert together <= decision.width * ask.ask_bytes
                 assert together + terms <= total
-        if not planner.running:
+        if not planner.state.running:
             break
-        running = sorted(planner.running)
+        running = sorted(planner.state.running)
         task = running[0] if finish_first[index % len(finish_first)] else running[-1]
         report = PeakReport(device=0, device_peak_bytes=peak_mib * MiB, device_source="simulator")
         planner.finished(task, report, now)
         # The least learned margin, except where the ask is held at the card's room for one
         # task (a peak within the floor of the room: the room wins, the task runs alone).
-        learned = planner.asks.ask("k")
+        learned = planner.state.asks.ask("k")
         assert learned.margin_bytes >= MARGIN_FLOOR_BYTES or learned.room_capped

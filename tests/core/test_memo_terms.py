@@ -109,7 +109,7 @@ class MemoTermsMachine(PlannerMachine):
         if not hasattr(self, "planner"):
             return
         groups: dict[tuple[int, str], list[int]] = {}
-        for run in self.planner.running.values():
+        for run in self.planner.state.running.values():
             if run.device is None:
                 continue
             if run.key == SIZED:
@@ -125,8 +125,8 @@ class MemoTermsMachine(PlannerMachine):
         if not hasattr(self, "planner"):
             return
         planner = self.planner
-        terms = {"reserve_bytes": self.config.reserve_bytes, "ceiling": planner.ceiling}
-        slots = planner.ceiling.value - len(planner.running)
+        terms = {"reserve_bytes": self.config.reserve_bytes, "ceiling": planner.state.ceiling}
+        slots = planner.state.ceiling.value - len(planner.state.running)
         fresh_table = AskTable(
             policy=self.asks.policy,
             default_estimate_bytes=self.asks.default_estimate_bytes,
@@ -137,12 +137,12 @@ class MemoTermsMachine(PlannerMachine):
             ask = self.asks.ask_for(SIZED, size)
             assert ask == fresh_table.ask_for(SIZED, size), size
             fits = []
-            for card in planner.cards:
+            for card in planner.state.cards:
                 assert card_bound(card, ask, **terms) == _card_bound(card, ask, **terms)
                 walked = walked_fit(card, ask, list(card.runs.values()), slots=slots, **terms)
-                assert planner.fit(card.index, ask) == walked
+                assert planner.views.fit(card.index, ask) == walked
                 fits.append(walked)
-            assert planner.decide(ask) == card_widths(fits, planner.ceiling)
+            assert planner.views.decide(ask) == card_widths(fits, planner.state.ceiling)
 
 
 MemoTermsMachine.TestCase.settings = settings(

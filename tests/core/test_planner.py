@@ -155,9 +155,9 @@ class PlannerMachine(RuleBasedStateMachine):
         if self.config.fixed_width is not None:
             return
         ask = record.key_ask if record.key_ask is not None else self.asks.ask("")
-        fit = self.planner.decide(ask)[record.device]
+        fit = self.planner.views.decide(ask)[record.device]
         assert record.width_after == fit.width, record.to_dict()
-        runs = sum(1 for r in self.planner.running.values() if r.device == record.device)
+        runs = sum(1 for r in self.planner.state.running.values() if r.device == record.device)
         assert fit.width >= runs
         self.records_checked += 1
 
@@ -169,7 +169,7 @@ class PlannerMachine(RuleBasedStateMachine):
         assert card.total_bytes is not None
         running = {
             r.pid: min(r.booked_bytes, r.booked_bytes // 2)
-            for r in self.planner.running.values()
+            for r in self.planner.state.running.values()
             if r.device == device and r.pid is not None
         }
         used = self.live_used[device] + self.own_bytes[device] + sum(running.values())
@@ -180,7 +180,7 @@ class PlannerMachine(RuleBasedStateMachine):
         )
 
     def running_ids(self) -> list[int]:
-        return sorted(self.planner.running)
+        return sorted(self.planner.state.running)
 
     # -- rules ----------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class PlannerMachine(RuleBasedStateMachine):
         before = len(self.records)
         verdict = self.planner.next_start(self.now_s, self.workers())
         if verdict is None:
-            assert not self.planner.pending
+            assert not self.planner.state.pending
             return
         if isinstance(verdict, Wait):
             return
@@ -209,31 +209,31 @@ class PlannerMachine(RuleBasedStateMachine):
         if isinstance(verdict, Warm):
             # A worker is started where the task fits now; nothing is started yet.
             assert self.cold
-            assert verdict.task in self.planner.pending
+            assert verdict.task in self.planner.state.pending
             assert self.ready.get(verdict.device, 0) == 0
             self.booting[verdict.device] = self.booting.get(verdict.device, 0) + 1
-            assert sum(self.booting.values()) <= len(self.planner.pending)
+            assert sum(self.booting.values()) <= len(self.planner.state.pending)
             return
         if isinstance(verdict, Fail):
             assert verdict.kind == "room_wait_expired"
-            assert verdict.task not in self.planner.pending
+            assert verdict.task not in self.planner.state.pending
             self.settled += 1
             return
         assert isinstance(verdict, Start)
         task = verdict.task
-        assert task in self.planner.pending
+        assert task in self.planner.state.pending
         if verdict.past_bound:
             # The only start past the bound: the logged serial floor, with nothing running.
-            assert not self.planner.running
+            assert not self.planner.state.running
             assert any(r.event == "serial_start" for r in self.records[before:])
         elif self.config.fixed_width is not None:
-            assert len(self.planner.running) < self.config.fixed_width
+            assert len(self.planner.state.running) < self.config.fixed_width
         else:
             device = verdict.device
             assert device is not None
             ask = self.planner.ask_of(task)
-            busy = [r for r in self.planner.running.values() if r.device == device]
-            bound = self.planner.bound(device, ask)
+            busy = [r for r in self.planner.state.running.values() if r.device == device]
+            bound = self.planner.views.bound(device, ask)
             booking = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
             assert verdict.booked_bytes == booking <= ask.ask_bytes
             # DESIGN, "The bound": a task starts only while what the tasks there book plus
@@ -245,8 +245,8 @@ class PlannerMachine(RuleBasedStateMachine):
                 host = bound.host_per_task_bytes
                 booked = sum(r.booked_bytes + host for r in busy)
                 assert booked + booking + host <= bound.room_bytes
-            assert len(self.planner.running) < self.planner.ceiling.value
-            cap = self.planner.cards[device].oom_cap
+            assert len(self.planner.state.running) < self.planner.state.ceiling.value
+            cap = self.planner.state.cards[device].oom_cap
             assert cap is None or len(busy) < cap
             reading = self.reading(device)
             rows = reading.process_bytes or {}
@@ -279,29 +279,29 @@ class PlannerMachine(RuleBasedStateMachine):
         nothing the planner decides from."""
         planner = self.planner
         before = (
-            tuple(planner.pending),
-            tuple(sorted(planner.running)),
+            tuple(planner.state.pending),
+            tuple(sorted(planner.state.running)),
             {k: self.asks.ask(k).ask_bytes for k in self.asks.keys()},  # noqa: SIM118
-            [c.width for c in planner.cards],
+            [c.width for c in planner.state.cards],
             planner.width,
         )
         by_key = planner.widths_by_key()
-        limits = [planner.warm_limit(i, self.now_s) for i in range(len(planner.cards))]
+        limits = [planner.warm_limit(i, self.now_s) for i in range(len(planner.state.cards))]
         after = (
-            tuple(planner.pending),
-            tuple(sorted(planner.running)),
+            tuple(planner.state.pending),
+            tuple(sorted(planner.state.running)),
             {k: self.asks.ask(k).ask_bytes for k in self.asks.keys()},  # noqa: SIM118
-            [c.width for c in planner.cards],
+            [c.width for c in planner.state.cards],
             planner.width,
         )
         assert before == after
-        assert all(1 <= width <= planner.ceiling.value for width in by_key.values())
+        assert all(1 <= width <= planner.state.ceiling.value for width in by_key.values())
         assert all(
-            limit >= sum(1 for r in planner.running.values() if r.device == i)
+            limit >= sum(1 for r in planner.state.running.values() if r.device == i)
             for i, limit in enumerate(limits)
         )
 
-    @precondition(lambda self: self.planner.running)
+    @precondition(lambda self: self.planner.state.running)
     @rule(
         data=st.data(),
         factor=st.floats(0.3, 1.4),
@@ -312,7 +312,7 @@ class PlannerMachine(RuleBasedStateMachine):
         """A task ends; its peak is priced at once, or (as the dispatcher does, once per turn)
         at a later :meth:`settle`, other events coming between."""
         task = data.draw(st.sampled_from(self.running_ids()))
-        run = self.planner.running[task]
+        run = self.planner.state.running[task]
         report = PeakReport(
             device=run.device,
             device_peak_bytes=int(run.booked_at_start_bytes * factor)
@@ -328,20 +328,20 @@ class PlannerMachine(RuleBasedStateMachine):
         self.settled += 1
         self.run_queued_after(task, run)
 
-    @precondition(lambda self: self.planner._learned)
+    @precondition(lambda self: self.planner.learning.learned())
     @rule()
     def settle(self) -> None:
         """What the tasks that ended since measured is priced: each key's ask takes every
         peak kept for it."""
-        samples = {key: self.asks.ask(key).samples for key in self.planner._learned}
-        kept = {key: len(learned.peaks) for key, learned in self.planner._learned.items()}
+        samples = {key: self.asks.ask(key).samples for key in self.planner.learning.learned()}
+        kept = {key: len(learned.peaks) for key, learned in self.planner.learning.learned().items()}
         self.planner.settle(self.now_s)
-        assert not self.planner._learned
+        assert not self.planner.learning.learned()
         for key, count in kept.items():
             if self.asks.ask(key).basis == "measured":
                 assert self.asks.ask(key).samples == samples[key] + count
 
-    @precondition(lambda self: self.planner.running)
+    @precondition(lambda self: self.planner.state.running)
     @rule(
         data=st.data(),
         reached=st.floats(0.0, 1.5),
@@ -352,7 +352,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self, data: st.DataObject, reached: float, requested_mib: int, fill: bool
     ) -> None:
         task = data.draw(st.sampled_from(self.running_ids()))
-        run = self.planner.running[task]
+        run = self.planner.state.running[task]
         key = run.key
         # An out-of-memory is judged after the peaks of the tasks that ended before it are
         # priced (the planner settles them first): the ask before it is the settled one.
@@ -373,25 +373,25 @@ class PlannerMachine(RuleBasedStateMachine):
                 reading = CardReading(
                     free_bytes=0, used_bytes=reading.used_bytes, process_bytes=reading.process_bytes
                 )
-        caps_before = [c.oom_cap for c in self.planner.cards]
+        caps_before = [c.oom_cap for c in self.planner.state.cards]
         own_ask = run.ask_bytes
         verdict = self.planner.out_of_memory(task, report, reading, self.now_s, error="oom")
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
         if lower > own_ask:
             # An underestimate (judged against the task's own ask when it started) raises
             # its key's ask and caps no card.
-            assert [c.oom_cap for c in self.planner.cards] == caps_before
+            assert [c.oom_cap for c in self.planner.state.cards] == caps_before
         assert isinstance(verdict, (Retry, Fail))
         if isinstance(verdict, Retry):
-            assert self.planner.pending[0] == task
+            assert self.planner.state.pending[0] == task
         else:
-            assert task not in self.planner.pending
-            assert task not in self.planner.running
+            assert task not in self.planner.state.pending
+            assert task not in self.planner.state.running
             self.settled += 1
         assert self.asks.ask(key).ask_bytes >= ask_before
         self.declined_after(task)
 
-    @precondition(lambda self: self.planner.running)
+    @precondition(lambda self: self.planner.state.running)
     @rule(data=st.data())
     def lose(self, data: st.DataObject) -> None:
         task = data.draw(st.sampled_from(self.running_ids()))
@@ -400,23 +400,25 @@ class PlannerMachine(RuleBasedStateMachine):
         self.settled += 1
         self._requeued_in_order(task)
 
-    @precondition(lambda self: self.planner.running)
+    @precondition(lambda self: self.planner.state.running)
     @rule(data=st.data())
     def queue_behind(self, data: st.DataObject) -> None:
         run_task = data.draw(st.sampled_from(self.running_ids()))
-        run = self.planner.running[run_task]
-        head = self.planner.pending[0] if self.planner.pending else None
+        run = self.planner.state.running[run_task]
+        head = self.planner.state.pending[0] if self.planner.state.pending else None
         queued = self.planner.queue_behind(run_task)
         if queued is None:
             return
         # Only the queue's head, of the run's key, short, in the run's booking; counted apart.
         assert queued == head
-        assert list(self.queued_on.values()).count(run_task) < self.planner.queue_depth(run.key)
-        assert self.planner.queue_depth(run.key) <= QUEUE_DEPTH
-        assert self.planner.tasks[queued].key == run.key
-        assert self.planner.short(run.key)
+        assert list(self.queued_on.values()).count(run_task) < self.planner.durations.queue_depth(
+            run.key
+        )
+        assert self.planner.durations.queue_depth(run.key) <= QUEUE_DEPTH
+        assert self.planner.state.tasks[queued].key == run.key
+        assert self.planner.durations.short(run.key)
         assert run.device is None or self.asks.ask(run.key).ask_bytes <= run.booked_bytes
-        assert queued not in self.planner.pending and queued not in self.planner.running
+        assert queued not in self.planner.state.pending and queued not in self.planner.state.running
         self.queued_on[queued] = run_task
         event("a task queued behind a run")
 
@@ -433,8 +435,8 @@ class PlannerMachine(RuleBasedStateMachine):
         for position, queued in enumerate(behind):
             del self.queued_on[queued]
             self.planner.requeue(queued)
-            assert self.planner.pending[position] == queued
-            assert queued not in self.planner.running
+            assert self.planner.state.pending[position] == queued
+            assert queued not in self.planner.state.running
 
     def run_queued_after(self, task: int, run: Run) -> None:
         """``task`` (``run``) ended: what was queued behind it runs on its worker, in the
@@ -449,9 +451,9 @@ class PlannerMachine(RuleBasedStateMachine):
             self.queued_on[later] = next_task
         device = self.worker_of.pop(task, None)
         self.worker_of[next_task] = device
-        card = self.planner.cards[device] if device is not None else None
+        card = self.planner.state.cards[device] if device is not None else None
         self.planner.run_queued(next_task, device, run.pid, self.now_s)
-        assert next_task in self.planner.running
+        assert next_task in self.planner.state.running
         if card is not None and run.device is not None:
             key_bytes = sum(r.booked_bytes for r in card.runs.values() if r.key == run.key)
             count = sum(1 for r in card.runs.values() if r.key == run.key)
@@ -459,10 +461,10 @@ class PlannerMachine(RuleBasedStateMachine):
             # price, as they were before the run ended (unless the price itself moved).
             assert key_bytes == self.asks.ask(run.key).together_bytes(count)
 
-    @precondition(lambda self: self.planner.pending)
+    @precondition(lambda self: self.planner.state.pending)
     @rule(data=st.data())
     def withdraw(self, data: st.DataObject) -> None:
-        task = data.draw(st.sampled_from(list(self.planner.pending)))
+        task = data.draw(st.sampled_from(list(self.planner.state.pending)))
         self.planner.withdraw(task)
         self.settled += 1
 
@@ -485,19 +487,51 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_task_is_lost(self) -> None:
-        held = len(self.planner.pending) + len(self.planner.running) + len(self.planner.queued)
+        held = (
+            len(self.planner.state.pending)
+            + len(self.planner.state.running)
+            + len(self.planner.queue.queued)
+        )
         assert held + self.settled == self.submitted
-        assert set(self.planner.pending).isdisjoint(self.planner.running)
-        assert set(self.planner.queued).isdisjoint(self.planner.pending)
-        assert set(self.planner.queued).isdisjoint(self.planner.running)
-        assert set(self.planner.queued.values()) <= set(self.planner.running)
+        assert set(self.planner.state.pending).isdisjoint(self.planner.state.running)
+        assert set(self.planner.queue.queued).isdisjoint(self.planner.state.pending)
+        assert set(self.planner.queue.queued).isdisjoint(self.planner.state.running)
+        assert set(self.planner.queue.queued.values()) <= set(self.planner.state.running)
         # What the next start reads instead of walking the queue: pending tasks per key.
-        keys = collections.Counter(self.planner.tasks[t].key for t in self.planner.pending)
-        assert keys == +self.planner._pending_by_key
+        keys = collections.Counter(
+            self.planner.state.tasks[t].key for t in self.planner.state.pending
+        )
+        assert keys == +self.planner.state.pending_by_key
         # What a start, a finish and a fit read instead of walking a card's runs.
-        for card in self.planner.cards:
+        for card in self.planner.state.cards:
             assert card.booked_bytes == sum(r.booked_bytes for r in card.runs.values())
             assert +card.runs_by_key == collections.Counter(r.key for r in card.runs.values())
+
+    @invariant()
+    def the_surface_is_a_view_of_the_rooms(self) -> None:
+        """What the process layer reads (the planner's views) says what the rooms hold, and
+        the state's runs are the cards' runs."""
+        if not hasattr(self, "planner"):
+            return
+        planner, state = self.planner, self.planner.state
+        for card in state.cards:
+            assert card.runs == {t: r for t, r in state.running.items() if r.device == card.index}
+            assert [
+                (b.worker_pid, b.key, b.booked_bytes) for b in planner.bookings_on(card.index)
+            ] == [(r.pid, r.key, r.booked_bytes) for r in card.runs.values() if r.pid is not None]
+        assert planner.pending_tasks() == tuple(state.pending)
+        assert planner.has_pending() == bool(state.pending)
+        assert planner.may_start() == (len(state.running) < state.ceiling.value)
+        assert all(planner.is_queued(t) for t in planner.queue.queued)
+        assert not any(planner.is_queued(t) for t in state.pending)
+        assert set(planner.waiting_for_room()) <= set(state.pending)
+        assert [key for key, _ in planner.waiting_asks(0, len(state.pending))] == [
+            state.tasks[t].key for t in state.pending
+        ]
+        assert planner.counts is state.counts
+        assert planner.strict_refusal() is planner.views.refused
+        assert planner.unsettled == bool(planner.learning.learned())
+        assert planner.widths is planner.log.widths
 
     @invariant()
     def the_memos_answer_as_a_fresh_computation(self) -> None:
@@ -506,23 +540,23 @@ class PlannerMachine(RuleBasedStateMachine):
         if not hasattr(self, "planner"):
             return
         planner = self.planner
-        terms = {"reserve_bytes": self.config.reserve_bytes, "ceiling": planner.ceiling}
-        slots = planner.ceiling.value - len(planner.running)
+        terms = {"reserve_bytes": self.config.reserve_bytes, "ceiling": planner.state.ceiling}
+        slots = planner.state.ceiling.value - len(planner.state.running)
         for key in {"", *self.asks.keys()}:
             ask = self.asks.ask(key)
             fresh = dataclasses.replace(ask)  # the same price, with no memo of its own
             fits = []
-            for card in planner.cards:
+            for card in planner.state.cards:
                 bound = _card_bound(card, fresh, **terms)
                 assert card_bound(card, ask, **terms) == bound
                 runs = list(card.runs.values())
                 walked = walked_fit(card, fresh, runs, slots=slots, **terms)
-                assert planner.fit(card.index, ask) == walked
+                assert planner.views.fit(card.index, ask) == walked
                 fits.append(walked)
-            assert planner.decide(ask) == card_widths(fits, planner.ceiling)
-            for count in range(planner.ceiling.value + 2):
+            assert planner.views.decide(ask) == card_widths(fits, planner.state.ceiling)
+            for count in range(planner.state.ceiling.value + 2):
                 assert ask.together_bytes(count) == dataclasses.replace(ask).together_bytes(count)
-        for card in planner.cards:
+        for card in planner.state.cards:
             by_key: collections.Counter[str] = collections.Counter()
             for run in card.runs.values():
                 by_key[run.key] += run.booked_bytes
@@ -540,7 +574,7 @@ class PlannerMachine(RuleBasedStateMachine):
         if not hasattr(self, "planner"):
             return
         groups: dict[tuple[int, str], list[int]] = {}
-        for run in self.planner.running.values():
+        for run in self.planner.state.running.values():
             if run.device is not None:
                 groups.setdefault((run.device, run.key), []).append(run.booked_bytes)
         for (_, key), booked in groups.items():
@@ -549,7 +583,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_width_is_honest(self) -> None:
-        assert 1 <= self.planner.width <= self.planner.ceiling.value
+        assert 1 <= self.planner.width <= self.planner.state.ceiling.value
 
     @invariant()
     def records_are_bounded(self) -> None:
@@ -561,7 +595,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_own_high_water_only_grows(self) -> None:
-        for index, card in enumerate(self.planner.cards):
+        for index, card in enumerate(self.planner.state.cards):
             assert card.own_high_water_bytes >= self.own_bytes[index]
 
 
@@ -597,7 +631,7 @@ def test_the_reported_width_never_passes_an_out_of_memory_cap():
     oom = PeakReport(device=0, device_peak_bytes=2 * GiB, device_source="simulator", oom=True)
     verdict = planner.out_of_memory(0, oom, None, 0.2, error="oom")
     assert isinstance(verdict, Retry)
-    cap = planner.cards[0].oom_cap
+    cap = planner.state.cards[0].oom_cap
     assert cap == 3
     for task in (1, 2, 3):
         small = PeakReport(device=0, device_peak_bytes=256 * MiB, device_source="simulator")
@@ -690,7 +724,7 @@ def test_a_gate_that_shuts_and_opens_a_thousand_times_is_recorded_once_and_keeps
         assert isinstance(planner.next_start(now), Wait)
         assert planner.warm_limit(0, now) >= 2  # one shut reading retires nothing
         planner.observe(0, empty, now + 0.001)
-        planner.cards[0].gate_shut_since_s = None  # the gate opened (as a start would)
+        planner.state.cards[0].gate_shut_since_s = None  # the gate opened (as a start would)
     gates = [r for r in records if r.event == "live_gate_wait"]
     assert len(gates) == 1
     planner.observe(0, full, 10.0)
@@ -721,7 +755,7 @@ def test_the_live_gate_counts_an_idle_workers_context_once():
         planner.submit(task, "k")
 
     def observe(idle: dict[int, int]) -> None:
-        rows = {r.pid or 0: r.booked_bytes for r in planner.running.values()} | idle
+        rows = {r.pid or 0: r.booked_bytes for r in planner.state.running.values()} | idle
         used = co_tenant + own + sum(rows.values())
         planner.observe(
             0,
@@ -731,8 +765,8 @@ def test_the_live_gate_counts_an_idle_workers_context_once():
 
     observe({})
     assert len(start_all(planner, 0.1)) == 5
-    done = min(planner.running)
-    pid = planner.running[done].pid
+    done = min(planner.state.running)
+    pid = planner.state.running[done].pid
     assert pid is not None
     planner.finished(
         done, PeakReport(device=0, device_peak_bytes=ask, device_source="simulator"), 0.2
@@ -748,7 +782,7 @@ def test_the_live_gate_counts_an_idle_workers_context_once():
     planner.finished(
         verdict.task, PeakReport(device=0, device_peak_bytes=ask, device_source="simulator"), 0.4
     )
-    planner.cards[0].worker_pids.discard(pid)
+    planner.state.cards[0].worker_pids.discard(pid)
     observe({pid: context})
     assert isinstance(planner.next_start(0.5), Wait)
 

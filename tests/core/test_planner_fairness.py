@@ -43,8 +43,8 @@ def test_small_tasks_pass_a_blocked_large_head_a_bounded_number_of_times():
     report = PeakReport(device=0, device_peak_bytes=20 * GiB, device_source="simulator")
     planner.finished(1, report, 0.2)
     planner.submit(50, "large")
-    planner.pending.rotate(1)  # the new large task to the head of the queue
-    assert planner.pending[0] == 50
+    planner.state.pending.rotate(1)  # the new large task to the head of the queue
+    assert planner.state.pending[0] == 50
     skipped = 0
     while True:
         verdict = planner.next_start(0.3)
@@ -55,6 +55,6 @@ def test_small_tasks_pass_a_blocked_large_head_a_bounded_number_of_times():
         planner.started(verdict.task, verdict.device, pid, 0.3)
         pid += 1
         skipped += 1
-        done = next(t for t in planner.running if t != verdict.task)
+        done = next(t for t in planner.state.running if t != verdict.task)
         planner.finished(done, None, 0.3)
     assert 1 <= skipped <= config.max_workers

@@ -7,7 +7,7 @@ import pytest
 from gpupool._core import AskTable, Policy
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
-from gpupool._core.planner.queued import (
+from gpupool._core.planner.durations import (
     LONG_MEMORY_TASKS,
     LONG_TASK_S,
     QUEUE_DEPTH,
@@ -72,7 +72,7 @@ def test_as_many_wait_behind_a_run_as_the_keys_mean_run_time_fits(
     about ``QUEUED_WORK_S``), never fewer than ``QUEUE_DEPTH_LEAST``; so many are queued."""
     planner = _planner()
     _timed(planner, "k", mean_s)
-    assert planner.queue_depth("k") == depth
+    assert planner.durations.queue_depth("k") == depth
     _run(planner, 1, "k", 1.0)
     for task in range(2, 2 + QUEUE_DEPTH + 2):
         planner.submit(task, "k")
@@ -86,25 +86,27 @@ def test_the_queues_head_of_a_short_key_is_queued_in_the_runs_booking() -> None:
     run = _run(planner, 1, "k", 1.0)
     for task in (2, 3, 4):
         planner.submit(task, "k")
-    assert planner.queue_depth("k") == 2
+    assert planner.durations.queue_depth("k") == 2
     assert planner.queue_behind(1) == 2
     assert planner.queue_behind(1) == 3
     assert planner.queue_behind(1) is None  # queue_depth behind each run
-    assert list(planner.pending) == [4]
-    assert planner.queued == {2: 1, 3: 1}
-    booked = sum(r.booked_bytes for r in planner.running.values())
+    assert list(planner.state.pending) == [4]
+    assert planner.queue.queued == {2: 1, 3: 1}
+    booked = sum(r.booked_bytes for r in planner.state.running.values())
     planner.finished(1, _report(GiB), 1.001)
     planner.run_queued(2, run.device, 101, 1.001)
-    assert list(planner.running) == [2]
-    assert planner.running[2].pid == 101
-    assert sum(r.booked_bytes for r in planner.running.values()) == booked  # its run's booking
-    assert planner.queued == {3: 2}  # the one behind follows the new run
+    assert list(planner.state.running) == [2]
+    assert planner.state.running[2].pid == 101
+    assert (
+        sum(r.booked_bytes for r in planner.state.running.values()) == booked
+    )  # its run's booking
+    assert planner.queue.queued == {3: 2}  # the one behind follows the new run
     assert planner.queue_behind(2) == 4  # room behind the new run for one more
     planner.finished(2, _report(GiB), 1.002)
     planner.run_queued(3, run.device, 101, 1.002)
     planner.finished(3, _report(GiB), 1.003)
     planner.run_queued(4, run.device, 101, 1.003)
-    assert planner.queued == {} and list(planner.running) == [4]
+    assert planner.queue.queued == {} and list(planner.state.running) == [4]
 
 
 def test_a_long_key_another_key_or_a_larger_ask_is_not_queued() -> None:
@@ -122,7 +124,7 @@ def test_a_long_key_another_key_or_a_larger_ask_is_not_queued() -> None:
     planner = _planner()
     _timed(planner, "k", 0.0)
     _run(planner, 1, "k", 1.0)
-    planner.asks.floor("k", 5 * GiB)  # priced above the run's booking now
+    planner.state.asks.floor("k", 5 * GiB)  # priced above the run's booking now
     planner.submit(2, "k")
     assert planner.queue_behind(1) is None
 
@@ -138,8 +140,8 @@ def test_a_task_queued_behind_a_lost_run_goes_back_to_the_head() -> None:
     planner.lost(1, 1.5, message="worker lost", extra={})
     planner.requeue(2)  # told in their queue order (a worker's lost queue, or its declines)
     planner.requeue(3)
-    assert list(planner.pending) == [2, 3, 4]  # back at the head, in their order
-    assert planner.queued == {}
+    assert list(planner.state.pending) == [2, 3, 4]  # back at the head, in their order
+    assert planner.queue.queued == {}
     assert planner.waiting_count() == 2
 
 
@@ -150,11 +152,11 @@ def test_a_queued_task_failed_or_withdrawn_leaves_no_trace() -> None:
     planner.submit(2, "k")
     assert planner.queue_behind(1) == 2
     planner.withdraw(2)
-    assert planner.queued == {} and 2 not in planner.tasks
+    assert planner.queue.queued == {} and 2 not in planner.state.tasks
     planner.submit(3, "k")
     assert planner.queue_behind(1) == 3  # the run may take another
     planner.finished(3, None, 1.2, failed=True)
-    assert planner.queued == {} and 3 not in planner.tasks
+    assert planner.queue.queued == {} and 3 not in planner.state.tasks
 
 
 def test_a_short_key_with_a_long_task_among_its_last_is_not_queued() -> None:
@@ -166,17 +168,17 @@ def test_a_short_key_with_a_long_task_among_its_last_is_not_queued() -> None:
         planner.finished(1000 + task, _report(GiB), 0.001)
     _run(planner, 1, "k", 1.0)
     planner.finished(1, _report(GiB), 1.0 + LONG_TASK_S)
-    assert planner.short("k") is False  # the mean is still far under SHORT_TASK_S
+    assert planner.durations.short("k") is False  # the mean is still far under SHORT_TASK_S
     _run(planner, 2, "k", 2.0)
     planner.submit(3, "k")
     assert planner.queue_behind(2) is None
     planner.withdraw(3)
     planner.finished(2, _report(GiB), 2.001)
     for task in range(LONG_MEMORY_TASKS - 1):
-        assert not planner.short("k")
+        assert not planner.durations.short("k")
         _run(planner, 10 + task, "k", 3.0)
         planner.finished(10 + task, _report(GiB), 3.001)
-    assert planner.short("k")
+    assert planner.durations.short("k")
     _run(planner, 4, "k", 4.0)
     planner.submit(5, "k")
     assert planner.queue_behind(4) == 5
@@ -197,9 +199,9 @@ def test_tasks_sent_back_from_two_runs_told_in_turn_keep_each_runs_order() -> No
     planner.lost(5, 1.5, message="worker lost", extra={})
     for task in (2, 6, 3, 7):  # each run's in their queue order, the runs' in turn
         planner.requeue(task)
-    pending = list(planner.pending)
+    pending = list(planner.state.pending)
     assert pending.index(2) < pending.index(3) and pending.index(6) < pending.index(7)
-    assert pending[-1] == 8 and planner.queued == {}
+    assert pending[-1] == 8 and planner.queue.queued == {}
 
 
 def test_a_key_whose_tasks_grow_slower_stops_queueing_deep_behind_them() -> None:
@@ -211,14 +213,16 @@ def test_a_key_whose_tasks_grow_slower_stops_queueing_deep_behind_them() -> None
     for task in range(200):
         _run(planner, 1000 + task, "k", 0.0)
         planner.finished(1000 + task, _report(GiB), 0.001)
-    assert planner.queue_depth("k") == QUEUE_DEPTH
+    assert planner.durations.queue_depth("k") == QUEUE_DEPTH
     slow_s = 0.05
     assert slow_s < LONG_TASK_S
     for task in range(LONG_MEMORY_TASKS):
         _run(planner, 2000 + task, "k", 1.0)
         planner.finished(2000 + task, _report(GiB), 1.0 + slow_s)
-        assert planner.queue_depth("k") <= max(QUEUE_DEPTH_LEAST, int(QUEUED_WORK_S / slow_s))
-    assert planner.short("k") is False
+        assert planner.durations.queue_depth("k") <= max(
+            QUEUE_DEPTH_LEAST, int(QUEUED_WORK_S / slow_s)
+        )
+    assert planner.durations.short("k") is False
     _run(planner, 1, "k", 2.0)
     planner.submit(2, "k")
     assert planner.queue_behind(1) is None
@@ -239,8 +243,10 @@ def test_no_task_is_queued_behind_a_run_whose_card_its_risen_price_overbooks() -
     planner.finished(1, _report(int(7.5 * GiB)), 1.001)
     planner.run_queued(3, run.device, 101, 1.001)
     planner.settle(1.001)
-    ask_bytes = planner.asks.ask("k").ask_bytes
+    ask_bytes = planner.state.asks.ask("k").ask_bytes
     assert 2 * ask_bytes > 16 * GiB  # two no longer fit
     assert planner.queue_behind(2) is None
     assert planner.queue_behind(3) is None
-    assert planner.queued == {} and planner.pending[0] == 4  # it waits for a checked start
+    assert (
+        planner.queue.queued == {} and planner.state.pending[0] == 4
+    )  # it waits for a checked start

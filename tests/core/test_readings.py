@@ -105,7 +105,7 @@ def test_a_report_with_no_trusted_reading_says_why_in_the_log():
     assert len(errors) == 1
     assert reason in errors[0].reason
     assert reason in str(errors[0].to_dict()["error"])
-    assert planner.asks.ask("k").basis == "estimated"
+    assert planner.state.asks.ask("k").basis == "estimated"
 
 
 def test_outliving_descendants_and_rejections_are_recorded_once_per_key():

@@ -152,13 +152,13 @@ def test_the_planner_books_a_sized_task_at_its_own_ask_and_keeps_it() -> None:
         verdict = planner.next_start(0.0)
         assert isinstance(verdict, Start)
         planner.started(verdict.task, verdict.device, pid, 0.0)
-    booked = {t: r.booked_bytes for t, r in planner.running.items()}
+    booked = {t: r.booked_bytes for t, r in planner.state.running.items()}
     assert booked[0] == asks.ask_for("k", 1.0).ask_bytes < 2.5 * GiB
     assert booked[1] == asks.ask_for("k", 8.0).ask_bytes
     report = PeakReport(device=0, device_peak_bytes=linear(2), device_source="simulator")
     planner.finished(2, report, 0.5)
-    assert planner.running[0].booked_bytes == asks.ask_for("k", 1.0).ask_bytes
-    assert planner.running[1].booked_bytes == asks.ask_for("k", 8.0).ask_bytes
+    assert planner.state.running[0].booked_bytes == asks.ask_for("k", 1.0).ask_bytes
+    assert planner.state.running[1].booked_bytes == asks.ask_for("k", 8.0).ask_bytes
 
 
 class _CountingSize(float):
@@ -263,13 +263,13 @@ def test_a_sized_task_that_passed_its_own_ask_is_not_taken_for_something_else_gr
         verdict = planner.next_start(0.0)
         assert isinstance(verdict, Start)
         planner.started(verdict.task, verdict.device, pid, 0.0)
-    booked = planner.running[0].booked_bytes
+    booked = planner.state.running[0].booked_bytes
     assert booked < 3.5 * GiB < asks.ask("k").ask_bytes
     report = PeakReport(
         device=0, device_peak_bytes=4 * GiB, oom_requested_bytes=GiB, device_source="simulator"
     )
     outcome = planner.out_of_memory(0, report, None, 1.0, error="CUDA out of memory")
     assert isinstance(outcome, Retry)
-    assert planner.cards[0].oom_cap is None
+    assert planner.state.cards[0].oom_cap is None
     assert "underestimated" in outcome.reason and "stayed within" not in outcome.reason
     assert asks.ask_for("k", 2.0).ask_bytes >= 5 * GiB

@@ -35,8 +35,8 @@ def _warm_up(pool: GpuPoolExecutor) -> int:
     key = callable_name(queue_tasks.step)
     for _ in range(WARM_UP_ROUNDS):
         assert len(set(pool.map(queue_tasks.step, ["ok"] * WARM_UP))) == 1
-        if pool._dispatcher.planner.short(key):
-            return pool._dispatcher.planner.queue_depth(key)
+        if pool._dispatcher.planner.durations.short(key):
+            return pool._dispatcher.planner.durations.queue_depth(key)
     pytest.fail(f"{key} was not found short after {WARM_UP_ROUNDS * WARM_UP} tasks")
 
 

@@ -69,7 +69,7 @@ def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_n
     assert held[0].extra["pool_booked_bytes"] == int(19.5 * GiB)
     assert planner.counts["share_waits"] >= 1
     # The bound alone would admit two more beside the other pool's one task.
-    assert planner.bound(0, planner.asks.ask("k")).room_bytes == int(33.5 * GiB)
+    assert planner.views.bound(0, planner.state.asks.ask("k")).room_bytes == int(33.5 * GiB)
     wait = planner.next_start(0.1)
     assert isinstance(wait, Wait) and wait.poll_s is not None  # it polls the table
     # The other pool waits no more (its tasks all started): the bound alone decides.
@@ -110,7 +110,7 @@ def test_a_pool_at_its_own_ceiling_is_not_waiting_for_room() -> None:
     assert planner.waiting_count(starting=True) == 5
     assert len(start_all(planner, 0.0)) == 6  # the bound and max_workers agree: 6
     assert isinstance(planner.next_start(0.1), Wait)
-    assert len(planner.pending) == 2 and planner.waiting_count() == 0
+    assert len(planner.state.pending) == 2 and planner.waiting_count() == 0
 
 
 def test_the_share_rounds_to_the_nearest_task() -> None:

@@ -54,11 +54,11 @@ def _starved(a_task: int, b_task: int) -> int:
         now += 1.0
         _exchange(a, b, now)
         b_started += len(start_all(b, now, 2000))
-        if not a.running:
+        if not a.state.running:
             break
         # A hears of its own task's end first and refills at once (same process);
         # B hears of the room only at its next exchange.
-        oldest = next(iter(a.running))
+        oldest = next(iter(a.state.running))
         a.finished(oldest, None, now)
         _exchange(a, b, now)
         len(start_all(a, now, 1000))
@@ -92,7 +92,7 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
     for t in range(10):
         b.submit(t, "b")
     assert len(start_all(b, 0.0, 2000)) == 2
-    first = next(iter(b.running))
+    first = next(iter(b.state.running))
     report = PeakReport(
         device=0,
         device_peak_bytes=3 * GiB,
@@ -101,9 +101,9 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
         oom_requested_bytes=256 * 2**20,
     )
     b.out_of_memory(first, report, None, 0.1, error="CUDA out of memory")
-    while len(b.running) > 1:  # its other tasks end
-        b.finished(next(iter(b.running)), None, 0.2)
-    assert b.cards[0].oom_cap == 1
+    while len(b.state.running) > 1:  # its other tasks end
+        b.finished(next(iter(b.state.running)), None, 0.2)
+    assert b.state.cards[0].oom_cap == 1
     assert len(start_all(b, 0.3, 2000)) == 0  # B can start nothing more while one runs
     assert b.waiting_count() == 0 and b.need_bytes() == 0
 
@@ -149,7 +149,7 @@ def test_the_yield_to_a_pool_at_the_serial_floor_is_bounded() -> None:
     nothing) with a share_wait record naming B, for at most YIELD_S from when it first saw
     B wait; then A starts as the bound lets it."""
     a, _b = _idle_pair(0.0)
-    a.cards[0].idle_since_s = 5.0  # A last ran something here after B came to wait
+    a.state.cards[0].idle_since_s = 5.0  # A last ran something here after B came to wait
     assert not isinstance(a.next_start(6.0), Start)
     assert a.counts["share_waits"] >= 1
     assert isinstance(a.next_start(0.0 + YIELD_S), Start)
@@ -159,7 +159,7 @@ def test_two_pools_at_the_serial_floor_do_not_yield_to_each_other() -> None:
     """A pool that runs nothing yields only to a pool that came to wait before it ran
     nothing: B, waiting since A's idleness began, is not yielded to, so A starts."""
     a, _b = _idle_pair(1.0)
-    a.cards[0].idle_since_s = 0.5  # A ran nothing here before it saw B wait
+    a.state.cards[0].idle_since_s = 0.5  # A ran nothing here before it saw B wait
     assert isinstance(a.next_start(2.0), Start)
 
 
@@ -195,9 +195,9 @@ def test_fresh_rows_claiming_to_wait_hold_a_pool_at_most_half_the_time() -> None
     for now_s in range(600):
         a.observe_others(0, _claims_to_wait(now_s), float(now_s))
         len(start_all(a, float(now_s), 1000))
-        if not a.running:
+        if not a.state.running:
             idle_s += 1
-        for task, run in list(a.running.items()):
+        for task, run in list(a.state.running.items()):
             if now_s - run.started_s >= 5:
                 a.finished(task, None, float(now_s))
     assert idle_s <= 0.5 * 600
@@ -232,14 +232,14 @@ def test_a_pool_that_got_its_turn_leaves_the_next_one_a_full_yield() -> None:
     for t in range(10):
         a.submit(t, "a")
     assert len(start_all(a, 0.0, 1000)) >= 1
-    for task in list(a.running)[1:]:
+    for task in list(a.state.running)[1:]:
         a.finished(task, None, 0.0)  # one task of A left running
     for now_s in range(1, 25):
         a.observe_others(0, _waiting_row("7.1", running=False), float(now_s))
         assert len(start_all(a, float(now_s), 1000)) == 0  # A yields to X
     a.observe_others(0, _waiting_row("7.1", running=True), 25.0)  # X has its turn
     a.observe_others(0, _waiting_row("8.1", running=False), 25.5)  # Y waits; X is done
-    a.finished(next(iter(a.running)), None, 26.0)
+    a.finished(next(iter(a.state.running)), None, 26.0)
     a.observe_others(0, _waiting_row("8.1", running=False), 26.5)
     assert len(start_all(a, 27.0, 1000)) == 0  # A yields to Y, which waited before A ran nothing
     assert len(start_all(a, 25.5 + YIELD_S, 1000)) >= 1  # for at most YIELD_S

@@ -62,7 +62,7 @@ def test_the_room_a_task_frees_goes_to_the_waiting_pool_that_holds_less() -> Non
     twice B's tasks. Now A holds as much as B, which waits: A leaves B the room (a
     share_wait record naming B), and B takes it at its next read of the table."""
     a, b, records = _two_and_one()
-    first = next(iter(a.running))
+    first = next(iter(a.state.running))
     # The task ends 6 s in (a share_wait record was written at 0 s; one per 5 s).
     a.finished(first, None, 6.0)
     assert len(start_all(a, 6.0, 1000)) == 0
@@ -72,7 +72,7 @@ def test_the_room_a_task_frees_goes_to_the_waiting_pool_that_holds_less() -> Non
     assert held[-1].extra["pool_booked_bytes"] == 8 * GiB
     _exchange(a, b, 6.0 + STEP_S)
     assert len(start_all(b, 6.0 + STEP_S, 2000)) == 1
-    assert len(b.running) == 2 and len(a.running) == 1
+    assert len(b.state.running) == 2 and len(a.state.running) == 1
 
 
 def _completed() -> tuple[int, int]:
@@ -84,7 +84,7 @@ def _completed() -> tuple[int, int]:
     for step in range(1, int(60 / STEP_S)):
         now_s = round(step * STEP_S, 6)
         for pid, pool in ((1, a), (2, b)):
-            for task, run in list(pool.running.items()):
+            for task, run in list(pool.state.running.items()):
                 if now_s - run.started_s >= TASK_S - 1e-9:
                     pool.finished(task, None, now_s)
                     done[pid] += 1
@@ -132,7 +132,7 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
         a.submit(t, "a")
     a.observe_others(0, _claims_to_wait(0.0), 0.0)
     assert len(start_all(a, 0.0, 1000)) == 2
-    for task in list(a.running):
+    for task in list(a.state.running):
         a.finished(task, None, TASK_S)
     a.observe_others(0, _claims_to_wait(TASK_S), TASK_S)
     assert len(start_all(a, TASK_S, 1000)) == 1  # its one task; the second leaves the row room ...
@@ -146,13 +146,13 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
     steps = int(60 / STEP_S)
     for step in range(steps):
         now_s = round(2 * TASK_S + step * STEP_S, 6)
-        for task, run in list(a.running.items()):
+        for task, run in list(a.state.running.items()):
             if now_s - run.started_s >= TASK_S - 1e-9:
                 a.finished(task, None, now_s)
         a.observe_others(0, _claims_to_wait(now_s), now_s)
         len(start_all(a, now_s, 2000 + step * 10))
-        assert len(a.running) >= 1  # its one task always runs
-        second_slot_steps += len(a.running) - 1
+        assert len(a.state.running) >= 1  # its one task always runs
+        second_slot_steps += len(a.state.running) - 1
     assert 2 * second_slot_steps >= steps
 
 
@@ -162,7 +162,7 @@ def test_a_pool_keeps_a_worker_for_its_share_while_the_room_goes_round() -> None
     task frees comes to it: B keeps an idle worker for it, rather than give it back and
     boot another when its turn comes."""
     a, b, _ = _two_and_one()
-    assert b.fit(0, b.asks.ask("b"), [], slots=3).more == 1
+    assert b.views.fit(0, b.state.asks.ask("b"), [], slots=3).more == 1
     assert b.warm_limit(0, 0.0) == 2
     assert a.warm_limit(0, 0.0) == 2  # A's two running tasks
 
@@ -210,12 +210,12 @@ def _assert_the_row_holds_the_second_slot_at_most_half_the_time(
     steps = int(60 / STEP_S)
     for step in range(steps):
         now_s = round(step * STEP_S, 6)
-        for task, run in list(a.running.items()):
+        for task, run in list(a.state.running.items()):
             if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
                 a.finished(task, None, now_s)
         a.observe_others(0, others_at(step, now_s), now_s)
         len(start_all(a, now_s, 2000 + step * 10))
-        assert len(a.running) >= 1  # its one task always runs
-        second_slot_steps += len(a.running) - 1
+        assert len(a.state.running) >= 1  # its one task always runs
+        second_slot_steps += len(a.state.running) - 1
     assert any("give_way_to_pool" in r.extra for r in records if r.event == "share_wait")
     assert 2 * second_slot_steps >= steps

@@ -92,7 +92,7 @@ def other_pools(planner: Planner, pid: int, card_uuid: str) -> OtherPools:
             TaskBooking(
                 worker_pid=r.pid or 0, key=r.key, booked_bytes=r.booked_bytes, reached_bytes=0
             )
-            for r in planner.running.values()
+            for r in planner.state.running.values()
         ),
         waiting=planner.waiting_count(),
         need_bytes=planner.need_bytes(),

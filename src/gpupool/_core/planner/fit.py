@@ -27,7 +27,7 @@ from gpupool._core.bound import (
     fits_together,
     live_gate_admits,
 )
-from gpupool._core.planner.state import Card, Run
+from gpupool._core.planner.state import Card, Fit, Run
 from gpupool._core.policy import Ask
 
 __all__ = [
@@ -66,49 +66,6 @@ class Booked:
 
     key: str
     booked_bytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fit:
-    """What fits on one card beside its runs at one ask.
-
-    Attributes:
-        device: the card.
-        bound: the card's terms priced at the ask (its room).
-        running: the runs it was asked beside.
-        booked_bytes: what they book between them (on unified memory, with each
-            one's child RSS: :func:`host_per_task_bytes`).
-        next_bytes: what one more task at the ask books beside them (likewise).
-        more: how many more tasks at the ask fit now (memory, out-of-memory
-            cap, and the slots the ceiling leaves).
-        limit: what stops one more past ``more``.
-    """
-
-    device: int
-    bound: Bound
-    running: int
-    booked_bytes: int
-    next_bytes: int
-    more: int
-    limit: Limit
-
-    @property
-    def width(self) -> int:
-        """The runs there plus the ones that fit beside them."""
-        return self.running + self.more
-
-    @property
-    def next_booked_bytes(self) -> int:
-        """What one more task at the ask is booked at (its share of its key's price together),
-        without its child's RSS: what a what-if booking of it (:class:`Booked`) holds, as the
-        fit prices each booking's child RSS beside it."""
-        return self.next_bytes - self.bound.host_per_task_bytes
-
-    @property
-    def left_bytes(self) -> int | None:
-        """The room left once one more task is booked (``None``: unreadable)."""
-        room = self.bound.room_bytes
-        return None if room is None else room - self.booked_bytes - self.next_bytes
 
 
 def host_per_task_bytes(card: Card, ceiling: Ceiling) -> int:

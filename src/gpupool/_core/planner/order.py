@@ -22,16 +22,19 @@ rather than idling the card:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpupool._core.bound import Ceiling
+from gpupool._core.planner.base import PlannerState
+from gpupool._core.planner.durations import Durations
 from gpupool._core.planner.fit import Booked, Held, card_bound, fit, host_per_task_bytes
 from gpupool._core.planner.state import Card, Critical, Run
-from gpupool._core.planner.verdicts import TaskId
+from gpupool._core.planner.verdicts import LOOKAHEAD, TaskId
 from gpupool._core.policy import Ask
 
-__all__ = ["Hold", "alone_width", "critical", "head_hold", "holds_for", "keep_hold"]
+__all__ = ["Hold", "Order", "alone_width", "critical", "head_hold", "holds_for", "keep_hold"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,3 +199,102 @@ def keep_hold(
     if found.more == 0 or found.bound.room_bytes is None:
         return None
     return Hold(device=hold.device, key=ask.key, held_bytes=found.next_booked_bytes, ending=ending)
+
+
+class Order:
+    """The start order of one planner: the candidates of each pass, the critical key among
+    them, and the room held for the queue's head (the only writer of :attr:`hold`).
+
+    Args:
+        state: the planner's state (read).
+        durations: its keys' task durations (read).
+    """
+
+    def __init__(self, state: PlannerState, durations: Durations) -> None:
+        self._state = state
+        self._durations = durations
+        # Room held for the queue's head once it was passed a ceiling's worth of times.
+        self.hold: Hold | None = None
+        # The head that hold is for: kept while that task waits at the head.
+        self._held_for: tuple[TaskId, Hold] | None = None
+
+    def release(self) -> None:
+        """A new scheduling pass: no room is held until :meth:`candidates` holds it again."""
+        self.hold = None
+
+    def candidates(self) -> tuple[list[TaskId], Critical | None]:
+        """The pending tasks to try, in order (each key's first within the lookahead, the
+        critical key's first; or the queue's head first, with room held for it once it was
+        passed a ceiling's worth of times), and the critical key where it leads."""
+        state = self._state
+        head = state.pending[0]
+        firsts: dict[str, TaskId] = {state.tasks[head].key: head}
+        if state.pending_by_key[state.tasks[head].key] < len(state.pending):
+            # More than one key waits: each one's first within the lookahead (with one key,
+            # the head is its first, and the queue is not walked).
+            for task in itertools.islice(state.pending, LOOKAHEAD):
+                firsts.setdefault(state.tasks[task].key, task)
+        candidates, found = self._critical_first(list(firsts.values()))
+        passed = state.tasks[head].passed
+        if passed >= max(1, state.ceiling.value) and state.cards:
+            # The queue's head was passed a ceiling's worth of times in a row: it goes first,
+            # and the others start only beside the room held for it.
+            candidates, found = [head, *(t for t in candidates if t != head)], None
+            if state.config.fixed_width is None:
+                self.hold = self._hold_for(head)
+            if self.hold is None:
+                candidates = [head]
+        elif passed >= max(1, state.ceiling.value):
+            candidates = [head]
+        return candidates, found
+
+    def _hold_for(self, head: TaskId) -> Hold | None:
+        """The room held for ``head``: the hold it was given while the runs it names still make
+        its room (the starts placed beside that hold left it room there, not beside another
+        one), else a new one, on the card where the runs expected to end first free it."""
+        state = self._state
+        ask = state.ask_of(head)
+        reserve_bytes = state.config.reserve_bytes
+        hold: Hold | None = None
+        if self._held_for is not None and self._held_for[0] == head:
+            kept = self._held_for[1]
+            hold = keep_hold(
+                kept,
+                state.cards[kept.device],
+                ask,
+                reserve_bytes=reserve_bytes,
+                ceiling=state.ceiling,
+            )
+        if hold is None:
+            hold = head_hold(
+                state.cards,
+                ask,
+                state.tasks[head].avoid,
+                reserve_bytes=reserve_bytes,
+                ceiling=state.ceiling,
+                expected_end_s=self._durations.expected_end_s,
+            )
+        self._held_for = None if hold is None else (head, hold)
+        return hold
+
+    def _critical_first(self, firsts: list[TaskId]) -> tuple[list[TaskId], Critical | None]:
+        """The keys' first pending tasks in queue order, or with the critical key's first."""
+        state = self._state
+        if not state.cards or state.config.fixed_width is not None:
+            return firsts, None
+        keys = [state.tasks[t].key for t in firsts]
+        found = critical(
+            keys,
+            pending_by_key=lambda key: state.pending_by_key[key],
+            duration_s=self._durations.mean_s,
+            width_alone=lambda key: alone_width(
+                state.cards,
+                state.asks.ask(key),
+                reserve_bytes=state.config.reserve_bytes,
+                ceiling=state.ceiling,
+            ),
+        )
+        if found is None:
+            return firsts, None
+        first = keys.index(found.key)
+        return [firsts[first], *firsts[:first], *firsts[first + 1 :]], found

@@ -18,12 +18,27 @@ and readings are values the dispatcher took::
     out_of_memory(task, report, reading)
     lost(task, message)       (its worker died)
 
-Its rules live in rooms of their own: :mod:`~gpupool._core.planner.fit` (the one
-fit every width is a view of, and the live gate), :mod:`~.sharing` (other pools
-on a card), :mod:`~.order` (the start order and the room held for a waiting
-task), :mod:`~.oom` (an out-of-memory judged against the task's own booking)
-and :mod:`~.records` (what each record says). This module holds the state
-and applies the events.
+:class:`Planner` is that surface and nothing else: it composes rooms that each
+own their fields, and passes each event to the rooms it concerns::
+
+    state     PlannerState   cards (each with its runs), tasks, pending, running,
+                             the ceiling, the counts               (:mod:`~.base`)
+    log       Recorder       records, card samples, the width timeline (:mod:`~.samples`)
+    durations Durations      each key's task durations            (:mod:`~.durations`)
+    order     Order          the start order, the room held for the head (:mod:`~.order`)
+    views     Views          every width (views of the one fit), strict mode's refusal
+                                                                   (:mod:`~.views`)
+    learning  Learning       what ended tasks' peaks teach the asks (:mod:`~.learning`)
+    queue     Queue          tasks queued behind a run on its worker (:mod:`~.queued`)
+    starts    Starts         the next start                        (:mod:`~.starts`)
+    oom       OutOfMemory    an out-of-memory carried out, the caps (:mod:`~.out_of_memory`)
+
+A room reads the rooms built before it and writes only its own fields (and, for
+the state, through the state's methods). The rules on numbers are functions in
+modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
+is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
+:mod:`~.oom` (an out-of-memory judged against the task's own booking) and
+:mod:`~.records` (what each record says).
 
 The invariant, checked at every start: on every device the booked asks of
 the tasks running there plus the new one fit in ``room = total - co_tenant -
@@ -39,134 +54,96 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gpupool._core.bookings import OtherPools, TaskBooking
-from gpupool._core.bound import WidthDecision
 from gpupool._core.census import Census
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
+from gpupool._core.planner.base import PlannerState
+from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.learning import Learning
-from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
-from gpupool._core.planner.samples import split_reading
+from gpupool._core.planner.order import Order
+from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S, OutOfMemory
+from gpupool._core.planner.queued import Queue
+from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.sharing import (
-    note_starved,
-    note_turn_taken,
-    others_terms,
+    note_freed,
+    note_others,
+    owes_room,
+    share_tasks,
+    yields_to,
 )
-from gpupool._core.planner.state import Card, Run, TaskState
+from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.verdicts import (
     OWN_RECORD_STEP_BYTES,
+    RETIRE_AFTER_SHUT_S,
     CardReading,
     Fail,
-    FailKind,
+    PlannerConfig,
     Refuse,
     Retry,
+    Start,
     TaskId,
+    Wait,
+    Warm,
+    Workers,
 )
-from gpupool._core.policy import Ask
+from gpupool._core.planner.views import Views
+from gpupool._core.policy import Ask, AskTable
 from gpupool._core.units import GiB, format_size
 
 __all__ = ["CAP_LIFT_AFTER_S", "Planner"]
 
-#: A cap an out-of-memory set lifts once the live readings have shown its room
-#: back this long without a break (one good reading during a spike is not enough).
-CAP_LIFT_AFTER_S = 1.0
 
+class Planner:
+    """Owns every price, admission and width decision of one pool: its events, verdicts and
+    views (the process layer's whole surface), each passed to the rooms it concerns.
 
-class Planner(Learning):
-    """Owns every price, admission and width decision of one pool: the events. It is built
-    as :class:`~gpupool._core.planner.base.PlannerBase` is (its arguments are listed there)."""
+    Past the house's ~25 methods on purpose: the surface is fixed (the process layer's
+    events, verdicts and views, ``PLANNER_SURFACE`` in ``tests/test_layering.py``), and each
+    member is a few lines that hand over to a room; the planner's own fields are its rooms.
+
+    Args:
+        census: the cards and the host as they stood at construction.
+        asks: the per-key asks (the planner is their only writer).
+        config: what the caller asked for.
+        emit: where decision records go (the decision log).
+        now_s: the time of construction.
+    """
+
+    def __init__(
+        self,
+        *,
+        census: Census,
+        asks: AskTable,
+        config: PlannerConfig,
+        emit: Callable[[Decision], None],
+        now_s: float = 0.0,
+    ) -> None:
+        self.state = PlannerState(census=census, asks=asks, config=config)
+        self.log = Recorder(self.state, emit)
+        self.durations = Durations()
+        self.order = Order(self.state, self.durations)
+        self.views = Views(self.state, self.order, self.log)
+        self.learning = Learning(self.state, self.views, self.log)
+        self.queue = Queue(self.state, self.durations, self.order, self.views)
+        self.starts = Starts(self.state, self.views, self.order, self.log)
+        self.oom = OutOfMemory(self.state, self.views, self.log)
+
+    # -- events in ---------------------------------------------------------------------------
 
     def construct(
         self, now_s: float, *, note: str = "", extra: Mapping[str, JsonValue] | None = None
     ) -> Refuse | None:
         """Decide and record the first width of every card, from the same fit as every later
         one. Returns strict mode's refusal where the width is below ``max_workers``."""
-        ask = self.asks.ask("")
-        cpus_note = self._cpus_note()
-        if not self.cards:
-            self.width = self._width_now()
-            reason = self.census.reason or "no device"
-            self.record(
-                Decision(
-                    event="constructed",
-                    time_s=now_s,
-                    device=None,
-                    width_before=None,
-                    width_after=self.width,
-                    reason=(
-                        f"{reason}; a host-bounded pool of width {self.width}, set by "
-                        f"{self.ceiling.limit} ({self.ceiling.value}){cpus_note}"
-                    ),
-                    ceiling=self.ceiling,
-                    limit=self.ceiling.limit,
-                    extra={"driver": self.census.driver, "sensor": self.census.sensor},
-                )
-            )
-            self._timeline(now_s)
-            return None
-        decisions = self.decide(ask)
-        for decision in decisions:
-            card = self.cards[decision.device]
-            card.width = decision.width
-            census = card.census
-            reason_note = f"; {census.reason}" if census.reason else ""
-            self.record(
-                Decision.from_width(
-                    "constructed",
-                    decision,
-                    time_s=now_s,
-                    width_before=None,
-                    reason=f"{decision.describe()}{note}{reason_note}{cpus_note}",
-                    extra={
-                        "uuid": census.uuid,
-                        "census_free_bytes": census.free_bytes,
-                        "census_own_bytes": census.own_bytes,
-                        "reserved_bytes": census.reserved_bytes,
-                        "source": census.source,
-                        "own_source": census.own_source,
-                        "unified": census.unified,
-                        **(extra or {}),
-                    },
-                )
-            )
-        self._recorded_asks[""] = ask
-        self.width = self._width_now()
-        self._timeline(now_s)
-        if self.config.fixed_width is not None:
-            self._check_fixed(decisions, now_s)
-        return self._refuse_at_construction(decisions, now_s)
-
-    def _refuse_at_construction(
-        self, decisions: tuple[WidthDecision, ...], now_s: float
-    ) -> Refuse | None:
-        width = sum(d.width for d in decisions)
-        wanted = min(self.config.max_workers, self.ceiling.value)
-        if not self.config.strict or self.config.fixed_width is not None or width >= wanted:
-            return None
-        narrow = min(decisions, key=lambda d: d.width)
-        reason = (
-            f"strict mode: the bound gives width {width}, below the requested "
-            f"{self.config.max_workers}: "
-            + "; ".join(d.describe() for d in decisions)
-            + ". Free the card, lower max_workers, or drop strict=True."
-        )
-        record = Decision.from_width(
-            "narrowed", narrow, time_s=now_s, width_before=self.config.max_workers, reason=reason
-        )
-        self.refused = Refuse(reason=reason, decision=record)
-        return self.refused
-
-    def _cpus_note(self) -> str:
-        cpus = self.census.host.cpus
-        if self.config.max_workers_given and self.config.max_workers > cpus:
-            return (
-                f"; max_workers={self.config.max_workers} is more than the {cpus} usable CPUs "
-                f"({self.census.host.cpu_source}): kept, as the standard pool keeps it"
-            )
-        return ""
+        refusal = self.views.construct(now_s, note=note, extra=extra)
+        if self.state.cards:
+            self.learning.recorded("", self.state.asks.ask(""))
+        return refusal
 
     def submit(
         self, task: TaskId, key: str, hint_bytes: int | None = None, size: float | None = None
@@ -174,45 +151,42 @@ class Planner(Learning):
         """A task was submitted (it is pending, at the back of the queue). ``size``: the size
         of its input, from which its ask may be predicted (:meth:`AskTable.ask_for`)."""
         if hint_bytes is not None:
-            self.asks.hint(key, hint_bytes)  # the width prices it at once
-            self._rebook(key)
-        self.tasks[task] = TaskState(key=key, hint_bytes=None, size=size)
-        self.pending.append(task)
-        self._pending_by_key[key] += 1
-        self._last_key = key
-        self._width_due = True
+            self.state.asks.hint(key, hint_bytes)  # the width prices it at once
+            self.state.rebook(key)
+        self.state.add(task, key, size)
+        self.views.submitted()
 
     def withdraw(self, task: TaskId) -> None:
         """A pending task left the queue (cancelled, or failed by the pool)."""
-        self._issued.pop(task, None)
-        self._drop_queued(task)
-        if task in self.tasks and task not in self.running:
-            self._unqueue(task)
-            del self.tasks[task]
+        self.starts.take_issued(task)
+        self.queue.drop(task)
+        if task in self.state.tasks and task not in self.state.running:
+            self.state.unqueue(task)
+            self.state.forget(task)
+
+    def requeue(self, task: TaskId) -> None:
+        """``task``'s worker is gone, or declined it: it goes back to the queue's head."""
+        self.queue.requeue(task)
 
     def observe(self, device: int, reading: CardReading, now_s: float) -> None:
         """A live snapshot of ``device``: the live gate reads it, the parent's own row raises
         the own high-water (a term of the bound: recorded when it grows), and a cap an
         out-of-memory set lifts once the readings show its room back."""
-        card = self.cards[device]
+        card = self.state.cards[device]
         card.reading = reading
         card.reading_s = now_s
         card.reading_error = None
-        if reading.process_bytes is not None and card.worker_pids:
-            # A worker with no row holds nothing (or has exited): forget it.
-            running = {r.pid for r in card.runs.values()}
-            card.worker_pids = {
-                pid for pid in card.worker_pids if pid in reading.process_bytes or pid in running
-            }
+        if reading.process_bytes is not None:
+            card.keep_workers(reading.process_bytes)
         own = None
-        if reading.process_bytes is not None and self.config.parent_pid is not None:
-            own = reading.process_bytes.get(self.config.parent_pid)
+        if reading.process_bytes is not None and self.state.config.parent_pid is not None:
+            own = reading.process_bytes.get(self.state.config.parent_pid)
         if own is not None and own > card.own_high_water_bytes:
             card.own_high_water_bytes = own
-            self._limit_asks()
+            self.learning.limit_asks()
             if own - card.recorded_own_bytes >= OWN_RECORD_STEP_BYTES:
                 card.recorded_own_bytes = own
-                self._review(
+                self.views.review(
                     now_s,
                     cause=(
                         f"this process's own device bytes grew to {format_size(own)} "
@@ -220,43 +194,14 @@ class Planner(Learning):
                     ),
                     devices=(device,),
                 )
-        self._lift_cap(card, reading, now_s)
+        self.oom.lift_cap(card, reading, now_s)
 
     def sample_cards(self, now_s: float) -> None:
         """The end of a turn of the process layer (its starts made): a ``card_read`` sample
         of each card whose last reading is due one (:mod:`~gpupool._core.planner.samples`).
         Taken after the turn's starts, so a sample counts the tasks that run beside it."""
-        for card in self.cards:
-            self._sample(card, now_s, decision=False)
-
-    def _lift_cap(self, card: Card, reading: CardReading, now_s: float) -> None:
-        cap = card.oom_cap
-        if cap is None:
-            return
-        lift = cap_lift_terms(card, split_reading(card, reading, self.config.parent_pid))
-        if lift is None or not lift.lifts:
-            card.cap_clear_since_s = None
-            return
-        if card.cap_clear_since_s is None:
-            card.cap_clear_since_s = now_s
-        if now_s - card.cap_clear_since_s < CAP_LIFT_AFTER_S:
-            return
-        card.oom_cap = None
-        card.cap_clear_since_s = None
-        reason, extra = records.cap_lifted(card, cap, lift)
-        self._review(
-            now_s,
-            cause=reason,
-            devices=(card.index,),
-            unchanged="cap_lifted",
-            moved_event="cap_lifted",
-            extra=extra
-            | {
-                "cap_lift_after_s": CAP_LIFT_AFTER_S,
-                "live_free_bytes": reading.free_bytes,
-                "live_used_bytes": reading.used_bytes,
-            },
-        )
+        for card in self.state.cards:
+            self.log.sample(card, now_s, decision=False)
 
     def observe_others(
         self,
@@ -281,28 +226,18 @@ class Planner(Learning):
             rows: per-process bytes to read their holdings from (default: the
                 card's last reading).
         """
-        card = self.cards[device]
+        card = self.state.cards[device]
         if rows is None:
             rows = {}
             if card.reading is not None and card.reading.process_bytes is not None:
                 rows = card.reading.process_bytes
-        terms = others_terms(others, rows)
         before = card.others_bytes
-        card.others = others
-        card.others_bytes = terms.priced_bytes
-        card.others_unreached_bytes = terms.unreached_bytes
-        card.others_tasks = terms.tasks
-        card.others_held_bytes = terms.held_bytes
-        card.others_overrun_bytes = terms.overrun_bytes
-        card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
-        note_starved(card, now_s)
-        note_turn_taken(card)
+        terms = note_others(card, others, rows, now_s, census=census)
         if census:
-            card.others_at_census_bytes = terms.held_bytes
-            self._rooms_due = True
+            self.learning.rooms_moved()
             return
         if card.others_bytes != before:
-            self._review(
+            self.views.review(
                 now_s,
                 cause=(
                     f"other pools on the card book {format_size(card.others_bytes)} over "
@@ -320,76 +255,57 @@ class Planner(Learning):
 
     def observe_error(self, device: int, error: str, now_s: float) -> None:
         """A live reading of ``device`` failed: it runs one task of the pool at a time meanwhile."""
-        card = self.cards[device]
+        card = self.state.cards[device]
         card.reading = None
         card.reading_error = error
-        self.sensor_error(device, error, "the live gate runs one task at a time", now_s)
+        self.views.sensor_error(device, error, "the live gate runs one task at a time", now_s)
 
     def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """``task`` was handed to a worker (``pid``) on ``device``: it books there what the
         :class:`Start` that admitted it carried."""
-        self._unqueue(task)
-        self._begin(task, device, pid, now_s)
+        self.state.unqueue(task)
+        self.state.begin(task, device, pid, now_s, self.starts.take_issued(task))
 
-    def _begin(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
-        """``task``, off the pending queue, runs on ``device`` in worker ``pid``."""
-        state = self.tasks[task]
-        issued = self._issued.pop(task, None)
-        price = self.asks.ask_for(state.key, state.size)
-        card = self.cards[device] if device is not None else None
-        booked_bytes = 0
-        if card is not None:
-            booked_bytes = (
-                issued.booked_bytes
-                if issued is not None and issued.device == device
-                else price.next_bytes(card.same_key(state.key))
-            )
-        run = Run(
-            key=state.key,
-            device=device,
-            pid=pid,
-            ask_bytes=price.ask_bytes,
-            booked_bytes=booked_bytes,
-            booked_at_start_bytes=booked_bytes,
-            started_s=now_s,
-            size=state.size,
-        )
-        if card is not None:
-            run.own_high_water_bytes = card.own_high_water_bytes
-            # Another pool's task, or another of ours, on the card: not alone.
-            run.shared = bool(card.others_tasks or card.runs)
-            for other in card.runs.values():
-                other.shared = True
-            card.add_run(task, run)
-            if pid is not None:
-                card.worker_pids.add(pid)
-        self.running[task] = run
-        state.last_device = device
-        state.last_booked_bytes = booked_bytes
-        state.room_wait_until_s = None
-        state.waiting_since_s = None
-        self._last_key = state.key
+    def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
+        """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
+        that worker, in the booking the run left; the tasks queued behind that run follow
+        ``task`` now."""
+        self.queue.run_queued(task)
+        # Off the pending queue since it was queued.
+        self.state.begin(task, device, pid, now_s, self.starts.take_issued(task))
 
-    def lost(
-        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+    def finished(
+        self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool = False
+    ) -> Refuse | None:
+        """``task`` ended with a result or an ordinary error; learn from its peak report at
+        once (:meth:`ended`, then :meth:`settle`). Returns strict mode's refusal where what it
+        taught narrows the pool below ``max_workers``."""
+        self.ended(task, report, now_s, failed=failed)
+        return self.settle(now_s)
+
+    def ended(
+        self, task: TaskId, report: PeakReport | None, now_s: float, *, failed: bool = False
     ) -> None:
-        """``task``'s worker died: the task failed; its booking is released."""
-        run = self._end_run(task)
-        state = self.tasks.pop(task, None)
-        if run is not None:
-            self._rebook(run.key)
-        key = run.key if run else state.key if state else self._last_key
-        self.counts["lost"] += 1
-        self.record(
-            self._simple(
-                "worker_lost",
-                run.device if run else None,
-                self.asks.ask(key),
-                message,
-                now_s,
-                extra=extra,
-            )
-        )
+        """``task`` ended with a result or an ordinary error: its booking is released, its run
+        time timed (unless it ``failed``), and its peak kept, a sample of its key's peaks from
+        the next :meth:`settle` (:meth:`~.learning.Learning.learn`)."""
+        run = self.state.end_run(task)
+        self.state.forget(task)
+        self.queue.drop(task)
+        if run is None:
+            return
+        if run.device is not None:
+            note_freed(self.state.cards[run.device], run, now_s)
+        self.state.rebook(run.key)
+        if not failed:
+            self.durations.timed(run.key, max(0.0, now_s - run.started_s))
+        if report is not None:
+            self.learning.learn(run, report, now_s, failed=failed)
+
+    def settle(self, now_s: float) -> Refuse | None:
+        """Price what the tasks that ended since the last settle measured (strict mode's
+        refusal where that narrowed the pool)."""
+        return self.learning.settle(now_s)
 
     def out_of_memory(
         self,
@@ -400,201 +316,213 @@ class Planner(Learning):
         *,
         error: str,
     ) -> Retry | Fail:
-        """``task`` ran its card out of memory: judge it against its own price when it started
-        (:func:`~gpupool._core.planner.oom.judge`), raise its key's price where it passed it,
-        and retry or fail it.
-
-        Args:
-            task: the task.
-            report: its peak report (what it reached, what it asked for).
-            reading: a live snapshot of its card taken after the report, or ``None``.
-            now_s: the time.
-            error: the error's text (truncated in the record).
-        """
-        self.settle(now_s)  # judged against the asks every measurement before it priced
-        self.counts["oom"] += 1
-        run = self._end_run(task)
-        assert run is not None
-        state = self.tasks[task]
-        state.retries += 1
-        card = self.cards[run.device] if run.device is not None else None
-        if card is not None and reading is not None:
+        """``task`` ran its card out of memory: judged against its own price when it started,
+        its key's price raised where it passed it, and retried or failed
+        (:meth:`~.out_of_memory.OutOfMemory.handle`), against the asks every measurement
+        before it priced."""
+        self.settle(now_s)
+        device = self.state.running[task].device
+        if device is not None and reading is not None:
             # The reading the record states (the own high-water is observed after it).
+            card = self.state.cards[device]
             card.reading, card.reading_s = reading, now_s
-        facts = self._oom_facts(run, state, card, report, reading)
-        verdict = judge(facts, self.config, card)
-        outcome = self._apply(verdict, task, state, run, card, now_s)
-        bound = self.bound(card.index, facts.key_ask_after) if card is not None else None
-        self.record(
-            records.out_of_memory(
-                facts,
-                outcome,
-                card,
-                bound,
-                self.ceiling,
-                report,
-                reading,
-                parent_pid=self.config.parent_pid,
-                error=error,
-                now_s=now_s,
-            )
-        )
-        if card is not None and self.config.fixed_width is None:
-            # Whatever became of the task, a raised price or a cap moves the card's width:
-            # the record of that move follows the out-of-memory's at once.
-            self._review(now_s, cause=f"an out-of-memory of {run.key}", devices=(card.index,))
-        if isinstance(outcome, Fail):
-            self.tasks.pop(task, None)
-        return outcome
+        return self.oom.handle(task, report, reading, now_s, error=error)
 
-    def _apply(
-        self,
-        verdict: Judgement,
-        task: TaskId,
-        state: TaskState,
-        run: Run,
-        card: Card | None,
-        now_s: float,
-    ) -> Retry | Fail:
-        """Carry out an out-of-memory's judgement: the cap, the wait for room or the card to
-        avoid it names, then the retry or the failure."""
-        why = verdict.why
-        if verdict.kind == "fixed_width":
-            state.wait_below = verdict.cap
-        elif verdict.cap is not None and card is not None:
-            card.oom_cap = verdict.cap
-            card.cap_clear_since_s = None
-        elif verdict.kind == "held":
-            if state.room_wait_until_s is None:
-                state.room_wait_until_s = now_s + self.config.room_wait_s
-            why += f" (until {state.room_wait_until_s:.1f} s)"
-        elif verdict.kind == "elsewhere" and run.device is not None:
-            state.avoid.add(run.device)
-        if verdict.retry:
-            return self._retry(task, why)
-        kind: FailKind = (
-            verdict.kind
-            if verdict.kind in ("retries_exhausted", "larger_than_card")
-            else "out_of_memory"
-        )
-        return Fail(
-            task=task,
-            kind=kind,
-            reason=why,
-            device=run.device,
-            booked_bytes=run.booked_at_start_bytes,
+    def lost(
+        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+    ) -> None:
+        """``task``'s worker died: the task failed; its booking is released."""
+        run = self.state.end_run(task)
+        state = self.state.forget(task)
+        if run is not None:
+            self.state.rebook(run.key)
+        key = run.key if run else state.key if state else self.state.last_key
+        self.state.count("lost")
+        self.views.note(
+            "worker_lost",
+            run.device if run else None,
+            self.state.asks.ask(key),
+            message,
+            now_s,
+            extra=extra,
         )
 
-    def _oom_facts(
-        self,
-        run: Run,
-        state: TaskState,
-        card: Card | None,
-        report: PeakReport,
-        reading: CardReading | None,
-    ) -> Facts:
-        """What was known when ``run`` ran out; its key's price raised where it passed it
-        (evidence never lowers a price: the floor is at least the task's ask now)."""
-        others = list(card.runs.values()) if card is not None else []
-        # What each was booked at when it started (the price it was admitted at), never a
-        # price an out-of-memory raised since.
-        booked_then = sum(r.booked_at_start_bytes for r in others) + run.booked_at_start_bytes
-        lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
-        before = self.asks.ask_for(run.key, run.size)
-        floor = before.ask_bytes
-        if lower > floor:
-            floor = lower + self.asks.policy.margin_for(lower)
-        self.asks.floor(run.key, floor)
-        after = self.asks.ask_for(run.key, run.size)
-        self._rebook(run.key)
-        child_bytes = 0
-        if reading is not None and reading.process_bytes is not None and run.pid is not None:
-            child_bytes = reading.process_bytes.get(run.pid, 0)
-        needed = after.ask_bytes + self.config.reserve_bytes
-        return Facts(
-            run=run,
-            tries=state.retries,
-            running_then=len(others) + 1,
-            shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
-            reached_bytes=report.device_peak_bytes,
-            requested_bytes=report.oom_requested_bytes,
-            key_ask_before=before,
-            key_ask_after=after,
-            # Held: the live free bytes do not cover its ask, yet the card without
-            # its co-tenants (census or new) would: waiting for them can help.
-            held=(
-                reading is not None
-                and card is not None
-                and card.census.total_bytes is not None
-                and reading.free_bytes + child_bytes < needed
-                and card.census.total_bytes - card.own_high_water_bytes >= needed
-            ),
-            elsewhere=self._roomier_elsewhere(run.device, after),
-            booked_bytes=booked_then,
-            largest_total_bytes=max(
-                (c.census.total_bytes for c in self.cards if c.census.total_bytes is not None),
-                default=None,
-            ),
-            priced_own_high_water_bytes=(
-                min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
-                if card is not None
-                else None
-            ),
-        )
+    def flush_asks(self, now_s: float) -> None:
+        """Record each key's final ask where it moved since its last record."""
+        self.learning.flush_asks(now_s)
 
-    def _roomier_elsewhere(self, device: int | None, ask: Ask) -> int | None:
-        """Another card where a task at ``ask`` fits alone with more room than on ``device``."""
-        if device is None:
-            return None
-        here = self.bound(device, ask).room_bytes
-        best: tuple[int, int] | None = None
-        for index in range(len(self.cards)):
-            if index == device or self.fit(index, ask, [], slots=1).more == 0:
-                continue
-            room = self.bound(index, ask).room_bytes
-            if (
-                room is not None
-                and (here is None or room > here)
-                and (best is None or room > best[1])
-            ):
-                best = (index, room)
-        return best[0] if best else None
+    # -- verdicts out ------------------------------------------------------------------------
+
+    def next_start(
+        self, now_s: float, workers: Workers | None = None
+    ) -> Start | Warm | Wait | Fail | Refuse | None:
+        """What to start now (:meth:`~.starts.Starts.next_start`)."""
+        return self.starts.next_start(now_s, workers)
+
+    def queue_behind(self, behind: TaskId) -> TaskId | None:
+        """The pending task to queue behind ``behind`` on its worker, or ``None``."""
+        return self.queue.queue_behind(behind)
+
+    def still_admits(self, start: Start, now_s: float) -> bool:
+        """Whether ``start`` still fits beside the other pools' bookings read again."""
+        return self.starts.still_admits(start, now_s)
+
+    def take_grown(self) -> frozenset[int]:
+        """The cards where a running task was booked higher since the last call."""
+        return self.state.take_grown()
+
+    def strict_refusal(self) -> Refuse | None:
+        """Strict mode's refusal to narrow, once made (the pool breaks with it)."""
+        return self.views.refused
 
     def shutdown_record(
         self, now_s: float, counts: Mapping[str, int], *, tasks_lost: int
     ) -> Decision:
         """The run's totals, as the last record."""
-        totals = collections.Counter(self.counts)
+        totals = collections.Counter(self.state.counts)
         totals.update(counts)
-        return records.shutdown(now_s, self.width, totals, tasks_lost=tasks_lost)
+        return records.shutdown(now_s, self.views.width, totals, tasks_lost=tasks_lost)
 
-    # -- what the process layer reads (never the state itself) ------------------------------
+    # -- views out (never the state itself) --------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        """How many tasks the planner admits at once now, for the work it holds."""
+        return self.views.width
+
+    @property
+    def widths(self) -> list[tuple[float, int]]:
+        """The pool's width over time: ``(seconds, width)`` where it moved."""
+        return self.log.widths
+
+    @property
+    def counts(self) -> collections.Counter[str]:
+        """What happened, by kind (retries, out-of-memory errors, waits, ...)."""
+        return self.state.counts
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether tasks ended whose peaks :meth:`settle` has not priced yet."""
+        return self.learning.unsettled
+
+    def widths_by_key(self) -> dict[str, int]:
+        """For each key with work pending or running: how many of its tasks could run at once
+        beside the other keys' running tasks."""
+        out: dict[str, int] = {}
+        if self.state.config.fixed_width is not None or not self.state.cards:
+            fixed = self.state.config.fixed_width
+            width = fixed if fixed is not None else self.state.ceiling.value
+            for key in self.state.present_keys():
+                out[key] = width
+            return out
+        running_keys: dict[str, int] = {}
+        for run in self.state.running.values():
+            running_keys[run.key] = running_keys.get(run.key, 0) + 1
+        for key in self.state.present_keys():
+            ask = self.state.asks.ask(key)
+            others = len(self.state.running) - running_keys.get(key, 0)
+            total = 0
+            for card in self.state.cards:
+                # Beside the other keys' runs there, read off the card's running sums.
+                same = card.same_key(key)
+                alone = fit_counts(
+                    card,
+                    ask,
+                    running=len(card.runs) - same,
+                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
+                    same=0,
+                    reserve_bytes=self.state.config.reserve_bytes,
+                    ceiling=self.state.ceiling,
+                    slots=self.state.ceiling.value,
+                )
+                total += max(same, alone.more)
+            out[key] = max(1, min(total, self.state.ceiling.value - others))
+        return out
+
+    def warm_limit(self, device: int, now_s: float) -> int:
+        """How many workers ``device`` may keep (running and idle): its runs, as many tasks
+        of a present key as fit there alone, or, while other pools wait there, as many as
+        this pool's share holds (the room a pool's ended task frees goes round the pools
+        by turns: ``sharing.gives_way``), whichever is more."""
+        card = self.state.cards[device]
+        running = len(card.runs)
+        room = self.views.bound(device, self.state.asks.ask(self.state.last_key)).room_bytes
+        if (
+            (
+                card.gate_shut_since_s is not None
+                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+            )
+            or owes_room(card, room)
+            or yields_to(card, 0, room, now_s) is not None
+        ):
+            # An idle worker's context is bytes the card needs: this pool's gate has been
+            # shut a while, or a waiting pool is owed room there that is not free (or this
+            # pool yields to one at the serial floor there).
+            return running
+        keys = self.state.present_keys() or [self.state.last_key]
+        fits = max(
+            self.views.fit(device, self.state.asks.ask(k), [], slots=self.state.ceiling.value).more
+            for k in keys
+        )
+        turns = share_tasks(card, room, self.state.asks.ask(self.state.last_key).ask_bytes)
+        return max(running, min(max(1, fits, turns), self.state.ceiling.value))
+
+    def waiting_count(self, *, starting: bool = False) -> int:
+        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
+        what other pools on its cards are told waits for room. ``starting``: one pending
+        task is being started (it counts as running)."""
+        pending = len(self.state.pending) - starting
+        running = len(self.state.running) + starting
+        count = min(pending, self.state.ceiling.value - running)
+        if self.state.cards and all(card.oom_cap is not None for card in self.state.cards):
+            # Every card runs at most its out-of-memory cap: no more can start than those.
+            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in self.state.cards)
+            count = min(count, free - starting)
+        return max(0, count)
+
+    def need_bytes(self, *, starting: bool = False) -> int:
+        """The ask of the first pending task that waits for room (0 when none does): the room
+        other pools are told this pool needs for its next task."""
+        if self.waiting_count(starting=starting) == 0 or len(self.state.pending) <= starting:
+            return 0
+        state = self.state.tasks[self.state.pending[int(starting)]]
+        return self.state.asks.ask_for(state.key, state.size).ask_bytes
+
+    def waiting_for_room(self) -> tuple[TaskId, ...]:
+        """Pending tasks that ran out of memory alone and wait for others to free the room."""
+        tasks = self.state.tasks
+        return tuple(t for t in self.state.pending if tasks[t].room_wait_until_s is not None)
+
+    def pending_tasks(self) -> tuple[TaskId, ...]:
+        """The pending tasks, in the order they will be considered."""
+        return tuple(self.state.pending)
+
+    def ask_of(self, task: TaskId) -> Ask:
+        """``task``'s price now (a per-task hint becomes its key's estimate first)."""
+        return self.state.ask_of(task)
 
     def has_pending(self) -> bool:
         """Whether any task waits to start (queued behind a run or not)."""
-        return bool(self.pending)
+        return bool(self.state.pending)
 
     def may_start(self) -> bool:
         """Whether fewer tasks run than the ceiling (else the verdict is to wait, and a
         reading of the cards would gate nothing)."""
-        return len(self.running) < self.ceiling.value
+        return len(self.state.running) < self.state.ceiling.value
 
     def is_queued(self, task: TaskId) -> bool:
         """Whether ``task`` waits behind a run on that run's worker."""
-        return task in self.queued
-
-    def strict_refusal(self) -> Refuse | None:
-        """Strict mode's refusal to narrow, once made (the pool breaks with it)."""
-        return self.refused
+        return task in self.queue.queued
 
     def waiting_asks(self, first: int, count: int) -> list[tuple[str, int]]:
         """The key and ask of the pending tasks ``first`` to ``first + count``, in order."""
+        tasks = self.state.tasks
         asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
         entries: list[tuple[str, int]] = []
-        for task in itertools.islice(self.pending, first, first + count):
-            slot = (self.tasks[task].key, self.tasks[task].size)
+        for task in itertools.islice(self.state.pending, first, first + count):
+            slot = (tasks[task].key, tasks[task].size)
             if slot not in asks:
-                asks[slot] = self.asks.ask_for(*slot).ask_bytes
+                asks[slot] = self.state.asks.ask_for(*slot).ask_bytes
             entries.append((slot[0], asks[slot]))
         return entries
 
@@ -605,7 +533,7 @@ class Planner(Learning):
             TaskBooking(
                 worker_pid=run.pid, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
             )
-            for run in self.running.values()
+            for run in self.state.running.values()
             if run.device == device and run.pid is not None
         )
 

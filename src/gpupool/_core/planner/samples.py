@@ -26,10 +26,11 @@ while it jumps, and ``1 / SAMPLE_INTERVAL_S`` otherwise.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gpupool._core.events import Decision, JsonTable, JsonValue
+from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import CardReading
 from gpupool._core.units import MiB, format_size
@@ -40,6 +41,7 @@ __all__ = [
     "SAMPLE_MIN_GAP_S",
     "SAMPLE_STEP_BYTES",
     "ReadingSplit",
+    "Recorder",
     "card_read",
     "pool_rows",
     "sample_due",
@@ -202,3 +204,58 @@ def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) ->
             "keys": keys,
         },
     )
+
+
+class Recorder:
+    """The planner's only output besides its verdicts: its records, each after a sample of the
+    reading its card's decision was made on, and the pool's width over time.
+
+    Args:
+        state: the planner's state (read: its cards' last readings, this process's pid).
+        emit: where records go (the decision log).
+    """
+
+    def __init__(self, state: PlannerState, emit: Callable[[Decision], None]) -> None:
+        self._state = state
+        self._emit = emit
+        # The pool's width over time: (seconds, width) where it moved.
+        self.widths: list[tuple[float, int]] = []
+        # The kinds of failed reading recorded already, by card.
+        self._errors: set[tuple[int, str]] = set()
+
+    def record(self, decision: Decision) -> None:
+        """Write one record, after a sample of its card's reading where one is due."""
+        cards = self._state.cards
+        if decision.device is not None and decision.device < len(cards):
+            self.sample(cards[decision.device], decision.time_s, decision=True)
+        self._emit(decision)
+
+    def sample(self, card: Card, now_s: float, *, decision: bool) -> None:
+        """A ``card_read`` sample of ``card``'s last reading, where one is due
+        (:func:`sample_due`)."""
+        reading = card.reading
+        if (
+            reading is None
+            or not self.widths  # not yet constructed: the census is the first record's
+            or not sample_due(card, now_s, decision=decision)
+        ):
+            return
+        split = split_reading(card, reading, self._state.config.parent_pid)
+        card.sampled_reading = reading
+        card.sampled_s = now_s
+        card.sampled_used_bytes = reading.used_bytes
+        card.sampled_running = len(card.runs)
+        self._emit(card_read(card, split, reading.free_bytes, now_s))
+
+    def timeline(self, now_s: float, width: int) -> None:
+        """The pool's width is ``width`` at ``now_s`` (kept where it moved)."""
+        if not self.widths or self.widths[-1][1] != width:
+            self.widths.append((round(now_s, 6), width))
+
+    def first_error(self, device: int | None, error: str) -> bool:
+        """Whether this is the first failed reading of its kind on ``device`` (then noted)."""
+        kind = (-1 if device is None else device, error.split(":", 1)[0])
+        if kind in self._errors:
+            return False
+        self._errors.add(kind)
+        return True

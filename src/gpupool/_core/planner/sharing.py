@@ -52,6 +52,7 @@ __all__ = [
     "give_way_record",
     "gives_way",
     "note_freed",
+    "note_others",
     "note_starved",
     "note_turn_taken",
     "others_terms",
@@ -87,6 +88,28 @@ class OthersTerms:
     held_bytes: int
     overrun_bytes: int
     tasks: int
+
+
+def note_others(
+    card: Card, others: OtherPools | None, rows: Mapping[int, int], now_s: float, *, census: bool
+) -> OthersTerms:
+    """``card``'s other pools are ``others`` now: their terms, priced from ``rows``
+    (:func:`others_terms`), and who waits and who took a turn (:func:`note_starved`,
+    :func:`note_turn_taken`). ``census``: what they hold stands in the census' co-tenant
+    bytes."""
+    terms = others_terms(others, rows)
+    card.others = others
+    card.others_bytes = terms.priced_bytes
+    card.others_unreached_bytes = terms.unreached_bytes
+    card.others_tasks = terms.tasks
+    card.others_held_bytes = terms.held_bytes
+    card.others_overrun_bytes = terms.overrun_bytes
+    card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
+    note_starved(card, now_s)
+    note_turn_taken(card)
+    if census:
+        card.others_at_census_bytes = terms.held_bytes
+    return terms
 
 
 def others_terms(others: OtherPools | None, rows: Mapping[int, int]) -> OthersTerms:

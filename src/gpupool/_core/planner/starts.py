@@ -8,16 +8,17 @@ start; when none is and nothing of the pool runs, the serial floor starts one.
 
 from __future__ import annotations
 
-import itertools
 from typing import Literal
 
 from gpupool._core.planner import order, records
+from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
     Fit,
     LiveGate,
     live_gate,
 )
-from gpupool._core.planner.order import Hold
+from gpupool._core.planner.order import Hold, Order
+from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.sharing import (
     ShareWait,
     share_wait,
@@ -25,11 +26,10 @@ from gpupool._core.planner.sharing import (
     turn_wait,
     yields_to,
 )
-from gpupool._core.planner.state import Card, Critical, Run, TaskState
+from gpupool._core.planner.state import Card, Critical, TaskState
 from gpupool._core.planner.verdicts import (
     GATE_RECORD_INTERVAL_S,
     LIVE_POLL_S,
-    LOOKAHEAD,
     Fail,
     Refuse,
     Start,
@@ -50,15 +50,51 @@ Admission = Literal["yes", "no", "gate"]
 CAP_POLL_S = 0.25
 
 
-class Starts(Views):
-    """The decision before every start."""
+def _due(recorded_s: float | None, now_s: float) -> bool:
+    """Whether a wait's record is due (at most one every :data:`GATE_RECORD_INTERVAL_S`)."""
+    return recorded_s is None or now_s - recorded_s >= GATE_RECORD_INTERVAL_S
+
+
+def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
+    """``task`` starts on ``card``, booked at its share of its key's price together there."""
+    booked_bytes = ask.next_bytes(card.same_key(ask.key))
+    return Start(task=task, device=card.index, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes)
+
+
+class Starts:
+    """The decision before every start (the only writer of the starts issued and the workers
+    reported with the last ``next_start``).
+
+    Args:
+        state: the planner's state.
+        views: its widths (the fit, the refusal, the records that move no width).
+        order: the start order.
+        log: where records go.
+    """
+
+    def __init__(self, state: PlannerState, views: Views, order: Order, log: Recorder) -> None:
+        self._state = state
+        self._views = views
+        self._order = order
+        self._log = log
+        # The starts issued and not yet begun (a start books what its verdict carried).
+        self._issued: dict[TaskId, Start] = {}
+        # The workers the process layer reported with the last ``next_start``.
+        self._workers: Workers | None = None
+        # When the last critical-key wait and head wait were recorded.
+        self._critical_recorded_s: float | None = None
+        self._hold_recorded_s: float | None = None
+
+    def take_issued(self, task: TaskId) -> Start | None:
+        """The start issued for ``task`` (it begins now, or left the planner)."""
+        return self._issued.pop(task, None)
 
     def next_start(
         self, now_s: float, workers: Workers | None = None
     ) -> Start | Warm | Wait | Fail | Refuse | None:
         """What to start now: a task and its card, a worker to warm for it, a wait (with why),
-        a failure, strict mode's refusal, or ``None`` when nothing is pending. :attr:`width`
-        is brought up to date with the work held.
+        a failure, strict mode's refusal, or ``None`` when nothing is pending. The width is
+        brought up to date with the work held.
 
         ``workers``: the ready and booting workers per card. A task is admitted only where
         a ready worker is idle, so the bound is checked when the task runs, not when it is
@@ -71,161 +107,84 @@ class Starts(Views):
         self._workers = workers
         if workers is not None and workers.booting_total:
             # How many more the pool admits now, for the work it holds: no more boot than that.
-            self.width = self._width_now()
+            self._views.refresh()
         verdict = self._next_start(now_s)
-        if self._width_due or not isinstance(verdict, (Start, Warm)):
-            self._width_due = False
-            self.width = self._width_now()
+        self._views.refresh_due(started=isinstance(verdict, (Start, Warm)))
         if isinstance(verdict, Start):
             self._issued[verdict.task] = verdict
         return verdict
 
     def _next_start(self, now_s: float) -> Start | Warm | Wait | Fail | Refuse | None:
-        if self.refused is not None:
-            return self.refused
-        self.hold = None
-        if not self.pending:
+        state = self._state
+        if self._views.refused is not None:
+            return self._views.refused
+        self._order.release()
+        if not state.pending:
             return None
-        if len(self.running) >= self.ceiling.value:
-            return Wait(reason=f"the ceiling ({self.ceiling.limit}) holds {self.ceiling.value}")
-        head = self.pending[0]
-        firsts: dict[str, TaskId] = {self.tasks[head].key: head}
-        if self._pending_by_key[self.tasks[head].key] < len(self.pending):
-            # More than one key waits: each one's first within the lookahead (with one key,
-            # the head is its first, and the queue is not walked).
-            for task in itertools.islice(self.pending, LOOKAHEAD):
-                firsts.setdefault(self.tasks[task].key, task)
-        candidates, critical = self._critical_first(list(firsts.values()))
-        passed = self.tasks[head].passed
-        if passed >= max(1, self.ceiling.value) and self.cards:
-            # The queue's head was passed a ceiling's worth of times in a row: it goes first,
-            # and the others start only beside the room held for it.
-            candidates, critical = [head, *(t for t in candidates if t != head)], None
-            if self.config.fixed_width is None:
-                self.hold = self._hold_for(head)
-            if self.hold is None:
-                candidates = [head]
-        elif passed >= max(1, self.ceiling.value):
-            candidates = [head]
-        return self._first_admitted(candidates, critical, head, now_s)
-
-    def _hold_for(self, head: TaskId) -> Hold | None:
-        """The room held for ``head``: the hold it was given while the runs it names still make
-        its room (the starts placed beside that hold left it room there, not beside another
-        one), else a new one, on the card where the runs expected to end first free it."""
-        ask = self.ask_of(head)
-        hold: Hold | None = None
-        if self._held_for is not None and self._held_for[0] == head:
-            kept = self._held_for[1]
-            hold = order.keep_hold(
-                kept,
-                self.cards[kept.device],
-                ask,
-                reserve_bytes=self.config.reserve_bytes,
-                ceiling=self.ceiling,
-            )
-        if hold is None:
-            hold = order.head_hold(
-                self.cards,
-                ask,
-                self.tasks[head].avoid,
-                reserve_bytes=self.config.reserve_bytes,
-                ceiling=self.ceiling,
-                expected_end_s=self._expected_end_s,
-            )
-        self._held_for = None if hold is None else (head, hold)
-        return hold
-
-    def _expected_end_s(self, run: Run) -> float:
-        """When ``run`` is expected to end: its start plus its key's mean duration (its start
-        alone until its key has a timed task, so the oldest ends first)."""
-        return run.started_s + self._durations_s.get(run.key, (0, 0.0))[1]
+        if len(state.running) >= state.ceiling.value:
+            return Wait(reason=f"the ceiling ({state.ceiling.limit}) holds {state.ceiling.value}")
+        candidates, critical = self._order.candidates()
+        return self._first_admitted(candidates, critical, state.pending[0], now_s)
 
     def _first_admitted(
         self, candidates: list[TaskId], critical: Critical | None, head: TaskId, now_s: float
     ) -> Start | Warm | Wait | Fail:
-        if self.tasks[head].waiting_since_s is None:
-            self.tasks[head].waiting_since_s = now_s
+        if self._state.tasks[head].waiting_since_s is None:
+            self._state.tasks[head].waiting_since_s = now_s
         gate_shut = False
         held: int | None = None
         for position, task in enumerate(candidates):
             if position == 1 and critical is not None:
                 held = order.holds_for(
-                    self.cards,
-                    self.ask_of(candidates[0]),
-                    self.tasks[candidates[0]].avoid,
-                    reserve_bytes=self.config.reserve_bytes,
-                    ceiling=self.ceiling,
+                    self._state.cards,
+                    self._state.ask_of(candidates[0]),
+                    self._state.tasks[candidates[0]].avoid,
+                    reserve_bytes=self._state.config.reserve_bytes,
+                    ceiling=self._state.ceiling,
                 )
                 if held is not None:
                     # The other keys leave that card's room to the critical key; a card it
                     # cannot use now still takes their tasks.
-                    self._critical_wait(critical, self.tasks[task].key, held, now_s)
-            if position == 1 and self.hold is not None:
-                self._head_wait(self.hold, now_s)
-            hold = self.hold if task != head else None
+                    self._critical_wait(critical, self._state.tasks[task].key, held, now_s)
+            if position == 1 and self._order.hold is not None:
+                self._head_wait(self._order.hold, now_s)
+            hold = self._order.hold if task != head else None
             verdict, shut = self._try_start(task, now_s, held=held, hold=hold)
             gate_shut = gate_shut or shut
             if isinstance(verdict, Start) and task != head:
                 # Counted for the task passed (a retry put in front of it does not reset it).
-                self.tasks[head].passed += 1
+                self._state.tasks[head].passed += 1
             if verdict is not None:
                 return verdict
         return self._blocked(head, now_s, gate_shut)
 
-    def _critical_first(self, firsts: list[TaskId]) -> tuple[list[TaskId], Critical | None]:
-        """The keys' first pending tasks in queue order, or with the critical key's first."""
-        if not self.cards or self.config.fixed_width is not None:
-            return firsts, None
-        keys = [self.tasks[t].key for t in firsts]
-        found = order.critical(
-            keys,
-            pending_by_key=lambda key: self._pending_by_key[key],
-            duration_s=lambda key: self._durations_s[key][1] if key in self._durations_s else None,
-            width_alone=lambda key: order.alone_width(
-                self.cards,
-                self.asks.ask(key),
-                reserve_bytes=self.config.reserve_bytes,
-                ceiling=self.ceiling,
-            ),
-        )
-        if found is None:
-            return firsts, None
-        first = keys.index(found.key)
-        return [firsts[first], *firsts[:first], *firsts[first + 1 :]], found
-
     def _critical_wait(self, critical: Critical, held_key: str, index: int, now_s: float) -> None:
-        self.counts["critical_waits"] += 1
-        if (
-            self._critical_recorded_s is not None
-            and now_s - self._critical_recorded_s < GATE_RECORD_INTERVAL_S
-        ):
+        self._state.count("critical_waits")
+        if not _due(self._critical_recorded_s, now_s):
             return
         self._critical_recorded_s = now_s
         reason, extra = records.critical_wait(critical, held_key, index)
-        self.record(
-            self._simple(
-                "critical_wait", index, self.asks.ask(critical.key), reason, now_s, extra=extra
-            )
+        self._views.note(
+            "critical_wait",
+            index,
+            self._state.asks.ask(critical.key),
+            reason,
+            now_s,
+            extra=extra,
         )
 
     def _head_wait(self, hold: Hold, now_s: float) -> None:
-        self.counts["head_waits"] += 1
-        if (
-            self._hold_recorded_s is not None
-            and now_s - self._hold_recorded_s < GATE_RECORD_INTERVAL_S
-        ):
+        self._state.count("head_waits")
+        if not _due(self._hold_recorded_s, now_s):
             return
         self._hold_recorded_s = now_s
-        head = self.tasks[self.pending[0]]
+        head = self._state.tasks[self._state.pending[0]]
         since_s = head.waiting_since_s if head.waiting_since_s is not None else now_s
         reason, extra = records.head_wait(
-            hold, self.cards[hold.device], head.passed, now_s - since_s
+            hold, self._state.cards[hold.device], head.passed, now_s - since_s
         )
-        self.record(
-            self._simple(
-                "head_wait", hold.device, self.asks.ask(hold.key), reason, now_s, extra=extra
-            )
+        self._views.note(
+            "head_wait", hold.device, self._state.asks.ask(hold.key), reason, now_s, extra=extra
         )
 
     def _try_start(
@@ -233,22 +192,22 @@ class Starts(Views):
     ) -> tuple[Start | Warm | Fail | None, bool]:
         """Start ``task`` on a card that admits it, never on ``held`` (a card whose room is
         left to the critical key), and on ``hold``'s card only beside the room held there."""
-        state = self.tasks[task]
-        if not self.cards:
+        task_state = self._state.tasks[task]
+        if not self._state.cards:
             if self._ready(None):
                 return Start(task=task, device=None, ask_bytes=0, booked_bytes=0), False
-            slots = self.ceiling.value - len(self.running)
+            slots = self._state.ceiling.value - len(self._state.running)
             return (Warm(device=None, task=task) if self._may_warm(None, slots) else None), False
-        ask = self.ask_of(task)
-        if self.config.fixed_width is not None:
-            return self._fixed_start(task, state, ask, now_s)
+        ask = self._state.ask_of(task)
+        if self._state.config.fixed_width is not None:
+            return self._fixed_start(task, task_state, ask, now_s)
         gate_shut = False
-        fits = self._fits_for(state, ask, held, hold)
+        fits = self._fits_for(task_state, ask, held, hold)
         # The card with the most room left after it first; a card whose ready worker can run
         # it now before one where a worker must boot for it.
         warm: Warm | None = None
         for found in sorted(fits, key=lambda f: -(f.left_bytes or 0)):
-            card = self.cards[found.device]
+            card = self._state.cards[found.device]
             verdict = self._admits_on(card, ask, found, now_s)
             if verdict == "no":
                 continue
@@ -260,37 +219,33 @@ class Starts(Views):
                 if warm is None and self._may_warm(found.device, found.more):
                     warm = Warm(device=found.device, task=task)
                 continue  # (its room may wait for the workers booting there)
-            booked_bytes = ask.next_bytes(card.same_key(ask.key))
-            start = Start(
-                task=task, device=found.device, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes
-            )
-            return start, False
+            return _start_on(task, card, ask), False
         if warm is not None:
             return warm, gate_shut
         if (
             held is None
-            and state.room_wait_until_s is not None
-            and now_s >= state.room_wait_until_s
+            and task_state.room_wait_until_s is not None
+            and now_s >= task_state.room_wait_until_s
         ):
             # (Not while a card was left to the critical key: that card may have its room.)
-            return self._expired(task, state, ask), gate_shut
+            return self._expired(task, task_state, ask), gate_shut
         return None, gate_shut
 
     def _fits_for(
-        self, state: TaskState, ask: Ask, held: int | None, hold: Hold | None
+        self, task_state: TaskState, ask: Ask, held: int | None, hold: Hold | None
     ) -> list[Fit]:
-        """The fit of a task (``state``, at ``ask``) on every card it may use: not ``held``,
+        """The fit of a task (``task_state``, at ``ask``) on every card it may use: not ``held``,
         not one it avoids, and on ``hold``'s card only where it also fits beside what stays
         once the runs the head waits for end, and the head (so it never delays the head)."""
-        slots = self.ceiling.value - len(self.running)
+        slots = self._state.ceiling.value - len(self._state.running)
         fits: list[Fit] = []
-        for card in self.cards:
+        for card in self._state.cards:
             if card.index == held or (
-                card.index in state.avoid and len(state.avoid) < len(self.cards)
+                card.index in task_state.avoid and len(task_state.avoid) < len(self._state.cards)
             ):
                 continue
             after = hold.after(card) if hold is not None and hold.device == card.index else None
-            found = self.fit_beside(card.index, ask, None, after, slots=slots)
+            found = self._views.fit_beside(card.index, ask, None, after, slots=slots)
             if after is not None and found.more == 0:
                 continue
             fits.append(found)
@@ -308,38 +263,36 @@ class Starts(Views):
         workers = self._workers
         if workers is None:
             return False
-        running = len(self.running)
+        running = len(self._state.running)
         return workers.booting.get(device, 0) < more and workers.booting_total < min(
-            len(self.pending), self.ceiling.value - running, max(1, self.width - running)
+            len(self._state.pending),
+            self._state.ceiling.value - running,
+            max(1, self._views.width - running),
         )
 
-    def _booting(self, device: int | None) -> int:
-        return 0 if self._workers is None else self._workers.booting.get(device, 0)
-
     def _fixed_start(
-        self, task: TaskId, state: TaskState, ask: Ask, now_s: float
+        self, task: TaskId, task_state: TaskState, ask: Ask, now_s: float
     ) -> tuple[Start | Warm | Fail | None, bool]:
         """Under a fixed width: the card running fewest, whatever the bound says."""
-        card = min(self.cards, key=lambda c: (len(c.runs) + self._booting(c.index), c.index))
-        if state.wait_below is not None and len(card.runs) >= state.wait_below:
+        booting = self._workers.booting if self._workers is not None else {}
+        card = min(
+            self._state.cards, key=lambda c: (len(c.runs) + booting.get(c.index, 0), c.index)
+        )
+        if task_state.wait_below is not None and len(card.runs) >= task_state.wait_below:
             return None, False
         # Waiting for room others hold: the live gate as if nothing of the pool ran.
         if (
-            state.room_wait_until_s is not None
-            and not live_gate(card, ask, [], reserve_bytes=self.config.reserve_bytes).admits
+            task_state.room_wait_until_s is not None
+            and not live_gate(card, ask, [], reserve_bytes=self._state.config.reserve_bytes).admits
         ):
-            if now_s >= state.room_wait_until_s:
-                return self._expired(task, state, ask), False
+            if now_s >= task_state.room_wait_until_s:
+                return self._expired(task, task_state, ask), False
             return None, True
         if not self._ready(card.index):
-            slots = self.ceiling.value - len(self.running)
+            slots = self._state.ceiling.value - len(self._state.running)
             warm = self._may_warm(card.index, slots)
             return (Warm(device=card.index, task=task) if warm else None), False
-        booked_bytes = ask.next_bytes(card.same_key(ask.key))
-        start = Start(
-            task=task, device=card.index, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes
-        )
-        return start, False
+        return _start_on(task, card, ask), False
 
     def _admits_on(self, card: Card, ask: Ask, found: Fit, now_s: float) -> Admission:
         """Admission on one card: the fit (bound, cap, ceiling: ``found``), the share of a card
@@ -355,7 +308,7 @@ class Starts(Views):
         if card.reading_error is not None and card.runs:
             return "no"
         gate = live_gate(
-            card, ask, list(card.runs.values()), reserve_bytes=self.config.reserve_bytes
+            card, ask, list(card.runs.values()), reserve_bytes=self._state.config.reserve_bytes
         )
         if not gate.admits:
             self._gate_shut(card, ask, gate, now_s)
@@ -370,142 +323,133 @@ class Starts(Views):
         found = turn_wait(card, next_bytes, room_bytes, now_s)
         if found is None or room_bytes is None:
             return False
-        self.counts["share_waits"] += 1
-        recorded = card.share_recorded_s
-        if recorded is None or now_s - recorded >= GATE_RECORD_INTERVAL_S:
+        self._state.count("share_waits")
+        if _due(card.share_recorded_s, now_s):
             card.share_recorded_s = now_s
             reason, extra = turn_record(card, found, room_bytes)
-            self.record(self._simple("share_wait", card.index, ask, reason, now_s, extra=extra))
+            self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
         return True
 
     def still_admits(self, start: Start, now_s: float) -> bool:
         """After the other pools' bookings were read again in the same step that published
         this start's: does the start still fit? (Two pools deciding at once cannot both
         take the same room: whichever publishes second sees the first's booking.)"""
-        if start.past_bound or start.device is None or self.config.fixed_width is not None:
+        if start.past_bound or start.device is None or self._state.config.fixed_width is not None:
             return True
-        card = self.cards[start.device]
-        state = self.tasks[start.task]
-        ask = self.asks.ask_for(state.key, state.size)
-        admitted = self._admits_on(card, ask, self.fit(card.index, ask), now_s) == "yes"
+        card = self._state.cards[start.device]
+        task_state = self._state.tasks[start.task]
+        ask = self._state.asks.ask_for(task_state.key, task_state.size)
+        admitted = self._admits_on(card, ask, self._views.fit(card.index, ask), now_s) == "yes"
         if not admitted:
             self._issued.pop(start.task, None)
         return admitted
 
-    def _expired(self, task: TaskId, state: TaskState, ask: Ask) -> Fail:
-        self._unqueue(task)
-        self.tasks.pop(task, None)
+    def _expired(self, task: TaskId, task_state: TaskState, ask: Ask) -> Fail:
+        self._state.unqueue(task)
+        self._state.forget(task)
         return Fail(
             task=task,
             kind="room_wait_expired",
             reason=(
                 f"it ran out of memory alone on the card while others' bytes held it, and no "
                 f"room for its ask {ask.describe()} came free within room_wait_s="
-                f"{self.config.room_wait_s:g}"
+                f"{self._state.config.room_wait_s:g}"
             ),
-            device=state.last_device,
-            booked_bytes=state.last_booked_bytes or ask.ask_bytes,
+            device=task_state.last_device,
+            booked_bytes=task_state.last_booked_bytes or ask.ask_bytes,
         )
 
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
-        self.counts["share_waits"] += 1
-        recorded = card.share_recorded_s
-        if recorded is not None and now_s - recorded < GATE_RECORD_INTERVAL_S:
+        self._state.count("share_waits")
+        if not _due(card.share_recorded_s, now_s):
             return
         card.share_recorded_s = now_s
         reason, extra = records.share_wait(card, wait)
         last = list(card.runs.values())[-1]
-        self.record(
-            self._simple(
-                "share_wait", card.index, self.asks.ask(last.key), reason, now_s, extra=extra
-            )
+        self._views.note(
+            "share_wait", card.index, self._state.asks.ask(last.key), reason, now_s, extra=extra
         )
 
     def _gate_shut(self, card: Card, ask: Ask, gate: LiveGate, now_s: float) -> None:
         if card.gate_shut_since_s is None:
             card.gate_shut_since_s = now_s
             card.gate_episodes += 1
-            self.counts["gate_waits"] += 1
-        if (
-            card.gate_recorded_s is not None
-            and now_s - card.gate_recorded_s < GATE_RECORD_INTERVAL_S
-        ):
+            self._state.count("gate_waits")
+        if not _due(card.gate_recorded_s, now_s):
             return
         episodes = card.gate_episodes
         card.gate_recorded_s = now_s
         card.gate_episodes = 0
         reason, extra = records.live_gate_wait(card, gate, episodes)
-        self.record(self._simple("live_gate_wait", card.index, ask, reason, now_s, extra=extra))
+        self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _blocked(self, head: TaskId, now_s: float, gate_shut: bool) -> Wait | Warm | Start:
-        state = self.tasks[head]
+        task_state = self._state.tasks[head]
         if self._workers is not None and self._workers.booting_total:
             # A worker that boots reports ready (an event): admit then, against that reading.
             return Wait(reason="workers are starting", poll_s=LIVE_POLL_S if gate_shut else None)
-        if self.running:
+        if self._state.running:
             # Another pool's tasks end without an event here: poll while they hold a card.
-            others = any(card.others_tasks or card.others_waiting for card in self.cards)
+            others = any(card.others_tasks or card.others_waiting for card in self._state.cards)
             poll_s = LIVE_POLL_S if gate_shut or others else None
-            if poll_s is None and any(card.oom_cap is not None for card in self.cards):
+            if poll_s is None and any(card.oom_cap is not None for card in self._state.cards):
                 # A cap lifts on the readings alone (no event says the room is back).
                 poll_s = CAP_POLL_S
             return Wait(
                 reason="the bound or the live gate holds the pending tasks back", poll_s=poll_s
             )
-        if state.room_wait_until_s is not None:
+        if task_state.room_wait_until_s is not None:
             return Wait(reason="waiting for room after an out-of-memory", poll_s=LIVE_POLL_S)
-        ask = self.ask_of(head)
+        ask = self._state.ask_of(head)
         if any(
-            yields_to(card, ask.ask_bytes, self.bound(card.index, ask).room_bytes, now_s)
-            for card in self.cards
+            yields_to(card, ask.ask_bytes, self._views.bound(card.index, ask).room_bytes, now_s)
+            for card in self._state.cards
         ):
             # Not the serial floor: another pool waits at its own, and this one yields to it.
             return Wait(
                 reason="this pool yields to another pool at the serial floor", poll_s=LIVE_POLL_S
             )
-        return self._serial_floor(head, state, now_s, gate_shut)
+        return self._serial_floor(head, task_state, now_s, gate_shut)
 
     def _serial_floor(
-        self, head: TaskId, state: TaskState, now_s: float, gate_shut: bool
+        self, head: TaskId, task_state: TaskState, now_s: float, gate_shut: bool
     ) -> Wait | Warm | Start:
         """Nothing of the pool runs anywhere, and the head does not start: one task starts past
         the bound, on the card with the most room (logged), unless other pools hold it."""
-        ask = self.ask_of(head)
-        candidates = [i for i in range(len(self.cards)) if i not in state.avoid] or list(
-            range(len(self.cards))
-        )
+        ask = self._state.ask_of(head)
+        candidates = [
+            i for i in range(len(self._state.cards)) if i not in task_state.avoid
+        ] or list(range(len(self._state.cards)))
         index = max(
             candidates,
             key=lambda i: (
-                self.bound(i, ask).room_bytes is not None,
-                self.bound(i, ask).room_bytes or 0,
+                self._views.bound(i, ask).room_bytes is not None,
+                self._views.bound(i, ask).room_bytes or 0,
                 -i,
             ),
         )
-        others_since = self.cards[index].others_since_s
-        if others_since is not None and now_s - others_since < self.config.room_wait_s:
+        others_since = self._state.cards[index].others_since_s
+        if others_since is not None and now_s - others_since < self._state.config.room_wait_s:
             # Another pool's tasks hold the room: they end, so wait for them
             # (bounded) rather than start past the bound beside them.
             return Wait(reason="other pools' bookings hold the card", poll_s=LIVE_POLL_S)
         if not self._ready(index):
             return Warm(device=index, task=head)
-        self.counts["serial_starts"] += 1
+        self._state.count("serial_starts")
         why = (
             "the live gate is shut (others' bytes fill the card; if the task runs out of "
             "memory it waits for room, it does not fail)"
             if gate_shut
             else "no card has room for one task"
         )
-        self.record(
-            self._simple(
-                "serial_start",
-                index,
-                ask,
-                f"card {index}: {why} and nothing of the pool is running, so one task of "
-                f"{state.key} starts past the bound (the serial floor); ask {ask.describe()}",
-                now_s,
-                limit="floor",
-            )
+        self._views.note(
+            "serial_start",
+            index,
+            ask,
+            f"card {index}: {why} and nothing of the pool is running, so one task of "
+            f"{task_state.key} starts past the bound (the serial floor); ask {ask.describe()}",
+            now_s,
+            limit="floor",
         )
         return Start(
             task=head,

@@ -15,24 +15,65 @@ it was worked out from are the card's terms still.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gpupool._core.bookings import OtherPools
+from gpupool._core.bound import Bound, Ceiling, Limit
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.verdicts import CardReading, TaskId
 
-if TYPE_CHECKING:
-    from gpupool._core.bound import Bound, Ceiling
-    from gpupool._core.planner.fit import Fit
+__all__ = ["Card", "Critical", "Fit", "Run", "TaskState"]
 
-    #: What a bound or a fit on a card was worked out from besides the ask's price: the
-    #: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
-    BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
-    FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
-    PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
-__all__ = ["Card", "Critical", "Run", "TaskState"]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    """What fits on one card beside its runs at one ask.
+
+    Attributes:
+        device: the card.
+        bound: the card's terms priced at the ask (its room).
+        running: the runs it was asked beside.
+        booked_bytes: what they book between them (on unified memory, with each
+            one's child RSS: :func:`~.fit.host_per_task_bytes`).
+        next_bytes: what one more task at the ask books beside them (likewise).
+        more: how many more tasks at the ask fit now (memory, out-of-memory
+            cap, and the slots the ceiling leaves).
+        limit: what stops one more past ``more``.
+    """
+
+    device: int
+    bound: Bound
+    running: int
+    booked_bytes: int
+    next_bytes: int
+    more: int
+    limit: Limit
+
+    @property
+    def width(self) -> int:
+        """The runs there plus the ones that fit beside them."""
+        return self.running + self.more
+
+    @property
+    def next_booked_bytes(self) -> int:
+        """What one more task at the ask is booked at (its share of its key's price together),
+        without its child's RSS: what a what-if booking of it (:class:`~.fit.Booked`) holds, as the
+        fit prices each booking's child RSS beside it."""
+        return self.next_bytes - self.bound.host_per_task_bytes
+
+    @property
+    def left_bytes(self) -> int | None:
+        """The room left once one more task is booked (``None``: unreadable)."""
+        room = self.bound.room_bytes
+        return None if room is None else room - self.booked_bytes - self.next_bytes
+
+
+#: What a bound or a fit on a card was worked out from besides the ask's price: the
+#: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
+BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
+FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
+PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -89,7 +130,13 @@ class Critical:
 
 @dataclass(slots=True)
 class Card:
-    """One card: its census, the pool's runs on it, its live reading and its terms."""
+    """One card: its census, the pool's runs on it, its live reading and its terms.
+
+    A record past the house's ~15 fields, grouped by the one rule that writes each
+    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods),
+    the reading (the planner's events), the width (``views``), the cap
+    (``out_of_memory``), the gate's clock (``starts``), the samples (``samples``), the
+    other pools (``sharing``), the memos (``fit``)."""
 
     index: int
     census: CardCensus
@@ -160,11 +207,22 @@ class Card:
     )
 
     def add_run(self, task: TaskId, run: Run) -> None:
-        """``run`` runs here now."""
+        """``run`` runs here now (in its worker, which the card keeps)."""
         self.runs[task] = run
+        if run.pid is not None:
+            self.worker_pids.add(run.pid)
         self.runs_booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
         self.runs_booked_by_key[run.key] += run.booked_bytes
+
+    def keep_workers(self, process_bytes: Mapping[int, int]) -> None:
+        """A reading's per-process rows: a worker with no row holds nothing (or has exited),
+        unless it runs a task here: forget it."""
+        if self.worker_pids:
+            running = {r.pid for r in self.runs.values()}
+            self.worker_pids = {
+                pid for pid in self.worker_pids if pid in process_bytes or pid in running
+            }
 
     def drop_run(self, task: TaskId) -> Run | None:
         """``task``'s run ended here (``None``: it had none)."""

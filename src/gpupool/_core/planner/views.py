@@ -2,7 +2,7 @@
 
 Admission, ``ex.width`` (:meth:`Views._width_now`), ``widths_by_key``, the
 warm-worker limit and every record's width (:meth:`Views.decide`, used by
-:meth:`Views._review` and by records that move no width) come from
+:meth:`Views.review` and by records that move no width) come from
 :func:`~gpupool._core.planner.fit.fit`, so the width a record states is what
 gated the start beside it.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from gpupool._core.bound import Bound, WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.planner import records
-from gpupool._core.planner.base import PlannerBase
+from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
     Booked,
     Fit,
@@ -26,13 +26,12 @@ from gpupool._core.planner.fit import (
     fit,
     fit_counts,
 )
-from gpupool._core.planner.sharing import owes_room, share_tasks, yields_to
+from gpupool._core.planner.order import Order
+from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.state import Card
 from gpupool._core.planner.verdicts import (
     LOOKAHEAD,
-    RETIRE_AFTER_SHUT_S,
     Refuse,
-    TaskId,
 )
 from gpupool._core.policy import Ask
 
@@ -62,13 +61,158 @@ class _Placed:
         return card.same_key(key) + (self.keys.get(key, 0) if self.keys else 0)
 
 
-class Views(PlannerBase):
-    """The widths, the reviews that record them, and strict mode's refusal."""
+class Views:
+    """Every width the planner states, the reviews that record them, and strict mode's refusal
+    (the only writer of :attr:`width` and :attr:`refused`).
+
+    Args:
+        state: the planner's state (read).
+        order: the start order (read: the room held for the queue's head).
+        log: where records go.
+    """
+
+    def __init__(self, state: PlannerState, order: Order, log: Recorder) -> None:
+        self._state = state
+        self._order = order
+        self._log = log
+        # Strict mode's refusal, once a narrowing was refused (``next_start`` returns it).
+        self.refused: Refuse | None = None
+        # The last widths decided (:meth:`decide`) and the fits they were shared out from:
+        # the same fits (each card's, served by its memo) share out alike.
+        self._decided: tuple[tuple[object, ...], tuple[WidthDecision, ...]] | None = None
+        # Tasks were submitted since the width was last derived (a start then derives it).
+        self._due = False
+        self.width = self._width_now()
+
+    def refresh(self, now_s: float | None = None) -> None:
+        """Derive :attr:`width` again (and, given ``now_s``, note it on the timeline)."""
+        self.width = self._width_now()
+        if now_s is not None:
+            self._log.timeline(now_s, self.width)
+
+    def submitted(self) -> None:
+        """Tasks were submitted: the next start derives the width again."""
+        self._due = True
+
+    def refresh_due(self, *, started: bool) -> None:
+        """The end of a scheduling pass: the width is derived again unless the pass ``started``
+        a task and nothing was submitted since it was last derived."""
+        if self._due or not started:
+            self._due = False
+            self.width = self._width_now()
+
+    def construct(
+        self, now_s: float, *, note: str = "", extra: Mapping[str, JsonValue] | None = None
+    ) -> Refuse | None:
+        """Decide and record the first width of every card, from the same fit as every later
+        one. Returns strict mode's refusal where the width is below ``max_workers``."""
+        state = self._state
+        ask = state.asks.ask("")
+        cpus_note = self._cpus_note()
+        if not state.cards:
+            self.width = self._width_now()
+            reason = state.census.reason or "no device"
+            self._log.record(
+                Decision(
+                    event="constructed",
+                    time_s=now_s,
+                    device=None,
+                    width_before=None,
+                    width_after=self.width,
+                    reason=(
+                        f"{reason}; a host-bounded pool of width {self.width}, set by "
+                        f"{state.ceiling.limit} ({state.ceiling.value}){cpus_note}"
+                    ),
+                    ceiling=state.ceiling,
+                    limit=state.ceiling.limit,
+                    extra={"driver": state.census.driver, "sensor": state.census.sensor},
+                )
+            )
+            self._log.timeline(now_s, self.width)
+            return None
+        decisions = self.decide(ask)
+        for decision in decisions:
+            card = state.cards[decision.device]
+            card.width = decision.width
+            census = card.census
+            reason_note = f"; {census.reason}" if census.reason else ""
+            self._log.record(
+                Decision.from_width(
+                    "constructed",
+                    decision,
+                    time_s=now_s,
+                    width_before=None,
+                    reason=f"{decision.describe()}{note}{reason_note}{cpus_note}",
+                    extra={
+                        "uuid": census.uuid,
+                        "census_free_bytes": census.free_bytes,
+                        "census_own_bytes": census.own_bytes,
+                        "reserved_bytes": census.reserved_bytes,
+                        "source": census.source,
+                        "own_source": census.own_source,
+                        "unified": census.unified,
+                        **(extra or {}),
+                    },
+                )
+            )
+        self.refresh(now_s)
+        if state.config.fixed_width is not None:
+            self._check_fixed(decisions, now_s)
+        return self._refuse_at_construction(decisions, now_s)
+
+    def _refuse_at_construction(
+        self, decisions: tuple[WidthDecision, ...], now_s: float
+    ) -> Refuse | None:
+        config = self._state.config
+        width = sum(d.width for d in decisions)
+        wanted = min(config.max_workers, self._state.ceiling.value)
+        if not config.strict or config.fixed_width is not None or width >= wanted:
+            return None
+        narrow = min(decisions, key=lambda d: d.width)
+        reason = (
+            f"strict mode: the bound gives width {width}, below the requested "
+            f"{config.max_workers}: "
+            + "; ".join(d.describe() for d in decisions)
+            + ". Free the card, lower max_workers, or drop strict=True."
+        )
+        record = Decision.from_width(
+            "narrowed", narrow, time_s=now_s, width_before=config.max_workers, reason=reason
+        )
+        self.refused = Refuse(reason=reason, decision=record)
+        return self.refused
+
+    def _cpus_note(self) -> str:
+        host = self._state.census.host
+        config = self._state.config
+        if config.max_workers_given and config.max_workers > host.cpus:
+            return (
+                f"; max_workers={config.max_workers} is more than the {host.cpus} usable CPUs "
+                f"({host.cpu_source}): kept, as the standard pool keeps it"
+            )
+        return ""
+
+    def sensor_error(self, device: int | None, error: str, effect: str, now_s: float) -> None:
+        """Record a failed reading, once per card and kind of error."""
+        if not self._log.first_error(device, error):
+            return
+        self._state.count("sensor_errors")
+        self.note(
+            "sensor_error",
+            device,
+            self._state.asks.ask(self._state.last_key),
+            f"card {device}: a reading failed ({error}); {effect} while it fails; the "
+            "static bound still applies",
+            now_s,
+            extra={"error": error[:500]},
+        )
 
     def bound(self, device: int, ask: Ask) -> Bound:
         """``device``'s bound priced at ``ask``, with its own high-water so far."""
         return card_bound(
-            self.cards[device], ask, reserve_bytes=self.config.reserve_bytes, ceiling=self.ceiling
+            self._state.cards[device],
+            ask,
+            reserve_bytes=self._state.config.reserve_bytes,
+            ceiling=self._state.ceiling,
         )
 
     def fit(
@@ -76,9 +220,9 @@ class Views(PlannerBase):
     ) -> Fit:
         """The one fit on ``device`` at ``ask`` beside ``runs`` (default: the card's runs),
         within ``slots`` (default: what the ceiling leaves the pool)."""
-        card = self.cards[device]
+        card = self._state.cards[device]
         if slots is None:
-            slots = self.ceiling.value - len(self.running)
+            slots = self._state.ceiling.value - len(self._state.running)
         if runs is None:  # the card's runs, read off its running sums
             return fit_counts(
                 card,
@@ -86,16 +230,16 @@ class Views(PlannerBase):
                 running=len(card.runs),
                 booked_bytes=card.booked_bytes,
                 same=card.same_key(ask.key),
-                reserve_bytes=self.config.reserve_bytes,
-                ceiling=self.ceiling,
+                reserve_bytes=self._state.config.reserve_bytes,
+                ceiling=self._state.ceiling,
                 slots=slots,
             )
         return fit(
             card,
             ask,
             runs,
-            reserve_bytes=self.config.reserve_bytes,
-            ceiling=self.ceiling,
+            reserve_bytes=self._state.config.reserve_bytes,
+            ceiling=self._state.ceiling,
             slots=slots,
         )
 
@@ -123,20 +267,20 @@ class Views(PlannerBase):
         Shared out once per set of fits: where every card's fit is the one the last decision
         was shared out from (the same object, which its card's memo serves only while its
         terms hold) and the ceiling is the same, that decision is the answer."""
-        fits = tuple(self.fit(i, ask) for i in range(len(self.cards)))
+        fits = tuple(self.fit(i, ask) for i in range(len(self._state.cards)))
         last = self._decided
         if (
             last is not None
-            and last[0][0] is self.ceiling
+            and last[0][0] is self._state.ceiling
             and len(last[0]) == len(fits) + 1
             and all(a is b for a, b in zip(last[0][1:], fits, strict=True))
         ):
             return last[1]
-        decisions = card_widths(fits, self.ceiling)
-        self._decided = ((self.ceiling, *fits), decisions)
+        decisions = card_widths(fits, self._state.ceiling)
+        self._decided = ((self._state.ceiling, *fits), decisions)
         return decisions
 
-    def _simple(
+    def note(
         self,
         event: EventName,
         device: int | None,
@@ -146,34 +290,36 @@ class Views(PlannerBase):
         *,
         limit: str | None = None,
         extra: Mapping[str, JsonValue] | None = None,
-    ) -> Decision:
-        """A record that moves no width: the card's width as the fit states it now."""
+    ) -> None:
+        """Record what moves no width: the card's width as the fit states it now."""
         bound = None
         width = self.width
-        if device is not None and self.cards:
+        if device is not None and self._state.cards:
             bound = self.bound(device, ask)
             width = self.decide(ask)[device].width
-        return records.simple(
-            event,
-            device=device,
-            width=width,
-            ask=ask,
-            bound=bound,
-            ceiling=self.ceiling,
-            reason=reason,
-            now_s=now_s,
-            limit=limit,
-            extra=extra,
+        self._log.record(
+            records.simple(
+                event,
+                device=device,
+                width=width,
+                ask=ask,
+                bound=bound,
+                ceiling=self._state.ceiling,
+                reason=reason,
+                now_s=now_s,
+                limit=limit,
+                extra=extra,
+            )
         )
 
     def _check_fixed(self, decisions: tuple[WidthDecision, ...], now_s: float) -> None:
-        fixed = self.config.fixed_width
+        fixed = self._state.config.fixed_width
         assert fixed is not None
         bound_width = sum(d.width for d in decisions)
         if bound_width >= fixed:
             return
         narrow = min(decisions, key=lambda d: d.width)
-        self.record(
+        self._log.record(
             Decision(
                 event="fixed_width_over_bound",
                 time_s=now_s,
@@ -186,7 +332,7 @@ class Views(PlannerBase):
                     + "); keeping the width you asked for"
                 ),
                 bound=narrow.bound,
-                ceiling=self.ceiling,
+                ceiling=self._state.ceiling,
                 limit=narrow.limit,
                 extra={
                     "bound_width": bound_width,
@@ -195,7 +341,7 @@ class Views(PlannerBase):
             )
         )
 
-    def _review(
+    def review(
         self,
         now_s: float,
         *,
@@ -216,14 +362,16 @@ class Views(PlannerBase):
         one that moved (default: ``"widened"`` or ``"narrowed"``). Returns whether any
         card's width moved.
         """
-        if not self.cards:
+        if not self._state.cards:
             return False
-        priced = key if key is not None else (self._present_keys() or [self._last_key])[0]
-        ask = self.asks.ask(priced)
+        priced = (
+            key if key is not None else (self._state.present_keys() or [self._state.last_key])[0]
+        )
+        ask = self._state.asks.ask(priced)
         decisions = self.decide(ask)
         moved = False
         for decision in decisions:
-            card = self.cards[decision.device]
+            card = self._state.cards[decision.device]
             old, new = card.width, decision.width
             if devices is not None and decision.device not in devices and new == old:
                 continue
@@ -234,7 +382,7 @@ class Views(PlannerBase):
             event = self._event(decision, old, unchanged, moved_event)
             moved = moved or new != old
             card.width = new
-            self.record(
+            self._log.record(
                 Decision.from_width(
                     event,
                     decision,
@@ -247,10 +395,9 @@ class Views(PlannerBase):
                     extra=dict(extra or {}) | {"oom_cap": card.oom_cap, "running": len(card.runs)},
                 )
             )
-        if self.config.fixed_width is not None and moved:
+        if self._state.config.fixed_width is not None and moved:
             self._check_fixed(decisions, now_s)
-        self.width = self._width_now()
-        self._timeline(now_s)
+        self.refresh(now_s)
         return moved
 
     def _event(
@@ -265,23 +412,24 @@ class Views(PlannerBase):
         if new != old:
             return moved_event or ("widened" if new > old else "narrowed")
         if unchanged == "widen_refused" and (
-            decision.limit != "memory" or new >= self.ceiling.value
+            decision.limit != "memory" or new >= self._state.ceiling.value
         ):
             return "bound_changed"
         return unchanged
 
     def _refuses(self, new: int, decision: WidthDecision, old: int, ask: Ask, now_s: float) -> bool:
         """Strict mode: a narrowing below the requested width is refused (and recorded)."""
+        config = self._state.config
         if (
-            not self.config.strict
-            or self.config.fixed_width is not None
-            or sum(c.width for c in self.cards) - old + new
-            >= min(self.config.max_workers, self.ceiling.value)
+            not config.strict
+            or config.fixed_width is not None
+            or sum(c.width for c in self._state.cards) - old + new
+            >= min(config.max_workers, self._state.ceiling.value)
         ):
             return False
         message = (
             f"strict mode: {decision.describe()}, below the requested width "
-            f"{self.config.max_workers}; refusing to narrow. Free the card, lower max_workers, "
+            f"{config.max_workers}; refusing to narrow. Free the card, lower max_workers, "
             "or drop strict=True."
         )
         record = Decision.from_width(
@@ -293,7 +441,7 @@ class Views(PlannerBase):
             key=ask.key or None,
             key_ask=ask if ask.key else None,
         )
-        self.record(record)
+        self._log.record(record)
         self.refused = Refuse(reason=message, decision=record)
         return True
 
@@ -302,146 +450,62 @@ class Views(PlannerBase):
         tasks, plus the pending asks placed card by card where the fit admits them beside
         what runs (and, on the card a waiting head holds, beside what stays once the runs it
         waits for end, and the head)."""
-        if self.config.fixed_width is not None:
-            return self.config.fixed_width
-        if not self.cards:
-            return self.ceiling.value
+        state, hold = self._state, self._order.hold
+        if state.config.fixed_width is not None:
+            return state.config.fixed_width
+        if not state.cards:
+            return state.ceiling.value
         # What each card holds as the asks are placed: its runs' running sums, plus the
         # placed asks (how many, what they book, how many of each key).
-        placed = [_Placed(len(card.runs), card.booked_bytes) for card in self.cards]
+        placed = [_Placed(len(card.runs), card.booked_bytes) for card in state.cards]
         # On the card a waiting head holds: what stays once the runs it waits for end, and it.
-        after = self.hold.after(self.cards[self.hold.device]) if self.hold is not None else []
-        total = len(self.running)
+        after = hold.after(state.cards[hold.device]) if hold is not None else []
+        total = len(state.running)
         # The held head's room is placed already. Priced one by one: the walk ends at the
         # ceiling, so a long queue costs no more than the width it could add.
-        skip = 1 if self.hold is not None else 0
-        pending = itertools.islice(self.pending, skip, LOOKAHEAD)
-        asks = (self.asks.ask_for(self.tasks[t].key, self.tasks[t].size) for t in pending)
+        skip = 1 if hold is not None else 0
+        pending = itertools.islice(state.pending, skip, LOOKAHEAD)
+        asks = (state.asks.ask_for(state.tasks[t].key, state.tasks[t].size) for t in pending)
         # What the next submits could add: more of the last key seen.
-        placed_pending = max(0, min(len(self.pending), LOOKAHEAD) - skip)
+        placed_pending = max(0, min(len(state.pending), LOOKAHEAD) - skip)
         more = itertools.repeat(
-            self.asks.ask(self._last_key), max(0, self.ceiling.value - total - placed_pending)
+            state.asks.ask(state.last_key), max(0, state.ceiling.value - total - placed_pending)
         )
         for ask in itertools.chain(asks, more):
-            if total >= self.ceiling.value:
+            if total >= state.ceiling.value:
                 break
-            best: Fit | None = None
-            for card, there in zip(self.cards, placed, strict=True):
-                option = fit_counts(
-                    card,
-                    ask,
-                    running=there.running,
-                    booked_bytes=there.booked_bytes,
-                    same=there.same(card, ask.key),
-                    reserve_bytes=self.config.reserve_bytes,
-                    ceiling=self.ceiling,
-                    slots=1,
-                )
-                if (
-                    self.hold is not None
-                    and card.index == self.hold.device
-                    and option.more
-                    and not self.fit(card.index, ask, after, slots=1).more
-                ):
-                    continue  # it would delay the head (as :meth:`fit_beside` says)
-                if option.more and (
-                    best is None or (option.left_bytes or 0) > (best.left_bytes or 0)
-                ):
-                    best = option
+            best = self._best_placed(ask, placed, after)
             if best is not None:
                 # Booked without the child's RSS: the fit prices that beside each booking.
                 placed[best.device].place(ask.key, best.next_booked_bytes)
-                if self.hold is not None and best.device == self.hold.device:
+                if hold is not None and best.device == hold.device:
                     after.append(Booked(ask.key, best.next_booked_bytes))
                 total += 1
-        return max(1, min(total, self.ceiling.value))
+        return max(1, min(total, state.ceiling.value))
 
-    def widths_by_key(self) -> dict[str, int]:
-        """For each key with work pending or running: how many of its tasks could run at once
-        beside the other keys' running tasks."""
-        out: dict[str, int] = {}
-        if self.config.fixed_width is not None or not self.cards:
-            fixed = self.config.fixed_width
-            width = fixed if fixed is not None else self.ceiling.value
-            for key in self._present_keys():
-                out[key] = width
-            return out
-        running_keys: dict[str, int] = {}
-        for run in self.running.values():
-            running_keys[run.key] = running_keys.get(run.key, 0) + 1
-        for key in self._present_keys():
-            ask = self.asks.ask(key)
-            others = len(self.running) - running_keys.get(key, 0)
-            total = 0
-            for card in self.cards:
-                # Beside the other keys' runs there, read off the card's running sums.
-                same = card.same_key(key)
-                alone = fit_counts(
-                    card,
-                    ask,
-                    running=len(card.runs) - same,
-                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
-                    same=0,
-                    reserve_bytes=self.config.reserve_bytes,
-                    ceiling=self.ceiling,
-                    slots=self.ceiling.value,
-                )
-                total += max(same, alone.more)
-            out[key] = max(1, min(total, self.ceiling.value - others))
-        return out
-
-    def warm_limit(self, device: int, now_s: float) -> int:
-        """How many workers ``device`` may keep (running and idle): its runs, as many tasks
-        of a present key as fit there alone, or, while other pools wait there, as many as
-        this pool's share holds (the room a pool's ended task frees goes round the pools
-        by turns: ``sharing.gives_way``), whichever is more."""
-        card = self.cards[device]
-        running = len(card.runs)
-        room = self.bound(device, self.asks.ask(self._last_key)).room_bytes
-        if (
-            (
-                card.gate_shut_since_s is not None
-                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+    def _best_placed(self, ask: Ask, placed: list[_Placed], after: list[Held]) -> Fit | None:
+        """The card with the most room left once a task at ``ask`` is placed beside what each
+        holds (``placed``), never one where it would delay the waiting head (``after``)."""
+        state, hold = self._state, self._order.hold
+        best: Fit | None = None
+        for card, there in zip(state.cards, placed, strict=True):
+            option = fit_counts(
+                card,
+                ask,
+                running=there.running,
+                booked_bytes=there.booked_bytes,
+                same=there.same(card, ask.key),
+                reserve_bytes=state.config.reserve_bytes,
+                ceiling=state.ceiling,
+                slots=1,
             )
-            or owes_room(card, room)
-            or yields_to(card, 0, room, now_s) is not None
-        ):
-            # An idle worker's context is bytes the card needs: this pool's gate has been
-            # shut a while, or a waiting pool is owed room there that is not free (or this
-            # pool yields to one at the serial floor there).
-            return running
-        keys = self._present_keys() or [self._last_key]
-        fits = max(
-            self.fit(device, self.asks.ask(k), [], slots=self.ceiling.value).more for k in keys
-        )
-        turns = share_tasks(card, room, self.asks.ask(self._last_key).ask_bytes)
-        return max(running, min(max(1, fits, turns), self.ceiling.value))
-
-    def waiting_count(self, *, starting: bool = False) -> int:
-        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
-        what other pools on its cards are told waits for room. ``starting``: one pending
-        task is being started (it counts as running)."""
-        pending = len(self.pending) - starting
-        running = len(self.running) + starting
-        count = min(pending, self.ceiling.value - running)
-        if self.cards and all(card.oom_cap is not None for card in self.cards):
-            # Every card runs at most its out-of-memory cap: no more can start than those.
-            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in self.cards)
-            count = min(count, free - starting)
-        return max(0, count)
-
-    def need_bytes(self, *, starting: bool = False) -> int:
-        """The ask of the first pending task that waits for room (0 when none does): the room
-        other pools are told this pool needs for its next task."""
-        if self.waiting_count(starting=starting) == 0 or len(self.pending) <= starting:
-            return 0
-        state = self.tasks[self.pending[int(starting)]]
-        return self.asks.ask_for(state.key, state.size).ask_bytes
-
-    def waiting_for_room(self) -> tuple[TaskId, ...]:
-        """Pending tasks that ran out of memory alone and wait for others to free the room."""
-        return tuple(t for t in self.pending if self.tasks[t].room_wait_until_s is not None)
-
-    def pending_tasks(self) -> tuple[TaskId, ...]:
-        """The pending tasks, in the order they will be considered."""
-        return tuple(self.pending)
+            if (
+                hold is not None
+                and card.index == hold.device
+                and option.more
+                and not self.fit(card.index, ask, after, slots=1).more
+            ):
+                continue  # it would delay the head (as :meth:`fit_beside` says)
+            if option.more and (best is None or (option.left_bytes or 0) > (best.left_bytes or 0)):
+                best = option
+        return best

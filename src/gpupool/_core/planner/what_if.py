@@ -36,5 +36,5 @@ def what_if(census: Census, asks: AskTable, config: PlannerConfig, ask: Ask | No
     no price given, only the ceiling), before any of its tasks runs (the planner's records of
     it are not kept)."""
     planner = Planner(census=census, asks=asks, config=config, emit=lambda _record: None)
-    decisions = planner.decide(ask) if ask is not None and census.cards else ()
-    return WhatIf(decisions=decisions, ceiling=planner.ceiling)
+    decisions = planner.views.decide(ask) if ask is not None and census.cards else ()
+    return WhatIf(decisions=decisions, ceiling=planner.state.ceiling)
