@@ -30,12 +30,9 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gpupool._core.units import format_size
-
-if TYPE_CHECKING:
-    from gpupool._pool.executor import GpuPoolExecutor
 
 __all__ = ["describe_asks", "progress_enabled", "track"]
 
@@ -129,7 +126,7 @@ def track(
     results: Iterable[T],
     *,
     total: int | None = None,
-    executor: GpuPoolExecutor | None = None,
+    executor: _Observed | None = None,
     enabled: bool | None = None,
     desc: str = "gpupool",
 ) -> Iterator[T]:

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
-from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated import (
     BOOKINGS_DIRECTORY,
     DEVICE_NAME,
     ledger_at,
 )
 from gpupool._sensors.simulated_state import (
+    SIMULATOR_ENV,
     DeviceState,
     LedgerState,
     Snapshot,
