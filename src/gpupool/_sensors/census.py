@@ -157,36 +157,39 @@ def read_census(
             ``LOKY_MAX_CPU_COUNT`` is not a whole number of at least 1.
         SensorError: a driver answered but its device list could not be read.
     """
-    if pid is None:
-        pid = os.getpid()
     host = cap_host_cpus(sensor.read_host(), os.environ if environ is None else environ)
     try:
         listed = sensor.read_devices()
     except NoDriverError as exc:
-        return (
-            Census(
-                cards=(),
-                host=host,
-                driver=False,
-                sensor=sensor.name,
-                reason=f"no NVIDIA driver or library: {exc}",
-            ),
-            (),
-        )
+        why = f"no NVIDIA driver or library: {exc}"
+        return Census(cards=(), host=host, driver=False, sensor=sensor.name, reason=why), ()
+    chosen, notes = _usable(sensor, listed, devices, visible_devices)
+    own = os.getpid() if pid is None else pid
+    cards = tuple(_census_card(sensor, info, device=n, pid=own) for n, info in enumerate(chosen))
+    reason = "; ".join(notes) or None
+    return Census(cards=cards, host=host, driver=True, sensor=sensor.name, reason=reason), chosen
+
+
+def _usable(
+    sensor: Sensor,
+    listed: tuple[DeviceInfo, ...],
+    devices: Sequence[int | str] | None,
+    visible_devices: str | None,
+) -> tuple[tuple[DeviceInfo, ...], list[str]]:
+    """The devices the pool may use, in its order, and the census' notes on the rest."""
     notes: list[str] = []
     visible, note = sensor.parse_visible_devices(visible_devices, listed)
     if note:
         notes.append(note)
     hidden_by = sensor.visible_devices_env
     chosen = visible if devices is None else _select(devices, visible, listed, hidden_by)
-    unidentified = [info for info in chosen if not info.uuid]
-    for info in unidentified:
-        what = f"device {info.index}" + (f" MIG {info.mig_index}" if info.mig else "")
-        notes.append(
-            f"{what} is left out: {info.error}; children are pinned by UUID, so a device "
-            "without one cannot be used"
-        )
-    chosen = tuple(info for info in chosen if info.uuid)
+    for info in chosen:
+        if not info.uuid:
+            what = f"device {info.index}" + (f" MIG {info.mig_index}" if info.mig else "")
+            notes.append(
+                f"{what} is left out: {info.error}; children are pinned by UUID, so a device "
+                "without one cannot be used"
+            )
     if not listed:
         notes.append("the driver lists no device")
     mps = os.environ.get(_MPS_ENUMERATION_ENV)
@@ -195,17 +198,7 @@ def read_census(
             f"{_MPS_ENUMERATION_ENV}={mps} is set: NVML reports MPS devices and MPS-provided "
             "memory figures"
         )
-    cards = tuple(
-        _census_card(sensor, info, device=position, pid=pid) for position, info in enumerate(chosen)
-    )
-    census = Census(
-        cards=cards,
-        host=host,
-        driver=True,
-        sensor=sensor.name,
-        reason="; ".join(notes) or None,
-    )
-    return census, tuple(chosen)
+    return tuple(info for info in chosen if info.uuid), notes
 
 
 def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> CardCensus:

@@ -26,6 +26,7 @@ import functools
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -239,6 +240,7 @@ class NvmlSensor(Sensor):
             name = _text(lib.nvmlDeviceGetName(handle))
         except lib.NVMLError:
             name = "unknown"
+        card = DeviceInfo(index=index, uuid=uuid, name=name)
         try:
             mig = self._mig_enabled(lib, handle)
             instances = list(self._mig_handles(lib, handle)) if mig else []
@@ -247,44 +249,13 @@ class NvmlSensor(Sensor):
                 raise _translate(exc, f"reading device {index} (nvmlDeviceGetMigMode)") from exc
             handles[uuid] = handle
             error = _failed("nvmlDeviceGetMigMode", exc, "tell whether it is in MIG mode")
-            return [DeviceInfo(index=index, uuid=uuid, name=name, error=error)]
+            return [replace(card, error=error)]
         if not mig:
             handles[uuid] = handle
-            return [DeviceInfo(index=index, uuid=uuid, name=name)]
-        listed: list[DeviceInfo] = []
-        for mig_index, mig_handle in instances:
-            try:
-                mig_uuid = _text(lib.nvmlDeviceGetUUID(mig_handle))
-            except lib.NVMLError as exc:
-                error = _failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
-                listed.append(
-                    DeviceInfo(
-                        index=index,
-                        uuid="",
-                        name=name,
-                        mig=True,
-                        mig_index=mig_index,
-                        parent_uuid=uuid,
-                        error=error,
-                    )
-                )
-                continue
-            try:
-                mig_name = _text(lib.nvmlDeviceGetName(mig_handle))
-            except lib.NVMLError:
-                mig_name = name
-            handles[mig_uuid] = mig_handle
-            listed.append(
-                DeviceInfo(
-                    index=index,
-                    uuid=mig_uuid,
-                    name=mig_name,
-                    mig=True,
-                    mig_index=mig_index,
-                    parent_uuid=uuid,
-                )
-            )
-        return listed
+            return [card]
+        return [
+            _mig_instance(lib, card, slot, mig_handle, handles) for slot, mig_handle in instances
+        ]
 
     @staticmethod
     def _mig_enabled(lib: ModuleType, handle: Any) -> bool:
@@ -535,3 +506,22 @@ class NvmlSensor(Sensor):
         # Shutting down a library that is going away: an error leaves nothing to do.
         with contextlib.suppress(lib.NVMLError):
             lib.nvmlShutdown()
+
+
+def _mig_instance(
+    lib: ModuleType, card: DeviceInfo, mig_index: int, handle: Any, handles: dict[str, Any]
+) -> DeviceInfo:
+    """One MIG instance of ``card``; a failing call becomes the instance's ``error``."""
+    instance = replace(card, uuid="", mig=True, mig_index=mig_index, parent_uuid=card.uuid)
+    try:
+        uuid = _text(lib.nvmlDeviceGetUUID(handle))
+    except lib.NVMLError as exc:
+        return replace(
+            instance, error=_failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
+        )
+    try:
+        name = _text(lib.nvmlDeviceGetName(handle))
+    except lib.NVMLError:
+        name = card.name
+    handles[uuid] = handle
+    return replace(instance, uuid=uuid, name=name)
