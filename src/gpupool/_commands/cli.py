@@ -63,8 +63,6 @@ EXIT_BROKEN_PIPE = 141
 #: The plot formats, from the output's suffix.
 PLOT_FORMATS = ("png", "svg", "pdf")
 
-#: The environment variable a parent's own device restriction comes from.
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
@@ -420,7 +418,7 @@ def _count_type(flag: str) -> Callable[[str], int]:
 
 
 def _add_plan(sub: Any) -> None:
-    """``gpupool plan``'s parser, with the flags of the card's room."""
+    """``gpupool plan``'s parser."""
     plan = sub.add_parser(
         "plan",
         help="show the memory bound term by term and the width it implies",
@@ -430,67 +428,59 @@ def _add_plan(sub: Any) -> None:
             "(what-if); without it, from this host's live census."
         ),
     )
-    size = _size_type
-    plan.add_argument(
-        "--total",
-        type=size("--total", allow_zero=False),
-        help="card capacity (what-if mode: only the figures given, none of this host's)",
-    )
-    plan.add_argument(
-        "--co-tenant", type=size("--co-tenant"), help="bytes held by other processes (default 0)"
-    )
-    plan.add_argument(
-        "--own", type=size("--own"), help="this (parent) process's device high-water (default 0)"
-    )
-    plan.add_argument(
-        "--reserve",
-        type=size("--reserve", pool=True),
-        default=None,
-        help=f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
-    )
-    _add_plan_width_flags(plan)
+    size, count = _size_type, _count_type
+    for flag, kind, text in (
+        (
+            "--total",
+            size("--total", allow_zero=False),
+            "card capacity (what-if mode: only the figures given, none of this host's)",
+        ),
+        ("--co-tenant", size("--co-tenant"), "bytes held by other processes (default 0)"),
+        ("--own", size("--own"), "this (parent) process's device high-water (default 0)"),
+        (
+            "--reserve",
+            size("--reserve", pool=True),
+            f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
+        ),
+        (
+            "--task-peak",
+            size("--task-peak", allow_zero=False, pool=True),
+            "the estimated device peak of one task",
+        ),
+        (
+            "--measured-peak",
+            size("--measured-peak", allow_zero=False, pool=True),
+            "a child's measured device peak: also plan the width after children report",
+        ),
+        (
+            "--margin",
+            size("--margin", pool=True),
+            "margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
+        ),
+        (
+            "--max-workers",
+            count("--max-workers"),
+            "the pool's max_workers (default: the usable CPUs; what-if: what the card holds)",
+        ),
+        (
+            "--cpus",
+            count("--cpus"),
+            "usable CPUs (default: this host's; what-if: no CPU term unless given)",
+        ),
+        (
+            "--host-ram",
+            size("--host-ram"),
+            "available host RAM (default: this host's; what-if: no RAM term unless given)",
+        ),
+        (
+            "--child-rss",
+            size("--child-rss", allow_zero=False),
+            "a child's host RSS high-water; with the host RAM it caps the width",
+        ),
+    ):
+        plan.add_argument(flag, type=kind, help=text)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(handler=_cmd_plan, parser=plan)
-
-
-def _add_plan_width_flags(plan: argparse.ArgumentParser) -> None:
-    """The plan's flags past the card's room: the ask, and the ceiling's terms."""
-    size = _size_type
-    plan.add_argument(
-        "--task-peak",
-        type=size("--task-peak", allow_zero=False, pool=True),
-        help="the estimated device peak of one task",
-    )
-    plan.add_argument(
-        "--measured-peak",
-        type=size("--measured-peak", allow_zero=False, pool=True),
-        help="a child's measured device peak: also plan the width after children report",
-    )
-    plan.add_argument(
-        "--margin",
-        type=size("--margin", pool=True),
-        help="margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
-    )
-    plan.add_argument(
-        "--max-workers",
-        type=_count_type("--max-workers"),
-        help="the pool's max_workers (default: the usable CPUs; what-if: what the card holds)",
-    )
-    plan.add_argument(
-        "--cpus",
-        type=_count_type("--cpus"),
-        help="usable CPUs (default: this host's; what-if: no CPU term unless given)",
-    )
-    plan.add_argument(
-        "--host-ram",
-        type=size("--host-ram"),
-        help="available host RAM (default: this host's; what-if: no RAM term unless given)",
-    )
-    plan.add_argument(
-        "--child-rss",
-        type=size("--child-rss", allow_zero=False),
-        help="a child's host RSS high-water; with the host RAM it caps the width",
-    )
 
 
 def _bound_json(decision: WidthDecision) -> dict[str, Any]:
@@ -822,16 +812,11 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     if runs is None:
         return status
     if args.json:
-        _json_out(
-            {
-                "path": runs[0].path,
-                "schema": SCHEMA_VERSION,
-                "runs": [pm.to_dict() for pm in runs],
-            }
-        )
-    else:
-        for line in format_runs(runs):
-            _out(line)
+        runs_json = [pm.to_dict() for pm in runs]
+        _json_out({"path": runs[0].path, "schema": SCHEMA_VERSION, "runs": runs_json})
+        return EXIT_OK
+    for line in format_runs(runs):
+        _out(line)
     return EXIT_OK
 
 
