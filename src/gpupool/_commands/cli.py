@@ -23,6 +23,7 @@ Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -125,20 +126,6 @@ def _json_out(value: object) -> None:
     sys.stdout.write(json.dumps(value, indent=2) + "\n")
 
 
-def _live_sensor_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
-    """The live census as a pool takes it: default sensor, narrowed by its visible devices."""
-    from gpupool._sensors.census import read_census
-    from gpupool._sensors.select import default_sensor
-
-    sensor = default_sensor()
-    try:
-        census, infos = read_census(sensor, visible_devices=sensor.read_visible_devices())
-    except BaseException:
-        sensor.close()
-        raise
-    return sensor, census, infos
-
-
 # -- gpupool census ------------------------------------------------------------
 
 
@@ -211,8 +198,10 @@ def _read_rows(sensor: Sensor, info: DeviceInfo) -> tuple[tuple[ProcessReading, 
 
 
 def _cmd_census(args: argparse.Namespace) -> int:
+    from gpupool._sensors.census import live_census
+
     try:
-        sensor, census, infos = _live_sensor_census()
+        sensor, census, infos = live_census()
     except (SensorError, ConfigurationError) as exc:
         sys.stderr.write(f"gpupool census: {exc}\n")
         return EXIT_FAILURE
@@ -275,15 +264,7 @@ def _add_bookings(sensor: Sensor, devices: list[dict[str, Any]]) -> None:
                         "booked_bytes": pool.booked_bytes,
                         "reached_bytes": pool.reached_bytes,
                         "unreached_bytes": pool.unreached_bytes,
-                        "tasks": [
-                            {
-                                "worker_pid": task.worker_pid,
-                                "key": task.key,
-                                "booked_bytes": task.booked_bytes,
-                                "reached_bytes": task.reached_bytes,
-                            }
-                            for task in pool.tasks
-                        ],
+                        "tasks": [dataclasses.asdict(task) for task in pool.tasks],
                     }
                     for pool in rows.pools
                 ]
@@ -631,6 +612,8 @@ def _read_plan_census(
 ) -> Census | None:
     """The census a pool would take here, or the figures given, with the host's flags over
     it (``None``: this host's census could not be read; the reason is on standard error)."""
+    from gpupool._sensors.census import live_census
+
     cards: tuple[CardCensus, ...]
     host: HostCensus | None
     if args.total is not None:
@@ -639,7 +622,7 @@ def _read_plan_census(
         cards, driver, host = (_what_if_card(parser, args),), True, None
     else:
         try:
-            sensor, census, _infos = _live_sensor_census()
+            sensor, census, _infos = live_census()
         except (SensorError, ConfigurationError) as exc:
             sys.stderr.write(f"gpupool plan: {exc}\n")
             return None

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OWN_ROW_MISSING_REASON",
     "OWN_ROWS_UNAVAILABLE_REASON",
+    "live_census",
     "read_census",
 ]
 
@@ -168,6 +169,20 @@ def read_census(
     cards = tuple(_census_card(sensor, info, device=n, pid=own) for n, info in enumerate(chosen))
     reason = "; ".join(notes) or None
     return Census(cards=cards, host=host, driver=True, sensor=sensor.name, reason=reason), chosen
+
+
+def live_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
+    """The census as a pool takes it: the default sensor (closed on failure, else the
+    caller's to close), narrowed by its visible devices."""
+    from gpupool._sensors.select import default_sensor
+
+    sensor = default_sensor()
+    try:
+        census, infos = read_census(sensor, visible_devices=sensor.read_visible_devices())
+    except BaseException:
+        sensor.close()
+        raise
+    return sensor, census, infos
 
 
 def _usable(
