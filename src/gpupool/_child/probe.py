@@ -190,19 +190,9 @@ def device_oom_of(exc: BaseException) -> BaseException | None:
 
 
 def is_device_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error.
-
-    Recognised: torch's ``OutOfMemoryError`` and its messages (``CUDA driver
-    error: out of memory``, old torch's ``cuda runtime error (2)`` too), CuPy's
-    ``OutOfMemoryError`` by its type or its text (``Out of memory allocating N
-    bytes``) and ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
-    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures and XLA's
-    ``Failed to allocate N bytes for new constant``, TensorFlow's
-    ``OOM when allocating``, ``CUBLAS/CUDNN/CUSOLVER/CUSPARSE_STATUS_ALLOC_FAILED``,
-    NCCL's ``Cuda failure 'out of memory'``, ``cuda.core``'s
-    ``CUDAOutOfMemoryError`` and the simulator's. A host :class:`MemoryError`
-    without a device message is not one.
-    """
+    """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error:
+    one of ``_OOM_TYPES``, or a message of ``_OOM_PATTERNS`` (each library's, listed there).
+    A host :class:`MemoryError` without a device message is not one."""
     return device_oom_of(exc) is not None
 
 
@@ -465,12 +455,6 @@ class Probe:
             sensor is None
             or type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
         )
-
-    @property
-    def context_bytes(self) -> int | None:
-        """What this process was measured holding outside the frameworks' allocators, or
-        ``None`` where no device row of it was ever read with a framework loaded."""
-        return self._context_bytes
 
     def resident_bytes(self) -> int | None:
         """This process's device bytes now (one per-process reading, no task window).

@@ -39,14 +39,6 @@ __all__ = ["describe_asks", "progress_enabled", "track"]
 T = TypeVar("T")
 
 
-class _Ask(Protocol):
-    @property
-    def ask_bytes(self) -> int: ...
-
-    @property
-    def basis(self) -> str: ...
-
-
 class _Statistics(Protocol):
     @property
     def width(self) -> int: ...

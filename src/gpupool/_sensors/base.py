@@ -54,16 +54,9 @@ class Sensor:
     def parse_visible_devices(
         self, value: str | None, listed: Sequence[DeviceInfo]
     ) -> tuple[tuple[DeviceInfo, ...], str | None]:
-        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see.
-
-        Returns the visible devices in the value's order, and a note for the census'
-        reason when an entry was ignored or everything is hidden (``None`` leaves every
-        device). The default is CUDA's grammar, :func:`gpupool._sensors.cuda.parse_visible_devices`,
-        with this process's ``CUDA_DEVICE_ORDER``.
-
-        Raises:
-            ConfigurationError: the value cannot be honoured as given.
-        """
+        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see,
+        with a note for the census (as :func:`gpupool._sensors.cuda.parse_visible_devices`, the
+        default, with this process's ``CUDA_DEVICE_ORDER``, returns and raises)."""
         order = os.environ.get(cuda.DEVICE_ORDER_ENV)
         return cuda.parse_visible_devices(value, listed, device_order=order)
 

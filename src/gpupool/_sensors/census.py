@@ -21,6 +21,7 @@ containers' processes, or read 0 on some drivers.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -218,19 +219,18 @@ def _usable(
 
 def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> CardCensus:
     """One device's census; an unreadable device is ``None``s and a reason, never empty."""
+    card = functools.partial(
+        CardCensus, device=device, uuid=info.uuid, name=info.name, mig=info.mig
+    )
     try:
         memory = sensor.read_memory(info)
     except NoDriverError:
         raise
     except SensorError as exc:  # DeviceUnreadableError, or a sensor's own failure
-        return CardCensus(
-            device=device,
-            uuid=info.uuid,
-            name=info.name,
+        return card(
             total_bytes=None,
             free_bytes=None,
             own_bytes=None,
-            mig=info.mig,
             source=sensor.name,
             own_source="unknown",
             reason=f"unreadable: {exc}",
@@ -246,16 +246,12 @@ def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> 
     own_bytes, own_source, reason = _own_bytes(rows, pid)
     if rows_error is not None:
         reason = f"{OWN_ROWS_UNAVAILABLE_REASON} ({rows_error})"
-    return CardCensus(
-        device=device,
-        uuid=info.uuid,
-        name=info.name,
+    return card(
         total_bytes=memory.total_bytes,
         free_bytes=memory.free_bytes,
         own_bytes=own_bytes,
         reserved_bytes=memory.reserved_bytes,
         unified=memory.unified,
-        mig=info.mig,
         source=memory.source,
         own_source=own_source,
         reason=reason,

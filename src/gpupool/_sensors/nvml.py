@@ -107,6 +107,18 @@ def _flag(value: object) -> bool:
     return bool(getattr(value, "value", value))
 
 
+def _reading(info: Any, reserved_bytes: int | None, source: str) -> MemoryReading:
+    """A discrete card's reading from NVML's memory info (v1 or v2)."""
+    return MemoryReading(
+        total_bytes=int(info.total),
+        free_bytes=int(info.free),
+        used_bytes=int(info.used),
+        reserved_bytes=reserved_bytes,
+        unified=False,
+        source=source,
+    )
+
+
 class NvmlSensor(Sensor):
     """Reads devices through NVML (``nvidia-ml-py``'s ``pynvml``).
 
@@ -339,14 +351,7 @@ class NvmlSensor(Sensor):
             if _code(exc) in (_FUNCTION_NOT_FOUND, _NOT_SUPPORTED):
                 return None  # a driver before R510, or unified memory: try v1
             raise
-        return MemoryReading(
-            total_bytes=int(info.total),
-            free_bytes=int(info.free),
-            used_bytes=int(info.used),
-            reserved_bytes=int(info.reserved),
-            unified=False,
-            source="nvml-v2",
-        )
+        return _reading(info, int(info.reserved), "nvml-v2")
 
     @staticmethod
     def _read_memory_v1(lib: ModuleType, handle: Any) -> MemoryReading | None:
@@ -357,14 +362,7 @@ class NvmlSensor(Sensor):
             if _code(exc) == _NOT_SUPPORTED:
                 return None
             raise
-        return MemoryReading(
-            total_bytes=int(info.total),
-            free_bytes=int(info.free),
-            used_bytes=int(info.used),
-            reserved_bytes=None,
-            unified=False,
-            source="nvml-v1",
-        )
+        return _reading(info, None, "nvml-v1")
 
     def _read_unified_memory(self, device: DeviceInfo) -> MemoryReading:
         """Unified memory: the host's ``/proc/meminfo`` is the device's memory."""

@@ -102,8 +102,7 @@ class SimulatedSensor(Sensor):
             DeviceUnreadableError: the device was made with ``readable=False``.
             NoDriverError: the host was made with ``driver=False``.
         """
-        state = self._view()
-        return self._snapshot_of(state, device)[0]
+        return self._snapshot_of(self._view(), device)[0]
 
     def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
         """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
@@ -124,8 +123,7 @@ class SimulatedSensor(Sensor):
         While the ledger holds the same bytes (and no process it names has exited),
         the reading made from it last is given again, not made anew.
         """
-        state = self._view()
-        return self._snapshot_of(state, device)
+        return self._snapshot_of(self._view(), device)
 
     def _snapshot_of(self, state: LedgerState, device: DeviceInfo) -> Snapshot:
         """``device``'s memory and rows in the shared reading ``state`` (made once per reading)."""
@@ -202,10 +200,6 @@ class SimulatedSensor(Sensor):
         return HostCensus(
             cpus=cpus, available_ram_bytes=ram, cpu_source=cpu_source, ram_source=ram_source
         )
-
-    def close(self) -> None:
-        """Nothing to release: the ledger is shared by every sensor of this process."""
-        return None
 
 
 def _read_real_host() -> HostCensus:

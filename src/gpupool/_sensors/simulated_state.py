@@ -238,13 +238,7 @@ def _in_tree(key: str, proc: ProcessState, root: str) -> bool:
 
 def tree_bytes(dev: DeviceState, root: str) -> int:
     """What ``root`` and every process under it hold on ``dev`` now."""
-    if not dev["procs"]:
-        return 0
-    return sum(
-        proc["context"] + proc["held"]
-        for key, proc in dev["procs"].items()
-        if _in_tree(key, proc, root)
-    )
+    return sum(process_bytes(p) for key, p in dev["procs"].items() if _in_tree(key, p, root))
 
 
 def note_trees(dev: DeviceState, key: str, proc: ProcessState) -> None:
