@@ -417,15 +417,8 @@ def _trusted(value: int | None) -> int | None:
 
 
 class Probe:
-    """Measures one task at a time in a worker pinned to ``device``.
-
-    Args:
-        sensor: the worker's sensor (simulator or NVML), or ``None`` for a
-            worker without a device.
-        device: the device the worker is pinned to.
-        device_index: the pool's index of that device.
-        pid: this process's PID.
-    """
+    """Measures one task at a time in worker ``pid``, pinned to ``device`` (the pool's
+    ``device_index``); ``sensor`` is ``None`` for a worker without a device."""
 
     def __init__(
         self, sensor: Sensor | None, device: DeviceInfo | None, device_index: int | None, pid: int

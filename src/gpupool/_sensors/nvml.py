@@ -100,10 +100,8 @@ def _failed(call: str, exc: BaseException, what: str) -> str:
 
 
 def _flag(value: object) -> bool:
-    """NVML booleans: ``nvmlDeviceIsMigDeviceHandle`` returns a ``ctypes.c_uint``, not an int.
-
-    ``c_uint(1) == 1`` is False, so compare its ``.value``.
-    """
+    """NVML booleans: ``nvmlDeviceIsMigDeviceHandle`` returns a ``ctypes.c_uint``, and
+    ``c_uint(1) == 1`` is False, so its ``.value``."""
     return bool(getattr(value, "value", value))
 
 
@@ -486,11 +484,7 @@ class NvmlSensor(Sensor):
         return None
 
     def read_host(self) -> HostCensus:
-        """Usable CPUs and available RAM, from affinity, cgroups and ``/proc/meminfo``.
-
-        No NVML call (``nvidia-smi`` has no equivalent); see
-        :func:`gpupool._sensors.host.read_host_census`.
-        """
+        """Usable CPUs and available RAM, by :func:`gpupool._sensors.host.read_host_census`."""
         from gpupool._sensors.host import read_host_census  # the parent's census only
 
         return read_host_census(self._host_root)

@@ -157,10 +157,8 @@ class _Held:
 class Ledger:
     """Read and change one simulated host's ledger, one locked operation at a time.
 
-    Get one with :func:`ledger_at`, which keeps one per path and process.
-
-    Args:
-        path: the ledger file (the value of ``GPUPOOL_SIMULATOR``).
+    Get one with :func:`ledger_at`, which keeps one per path (``GPUPOOL_SIMULATOR``'s
+    value) and process.
     """
 
     def __init__(self, path: str) -> None:

@@ -41,10 +41,8 @@ class SimulatedSensor(Sensor):
     """The sensor of a simulated host: reads its ledger as NVML would read a card.
 
     It is what :func:`~gpupool._sensors.select.default_sensor` returns inside a
-    :class:`gpupool.testing.SimulatedHost` block, in the parent and in every child.
-
-    Args:
-        ledger_path: the ledger file, the value of ``GPUPOOL_SIMULATOR``.
+    :class:`gpupool.testing.SimulatedHost` block (on the ledger ``GPUPOOL_SIMULATOR``
+    names), in the parent and in every child.
     """
 
     name = "simulator"
@@ -192,7 +190,10 @@ class SimulatedSensor(Sensor):
         cpus, ram = state["cpus"], state["ram"]
         cpu_source = ram_source = "simulator"
         if cpus is None or ram is None:
-            real = _read_real_host()
+            # Imported here: the cgroup walk is only needed when a term was left to the host.
+            from gpupool._sensors.host import read_host_census
+
+            real = read_host_census()
             if cpus is None:
                 cpus, cpu_source = real.cpus, real.cpu_source
             if ram is None:
@@ -200,11 +201,3 @@ class SimulatedSensor(Sensor):
         return HostCensus(
             cpus=cpus, available_ram_bytes=ram, cpu_source=cpu_source, ram_source=ram_source
         )
-
-
-def _read_real_host() -> HostCensus:
-    """The real host's figures, for the terms a ``SimulatedHost`` leaves as ``None``."""
-    # Imported here: the cgroup walk is only needed when a term was left to the host.
-    from gpupool._sensors.host import read_host_census
-
-    return read_host_census()
