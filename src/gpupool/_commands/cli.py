@@ -409,8 +409,16 @@ def _add_plan(sub: Any) -> None:
             "(what-if); without it, from this host's live census."
         ),
     )
+    for flag, kind, text in _plan_flags():
+        plan.add_argument(flag, type=kind, help=text)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(handler=_cmd_plan, parser=plan)
+
+
+def _plan_flags() -> tuple[tuple[str, Callable[[str], int], str], ...]:
+    """``gpupool plan``'s flags of a size or a count, in its help's order: (flag, type, help)."""
     size, count = _size_type, _count_type
-    for flag, kind, text in (
+    return (
         (
             "--total",
             size("--total", allow_zero=False),
@@ -458,10 +466,7 @@ def _add_plan(sub: Any) -> None:
             size("--child-rss", allow_zero=False),
             "a child's host RSS high-water; with the host RAM it caps the width",
         ),
-    ):
-        plan.add_argument(flag, type=kind, help=text)
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
-    plan.set_defaults(handler=_cmd_plan, parser=plan)
+    )
 
 
 def _bound_json(decision: WidthDecision) -> dict[str, Any]:
