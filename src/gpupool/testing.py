@@ -31,11 +31,12 @@ environment. See ``docs/testing.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size, parse_size
@@ -115,10 +116,9 @@ class SimulatedOutOfMemory(RuntimeError):
         self.total_bytes = total_bytes
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild_out_of_memory,
-            (str(self), self.device, self.requested_bytes, self.used_bytes, self.total_bytes),
-        )
+        terms = {"device": self.device, "requested_bytes": self.requested_bytes}
+        terms.update(used_bytes=self.used_bytes, total_bytes=self.total_bytes)
+        return functools.partial(SimulatedOutOfMemory, str(self), **terms), ()
 
     @classmethod
     def _from_record(cls, record: OutOfMemoryRecord) -> SimulatedOutOfMemory:
@@ -128,18 +128,6 @@ class SimulatedOutOfMemory(RuntimeError):
             used_bytes=record["used_bytes"],
             total_bytes=record["total_bytes"],
         )
-
-
-def _rebuild_out_of_memory(
-    message: str, device: int, requested_bytes: int, used_bytes: int, total_bytes: int
-) -> SimulatedOutOfMemory:
-    return SimulatedOutOfMemory(
-        message,
-        device=device,
-        requested_bytes=requested_bytes,
-        used_bytes=used_bytes,
-        total_bytes=total_bytes,
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,12 +224,13 @@ class SimulatedDevice:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SimulatedDevice):
             return NotImplemented
-        return (
-            self._total_bytes,
-            dict(self._co_tenants),
-            self._unified,
-            self._readable,
-        ) == (other._total_bytes, dict(other._co_tenants), other._unified, other._readable)
+        mine = (self._total_bytes, dict(self._co_tenants), self._unified, self._readable)
+        return mine == (
+            other._total_bytes,
+            dict(other._co_tenants),
+            other._unified,
+            other._readable,
+        )
 
     def __hash__(self) -> int:
         return hash((self._total_bytes, tuple(self._co_tenants.items()), self._unified))
@@ -323,12 +312,7 @@ class SimulatedHost:
         os.environ[SIMULATOR_ENV] = path
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         ledger, directory = self._ledger, self._directory
         if ledger is None or directory is None:
             return
@@ -560,12 +544,7 @@ class _Hold:
         self._ledger, self._entered, self._pid = ledger, device, pid
         return device
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         ledger, device = self._ledger, self._entered
         self._ledger = self._entered = None
         if ledger is None or device is None:

@@ -190,19 +190,9 @@ def device_oom_of(exc: BaseException) -> BaseException | None:
 
 
 def is_device_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error.
-
-    Recognised: torch's ``OutOfMemoryError`` and its messages (``CUDA driver
-    error: out of memory``, old torch's ``cuda runtime error (2)`` too), CuPy's
-    ``OutOfMemoryError`` by its type or its text (``Out of memory allocating N
-    bytes``) and ``cudaErrorMemoryAllocation``, numba's ``CUDA_ERROR_OUT_OF_MEMORY``,
-    JAX / XLA / PJRT ``RESOURCE_EXHAUSTED`` allocation failures and XLA's
-    ``Failed to allocate N bytes for new constant``, TensorFlow's
-    ``OOM when allocating``, ``CUBLAS/CUDNN/CUSOLVER/CUSPARSE_STATUS_ALLOC_FAILED``,
-    NCCL's ``Cuda failure 'out of memory'``, ``cuda.core``'s
-    ``CUDAOutOfMemoryError`` and the simulator's. A host :class:`MemoryError`
-    without a device message is not one.
-    """
+    """Whether ``exc`` is, wraps or was raised while handling a device out-of-memory error:
+    one of ``_OOM_TYPES``, or a message of ``_OOM_PATTERNS`` (each library's, listed there).
+    A host :class:`MemoryError` without a device message is not one."""
     return device_oom_of(exc) is not None
 
 
@@ -427,15 +417,8 @@ def _trusted(value: int | None) -> int | None:
 
 
 class Probe:
-    """Measures one task at a time in a worker pinned to ``device``.
-
-    Args:
-        sensor: the worker's sensor (simulator or NVML), or ``None`` for a
-            worker without a device.
-        device: the device the worker is pinned to.
-        device_index: the pool's index of that device.
-        pid: this process's PID.
-    """
+    """Measures one task at a time in worker ``pid``, pinned to ``device`` (the pool's
+    ``device_index``); ``sensor`` is ``None`` for a worker without a device."""
 
     def __init__(
         self, sensor: Sensor | None, device: DeviceInfo | None, device_index: int | None, pid: int
@@ -465,12 +448,6 @@ class Probe:
             sensor is None
             or type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
         )
-
-    @property
-    def context_bytes(self) -> int | None:
-        """What this process was measured holding outside the frameworks' allocators, or
-        ``None`` where no device row of it was ever read with a framework loaded."""
-        return self._context_bytes
 
     def resident_bytes(self) -> int | None:
         """This process's device bytes now (one per-process reading, no task window).

@@ -114,11 +114,8 @@ class TreeWatch:
     sample taken for one window never counts in another: opening or ending a
     window waits for a sample in flight, and each window has its own
     generation. After each sample it runs the window's *tick*, if one was set
-    (:meth:`tick_with`: the probe's device sampling), with the tree it read.
-
-    Args:
-        root_pid: the worker's PID.
-        proc: the ``/proc`` to read (a fake tree in tests).
+    (:meth:`tick_with`: the probe's device sampling), with the tree it read. ``proc``:
+    the ``/proc`` to read (a fake tree in tests).
     """
 
     def __init__(self, root_pid: int, *, proc: Path | str = "/proc") -> None:

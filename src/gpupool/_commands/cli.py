@@ -23,6 +23,7 @@ Each subcommand is a function ``_cmd_<name>(args) -> int`` registered in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -62,8 +63,6 @@ EXIT_BROKEN_PIPE = 141
 
 #: The plot formats, from the output's suffix.
 PLOT_FORMATS = ("png", "svg", "pdf")
-
-#: The environment variable a parent's own device restriction comes from.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,20 +124,6 @@ def _out(text: str = "") -> None:
 
 def _json_out(value: object) -> None:
     sys.stdout.write(json.dumps(value, indent=2) + "\n")
-
-
-def _live_sensor_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
-    """The live census as a pool takes it: default sensor, narrowed by its visible devices."""
-    from gpupool._sensors.census import read_census
-    from gpupool._sensors.select import default_sensor
-
-    sensor = default_sensor()
-    try:
-        census, infos = read_census(sensor, visible_devices=sensor.read_visible_devices())
-    except BaseException:
-        sensor.close()
-        raise
-    return sensor, census, infos
 
 
 # -- gpupool census ------------------------------------------------------------
@@ -213,8 +198,10 @@ def _read_rows(sensor: Sensor, info: DeviceInfo) -> tuple[tuple[ProcessReading, 
 
 
 def _cmd_census(args: argparse.Namespace) -> int:
+    from gpupool._sensors.census import live_census
+
     try:
-        sensor, census, infos = _live_sensor_census()
+        sensor, census, infos = live_census()
     except (SensorError, ConfigurationError) as exc:
         sys.stderr.write(f"gpupool census: {exc}\n")
         return EXIT_FAILURE
@@ -277,15 +264,7 @@ def _add_bookings(sensor: Sensor, devices: list[dict[str, Any]]) -> None:
                         "booked_bytes": pool.booked_bytes,
                         "reached_bytes": pool.reached_bytes,
                         "unreached_bytes": pool.unreached_bytes,
-                        "tasks": [
-                            {
-                                "worker_pid": task.worker_pid,
-                                "key": task.key,
-                                "booked_bytes": task.booked_bytes,
-                                "reached_bytes": task.reached_bytes,
-                            }
-                            for task in pool.tasks
-                        ],
+                        "tasks": [dataclasses.asdict(task) for task in pool.tasks],
                     }
                     for pool in rows.pools
                 ]
@@ -420,7 +399,7 @@ def _count_type(flag: str) -> Callable[[str], int]:
 
 
 def _add_plan(sub: Any) -> None:
-    """``gpupool plan``'s parser, with the flags of the card's room."""
+    """``gpupool plan``'s parser."""
     plan = sub.add_parser(
         "plan",
         help="show the memory bound term by term and the width it implies",
@@ -430,66 +409,63 @@ def _add_plan(sub: Any) -> None:
             "(what-if); without it, from this host's live census."
         ),
     )
-    size = _size_type
-    plan.add_argument(
-        "--total",
-        type=size("--total", allow_zero=False),
-        help="card capacity (what-if mode: only the figures given, none of this host's)",
-    )
-    plan.add_argument(
-        "--co-tenant", type=size("--co-tenant"), help="bytes held by other processes (default 0)"
-    )
-    plan.add_argument(
-        "--own", type=size("--own"), help="this (parent) process's device high-water (default 0)"
-    )
-    plan.add_argument(
-        "--reserve",
-        type=size("--reserve", pool=True),
-        default=None,
-        help=f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
-    )
-    _add_plan_width_flags(plan)
+    for flag, kind, text in _plan_flags():
+        plan.add_argument(flag, type=kind, help=text)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(handler=_cmd_plan, parser=plan)
 
 
-def _add_plan_width_flags(plan: argparse.ArgumentParser) -> None:
-    """The plan's flags past the card's room: the ask, and the ceiling's terms."""
-    size = _size_type
-    plan.add_argument(
-        "--task-peak",
-        type=size("--task-peak", allow_zero=False, pool=True),
-        help="the estimated device peak of one task",
-    )
-    plan.add_argument(
-        "--measured-peak",
-        type=size("--measured-peak", allow_zero=False, pool=True),
-        help="a child's measured device peak: also plan the width after children report",
-    )
-    plan.add_argument(
-        "--margin",
-        type=size("--margin", pool=True),
-        help="margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
-    )
-    plan.add_argument(
-        "--max-workers",
-        type=_count_type("--max-workers"),
-        help="the pool's max_workers (default: the usable CPUs; what-if: what the card holds)",
-    )
-    plan.add_argument(
-        "--cpus",
-        type=_count_type("--cpus"),
-        help="usable CPUs (default: this host's; what-if: no CPU term unless given)",
-    )
-    plan.add_argument(
-        "--host-ram",
-        type=size("--host-ram"),
-        help="available host RAM (default: this host's; what-if: no RAM term unless given)",
-    )
-    plan.add_argument(
-        "--child-rss",
-        type=size("--child-rss", allow_zero=False),
-        help="a child's host RSS high-water; with the host RAM it caps the width",
+def _plan_flags() -> tuple[tuple[str, Callable[[str], int], str], ...]:
+    """``gpupool plan``'s flags of a size or a count, in its help's order: (flag, type, help)."""
+    size, count = _size_type, _count_type
+    return (
+        (
+            "--total",
+            size("--total", allow_zero=False),
+            "card capacity (what-if mode: only the figures given, none of this host's)",
+        ),
+        ("--co-tenant", size("--co-tenant"), "bytes held by other processes (default 0)"),
+        ("--own", size("--own"), "this (parent) process's device high-water (default 0)"),
+        (
+            "--reserve",
+            size("--reserve", pool=True),
+            f"bytes kept free (default {format_size(DEFAULT_RESERVE_BYTES)})",
+        ),
+        (
+            "--task-peak",
+            size("--task-peak", allow_zero=False, pool=True),
+            "the estimated device peak of one task",
+        ),
+        (
+            "--measured-peak",
+            size("--measured-peak", allow_zero=False, pool=True),
+            "a child's measured device peak: also plan the width after children report",
+        ),
+        (
+            "--margin",
+            size("--margin", pool=True),
+            "margin over a measured peak (default: the policy's, the larger of 256 MiB and 10%%)",
+        ),
+        (
+            "--max-workers",
+            count("--max-workers"),
+            "the pool's max_workers (default: the usable CPUs; what-if: what the card holds)",
+        ),
+        (
+            "--cpus",
+            count("--cpus"),
+            "usable CPUs (default: this host's; what-if: no CPU term unless given)",
+        ),
+        (
+            "--host-ram",
+            size("--host-ram"),
+            "available host RAM (default: this host's; what-if: no RAM term unless given)",
+        ),
+        (
+            "--child-rss",
+            size("--child-rss", allow_zero=False),
+            "a child's host RSS high-water; with the host RAM it caps the width",
+        ),
     )
 
 
@@ -641,6 +617,8 @@ def _read_plan_census(
 ) -> Census | None:
     """The census a pool would take here, or the figures given, with the host's flags over
     it (``None``: this host's census could not be read; the reason is on standard error)."""
+    from gpupool._sensors.census import live_census
+
     cards: tuple[CardCensus, ...]
     host: HostCensus | None
     if args.total is not None:
@@ -649,7 +627,7 @@ def _read_plan_census(
         cards, driver, host = (_what_if_card(parser, args),), True, None
     else:
         try:
-            sensor, census, _infos = _live_sensor_census()
+            sensor, census, _infos = live_census()
         except (SensorError, ConfigurationError) as exc:
             sys.stderr.write(f"gpupool plan: {exc}\n")
             return None
@@ -822,16 +800,11 @@ def _cmd_postmortem(args: argparse.Namespace) -> int:
     if runs is None:
         return status
     if args.json:
-        _json_out(
-            {
-                "path": runs[0].path,
-                "schema": SCHEMA_VERSION,
-                "runs": [pm.to_dict() for pm in runs],
-            }
-        )
-    else:
-        for line in format_runs(runs):
-            _out(line)
+        runs_json = [pm.to_dict() for pm in runs]
+        _json_out({"path": runs[0].path, "schema": SCHEMA_VERSION, "runs": runs_json})
+        return EXIT_OK
+    for line in format_runs(runs):
+        _out(line)
     return EXIT_OK
 
 

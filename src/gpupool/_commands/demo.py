@@ -150,21 +150,16 @@ def _preload_plotting() -> None:
 def _real_card_present() -> bool:
     """Whether NVML finds a device (never inside a simulated host)."""
     from gpupool._errors import SensorError
-    from gpupool._sensors.census import read_census
-    from gpupool._sensors.select import default_sensor, read_simulator_ledger
+    from gpupool._sensors.census import live_census
+    from gpupool._sensors.select import read_simulator_ledger
 
     if read_simulator_ledger():
         return False
     try:
-        sensor = default_sensor()
+        sensor, census, _ = live_census()
     except (SensorError, ImportError):
         return False
-    try:
-        census, _ = read_census(sensor, visible_devices=sensor.read_visible_devices())
-    except SensorError:
-        return False
-    finally:
-        sensor.close()
+    sensor.close()
     return census.driver and bool(census.cards)
 
 
@@ -191,7 +186,6 @@ def _run_pool(
     progress: bool | None,
 ) -> tuple[int, int]:
     """Submit every task, follow them with a progress bar; returns ``(completed, failed)``."""
-
     futures = [pool.submit(fn, *a) for a in args]
     try:
         return _follow(pool, futures, progress)
@@ -287,7 +281,7 @@ def run_demo_isolated(
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=_ignore_interrupt_until_ready,
+        preexec_fn=ignore_interrupt,  # until its imports are done: see _child_main
     )
     interrupted = _relay(child, say)
     try:
@@ -328,11 +322,6 @@ def _fixed_scenario_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in names}
 
 
-def _ignore_interrupt_until_ready() -> None:
-    """The demo's child starts with SIGINT ignored; it takes it once its imports are done."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _child_main(argv: list[str]) -> int:
     """``python -m gpupool._commands.demo OPTIONS``: the child of :func:`run_demo_isolated`."""
     import json
@@ -347,8 +336,7 @@ def _child_main(argv: list[str]) -> int:
         # The module by its name, not as __main__: task keys read gpupool._commands.demo.entry.
         import gpupool._commands.demo as demo
 
-        status: int = demo.run_demo(say=say, **options)
-        return status
+        return demo.run_demo(say=say, **options)
     except KeyboardInterrupt:
         return 130
 

@@ -624,11 +624,7 @@ def _draw_width(width_ax: Any, view: CardView) -> None:
             )
     if view.ceiling:
         _draw_ceiling(width_ax, view.ceiling, end)
-    width_ax.set_ylim(0, top)
-    width_ax.set_ylabel("tasks")
-    width_ax.set_xlabel("seconds since the pool started")
-    width_ax.grid(axis="y", alpha=0.3)
-    width_ax.yaxis.get_major_locator().set_params(integer=True)
+    _finish_counts(width_ax, top)
 
 
 def _draw_ceiling(ax: Any, ceiling: list[tuple[float, int]], end: float) -> None:
@@ -655,8 +651,13 @@ def _draw_pool(ax: Any, view: PoolView) -> None:
         )
     if view.ceiling:
         _draw_ceiling(ax, view.ceiling, view.end_s)
-    ax.set_ylim(0, max([1, *(w for _, w in view.width), *(c for _, c in view.ceiling)]) + 1)
     ax.set_title(view.title, fontsize=10)
+    _finish_counts(ax, max([1, *(w for _, w in view.width), *(c for _, c in view.ceiling)]) + 1)
+
+
+def _finish_counts(ax: Any, top: float) -> None:
+    """The axes of a count over time (tasks, from 0 to ``top``, in whole steps)."""
+    ax.set_ylim(0, top)
     ax.set_ylabel("tasks")
     ax.set_xlabel("seconds since the pool started")
     ax.grid(axis="y", alpha=0.3)

@@ -309,15 +309,8 @@ class CardView:
 
 @dataclass(slots=True, kw_only=True)
 class PoolView:
-    """The pool-wide panel of a run of several cards: their width together and the ceiling.
-
-    Attributes:
-        title: the panel's title.
-        end_s: the run's last second.
-        name: names the panel (``"pool"``, ``"run 2 pool"``).
-        width: ``(time_s, width of all cards together)`` steps.
-        ceiling: ``(time_s, ceiling)`` steps.
-    """
+    """The pool-wide panel of a run of several cards: their width together and the ceiling
+    (each field as :class:`CardView`'s; ``name``: ``"pool"``, ``"run 2 pool"``)."""
 
     title: str
     end_s: float

@@ -30,24 +30,13 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gpupool._core.units import format_size
-
-if TYPE_CHECKING:
-    from gpupool._pool.executor import GpuPoolExecutor
 
 __all__ = ["describe_asks", "progress_enabled", "track"]
 
 T = TypeVar("T")
-
-
-class _Ask(Protocol):
-    @property
-    def ask_bytes(self) -> int: ...
-
-    @property
-    def basis(self) -> str: ...
 
 
 class _Statistics(Protocol):
@@ -129,7 +118,7 @@ def track(
     results: Iterable[T],
     *,
     total: int | None = None,
-    executor: GpuPoolExecutor | None = None,
+    executor: _Observed | None = None,
     enabled: bool | None = None,
     desc: str = "gpupool",
 ) -> Iterator[T]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size
@@ -84,16 +85,10 @@ class Gatherer:
 
     def __init__(self) -> None:
         from gpupool._sensors.bookings import open_booking_table
-        from gpupool._sensors.census import read_census
-        from gpupool._sensors.select import default_sensor
+        from gpupool._sensors.census import live_census
 
-        self.sensor: Sensor = default_sensor()
+        self.sensor, self.census, self.infos = live_census()
         try:
-            census, infos = read_census(
-                self.sensor, visible_devices=self.sensor.read_visible_devices()
-            )
-            self.census: Census = census
-            self.infos: tuple[DeviceInfo, ...] = infos
             self.table: BookingTable | None = open_booking_table(
                 share=True, directory=None, sensor=self.sensor
             )
@@ -203,31 +198,13 @@ def _pool(pool: PoolBooking, held: dict[int, int] | None, now_s: float) -> dict[
         "measured_bytes": None if held is None else sum(held.get(w, 0) for w in workers),
         "workers_on_card": None if held is None else len(workers & held.keys()),
         "running": [
-            {
-                "worker_pid": task.worker_pid,
-                "key": task.key,
-                "booked_bytes": task.booked_bytes,
-                "reached_bytes": task.reached_bytes,
-                "measured_bytes": None if held is None else held.get(task.worker_pid),
-            }
+            {**asdict(task), "measured_bytes": None if held is None else held.get(task.worker_pid)}
             for task in pool.tasks
         ],
         "waiting": pool.waiting,
         "need_bytes": pool.need_bytes,
-        "waits": [
-            {"key": wait.key, "ask_bytes": wait.ask_bytes, "count": wait.count}
-            for wait in pool.waits
-        ],
-        "last": (
-            None
-            if last is None
-            else {
-                "kind": last.kind,
-                "reason": last.reason,
-                "time_s": last.time_s,
-                "age_s": max(0.0, now_s - last.time_s),
-            }
-        ),
+        "waits": [asdict(wait) for wait in pool.waits],
+        "last": None if last is None else {**asdict(last), "age_s": max(0.0, now_s - last.time_s)},
     }
 
 

@@ -17,83 +17,20 @@ vendor's sensor overrides them, and a pool takes it as ``sensor=``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpupool._sensors import cuda
+from gpupool._sensors.readings import DeviceInfo, MemoryReading, ProcessReading
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gpupool._core.census import HostCensus
 
-__all__ = ["DeviceInfo", "MemoryReading", "ProcessReading", "Sensor"]
+__all__ = ["DEFAULT_WORKER_FACTORY", "DeviceInfo", "MemoryReading", "ProcessReading", "Sensor"]
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceInfo:
-    """A device as the driver names it.
-
-    Attributes:
-        index: the driver's index (NVML order, PCI bus order in practice);
-            for a MIG instance, the parent card's index.
-        uuid: ``GPU-...`` or ``MIG-...``; stable, and what children are pinned by.
-        name: the product name, for people only.
-        mig: whether this is a MIG instance.
-        mig_index: the instance's index on its parent card, for MIG devices.
-        parent_uuid: the parent card's ``GPU-`` UUID, for MIG devices.
-        error: why the driver could not describe this device (a card that
-            answers ``GPU_IS_LOST``, say), or ``None``. Such a device is
-            unreadable; one whose UUID could not be read has ``uuid == ""``
-            and cannot be used, since children are pinned by UUID.
-    """
-
-    index: int
-    uuid: str
-    name: str
-    mig: bool = False
-    mig_index: int | None = None
-    parent_uuid: str | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryReading:
-    """A device's memory right now.
-
-    Attributes:
-        total_bytes: capacity (NVML ``total``; ``MemTotal`` on unified memory).
-        free_bytes: free now (on unified memory: ``MemAvailable`` when nothing
-            else competes for the device, ``MemFree`` when something does).
-        used_bytes: allocated now.
-        reserved_bytes: kept by the driver or firmware (NVML v2), or ``None``
-            where the driver does not report it separately (v1, unified).
-        unified: the device shares host memory.
-        source: ``"nvml-v2"``, ``"nvml-v1"``, ``"meminfo"``, ``"simulator"``.
-    """
-
-    total_bytes: int
-    free_bytes: int
-    used_bytes: int
-    reserved_bytes: int | None
-    unified: bool
-    source: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProcessReading:
-    """One process's device bytes, as the driver lists them.
-
-    ``used_bytes`` is ``None`` where the driver does not say (Windows WDDM,
-    some MIG setups); in containers on some drivers (535.113 to 560) it reads
-    0, which is why co-tenant bytes never come from summing these rows, and
-    why the child's probe never takes a 0 as a measurement (a listed process
-    holds at least its context).
-    """
-
-    pid: int
-    used_bytes: int | None
-    name: str | None = None
+#: :meth:`Sensor.worker_factory`'s default, set by :mod:`gpupool._sensors.select`.
+DEFAULT_WORKER_FACTORY: Callable[[], Sensor] | None = None
 
 
 class Sensor:
@@ -117,16 +54,9 @@ class Sensor:
     def parse_visible_devices(
         self, value: str | None, listed: Sequence[DeviceInfo]
     ) -> tuple[tuple[DeviceInfo, ...], str | None]:
-        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see.
-
-        Returns the visible devices in the value's order, and a note for the census'
-        reason when an entry was ignored or everything is hidden (``None`` leaves every
-        device). The default is CUDA's grammar, :func:`gpupool._sensors.cuda.parse_visible_devices`,
-        with this process's ``CUDA_DEVICE_ORDER``.
-
-        Raises:
-            ConfigurationError: the value cannot be honoured as given.
-        """
+        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see,
+        with a note for the census (as :func:`gpupool._sensors.cuda.parse_visible_devices`, the
+        default, with this process's ``CUDA_DEVICE_ORDER``, returns and raises)."""
         order = os.environ.get(cuda.DEVICE_ORDER_ENV)
         return cuda.parse_visible_devices(value, listed, device_order=order)
 
@@ -141,10 +71,12 @@ class Sensor:
         The default, :func:`~gpupool._sensors.select.default_sensor` (NVML, or the
         simulator inside a ``SimulatedHost`` block), also serves a sensor wrapping one
         of those; another vendor's sensor returns its own class, or a partial of it.
+        That module registers it (every pool imports it), so that the base imports no
+        sensor of its own: theirs import the base.
         """
-        from gpupool._sensors.select import default_sensor
-
-        return default_sensor
+        if DEFAULT_WORKER_FACTORY is None:
+            raise RuntimeError("no default sensor is registered: import gpupool._sensors.select")
+        return DEFAULT_WORKER_FACTORY
 
     @property
     def bookings_directory(self) -> str | None:

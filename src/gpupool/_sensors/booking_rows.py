@@ -119,14 +119,8 @@ def _start_token_psutil(pid: int) -> str | None:
 
 @dataclass
 class RowChecks:
-    """The checks of :mod:`gpupool._sensors.booking_rows`, with what they learned.
-
-    Args:
-        start_token: a PID's start token, or ``None`` when it is not a live process.
-        own_pid: this process (alive, owned by this user).
-        own_start: its start token.
-        own_uid: its user (by default, its effective user now).
-    """
+    """The checks of :mod:`gpupool._sensors.booking_rows`, with what they learned, for
+    ``own_pid`` (alive, owned by ``own_uid``; ``start_token`` gives ``None`` for a dead PID)."""
 
     start_token: Callable[[int], str | None]
     own_pid: int

@@ -21,6 +21,7 @@ containers' processes, or read 0 on some drivers.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OWN_ROW_MISSING_REASON",
     "OWN_ROWS_UNAVAILABLE_REASON",
+    "live_census",
     "read_census",
 ]
 
@@ -157,36 +159,53 @@ def read_census(
             ``LOKY_MAX_CPU_COUNT`` is not a whole number of at least 1.
         SensorError: a driver answered but its device list could not be read.
     """
-    if pid is None:
-        pid = os.getpid()
     host = cap_host_cpus(sensor.read_host(), os.environ if environ is None else environ)
     try:
         listed = sensor.read_devices()
     except NoDriverError as exc:
-        return (
-            Census(
-                cards=(),
-                host=host,
-                driver=False,
-                sensor=sensor.name,
-                reason=f"no NVIDIA driver or library: {exc}",
-            ),
-            (),
-        )
+        why = f"no NVIDIA driver or library: {exc}"
+        return Census(cards=(), host=host, driver=False, sensor=sensor.name, reason=why), ()
+    chosen, notes = _usable(sensor, listed, devices, visible_devices)
+    own = os.getpid() if pid is None else pid
+    cards = tuple(_census_card(sensor, info, device=n, pid=own) for n, info in enumerate(chosen))
+    reason = "; ".join(notes) or None
+    return Census(cards=cards, host=host, driver=True, sensor=sensor.name, reason=reason), chosen
+
+
+def live_census() -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
+    """The census as a pool takes it: the default sensor (closed on failure, else the
+    caller's to close), narrowed by its visible devices."""
+    from gpupool._sensors.select import default_sensor
+
+    sensor = default_sensor()
+    try:
+        census, infos = read_census(sensor, visible_devices=sensor.read_visible_devices())
+    except BaseException:
+        sensor.close()
+        raise
+    return sensor, census, infos
+
+
+def _usable(
+    sensor: Sensor,
+    listed: tuple[DeviceInfo, ...],
+    devices: Sequence[int | str] | None,
+    visible_devices: str | None,
+) -> tuple[tuple[DeviceInfo, ...], list[str]]:
+    """The devices the pool may use, in its order, and the census' notes on the rest."""
     notes: list[str] = []
     visible, note = sensor.parse_visible_devices(visible_devices, listed)
     if note:
         notes.append(note)
     hidden_by = sensor.visible_devices_env
     chosen = visible if devices is None else _select(devices, visible, listed, hidden_by)
-    unidentified = [info for info in chosen if not info.uuid]
-    for info in unidentified:
-        what = f"device {info.index}" + (f" MIG {info.mig_index}" if info.mig else "")
-        notes.append(
-            f"{what} is left out: {info.error}; children are pinned by UUID, so a device "
-            "without one cannot be used"
-        )
-    chosen = tuple(info for info in chosen if info.uuid)
+    for info in chosen:
+        if not info.uuid:
+            what = f"device {info.index}" + (f" MIG {info.mig_index}" if info.mig else "")
+            notes.append(
+                f"{what} is left out: {info.error}; children are pinned by UUID, so a device "
+                "without one cannot be used"
+            )
     if not listed:
         notes.append("the driver lists no device")
     mps = os.environ.get(_MPS_ENUMERATION_ENV)
@@ -195,34 +214,23 @@ def read_census(
             f"{_MPS_ENUMERATION_ENV}={mps} is set: NVML reports MPS devices and MPS-provided "
             "memory figures"
         )
-    cards = tuple(
-        _census_card(sensor, info, device=position, pid=pid) for position, info in enumerate(chosen)
-    )
-    census = Census(
-        cards=cards,
-        host=host,
-        driver=True,
-        sensor=sensor.name,
-        reason="; ".join(notes) or None,
-    )
-    return census, tuple(chosen)
+    return tuple(info for info in chosen if info.uuid), notes
 
 
 def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> CardCensus:
     """One device's census; an unreadable device is ``None``s and a reason, never empty."""
+    card = functools.partial(
+        CardCensus, device=device, uuid=info.uuid, name=info.name, mig=info.mig
+    )
     try:
         memory = sensor.read_memory(info)
     except NoDriverError:
         raise
     except SensorError as exc:  # DeviceUnreadableError, or a sensor's own failure
-        return CardCensus(
-            device=device,
-            uuid=info.uuid,
-            name=info.name,
+        return card(
             total_bytes=None,
             free_bytes=None,
             own_bytes=None,
-            mig=info.mig,
             source=sensor.name,
             own_source="unknown",
             reason=f"unreadable: {exc}",
@@ -238,16 +246,12 @@ def _census_card(sensor: Sensor, info: DeviceInfo, *, device: int, pid: int) -> 
     own_bytes, own_source, reason = _own_bytes(rows, pid)
     if rows_error is not None:
         reason = f"{OWN_ROWS_UNAVAILABLE_REASON} ({rows_error})"
-    return CardCensus(
-        device=device,
-        uuid=info.uuid,
-        name=info.name,
+    return card(
         total_bytes=memory.total_bytes,
         free_bytes=memory.free_bytes,
         own_bytes=own_bytes,
         reserved_bytes=memory.reserved_bytes,
         unified=memory.unified,
-        mig=info.mig,
         source=memory.source,
         own_source=own_source,
         reason=reason,

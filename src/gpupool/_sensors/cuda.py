@@ -16,7 +16,7 @@ from gpupool._errors import ConfigurationError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gpupool._sensors.base import DeviceInfo
+    from gpupool._sensors.readings import DeviceInfo
 
 __all__ = [
     "DEVICE_ORDER_ENV",

@@ -26,6 +26,7 @@ import functools
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,11 +100,21 @@ def _failed(call: str, exc: BaseException, what: str) -> str:
 
 
 def _flag(value: object) -> bool:
-    """NVML booleans: ``nvmlDeviceIsMigDeviceHandle`` returns a ``ctypes.c_uint``, not an int.
-
-    ``c_uint(1) == 1`` is False, so compare its ``.value``.
-    """
+    """NVML booleans: ``nvmlDeviceIsMigDeviceHandle`` returns a ``ctypes.c_uint``, and
+    ``c_uint(1) == 1`` is False, so its ``.value``."""
     return bool(getattr(value, "value", value))
+
+
+def _reading(info: Any, reserved_bytes: int | None, source: str) -> MemoryReading:
+    """A discrete card's reading from NVML's memory info (v1 or v2)."""
+    return MemoryReading(
+        total_bytes=int(info.total),
+        free_bytes=int(info.free),
+        used_bytes=int(info.used),
+        reserved_bytes=reserved_bytes,
+        unified=False,
+        source=source,
+    )
 
 
 class NvmlSensor(Sensor):
@@ -239,6 +250,7 @@ class NvmlSensor(Sensor):
             name = _text(lib.nvmlDeviceGetName(handle))
         except lib.NVMLError:
             name = "unknown"
+        card = DeviceInfo(index=index, uuid=uuid, name=name)
         try:
             mig = self._mig_enabled(lib, handle)
             instances = list(self._mig_handles(lib, handle)) if mig else []
@@ -247,44 +259,13 @@ class NvmlSensor(Sensor):
                 raise _translate(exc, f"reading device {index} (nvmlDeviceGetMigMode)") from exc
             handles[uuid] = handle
             error = _failed("nvmlDeviceGetMigMode", exc, "tell whether it is in MIG mode")
-            return [DeviceInfo(index=index, uuid=uuid, name=name, error=error)]
+            return [replace(card, error=error)]
         if not mig:
             handles[uuid] = handle
-            return [DeviceInfo(index=index, uuid=uuid, name=name)]
-        listed: list[DeviceInfo] = []
-        for mig_index, mig_handle in instances:
-            try:
-                mig_uuid = _text(lib.nvmlDeviceGetUUID(mig_handle))
-            except lib.NVMLError as exc:
-                error = _failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
-                listed.append(
-                    DeviceInfo(
-                        index=index,
-                        uuid="",
-                        name=name,
-                        mig=True,
-                        mig_index=mig_index,
-                        parent_uuid=uuid,
-                        error=error,
-                    )
-                )
-                continue
-            try:
-                mig_name = _text(lib.nvmlDeviceGetName(mig_handle))
-            except lib.NVMLError:
-                mig_name = name
-            handles[mig_uuid] = mig_handle
-            listed.append(
-                DeviceInfo(
-                    index=index,
-                    uuid=mig_uuid,
-                    name=mig_name,
-                    mig=True,
-                    mig_index=mig_index,
-                    parent_uuid=uuid,
-                )
-            )
-        return listed
+            return [card]
+        return [
+            _mig_instance(lib, card, slot, mig_handle, handles) for slot, mig_handle in instances
+        ]
 
     @staticmethod
     def _mig_enabled(lib: ModuleType, handle: Any) -> bool:
@@ -368,14 +349,7 @@ class NvmlSensor(Sensor):
             if _code(exc) in (_FUNCTION_NOT_FOUND, _NOT_SUPPORTED):
                 return None  # a driver before R510, or unified memory: try v1
             raise
-        return MemoryReading(
-            total_bytes=int(info.total),
-            free_bytes=int(info.free),
-            used_bytes=int(info.used),
-            reserved_bytes=int(info.reserved),
-            unified=False,
-            source="nvml-v2",
-        )
+        return _reading(info, int(info.reserved), "nvml-v2")
 
     @staticmethod
     def _read_memory_v1(lib: ModuleType, handle: Any) -> MemoryReading | None:
@@ -386,14 +360,7 @@ class NvmlSensor(Sensor):
             if _code(exc) == _NOT_SUPPORTED:
                 return None
             raise
-        return MemoryReading(
-            total_bytes=int(info.total),
-            free_bytes=int(info.free),
-            used_bytes=int(info.used),
-            reserved_bytes=None,
-            unified=False,
-            source="nvml-v1",
-        )
+        return _reading(info, None, "nvml-v1")
 
     def _read_unified_memory(self, device: DeviceInfo) -> MemoryReading:
         """Unified memory: the host's ``/proc/meminfo`` is the device's memory."""
@@ -517,11 +484,7 @@ class NvmlSensor(Sensor):
         return None
 
     def read_host(self) -> HostCensus:
-        """Usable CPUs and available RAM, from affinity, cgroups and ``/proc/meminfo``.
-
-        No NVML call (``nvidia-smi`` has no equivalent); see
-        :func:`gpupool._sensors.host.read_host_census`.
-        """
+        """Usable CPUs and available RAM, by :func:`gpupool._sensors.host.read_host_census`."""
         from gpupool._sensors.host import read_host_census  # the parent's census only
 
         return read_host_census(self._host_root)
@@ -535,3 +498,22 @@ class NvmlSensor(Sensor):
         # Shutting down a library that is going away: an error leaves nothing to do.
         with contextlib.suppress(lib.NVMLError):
             lib.nvmlShutdown()
+
+
+def _mig_instance(
+    lib: ModuleType, card: DeviceInfo, mig_index: int, handle: Any, handles: dict[str, Any]
+) -> DeviceInfo:
+    """One MIG instance of ``card``; a failing call becomes the instance's ``error``."""
+    instance = replace(card, uuid="", mig=True, mig_index=mig_index, parent_uuid=card.uuid)
+    try:
+        uuid = _text(lib.nvmlDeviceGetUUID(handle))
+    except lib.NVMLError as exc:
+        return replace(
+            instance, error=_failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
+        )
+    try:
+        name = _text(lib.nvmlDeviceGetName(handle))
+    except lib.NVMLError:
+        name = card.name
+    handles[uuid] = handle
+    return replace(instance, uuid=uuid, name=name)

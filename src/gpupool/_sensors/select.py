@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from gpupool._sensors.base import Sensor
+from gpupool._sensors import base
+from gpupool._sensors.simulated_state import SIMULATOR_ENV
+
+if TYPE_CHECKING:
+    from gpupool._sensors.base import Sensor
 
 __all__ = ["SIMULATOR_ENV", "default_sensor", "read_simulator_ledger"]
-
-#: Set by :class:`gpupool.testing.SimulatedHost` to its ledger's path, for the
-#: processes started inside its block (a pool's workers get it from the
-#: simulator's sensor, :meth:`SimulatedSensor.worker_env`).
-SIMULATOR_ENV = "GPUPOOL_SIMULATOR"
 
 
 def read_simulator_ledger() -> str | None:
@@ -30,3 +30,6 @@ def default_sensor() -> Sensor:
     from gpupool._sensors.nvml import NvmlSensor
 
     return NvmlSensor()
+
+
+base.DEFAULT_WORKER_FACTORY = default_sensor

@@ -49,14 +49,15 @@ from gpupool._errors import SensorError
 from gpupool._sensors.ancestry import read_ancestors
 from gpupool._sensors.booking_rows import read_start_token
 from gpupool._sensors.own_pid import own_pid
-from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated_alive import Liveness
 from gpupool._sensors.simulated_check import ledger_problem
 from gpupool._sensors.simulated_state import (
+    SIMULATOR_ENV,
     DeviceState,
     LedgerState,
     OutOfMemoryRecord,
     ProcessState,
+    TreeWindow,
     device_of,
     device_used_bytes,
     drop_dead,
@@ -65,8 +66,8 @@ from gpupool._sensors.simulated_state import (
     note_peaks,
     process_bytes,
     refuse,
+    tree_bytes,
 )
-from gpupool._sensors.simulated_tree import TreeWindow, tree_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -156,10 +157,8 @@ class _Held:
 class Ledger:
     """Read and change one simulated host's ledger, one locked operation at a time.
 
-    Get one with :func:`ledger_at`, which keeps one per path and process.
-
-    Args:
-        path: the ledger file (the value of ``GPUPOOL_SIMULATOR``).
+    Get one with :func:`ledger_at`, which keeps one per path (``GPUPOOL_SIMULATOR``'s
+    value) and process.
     """
 
     def __init__(self, path: str) -> None:

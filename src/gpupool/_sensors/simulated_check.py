@@ -7,7 +7,7 @@ field's type is checked once per content before the state is used
 
 from __future__ import annotations
 
-from gpupool._sensors.simulated_tree import is_pid_key, tree_window_problem
+from gpupool._sensors.simulated_state import is_pid_key, tree_window_problem
 
 __all__ = ["ledger_problem"]
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 from gpupool._errors import DeviceUnreadableError, NoDriverError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
-from gpupool._sensors.select import SIMULATOR_ENV
 from gpupool._sensors.simulated import (
     BOOKINGS_DIRECTORY,
     DEVICE_NAME,
     ledger_at,
 )
 from gpupool._sensors.simulated_state import (
+    SIMULATOR_ENV,
     DeviceState,
     LedgerState,
     Snapshot,
@@ -41,10 +41,8 @@ class SimulatedSensor(Sensor):
     """The sensor of a simulated host: reads its ledger as NVML would read a card.
 
     It is what :func:`~gpupool._sensors.select.default_sensor` returns inside a
-    :class:`gpupool.testing.SimulatedHost` block, in the parent and in every child.
-
-    Args:
-        ledger_path: the ledger file, the value of ``GPUPOOL_SIMULATOR``.
+    :class:`gpupool.testing.SimulatedHost` block (on the ledger ``GPUPOOL_SIMULATOR``
+    names), in the parent and in every child.
     """
 
     name = "simulator"
@@ -102,8 +100,7 @@ class SimulatedSensor(Sensor):
             DeviceUnreadableError: the device was made with ``readable=False``.
             NoDriverError: the host was made with ``driver=False``.
         """
-        state = self._view()
-        return self._snapshot_of(state, device)[0]
+        return self._snapshot_of(self._view(), device)[0]
 
     def read_processes(self, device: DeviceInfo) -> tuple[ProcessReading, ...] | None:
         """Co-tenant rows (fake PIDs) and, unless the host is a container, real processes' rows.
@@ -124,8 +121,7 @@ class SimulatedSensor(Sensor):
         While the ledger holds the same bytes (and no process it names has exited),
         the reading made from it last is given again, not made anew.
         """
-        state = self._view()
-        return self._snapshot_of(state, device)
+        return self._snapshot_of(self._view(), device)
 
     def _snapshot_of(self, state: LedgerState, device: DeviceInfo) -> Snapshot:
         """``device``'s memory and rows in the shared reading ``state`` (made once per reading)."""
@@ -194,7 +190,10 @@ class SimulatedSensor(Sensor):
         cpus, ram = state["cpus"], state["ram"]
         cpu_source = ram_source = "simulator"
         if cpus is None or ram is None:
-            real = _read_real_host()
+            # Imported here: the cgroup walk is only needed when a term was left to the host.
+            from gpupool._sensors.host import read_host_census
+
+            real = read_host_census()
             if cpus is None:
                 cpus, cpu_source = real.cpus, real.cpu_source
             if ram is None:
@@ -202,15 +201,3 @@ class SimulatedSensor(Sensor):
         return HostCensus(
             cpus=cpus, available_ram_bytes=ram, cpu_source=cpu_source, ram_source=ram_source
         )
-
-    def close(self) -> None:
-        """Nothing to release: the ledger is shared by every sensor of this process."""
-        return None
-
-
-def _read_real_host() -> HostCensus:
-    """The real host's figures, for the terms a ``SimulatedHost`` leaves as ``None``."""
-    # Imported here: the cgroup walk is only needed when a term was left to the host.
-    from gpupool._sensors.host import read_host_census
-
-    return read_host_census()

@@ -4,6 +4,13 @@ Functions of a parsed ledger (:class:`LedgerState`), with no I/O (:func:`refuse`
 stamps the refusal it records with the time), used by
 :class:`~gpupool._sensors.simulated.Ledger` under its lock and by
 :class:`~gpupool._sensors.simulated_sensor.SimulatedSensor` to read a card.
+
+A task's bytes may live in processes it starts. Every process's entry keeps its
+ancestors as they were at its first allocation, so a tree is known even after a
+middle process exits. A *tree window* (one per root PID and device, opened by
+:meth:`~gpupool._sensors.simulated.Ledger.open_tree`) keeps the most bytes the root
+and its descendants held together since it opened, updated under the ledger's lock
+at every allocation: exact, as a driver's accounting would be, with no sampling.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ from typing import TypedDict, cast
 
 from gpupool._errors import DeviceUnreadableError
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading
-from gpupool._sensors.simulated_tree import TreeWindow, note_trees
 
 __all__ = [
+    "SIMULATOR_ENV",
     "WRITES_FIELD",
     "DeviceState",
     "LedgerState",
@@ -27,12 +34,15 @@ __all__ = [
     "device_used_bytes",
     "drop_dead",
     "encode_next",
+    "is_pid_key",
     "memory_of",
     "named_processes",
     "note_peaks",
     "process_bytes",
     "refuse",
     "rows_of",
+    "tree_bytes",
+    "tree_window_problem",
 ]
 
 
@@ -44,7 +54,14 @@ class ProcessState(TypedDict):
     context: int  # the one-off context charge, kept until the process dies
     held: int  # bytes held by open ``hold()`` blocks
     window: int  # high-water since the last reset_process_peak
-    ancestors: list[int]  # parent, grandparent... at the first touch (simulated_tree)
+    ancestors: list[int]  # parent, grandparent... at the first touch (tree windows)
+
+
+class TreeWindow(TypedDict):
+    """One open tree window: its root's identity and the tree's high-water since it opened."""
+
+    start: str  # the root's start token: a reused PID is not the root
+    window: int
 
 
 class DeviceState(TypedDict):
@@ -85,6 +102,11 @@ class LedgerState(TypedDict):
     devices: list[DeviceState]
     ooms: list[OutOfMemoryRecord]
 
+
+#: Set by :class:`gpupool.testing.SimulatedHost` to its ledger's path, for the
+#: processes started inside its block (a pool's workers get it from the
+#: simulator's sensor, :meth:`SimulatedSensor.worker_env`).
+SIMULATOR_ENV = "GPUPOOL_SIMULATOR"
 
 #: One device's memory and rows, as :meth:`SimulatedSensor.read_snapshot` gives them.
 Snapshot = tuple[MemoryReading, "tuple[ProcessReading, ...] | None"]
@@ -208,3 +230,41 @@ def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] 
             for key, proc in dev["procs"].items()
         )
     return tuple(rows)
+
+
+def _in_tree(key: str, proc: ProcessState, root: str) -> bool:
+    return key == root or int(root) in proc["ancestors"]
+
+
+def tree_bytes(dev: DeviceState, root: str) -> int:
+    """What ``root`` and every process under it hold on ``dev`` now."""
+    return sum(process_bytes(p) for key, p in dev["procs"].items() if _in_tree(key, p, root))
+
+
+def note_trees(dev: DeviceState, key: str, proc: ProcessState) -> None:
+    """After process ``key`` allocated: raise the window of every tree it belongs to."""
+    for root, window in dev["trees"].items():
+        if _in_tree(key, proc, root):
+            window["window"] = max(window["window"], tree_bytes(dev, root))
+
+
+def is_pid_key(key: object) -> bool:
+    """Whether ``key`` is a PID as the ledger writes one: ASCII decimal digits, no leading 0
+    (``str.isdigit`` alone takes a superscript "2", which ``int`` refuses, and other scripts'
+    digits, which ``int`` reads as another spelling of a PID)."""
+    return (
+        isinstance(key, str)
+        and key.isascii()
+        and key.isdigit()
+        and (key == "0" or not key.startswith("0"))
+    )
+
+
+def tree_window_problem(root: object, window: object) -> str | None:
+    """What makes ``window`` not a tree window, or ``None``."""
+    if not is_pid_key(root) or not isinstance(window, dict):
+        return f"tree window {root!r} is {window!r}"
+    size = window.get("window")
+    if not isinstance(window.get("start"), str) or type(size) is not int or size < 0:
+        return f"tree window {root!r} is {window!r}"
+    return None
