@@ -78,7 +78,8 @@ def _imports(tree: ast.Module, module: str, known: set[str]) -> Iterator[tuple[s
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             typing_nodes.update(id(sub) for sub in ast.walk(node))
-    package = module if module in known and _is_package(module, known) else module
+    # A package's relative imports resolve against itself, a module's against its parent.
+    package = module if _is_package(module, known) else module.rpartition(".")[0]
     for node in ast.walk(tree):
         kind = "typing" if id(node) in typing_nodes else "runtime"
         targets: list[str] = []
@@ -87,7 +88,7 @@ def _imports(tree: ast.Module, module: str, known: set[str]) -> Iterator[tuple[s
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*parts, base] if base else parts)
             targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
         for target in targets:

@@ -30,27 +30,16 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpupool._core.units import format_size
+
+if TYPE_CHECKING:  # a type only: the pool's module imports this one when a bar is asked for
+    from gpupool._pool.executor import GpuPoolExecutor
 
 __all__ = ["describe_asks", "progress_enabled", "track"]
 
 T = TypeVar("T")
-
-
-class _Statistics(Protocol):
-    @property
-    def width(self) -> int: ...
-
-    @property
-    def asks(self) -> Mapping[str, Any]: ...
-
-
-class _Observed(Protocol):
-    """What :func:`track` reads of an executor (``GpuPoolExecutor`` has it)."""
-
-    def statistics(self) -> _Statistics: ...
 
 
 def progress_enabled(enabled: bool | None, stream: Any = None) -> bool:
@@ -118,7 +107,7 @@ def track(
     results: Iterable[T],
     *,
     total: int | None = None,
-    executor: _Observed | None = None,
+    executor: GpuPoolExecutor | None = None,
     enabled: bool | None = None,
     desc: str = "gpupool",
 ) -> Iterator[T]:

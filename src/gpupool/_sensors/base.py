@@ -48,14 +48,14 @@ class Sensor:
     visible_devices_env: str = cuda.VISIBLE_DEVICES_ENV
 
     def read_visible_devices(self) -> str | None:
-        """This process's :attr:`visible_devices_env` (``None``: unset, every device is visible)."""
+        """This process's ``visible_devices_env`` (``None``: unset, every device is visible)."""
         return os.environ.get(self.visible_devices_env)
 
     def parse_visible_devices(
         self, value: str | None, listed: Sequence[DeviceInfo]
     ) -> tuple[tuple[DeviceInfo, ...], str | None]:
-        """Narrow ``listed`` to what ``value`` of :attr:`visible_devices_env` lets a process see,
-        with a note for the census (as :func:`gpupool._sensors.cuda.parse_visible_devices`, the
+        """Narrow ``listed`` to what ``value`` of ``visible_devices_env`` lets a process see,
+        with a note for the census (as ``gpupool._sensors.cuda.parse_visible_devices``, the
         default, with this process's ``CUDA_DEVICE_ORDER``, returns and raises)."""
         order = os.environ.get(cuda.DEVICE_ORDER_ENV)
         return cuda.parse_visible_devices(value, listed, device_order=order)
@@ -68,11 +68,11 @@ class Sensor:
     def worker_factory(self) -> Callable[[], Sensor]:
         """What a worker calls once, at start, for its probe's sensor: picklable.
 
-        The default, :func:`~gpupool._sensors.select.default_sensor` (NVML, or the
-        simulator inside a ``SimulatedHost`` block), also serves a sensor wrapping one
-        of those; another vendor's sensor returns its own class, or a partial of it.
-        That module registers it (every pool imports it), so that the base imports no
-        sensor of its own: theirs import the base.
+        The default, ``gpupool._sensors.select.default_sensor`` (NVML, or the simulator
+        inside a ``SimulatedHost`` block), also serves a sensor wrapping one of those;
+        another vendor's sensor returns its own class, or a partial of it. The default is
+        registered by ``select`` as it is imported (every pool imports it), so that the
+        base imports no sensor of its own: theirs import the base.
         """
         if DEFAULT_WORKER_FACTORY is None:
             raise RuntimeError("no default sensor is registered: import gpupool._sensors.select")
