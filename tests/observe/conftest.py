@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -31,6 +32,18 @@ def two_cards_host() -> SimulatedHost:
     return SimulatedHost(cards, cpus=16, host_ram="128GiB")
 
 
+def _sampled_running(log: Path, running: int) -> bool:
+    """Whether the decision log holds a ``card_read`` sample with ``running`` tasks on the card."""
+    for line in log.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if record.get("event") == "card_read" and record.get("running") == running:
+            return True
+    return False
+
+
 def _staged_run(
     log: Path, change: Callable[[SimulatedHost], AbstractContextManager[object]]
 ) -> int:
@@ -43,7 +56,11 @@ def _staged_run(
                 pool.submit(observe_tasks.staged, i, "1GiB", "5GiB", str(gate)) for i in range(6)
             ]
             deadline = time.monotonic() + 30
-            while len(list(gate.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            # Both in their first stage, and the pool's log has sampled the card with both
+            # running (a reading every 0.2 s while tasks run): the account draws them.
+            while (
+                len(list(gate.glob("ready-*"))) < 2 or not _sampled_running(log, 2)
+            ) and time.monotonic() < deadline:
                 time.sleep(0.01)
             with change(host):
                 (gate / "go").touch()
