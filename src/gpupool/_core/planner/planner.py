@@ -37,8 +37,9 @@ A room reads the rooms built before it and writes only its own fields (and, for
 the state, through the state's methods). The rules on numbers are functions in
 modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
 is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
-:mod:`~.oom` (an out-of-memory judged against the task's own booking) and
-:mod:`~.records` (what each record says).
+:mod:`~.oom` (an out-of-memory judged against the task's own booking),
+:mod:`~.records` (what each record says) and :mod:`~.evidence` (what peaks support);
+:mod:`~.state` and :mod:`~.verdicts` hold the records and the verdicts.
 
 The invariant, checked at every start: on every device the booked asks of
 the tasks running there plus the new one fit in ``room = total - co_tenant -
@@ -85,14 +86,10 @@ from gpupool._core.planner.verdicts import (
     PlannerConfig,
     Refuse,
     Retry,
-    Start,
     TaskId,
-    Wait,
-    Warm,
-    Workers,
 )
 from gpupool._core.planner.views import Views
-from gpupool._core.policy import Ask, AskTable
+from gpupool._core.policy import AskTable
 from gpupool._core.units import GiB, format_size
 
 __all__ = ["CAP_LIFT_AFTER_S", "Planner"]
@@ -102,16 +99,11 @@ class Planner:
     """Owns every price, admission and width decision of one pool: its events, verdicts and
     views (the process layer's whole surface), each passed to the rooms it concerns.
 
-    Past the house's ~25 methods on purpose: the surface is fixed (the process layer's
-    events, verdicts and views, ``PLANNER_SURFACE`` in ``tests/test_layering.py``), and each
-    member is a few lines that hand over to a room; the planner's own fields are its rooms.
-
-    Args:
-        census: the cards and the host as they stood at construction.
-        asks: the per-key asks (the planner is their only writer).
-        config: what the caller asked for.
-        emit: where decision records go (the decision log).
-        now_s: the time of construction.
+    Past the house's ~25 methods and ~15 fields on purpose: the surface is fixed
+    (``PLANNER_SURFACE`` in ``tests/test_layering.py``); a member that is a room's own
+    method is that method, bound here, and the rest are a few lines over the rooms.
+    ``now_s`` (the time of construction) is taken for the callers' sake: nothing is
+    recorded until :meth:`construct`.
     """
 
     def __init__(
@@ -132,6 +124,18 @@ class Planner:
         self.queue = Queue(self.state, self.durations, self.order, self.views)
         self.starts = Starts(self.state, self.views, self.order, self.log)
         self.oom = OutOfMemory(self.state, self.views, self.log)
+        # The surface that is a room's own method (or a room's live record), bound.
+        self.requeue = self.queue.requeue
+        self.queue_behind = self.queue.queue_behind
+        self.settle = self.learning.settle
+        self.flush_asks = self.learning.flush_asks
+        self.next_start = self.starts.next_start
+        self.still_admits = self.starts.still_admits
+        self.take_grown = self.state.take_grown
+        self.ask_of = self.state.ask_of
+        self.counts = self.state.counts
+        self.widths = self.log.widths
+        self.sample_cards = self.log.sample_cards
 
     # -- events in ---------------------------------------------------------------------------
 
@@ -164,10 +168,6 @@ class Planner:
             self.state.unqueue(task)
             self.state.forget(task)
 
-    def requeue(self, task: TaskId) -> None:
-        """``task``'s worker is gone, or declined it: it goes back to the queue's head."""
-        self.queue.requeue(task)
-
     def observe(self, device: int, reading: CardReading, now_s: float) -> None:
         """A live snapshot of ``device``: the live gate reads it, the parent's own row raises
         the own high-water (a term of the bound: recorded when it grows), and a cap an
@@ -195,13 +195,6 @@ class Planner:
                     devices=(device,),
                 )
         self.oom.lift_cap(card, reading, now_s)
-
-    def sample_cards(self, now_s: float) -> None:
-        """The end of a turn of the process layer (its starts made): a ``card_read`` sample
-        of each card whose last reading is due one (:mod:`~gpupool._core.planner.samples`).
-        Taken after the turn's starts, so a sample counts the tasks that run beside it."""
-        for card in self.state.cards:
-            self.log.sample(card, now_s, decision=False)
 
     def observe_others(
         self,
@@ -302,11 +295,6 @@ class Planner:
         if report is not None:
             self.learning.learn(run, report, now_s, failed=failed)
 
-    def settle(self, now_s: float) -> Refuse | None:
-        """Price what the tasks that ended since the last settle measured (strict mode's
-        refusal where that narrowed the pool)."""
-        return self.learning.settle(now_s)
-
     def out_of_memory(
         self,
         task: TaskId,
@@ -347,29 +335,7 @@ class Planner:
             extra=extra,
         )
 
-    def flush_asks(self, now_s: float) -> None:
-        """Record each key's final ask where it moved since its last record."""
-        self.learning.flush_asks(now_s)
-
     # -- verdicts out ------------------------------------------------------------------------
-
-    def next_start(
-        self, now_s: float, workers: Workers | None = None
-    ) -> Start | Warm | Wait | Fail | Refuse | None:
-        """What to start now (:meth:`~.starts.Starts.next_start`)."""
-        return self.starts.next_start(now_s, workers)
-
-    def queue_behind(self, behind: TaskId) -> TaskId | None:
-        """The pending task to queue behind ``behind`` on its worker, or ``None``."""
-        return self.queue.queue_behind(behind)
-
-    def still_admits(self, start: Start, now_s: float) -> bool:
-        """Whether ``start`` still fits beside the other pools' bookings read again."""
-        return self.starts.still_admits(start, now_s)
-
-    def take_grown(self) -> frozenset[int]:
-        """The cards where a running task was booked higher since the last call."""
-        return self.state.take_grown()
 
     def strict_refusal(self) -> Refuse | None:
         """Strict mode's refusal to narrow, once made (the pool breaks with it)."""
@@ -389,16 +355,6 @@ class Planner:
     def width(self) -> int:
         """How many tasks the planner admits at once now, for the work it holds."""
         return self.views.width
-
-    @property
-    def widths(self) -> list[tuple[float, int]]:
-        """The pool's width over time: ``(seconds, width)`` where it moved."""
-        return self.log.widths
-
-    @property
-    def counts(self) -> collections.Counter[str]:
-        """What happened, by kind (retries, out-of-memory errors, waits, ...)."""
-        return self.state.counts
 
     @property
     def unsettled(self) -> bool:
@@ -496,10 +452,6 @@ class Planner:
     def pending_tasks(self) -> tuple[TaskId, ...]:
         """The pending tasks, in the order they will be considered."""
         return tuple(self.state.pending)
-
-    def ask_of(self, task: TaskId) -> Ask:
-        """``task``'s price now (a per-task hint becomes its key's estimate first)."""
-        return self.state.ask_of(task)
 
     def has_pending(self) -> bool:
         """Whether any task waits to start (queued behind a run or not)."""

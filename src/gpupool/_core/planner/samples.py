@@ -247,6 +247,12 @@ class Recorder:
         card.sampled_running = len(card.runs)
         self._emit(card_read(card, split, reading.free_bytes, now_s))
 
+    def sample_cards(self, now_s: float) -> None:
+        """The end of a turn of the process layer (its starts made): a sample of each card
+        whose last reading is due one, so that it counts the tasks that run beside it."""
+        for card in self._state.cards:
+            self.sample(card, now_s, decision=False)
+
     def timeline(self, now_s: float, width: int) -> None:
         """The pool's width is ``width`` at ``now_s`` (kept where it moved)."""
         if not self.widths or self.widths[-1][1] != width:
