@@ -341,35 +341,26 @@ def live_gate(card: Card, ask: Ask, runs: Sequence[Run], *, reserve_bytes: int) 
     reading: the gate is open."""
     next_bytes = ask.next_bytes(sum(1 for r in runs if r.key == ask.key))
     reading = card.reading
-    if reading is None:
-        return LiveGate(
-            admits=True,
-            free_bytes=None,
-            used_bytes=None,
-            idle_worker_bytes=0,
-            next_bytes=next_bytes,
-            unreached_bytes=0,
-            reserve_bytes=reserve_bytes,
-            running=len(runs),
-        )
-    rows = reading.process_bytes or {}
-    unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in runs)
-    unreached += card.others_unreached_bytes
-    idle = 0
-    if reading.process_bytes is not None and card.worker_pids:
-        running_pids = {r.pid for r in runs}
-        held = [rows[pid] for pid in card.worker_pids if pid not in running_pids and pid in rows]
-        if held:
-            idle = max(0, min(next_bytes, *held))
-    return LiveGate(
-        admits=live_gate_admits(
+    admits, unreached, idle = True, 0, 0
+    if reading is not None:
+        rows = reading.process_bytes or {}
+        unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in runs)
+        unreached += card.others_unreached_bytes
+        if reading.process_bytes is not None and card.worker_pids:
+            running_pids = {r.pid for r in runs}
+            held = [rows[p] for p in card.worker_pids if p not in running_pids and p in rows]
+            if held:
+                idle = max(0, min(next_bytes, *held))
+        admits = live_gate_admits(
             live_free_bytes=reading.free_bytes + idle,
             ask_bytes=next_bytes,
             unreached_bytes=unreached,
             reserve_bytes=reserve_bytes,
-        ),
-        free_bytes=reading.free_bytes,
-        used_bytes=reading.used_bytes,
+        )
+    return LiveGate(
+        admits=admits,
+        free_bytes=reading.free_bytes if reading is not None else None,
+        used_bytes=reading.used_bytes if reading is not None else None,
         idle_worker_bytes=idle,
         next_bytes=next_bytes,
         unreached_bytes=unreached,

@@ -207,18 +207,9 @@ class Planner:
     ) -> None:
         """The host's other pools' bookings on ``device`` (``None``: the table is unreachable,
         so the live gate alone sees them). Each of their tasks is priced at the larger of its
-        booking and what the card's last reading shows its worker holding.
-
-        Args:
-            device: the card.
-            others: the other pools' rows.
-            now_s: the time.
-            census: this reading stands beside the census: what those pools
-                hold now is in the census' co-tenant bytes, and is priced by
-                their bookings instead.
-            rows: per-process bytes to read their holdings from (default: the
-                card's last reading).
-        """
+        booking and what ``rows`` (default: the card's last reading) show its worker holding.
+        ``census``: this reading stands beside the census, whose co-tenant bytes hold what
+        those pools hold now (they are priced by their bookings instead)."""
         card = self.state.cards[device]
         if rows is None:
             rows = {}
@@ -364,19 +355,15 @@ class Planner:
     def widths_by_key(self) -> dict[str, int]:
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
-        out: dict[str, int] = {}
-        if self.state.config.fixed_width is not None or not self.state.cards:
-            fixed = self.state.config.fixed_width
+        fixed = self.state.config.fixed_width
+        if fixed is not None or not self.state.cards:
             width = fixed if fixed is not None else self.state.ceiling.value
-            for key in self.state.present_keys():
-                out[key] = width
-            return out
-        running_keys: dict[str, int] = {}
-        for run in self.state.running.values():
-            running_keys[run.key] = running_keys.get(run.key, 0) + 1
+            return dict.fromkeys(self.state.present_keys(), width)
+        out: dict[str, int] = {}
+        running_keys = collections.Counter(run.key for run in self.state.running.values())
         for key in self.state.present_keys():
             ask = self.state.asks.ask(key)
-            others = len(self.state.running) - running_keys.get(key, 0)
+            others = len(self.state.running) - running_keys[key]
             total = 0
             for card in self.state.cards:
                 # Beside the other keys' runs there, read off the card's running sums.

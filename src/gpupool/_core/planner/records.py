@@ -10,10 +10,9 @@ computes a figure of its own, so a record says what gated.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
 
 from gpupool._core.bound import Bound, Ceiling
-from gpupool._core.events import Decision, EventName, JsonTable, JsonValue
+from gpupool._core.events import Decision, JsonTable, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
 from gpupool._core.planner.oom import CapLift, Facts
@@ -22,7 +21,6 @@ from gpupool._core.planner.samples import pool_rows, split_reading
 from gpupool._core.planner.sharing import ShareWait
 from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import CardReading, Fail, Retry
-from gpupool._core.policy import Ask
 from gpupool._core.units import format_size
 
 __all__ = [
@@ -34,38 +32,7 @@ __all__ = [
     "live_gate_wait",
     "share_wait",
     "shutdown",
-    "simple",
 ]
-
-
-def simple(
-    event: EventName,
-    *,
-    device: int | None,
-    width: int,
-    ask: Ask,
-    bound: Bound | None,
-    ceiling: Ceiling,
-    reason: str,
-    now_s: float,
-    limit: str | None = None,
-    extra: Mapping[str, JsonValue] | None = None,
-) -> Decision:
-    """A record whose width did not move: ``width`` before and after, with its terms."""
-    return Decision(
-        event=event,
-        time_s=now_s,
-        device=device,
-        width_before=width,
-        width_after=width,
-        reason=reason,
-        bound=bound,
-        ceiling=ceiling,
-        limit=limit,
-        key=ask.key or None,
-        extra=dict(extra or {}),
-        key_ask=ask if ask.key else None,
-    )
 
 
 def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict[str, JsonValue]]:

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 
 from gpupool._core.bound import Bound, WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
-from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
     Booked,
@@ -220,22 +219,10 @@ class Views:
     ) -> Fit:
         """The one fit on ``device`` at ``ask`` beside ``runs`` (default: the card's runs),
         within ``slots`` (default: what the ceiling leaves the pool)."""
-        card = self._state.cards[device]
         if slots is None:
             slots = self._state.ceiling.value - len(self._state.running)
-        if runs is None:  # the card's runs, read off its running sums
-            return fit_counts(
-                card,
-                ask,
-                running=len(card.runs),
-                booked_bytes=card.booked_bytes,
-                same=card.same_key(ask.key),
-                reserve_bytes=self._state.config.reserve_bytes,
-                ceiling=self._state.ceiling,
-                slots=slots,
-            )
         return fit(
-            card,
+            self._state.cards[device],
             ask,
             runs,
             reserve_bytes=self._state.config.reserve_bytes,
@@ -298,17 +285,19 @@ class Views:
             bound = self.bound(device, ask)
             width = self.decide(ask)[device].width
         self._log.record(
-            records.simple(
-                event,
+            Decision(
+                event=event,
+                time_s=now_s,
                 device=device,
-                width=width,
-                ask=ask,
+                width_before=width,
+                width_after=width,
+                reason=reason,
                 bound=bound,
                 ceiling=self._state.ceiling,
-                reason=reason,
-                now_s=now_s,
                 limit=limit,
-                extra=extra,
+                key=ask.key or None,
+                extra=dict(extra or {}),
+                key_ask=ask if ask.key else None,
             )
         )
 
