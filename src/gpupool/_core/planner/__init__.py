@@ -6,7 +6,7 @@ planner for a what-if census (``gpupool plan``).
 """
 
 from gpupool._core.planner.durations import QUEUE_DEPTH
-from gpupool._core.planner.planner import CAP_LIFT_AFTER_S, Planner
+from gpupool._core.planner.planner import CAP_LIFT_AFTER_S, Planner, WhatIf, what_if
 from gpupool._core.planner.samples import SAMPLE_INTERVAL_S, SAMPLE_MIN_GAP_S
 from gpupool._core.planner.verdicts import (
     DEFAULT_CHILD_RSS_PRIOR_BYTES,
@@ -26,7 +26,6 @@ from gpupool._core.planner.verdicts import (
     Warm,
     Workers,
 )
-from gpupool._core.planner.what_if import WhatIf, what_if
 
 __all__ = [
     "CAP_LIFT_AFTER_S",

@@ -24,13 +24,9 @@ _NO_CARDS: frozenset[int] = frozenset()
 
 class PlannerState:
     """What the planner holds: its cards (each holding its runs), its tasks, the pending
-    queue, every run by task, the ceiling and the counts.
-
-    Args:
-        census: the cards and the host as they stood at construction.
-        asks: the per-key asks (the planner is their only writer).
-        config: what the caller asked for.
-    """
+    queue, every run by task, the ceiling and the counts; built from the census (the cards
+    and the host at construction), the per-key asks (the planner is their only writer) and
+    the caller's config."""
 
     def __init__(self, *, census: Census, asks: AskTable, config: PlannerConfig) -> None:
         self.census = census

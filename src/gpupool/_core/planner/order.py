@@ -203,12 +203,8 @@ def keep_hold(
 
 class Order:
     """The start order of one planner: the candidates of each pass, the critical key among
-    them, and the room held for the queue's head (the only writer of :attr:`hold`).
-
-    Args:
-        state: the planner's state (read).
-        durations: its keys' task durations (read).
-    """
+    them, and the room held for the queue's head (the only writer of :attr:`hold`). Reads
+    the state and the durations."""
 
     def __init__(self, state: PlannerState, durations: Durations) -> None:
         self._state = state

@@ -26,13 +26,7 @@ CAP_LIFT_AFTER_S = 1.0
 
 
 class OutOfMemory:
-    """Out-of-memory errors and the caps they set.
-
-    Args:
-        state: the planner's state.
-        views: its widths (reviewed where a price or a cap moved).
-        log: where records go.
-    """
+    """Out-of-memory errors and the caps they set (the widths reviewed where either moved)."""
 
     def __init__(self, state: PlannerState, views: Views, log: Recorder) -> None:
         self._state = state
@@ -50,15 +44,8 @@ class OutOfMemory:
     ) -> Retry | Fail:
         """``task`` ran its card out of memory: judge it against its own price when it started
         (:func:`~gpupool._core.planner.oom.judge`), raise its key's price where it passed it,
-        and retry or fail it.
-
-        Args:
-            task: the task.
-            report: its peak report (what it reached, what it asked for).
-            reading: a live snapshot of its card taken after the report, or ``None``.
-            now_s: the time.
-            error: the error's text (truncated in the record).
-        """
+        and retry or fail it. ``reading``: a live snapshot of its card taken after the report;
+        ``error``: the error's text (truncated in the record)."""
         self._state.count("oom")
         run = self._state.end_run(task)
         assert run is not None

@@ -37,8 +37,8 @@ A room reads the rooms built before it and writes only its own fields (and, for
 the state, through the state's methods). The rules on numbers are functions in
 modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
 is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
-:mod:`~.oom` (an out-of-memory judged against the task's own booking),
-:mod:`~.records` (what each record says) and :mod:`~.evidence` (what peaks support);
+:mod:`~.oom` (an out-of-memory judged against the task's own booking) and
+:mod:`~.records` (what each record says);
 :mod:`~.state` and :mod:`~.verdicts` hold the records and the verdicts.
 
 The invariant, checked at every start: on every device the booked asks of
@@ -56,8 +56,10 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from gpupool._core.bookings import OtherPools, TaskBooking
+from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import Census
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
@@ -89,10 +91,10 @@ from gpupool._core.planner.verdicts import (
     TaskId,
 )
 from gpupool._core.planner.views import Views
-from gpupool._core.policy import AskTable
+from gpupool._core.policy import Ask, AskTable
 from gpupool._core.units import GiB, format_size
 
-__all__ = ["CAP_LIFT_AFTER_S", "Planner"]
+__all__ = ["CAP_LIFT_AFTER_S", "Planner", "WhatIf", "what_if"]
 
 
 class Planner:
@@ -122,7 +124,7 @@ class Planner:
         self.views = Views(self.state, self.order, self.log)
         self.learning = Learning(self.state, self.views, self.log)
         self.queue = Queue(self.state, self.durations, self.order, self.views)
-        self.starts = Starts(self.state, self.views, self.order, self.log)
+        self.starts = Starts(self.state, self.views, self.order)
         self.oom = OutOfMemory(self.state, self.views, self.log)
         # The surface that is a room's own method (or a room's live record), bound.
         self.requeue = self.queue.requeue
@@ -488,3 +490,26 @@ class Planner:
             if card.total_bytes is not None
         ]
         return max([*rooms, GiB])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIf:
+    """The planner's answer for one ask: every card's decision and the ceiling."""
+
+    decisions: tuple[WidthDecision, ...]
+    ceiling: Ceiling
+
+    @property
+    def width(self) -> int:
+        """The pool's width: its cards' widths together, or the ceiling without a card."""
+        return sum(d.width for d in self.decisions) if self.decisions else self.ceiling.value
+
+
+def what_if(census: Census, asks: AskTable, config: PlannerConfig, ask: Ask | None) -> WhatIf:
+    """What a pool on ``census`` with ``config`` decides for tasks priced at ``ask`` (``None``:
+    no price given, only the ceiling), before any of its tasks runs: ``gpupool plan`` prices
+    nothing itself, it asks a planner built as a pool's would be, so the two cannot disagree
+    (the planner's records of it are not kept)."""
+    planner = Planner(census=census, asks=asks, config=config, emit=lambda _record: None)
+    decisions = planner.views.decide(ask) if ask is not None and census.cards else ()
+    return WhatIf(decisions=decisions, ceiling=planner.state.ceiling)

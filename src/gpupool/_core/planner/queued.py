@@ -53,14 +53,8 @@ __all__ = ["Queue"]
 
 class Queue:
     """Tasks queued behind running ones (the only writer of :attr:`queued`: queued task ->
-    the run it follows).
-
-    Args:
-        state: the planner's state.
-        durations: its keys' task durations (read: which keys are short).
-        order: the start order (read: no task queues while room is held for the head).
-        views: its widths (read: no task queues once strict mode refused).
-    """
+    the run it follows). Reads which keys are short (the durations), and queues nothing
+    while room is held for the head (the order) or once strict mode refused (the views)."""
 
     def __init__(
         self, state: PlannerState, durations: Durations, order: Order, views: Views

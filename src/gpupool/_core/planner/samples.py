@@ -208,12 +208,8 @@ def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) ->
 
 class Recorder:
     """The planner's only output besides its verdicts: its records, each after a sample of the
-    reading its card's decision was made on, and the pool's width over time.
-
-    Args:
-        state: the planner's state (read: its cards' last readings, this process's pid).
-        emit: where records go (the decision log).
-    """
+    reading its card's decision was made on (read off the state), and the pool's width over
+    time; ``emit`` is the decision log."""
 
     def __init__(self, state: PlannerState, emit: Callable[[Decision], None]) -> None:
         self._state = state

@@ -18,7 +18,6 @@ from gpupool._core.planner.fit import (
     live_gate,
 )
 from gpupool._core.planner.order import Hold, Order
-from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.sharing import (
     ShareWait,
     share_wait,
@@ -63,20 +62,13 @@ def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
 
 class Starts:
     """The decision before every start (the only writer of the starts issued and the workers
-    reported with the last ``next_start``).
+    reported with the last ``next_start``), in the order :class:`Order` gives, by the fits,
+    refusal and records of :class:`Views`."""
 
-    Args:
-        state: the planner's state.
-        views: its widths (the fit, the refusal, the records that move no width).
-        order: the start order.
-        log: where records go.
-    """
-
-    def __init__(self, state: PlannerState, views: Views, order: Order, log: Recorder) -> None:
+    def __init__(self, state: PlannerState, views: Views, order: Order) -> None:
         self._state = state
         self._views = views
         self._order = order
-        self._log = log
         # The starts issued and not yet begun (a start books what its verdict carried).
         self._issued: dict[TaskId, Start] = {}
         # The workers the process layer reported with the last ``next_start``.

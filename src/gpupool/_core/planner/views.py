@@ -62,13 +62,8 @@ class _Placed:
 
 class Views:
     """Every width the planner states, the reviews that record them, and strict mode's refusal
-    (the only writer of :attr:`width` and :attr:`refused`).
-
-    Args:
-        state: the planner's state (read).
-        order: the start order (read: the room held for the queue's head).
-        log: where records go.
-    """
+    (the only writer of :attr:`width` and :attr:`refused`); the order is read for the room
+    held for the queue's head."""
 
     def __init__(self, state: PlannerState, order: Order, log: Recorder) -> None:
         self._state = state
