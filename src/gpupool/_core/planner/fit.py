@@ -3,7 +3,7 @@
 Every "how many" the pool states is a view of :func:`fit`: admission (a task
 starts only where ``more >= 1``), ``ex.width`` (the pending asks placed card
 by card), ``widths_by_key``, the warm-worker limit, the critical key's width
-and every record's width (:func:`widths`). So the width a record states is
+and every record's width (:func:`card_widths`). So the width a record states is
 the computation that gated the start beside it.
 
 The live gate (:func:`live_gate`) is the second, live check on the same card:
@@ -141,21 +141,13 @@ def fit(
     ceiling: Ceiling,
     slots: int,
 ) -> Fit:
-    """How many more tasks at ``ask`` fit on ``card`` beside ``runs``, and what stops the next.
+    """How many more tasks at ``ask`` fit on ``card`` beside ``runs`` (a what-if; ``None``:
+    the card's runs, read off its running sums), within ``slots`` (what the ``ceiling``
+    leaves the pool, named where it is what stops), and what stops the next.
 
     A fit reads the runs only through how many there are, what they book and how many are
     of ``ask``'s key: the card keeps the fits it worked out by those (``card.fit_memo``)
-    and serves one while the card's terms are the ones it was worked out from.
-
-    Args:
-        card: the card (its census, own high-water, other pools, out-of-memory cap).
-        ask: the price of the tasks to place.
-        runs: what is booked there (a what-if); ``None``: the card's runs, read off its
-            running sums.
-        reserve_bytes: bytes kept free.
-        ceiling: the pool-wide ceiling (named when ``slots`` is what stops).
-        slots: the most tasks that may be placed (the ceiling's slots left in the pool).
-    """
+    and serves one while the card's terms are the ones it was worked out from."""
     if runs is None:
         running, booked, same = len(card.runs), card.booked_bytes, card.same_key(ask.key)
     else:

@@ -1,25 +1,13 @@
 """The planner: every price, admission and width decision of one pool (pure core).
 
 The dispatcher (:mod:`gpupool._pool.dispatcher`) keeps the thread, the pipes,
-the workers and the futures; it tells the planner what happened and asks it
-before every start. The planner touches no process, pipe, future or clock:
-the time is passed in (``now_s``, seconds since the pool was constructed)
-and readings are values the dispatcher took::
-
-    events in                                   verdicts and records out
-    ---------                                   ------------------------
-    submit(task, key, hint)                     next_start(now) -> Start|Wait|Fail|Refuse|None
-    withdraw(task)            (cancelled)       out_of_memory(...) -> Retry | Fail
-    observe(device, reading)  (one snapshot)    width, widths_by_key(), warm_limit(device)
-    observe_error(device, error)                construct(now) -> Refuse | None (strict)
-    started(task, device, pid)                  records -> emit(Decision)
-    finished(task, report)    (a result or an error, with its peak report)
-    ended(task, report)       (the same, priced at the next settle(now): once per turn)
-    out_of_memory(task, report, reading)
-    lost(task, message)       (its worker died)
-
-:class:`Planner` is that surface and nothing else: it composes rooms that each
-own their fields, and passes each event to the rooms it concerns::
+the workers and the futures; it tells the planner what happened (``submit``,
+``started``, ``ended``, ``observe``, ``out_of_memory``, ``lost``, ...) and asks it
+before every start (``next_start``). The planner touches no process, pipe, future
+or clock: the time is passed in (``now_s``, seconds since the pool was constructed)
+and readings are values the dispatcher took. :class:`Planner` is that surface and
+nothing else (``PLANNER_SURFACE`` in ``tests/test_layering.py``): it composes rooms
+that each own their fields, and passes each event to the rooms it concerns::
 
     state     PlannerState   cards (each with its runs), tasks, pending, running,
                              the ceiling, the counts               (:mod:`~.base`)
@@ -38,8 +26,8 @@ the state, through the state's methods). The rules on numbers are functions in
 modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
 is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
 :mod:`~.oom` (an out-of-memory judged against the task's own booking) and
-:mod:`~.records` (what each record says);
-:mod:`~.state` and :mod:`~.verdicts` hold the records and the verdicts.
+:mod:`~.records` (what each record says); :mod:`~.state` and :mod:`~.verdicts` hold
+the records and the verdicts.
 
 The invariant, checked at every start: on every device the booked asks of
 the tasks running there plus the new one fit in ``room = total - co_tenant -
@@ -102,7 +90,7 @@ class Planner:
     views (the process layer's whole surface), each passed to the rooms it concerns.
 
     Past the house's ~25 methods and ~15 fields on purpose: the surface is fixed
-    (``PLANNER_SURFACE`` in ``tests/test_layering.py``); a member that is a room's own
+    (the module docstring); a member that is a room's own
     method is that method, bound here, and the rest are a few lines over the rooms.
     ``now_s`` (the time of construction) is taken for the callers' sake: nothing is
     recorded until :meth:`construct`.

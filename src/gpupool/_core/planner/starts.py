@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from gpupool._core.events import EventName
 from gpupool._core.planner import order, records
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
@@ -49,11 +50,6 @@ Admission = Literal["yes", "no", "gate"]
 CAP_POLL_S = 0.25
 
 
-def _due(recorded_s: float | None, now_s: float) -> bool:
-    """Whether a wait's record is due (at most one every :data:`GATE_RECORD_INTERVAL_S`)."""
-    return recorded_s is None or now_s - recorded_s >= GATE_RECORD_INTERVAL_S
-
-
 def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
     """``task`` starts on ``card``, booked at its share of its key's price together there."""
     booked_bytes = ask.next_bytes(card.same_key(ask.key))
@@ -73,9 +69,8 @@ class Starts:
         self._issued: dict[TaskId, Start] = {}
         # The workers the process layer reported with the last ``next_start``.
         self._workers: Workers | None = None
-        # When the last critical-key wait and head wait were recorded.
-        self._critical_recorded_s: float | None = None
-        self._hold_recorded_s: float | None = None
+        # When each kind of wait was last recorded (a share or gate wait: on each card).
+        self._recorded_s: dict[tuple[EventName, int | None], float] = {}
 
     def take_issued(self, task: TaskId) -> Start | None:
         """The start issued for ``task`` (it begins now, or left the planner)."""
@@ -150,26 +145,26 @@ class Starts:
                 return verdict
         return self._blocked(head, now_s, gate_shut)
 
+    def _record_due(self, event: EventName, device: int | None, now_s: float) -> bool:
+        """Whether a wait's record is due (at most one every :data:`GATE_RECORD_INTERVAL_S`);
+        where it is, it is taken as made now."""
+        last_s = self._recorded_s.get((event, device))
+        if last_s is not None and now_s - last_s < GATE_RECORD_INTERVAL_S:
+            return False
+        self._recorded_s[(event, device)] = now_s
+        return True
+
     def _critical_wait(self, critical: Critical, held_key: str, index: int, now_s: float) -> None:
         self._state.count("critical_waits")
-        if not _due(self._critical_recorded_s, now_s):
-            return
-        self._critical_recorded_s = now_s
-        reason, extra = records.critical_wait(critical, held_key, index)
-        self._views.note(
-            "critical_wait",
-            index,
-            self._state.asks.ask(critical.key),
-            reason,
-            now_s,
-            extra=extra,
-        )
+        if self._record_due("critical_wait", None, now_s):
+            reason, extra = records.critical_wait(critical, held_key, index)
+            ask = self._state.asks.ask(critical.key)
+            self._views.note("critical_wait", index, ask, reason, now_s, extra=extra)
 
     def _head_wait(self, hold: Hold, now_s: float) -> None:
         self._state.count("head_waits")
-        if not _due(self._hold_recorded_s, now_s):
+        if not self._record_due("head_wait", None, now_s):
             return
-        self._hold_recorded_s = now_s
         head = self._state.tasks[self._state.pending[0]]
         since_s = head.waiting_since_s if head.waiting_since_s is not None else now_s
         reason, extra = records.head_wait(
@@ -316,8 +311,7 @@ class Starts:
         if found is None or room_bytes is None:
             return False
         self._state.count("share_waits")
-        if _due(card.share_recorded_s, now_s):
-            card.share_recorded_s = now_s
+        if self._record_due("share_wait", card.index, now_s):
             reason, extra = turn_record(card, found, room_bytes)
             self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
         return True
@@ -353,27 +347,20 @@ class Starts:
 
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
         self._state.count("share_waits")
-        if not _due(card.share_recorded_s, now_s):
-            return
-        card.share_recorded_s = now_s
-        reason, extra = records.share_wait(card, wait)
-        last = list(card.runs.values())[-1]
-        self._views.note(
-            "share_wait", card.index, self._state.asks.ask(last.key), reason, now_s, extra=extra
-        )
+        if self._record_due("share_wait", card.index, now_s):
+            reason, extra = records.share_wait(card, wait)
+            ask = self._state.asks.ask(list(card.runs.values())[-1].key)
+            self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _gate_shut(self, card: Card, ask: Ask, gate: LiveGate, now_s: float) -> None:
         if card.gate_shut_since_s is None:
             card.gate_shut_since_s = now_s
             card.gate_episodes += 1
             self._state.count("gate_waits")
-        if not _due(card.gate_recorded_s, now_s):
-            return
-        episodes = card.gate_episodes
-        card.gate_recorded_s = now_s
-        card.gate_episodes = 0
-        reason, extra = records.live_gate_wait(card, gate, episodes)
-        self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
+        if self._record_due("live_gate_wait", card.index, now_s):
+            reason, extra = records.live_gate_wait(card, gate, card.gate_episodes)
+            card.gate_episodes = 0
+            self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _blocked(self, head: TaskId, now_s: float, gate_shut: bool) -> Wait | Warm | Start:
         task_state = self._state.tasks[head]

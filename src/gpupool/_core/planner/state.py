@@ -154,7 +154,6 @@ class Card:
     sampled_used_bytes: int | None = None
     sampled_running: int = 0
     gate_shut_since_s: float | None = None
-    gate_recorded_s: float | None = None
     gate_episodes: int = 0
     width: int = 0
     recorded_own_bytes: int = 0
@@ -168,7 +167,6 @@ class Card:
     others_held_bytes: int = 0
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
-    share_recorded_s: float | None = None
     # Other pools that run nothing here and wait for room, by pool id: since when this pool
     # saw them so; and since when this pool runs nothing here (``sharing.yields_to``).
     starved_since_s: dict[str, float] = field(default_factory=dict)
@@ -193,7 +191,7 @@ class Card:
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
     # The running sums of ``runs``: what they book between them, and how many of each key.
-    runs_booked_bytes: int = 0
+    booked_bytes: int = 0
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
     # ... and what each key's runs book between them.
     runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -211,7 +209,7 @@ class Card:
         self.runs[task] = run
         if run.pid is not None:
             self.worker_pids.add(run.pid)
-        self.runs_booked_bytes += run.booked_bytes
+        self.booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
         self.runs_booked_by_key[run.key] += run.booked_bytes
 
@@ -228,21 +226,16 @@ class Card:
         """``task``'s run ended here (``None``: it had none)."""
         run = self.runs.pop(task, None)
         if run is not None:
-            self.runs_booked_bytes -= run.booked_bytes
+            self.booked_bytes -= run.booked_bytes
             self.runs_by_key[run.key] -= 1
             self.runs_booked_by_key[run.key] -= run.booked_bytes
         return run
 
     def rebook(self, run: Run, booked_bytes: int) -> None:
         """``run`` (one of this card's) is booked at ``booked_bytes`` from now on."""
-        self.runs_booked_bytes += booked_bytes - run.booked_bytes
+        self.booked_bytes += booked_bytes - run.booked_bytes
         self.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
         run.booked_bytes = booked_bytes
-
-    @property
-    def booked_bytes(self) -> int:
-        """What the pool's runs on this card book between them."""
-        return self.runs_booked_bytes
 
     def same_key(self, key: str) -> int:
         """How many of the pool's runs on this card are of ``key``."""
