@@ -301,20 +301,10 @@ def card_widths(fits: Sequence[Fit], ceiling: Ceiling) -> tuple[WidthDecision, .
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LiveGate:
-    """The live gate's terms on one card for one more task.
-
-    Attributes:
-        admits: the free bytes cover the rest.
-        free_bytes: free in the last reading (``None``: no reading, the gate is open).
-        used_bytes: allocated in the last reading.
-        idle_worker_bytes: what the idle worker the task would run in holds (its
-            booking counts it too).
-        next_bytes: the new task's booking.
-        unreached_bytes: what the running tasks here (and other pools' tasks)
-            booked and have not reached yet.
-        reserve_bytes: kept free.
-        running: the pool's runs on the card.
-    """
+    """The live gate's terms on one card for one more task (:func:`live_gate`): whether the
+    last reading's free bytes (``None``: no reading, the gate is open), plus what the idle
+    worker the task would run in holds, cover its booking, what the running tasks here and
+    other pools' have not reached yet, and the reserve."""
 
     admits: bool
     free_bytes: int | None

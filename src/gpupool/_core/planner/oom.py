@@ -42,14 +42,9 @@ Kind = Literal[
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Judgement:
-    """What an out-of-memory means, and what the planner does about it.
-
-    Attributes:
-        kind: which rule it fell under.
-        retry: the task runs again (else its future fails).
-        why: the sentence for the record and the error.
-        cap: at most this many at once on its card from now on (``None``: no cap).
-    """
+    """What an out-of-memory means (the rule it fell under), and what the planner does about
+    it: run the task again (else its future fails), at most ``cap`` at once on its card from
+    now on (``None``: no cap); ``why`` is the sentence for the record and the error."""
 
     kind: Kind
     retry: bool

@@ -39,14 +39,9 @@ __all__ = ["Hold", "Order", "alone_width", "critical", "head_hold", "holds_for",
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hold:
-    """Room held on a card for the task at the queue's head, which waits for it.
-
-    Attributes:
-        device: the card.
-        key: the waiting task's key.
-        held_bytes: its booking there.
-        ending: the runs whose ends make its room (those expected to end first).
-    """
+    """Room held on ``device`` for the task at the queue's head (of ``key``, booked there at
+    ``held_bytes``), which waits for it: the ``ending`` runs' ends make it (those expected
+    to end first)."""
 
     device: int
     key: str

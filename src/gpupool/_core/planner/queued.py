@@ -13,12 +13,8 @@ The planner allows it only where it books nothing new:
 * the task is the queue's head (the start order is kept; no scan of the queue)
   and of the running task's key, with no size of its own (sized asks are priced
   one by one) and no card to avoid;
-* the key is short: at least :data:`~.durations.SHORT_MIN_TASKS` of its tasks were timed,
-  the mean run time of its recent ones (:meth:`~.durations.Durations.timed`) is under
-  :data:`~.durations.SHORT_TASK_S`, and none of its last
-  :data:`~.durations.LONG_MEMORY_TASKS` took :data:`~.durations.LONG_TASK_S` or more (a key
-  whose run times have a long tail, whose many short tasks would keep the mean low,
-  would otherwise queue a long task behind a long one while a worker idles);
+* the key is short (:meth:`~.durations.Durations.short`: a key whose run times have a
+  long tail would otherwise queue a long task behind a long one while a worker idles);
 * no more tasks run than the pool's ceiling; on a card, nothing caps the card
   after an out-of-memory, the task's ask is not above the running task's
   booking, a task at the key's price now would fit the bound in the run's place
@@ -29,13 +25,9 @@ The planner allows it only where it books nothing new:
 A queued task leaves the pending queue and holds its slot behind the run: it is
 not counted as waiting, and no start is made for it. When the run ends, the
 first queued task starts on that worker in the booking the run leaves, and the
-others follow it (:meth:`Queue.run_queued`: the key's tasks on the card are
-booked together as before, at the key's price then, so its total booking does
-not grow unless the price did, as for any running task of a key whose ask
-moved). Queued tasks whose worker is lost, or whose worker declines them
-because the run before them ran out of device memory, go back to the head of
-the queue in their order (:meth:`Queue.requeue`); one the pool fails or
-withdraws leaves the planner as a pending one does.
+others follow it (:meth:`Queue.run_queued`), booked as any running task of its key;
+a queued task whose worker is lost or declines it goes back to the queue's head
+(:meth:`Queue.requeue`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from gpupool._core.planner.fit import LiveGate
 from gpupool._core.planner.oom import CapLift, Facts
 from gpupool._core.planner.order import Hold
 from gpupool._core.planner.samples import pool_rows, split_reading
-from gpupool._core.planner.sharing import ShareWait
 from gpupool._core.planner.state import Card, Critical, Run
 from gpupool._core.planner.verdicts import CardReading, Fail, Retry
 from gpupool._core.units import format_size
@@ -30,7 +29,6 @@ __all__ = [
     "peak_terms",
     "head_wait",
     "live_gate_wait",
-    "share_wait",
     "shutdown",
 ]
 
@@ -55,33 +53,6 @@ def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict
         "gate_episodes": episodes,
         "other_pools_unreached_bytes": card.others_unreached_bytes,
         "other_pools_tasks": card.others_tasks,
-    }
-
-
-def share_wait(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]]:
-    """A share wait: the sentence and the terms."""
-    room = wait.share_bytes * (1 + card.others_active) - card.others_bytes
-    why = (
-        f"one more ({format_size(wait.next_bytes)}) would pass its share "
-        f"{format_size(wait.share_bytes)} (({format_size(room)} room + "
-        f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} pools)"
-        if not wait.within_share
-        else f"one more ({format_size(wait.next_bytes)}) would leave "
-        f"{format_size(wait.left_bytes)}, less than the {format_size(wait.owed_bytes)} a "
-        f"waiting pool below its share ({format_size(wait.share_bytes)}) needs for its next task"
-    )
-    reason = (
-        f"card {card.index}: {card.others_waiting} other pool(s) wait for room here, and this "
-        f"pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
-        f"{why}, so it waits"
-    )
-    return reason, {
-        "share_bytes": wait.share_bytes,
-        "pool_booked_bytes": wait.pool_booked_bytes,
-        "next_bytes": wait.next_bytes,
-        "owed_bytes": wait.owed_bytes,
-        "other_pools_waiting": card.others_waiting,
-        "other_pools_active": card.others_active,
     }
 
 

@@ -60,16 +60,10 @@ SAMPLE_STEP_BYTES = 64 * MiB
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadingSplit:
-    """A card's used bytes split by whose they are (``None``: the rows cannot tell them).
-
-    Attributes:
-        used_bytes: the card's used bytes.
-        own_bytes: the parent's row (0 where the rows list none for it).
-        pool_bytes: the pool's workers and the processes their tasks started.
-        running_bytes: the part of ``pool_bytes`` in the workers running a task.
-        other_pools_bytes: what the host's other gpupool pools' tasks held.
-        co_tenant_bytes: everything else (``used`` less all of the above).
-    """
+    """A card's used bytes split by whose they are (``None``: the rows cannot tell them): the
+    parent's row (0 where the rows list none for it), the pool's (its workers and the
+    processes their tasks started; ``running_bytes`` of it in the workers running a task),
+    the host's other gpupool pools' tasks, and the co-tenants' (everything else)."""
 
     used_bytes: int
     own_bytes: int | None

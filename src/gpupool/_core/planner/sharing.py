@@ -16,20 +16,13 @@ card a start must keep two rules (:func:`share_wait`):
   others to shrink, not forever.
 
 One task of its own always may run; with no other pool waiting, the bound alone
-decides. One exception, for a bounded time: a pool at the serial floor (it runs
-nothing on the card and waits for room its next task needs) is yielded to
-(:func:`yields_to`): for at most :data:`YIELD_S` from when this pool first saw it
-so, this pool starts nothing on the card that leaves less than that task's room,
-even its one task, while the task would fit once the pools there drained and the
-waiting pool came to wait before this pool last ran nothing there.
-
-The room one of this pool's tasks frees on a card goes first to another waiting pool
-that holds less there than this pool did before the task ended, and no more than it
-does now (:func:`gives_way`): for at most as long as that task ran, and at most
-:data:`TURN_S`, this pool starts nothing there that leaves less than such a pool's next
-task needs, where the room free now holds it. Else the pool whose task ended, hearing
-of its own end first, takes the room again each time, and of pools that each hold a
-task, the one holding a second keeps it.
+decides. Two exceptions, each for a bounded time: a pool at the serial floor (it
+runs nothing on the card and waits for room its next task needs) is yielded to,
+even by this pool's one task (:func:`yields_to`, at most :data:`YIELD_S`); and the
+room one of this pool's tasks frees goes first to a waiting pool that holds less
+(:func:`gives_way`, for as long as the task ran and at most :data:`TURN_S`). Else
+the pool whose task ended, hearing of its own end first, takes the room again each
+time, and of pools that each hold a task, the one holding a second keeps it.
 """
 
 from __future__ import annotations
@@ -58,6 +51,7 @@ __all__ = [
     "others_terms",
     "owed_bytes",
     "owes_room",
+    "share_record",
     "share_tasks",
     "share_wait",
     "turn_record",
@@ -201,6 +195,27 @@ def share_wait(card: Card, next_bytes: int, room_bytes: int | None) -> ShareWait
     )
 
 
+def share_record(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]]:
+    """A start held to this pool's share, or to the room it owes, as a ``share_wait`` record:
+    the sentence and the terms."""
+    room = wait.share_bytes * (1 + card.others_active) - card.others_bytes
+    why = (
+        f"one more ({format_size(wait.next_bytes)}) would pass its share "
+        f"{format_size(wait.share_bytes)} (({format_size(room)} room + "
+        f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} pools)"
+        if not wait.within_share
+        else f"one more ({format_size(wait.next_bytes)}) would leave "
+        f"{format_size(wait.left_bytes)}, less than the {format_size(wait.owed_bytes)} a "
+        f"waiting pool below its share ({format_size(wait.share_bytes)}) needs for its next task"
+    )
+    reason = (
+        f"card {card.index}: {card.others_waiting} other pool(s) wait for room here, and this "
+        f"pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
+        f"{why}, so it waits"
+    )
+    return reason, _wait_terms(card, wait.share_bytes, wait.next_bytes, wait.owed_bytes)
+
+
 def owes_room(card: Card, room_bytes: int | None) -> bool:
     """A waiting pool is owed room on ``card`` that is not free now."""
     if not card.others_waiting or room_bytes is None:
@@ -309,17 +324,15 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
     return found[1]
 
 
-def _wait_terms(
-    card: Card, room_bytes: int, left_bytes: int, need_bytes: int
-) -> dict[str, JsonValue]:
-    """The terms every ``share_wait`` record of a start held back for another pool states:
-    this pool's share and bookings on ``card``, its next task's bytes (the start would leave
-    ``left_bytes`` of ``room_bytes``), what the other pool needs, and the pools there."""
+def _wait_terms(card: Card, share: int, next_bytes: int, owed_bytes: int) -> dict[str, JsonValue]:
+    """The terms every ``share_wait`` record states: this pool's share and bookings on
+    ``card``, its next task's bytes, what another pool is owed or needs, and the pools
+    there."""
     return {
-        "share_bytes": share_bytes(card, room_bytes),
+        "share_bytes": share,
         "pool_booked_bytes": card.booked_bytes,
-        "next_bytes": room_bytes - card.booked_bytes - left_bytes,
-        "owed_bytes": need_bytes,
+        "next_bytes": next_bytes,
+        "owed_bytes": owed_bytes,
         "other_pools_waiting": card.others_waiting,
         "other_pools_active": card.others_active,
     }
@@ -335,7 +348,8 @@ def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[st
         f"{format_size(wait.left_bytes)}, so this pool yields (it has for {wait.waited_s:.1f} "
         f"s, at most {YIELD_S:g} s)"
     )
-    return reason, _wait_terms(card, room_bytes, wait.left_bytes, wait.need_bytes) | {
+    next_bytes = room_bytes - card.booked_bytes - wait.left_bytes
+    return reason, _wait_terms(card, share_bytes(card, room_bytes), next_bytes, wait.need_bytes) | {
         "yield_to_pool": wait.pool_id,
         "yield_waited_s": round(wait.waited_s, 3),
         "yield_limit_s": YIELD_S,
@@ -447,7 +461,8 @@ def give_way_record(card: Card, way: GiveWay, room_bytes: int) -> tuple[str, dic
         f"it the room (for {way.turn_left_s:.1f} s more, at most {TURN_S:g} s and as long "
         f"as the task ran)"
     )
-    return reason, _wait_terms(card, room_bytes, way.left_bytes, way.need_bytes) | {
+    next_bytes = room_bytes - card.booked_bytes - way.left_bytes
+    return reason, _wait_terms(card, share_bytes(card, room_bytes), next_bytes, way.need_bytes) | {
         "give_way_to_pool": way.pool_id,
         "give_way_pool_booked_bytes": way.other_booked_bytes,
         "give_way_left_s": round(way.turn_left_s, 3),

@@ -21,6 +21,7 @@ from gpupool._core.planner.fit import (
 from gpupool._core.planner.order import Hold, Order
 from gpupool._core.planner.sharing import (
     ShareWait,
+    share_record,
     share_wait,
     turn_record,
     turn_wait,
@@ -348,7 +349,7 @@ class Starts:
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
         self._state.count("share_waits")
         if self._record_due("share_wait", card.index, now_s):
-            reason, extra = records.share_wait(card, wait)
+            reason, extra = share_record(card, wait)
             ask = self._state.asks.ask(list(card.runs.values())[-1].key)
             self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
 

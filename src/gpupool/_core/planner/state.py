@@ -28,19 +28,11 @@ __all__ = ["Card", "Critical", "Fit", "Run", "TaskState"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fit:
-    """What fits on one card beside its runs at one ask.
-
-    Attributes:
-        device: the card.
-        bound: the card's terms priced at the ask (its room).
-        running: the runs it was asked beside.
-        booked_bytes: what they book between them (on unified memory, with each
-            one's child RSS: :func:`~.fit.host_per_task_bytes`).
-        next_bytes: what one more task at the ask books beside them (likewise).
-        more: how many more tasks at the ask fit now (memory, out-of-memory
-            cap, and the slots the ceiling leaves).
-        limit: what stops one more past ``more``.
-    """
+    """What fits on one card (``device``) beside ``running`` runs at one ask: ``more`` tasks
+    (within the memory, the out-of-memory cap and the slots the ceiling leaves), and what
+    stops one more past them. ``booked_bytes`` (what the runs book) and ``next_bytes``
+    (what one more books) count each one's child RSS on unified memory
+    (:func:`~.fit.host_per_task_bytes`)."""
 
     device: int
     bound: Bound
