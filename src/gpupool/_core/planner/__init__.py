@@ -6,7 +6,8 @@ planner for a what-if census (``gpupool plan``).
 """
 
 from gpupool._core.planner.durations import QUEUE_DEPTH
-from gpupool._core.planner.planner import CAP_LIFT_AFTER_S, Planner, WhatIf, what_if
+from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S
+from gpupool._core.planner.planner import Planner, WhatIf, what_if
 from gpupool._core.planner.samples import SAMPLE_INTERVAL_S, SAMPLE_MIN_GAP_S
 from gpupool._core.planner.verdicts import (
     DEFAULT_CHILD_RSS_PRIOR_BYTES,

@@ -177,12 +177,8 @@ class Learning:
         if failed:
             self._raised_past(run.key, run.device, report, now_s)
             return
-        learned = self._learned.get(run.key)
-        if learned is None:
-            peak = (report.device_peak_bytes, run.size)
-            self._learned[run.key] = Learned(run.device, report, [peak])
-        else:
-            learned.add(run.device, report, run.size)
+        learned = self._learned.setdefault(run.key, Learned(run.device, report, []))
+        learned.add(run.device, report, run.size)
 
     def _raised_past(self, key: str, device: int, report: PeakReport, now_s: float) -> None:
         """A task of ``key`` raised after holding ``report``'s peak: where that passed the
@@ -297,8 +293,7 @@ class Learning:
             return said
 
         # A descendant left running, or a rejected reading, is recorded once per key.
-        noted = bool(report.outliving_descendants or report.rejected_readings)
-        noted = noted and key not in self._noted_reports
+        noted = _noteworthy(report) and key not in self._noted_reports
         if noted:
             self._noted_reports.add(key)
         if not (moved or changed_basis or noted) and after.price_terms() == before.price_terms():

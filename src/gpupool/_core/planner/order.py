@@ -30,7 +30,7 @@ from gpupool._core.bound import Ceiling
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.durations import Durations
 from gpupool._core.planner.fit import Booked, Held, card_bound, fit, host_per_task_bytes
-from gpupool._core.planner.state import Card, Critical, Run
+from gpupool._core.planner.state import Card, Critical, Run, usable
 from gpupool._core.planner.verdicts import LOOKAHEAD, TaskId
 from gpupool._core.policy import Ask
 
@@ -116,9 +116,7 @@ def holds_for(
     def fits(runs: Sequence[Held], card: Card) -> bool:
         return fit(card, ask, runs, reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1).more > 0
 
-    for card in cards:
-        if card.index in avoid and len(avoid) < len(cards):
-            continue
+    for card in usable(cards, avoid):
         runs: list[Held] = list(card.runs.values())
         room = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling).room_bytes
         if room is None or fits(runs, card):
@@ -156,9 +154,7 @@ def head_hold(
     until their bookings free its room; the card where that happens soonest wins. ``None``
     where no card holds it even alone (the serial floor is for that)."""
     best: tuple[float, Hold] | None = None
-    for card in cards:
-        if card.index in avoid and len(avoid) < len(cards):
-            continue
+    for card in usable(cards, avoid):
         alone = fit(card, ask, (), reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
         if alone.more == 0 or alone.bound.room_bytes is None:
             continue

@@ -57,7 +57,7 @@ from gpupool._core.planner.durations import Durations
 from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.learning import Learning
 from gpupool._core.planner.order import Order
-from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S, OutOfMemory
+from gpupool._core.planner.out_of_memory import OutOfMemory
 from gpupool._core.planner.queued import Queue
 from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.sharing import (
@@ -82,7 +82,7 @@ from gpupool._core.planner.views import Views
 from gpupool._core.policy import Ask, AskTable
 from gpupool._core.units import GiB, format_size
 
-__all__ = ["CAP_LIFT_AFTER_S", "Planner", "WhatIf", "what_if"]
+__all__ = ["Planner", "WhatIf", "what_if"]
 
 
 class Planner:
@@ -166,11 +166,10 @@ class Planner:
         card.reading = reading
         card.reading_s = now_s
         card.reading_error = None
+        own, pid = None, self.state.config.parent_pid
         if reading.process_bytes is not None:
             card.keep_workers(reading.process_bytes)
-        own = None
-        if reading.process_bytes is not None and self.state.config.parent_pid is not None:
-            own = reading.process_bytes.get(self.state.config.parent_pid)
+            own = reading.process_bytes.get(pid) if pid is not None else None
         if own is not None and own > card.own_high_water_bytes:
             card.own_high_water_bytes = own
             self.learning.limit_asks()

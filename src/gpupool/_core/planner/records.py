@@ -10,6 +10,7 @@ computes a figure of its own, so a record says what gated.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 
 from gpupool._core.bound import Bound, Ceiling
 from gpupool._core.events import Decision, JsonTable, JsonValue
@@ -218,10 +219,11 @@ def _oom_terms(
     """An out-of-memory record's terms: the card's reading split by whose bytes they are
     (the pool's own never a co-tenant's), and each task running there with its booking."""
     run = facts.run
-    split = None
+    split, rows = None, None
     if reading is not None and card is not None:
         extra = frozenset({run.pid}) if run.pid is not None else frozenset()
         split = split_reading(card, reading, parent_pid, extra_pids=extra)
+        rows = pool_rows(card, reading, parent_pid, extra_pids=extra)
     return {
         "task_ask_bytes": run.ask_bytes,
         "task_booked_bytes": run.booked_at_start_bytes,
@@ -244,7 +246,7 @@ def _oom_terms(
         # What the card's runs were booked at when each started (not re-priced at an ask
         # the out-of-memory raised), and each of them.
         "booked_bytes": facts.booked_bytes,
-        "runs": _runs_table(run, card, reading, parent_pid),
+        "runs": _runs_table(run, card, rows),
         "running": facts.running_then,
         "tries": facts.tries,
         "retry": isinstance(outcome, Retry),
@@ -254,16 +256,10 @@ def _oom_terms(
     }
 
 
-def _runs_table(
-    failed: Run, card: Card | None, reading: CardReading | None, parent_pid: int | None
-) -> JsonTable:
+def _runs_table(failed: Run, card: Card | None, rows: Mapping[int, int] | None) -> JsonTable:
     """Each task running on the card when ``failed`` ran out, ``failed`` first: its key, its
-    ask and booking when it started, its booking now, and its row in the reading (``None``
-    where the rows cannot tell the pool's bytes)."""
-    rows = None
-    if reading is not None and card is not None:
-        extra = frozenset({failed.pid}) if failed.pid is not None else frozenset()
-        rows = pool_rows(card, reading, parent_pid, extra_pids=extra)
+    ask and booking when it started, its booking now, and its row in the reading (``rows``;
+    ``None`` where they cannot tell the pool's bytes)."""
     runs = [failed, *(card.runs.values() if card is not None else ())]
     return [
         {

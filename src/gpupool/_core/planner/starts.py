@@ -27,7 +27,7 @@ from gpupool._core.planner.sharing import (
     turn_wait,
     yields_to,
 )
-from gpupool._core.planner.state import Card, Critical, TaskState
+from gpupool._core.planner.state import Card, Critical, TaskState, usable
 from gpupool._core.planner.verdicts import (
     GATE_RECORD_INTERVAL_S,
     LIVE_POLL_S,
@@ -227,10 +227,8 @@ class Starts:
         once the runs the head waits for end, and the head (so it never delays the head)."""
         slots = self._state.ceiling.value - len(self._state.running)
         fits: list[Fit] = []
-        for card in self._state.cards:
-            if card.index == held or (
-                card.index in task_state.avoid and len(task_state.avoid) < len(self._state.cards)
-            ):
+        for card in usable(self._state.cards, task_state.avoid):
+            if card.index == held:
                 continue
             after = hold.after(card) if hold is not None and hold.device == card.index else None
             found = self._views.fit_beside(card.index, ask, None, after, slots=slots)
@@ -397,9 +395,7 @@ class Starts:
         """Nothing of the pool runs anywhere, and the head does not start: one task starts past
         the bound, on the card with the most room (logged), unless other pools hold it."""
         ask = self._state.ask_of(head)
-        candidates = [
-            i for i in range(len(self._state.cards)) if i not in task_state.avoid
-        ] or list(range(len(self._state.cards)))
+        candidates = [card.index for card in usable(self._state.cards, task_state.avoid)]
         index = max(
             candidates,
             key=lambda i: (

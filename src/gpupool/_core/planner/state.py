@@ -15,7 +15,7 @@ it was worked out from are the card's terms still.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpupool._core.bookings import OtherPools
@@ -23,7 +23,7 @@ from gpupool._core.bound import Bound, Ceiling, Limit
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.verdicts import CardReading, TaskId
 
-__all__ = ["Card", "Critical", "Fit", "Run", "TaskState"]
+__all__ = ["Card", "Critical", "Fit", "Run", "TaskState", "usable"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +108,13 @@ class Run:
     size: float | None = None
     # The own high-water its start was priced at (an out-of-memory names growth past it).
     own_high_water_bytes: int = 0
+
+
+def usable(cards: Sequence[Card], avoid: set[int]) -> Sequence[Card]:
+    """The cards a task may use: those it does not avoid (all, where it avoids every one)."""
+    if not avoid:
+        return cards
+    return [card for card in cards if card.index not in avoid] or cards
 
 
 @dataclass(frozen=True, slots=True)

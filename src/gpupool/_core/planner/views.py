@@ -104,7 +104,7 @@ class Views:
         ask = state.asks.ask("")
         cpus_note = self._cpus_note()
         if not state.cards:
-            self.width = self._width_now()
+            self.refresh(now_s)
             reason = state.census.reason or "no device"
             self._log.record(
                 Decision(
@@ -122,7 +122,6 @@ class Views:
                     extra={"driver": state.census.driver, "sensor": state.census.sensor},
                 )
             )
-            self._log.timeline(now_s, self.width)
             return None
         decisions = self.decide(ask)
         for decision in decisions:
