@@ -5,7 +5,7 @@ maps its rooms, the rules they apply and the events between them. :func:`what_if
 planner for a what-if census (``gpupool plan``).
 """
 
-from gpupool._core.planner.durations import QUEUE_DEPTH
+from gpupool._core.planner.base import QUEUE_DEPTH
 from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S
 from gpupool._core.planner.planner import Planner, WhatIf, what_if
 from gpupool._core.planner.samples import SAMPLE_INTERVAL_S, SAMPLE_MIN_GAP_S

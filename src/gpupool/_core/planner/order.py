@@ -27,8 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpupool._core.bound import Ceiling
-from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import Booked, Held, card_bound, fit, host_per_task_bytes
 from gpupool._core.planner.state import Card, Critical, Run, usable
 from gpupool._core.planner.verdicts import LOOKAHEAD, TaskId

@@ -12,7 +12,7 @@ that each own their fields, and passes each event to the rooms it concerns::
     state     PlannerState   cards (each with its runs), tasks, pending, running,
                              the ceiling, the counts               (:mod:`~.base`)
     log       Recorder       records, card samples, the width timeline (:mod:`~.samples`)
-    durations Durations      each key's task durations            (:mod:`~.durations`)
+    durations Durations      each key's task durations            (:mod:`~.base`)
     order     Order          the start order, the room held for the head (:mod:`~.order`)
     views     Views          every width (views of the one fit), strict mode's refusal
                                                                    (:mod:`~.views`)
@@ -25,9 +25,9 @@ A room reads the rooms built before it and writes only its own fields (and, for
 the state, through the state's methods). The rules on numbers are functions in
 modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
 is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
-:mod:`~.oom` (an out-of-memory judged against the task's own booking) and
-:mod:`~.records` (what each record says); :mod:`~.state` and :mod:`~.verdicts` hold
-the records and the verdicts.
+the out-of-memory's judgement (:func:`~.out_of_memory.judge`, beside the room that
+carries it out) and :mod:`~.records` (what each record says); :mod:`~.state` and
+:mod:`~.verdicts` hold the records and the verdicts.
 
 The invariant, checked at every start: on every device the booked asks of
 the tasks running there plus the new one fit in ``room = total - co_tenant -
@@ -52,8 +52,7 @@ from gpupool._core.census import Census
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
-from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.learning import Learning
 from gpupool._core.planner.order import Order

@@ -5,15 +5,15 @@ answer crosses the socket, the parent books the next start and sends it back.
 For tasks that take milliseconds that round trip is most of the time, so the
 next tasks of the same key may wait in the busy worker's socket, each starting
 the moment the one before ends: as many as the key's recent mean run time fits
-in :data:`~.durations.QUEUED_WORK_S` (so the last of them waits about that long),
-at least :data:`~.durations.QUEUE_DEPTH_LEAST` and at most
-:data:`~.durations.QUEUE_DEPTH` (:meth:`~.durations.Durations.queue_depth`).
+in :data:`~.base.QUEUED_WORK_S` (so the last of them waits about that long),
+at least :data:`~.base.QUEUE_DEPTH_LEAST` and at most
+:data:`~.base.QUEUE_DEPTH` (:meth:`~.base.Durations.queue_depth`).
 The planner allows it only where it books nothing new:
 
 * the task is the queue's head (the start order is kept; no scan of the queue)
   and of the running task's key, with no size of its own (sized asks are priced
   one by one) and no card to avoid;
-* the key is short (:meth:`~.durations.Durations.short`: a key whose run times have a
+* the key is short (:meth:`~.base.Durations.short`: a key whose run times have a
   long tail would otherwise queue a long task behind a long one while a worker idles);
 * no more tasks run than the pool's ceiling; on a card, nothing caps the card
   after an out-of-memory, the task's ask is not above the running task's
@@ -32,8 +32,7 @@ a queued task whose worker is lost or declines it goes back to the queue's head
 
 from __future__ import annotations
 
-from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.order import Order
 from gpupool._core.planner.state import Card, Run
@@ -64,7 +63,7 @@ class Queue:
     def queue_behind(self, behind: TaskId) -> TaskId | None:
         """The pending task to queue behind the running ``behind`` on its worker, taken off
         the pending queue; ``None`` when the queue's head may not follow it (or
-        :meth:`~.durations.Durations.queue_depth` tasks already follow it)."""
+        :meth:`~.base.Durations.queue_depth` tasks already follow it)."""
         state = self._state
         run = state.running.get(behind)
         if (

@@ -42,13 +42,9 @@ __all__ = [
     "OthersTerms",
     "ShareWait",
     "Yield",
-    "give_way_record",
     "gives_way",
     "note_freed",
     "note_others",
-    "note_starved",
-    "note_turn_taken",
-    "others_terms",
     "owed_bytes",
     "owes_room",
     "share_record",
@@ -56,7 +52,6 @@ __all__ = [
     "share_wait",
     "turn_record",
     "turn_wait",
-    "yield_record",
     "yields_to",
 ]
 
