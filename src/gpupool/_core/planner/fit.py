@@ -301,10 +301,8 @@ def card_widths(fits: Sequence[Fit], ceiling: Ceiling) -> tuple[WidthDecision, .
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LiveGate:
-    """The live gate's terms on one card for one more task (:func:`live_gate`): whether the
-    last reading's free bytes (``None``: no reading, the gate is open), plus what the idle
-    worker the task would run in holds, cover its booking, what the running tasks here and
-    other pools' have not reached yet, and the reserve."""
+    """The live gate's terms on one card for one more task (:func:`live_gate`); ``free_bytes``
+    is ``None`` where the card has no reading (the gate is open)."""
 
     admits: bool
     free_bytes: int | None

@@ -242,6 +242,13 @@ class Learning:
         if ceiling.value == before.value:
             return
         event: EventName = "narrowed" if ceiling.value < before.value else "widened"
+        prior = before.child_rss_bytes == self._state.config.child_rss_prior_bytes
+        reason = (
+            f"the ceiling goes {before.value} -> {ceiling.value}: host RAM "
+            f"({format_size(ceiling.host_ram_bytes)} available) at {format_size(rss)} measured "
+            f"RSS per child (was {format_size(before.child_rss_bytes)}"
+            f"{', the prior' if prior else ''}); set by {ceiling.limit}"
+        )
         self._log.record(
             Decision(
                 event=event,
@@ -249,18 +256,7 @@ class Learning:
                 device=None,
                 width_before=before.value,
                 width_after=ceiling.value,
-                reason=(
-                    f"the ceiling goes {before.value} -> {ceiling.value}: host RAM "
-                    f"({format_size(ceiling.host_ram_bytes)} available) at "
-                    f"{format_size(rss)} measured RSS per child (was "
-                    f"{format_size(before.child_rss_bytes)}"
-                    + (
-                        ")"
-                        if before.child_rss_bytes != self._state.config.child_rss_prior_bytes
-                        else ", the prior)"
-                    )
-                    + f"; set by {ceiling.limit}"
-                ),
+                reason=reason,
                 ceiling=ceiling,
                 limit=ceiling.limit,
             )

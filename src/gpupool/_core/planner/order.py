@@ -243,14 +243,8 @@ class Order:
         reserve_bytes = state.config.reserve_bytes
         hold: Hold | None = None
         if self._held_for is not None and self._held_for[0] == head:
-            kept = self._held_for[1]
-            hold = keep_hold(
-                kept,
-                state.cards[kept.device],
-                ask,
-                reserve_bytes=reserve_bytes,
-                ceiling=state.ceiling,
-            )
+            kept, card = self._held_for[1], state.cards[self._held_for[1].device]
+            hold = keep_hold(kept, card, ask, reserve_bytes=reserve_bytes, ceiling=state.ceiling)
         if hold is None:
             hold = head_hold(
                 state.cards,

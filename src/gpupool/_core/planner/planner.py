@@ -131,8 +131,8 @@ class Planner:
     def construct(
         self, now_s: float, *, note: str = "", extra: Mapping[str, JsonValue] | None = None
     ) -> Refuse | None:
-        """Decide and record the first width of every card, from the same fit as every later
-        one. Returns strict mode's refusal where the width is below ``max_workers``."""
+        """The first width of every card, decided and recorded (:meth:`~.views.Views.construct`),
+        and the first ask as recorded."""
         refusal = self.views.construct(now_s, note=note, extra=extra)
         if self.state.cards:
             self.learning.recorded("", self.state.asks.ask(""))
@@ -240,8 +240,7 @@ class Planner:
 
     def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
-        that worker, in the booking the run left; the tasks queued behind that run follow
-        ``task`` now."""
+        that worker, in the booking the run left (:meth:`~.queued.Queue.run_queued`)."""
         self.queue.run_queued(task)
         # Off the pending queue since it was queued.
         self.state.begin(task, device, pid, now_s, self.starts.take_issued(task))
@@ -283,10 +282,8 @@ class Planner:
         *,
         error: str,
     ) -> Retry | Fail:
-        """``task`` ran its card out of memory: judged against its own price when it started,
-        its key's price raised where it passed it, and retried or failed
-        (:meth:`~.out_of_memory.OutOfMemory.handle`), against the asks every measurement
-        before it priced."""
+        """``task`` ran its card out of memory (:meth:`~.out_of_memory.OutOfMemory.handle`),
+        judged against the asks every measurement before it priced."""
         self.settle(now_s)
         device = self.state.running[task].device
         if device is not None and reading is not None:
@@ -305,14 +302,8 @@ class Planner:
             self.state.rebook(run.key)
         key = run.key if run else state.key if state else self.state.last_key
         self.state.count("lost")
-        self.views.note(
-            "worker_lost",
-            run.device if run else None,
-            self.state.asks.ask(key),
-            message,
-            now_s,
-            extra=extra,
-        )
+        ask, device = self.state.asks.ask(key), run.device if run else None
+        self.views.note("worker_lost", device, ask, message, now_s, extra=extra)
 
     # -- verdicts out ------------------------------------------------------------------------
 

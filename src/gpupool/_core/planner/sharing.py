@@ -372,9 +372,7 @@ def note_freed(card: Card, run: Run, now_s: float) -> None:
     need more there since) is followed by as long without one: rows that say they wait
     and never start hold the room at most half the time, whatever the lengths of this
     pool's tasks."""
-    if now_s < card.give_way_until_s:
-        return
-    if now_s < card.give_way_rest_until_s:
+    if now_s < card.give_way_until_s or now_s < card.give_way_rest_until_s:
         return
     turn_s = min(max(0.0, now_s - run.started_s), TURN_S)
     card.give_way_until_s = now_s + turn_s
