@@ -137,7 +137,6 @@ class PlannerState:
         ]
         self.tasks: dict[TaskId, TaskState] = {}
         self.pending: collections.deque[TaskId] = collections.deque()
-        # Pending tasks per key.
         self.pending_by_key: collections.Counter[str] = collections.Counter()
         # Every run, by task; each card holds its own too (``card.runs``).
         self.running: dict[TaskId, Run] = {}

@@ -54,7 +54,6 @@ class Queue:
         self._durations = durations
         self._order = order
         self._views = views
-        # Tasks queued behind a running one on its worker (queued -> the run it waits on).
         self.queued: dict[TaskId, TaskId] = {}
         # By run with tasks still queued behind it, the last of them sent back to the queue:
         # the next one sent back from that run goes after it.

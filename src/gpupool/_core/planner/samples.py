@@ -208,7 +208,6 @@ class Recorder:
     def __init__(self, state: PlannerState, emit: Callable[[Decision], None]) -> None:
         self._state = state
         self._emit = emit
-        # The pool's width over time: (seconds, width) where it moved.
         self.widths: list[tuple[float, int]] = []
         # The kinds of failed reading recorded already, by card.
         self._errors: set[tuple[int, str]] = set()

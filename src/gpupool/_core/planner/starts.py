@@ -184,8 +184,7 @@ class Starts:
         if not self._state.cards:
             if self._ready(None):
                 return Start(task=task, device=None, ask_bytes=0, booked_bytes=0), False
-            slots = self._state.ceiling.value - len(self._state.running)
-            return (Warm(device=None, task=task) if self._may_warm(None, slots) else None), False
+            return self._warm(None, task), False
         ask = self._state.ask_of(task)
         if self._state.config.fixed_width is not None:
             return self._fixed_start(task, task_state, ask, now_s)
@@ -204,8 +203,7 @@ class Starts:
                 continue
             card.gate_shut_since_s = None
             if not self._ready(found.device):
-                if warm is None and self._may_warm(found.device, found.more):
-                    warm = Warm(device=found.device, task=task)
+                warm = warm or self._warm(found.device, task, found.more)
                 continue  # (its room may wait for the workers booting there)
             return _start_on(task, card, ask), False
         if warm is not None:
@@ -241,20 +239,19 @@ class Starts:
         """A ready worker is idle on ``device`` (always, without worker counts)."""
         return self._workers is None or self._workers.can_run(device)
 
-    def _may_warm(self, device: int | None, more: int) -> bool:
-        """Start one more worker on ``device``: fewer boot there than tasks fit there now
-        (``more``), and fewer boot in the pool than tasks are pending and than the pool's
-        width (:meth:`_width_now`: the pending tasks that fit together now) leaves beside
-        its running tasks, so that no worker boots for a task that would not start."""
+    def _warm(self, device: int | None, task: TaskId, more: int | None = None) -> Warm | None:
+        """Start one more worker on ``device`` for ``task`` where fewer boot there than tasks fit
+        there now (``more``; default: the slots the ceiling leaves), and fewer boot in the pool
+        than tasks are pending and than the pool's width (the pending tasks that fit together
+        now) leaves beside its running tasks, so that no worker boots for a task that would not
+        start."""
         workers = self._workers
-        if workers is None:
-            return False
         running = len(self._state.running)
-        return workers.booting.get(device, 0) < more and workers.booting_total < min(
-            len(self._state.pending),
-            self._state.ceiling.value - running,
-            max(1, self._views.width - running),
-        )
+        slots = self._state.ceiling.value - running
+        if workers is None or workers.booting.get(device, 0) >= (slots if more is None else more):
+            return None
+        room = min(len(self._state.pending), slots, max(1, self._views.width - running))
+        return Warm(device=device, task=task) if workers.booting_total < room else None
 
     def _fixed_start(
         self, task: TaskId, task_state: TaskState, ask: Ask, now_s: float
@@ -275,9 +272,7 @@ class Starts:
                 return self._expired(task, task_state, ask), False
             return None, True
         if not self._ready(card.index):
-            slots = self._state.ceiling.value - len(self._state.running)
-            warm = self._may_warm(card.index, slots)
-            return (Warm(device=card.index, task=task) if warm else None), False
+            return self._warm(card.index, task), False
         return _start_on(task, card, ask), False
 
     def _admits_on(self, card: Card, ask: Ask, found: Fit, now_s: float) -> Admission:

@@ -438,10 +438,7 @@ class Views:
             return state.config.fixed_width
         if not state.cards:
             return state.ceiling.value
-        # What each card holds as the asks are placed: its runs' running sums, plus the
-        # placed asks (how many, what they book, how many of each key).
         placed = [_Placed(len(card.runs), card.booked_bytes) for card in state.cards]
-        # On the card a waiting head holds: what stays once the runs it waits for end, and it.
         after = hold.after(state.cards[hold.device]) if hold is not None else []
         total = len(state.running)
         # The held head's room is placed already. Priced one by one: the walk ends at the
