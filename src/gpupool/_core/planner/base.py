@@ -1,13 +1,12 @@
 """The planner's state: its cards, tasks, queue, runs, ceiling and counts, and each key's
 task durations (pure core).
 
-:class:`PlannerState` is what one pool's planner knows, and the only writer of it:
-the rules (:mod:`~.views`, :mod:`~.order`, :mod:`~.starts`, :mod:`~.queued`,
-:mod:`~.learning`) read it, and change it through its methods (a task queued,
-unqueued, put back, begun, ended; its key's runs booked at its price now).
-:class:`Durations` is the only writer of the durations: the start order reads their
-means (the critical key, when a running task is expected to end), and queueing behind
-a run (:mod:`~.queued`) whether a key is short and how deep its tasks may queue.
+:class:`PlannerState` is what one pool's planner knows, and the only writer of it: the rules
+(:mod:`~.views`, :mod:`~.order`, :mod:`~.starts`, :mod:`~.queued`, :mod:`~.learning`) read it, and
+change it through its methods (a task queued, unqueued, put back, begun, ended; its key's runs
+booked at its price now). :class:`Durations` is the only writer of the durations: the start order
+reads their means (the critical key, when a running task is expected to end), and queueing behind a
+run (:mod:`~.queued`) whether a key is short and how deep its tasks may queue.
 """
 
 from __future__ import annotations
@@ -117,10 +116,9 @@ class Durations:
 
 
 class PlannerState:
-    """What the planner holds: its cards (each holding its runs), its tasks, the pending
-    queue, every run by task, the ceiling and the counts; built from the census (the cards
-    and the host at construction), the per-key asks (the planner is their only writer) and
-    the caller's config."""
+    """What the planner holds: its cards (each holding its runs), its tasks, the pending queue,
+    every run by task, the ceiling and the counts; built from the census (the cards and the host at
+    construction), the per-key asks (the planner is their only writer) and the caller's config."""
 
     def __init__(self, *, census: Census, asks: AskTable, config: PlannerConfig) -> None:
         self.census = census

@@ -1,14 +1,12 @@
 """The one fit: what fits on a card beside these runs at this ask, and why not more.
 
-Every "how many" the pool states is a view of :func:`fit`: admission (a task
-starts only where ``more >= 1``), ``ex.width`` (the pending asks placed card
-by card), ``widths_by_key``, the warm-worker limit, the critical key's width
-and every record's width (:func:`card_widths`). So the width a record states is
-the computation that gated the start beside it.
+Every "how many" the pool states is a view of :func:`fit`: admission (a task starts only where
+``more >= 1``), ``ex.width`` (the pending asks placed card by card), ``widths_by_key``, the
+warm-worker limit, the critical key's width and every record's width (:func:`card_widths`). So the
+width a record states is the computation that gated the start beside it.
 
-The live gate (:func:`live_gate`) is the second, live check on the same card:
-the free bytes read now must cover the new booking, what the running tasks
-have not reached yet, and the reserve.
+The live gate (:func:`live_gate`) is the second, live check on the same card: the free bytes read
+now must cover the new booking, what the running tasks have not reached yet, and the reserve.
 """
 
 from __future__ import annotations
@@ -71,10 +69,9 @@ class Booked:
 def host_per_task_bytes(card: Card, ceiling: Ceiling) -> int:
     """What each task's child holds in host RAM, where host RAM is the card's memory.
 
-    On unified memory (GB10, Jetson) the card's room and the host's RAM are
-    one ``MemAvailable``: a child's device bytes and its RSS draw on it
-    together, so each task is priced at its ask plus the children's RSS (as
-    the ceiling prices it: measured, or the prior) in the card's room. 0 on a
+    On unified memory (GB10, Jetson) the card's room and the host's RAM are one ``MemAvailable``: a
+    child's device bytes and its RSS draw on it together, so each task is priced at its ask plus the
+    children's RSS (as the ceiling prices it: measured, or the prior) in the card's room. 0 on a
     discrete card, whose room is its own memory.
     """
     if not card.census.unified or not ceiling.child_rss_bytes:

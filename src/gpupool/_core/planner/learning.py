@@ -1,15 +1,14 @@
 """What an ended task teaches the planner: its peaks, learned once per turn (pure core).
 
-A task that ends with a peak report is a sample of its key's peaks. Its booking is
-released at once (:meth:`~.planner.Planner.ended`), and its peak is kept; what the peaks teach
-is priced once for all the tasks of the key that ended since (:meth:`Learning.settle`):
-the key's ask takes them as samples and is derived once, its running tasks are booked
-at that ask, and the widths are reviewed once, with a record where the ask or a width
-moved. Until then the key's ask is the one before them. The dispatcher settles at the
-top of each turn of its loop, before it reads a card, starts a task, publishes the
-pool's state or delivers a result, so every start, width and record of a turn is
-priced with every measurement received before it; :meth:`~.planner.Planner.finished` (an
-end and its settle at once) is the same for a caller driving the planner itself.
+A task that ends with a peak report is a sample of its key's peaks. Its booking is released at once
+(:meth:`~.planner.Planner.ended`), and its peak is kept; what the peaks teach is priced once for all
+the tasks of the key that ended since (:meth:`Learning.settle`): the key's ask takes them as samples
+and is derived once, its running tasks are booked at that ask, and the widths are reviewed once,
+with a record where the ask or a width moved. Until then the key's ask is the one before them. The
+dispatcher settles at the top of each turn of its loop, before it reads a card, starts a task,
+publishes the pool's state or delivers a result, so every start, width and record of a turn is
+priced with every measurement received before it; :meth:`~.planner.Planner.finished` (an end and its
+settle at once) is the same for a caller driving the planner itself.
 
 A learned ask is never priced past the room for one task of the tightest card that holds
 its largest peak (:func:`rooms_alone_bytes`), and a key whose peaks vary a lot is named
@@ -40,9 +39,8 @@ __all__ = ["Learning", "rooms_alone_bytes", "varied_peaks"]
 def rooms_alone_bytes(
     cards: Sequence[Card], *, reserve_bytes: int, ceiling: Ceiling
 ) -> tuple[int, ...]:
-    """The room one task has on each readable card of ``cards`` once the other pools there
-    drained: ``total - co_tenant - own_high_water - reserve`` (less a task's child RSS on
-    unified memory)."""
+    """The room one task has on each readable card of ``cards`` once the other pools there drained:
+    ``total - co_tenant - own_high_water - reserve`` (less a task's child RSS on unified memory)."""
     rooms: list[int] = []
     for card in cards:
         bound = derive_bound(
@@ -93,10 +91,9 @@ def varied_peaks(ask: Ask) -> tuple[str, dict[str, JsonValue]] | None:
 
 @dataclasses.dataclass(slots=True)
 class Learned:
-    """The peaks the tasks of one key that ended since the last settle measured (each with
-    its task's size), the card of the last, and the report a record states (the last one,
-    unless an earlier one tells of a descendant left running or a rejected reading and the
-    last does not)."""
+    """The peaks the tasks of one key that ended since the last settle measured (each with its
+    task's size), the card of the last, and the report a record states (the last one, unless an
+    earlier one tells of a descendant left running or a rejected reading and the last does not)."""
 
     device: int
     report: PeakReport

@@ -3,21 +3,18 @@
 Tasks start in queue order, with two exceptions, each of which holds room
 rather than idling the card:
 
-* **The critical key** (:func:`critical`): once every key with pending work
-  has a timed task, the key whose pending work would take longest alone
-  starts first where it leads every other key by at least one of its tasks'
-  duration, and other keys leave it room on a card where their ends make it
+* **The critical key** (:func:`critical`): once every key with pending work has a timed task, the
+  key whose pending work would take longest alone starts first where it leads every other key by at
+  least one of its tasks' duration, and other keys leave it room on a card where their ends make it
   (:func:`holds_for`).
-* **The head's hold** (:func:`head_hold`): a task at the queue's head that does
-  not fit yet is passed by smaller tasks at most a ceiling's worth of times;
-  from then on its room is held on the card where the running tasks expected to
-  end first free it soonest (those runs are its ``ending`` set). Other tasks
-  still start there while they fit now *and* beside what stays once those runs
-  end plus the head (:meth:`Hold.after`): no start can delay it, so it starts as
-  soon as those runs' bookings free its room, and the rest of the card keeps
-  working meanwhile. The hold is kept (:func:`keep_hold`) until the head starts:
-  chosen again, it could name other runs, and the starts placed beside the first
-  one would then stand in the head's way.
+* **The head's hold** (:func:`head_hold`): a task at the queue's head that does not fit yet is
+  passed by smaller tasks at most a ceiling's worth of times; from then on its room is held on the
+  card where the running tasks expected to end first free it soonest (those runs are its ``ending``
+  set). Other tasks still start there while they fit now *and* beside what stays once those runs end
+  plus the head (:meth:`Hold.after`): no start can delay it, so it starts as soon as those runs'
+  bookings free its room, and the rest of the card keeps working meanwhile. The hold is kept
+  (:func:`keep_hold`) until the head starts: chosen again, it could name other runs, and the starts
+  placed beside the first one would then stand in the head's way.
 """
 
 from __future__ import annotations

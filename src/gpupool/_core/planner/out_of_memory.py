@@ -1,14 +1,12 @@
 """An out-of-memory: judged against the task's own booking, carried out, and recorded.
 
-A task that ran its card out of memory either passed its own price (an
-underestimate: its key's ask rises, and no card is capped for it), or stayed
-within it while it shared the card (something else grew: the card runs fewer
-at once until the live reading shows the room back), or ran alone (it waits
-for room others hold, moves to a roomier card, or fails). "Its own price" is
-the ask it was started at, never a price an earlier out-of-memory of the same
-wave raised since. The judgement is a rule on numbers (:func:`judge`);
-:class:`OutOfMemory` carries it out on the planner's state (the only writer of a
-card's out-of-memory cap) and lifts a cap once the readings show its room back.
+A task that ran its card out of memory either passed its own price (an underestimate: its key's ask
+rises, and no card is capped for it), or stayed within it while it shared the card (something else
+grew: the card runs fewer at once until the live reading shows the room back), or ran alone (it
+waits for room others hold, moves to a roomier card, or fails). "Its own price" is the ask it was
+started at, never a price an earlier out-of-memory of the same wave raised since. The judgement is a
+rule on numbers (:func:`judge`); :class:`OutOfMemory` carries it out on the planner's state (the
+only writer of a card's out-of-memory cap) and lifts a cap once the readings show its room back.
 """
 
 from __future__ import annotations

@@ -21,22 +21,20 @@ that each own their fields, and passes each event to the rooms it concerns::
     starts    Starts         the next start                        (:mod:`~.starts`)
     oom       OutOfMemory    an out-of-memory carried out, the caps (:mod:`~.out_of_memory`)
 
-A room reads the rooms built before it and writes only its own fields (and, for
-the state, through the state's methods). The rules on numbers are functions in
-modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
-is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
-the out-of-memory's judgement (:func:`~.out_of_memory.judge`, beside the room that
-carries it out) and :mod:`~.records` (what each record says); :mod:`~.state` and
-:mod:`~.verdicts` hold the records and the verdicts.
+A room reads the rooms built before it and writes only its own fields (and, for the state, through
+the state's methods). The rules on numbers are functions in modules of their own:
+:mod:`~gpupool._core.planner.fit` (the one fit every width is a view of, and the live gate),
+:mod:`~.sharing` (other pools on a card), the out-of-memory's judgement
+(:func:`~.out_of_memory.judge`, beside the room that carries it out) and :mod:`~.records` (what each
+record says); :mod:`~.state` and :mod:`~.verdicts` hold the records and the verdicts.
 
-The invariant, checked at every start: on every device the booked asks of
-the tasks running there plus the new one fit in ``room = total - co_tenant -
-own_high_water - reserve``, the count fits the ceiling and any cap an
-out-of-memory set, and the live reading covers the new ask plus what the
-running tasks have not reached yet plus the reserve. The only start past the
-bound is the serial floor (nothing of the pool runs anywhere and no card has
-room for one task), logged as ``serial_start``. Explicit concurrency
-(``fixed_width``) is authoritative: it skips the memory terms and says so.
+The invariant, checked at every start: on every device the booked asks of the tasks running there
+plus the new one fit in ``room = total - co_tenant - own_high_water - reserve``, the count fits the
+ceiling and any cap an out-of-memory set, and the live reading covers the new ask plus what the
+running tasks have not reached yet plus the reserve. The only start past the bound is the serial
+floor (nothing of the pool runs anywhere and no card has room for one task), logged as
+``serial_start``. Explicit concurrency (``fixed_width``) is authoritative: it skips the memory terms
+and says so.
 """
 
 from __future__ import annotations
@@ -88,11 +86,10 @@ class Planner:
     """Owns every price, admission and width decision of one pool: its events, verdicts and
     views (the process layer's whole surface), each passed to the rooms it concerns.
 
-    Past the house's ~25 methods and ~15 fields on purpose: the surface is fixed
-    (the module docstring); a member that is a room's own
-    method is that method, bound here, and the rest are a few lines over the rooms.
-    ``now_s`` (the time of construction) is taken for the callers' sake: nothing is
-    recorded until :meth:`construct`.
+    Past the house's ~25 methods and ~15 fields on purpose: the surface is fixed (the module
+    docstring); a member that is a room's own method is that method, bound here, and the rest are a
+    few lines over the rooms. ``now_s`` (the time of construction) is taken for the callers' sake:
+    nothing is recorded until :meth:`construct`.
     """
 
     def __init__(

@@ -1,33 +1,28 @@
 """A short task queued behind a busy worker, in that worker's booking (pure core).
 
-A worker that ends a task waits for the parent to hand it the next one: the
-answer crosses the socket, the parent books the next start and sends it back.
-For tasks that take milliseconds that round trip is most of the time, so the
-next tasks of the same key may wait in the busy worker's socket, each starting
-the moment the one before ends: as many as the key's recent mean run time fits
-in :data:`~.base.QUEUED_WORK_S` (so the last of them waits about that long),
-at least :data:`~.base.QUEUE_DEPTH_LEAST` and at most
-:data:`~.base.QUEUE_DEPTH` (:meth:`~.base.Durations.queue_depth`).
-The planner allows it only where it books nothing new:
+A worker that ends a task waits for the parent to hand it the next one: the answer crosses the
+socket, the parent books the next start and sends it back. For tasks that take milliseconds that
+round trip is most of the time, so the next tasks of the same key may wait in the busy worker's
+socket, each starting the moment the one before ends: as many as the key's recent mean run time fits
+in :data:`~.base.QUEUED_WORK_S` (so the last of them waits about that long), at least
+:data:`~.base.QUEUE_DEPTH_LEAST` and at most :data:`~.base.QUEUE_DEPTH`
+(:meth:`~.base.Durations.queue_depth`). The planner allows it only where it books nothing new:
 
-* the task is the queue's head (the start order is kept; no scan of the queue)
-  and of the running task's key, with no size of its own (sized asks are priced
-  one by one) and no card to avoid;
+* the task is the queue's head (the start order is kept; no scan of the queue) and of the running
+  task's key, with no size of its own (sized asks are priced one by one) and no card to avoid;
 * the key is short (:meth:`~.base.Durations.short`: a key whose run times have a
   long tail would otherwise queue a long task behind a long one while a worker idles);
-* no more tasks run than the pool's ceiling; on a card, nothing caps the card
-  after an out-of-memory, the task's ask is not above the running task's
-  booking, a task at the key's price now would fit the bound in the run's place
-  beside the card's other runs (a price that rose, or other pools that took the
-  room, stop queueing as they stop a start), and no room is held for a waiting
-  task.
+* no more tasks run than the pool's ceiling; on a card, nothing caps the card after an
+  out-of-memory, the task's ask is not above the running task's booking, a task at the key's price
+  now would fit the bound in the run's place beside the card's other runs (a price that rose, or
+  other pools that took the room, stop queueing as they stop a start), and no room is held for a
+  waiting task.
 
-A queued task leaves the pending queue and holds its slot behind the run: it is
-not counted as waiting, and no start is made for it. When the run ends, the
-first queued task starts on that worker in the booking the run leaves, and the
-others follow it (:meth:`Queue.run_queued`), booked as any running task of its key;
-a queued task whose worker is lost or declines it goes back to the queue's head
-(:meth:`Queue.requeue`).
+A queued task leaves the pending queue and holds its slot behind the run: it is not counted as
+waiting, and no start is made for it. When the run ends, the first queued task starts on that worker
+in the booking the run leaves, and the others follow it (:meth:`Queue.run_queued`), booked as any
+running task of its key; a queued task whose worker is lost or declines it goes back to the queue's
+head (:meth:`Queue.requeue`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """What each record says: decision records built from the terms a rule produced.
 
 Each builder takes the terms the rule that decided computed (a
-:class:`~gpupool._core.planner.fit.Fit`, a
-:class:`~gpupool._core.planner.fit.LiveGate`, a
-:class:`~gpupool._core.planner.sharing.ShareWait`, ...) and states them; none
-computes a figure of its own, so a record says what gated.
+:class:`~gpupool._core.planner.fit.Fit`, a :class:`~gpupool._core.planner.fit.LiveGate`, a
+:class:`~gpupool._core.planner.sharing.ShareWait`, ...) and states them; none computes a figure of
+its own, so a record says what gated.
 """
 
 from __future__ import annotations

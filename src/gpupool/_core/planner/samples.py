@@ -1,11 +1,10 @@
 """Whose bytes a live reading shows, and the ``card_read`` samples the decision log keeps of it.
 
-One computation, :func:`split_reading`, says which of a card's used bytes
-are this pool's (its parent's row, its workers' rows and those of processes
-their tasks started, idle workers' contexts included), which are other gpupool
-pools' and which are everything else's (the co-tenants). The out-of-memory
-record, the cap lift and the samples all state its figures, so no byte of
-the pool's own is ever named a co-tenant's.
+One computation, :func:`split_reading`, says which of a card's used bytes are this pool's (its
+parent's row, its workers' rows and those of processes their tasks started, idle workers' contexts
+included), which are other gpupool pools' and which are everything else's (the co-tenants). The
+out-of-memory record, the cap lift and the samples all state its figures, so no byte of the pool's
+own is ever named a co-tenant's.
 
 A sample is written for a card:
 
@@ -157,11 +156,10 @@ def sample_due(card: Card, now_s: float, *, decision: bool) -> bool:
 def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) -> Decision:
     """A ``card_read`` sample: the split, what the pool booked there, and by key.
 
-    ``booked_bytes`` is what each running task was booked at when it started (the
-    price it was admitted at); ``priced_now_bytes`` is what the fit counts them at
-    now (more, where an out-of-memory or a measurement raised their key's price
-    since). ``read_s`` is when the card was read (``time_s`` is when the sample
-    was taken: with a decision, the reading it was made on).
+    ``booked_bytes`` is what each running task was booked at when it started (the price it was
+    admitted at); ``priced_now_bytes`` is what the fit counts them at now (more, where an
+    out-of-memory or a measurement raised their key's price since). ``read_s`` is when the card was
+    read (``time_s`` is when the sample was taken: with a decision, the reading it was made on).
     """
     by_key: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for run in card.runs.values():

@@ -1,28 +1,24 @@
 """Sharing a card with the host's other pools: their bookings, the share, the room owed.
 
-Pools on one host publish their bookings in a shared table (read by the
-process layer, :mod:`gpupool._sensors.bookings`). Here those rows become terms
-of a card (:func:`others_terms`), and while another pool waits for room on a
-card a start must keep two rules (:func:`share_wait`):
+Pools on one host publish their bookings in a shared table (read by the process layer,
+:mod:`gpupool._sensors.bookings`). Here those rows become terms of a card (:func:`others_terms`),
+and while another pool waits for room on a card a start must keep two rules (:func:`share_wait`):
 
-* its share: this pool takes no more than an equal share of the room the pools
-  have between them (``(room + other pools' bookings) / pools running or
-  waiting there``), rounded to the nearest task (a start is admitted while the
-  middle of its booking is within the share, so two pools that each stop just
-  short of it do not leave a task's room idle);
-* the room it owes: a waiting pool that holds less than this pool and less than
-  its share is owed the room for its next task (its ``need_bytes``), so this
-  start must leave that much free; a task larger than a share waits for the
-  others to shrink, not forever.
+* its share: this pool takes no more than an equal share of the room the pools have between them
+  (``(room + other pools' bookings) / pools running or waiting there``), rounded to the nearest task
+  (a start is admitted while the middle of its booking is within the share, so two pools that each
+  stop just short of it do not leave a task's room idle);
+* the room it owes: a waiting pool that holds less than this pool and less than its share is owed
+  the room for its next task (its ``need_bytes``), so this start must leave that much free; a task
+  larger than a share waits for the others to shrink, not forever.
 
-One task of its own always may run; with no other pool waiting, the bound alone
-decides. Two exceptions, each for a bounded time: a pool at the serial floor (it
-runs nothing on the card and waits for room its next task needs) is yielded to,
-even by this pool's one task (:func:`yields_to`, at most :data:`YIELD_S`); and the
-room one of this pool's tasks frees goes first to a waiting pool that holds less
-(:func:`gives_way`, for as long as the task ran and at most :data:`TURN_S`). Else
-the pool whose task ended, hearing of its own end first, takes the room again each
-time, and of pools that each hold a task, the one holding a second keeps it.
+One task of its own always may run; with no other pool waiting, the bound alone decides. Two
+exceptions, each for a bounded time: a pool at the serial floor (it runs nothing on the card and
+waits for room its next task needs) is yielded to, even by this pool's one task (:func:`yields_to`,
+at most :data:`YIELD_S`); and the room one of this pool's tasks frees goes first to a waiting pool
+that holds less (:func:`gives_way`, for as long as the task ran and at most :data:`TURN_S`). Else
+the pool whose task ended, hearing of its own end first, takes the room again each time, and of
+pools that each hold a task, the one holding a second keeps it.
 """
 
 from __future__ import annotations
@@ -61,9 +57,8 @@ __all__ = [
 #: in a row to any pools, after which it yields there no more for as long.
 YIELD_S = 30.0
 
-#: The longest a pool leaves the room one of its tasks freed on a card to a waiting pool
-#: that holds less there (:func:`gives_way`); the other pools read the table every 0.2 s
-#: while they run tasks.
+#: The longest a pool leaves the room one of its tasks freed on a card to a waiting pool that holds
+#: less there (:func:`gives_way`); the other pools read the table every 0.2 s while they run tasks.
 TURN_S = 2.0
 
 
@@ -84,8 +79,7 @@ def note_others(
 ) -> OthersTerms:
     """``card``'s other pools are ``others`` now: their terms, priced from ``rows``
     (:func:`others_terms`), and who waits and who took a turn (:func:`note_starved`,
-    :func:`note_turn_taken`). ``census``: what they hold stands in the census' co-tenant
-    bytes."""
+    :func:`note_turn_taken`). ``census``: what they hold stands in the census' co-tenant bytes."""
     terms = others_terms(others, rows)
     card.others = others
     card.others_bytes = terms.priced_bytes
@@ -269,16 +263,15 @@ def _note_idle(card: Card, now_s: float) -> None:
 
 
 def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> Yield | None:
-    """The pool at the serial floor a start of ``next_bytes`` on ``card`` yields to (the one
-    waiting longest), or ``None``. A pool is yielded to while, for less than
-    :data:`YIELD_S` since this pool first saw it run nothing on the card and wait: the
-    room its next task needs is more than this start leaves, that task would fit once
-    the pools there drained, and (where this pool runs nothing there either) it came to
-    wait before this pool last ran nothing there: of two such pools, only the younger
-    yields. This pool yields on a card at most :data:`YIELD_S` in a row, whichever pools
-    it yields to, and after a yield in which none of them ran there, not again there for
-    as long as it lasted: rows that claim to wait under new pool ids, and never run, hold
-    it at most half the time."""
+    """The pool at the serial floor a start of ``next_bytes`` on ``card`` yields to (the one waiting
+    longest), or ``None``. A pool is yielded to while, for less than :data:`YIELD_S` since this pool
+    first saw it run nothing on the card and wait: the room its next task needs is more than this
+    start leaves, that task would fit once the pools there drained, and (where this pool runs
+    nothing there either) it came to wait before this pool last ran nothing there: of two such
+    pools, only the younger yields. This pool yields on a card at most :data:`YIELD_S` in a row,
+    whichever pools it yields to, and after a yield in which none of them ran there, not again there
+    for as long as it lasted: rows that claim to wait under new pool ids, and never run, hold it at
+    most half the time."""
     if room_bytes is None or not card.starved_since_s or card.others is None:
         return None
     _note_idle(card, now_s)
@@ -320,9 +313,8 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
 
 
 def _wait_terms(card: Card, share: int, next_bytes: int, owed_bytes: int) -> dict[str, JsonValue]:
-    """The terms every ``share_wait`` record states: this pool's share and bookings on
-    ``card``, its next task's bytes, what another pool is owed or needs, and the pools
-    there."""
+    """The terms every ``share_wait`` record states: this pool's share and bookings on ``card``, its
+    next task's bytes, what another pool is owed or needs, and the pools there."""
     return {
         "share_bytes": share,
         "pool_booked_bytes": card.booked_bytes,
@@ -363,15 +355,14 @@ class GiveWay:
 
 
 def note_freed(card: Card, run: Run, now_s: float) -> None:
-    """``run``, one of this pool's tasks on ``card``, ended at ``now_s`` (and is off the
-    card's runs): the room it freed goes first, for as long as it ran and at most
-    :data:`TURN_S`, to a waiting pool that holds less than this pool did before it ended
-    (:func:`gives_way`). A turn still open is neither lengthened nor lowered, so each
-    task that ends leaves its room idle at most as long as it ran. A turn that held a
-    start and that no other pool took (none that waited when it opened books half its
-    need more there since) is followed by as long without one: rows that say they wait
-    and never start hold the room at most half the time, whatever the lengths of this
-    pool's tasks."""
+    """``run``, one of this pool's tasks on ``card``, ended at ``now_s`` (and is off the card's
+    runs): the room it freed goes first, for as long as it ran and at most :data:`TURN_S`, to a
+    waiting pool that holds less than this pool did before it ended (:func:`gives_way`). A turn
+    still open is neither lengthened nor lowered, so each task that ends leaves its room idle at
+    most as long as it ran. A turn that held a start and that no other pool took (none that waited
+    when it opened books half its need more there since) is followed by as long without one: rows
+    that say they wait and never start hold the room at most half the time, whatever the lengths of
+    this pool's tasks."""
     if now_s < card.give_way_until_s or now_s < card.give_way_rest_until_s:
         return
     turn_s = min(max(0.0, now_s - run.started_s), TURN_S)
@@ -404,14 +395,13 @@ def _took(booked_bytes: int, opened: tuple[int, int] | None) -> bool:
 
 
 def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> GiveWay | None:
-    """The waiting pool a start of ``next_bytes`` on ``card`` leaves this pool's freed room
-    to (the one holding least), or ``None``. Within the turn :func:`note_freed` opened, a
-    start gives way to another pool that says it waits, holds less on the card than this
-    pool did before its task ended, no more than it does now, and less than its share,
-    and whose next task fits the room free now but not what this start would leave: the
-    pool whose task ended passes on the room that put it above that pool, and a pool
-    that ran no more than the others takes its room back at once. One task of its own
-    always may run: with none running there, no start gives way."""
+    """The waiting pool a start of ``next_bytes`` on ``card`` leaves this pool's freed room to (the
+    one holding least), or ``None``. Within the turn :func:`note_freed` opened, a start gives way to
+    another pool that says it waits, holds less on the card than this pool did before its task
+    ended, no more than it does now, and less than its share, and whose next task fits the room free
+    now but not what this start would leave: the pool whose task ended passes on the room that put
+    it above that pool, and a pool that ran no more than the others takes its room back at once. One
+    task of its own always may run: with none running there, no start gives way."""
     if (
         now_s >= card.give_way_until_s
         or not card.runs

@@ -84,11 +84,10 @@ class Starts:
         a failure, strict mode's refusal, or ``None`` when nothing is pending. The width is
         brought up to date with the work held.
 
-        ``workers``: the ready and booting workers per card. A task is admitted only where
-        a ready worker is idle, so the bound is checked when the task runs, not when it is
-        handed to a worker that still boots; where it fits but none is ready, the verdict
-        is :class:`Warm` (start one). ``None``: every card has a ready worker (a planner
-        driven without processes).
+        ``workers``: the ready and booting workers per card. A task is admitted only where a ready
+        worker is idle, so the bound is checked when the task runs, not when it is handed to a
+        worker that still boots; where it fits but none is ready, the verdict is :class:`Warm`
+        (start one). ``None``: every card has a ready worker (a planner driven without processes).
 
         The width is derived once per scheduling pass, at its end (a verdict that is not a
         start), and on a start only when tasks were submitted since it was last derived."""
@@ -241,10 +240,9 @@ class Starts:
 
     def _warm(self, device: int | None, task: TaskId, more: int | None = None) -> Warm | None:
         """Start one more worker on ``device`` for ``task`` where fewer boot there than tasks fit
-        there now (``more``; default: the slots the ceiling leaves), and fewer boot in the pool
-        than tasks are pending and than the pool's width (the pending tasks that fit together
-        now) leaves beside its running tasks, so that no worker boots for a task that would not
-        start."""
+        there now (``more``; default: the slots the ceiling leaves), and fewer boot in the pool than
+        tasks are pending and than the pool's width (the pending tasks that fit together now) leaves
+        beside its running tasks, so that no worker boots for a task that would not start."""
         workers = self._workers
         running = len(self._state.running)
         slots = self._state.ceiling.value - running

@@ -1,15 +1,13 @@
 """What the planner holds: its tasks, their runs, and its cards, each card holding its own runs.
 
-One name for each idea: a task's price on its card is its ``booked_bytes`` (its
-share of its key's price together, :meth:`~gpupool._core.policy.Ask.next_bytes`);
-``booked_at_start_bytes`` is what it was booked at when it started (an
-out-of-memory is judged against that, not against a price raised since); a
-card's runs are ``card.runs``, added and dropped through the card, which keeps
-their running sums (what they book, how many of each key, what each key books)
-so a start, a finish and a fit read them without walking the runs. A card also
-keeps the bounds and fits worked out on it (``bound_memo``, ``fit_memo``: see
-:func:`~gpupool._core.planner.fit.fit_counts`), each served only while the terms
-it was worked out from are the card's terms still.
+One name for each idea: a task's price on its card is its ``booked_bytes`` (its share of its key's
+price together, :meth:`~gpupool._core.policy.Ask.next_bytes`); ``booked_at_start_bytes`` is what it
+was booked at when it started (an out-of-memory is judged against that, not against a price raised
+since); a card's runs are ``card.runs``, added and dropped through the card, which keeps their
+running sums (what they book, how many of each key, what each key books) so a start, a finish and a
+fit read them without walking the runs. A card also keeps the bounds and fits worked out on it
+(``bound_memo``, ``fit_memo``: see :func:`~gpupool._core.planner.fit.fit_counts`), each served only
+while the terms it was worked out from are the card's terms still.
 """
 
 from __future__ import annotations
@@ -28,11 +26,10 @@ __all__ = ["Card", "Critical", "Fit", "Run", "TaskState", "usable"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fit:
-    """What fits on one card (``device``) beside ``running`` runs at one ask: ``more`` tasks
-    (within the memory, the out-of-memory cap and the slots the ceiling leaves), and what
-    stops one more past them. ``booked_bytes`` (what the runs book) and ``next_bytes``
-    (what one more books) count each one's child RSS on unified memory
-    (:func:`~.fit.host_per_task_bytes`)."""
+    """What fits on one card (``device``) beside ``running`` runs at one ask: ``more`` tasks (within
+    the memory, the out-of-memory cap and the slots the ceiling leaves), and what stops one more
+    past them. ``booked_bytes`` (what the runs book) and ``next_bytes`` (what one more books) count
+    each one's child RSS on unified memory (:func:`~.fit.host_per_task_bytes`)."""
 
     device: int
     bound: Bound
@@ -132,10 +129,9 @@ class Card:
     """One card: its census, the pool's runs on it, its live reading and its terms.
 
     A record past the house's ~15 fields, grouped by the one rule that writes each
-    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods),
-    the reading (the planner's events), the width (``views``), the cap
-    (``out_of_memory``), the gate's clock (``starts``), the samples (``samples``), the
-    other pools (``sharing``), the memos (``fit``)."""
+    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods), the reading
+    (the planner's events), the width (``views``), the cap (``out_of_memory``), the gate's clock
+    (``starts``), the samples (``samples``), the other pools (``sharing``), the memos (``fit``)."""
 
     index: int
     census: CardCensus
@@ -194,10 +190,9 @@ class Card:
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
     # ... and what each key's runs book between them.
     runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit,
-    # what it was placed beside (how many runs, what they book, how many of the key, the
-    # slots); each kept with the terms it was worked out from, and served only while those
-    # are the card's terms still.
+    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit, what it
+    # was placed beside (how many runs, what they book, how many of the key, the slots); each kept
+    # with the terms it was worked out from, and served only while those are the card's terms still.
     bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
     fit_memo: dict[tuple[PriceTerms, int, int, int, int], FitMemo] = field(
         default_factory=dict, repr=False, compare=False

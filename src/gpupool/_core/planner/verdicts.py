@@ -37,11 +37,9 @@ __all__ = [
 ]
 
 TaskId = int
-#: How long a task that ran out of memory alone waits for room while others'
-#: bytes hold its card:
-#: long enough to ride out another job's allocation spike or a co-tenant
-#: restarting, short enough that a card taken for good fails the task within
-#: minutes rather than hanging the pipeline.
+#: How long a task that ran out of memory alone waits for room while others' bytes hold its card:
+#: long enough to ride out another job's allocation spike or a co-tenant restarting, short enough
+#: that a card taken for good fails the task within minutes rather than hanging the pipeline.
 DEFAULT_ROOM_WAIT_S = 120.0
 
 #: Out-of-memory retries per task, in every mode, before the error reaches its
@@ -49,10 +47,9 @@ DEFAULT_ROOM_WAIT_S = 120.0
 #: are enough to walk a pool of eight down to one.
 DEFAULT_MAX_RETRIES = 5
 
-#: The host RSS a child is priced at until a child of the pool has reported
-#: its own: a spawned interpreter that imports a CUDA framework holds several
-#: hundred MiB before its first allocation, and a CUDA context maps several
-#: hundred more in host memory. A measurement replaces it.
+#: The host RSS a child is priced at until a child of the pool has reported its own: a spawned
+#: interpreter that imports a CUDA framework holds several hundred MiB before its first allocation,
+#: and a CUDA context maps several hundred more in host memory. A measurement replaces it.
 DEFAULT_CHILD_RSS_PRIOR_BYTES = 1 * GiB
 
 #: How often a waiting pool re-reads its cards while the live gate is shut.

@@ -1,10 +1,9 @@
 """Every width the planner states, each a view of the one fit (pure core).
 
-Admission, ``ex.width`` (:meth:`Views._width_now`), ``widths_by_key``, the
-warm-worker limit and every record's width (:meth:`Views.decide`, used by
-:meth:`Views.review` and by records that move no width) come from
-:func:`~gpupool._core.planner.fit.fit`, so the width a record states is what
-gated the start beside it.
+Admission, ``ex.width`` (:meth:`Views._width_now`), ``widths_by_key``, the warm-worker limit and
+every record's width (:meth:`Views.decide`, used by :meth:`Views.review` and by records that move no
+width) come from :func:`~gpupool._core.planner.fit.fit`, so the width a record states is what gated
+the start beside it.
 """
 
 from __future__ import annotations
@@ -338,12 +337,11 @@ class Views:
     ) -> bool:
         """A term of the bound changed: decide the widths again and record what moved.
 
-        ``cause`` is what changed, in words (or a function that words it, called only where
-        a record is written). ``unchanged`` names the record of a card whose width did not move
-        (``"measured"`` for a key's first measurement, ``"widen_refused"`` for
-        a smaller ask the room does not let widen); ``moved_event`` names the record of
-        one that moved (default: ``"widened"`` or ``"narrowed"``). Returns whether any
-        card's width moved.
+        ``cause`` is what changed, in words (or a function that words it, called only where a record
+        is written). ``unchanged`` names the record of a card whose width did not move
+        (``"measured"`` for a key's first measurement, ``"widen_refused"`` for a smaller ask the
+        room does not let widen); ``moved_event`` names the record of one that moved (default:
+        ``"widened"`` or ``"narrowed"``). Returns whether any card's width moved.
         """
         if not self._state.cards:
             return False
