@@ -7,7 +7,7 @@ import pytest
 from gpupool._core import AskTable, Policy
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
-from gpupool._core.planner.durations import (
+from gpupool._core.planner.base import (
     LONG_MEMORY_TASKS,
     LONG_TASK_S,
     QUEUE_DEPTH,

@@ -1,14 +1,12 @@
 """The one fit: what fits on a card beside these runs at this ask, and why not more.
 
-Every "how many" the pool states is a view of :func:`fit`: admission (a task
-starts only where ``more >= 1``), ``ex.width`` (the pending asks placed card
-by card), ``widths_by_key``, the warm-worker limit, the critical key's width
-and every record's width (:func:`widths`). So the width a record states is
-the computation that gated the start beside it.
+Every "how many" the pool states is a view of :func:`fit`: admission (a task starts only where
+``more >= 1``), ``ex.width`` (the pending asks placed card by card), ``widths_by_key``, the
+warm-worker limit, the critical key's width and every record's width (:func:`card_widths`). So the
+width a record states is the computation that gated the start beside it.
 
-The live gate (:func:`live_gate`) is the second, live check on the same card:
-the free bytes read now must cover the new booking, what the running tasks
-have not reached yet, and the reserve.
+The live gate (:func:`live_gate`) is the second, live check on the same card: the free bytes read
+now must cover the new booking, what the running tasks have not reached yet, and the reserve.
 """
 
 from __future__ import annotations
@@ -71,10 +69,9 @@ class Booked:
 def host_per_task_bytes(card: Card, ceiling: Ceiling) -> int:
     """What each task's child holds in host RAM, where host RAM is the card's memory.
 
-    On unified memory (GB10, Jetson) the card's room and the host's RAM are
-    one ``MemAvailable``: a child's device bytes and its RSS draw on it
-    together, so each task is priced at its ask plus the children's RSS (as
-    the ceiling prices it: measured, or the prior) in the card's room. 0 on a
+    On unified memory (GB10, Jetson) the card's room and the host's RAM are one ``MemAvailable``: a
+    child's device bytes and its RSS draw on it together, so each task is priced at its ask plus the
+    children's RSS (as the ceiling prices it: measured, or the prior) in the card's room. 0 on a
     discrete card, whose room is its own memory.
     """
     if not card.census.unified or not ceiling.child_rss_bytes:
@@ -141,21 +138,13 @@ def fit(
     ceiling: Ceiling,
     slots: int,
 ) -> Fit:
-    """How many more tasks at ``ask`` fit on ``card`` beside ``runs``, and what stops the next.
+    """How many more tasks at ``ask`` fit on ``card`` beside ``runs`` (a what-if; ``None``:
+    the card's runs, read off its running sums), within ``slots`` (what the ``ceiling``
+    leaves the pool, named where it is what stops), and what stops the next.
 
     A fit reads the runs only through how many there are, what they book and how many are
     of ``ask``'s key: the card keeps the fits it worked out by those (``card.fit_memo``)
-    and serves one while the card's terms are the ones it was worked out from.
-
-    Args:
-        card: the card (its census, own high-water, other pools, out-of-memory cap).
-        ask: the price of the tasks to place.
-        runs: what is booked there (a what-if); ``None``: the card's runs, read off its
-            running sums.
-        reserve_bytes: bytes kept free.
-        ceiling: the pool-wide ceiling (named when ``slots`` is what stops).
-        slots: the most tasks that may be placed (the ceiling's slots left in the pool).
-    """
+    and serves one while the card's terms are the ones it was worked out from."""
     if runs is None:
         running, booked, same = len(card.runs), card.booked_bytes, card.same_key(ask.key)
     else:
@@ -309,20 +298,8 @@ def card_widths(fits: Sequence[Fit], ceiling: Ceiling) -> tuple[WidthDecision, .
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LiveGate:
-    """The live gate's terms on one card for one more task.
-
-    Attributes:
-        admits: the free bytes cover the rest.
-        free_bytes: free in the last reading (``None``: no reading, the gate is open).
-        used_bytes: allocated in the last reading.
-        idle_worker_bytes: what the idle worker the task would run in holds (its
-            booking counts it too).
-        next_bytes: the new task's booking.
-        unreached_bytes: what the running tasks here (and other pools' tasks)
-            booked and have not reached yet.
-        reserve_bytes: kept free.
-        running: the pool's runs on the card.
-    """
+    """The live gate's terms on one card for one more task (:func:`live_gate`); ``free_bytes``
+    is ``None`` where the card has no reading (the gate is open)."""
 
     admits: bool
     free_bytes: int | None
@@ -341,35 +318,26 @@ def live_gate(card: Card, ask: Ask, runs: Sequence[Run], *, reserve_bytes: int) 
     reading: the gate is open."""
     next_bytes = ask.next_bytes(sum(1 for r in runs if r.key == ask.key))
     reading = card.reading
-    if reading is None:
-        return LiveGate(
-            admits=True,
-            free_bytes=None,
-            used_bytes=None,
-            idle_worker_bytes=0,
-            next_bytes=next_bytes,
-            unreached_bytes=0,
-            reserve_bytes=reserve_bytes,
-            running=len(runs),
-        )
-    rows = reading.process_bytes or {}
-    unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in runs)
-    unreached += card.others_unreached_bytes
-    idle = 0
-    if reading.process_bytes is not None and card.worker_pids:
-        running_pids = {r.pid for r in runs}
-        held = [rows[pid] for pid in card.worker_pids if pid not in running_pids and pid in rows]
-        if held:
-            idle = max(0, min(next_bytes, *held))
-    return LiveGate(
-        admits=live_gate_admits(
+    admits, unreached, idle = True, 0, 0
+    if reading is not None:
+        rows = reading.process_bytes or {}
+        unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in runs)
+        unreached += card.others_unreached_bytes
+        if reading.process_bytes is not None and card.worker_pids:
+            running_pids = {r.pid for r in runs}
+            held = [rows[p] for p in card.worker_pids if p not in running_pids and p in rows]
+            if held:
+                idle = max(0, min(next_bytes, *held))
+        admits = live_gate_admits(
             live_free_bytes=reading.free_bytes + idle,
             ask_bytes=next_bytes,
             unreached_bytes=unreached,
             reserve_bytes=reserve_bytes,
-        ),
-        free_bytes=reading.free_bytes,
-        used_bytes=reading.used_bytes,
+        )
+    return LiveGate(
+        admits=admits,
+        free_bytes=reading.free_bytes if reading is not None else None,
+        used_bytes=reading.used_bytes if reading is not None else None,
         idle_worker_bytes=idle,
         next_bytes=next_bytes,
         unreached_bytes=unreached,

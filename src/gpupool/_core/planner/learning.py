@@ -1,42 +1,99 @@
 """What an ended task teaches the planner: its peaks, learned once per turn (pure core).
 
-A task that ends with a peak report is a sample of its key's peaks. Its booking is
-released at once (:meth:`~.planner.Planner.ended`), and its peak is kept; what the peaks teach
-is priced once for all the tasks of the key that ended since (:meth:`Learning.settle`):
-the key's ask takes them as samples and is derived once, its running tasks are booked
-at that ask, and the widths are reviewed once, with a record where the ask or a width
-moved. Until then the key's ask is the one before them. The dispatcher settles at the
-top of each turn of its loop, before it reads a card, starts a task, publishes the
-pool's state or delivers a result, so every start, width and record of a turn is
-priced with every measurement received before it; :meth:`~.planner.Planner.finished` (an
-end and its settle at once) is the same for a caller driving the planner itself.
+A task that ends with a peak report is a sample of its key's peaks. Its booking is released at once
+(:meth:`~.planner.Planner.ended`), and its peak is kept; what the peaks teach is priced once for all
+the tasks of the key that ended since (:meth:`Learning.settle`): the key's ask takes them as samples
+and is derived once, its running tasks are booked at that ask, and the widths are reviewed once,
+with a record where the ask or a width moved. Until then the key's ask is the one before them. The
+dispatcher settles at the top of each turn of its loop, before it reads a card, starts a task,
+publishes the pool's state or delivers a result, so every start, width and record of a turn is
+priced with every measurement received before it; :meth:`~.planner.Planner.finished` (an end and its
+settle at once) is the same for a caller driving the planner itself.
+
+A learned ask is never priced past the room for one task of the tightest card that holds
+its largest peak (:func:`rooms_alone_bytes`), and a key whose peaks vary a lot is named
+once in a ``peaks_vary`` record (:func:`varied_peaks`): its tasks are not one workload.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from gpupool._core.events import Decision, EventName
+from gpupool._core.bound import Ceiling, derive_bound
+from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.evidence import rooms_alone_bytes, varied_peaks
+from gpupool._core.planner.fit import host_per_task_bytes
 from gpupool._core.planner.samples import Recorder
-from gpupool._core.planner.state import Run
+from gpupool._core.planner.state import Card, Run
 from gpupool._core.planner.verdicts import ASK_RECORD_STEP, Refuse
 from gpupool._core.planner.views import Views
-from gpupool._core.policy import Ask
+from gpupool._core.policy import VARY_RATIO, Ask, peaks_vary
 from gpupool._core.units import format_size
 
-__all__ = ["Learning"]
+__all__ = ["Learning", "rooms_alone_bytes", "varied_peaks"]
+
+
+def rooms_alone_bytes(
+    cards: Sequence[Card], *, reserve_bytes: int, ceiling: Ceiling
+) -> tuple[int, ...]:
+    """The room one task has on each readable card of ``cards`` once the other pools there drained:
+    ``total - co_tenant - own_high_water - reserve`` (less a task's child RSS on unified memory)."""
+    rooms: list[int] = []
+    for card in cards:
+        bound = derive_bound(
+            card.census,
+            own_high_water_bytes=card.own_high_water_bytes,
+            reserve_bytes=reserve_bytes,
+            ask_bytes=1,
+            ask_basis="estimated",
+            other_pools_at_census_bytes=card.others_at_census_bytes,
+        )
+        if bound.room_bytes is not None:
+            rooms.append(bound.room_bytes - host_per_task_bytes(card, ceiling))
+    return tuple(rooms)
+
+
+def varied_peaks(ask: Ask) -> tuple[str, dict[str, JsonValue]] | None:
+    """The ``peaks_vary`` record's sentence and terms for a measured key whose peaks vary a
+    lot, else ``None`` (also for a key whose tasks carry sizes: its asks are predicted per
+    size, so the advice to give sizes is not for it)."""
+    largest, least = ask.measured_peak_bytes, ask.least_peak_bytes
+    if (
+        ask.basis != "measured"
+        or ask.size is not None
+        or ask.sized_samples
+        or largest is None
+        or least is None
+        or not peaks_vary(ask.samples, least, largest)
+    ):
+        return None
+    reason = (
+        f"{ask.key}: {ask.samples} measured peaks range from {format_size(least)} to "
+        f"{format_size(largest)} (more than {VARY_RATIO:g}x): its tasks are not one workload, "
+        f"so its margin is held to what was measured ({format_size(ask.margin_bytes)}, at most "
+        f"the range {format_size(largest - least)}) and its ask is {ask.describe()}; give its "
+        "tasks size= (the ask is then predicted per size) or split them into keys of their own"
+    )
+    return reason, {
+        "samples": ask.samples,
+        "least_peak_bytes": least,
+        "largest_peak_bytes": largest,
+        "peak_range_bytes": largest - least,
+        "mean_peak_bytes": ask.mean_bytes,
+        "stdev_bytes": ask.spread_bytes,
+        "margin_bytes": ask.margin_bytes,
+        "room_capped": ask.room_capped,
+    }
 
 
 @dataclasses.dataclass(slots=True)
 class Learned:
-    """The peaks the tasks of one key that ended since the last settle measured (each with
-    its task's size), the card of the last, and the report a record states (the last one,
-    unless an earlier one tells of a descendant left running or a rejected reading and the
-    last does not)."""
+    """The peaks the tasks of one key that ended since the last settle measured (each with its
+    task's size), the card of the last, and the report a record states (the last one, unless an
+    earlier one tells of a descendant left running or a rejected reading and the last does not)."""
 
     device: int
     report: PeakReport
@@ -57,13 +114,8 @@ def _noteworthy(report: PeakReport) -> bool:
 
 class Learning:
     """What ended tasks' peak reports teach: the asks, the child's RSS, and their records (the
-    only writer of the peaks kept until the next settle and of the asks last recorded).
-
-    Args:
-        state: the planner's state.
-        views: its widths (reviewed where an ask moved).
-        log: where records go.
-    """
+    only writer of the peaks kept until the next settle and of the asks last recorded). The
+    widths are reviewed where an ask moved."""
 
     def __init__(self, state: PlannerState, views: Views, log: Recorder) -> None:
         self._state = state
@@ -122,12 +174,8 @@ class Learning:
         if failed:
             self._raised_past(run.key, run.device, report, now_s)
             return
-        learned = self._learned.get(run.key)
-        if learned is None:
-            peak = (report.device_peak_bytes, run.size)
-            self._learned[run.key] = Learned(run.device, report, [peak])
-        else:
-            learned.add(run.device, report, run.size)
+        learned = self._learned.setdefault(run.key, Learned(run.device, report, []))
+        learned.add(run.device, report, run.size)
 
     def _raised_past(self, key: str, device: int, report: PeakReport, now_s: float) -> None:
         """A task of ``key`` raised after holding ``report``'s peak: where that passed the
@@ -191,6 +239,13 @@ class Learning:
         if ceiling.value == before.value:
             return
         event: EventName = "narrowed" if ceiling.value < before.value else "widened"
+        prior = before.child_rss_bytes == self._state.config.child_rss_prior_bytes
+        reason = (
+            f"the ceiling goes {before.value} -> {ceiling.value}: host RAM "
+            f"({format_size(ceiling.host_ram_bytes)} available) at {format_size(rss)} measured "
+            f"RSS per child (was {format_size(before.child_rss_bytes)}"
+            f"{', the prior' if prior else ''}); set by {ceiling.limit}"
+        )
         self._log.record(
             Decision(
                 event=event,
@@ -198,18 +253,7 @@ class Learning:
                 device=None,
                 width_before=before.value,
                 width_after=ceiling.value,
-                reason=(
-                    f"the ceiling goes {before.value} -> {ceiling.value}: host RAM "
-                    f"({format_size(ceiling.host_ram_bytes)} available) at "
-                    f"{format_size(rss)} measured RSS per child (was "
-                    f"{format_size(before.child_rss_bytes)}"
-                    + (
-                        ")"
-                        if before.child_rss_bytes != self._state.config.child_rss_prior_bytes
-                        else ", the prior)"
-                    )
-                    + f"; set by {ceiling.limit}"
-                ),
+                reason=reason,
                 ceiling=ceiling,
                 limit=ceiling.limit,
             )
@@ -242,8 +286,7 @@ class Learning:
             return said
 
         # A descendant left running, or a rejected reading, is recorded once per key.
-        noted = bool(report.outliving_descendants or report.rejected_readings)
-        noted = noted and key not in self._noted_reports
+        noted = _noteworthy(report) and key not in self._noted_reports
         if noted:
             self._noted_reports.add(key)
         if not (moved or changed_basis or noted) and after.price_terms() == before.price_terms():

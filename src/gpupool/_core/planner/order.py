@@ -3,21 +3,18 @@
 Tasks start in queue order, with two exceptions, each of which holds room
 rather than idling the card:
 
-* **The critical key** (:func:`critical`): once every key with pending work
-  has a timed task, the key whose pending work would take longest alone
-  starts first where it leads every other key by at least one of its tasks'
-  duration, and other keys leave it room on a card where their ends make it
+* **The critical key** (:func:`critical`): once every key with pending work has a timed task, the
+  key whose pending work would take longest alone starts first where it leads every other key by at
+  least one of its tasks' duration, and other keys leave it room on a card where their ends make it
   (:func:`holds_for`).
-* **The head's hold** (:func:`head_hold`): a task at the queue's head that does
-  not fit yet is passed by smaller tasks at most a ceiling's worth of times;
-  from then on its room is held on the card where the running tasks expected to
-  end first free it soonest (those runs are its ``ending`` set). Other tasks
-  still start there while they fit now *and* beside what stays once those runs
-  end plus the head (:meth:`Hold.after`): no start can delay it, so it starts as
-  soon as those runs' bookings free its room, and the rest of the card keeps
-  working meanwhile. The hold is kept (:func:`keep_hold`) until the head starts:
-  chosen again, it could name other runs, and the starts placed beside the first
-  one would then stand in the head's way.
+* **The head's hold** (:func:`head_hold`): a task at the queue's head that does not fit yet is
+  passed by smaller tasks at most a ceiling's worth of times; from then on its room is held on the
+  card where the running tasks expected to end first free it soonest (those runs are its ``ending``
+  set). Other tasks still start there while they fit now *and* beside what stays once those runs end
+  plus the head (:meth:`Hold.after`): no start can delay it, so it starts as soon as those runs'
+  bookings free its room, and the rest of the card keeps working meanwhile. The hold is kept
+  (:func:`keep_hold`) until the head starts: chosen again, it could name other runs, and the starts
+  placed beside the first one would then stand in the head's way.
 """
 
 from __future__ import annotations
@@ -27,10 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpupool._core.bound import Ceiling
-from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import Booked, Held, card_bound, fit, host_per_task_bytes
-from gpupool._core.planner.state import Card, Critical, Run
+from gpupool._core.planner.state import Card, Critical, Run, usable
 from gpupool._core.planner.verdicts import LOOKAHEAD, TaskId
 from gpupool._core.policy import Ask
 
@@ -39,14 +35,9 @@ __all__ = ["Hold", "Order", "alone_width", "critical", "head_hold", "holds_for",
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hold:
-    """Room held on a card for the task at the queue's head, which waits for it.
-
-    Attributes:
-        device: the card.
-        key: the waiting task's key.
-        held_bytes: its booking there.
-        ending: the runs whose ends make its room (those expected to end first).
-    """
+    """Room held on ``device`` for the task at the queue's head (of ``key``, booked there at
+    ``held_bytes``), which waits for it: the ``ending`` runs' ends make it (those expected
+    to end first)."""
 
     device: int
     key: str
@@ -121,9 +112,7 @@ def holds_for(
     def fits(runs: Sequence[Held], card: Card) -> bool:
         return fit(card, ask, runs, reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1).more > 0
 
-    for card in cards:
-        if card.index in avoid and len(avoid) < len(cards):
-            continue
+    for card in usable(cards, avoid):
         runs: list[Held] = list(card.runs.values())
         room = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling).room_bytes
         if room is None or fits(runs, card):
@@ -161,9 +150,7 @@ def head_hold(
     until their bookings free its room; the card where that happens soonest wins. ``None``
     where no card holds it even alone (the serial floor is for that)."""
     best: tuple[float, Hold] | None = None
-    for card in cards:
-        if card.index in avoid and len(avoid) < len(cards):
-            continue
+    for card in usable(cards, avoid):
         alone = fit(card, ask, (), reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
         if alone.more == 0 or alone.bound.room_bytes is None:
             continue
@@ -203,12 +190,8 @@ def keep_hold(
 
 class Order:
     """The start order of one planner: the candidates of each pass, the critical key among
-    them, and the room held for the queue's head (the only writer of :attr:`hold`).
-
-    Args:
-        state: the planner's state (read).
-        durations: its keys' task durations (read).
-    """
+    them, and the room held for the queue's head (the only writer of :attr:`hold`). Reads
+    the state and the durations."""
 
     def __init__(self, state: PlannerState, durations: Durations) -> None:
         self._state = state
@@ -257,14 +240,8 @@ class Order:
         reserve_bytes = state.config.reserve_bytes
         hold: Hold | None = None
         if self._held_for is not None and self._held_for[0] == head:
-            kept = self._held_for[1]
-            hold = keep_hold(
-                kept,
-                state.cards[kept.device],
-                ask,
-                reserve_bytes=reserve_bytes,
-                ceiling=state.ceiling,
-            )
+            kept, card = self._held_for[1], state.cards[self._held_for[1].device]
+            hold = keep_hold(kept, card, ask, reserve_bytes=reserve_bytes, ceiling=state.ceiling)
         if hold is None:
             hold = head_hold(
                 state.cards,

@@ -1,24 +1,219 @@
-"""An out-of-memory carried out: the task's price raised, the cap, wait or card to avoid its
-judgement names, its retry or failure, and a cap lifted once the readings show its room back.
+"""An out-of-memory: judged against the task's own booking, carried out, and recorded.
 
-The judgement itself is :func:`~gpupool._core.planner.oom.judge` (a rule on numbers);
-this room applies it to the planner's state, and is the only writer of a card's
-out-of-memory cap.
+A task that ran its card out of memory either passed its own price (an underestimate: its key's ask
+rises, and no card is capped for it), or stayed within it while it shared the card (something else
+grew: the card runs fewer at once until the live reading shows the room back), or ran alone (it
+waits for room others hold, moves to a roomier card, or fails). "Its own price" is the ask it was
+started at, never a price an earlier out-of-memory of the same wave raised since. The judgement is a
+rule on numbers (:func:`judge`); :class:`OutOfMemory` carries it out on the planner's state (the
+only writer of a card's out-of-memory cap) and lifts a cap once the readings show its room back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from gpupool._core.bound import Bound, Ceiling
+from gpupool._core.events import Decision, JsonTable, JsonValue
 from gpupool._core.peak import PeakReport
-from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.oom import Facts, Judgement, cap_lift_terms, judge
-from gpupool._core.planner.samples import Recorder, split_reading
+from gpupool._core.planner.samples import ReadingSplit, Recorder, pool_rows, split_reading
 from gpupool._core.planner.state import Card, Run, TaskState
-from gpupool._core.planner.verdicts import CardReading, Fail, FailKind, Retry, TaskId
+from gpupool._core.planner.verdicts import (
+    CardReading,
+    Fail,
+    FailKind,
+    PlannerConfig,
+    Retry,
+    TaskId,
+)
 from gpupool._core.planner.views import Views
 from gpupool._core.policy import Ask
+from gpupool._core.units import MiB, format_size
 
-__all__ = ["CAP_LIFT_AFTER_S", "OutOfMemory"]
+__all__ = ["CAP_LIFT_AFTER_S", "OutOfMemory", "judge"]
+
+#: A cap an out-of-memory set lifts once the bytes on the card that are not the
+#: pool's are back within this much of what the bound prices them at.
+CAP_LIFT_MARGIN_BYTES = 256 * MiB
+
+Kind = Literal[
+    "larger_than_card",
+    "retries_off",
+    "retries_exhausted",
+    "fixed_width",
+    "underestimate",
+    "something_grew",
+    "pooled",
+    "held",
+    "elsewhere",
+    "alone",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Judgement:
+    """What an out-of-memory means (the rule it fell under), and what the planner does about
+    it: run the task again (else its future fails), at most ``cap`` at once on its card from
+    now on (``None``: no cap); ``why`` is the sentence for the record and the error."""
+
+    kind: Kind
+    retry: bool
+    why: str
+    cap: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Facts:
+    """What was known when the task ran out."""
+
+    run: Run
+    tries: int
+    running_then: int
+    shared: bool
+    reached_bytes: int | None
+    requested_bytes: int | None
+    key_ask_before: Ask
+    key_ask_after: Ask
+    held: bool
+    elsewhere: int | None
+    # What the card's runs were booked at when it ran out (before any re-pricing), and the
+    # least own high-water they were priced at.
+    booked_bytes: int
+    priced_own_high_water_bytes: int | None
+    # The largest total of the pool's cards: a task that needs more never runs.
+    largest_total_bytes: int | None = None
+
+
+def judge(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement:
+    """The rule an out-of-memory falls under (the caller applies the cap and the retry)."""
+    run = facts.run
+    lower = (facts.reached_bytes or 0) + (facts.requested_bytes or 0)
+    largest = facts.largest_total_bytes
+    if largest is not None and lower > largest:
+        return Judgement(
+            kind="larger_than_card",
+            retry=False,
+            why=f"it needs at least {format_size(lower)} ({format_size(facts.reached_bytes)} "
+            f"held + {format_size(facts.requested_bytes)} refused), more than the "
+            f"{format_size(largest)} total of the largest card; it was priced at "
+            f"{format_size(run.ask_bytes)}, but no price or width runs it on these cards, so "
+            "it is not retried",
+        )
+    if not config.retry_oom:
+        return Judgement(kind="retries_off", retry=False, why="retries are off")
+    if facts.tries > config.max_retries:
+        return Judgement(
+            kind="retries_exhausted",
+            retry=False,
+            why=f"it ran out of memory {facts.tries} times, more than max_retries="
+            f"{config.max_retries}",
+        )
+    if facts.shared:
+        cap = max(1, facts.running_then - 1)
+        if config.fixed_width is not None:
+            return Judgement(
+                kind="fixed_width",
+                retry=True,
+                why=f"retrying once its card runs at most {cap - 1} other task(s) (the fixed "
+                f"width {config.fixed_width} stays)",
+                cap=cap,
+            )
+        if lower > run.ask_bytes:
+            return Judgement(
+                kind="underestimate",
+                retry=True,
+                why=f"the ask was underestimated: started at {format_size(run.ask_bytes)} "
+                f"(booked {format_size(run.booked_at_start_bytes)}), it reached "
+                f"{format_size(facts.reached_bytes)} and asked for "
+                f"{format_size(facts.requested_bytes)} more; {run.key} is priced "
+                f"{facts.key_ask_after.describe()} from now on (no card is capped for it)",
+            )
+        assert card is not None
+        cap = cap if card.oom_cap is None else min(card.oom_cap, cap)
+        if run.booked_at_start_bytes < run.ask_bytes:
+            return Judgement(
+                kind="pooled",
+                retry=True,
+                why=f"it stayed within its ask ({format_size(run.ask_bytes)}), but {run.key}'s "
+                "tasks were priced together (their peaks counted on not coinciding): either "
+                f"they, or something else on the card, grew past that; {run.key} is priced "
+                f"{format_size(facts.key_ask_after.ask_bytes)} per task from now on, and at "
+                f"most {cap} run at once there until the room is back",
+                cap=cap,
+            )
+        return Judgement(
+            kind="something_grew",
+            retry=True,
+            why=f"it stayed within its ask ({format_size(run.ask_bytes)}), so something else "
+            f"on the card grew; at most {cap} at once there until the live reading shows the "
+            "room back",
+            cap=cap,
+        )
+    return _alone(facts, config)
+
+
+def _alone(facts: Facts, config: PlannerConfig) -> Judgement:
+    where = f"card {facts.run.device if facts.run.device is not None else '-'}"
+    if facts.held:
+        return Judgement(
+            kind="held",
+            retry=True,
+            why=f"it ran out alone while the card's live free bytes did not cover its ask "
+            f"{format_size(facts.key_ask_after.ask_bytes)} + "
+            f"{format_size(config.reserve_bytes)} reserve: others' bytes hold the card, so it "
+            "waits for room and retries",
+        )
+    if facts.elsewhere is not None:
+        return Judgement(
+            kind="elsewhere",
+            retry=True,
+            why=f"it ran out alone on {where}; card {facts.elsewhere} has room for its ask "
+            f"{facts.key_ask_after.describe()}, so it is retried there",
+        )
+    return Judgement(
+        kind="alone",
+        retry=False,
+        why="it ran out alone on the card with its ask's room free",
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CapLift:
+    """Whether a card's out-of-memory cap may lift, with the terms."""
+
+    lifts: bool
+    not_pool_bytes: int
+    priced_not_pool_bytes: int
+    pool_bytes: int
+
+
+def cap_lift_terms(card: Card, split: ReadingSplit) -> CapLift | None:
+    """Whether the bytes on ``card`` that are not the pool's (its workers', the processes
+    their tasks started) are back within :data:`CAP_LIFT_MARGIN_BYTES` of what the bound
+    prices them at (co-tenants at the census, other pools, the own high-water). ``None``
+    where the card's total or co-tenant bytes are unknown. The pool's bytes are its rows
+    where the reading lists them, else its runs' bookings."""
+    total = card.census.total_bytes
+    co_tenant = card.census.co_tenant_bytes
+    if total is None or co_tenant is None:
+        return None
+    pool = split.pool_bytes if split.pool_bytes is not None else card.booked_bytes
+    priced = (
+        max(0, co_tenant - card.others_at_census_bytes)
+        + card.others_bytes
+        + card.own_high_water_bytes
+    )
+    not_pool = max(0, split.used_bytes - pool)
+    return CapLift(
+        lifts=not_pool <= priced + CAP_LIFT_MARGIN_BYTES,
+        not_pool_bytes=not_pool,
+        priced_not_pool_bytes=priced,
+        pool_bytes=pool,
+    )
+
 
 #: A cap an out-of-memory set lifts once the live readings have shown its room
 #: back this long without a break (one good reading during a spike is not enough).
@@ -26,13 +221,7 @@ CAP_LIFT_AFTER_S = 1.0
 
 
 class OutOfMemory:
-    """Out-of-memory errors and the caps they set.
-
-    Args:
-        state: the planner's state.
-        views: its widths (reviewed where a price or a cap moved).
-        log: where records go.
-    """
+    """Out-of-memory errors and the caps they set (the widths reviewed where either moved)."""
 
     def __init__(self, state: PlannerState, views: Views, log: Recorder) -> None:
         self._state = state
@@ -49,16 +238,9 @@ class OutOfMemory:
         error: str,
     ) -> Retry | Fail:
         """``task`` ran its card out of memory: judge it against its own price when it started
-        (:func:`~gpupool._core.planner.oom.judge`), raise its key's price where it passed it,
-        and retry or fail it.
-
-        Args:
-            task: the task.
-            report: its peak report (what it reached, what it asked for).
-            reading: a live snapshot of its card taken after the report, or ``None``.
-            now_s: the time.
-            error: the error's text (truncated in the record).
-        """
+        (:func:`judge`), raise its key's price where it passed it,
+        and retry or fail it. ``reading``: a live snapshot of its card taken after the report;
+        ``error``: the error's text (truncated in the record)."""
         self._state.count("oom")
         run = self._state.end_run(task)
         assert run is not None
@@ -70,7 +252,7 @@ class OutOfMemory:
         outcome = self._apply(verdict, task, task_state, run, card, now_s)
         bound = self._views.bound(card.index, facts.key_ask_after) if card is not None else None
         self._log.record(
-            records.out_of_memory(
+            _record(
                 facts,
                 outcome,
                 card,
@@ -226,7 +408,7 @@ class OutOfMemory:
             return
         card.oom_cap = None
         card.cap_clear_since_s = None
-        reason, extra = records.cap_lifted(card, cap, lift)
+        reason, extra = _cap_lifted(card, cap, lift)
         self._views.review(
             now_s,
             cause=reason,
@@ -240,3 +422,137 @@ class OutOfMemory:
                 "live_used_bytes": reading.used_bytes,
             },
         )
+
+
+def _cap_lifted(card: Card, cap: int, lift: CapLift) -> tuple[str, dict[str, JsonValue]]:
+    """An out-of-memory cap lifted: the sentence and the terms."""
+    reason = (
+        f"card {card.index}: the live reading shows {format_size(lift.not_pool_bytes)} on the "
+        f"card that is not the pool's workers', within the bound's "
+        f"{format_size(lift.priced_not_pool_bytes)} (co-tenants at the census, other pools, "
+        f"own high-water) and its margin: the room the cap of {cap} was set for is back, so "
+        "the cap lifts"
+    )
+    return reason, {
+        "oom_cap_before": cap,
+        "live_not_pool_bytes": lift.not_pool_bytes,
+        "priced_not_pool_bytes": lift.priced_not_pool_bytes,
+        "live_pool_bytes": lift.pool_bytes,
+    }
+
+
+def _record(
+    facts: Facts,
+    outcome: Retry | Fail,
+    card: Card | None,
+    bound: Bound | None,
+    ceiling: Ceiling,
+    report: PeakReport,
+    reading: CardReading | None,
+    *,
+    parent_pid: int | None,
+    error: str,
+    now_s: float,
+) -> Decision:
+    """An out-of-memory's record: what the task reached and was priced at, what the card held
+    then, and what the planner does about it."""
+    run = facts.run
+    where = f"card {run.device if run.device is not None else '-'}"
+    reason = (
+        f"{where}: a task of {run.key} ran out of memory at "
+        f"{format_size(facts.reached_bytes)} reached (asked for "
+        f"{format_size(facts.requested_bytes)} more), started at its ask "
+        f"{format_size(run.ask_bytes)} (booked {format_size(run.booked_at_start_bytes)}) "
+        f"beside {facts.running_then - 1} other running; live "
+        f"{format_size(reading.used_bytes if reading else None)} used, "
+        f"{format_size(reading.free_bytes if reading else None)} free; {outcome.reason}"
+    )
+    # The card's width when it ran out: the record of the width's move (a raised price,
+    # a cap) follows this one.
+    width = card.width if card is not None else facts.running_then
+    return Decision(
+        event="out_of_memory",
+        time_s=now_s,
+        device=run.device,
+        width_before=width,
+        width_after=width,
+        reason=reason,
+        bound=bound,
+        ceiling=ceiling,
+        key=run.key,
+        key_ask=facts.key_ask_after,
+        limit="out_of_memory",
+        extra=_oom_terms(facts, outcome, card, bound, report, reading, parent_pid, error),
+    )
+
+
+def _oom_terms(
+    facts: Facts,
+    outcome: Retry | Fail,
+    card: Card | None,
+    bound: Bound | None,
+    report: PeakReport,
+    reading: CardReading | None,
+    parent_pid: int | None,
+    error: str,
+) -> dict[str, JsonValue]:
+    """An out-of-memory record's terms: the card's reading split by whose bytes they are
+    (the pool's own never a co-tenant's), and each task running there with its booking."""
+    run = facts.run
+    split, rows = None, None
+    if reading is not None and card is not None:
+        extra = frozenset({run.pid}) if run.pid is not None else frozenset()
+        split = split_reading(card, reading, parent_pid, extra_pids=extra)
+        rows = pool_rows(card, reading, parent_pid, extra_pids=extra)
+    return {
+        "task_ask_bytes": run.ask_bytes,
+        "task_booked_bytes": run.booked_at_start_bytes,
+        "ask_before_bytes": facts.key_ask_before.ask_bytes,
+        "ask_after_bytes": facts.key_ask_after.ask_bytes,
+        "reached_bytes": report.device_peak_bytes,
+        "requested_bytes": report.oom_requested_bytes,
+        "live_free_bytes": reading.free_bytes if reading else None,
+        "live_used_bytes": reading.used_bytes if reading else None,
+        "live_own_bytes": split.own_bytes if split else None,
+        "live_pool_bytes": split.pool_bytes if split else None,
+        "live_running_bytes": split.running_bytes if split else None,
+        "live_co_tenant_bytes": split.co_tenant_bytes if split else None,
+        "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
+        "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
+        "other_pools_bytes": card.others_bytes if card else None,
+        "other_pools_held_bytes": card.others_held_bytes if card else None,
+        "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
+        "other_pools_tasks": card.others_tasks if card else None,
+        # What the card's runs were booked at when each started (not re-priced at an ask
+        # the out-of-memory raised), and each of them.
+        "booked_bytes": facts.booked_bytes,
+        "runs": _runs_table(run, card, rows),
+        "running": facts.running_then,
+        "tries": facts.tries,
+        "retry": isinstance(outcome, Retry),
+        "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
+        "oom_cap": card.oom_cap if card else None,
+        "error": error[:500],
+    }
+
+
+def _runs_table(failed: Run, card: Card | None, rows: Mapping[int, int] | None) -> JsonTable:
+    """Each task running on the card when ``failed`` ran out, ``failed`` first: its key, its
+    ask and booking when it started, its booking now, and its row in the reading (``rows``;
+    ``None`` where they cannot tell the pool's bytes)."""
+    runs = [failed, *(card.runs.values() if card is not None else ())]
+    return [
+        {
+            "key": run.key,
+            "pid": run.pid,
+            "failed": run is failed,
+            "started_s": round(run.started_s, 6),
+            "ask_bytes": run.ask_bytes,
+            "booked_bytes": run.booked_at_start_bytes,
+            "booked_now_bytes": run.booked_bytes,
+            "held_bytes": rows.get(run.pid, 0)
+            if rows is not None and run.pid is not None
+            else None,
+        }
+        for run in runs
+    ]

@@ -1,30 +1,18 @@
 """The planner: every price, admission and width decision of one pool (pure core).
 
 The dispatcher (:mod:`gpupool._pool.dispatcher`) keeps the thread, the pipes,
-the workers and the futures; it tells the planner what happened and asks it
-before every start. The planner touches no process, pipe, future or clock:
-the time is passed in (``now_s``, seconds since the pool was constructed)
-and readings are values the dispatcher took::
-
-    events in                                   verdicts and records out
-    ---------                                   ------------------------
-    submit(task, key, hint)                     next_start(now) -> Start|Wait|Fail|Refuse|None
-    withdraw(task)            (cancelled)       out_of_memory(...) -> Retry | Fail
-    observe(device, reading)  (one snapshot)    width, widths_by_key(), warm_limit(device)
-    observe_error(device, error)                construct(now) -> Refuse | None (strict)
-    started(task, device, pid)                  records -> emit(Decision)
-    finished(task, report)    (a result or an error, with its peak report)
-    ended(task, report)       (the same, priced at the next settle(now): once per turn)
-    out_of_memory(task, report, reading)
-    lost(task, message)       (its worker died)
-
-:class:`Planner` is that surface and nothing else: it composes rooms that each
-own their fields, and passes each event to the rooms it concerns::
+the workers and the futures; it tells the planner what happened (``submit``,
+``started``, ``ended``, ``observe``, ``out_of_memory``, ``lost``, ...) and asks it
+before every start (``next_start``). The planner touches no process, pipe, future
+or clock: the time is passed in (``now_s``, seconds since the pool was constructed)
+and readings are values the dispatcher took. :class:`Planner` is that surface and
+nothing else (``PLANNER_SURFACE`` in ``tests/test_layering.py``): it composes rooms
+that each own their fields, and passes each event to the rooms it concerns::
 
     state     PlannerState   cards (each with its runs), tasks, pending, running,
                              the ceiling, the counts               (:mod:`~.base`)
     log       Recorder       records, card samples, the width timeline (:mod:`~.samples`)
-    durations Durations      each key's task durations            (:mod:`~.durations`)
+    durations Durations      each key's task durations            (:mod:`~.base`)
     order     Order          the start order, the room held for the head (:mod:`~.order`)
     views     Views          every width (views of the one fit), strict mode's refusal
                                                                    (:mod:`~.views`)
@@ -33,21 +21,20 @@ own their fields, and passes each event to the rooms it concerns::
     starts    Starts         the next start                        (:mod:`~.starts`)
     oom       OutOfMemory    an out-of-memory carried out, the caps (:mod:`~.out_of_memory`)
 
-A room reads the rooms built before it and writes only its own fields (and, for
-the state, through the state's methods). The rules on numbers are functions in
-modules of their own: :mod:`~gpupool._core.planner.fit` (the one fit every width
-is a view of, and the live gate), :mod:`~.sharing` (other pools on a card),
-:mod:`~.oom` (an out-of-memory judged against the task's own booking) and
-:mod:`~.records` (what each record says).
+A room reads the rooms built before it and writes only its own fields (and, for the state, through
+the state's methods). The rules on numbers are functions in modules of their own:
+:mod:`~gpupool._core.planner.fit` (the one fit every width is a view of, and the live gate),
+:mod:`~.sharing` (other pools on a card), the out-of-memory's judgement
+(:func:`~.out_of_memory.judge`, beside the room that carries it out) and :mod:`~.records` (what each
+record says); :mod:`~.state` and :mod:`~.verdicts` hold the records and the verdicts.
 
-The invariant, checked at every start: on every device the booked asks of
-the tasks running there plus the new one fit in ``room = total - co_tenant -
-own_high_water - reserve``, the count fits the ceiling and any cap an
-out-of-memory set, and the live reading covers the new ask plus what the
-running tasks have not reached yet plus the reserve. The only start past the
-bound is the serial floor (nothing of the pool runs anywhere and no card has
-room for one task), logged as ``serial_start``. Explicit concurrency
-(``fixed_width``) is authoritative: it skips the memory terms and says so.
+The invariant, checked at every start: on every device the booked asks of the tasks running there
+plus the new one fit in ``room = total - co_tenant - own_high_water - reserve``, the count fits the
+ceiling and any cap an out-of-memory set, and the live reading covers the new ask plus what the
+running tasks have not reached yet plus the reserve. The only start past the bound is the serial
+floor (nothing of the pool runs anywhere and no card has room for one task), logged as
+``serial_start``. Explicit concurrency (``fixed_width``) is authoritative: it skips the memory terms
+and says so.
 """
 
 from __future__ import annotations
@@ -55,18 +42,19 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from gpupool._core.bookings import OtherPools, TaskBooking
+from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import Census
 from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
-from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.learning import Learning
 from gpupool._core.planner.order import Order
-from gpupool._core.planner.out_of_memory import CAP_LIFT_AFTER_S, OutOfMemory
+from gpupool._core.planner.out_of_memory import OutOfMemory
 from gpupool._core.planner.queued import Queue
 from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.sharing import (
@@ -85,33 +73,23 @@ from gpupool._core.planner.verdicts import (
     PlannerConfig,
     Refuse,
     Retry,
-    Start,
     TaskId,
-    Wait,
-    Warm,
-    Workers,
 )
 from gpupool._core.planner.views import Views
 from gpupool._core.policy import Ask, AskTable
 from gpupool._core.units import GiB, format_size
 
-__all__ = ["CAP_LIFT_AFTER_S", "Planner"]
+__all__ = ["Planner", "WhatIf", "what_if"]
 
 
 class Planner:
     """Owns every price, admission and width decision of one pool: its events, verdicts and
     views (the process layer's whole surface), each passed to the rooms it concerns.
 
-    Past the house's ~25 methods on purpose: the surface is fixed (the process layer's
-    events, verdicts and views, ``PLANNER_SURFACE`` in ``tests/test_layering.py``), and each
-    member is a few lines that hand over to a room; the planner's own fields are its rooms.
-
-    Args:
-        census: the cards and the host as they stood at construction.
-        asks: the per-key asks (the planner is their only writer).
-        config: what the caller asked for.
-        emit: where decision records go (the decision log).
-        now_s: the time of construction.
+    Past the house's ~25 methods and ~15 fields on purpose: the surface is fixed (the module
+    docstring); a member that is a room's own method is that method, bound here, and the rest are a
+    few lines over the rooms. ``now_s`` (the time of construction) is taken for the callers' sake:
+    nothing is recorded until :meth:`construct`.
     """
 
     def __init__(
@@ -130,16 +108,28 @@ class Planner:
         self.views = Views(self.state, self.order, self.log)
         self.learning = Learning(self.state, self.views, self.log)
         self.queue = Queue(self.state, self.durations, self.order, self.views)
-        self.starts = Starts(self.state, self.views, self.order, self.log)
+        self.starts = Starts(self.state, self.views, self.order)
         self.oom = OutOfMemory(self.state, self.views, self.log)
+        # The surface that is a room's own method (or a room's live record), bound.
+        self.requeue = self.queue.requeue
+        self.queue_behind = self.queue.queue_behind
+        self.settle = self.learning.settle
+        self.flush_asks = self.learning.flush_asks
+        self.next_start = self.starts.next_start
+        self.still_admits = self.starts.still_admits
+        self.take_grown = self.state.take_grown
+        self.ask_of = self.state.ask_of
+        self.counts = self.state.counts
+        self.widths = self.log.widths
+        self.sample_cards = self.log.sample_cards
 
     # -- events in ---------------------------------------------------------------------------
 
     def construct(
         self, now_s: float, *, note: str = "", extra: Mapping[str, JsonValue] | None = None
     ) -> Refuse | None:
-        """Decide and record the first width of every card, from the same fit as every later
-        one. Returns strict mode's refusal where the width is below ``max_workers``."""
+        """The first width of every card, decided and recorded (:meth:`~.views.Views.construct`),
+        and the first ask as recorded."""
         refusal = self.views.construct(now_s, note=note, extra=extra)
         if self.state.cards:
             self.learning.recorded("", self.state.asks.ask(""))
@@ -164,10 +154,6 @@ class Planner:
             self.state.unqueue(task)
             self.state.forget(task)
 
-    def requeue(self, task: TaskId) -> None:
-        """``task``'s worker is gone, or declined it: it goes back to the queue's head."""
-        self.queue.requeue(task)
-
     def observe(self, device: int, reading: CardReading, now_s: float) -> None:
         """A live snapshot of ``device``: the live gate reads it, the parent's own row raises
         the own high-water (a term of the bound: recorded when it grows), and a cap an
@@ -176,11 +162,10 @@ class Planner:
         card.reading = reading
         card.reading_s = now_s
         card.reading_error = None
+        own, pid = None, self.state.config.parent_pid
         if reading.process_bytes is not None:
             card.keep_workers(reading.process_bytes)
-        own = None
-        if reading.process_bytes is not None and self.state.config.parent_pid is not None:
-            own = reading.process_bytes.get(self.state.config.parent_pid)
+            own = reading.process_bytes.get(pid) if pid is not None else None
         if own is not None and own > card.own_high_water_bytes:
             card.own_high_water_bytes = own
             self.learning.limit_asks()
@@ -196,13 +181,6 @@ class Planner:
                 )
         self.oom.lift_cap(card, reading, now_s)
 
-    def sample_cards(self, now_s: float) -> None:
-        """The end of a turn of the process layer (its starts made): a ``card_read`` sample
-        of each card whose last reading is due one (:mod:`~gpupool._core.planner.samples`).
-        Taken after the turn's starts, so a sample counts the tasks that run beside it."""
-        for card in self.state.cards:
-            self.log.sample(card, now_s, decision=False)
-
     def observe_others(
         self,
         device: int,
@@ -214,18 +192,9 @@ class Planner:
     ) -> None:
         """The host's other pools' bookings on ``device`` (``None``: the table is unreachable,
         so the live gate alone sees them). Each of their tasks is priced at the larger of its
-        booking and what the card's last reading shows its worker holding.
-
-        Args:
-            device: the card.
-            others: the other pools' rows.
-            now_s: the time.
-            census: this reading stands beside the census: what those pools
-                hold now is in the census' co-tenant bytes, and is priced by
-                their bookings instead.
-            rows: per-process bytes to read their holdings from (default: the
-                card's last reading).
-        """
+        booking and what ``rows`` (default: the card's last reading) show its worker holding.
+        ``census``: this reading stands beside the census, whose co-tenant bytes hold what
+        those pools hold now (they are priced by their bookings instead)."""
         card = self.state.cards[device]
         if rows is None:
             rows = {}
@@ -268,8 +237,7 @@ class Planner:
 
     def run_queued(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """The run ``task`` was queued behind has ended (and been told): ``task`` runs now on
-        that worker, in the booking the run left; the tasks queued behind that run follow
-        ``task`` now."""
+        that worker, in the booking the run left (:meth:`~.queued.Queue.run_queued`)."""
         self.queue.run_queued(task)
         # Off the pending queue since it was queued.
         self.state.begin(task, device, pid, now_s, self.starts.take_issued(task))
@@ -302,11 +270,6 @@ class Planner:
         if report is not None:
             self.learning.learn(run, report, now_s, failed=failed)
 
-    def settle(self, now_s: float) -> Refuse | None:
-        """Price what the tasks that ended since the last settle measured (strict mode's
-        refusal where that narrowed the pool)."""
-        return self.learning.settle(now_s)
-
     def out_of_memory(
         self,
         task: TaskId,
@@ -316,10 +279,8 @@ class Planner:
         *,
         error: str,
     ) -> Retry | Fail:
-        """``task`` ran its card out of memory: judged against its own price when it started,
-        its key's price raised where it passed it, and retried or failed
-        (:meth:`~.out_of_memory.OutOfMemory.handle`), against the asks every measurement
-        before it priced."""
+        """``task`` ran its card out of memory (:meth:`~.out_of_memory.OutOfMemory.handle`),
+        judged against the asks every measurement before it priced."""
         self.settle(now_s)
         device = self.state.running[task].device
         if device is not None and reading is not None:
@@ -338,38 +299,10 @@ class Planner:
             self.state.rebook(run.key)
         key = run.key if run else state.key if state else self.state.last_key
         self.state.count("lost")
-        self.views.note(
-            "worker_lost",
-            run.device if run else None,
-            self.state.asks.ask(key),
-            message,
-            now_s,
-            extra=extra,
-        )
-
-    def flush_asks(self, now_s: float) -> None:
-        """Record each key's final ask where it moved since its last record."""
-        self.learning.flush_asks(now_s)
+        ask, device = self.state.asks.ask(key), run.device if run else None
+        self.views.note("worker_lost", device, ask, message, now_s, extra=extra)
 
     # -- verdicts out ------------------------------------------------------------------------
-
-    def next_start(
-        self, now_s: float, workers: Workers | None = None
-    ) -> Start | Warm | Wait | Fail | Refuse | None:
-        """What to start now (:meth:`~.starts.Starts.next_start`)."""
-        return self.starts.next_start(now_s, workers)
-
-    def queue_behind(self, behind: TaskId) -> TaskId | None:
-        """The pending task to queue behind ``behind`` on its worker, or ``None``."""
-        return self.queue.queue_behind(behind)
-
-    def still_admits(self, start: Start, now_s: float) -> bool:
-        """Whether ``start`` still fits beside the other pools' bookings read again."""
-        return self.starts.still_admits(start, now_s)
-
-    def take_grown(self) -> frozenset[int]:
-        """The cards where a running task was booked higher since the last call."""
-        return self.state.take_grown()
 
     def strict_refusal(self) -> Refuse | None:
         """Strict mode's refusal to narrow, once made (the pool breaks with it)."""
@@ -391,16 +324,6 @@ class Planner:
         return self.views.width
 
     @property
-    def widths(self) -> list[tuple[float, int]]:
-        """The pool's width over time: ``(seconds, width)`` where it moved."""
-        return self.log.widths
-
-    @property
-    def counts(self) -> collections.Counter[str]:
-        """What happened, by kind (retries, out-of-memory errors, waits, ...)."""
-        return self.state.counts
-
-    @property
     def unsettled(self) -> bool:
         """Whether tasks ended whose peaks :meth:`settle` has not priced yet."""
         return self.learning.unsettled
@@ -408,19 +331,15 @@ class Planner:
     def widths_by_key(self) -> dict[str, int]:
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
-        out: dict[str, int] = {}
-        if self.state.config.fixed_width is not None or not self.state.cards:
-            fixed = self.state.config.fixed_width
+        fixed = self.state.config.fixed_width
+        if fixed is not None or not self.state.cards:
             width = fixed if fixed is not None else self.state.ceiling.value
-            for key in self.state.present_keys():
-                out[key] = width
-            return out
-        running_keys: dict[str, int] = {}
-        for run in self.state.running.values():
-            running_keys[run.key] = running_keys.get(run.key, 0) + 1
+            return dict.fromkeys(self.state.present_keys(), width)
+        out: dict[str, int] = {}
+        running_keys = collections.Counter(run.key for run in self.state.running.values())
         for key in self.state.present_keys():
             ask = self.state.asks.ask(key)
-            others = len(self.state.running) - running_keys.get(key, 0)
+            others = len(self.state.running) - running_keys[key]
             total = 0
             for card in self.state.cards:
                 # Beside the other keys' runs there, read off the card's running sums.
@@ -497,10 +416,6 @@ class Planner:
         """The pending tasks, in the order they will be considered."""
         return tuple(self.state.pending)
 
-    def ask_of(self, task: TaskId) -> Ask:
-        """``task``'s price now (a per-task hint becomes its key's estimate first)."""
-        return self.state.ask_of(task)
-
     def has_pending(self) -> bool:
         """Whether any task waits to start (queued behind a run or not)."""
         return bool(self.state.pending)
@@ -549,3 +464,26 @@ class Planner:
             if card.total_bytes is not None
         ]
         return max([*rooms, GiB])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIf:
+    """The planner's answer for one ask: every card's decision and the ceiling."""
+
+    decisions: tuple[WidthDecision, ...]
+    ceiling: Ceiling
+
+    @property
+    def width(self) -> int:
+        """The pool's width: its cards' widths together, or the ceiling without a card."""
+        return sum(d.width for d in self.decisions) if self.decisions else self.ceiling.value
+
+
+def what_if(census: Census, asks: AskTable, config: PlannerConfig, ask: Ask | None) -> WhatIf:
+    """What a pool on ``census`` with ``config`` decides for tasks priced at ``ask`` (``None``:
+    no price given, only the ceiling), before any of its tasks runs: ``gpupool plan`` prices
+    nothing itself, it asks a planner built as a pool's would be, so the two cannot disagree
+    (the planner's records of it are not kept)."""
+    planner = Planner(census=census, asks=asks, config=config, emit=lambda _record: None)
+    decisions = planner.views.decide(ask) if ask is not None and census.cards else ()
+    return WhatIf(decisions=decisions, ceiling=planner.state.ceiling)

@@ -1,47 +1,33 @@
 """A short task queued behind a busy worker, in that worker's booking (pure core).
 
-A worker that ends a task waits for the parent to hand it the next one: the
-answer crosses the socket, the parent books the next start and sends it back.
-For tasks that take milliseconds that round trip is most of the time, so the
-next tasks of the same key may wait in the busy worker's socket, each starting
-the moment the one before ends: as many as the key's recent mean run time fits
-in :data:`~.durations.QUEUED_WORK_S` (so the last of them waits about that long),
-at least :data:`~.durations.QUEUE_DEPTH_LEAST` and at most
-:data:`~.durations.QUEUE_DEPTH` (:meth:`~.durations.Durations.queue_depth`).
-The planner allows it only where it books nothing new:
+A worker that ends a task waits for the parent to hand it the next one: the answer crosses the
+socket, the parent books the next start and sends it back. For tasks that take milliseconds that
+round trip is most of the time, so the next tasks of the same key may wait in the busy worker's
+socket, each starting the moment the one before ends: as many as the key's recent mean run time fits
+in :data:`~.base.QUEUED_WORK_S` (so the last of them waits about that long), at least
+:data:`~.base.QUEUE_DEPTH_LEAST` and at most :data:`~.base.QUEUE_DEPTH`
+(:meth:`~.base.Durations.queue_depth`). The planner allows it only where it books nothing new:
 
-* the task is the queue's head (the start order is kept; no scan of the queue)
-  and of the running task's key, with no size of its own (sized asks are priced
-  one by one) and no card to avoid;
-* the key is short: at least :data:`~.durations.SHORT_MIN_TASKS` of its tasks were timed,
-  the mean run time of its recent ones (:meth:`~.durations.Durations.timed`) is under
-  :data:`~.durations.SHORT_TASK_S`, and none of its last
-  :data:`~.durations.LONG_MEMORY_TASKS` took :data:`~.durations.LONG_TASK_S` or more (a key
-  whose run times have a long tail, whose many short tasks would keep the mean low,
-  would otherwise queue a long task behind a long one while a worker idles);
-* no more tasks run than the pool's ceiling; on a card, nothing caps the card
-  after an out-of-memory, the task's ask is not above the running task's
-  booking, a task at the key's price now would fit the bound in the run's place
-  beside the card's other runs (a price that rose, or other pools that took the
-  room, stop queueing as they stop a start), and no room is held for a waiting
-  task.
+* the task is the queue's head (the start order is kept; no scan of the queue) and of the running
+  task's key, with no size of its own (sized asks are priced one by one) and no card to avoid;
+* the key is short (:meth:`~.base.Durations.short`: a key whose run times have a
+  long tail would otherwise queue a long task behind a long one while a worker idles);
+* no more tasks run than the pool's ceiling; on a card, nothing caps the card after an
+  out-of-memory, the task's ask is not above the running task's booking, a task at the key's price
+  now would fit the bound in the run's place beside the card's other runs (a price that rose, or
+  other pools that took the room, stop queueing as they stop a start), and no room is held for a
+  waiting task.
 
-A queued task leaves the pending queue and holds its slot behind the run: it is
-not counted as waiting, and no start is made for it. When the run ends, the
-first queued task starts on that worker in the booking the run leaves, and the
-others follow it (:meth:`Queue.run_queued`: the key's tasks on the card are
-booked together as before, at the key's price then, so its total booking does
-not grow unless the price did, as for any running task of a key whose ask
-moved). Queued tasks whose worker is lost, or whose worker declines them
-because the run before them ran out of device memory, go back to the head of
-the queue in their order (:meth:`Queue.requeue`); one the pool fails or
-withdraws leaves the planner as a pending one does.
+A queued task leaves the pending queue and holds its slot behind the run: it is not counted as
+waiting, and no start is made for it. When the run ends, the first queued task starts on that worker
+in the booking the run leaves, and the others follow it (:meth:`Queue.run_queued`), booked as any
+running task of its key; a queued task whose worker is lost or declines it goes back to the queue's
+head (:meth:`Queue.requeue`).
 """
 
 from __future__ import annotations
 
-from gpupool._core.planner.base import PlannerState
-from gpupool._core.planner.durations import Durations
+from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.order import Order
 from gpupool._core.planner.state import Card, Run
@@ -53,14 +39,8 @@ __all__ = ["Queue"]
 
 class Queue:
     """Tasks queued behind running ones (the only writer of :attr:`queued`: queued task ->
-    the run it follows).
-
-    Args:
-        state: the planner's state.
-        durations: its keys' task durations (read: which keys are short).
-        order: the start order (read: no task queues while room is held for the head).
-        views: its widths (read: no task queues once strict mode refused).
-    """
+    the run it follows). Reads which keys are short (the durations), and queues nothing
+    while room is held for the head (the order) or once strict mode refused (the views)."""
 
     def __init__(
         self, state: PlannerState, durations: Durations, order: Order, views: Views
@@ -69,7 +49,6 @@ class Queue:
         self._durations = durations
         self._order = order
         self._views = views
-        # Tasks queued behind a running one on its worker (queued -> the run it waits on).
         self.queued: dict[TaskId, TaskId] = {}
         # By run with tasks still queued behind it, the last of them sent back to the queue:
         # the next one sent back from that run goes after it.
@@ -78,7 +57,7 @@ class Queue:
     def queue_behind(self, behind: TaskId) -> TaskId | None:
         """The pending task to queue behind the running ``behind`` on its worker, taken off
         the pending queue; ``None`` when the queue's head may not follow it (or
-        :meth:`~.durations.Durations.queue_depth` tasks already follow it)."""
+        :meth:`~.base.Durations.queue_depth` tasks already follow it)."""
         state = self._state
         run = state.running.get(behind)
         if (

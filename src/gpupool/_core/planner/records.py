@@ -1,71 +1,29 @@
 """What each record says: decision records built from the terms a rule produced.
 
 Each builder takes the terms the rule that decided computed (a
-:class:`~gpupool._core.planner.fit.Fit`, a
-:class:`~gpupool._core.planner.fit.LiveGate`, a
-:class:`~gpupool._core.planner.sharing.ShareWait`, ...) and states them; none
-computes a figure of its own, so a record says what gated.
+:class:`~gpupool._core.planner.fit.Fit`, a :class:`~gpupool._core.planner.fit.LiveGate`, a
+:class:`~gpupool._core.planner.sharing.ShareWait`, ...) and states them; none computes a figure of
+its own, so a record says what gated.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
 
-from gpupool._core.bound import Bound, Ceiling
-from gpupool._core.events import Decision, EventName, JsonTable, JsonValue
+from gpupool._core.events import Decision, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
-from gpupool._core.planner.oom import CapLift, Facts
 from gpupool._core.planner.order import Hold
-from gpupool._core.planner.samples import pool_rows, split_reading
-from gpupool._core.planner.sharing import ShareWait
-from gpupool._core.planner.state import Card, Critical, Run
-from gpupool._core.planner.verdicts import CardReading, Fail, Retry
-from gpupool._core.policy import Ask
+from gpupool._core.planner.state import Card, Critical
 from gpupool._core.units import format_size
 
 __all__ = [
-    "cap_lifted",
-    "out_of_memory",
     "critical_wait",
     "peak_terms",
     "head_wait",
     "live_gate_wait",
-    "share_wait",
     "shutdown",
-    "simple",
 ]
-
-
-def simple(
-    event: EventName,
-    *,
-    device: int | None,
-    width: int,
-    ask: Ask,
-    bound: Bound | None,
-    ceiling: Ceiling,
-    reason: str,
-    now_s: float,
-    limit: str | None = None,
-    extra: Mapping[str, JsonValue] | None = None,
-) -> Decision:
-    """A record whose width did not move: ``width`` before and after, with its terms."""
-    return Decision(
-        event=event,
-        time_s=now_s,
-        device=device,
-        width_before=width,
-        width_after=width,
-        reason=reason,
-        bound=bound,
-        ceiling=ceiling,
-        limit=limit,
-        key=ask.key or None,
-        extra=dict(extra or {}),
-        key_ask=ask if ask.key else None,
-    )
 
 
 def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict[str, JsonValue]]:
@@ -88,33 +46,6 @@ def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict
         "gate_episodes": episodes,
         "other_pools_unreached_bytes": card.others_unreached_bytes,
         "other_pools_tasks": card.others_tasks,
-    }
-
-
-def share_wait(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]]:
-    """A share wait: the sentence and the terms."""
-    room = wait.share_bytes * (1 + card.others_active) - card.others_bytes
-    why = (
-        f"one more ({format_size(wait.next_bytes)}) would pass its share "
-        f"{format_size(wait.share_bytes)} (({format_size(room)} room + "
-        f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} pools)"
-        if not wait.within_share
-        else f"one more ({format_size(wait.next_bytes)}) would leave "
-        f"{format_size(wait.left_bytes)}, less than the {format_size(wait.owed_bytes)} a "
-        f"waiting pool below its share ({format_size(wait.share_bytes)}) needs for its next task"
-    )
-    reason = (
-        f"card {card.index}: {card.others_waiting} other pool(s) wait for room here, and this "
-        f"pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
-        f"{why}, so it waits"
-    )
-    return reason, {
-        "share_bytes": wait.share_bytes,
-        "pool_booked_bytes": wait.pool_booked_bytes,
-        "next_bytes": wait.next_bytes,
-        "owed_bytes": wait.owed_bytes,
-        "other_pools_waiting": card.others_waiting,
-        "other_pools_active": card.others_active,
     }
 
 
@@ -157,23 +88,6 @@ def head_wait(
         "ending_runs": len(hold.ending),
         "running": len(card.runs),
         "booked_bytes": card.booked_bytes,
-    }
-
-
-def cap_lifted(card: Card, cap: int, lift: CapLift) -> tuple[str, dict[str, JsonValue]]:
-    """An out-of-memory cap lifted: the sentence and the terms."""
-    reason = (
-        f"card {card.index}: the live reading shows {format_size(lift.not_pool_bytes)} on the "
-        f"card that is not the pool's workers', within the bound's "
-        f"{format_size(lift.priced_not_pool_bytes)} (co-tenants at the census, other pools, "
-        f"own high-water) and its margin: the room the cap of {cap} was set for is back, so "
-        "the cap lifts"
-    )
-    return reason, {
-        "oom_cap_before": cap,
-        "live_not_pool_bytes": lift.not_pool_bytes,
-        "priced_not_pool_bytes": lift.priced_not_pool_bytes,
-        "live_pool_bytes": lift.pool_bytes,
     }
 
 
@@ -220,125 +134,3 @@ def peak_terms(report: PeakReport) -> dict[str, JsonValue]:
         "outliving_device_bytes": report.outliving_device_bytes,
         "rejected_readings": "; ".join(report.rejected_readings) or None,
     }
-
-
-def out_of_memory(
-    facts: Facts,
-    outcome: Retry | Fail,
-    card: Card | None,
-    bound: Bound | None,
-    ceiling: Ceiling,
-    report: PeakReport,
-    reading: CardReading | None,
-    *,
-    parent_pid: int | None,
-    error: str,
-    now_s: float,
-) -> Decision:
-    """An out-of-memory's record: what the task reached and was priced at, what the card held
-    then, and what the planner does about it."""
-    run = facts.run
-    where = f"card {run.device if run.device is not None else '-'}"
-    reason = (
-        f"{where}: a task of {run.key} ran out of memory at "
-        f"{format_size(facts.reached_bytes)} reached (asked for "
-        f"{format_size(facts.requested_bytes)} more), started at its ask "
-        f"{format_size(run.ask_bytes)} (booked {format_size(run.booked_at_start_bytes)}) "
-        f"beside {facts.running_then - 1} other running; live "
-        f"{format_size(reading.used_bytes if reading else None)} used, "
-        f"{format_size(reading.free_bytes if reading else None)} free; {outcome.reason}"
-    )
-    # The card's width when it ran out: the record of the width's move (a raised price,
-    # a cap) follows this one.
-    width = card.width if card is not None else facts.running_then
-    return Decision(
-        event="out_of_memory",
-        time_s=now_s,
-        device=run.device,
-        width_before=width,
-        width_after=width,
-        reason=reason,
-        bound=bound,
-        ceiling=ceiling,
-        key=run.key,
-        key_ask=facts.key_ask_after,
-        limit="out_of_memory",
-        extra=_oom_terms(facts, outcome, card, bound, report, reading, parent_pid, error),
-    )
-
-
-def _oom_terms(
-    facts: Facts,
-    outcome: Retry | Fail,
-    card: Card | None,
-    bound: Bound | None,
-    report: PeakReport,
-    reading: CardReading | None,
-    parent_pid: int | None,
-    error: str,
-) -> dict[str, JsonValue]:
-    """An out-of-memory record's terms: the card's reading split by whose bytes they are
-    (the pool's own never a co-tenant's), and each task running there with its booking."""
-    run = facts.run
-    split = None
-    if reading is not None and card is not None:
-        extra = frozenset({run.pid}) if run.pid is not None else frozenset()
-        split = split_reading(card, reading, parent_pid, extra_pids=extra)
-    return {
-        "task_ask_bytes": run.ask_bytes,
-        "task_booked_bytes": run.booked_at_start_bytes,
-        "ask_before_bytes": facts.key_ask_before.ask_bytes,
-        "ask_after_bytes": facts.key_ask_after.ask_bytes,
-        "reached_bytes": report.device_peak_bytes,
-        "requested_bytes": report.oom_requested_bytes,
-        "live_free_bytes": reading.free_bytes if reading else None,
-        "live_used_bytes": reading.used_bytes if reading else None,
-        "live_own_bytes": split.own_bytes if split else None,
-        "live_pool_bytes": split.pool_bytes if split else None,
-        "live_running_bytes": split.running_bytes if split else None,
-        "live_co_tenant_bytes": split.co_tenant_bytes if split else None,
-        "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
-        "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
-        "other_pools_bytes": card.others_bytes if card else None,
-        "other_pools_held_bytes": card.others_held_bytes if card else None,
-        "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
-        "other_pools_tasks": card.others_tasks if card else None,
-        # What the card's runs were booked at when each started (not re-priced at an ask
-        # the out-of-memory raised), and each of them.
-        "booked_bytes": facts.booked_bytes,
-        "runs": _runs_table(run, card, reading, parent_pid),
-        "running": facts.running_then,
-        "tries": facts.tries,
-        "retry": isinstance(outcome, Retry),
-        "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
-        "oom_cap": card.oom_cap if card else None,
-        "error": error[:500],
-    }
-
-
-def _runs_table(
-    failed: Run, card: Card | None, reading: CardReading | None, parent_pid: int | None
-) -> JsonTable:
-    """Each task running on the card when ``failed`` ran out, ``failed`` first: its key, its
-    ask and booking when it started, its booking now, and its row in the reading (``None``
-    where the rows cannot tell the pool's bytes)."""
-    rows = None
-    if reading is not None and card is not None:
-        extra = frozenset({failed.pid}) if failed.pid is not None else frozenset()
-        rows = pool_rows(card, reading, parent_pid, extra_pids=extra)
-    runs = [failed, *(card.runs.values() if card is not None else ())]
-    return [
-        {
-            "key": run.key,
-            "pid": run.pid,
-            "failed": run is failed,
-            "started_s": round(run.started_s, 6),
-            "ask_bytes": run.ask_bytes,
-            "booked_bytes": run.booked_at_start_bytes,
-            "booked_now_bytes": run.booked_bytes,
-            "held_bytes": rows.get(run.pid, 0)
-            if rows is not None and run.pid is not None
-            else None,
-        }
-        for run in runs
-    ]

@@ -1,11 +1,10 @@
 """Whose bytes a live reading shows, and the ``card_read`` samples the decision log keeps of it.
 
-One computation, :func:`split_reading`, says which of a card's used bytes
-are this pool's (its parent's row, its workers' rows and those of processes
-their tasks started, idle workers' contexts included), which are other gpupool
-pools' and which are everything else's (the co-tenants). The out-of-memory
-record, the cap lift and the samples all state its figures, so no byte of
-the pool's own is ever named a co-tenant's.
+One computation, :func:`split_reading`, says which of a card's used bytes are this pool's (its
+parent's row, its workers' rows and those of processes their tasks started, idle workers' contexts
+included), which are other gpupool pools' and which are everything else's (the co-tenants). The
+out-of-memory record, the cap lift and the samples all state its figures, so no byte of the pool's
+own is ever named a co-tenant's.
 
 A sample is written for a card:
 
@@ -60,16 +59,10 @@ SAMPLE_STEP_BYTES = 64 * MiB
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadingSplit:
-    """A card's used bytes split by whose they are (``None``: the rows cannot tell them).
-
-    Attributes:
-        used_bytes: the card's used bytes.
-        own_bytes: the parent's row (0 where the rows list none for it).
-        pool_bytes: the pool's workers and the processes their tasks started.
-        running_bytes: the part of ``pool_bytes`` in the workers running a task.
-        other_pools_bytes: what the host's other gpupool pools' tasks held.
-        co_tenant_bytes: everything else (``used`` less all of the above).
-    """
+    """A card's used bytes split by whose they are (``None``: the rows cannot tell them): the
+    parent's row (0 where the rows list none for it), the pool's (its workers and the
+    processes their tasks started; ``running_bytes`` of it in the workers running a task),
+    the host's other gpupool pools' tasks, and the co-tenants' (everything else)."""
 
     used_bytes: int
     own_bytes: int | None
@@ -163,11 +156,10 @@ def sample_due(card: Card, now_s: float, *, decision: bool) -> bool:
 def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) -> Decision:
     """A ``card_read`` sample: the split, what the pool booked there, and by key.
 
-    ``booked_bytes`` is what each running task was booked at when it started (the
-    price it was admitted at); ``priced_now_bytes`` is what the fit counts them at
-    now (more, where an out-of-memory or a measurement raised their key's price
-    since). ``read_s`` is when the card was read (``time_s`` is when the sample
-    was taken: with a decision, the reading it was made on).
+    ``booked_bytes`` is what each running task was booked at when it started (the price it was
+    admitted at); ``priced_now_bytes`` is what the fit counts them at now (more, where an
+    out-of-memory or a measurement raised their key's price since). ``read_s`` is when the card was
+    read (``time_s`` is when the sample was taken: with a decision, the reading it was made on).
     """
     by_key: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for run in card.runs.values():
@@ -208,17 +200,12 @@ def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) ->
 
 class Recorder:
     """The planner's only output besides its verdicts: its records, each after a sample of the
-    reading its card's decision was made on, and the pool's width over time.
-
-    Args:
-        state: the planner's state (read: its cards' last readings, this process's pid).
-        emit: where records go (the decision log).
-    """
+    reading its card's decision was made on (read off the state), and the pool's width over
+    time; ``emit`` is the decision log."""
 
     def __init__(self, state: PlannerState, emit: Callable[[Decision], None]) -> None:
         self._state = state
         self._emit = emit
-        # The pool's width over time: (seconds, width) where it moved.
         self.widths: list[tuple[float, int]] = []
         # The kinds of failed reading recorded already, by card.
         self._errors: set[tuple[int, str]] = set()
@@ -246,6 +233,12 @@ class Recorder:
         card.sampled_used_bytes = reading.used_bytes
         card.sampled_running = len(card.runs)
         self._emit(card_read(card, split, reading.free_bytes, now_s))
+
+    def sample_cards(self, now_s: float) -> None:
+        """The end of a turn of the process layer (its starts made): a sample of each card
+        whose last reading is due one, so that it counts the tasks that run beside it."""
+        for card in self._state.cards:
+            self.sample(card, now_s, decision=False)
 
     def timeline(self, now_s: float, width: int) -> None:
         """The pool's width is ``width`` at ``now_s`` (kept where it moved)."""

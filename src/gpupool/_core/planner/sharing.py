@@ -1,35 +1,24 @@
 """Sharing a card with the host's other pools: their bookings, the share, the room owed.
 
-Pools on one host publish their bookings in a shared table (read by the
-process layer, :mod:`gpupool._sensors.bookings`). Here those rows become terms
-of a card (:func:`others_terms`), and while another pool waits for room on a
-card a start must keep two rules (:func:`share_wait`):
+Pools on one host publish their bookings in a shared table (read by the process layer,
+:mod:`gpupool._sensors.bookings`). Here those rows become terms of a card (:func:`others_terms`),
+and while another pool waits for room on a card a start must keep two rules (:func:`share_wait`):
 
-* its share: this pool takes no more than an equal share of the room the pools
-  have between them (``(room + other pools' bookings) / pools running or
-  waiting there``), rounded to the nearest task (a start is admitted while the
-  middle of its booking is within the share, so two pools that each stop just
-  short of it do not leave a task's room idle);
-* the room it owes: a waiting pool that holds less than this pool and less than
-  its share is owed the room for its next task (its ``need_bytes``), so this
-  start must leave that much free; a task larger than a share waits for the
-  others to shrink, not forever.
+* its share: this pool takes no more than an equal share of the room the pools have between them
+  (``(room + other pools' bookings) / pools running or waiting there``), rounded to the nearest task
+  (a start is admitted while the middle of its booking is within the share, so two pools that each
+  stop just short of it do not leave a task's room idle);
+* the room it owes: a waiting pool that holds less than this pool and less than its share is owed
+  the room for its next task (its ``need_bytes``), so this start must leave that much free; a task
+  larger than a share waits for the others to shrink, not forever.
 
-One task of its own always may run; with no other pool waiting, the bound alone
-decides. One exception, for a bounded time: a pool at the serial floor (it runs
-nothing on the card and waits for room its next task needs) is yielded to
-(:func:`yields_to`): for at most :data:`YIELD_S` from when this pool first saw it
-so, this pool starts nothing on the card that leaves less than that task's room,
-even its one task, while the task would fit once the pools there drained and the
-waiting pool came to wait before this pool last ran nothing there.
-
-The room one of this pool's tasks frees on a card goes first to another waiting pool
-that holds less there than this pool did before the task ended, and no more than it
-does now (:func:`gives_way`): for at most as long as that task ran, and at most
-:data:`TURN_S`, this pool starts nothing there that leaves less than such a pool's next
-task needs, where the room free now holds it. Else the pool whose task ended, hearing
-of its own end first, takes the room again each time, and of pools that each hold a
-task, the one holding a second keeps it.
+One task of its own always may run; with no other pool waiting, the bound alone decides. Two
+exceptions, each for a bounded time: a pool at the serial floor (it runs nothing on the card and
+waits for room its next task needs) is yielded to, even by this pool's one task (:func:`yields_to`,
+at most :data:`YIELD_S`); and the room one of this pool's tasks frees goes first to a waiting pool
+that holds less (:func:`gives_way`, for as long as the task ran and at most :data:`TURN_S`). Else
+the pool whose task ended, hearing of its own end first, takes the room again each time, and of
+pools that each hold a task, the one holding a second keeps it.
 """
 
 from __future__ import annotations
@@ -49,20 +38,16 @@ __all__ = [
     "OthersTerms",
     "ShareWait",
     "Yield",
-    "give_way_record",
     "gives_way",
     "note_freed",
     "note_others",
-    "note_starved",
-    "note_turn_taken",
-    "others_terms",
     "owed_bytes",
     "owes_room",
+    "share_record",
     "share_tasks",
     "share_wait",
     "turn_record",
     "turn_wait",
-    "yield_record",
     "yields_to",
 ]
 
@@ -72,9 +57,8 @@ __all__ = [
 #: in a row to any pools, after which it yields there no more for as long.
 YIELD_S = 30.0
 
-#: The longest a pool leaves the room one of its tasks freed on a card to a waiting pool
-#: that holds less there (:func:`gives_way`); the other pools read the table every 0.2 s
-#: while they run tasks.
+#: The longest a pool leaves the room one of its tasks freed on a card to a waiting pool that holds
+#: less there (:func:`gives_way`); the other pools read the table every 0.2 s while they run tasks.
 TURN_S = 2.0
 
 
@@ -95,8 +79,7 @@ def note_others(
 ) -> OthersTerms:
     """``card``'s other pools are ``others`` now: their terms, priced from ``rows``
     (:func:`others_terms`), and who waits and who took a turn (:func:`note_starved`,
-    :func:`note_turn_taken`). ``census``: what they hold stands in the census' co-tenant
-    bytes."""
+    :func:`note_turn_taken`). ``census``: what they hold stands in the census' co-tenant bytes."""
     terms = others_terms(others, rows)
     card.others = others
     card.others_bytes = terms.priced_bytes
@@ -201,6 +184,27 @@ def share_wait(card: Card, next_bytes: int, room_bytes: int | None) -> ShareWait
     )
 
 
+def share_record(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]]:
+    """A start held to this pool's share, or to the room it owes, as a ``share_wait`` record:
+    the sentence and the terms."""
+    room = wait.share_bytes * (1 + card.others_active) - card.others_bytes
+    why = (
+        f"one more ({format_size(wait.next_bytes)}) would pass its share "
+        f"{format_size(wait.share_bytes)} (({format_size(room)} room + "
+        f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} pools)"
+        if not wait.within_share
+        else f"one more ({format_size(wait.next_bytes)}) would leave "
+        f"{format_size(wait.left_bytes)}, less than the {format_size(wait.owed_bytes)} a "
+        f"waiting pool below its share ({format_size(wait.share_bytes)}) needs for its next task"
+    )
+    reason = (
+        f"card {card.index}: {card.others_waiting} other pool(s) wait for room here, and this "
+        f"pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
+        f"{why}, so it waits"
+    )
+    return reason, _wait_terms(card, wait.share_bytes, wait.next_bytes, wait.owed_bytes)
+
+
 def owes_room(card: Card, room_bytes: int | None) -> bool:
     """A waiting pool is owed room on ``card`` that is not free now."""
     if not card.others_waiting or room_bytes is None:
@@ -259,16 +263,15 @@ def _note_idle(card: Card, now_s: float) -> None:
 
 
 def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> Yield | None:
-    """The pool at the serial floor a start of ``next_bytes`` on ``card`` yields to (the one
-    waiting longest), or ``None``. A pool is yielded to while, for less than
-    :data:`YIELD_S` since this pool first saw it run nothing on the card and wait: the
-    room its next task needs is more than this start leaves, that task would fit once
-    the pools there drained, and (where this pool runs nothing there either) it came to
-    wait before this pool last ran nothing there: of two such pools, only the younger
-    yields. This pool yields on a card at most :data:`YIELD_S` in a row, whichever pools
-    it yields to, and after a yield in which none of them ran there, not again there for
-    as long as it lasted: rows that claim to wait under new pool ids, and never run, hold
-    it at most half the time."""
+    """The pool at the serial floor a start of ``next_bytes`` on ``card`` yields to (the one waiting
+    longest), or ``None``. A pool is yielded to while, for less than :data:`YIELD_S` since this pool
+    first saw it run nothing on the card and wait: the room its next task needs is more than this
+    start leaves, that task would fit once the pools there drained, and (where this pool runs
+    nothing there either) it came to wait before this pool last ran nothing there: of two such
+    pools, only the younger yields. This pool yields on a card at most :data:`YIELD_S` in a row,
+    whichever pools it yields to, and after a yield in which none of them ran there, not again there
+    for as long as it lasted: rows that claim to wait under new pool ids, and never run, hold it at
+    most half the time."""
     if room_bytes is None or not card.starved_since_s or card.others is None:
         return None
     _note_idle(card, now_s)
@@ -309,17 +312,14 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
     return found[1]
 
 
-def _wait_terms(
-    card: Card, room_bytes: int, left_bytes: int, need_bytes: int
-) -> dict[str, JsonValue]:
-    """The terms every ``share_wait`` record of a start held back for another pool states:
-    this pool's share and bookings on ``card``, its next task's bytes (the start would leave
-    ``left_bytes`` of ``room_bytes``), what the other pool needs, and the pools there."""
+def _wait_terms(card: Card, share: int, next_bytes: int, owed_bytes: int) -> dict[str, JsonValue]:
+    """The terms every ``share_wait`` record states: this pool's share and bookings on ``card``, its
+    next task's bytes, what another pool is owed or needs, and the pools there."""
     return {
-        "share_bytes": share_bytes(card, room_bytes),
+        "share_bytes": share,
         "pool_booked_bytes": card.booked_bytes,
-        "next_bytes": room_bytes - card.booked_bytes - left_bytes,
-        "owed_bytes": need_bytes,
+        "next_bytes": next_bytes,
+        "owed_bytes": owed_bytes,
         "other_pools_waiting": card.others_waiting,
         "other_pools_active": card.others_active,
     }
@@ -335,7 +335,8 @@ def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[st
         f"{format_size(wait.left_bytes)}, so this pool yields (it has for {wait.waited_s:.1f} "
         f"s, at most {YIELD_S:g} s)"
     )
-    return reason, _wait_terms(card, room_bytes, wait.left_bytes, wait.need_bytes) | {
+    next_bytes = room_bytes - card.booked_bytes - wait.left_bytes
+    return reason, _wait_terms(card, share_bytes(card, room_bytes), next_bytes, wait.need_bytes) | {
         "yield_to_pool": wait.pool_id,
         "yield_waited_s": round(wait.waited_s, 3),
         "yield_limit_s": YIELD_S,
@@ -354,18 +355,15 @@ class GiveWay:
 
 
 def note_freed(card: Card, run: Run, now_s: float) -> None:
-    """``run``, one of this pool's tasks on ``card``, ended at ``now_s`` (and is off the
-    card's runs): the room it freed goes first, for as long as it ran and at most
-    :data:`TURN_S`, to a waiting pool that holds less than this pool did before it ended
-    (:func:`gives_way`). A turn still open is neither lengthened nor lowered, so each
-    task that ends leaves its room idle at most as long as it ran. A turn that held a
-    start and that no other pool took (none that waited when it opened books half its
-    need more there since) is followed by as long without one: rows that say they wait
-    and never start hold the room at most half the time, whatever the lengths of this
-    pool's tasks."""
-    if now_s < card.give_way_until_s:
-        return
-    if now_s < card.give_way_rest_until_s:
+    """``run``, one of this pool's tasks on ``card``, ended at ``now_s`` (and is off the card's
+    runs): the room it freed goes first, for as long as it ran and at most :data:`TURN_S`, to a
+    waiting pool that holds less than this pool did before it ended (:func:`gives_way`). A turn
+    still open is neither lengthened nor lowered, so each task that ends leaves its room idle at
+    most as long as it ran. A turn that held a start and that no other pool took (none that waited
+    when it opened books half its need more there since) is followed by as long without one: rows
+    that say they wait and never start hold the room at most half the time, whatever the lengths of
+    this pool's tasks."""
+    if now_s < card.give_way_until_s or now_s < card.give_way_rest_until_s:
         return
     turn_s = min(max(0.0, now_s - run.started_s), TURN_S)
     card.give_way_until_s = now_s + turn_s
@@ -397,14 +395,13 @@ def _took(booked_bytes: int, opened: tuple[int, int] | None) -> bool:
 
 
 def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> GiveWay | None:
-    """The waiting pool a start of ``next_bytes`` on ``card`` leaves this pool's freed room
-    to (the one holding least), or ``None``. Within the turn :func:`note_freed` opened, a
-    start gives way to another pool that says it waits, holds less on the card than this
-    pool did before its task ended, no more than it does now, and less than its share,
-    and whose next task fits the room free now but not what this start would leave: the
-    pool whose task ended passes on the room that put it above that pool, and a pool
-    that ran no more than the others takes its room back at once. One task of its own
-    always may run: with none running there, no start gives way."""
+    """The waiting pool a start of ``next_bytes`` on ``card`` leaves this pool's freed room to (the
+    one holding least), or ``None``. Within the turn :func:`note_freed` opened, a start gives way to
+    another pool that says it waits, holds less on the card than this pool did before its task
+    ended, no more than it does now, and less than its share, and whose next task fits the room free
+    now but not what this start would leave: the pool whose task ended passes on the room that put
+    it above that pool, and a pool that ran no more than the others takes its room back at once. One
+    task of its own always may run: with none running there, no start gives way."""
     if (
         now_s >= card.give_way_until_s
         or not card.runs
@@ -447,7 +444,8 @@ def give_way_record(card: Card, way: GiveWay, room_bytes: int) -> tuple[str, dic
         f"it the room (for {way.turn_left_s:.1f} s more, at most {TURN_S:g} s and as long "
         f"as the task ran)"
     )
-    return reason, _wait_terms(card, room_bytes, way.left_bytes, way.need_bytes) | {
+    next_bytes = room_bytes - card.booked_bytes - way.left_bytes
+    return reason, _wait_terms(card, share_bytes(card, room_bytes), next_bytes, way.need_bytes) | {
         "give_way_to_pool": way.pool_id,
         "give_way_pool_booked_bytes": way.other_booked_bytes,
         "give_way_left_s": round(way.turn_left_s, 3),

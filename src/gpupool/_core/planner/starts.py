@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from gpupool._core.events import EventName
 from gpupool._core.planner import order, records
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
@@ -18,15 +19,15 @@ from gpupool._core.planner.fit import (
     live_gate,
 )
 from gpupool._core.planner.order import Hold, Order
-from gpupool._core.planner.samples import Recorder
 from gpupool._core.planner.sharing import (
     ShareWait,
+    share_record,
     share_wait,
     turn_record,
     turn_wait,
     yields_to,
 )
-from gpupool._core.planner.state import Card, Critical, TaskState
+from gpupool._core.planner.state import Card, Critical, TaskState, usable
 from gpupool._core.planner.verdicts import (
     GATE_RECORD_INTERVAL_S,
     LIVE_POLL_S,
@@ -50,11 +51,6 @@ Admission = Literal["yes", "no", "gate"]
 CAP_POLL_S = 0.25
 
 
-def _due(recorded_s: float | None, now_s: float) -> bool:
-    """Whether a wait's record is due (at most one every :data:`GATE_RECORD_INTERVAL_S`)."""
-    return recorded_s is None or now_s - recorded_s >= GATE_RECORD_INTERVAL_S
-
-
 def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
     """``task`` starts on ``card``, booked at its share of its key's price together there."""
     booked_bytes = ask.next_bytes(card.same_key(ask.key))
@@ -63,27 +59,19 @@ def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
 
 class Starts:
     """The decision before every start (the only writer of the starts issued and the workers
-    reported with the last ``next_start``).
+    reported with the last ``next_start``), in the order :class:`Order` gives, by the fits,
+    refusal and records of :class:`Views`."""
 
-    Args:
-        state: the planner's state.
-        views: its widths (the fit, the refusal, the records that move no width).
-        order: the start order.
-        log: where records go.
-    """
-
-    def __init__(self, state: PlannerState, views: Views, order: Order, log: Recorder) -> None:
+    def __init__(self, state: PlannerState, views: Views, order: Order) -> None:
         self._state = state
         self._views = views
         self._order = order
-        self._log = log
         # The starts issued and not yet begun (a start books what its verdict carried).
         self._issued: dict[TaskId, Start] = {}
         # The workers the process layer reported with the last ``next_start``.
         self._workers: Workers | None = None
-        # When the last critical-key wait and head wait were recorded.
-        self._critical_recorded_s: float | None = None
-        self._hold_recorded_s: float | None = None
+        # When each kind of wait was last recorded (a share or gate wait: on each card).
+        self._recorded_s: dict[tuple[EventName, int | None], float] = {}
 
     def take_issued(self, task: TaskId) -> Start | None:
         """The start issued for ``task`` (it begins now, or left the planner)."""
@@ -96,11 +84,10 @@ class Starts:
         a failure, strict mode's refusal, or ``None`` when nothing is pending. The width is
         brought up to date with the work held.
 
-        ``workers``: the ready and booting workers per card. A task is admitted only where
-        a ready worker is idle, so the bound is checked when the task runs, not when it is
-        handed to a worker that still boots; where it fits but none is ready, the verdict
-        is :class:`Warm` (start one). ``None``: every card has a ready worker (a planner
-        driven without processes).
+        ``workers``: the ready and booting workers per card. A task is admitted only where a ready
+        worker is idle, so the bound is checked when the task runs, not when it is handed to a
+        worker that still boots; where it fits but none is ready, the verdict is :class:`Warm`
+        (start one). ``None``: every card has a ready worker (a planner driven without processes).
 
         The width is derived once per scheduling pass, at its end (a verdict that is not a
         start), and on a start only when tasks were submitted since it was last derived."""
@@ -158,26 +145,26 @@ class Starts:
                 return verdict
         return self._blocked(head, now_s, gate_shut)
 
+    def _record_due(self, event: EventName, device: int | None, now_s: float) -> bool:
+        """Whether a wait's record is due (at most one every :data:`GATE_RECORD_INTERVAL_S`);
+        where it is, it is taken as made now."""
+        last_s = self._recorded_s.get((event, device))
+        if last_s is not None and now_s - last_s < GATE_RECORD_INTERVAL_S:
+            return False
+        self._recorded_s[(event, device)] = now_s
+        return True
+
     def _critical_wait(self, critical: Critical, held_key: str, index: int, now_s: float) -> None:
         self._state.count("critical_waits")
-        if not _due(self._critical_recorded_s, now_s):
-            return
-        self._critical_recorded_s = now_s
-        reason, extra = records.critical_wait(critical, held_key, index)
-        self._views.note(
-            "critical_wait",
-            index,
-            self._state.asks.ask(critical.key),
-            reason,
-            now_s,
-            extra=extra,
-        )
+        if self._record_due("critical_wait", None, now_s):
+            reason, extra = records.critical_wait(critical, held_key, index)
+            ask = self._state.asks.ask(critical.key)
+            self._views.note("critical_wait", index, ask, reason, now_s, extra=extra)
 
     def _head_wait(self, hold: Hold, now_s: float) -> None:
         self._state.count("head_waits")
-        if not _due(self._hold_recorded_s, now_s):
+        if not self._record_due("head_wait", None, now_s):
             return
-        self._hold_recorded_s = now_s
         head = self._state.tasks[self._state.pending[0]]
         since_s = head.waiting_since_s if head.waiting_since_s is not None else now_s
         reason, extra = records.head_wait(
@@ -196,8 +183,7 @@ class Starts:
         if not self._state.cards:
             if self._ready(None):
                 return Start(task=task, device=None, ask_bytes=0, booked_bytes=0), False
-            slots = self._state.ceiling.value - len(self._state.running)
-            return (Warm(device=None, task=task) if self._may_warm(None, slots) else None), False
+            return self._warm(None, task), False
         ask = self._state.ask_of(task)
         if self._state.config.fixed_width is not None:
             return self._fixed_start(task, task_state, ask, now_s)
@@ -216,8 +202,7 @@ class Starts:
                 continue
             card.gate_shut_since_s = None
             if not self._ready(found.device):
-                if warm is None and self._may_warm(found.device, found.more):
-                    warm = Warm(device=found.device, task=task)
+                warm = warm or self._warm(found.device, task, found.more)
                 continue  # (its room may wait for the workers booting there)
             return _start_on(task, card, ask), False
         if warm is not None:
@@ -239,10 +224,8 @@ class Starts:
         once the runs the head waits for end, and the head (so it never delays the head)."""
         slots = self._state.ceiling.value - len(self._state.running)
         fits: list[Fit] = []
-        for card in self._state.cards:
-            if card.index == held or (
-                card.index in task_state.avoid and len(task_state.avoid) < len(self._state.cards)
-            ):
+        for card in usable(self._state.cards, task_state.avoid):
+            if card.index == held:
                 continue
             after = hold.after(card) if hold is not None and hold.device == card.index else None
             found = self._views.fit_beside(card.index, ask, None, after, slots=slots)
@@ -255,20 +238,18 @@ class Starts:
         """A ready worker is idle on ``device`` (always, without worker counts)."""
         return self._workers is None or self._workers.can_run(device)
 
-    def _may_warm(self, device: int | None, more: int) -> bool:
-        """Start one more worker on ``device``: fewer boot there than tasks fit there now
-        (``more``), and fewer boot in the pool than tasks are pending and than the pool's
-        width (:meth:`_width_now`: the pending tasks that fit together now) leaves beside
-        its running tasks, so that no worker boots for a task that would not start."""
+    def _warm(self, device: int | None, task: TaskId, more: int | None = None) -> Warm | None:
+        """Start one more worker on ``device`` for ``task`` where fewer boot there than tasks fit
+        there now (``more``; default: the slots the ceiling leaves), and fewer boot in the pool than
+        tasks are pending and than the pool's width (the pending tasks that fit together now) leaves
+        beside its running tasks, so that no worker boots for a task that would not start."""
         workers = self._workers
-        if workers is None:
-            return False
         running = len(self._state.running)
-        return workers.booting.get(device, 0) < more and workers.booting_total < min(
-            len(self._state.pending),
-            self._state.ceiling.value - running,
-            max(1, self._views.width - running),
-        )
+        slots = self._state.ceiling.value - running
+        if workers is None or workers.booting.get(device, 0) >= (slots if more is None else more):
+            return None
+        room = min(len(self._state.pending), slots, max(1, self._views.width - running))
+        return Warm(device=device, task=task) if workers.booting_total < room else None
 
     def _fixed_start(
         self, task: TaskId, task_state: TaskState, ask: Ask, now_s: float
@@ -289,9 +270,7 @@ class Starts:
                 return self._expired(task, task_state, ask), False
             return None, True
         if not self._ready(card.index):
-            slots = self._state.ceiling.value - len(self._state.running)
-            warm = self._may_warm(card.index, slots)
-            return (Warm(device=card.index, task=task) if warm else None), False
+            return self._warm(card.index, task), False
         return _start_on(task, card, ask), False
 
     def _admits_on(self, card: Card, ask: Ask, found: Fit, now_s: float) -> Admission:
@@ -324,8 +303,7 @@ class Starts:
         if found is None or room_bytes is None:
             return False
         self._state.count("share_waits")
-        if _due(card.share_recorded_s, now_s):
-            card.share_recorded_s = now_s
+        if self._record_due("share_wait", card.index, now_s):
             reason, extra = turn_record(card, found, room_bytes)
             self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
         return True
@@ -361,27 +339,20 @@ class Starts:
 
     def _share_wait(self, card: Card, wait: ShareWait, now_s: float) -> None:
         self._state.count("share_waits")
-        if not _due(card.share_recorded_s, now_s):
-            return
-        card.share_recorded_s = now_s
-        reason, extra = records.share_wait(card, wait)
-        last = list(card.runs.values())[-1]
-        self._views.note(
-            "share_wait", card.index, self._state.asks.ask(last.key), reason, now_s, extra=extra
-        )
+        if self._record_due("share_wait", card.index, now_s):
+            reason, extra = share_record(card, wait)
+            ask = self._state.asks.ask(list(card.runs.values())[-1].key)
+            self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _gate_shut(self, card: Card, ask: Ask, gate: LiveGate, now_s: float) -> None:
         if card.gate_shut_since_s is None:
             card.gate_shut_since_s = now_s
             card.gate_episodes += 1
             self._state.count("gate_waits")
-        if not _due(card.gate_recorded_s, now_s):
-            return
-        episodes = card.gate_episodes
-        card.gate_recorded_s = now_s
-        card.gate_episodes = 0
-        reason, extra = records.live_gate_wait(card, gate, episodes)
-        self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
+        if self._record_due("live_gate_wait", card.index, now_s):
+            reason, extra = records.live_gate_wait(card, gate, card.gate_episodes)
+            card.gate_episodes = 0
+            self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _blocked(self, head: TaskId, now_s: float, gate_shut: bool) -> Wait | Warm | Start:
         task_state = self._state.tasks[head]
@@ -417,9 +388,7 @@ class Starts:
         """Nothing of the pool runs anywhere, and the head does not start: one task starts past
         the bound, on the card with the most room (logged), unless other pools hold it."""
         ask = self._state.ask_of(head)
-        candidates = [
-            i for i in range(len(self._state.cards)) if i not in task_state.avoid
-        ] or list(range(len(self._state.cards)))
+        candidates = [card.index for card in usable(self._state.cards, task_state.avoid)]
         index = max(
             candidates,
             key=lambda i: (

@@ -1,21 +1,19 @@
 """What the planner holds: its tasks, their runs, and its cards, each card holding its own runs.
 
-One name for each idea: a task's price on its card is its ``booked_bytes`` (its
-share of its key's price together, :meth:`~gpupool._core.policy.Ask.next_bytes`);
-``booked_at_start_bytes`` is what it was booked at when it started (an
-out-of-memory is judged against that, not against a price raised since); a
-card's runs are ``card.runs``, added and dropped through the card, which keeps
-their running sums (what they book, how many of each key, what each key books)
-so a start, a finish and a fit read them without walking the runs. A card also
-keeps the bounds and fits worked out on it (``bound_memo``, ``fit_memo``: see
-:func:`~gpupool._core.planner.fit.fit_counts`), each served only while the terms
-it was worked out from are the card's terms still.
+One name for each idea: a task's price on its card is its ``booked_bytes`` (its share of its key's
+price together, :meth:`~gpupool._core.policy.Ask.next_bytes`); ``booked_at_start_bytes`` is what it
+was booked at when it started (an out-of-memory is judged against that, not against a price raised
+since); a card's runs are ``card.runs``, added and dropped through the card, which keeps their
+running sums (what they book, how many of each key, what each key books) so a start, a finish and a
+fit read them without walking the runs. A card also keeps the bounds and fits worked out on it
+(``bound_memo``, ``fit_memo``: see :func:`~gpupool._core.planner.fit.fit_counts`), each served only
+while the terms it was worked out from are the card's terms still.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpupool._core.bookings import OtherPools
@@ -23,24 +21,15 @@ from gpupool._core.bound import Bound, Ceiling, Limit
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.verdicts import CardReading, TaskId
 
-__all__ = ["Card", "Critical", "Fit", "Run", "TaskState"]
+__all__ = ["Card", "Critical", "Fit", "Run", "TaskState", "usable"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fit:
-    """What fits on one card beside its runs at one ask.
-
-    Attributes:
-        device: the card.
-        bound: the card's terms priced at the ask (its room).
-        running: the runs it was asked beside.
-        booked_bytes: what they book between them (on unified memory, with each
-            one's child RSS: :func:`~.fit.host_per_task_bytes`).
-        next_bytes: what one more task at the ask books beside them (likewise).
-        more: how many more tasks at the ask fit now (memory, out-of-memory
-            cap, and the slots the ceiling leaves).
-        limit: what stops one more past ``more``.
-    """
+    """What fits on one card (``device``) beside ``running`` runs at one ask: ``more`` tasks (within
+    the memory, the out-of-memory cap and the slots the ceiling leaves), and what stops one more
+    past them. ``booked_bytes`` (what the runs book) and ``next_bytes`` (what one more books) count
+    each one's child RSS on unified memory (:func:`~.fit.host_per_task_bytes`)."""
 
     device: int
     bound: Bound
@@ -118,6 +107,13 @@ class Run:
     own_high_water_bytes: int = 0
 
 
+def usable(cards: Sequence[Card], avoid: set[int]) -> Sequence[Card]:
+    """The cards a task may use: those it does not avoid (all, where it avoids every one)."""
+    if not avoid:
+        return cards
+    return [card for card in cards if card.index not in avoid] or cards
+
+
 @dataclass(frozen=True, slots=True)
 class Critical:
     """The key whose pending work would take longest alone, and by how much."""
@@ -133,10 +129,9 @@ class Card:
     """One card: its census, the pool's runs on it, its live reading and its terms.
 
     A record past the house's ~15 fields, grouped by the one rule that writes each
-    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods),
-    the reading (the planner's events), the width (``views``), the cap
-    (``out_of_memory``), the gate's clock (``starts``), the samples (``samples``), the
-    other pools (``sharing``), the memos (``fit``)."""
+    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods), the reading
+    (the planner's events), the width (``views``), the cap (``out_of_memory``), the gate's clock
+    (``starts``), the samples (``samples``), the other pools (``sharing``), the memos (``fit``)."""
 
     index: int
     census: CardCensus
@@ -154,7 +149,6 @@ class Card:
     sampled_used_bytes: int | None = None
     sampled_running: int = 0
     gate_shut_since_s: float | None = None
-    gate_recorded_s: float | None = None
     gate_episodes: int = 0
     width: int = 0
     recorded_own_bytes: int = 0
@@ -168,7 +162,6 @@ class Card:
     others_held_bytes: int = 0
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
-    share_recorded_s: float | None = None
     # Other pools that run nothing here and wait for room, by pool id: since when this pool
     # saw them so; and since when this pool runs nothing here (``sharing.yields_to``).
     starved_since_s: dict[str, float] = field(default_factory=dict)
@@ -193,14 +186,13 @@ class Card:
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
     # The running sums of ``runs``: what they book between them, and how many of each key.
-    runs_booked_bytes: int = 0
+    booked_bytes: int = 0
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
     # ... and what each key's runs book between them.
     runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit,
-    # what it was placed beside (how many runs, what they book, how many of the key, the
-    # slots); each kept with the terms it was worked out from, and served only while those
-    # are the card's terms still.
+    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit, what it
+    # was placed beside (how many runs, what they book, how many of the key, the slots); each kept
+    # with the terms it was worked out from, and served only while those are the card's terms still.
     bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
     fit_memo: dict[tuple[PriceTerms, int, int, int, int], FitMemo] = field(
         default_factory=dict, repr=False, compare=False
@@ -211,7 +203,7 @@ class Card:
         self.runs[task] = run
         if run.pid is not None:
             self.worker_pids.add(run.pid)
-        self.runs_booked_bytes += run.booked_bytes
+        self.booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
         self.runs_booked_by_key[run.key] += run.booked_bytes
 
@@ -228,21 +220,16 @@ class Card:
         """``task``'s run ended here (``None``: it had none)."""
         run = self.runs.pop(task, None)
         if run is not None:
-            self.runs_booked_bytes -= run.booked_bytes
+            self.booked_bytes -= run.booked_bytes
             self.runs_by_key[run.key] -= 1
             self.runs_booked_by_key[run.key] -= run.booked_bytes
         return run
 
     def rebook(self, run: Run, booked_bytes: int) -> None:
         """``run`` (one of this card's) is booked at ``booked_bytes`` from now on."""
-        self.runs_booked_bytes += booked_bytes - run.booked_bytes
+        self.booked_bytes += booked_bytes - run.booked_bytes
         self.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
         run.booked_bytes = booked_bytes
-
-    @property
-    def booked_bytes(self) -> int:
-        """What the pool's runs on this card book between them."""
-        return self.runs_booked_bytes
 
     def same_key(self, key: str) -> int:
         """How many of the pool's runs on this card are of ``key``."""

@@ -37,11 +37,9 @@ __all__ = [
 ]
 
 TaskId = int
-#: How long a task that ran out of memory alone waits for room while others'
-#: bytes hold its card:
-#: long enough to ride out another job's allocation spike or a co-tenant
-#: restarting, short enough that a card taken for good fails the task within
-#: minutes rather than hanging the pipeline.
+#: How long a task that ran out of memory alone waits for room while others' bytes hold its card:
+#: long enough to ride out another job's allocation spike or a co-tenant restarting, short enough
+#: that a card taken for good fails the task within minutes rather than hanging the pipeline.
 DEFAULT_ROOM_WAIT_S = 120.0
 
 #: Out-of-memory retries per task, in every mode, before the error reaches its
@@ -49,10 +47,9 @@ DEFAULT_ROOM_WAIT_S = 120.0
 #: are enough to walk a pool of eight down to one.
 DEFAULT_MAX_RETRIES = 5
 
-#: The host RSS a child is priced at until a child of the pool has reported
-#: its own: a spawned interpreter that imports a CUDA framework holds several
-#: hundred MiB before its first allocation, and a CUDA context maps several
-#: hundred more in host memory. A measurement replaces it.
+#: The host RSS a child is priced at until a child of the pool has reported its own: a spawned
+#: interpreter that imports a CUDA framework holds several hundred MiB before its first allocation,
+#: and a CUDA context maps several hundred more in host memory. A measurement replaces it.
 DEFAULT_CHILD_RSS_PRIOR_BYTES = 1 * GiB
 
 #: How often a waiting pool re-reads its cards while the live gate is shut.
@@ -81,68 +78,45 @@ LOOKAHEAD = 64
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CardReading:
-    """One live snapshot of a card: free and per-process bytes read together.
-
-    Attributes:
-        free_bytes: free now.
-        used_bytes: allocated now.
-        process_bytes: device bytes per PID from the same snapshot, or ``None``
-            where the driver lists no rows (containers, MIG).
-        pool_pids: the PIDs among ``process_bytes`` that are the pool's workers
-            or processes their tasks started (their bytes are the pool's, never
-            a co-tenant's).
-    """
+    """One live snapshot of a card: free, used and per-process bytes read together."""
 
     free_bytes: int
     used_bytes: int
+    # Device bytes per PID (``None``: the driver lists no rows, as in containers and MIG).
     process_bytes: Mapping[int, int] | None = None
+    # The PIDs among them that are the pool's workers or processes their tasks started
+    # (their bytes are the pool's, never a co-tenant's).
     pool_pids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerConfig:
-    """What the caller asked for.
-
-    Attributes:
-        max_workers: the most tasks at once.
-        max_workers_given: ``max_workers`` was explicit: the CPU count does
-            not cap it (it is logged when it exceeds the usable CPUs).
-        fixed_width: run exactly this many at once, whatever the bound says.
-        strict: refuse to narrow below ``max_workers``.
-        retry_oom: retry a task that ran out of device memory.
-        max_retries: out-of-memory retries per task before it fails.
-        room_wait_s: how long a task waits for room held by others' bytes.
-        reserve_bytes: bytes kept free on every card.
-        parent_pid: this process, to find its row in a reading.
-        child_rss_prior_bytes: a child's host RSS until one is measured.
-    """
+    """What the caller asked for (the pool's options, as the planner reads them)."""
 
     max_workers: int
+    # Explicit: the CPU count does not cap it (it is logged where it exceeds them).
     max_workers_given: bool = True
+    # Run exactly this many at once, whatever the bound says.
     fixed_width: int | None = None
+    # Refuse to narrow below ``max_workers``.
     strict: bool = False
     retry_oom: bool = True
     max_retries: int = DEFAULT_MAX_RETRIES
+    # How long a task waits for room that others' bytes hold.
     room_wait_s: float = DEFAULT_ROOM_WAIT_S
     reserve_bytes: int = 0
+    # This process, to find its row in a reading.
     parent_pid: int | None = None
     child_rss_prior_bytes: int = DEFAULT_CHILD_RSS_PRIOR_BYTES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Start:
-    """Start ``task`` on ``device`` (``None``: a host-bounded pool).
-
-    Attributes:
-        task: the task.
-        device: its card.
-        ask_bytes: its key's ask now (the price of one task alone).
-        booked_bytes: what it books on the card: its share of its key's price
-            together (:meth:`~gpupool._core.policy.Ask.next_bytes`), what
-            :meth:`Planner.started` books.
-        past_bound: the serial floor: nothing of the pool runs, and no card had
-            room for the task or the live gate was shut.
-    """
+    """Start ``task`` on ``device`` (``None``: a host-bounded pool), booked there at
+    ``booked_bytes``: its share of its key's price together
+    (:meth:`~gpupool._core.policy.Ask.next_bytes`; ``ask_bytes`` is one task's alone),
+    what :meth:`Planner.started` books. ``past_bound``: the serial floor (nothing of the
+    pool runs, and no card had room for the task or the live gate was shut)."""
 
     task: TaskId
     device: int | None
@@ -167,23 +141,16 @@ class Retry:
     reason: str
 
 
+#: Why a task fails: it ran out alone with its room free (or retries are off), ran out
+#: ``max_retries`` times, waited ``room_wait_s`` for room others held, or needs more than
+#: the largest card holds.
 FailKind = Literal["out_of_memory", "retries_exhausted", "room_wait_expired", "larger_than_card"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fail:
-    """``task``'s out-of-memory goes to its future.
-
-    Attributes:
-        task: the task.
-        kind: ``"out_of_memory"`` (it ran out alone with its room free, or
-            retries are off), ``"retries_exhausted"`` (``max_retries`` reached)
-            or ``"room_wait_expired"`` (others held the card for
-            ``room_wait_s``).
-        reason: the sentence for the error, every number in it.
-        device: where it last ran.
-        booked_bytes: what it was booked at when it last started.
-    """
+    """``task``'s out-of-memory goes to its future: ``reason`` is the error's sentence, every
+    number in it; ``device`` and ``booked_bytes``, where it last ran and was booked then."""
 
     task: TaskId
     kind: FailKind
@@ -194,12 +161,8 @@ class Fail:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Refuse:
-    """Strict mode: a width below ``max_workers`` was decided, and the pool refuses it.
-
-    Attributes:
-        reason: the sentence for the error, every number in it.
-        decision: the record of the refused narrowing.
-    """
+    """Strict mode: a width below ``max_workers`` was decided, and the pool refuses it
+    (``reason``: the error's sentence; ``decision``: the record of the refused narrowing)."""
 
     reason: str
     decision: Decision
@@ -219,14 +182,11 @@ class Warm:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Workers:
     """The pool's workers per card (``None``: a host-bounded pool), as the process layer
-    knows them when it asks for the next start.
+    knows them when it asks for the next start."""
 
-    Attributes:
-        ready: workers that reported ready (booted, ``initializer`` run) and are idle.
-        booting: workers started that have not reported ready yet.
-    """
-
+    # Workers that reported ready (booted, ``initializer`` run) and are idle.
     ready: Mapping[int | None, int]
+    # Workers started that have not reported ready yet.
     booting: Mapping[int | None, int]
 
     def can_run(self, device: int | None) -> bool:

@@ -1,10 +1,9 @@
 """Every width the planner states, each a view of the one fit (pure core).
 
-Admission, ``ex.width`` (:meth:`Views._width_now`), ``widths_by_key``, the
-warm-worker limit and every record's width (:meth:`Views.decide`, used by
-:meth:`Views.review` and by records that move no width) come from
-:func:`~gpupool._core.planner.fit.fit`, so the width a record states is what
-gated the start beside it.
+Admission, ``ex.width`` (:meth:`Views._width_now`), ``widths_by_key``, the warm-worker limit and
+every record's width (:meth:`Views.decide`, used by :meth:`Views.review` and by records that move no
+width) come from :func:`~gpupool._core.planner.fit.fit`, so the width a record states is what gated
+the start beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from collections.abc import Callable, Mapping
 
 from gpupool._core.bound import Bound, WidthDecision
 from gpupool._core.events import Decision, EventName, JsonValue
-from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
     Booked,
@@ -63,13 +61,8 @@ class _Placed:
 
 class Views:
     """Every width the planner states, the reviews that record them, and strict mode's refusal
-    (the only writer of :attr:`width` and :attr:`refused`).
-
-    Args:
-        state: the planner's state (read).
-        order: the start order (read: the room held for the queue's head).
-        log: where records go.
-    """
+    (the only writer of :attr:`width` and :attr:`refused`); the order is read for the room
+    held for the queue's head."""
 
     def __init__(self, state: PlannerState, order: Order, log: Recorder) -> None:
         self._state = state
@@ -110,7 +103,7 @@ class Views:
         ask = state.asks.ask("")
         cpus_note = self._cpus_note()
         if not state.cards:
-            self.width = self._width_now()
+            self.refresh(now_s)
             reason = state.census.reason or "no device"
             self._log.record(
                 Decision(
@@ -128,7 +121,6 @@ class Views:
                     extra={"driver": state.census.driver, "sensor": state.census.sensor},
                 )
             )
-            self._log.timeline(now_s, self.width)
             return None
         decisions = self.decide(ask)
         for decision in decisions:
@@ -220,22 +212,10 @@ class Views:
     ) -> Fit:
         """The one fit on ``device`` at ``ask`` beside ``runs`` (default: the card's runs),
         within ``slots`` (default: what the ceiling leaves the pool)."""
-        card = self._state.cards[device]
         if slots is None:
             slots = self._state.ceiling.value - len(self._state.running)
-        if runs is None:  # the card's runs, read off its running sums
-            return fit_counts(
-                card,
-                ask,
-                running=len(card.runs),
-                booked_bytes=card.booked_bytes,
-                same=card.same_key(ask.key),
-                reserve_bytes=self._state.config.reserve_bytes,
-                ceiling=self._state.ceiling,
-                slots=slots,
-            )
         return fit(
-            card,
+            self._state.cards[device],
             ask,
             runs,
             reserve_bytes=self._state.config.reserve_bytes,
@@ -298,17 +278,19 @@ class Views:
             bound = self.bound(device, ask)
             width = self.decide(ask)[device].width
         self._log.record(
-            records.simple(
-                event,
+            Decision(
+                event=event,
+                time_s=now_s,
                 device=device,
-                width=width,
-                ask=ask,
+                width_before=width,
+                width_after=width,
+                reason=reason,
                 bound=bound,
                 ceiling=self._state.ceiling,
-                reason=reason,
-                now_s=now_s,
                 limit=limit,
-                extra=extra,
+                key=ask.key or None,
+                extra=dict(extra or {}),
+                key_ask=ask if ask.key else None,
             )
         )
 
@@ -355,12 +337,11 @@ class Views:
     ) -> bool:
         """A term of the bound changed: decide the widths again and record what moved.
 
-        ``cause`` is what changed, in words (or a function that words it, called only where
-        a record is written). ``unchanged`` names the record of a card whose width did not move
-        (``"measured"`` for a key's first measurement, ``"widen_refused"`` for
-        a smaller ask the room does not let widen); ``moved_event`` names the record of
-        one that moved (default: ``"widened"`` or ``"narrowed"``). Returns whether any
-        card's width moved.
+        ``cause`` is what changed, in words (or a function that words it, called only where a record
+        is written). ``unchanged`` names the record of a card whose width did not move
+        (``"measured"`` for a key's first measurement, ``"widen_refused"`` for a smaller ask the
+        room does not let widen); ``moved_event`` names the record of one that moved (default:
+        ``"widened"`` or ``"narrowed"``). Returns whether any card's width moved.
         """
         if not self._state.cards:
             return False
@@ -455,10 +436,7 @@ class Views:
             return state.config.fixed_width
         if not state.cards:
             return state.ceiling.value
-        # What each card holds as the asks are placed: its runs' running sums, plus the
-        # placed asks (how many, what they book, how many of each key).
         placed = [_Placed(len(card.runs), card.booked_bytes) for card in state.cards]
-        # On the card a waiting head holds: what stays once the runs it waits for end, and it.
         after = hold.after(state.cards[hold.device]) if hold is not None else []
         total = len(state.running)
         # The held head's room is placed already. Priced one by one: the walk ends at the
