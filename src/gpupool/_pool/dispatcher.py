@@ -44,6 +44,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpupool._broken import WorkerLostError
+from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import Census
 from gpupool._core.peak import PeakReport
@@ -62,7 +63,7 @@ from gpupool._core.planner import (
     Workers,
 )
 from gpupool._core.policy import AskTable
-from gpupool._errors import DeviceOutOfMemoryError, WidthError
+from gpupool._errors import DeviceOutOfMemoryError
 from gpupool._observe.log import LOGGER, DecisionLog
 from gpupool._pool import outcomes as said
 from gpupool._pool.booking_link import BookingLink
@@ -299,10 +300,18 @@ class Dispatcher:
     def now(self) -> float:
         return time.monotonic() - self.started_at_s
 
-    def read_census_terms(self) -> None:
-        """Before the first decision: what other pools hold now is in the census' co-tenant
-        bytes; the planner prices them by their bookings instead."""
+    def construct(self, *, priced: bool) -> None:
+        """The construction records: each card's first width, from the census and the bookings
+        other pools hold now (the census' co-tenant bytes hold them too: the planner prices
+        them by their bookings instead). Raises :class:`WidthError` where ``strict=True``
+        refuses it."""
         self._read_cards(census=True)
+        note = "" if priced else " (no task_peak: priced at the room)"
+        extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self.workers.cap_allocator else {}
+        # Time 0 is the census, however long the readings beside it took on a loaded host.
+        refused = self.planner.construct(0.0, note=note, extra=extra)
+        if refused is not None:
+            raise said.width_error(refused)
 
     # -- the turn ----------------------------------------------------------------------
 
@@ -701,8 +710,7 @@ class Dispatcher:
         What has not started fails with it; what runs ran at the width asked for, and is
         let finish and deliver."""
         if self.inbox.broken is None:
-            error = WidthError(refused.reason, decision=refused.decision.to_dict())
-            self._break(refused.reason, error, running_finish=True)
+            self._break(refused.reason, said.width_error(refused), running_finish=True)
 
     def _break(self, message: str, exc: BaseException, *, running_finish: bool = False) -> None:
         """The pool is broken: ``submit`` raises from now on, and every task not handed to

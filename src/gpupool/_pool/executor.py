@@ -28,10 +28,9 @@ from gpupool._core.events import Decision
 from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
-from gpupool._pool.build import build_dispatcher
 from gpupool._pool.dispatcher import callable_name, interpreter_exiting
 from gpupool._pool.inbox import WorkItem, copy_broken
-from gpupool._pool.options import read_options
+from gpupool._pool.options import build_dispatcher, read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
 

@@ -23,10 +23,10 @@ import cloudpickle
 
 from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
 from gpupool._core.units import format_size
-from gpupool._errors import DeviceOutOfMemoryError
+from gpupool._errors import DeviceOutOfMemoryError, WidthError
 
 if TYPE_CHECKING:
-    from gpupool._core.planner import Fail
+    from gpupool._core.planner import Fail, Refuse
     from gpupool._pool.inbox import WorkItem
     from gpupool._pool.workers import Exited, SpawnFailed
 
@@ -175,6 +175,11 @@ def oom_error(key: str, verdict: Fail, exc: BaseException | None) -> DeviceOutOf
     )
     error.__cause__ = exc
     return error
+
+
+def width_error(refused: Refuse) -> WidthError:
+    """Strict mode: the planner refused to narrow the pool below ``max_workers``."""
+    return WidthError(refused.reason, decision=refused.decision.to_dict())
 
 
 def lost_error(exited: Exited, key: str) -> tuple[BaseException, dict[str, Any]]:
