@@ -310,8 +310,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
-        self._log = self._dispatcher.log
-        self._dispatcher.start()
         weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
@@ -566,7 +564,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     @property
     def decisions(self) -> tuple[Decision, ...]:
         """Every decision so far, oldest first."""
-        return self._log.records()
+        return self._dispatcher.log.records()
 
     def statistics(self) -> PoolStatistics:
         """An immutable summary of the run so far, safe to call from any thread.
@@ -599,7 +597,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             widths_by_key=snapshot.widths_by_key,
             serial_starts=counts.get("serial_starts", 0),
             # Read live: the log's last check, at close, comes after the last snapshot.
-            log_write_errors=max(snapshot.log_write_errors, self._log.write_errors),
+            log_write_errors=max(snapshot.log_write_errors, d.log.write_errors),
             bookings_skipped=counts.get("bookings_skipped", 0),
             bookings_unavailable=snapshot.bookings_unavailable,
         )

@@ -49,7 +49,7 @@ _parse_reserve = partial(parse_pool_size, name="reserve")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerOptions:
     """How the pool's workers start and run: the constructor's arguments of these names,
-    checked (``initializer``: with its ``initargs``; ``env``: the builder adds the pool's own).
+    checked (``initializer``: with its ``initargs``; ``env``: with the pool's own variables).
     """
 
     mp_context: Any
@@ -238,7 +238,9 @@ def _read_workers(
         # spawned: multiprocessing queues and locks in initargs work, as in CPython.
         initializer=None if initializer is None else (initializer, tuple(initargs)),
         max_tasks_per_child=max_tasks_per_child,
-        env=checked_env,
+        # JAX told not to preallocate 75 % of the card; env= wins (the sensor adds its own
+        # pinning when a worker starts).
+        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **checked_env},
         cap_allocator=cap_allocator,
     )
 
@@ -418,6 +420,15 @@ def _check_bookings_dir(value: object) -> str | os.PathLike[str] | None:
     return value
 
 
+def _check_reserve(census: Census, reserve_bytes: int) -> None:
+    for card in census.cards:
+        if card.total_bytes is not None and reserve_bytes >= card.total_bytes:
+            raise ConfigurationError(
+                f"reserve={format_size(reserve_bytes)} is not smaller than card "
+                f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
+            )
+
+
 def _check_sensor(sensor: Sensor) -> Sensor:
     """Refuse a ``sensor=`` that lacks a method the census calls (it would fail there, far from
     where it was given, with an ``AttributeError``), naming what is missing."""
@@ -443,7 +454,7 @@ def _check_on_interrupt(value: object) -> variables.OnInterrupt:
 
 
 def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
-    """The pool's dispatcher, its first widths decided and recorded, not yet started; with
+    """The pool's dispatcher, its first widths decided and recorded, started; with
     the census it priced and the ``max_workers`` it was given or chose (the CPUs).
 
     Raises:
@@ -461,19 +472,13 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         sensor, devices=options.devices, visible_devices=visible, pid=os.getpid()
     )
     reserve_bytes = options.policy.reserve_bytes
-    for card in census.cards:
-        if card.total_bytes is not None and reserve_bytes >= card.total_bytes:
-            raise ConfigurationError(
-                f"reserve={format_size(reserve_bytes)} is not smaller than card "
-                f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
-            )
+    _check_reserve(census, reserve_bytes)
     devices = [
         DeviceState(i, *pair) for i, pair in enumerate(zip(infos, census.cards, strict=True))
     ]
     peak_bytes = options.task_peak_bytes
     if peak_bytes is None:
         peak_bytes = Planner.price_without_peak(census, reserve_bytes)
-    workers = options.workers
     config = PlannerConfig(
         max_workers=options.max_workers or census.host.cpus,
         max_workers_given=options.max_workers is not None,
@@ -492,20 +497,15 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         sensor=sensor,
         asks=AskTable(policy=options.policy, default_estimate_bytes=peak_bytes),
         config=config,
-        max_tasks_per_child=workers.max_tasks_per_child,
-        initializer=workers.initializer,
+        workers=options.workers,
         log=DecisionLog(options.log_path, settings=options.settings()),
-        # JAX told not to preallocate 75 % of the card; env= wins (the sensor adds its own
-        # pinning when a worker starts).
-        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **workers.env},
-        cap_allocator=workers.cap_allocator,
         bookings=open_booking_table(share=share, directory=directory, sensor=sensor)
         if devices
         else None,
         pool_id=new_pool_id(),
     )
     try:
-        dispatcher.construct(priced=options.task_peak_bytes is not None)
+        dispatcher.start(priced=options.task_peak_bytes is not None)
     except BaseException:
         dispatcher.close()  # no thread will: give its descriptors back
         raise

@@ -24,6 +24,7 @@ import cloudpickle
 from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
 from gpupool._core.units import format_size
 from gpupool._errors import DeviceOutOfMemoryError, WidthError
+from gpupool._observe.log import LOGGER
 
 if TYPE_CHECKING:
     from gpupool._core.planner import Fail, Refuse
@@ -131,10 +132,11 @@ class Outcomes:
         self.outbox.append((future, ok, value))
         self.in_outbox.add(future)
 
-    def deliver(self) -> None:
+    def deliver(self, *, stopping: bool = False) -> None:
         """Set the outbox's futures in order, keeping nothing of a result after it is set. A
         done-callback that raises a ``BaseException`` (``SystemExit``) crashes the
-        dispatcher, but only after every other future of the outbox is set."""
+        dispatcher, but only after every other future of the outbox is set (``stopping``:
+        it is only logged, as the dispatcher stops anyway)."""
         outbox, self.outbox = self.outbox, []
         self.in_outbox.clear()
         crash: BaseException | None = None
@@ -151,7 +153,9 @@ class Outcomes:
             except BaseException as exc:  # raised by a callback, after the future was set
                 crash = crash or exc
             del future, value
-        if crash is not None:
+        if crash is not None and stopping:
+            LOGGER.error("a done-callback raised as the pool stopped", exc_info=crash)
+        elif crash is not None:
             raise crash
 
 
