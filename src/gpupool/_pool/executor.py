@@ -278,32 +278,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         bookings_dir: str | os.PathLike[str] | None = None,
         on_interrupt: Literal["terminate", "wait"] | None = None,
     ) -> None:
-        options = read_options(
-            os.environ,
-            max_workers=max_workers,
-            mp_context=mp_context,
-            initializer=initializer,
-            initargs=initargs,
-            max_tasks_per_child=max_tasks_per_child,
-            task_peak=task_peak,
-            reserve=reserve,
-            margin=margin,
-            margin_fraction=margin_fraction,
-            devices=devices,
-            width=width,
-            strict=strict,
-            retry_oom=retry_oom,
-            max_retries=max_retries,
-            room_wait_s=room_wait_s,
-            log_path=log_path,
-            env=env,
-            sensor=sensor,
-            progress=progress,
-            cap_allocator=cap_allocator,
-            share_bookings=share_bookings,
-            bookings_dir=bookings_dir,
-            on_interrupt=on_interrupt,
-        )
+        # Every parameter as given, by name (nothing else is local yet).
+        options = read_options(os.environ, **{k: v for k, v in locals().items() if k != "self"})
         self._progress = options.progress
         self._on_interrupt = options.on_interrupt
         self._mp_context = options.workers.mp_context

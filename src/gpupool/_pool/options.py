@@ -153,12 +153,7 @@ def read_options(
         ConfigurationError: an argument or a variable is wrong; the message names it and the
             fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
     """
-    if multiprocessing.current_process().daemon:
-        raise ConfigurationError(
-            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
-            "processes may not have children); run it from a non-daemonic process, e.g. "
-            "set distributed.worker.daemon=False for Dask workers."
-        )
+    _check_not_daemonic()
     # The arguments are checked in this order (the keywords are evaluated left to right).
     return PoolOptions(
         max_workers=_resolve(max_workers, _check_max_workers, variables.read_max_workers, environ),
@@ -192,6 +187,15 @@ def _resolve(
 ) -> _V:
     """The argument, checked, when given; else its variable or default (read only then)."""
     return check(given) if given is not None else read(environ)
+
+
+def _check_not_daemonic() -> None:
+    if multiprocessing.current_process().daemon:
+        raise ConfigurationError(
+            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
+            "processes may not have children); run it from a non-daemonic process, e.g. "
+            "set distributed.worker.daemon=False for Dask workers."
+        )
 
 
 def _check_max_workers(value: object) -> int:

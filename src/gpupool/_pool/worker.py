@@ -296,32 +296,11 @@ def worker_main(
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
     probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
     ``None`` without a device, so that a worker without one never imports a sensor)."""
-    if not die_with_parent(parent_pid):
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    _isolate()
-    _guard_forks(conn.fileno())
-    size_buffers(conn.fileno())
-    if initializer is not None:
-        try:
-            fn, args, ids = initializer
-            # A function of the script shares one namespace with the tasks (see by_value).
-            adopt_main_namespace(fn, ids)
-            fn(*args)
-        except BaseException as exc:
-            _leave_if_forked()
-            try:
-                _logger().critical("Exception in initializer:", exc_info=True)
-            except Exception:  # the initializer left logging unimportable: the answer says it
-                pass
-            _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
-            return
-        _leave_if_forked()
-
-    from gpupool._child.probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
-
-    probe = _ready(conn, device, device_index, sensor_factory)
+    probe = _start(conn, parent_pid, initializer, device, device_index, sensor_factory)
     if probe is None:
         return
+    from gpupool._child.probe import apply_allocator_cap, read_allocator_cap_message
+
     done = 0
     last_oom = False  # whether the last task this worker ran ended in a device OOM
     fd = conn.fileno()
@@ -350,35 +329,62 @@ def worker_main(
         task_id, (fn, args, kwargs) = task
         del task
         probe.start()
-        kind, payload, failure = "ok", b"", None
+        failure = None
         try:
             result: Any = fn(*args, **kwargs)
         except BaseException as exc:
-            failure = exc
+            failure, result = exc, None
         _leave_if_forked()  # a child the task forked came back here: it leaves
-        try:
-            oom = failure if failure is not None and is_device_oom(failure) else None
-            report = probe.stop(oom=oom)
-        except Exception:
-            # A measurement that fails must not cost the task its result.
-            report = PeakReport(device=device_index, device_peak_bytes=None, device_source="none")
+        report = _measured(probe, failure, device_index)
         del fn, args, kwargs
-        if failure is None:
-            try:
-                payload = dumps_call(result)
-            except BaseException as exc:
-                kind, payload = "error", _dump_exception(exc)
-            del result
-        else:
-            kind = "oom" if report.oom else "error"
-            payload = _dump_exception(failure)
-            failure = None
+        kind, payload = _encoded(result, failure, report)
+        del result, failure
         last_oom = kind == "oom"
-        # The report as a tuple of plain values: the parent rebuilds it (wire.parse_answer).
-        # A forked copy of the worker left right after the task returned (above).
+        # The report as plain values (wire.parse_answer rebuilds it); a forked copy left above.
         _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
         del payload
         done += 1
+
+
+def _initialized(
+    conn: Connection, initializer: tuple[Any, tuple[Any, ...], dict[str, int]]
+) -> bool:
+    """Run the initializer; ``False`` (answered ``"init"``: the worker exits) when it raised."""
+    try:
+        fn, args, ids = initializer
+        # A function of the script shares one namespace with the tasks (see by_value).
+        adopt_main_namespace(fn, ids)
+        fn(*args)
+    except BaseException as exc:
+        _leave_if_forked()
+        try:
+            _logger().critical("Exception in initializer:", exc_info=True)
+        except Exception:  # the initializer left logging unimportable: the answer says it
+            pass
+        _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
+        return False
+    _leave_if_forked()
+    return True
+
+
+def _measured(probe: Probe, failure: BaseException | None, device_index: int | None) -> PeakReport:
+    """The task's report; a measurement that fails must not cost the task its result."""
+    from gpupool._child.probe import is_device_oom
+
+    try:
+        return probe.stop(oom=failure if failure is not None and is_device_oom(failure) else None)
+    except Exception:
+        return PeakReport(device=device_index, device_peak_bytes=None, device_source="none")
+
+
+def _encoded(result: Any, failure: BaseException | None, report: PeakReport) -> tuple[str, bytes]:
+    """The answer's kind and payload: the pickled result, or the pickled exception."""
+    if failure is not None:
+        return "oom" if report.oom else "error", _dump_exception(failure)
+    try:
+        return "ok", dumps_call(result)
+    except BaseException as exc:
+        return "error", _dump_exception(exc)
 
 
 def _decline(conn: Connection, message: bytearray) -> None:
@@ -408,15 +414,25 @@ def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
         call.release()
 
 
-def _ready(
+def _start(
     conn: Connection,
+    parent_pid: int,
+    initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     device: DeviceInfo | None,
     device_index: int | None,
     sensor_factory: Callable[[], Sensor] | None,
 ) -> Probe | None:
-    """Set up the probe and tell the parent this worker is ready, with its own device bytes
-    now (what the initializer left on the card is this worker's, not a task's); ``None``
-    when the parent's end is closed."""
+    """Start as the module's docstring says, run the initializer, set up the probe and tell
+    the parent this worker is ready, with its own device bytes now (what the initializer
+    left on the card is this worker's, not a task's); ``None`` when the initializer raised
+    or the parent's end is closed."""
+    if not die_with_parent(parent_pid):
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _isolate()
+    _guard_forks(conn.fileno())
+    size_buffers(conn.fileno())
+    if initializer is not None and not _initialized(conn, initializer):
+        return None
     from gpupool._child.probe import Probe
 
     sensor = None
