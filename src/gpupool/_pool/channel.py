@@ -133,11 +133,6 @@ class Channel:
 
     # -- writing -------------------------------------------------------------------------
 
-    @property
-    def wants_write(self) -> bool:
-        """Whether bytes are queued that the socket has not taken yet."""
-        return self.out_bytes > 0
-
     def send(
         self, payload: bytes | bytearray | memoryview, prefix: bytes = b"", *, now: bool = True
     ) -> bool:

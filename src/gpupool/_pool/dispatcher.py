@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
-from gpupool._core.bookings import group_waits, last_decision
 from gpupool._core.census import Census
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -102,9 +101,6 @@ STOP_WAIT_S = 10.0
 #: While tasks run, the cards are read at least this often (the planner samples
 #: these readings into the decision log, coalesced: see ``card_read``).
 READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
-
-#: The most waiting tasks a row of the host's booking table describes by key (for people).
-_WAITS_SCANNED = 64
 
 _dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 _global_shutdown = False
@@ -224,19 +220,14 @@ class Dispatcher:
         self.inbox = Inbox()
         self.outcomes = Outcomes()
         self.cards = CardReader(devices, sensor)
-        self.workers = WorkerSet(
-            cards=devices,
-            sensor=sensor,
-            options=workers,
-            wake_fd=self.inbox.wake_reader,
-        )
-        # This pool's exchanges with the host-wide booking table (None: sharing is off); its
-        # row notes are bound to the planner and the log, not to self (a reference cycle).
-        notes = functools.partial(_row_notes, self.planner, log, self.started_at_s)
+        self.workers = WorkerSet(devices, sensor, workers, self.inbox.wake_reader)
+        # This pool's exchanges with the host-wide booking table (None: sharing is off).
         self.link = (
             None
             if bookings is None
-            else BookingLink(bookings, pool_id, devices, sensor, self.planner, notes)
+            else BookingLink(
+                bookings, pool_id, devices, sensor, self.planner, log, self.started_at_s
+            )
         )
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
@@ -357,8 +348,7 @@ class Dispatcher:
             if self.inbox.broken is None and kill_signal is None:
                 self._queue_behind_busy()
             # Idle workers a card cannot use now are given back (their contexts are its bytes).
-            now = self.now()
-            self.workers.retire_idle(functools.partial(self.planner.warm_limit, now_s=now))
+            self.workers.retire_idle(functools.partial(self.planner.warm_limit, now_s=self.now()))
             busy = any(w.task is not None for w in self.workers.all())
             if busy:  # the cards are read every READ_WHILE_RUNNING_S while tasks run
                 due_s = self.cards.due_s()
@@ -707,18 +697,3 @@ class Dispatcher:
         # A cancelled future's callbacks may call shutdown(): the inbox's lock is not held.
         for item in items:
             item.future.cancel()  # then let go when the planner offers it (_claim)
-
-
-def _row_notes(
-    planner: Planner, log: DecisionLog, started_at_s: float, waiting: int, starting: bool
-) -> dict[str, Any]:
-    """What a pool's row in the host's table tells people (no pool prices by it): its first
-    ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest decision,
-    stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
-    entries = planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
-    waits = group_waits(entries)
-    last = log.last_decision
-    if last is None:
-        return {"waits": waits, "last": None}
-    when_s = time.time() - (time.monotonic() - started_at_s - last.time_s)
-    return {"waits": waits, "last": last_decision(last.event, last.reason, when_s)}

@@ -34,12 +34,11 @@ import sys
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
 from multiprocessing import popen_fork, process, spawn, util
-from multiprocessing.connection import Connection, Pipe
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["StartDataError", "WorkerContext", "WorkerProcess", "fork_exec"]
+__all__ = ["StartDataError", "WorkerProcess", "fork_exec"]
 
 
 class StartDataError(Exception):
@@ -270,13 +269,3 @@ class WorkerProcess(process.BaseProcess):
     @staticmethod
     def _Popen(process_obj: WorkerProcess) -> _Popen:
         return _Popen(process_obj)
-
-
-class WorkerContext:
-    """What the dispatcher starts workers with: :class:`WorkerProcess` and a duplex pipe."""
-
-    Process = WorkerProcess
-
-    @staticmethod
-    def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
-        return Pipe(duplex)

@@ -95,8 +95,7 @@ class Outcomes:
                 )
             else:
                 self.counts["completed"] += 1
-                self.outbox.append((item.future, True, result))
-                self.in_outbox.add(item.future)
+                self._put(item.future, True, result)
                 return
         elif kind == "unpickle":
             error = broken_by(

@@ -47,6 +47,7 @@ import operator
 import os
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from gpupool._core.peak import PeakReport
@@ -89,7 +90,8 @@ _QUOTE_BYTES = 32
 
 #: A task's report travels as the values of these fields of :class:`PeakReport`, in order.
 _REPORT_FIELDS = tuple(field.name for field in dataclasses.fields(PeakReport))
-_report_values = operator.attrgetter(*_REPORT_FIELDS)
+#: A task's report as the worker sends it: its fields' values, in order.
+report_values: Callable[[PeakReport], tuple[Any, ...]] = operator.attrgetter(*_REPORT_FIELDS)
 
 
 class ProtocolFault(Exception):
@@ -255,12 +257,6 @@ def _task(task_id: int | None) -> str:
 
 
 # -- the worker's side ----------------------------------------------------------------------
-
-
-def report_values(report: PeakReport) -> tuple[Any, ...]:
-    """A task's report as the worker sends it: its fields' values, in order."""
-    values: tuple[Any, ...] = _report_values(report)
-    return values
 
 
 def read_frame(fd: int) -> bytearray | None:

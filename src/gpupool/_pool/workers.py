@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Pipe
 from typing import TYPE_CHECKING, Any
 
 from gpupool._child.probe import allocator_cap_message
@@ -25,7 +26,7 @@ from gpupool._observe.log import LOGGER
 from gpupool._pool import wire
 from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
-from gpupool._pool.launch import StartDataError, WorkerContext
+from gpupool._pool.launch import StartDataError, WorkerProcess
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.worker import worker_main
 
@@ -152,17 +153,11 @@ class WorkerSet:
     PUBLISHED = frozenset({"processes"})
 
     def __init__(
-        self,
-        *,
-        cards: list[DeviceState],
-        sensor: Sensor,
-        options: WorkerOptions,
-        wake_fd: int,
+        self, cards: list[DeviceState], sensor: Sensor, options: WorkerOptions, wake_fd: int
     ) -> None:
         self.cards = cards
         self.sensor = sensor  # its vendor pins a worker and gives it a sensor of its own
         self.options = options
-        self.context = WorkerContext()
         self.by_card: dict[int | None, list[Worker]] = {None: []}
         self.by_card.update((card.index, []) for card in cards)
         # The processes by PID, as CPython's ``_processes``: replaced whole at each change.
@@ -250,8 +245,8 @@ class WorkerSet:
     def _spawn(self, card: int | None) -> Worker:
         device = self.cards[card] if card is not None else None
         initializer = self.options.initializer
-        parent_conn, child_conn = self.context.Pipe(duplex=True)
-        process = self.context.Process(
+        parent_conn, child_conn = Pipe(duplex=True)
+        process = WorkerProcess(
             target=worker_main,
             args=(
                 child_conn,
