@@ -87,6 +87,19 @@ def frame_header(size: int) -> bytes:
     return _SMALL.pack(size)
 
 
+def drop_written(views: collections.deque[memoryview], written: int) -> None:
+    """Take ``written`` bytes off the front of ``views`` (each released once written)."""
+    while written:
+        view = views[0]
+        if written >= view.nbytes:
+            written -= view.nbytes
+            views.popleft()
+            view.release()
+        else:
+            views[0] = view[written:]
+            written = 0
+
+
 class Channel:
     """Non-blocking framed I/O on the parent's end of one worker's connection.
 
@@ -175,15 +188,7 @@ class Channel:
             except OSError as exc:  # EPIPE, ECONNRESET, EBADF: the worker is gone
                 raise ChannelClosed(str(exc)) from exc
             self.out_bytes -= written
-            while written:
-                view = out[0]
-                if written >= view.nbytes:
-                    written -= view.nbytes
-                    out.popleft()
-                    view.release()
-                else:
-                    out[0] = view[written:]
-                    written = 0
+            drop_written(out, written)
         return True
 
     def discard_output(self) -> None:

@@ -41,6 +41,7 @@ cannot pass for an answer: they break a frame's envelope, or the frame after.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import operator
@@ -51,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpupool._core.peak import PeakReport
-from gpupool._pool.channel import _LARGE, _SMALL, frame_header
+from gpupool._pool.channel import _LARGE, _SMALL, drop_written, frame_header
 
 __all__ = [
     "ANSWER_MAGIC",
@@ -337,17 +338,9 @@ def send_answer(
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    views = collections.deque(memoryview(part).cast("B") for part in parts if len(part))
     while views:
         try:
-            written = os.writev(fd, views)
+            drop_written(views, os.writev(fd, views))
         except InterruptedError:
             continue
-        while written:
-            first = views[0]
-            if written >= first.nbytes:
-                written -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[written:]
-                written = 0

@@ -3,29 +3,12 @@
 A worker is started as a fresh interpreter (:mod:`gpupool._pool.launch`)
 with its environment set before any import (the sensor's ``worker_env``: for NVIDIA,
 ``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``), so nothing in it can touch the
-wrong card. It then runs one task at a time::
-
-    parent --frame: task id, pickle((fn, args, kwargs))------------> worker
-    parent <--frame: pid, task id, pickle((kind, report)), payload-- worker
-
-``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
-the pickled exception and the formatted traceback), ``"oom"`` (a device
-out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
-task could not be unpickled), ``"declined"`` (a task sent queued behind the
-last one, which ended in a device out-of-memory: not run, the parent starts it
-again) or ``"init"`` (the initializer raised; the worker then exits). Before
-any of those, once its initializer returned and its probe is set up, a
-worker sends ``"ready"`` (its report: ``{"resident_bytes": ...}``, its own
-device bytes then, ``None`` when unknown; an empty payload), so a worker
-that dies before it is ready is known to have died starting, not running a
-task. Every answer is one frame
-that names this worker's PID and the task it is about (no task for
-``ready`` and ``init``), and the parent takes only its running task's answer,
-once (:mod:`gpupool._pool.wire`). An empty message asks the worker to exit.
-The header is plain pickle of plain values, so the parent always learns
-what happened even when the payload cannot be unpickled; the payload is
-written as it is, so a result is pickled once here and unpickled once in
-the parent. The worker's end of the socket blocks; the parent's never does
+wrong card. It then runs one task at a time and answers each in one frame (the frames
+and the kinds: :mod:`gpupool._pool.wire`): its result or exception, a device
+out-of-memory classified here, or a task queued behind one that ran out of device memory
+declined unrun. Before any task it answers ``ready`` (with its own device bytes), so a
+worker that dies before then is known to have died starting, not running a task. An
+empty message asks it to exit. Its end of the socket blocks; the parent's never does
 (:mod:`gpupool._pool.channel`).
 
 At start a worker
@@ -37,13 +20,8 @@ At start a worker
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
   does not hold the worker's socket or its start pipe;
-* guards its socket against forks (:func:`_guard_forks`): in a process a
-  task (or its initializer) forks, the socket's descriptor is replaced by
-  ``/dev/null`` at once, and a copy of the worker that comes back to this
-  loop (a child that returns from the task) exits without sending anything
-  and without running another task; a worker whose socket a task closed, or
-  replaced with a file of its own, exits rather than answer into that file
-  (:func:`_leave_if_channel_lost`).
+* guards its socket against what its tasks fork (:func:`_guard_forks`), and exits
+  rather than answer into a file a task put in its place (:func:`_leave_if_channel_lost`).
 """
 
 from __future__ import annotations
