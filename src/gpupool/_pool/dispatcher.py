@@ -88,9 +88,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SPAWN_TRIES",
-    "DeviceState",
     "Dispatcher",
-    "WorkItem",
     "callable_name",
     "interpreter_exiting",
 ]
@@ -578,7 +576,7 @@ class Dispatcher:
             assert event.report is not None
             self._on_oom(worker, item, event.report, event.payload)
         else:
-            # Its peak is a sample now, priced at the top of the next turn (_settle_asks).
+            # Its peak is a sample now, priced at the top of the next turn.
             self.planner.ended(item.task_id, event.report, self.now(), failed=kind != "ok")
         head = worker.task
         if kind != "oom" and head is not None and self.planner.is_queued(head.task_id):

@@ -129,6 +129,9 @@ class PoolStatistics:
     bookings_unavailable: str | None = None
 
 
+_NO_OPTIONS = TaskOptions()
+
+
 class _OptionsView:
     """``submit`` and ``map`` with per-call options; see :meth:`GpuPoolExecutor.options`."""
 
@@ -417,12 +420,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             if interpreter_exiting():
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             future: Future[Any] = Future()
-            options = view._options if view is not None else None
-            task_key = (options.key if options else None) or key or callable_name(fn)
+            options = view._options if view is not None else _NO_OPTIONS
             hint = view._hint_bytes if view is not None else None
+            key = options.key or key or callable_name(fn)
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
-            size = options.size if options is not None else None
-            inbox.put(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
+            inbox.put(WorkItem(future, (fn, args, kwargs), key, hint, options.size))
             return future
 
     def map(

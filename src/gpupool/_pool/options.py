@@ -27,7 +27,8 @@ from gpupool._core.units import format_size, parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool import environ as variables
-from gpupool._pool.dispatcher import DeviceState, Dispatcher
+from gpupool._pool.dispatcher import Dispatcher
+from gpupool._pool.workers import DeviceState
 from gpupool._sensors.select import default_sensor
 
 if TYPE_CHECKING:

@@ -27,10 +27,6 @@ report the task's :class:`~gpupool._core.peak.PeakReport` as a tuple of its
 fields in order, or ``None``). The payload (a pickled result or exception)
 is sliced out of the frame, never copied.
 
-The worker reads each of the parent's frames into one buffer of the size the
-frame announces (:func:`read_frame`), and both ends' socket buffers are sized
-for a frame of 1 MiB (:func:`~gpupool._pool.channel.size_buffers`).
-
 The parent takes an answer only from its worker's PID, only about the task
 that worker runs, and once; anything else (bytes that are not an answer,
 an answer that does not end as it began, a second answer, a second

@@ -40,7 +40,6 @@ from gpupool._pool.by_value import adopt_main_namespace, dumps_call
 from gpupool._pool.channel import size_buffers
 
 if TYPE_CHECKING:
-    import logging
     from collections.abc import Callable
     from multiprocessing.connection import Connection
 
@@ -56,14 +55,6 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 #: ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
-
-
-def _logger() -> logging.Logger:
-    """The standard pool's logger (imported when a worker first logs: a worker that never
-    does never loads :mod:`logging`)."""
-    import logging
-
-    return logging.getLogger("concurrent.futures")
 
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
@@ -336,7 +327,13 @@ def _initialized(
     except BaseException as exc:
         _leave_if_forked()
         try:
-            _logger().critical("Exception in initializer:", exc_info=True)
+            # The standard pool's logger, imported only now: a worker that never logs never
+            # loads logging.
+            import logging
+
+            logging.getLogger("concurrent.futures").critical(
+                "Exception in initializer:", exc_info=True
+            )
         except Exception:  # the initializer left logging unimportable: the answer says it
             pass
         _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))

@@ -344,10 +344,7 @@ class WorkerSet:
         except ChannelClosed:
             worker.channel.discard_output()  # the worker died: its exit will be seen
             done = True
-        self._watch_writable(worker, not done)
-
-    def _watch_writable(self, worker: Worker, on: bool) -> None:
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        events = selectors.EVENT_READ | (0 if done else selectors.EVENT_WRITE)
         try:
             self.selector.modify(worker.channel.fd, events, (worker, "conn"))
         except (KeyError, ValueError):
