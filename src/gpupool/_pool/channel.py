@@ -12,12 +12,9 @@ plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and reads
 for socket buffers of :data:`SOCKET_BUFFER_BYTES` (:func:`size_buffers`),
 so that a frame of 1 MiB fits them.
 
-Frames are those of :class:`multiprocessing.connection.Connection`, so the
-two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
-unsigned length for a frame over 2 GiB, then the bytes. A worker's answer
-is one frame, its envelope marked at both ends (:mod:`gpupool._pool.wire`); the
-payload is read into that frame's buffer and sliced out of it, never copied
-into another, so a result is pickled once in the worker and unpickled once here.
+Frames are those of :class:`multiprocessing.connection.Connection` (:func:`frame_header`).
+A frame is read into one buffer, which the answer's payload is sliced out of, never
+copied (:mod:`gpupool._pool.wire`).
 
 A channel made with ``magic`` checks each frame as soon as its first bytes
 arrive, before it makes room for the rest: a frame shorter than

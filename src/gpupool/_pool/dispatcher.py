@@ -281,11 +281,8 @@ class Dispatcher:
     def start(self, *, priced: bool) -> None:
         """Record each card's first width, from the census and the bookings other pools hold
         now (the census' co-tenant bytes hold them too: the planner prices them by their
-        bookings instead), publish it, and start the thread.
-
-        Raises:
-            WidthError: ``strict=True`` refuses the first width (no thread started).
-        """
+        bookings instead), publish it, and start the thread; raises :class:`WidthError`
+        where ``strict=True`` refuses the first width (no thread started)."""
         self._read_cards(census=True)
         note = "" if priced else " (no task_peak: priced at the room)"
         extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self.workers.options.cap_allocator else {}

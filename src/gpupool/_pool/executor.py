@@ -475,11 +475,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         key = callable_name(fn)
         end_time = None if timeout is None else timeout + time.monotonic()
         args_iter = zip(*iterables, strict=False)
+        calls: Iterator[Future[Any]]
         if chunksize == 1:
-            submit_one: Callable[[tuple[Any, ...]], Future[Any]] = partial(
-                self._submit_args, fn, view, key
-            )
-            calls: Iterator[Future[Any]] = map(submit_one, args_iter)
+            calls = map(lambda args: self._submit(fn, args, {}, view, key), args_iter)
         else:
             chunk_fn = partial(process_chunk, fn)
             calls = (
@@ -493,11 +491,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             futures, calls if buffersize is not None else None, end_time, chunksize > 1
         )
         return self._track(results, iterables)
-
-    def _submit_args(
-        self, fn: Callable[..., Any], view: _OptionsView | None, key: str, args: tuple[Any, ...]
-    ) -> Future[Any]:
-        return self._submit(fn, args, {}, view, key)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; by default wait for what was submitted to finish.

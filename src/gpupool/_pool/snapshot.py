@@ -5,12 +5,7 @@ the middle of every turn, and the ask table memoises what it derives, so a
 read from another thread can fail (a dict or deque changed size under it) or
 cache an ask built from half-updated state. Instead, the dispatcher thread
 copies what ``statistics()``, ``width`` and ``track`` need into a
-:class:`PoolSnapshot` and publishes it by one reference assignment::
-
-    dispatcher thread                          caller threads
-    -----------------                          --------------
-    planner, asks, counts (live, its own)
-    take_snapshot(...) -> PoolSnapshot   ->    dispatcher.snapshot -> statistics(), width
+:class:`PoolSnapshot` and publishes it by one reference assignment.
 """
 
 from __future__ import annotations

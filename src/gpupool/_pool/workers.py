@@ -243,7 +243,7 @@ class WorkerSet:
         return max(0.01, self.spawn_retry_at_s - time.monotonic())
 
     def _spawn(self, card: int | None) -> Worker:
-        device = self.cards[card] if card is not None else None
+        info = None if card is None else self.cards[card].info
         initializer = self.options.initializer
         parent_conn, child_conn = Pipe(duplex=True)
         process = WorkerProcess(
@@ -251,17 +251,14 @@ class WorkerSet:
             args=(
                 child_conn,
                 os.getpid(),
-                device.info if device is not None else None,
+                info,
                 card,
                 # With the ids of its globals here (what by_value's tasks send beside theirs).
                 (*initializer, sender_ids(initializer[0])) if initializer is not None else None,
                 self.options.max_tasks_per_child,
-                self.sensor.worker_factory() if device is not None else None,
+                None if info is None else self.sensor.worker_factory(),
             ),
-            env={
-                **self.options.env,
-                **self.sensor.worker_env(None if device is None else device.info),
-            },
+            env={**self.options.env, **self.sensor.worker_env(info)},
             name="gpupool-worker",
         )
         try:
