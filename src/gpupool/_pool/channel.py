@@ -180,8 +180,6 @@ class Channel:
                     written = os.writev(self.fd, list(itertools.islice(out, _WRITEV_MAX)))
             except BlockingIOError:
                 return False
-            except InterruptedError:
-                continue
             except OSError as exc:  # EPIPE, ECONNRESET, EBADF: the worker is gone
                 raise ChannelClosed(str(exc)) from exc
             self.out_bytes -= written
@@ -239,8 +237,6 @@ class Channel:
                     got = os.readv(self.fd, [view])
                 except BlockingIOError:
                     return
-                except InterruptedError:
-                    continue
                 except OSError as exc:
                     raise ChannelClosed(str(exc)) from exc
                 finally:
@@ -255,18 +251,15 @@ class Channel:
                     self._split_head()
 
     def _read(self, size: int) -> bytes | None:
-        while True:
-            try:
-                data = os.read(self.fd, size)
-            except BlockingIOError:
-                return None
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                raise ChannelClosed(str(exc)) from exc
-            if not data:
-                raise ChannelClosed("end of file")
-            return data
+        try:
+            data = os.read(self.fd, size)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise ChannelClosed(str(exc)) from exc
+        if not data:
+            raise ChannelClosed("end of file")
+        return data
 
     def _split_head(self) -> None:
         """Cut complete frames out of the bytes read ahead; start the body of a partial one."""

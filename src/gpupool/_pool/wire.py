@@ -335,8 +335,5 @@ def send_answer(
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
     views = collections.deque(memoryview(part).cast("B") for part in parts if len(part))
-    while views:
-        try:
-            drop_written(views, os.writev(fd, views))
-        except InterruptedError:
-            continue
+    while views:  # os.writev retries itself when a signal interrupts it (PEP 475)
+        drop_written(views, os.writev(fd, views))
