@@ -61,7 +61,6 @@ from gpupool._core.planner import (
     Warm,
 )
 from gpupool._core.policy import AskTable
-from gpupool._errors import DeviceOutOfMemoryError
 from gpupool._observe.log import LOGGER, DecisionLog
 from gpupool._pool import outcomes as said
 from gpupool._pool.booking_link import BookingLink
@@ -679,16 +678,8 @@ class Dispatcher:
         # than hold the shutdown for up to room_wait_s.
         for item in [held[t] for t in self.planner.waiting_for_room()]:
             self.planner.withdraw(item.task_id)
-            self.outcomes.fail(
-                item,
-                DeviceOutOfMemoryError(
-                    f"a task of {item.key} ran out of device memory alone and was waiting for "
-                    "room when the pool was shut down with cancel_futures=True",
-                    device=None,
-                    ask_bytes=self.asks.ask(item.key).ask_bytes,
-                    detail="shut down while waiting for room",
-                ),
-            )
+            ask_bytes = self.asks.ask(item.key).ask_bytes
+            self.outcomes.fail(item, said.cancelled_waiting_error(item.key, ask_bytes))
         # A cancelled future's callbacks may call shutdown(): the inbox's lock is not held.
         for item in items:
             item.future.cancel()  # then let go when the planner offers it (_claim)

@@ -180,6 +180,17 @@ def oom_error(key: str, verdict: Fail, exc: BaseException | None) -> DeviceOutOf
     return error
 
 
+def cancelled_waiting_error(key: str, ask_bytes: int) -> DeviceOutOfMemoryError:
+    """A task that ran out of device memory alone waits for room at a cancelling shutdown."""
+    return DeviceOutOfMemoryError(
+        f"a task of {key} ran out of device memory alone and was waiting for "
+        "room when the pool was shut down with cancel_futures=True",
+        device=None,
+        ask_bytes=ask_bytes,
+        detail="shut down while waiting for room",
+    )
+
+
 def width_error(refused: Refuse) -> WidthError:
     """Strict mode: the planner refused to narrow the pool below ``max_workers``."""
     return WidthError(refused.reason, decision=refused.decision.to_dict())

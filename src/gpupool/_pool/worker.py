@@ -327,8 +327,7 @@ def _initialized(
     except BaseException as exc:
         _leave_if_forked()
         try:
-            # The standard pool's logger, imported only now: a worker that never logs never
-            # loads logging.
+            # The standard pool's logger; a worker that never logs never loads logging.
             import logging
 
             logging.getLogger("concurrent.futures").critical(

@@ -181,11 +181,9 @@ class WorkerSet:
         return self.by_card[card]
 
     def counts(self, declining: Callable[[int], bool]) -> Workers:
-        """The workers per card as the planner needs them: ready and idle, and booting.
-
-        A worker whose run ran out of device memory, with the tasks queued behind it yet to
-        be declined (``declining(task_id)`` of its head), runs nothing and is idle once it
-        has declined them (answers, so events): it counts as booting, so that no other
+        """The workers per card as the planner needs them: ready and idle, and booting. One
+        whose head is ``declining`` (queued behind a run that ran out of device memory) runs
+        nothing and is idle once it has declined it: it counts as booting, so that no other
         worker is started in its place."""
         ready: dict[int | None, int] = {}
         booting: dict[int | None, int] = {}
