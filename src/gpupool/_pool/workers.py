@@ -4,7 +4,8 @@ It starts, writes to, reads from and reaps the workers, and says what happened
 as events, in order: ``spawn(card) -> Worker | SpawnFailed | None`` (backing
 off), ``serve(timeout_s) -> Answered | Exited``. It never touches a
 future or the planner: what an answer or an exit means is the loop's
-(:mod:`gpupool._pool.dispatcher`).
+(:mod:`gpupool._pool.dispatcher`), and what it counts or retires by the loop's
+decisions it asks of the callables it is given (``counts``, ``retire_idle``).
 """
 
 from __future__ import annotations
