@@ -118,7 +118,6 @@ class Channel:
         "conn",
         "corrupt",
         "fd",
-        "out_bytes",
     )
 
     def __init__(self, conn: Any, *, magic: bytes = b"", min_frame_bytes: int = 0) -> None:
@@ -127,7 +126,6 @@ class Channel:
         os.set_blocking(self.fd, False)
         size_buffers(self.fd)
         self._out: collections.deque[memoryview] = collections.deque()
-        self.out_bytes = 0
         self._head = bytearray()
         self._body: bytearray | None = None
         self._body_at = 0
@@ -162,7 +160,6 @@ class Channel:
         else:
             self._out.append(memoryview(header))
             self._out.append(view)
-        self.out_bytes += len(header) + view.nbytes
         return self.flush() if now else False
 
     def flush(self) -> bool:
@@ -182,14 +179,12 @@ class Channel:
                 return False
             except OSError as exc:  # EPIPE, ECONNRESET, EBADF: the worker is gone
                 raise ChannelClosed(str(exc)) from exc
-            self.out_bytes -= written
             drop_written(out, written)
         return True
 
     def discard_output(self) -> None:
         """Drop what is queued (the worker is gone; nobody will read it)."""
         self._out.clear()
-        self.out_bytes = 0
 
     # -- reading -------------------------------------------------------------------------
 
