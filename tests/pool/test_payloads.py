@@ -120,10 +120,10 @@ def test_frames_queued_together_are_written_in_order_and_whole(
     reader = _in_thread(lambda: frames.extend(wire.read_frame(worker.fileno()) for _ in sizes))
     for task_id, call in enumerate(calls):
         assert channel.send(call, wire.task_prefix(task_id, queued=True), now=False) is False
-    assert channel.wants_write
+    assert channel._out  # queued, not written yet
     _write_all(channel, channel.flush())
     reader.join()
-    assert not channel.wants_write
+    assert not channel._out
     results = []
     for frame in frames:
         assert frame is not None

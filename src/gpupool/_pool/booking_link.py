@@ -34,11 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpupool._core.bookings import OtherPools, TaskBooking
+from gpupool._core.bookings import OtherPools, TaskBooking, group_waits, last_decision
 
 if TYPE_CHECKING:
     from gpupool._core.events import Decision
     from gpupool._core.planner import Planner, Start
+    from gpupool._observe.log import DecisionLog
     from gpupool._pool.workers import DeviceState
     from gpupool._sensors.base import Sensor
     from gpupool._sensors.bookings import BookingTable
@@ -49,22 +50,18 @@ __all__ = ["COALESCE_S", "BookingLink"]
 #: changes of one window go in one write).
 COALESCE_S = 0.05
 
+#: The most waiting tasks a row of the host's booking table describes by key (for people).
+_WAITS_SCANNED = 64
+
 _Row = tuple[tuple[TaskBooking, ...], int, int]
 
 
 class BookingLink:
     """One pool's exchanges with the host's booking table (the dispatcher thread's only).
 
-    Args:
-        table: the host's table.
-        pool_id: this pool's row id.
-        devices: the pool's cards.
-        sensor: reads what each worker holds, for the rows written while other pools
-            are on the card.
-        planner: the pool's planner (its running tasks, what waits, and where the
-            other pools' rows are told).
-        notes: the row's fields for people, given its waiting count and whether a task is
-            being started (``waits`` and ``last``: see :func:`gpupool._core.bookings.group_waits`).
+    ``sensor`` reads what each worker holds, for the rows written while other pools are on
+    the card; ``log`` and ``started_at_s`` (the pool's clock) date its latest decision, in
+    the row's fields for people (:meth:`_notes`).
     """
 
     def __init__(
@@ -74,14 +71,16 @@ class BookingLink:
         devices: Sequence[DeviceState],
         sensor: Sensor,
         planner: Planner,
-        notes: Callable[[int, bool], Mapping[str, Any]] | None = None,
+        log: DecisionLog,
+        started_at_s: float,
     ) -> None:
         self.table = table
         self.pool_id = pool_id
         self.devices = devices
         self.sensor = sensor
         self.planner = planner
-        self.notes = notes
+        self.log = log
+        self.started_at_s = started_at_s
         # Per card: the row as last written (reached bytes as 0), and whether other pools
         # were on it at the last read.
         self.published: dict[int, _Row] = {}
@@ -125,7 +124,7 @@ class BookingLink:
         new = TaskBooking(
             worker_pid=worker_pid, key=key, booked_bytes=start.booked_bytes, reached_bytes=0
         )
-        tasks = (*self._tasks(device.index), new)
+        tasks = (*self.planner.bookings_on(device.index), new)
         waiting = self.planner.waiting_count(starting=True)
         row = (tasks, waiting, self.planner.need_bytes(starting=True))
         others = self._exchange(device, row, self._told(device, tasks), starting=True)
@@ -207,7 +206,7 @@ class BookingLink:
     def _write(self, device: DeviceState, now_s: float) -> None:
         """Write this pool's row on ``device`` if it differs from the last one written (or
         other pools are there, who read what its workers hold), and hear the others."""
-        tasks = self._tasks(device.index)
+        tasks = self.planner.bookings_on(device.index)
         waiting = self.planner.waiting_count()
         row = (tasks, waiting, self.planner.need_bytes())
         seen = self.others_seen.get(device.index, False)
@@ -247,7 +246,7 @@ class BookingLink:
         starting: bool = False,
     ) -> OtherPools | None:
         _, waiting, need_bytes = row
-        notes = self.notes(waiting, starting) if self.notes is not None else {}
+        notes = self._notes(waiting, starting)
         self.published[device.index] = row
         self.dirty_since_s.pop(device.index, None)
         others = self.table.exchange(
@@ -262,13 +261,21 @@ class BookingLink:
         self.others_seen[device.index] = bool(others is not None and others.pools)
         return others
 
+    def _notes(self, waiting: int, starting: bool) -> dict[str, Any]:
+        """What this pool's row tells people (no pool prices by it): its first ``waiting``
+        tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest decision, stamped
+        in seconds since the epoch. ``starting``: as in ``need_bytes``."""
+        entries = self.planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
+        waits = group_waits(entries)
+        last = self.log.last_decision
+        if last is None:
+            return {"waits": waits, "last": None}
+        when_s = time.time() - (time.monotonic() - self.started_at_s - last.time_s)
+        return {"waits": waits, "last": last_decision(last.event, last.reason, when_s)}
+
     def _running(self, device: int) -> list[tuple[int, int]]:
         """This pool's running tasks on ``device`` as ``(worker pid, booked bytes)``."""
         return [(row.worker_pid, row.booked_bytes) for row in self.planner.bookings_on(device)]
-
-    def _tasks(self, device: int) -> tuple[TaskBooking, ...]:
-        """This pool's running tasks on ``device`` as table rows (reached bytes as 0)."""
-        return self.planner.bookings_on(device)
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -12,12 +12,9 @@ plain blocking writes (:func:`gpupool._pool.wire.send_answer`) and reads
 for socket buffers of :data:`SOCKET_BUFFER_BYTES` (:func:`size_buffers`),
 so that a frame of 1 MiB fits them.
 
-Frames are those of :class:`multiprocessing.connection.Connection`, so the
-two ends agree: a 4-byte big-endian signed length, or ``-1`` then an 8-byte
-unsigned length for a frame over 2 GiB, then the bytes. A worker's answer
-is one frame, its envelope marked at both ends (:mod:`gpupool._pool.wire`); the
-payload is read into that frame's buffer and sliced out of it, never copied
-into another, so a result is pickled once in the worker and unpickled once here.
+Frames are those of :class:`multiprocessing.connection.Connection` (:func:`frame_header`).
+A frame is read into one buffer, which the answer's payload is sliced out of, never
+copied (:mod:`gpupool._pool.wire`).
 
 A channel made with ``magic`` checks each frame as soon as its first bytes
 arrive, before it makes room for the rest: a frame shorter than
@@ -87,6 +84,19 @@ def frame_header(size: int) -> bytes:
     return _SMALL.pack(size)
 
 
+def drop_written(views: collections.deque[memoryview], written: int) -> None:
+    """Take ``written`` bytes off the front of ``views`` (each released once written)."""
+    while written:
+        view = views[0]
+        if written >= view.nbytes:
+            written -= view.nbytes
+            views.popleft()
+            view.release()
+        else:
+            views[0] = view[written:]
+            written = 0
+
+
 class Channel:
     """Non-blocking framed I/O on the parent's end of one worker's connection.
 
@@ -108,7 +118,6 @@ class Channel:
         "conn",
         "corrupt",
         "fd",
-        "out_bytes",
     )
 
     def __init__(self, conn: Any, *, magic: bytes = b"", min_frame_bytes: int = 0) -> None:
@@ -117,7 +126,6 @@ class Channel:
         os.set_blocking(self.fd, False)
         size_buffers(self.fd)
         self._out: collections.deque[memoryview] = collections.deque()
-        self.out_bytes = 0
         self._head = bytearray()
         self._body: bytearray | None = None
         self._body_at = 0
@@ -132,11 +140,6 @@ class Channel:
         self._min_frame_bytes = max(min_frame_bytes, len(magic))
 
     # -- writing -------------------------------------------------------------------------
-
-    @property
-    def wants_write(self) -> bool:
-        """Whether bytes are queued that the socket has not taken yet."""
-        return self.out_bytes > 0
 
     def send(
         self, payload: bytes | bytearray | memoryview, prefix: bytes = b"", *, now: bool = True
@@ -157,7 +160,6 @@ class Channel:
         else:
             self._out.append(memoryview(header))
             self._out.append(view)
-        self.out_bytes += len(header) + view.nbytes
         return self.flush() if now else False
 
     def flush(self) -> bool:
@@ -175,26 +177,14 @@ class Channel:
                     written = os.writev(self.fd, list(itertools.islice(out, _WRITEV_MAX)))
             except BlockingIOError:
                 return False
-            except InterruptedError:
-                continue
             except OSError as exc:  # EPIPE, ECONNRESET, EBADF: the worker is gone
                 raise ChannelClosed(str(exc)) from exc
-            self.out_bytes -= written
-            while written:
-                view = out[0]
-                if written >= view.nbytes:
-                    written -= view.nbytes
-                    out.popleft()
-                    view.release()
-                else:
-                    out[0] = view[written:]
-                    written = 0
+            drop_written(out, written)
         return True
 
     def discard_output(self) -> None:
         """Drop what is queued (the worker is gone; nobody will read it)."""
         self._out.clear()
-        self.out_bytes = 0
 
     # -- reading -------------------------------------------------------------------------
 
@@ -242,8 +232,6 @@ class Channel:
                     got = os.readv(self.fd, [view])
                 except BlockingIOError:
                     return
-                except InterruptedError:
-                    continue
                 except OSError as exc:
                     raise ChannelClosed(str(exc)) from exc
                 finally:
@@ -258,18 +246,15 @@ class Channel:
                     self._split_head()
 
     def _read(self, size: int) -> bytes | None:
-        while True:
-            try:
-                data = os.read(self.fd, size)
-            except BlockingIOError:
-                return None
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                raise ChannelClosed(str(exc)) from exc
-            if not data:
-                raise ChannelClosed("end of file")
-            return data
+        try:
+            data = os.read(self.fd, size)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise ChannelClosed(str(exc)) from exc
+        if not data:
+            raise ChannelClosed("end of file")
+        return data
 
     def _split_head(self) -> None:
         """Cut complete frames out of the bytes read ahead; start the body of a partial one."""

@@ -9,7 +9,7 @@ Data flow::
                      flags,    planner.next_start -> Start / Warm / Wait / Fail
                      wake)     Start: WorkerSet.send (RUNNING)            -> (task id, task)
                                                                              fn(*a) -> report
-                               WorkerSet.serve -> Ready / Answered / Exited <- (pid, task, kind)
+                               WorkerSet.serve -> Answered / Exited         <- (pid, task, kind)
                                planner.ended / out_of_memory / lost
                                Outcomes: result or error -> one outbox
     statistics(), width  <-    end of turn: publish the snapshot, then deliver the outbox
@@ -40,11 +40,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpupool._broken import WorkerLostError
-from gpupool._core.bookings import group_waits, last_decision
+from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -59,10 +59,8 @@ from gpupool._core.planner import (
     Start,
     Wait,
     Warm,
-    Workers,
 )
 from gpupool._core.policy import AskTable
-from gpupool._errors import DeviceOutOfMemoryError, WidthError
 from gpupool._observe.log import LOGGER, DecisionLog
 from gpupool._pool import outcomes as said
 from gpupool._pool.booking_link import BookingLink
@@ -83,14 +81,13 @@ from gpupool._pool.workers import (
 from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
+    from gpupool._pool.options import WorkerOptions
     from gpupool._sensors.base import Sensor
     from gpupool._sensors.bookings import BookingTable
 
 __all__ = [
     "SPAWN_TRIES",
-    "DeviceState",
     "Dispatcher",
-    "WorkItem",
     "callable_name",
     "interpreter_exiting",
 ]
@@ -101,9 +98,6 @@ STOP_WAIT_S = 10.0
 #: While tasks run, the cards are read at least this often (the planner samples
 #: these readings into the decision log, coalesced: see ``card_read``).
 READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
-
-#: The most waiting tasks a row of the host's booking table describes by key (for people).
-_WAITS_SCANNED = 64
 
 _dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 _global_shutdown = False
@@ -128,12 +122,13 @@ def interpreter_exiting() -> bool:
 
 
 class CardReader:
-    """Reads the pool's cards through ``sensor`` (free and per-process bytes in one reading),
-    and tells the pool's bytes from a co-tenant's; returns readings, asks nothing of the
-    planner. It remembers when it last read every card, and per card the PIDs found not to
-    be the pool's."""
+    """Reads the pool's cards (``devices``) through ``sensor`` (free and per-process bytes in
+    one reading), and tells the pool's bytes from a co-tenant's; returns readings, asks
+    nothing of the planner. It remembers when it last read every card, and per card the
+    PIDs found not to be the pool's."""
 
-    def __init__(self, sensor: Sensor) -> None:
+    def __init__(self, devices: list[DeviceState], sensor: Sensor) -> None:
+        self.devices = devices
         self.sensor = sensor
         # When every card was last read (monotonic seconds).
         self.read_s = 0.0
@@ -195,8 +190,9 @@ class Dispatcher:
     """The loop: the dispatcher thread's turns over the parts, the only code that asks the
     planner. Caller threads reach what ``PUBLISHED`` names, and nothing else."""
 
-    #: What other threads may reach: the inbox is theirs; the rest is replaced whole.
-    PUBLISHED = frozenset({"inbox", "snapshot", "workers", "thread", "join"})
+    #: What other threads may reach: the inbox is theirs, the log has a lock of its own, the
+    #: rest is replaced whole.
+    PUBLISHED = frozenset({"inbox", "log", "snapshot", "workers", "thread", "join"})
 
     def __init__(
         self,
@@ -206,17 +202,13 @@ class Dispatcher:
         sensor: Sensor,
         asks: AskTable,
         config: PlannerConfig,
-        max_tasks_per_child: int | None,
-        initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
+        workers: WorkerOptions,
         log: DecisionLog,
-        env: Mapping[str, str],
-        cap_allocator: bool = False,
         bookings: BookingTable | None = None,
         pool_id: str = "",
     ) -> None:
-        self.devices = devices
         self.asks = asks
-        self.initializer = initializer[0] if initializer is not None else None
+        self.initializer = None if workers.initializer is None else workers.initializer[0]
         self.log = log
         self.started_at_s = time.monotonic()
         # The log, not a method of self: a planner that held the dispatcher would be a
@@ -224,24 +216,15 @@ class Dispatcher:
         self.planner = Planner(census=census, asks=asks, config=config, emit=log.append, now_s=0.0)
         self.inbox = Inbox()
         self.outcomes = Outcomes()
-        self.cards = CardReader(sensor)
-        self.workers = WorkerSet(
-            cards=devices,
-            sensor=sensor,
-            env=env,
-            initializer=initializer,
-            max_tasks_per_child=max_tasks_per_child,
-            cap_allocator=cap_allocator,
-            wake_fd=self.inbox.wake_reader,
-        )
-        # The host-wide booking table (None: sharing is off), and this pool's exchanges
-        # with it; its row notes are bound to the planner and the log, not to self (a cycle).
-        self.bookings = bookings
-        notes = functools.partial(_row_notes, self.planner, log, self.started_at_s)
+        self.cards = CardReader(devices, sensor)
+        self.workers = WorkerSet(devices, sensor, workers, self.inbox.wake_reader)
+        # This pool's exchanges with the host-wide booking table (None: sharing is off).
         self.link = (
             None
             if bookings is None
-            else BookingLink(bookings, pool_id, devices, sensor, self.planner, notes)
+            else BookingLink(
+                bookings, pool_id, devices, sensor, self.planner, log, self.started_at_s
+            )
         )
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
@@ -268,8 +251,8 @@ class Dispatcher:
                 self.outcomes.counts,
                 log_write_errors=self.log.write_errors,
                 bookings_unavailable=None
-                if self.bookings is None
-                else self.bookings.unavailable_reason,
+                if self.link is None
+                else self.link.table.unavailable_reason,
                 last=self.snapshot,
             )
         except Exception:
@@ -278,17 +261,12 @@ class Dispatcher:
                 self.publish_failed = True
                 LOGGER.exception("gpupool could not take the statistics snapshot")
 
-    def start(self) -> None:
-        _dispatchers.add(self)
-        self.publish()  # before the thread: the construction's width and records
-        self.thread.start()
-
     def close(self) -> None:
         """Release the dispatcher's descriptors (its thread's last act, or a failed start)."""
         self.inbox.stop()
         self.log.close()
-        if self.bookings is not None:
-            self.bookings.close()
+        if self.link is not None:
+            self.link.table.close()
         self.workers.close()
         self.inbox.close()
 
@@ -299,10 +277,21 @@ class Dispatcher:
     def now(self) -> float:
         return time.monotonic() - self.started_at_s
 
-    def read_census_terms(self) -> None:
-        """Before the first decision: what other pools hold now is in the census' co-tenant
-        bytes; the planner prices them by their bookings instead."""
+    def start(self, *, priced: bool) -> None:
+        """Record each card's first width, from the census and the bookings other pools hold
+        now (the census' co-tenant bytes hold them too: the planner prices them by their
+        bookings instead), publish it, and start the thread; raises :class:`WidthError`
+        where ``strict=True`` refuses the first width (no thread started)."""
         self._read_cards(census=True)
+        note = "" if priced else " (no task_peak: priced at the room)"
+        extra = {"allocator_cap": ALLOCATOR_CAP_NOTE} if self.workers.options.cap_allocator else {}
+        # Time 0 is the census, however long the readings beside it took on a loaded host.
+        refused = self.planner.construct(0.0, note=note, extra=extra)
+        if refused is not None:
+            raise said.width_error(refused)
+        _dispatchers.add(self)
+        self.publish()  # before the thread: the construction's width and records
+        self.thread.start()
 
     # -- the turn ----------------------------------------------------------------------
 
@@ -314,27 +303,23 @@ class Dispatcher:
             self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
         finally:
             self.inbox.stop()  # submit refuses from now on; what came before fails below
-            self._deliver_last()  # what the turn that crashed had not delivered
+            self.publish()  # what the turn that crashed had not delivered, delivered
+            self.outcomes.deliver(stopping=True)
             stopped = WorkerLostError("the pool stopped before this task finished")
             for worker in self.workers.stop(STOP_WAIT_S):
                 self._fail_items(self.workers.take_queue(worker), stopped)
             self._fail_pending()
             if self.link is not None:
                 self.link.withdraw_all()
-            self._note_table()
+            if self.link is not None and (skipped := self.link.note(self.log.append, self.now())):
+                self.outcomes.counts["bookings_skipped"] = skipped
             lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
             self.planner.flush_asks(self.now())
             counts = self.outcomes.counts
             self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
-            self._deliver_last()  # with the last snapshot: what statistics() says from now on
+            self.publish()  # the last snapshot: what statistics() says from now on
+            self.outcomes.deliver(stopping=True)
             self.close()
-
-    def _deliver_last(self) -> None:
-        self.publish()
-        try:
-            self.outcomes.deliver()
-        except BaseException:  # a callback's: the futures are set all the same
-            LOGGER.exception("a done-callback raised as the pool stopped")
 
     def _loop(self) -> None:
         while True:
@@ -343,14 +328,21 @@ class Dispatcher:
             if kill_signal is not None:  # fail what waits to be retried, signal every worker
                 self._fail_pending("the pool's workers were stopped before this ran")
                 self.workers.kill(kill_signal)
-            self._settle_asks()
+            # What the tasks that ended last turn measured is priced, once per key, before
+            # this turn reads a card, starts a task, publishes or delivers a result.
+            if self.planner.unsettled:
+                self.planner.settle(self.now())
+                self._bookings_moved(range(len(self.cards.devices)))  # on any card
+            else:
+                self._bookings_moved()  # where the planner settled by itself
             poll_s = self._schedule()
             if self.inbox.take_cancel():
                 self._cancel_pending()
                 poll_s = self._schedule()
             if self.inbox.broken is None and kill_signal is None:
                 self._queue_behind_busy()
-            self._retire_beyond_limits()
+            # Idle workers a card cannot use now are given back (their contexts are its bytes).
+            self.workers.retire_idle(functools.partial(self.planner.warm_limit, now_s=self.now()))
             busy = any(w.task is not None for w in self.workers.all())
             if busy:  # the cards are read every READ_WHILE_RUNNING_S while tasks run
                 due_s = self.cards.due_s()
@@ -363,21 +355,25 @@ class Dispatcher:
                 flush_s = self.link.flush(self.now())
                 if flush_s is not None:
                     poll_s = flush_s if poll_s is None else min(poll_s, flush_s)
-            self._note_table()
+                # What the table could not do since the last turn: recorded, and counted.
+                if skipped := self.link.note(self.log.append, self.now()):
+                    self.outcomes.counts["bookings_skipped"] = skipped
             self.publish()  # the end of the turn
             self.outcomes.deliver()  # the turn's outcomes, counted by that snapshot
             if self.inbox.done(holding=bool(self.outcomes.items), busy=busy):
                 return
-            self._serve(poll_s)
-
-    def _settle_asks(self) -> None:
-        """Price what the tasks that ended last turn measured, once per key, before this
-        turn reads a card, starts a task, publishes or delivers a result."""
-        if self.planner.unsettled:
-            self.planner.settle(self.now())
-            self._bookings_moved(range(len(self.devices)))  # moved either way, on any card
-        else:
-            self._bookings_moved()  # where the planner settled by itself
+            # Wait for the workers (or a wake-up), and act on each event as it comes.
+            for event in self.workers.serve(poll_s):
+                if isinstance(event, Answered):
+                    try:
+                        self._answered(event)
+                    except BaseException as exc:
+                        if event.item is not None:  # a crash here still ends the task's future
+                            self.outcomes.fail(event.item, exc)
+                        raise
+                elif isinstance(event, Exited):
+                    self._exited(event)
+                del event  # keep nothing of a finished task
 
     def _bookings_moved(self, cards: Iterable[int] = ()) -> None:
         """The host's table hears at once of ``cards`` and of those where a running task was
@@ -388,22 +384,8 @@ class Dispatcher:
             for index in {*cards, *grown}:
                 self.link.changed(index, self.now())
         refused = self.planner.strict_refusal()
-        if refused is not None:
-            self._refuse(refused)
-
-    def _serve(self, timeout_s: float | None) -> None:
-        """Wait for the workers (or a wake-up), and act on each event as it comes."""
-        for event in self.workers.serve(timeout_s):
-            if isinstance(event, Answered):
-                try:
-                    self._answered(event)
-                except BaseException as exc:
-                    if event.item is not None:  # a crash here still ends the task's future
-                        self.outcomes.fail(event.item, exc)
-                    raise
-            elif isinstance(event, Exited):
-                self._exited(event)
-            del event  # keep nothing of a finished task
+        if refused is not None and self.inbox.broken is None:
+            self._break(refused.reason, said.width_error(refused), running_finish=True)
 
     # -- placing tasks ----------------------------------------------------------------
 
@@ -419,7 +401,7 @@ class Dispatcher:
         and the other pools' bookings from the host's table."""
         now = self.now()
         self.cards.reading_all()
-        for device in self.devices:
+        for device in self.cards.devices:
             if device.census.readable:
                 reading = self._reading(device, now)
                 if reading is not None:
@@ -448,13 +430,15 @@ class Dispatcher:
                 self._read_cards()
                 read = True
                 continue
-            verdict = self.planner.next_start(self.now(), self._worker_counts())
+            verdict = self.planner.next_start(
+                self.now(), self.workers.counts(self.planner.is_queued)
+            )
             if verdict is None or isinstance(verdict, Wait):
                 if self.link is not None:
                     self.link.waiting_changed()
                 return None if verdict is None else verdict.poll_s
-            if isinstance(verdict, Refuse):
-                self._refuse(verdict)  # strict mode: the pool breaks
+            if isinstance(verdict, Refuse):  # strict mode: the pool breaks
+                self._break(verdict.reason, said.width_error(verdict), running_finish=True)
                 continue
             item = self.outcomes.items[verdict.task]
             if isinstance(verdict, Fail):
@@ -513,7 +497,7 @@ class Dispatcher:
         there (short tasks, in the worker's booking: :mod:`gpupool._core.planner.queued`):
         the worker starts them without waiting for the parent. Their futures are RUNNING
         from here, as a standard pool's queued calls are."""
-        limit = self.workers.max_tasks_per_child
+        limit = self.workers.options.max_tasks_per_child
         for worker in self.workers.all():
             if not self.planner.has_pending():
                 return
@@ -560,36 +544,6 @@ class Dispatcher:
         self.planner.withdraw(item.task_id)
         return False
 
-    def _worker_counts(self) -> Workers:
-        """The workers per card as the planner needs them: ready and idle, and booting.
-
-        A worker whose run ran out of device memory, with the tasks queued behind it yet to
-        be declined, runs nothing and is idle once it has declined them (answers, so
-        events): it counts as booting, so that no other worker is started in its place."""
-        ready: dict[int | None, int] = {}
-        booting: dict[int | None, int] = {}
-        for worker in self.workers.all():
-            if worker.gone or worker.retiring:
-                continue
-            head = worker.task
-            if not worker.ready or (head is not None and self.planner.is_queued(head.task_id)):
-                booting[worker.device] = booting.get(worker.device, 0) + 1
-            elif head is None:
-                ready[worker.device] = ready.get(worker.device, 0) + 1
-        return Workers(ready=ready, booting=booting)
-
-    def _retire_beyond_limits(self) -> None:
-        """Give back idle workers a card cannot use now (their contexts are its bytes); one
-        that boots is not idle: it was started for a task that fits."""
-        now = self.now()
-        for device in self.devices:
-            live = [w for w in self.workers.on(device.index) if not w.retiring]
-            idle = [w for w in live if w.task is None and w.ready]
-            if idle:
-                keep = self.planner.warm_limit(device.index, now)
-                for worker in idle[: max(0, len(live) - keep)]:
-                    self.workers.retire(worker)
-
     # -- events ------------------------------------------------------------------------
 
     def _answered(self, event: Answered) -> None:
@@ -610,14 +564,15 @@ class Dispatcher:
             # head of the queue (RUNNING to its future; not a failure, not a retry).
             self.planner.requeue(item.task_id)
             self.outcomes.counts["queued_declined"] += 1
-            self._booking_changed(worker)
+            if worker.device is not None and self.link is not None:
+                self.link.changed(worker.device, self.now())
             return
         oom = kind == "oom" and event.report is not None
         if oom:
             assert event.report is not None
             self._on_oom(worker, item, event.report, event.payload)
         else:
-            # Its peak is a sample now, priced at the top of the next turn (_settle_asks).
+            # Its peak is a sample now, priced at the top of the next turn.
             self.planner.ended(item.task_id, event.report, self.now(), failed=kind != "ok")
         head = worker.task
         if kind != "oom" and head is not None and self.planner.is_queued(head.task_id):
@@ -634,7 +589,7 @@ class Dispatcher:
 
     def _on_oom(self, worker: Worker, item: WorkItem, report: PeakReport, payload: Any) -> None:
         exc = said.load_exception(payload)
-        device = self.devices[worker.device] if worker.device is not None else None
+        device = self.cards.devices[worker.device] if worker.device is not None else None
         readable = device is not None and device.census.readable
         reading = self._reading(device, self.now()) if device is not None and readable else None
         if device is not None and reading is not None and self.link is not None:
@@ -673,19 +628,9 @@ class Dispatcher:
         if run is not None:
             lost, extra = said.lost_error(event, run.key)
             self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
-            self._booking_changed(worker)
+            if worker.device is not None and self.link is not None:
+                self.link.changed(worker.device, self.now())
             self.outcomes.fail(run, lost)
-
-    def _booking_changed(self, worker: Worker) -> None:
-        if worker.device is not None and self.link is not None:
-            self.link.changed(worker.device, self.now())
-
-    def _note_table(self) -> None:
-        """Record what the booking table could not do since the last turn, and count it."""
-        if self.link is not None:
-            skipped = self.link.note(self.log.append, self.now())
-            if skipped:
-                self.outcomes.counts["bookings_skipped"] = skipped
 
     # -- ending ------------------------------------------------------------------------
 
@@ -696,18 +641,11 @@ class Dispatcher:
             self.planner.finished(item.task_id, None, self.now(), failed=True)
             self.outcomes.fail(item, copy_broken(error, str(error)))
 
-    def _refuse(self, refused: Refuse) -> None:
-        """Strict mode: the planner refused to narrow, so the pool breaks with a WidthError.
-        What has not started fails with it; what runs ran at the width asked for, and is
-        let finish and deliver."""
-        if self.inbox.broken is None:
-            error = WidthError(refused.reason, decision=refused.decision.to_dict())
-            self._break(refused.reason, error, running_finish=True)
-
     def _break(self, message: str, exc: BaseException, *, running_finish: bool = False) -> None:
         """The pool is broken: ``submit`` raises from now on, and every task not handed to
-        a worker fails with ``exc``; those handed to workers too, unless ``running_finish``.
-        The first break's error is the pool's."""
+        a worker fails with ``exc``; those handed to workers too, unless ``running_finish``
+        (strict mode's refusal to narrow: what runs ran at the width asked for, and is let
+        finish and deliver). The first break's error is the pool's."""
         self.inbox.break_with(message, exc)
         self._fail_pending()
         if not running_finish:
@@ -740,31 +678,8 @@ class Dispatcher:
         # than hold the shutdown for up to room_wait_s.
         for item in [held[t] for t in self.planner.waiting_for_room()]:
             self.planner.withdraw(item.task_id)
-            self.outcomes.fail(
-                item,
-                DeviceOutOfMemoryError(
-                    f"a task of {item.key} ran out of device memory alone and was waiting for "
-                    "room when the pool was shut down with cancel_futures=True",
-                    device=None,
-                    ask_bytes=self.asks.ask(item.key).ask_bytes,
-                    detail="shut down while waiting for room",
-                ),
-            )
+            ask_bytes = self.asks.ask(item.key).ask_bytes
+            self.outcomes.fail(item, said.cancelled_waiting_error(item.key, ask_bytes))
         # A cancelled future's callbacks may call shutdown(): the inbox's lock is not held.
         for item in items:
             item.future.cancel()  # then let go when the planner offers it (_claim)
-
-
-def _row_notes(
-    planner: Planner, log: DecisionLog, started_at_s: float, waiting: int, starting: bool
-) -> dict[str, Any]:
-    """What a pool's row in the host's table tells people (no pool prices by it): its first
-    ``waiting`` tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest decision,
-    stamped in seconds since the epoch. ``starting``: as in ``need_bytes``."""
-    entries = planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
-    waits = group_waits(entries)
-    last = log.last_decision
-    if last is None:
-        return {"waits": waits, "last": None}
-    when_s = time.time() - (time.monotonic() - started_at_s - last.time_s)
-    return {"waits": waits, "last": last_decision(last.event, last.reason, when_s)}

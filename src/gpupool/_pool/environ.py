@@ -1,16 +1,9 @@
 """Pool defaults from the environment: the ``GPUPOOL_*`` variables.
 
-``LOKY_MAX_CPU_COUNT`` caps the host's CPUs where the census is taken
-(:func:`gpupool._sensors.host.cap_host_cpus`, shared with ``gpupool census``);
-its name and reader are re-exported here.
-
-Each reader takes the mapping the pool's options are read from (``os.environ``, at
-construction, never at import) and returns its variable's value, or when it is unset,
-the built-in default of its argument. :func:`gpupool._pool.options.read_options` calls
-a reader only for an argument left out (``None``): an argument given to the constructor
-wins, and a bad value in its variable cannot fail a pool that does not use it. A bad
-value is refused with a :class:`ConfigurationError` that names the variable and what to
-set it to.
+Each reader takes the mapping the options are read from (``os.environ``, at construction,
+never at import) and returns its variable's value, else its argument's default; a bad
+value is refused with a message that names the variable and what to set it to. The
+``LOKY_MAX_CPU_COUNT`` cap (:mod:`gpupool._sensors.host`) is re-exported here.
 """
 
 from __future__ import annotations

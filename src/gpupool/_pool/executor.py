@@ -28,10 +28,9 @@ from gpupool._core.events import Decision
 from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
-from gpupool._pool.build import build_dispatcher
 from gpupool._pool.dispatcher import callable_name, interpreter_exiting
 from gpupool._pool.inbox import WorkItem, copy_broken
-from gpupool._pool.options import read_options
+from gpupool._pool.options import build_dispatcher, read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.worker import process_chunk
 
@@ -128,6 +127,9 @@ class PoolStatistics:
     log_write_errors: int = 0
     bookings_skipped: int = 0
     bookings_unavailable: str | None = None
+
+
+_NO_OPTIONS = TaskOptions()
 
 
 class _OptionsView:
@@ -279,40 +281,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         bookings_dir: str | os.PathLike[str] | None = None,
         on_interrupt: Literal["terminate", "wait"] | None = None,
     ) -> None:
-        options = read_options(
-            os.environ,
-            max_workers=max_workers,
-            mp_context=mp_context,
-            initializer=initializer,
-            initargs=initargs,
-            max_tasks_per_child=max_tasks_per_child,
-            task_peak=task_peak,
-            reserve=reserve,
-            margin=margin,
-            margin_fraction=margin_fraction,
-            devices=devices,
-            width=width,
-            strict=strict,
-            retry_oom=retry_oom,
-            max_retries=max_retries,
-            room_wait_s=room_wait_s,
-            log_path=log_path,
-            env=env,
-            sensor=sensor,
-            progress=progress,
-            cap_allocator=cap_allocator,
-            share_bookings=share_bookings,
-            bookings_dir=bookings_dir,
-            on_interrupt=on_interrupt,
-        )
+        # Every parameter as given, by name (nothing else is local yet).
+        options = read_options(os.environ, **{k: v for k, v in locals().items() if k != "self"})
         self._progress = options.progress
         self._on_interrupt = options.on_interrupt
         self._mp_context = options.workers.mp_context
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
-        self._log = self._dispatcher.log
-        self._dispatcher.start()
         weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
@@ -444,12 +420,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             if interpreter_exiting():
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             future: Future[Any] = Future()
-            options = view._options if view is not None else None
-            task_key = (options.key if options else None) or key or callable_name(fn)
+            options = view._options if view is not None else _NO_OPTIONS
             hint = view._hint_bytes if view is not None else None
+            key = options.key or key or callable_name(fn)
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
-            size = options.size if options is not None else None
-            inbox.put(WorkItem(future, (fn, args, kwargs), task_key, hint, size))
+            inbox.put(WorkItem(future, (fn, args, kwargs), key, hint, options.size))
             return future
 
     def map(
@@ -500,11 +475,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         key = callable_name(fn)
         end_time = None if timeout is None else timeout + time.monotonic()
         args_iter = zip(*iterables, strict=False)
+        calls: Iterator[Future[Any]]
         if chunksize == 1:
-            submit_one: Callable[[tuple[Any, ...]], Future[Any]] = partial(
-                self._submit_args, fn, view, key
-            )
-            calls: Iterator[Future[Any]] = map(submit_one, args_iter)
+            calls = map(lambda args: self._submit(fn, args, {}, view, key), args_iter)
         else:
             chunk_fn = partial(process_chunk, fn)
             calls = (
@@ -518,11 +491,6 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             futures, calls if buffersize is not None else None, end_time, chunksize > 1
         )
         return self._track(results, iterables)
-
-    def _submit_args(
-        self, fn: Callable[..., Any], view: _OptionsView | None, key: str, args: tuple[Any, ...]
-    ) -> Future[Any]:
-        return self._submit(fn, args, {}, view, key)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; by default wait for what was submitted to finish.
@@ -567,7 +535,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     @property
     def decisions(self) -> tuple[Decision, ...]:
         """Every decision so far, oldest first."""
-        return self._log.records()
+        return self._dispatcher.log.records()
 
     def statistics(self) -> PoolStatistics:
         """An immutable summary of the run so far, safe to call from any thread.
@@ -600,7 +568,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             widths_by_key=snapshot.widths_by_key,
             serial_starts=counts.get("serial_starts", 0),
             # Read live: the log's last check, at close, comes after the last snapshot.
-            log_write_errors=max(snapshot.log_write_errors, self._log.write_errors),
+            log_write_errors=max(snapshot.log_write_errors, d.log.write_errors),
             bookings_skipped=counts.get("bookings_skipped", 0),
             bookings_unavailable=snapshot.bookings_unavailable,
         )

@@ -33,28 +33,17 @@ import os
 import sys
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
-from multiprocessing import popen_fork, process, spawn, util
-from multiprocessing.connection import Connection, Pipe
+from multiprocessing import popen_fork, popen_spawn_posix, process, spawn, util
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["StartDataError", "WorkerContext", "WorkerProcess", "fork_exec"]
+__all__ = ["StartDataError", "WorkerProcess", "fork_exec"]
 
 
 class StartDataError(Exception):
     """What a worker starts with (its target's arguments: the initializer and its initargs)
     could not be pickled; no process was started. Starting again cannot help."""
-
-
-class _DupFd:
-    """A descriptor the child inherits under the same number (multiprocessing's reducers)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def detach(self) -> int:
-        return self.fd
 
 
 def fork_exec(
@@ -191,7 +180,7 @@ class _Popen(popen_fork.Popen):
     """multiprocessing's spawn ``Popen`` with the worker's environment, pickled by cloudpickle."""
 
     method = "spawn"
-    DupFd = _DupFd
+    DupFd = popen_spawn_posix._DupFd  # a descriptor the child inherits under its number
 
     def __init__(self, process_obj: WorkerProcess) -> None:
         self._fds: list[int] = []
@@ -270,13 +259,3 @@ class WorkerProcess(process.BaseProcess):
     @staticmethod
     def _Popen(process_obj: WorkerProcess) -> _Popen:
         return _Popen(process_obj)
-
-
-class WorkerContext:
-    """What the dispatcher starts workers with: :class:`WorkerProcess` and a duplex pipe."""
-
-    Process = WorkerProcess
-
-    @staticmethod
-    def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
-        return Pipe(duplex)

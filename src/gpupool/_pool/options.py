@@ -1,10 +1,11 @@
-"""The pool's options: the constructor's arguments and the ``GPUPOOL_*`` variables, checked once.
+"""The pool's options, checked once, and the pool built from them (process layer).
 
 :func:`read_options` checks each argument where it reads it, with a message that names it
 and the fix, and reads a variable (:mod:`gpupool._pool.environ`) only for an argument left
-out, so a bad value there cannot fail a pool that does not use it. The frozen
-:class:`PoolOptions` it returns is what :func:`gpupool._pool.build.build_dispatcher` builds
-the pool from; a check that needs the cards (a reserve as large as one) is the builder's.
+out, so a bad value there cannot fail a pool that does not use it. :func:`build_dispatcher`
+builds the pool from the frozen :class:`PoolOptions`: it reads the cards once, before any
+child of the pool exists (the census is never retaken), and checks only what needs them
+(a reserve as large as a card).
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpupool._core.events import JsonValue
-from gpupool._core.policy import (
-    DEFAULT_MARGIN_BYTES,
-    DEFAULT_MARGIN_FRACTION,
-    Policy,
-)
-from gpupool._core.units import parse_pool_size
+from gpupool._core.planner import Planner, PlannerConfig
+from gpupool._core.policy import DEFAULT_MARGIN_BYTES, DEFAULT_MARGIN_FRACTION, AskTable, Policy
+from gpupool._core.units import format_size, parse_pool_size
 from gpupool._errors import ConfigurationError
-from gpupool._observe.log import check_log_path
+from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool import environ as variables
+from gpupool._pool.dispatcher import Dispatcher
+from gpupool._pool.workers import DeviceState
+from gpupool._sensors.select import default_sensor
 
 if TYPE_CHECKING:
+    from gpupool._core.census import Census
     from gpupool._sensors.base import Sensor
 
-__all__ = ["PoolOptions", "WorkerOptions", "read_options"]
+__all__ = ["PoolOptions", "WorkerOptions", "build_dispatcher", "read_options"]
 
 #: What a sensor must answer (``gpupool._sensors.base.Sensor`` implements them all).
 SENSOR_METHODS = ("read_devices", "read_memory", "read_host")
@@ -48,7 +50,7 @@ _parse_reserve = partial(parse_pool_size, name="reserve")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerOptions:
     """How the pool's workers start and run: the constructor's arguments of these names,
-    checked (``initializer``: with its ``initargs``; ``env``: the builder adds the pool's own).
+    checked (``initializer``: with its ``initargs``; ``env``: with the pool's own variables).
     """
 
     mp_context: Any
@@ -152,12 +154,7 @@ def read_options(
         ConfigurationError: an argument or a variable is wrong; the message names it and the
             fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
     """
-    if multiprocessing.current_process().daemon:
-        raise ConfigurationError(
-            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
-            "processes may not have children); run it from a non-daemonic process, e.g. "
-            "set distributed.worker.daemon=False for Dask workers."
-        )
+    _check_not_daemonic()
     # The arguments are checked in this order (the keywords are evaluated left to right).
     return PoolOptions(
         max_workers=_resolve(max_workers, _check_max_workers, variables.read_max_workers, environ),
@@ -191,6 +188,15 @@ def _resolve(
 ) -> _V:
     """The argument, checked, when given; else its variable or default (read only then)."""
     return check(given) if given is not None else read(environ)
+
+
+def _check_not_daemonic() -> None:
+    if multiprocessing.current_process().daemon:
+        raise ConfigurationError(
+            "GpuPoolExecutor cannot start workers from a daemonic process (daemonic "
+            "processes may not have children); run it from a non-daemonic process, e.g. "
+            "set distributed.worker.daemon=False for Dask workers."
+        )
 
 
 def _check_max_workers(value: object) -> int:
@@ -237,7 +243,9 @@ def _read_workers(
         # spawned: multiprocessing queues and locks in initargs work, as in CPython.
         initializer=None if initializer is None else (initializer, tuple(initargs)),
         max_tasks_per_child=max_tasks_per_child,
-        env=checked_env,
+        # JAX told not to preallocate 75 % of the card; env= wins (the sensor adds its own
+        # pinning when a worker starts).
+        env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **checked_env},
         cap_allocator=cap_allocator,
     )
 
@@ -417,6 +425,15 @@ def _check_bookings_dir(value: object) -> str | os.PathLike[str] | None:
     return value
 
 
+def _check_reserve(census: Census, reserve_bytes: int) -> None:
+    for card in census.cards:
+        if card.total_bytes is not None and reserve_bytes >= card.total_bytes:
+            raise ConfigurationError(
+                f"reserve={format_size(reserve_bytes)} is not smaller than card "
+                f"{card.device}'s {format_size(card.total_bytes)}; pass a smaller reserve."
+            )
+
+
 def _check_sensor(sensor: Sensor) -> Sensor:
     """Refuse a ``sensor=`` that lacks a method the census calls (it would fail there, far from
     where it was given, with an ``AttributeError``), naming what is missing."""
@@ -439,3 +456,62 @@ def _check_on_interrupt(value: object) -> variables.OnInterrupt:
         f"on_interrupt={value!r}: pass 'terminate' (Ctrl-C stops the running tasks) or "
         "'wait' (Ctrl-C waits for them, as the standard pool does)."
     )
+
+
+def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
+    """The pool's dispatcher, its first widths decided and recorded, started; with
+    the census it priced and the ``max_workers`` it was given or chose (the CPUs).
+
+    Raises:
+        ConfigurationError: ``reserve`` is not smaller than a card, or the census refused
+            the ``devices`` selection.
+        WidthError: ``strict=True`` and the bound is narrower than ``max_workers``.
+    """
+    from gpupool._sensors.bookings import new_pool_id, open_booking_table
+    from gpupool._sensors.census import read_census
+
+    # The default: NVML, or the simulator inside a SimulatedHost.
+    sensor = options.sensor if options.sensor is not None else default_sensor()
+    visible = sensor.read_visible_devices()
+    census, infos = read_census(
+        sensor, devices=options.devices, visible_devices=visible, pid=os.getpid()
+    )
+    reserve_bytes = options.policy.reserve_bytes
+    _check_reserve(census, reserve_bytes)
+    devices = [
+        DeviceState(i, *pair) for i, pair in enumerate(zip(infos, census.cards, strict=True))
+    ]
+    peak_bytes = options.task_peak_bytes
+    if peak_bytes is None:
+        peak_bytes = Planner.price_without_peak(census, reserve_bytes)
+    config = PlannerConfig(
+        max_workers=options.max_workers or census.host.cpus,
+        max_workers_given=options.max_workers is not None,
+        fixed_width=options.width,
+        strict=options.strict,
+        retry_oom=options.retry_oom,
+        max_retries=options.max_retries,
+        room_wait_s=options.room_wait_s,
+        reserve_bytes=reserve_bytes,
+        parent_pid=os.getpid(),
+    )
+    share, directory = options.share_bookings, options.bookings_dir
+    dispatcher = Dispatcher(
+        census=census,
+        devices=devices,
+        sensor=sensor,
+        asks=AskTable(policy=options.policy, default_estimate_bytes=peak_bytes),
+        config=config,
+        workers=options.workers,
+        log=DecisionLog(options.log_path, settings=options.settings()),
+        bookings=open_booking_table(share=share, directory=directory, sensor=sensor)
+        if devices
+        else None,
+        pool_id=new_pool_id(),
+    )
+    try:
+        dispatcher.start(priced=options.task_peak_bytes is not None)
+    except BaseException:
+        dispatcher.close()  # no thread will: give its descriptors back
+        raise
+    return dispatcher, census, config.max_workers

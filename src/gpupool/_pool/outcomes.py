@@ -23,10 +23,11 @@ import cloudpickle
 
 from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
 from gpupool._core.units import format_size
-from gpupool._errors import DeviceOutOfMemoryError
+from gpupool._errors import DeviceOutOfMemoryError, WidthError
+from gpupool._observe.log import LOGGER
 
 if TYPE_CHECKING:
-    from gpupool._core.planner import Fail
+    from gpupool._core.planner import Fail, Refuse
     from gpupool._pool.inbox import WorkItem
     from gpupool._pool.workers import Exited, SpawnFailed
 
@@ -94,8 +95,7 @@ class Outcomes:
                 )
             else:
                 self.counts["completed"] += 1
-                self.outbox.append((item.future, True, result))
-                self.in_outbox.add(item.future)
+                self._put(item.future, True, result)
                 return
         elif kind == "unpickle":
             error = broken_by(
@@ -131,10 +131,11 @@ class Outcomes:
         self.outbox.append((future, ok, value))
         self.in_outbox.add(future)
 
-    def deliver(self) -> None:
+    def deliver(self, *, stopping: bool = False) -> None:
         """Set the outbox's futures in order, keeping nothing of a result after it is set. A
         done-callback that raises a ``BaseException`` (``SystemExit``) crashes the
-        dispatcher, but only after every other future of the outbox is set."""
+        dispatcher, but only after every other future of the outbox is set (``stopping``:
+        it is only logged, as the dispatcher stops anyway)."""
         outbox, self.outbox = self.outbox, []
         self.in_outbox.clear()
         crash: BaseException | None = None
@@ -151,7 +152,9 @@ class Outcomes:
             except BaseException as exc:  # raised by a callback, after the future was set
                 crash = crash or exc
             del future, value
-        if crash is not None:
+        if crash is not None and stopping:
+            LOGGER.error("a done-callback raised as the pool stopped", exc_info=crash)
+        elif crash is not None:
             raise crash
 
 
@@ -175,6 +178,22 @@ def oom_error(key: str, verdict: Fail, exc: BaseException | None) -> DeviceOutOf
     )
     error.__cause__ = exc
     return error
+
+
+def cancelled_waiting_error(key: str, ask_bytes: int) -> DeviceOutOfMemoryError:
+    """A task that ran out of device memory alone waits for room at a cancelling shutdown."""
+    return DeviceOutOfMemoryError(
+        f"a task of {key} ran out of device memory alone and was waiting for "
+        "room when the pool was shut down with cancel_futures=True",
+        device=None,
+        ask_bytes=ask_bytes,
+        detail="shut down while waiting for room",
+    )
+
+
+def width_error(refused: Refuse) -> WidthError:
+    """Strict mode: the planner refused to narrow the pool below ``max_workers``."""
+    return WidthError(refused.reason, decision=refused.decision.to_dict())
 
 
 def lost_error(exited: Exited, key: str) -> tuple[BaseException, dict[str, Any]]:

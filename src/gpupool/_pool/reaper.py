@@ -40,15 +40,14 @@ HAVE_PIDFD = hasattr(os, "pidfd_open")
 class ProcessWatch:
     """One worker process: a descriptor that is readable once it exited, and its exit code."""
 
-    __slots__ = ("fd", "pid", "pidfd", "process")
+    __slots__ = ("fd", "pidfd", "process")
 
     def __init__(self, process: Any) -> None:
         self.process = process
-        self.pid: int = process.pid
         self.pidfd: int | None = None
         if HAVE_PIDFD:
             try:
-                self.pidfd = os.pidfd_open(self.pid)
+                self.pidfd = os.pidfd_open(process.pid)
             except OSError:  # ENOSYS on an older kernel, or the process is already gone
                 self.pidfd = None
         self.fd: int = self.pidfd if self.pidfd is not None else process.sentinel

@@ -5,12 +5,7 @@ the middle of every turn, and the ask table memoises what it derives, so a
 read from another thread can fail (a dict or deque changed size under it) or
 cache an ask built from half-updated state. Instead, the dispatcher thread
 copies what ``statistics()``, ``width`` and ``track`` need into a
-:class:`PoolSnapshot` and publishes it by one reference assignment::
-
-    dispatcher thread                          caller threads
-    -----------------                          --------------
-    planner, asks, counts (live, its own)
-    take_snapshot(...) -> PoolSnapshot   ->    dispatcher.snapshot -> statistics(), width
+:class:`PoolSnapshot` and publishes it by one reference assignment.
 """
 
 from __future__ import annotations
@@ -31,18 +26,9 @@ V = TypeVar("V")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolSnapshot:
-    """The pool as the dispatcher thread last published it, in values no one changes.
-
-    Attributes:
-        counts: the dispatcher's and the planner's event counts together
-            (``completed``, ``failed``, ``cancelled``, ``oom``, ``retries``...).
-        width: the planner's width.
-        widths: ``(time_s, width)`` at each change of the width.
-        asks: each task key's ask.
-        widths_by_key: the planner's ``widths_by_key()``.
-        log_write_errors: decision records the log file could not take.
-        bookings_unavailable: why the host's booking table cannot be used, or ``None``.
-    """
+    """The pool as the dispatcher thread last published it, in values no one changes:
+    ``counts`` are the outcomes' and the planner's together, the rest as
+    :class:`~gpupool.PoolStatistics` states them."""
 
     counts: Mapping[str, int]
     width: int

@@ -27,10 +27,6 @@ report the task's :class:`~gpupool._core.peak.PeakReport` as a tuple of its
 fields in order, or ``None``). The payload (a pickled result or exception)
 is sliced out of the frame, never copied.
 
-The worker reads each of the parent's frames into one buffer of the size the
-frame announces (:func:`read_frame`), and both ends' socket buffers are sized
-for a frame of 1 MiB (:func:`~gpupool._pool.channel.size_buffers`).
-
 The parent takes an answer only from its worker's PID, only about the task
 that worker runs, and once; anything else (bytes that are not an answer,
 an answer that does not end as it began, a second answer, a second
@@ -41,16 +37,18 @@ cannot pass for an answer: they break a frame's envelope, or the frame after.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import operator
 import os
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from gpupool._core.peak import PeakReport
-from gpupool._pool.channel import _LARGE, _SMALL, frame_header
+from gpupool._pool.channel import _LARGE, _SMALL, drop_written, frame_header
 
 __all__ = [
     "ANSWER_MAGIC",
@@ -89,7 +87,8 @@ _QUOTE_BYTES = 32
 
 #: A task's report travels as the values of these fields of :class:`PeakReport`, in order.
 _REPORT_FIELDS = tuple(field.name for field in dataclasses.fields(PeakReport))
-_report_values = operator.attrgetter(*_REPORT_FIELDS)
+#: A task's report as the worker sends it: its fields' values, in order.
+report_values: Callable[[PeakReport], tuple[Any, ...]] = operator.attrgetter(*_REPORT_FIELDS)
 
 
 class ProtocolFault(Exception):
@@ -257,12 +256,6 @@ def _task(task_id: int | None) -> str:
 # -- the worker's side ----------------------------------------------------------------------
 
 
-def report_values(report: PeakReport) -> tuple[Any, ...]:
-    """A task's report as the worker sends it: its fields' values, in order."""
-    values: tuple[Any, ...] = _report_values(report)
-    return values
-
-
 def read_frame(fd: int) -> bytearray | None:
     """Read one frame from the blocking descriptor ``fd`` into a buffer of the size its
     header announces; ``None`` at end of file before a frame began.
@@ -341,17 +334,6 @@ def send_answer(
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    while views:
-        try:
-            written = os.writev(fd, views)
-        except InterruptedError:
-            continue
-        while written:
-            first = views[0]
-            if written >= first.nbytes:
-                written -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[written:]
-                written = 0
+    views = collections.deque(memoryview(part).cast("B") for part in parts if len(part))
+    while views:  # os.writev retries itself when a signal interrupts it (PEP 475)
+        drop_written(views, os.writev(fd, views))

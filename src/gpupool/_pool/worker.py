@@ -3,29 +3,12 @@
 A worker is started as a fresh interpreter (:mod:`gpupool._pool.launch`)
 with its environment set before any import (the sensor's ``worker_env``: for NVIDIA,
 ``CUDA_VISIBLE_DEVICES=<uuid>``, ``CUDA_DEVICE_ORDER``), so nothing in it can touch the
-wrong card. It then runs one task at a time::
-
-    parent --frame: task id, pickle((fn, args, kwargs))------------> worker
-    parent <--frame: pid, task id, pickle((kind, report)), payload-- worker
-
-``kind`` is ``"ok"`` (payload: the pickled result), ``"error"`` (payload:
-the pickled exception and the formatted traceback), ``"oom"`` (a device
-out-of-memory, classified here, payload as for errors), ``"unpickle"`` (the
-task could not be unpickled), ``"declined"`` (a task sent queued behind the
-last one, which ended in a device out-of-memory: not run, the parent starts it
-again) or ``"init"`` (the initializer raised; the worker then exits). Before
-any of those, once its initializer returned and its probe is set up, a
-worker sends ``"ready"`` (its report: ``{"resident_bytes": ...}``, its own
-device bytes then, ``None`` when unknown; an empty payload), so a worker
-that dies before it is ready is known to have died starting, not running a
-task. Every answer is one frame
-that names this worker's PID and the task it is about (no task for
-``ready`` and ``init``), and the parent takes only its running task's answer,
-once (:mod:`gpupool._pool.wire`). An empty message asks the worker to exit.
-The header is plain pickle of plain values, so the parent always learns
-what happened even when the payload cannot be unpickled; the payload is
-written as it is, so a result is pickled once here and unpickled once in
-the parent. The worker's end of the socket blocks; the parent's never does
+wrong card. It then runs one task at a time and answers each in one frame (the frames
+and the kinds: :mod:`gpupool._pool.wire`): its result or exception, a device
+out-of-memory classified here, or a task queued behind one that ran out of device memory
+declined unrun. Before any task it answers ``ready`` (with its own device bytes), so a
+worker that dies before then is known to have died starting, not running a task. An
+empty message asks it to exit. Its end of the socket blocks; the parent's never does
 (:mod:`gpupool._pool.channel`).
 
 At start a worker
@@ -37,13 +20,8 @@ At start a worker
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
   does not hold the worker's socket or its start pipe;
-* guards its socket against forks (:func:`_guard_forks`): in a process a
-  task (or its initializer) forks, the socket's descriptor is replaced by
-  ``/dev/null`` at once, and a copy of the worker that comes back to this
-  loop (a child that returns from the task) exits without sending anything
-  and without running another task; a worker whose socket a task closed, or
-  replaced with a file of its own, exits rather than answer into that file
-  (:func:`_leave_if_channel_lost`).
+* guards its socket against what its tasks fork (:func:`_guard_forks`), and exits
+  rather than answer into a file a task put in its place (:func:`_leave_if_channel_lost`).
 """
 
 from __future__ import annotations
@@ -62,7 +40,6 @@ from gpupool._pool.by_value import adopt_main_namespace, dumps_call
 from gpupool._pool.channel import size_buffers
 
 if TYPE_CHECKING:
-    import logging
     from collections.abc import Callable
     from multiprocessing.connection import Connection
 
@@ -78,14 +55,6 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 #: ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
-
-
-def _logger() -> logging.Logger:
-    """The standard pool's logger (imported when a worker first logs: a worker that never
-    does never loads :mod:`logging`)."""
-    import logging
-
-    return logging.getLogger("concurrent.futures")
 
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
@@ -296,32 +265,11 @@ def worker_main(
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
     probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
     ``None`` without a device, so that a worker without one never imports a sensor)."""
-    if not die_with_parent(parent_pid):
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    _isolate()
-    _guard_forks(conn.fileno())
-    size_buffers(conn.fileno())
-    if initializer is not None:
-        try:
-            fn, args, ids = initializer
-            # A function of the script shares one namespace with the tasks (see by_value).
-            adopt_main_namespace(fn, ids)
-            fn(*args)
-        except BaseException as exc:
-            _leave_if_forked()
-            try:
-                _logger().critical("Exception in initializer:", exc_info=True)
-            except Exception:  # the initializer left logging unimportable: the answer says it
-                pass
-            _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
-            return
-        _leave_if_forked()
-
-    from gpupool._child.probe import apply_allocator_cap, is_device_oom, read_allocator_cap_message
-
-    probe = _ready(conn, device, device_index, sensor_factory)
+    probe = _start(conn, parent_pid, initializer, device, device_index, sensor_factory)
     if probe is None:
         return
+    from gpupool._child.probe import apply_allocator_cap, read_allocator_cap_message
+
     done = 0
     last_oom = False  # whether the last task this worker ran ended in a device OOM
     fd = conn.fileno()
@@ -350,35 +298,67 @@ def worker_main(
         task_id, (fn, args, kwargs) = task
         del task
         probe.start()
-        kind, payload, failure = "ok", b"", None
+        failure = None
         try:
             result: Any = fn(*args, **kwargs)
         except BaseException as exc:
-            failure = exc
+            failure, result = exc, None
         _leave_if_forked()  # a child the task forked came back here: it leaves
-        try:
-            oom = failure if failure is not None and is_device_oom(failure) else None
-            report = probe.stop(oom=oom)
-        except Exception:
-            # A measurement that fails must not cost the task its result.
-            report = PeakReport(device=device_index, device_peak_bytes=None, device_source="none")
+        report = _measured(probe, failure, device_index)
         del fn, args, kwargs
-        if failure is None:
-            try:
-                payload = dumps_call(result)
-            except BaseException as exc:
-                kind, payload = "error", _dump_exception(exc)
-            del result
-        else:
-            kind = "oom" if report.oom else "error"
-            payload = _dump_exception(failure)
-            failure = None
+        kind, payload = _encoded(result, failure, report)
+        del result, failure
         last_oom = kind == "oom"
-        # The report as a tuple of plain values: the parent rebuilds it (wire.parse_answer).
-        # A forked copy of the worker left right after the task returned (above).
+        # The report as plain values (wire.parse_answer rebuilds it); a forked copy left above.
         _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
         del payload
         done += 1
+
+
+def _initialized(
+    conn: Connection, initializer: tuple[Any, tuple[Any, ...], dict[str, int]]
+) -> bool:
+    """Run the initializer; ``False`` (answered ``"init"``: the worker exits) when it raised."""
+    try:
+        fn, args, ids = initializer
+        # A function of the script shares one namespace with the tasks (see by_value).
+        adopt_main_namespace(fn, ids)
+        fn(*args)
+    except BaseException as exc:
+        _leave_if_forked()
+        try:
+            # The standard pool's logger; a worker that never logs never loads logging.
+            import logging
+
+            logging.getLogger("concurrent.futures").critical(
+                "Exception in initializer:", exc_info=True
+            )
+        except Exception:  # the initializer left logging unimportable: the answer says it
+            pass
+        _answer(conn, wire.NO_TASK, "init", None, _dump_exception(exc))
+        return False
+    _leave_if_forked()
+    return True
+
+
+def _measured(probe: Probe, failure: BaseException | None, device_index: int | None) -> PeakReport:
+    """The task's report; a measurement that fails must not cost the task its result."""
+    from gpupool._child.probe import is_device_oom
+
+    try:
+        return probe.stop(oom=failure if failure is not None and is_device_oom(failure) else None)
+    except Exception:
+        return PeakReport(device=device_index, device_peak_bytes=None, device_source="none")
+
+
+def _encoded(result: Any, failure: BaseException | None, report: PeakReport) -> tuple[str, bytes]:
+    """The answer's kind and payload: the pickled result, or the pickled exception."""
+    if failure is not None:
+        return "oom" if report.oom else "error", _dump_exception(failure)
+    try:
+        return "ok", dumps_call(result)
+    except BaseException as exc:
+        return "error", _dump_exception(exc)
 
 
 def _decline(conn: Connection, message: bytearray) -> None:
@@ -408,15 +388,25 @@ def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
         call.release()
 
 
-def _ready(
+def _start(
     conn: Connection,
+    parent_pid: int,
+    initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     device: DeviceInfo | None,
     device_index: int | None,
     sensor_factory: Callable[[], Sensor] | None,
 ) -> Probe | None:
-    """Set up the probe and tell the parent this worker is ready, with its own device bytes
-    now (what the initializer left on the card is this worker's, not a task's); ``None``
-    when the parent's end is closed."""
+    """Start as the module's docstring says, run the initializer, set up the probe and tell
+    the parent this worker is ready, with its own device bytes now (what the initializer
+    left on the card is this worker's, not a task's); ``None`` when the initializer raised
+    or the parent's end is closed."""
+    if not die_with_parent(parent_pid):
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _isolate()
+    _guard_forks(conn.fileno())
+    size_buffers(conn.fileno())
+    if initializer is not None and not _initialized(conn, initializer):
+        return None
     from gpupool._child.probe import Probe
 
     sensor = None

@@ -2,9 +2,10 @@
 
 It starts, writes to, reads from and reaps the workers, and says what happened
 as events, in order: ``spawn(card) -> Worker | SpawnFailed | None`` (backing
-off), ``serve(timeout_s) -> Ready | Answered | Exited``. It never touches a
+off), ``serve(timeout_s) -> Answered | Exited``. It never touches a
 future or the planner: what an answer or an exit means is the loop's
-(:mod:`gpupool._pool.dispatcher`).
+(:mod:`gpupool._pool.dispatcher`), and what it counts or retires by the loop's
+decisions it asks of the callables it is given (``counts``, ``retire_idle``).
 """
 
 from __future__ import annotations
@@ -15,32 +16,32 @@ import select
 import selectors
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Pipe
 from typing import TYPE_CHECKING, Any
 
 from gpupool._child.probe import allocator_cap_message
+from gpupool._core.planner import Workers
 from gpupool._observe.log import LOGGER
 from gpupool._pool import wire
 from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
-from gpupool._pool.launch import StartDataError, WorkerContext
+from gpupool._pool.launch import StartDataError, WorkerProcess
 from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
 from gpupool._pool.worker import worker_main
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from gpupool._core.census import CardCensus
     from gpupool._core.peak import PeakReport
     from gpupool._pool.inbox import WorkItem
+    from gpupool._pool.options import WorkerOptions
     from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = [
     "Answered",
     "DeviceState",
     "Exited",
-    "Ready",
     "SpawnFailed",
     "Worker",
     "WorkerSet",
@@ -109,13 +110,6 @@ class Worker:
 
 
 @dataclass(frozen=True, slots=True)
-class Ready:
-    """``worker``'s initializer returned: it may be handed tasks."""
-
-    worker: Worker
-
-
-@dataclass(frozen=True, slots=True)
 class Answered:
     """``worker`` answered for ``item`` (taken off its queue): ``kind`` is ``ok``, ``error``,
     ``unpickle``, ``oom``, ``declined`` (queued behind a run that ran out of memory) or
@@ -160,23 +154,11 @@ class WorkerSet:
     PUBLISHED = frozenset({"processes"})
 
     def __init__(
-        self,
-        *,
-        cards: list[DeviceState],
-        sensor: Sensor,
-        env: Mapping[str, str],
-        initializer: tuple[Callable[..., object], tuple[Any, ...]] | None,
-        max_tasks_per_child: int | None,
-        cap_allocator: bool,
-        wake_fd: int,
+        self, cards: list[DeviceState], sensor: Sensor, options: WorkerOptions, wake_fd: int
     ) -> None:
         self.cards = cards
         self.sensor = sensor  # its vendor pins a worker and gives it a sensor of its own
-        self.env = dict(env)
-        self.initializer = initializer
-        self.max_tasks_per_child = max_tasks_per_child
-        self.cap_allocator = cap_allocator
-        self.context = WorkerContext()
+        self.options = options
         self.by_card: dict[int | None, list[Worker]] = {None: []}
         self.by_card.update((card.index, []) for card in cards)
         # The processes by PID, as CPython's ``_processes``: replaced whole at each change.
@@ -198,6 +180,23 @@ class WorkerSet:
     def on(self, card: int | None) -> list[Worker]:
         """The workers pinned to ``card`` (``None``: the pool's workers without one)."""
         return self.by_card[card]
+
+    def counts(self, declining: Callable[[int], bool]) -> Workers:
+        """The workers per card as the planner needs them: ready and idle, and booting. One
+        whose head is ``declining`` (queued behind a run that ran out of device memory) runs
+        nothing and is idle once it has declined it: it counts as booting, so that no other
+        worker is started in its place."""
+        ready: dict[int | None, int] = {}
+        booting: dict[int | None, int] = {}
+        for worker in self.all():
+            if worker.gone or worker.retiring:
+                continue
+            head = worker.task
+            if not worker.ready or (head is not None and declining(head.task_id)):
+                booting[worker.device] = booting.get(worker.device, 0) + 1
+            elif head is None:
+                ready[worker.device] = ready.get(worker.device, 0) + 1
+        return Workers(ready=ready, booting=booting)
 
     # -- starting --------------------------------------------------------------------
 
@@ -243,23 +242,22 @@ class WorkerSet:
         return max(0.01, self.spawn_retry_at_s - time.monotonic())
 
     def _spawn(self, card: int | None) -> Worker:
-        device = self.cards[card] if card is not None else None
-        parent_conn, child_conn = self.context.Pipe(duplex=True)
-        process = self.context.Process(
+        info = None if card is None else self.cards[card].info
+        initializer = self.options.initializer
+        parent_conn, child_conn = Pipe(duplex=True)
+        process = WorkerProcess(
             target=worker_main,
             args=(
                 child_conn,
                 os.getpid(),
-                device.info if device is not None else None,
+                info,
                 card,
                 # With the ids of its globals here (what by_value's tasks send beside theirs).
-                (*self.initializer, sender_ids(self.initializer[0]))
-                if self.initializer is not None
-                else None,
-                self.max_tasks_per_child,
-                self.sensor.worker_factory() if device is not None else None,
+                (*initializer, sender_ids(initializer[0])) if initializer is not None else None,
+                self.options.max_tasks_per_child,
+                None if info is None else self.sensor.worker_factory(),
             ),
-            env={**self.env, **self.sensor.worker_env(device.info if device is not None else None)},
+            env={**self.options.env, **self.sensor.worker_env(info)},
             name="gpupool-worker",
         )
         try:
@@ -291,10 +289,20 @@ class WorkerSet:
         the task it runs (which it declines after a device out-of-memory); ``now=False``:
         written at :meth:`flush`."""
         worker.queue.append(item)
-        if self.cap_allocator and worker.device is not None:
+        if self.options.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes), now=now)
         self._write(worker, payload, wire.task_prefix(item.task_id, queued=queued), now=now)
+
+    def retire_idle(self, keep: Callable[[int], int]) -> None:
+        """Retire the idle workers beyond ``keep(card)`` on each card (asked only of a card
+        with idle ones); one that boots is not idle: it was started for a task that fits."""
+        for card in self.cards:
+            live = [w for w in self.by_card[card.index] if not w.retiring]
+            idle = [w for w in live if w.task is None and w.ready]
+            if idle:
+                for worker in idle[: max(0, len(live) - keep(card.index))]:
+                    self.retire(worker)
 
     def retire(self, worker: Worker) -> None:
         """Ask a worker to exit once idle; its exit is then an event."""
@@ -332,10 +340,7 @@ class WorkerSet:
         except ChannelClosed:
             worker.channel.discard_output()  # the worker died: its exit will be seen
             done = True
-        self._watch_writable(worker, not done)
-
-    def _watch_writable(self, worker: Worker, on: bool) -> None:
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0)
+        events = selectors.EVENT_READ | (0 if done else selectors.EVENT_WRITE)
         try:
             self.selector.modify(worker.channel.fd, events, (worker, "conn"))
         except (KeyError, ValueError):
@@ -343,7 +348,7 @@ class WorkerSet:
 
     # -- reading ---------------------------------------------------------------------
 
-    def serve(self, timeout_s: float | None) -> Iterator[Ready | Answered | Exited]:
+    def serve(self, timeout_s: float | None) -> Iterator[Answered | Exited]:
         """Wait for the selector (or the wake pipe), write what may be written, and yield what
         the workers said and which ended, in order; the loop has acted on each event (sent
         the worker its next task, say) before the next frame is read."""
@@ -377,7 +382,7 @@ class WorkerSet:
             if not worker.gone:
                 yield self._reap(worker)
 
-    def _receive(self, worker: Worker) -> Iterator[Ready | Answered]:
+    def _receive(self, worker: Worker) -> Iterator[Answered]:
         """What ``worker`` sent, oldest first. At end of file the socket stops being watched:
         the worker's exit, seen from the process itself, is the next event."""
         if worker.fault is not None:
@@ -396,15 +401,16 @@ class WorkerSet:
             if event is None:
                 continue
             yield event
-            if isinstance(event, Answered) and event.kind != "init" and worker.retiring:
+            if event.kind != "init" and worker.retiring:
                 self.retire(worker)
             del event  # keep nothing of a finished task
         if worker.channel.corrupt is not None:
             self._protocol_fault(worker, worker.channel.corrupt)
 
-    def _answer(self, worker: Worker, frame: bytearray) -> Ready | Answered | None:
-        """``frame`` as an event, the worker's state moved by it; ``None`` (its protocol
-        fault) when it is not an answer ``worker`` may send now."""
+    def _answer(self, worker: Worker, frame: bytearray) -> Answered | None:
+        """``frame`` as an event, the worker's state moved by it; ``None`` when it is
+        ``ready`` (nothing for the loop: the next turn counts the worker), or when it is not
+        an answer ``worker`` may send now (its protocol fault)."""
         head = worker.task
         try:
             answer = wire.parse_answer(frame)
@@ -422,7 +428,7 @@ class WorkerSet:
             worker.ready = True
             worker.resident_bytes = (answer.report or {}).get("resident_bytes")
             self.boot_deaths = 0
-            return Ready(worker)
+            return None
         item = worker.queue.popleft() if worker.queue else None
         if kind == "init":
             # It exits right after this answer; wait for it (bounded), so that what it
@@ -431,7 +437,7 @@ class WorkerSet:
             worker.process.join(timeout=INIT_EXIT_WAIT_S)
         elif kind != "declined":
             worker.tasks_done += 1
-            limit = self.max_tasks_per_child
+            limit = self.options.max_tasks_per_child
             if limit is not None and worker.tasks_done >= limit:
                 worker.retiring = True
         return Answered(worker, item, kind, answer.peak, answer.payload)
