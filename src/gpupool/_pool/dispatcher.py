@@ -76,12 +76,12 @@ from gpupool._pool.workers import (
     Exited,
     SpawnFailed,
     Worker,
+    WorkerOptions,
     WorkerSet,
 )
 from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
-    from gpupool._pool.options import WorkerOptions
     from gpupool._sensors.base import Sensor
     from gpupool._sensors.bookings import BookingTable
 

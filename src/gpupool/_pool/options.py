@@ -28,7 +28,7 @@ from gpupool._errors import ConfigurationError
 from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool import environ as variables
 from gpupool._pool.dispatcher import Dispatcher
-from gpupool._pool.workers import DeviceState
+from gpupool._pool.workers import DeviceState, WorkerOptions
 from gpupool._sensors.select import default_sensor
 
 if TYPE_CHECKING:
@@ -45,19 +45,6 @@ _V = TypeVar("_V")
 
 _parse_task_peak = partial(parse_pool_size, name="task_peak", allow_zero=False)
 _parse_reserve = partial(parse_pool_size, name="reserve")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerOptions:
-    """How the pool's workers start and run: the constructor's arguments of these names,
-    checked (``initializer``: with its ``initargs``; ``env``: with the pool's own variables).
-    """
-
-    mp_context: Any
-    initializer: tuple[Callable[..., object], tuple[Any, ...]] | None
-    max_tasks_per_child: int | None
-    env: Mapping[str, str]
-    cap_allocator: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

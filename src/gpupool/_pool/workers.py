@@ -16,7 +16,7 @@ import select
 import selectors
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Pipe
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from gpupool._core.census import CardCensus
     from gpupool._core.peak import PeakReport
     from gpupool._pool.inbox import WorkItem
-    from gpupool._pool.options import WorkerOptions
     from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = [
@@ -143,6 +142,19 @@ class SpawnFailed:
     tries: int
     waited_s: float
     final: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerOptions:
+    """How the pool's workers start and run: the constructor's arguments of these names,
+    checked (``initializer``: with its ``initargs``; ``env``: with the pool's own variables).
+    """
+
+    mp_context: Any
+    initializer: tuple[Callable[..., object], tuple[Any, ...]] | None
+    max_tasks_per_child: int | None
+    env: Mapping[str, str]
+    cap_allocator: bool
 
 
 class WorkerSet:
