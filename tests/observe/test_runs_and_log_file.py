@@ -248,7 +248,7 @@ def test_a_failed_write_warns_once_and_the_pool_goes_on(
     card = SimulatedDevice("44.39GiB", co_tenants={"serve": "9.54GiB"})
     with SimulatedHost([card], cpus=16, host_ram="128GiB"), hold("16.20GiB"):
         with GpuPoolExecutor(max_workers=4, task_peak="9.9GiB", log_path=path) as pool:
-            log = pool._log
+            log = pool._dispatcher.log
             # Not checked against its path (which it no longer matches): this test is of a
             # write that fails, not of a file replaced (tests/observe/test_log_is_ours.py).
             log._check_every_s = float("inf")
