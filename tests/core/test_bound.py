@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpupool._core import (
-    CardCensus,
+from gpupool._core.bound import (
     Ceiling,
     WidthDecision,
     derive_bound,
     derive_ceiling,
     live_gate_admits,
 )
+from gpupool._core.census import CardCensus
 from gpupool._core.planner.fit import Booked
 from gpupool._core.units import GiB
 from support import card_census

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.census import CardCensus
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 

@@ -8,14 +8,9 @@ import typing
 
 import pytest
 
-from gpupool._core import (
-    EVENTS,
-    SCHEMA_VERSION,
-    CardCensus,
-    Decision,
-    derive_ceiling,
-)
-from gpupool._core.events import EventName
+from gpupool._core.bound import derive_ceiling
+from gpupool._core.census import CardCensus
+from gpupool._core.events import EVENTS, SCHEMA_VERSION, Decision, EventName
 from gpupool._core.units import GiB
 from support.fit import flat_ask, planner_width
 

@@ -10,13 +10,12 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
 from gpupool._core.planner.learning import varied_peaks
-from gpupool._core.policy import MARGIN_FLOOR_BYTES, _t_999, peaks_vary
+from gpupool._core.policy import MARGIN_FLOOR_BYTES, AskTable, Policy, _t_999, peaks_vary
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 

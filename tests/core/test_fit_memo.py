@@ -15,11 +15,10 @@ from collections.abc import Sequence
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.bound import Ceiling, derive_ceiling, fits_together
 from gpupool._core.planner.fit import Booked, Fit, Held, _card_bound, card_bound, fit
 from gpupool._core.planner.state import Card
-from gpupool._core.policy import Ask
+from gpupool._core.policy import Ask, AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census
 

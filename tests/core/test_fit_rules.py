@@ -10,7 +10,6 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.census import CardCensus
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
@@ -27,6 +26,7 @@ from gpupool._core.planner import (
 )
 from gpupool._core.planner.fit import Booked, card_widths, fit
 from gpupool._core.planner.order import head_hold, keep_hold
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 

@@ -14,15 +14,9 @@ from __future__ import annotations
 import pytest
 
 from gpupool import format_size, parse_size
-from gpupool._core import (
-    AskTable,
-    Bound,
-    CardCensus,
-    Ceiling,
-    Policy,
-    WidthDecision,
-    derive_ceiling,
-)
+from gpupool._core.bound import Bound, Ceiling, WidthDecision, derive_ceiling
+from gpupool._core.census import CardCensus
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
 from support.fit import planner_width
 

@@ -9,11 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import CardReading, Planner, PlannerConfig, Start
-from gpupool._core.policy import MARGIN_FLOOR_BYTES, _t_999, learned_margin
+from gpupool._core.policy import MARGIN_FLOOR_BYTES, AskTable, Policy, _t_999, learned_margin
 from gpupool._core.units import GiB, MiB
 from support import (
     INCIDENT_CO_TENANT_BYTES,

@@ -14,15 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpupool._core import (
-    DEFAULT_RESERVE_BYTES,
-    CardCensus,
-    Ceiling,
-    Census,
-    HostCensus,
-    WidthDecision,
-    derive_ceiling,
-)
+from gpupool._core.bound import Ceiling, WidthDecision, derive_ceiling
+from gpupool._core.census import CardCensus, Census, HostCensus
+from gpupool._core.policy import DEFAULT_RESERVE_BYTES
 from gpupool._core.units import GiB
 from support.fit import planner_widths
 

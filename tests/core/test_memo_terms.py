@@ -10,10 +10,10 @@ from hypothesis.stateful import initialize, invariant, rule
 from test_fit_memo import walked_fit
 from test_planner import PlannerMachine
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.planner import Planner, PlannerConfig
 from gpupool._core.planner.fit import _card_bound, card_bound, card_widths
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 

@@ -22,7 +22,6 @@ from hypothesis.stateful import (
 )
 from test_fit_memo import walked_fit
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -42,6 +41,7 @@ from gpupool._core.planner import (
 )
 from gpupool._core.planner.fit import _card_bound, card_bound, card_widths
 from gpupool._core.planner.state import Run
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of, start_all
 

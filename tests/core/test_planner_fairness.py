@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start, Wait
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
 from support import card_census, census_of
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpupool import parse_size
-from gpupool._core import (
+from gpupool._core.policy import (
     DEFAULT_MARGIN_BYTES,
     DEFAULT_MARGIN_FRACTION,
     DEFAULT_RESERVE_BYTES,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.planner.base import (
@@ -16,6 +15,7 @@ from gpupool._core.planner.base import (
     SHORT_MIN_TASKS,
     SHORT_TASK_S,
 )
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
 from support import card_census, census_of
 

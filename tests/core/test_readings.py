@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.readings import CONTEXT_FLOOR_BYTES, judge_tree_rows
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of

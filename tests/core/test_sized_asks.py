@@ -7,11 +7,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Retry, Start
-from gpupool._core.policy import MARGIN_FLOOR_BYTES
+from gpupool._core.policy import MARGIN_FLOOR_BYTES, AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census, census_of
 

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpupool._core import AskTable, Policy
-from gpupool._core.policy import MARGIN_FLOOR_BYTES
+from gpupool._core.policy import MARGIN_FLOOR_BYTES, AskTable, Policy
 from gpupool._core.units import GiB, MiB
 
 LEARNED = Policy(learned=True)

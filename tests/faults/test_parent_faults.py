@@ -226,6 +226,38 @@ def test_keyboard_interrupt_in_with_stops_running_tasks(tmp_path: Path, target: 
     _assert_workers_exit(workers, 5.0)
 
 
+def test_keyboard_interrupt_while_the_with_block_waits_at_its_end_stops_running_tasks(
+    tmp_path: Path,
+):
+    """Ctrl-C while ``with`` waits for the pool at its end (the commonest moment to press it)
+    leaves the block as Ctrl-C inside it does: the running tasks end, the others are
+    cancelled, no worker is left (a Thread.join that Ctrl-C cut short once hid the pool's
+    thread, and every task ran on)."""
+    process, pids = _start(
+        tmp_path,
+        """
+        never = os.path.join(directory, "never-released")
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+                for i in range(4):
+                    ex.submit(faulty.note_pid_then_wait_return, directory, i, never)
+        """,
+    )
+    try:
+        assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
+        workers = _worker_pids(pids)
+        os.kill(process.pid, signal.SIGINT)
+        _, err = _finish(process, 30)  # a pool that waits for its tasks hangs for 600 s
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert "KeyboardInterrupt" in err, err[-4000:]
+    assert process.returncode != 0
+    assert sorted(int(p.stem) for p in pids.glob("*.pid")) == [0, 1]
+    _assert_workers_exit(workers, 5.0)
+
+
 def test_keyboard_interrupt_in_with_kills_the_tasks_children_that_ignore_sigterm(
     tmp_path: Path,
 ):

@@ -18,8 +18,10 @@ import tasks
 
 import gpupool.testing as gt
 from gpupool import ConfigurationError, GpuPoolExecutor, WidthError, WorkerLostError
-from gpupool._core import AskTable, CardCensus, Policy, derive_ceiling
+from gpupool._core.bound import derive_ceiling
+from gpupool._core.census import CardCensus
 from gpupool._core.events import SCHEMA_VERSION, Decision
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB, MiB, format_size, parse_size
 from gpupool._observe.log import DecisionLog
 from gpupool._sensors.cuda import parse_visible_devices

@@ -11,9 +11,9 @@ from types import MappingProxyType
 
 import pytest
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.events import Decision
 from gpupool._core.planner import Planner, PlannerConfig, Start
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
 from gpupool._pool.snapshot import take_snapshot
 from support import card_census, census_of

@@ -16,6 +16,7 @@ from rocm_like import RocmLikeSensor, card_name
 
 from gpupool import GpuPoolExecutor
 from gpupool._core.units import GiB, MiB
+from gpupool._errors import ConfigurationError
 from gpupool._sensors.base import DeviceInfo
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
@@ -85,3 +86,37 @@ def test_the_sensors_factories_are_picklable_and_make_their_own_kind(host: Simul
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "GPUPOOL_SIMULATOR": host.ledger_path,
     }
+
+
+class _PinsWithANumber(RocmLikeSensor):
+    def worker_env(self, device: DeviceInfo | None) -> dict[str, str]:
+        return {"HIP_VISIBLE_DEVICES": 0}  # type: ignore[dict-item]  # a number, not a str
+
+
+class _FactoryHoldsALock(RocmLikeSensor):
+    def worker_factory(self):  # type: ignore[no-untyped-def]
+        import threading
+
+        lock = threading.Lock()
+        return lambda: (lock, RocmLikeSensor(self._ledger_path))[1]
+
+
+@pytest.mark.parametrize(
+    ("sensor_class", "message"),
+    [
+        (
+            _PinsWithANumber,
+            r"^_PinsWithANumber\.worker_env\('HIP-0001'\) cannot pin a worker: "
+            r"env\['HIP_VISIBLE_DEVICES'\]=0: values must be str",
+        ),
+        (_FactoryHoldsALock, r"^_FactoryHoldsALock\.worker_factory\(\) cannot reach a worker: "),
+    ],
+)
+def test_a_sensor_whose_vendor_facts_cannot_reach_a_worker_is_refused_at_construction(
+    host: SimulatedHost, sensor_class: type[RocmLikeSensor], message: str
+) -> None:
+    """A sensor's pinning and worker factory are checked once, as ``env=`` is: the error names
+    the sensor and the method, before a worker is started (not five failed starts later)."""
+    sensor = sensor_class(host.ledger_path)
+    with pytest.raises(ConfigurationError, match=message):
+        GpuPoolExecutor(max_workers=2, task_peak="2GiB", sensor=sensor)

@@ -8,10 +8,10 @@ import sharing_tasks
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
-from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
 from gpupool._core.planner import Planner, PlannerConfig, Wait
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
 from gpupool._sensors.bookings import BookingTable
 from support import card_census, census_of, start_all, wait_for

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from gpupool._core import AskTable, Policy
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
 from gpupool._core.events import Decision
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.planner.sharing import YIELD_S
+from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
 from support import card_census, census_of, other_pools, start_all
 

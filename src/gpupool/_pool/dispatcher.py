@@ -192,7 +192,7 @@ class Dispatcher:
 
     #: What other threads may reach: the inbox is theirs, the log has a lock of its own, the
     #: rest is replaced whole.
-    PUBLISHED = frozenset({"inbox", "log", "snapshot", "workers", "thread", "join"})
+    PUBLISHED = frozenset({"inbox", "log", "snapshot", "workers", "thread", "join", "finished"})
 
     def __init__(
         self,
@@ -234,6 +234,10 @@ class Dispatcher:
         # futures is RUNNING, so that width and widths_by_key count them).
         self.unpublished_tasks = False
         self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
+        # Set as the thread's last act. Waited on instead of the thread itself: on Python
+        # 3.10-3.12 a Thread.join that Ctrl-C interrupts leaves that thread marked stopped
+        # while it runs, so is_alive() and join() would lie from then on.
+        self.finished = threading.Event()
 
     def publish(self) -> None:
         """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
@@ -270,9 +274,11 @@ class Dispatcher:
         self.workers.close()
         self.inbox.close()
 
-    def join(self, timeout: float | None = None) -> None:
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
+        if self.thread.ident is None or threading.current_thread() is self.thread:
+            return self.finished.is_set()  # never started, or asked from the thread itself
+        return self.finished.wait(timeout)
 
     def now(self) -> float:
         return time.monotonic() - self.started_at_s
@@ -319,7 +325,10 @@ class Dispatcher:
             self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
             self.publish()  # the last snapshot: what statistics() says from now on
             self.outcomes.deliver(stopping=True)
-            self.close()
+            try:
+                self.close()
+            finally:
+                self.finished.set()
 
     def _loop(self) -> None:
         while True:

@@ -299,7 +299,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         ):
             self._stop_on_interrupt()
             return
-        self.shutdown(wait=True)
+        try:
+            self.shutdown(wait=True)
+        except KeyboardInterrupt:  # Ctrl-C while the block's end waits: it leaves the block
+            if self._on_interrupt == "terminate":
+                self._stop_on_interrupt()
+            raise
 
     def _stop_on_interrupt(self) -> None:
         """Ctrl-C left the ``with`` block: SIGTERM now, SIGKILL after the grace, then wait.
@@ -311,11 +316,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         below = trees_below(self._processes)
         self.terminate_workers()
+        finished = False
         try:
-            self._dispatcher.join(INTERRUPT_GRACE_S)
+            finished = self._dispatcher.join(INTERRUPT_GRACE_S)
             kill_left_after(below, deadline)
         finally:  # a second Ctrl-C during the grace kills at once
-            if self._dispatcher.thread.is_alive():
+            if not finished:
                 self.kill_workers()
             kill_left_after(below, 0.0)
             self._dispatcher.join()

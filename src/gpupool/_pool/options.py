@@ -33,7 +33,7 @@ from gpupool._sensors.select import default_sensor
 
 if TYPE_CHECKING:
     from gpupool._core.census import Census
-    from gpupool._sensors.base import Sensor
+    from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = ["PoolOptions", "WorkerOptions", "build_dispatcher", "read_options"]
 
@@ -280,6 +280,31 @@ def _check_flag(value: object, name: str) -> bool:
     return value
 
 
+def _check_vendor(sensor: Sensor, infos: Sequence[DeviceInfo]) -> None:
+    """A sensor's vendor facts, checked once as ``env=`` is: what pins a worker to each card
+    is a mapping of names to str values, and the factory each worker builds its own sensor
+    with pickles (a worker is spawned with it)."""
+    kind = type(sensor).__name__
+    for info in infos:
+        try:
+            _check_env(sensor.worker_env(info))
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"{kind}.worker_env({info.uuid!r}) cannot pin a worker: {exc} A sensor's "
+                "worker_env returns a dict of variable names to str values."
+            ) from None
+    if infos:
+        import cloudpickle
+
+        try:
+            cloudpickle.dumps(sensor.worker_factory())
+        except Exception as exc:
+            raise ConfigurationError(
+                f"{kind}.worker_factory() cannot reach a worker: {type(exc).__name__}: {exc}. "
+                "Return a module-level class or function, or a functools.partial of one."
+            ) from None
+
+
 def _check_env(env: object) -> dict[str, str]:
     """The ``env=`` mapping, refused unless every key and value can reach a worker as given,
     and unless a ``PYTHONHOME`` in it names a Python (:func:`_check_python_home`)."""
@@ -465,6 +490,7 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
     )
     reserve_bytes = options.policy.reserve_bytes
     _check_reserve(census, reserve_bytes)
+    _check_vendor(sensor, infos)
     devices = [
         DeviceState(i, *pair) for i, pair in enumerate(zip(infos, census.cards, strict=True))
     ]
