@@ -111,24 +111,27 @@ def _foreign_writes(sources: dict[str, str]) -> list[str]:
                     if isinstance(target, ast.Name)
                 }
                 for node in ast.walk(method):
-                    written: list[ast.expr] = []
-                    if isinstance(node, ast.Assign):
-                        written = node.targets
-                    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                        written = [node.target]
-                    elif isinstance(node, ast.Delete):
-                        written = node.targets
-                    elif (
-                        isinstance(node, ast.Call)
-                        and isinstance(node.func, ast.Attribute)
-                        and node.func.attr in MUTATORS
-                    ):
-                        written = [node.func.value]
-                    for target in written:
+                    for target in _written(node):
                         field = _through_a_room(target, refs | aliases)
                         if field is not None and field in fields:
                             found.append(f"{cls.name}.{method.name}: {field}")
     return found
+
+
+def _written(node: ast.AST) -> list[ast.expr]:
+    """What ``node`` writes: assigned, augmented, annotated or deleted targets, and the object
+    a mutating method (:data:`MUTATORS`) is called on."""
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        return node.targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in MUTATORS
+    ):
+        return [node.func.value]
+    return []
 
 
 #: The names the rooms are held by (``self._state``, ``self.views``, ...).
@@ -222,18 +225,7 @@ def _record_writes(sources: dict[str, str], record: str) -> dict[str, set[str]]:
     writers: dict[str, set[str]] = {}
     for name, source in sources.items():
         for node in ast.walk(ast.parse(source)):
-            written: list[ast.expr] = []
-            if isinstance(node, ast.Assign):
-                written = node.targets
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                written = [node.target]
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in MUTATORS
-            ):
-                written = [node.func.value]
-            for target in written:
+            for target in _written(node):
                 for sub in ast.walk(target):
                     if (
                         isinstance(sub, ast.Attribute)
