@@ -278,7 +278,10 @@ class Dispatcher:
         """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
         if self.thread.ident is None or threading.current_thread() is self.thread:
             return self.finished.is_set()  # never started, or asked from the thread itself
-        return self.finished.wait(timeout)
+        if not self.finished.wait(timeout):
+            return False
+        self.thread.join()  # its last lines: then nothing of the pool is held by its frames
+        return True
 
     def now(self) -> float:
         return time.monotonic() - self.started_at_s
