@@ -36,6 +36,7 @@ from gpupool._errors import (
     InvalidSizeError,
     NoDriverError,
     SensorError,
+    TaskTimeoutError,
     WidthError,
 )
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
@@ -75,6 +76,7 @@ __all__ = [
     "Sensor",
     "SensorError",
     "TaskOptions",
+    "TaskTimeoutError",
     "WidthError",
     "WorkerLostError",
     "WorkerProtocolError",

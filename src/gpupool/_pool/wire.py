@@ -11,7 +11,19 @@ ended), ``b"GPq1"`` in place of ``b"GPt1"``: the worker declines it (answers
 out-of-memory, since its booking was made before that was known.
 
 (beside it, on the same channel: the allocator cap of the next task, and an
-empty frame that asks the worker to exit). A worker sends every answer as
+empty frame that asks the worker to exit). A worker acknowledges each task
+frame as soon as it has read it, before it unpickles or runs anything, in a
+frame of its own::
+
+    b"GPk1" | pid (8) | task id (8)
+
+so the parent tells a frame the worker never read (another reader took it: a
+thread of a task reading the worker's inherited socket) from a long task: a
+task frame at the head of a worker's queue that is not acknowledged within
+:data:`ACK_BOUND_S` means the worker is lost, and the task (which never ran)
+runs on another worker. A task queued behind one that ran out of device
+memory is not acknowledged: its ``"declined"`` answer is. The ack is also
+when the task's deadline starts. A worker sends every answer as
 one frame, which names the task it is about and the worker's PID at both
 ends::
 
@@ -51,6 +63,9 @@ from gpupool._core.peak import PeakReport
 from gpupool._pool.channel import _LARGE, _SMALL, drop_written, frame_header
 
 __all__ = [
+    "ACK_BOUND_S",
+    "ACK_BYTES",
+    "ACK_MAGIC",
     "ANSWER_MAGIC",
     "MIN_ANSWER_BYTES",
     "NO_TASK",
@@ -59,10 +74,12 @@ __all__ = [
     "check_answer",
     "describe",
     "is_queued_task",
+    "parse_ack",
     "parse_answer",
     "read_frame",
     "read_task",
     "report_values",
+    "send_ack",
     "send_answer",
     "task_prefix",
 ]
@@ -74,6 +91,17 @@ _QUEUED_MAGIC = b"GPq1"
 _PREFIX = struct.Struct("!4sqqI")
 _TRAILER = struct.Struct("!4sqq")
 _TASK = struct.Struct("!4sq")
+#: How a frame from the pool begins: a task, a queued task, an allocator cap (``GPcap:``).
+_POOL_MAGICS = frozenset({_TASK_MAGIC, _QUEUED_MAGIC, b"gpup"})
+_MAGIC_BYTES = 4
+ACK_MAGIC = b"GPk1"
+_ACK = struct.Struct("!4sqq")
+#: The size of an acknowledgement's frame body.
+ACK_BYTES = _ACK.size
+#: How long a task frame at the head of a worker's queue may go unacknowledged (counted
+#: from the last bytes the parent wrote to that worker) before the worker is taken for
+#: lost: it reads the frame, and writes 24 bytes, as soon as it answered the task before.
+ACK_BOUND_S = 5.0
 
 #: The task id of an answer about no task (``ready``, ``init``).
 NO_TASK = -1
@@ -218,6 +246,14 @@ def _peak_report(frame: bytearray, values: object) -> PeakReport:
     return PeakReport(**dict(zip(_REPORT_FIELDS, values, strict=True)))
 
 
+def parse_ack(frame: bytearray) -> tuple[int, int] | None:
+    """``(pid, task id)`` of an acknowledgement frame; ``None`` for any other frame."""
+    if len(frame) != _ACK.size or not frame.startswith(ACK_MAGIC):
+        return None
+    _, pid, task_id = _ACK.unpack(frame)
+    return pid, task_id
+
+
 def check_answer(answer: Answer, *, worker_pid: int, ready: bool, running: int | None) -> None:
     """Whether ``answer`` is one the worker ``worker_pid`` may send now: from its own PID;
     ``ready`` or ``init`` once, before it is ready; about a task only the one it runs
@@ -275,9 +311,19 @@ def read_frame(fd: int) -> bytearray | None:
         (size,) = _LARGE.unpack(large)
     elif size < 0:
         raise OSError(f"a frame of negative length {size} from the pool")
+    if size == 0:
+        return bytearray()
+    # Its first bytes before room for the rest: a frame of ours begins with a magic of ours,
+    # so bytes that are not (a stream another reader cut into) allocate nothing.
+    magic = _read_exactly(fd, min(size, _MAGIC_BYTES))
+    if magic is None:
+        raise EOFError("the pool closed its end in a frame")
+    if magic not in _POOL_MAGICS:
+        raise OSError(f"a frame of {size} bytes beginning {magic!r}: not the pool's")
     body = bytearray(size)
+    body[: len(magic)] = magic
+    got = len(magic)
     with memoryview(body) as view:
-        got = 0
         while got < size:
             n = os.readv(fd, [view[got:]])
             if n == 0:
@@ -310,6 +356,18 @@ def read_task(message: bytes | bytearray) -> tuple[int, memoryview] | None:
 def is_queued_task(message: bytes | bytearray) -> bool:
     """Whether ``message`` is a task frame sent behind a running task (:func:`task_prefix`)."""
     return message.startswith(_QUEUED_MAGIC)
+
+
+def send_ack(fd: int, pid: int, task_id: int) -> None:
+    """Acknowledge the task frame ``task_id`` on the blocking descriptor ``fd`` (one write).
+
+    Raises:
+        OSError: the parent's end is closed.
+    """
+    _write_all(fd, [_ACK_HEADER + _ACK.pack(ACK_MAGIC, pid, task_id)])
+
+
+_ACK_HEADER = frame_header(_ACK.size)
 
 
 def send_answer(

@@ -13,9 +13,17 @@ empty message asks it to exit. Its end of the socket blocks; the parent's never 
 
 At start a worker
 
-* asks the kernel to SIGKILL it when the pool's process dies
-  (``prctl(PR_SET_PDEATHSIG)`` on Linux), which needs no Python thread, so it
-  holds while a task keeps the GIL; elsewhere a thread polls ``getppid``;
+* asks the kernel to signal it when the pool's process dies, even by SIGKILL
+  (``prctl(PR_SET_PDEATHSIG)`` with :data:`PARENT_DEATH_SIGNAL` on Linux), and
+  becomes a subreaper (``PR_SET_CHILD_SUBREAPER``), so that what its tasks
+  started and left stays below it; a thread of its own waits for that signal
+  (``sigwait``: the signal is blocked in every other thread, so a task stuck in
+  a C call that releases the GIL, a hung CUDA or NCCL call, does not delay it)
+  and ends the worker's whole tree (SIGTERM, SIGKILL after
+  :data:`PARENT_DEATH_GRACE_S`) before the worker exits
+  (:func:`_end_tree_and_exit`). Elsewhere a thread polls ``getppid``. A worker
+  that reads the end of its socket (the pool's end closed without asking it to
+  exit) does the same;
 * makes a process group of its own, so the pool can signal everything its
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
@@ -32,7 +40,7 @@ import pickle
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpupool._core.peak import PeakReport
 from gpupool._pool import wire
@@ -55,6 +63,18 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 #: ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
+#: ``prctl`` option: orphans below this process are re-parented to it, not to init.
+_PR_SET_CHILD_SUBREAPER = 36
+
+#: The signal a worker gets when the pool's process dies: a real-time signal no task is
+#: likely to handle (a task's own SIGTERM handler, as a trainer's checkpoint, is left alone).
+PARENT_DEATH_SIGNAL: int = getattr(signal, "SIGRTMAX", signal.SIGTERM + 4) - 4
+#: How long the processes below a worker whose pool died get to exit on SIGTERM before
+#: SIGKILL (the pool's own grace for Ctrl-C).
+PARENT_DEATH_GRACE_S = 2.0
+
+#: Held by the thread that ends this worker's tree as it exits; the other waits for the exit.
+_ending = threading.Lock()
 
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
@@ -68,17 +88,41 @@ def _watch_parent(parent_pid: int) -> None:
     while True:
         threading.Event().wait(PARENT_CHECK_INTERVAL_S)
         if os.getppid() != parent_pid:
-            os._exit(1)
+            _end_tree_and_exit()
+
+
+def _await_parent_death() -> None:
+    """The thread that waits for :data:`PARENT_DEATH_SIGNAL`, then ends the tree."""
+    signal.sigwait({PARENT_DEATH_SIGNAL})
+    _end_tree_and_exit()
+
+
+def _end_tree_and_exit() -> NoReturn:
+    """The pool is gone: SIGTERM (and SIGCONT, for a stopped one) to every process below this
+    worker, SIGKILL to those left after :data:`PARENT_DEATH_GRACE_S`, then exit (code 1).
+    Called from two threads at most; the second waits for the first to end the process."""
+    if not _ending.acquire(blocking=False):
+        while True:
+            threading.Event().wait()
+    try:
+        from gpupool._pool.reaper import end_tree
+
+        end_tree(os.getpid(), PARENT_DEATH_GRACE_S)
+    finally:
+        os._exit(1)
 
 
 def die_with_parent(parent_pid: int) -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies; whether it could.
+    """Have this process end its tree and exit when its parent dies; whether the kernel
+    says so (else the caller polls ``getppid``).
 
-    Linux only (``prctl(PR_SET_PDEATHSIG, SIGKILL)``). The signal comes when
-    the *thread* that started this process ends, which for a pool's worker is
-    the pool's dispatcher thread: it lives until the pool has stopped its
-    workers. A parent that died before the call is caught by the ``getppid``
-    check after it.
+    Linux only: ``prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)``, waited for by a
+    thread of its own (:func:`_await_parent_death`), and ``PR_SET_CHILD_SUBREAPER``.
+    The signal comes when the *thread* that started this process ends, which for a
+    pool's worker is the pool's dispatcher thread: it lives until the pool has stopped
+    its workers. A parent that died before the call is caught by the ``getppid`` check
+    after it. Called before any other thread of the worker starts, so the signal is
+    blocked in all of them (the mask is inherited) and only the waiting thread takes it.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -86,12 +130,16 @@ def die_with_parent(parent_pid: int) -> bool:
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {PARENT_DEATH_SIGNAL})
+        if libc.prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {PARENT_DEATH_SIGNAL})
             return False
-    except (OSError, AttributeError):
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # best effort
+    except (OSError, AttributeError, ValueError):
         return False
+    threading.Thread(target=_await_parent_death, name="gpupool-parent-watch", daemon=True).start()
     if os.getppid() != parent_pid:
-        os._exit(1)
+        _end_tree_and_exit()
     return True
 
 
@@ -278,7 +326,9 @@ def worker_main(
         try:
             message = wire.read_frame(fd)
         except (EOFError, OSError):
-            return
+            message = None
+        if message is None:  # the pool's end closed without asking this worker to exit
+            _end_tree_and_exit()
         if not message:
             return
         cap_bytes = read_allocator_cap_message(message)
@@ -310,7 +360,10 @@ def worker_main(
         del result, failure
         last_oom = kind == "oom"
         # The report as plain values (wire.parse_answer rebuilds it); a forked copy left above.
-        _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
+        try:
+            _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
+        except OSError:  # the pool is gone (its end closed)
+            _end_tree_and_exit()
         del payload
         done += 1
 
@@ -378,6 +431,12 @@ def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
         _answer(conn, wire.NO_TASK, "unpickle", None, _dump_exception(error))
         return None
     task_id, call = task
+    try:
+        # Read: acknowledged before anything of it is unpickled or run (see wire).
+        wire.send_ack(conn.fileno(), _worker_pid or os.getpid(), task_id)
+    except OSError:
+        call.release()
+        _end_tree_and_exit()
     try:
         fn, args, kwargs = pickle.loads(call)
         return task_id, (fn, args, kwargs)

@@ -11,6 +11,7 @@ decisions it asks of the callables it is given (``counts``, ``retire_idle``).
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import select
 import selectors
@@ -28,7 +29,14 @@ from gpupool._pool import wire
 from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.launch import StartDataError, WorkerProcess
-from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.reaper import (
+    POLL_WITHOUT_PIDFD_S,
+    ProcessWatch,
+    is_stopped,
+    kill_left_after,
+    signal_tree,
+    trees_below,
+)
 from gpupool._pool.worker import worker_main
 
 if TYPE_CHECKING:
@@ -56,6 +64,17 @@ SPAWN_FIRST_WAIT_S = 0.05
 #: How long the pool waits for a worker whose initializer raised to exit (it
 #: exits right after saying so) before it reports itself broken.
 INIT_EXIT_WAIT_S = 5.0
+
+#: How long the processes of a task past its deadline get to exit on SIGTERM before SIGKILL.
+TIMEOUT_GRACE_S = 2.0
+#: A worker running a task that stays stopped (SIGSTOP, state ``T``) this long is killed and
+#: its task fails (``shutdown()`` would otherwise wait for it for good); checked every
+#: :data:`STOP_CHECK_S` while it runs a task.
+STOPPED_LOST_S = 10.0
+STOP_CHECK_S = 1.0
+#: Why the pool ends a worker such that nothing it sends after is read: it was SIGKILLed
+#: (a task past its deadline may still answer within its grace: that answer is taken).
+_UNHEARD = frozenset({"unread", "stopped"})
 
 
 @dataclass(slots=True)
@@ -89,10 +108,24 @@ class Worker:
     # model its initializer loaded, its context; None when unknown).
     ready: bool = False
     resident_bytes: int | None = None
+    # How many task frames from the queue's front it acknowledged (wire: it read them), since
+    # when (monotonic) the head's frame is awaited, and when the head's ack came (its start).
+    acked: int = 0
+    head_since_s: float = 0.0
+    started_s: float = 0.0
+    # Why the pool ends it ("timeout", "unread", "stopped"), once it does; when the SIGKILL
+    # of its tree is due, with what was below it then; since when it is seen stopped.
+    ending: str | None = None
+    kill_at_s: float | None = None
+    below: list[Any] = field(default_factory=list)
+    stopped_since_s: float | None = None
 
     def __post_init__(self) -> None:
         self.channel = Channel(
-            self.conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES
+            self.conn,
+            magic=wire.ANSWER_MAGIC,
+            min_frame_bytes=wire.MIN_ANSWER_BYTES,
+            short=(wire.ACK_MAGIC, wire.ACK_BYTES),
         )
         self.watch = ProcessWatch(self.process)
         self.pid = self.process.pid
@@ -105,7 +138,13 @@ class Worker:
     @property
     def open(self) -> bool:
         """Whether it may be handed a task: ready, not retiring, not gone, not at fault."""
-        return self.ready and not self.retiring and not self.gone and self.fault is None
+        return (
+            self.ready
+            and not self.retiring
+            and not self.gone
+            and self.fault is None
+            and self.ending is None
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +221,12 @@ class WorkerSet:
         self.boot_deaths = 0  # in a row, before they were ready (no task handed to them)
         # (pid, signal) the pool sent (terminate_workers, kill_workers).
         self.signalled: set[tuple[int, int]] = set()
+        # Processes below workers ended for a deadline that exited before their grace ended:
+        # SIGKILLed at that time, when still there.
+        self.leftovers: list[tuple[float, list[Any]]] = []
+        self.stop_check_at_s = 0.0
+        # Whether what serve() read needs a turn of the loop (else it waits on).
+        self._turn = False
 
     def all(self) -> list[Worker]:
         """Every worker not forgotten, on every card."""
@@ -300,6 +345,8 @@ class WorkerSet:
         """Hand ``item`` (``payload``, its pickled call) to ``worker``; ``queued``: behind
         the task it runs (which it declines after a device out-of-memory); ``now=False``:
         written at :meth:`flush`."""
+        if not worker.queue:
+            worker.head_since_s = time.monotonic()
         worker.queue.append(item)
         if self.options.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
@@ -347,6 +394,8 @@ class WorkerSet:
     def flush(self, worker: Worker) -> None:
         """Write what is queued for ``worker``; the selector writes what the socket cannot
         take now."""
+        if worker.queue and not worker.acked:
+            worker.head_since_s = time.monotonic()  # the ack's clock counts from the last write
         try:
             done = worker.channel.flush()
         except ChannelClosed:
@@ -363,7 +412,20 @@ class WorkerSet:
     def serve(self, timeout_s: float | None) -> Iterator[Answered | Exited]:
         """Wait for the selector (or the wake pipe), write what may be written, and yield what
         the workers said and which ended, in order; the loop has acted on each event (sent
-        the worker its next task, say) before the next frame is read."""
+        the worker its next task, say) before the next frame is read. What needs no turn of
+        the loop (an acknowledgement, a write) is handled here, and the wait goes on."""
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._turn = False
+            yield from self._serve_once(timeout_s)
+            if self._turn:
+                return
+            if deadline_s is not None:
+                timeout_s = deadline_s - time.monotonic()
+                if timeout_s <= 0:
+                    return
+
+    def _serve_once(self, timeout_s: float | None) -> Iterator[Answered | Exited]:
         workers = self.all()
         unwatched = [w for w in workers if w.watch.pidfd is None]
         if unwatched:
@@ -372,9 +434,12 @@ class WorkerSet:
                 POLL_WITHOUT_PIDFD_S if timeout_s is None else min(timeout_s, POLL_WITHOUT_PIDFD_S)
             )
         ready = self.selector.select(timeout_s)
+        if not ready:
+            self._turn = True  # the wait's time is up
         ended: list[Worker] = []
         for key, events in ready:
             if not key.data:
+                self._turn = True  # the wake pipe: the inbox has news
                 continue
             worker, what = key.data
             if worker.gone:
@@ -392,12 +457,13 @@ class WorkerSet:
                 # What it sent before it exited is in the socket still: that first.
                 yield from self._receive(worker)
             if not worker.gone:
+                self._turn = True
                 yield self._reap(worker)
 
     def _receive(self, worker: Worker) -> Iterator[Answered]:
         """What ``worker`` sent, oldest first. At end of file the socket stops being watched:
         the worker's exit, seen from the process itself, is the next event."""
-        if worker.fault is not None:
+        if worker.fault is not None or worker.ending in _UNHEARD:
             return  # nothing it sends is read any more
         try:
             frames = worker.channel.receive()
@@ -408,15 +474,16 @@ class WorkerSet:
             frames = []
             self._unwatch(worker.channel.fd)
         frames.reverse()  # popped oldest first: nothing of a handled answer is kept
-        while frames and not worker.gone and worker.fault is None:
+        while frames and not worker.gone and worker.fault is None and worker.ending not in _UNHEARD:
             event = self._answer(worker, frames.pop())
             if event is None:
                 continue
+            self._turn = True
             yield event
             if event.kind != "init" and worker.retiring:
                 self.retire(worker)
             del event  # keep nothing of a finished task
-        if worker.channel.corrupt is not None:
+        if worker.channel.corrupt is not None and worker.ending not in _UNHEARD:
             self._protocol_fault(worker, worker.channel.corrupt)
 
     def _answer(self, worker: Worker, frame: bytearray) -> Answered | None:
@@ -424,6 +491,10 @@ class WorkerSet:
         ``ready`` (nothing for the loop: the next turn counts the worker), or when it is not
         an answer ``worker`` may send now (its protocol fault)."""
         head = worker.task
+        ack = wire.parse_ack(frame)
+        if ack is not None:
+            self._acknowledged(worker, *ack)
+            return None
         try:
             answer = wire.parse_answer(frame)
             wire.check_answer(
@@ -440,8 +511,14 @@ class WorkerSet:
             worker.ready = True
             worker.resident_bytes = (answer.report or {}).get("resident_bytes")
             self.boot_deaths = 0
+            self._turn = True  # a worker to start tasks on
             return None
         item = worker.queue.popleft() if worker.queue else None
+        if item is not None:
+            # The next task's frame is read now (or was: its ack counts from here).
+            worker.acked = max(0, worker.acked - 1)
+            worker.head_since_s = worker.started_s = time.monotonic()
+            worker.stopped_since_s = None
         if kind == "init":
             # It exits right after this answer; wait for it (bounded), so that what it
             # logged on its way out (through a multiprocessing queue, say) is flushed
@@ -453,6 +530,125 @@ class WorkerSet:
             if limit is not None and worker.tasks_done >= limit:
                 worker.retiring = True
         return Answered(worker, item, kind, answer.peak, answer.payload)
+
+    def _acknowledged(self, worker: Worker, pid: int, task_id: int) -> None:
+        """``worker`` read the frame of ``task_id``: the next one not acknowledged, from its
+        own PID, or it broke the protocol. The head's ack starts its deadline."""
+        queue = worker.queue
+        expected = queue[worker.acked].task_id if worker.acked < len(queue) else None
+        if (
+            pid == worker.pid
+            and task_id != expected
+            and any(item.task_id == task_id for item in itertools.islice(queue, worker.acked, None))
+        ):
+            # It read a later frame: the ones before it were taken by another reader. It is
+            # killed (the task it started runs again); the others never ran.
+            self._end(worker, "unread", signal.SIGKILL)
+            return
+        if pid != worker.pid or task_id != expected:
+            self._protocol_fault(
+                worker,
+                f"an acknowledgement of task {task_id} from pid {pid} (expected "
+                f"{'no task' if expected is None else f'task {expected}'} from pid {worker.pid})",
+            )
+            return
+        worker.acked += 1
+        if worker.acked == 1:
+            worker.started_s = time.monotonic()
+            if queue[0].timeout_s is not None:
+                self._turn = True  # its deadline is to be waited for
+
+    # -- the workers' clocks ---------------------------------------------------------
+
+    def due(self, now_s: float) -> float | None:
+        """Act on what is due at ``now_s`` (monotonic): a task frame not acknowledged within
+        :data:`~gpupool._pool.wire.ACK_BOUND_S` (its worker is killed: ``ending`` says
+        ``"unread"``), a task past its deadline (its worker's tree gets SIGTERM, and SIGKILL
+        after :data:`TIMEOUT_GRACE_S`: ``"timeout"``), a worker running a task stopped for
+        :data:`STOPPED_LOST_S` (killed: ``"stopped"``). Their exits are events as any other.
+        Returns how soon to call again (``None``: nothing to watch)."""
+        next_s: float | None = None
+
+        def soon(at_s: float) -> None:
+            nonlocal next_s
+            wait_s = max(0.01, at_s - now_s)
+            next_s = wait_s if next_s is None else min(next_s, wait_s)
+
+        check_stopped = now_s >= self.stop_check_at_s
+        if check_stopped:
+            self.stop_check_at_s = now_s + STOP_CHECK_S
+        busy = False
+        for worker in self.all():
+            if worker.gone:
+                continue
+            if worker.kill_at_s is not None:
+                if now_s >= worker.kill_at_s:
+                    self._kill_tree(worker)
+                else:
+                    soon(worker.kill_at_s)
+                continue
+            head = worker.task
+            if head is None or worker.ending is not None or worker.fault is not None:
+                continue
+            busy = True
+            if not worker.acked:
+                if worker.head_since_s + wire.ACK_BOUND_S > now_s or _readable(worker):
+                    soon(worker.head_since_s + wire.ACK_BOUND_S)
+                else:
+                    self._end(worker, "unread", signal.SIGKILL)
+                continue
+            if head.timeout_s is not None:
+                if now_s >= worker.started_s + head.timeout_s:
+                    self._end(worker, "timeout", signal.SIGTERM)
+                    worker.kill_at_s = now_s + TIMEOUT_GRACE_S
+                    soon(worker.kill_at_s)
+                    continue
+                soon(worker.started_s + head.timeout_s)
+            if check_stopped:
+                self._check_stopped(worker, now_s)
+        if busy:
+            soon(self.stop_check_at_s)
+        for at_s, processes in list(self.leftovers):
+            if now_s >= at_s:
+                self.leftovers.remove((at_s, processes))
+                kill_left_after(processes, 0.0)
+            else:
+                soon(at_s)
+        return next_s
+
+    def _check_stopped(self, worker: Worker, now_s: float) -> None:
+        if not is_stopped(worker.pid):
+            worker.stopped_since_s = None
+        elif worker.stopped_since_s is None:
+            worker.stopped_since_s = now_s
+            LOGGER.warning(
+                "gpupool: the worker process (pid %d) running a task is stopped (SIGSTOP); "
+                "unless it is resumed (SIGCONT) within %.0f s it is killed and its task fails",
+                worker.pid,
+                STOPPED_LOST_S,
+            )
+        elif now_s - worker.stopped_since_s >= STOPPED_LOST_S:
+            self._end(worker, "stopped", signal.SIGKILL)
+
+    def _end(self, worker: Worker, why: str, sig: int) -> None:
+        """End ``worker`` for ``why``: it takes nothing more, and ``sig`` goes to it and to
+        everything below it (listed first: a worker that ``sig`` ends is reaped at once)."""
+        worker.ending = why
+        worker.retiring = True
+        if why in _UNHEARD:
+            worker.channel.discard_output()
+            self._unwatch(worker.channel.fd)
+        worker.below = trees_below([worker.pid])
+        signal_tree(worker.pid, sig)
+        if sig != signal.SIGKILL:
+            signal_tree(worker.pid, signal.SIGCONT)  # a stopped process takes its SIGTERM
+        else:
+            kill_left_after(worker.below, 0.0)
+
+    def _kill_tree(self, worker: Worker) -> None:
+        worker.kill_at_s = None
+        signal_tree(worker.pid, signal.SIGKILL)
+        kill_left_after(worker.below, 0.0)
 
     def _protocol_fault(self, worker: Worker, what: str) -> None:
         """``worker`` sent what is not an answer it may send now (bytes that are not an
@@ -480,6 +676,9 @@ class WorkerSet:
 
     def _reap(self, worker: Worker) -> Exited:
         exitcode = worker.watch.wait(1.0)
+        if worker.kill_at_s is not None:  # ended within its grace: what is left, at its end
+            self.leftovers.append((worker.kill_at_s, worker.below))
+            worker.kill_at_s = None
         self._forget(worker)
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
         boot_deaths = 0
@@ -558,4 +757,15 @@ class WorkerSet:
             select.select(reads, writes, [], timeout)
 
     def close(self) -> None:
+        for _, processes in self.leftovers:  # the pool stops: no grace is waited for any more
+            kill_left_after(processes, 0.0)
+        self.leftovers.clear()
         self.selector.close()
+
+
+def _readable(worker: Worker) -> bool:
+    """Whether ``worker``'s socket holds bytes not read yet (its ack may be among them)."""
+    try:
+        return bool(select.select([worker.channel.fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False

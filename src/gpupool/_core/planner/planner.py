@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from gpupool._core.bookings import OtherPools, TaskBooking
 from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import Census
-from gpupool._core.events import Decision, JsonValue
+from gpupool._core.events import Decision, EventName, JsonValue
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import Durations, PlannerState
@@ -290,9 +290,16 @@ class Planner:
         return self.oom.handle(task, report, reading, now_s, error=error)
 
     def lost(
-        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+        self,
+        task: TaskId,
+        now_s: float,
+        *,
+        message: str,
+        extra: Mapping[str, JsonValue],
+        event: EventName = "worker_lost",
     ) -> None:
-        """``task``'s worker died: the task failed; its booking is released."""
+        """``task``'s worker died (``event``: or the pool ended it, ``task_timeout``): the task
+        failed; its booking is released."""
         run = self.state.end_run(task)
         state = self.state.forget(task)
         if run is not None:
@@ -300,7 +307,7 @@ class Planner:
         key = run.key if run else state.key if state else self.state.last_key
         self.state.count("lost")
         ask, device = self.state.asks.ask(key), run.device if run else None
-        self.views.note("worker_lost", device, ask, message, now_s, extra=extra)
+        self.views.note(event, device, ask, message, now_s, extra=extra)
 
     # -- verdicts out ------------------------------------------------------------------------
 
