@@ -16,12 +16,12 @@ At start a worker
 * asks the kernel to signal it when the pool's process dies, even by SIGKILL
   (``prctl(PR_SET_PDEATHSIG)`` with :data:`PARENT_DEATH_SIGNAL` on Linux), and
   becomes a subreaper (``PR_SET_CHILD_SUBREAPER``), so that what its tasks
-  started and left stays below it; a thread of its own waits for that signal
-  (``sigwait``: the signal is blocked in every other thread, so a task stuck in
-  a C call that releases the GIL, a hung CUDA or NCCL call, does not delay it)
-  and ends the worker's whole tree (SIGTERM, SIGKILL after
-  :data:`PARENT_DEATH_GRACE_S`) before the worker exits
-  (:func:`_end_tree_and_exit`). Elsewhere a thread polls ``getppid``. A worker
+  started and left stays below it; on that signal (handled in the main thread,
+  or by a thread woken by Python's wake-up descriptor where the main thread is
+  in a C call that released the GIL, a hung CUDA or NCCL call) it ends its
+  whole tree (SIGTERM, SIGKILL after :data:`PARENT_DEATH_GRACE_S`) and exits
+  (:func:`_end_tree_and_exit`). A task in a C call that holds the GIL and never
+  checks for signals delays that until the call returns. Elsewhere a thread polls ``getppid``. A worker
   that reads the end of its socket (the pool's end closed without asking it to
   exit) does the same;
 * makes a process group of its own, so the pool can signal everything its
@@ -91,9 +91,25 @@ def _watch_parent(parent_pid: int) -> None:
             _end_tree_and_exit()
 
 
-def _await_parent_death() -> None:
-    """The thread that waits for :data:`PARENT_DEATH_SIGNAL`, then ends the tree."""
-    signal.sigwait({PARENT_DEATH_SIGNAL})
+def _await_parent_death(reader: int) -> None:
+    """A thread that wakes when the main thread's handler of :data:`PARENT_DEATH_SIGNAL` is
+    due (the wake-up descriptor: written at C level, whatever the main thread does), and
+    ends the tree itself where the main thread cannot run Python now (a C call that released
+    the GIL: a hung CUDA or NCCL call)."""
+    while True:
+        try:
+            woken = os.read(reader, 64)
+        except InterruptedError:
+            continue
+        except OSError:  # a task closed it: the handler in the main thread is left
+            return
+        if not woken:
+            return
+        if PARENT_DEATH_SIGNAL in woken:
+            _end_tree_and_exit()
+
+
+def _on_parent_death(signum: int, frame: Any) -> None:
     _end_tree_and_exit()
 
 
@@ -116,13 +132,15 @@ def die_with_parent(parent_pid: int) -> bool:
     """Have this process end its tree and exit when its parent dies; whether the kernel
     says so (else the caller polls ``getppid``).
 
-    Linux only: ``prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)``, waited for by a
-    thread of its own (:func:`_await_parent_death`), and ``PR_SET_CHILD_SUBREAPER``.
-    The signal comes when the *thread* that started this process ends, which for a
-    pool's worker is the pool's dispatcher thread: it lives until the pool has stopped
-    its workers. A parent that died before the call is caught by the ``getppid`` check
-    after it. Called before any other thread of the worker starts, so the signal is
-    blocked in all of them (the mask is inherited) and only the waiting thread takes it.
+    Linux only: ``prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)``, handled in the main
+    thread (:func:`_on_parent_death`: it runs between bytecodes, in a system call that the
+    signal interrupts, and in C code that checks for signals, as a regex's match does)
+    and by a thread of its own woken by Python's wake-up descriptor
+    (:func:`_await_parent_death`: the main thread may be in a C call that released the
+    GIL); and ``PR_SET_CHILD_SUBREAPER``. The signal comes when the *thread* that started
+    this process ends, which for a pool's worker is the pool's dispatcher thread: it
+    lives until the pool has stopped its workers. A parent that died before the call is
+    caught by the ``getppid`` check after it.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -130,14 +148,18 @@ def die_with_parent(parent_pid: int) -> bool:
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {PARENT_DEATH_SIGNAL})
+        signal.signal(PARENT_DEATH_SIGNAL, _on_parent_death)
+        reader, writer = os.pipe()
+        os.set_blocking(writer, False)
+        signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
         if libc.prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {PARENT_DEATH_SIGNAL})
             return False
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # best effort
     except (OSError, AttributeError, ValueError):
         return False
-    threading.Thread(target=_await_parent_death, name="gpupool-parent-watch", daemon=True).start()
+    watch = threading.Thread(target=_await_parent_death, args=(reader,), daemon=True)
+    watch.name = "gpupool-parent-watch"
+    watch.start()
     if os.getppid() != parent_pid:
         _end_tree_and_exit()
     return True
