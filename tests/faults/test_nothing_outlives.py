@@ -59,6 +59,18 @@ def _ours(duration: str) -> list[psutil.Process]:
     return found
 
 
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (psutil checks each is the process it was)."""
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.Error:
+            pass
+    return alive
+
+
 def _start(tmp_path: Path, how: str, duration: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.pop("GPUPOOL_SIMULATOR", None)
@@ -97,18 +109,25 @@ def _start(tmp_path: Path, how: str, duration: str) -> subprocess.Popen[bytes]:
 def test_nothing_a_task_started_outlives_its_pool(tmp_path: Path, how: str, sig: int):
     duration = f"600.{os.getpid()}{time.monotonic_ns() % 100000}"
     process = _start(tmp_path, how, duration)
+    below: list[psutil.Process] = []
     try:
         # Both tasks (or commands) started their sleep.
         assert wait_until(lambda: len(list(tmp_path.glob("*.pid"))) >= 2, 60), process.poll()
         assert wait_until(lambda: len(_ours(duration)) >= 2, 30)
+        # Every process below it: its workers, their tasks' sleeps, the resource tracker.
+        below = psutil.Process(process.pid).children(recursive=True)
         os.kill(process.pid, sig)
         process.wait(timeout=30)
-        assert wait_until(lambda: not _ours(duration), 10), [p.cmdline() for p in _ours(duration)]
+        assert wait_until(lambda: not _alive([*below, *_ours(duration)]), 10), [
+            p.cmdline() for p in _alive([*below, *_ours(duration)])
+        ]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         for left in _ours(duration):
+            left.kill()
+        for left in _alive(below):
             left.kill()
     if sig == signal.SIGTERM and how in ("terminate", "bare", "run"):
         # Handled as Ctrl-C is: the script ends by KeyboardInterrupt (gpupool run: 130).

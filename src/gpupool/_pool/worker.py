@@ -21,7 +21,8 @@ At start a worker
   in a C call that released the GIL, a hung CUDA or NCCL call) it ends its
   whole tree (SIGTERM, SIGKILL after :data:`PARENT_DEATH_GRACE_S`) and exits
   (:func:`_end_tree_and_exit`). A task in a C call that holds the GIL and never
-  checks for signals delays that until the call returns. Elsewhere a thread polls ``getppid``. A worker
+  checks for signals delays that until the call returns. Elsewhere a thread polls
+  ``getppid``. A worker
   that reads the end of its socket (the pool's end closed without asking it to
   exit) does the same;
 * makes a process group of its own, so the pool can signal everything its
@@ -110,6 +111,9 @@ def _await_parent_death(reader: int) -> None:
 
 
 def _on_parent_death(signum: int, frame: Any) -> None:
+    # The kernel signals again each time this process is re-parented (to another thread of
+    # the dying pool, then to a reaper): one handler runs, not one inside another.
+    signal.signal(PARENT_DEATH_SIGNAL, signal.SIG_IGN)
     _end_tree_and_exit()
 
 
