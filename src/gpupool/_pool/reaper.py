@@ -132,7 +132,11 @@ def trees_below(pids: Iterable[int]) -> list[psutil.Process]:
             found.update((p.pid, p) for p in psutil.Process(pid).children(recursive=True))
         except psutil.Error:
             continue
-    for pid in psutil.pids():  # a background process whose parent exited: only its group
+    try:
+        pids = psutil.pids()
+    except OSError:  # no descriptor left to list /proc with (EMFILE): the descendants only
+        pids = []
+    for pid in pids:  # a background process whose parent exited: only its group
         try:
             if pid not in roots and pid not in found and os.getpgid(pid) in roots:
                 found[pid] = psutil.Process(pid)
@@ -169,9 +173,11 @@ def is_stopped(pid: int) -> bool:
             return stat.read().rpartition(b")")[2][:3] == b" T "
     except OSError:
         pass
+    if os.path.isdir("/proc"):
+        return False  # /proc is there but could not be read now (EMFILE): not known stopped
     try:
         return bool(psutil.Process(pid).status() == psutil.STATUS_STOPPED)
-    except psutil.Error:
+    except (psutil.Error, OSError):
         return False
 
 
