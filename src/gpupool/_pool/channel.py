@@ -18,9 +18,8 @@ copied (:mod:`gpupool._pool.wire`).
 
 A channel made with ``magic`` checks each frame as soon as its first bytes
 arrive, before it makes room for the rest: a frame shorter than
-``min_frame_bytes`` (but for one of exactly ``short`` bytes beginning with
-``short_magic``: an acknowledgement), of a negative length, or whose body
-does not begin with ``magic`` is not an answer, and the stream after it cannot be trusted
+``min_frame_bytes``, of a negative length, or whose body does not begin
+with ``magic`` is not an answer, and the stream after it cannot be trusted
 (:class:`ChannelCorrupt`). Bytes another process wrote on the worker's
 socket therefore never make the parent allocate what their length claims.
 """
@@ -116,20 +115,12 @@ class Channel:
         "_magic",
         "_min_frame_bytes",
         "_out",
-        "_short",
         "conn",
         "corrupt",
         "fd",
     )
 
-    def __init__(
-        self,
-        conn: Any,
-        *,
-        magic: bytes = b"",
-        min_frame_bytes: int = 0,
-        short: tuple[bytes, int] = (b"", 0),
-    ) -> None:
+    def __init__(self, conn: Any, *, magic: bytes = b"", min_frame_bytes: int = 0) -> None:
         self.conn = conn
         self.fd: int = conn.fileno()
         os.set_blocking(self.fd, False)
@@ -147,7 +138,6 @@ class Channel:
         self.corrupt: str | None = None
         self._magic = magic
         self._min_frame_bytes = max(min_frame_bytes, len(magic))
-        self._short = short  # (its magic, its exact size): the one short frame allowed
 
     # -- writing -------------------------------------------------------------------------
 
@@ -303,12 +293,6 @@ class Channel:
             ChannelCorrupt: it is too short, or does not begin with the magic.
         """
         head = self._head
-        short_magic, short_bytes = self._short
-        if size == short_bytes and short_magic:
-            if len(head) < start + len(short_magic):
-                return False
-            if head[start : start + len(short_magic)] == short_magic:
-                return True
         if size < self._min_frame_bytes:
             raise ChannelCorrupt(
                 f"a frame of {size} bytes ({bytes(head[start : start + size])!r}), shorter "

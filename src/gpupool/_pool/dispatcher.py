@@ -650,7 +650,7 @@ class Dispatcher:
         # Its frame not acknowledged: the worker never read it (another reader took it, the
         # stream was garbled, or the worker died first), so it never ran.
         unread = worker.ending == "unread" or (
-            worker.ending is None and not worker.acked and not event.by_pool
+            worker.ending is None and worker.head_read is None and not event.by_pool
         )
         if unread and worker.fault is None and run.unread < UNREAD_TRIES:
             # It runs on another worker.

@@ -25,7 +25,7 @@ from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolErr
 from gpupool._core.units import format_size
 from gpupool._errors import DeviceOutOfMemoryError, TaskTimeoutError, WidthError
 from gpupool._observe.log import LOGGER
-from gpupool._pool.wire import ACK_BOUND_S
+from gpupool._pool.acks import ACK_BOUND_S
 from gpupool._pool.workers import STOPPED_LOST_S, TIMEOUT_GRACE_S
 
 if TYPE_CHECKING:

@@ -11,19 +11,11 @@ ended), ``b"GPq1"`` in place of ``b"GPt1"``: the worker declines it (answers
 out-of-memory, since its booking was made before that was known.
 
 (beside it, on the same channel: the allocator cap of the next task, and an
-empty frame that asks the worker to exit). A worker acknowledges each task
-frame as soon as it has read it, before it unpickles or runs anything, in a
-frame of its own::
-
-    b"GPk1" | pid (8) | task id (8)
-
-so the parent tells a frame the worker never read (another reader took it: a
-thread of a task reading the worker's inherited socket) from a long task: a
-task frame at the head of a worker's queue that is not acknowledged within
-:data:`ACK_BOUND_S` means the worker is lost, and the task (which never ran)
-runs on another worker. A task queued behind one that ran out of device
-memory is not acknowledged: its ``"declined"`` answer is. The ack is also
-when the task's deadline starts. A worker sends every answer as
+empty frame that asks the worker to exit; a worker acknowledges each task
+frame it reads in memory shared with the pool, not on the wire:
+:mod:`gpupool._pool.acks`). A frame that does not begin as one of these is
+not the pool's (another reader of the socket cut into the stream): the worker
+reads no further and exits. A worker sends every answer as
 one frame, which names the task it is about and the worker's PID at both
 ends::
 
@@ -63,9 +55,6 @@ from gpupool._core.peak import PeakReport
 from gpupool._pool.channel import _LARGE, _SMALL, drop_written, frame_header
 
 __all__ = [
-    "ACK_BOUND_S",
-    "ACK_BYTES",
-    "ACK_MAGIC",
     "ANSWER_MAGIC",
     "MIN_ANSWER_BYTES",
     "NO_TASK",
@@ -74,13 +63,12 @@ __all__ = [
     "check_answer",
     "describe",
     "is_queued_task",
-    "parse_ack",
     "parse_answer",
     "read_frame",
     "read_task",
     "report_values",
-    "send_ack",
     "send_answer",
+    "task_id_of",
     "task_prefix",
 ]
 
@@ -91,17 +79,10 @@ _QUEUED_MAGIC = b"GPq1"
 _PREFIX = struct.Struct("!4sqqI")
 _TRAILER = struct.Struct("!4sqq")
 _TASK = struct.Struct("!4sq")
-#: How a frame from the pool begins: a task, a queued task, an allocator cap (``GPcap:``).
+#: How a frame from the pool begins: a task, a queued task, an allocator cap
+#: (``gpupool-allocator-cap:``).
 _POOL_MAGICS = frozenset({_TASK_MAGIC, _QUEUED_MAGIC, b"gpup"})
 _MAGIC_BYTES = 4
-ACK_MAGIC = b"GPk1"
-_ACK = struct.Struct("!4sqq")
-#: The size of an acknowledgement's frame body.
-ACK_BYTES = _ACK.size
-#: How long a task frame at the head of a worker's queue may go unacknowledged (counted
-#: from the last bytes the parent wrote to that worker) before the worker is taken for
-#: lost: it reads the frame, and writes 24 bytes, as soon as it answered the task before.
-ACK_BOUND_S = 5.0
 
 #: The task id of an answer about no task (``ready``, ``init``).
 NO_TASK = -1
@@ -246,14 +227,6 @@ def _peak_report(frame: bytearray, values: object) -> PeakReport:
     return PeakReport(**dict(zip(_REPORT_FIELDS, values, strict=True)))
 
 
-def parse_ack(frame: bytearray) -> tuple[int, int] | None:
-    """``(pid, task id)`` of an acknowledgement frame; ``None`` for any other frame."""
-    if len(frame) != _ACK.size or not frame.startswith(ACK_MAGIC):
-        return None
-    _, pid, task_id = _ACK.unpack(frame)
-    return pid, task_id
-
-
 def check_answer(answer: Answer, *, worker_pid: int, ready: bool, running: int | None) -> None:
     """Whether ``answer`` is one the worker ``worker_pid`` may send now: from its own PID;
     ``ready`` or ``init`` once, before it is ready; about a task only the one it runs
@@ -353,21 +326,17 @@ def read_task(message: bytes | bytearray) -> tuple[int, memoryview] | None:
     return task_id, memoryview(message)[_TASK.size :]
 
 
+def task_id_of(message: bytes | bytearray) -> int:
+    """The task id of a task frame; ``NO_TASK`` for any other frame."""
+    if len(message) < _TASK.size or not message.startswith((_TASK_MAGIC, _QUEUED_MAGIC)):
+        return NO_TASK
+    task_id: int = _TASK.unpack_from(message)[1]
+    return task_id
+
+
 def is_queued_task(message: bytes | bytearray) -> bool:
     """Whether ``message`` is a task frame sent behind a running task (:func:`task_prefix`)."""
     return message.startswith(_QUEUED_MAGIC)
-
-
-def send_ack(fd: int, pid: int, task_id: int) -> None:
-    """Acknowledge the task frame ``task_id`` on the blocking descriptor ``fd`` (one write).
-
-    Raises:
-        OSError: the parent's end is closed.
-    """
-    _write_all(fd, [_ACK_HEADER + _ACK.pack(ACK_MAGIC, pid, task_id)])
-
-
-_ACK_HEADER = frame_header(_ACK.size)
 
 
 def send_answer(

@@ -35,6 +35,7 @@ At start a worker
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import pickle
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from gpupool._child.probe import Probe
+    from gpupool._pool.acks import CellHandle
     from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = ["process_chunk", "worker_main"]
@@ -92,7 +94,7 @@ def _watch_parent(parent_pid: int) -> None:
             _end_tree_and_exit()
 
 
-def _await_parent_death(reader: int) -> None:
+def _await_parent_death(reader: int, parent_pid: int) -> None:
     """A thread that wakes when the main thread's handler of :data:`PARENT_DEATH_SIGNAL` is
     due (the wake-up descriptor: written at C level, whatever the main thread does), and
     ends the tree itself where the main thread cannot run Python now (a C call that released
@@ -106,7 +108,8 @@ def _await_parent_death(reader: int) -> None:
             return
         if not woken:
             return
-        if PARENT_DEATH_SIGNAL in woken:
+        # Checked: bytes a task's forked child wrote on every descriptor may land here.
+        if PARENT_DEATH_SIGNAL in woken and os.getppid() != parent_pid:
             _end_tree_and_exit()
 
 
@@ -161,12 +164,28 @@ def die_with_parent(parent_pid: int) -> bool:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # best effort
     except (OSError, AttributeError, ValueError):
         return False
-    watch = threading.Thread(target=_await_parent_death, args=(reader,), daemon=True)
+    os.register_at_fork(after_in_child=functools.partial(_to_devnull, reader, writer))
+    watch = threading.Thread(target=_await_parent_death, args=(reader, parent_pid), daemon=True)
     watch.name = "gpupool-parent-watch"
     watch.start()
     if os.getppid() != parent_pid:
         _end_tree_and_exit()
     return True
+
+
+def _to_devnull(*fds: int) -> None:
+    """In a child forked off the worker: ``fds`` (the wake-up pipe's) become ``/dev/null``,
+    so that nothing it writes on every descriptor reaches the worker's threads."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            os.dup2(null, fd, inheritable=False)
+        except OSError:
+            pass
+    os.close(null)
 
 
 def _isolate() -> None:
@@ -335,10 +354,14 @@ def worker_main(
     initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     max_tasks: int | None,
     sensor_factory: Callable[[], Sensor] | None,
+    read_cell: CellHandle | None = None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
     probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
-    ``None`` without a device, so that a worker without one never imports a sensor)."""
+    ``None`` without a device, so that a worker without one never imports a sensor). Each task
+    frame read is acknowledged in ``read_cell`` (:mod:`gpupool._pool.acks`)."""
+    cell = None if read_cell is None else read_cell.open()
+    frames = 0  # task frames read
     probe = _start(conn, parent_pid, initializer, device, device_index, sensor_factory)
     if probe is None:
         return
@@ -361,6 +384,9 @@ def worker_main(
         if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
             apply_allocator_cap(cap_bytes)
             continue
+        if cell is not None:  # read: acknowledged before anything of it is unpickled or run
+            frames += 1
+            cell.note(frames, wire.task_id_of(message))
         if last_oom and wire.is_queued_task(message):
             # Queued behind the task that just ran out of device memory, at a booking made
             # before that was known: the parent starts it again, checked against the bound.
@@ -457,12 +483,6 @@ def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
         _answer(conn, wire.NO_TASK, "unpickle", None, _dump_exception(error))
         return None
     task_id, call = task
-    try:
-        # Read: acknowledged before anything of it is unpickled or run (see wire).
-        wire.send_ack(conn.fileno(), _worker_pid or os.getpid(), task_id)
-    except OSError:
-        call.release()
-        _end_tree_and_exit()
     try:
         fn, args, kwargs = pickle.loads(call)
         return task_id, (fn, args, kwargs)

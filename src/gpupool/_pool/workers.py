@@ -11,7 +11,7 @@ decisions it asks of the callables it is given (``counts``, ``retire_idle``).
 from __future__ import annotations
 
 import collections
-import itertools
+import math
 import os
 import select
 import selectors
@@ -26,6 +26,7 @@ from gpupool._child.probe import allocator_cap_message
 from gpupool._core.planner import Workers
 from gpupool._observe.log import LOGGER
 from gpupool._pool import wire
+from gpupool._pool.acks import ACK_BOUND_S, CellHandle, ReadCell
 from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.launch import StartDataError, WorkerProcess
@@ -68,7 +69,7 @@ INIT_EXIT_WAIT_S = 5.0
 #: How long the processes of a task past its deadline get to exit on SIGTERM before SIGKILL.
 TIMEOUT_GRACE_S = 2.0
 #: A worker running a task that stays stopped (SIGSTOP, state ``T``) this long is killed and
-#: its task fails (``shutdown()`` would otherwise wait for it for good); checked every
+#: its task fails (``shutdown()`` would otherwise wait for it for good); looked at every
 #: :data:`STOP_CHECK_S` while it runs a task.
 STOPPED_LOST_S = 10.0
 STOP_CHECK_S = 1.0
@@ -108,11 +109,14 @@ class Worker:
     # model its initializer loaded, its context; None when unknown).
     ready: bool = False
     resident_bytes: int | None = None
-    # How many task frames from the queue's front it acknowledged (wire: it read them), since
-    # when (monotonic) the head's frame is awaited, and when the head's ack came (its start).
-    acked: int = 0
+    # Where it acknowledges each task frame it reads (acks), how many task frames it answered
+    # (the head's frame is the next one), and since when (monotonic) the head is the head:
+    # when its ack is due from, and when its deadline counts from.
+    cell: ReadCell | None = None
+    answered: int = 0
     head_since_s: float = 0.0
-    started_s: float = 0.0
+    # At its exit: whether it had read its head's frame (None: it had no head).
+    head_read: bool | None = None
     # Why the pool ends it ("timeout", "unread", "stopped"), once it does; when the SIGKILL
     # of its tree is due, with what was below it then; since when it is seen stopped.
     ending: str | None = None
@@ -122,10 +126,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.channel = Channel(
-            self.conn,
-            magic=wire.ANSWER_MAGIC,
-            min_frame_bytes=wire.MIN_ANSWER_BYTES,
-            short=(wire.ACK_MAGIC, wire.ACK_BYTES),
+            self.conn, magic=wire.ANSWER_MAGIC, min_frame_bytes=wire.MIN_ANSWER_BYTES
         )
         self.watch = ProcessWatch(self.process)
         self.pid = self.process.pid
@@ -145,6 +146,13 @@ class Worker:
             and self.fault is None
             and self.ending is None
         )
+
+    def read_head(self) -> bool | None:
+        """Whether it read its head's frame (:meth:`ReadCell.read`); ``None``: not yet, or
+        it has no head."""
+        if not self.queue or self.cell is None:
+            return None
+        return self.cell.read(self.answered, [item.task_id for item in self.queue])
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,11 +230,11 @@ class WorkerSet:
         # (pid, signal) the pool sent (terminate_workers, kill_workers).
         self.signalled: set[tuple[int, int]] = set()
         # Processes below workers ended for a deadline that exited before their grace ended:
-        # SIGKILLed at that time, when still there.
+        # SIGKILLed then, when still there.
         self.leftovers: list[tuple[float, list[Any]]] = []
+        # When due() next has something to look at (monotonic; inf: nothing).
+        self.due_at_s = math.inf
         self.stop_check_at_s = 0.0
-        # Whether what serve() read needs a turn of the loop (else it waits on).
-        self._turn = False
 
     def all(self) -> list[Worker]:
         """Every worker not forgotten, on every card."""
@@ -301,6 +309,7 @@ class WorkerSet:
     def _spawn(self, card: int | None) -> Worker:
         info = None if card is None else self.cards[card].info
         initializer = self.options.initializer
+        cell, cell_fd = ReadCell.create()
         parent_conn, child_conn = Pipe(duplex=True)
         process = WorkerProcess(
             target=worker_main,
@@ -313,6 +322,7 @@ class WorkerSet:
                 (*initializer, sender_ids(initializer[0])) if initializer is not None else None,
                 self.options.max_tasks_per_child,
                 None if info is None else self.sensor.worker_factory(),
+                CellHandle(cell_fd),
             ),
             env={**self.options.env, **self.sensor.worker_env(info)},
             name="gpupool-worker",
@@ -321,10 +331,12 @@ class WorkerSet:
             process.start()
         except BaseException:
             parent_conn.close()
+            cell.close()
             raise
         finally:
             child_conn.close()
-        worker = Worker(process, parent_conn, card)
+            os.close(cell_fd)
+        worker = Worker(process, parent_conn, card, cell=cell)
         self.processes = {**self.processes, worker.pid: process}
         self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
         self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
@@ -345,9 +357,9 @@ class WorkerSet:
         """Hand ``item`` (``payload``, its pickled call) to ``worker``; ``queued``: behind
         the task it runs (which it declines after a device out-of-memory); ``now=False``:
         written at :meth:`flush`."""
-        if not worker.queue:
-            worker.head_since_s = time.monotonic()
         worker.queue.append(item)
+        if len(worker.queue) == 1:
+            self._new_head(worker)
         if self.options.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes), now=now)
@@ -394,8 +406,6 @@ class WorkerSet:
     def flush(self, worker: Worker) -> None:
         """Write what is queued for ``worker``; the selector writes what the socket cannot
         take now."""
-        if worker.queue and not worker.acked:
-            worker.head_since_s = time.monotonic()  # the ack's clock counts from the last write
         try:
             done = worker.channel.flush()
         except ChannelClosed:
@@ -412,20 +422,7 @@ class WorkerSet:
     def serve(self, timeout_s: float | None) -> Iterator[Answered | Exited]:
         """Wait for the selector (or the wake pipe), write what may be written, and yield what
         the workers said and which ended, in order; the loop has acted on each event (sent
-        the worker its next task, say) before the next frame is read. What needs no turn of
-        the loop (an acknowledgement, a write) is handled here, and the wait goes on."""
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            self._turn = False
-            yield from self._serve_once(timeout_s)
-            if self._turn:
-                return
-            if deadline_s is not None:
-                timeout_s = deadline_s - time.monotonic()
-                if timeout_s <= 0:
-                    return
-
-    def _serve_once(self, timeout_s: float | None) -> Iterator[Answered | Exited]:
+        the worker its next task, say) before the next frame is read."""
         workers = self.all()
         unwatched = [w for w in workers if w.watch.pidfd is None]
         if unwatched:
@@ -434,12 +431,9 @@ class WorkerSet:
                 POLL_WITHOUT_PIDFD_S if timeout_s is None else min(timeout_s, POLL_WITHOUT_PIDFD_S)
             )
         ready = self.selector.select(timeout_s)
-        if not ready:
-            self._turn = True  # the wait's time is up
         ended: list[Worker] = []
         for key, events in ready:
             if not key.data:
-                self._turn = True  # the wake pipe: the inbox has news
                 continue
             worker, what = key.data
             if worker.gone:
@@ -457,7 +451,6 @@ class WorkerSet:
                 # What it sent before it exited is in the socket still: that first.
                 yield from self._receive(worker)
             if not worker.gone:
-                self._turn = True
                 yield self._reap(worker)
 
     def _receive(self, worker: Worker) -> Iterator[Answered]:
@@ -478,7 +471,6 @@ class WorkerSet:
             event = self._answer(worker, frames.pop())
             if event is None:
                 continue
-            self._turn = True
             yield event
             if event.kind != "init" and worker.retiring:
                 self.retire(worker)
@@ -491,10 +483,6 @@ class WorkerSet:
         ``ready`` (nothing for the loop: the next turn counts the worker), or when it is not
         an answer ``worker`` may send now (its protocol fault)."""
         head = worker.task
-        ack = wire.parse_ack(frame)
-        if ack is not None:
-            self._acknowledged(worker, *ack)
-            return None
         try:
             answer = wire.parse_answer(frame)
             wire.check_answer(
@@ -504,21 +492,24 @@ class WorkerSet:
                 running=head.task_id if head is not None else None,
             )
         except wire.ProtocolFault as fault:
-            self._protocol_fault(worker, str(fault))
+            if worker.read_head() is False:
+                # It answers a frame it read in place of its head's: another reader of its
+                # socket took the head's. Lost, as due() finds it; the head never ran.
+                self._end(worker, "unread", signal.SIGKILL)
+            else:
+                self._protocol_fault(worker, str(fault))
             return None
         kind = answer.kind
         if kind == "ready":  # no task's answer: the worker's initializer returned
             worker.ready = True
             worker.resident_bytes = (answer.report or {}).get("resident_bytes")
             self.boot_deaths = 0
-            self._turn = True  # a worker to start tasks on
             return None
         item = worker.queue.popleft() if worker.queue else None
         if item is not None:
-            # The next task's frame is read now (or was: its ack counts from here).
-            worker.acked = max(0, worker.acked - 1)
-            worker.head_since_s = worker.started_s = time.monotonic()
-            worker.stopped_since_s = None
+            worker.answered += 1
+            if worker.queue:
+                self._new_head(worker)
         if kind == "init":
             # It exits right after this answer; wait for it (bounded), so that what it
             # logged on its way out (through a multiprocessing queue, say) is flushed
@@ -531,49 +522,26 @@ class WorkerSet:
                 worker.retiring = True
         return Answered(worker, item, kind, answer.peak, answer.payload)
 
-    def _acknowledged(self, worker: Worker, pid: int, task_id: int) -> None:
-        """``worker`` read the frame of ``task_id``: the next one not acknowledged, from its
-        own PID, or it broke the protocol. The head's ack starts its deadline."""
-        queue = worker.queue
-        expected = queue[worker.acked].task_id if worker.acked < len(queue) else None
-        if (
-            pid == worker.pid
-            and task_id != expected
-            and any(item.task_id == task_id for item in itertools.islice(queue, worker.acked, None))
-        ):
-            # It read a later frame: the ones before it were taken by another reader. It is
-            # killed (the task it started runs again); the others never ran.
-            self._end(worker, "unread", signal.SIGKILL)
-            return
-        if pid != worker.pid or task_id != expected:
-            self._protocol_fault(
-                worker,
-                f"an acknowledgement of task {task_id} from pid {pid} (expected "
-                f"{'no task' if expected is None else f'task {expected}'} from pid {worker.pid})",
-            )
-            return
-        worker.acked += 1
-        if worker.acked == 1:
-            worker.started_s = time.monotonic()
-            if queue[0].timeout_s is not None:
-                self._turn = True  # its deadline is to be waited for
-
     # -- the workers' clocks ---------------------------------------------------------
 
+    def _new_head(self, worker: Worker) -> None:
+        """``worker``'s queue has a new head now: its frame is to be read, its deadline runs."""
+        now_s = worker.head_since_s = time.monotonic()
+        worker.stopped_since_s = None
+        head_timeout_s = worker.queue[0].timeout_s if worker.queue else None
+        at_s = now_s + min(ACK_BOUND_S, STOP_CHECK_S, head_timeout_s or math.inf)
+        self.due_at_s = min(self.due_at_s, at_s)
+
     def due(self, now_s: float) -> float | None:
-        """Act on what is due at ``now_s`` (monotonic): a task frame not acknowledged within
-        :data:`~gpupool._pool.wire.ACK_BOUND_S` (its worker is killed: ``ending`` says
-        ``"unread"``), a task past its deadline (its worker's tree gets SIGTERM, and SIGKILL
-        after :data:`TIMEOUT_GRACE_S`: ``"timeout"``), a worker running a task stopped for
-        :data:`STOPPED_LOST_S` (killed: ``"stopped"``). Their exits are events as any other.
-        Returns how soon to call again (``None``: nothing to watch)."""
-        next_s: float | None = None
-
-        def soon(at_s: float) -> None:
-            nonlocal next_s
-            wait_s = max(0.01, at_s - now_s)
-            next_s = wait_s if next_s is None else min(next_s, wait_s)
-
+        """Act on what is due at ``now_s`` (monotonic): a head's frame not acknowledged within
+        :data:`~gpupool._pool.acks.ACK_BOUND_S`, or another read in its place (the worker is
+        SIGKILLed: ``ending`` is ``"unread"``), a task past its deadline (SIGTERM to the
+        worker's tree, SIGKILL after :data:`TIMEOUT_GRACE_S`: ``"timeout"``), a worker running
+        a task stopped for :data:`STOPPED_LOST_S` (SIGKILLed: ``"stopped"``). Their exits are
+        events as any other. Returns how soon to call again (``None``: nothing to watch)."""
+        if now_s < self.due_at_s:
+            return None if self.due_at_s == math.inf else self.due_at_s - now_s
+        next_s = math.inf
         check_stopped = now_s >= self.stop_check_at_s
         if check_stopped:
             self.stop_check_at_s = now_s + STOP_CHECK_S
@@ -585,36 +553,38 @@ class WorkerSet:
                 if now_s >= worker.kill_at_s:
                     self._kill_tree(worker)
                 else:
-                    soon(worker.kill_at_s)
+                    next_s = min(next_s, worker.kill_at_s)
                 continue
             head = worker.task
             if head is None or worker.ending is not None or worker.fault is not None:
                 continue
             busy = True
-            if not worker.acked:
-                if worker.head_since_s + wire.ACK_BOUND_S > now_s or _readable(worker):
-                    soon(worker.head_since_s + wire.ACK_BOUND_S)
-                else:
-                    self._end(worker, "unread", signal.SIGKILL)
+            read = worker.read_head()
+            if read is False or (read is None and now_s >= worker.head_since_s + ACK_BOUND_S):
+                self._end(worker, "unread", signal.SIGKILL)
                 continue
+            if read is None:
+                next_s = min(next_s, worker.head_since_s + ACK_BOUND_S)
             if head.timeout_s is not None:
-                if now_s >= worker.started_s + head.timeout_s:
+                deadline_s = worker.head_since_s + head.timeout_s
+                if now_s >= deadline_s:
                     self._end(worker, "timeout", signal.SIGTERM)
                     worker.kill_at_s = now_s + TIMEOUT_GRACE_S
-                    soon(worker.kill_at_s)
+                    next_s = min(next_s, worker.kill_at_s)
                     continue
-                soon(worker.started_s + head.timeout_s)
+                next_s = min(next_s, deadline_s)
             if check_stopped:
                 self._check_stopped(worker, now_s)
         if busy:
-            soon(self.stop_check_at_s)
+            next_s = min(next_s, self.stop_check_at_s)
         for at_s, processes in list(self.leftovers):
             if now_s >= at_s:
                 self.leftovers.remove((at_s, processes))
                 kill_left_after(processes, 0.0)
             else:
-                soon(at_s)
-        return next_s
+                next_s = min(next_s, at_s)
+        self.due_at_s = next_s
+        return None if next_s == math.inf else max(0.01, next_s - now_s)
 
     def _check_stopped(self, worker: Worker, now_s: float) -> None:
         if not is_stopped(worker.pid):
@@ -676,8 +646,10 @@ class WorkerSet:
 
     def _reap(self, worker: Worker) -> Exited:
         exitcode = worker.watch.wait(1.0)
+        worker.head_read = worker.read_head()
         if worker.kill_at_s is not None:  # ended within its grace: what is left, at its end
             self.leftovers.append((worker.kill_at_s, worker.below))
+            self.due_at_s = min(self.due_at_s, worker.kill_at_s)
             worker.kill_at_s = None
         self._forget(worker)
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
@@ -704,6 +676,8 @@ class WorkerSet:
             # object go (its finalizer closes loky's sentinel).
             worker.process.join(timeout=0)
         worker.watch.close()
+        if worker.cell is not None:
+            worker.cell.close()
         worker.channel.discard_output()
         if worker.pid in self.processes:
             self.processes = {p: v for p, v in self.processes.items() if p != worker.pid}
@@ -761,11 +735,3 @@ class WorkerSet:
             kill_left_after(processes, 0.0)
         self.leftovers.clear()
         self.selector.close()
-
-
-def _readable(worker: Worker) -> bool:
-    """Whether ``worker``'s socket holds bytes not read yet (its ack may be among them)."""
-    try:
-        return bool(select.select([worker.channel.fd], [], [], 0)[0])
-    except (OSError, ValueError):
-        return False
