@@ -81,7 +81,7 @@ def test_the_variable_sets_every_task_s_deadline(monkeypatch: pytest.MonkeyPatch
         assert ex.options(timeout_s=30).submit(tasks.nap, 1.0, 5).result(timeout=60) == 5
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan", "1s"])
+@pytest.mark.parametrize("value", ["", "abc", "0", "-1", "inf", "nan", "1s"])
 def test_a_bad_variable_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch, value: str):
     monkeypatch.setenv(TASK_TIMEOUT_ENV, value)
     with pytest.raises(ConfigurationError, match=TASK_TIMEOUT_ENV):
@@ -110,3 +110,13 @@ def test_sigterm_of_stopped_processes_resumes_them():
         future = ex.options(timeout_s=0.5).submit(tasks.stop_own_worker)
         with pytest.raises(TaskTimeoutError, match="killed by SIGTERM"):
             future.result(timeout=60)
+
+
+def test_with_chunks_the_deadline_is_the_chunk_s():
+    """Two calls of 1.5 s with a deadline of 2.5 s: each alone is in time, the two in one
+    chunk are not."""
+    with GpuPoolExecutor(max_workers=2) as ex:
+        timed = ex.options(timeout_s=2.5)
+        assert list(timed.map(tasks.nap, [1.5, 1.5], [0, 1])) == [0, 1]
+        with pytest.raises(TaskTimeoutError):
+            list(timed.map(tasks.nap, [1.5, 1.5], [0, 1], chunksize=2))

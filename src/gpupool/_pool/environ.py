@@ -114,7 +114,7 @@ def read_task_timeout_s(environ: Mapping[str, str]) -> float | None:
     """``GPUPOOL_TASK_TIMEOUT_S``, every task's deadline in seconds unless ``options(timeout_s=)``
     gives its own, or ``None`` (no deadline) when unset."""
     value = environ.get(TASK_TIMEOUT_ENV)
-    if value is None or not value.strip():
+    if value is None:
         return None
     what = "set it to a number of seconds above 0, such as 3600"
     try:
