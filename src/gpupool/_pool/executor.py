@@ -173,9 +173,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         max_workers: a ceiling on the width, never a promise; default: the
             usable CPUs. An explicit value is not capped by the CPU count (as
             in the standard pool); the construction record notes it.
-        mp_context: accepted for compatibility; workers always start with
-            spawn semantics (fork+exec), since CUDA does not survive
-            ``fork``. A ``fork`` context is refused.
+        mp_context: ``None`` or a spawn context: workers always start as
+            fresh interpreters (spawn), each with its card pinned in its
+            environment. A ``fork`` context (CUDA does not survive
+            ``fork``), a ``forkserver`` context and anything that is not a
+            context are refused with a :class:`ConfigurationError`.
         initializer: called in each worker before its first task.
         initargs: arguments for ``initializer``.
         max_tasks_per_child: a worker exits after this many tasks and is
@@ -453,6 +455,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ValueError: ``chunksize < 1`` or ``buffersize < 1``.
+            TypeError: ``buffersize`` is not an integer (as on CPython 3.14).
         """
         return self._map(fn, iterables, timeout, chunksize, buffersize, None)
 
@@ -476,8 +479,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     ) -> Iterator[Any]:
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        if buffersize is not None and (not isinstance(buffersize, int) or buffersize < 1):
-            raise ValueError("buffersize must be None or >= 1.")
+        if buffersize is not None:
+            # As CPython 3.14 checks it: the wrong type is a TypeError, a bad value a ValueError.
+            if not isinstance(buffersize, int):
+                raise TypeError("buffersize must be an integer or None")
+            if buffersize < 1:
+                raise ValueError("buffersize must be None or >= 1.")
         key = callable_name(fn)
         end_time = None if timeout is None else timeout + time.monotonic()
         args_iter = zip(*iterables, strict=False)
