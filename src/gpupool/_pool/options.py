@@ -141,6 +141,7 @@ def read_options(
         ConfigurationError: an argument or a variable is wrong; the message names it and the
             fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
     """
+    _check_not_bootstrapping()
     _check_not_daemonic()
     # The arguments are checked in this order (the keywords are evaluated left to right).
     return PoolOptions(
@@ -175,6 +176,15 @@ def _resolve(
 ) -> _V:
     """The argument, checked, when given; else its variable or default (read only then)."""
     return check(given) if given is not None else read(environ)
+
+
+def _check_not_bootstrapping() -> None:
+    """A worker importing the script runs its top level: a pool made there (no
+    ``if __name__ == "__main__":`` guard) would start workers of its own, each importing the
+    script again. Refused with the standard library's RuntimeError and its advice."""
+    from multiprocessing import spawn
+
+    spawn._check_not_importing_main()  # type: ignore[attr-defined]
 
 
 def _check_not_daemonic() -> None:

@@ -257,7 +257,9 @@ def boot_error(exited: Exited, initializer: Callable[..., object] | None) -> Bro
         f"A process in the process pool was terminated abruptly while the future was "
         f"running or pending: {exited.boot_deaths} worker processes in a row (the last, "
         f"pid {pid}, {how}) died before they were ready; no task ran in them. "
-        "Check that the workers can start (imports, the environment, host memory)."
+        "Check that the workers can start (imports, the environment, host memory, the "
+        "script's top level, which each worker runs as the standard spawn pool's do: its "
+        "stderr says why)."
     )
 
 
