@@ -76,6 +76,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpupool._core.events import describe_task
 from gpupool._core.units import format_size
 
 __all__ = ["OomAnalysis", "analyse_oom", "record_float", "record_int", "record_str"]
@@ -121,6 +122,8 @@ class OomAnalysis:
         verdict: the first wrong term, or ``"unattributed"``.
         explanation: the verdict in one sentence, every number in it.
         missing: the record's terms that were needed and absent.
+        task: the failing task in words (its ``map`` entry and label:
+            :func:`~gpupool._core.events.describe_task`), or empty.
     """
 
     line: int
@@ -156,6 +159,7 @@ class OomAnalysis:
     verdict: str
     explanation: str
     missing: tuple[str, ...]
+    task: str = ""
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able dict of every field."""
@@ -211,6 +215,7 @@ def analyse_oom(
         time_s=record_float(record.get("time_s")),
         device=record_int(record, "device"),
         key=record_str(record, "key"),
+        task=describe_task(record),
         total_bytes=terms.total,
         census_co_tenant_bytes=terms.census_co,
         own_high_water_bytes=terms.own_hw,

@@ -557,7 +557,7 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
     )
     rows = [
         f"out of memory #{number} at {a.time_s:.2f} s (line {a.line}), card {card}, "
-        f"task {a.key}; {fate}",
+        f"task {a.key}" + (f" ({a.task})" if a.task else "") + f"; {fate}",
         f"  card total             {format_size(a.total_bytes):>12}",
         f"  co-tenant (census)     {format_size(a.census_co_tenant_bytes):>12}   {co_live}",
         f"  own high-water         {format_size(a.own_high_water_bytes):>12}   {own_live}",

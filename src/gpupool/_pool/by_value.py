@@ -59,6 +59,7 @@ __all__ = [
     "dumps_call",
     "main_for_workers",
     "main_namespace",
+    "note_pool_made",
     "named_code",
     "sender_ids",
 ]
@@ -95,7 +96,7 @@ def main_for_workers() -> dict[str, str]:
     do not import it (no file: ``python -c``, the REPL, a notebook; a package's
     ``__main__``, which the standard library does not run again either)."""
     main = sys.modules.get("__main__")
-    if main is None:
+    if main is None or _unguarded:
         return {}
     spec = getattr(main, "__spec__", None)
     name = getattr(spec, "name", None)
@@ -123,7 +124,7 @@ def by_name(obj: object) -> bool:
     under ``if __name__ == "__main__":`` (which a worker does not run)."""
     main = sys.modules.get("__main__")
     qualname = getattr(obj, "__qualname__", None)
-    if main is None or not isinstance(qualname, str) or "<" in qualname:
+    if main is None or _unguarded or not isinstance(qualname, str) or "<" in qualname:
         return False
     found: object = main
     for part in qualname.split("."):
@@ -133,30 +134,76 @@ def by_name(obj: object) -> bool:
     return qualname.split(".")[0] in _top_level_names(main)
 
 
+def note_pool_made() -> None:
+    """Called as a pool is made, in the caller's thread. A pool the script's top level makes
+    outside ``if __name__ == "__main__":`` (directly, or through a function it calls there)
+    would be made again by every worker that imports the script, as the standard pool's
+    spawn workers would; its workers cannot import the script. From then on this process
+    sends what its workers need of the script by value, as for ``python -c``."""
+    global _unguarded
+    main = sys.modules.get("__main__")
+    if _unguarded or main is None or getattr(main, "__name__", None) != "__main__":
+        return
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            if main_for_workers():
+                _, guards = _script_outline(main)
+                line = frame.f_lineno
+                _unguarded = not any(first <= line <= last for first, last in guards)
+            return
+        frame = frame.f_back
+
+
 def _top_level_names(main: types.ModuleType) -> frozenset[str]:
     """The names the script ``main`` binds outside its ``if __name__ == "__main__":`` blocks
     (empty when its workers do not import it, or its source cannot be read)."""
-    global _top_names
-    if _top_names is not None and _top_names[0] is main:
-        return _top_names[1]
-    names: frozenset[str] = frozenset()
+    return _script_outline(main)[0]
+
+
+def _script_outline(main: types.ModuleType) -> tuple[frozenset[str], tuple[tuple[int, int], ...]]:
+    """What the script ``main`` binds outside its main guards, and the lines those guards
+    span (first, last), read once from its source; nothing where its workers do not import
+    it or the source cannot be read."""
+    global _outline
+    if _outline is not None and _outline[0] is main:
+        return _outline[1]
+    found: tuple[frozenset[str], tuple[tuple[int, int], ...]] = (frozenset(), ())
     prepared = main_for_workers()
     try:
-        if "init_main_from_path" in prepared:
-            with open(prepared["init_main_from_path"], "rb") as file:
-                names = _bound_names(ast.parse(file.read()).body)
-        elif "init_main_from_name" in prepared:
+        path = prepared.get("init_main_from_path")
+        if "init_main_from_name" in prepared:
             import importlib.util
 
             spec = importlib.util.find_spec(prepared["init_main_from_name"])
-            origin = None if spec is None else spec.origin
-            if origin is not None and os.path.isfile(origin):
-                with open(origin, "rb") as file:
-                    names = _bound_names(ast.parse(file.read()).body)
+            path = None if spec is None else spec.origin
+        if path is not None and os.path.isfile(path):
+            with open(path, "rb") as file:
+                body = ast.parse(file.read()).body
+            found = (_bound_names(body), tuple(_guard_lines(body)))
     except (OSError, SyntaxError, ValueError, ImportError):
-        names = frozenset()
-    _top_names = (main, names)
-    return names
+        pass
+    _outline = (main, found)
+    return found
+
+
+def _guard_lines(body: list[ast.stmt]) -> list[tuple[int, int]]:
+    """The lines each ``if __name__ == "__main__":`` block of ``body`` spans (not inside a
+    function or class: those are not the script's top level)."""
+    spans: list[tuple[int, int]] = []
+    for node in body:
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            spans.append((node.lineno, node.end_lineno or node.lineno))
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                spans += _guard_lines([n for n in inner if isinstance(n, ast.stmt)])
+        for handler in getattr(node, "handlers", ()):
+            spans += _guard_lines(handler.body)
+    return spans
 
 
 def _bound_names(body: list[ast.stmt]) -> frozenset[str]:
@@ -195,8 +242,12 @@ def _is_main_guard(test: ast.expr) -> bool:
     )
 
 
-#: The script whose top-level names were read, and the names (:func:`_top_level_names`).
-_top_names: tuple[types.ModuleType, frozenset[str]] | None = None
+#: The script whose source was read, what it binds at its top level and the lines of its main
+#: guards (:func:`_script_outline`).
+_outline: tuple[types.ModuleType, tuple[frozenset[str], tuple[tuple[int, int], ...]]] | None = None
+#: Whether the script's top level made a pool outside its main guard (:func:`note_pool_made`):
+#: then no worker imports it.
+_unguarded = False
 
 
 def _imported_script_globals() -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ from gpupool._core.units import format_size, parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool import environ as variables
+from gpupool._pool.by_value import note_pool_made
 from gpupool._pool.dispatcher import Dispatcher
 from gpupool._pool.workers import DeviceState, WorkerOptions
 from gpupool._sensors.select import default_sensor
@@ -179,12 +180,14 @@ def _resolve(
 
 
 def _check_not_bootstrapping() -> None:
-    """A worker importing the script runs its top level: a pool made there (no
-    ``if __name__ == "__main__":`` guard) would start workers of its own, each importing the
-    script again. Refused with the standard library's RuntimeError and its advice."""
+    """A worker importing the script runs its top level: a pool made there would start
+    workers of its own, each importing the script again. Refused with the standard library's
+    RuntimeError and its advice. A pool the script's own top level makes, unguarded, makes
+    its workers take the script by value instead (``by_value.note_pool_made``)."""
     from multiprocessing import spawn
 
     spawn._check_not_importing_main()  # type: ignore[attr-defined]
+    note_pool_made()
 
 
 def _check_not_daemonic() -> None:
