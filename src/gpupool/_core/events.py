@@ -124,6 +124,7 @@ EventName = Literal[
     "serial_start",
     "out_of_memory",
     "worker_lost",
+    "worker_replaced",
     "fixed_width_over_bound",
     "measured",
     "sensor_error",
@@ -154,6 +155,8 @@ EVENTS: Mapping[str, str] = {
     "serial_start": "a task started although the live gate was shut: nothing else ran",
     "out_of_memory": "a task ran its card out of memory",
     "worker_lost": "a worker process died while running a task",
+    "worker_replaced": "a worker could not set up its next task (descriptors or memory "
+    "used up by a task before it): the task goes to a fresh worker",
     "fixed_width_over_bound": "a fixed width is wider than the bound allows",
     "measured": "a task key's ask changed basis or value without changing any width",
     "sensor_error": "a live reading failed; what the pool does while it fails",

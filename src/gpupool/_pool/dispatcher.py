@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
+from gpupool._core.events import truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     QUEUE_DEPTH,
@@ -574,10 +575,13 @@ class Dispatcher:
         if item is None:
             return
         if kind == "declined":
-            # Queued behind a task that ran out of device memory, it never ran: back to the
-            # head of the queue (RUNNING to its future; not a failure, not a retry).
-            self.planner.requeue(item.task_id)
-            self.outcomes.counts["queued_declined"] += 1
+            if self.planner.is_queued(item.task_id):
+                # Queued behind a task that ran out of device memory, it never ran: back to
+                # the head of the queue (RUNNING to its future; not a failure, not a retry).
+                self.planner.requeue(item.task_id)
+                self.outcomes.counts["queued_declined"] += 1
+            else:
+                self._not_set_up(worker, item, event.payload)
             if worker.device is not None and self.link is not None:
                 self.link.changed(worker.device, self.now())
             return
@@ -600,6 +604,25 @@ class Dispatcher:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self.outcomes.answered(item, kind, event.payload)
+
+    def _not_set_up(self, worker: Worker, item: WorkItem, payload: Any) -> None:
+        """``worker`` could not set up the task it was handed (a task before it used up its
+        descriptors or memory) and exits: the task never ran, so it goes back to the head of
+        the queue for a fresh worker, and nothing more is sent to this one."""
+        worker.retiring = True
+        raw = payload if isinstance(payload, (bytes, bytearray, memoryview)) else b""
+        why = bytes(raw).decode(errors="replace")
+        self.outcomes.counts["workers_replaced"] += 1
+        self.planner.not_run(
+            item.task_id,
+            self.now(),
+            message=(
+                f"worker {worker.pid} could not set up its next task ({truncate_text(why)}): "
+                "a task before it used up the worker's descriptors or memory; the worker "
+                "exits and the task runs on a fresh one"
+            ),
+            extra={"pid": worker.pid, "cause": truncate_text(why)},
+        )
 
     def _on_oom(self, worker: Worker, item: WorkItem, report: PeakReport, payload: Any) -> None:
         exc = said.load_exception(payload)

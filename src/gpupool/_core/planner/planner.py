@@ -309,6 +309,24 @@ class Planner:
         identity = run.identity if run else state.identity if state else None
         self.views.note("worker_lost", device, ask, message, now_s, extra=extra, task=identity)
 
+    def not_run(
+        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+    ) -> None:
+        """``task`` was handed to a worker that could not set it up (a task before it used up
+        the worker's descriptors or memory): it never ran, so its booking is released and it
+        goes back to the head of the queue, for a fresh worker (not a retry)."""
+        run = self.state.end_run(task)
+        if run is None:
+            return
+        if run.device is not None:
+            note_freed(self.state.cards[run.device], run, now_s)
+        self.state.rebook(run.key)
+        self.state.put_back(task)
+        ask = self.state.asks.ask(run.key)
+        self.views.note(
+            "worker_replaced", run.device, ask, message, now_s, extra=extra, task=run.identity
+        )
+
     # -- verdicts out ------------------------------------------------------------------------
 
     def strict_refusal(self) -> Refuse | None:
