@@ -190,8 +190,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     positional parameters, ``submit``, ``map``, ``shutdown``, futures that work
     with ``concurrent.futures.wait`` and ``concurrent.futures.as_completed``,
     and exceptions re-raised with the child's traceback as their cause.
-    Functions and arguments travel with cloudpickle, so lambdas, closures and
-    functions defined in ``__main__`` work.
+    Workers import the script as ``__mp_main__``, as spawn workers do (its
+    top level runs in each, its functions and classes are theirs); lambdas,
+    closures and what a worker cannot import travel by value (cloudpickle).
 
     Args:
         max_workers: a ceiling on the width, never a promise; default: the
