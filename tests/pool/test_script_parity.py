@@ -286,3 +286,43 @@ def test_a_pool_made_under_the_guard_through_a_function_imports_the_script(tmp_p
     assert done.stdout.strip().splitlines()[-1] == (
         "results [[0, 'initializer'], [1, 'initializer']]"
     )
+
+
+GUARDED_INITIALIZER_SCRIPT = """\
+import json
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+MODEL = None
+
+
+class Cfg:
+    mode = "parent"
+
+
+def predict(x):
+    return [x, MODEL, Cfg.mode]
+
+
+if __name__ == "__main__":
+    def init(scale):  # defined only under the guard: it travels by value
+        global MODEL
+        MODEL = scale
+        Cfg.mode = "initializer"
+
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB", initializer=init, initargs=(10,)) as ex:
+            print(json.dumps(list(ex.map(predict, range(2)))))
+"""
+
+
+def test_an_initializer_defined_under_the_guard_sets_the_workers_globals(tmp_path: Path):
+    """An initializer the worker cannot import (defined under the guard) goes by value, and
+    the global and the class attribute it sets are the ones the script's imported tasks read."""
+    done = run_script(tmp_path, "guarded_init.py", GUARDED_INITIALIZER_SCRIPT, timeout_s=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [
+        [0, 10, "initializer"],
+        [1, 10, "initializer"],
+    ]

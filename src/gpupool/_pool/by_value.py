@@ -60,6 +60,7 @@ __all__ = [
     "main_for_workers",
     "main_namespace",
     "note_pool_made",
+    "pickler_class",
     "named_code",
     "sender_ids",
 ]
@@ -361,7 +362,7 @@ def _main_setstate(func: types.FunctionType, state: tuple[dict[str, Any], dict[s
 
 
 #: The key of a function's state under which the sender puts the version of each global it
-#: sends with it (the pickler's ``_dynamic_function_reduce``, :func:`_pickler_class`).
+#: sends with it (the pickler's ``_dynamic_function_reduce``, :func:`pickler_class`).
 _SENDER_IDS = "_gpupool_sender_ids"
 _MISSING = object()
 #: Stands for a sender's id that was not sent (never equal to one recorded).
@@ -397,7 +398,7 @@ def _reduce_code(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
 
 
 @functools.cache
-def _pickler_class() -> type[Any]:
+def pickler_class() -> type[Any]:
     """cloudpickle's pickler, every code object keeping its file and every function of
     ``__main__`` the receiver's :func:`main_namespace` (made on first use)."""
     base: Any = _cloudpickle().Pickler
@@ -431,7 +432,7 @@ def dumps_by_value(obj: object) -> bytes:
     """``cloudpickle.dumps(obj)`` at the highest protocol, every code object keeping its file
     and every function of ``__main__`` the receiver's :func:`main_namespace`."""
     with io.BytesIO() as file:
-        _pickler_class()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        pickler_class()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return file.getvalue()
 
 

@@ -33,7 +33,6 @@ import functools
 import io
 import os
 import sys
-import types
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
 from multiprocessing import popen_fork, popen_spawn_posix, process, spawn, util
@@ -138,30 +137,22 @@ def _raise_exec_error(pid: int, executable: str, errpipe_read: int) -> None:
 
 @functools.cache
 def _pickler_class() -> type[Any]:
-    """cloudpickle (functions of the script by value) with multiprocessing's reducers
+    """The tasks' pickler (:mod:`gpupool._pool.by_value`) with multiprocessing's reducers
     (connections, sockets: passed as descriptors the child inherits).
 
     Made on first use, in the parent: a worker imports this module to unpickle its
     :class:`WorkerProcess`, and never needs cloudpickle to start."""
-    import cloudpickle
+    from gpupool._pool.by_value import pickler_class
 
-    from gpupool._pool.by_value import by_name
-
+    # The tasks' pickler: the script's functions and classes by name where the worker
+    # imports it, else by value into the worker's one namespace for the script.
+    base = pickler_class()
     table = ChainMap(
         ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
-        cloudpickle.Pickler.dispatch_table,
+        base.dispatch_table,
         copyreg.dispatch_table,
     )
-
-    def reducer_override(self: Any, obj: Any) -> Any:
-        # The script's own functions and classes go by name where the worker imports it.
-        named = isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__"
-        if named and by_name(obj):
-            return NotImplemented
-        return cloudpickle.Pickler.reducer_override(self, obj)
-
-    namespace = {"dispatch_table": table, "reducer_override": reducer_override}
-    return type("_Pickler", (cloudpickle.Pickler,), namespace)
+    return type("_Pickler", (base,), {"dispatch_table": table})
 
 
 def _preparation_data(name: str) -> dict[str, Any]:
