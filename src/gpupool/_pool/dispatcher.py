@@ -610,6 +610,8 @@ class Dispatcher:
         descriptors or memory) and exits: the task never ran, so it goes back to the head of
         the queue for a fresh worker, and nothing more is sent to this one."""
         worker.retiring = True
+        for behind in self.workers.take_queue(worker):  # never ran: back first, in order
+            self.planner.requeue(behind.task_id)
         raw = payload if isinstance(payload, (bytes, bytearray, memoryview)) else b""
         why = bytes(raw).decode(errors="replace")
         self.outcomes.counts["workers_replaced"] += 1
