@@ -35,7 +35,7 @@ def _records(log: Path, event: str) -> list[dict[str, Any]]:
 def pipeline_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 40-entry map whose entry 25 runs the card out of memory (map raises there, as the
     standard pool's does), then a labelled task that does too, then a 6-entry map whose entry
-    4 kills its worker."""
+    4 kills its worker, then a map in chunks of 4 whose entry 9 runs out."""
     log = tmp_path_factory.mktemp("identity") / "pipeline.jsonl"
     host = SimulatedHost([SimulatedDevice("8GiB")], cpus=4, host_ram="32GiB")
     with host, GpuPoolExecutor(max_workers=2, task_peak="1GiB", log_path=log) as ex:
@@ -51,6 +51,11 @@ def pipeline_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
         with pytest.raises(WorkerLostError):
             _drain(ex.map(observe_tasks.entry_or_die, range(6), [4] * 6), seen)
         assert seen == [0, 1, 2, 3]
+        chunked = ex.options(label="chunks").map(
+            observe_tasks.entry_or_oom, range(12), [9] * 12, chunksize=4
+        )
+        with pytest.raises(DeviceOutOfMemoryError):
+            list(chunked)
     return log
 
 
@@ -58,8 +63,8 @@ def test_every_out_of_memory_record_names_its_entry_and_label(pipeline_log: Path
     """The out-of-memory records (the retries' included) name entry 25 of the map with its
     label, or the labelled task submitted alone."""
     ooms = _records(pipeline_log, "out_of_memory")
-    named = {(r.get("task_entry"), r.get("task_label")) for r in ooms}
-    assert named == {(25, "pipeline"), (None, "resnet-ckpt-7")}
+    named = {(r.get("task_entry"), r.get("task_entries"), r.get("task_label")) for r in ooms}
+    assert named == {(25, None, "pipeline"), (None, None, "resnet-ckpt-7"), (8, 4, "chunks")}
     assert all(isinstance(r["task_id"], int) for r in ooms)
 
 
@@ -85,6 +90,7 @@ def test_postmortem_names_the_entry_and_label(
     text = capsys.readouterr().out
     assert "(entry 25, label 'pipeline')" in text
     assert "(label 'resnet-ckpt-7')" in text
+    assert "(entries 8-11, label 'chunks')" in text
     assert "worker_lost" in text and "entry 4" in text
     assert main(["postmortem", "--json", str(pipeline_log)]) == 0
     report = json.loads(capsys.readouterr().out)["runs"][0]

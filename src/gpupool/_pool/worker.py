@@ -297,7 +297,7 @@ def worker_main(
             _decline(conn, message)
             continue
         last_oom = False
-        unfit = _unfit()
+        unfit = _unfit(fd)
         if unfit is not None:
             # A task before this one used up what a task needs: this one goes to a fresh
             # worker, unrun, and this worker exits (the pool replaces it).
@@ -392,14 +392,15 @@ def _decline(conn: Connection, message: bytearray, why: str = "") -> None:
 _USED_UP = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
-def _unfit() -> str | None:
+def _unfit(fd: int) -> str | None:
     """What this worker lacks to set up a task, in words (a task before left it without a
-    free descriptor), or ``None``: one ``open`` and ``close`` of ``/dev/null``."""
+    free descriptor), or ``None``: one ``dup`` of the channel ``fd`` and its ``close`` (a
+    few microseconds: no path is looked up)."""
     try:
-        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        spare = os.dup(fd)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}" if exc.errno in _USED_UP else None
-    os.close(fd)
+    os.close(spare)
     return None
 
 
