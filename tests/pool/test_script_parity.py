@@ -326,3 +326,39 @@ def test_an_initializer_defined_under_the_guard_sets_the_workers_globals(tmp_pat
         [0, 10, "initializer"],
         [1, 10, "initializer"],
     ]
+
+
+REFUSING_TOP_LEVEL_SCRIPT = """\
+import concurrent.futures
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+if __name__ == "__mp_main__":
+    raise RuntimeError("this script's top level refuses to run in a worker")
+
+
+def inc(x):
+    return x + 1
+
+
+if __name__ == "__main__":
+    with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
+        with GpuPoolExecutor(1, task_peak="1GiB") as ex:
+            try:
+                print(ex.submit(inc, 1).result(timeout=120))
+            except Exception as exc:
+                print("FAILED", type(exc).__name__, exc)
+"""
+
+
+def test_a_top_level_that_fails_in_workers_breaks_the_pool_naming_it(tmp_path: Path):
+    """A script whose top level raises when a worker imports it: no task runs, the future
+    fails with BrokenProcessPool (as the standard pool's would) whose message points at the
+    script's top level, the worker's traceback is on stderr, and the script ends."""
+    done = run_script(tmp_path, "refusing.py", REFUSING_TOP_LEVEL_SCRIPT, timeout_s=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAILED BrokenProcessPool"), last
+    assert "the script's top level" in last
+    assert "refuses to run in a worker" in done.stderr
