@@ -45,10 +45,11 @@ def pipeline_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
             _drain(mapped, done)
         assert done == list(range(25))
         labelled = ex.options(label="resnet-ckpt-7").submit(observe_tasks.entry_or_oom, 7, 7)
-        with pytest.raises(DeviceOutOfMemoryError):
+        # The future's error names the task too.
+        with pytest.raises(DeviceOutOfMemoryError, match=r"entry_or_oom \(label 'resnet-ckpt-7'\)"):
             labelled.result(timeout=120)
         seen: list[int] = []
-        with pytest.raises(WorkerLostError):
+        with pytest.raises(WorkerLostError, match=r"entry_or_die \(entry 4\) "):
             _drain(ex.map(observe_tasks.entry_or_die, range(6), [4] * 6), seen)
         assert seen == [0, 1, 2, 3]
         chunked = ex.options(label="chunks").map(

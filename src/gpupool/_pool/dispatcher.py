@@ -457,7 +457,7 @@ class Dispatcher:
                 continue
             item = self.outcomes.items[verdict.task]
             if isinstance(verdict, Fail):
-                self.outcomes.fail(item, said.oom_error(item.key, verdict, None))
+                self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, None))
             elif isinstance(verdict, Warm):
                 retry_s = self._warm(item, verdict.device)
                 if retry_s is not None:
@@ -641,7 +641,7 @@ class Dispatcher:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
-            self.outcomes.fail(item, said.oom_error(item.key, verdict, exc))
+            self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
 
     def _exited(self, event: Exited) -> None:
         """A worker's process ended: only the task it ran fails, and the tasks queued behind
@@ -665,7 +665,7 @@ class Dispatcher:
         for behind in queue:
             self.planner.requeue(behind.task_id)
         if run is not None:
-            lost, extra = said.lost_error(event, run.key)
+            lost, extra = said.lost_error(event, said.task_named(run))
             self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
             if worker.device is not None and self.link is not None:
                 self.link.changed(worker.device, self.now())

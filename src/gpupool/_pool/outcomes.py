@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import cloudpickle
 
 from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
+from gpupool._core.events import describe_task
 from gpupool._core.units import format_size
 from gpupool._errors import DeviceOutOfMemoryError, WidthError
 from gpupool._observe.log import LOGGER
@@ -159,6 +160,14 @@ class Outcomes:
 
 
 # -- the wording of every error the pool gives a future ----------------------------------
+
+
+def task_named(item: WorkItem) -> str:
+    """``item``'s key, and its ``map`` entry and label where it has them, for an error's
+    message: ``pkg.embed (entry 25, label 'resnet-ckpt-7')``."""
+    if item.entry is None and item.label is None:
+        return item.key
+    return f"{item.key} ({describe_task(item.identity().terms())})"
 
 
 def oom_error(key: str, verdict: Fail, exc: BaseException | None) -> DeviceOutOfMemoryError:
