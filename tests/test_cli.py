@@ -423,6 +423,28 @@ def test_what_if_plans_do_not_read_this_machine(capsys: pytest.CaptureFixture[st
     assert any("max_workers not given" in note for note in data["notes"])
 
 
+def test_a_plan_without_max_workers_names_the_card_as_its_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without max_workers the plan is planned at what the card holds: the card's room set
+    the width, and the plan names the memory bound, never "max_workers"; a co-tenant typed
+    with --co-tenant is labelled given, not worked out from a reading."""
+    argv = ["plan", "--total", "24GiB", "--co-tenant", "3GiB", "--task-peak", "7GiB"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["width"], data["limit"]) == (2, "memory")
+    assert data["devices"][0]["limit"] == "memory"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "-> width 2 (limit: memory)" in out
+    assert "width 2, set by the memory bound" in out
+    assert re.search(r"^  co-tenant +3\.00 GiB +given$", out, re.M), out
+    assert "total - free - own" not in out
+    # Given, max_workers that sets the width is still named.
+    assert main([*argv, "--max-workers", "1"]) == 0
+    assert "(limit: max_workers)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
