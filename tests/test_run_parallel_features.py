@@ -215,11 +215,11 @@ def test_halt_soon_lets_the_running_commands_finish(tmp_path: Path) -> None:
     (the test opens their gate only after gpupool run said it halts), and the exit status
     is the failed command's."""
     gate = tmp_path / "go"
-    INPUTS = [":::", *map(str, range(1, 21))]
+    inputs = [":::", *map(str, range(1, 21))]
     command = f"[ {{}} = 2 ] && exit 5; {_wait_gate(gate)}; echo done {{}}"
     with _host():
         proc = subprocess.Popen(
-            [*GPUPOOL_RUN, "--max-workers", "2", "--halt", "soon,fail=1", "--", command, *INPUTS],
+            [*GPUPOOL_RUN, "--max-workers", "2", "--halt", "soon,fail=1", "--", command, *inputs],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
