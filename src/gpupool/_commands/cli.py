@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bound import Ceiling, WidthDecision
@@ -937,13 +938,16 @@ def _add_demo(sub: Any) -> None:
         ),
     )
     demo.add_argument(
-        "--log", default="gpupool-demo.jsonl", help="decision log to write (gpupool-demo.jsonl)"
+        "--log",
+        metavar="PATH",
+        help="decision log to write (default: gpupool-demo.jsonl in a directory of your own "
+        "under the temporary directory, named when the demo ends)",
     )
     demo.add_argument(
         "--plot",
-        default="gpupool-demo.png",
         metavar="PATH",
-        help="draw the run here when matplotlib is installed (gpupool-demo.png)",
+        help="draw the run here when matplotlib is installed (default: gpupool-demo.png "
+        "beside the log)",
     )
     demo.add_argument(
         "--simulate", action="store_true", help="use the simulated host even with a real card"
@@ -955,11 +959,23 @@ def _add_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gpupool._commands.demo import run_demo_isolated
+    from gpupool._commands.demo import (
+        DEMO_LOG_NAME,
+        DEMO_PLOT_NAME,
+        demo_directory,
+        run_demo_isolated,
+    )
 
+    # Nothing is written into the current directory (a source tree) unless asked.
+    log = Path(args.log) if args.log else None
+    plot = Path(args.plot) if args.plot else None
+    if log is None or plot is None:
+        directory = log.parent if log is not None else demo_directory()
+        log = log or directory / DEMO_LOG_NAME
+        plot = plot or directory / DEMO_PLOT_NAME
     return run_demo_isolated(
-        log_path=args.log,
-        plot_path=args.plot,
+        log_path=log,
+        plot_path=plot,
         simulate=args.simulate,
         progress=False if args.no_progress else None,
         say=_out,
