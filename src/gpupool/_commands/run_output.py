@@ -207,7 +207,8 @@ def follow_jobs(
                 on_halt(halt)
         if streaming:
             for job in pending:
-                _pump(job, stdout, stderr, line_mode=mode == "line", final=job.counted)
+                if job.counted or job.future.running():  # one not started has written nothing
+                    _pump(job, stdout, stderr, line_mode=mode == "line", final=job.counted)
         else:
             for job in _ready_in_order(pending):
                 _copy_out(job.stdout_path, stdout)
