@@ -67,3 +67,13 @@ def entry_or_die(i: int, victim: int) -> int:
 
         os.kill(os.getpid(), signal.SIGKILL)
     return i
+
+
+def hold_until(i: int, size: str, gate: str) -> int:
+    """Hold ``size`` until ``gate/release`` appears (or ``GATE_TIMEOUT_S``)."""
+    release = Path(gate) / "release"
+    with hold(size):
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return i
