@@ -452,15 +452,17 @@ class BookingTable:
         self.skipped_steps += 1
         self._unnoted_steps += 1
         causes: list[str] = []
-        if step.refused:
+        refused = _worst_first(step.refused)
+        if refused:
             causes.append("refused")
-            name, why = next(iter(step.refused.items()))
+            said = "; ".join(f"{self.directory / name}: {why}" for name, why in refused[:3])
+            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
             self._warn(
                 "refused",
-                f"another user's file {self.directory / name} in the shared booking table is "
-                f"not read: {why}. Its rows count for nothing; the pool goes on with the "
-                "rest of the table (further files refused are counted in "
-                "statistics().bookings_skipped and bookings_skipped records)",
+                f"other users' files in the shared booking table are not read, as no pool "
+                f"writes them so: {said}{more}. Their rows count for nothing; the pool goes "
+                "on with the rest of the table (each step that passes a file over is counted "
+                "in statistics().bookings_skipped and bookings_skipped records)",
             )
         if step.unread:
             causes.append("budget")
@@ -484,10 +486,9 @@ class BookingTable:
         if now_s < self._next_note_s:
             return
         self._next_note_s = now_s + NOTE_EVERY_S
-        refused = sorted(step.refused.items())[:8]
         reason = (
             f"part of the shared booking table was not read for a step ({', '.join(causes)}): "
-            + "; ".join(f"{name} refused: {why}" for name, why in refused)
+            + "; ".join(f"{name} refused: {why}" for name, why in refused[:8])
             + (f"; {len(step.unread)} file(s) left for the read budget" if step.unread else "")
             + ("; directory entries past the scan limit" if step.scan_truncated else "")
             + ". The rest of the table was read; such steps are counted, at most one note "
@@ -764,6 +765,12 @@ class BookingTable:
             warnings.warn(f"gpupool: {message}", RuntimeWarning, stacklevel=2)
         except Exception:  # warnings turned into errors must not break the pool
             pass
+
+
+def _worst_first(refused: dict[str, str]) -> list[tuple[str, str]]:
+    """Refused files by name, those refused for what they hold before those refused for
+    their name alone (a hard link's other spellings)."""
+    return sorted(refused.items(), key=lambda item: (item[1].startswith("its name"), item[0]))
 
 
 def _flock_or_busy(fd: int) -> None:
