@@ -361,3 +361,72 @@ def test_an_honest_users_pool_is_seen_beside_a_refused_name(root: Path) -> None:
     assert seen is not None
     assert [(p.pid, p.booked_bytes) for p in seen.pools] == [(attacker.pid, GiB)]
     assert table.skipped_steps == 1  # the misspelt name beside it: counted
+
+
+# -- what the kernel keeps from another user -------------------------------------------------
+
+
+def _report(tries: dict[str, Callable[[], object]], out: Path) -> Callable[[], None]:
+    """A child's work: each try, and what became of it (``"ok"`` or the error's name), into
+    ``out`` (one line per try)."""
+
+    def work() -> None:
+        lines = []
+        for name, attempt in tries.items():
+            try:
+                attempt()
+                lines.append(f"{name} ok")
+            except OSError as exc:
+                lines.append(f"{name} {type(exc).__name__}")
+        fd = os.open(out, os.O_WRONLY)
+        os.write(fd, "\n".join(lines).encode())
+        os.close(fd)
+
+    return work
+
+
+def _outcomes(root: Path, tries: dict[str, Callable[[], object]]) -> dict[str, str]:
+    out = root / "out"
+    out.touch()
+    out.chmod(0o666)
+    attacker = _attacking(_report(tries, out))
+    attacker.close()
+    outcomes = dict(line.split(" ", 1) for line in out.read_text().splitlines())
+    out.unlink()
+    return outcomes
+
+
+def test_another_user_cannot_read_write_or_lock_a_private_table(root: Path) -> None:
+    """The default private table (0700 directory, 0600 files): another user can neither open
+    the card's file to read it, write it or lock it, nor create a file beside it."""
+    directory = root / "private"
+    table = BookingTable(directory)
+    assert table.exchange(CARD, "1.1", []) is not None
+    path = directory / f"{CARD}.json"
+    tries: dict[str, Callable[[], object]] = {
+        "read": lambda: os.close(os.open(path, os.O_RDONLY)),
+        "write": lambda: os.close(os.open(path, os.O_WRONLY)),
+        "create": lambda: os.close(os.open(directory / "planted.json", os.O_CREAT | os.O_WRONLY)),
+        "list": lambda: os.listdir(directory),
+    }
+    outcomes = _outcomes(root, tries)
+    table.close()
+    assert outcomes == dict.fromkeys(tries, "PermissionError")
+    assert sorted(p.name for p in directory.iterdir()) == [f"{CARD}.json"]
+
+
+def test_another_user_cannot_signal_or_read_the_pools_processes(root: Path) -> None:
+    """Another user's signal to the pool's process or a worker, or a read of their memory, is
+    refused by the kernel; the pool's results are untouched."""
+    with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]):
+        with GpuPoolExecutor(max_workers=1, task_peak="2GiB") as pool:
+            worker = pool.submit(os.getpid).result(timeout=PATIENCE_S)
+            parent = os.getpid()
+            tries: dict[str, Callable[[], object]] = {
+                "kill-parent": lambda: os.kill(parent, 15),
+                "kill-worker": lambda: os.kill(worker, 9),
+                "read-memory": lambda: os.close(os.open(f"/proc/{worker}/mem", os.O_RDONLY)),
+            }
+            outcomes = _outcomes(root, tries)
+            assert pool.submit(abs, -3).result(timeout=PATIENCE_S) == 3
+    assert outcomes == dict.fromkeys(tries, "PermissionError")

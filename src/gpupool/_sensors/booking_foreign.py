@@ -12,7 +12,8 @@ them is bounded, whatever they hold::
                                     of at most MAX_FOREIGN_FILE_BYTES
     unchanged file    not read      same inode, size, mtime and ctime as when last read
                                     (and that ctime older than SETTLED_S); else its
-                                    bytes are read, and parsed only where they differ
+                                    bytes are read, and parsed only where they differ;
+                                    its rows that failed the checks are not checked again
     text              refused       past MAX_POOLS_PER_FILE rows or MAX_TASKS_PER_POOL
                                     tasks a row: decoding stops at the first row past them
     a step            at most       READ_BUDGET_BYTES read, and READ_BUDGET_S spent reading
@@ -178,11 +179,20 @@ class ForeignReader:
                 check(pools, uid)
                 if step.read_bytes > read_before:  # rows met for the first time: charged
                     step.spent_s += self.clock() - checking_s
+                self._forget_failed(name, pools)
                 step.rows.extend(pools.values())
         if len(self._known) > _KNOWN_FILES:
             self._known.clear()
         self._allowance_s -= step.spent_s
         return step
+
+    def _forget_failed(self, name: str, kept: dict[str, PoolBooking]) -> None:
+        """Forget the file's rows that failed the checks until the file changes: a row whose
+        process exited, or whose PID names another process, never counts again, and an
+        honest pool whose row failed rewrites its file (so forged rows cost one check)."""
+        known = self._known.get(name)
+        if known is not None and len(known.pools) != len(kept):
+            known.pools = {key: row for key, row in known.pools.items() if key in kept}
 
     def _scan(
         self, dir_fd: int, prefix: str, own_uid: int, step: ForeignStep
