@@ -160,14 +160,15 @@ def test_a_file_with_hard_links_or_another_spelling_is_refused_unread(shared_dir
 
 @needs_nobody
 def test_files_that_no_pool_writes_are_refused_before_they_are_read(shared_dir: Path) -> None:
-    """Past the size limit, owned by another uid than the name spells, a directory, a FIFO:
-    each refused from its status alone (nothing read), and the reason says which."""
+    """Past the size limit, owned by another uid than the name spells, a directory, a FIFO, a
+    symbolic link: each refused from its status alone (nothing read), and the reason says which."""
     assert NOBODY is not None
     _theirs(shared_dir / _name(NOBODY[0]), b" " * (MAX_FOREIGN_FILE_BYTES + 1))
     _theirs(shared_dir / _name(4242), _forged(1, 1))  # owned by nobody, named for 4242
     (shared_dir / _name(4343)).mkdir()
     os.mkfifo(shared_dir / _name(4444))
     os.chown(shared_dir / _name(4444), 4444, 4444)
+    (shared_dir / _name(4545)).symlink_to(shared_dir / _name(4242))
     reader = _untimed()
     step = _read(reader, shared_dir)
     refused = step.refused
@@ -176,6 +177,7 @@ def test_files_that_no_pool_writes_are_refused_before_they_are_read(shared_dir: 
     assert f"owner (uid {NOBODY[0]})" in refused[_name(4242)]
     assert "not a regular file" in refused[_name(4343)]
     assert "not a regular file" in refused[_name(4444)]
+    assert "symbolic link" in refused[_name(4545)]
 
 
 @needs_nobody

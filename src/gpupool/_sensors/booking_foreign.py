@@ -30,6 +30,7 @@ Every refusal and every file left over is reported in the step's
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -229,8 +230,11 @@ class ForeignReader:
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(name, flags, dir_fd=dir_fd)
-        except OSError:
-            return {}  # removed meanwhile, or a link (refused by O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symbolic link: never followed
+                step.refused[name] = "it is a symbolic link (no pool writes one)"
+                self._known.pop(name, None)
+            return {}  # else removed meanwhile
         try:
             status = os.fstat(fd)
             why = _refusal(status, uid)
