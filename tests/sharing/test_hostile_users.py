@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from second_user import NOBODY, Forked, needs_nobody
+from sharing_tasks import delayed_hold
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
@@ -430,3 +431,48 @@ def test_another_user_cannot_signal_or_read_the_pools_processes(root: Path) -> N
             outcomes = _outcomes(root, tries)
             assert pool.submit(abs, -3).result(timeout=PATIENCE_S) == 3
     assert outcomes == dict.fromkeys(tries, "PermissionError")
+
+
+def test_many_rows_of_one_process_claim_one_share(root: Path) -> None:
+    """The attacker's one live process writes 64 rows that all wait for room (before: 64 pools
+    in the fair share, so the victim was held to a 65th of the card and started its tasks one
+    at a time): the rows take one share, and the victim's four tasks of 2 GiB on a 40 GiB card
+    are never held to a share."""
+    directory = _table(root)
+
+    def crowd() -> None:
+        me, start = os.getpid(), read_start_token(os.getpid())
+        assert start is not None
+        rows = [
+            PoolBooking(
+                pool_id=f"{me}.{n}",
+                pid=me,
+                start=start,
+                label="crowd",
+                updated_s=time.time(),
+                waiting=1,
+                need_bytes=GiB,
+            )
+            for n in range(64)
+        ]
+        _own_file(directory).write_bytes(format_booking_table(CARD, rows))
+
+    def refresh() -> None:  # the stamps stay fresh, as a live pool's do
+        crowd()
+        time.sleep(1.0)
+
+    attacker = _attacking(crowd, loop=refresh)
+    try:
+        seen = BookingTable(directory, shared=True).others(CARD, total_bytes=TOTAL_BYTES)
+        assert seen is not None
+        assert (len(seen.pools), seen.waiting_pools, seen.active_pools) == (64, 1, 1)
+        with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]):
+            with GpuPoolExecutor(
+                max_workers=4, task_peak="2GiB", share_bookings="host", bookings_dir=directory
+            ) as pool:
+                futures = [pool.submit(delayed_hold, n, "2GiB", 0.0, 0.2) for n in range(8)]
+                results = [f.result(timeout=PATIENCE_S) for f in futures]
+    finally:
+        attacker.close()
+    assert results == list(range(8))
+    assert [d.reason for d in pool.decisions if d.event == "share_wait"] == []

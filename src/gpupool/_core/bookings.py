@@ -223,13 +223,16 @@ class OtherPools:
 
     @property
     def waiting_pools(self) -> int:
-        """How many other pools have tasks waiting for room."""
-        return sum(1 for pool in self.pools if pool.waiting)
+        """How many other pools' processes have tasks waiting for room (the pools of one
+        process count once: rows are cheap to write, processes are what a user runs)."""
+        return len({pool.pid for pool in self.pools if pool.waiting})
 
     @property
     def active_pools(self) -> int:
-        """How many other pools run a task on the card or have tasks waiting."""
-        return sum(1 for pool in self.pools if pool.waiting or pool.tasks)
+        """How many other pools' processes run a task on the card or have tasks waiting
+        (the pools of one process count once, so that a process cannot claim many shares
+        by writing many rows)."""
+        return len({pool.pid for pool in self.pools if pool.waiting or pool.tasks})
 
     @property
     def overrun_bytes(self) -> int:
