@@ -451,44 +451,26 @@ class BookingTable:
         process, directory and cause, and note it at most once per :data:`NOTE_EVERY_S`."""
         self.skipped_steps += 1
         self._unnoted_steps += 1
-        causes: list[str] = []
-        refused = _worst_first(step.refused)
-        if refused:
-            causes.append("refused")
-            said = "; ".join(f"{self.directory / name}: {why}" for name, why in refused[:3])
-            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
-            self._warn(
-                "refused",
-                f"other users' files in the shared booking table are not read, as no pool "
-                f"writes them so: {said}{more}. Their rows count for nothing; the pool goes "
-                "on with the rest of the table (each step that passes a file over is counted "
-                "in statistics().bookings_skipped and bookings_skipped records)",
+        causes = [
+            cause
+            for cause, found in (
+                ("refused", bool(step.refused)),
+                ("budget", bool(step.unread)),
+                ("scan_limit", step.scan_truncated),
             )
-        if step.unread:
-            causes.append("budget")
-            self._warn(
-                "budget",
-                f"other users' files in the shared booking table {self.directory} took more "
-                f"than the read budget of a step ({self._foreign.budget_bytes} bytes, "
-                f"{self._foreign.budget_s} s); {len(step.unread)} were left unread for that "
-                "step (their last rows stand in for them) and are read first at the next",
-            )
-        if step.scan_truncated:
-            causes.append("scan_limit")
-            self._warn(
-                "scan_limit",
-                f"the shared booking table {self.directory} holds more than "
-                f"{self._foreign.max_entries} entries; only the first "
-                f"{self._foreign.max_entries} are looked at for other users' files at each "
-                "step. Remove what does not belong there",
-            )
+            if found
+        ]
+        for cause in causes:
+            if (str(self.directory), cause) not in _WARNED:  # the message is built once
+                self._warn(cause, self._passed_over_message(cause, step))
         now_s = time.monotonic()
         if now_s < self._next_note_s:
             return
         self._next_note_s = now_s + NOTE_EVERY_S
+        refused = _worst_first(step.refused)[:8]
         reason = (
             f"part of the shared booking table was not read for a step ({', '.join(causes)}): "
-            + "; ".join(f"{name} refused: {why}" for name, why in refused[:8])
+            + "; ".join(f"{name} refused: {why}" for name, why in refused)
             + (f"; {len(step.unread)} file(s) left for the read budget" if step.unread else "")
             + ("; directory entries past the scan limit" if step.scan_truncated else "")
             + ". The rest of the table was read; such steps are counted, at most one note "
@@ -512,6 +494,32 @@ class BookingTable:
         self._unnoted_steps = 0
         # The caller (_apply, through _foreign_rows) holds self._lock.
         self._notes.append(TableNote(event="bookings_skipped", reason=reason, terms=terms))
+
+    def _passed_over_message(self, cause: str, step: ForeignStep) -> str:
+        """What the warning for a step passed over in part says, for ``cause``."""
+        reader = self._foreign
+        if cause == "refused":
+            refused = _worst_first(step.refused)
+            said = "; ".join(f"{self.directory / name}: {why}" for name, why in refused[:3])
+            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+            return (
+                f"other users' files in the shared booking table are not read, as no pool "
+                f"writes them so: {said}{more}. Their rows count for nothing; the pool goes "
+                "on with the rest of the table (each step that passes a file over is counted "
+                "in statistics().bookings_skipped and bookings_skipped records)"
+            )
+        if cause == "budget":
+            return (
+                f"other users' files in the shared booking table {self.directory} took more "
+                f"than the read budget of a step ({reader.budget_bytes} bytes, "
+                f"{reader.budget_s} s); {len(step.unread)} were left unread for that "
+                "step (their last rows stand in for them) and are read first at the next"
+            )
+        return (
+            f"the shared booking table {self.directory} holds more than "
+            f"{reader.max_entries} entries; only the first {reader.max_entries} are looked "
+            "at for other users' files at each step. Remove what does not belong there"
+        )
 
     def _stop(self, exc: _Unavailable) -> None:
         self._unavailable = str(exc)
