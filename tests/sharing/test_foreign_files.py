@@ -308,3 +308,20 @@ def test_hard_links_under_uid_spellings_cost_a_shared_pool_nothing(shared_dir: P
     assert records[0].extra["files_refused"] == 5
     assert records[0].extra["read_bytes"] == 0
     assert not [d for d in pool.decisions if "other pools on the card" in d.reason]
+
+
+@needs_nobody
+def test_a_file_read_before_a_flood_is_still_read_past_the_scan(shared_dir: Path) -> None:
+    """Entries past the scan limit: a file read before is opened by its name (a flood cannot
+    hide a user's pool that was already seen), and its changes are still seen."""
+    assert NOBODY is not None
+    path = _theirs(shared_dir / _name(NOBODY[0]), _forged(1, 1))
+    reader = ForeignReader(budget_s=3600.0, share=1.0, max_entries=0)  # every scan truncated
+    assert _read(reader, shared_dir).rows == []  # never seen: nothing to open by name
+    reader.max_entries = 10
+    assert len(_read(reader, shared_dir).rows) == 1
+    reader.max_entries = 0
+    path.write_bytes(_forged(2, 1))
+    step = _read(reader, shared_dir)
+    assert step.scan_truncated
+    assert len(step.rows) == 2

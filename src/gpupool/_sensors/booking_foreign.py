@@ -5,7 +5,8 @@ its own file per card, ``<uuid>.uid<N>.json``, and every pool reads the others'
 at every step. Those files are a stranger's input, so what a step spends on
 them is bounded, whatever they hold::
 
-    directory entry   looked at     the first MAX_DIRECTORY_ENTRIES only (the rest: counted)
+    directory entry   looked at     the first MAX_DIRECTORY_ENTRIES only (the rest: counted;
+                                    files read before are then opened by their names)
     name              refused       unless uid<N> is N's canonical spelling (ASCII digits,
                                     no leading zero) and N is not this user
     opened file       refused       unless a regular file owned by N, with one link,
@@ -119,6 +120,7 @@ class _Known:
     data: bytes
     pools: dict[str, PoolBooking]
     read_step: int
+    uid: int
     refusal: str | None = None
 
 
@@ -167,6 +169,14 @@ class ForeignReader:
         self._allowance_s = min(self.budget_s, self._allowance_s + refill_s)
         self._refilled_s = started_s
         files = self._scan(dir_fd, prefix, own_uid, step)
+        if step.scan_truncated:
+            # Files met before are opened by name: a flood cannot push them out of the scan.
+            listed = {name for _, name in files} | set(step.refused)
+            files.extend(
+                (known.uid, name)
+                for name, known in self._known.items()
+                if name.startswith(prefix) and name not in listed
+            )
         # The least recently read first: a file that changes at every step cannot keep
         # the others unread.
         files.sort(
@@ -255,7 +265,7 @@ class ForeignReader:
                 return dict(known.pools) if known is not None else {}
             reading_s = self.clock()
             try:
-                return self._parse(fd, name, key, known, card_uuid, step, parse)
+                return self._parse(fd, uid, name, key, known, card_uuid, step, parse)
             finally:
                 step.spent_s += self.clock() - reading_s
         except OSError:
@@ -266,6 +276,7 @@ class ForeignReader:
     def _parse(
         self,
         fd: int,
+        uid: int,
         name: str,
         key: tuple[int, int, int, int],
         known: _Known | None,
@@ -302,7 +313,7 @@ class ForeignReader:
         if refusal is not None:
             step.refused[name] = refusal
         self._known[name] = _Known(
-            key=key, data=data, pools=pools, read_step=self._steps, refusal=refusal
+            key=key, data=data, pools=pools, read_step=self._steps, uid=uid, refusal=refusal
         )
         return dict(pools)
 
