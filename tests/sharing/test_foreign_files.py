@@ -325,3 +325,33 @@ def test_a_file_read_before_a_flood_is_still_read_past_the_scan(shared_dir: Path
     step = _read(reader, shared_dir)
     assert step.scan_truncated
     assert len(step.rows) == 2
+
+
+@needs_nobody
+def test_reading_changed_files_takes_at_most_its_share_of_the_time(shared_dir: Path) -> None:
+    """A file that changes at every step and costs 50 ms to take in (a check that advances the
+    reader's clock by that much), steps 100 ms apart: reading it takes at most a tenth of the
+    time (plus the budget and one overrun), and it is still read, in turn."""
+    assert NOBODY is not None
+    path = _theirs(shared_dir / _name(NOBODY[0]), _forged(1, 1))
+    now = [0.0]
+    reader = ForeignReader(budget_s=0.02, share=0.1, clock=lambda: now[0])
+
+    def costly(pools: dict[str, PoolBooking], uid: int) -> None:
+        now[0] += 0.05
+
+    fd = os.open(shared_dir, os.O_RDONLY | os.O_DIRECTORY)
+    spent_s = 0.0
+    reads = 0
+    try:
+        for n in range(100):
+            path.write_bytes(_forged(1, 1).replace(b"forged", f"forged{n:03d}".encode()))
+            step = reader.read(fd, UUID, f"{UUID}.uid", 0, costly)
+            spent_s += step.spent_s
+            reads += step.read_bytes > 0
+            now[0] += 0.1
+    finally:
+        os.close(fd)
+    assert spent_s <= 0.1 * now[0] + 0.02 + 0.05  # the share, the budget, one overrun
+    assert reads == reader.parses  # each read is one parse (the text changed each time)
+    assert 10 <= reads <= (0.1 * now[0] + 0.02) / 0.05 + 1, (reads, now[0])
