@@ -162,8 +162,9 @@ EVENTS: Mapping[str, str] = {
     "fixed_width_over_bound": "a fixed width is wider than the bound allows",
     "measured": "a task key's ask changed basis or value without changing any width",
     "sensor_error": "a live reading failed; what the pool does while it fails",
-    "bookings_skipped": "the host's booking table was passed over for a step (its lock was "
-    "held past the wait, or it could not be read or written); tried again later",
+    "bookings_skipped": "the host's booking table, or part of a shared one, was passed over "
+    "for a step (its lock was held past the wait, it could not be read or written, or another "
+    "user's file was refused or left for the read budget); tried again later",
     "bookings_unavailable": "the host's booking table cannot be used here: the pool no longer "
     "sees other pools' bookings, and prices its cards by live readings alone",
     "shutdown": "the pool shut down; the run's totals",

@@ -108,7 +108,10 @@ class PoolStatistics:
             disk, a file-size limit); they are still in the pool's ``decisions``.
         bookings_skipped: steps the host's booking table was passed over (its
             lock held by another process past the wait, or a failed read or
-            write): the pool priced its cards by live readings alone then.
+            write): the pool priced its cards by live readings alone then; and
+            steps that passed part of a shared table over (another user's file
+            refused, or left for the step's read budget, or entries past the
+            directory scan).
         bookings_unavailable: why the host's booking table cannot be used
             (the pool then no longer sees other pools' bookings), or ``None``.
     """
