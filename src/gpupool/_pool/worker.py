@@ -21,10 +21,9 @@ At start a worker
   in a C call that released the GIL, a hung CUDA or NCCL call) it ends its
   whole tree (SIGTERM, SIGKILL after :data:`PARENT_DEATH_GRACE_S`) and exits
   (:func:`_end_tree_and_exit`). A task in a C call that holds the GIL and never
-  checks for signals delays that until the call returns. Elsewhere a thread polls
-  ``getppid``. A worker
-  that reads the end of its socket (the pool's end closed without asking it to
-  exit) does the same;
+  checks for signals delays that until the call returns. Elsewhere a thread
+  polls ``getppid``. A worker that reads the end of its socket (the pool's end
+  closed without asking it to exit) does the same;
 * makes a process group of its own, so the pool can signal everything its
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
@@ -79,6 +78,8 @@ PARENT_DEATH_GRACE_S = 2.0
 
 #: Held by the thread that ends this worker's tree as it exits; the other waits for the exit.
 _ending = threading.Lock()
+#: Whether the main thread is ending the tree (:func:`_on_parent_death` then returns).
+_main_ending = False
 
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
@@ -116,15 +117,20 @@ def _await_parent_death(reader: int, parent_pid: int) -> None:
 
 def _on_parent_death(signum: int, frame: Any) -> None:
     # The kernel signals again each time this process is re-parented (to another thread of
-    # the dying pool, then to a reaper): one handler runs, not one inside another.
+    # the dying pool, then to a reaper): one handler runs, not one inside another; and none
+    # inside the main thread's own ending (it read the socket's end first).
     signal.signal(PARENT_DEATH_SIGNAL, signal.SIG_IGN)
-    _end_tree_and_exit()
+    if not _main_ending:
+        _end_tree_and_exit()
 
 
 def _end_tree_and_exit() -> NoReturn:
     """The pool is gone: SIGTERM (and SIGCONT, for a stopped one) to every process below this
     worker, SIGKILL to those left after :data:`PARENT_DEATH_GRACE_S`, then exit (code 1).
     Called from two threads at most; the second waits for the first to end the process."""
+    global _main_ending
+    if threading.current_thread() is threading.main_thread():
+        _main_ending = True  # the signal's handler, run inside this, returns at once
     if not _ending.acquire(blocking=False):
         while True:
             threading.Event().wait()
