@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -414,11 +415,13 @@ class RayGpuExecutor(concurrent.futures.Executor):
         self._ids = itertools.count()
         self._queue: collections.deque[_Task] = collections.deque()
         self._tasks: dict[int, _Task] = {}
-        self._landed: list[tuple[int, str, Any]] = []
+        # Outcomes as Ray's callback thread hands them over: it takes no lock of ours (a
+        # callback that waited for the router, while the router waited in a Ray call, would
+        # hang both), only this queue and the router's wake-up event.
+        self._landed: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
         self._shutdown = False
         self._closed = False
-        # Something changed that may let a queued task go (a submit, a node lost).
-        self._dirty = False
         self._nodes = _start_nodes(
             chosen,
             keywords,
@@ -490,8 +493,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
             )
             self._tasks[task.task_id] = task
             self._queue.append(task)
-            self._dirty = True
-            self._lock.notify_all()
+            self._wake.set()
             return future
 
     def map(
@@ -581,17 +583,31 @@ class RayGpuExecutor(concurrent.futures.Executor):
     # -- the router: one thread sends tasks where they fit --------------------------------
 
     def _route(self) -> None:
+        try:
+            self._route_until_closed()
+        except BaseException as exc:
+            # A bug here must not leave futures pending: every task not ended fails with it.
+            logger.exception("gpupool.ray: the router stopped")
+            with self._lock:
+                self._closed = True
+                tasks = list(self._tasks.values())
+                self._tasks.clear()
+                self._queue.clear()
+                self._lock.notify_all()
+            for task in tasks:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    task.future.set_exception(exc)
+            raise
+
+    def _route_until_closed(self) -> None:
         while True:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._landed.empty():
+                self._settle(*self._landed.get())
             with self._lock:
-                while not self._landed and not self._dirty and not self._closed:
-                    self._lock.wait()
-                if self._closed and not self._landed:
+                if self._closed:
                     return
-                landed, self._landed = self._landed, []
-                self._dirty = False
-            for task_id, name, ref in landed:
-                self._settle(task_id, name, ref)
-            with self._lock:
                 self._place()
 
     def _price(self, task: _Task) -> int | None:
@@ -657,16 +673,21 @@ class RayGpuExecutor(concurrent.futures.Executor):
         hint = task.hint_bytes
         if price is not None and (own is None or own[1] != "measured"):
             hint = price if hint is None else max(hint, price)
-        ref = node.actor.run.remote(
-            task.task_id, task.fn, task.args, task.kwargs, task.key, hint, task.size
-        )
+        try:
+            ref = node.actor.run.remote(
+                task.task_id, task.fn, task.args, task.kwargs, task.key, hint, task.size
+            )
+        except Exception as exc:  # the call did not pickle: only this task fails
+            self._release(node, task.task_id)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                task.future.set_exception(exc)
+            return
         name = node.node.name
         ref.future().add_done_callback(lambda _: self._land(task.task_id, name, ref))
 
     def _land(self, task_id: int, name: str, ref: Any) -> None:
-        with self._lock:
-            self._landed.append((task_id, name, ref))
-            self._lock.notify_all()
+        self._landed.put((task_id, name, ref))
+        self._wake.set()
 
     def _settle(self, task_id: int, name: str, ref: Any) -> None:
         """Deliver one task's outcome from its node (off the lock: results may be large)."""
@@ -716,10 +737,10 @@ class RayGpuExecutor(concurrent.futures.Executor):
                 task.node = None
                 self._tasks[task.task_id] = task
                 self._queue.appendleft(task)
-                self._dirty = True
+                self._wake.set()
                 self._lock.notify_all()
                 return
-            self._dirty = True
+            self._wake.set()
             self._lock.notify_all()
         tries = f" after {task.tries + 1} tries" if task.tries else ""
         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -768,13 +789,16 @@ class RayGpuExecutor(concurrent.futures.Executor):
     def _close(self) -> None:
         """Wait for every task, then shut every node's pool down and write the account."""
         with self._lock:
-            while self._tasks and any(n.alive for n in self._nodes.values()):
+            # Every task ends: a node's outcome or its loss settles it, and with no node
+            # left the router fails what waits.
+            while self._tasks:
                 self._lock.wait(1.0)
             if self._closed:
                 return
             self._closed = True
             self._fail_queue()
             self._lock.notify_all()
+        self._wake.set()
         alive = [n for n in self._nodes.values() if n.alive]
         refs = [n.actor.close.remote(self._shutdown_timeout_s) for n in alive]
         logs: list[tuple[str, bytes]] = []

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,6 +211,11 @@ def test_results_and_exceptions_reach_their_futures(cluster: Cluster) -> None:
         with pytest.raises(ValueError, match="no such entry"):
             error.result(timeout=TIMEOUT_S)
         assert keyed.result(timeout=TIMEOUT_S)[0] == 9
+        # An argument that does not pickle fails its own task, at once; the next one runs.
+        unpicklable = ex.submit(_hold, threading.Lock())
+        with pytest.raises(TypeError):
+            unpicklable.result(timeout=TIMEOUT_S)
+        assert ex.submit(_hold, 2, "1GiB").result(timeout=TIMEOUT_S)[0] == 4
         asks = {k for r in ex.reports().values() for k in r["statistics"]["asks"]}
     assert "keyed" in asks
 
