@@ -20,8 +20,9 @@ on the same nodes:
 For each: the makespan (submit of the first to the end of the last), the
 simulated out-of-memory events, and the tasks that failed. Then the per-task
 overhead: ``--overhead-tasks`` empty tasks through a plain ``@ray.remote``
-function and through the executor, both all at once (makespan / tasks) and
-one at a time (submit, wait; the median round trip). Each mode is warmed
+function (no GPU: the executor holds the nodes' GPUs) and through the
+executor, both all at once (makespan / tasks) and one at a time (submit,
+wait; the median round trip). Each mode is warmed
 first (its worker processes started) with a few empty tasks::
 
     python bench/ray_fractions.py
@@ -90,17 +91,20 @@ def _fractions(fraction: float, hold_s: float, hosts: list[gt.SimulatedHost]) ->
     before = _events(hosts)
     start = time.perf_counter()
     refs = [remote.remote(i, hold_s, ENTRY) for i in range(ENTRIES)]
-    failed = 0
+    failed = crashed = 0
     for ref in refs:
         try:
             ray.get(ref)
         except ray.exceptions.RayTaskError:
             failed += 1
+        except ray.exceptions.RayError:  # the worker process died (Ray's own crash)
+            crashed += 1
     return {
         "mode": f"num_gpus={fraction:g}",
         "makespan_s": time.perf_counter() - start,
         "out_of_memory": _events(hosts) - before,
-        "failed": failed,
+        "failed": failed + crashed,
+        "workers_crashed": crashed,
     }
 
 
@@ -123,7 +127,8 @@ def _gpupool(hold_s: float, hosts: list[gt.SimulatedHost]) -> dict[str, Any]:
 
 
 def _overhead(tasks: int, rounds: int) -> dict[str, Any]:
-    plain = ray.remote(num_gpus=0.25, num_cpus=0)(empty)
+    # No GPU: the executor holds every GPU of its nodes, so a GPU task would wait for ever.
+    plain = ray.remote(num_cpus=0)(empty)
 
     def ray_batch() -> float:
         start = time.perf_counter()

@@ -99,6 +99,10 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
+def _empty(i: int) -> int:
+    return i
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A head without GPUs and two GPU nodes (cards a and b), kept tiny for a 2-core machine.
@@ -164,6 +168,8 @@ def test_tasks_pack_each_node_by_its_own_card_and_the_account_names_the_nodes(
     account = tmp_path / "account.jsonl"
     with _executor(max_workers=4, task_peak="3GiB", log_path=account) as ex:
         assert len(ex.nodes) == 2
+        # The pools hold every GPU of their nodes: Ray places no fraction beside them.
+        assert ray.available_resources().get("GPU", 0) == 0
         results = list(ex.map(_hold, range(16)))
         assert [r for r, _ in results] == [i * i for i in range(16)]
         reports = _by_card(ex)
@@ -216,6 +222,8 @@ def test_results_and_exceptions_reach_their_futures(cluster: Cluster) -> None:
         with pytest.raises(TypeError):
             unpicklable.result(timeout=TIMEOUT_S)
         assert ex.submit(_hold, 2, "1GiB").result(timeout=TIMEOUT_S)[0] == 4
+        # Many short tasks: outcomes land while the router is sending others.
+        assert list(ex.map(_empty, range(300), timeout=TIMEOUT_S)) == list(range(300))
         asks = {k for r in ex.reports().values() for k in r["statistics"]["asks"]}
     assert "keyed" in asks
 
