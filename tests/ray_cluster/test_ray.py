@@ -224,8 +224,13 @@ def test_results_and_exceptions_reach_their_futures(cluster: Cluster) -> None:
         assert ex.submit(_hold, 2, "1GiB").result(timeout=TIMEOUT_S)[0] == 4
         # Many short tasks: outcomes land while the router is sending others.
         assert list(ex.map(_empty, range(300), timeout=TIMEOUT_S)) == list(range(300))
+        # Larger than every card: it still runs, alone, on the node with the largest card.
+        huge = ex.options(key="huge", task_peak="40GiB").submit(_hold, 5, "1GiB")
+        assert huge.result(timeout=TIMEOUT_S) == (25, "gpupool-card-b")
         asks = {k for r in ex.reports().values() for k in r["statistics"]["asks"]}
     assert "keyed" in asks
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        ex.submit(_hold, 1)
 
 
 def test_a_key_measured_on_one_node_is_priced_by_it_on_the_other(cluster: Cluster) -> None:
