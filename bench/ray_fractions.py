@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -60,6 +61,25 @@ OBJECT_STORE_BYTES = 80 * 2**20
 def empty(i: int) -> int:
     """A task that does nothing: what the per-task overhead is measured with."""
     return i
+
+
+def timed_entry(i: int, hold_s: float, size: str) -> tuple[float, float, int]:
+    """An entry that says when it ran and in which process: ``(start, end, pid)``."""
+    start = time.time()
+    entry(i, hold_s, size)
+    return start, time.time(), os.getpid()
+
+
+def _spread(spans: list[tuple[float, float, int]]) -> dict[str, Any]:
+    """How the entries that ran overlapped: busy seconds over the span, and the processes."""
+    if not spans:
+        return {"mean_running": 0.0, "processes": 0}
+    busy = sum(end - start for start, end, _ in spans)
+    span = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    return {
+        "mean_running": busy / span if span > 0 else 0.0,
+        "processes": len({p for *_, p in spans}),
+    }
 
 
 def _cluster(hosts: list[gt.SimulatedHost], stack: contextlib.ExitStack) -> Cluster:
@@ -88,15 +108,16 @@ def _events(hosts: list[gt.SimulatedHost]) -> int:
 
 
 def _fractions(fraction: float, hold_s: float, hosts: list[gt.SimulatedHost]) -> dict[str, Any]:
-    remote = ray.remote(num_gpus=fraction, num_cpus=0, max_retries=0)(entry)
-    ray.get([remote.remote(-1, 0.0, "1MiB") for _ in range(int(2 / fraction))])  # warm
+    remote = ray.remote(num_gpus=fraction, num_cpus=0, max_retries=0)(timed_entry)
+    ray.get([remote.remote(-1, 0.2, "1MiB") for _ in range(int(2 / fraction))])  # warm
     before = _events(hosts)
     start = time.perf_counter()
     refs = [remote.remote(i, hold_s, ENTRY) for i in range(ENTRIES)]
     failed = crashed = 0
+    spans = []
     for ref in refs:
         try:
-            ray.get(ref)
+            spans.append(ray.get(ref))
         except ray.exceptions.RayTaskError:
             failed += 1
         except ray.exceptions.RayError:  # the worker process died (Ray's own crash)
@@ -107,17 +128,21 @@ def _fractions(fraction: float, hold_s: float, hosts: list[gt.SimulatedHost]) ->
         "out_of_memory": _events(hosts) - before,
         "failed": failed + crashed,
         "workers_crashed": crashed,
+        **_spread(spans),
     }
 
 
 def _gpupool(hold_s: float, hosts: list[gt.SimulatedHost]) -> dict[str, Any]:
     with gr.RayGpuExecutor(task_peak=TASK_PEAK, max_workers=4) as ex:
-        list(ex.map(entry, [-1] * 4, [0.0] * 4, ["1MiB"] * 4))  # warm
+        # Warmed under a key of its own: the entries' key is measured by the entries.
+        warm = ex.options(key="warm")
+        list(warm.map(timed_entry, [-1] * 8, [0.2] * 8, ["1MiB"] * 8))
         before = _events(hosts)
         start = time.perf_counter()
-        futures = [ex.submit(entry, i, hold_s, ENTRY) for i in range(ENTRIES)]
+        futures = [ex.submit(timed_entry, i, hold_s, ENTRY) for i in range(ENTRIES)]
         failed = sum(1 for f in futures if f.exception() is not None)
         makespan = time.perf_counter() - start
+        spans = [f.result() for f in futures if f.exception() is None]
         widths = {
             name: max(d.get("width_after") or 0 for d in r["decisions"])
             for name, r in ex.reports().items()
@@ -128,6 +153,7 @@ def _gpupool(hold_s: float, hosts: list[gt.SimulatedHost]) -> dict[str, Any]:
         "out_of_memory": _events(hosts) - before,
         "failed": failed,
         "max_widths": widths,
+        **_spread(spans),
     }
 
 
@@ -223,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         print(
             f"  {run['mode']:<14} makespan {run['makespan_s']:6.2f} s, "
-            f"{run['out_of_memory']:3d} out-of-memory, {run['failed']:3d} failed"
+            f"{run['out_of_memory']:3d} out-of-memory, {run['failed']:3d} failed, "
+            f"{run['mean_running']:.1f} running on average in {run['processes']} processes"
         )
     for name in ("ray", "gpupool"):
         o = overhead[name]

@@ -303,9 +303,10 @@ class _Node:
 class _RayFuture(Future[_R]):
     """A task's future: cancelling it cancels the task on its node if it has not started."""
 
-    def __init__(self, owner: RayGpuExecutor) -> None:
+    def __init__(self, owner: RayGpuExecutor, task_id: int) -> None:
         super().__init__()
         self._owner = owner
+        self._task_id = task_id
 
     def cancel(self) -> bool:
         """Cancel the task where it waits (on the driver or in its node's pool); ``False``
@@ -480,9 +481,10 @@ class RayGpuExecutor(concurrent.futures.Executor):
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            future: _RayFuture[Any] = _RayFuture(self)
+            task_id = next(self._ids)
+            future: _RayFuture[Any] = _RayFuture(self, task_id)
             task = _Task(
-                task_id=next(self._ids),
+                task_id=task_id,
                 future=future,
                 fn=fn,
                 args=args,
@@ -766,7 +768,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
 
     def _cancel(self, future: _RayFuture[Any]) -> bool:
         with self._lock:
-            task = next((t for t in self._tasks.values() if t.future is future), None)
+            task = self._tasks.get(future._task_id)
             if task is None:
                 return future._cancel_here() if not future.done() else future.cancelled()
             if task.node is None:
@@ -814,7 +816,9 @@ class RayGpuExecutor(concurrent.futures.Executor):
         self._router.join(timeout=10)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        self.shutdown(wait=True, cancel_futures=exc_type is not None)
+        # Ctrl-C cancels what has not started; any other exit waits for every task.
+        interrupted = isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt)
+        self.shutdown(wait=True, cancel_futures=interrupted)
 
 
 # -- construction --------------------------------------------------------------------------
