@@ -13,6 +13,9 @@ on the same nodes:
     whatever they hold (the incident's K=4).
 ``num_gpus=0.5``
     2 tasks per card.
+``num_gpus=0.25, max_calls=0`` and ``num_gpus=0.5, max_calls=0``
+    the same with Ray's workers reused: Ray's default for a GPU task is
+    ``max_calls=1``, a new worker process for every task.
 ``gpupool``
     ``gpupool.ray.RayGpuExecutor(task_peak="9.9GiB", max_workers=4)``: one pool
     per node, tasks priced by what they were measured to hold.
@@ -107,8 +110,12 @@ def _events(hosts: list[gt.SimulatedHost]) -> int:
     return sum(len(host.out_of_memory_events) for host in hosts)
 
 
-def _fractions(fraction: float, hold_s: float, hosts: list[gt.SimulatedHost]) -> dict[str, Any]:
-    remote = ray.remote(num_gpus=fraction, num_cpus=0, max_retries=0)(timed_entry)
+def _fractions(
+    fraction: float, hold_s: float, hosts: list[gt.SimulatedHost], *, reuse: bool
+) -> dict[str, Any]:
+    # Ray's default for a GPU task is max_calls=1: a new worker process for every task.
+    calls = {"max_calls": 0} if reuse else {}
+    remote = ray.remote(num_gpus=fraction, num_cpus=0, max_retries=0, **calls)(timed_entry)
     ray.get([remote.remote(-1, 0.2, "1MiB") for _ in range(int(2 / fraction))])  # warm
     before = _events(hosts)
     start = time.perf_counter()
@@ -123,7 +130,7 @@ def _fractions(fraction: float, hold_s: float, hosts: list[gt.SimulatedHost]) ->
         except ray.exceptions.RayError:  # the worker process died (Ray's own crash)
             crashed += 1
     return {
-        "mode": f"num_gpus={fraction:g}",
+        "mode": f"num_gpus={fraction:g}" + (", max_calls=0" if reuse else ""),
         "makespan_s": time.perf_counter() - start,
         "out_of_memory": _events(hosts) - before,
         "failed": failed + crashed,
@@ -226,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ray.init(address=cluster.address, log_to_driver=False)
             runs = [
-                _fractions(0.25, args.hold_s, hosts),
-                _fractions(0.5, args.hold_s, hosts),
+                _fractions(0.25, args.hold_s, hosts, reuse=False),
+                _fractions(0.5, args.hold_s, hosts, reuse=False),
+                _fractions(0.25, args.hold_s, hosts, reuse=True),
+                _fractions(0.5, args.hold_s, hosts, reuse=True),
                 _gpupool(args.hold_s, hosts),
             ]
             overhead = _overhead(args.overhead_tasks, args.rounds)
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{ENTRIES} entries of {ENTRY} for {args.hold_s:g} s on {result['cluster']}")
     for run in runs:
         print(
-            f"  {run['mode']:<14} makespan {run['makespan_s']:6.2f} s, "
+            f"  {run['mode']:<27} makespan {run['makespan_s']:6.2f} s, "
             f"{run['out_of_memory']:3d} out-of-memory, {run['failed']:3d} failed, "
             f"{run['mean_running']:.1f} running on average in {run['processes']} processes"
         )
