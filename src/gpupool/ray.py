@@ -910,23 +910,12 @@ def _start_nodes(
 ) -> dict[str, _Node]:
     """One actor per node, each holding all its node's GPUs; wait until every one answers."""
     actor_class: Any = ray.remote(_NodePool)
-    actors: list[Any] = []
-    for node in chosen:
-        settings = dict(options)
-        settings.setdefault("num_cpus", 0)
-        settings.update(
-            num_gpus=node.gpus,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            max_concurrency=1000,
-            name=f"gpupool-{run}-{node.node_id[:8]}",
+    actors: list[Any] = [
+        actor_class.options(**_settings(node, options, run, namespace, runtime_env)).remote(
+            node, keywords, simulate, node_log_dir, run
         )
-        if namespace is not None:
-            settings["namespace"] = namespace
-        if runtime_env is not None:
-            settings["runtime_env"] = dict(runtime_env)
-        actors.append(
-            actor_class.options(**settings).remote(node, keywords, simulate, node_log_dir, run)
-        )
+        for node in chosen
+    ]
     refs = [actor.info.remote() for actor in actors]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     problems: list[str] = []
@@ -959,6 +948,29 @@ def _start_nodes(
         )
         for node, actor, info in zip(chosen, actors, infos, strict=True)
     }
+
+
+def _settings(
+    node: RayNode,
+    options: dict[str, Any],
+    run: str,
+    namespace: str | None,
+    runtime_env: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """A node actor's Ray options: the user's, then all of the node's GPUs, pinned there."""
+    settings = dict(options)
+    settings.setdefault("num_cpus", 0)
+    settings.update(
+        num_gpus=node.gpus,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        max_concurrency=1000,
+        name=f"gpupool-{run}-{node.node_id[:8]}",
+    )
+    if namespace is not None:
+        settings["namespace"] = namespace
+    if runtime_env is not None:
+        settings["runtime_env"] = dict(runtime_env)
+    return settings
 
 
 def _write_account(path: Path, logs: list[tuple[str, bytes]]) -> None:
