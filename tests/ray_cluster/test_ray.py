@@ -278,15 +278,49 @@ def test_cancelling_a_task_the_cluster_has_no_room_for_cancels_it(
         running = [ex.submit(_gated, i, str(tmp_path)) for i in range(2)]
         waiting = ex.submit(_gated, 9, str(tmp_path))
         deadline = time.monotonic() + TIMEOUT_S
-        while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(list(tmp_path.glob("started-*"))) == 2
-        assert waiting.cancel()
-        assert waiting.cancelled()
-        assert not running[0].cancel()
-        _open(tmp_path, "gpupool-card-a", "gpupool-card-b")
+        try:
+            while len(list(tmp_path.glob("started-*"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(list(tmp_path.glob("started-*"))) == 2
+            assert waiting.cancel()
+            assert waiting.cancelled()
+            assert not running[0].cancel()
+        finally:  # a failed check must not leave the tasks waiting at the gate
+            _open(tmp_path, "gpupool-card-a", "gpupool-card-b")
         assert sorted(f.result(timeout=TIMEOUT_S)[0] for f in running) == [0, 1]
     assert not list(tmp_path.glob("started-9-*"))
+
+
+def test_cancelling_a_task_its_node_holds_back_cancels_it_in_the_pool(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A task the router sent (priced at 1 GiB) that the node's pool holds back, because the
+    running task holds 6 GiB of card a, is cancelled in the pool: it never runs."""
+    with _executor(
+        max_workers=2, task_peak="1GiB", nodes=lambda n: "gpupool-card-a" in n.resources
+    ) as ex:
+        assert [n.resources.get("gpupool-card-a") for n in ex.nodes] == [1.0]
+        running = ex.submit(_gated, 0, str(tmp_path), "6GiB")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not list(tmp_path.glob("started-0-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = ex.submit(_gated, 1, str(tmp_path))
+        stats: dict[str, Any] = {}
+        try:
+            while time.monotonic() < deadline:
+                stats = next(iter(ex.reports().values()))["statistics"]
+                if stats["tasks_submitted"] == 2:
+                    break
+                time.sleep(0.05)
+            assert stats["tasks_submitted"] == 2  # it reached the node's pool
+            assert held.cancel()
+            assert held.cancelled()
+        finally:  # a failed check must not leave the tasks waiting at the gate
+            _open(tmp_path, "gpupool-card-a")
+        assert running.result(timeout=TIMEOUT_S)[0] == 0
+        stats = next(iter(ex.reports().values()))["statistics"]
+    assert stats["tasks_cancelled"] == 1
+    assert not list(tmp_path.glob("started-1-*"))
 
 
 def test_a_node_killed_mid_run_fails_or_retries_only_its_tasks(
