@@ -197,10 +197,11 @@ class _NodePool:
         key: str,
         hint_bytes: int | None,
         size: float | None,
+        label: str | None = None,
     ) -> tuple[str, Any, dict[str, Any]]:
         """Run one task in the pool; ``("ok" | "error" | "cancelled", value, snapshot)``."""
         try:
-            view = self.pool.options(key=key, task_peak=hint_bytes, size=size)
+            view = self.pool.options(key=key, task_peak=hint_bytes, size=size, label=label)
             future = view.submit(fn, *args, **kwargs)
         except BaseException as exc:  # the pool is shut down or broken: the task's error
             return "error", exc, self.snapshot()
@@ -265,6 +266,7 @@ class _Task:
     key: str
     hint_bytes: int | None
     size: float | None
+    label: str | None = None
     tries: int = 0
     node: str | None = None
     card: int = 0
@@ -458,15 +460,18 @@ class RayGpuExecutor(concurrent.futures.Executor):
         key: str | None = None,
         task_peak: str | int | None = None,
         size: float | None = None,
+        label: str | None = None,
     ) -> _OptionsView:
-        """``submit``/``map`` with a task key, a peak hint and an input size, as
-        :meth:`GpuPoolExecutor.options <gpupool.GpuPoolExecutor.options>`.
+        """``submit``/``map`` with a task key, a peak hint, an input size and a label, as
+        :meth:`GpuPoolExecutor.options <gpupool.GpuPoolExecutor.options>` (the node's pool
+        writes the label on its records).
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                non-empty str, or ``size`` is not a positive, finite number.
+                non-empty str, ``size`` is not a positive, finite number, or ``label`` is
+                not a non-empty str of at most 200 characters without control characters.
         """
-        options, hint_bytes = task_options(key=key, task_peak=task_peak, size=size)
+        options, hint_bytes = task_options(key=key, task_peak=task_peak, size=size, label=label)
         return _OptionsView(self, options, hint_bytes)
 
     def _submit(
@@ -492,6 +497,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
                 key=(options.key if options is not None else None) or key or callable_name(fn),
                 hint_bytes=view._hint_bytes if view is not None else None,
                 size=options.size if options is not None else None,
+                label=options.label if options is not None else None,
             )
             self._tasks[task.task_id] = task
             self._queue.append(task)
@@ -677,7 +683,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
             hint = price if hint is None else max(hint, price)
         try:
             ref = node.actor.run.remote(
-                task.task_id, task.fn, task.args, task.kwargs, task.key, hint, task.size
+                task.task_id, task.fn, task.args, task.kwargs, task.key, hint, task.size, task.label
             )
         except Exception as exc:  # the call did not pickle: only this task fails
             self._release(node, task.task_id)

@@ -212,7 +212,7 @@ def test_results_and_exceptions_reach_their_futures(cluster: Cluster) -> None:
     with _executor(max_workers=2, task_peak="1GiB") as ex:
         big = ex.submit(bytes, 4 * MiB)
         error = ex.submit(_fail, "no such entry")
-        keyed = ex.options(key="keyed", task_peak="2GiB").submit(_hold, 3, "1GiB")
+        keyed = ex.options(key="keyed", task_peak="2GiB", label="ckpt-3").submit(_hold, 3, "1GiB")
         assert big.result(timeout=TIMEOUT_S) == bytes(4 * MiB)
         with pytest.raises(ValueError, match="no such entry"):
             error.result(timeout=TIMEOUT_S)
@@ -227,8 +227,11 @@ def test_results_and_exceptions_reach_their_futures(cluster: Cluster) -> None:
         # Larger than every card: it still runs, alone, on the node with the largest card.
         huge = ex.options(key="huge", task_peak="40GiB").submit(_hold, 5, "1GiB")
         assert huge.result(timeout=TIMEOUT_S) == (25, "gpupool-card-b")
-        asks = {k for r in ex.reports().values() for k in r["statistics"]["asks"]}
+        reports = ex.reports().values()
+        asks = {k for r in reports for k in r["statistics"]["asks"]}
+        labels = {d.get("task_label") for r in reports for d in r["decisions"]}
     assert "keyed" in asks
+    assert "ckpt-3" in labels
     with pytest.raises(RuntimeError, match="after shutdown"):
         ex.submit(_hold, 1)
 
