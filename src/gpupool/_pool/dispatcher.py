@@ -404,7 +404,9 @@ class Dispatcher:
     def _drain_incoming(self) -> None:
         while (item := self.inbox.take()) is not None:
             if self.outcomes.take(item):  # else cancelled by its caller first
-                self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
+                self.planner.submit(
+                    item.task_id, item.key, item.hint_bytes, item.size, item.features
+                )
                 self.unpublished_tasks = True
                 item.hint_bytes = None
 

@@ -20,6 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpupool._core.predict import Features
 from gpupool._errors import GpuPoolError
 
 __all__ = ["Inbox", "WorkItem", "copy_broken"]
@@ -42,6 +43,8 @@ class WorkItem:
     hint_bytes: int | None
     size: float | None = None
     started: bool = False
+    # What the call's arguments say (gpupool._pool.features), read at submit.
+    features: Features = ()
     task_id: int = field(default_factory=functools.partial(next, _task_ids))
 
 

@@ -269,6 +269,7 @@ def _read_policy(
         # An explicit margin keeps meaning what it says; by default the
         # margin is learned from the spread of each key's measurements.
         learned=margin is None and margin_fraction is None,
+        outliers=True,
     )
 
 
