@@ -3,6 +3,7 @@ core, hypothesis."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import assume, given, settings
@@ -121,7 +122,7 @@ def test_a_predicted_ask_grows_with_its_feature_and_is_never_below_the_evidence(
     fit = asks.predictor("k")
     assume(fit is not None)
     prices = [(v, asks.ask_for("k", None, items(v)).ask_bytes) for v in sorted(values)]
-    for (_, low), (_, high) in zip(prices, prices[1:], strict=False):
+    for (_, low), (_, high) in itertools.pairwise(prices):
         assert high >= low
     for value, price in prices:
         below = [peak for (f, peak) in samples if f[0][1] <= value]
