@@ -3,10 +3,13 @@ simulated card (real worker processes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import predict_tasks
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
+from gpupool._observe.postmortem import format_postmortem, read_postmortem
 
 GiB = 1024**3
 
@@ -36,15 +39,16 @@ def test_a_larger_list_than_any_before_is_priced_for_its_length_untold() -> None
     assert "R^2" in record["reason"] and "error" in record["reason"]
 
 
-def test_one_outlier_does_not_price_its_key() -> None:
+def test_one_outlier_does_not_price_its_key(tmp_path: Path) -> None:
     """Sixteen 1 GiB tasks, one of 7 GiB, then sixteen more of 1 GiB on an 11 GiB card: the
     outlier is recorded as one and priced for itself (it ran its card out of memory at most
     once, its own), and the tasks after it are priced by the key's 1.3 GiB peaks, not by the
-    outlier's 7.3 GiB (the key's ask after the run says so)."""
+    outlier's 7.3 GiB (the key's ask after the run says so); the postmortem names it."""
     spec = "{:020d}".format
     holds = [GiB] * 16 + [7 * GiB] + [GiB] * 16
+    log = tmp_path / "decisions.jsonl"
     with gt.SimulatedHost([gt.SimulatedDevice("11GiB")], cpus=8, host_ram="32GiB"):
-        with GpuPoolExecutor(max_workers=4, task_peak="2GiB") as ex:
+        with GpuPoolExecutor(max_workers=4, task_peak="2GiB", log_path=log) as ex:
             futures = [ex.submit(predict_tasks.hold_spec, i, spec(h)) for i, h in enumerate(holds)]
             assert [f.result(timeout=120) for f in futures] == list(range(len(holds)))
             stats = ex.statistics()
@@ -54,3 +58,5 @@ def test_one_outlier_does_not_price_its_key() -> None:
     assert ask.ask_bytes < 2 * GiB, ask.describe()
     assert ask.outliers == 1
     assert len(outliers) == 1 and "outlier" in outliers[0].reason
+    report = "\n".join(format_postmortem(read_postmortem(log)))
+    assert "outlier at" in report and "kept apart" in report, report

@@ -63,6 +63,9 @@ MAX_RUNS = 256
 #: Task keys kept per run; later keys are not tabled.
 MAX_KEYS = 1024
 
+#: Records of features and outliers kept per run (``Postmortem.learned``).
+MAX_LEARNED = 64
+
 #: Events that set a device's width (``width_after``).
 _WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened"})
 
@@ -97,6 +100,9 @@ class Postmortem:
         verdicts: out-of-memory records per verdict.
         shutdown: the shutdown record's totals, or ``None`` if the log has none.
         devices: per device, the series the plot draws.
+        learned: what the pool learned beyond each key's distribution, as its records said:
+            a feature of the calls that predicts a key's peaks, an outlier kept apart (at
+            most :data:`MAX_LEARNED`).
     """
 
     path: str
@@ -118,6 +124,7 @@ class Postmortem:
     verdicts: dict[str, int] = field(default_factory=dict)
     shutdown: dict[str, Any] | None = None
     devices: dict[int, DevicePlot] = field(default_factory=dict)
+    learned: list[str] = field(default_factory=list)
 
     @property
     def tasks_lost(self) -> int | None:
@@ -164,6 +171,7 @@ class Postmortem:
             "tasks_lost": self.tasks_lost,
             "shutdown": self.shutdown,
             "ooms": [a.to_dict() for a in self.ooms],
+            "learned": list(self.learned),
         }
 
 
@@ -253,6 +261,8 @@ class _RunReader:
             )
         elif event == "shutdown":
             pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
+        elif event in ("predicted", "outlier") and len(pm.learned) < MAX_LEARNED:
+            pm.learned.append(f"{event} at {time_s:.2f} s: {record.get('reason')}")
 
     def _header(self, record: Mapping[str, Any]) -> None:
         pm = self.pm
@@ -467,6 +477,9 @@ def format_postmortem(pm: Postmortem) -> list[str]:
                 f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
             )
     lines += _format_asks(pm)
+    if pm.learned:
+        lines.append("learned beyond the keys' distributions (features, outliers):")
+        lines += [f"  {line}" for line in pm.learned]
     refused = pm.events.get("widen_refused", 0)
     waits = pm.events.get("live_gate_wait", 0)
     serial = pm.events.get("serial_start", 0)
