@@ -444,6 +444,10 @@ class _KeyState:
     outlier_peaks: list[tuple[int, Features]] = field(default_factory=list)
     outlier_features: dict[Features, int] = field(default_factory=dict)
     merged: bool = False
+    # What an earlier run measured the key to hold (AskTable.remember), until a measurement
+    # of this run contradicts it; ``contradicted``: one did.
+    remembered_bytes: int | None = None
+    contradicted: bool = False
     # The features of the key's other measured tasks (the first OUTLIERS_KEPT * 16 kinds).
     seen_features: set[Features] = field(default_factory=set)
 
@@ -573,8 +577,34 @@ class AskTable:
         self._add(state, peak_bytes, size, features)
         return False
 
-    @staticmethod
-    def _add(state: _KeyState, peak_bytes: int, size: float | None, features: Features) -> None:
+    def remember(self, key: str, peak_bytes: int) -> Ask:
+        """An earlier run measured ``key``'s tasks at ``peak_bytes`` on this card model: until
+        this run measures one, the key is estimated at that peak plus the one-sample margin
+        (over the pool's ``task_peak``, and over a per-task hint before it). Returns the ask."""
+        state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+        if state.samples == 0 and not state.contradicted:
+            self._forget(key)
+            state.remembered_bytes = peak_bytes
+            state.estimate_bytes = peak_bytes + self.policy.margin_for(peak_bytes)
+        return self.ask(key)
+
+    def contradicted(self, key: str) -> bool:
+        """Whether a measurement of this run contradicted what an earlier run remembered."""
+        state = self._keys.get(key)
+        return state is not None and state.contradicted
+
+    def _add(
+        self, state: _KeyState, peak_bytes: int, size: float | None, features: Features
+    ) -> None:
+        remembered = state.remembered_bytes
+        if remembered is not None and state.samples == 0:
+            granule = self.policy.margin_floor_bytes
+            if not remembered / 2 - granule <= peak_bytes <= remembered + granule:
+                # The first new measurement contradicts the memory: it is dropped (the key is
+                # priced from this run's measurements over the pool's task_peak).
+                state.contradicted = True
+                state.estimate_bytes = None
+            state.remembered_bytes = None
         if size is not None:
             state.told.add(size, peak_bytes)
         if features:

@@ -153,6 +153,25 @@ class Planner:
         self.state.add(task, key, size, features)
         self.views.submitted()
 
+    def remember(self, key: str, peak_bytes: int, now_s: float) -> None:
+        """An earlier run measured ``key`` at ``peak_bytes`` on these cards' model: the key is
+        estimated from it until this run measures it (:meth:`AskTable.remember`)."""
+        before = self.state.asks.ask(key)
+        after = self.state.asks.remember(key, peak_bytes)
+        if after.ask_bytes == before.ask_bytes:
+            return
+        self.state.rebook(key)
+        self.views.note(
+            "bound_changed",
+            None,
+            after,
+            f"{key}: an earlier run on these cards measured {format_size(peak_bytes)}; "
+            f"estimated at {format_size(after.ask_bytes)} until this run measures it "
+            f"(was {before.describe()})",
+            now_s,
+            extra={"remembered_peak_bytes": peak_bytes},
+        )
+
     def withdraw(self, task: TaskId) -> None:
         """A pending task left the queue (cancelled, or failed by the pool)."""
         self.starts.take_issued(task)
