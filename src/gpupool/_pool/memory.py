@@ -69,8 +69,15 @@ def memory_path(environ: Mapping[str, str]) -> Path | None:
 
 
 def forget_peaks(path: str | os.PathLike[str] | None = None) -> bool:
-    """Clear what pools remember (the file of ``GPUPOOL_MEMORY``, or the default one, or
-    ``path``). Returns whether there was a file to remove."""
+    """Clear what pools remember of earlier runs' peaks.
+
+    Args:
+        path: the file to clear; by default the one pools use (``GPUPOOL_MEMORY``'s path,
+            else ``$XDG_CACHE_HOME/gpupool/peaks.json``, ``~/.cache/gpupool/peaks.json``).
+
+    Returns:
+        Whether there was a file to remove (``False`` also where ``GPUPOOL_MEMORY=off``).
+    """
     target = Path(path) if path is not None else memory_path(os.environ)
     if target is None:
         return False
@@ -79,6 +86,10 @@ def forget_peaks(path: str | os.PathLike[str] | None = None) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+# Public as gpupool.forget_peaks: reprs and docs name it there.
+forget_peaks.__module__ = "gpupool"
 
 
 @functools.lru_cache(maxsize=1024)
