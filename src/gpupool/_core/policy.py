@@ -866,6 +866,7 @@ class AskTable:
             size=size,
             room_capped=room_capped,
             feature=feature,
+            outlier_rate=0.0,
         )
 
     def keys(self) -> tuple[str, ...]:

@@ -337,6 +337,8 @@ class OutOfMemory:
             # other tasks keep the price their own evidence supports.
             task_state.floor_bytes = run.floor_bytes = max(task_state.floor_bytes, floor)
             self._state.count("outlier_out_of_memory")
+            # Evidence never lowers a price: the key's ask stays at least what it was.
+            self._state.asks.floor(run.key, self._state.asks.ask(run.key).ask_bytes)
         else:
             self._state.asks.floor(run.key, floor)
         after = self._state.price(task_state)
