@@ -92,6 +92,8 @@ class PlannerMachine(RuleBasedStateMachine):
         self.records_checked = 0
         # Tasks queued behind a run on its worker (queued task -> run).
         self.queued_on: dict[int, int] = {}
+        # How tasks peak (finish; build draws it): spread around their booking.
+        self.peaks = "spread"
 
     @initialize(
         totals=st.lists(st.integers(20, 80), min_size=1, max_size=3),

@@ -174,9 +174,10 @@ def test_an_outlier_keeps_its_key_from_being_priced_by_it() -> None:
 )
 def test_the_outlier_rule(normal_gib: list[int], outlier_gib: list[int], seed: int) -> None:
     """Whatever the order: the key's ask never falls below the largest peak it kept in its
-    distribution (plus the granule); a task whose call was an outlier's is priced at least at
-    that outlier's peak; outliers that are not rare join the key's peaks; the reserve of ``k``
-    tasks together is for the outliers expected among them at the rate measured."""
+    distribution (plus the granule); a task whose call was an outlier's (where the call tells
+    it from the key's others) is priced at least at that outlier's peak; outliers that are not
+    rare join the key's peaks; the reserve of ``k`` tasks together is for the outliers
+    expected among them at the rate measured."""
     peaks = [(g * GiB, False) for g in normal_gib] + [(g * GiB, True) for g in outlier_gib]
     random.Random(seed).shuffle(peaks)
     asks = AskTable(policy=POLICY, default_estimate_bytes=40 * GiB)
@@ -202,6 +203,10 @@ def test_the_outlier_rule(normal_gib: list[int], outlier_gib: list[int], seed: i
             assert ask.together_bytes(count) >= count * ask.ask_bytes + reserve - (
                 0 if not ask.pooled else count * ask.ask_bytes
             )
+        common = (("arg0", 1.0),)  # the calls of the key's usual tasks
         for peak, call in apart:
-            assert asks.ask_for("k", None, call).ask_bytes >= peak
+            if call != common:  # its call tells it from the others: priced at its peak
+                assert asks.ask_for("k", None, call).ask_bytes >= peak
+            else:  # it does not: the key's price, with the reserve for outliers at their rate
+                assert asks.ask_for("k", None, call).ask_bytes == ask.ask_bytes
     assert ask.ask_bytes >= ask.measured_peak_bytes + (MARGIN_FLOOR_BYTES if ask.samples else 0)
