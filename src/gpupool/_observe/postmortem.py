@@ -25,10 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpupool._core.attribution import OomAnalysis, analyse_oom, record_float, record_int
+from gpupool._core.attribution import (
+    OomAnalysis,
+    analyse_oom,
+    record_float,
+    record_int,
+    record_str,
+)
 from gpupool._core.events import (
     SCHEMA_VERSION,
     SETTING_PREFIX,
+    describe_task,
+    truncate_text,
 )
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
@@ -39,6 +47,7 @@ from gpupool._observe.plot_series import plot_point as _plot_point
 
 __all__ = [
     "MAX_OOM_DETAILS",
+    "MAX_TASK_DETAILS",
     "MAX_KEYS",
     "MAX_POINTS",
     "MAX_RUNS",
@@ -55,6 +64,17 @@ __all__ = [
 
 #: Out-of-memory analyses kept in full; the rest are counted.
 MAX_OOM_DETAILS = 256
+
+#: Records about one task in trouble (a lost worker, a deadline) listed by name; the rest are
+#: counted.
+MAX_TASK_DETAILS = 64
+
+
+def _names_trouble(event: str) -> bool:
+    """Whether a record of ``event`` that names its task is listed among the tasks in trouble
+    (out-of-memory records have their own analysis; a measurement is routine)."""
+    return event in ("worker_lost", "worker_replaced") or "timeout" in event or "timed_out" in event
+
 
 #: Runs read from one file; later runs are skipped (a file appended by
 #: thousands of runs still reads in bounded memory).
@@ -99,6 +119,10 @@ class Postmortem:
         key_peaks: per task key, the largest device peak measured (a child's
             report, or what an out-of-memory showed it needed at least).
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
+        tasks: the records about one task in trouble (a lost worker, a deadline passed),
+            each naming it (its ``map`` entry, its label), at most
+            :data:`MAX_TASK_DETAILS`.
+        task_records: how many such records there were.
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
         shutdown: the shutdown record's totals, or ``None`` if the log has none.
@@ -124,6 +148,8 @@ class Postmortem:
     asks: dict[str, _Series] = field(default_factory=dict)
     key_peaks: dict[str, int] = field(default_factory=dict)
     ooms: list[OomAnalysis] = field(default_factory=list)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    task_records: int = 0
     out_of_memory: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     shutdown: dict[str, Any] | None = None
@@ -179,6 +205,8 @@ class Postmortem:
             "tasks_lost": self.tasks_lost,
             "shutdown": self.shutdown,
             "ooms": [a.to_dict() for a in self.ooms],
+            "tasks": list(self.tasks),
+            "task_records": self.task_records,
             "learned": list(self.learned),
         }
 
@@ -272,7 +300,22 @@ class _RunReader:
             )
         elif event == "shutdown":
             pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
-        elif event in ("predicted", "outlier") and len(pm.learned) < MAX_LEARNED:
+        elif _names_trouble(event) and describe_task(record):
+            pm.task_records += 1
+            if len(pm.tasks) < MAX_TASK_DETAILS:
+                reason = record.get("reason")
+                pm.tasks.append(
+                    {
+                        "line": number,
+                        "time_s": time_s,
+                        "event": event,
+                        "device": device,
+                        "key": record_str(record, "key"),
+                        "task": describe_task(record),
+                        "reason": truncate_text(reason) if isinstance(reason, str) else None,
+                    }
+                )
+        if event in ("predicted", "outlier") and len(pm.learned) < MAX_LEARNED:
             pm.learned.append(f"{event} at {time_s:.2f} s: {record.get('reason')}")
 
     def _header(self, record: Mapping[str, Any]) -> None:
@@ -515,6 +558,16 @@ def format_postmortem(pm: Postmortem) -> list[str]:
         lines.append(f"  ({pm.out_of_memory - len(pm.ooms)} more not shown)")
     if pm.verdicts:
         lines.append("verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(pm.verdicts.items())))
+    if pm.task_records:
+        lines.append(f"tasks in trouble: {pm.task_records}")
+        for t in pm.tasks:
+            card = "-" if t["device"] is None else t["device"]
+            lines.append(
+                f"  {t['event']} at {t['time_s']:.2f} s (line {t['line']}), card {card}, "
+                f"task {t['key']} ({t['task']}): {t['reason']}"
+            )
+        if pm.task_records > len(pm.tasks):
+            lines.append(f"  ({pm.task_records - len(pm.tasks)} more not shown)")
     return lines
 
 
@@ -589,7 +642,7 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
     )
     rows = [
         f"out of memory #{number} at {a.time_s:.2f} s (line {a.line}), card {card}, "
-        f"task {a.key}; {fate}",
+        f"task {a.key}" + (f" ({a.task})" if a.task else "") + f"; {fate}",
         f"  card total             {format_size(a.total_bytes):>12}",
         f"  co-tenant (census)     {format_size(a.census_co_tenant_bytes):>12}   {co_live}",
         f"  own high-water         {format_size(a.own_high_water_bytes):>12}   {own_live}",

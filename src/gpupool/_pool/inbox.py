@@ -20,6 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpupool._core.events import TaskIdentity
 from gpupool._core.predict import Features
 from gpupool._errors import GpuPoolError
 
@@ -46,6 +47,16 @@ class WorkItem:
     # What the call's arguments say (gpupool._pool.features), read at submit.
     features: Features = ()
     task_id: int = field(default_factory=functools.partial(next, _task_ids))
+    # Its map position (and how many positions a chunk covers) and the caller's label.
+    entry: int | None = None
+    entries: int = 1
+    label: str | None = None
+
+    def identity(self) -> TaskIdentity:
+        """Which task this is, for the records about it."""
+        return TaskIdentity(
+            task_id=self.task_id, entry=self.entry, entries=self.entries, label=self.label
+        )
 
 
 class Inbox:

@@ -17,6 +17,7 @@ import itertools
 
 from gpupool._core.bound import Ceiling, derive_ceiling
 from gpupool._core.census import Census
+from gpupool._core.events import TaskIdentity
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import LOOKAHEAD, PlannerConfig, Start, TaskId
 from gpupool._core.policy import OUTLIER_FEATURE, Ask, AskTable
@@ -199,9 +200,18 @@ class PlannerState:
             )
         return ask
 
-    def add(self, task: TaskId, key: str, size: float | None, features: Features = ()) -> None:
+    def add(
+        self,
+        task: TaskId,
+        key: str,
+        size: float | None,
+        identity: TaskIdentity | None = None,
+        features: Features = (),
+    ) -> None:
         """A task was submitted: it is pending, at the back of the queue."""
-        self.tasks[task] = TaskState(key=key, hint_bytes=None, size=size, features=features)
+        self.tasks[task] = TaskState(
+            key=key, hint_bytes=None, size=size, identity=identity, features=features
+        )
         self.pending.append(task)
         self.pending_by_key[key] += 1
         self.last_key = key
@@ -259,6 +269,7 @@ class PlannerState:
             features=state.features,
             floor_bytes=state.floor_bytes,
             own_high_water_bytes=card.own_high_water_bytes if card is not None else 0,
+            identity=state.identity,
         )
         if card is not None:
             for other in card.runs.values():

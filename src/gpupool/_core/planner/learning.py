@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from gpupool._core.bound import Ceiling, derive_bound
-from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.events import Decision, EventName, JsonValue, TaskIdentity
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
@@ -99,8 +99,17 @@ class Learned:
     device: int
     report: PeakReport
     peaks: list[tuple[int, float | None, Features]]
+    #: The task whose report a record states.
+    task: TaskIdentity | None = None
 
-    def add(self, device: int, report: PeakReport, size: float | None, features: Features) -> None:
+    def add(
+        self,
+        device: int,
+        report: PeakReport,
+        size: float | None,
+        features: Features,
+        task: TaskIdentity | None,
+    ) -> None:
         """One more peak of the key, measured on ``device`` for a task of ``size`` whose call
         had ``features``."""
         assert report.device_peak_bytes is not None
@@ -108,6 +117,7 @@ class Learned:
         self.device = device
         if _noteworthy(report) or not _noteworthy(self.report):
             self.report = report
+            self.task = task
 
 
 class Predictions:
@@ -205,7 +215,7 @@ class Learning:
             self._raised_past(run.key, run.device, report, now_s)
             return
         learned = self._learned.setdefault(run.key, Learned(run.device, report, []))
-        learned.add(run.device, report, run.size, run.features)
+        learned.add(run.device, report, run.size, run.features, run.identity)
 
     def _raised_past(self, key: str, device: int, report: PeakReport, now_s: float) -> None:
         """A task of ``key`` raised after holding ``report``'s peak: where that passed the
@@ -340,7 +350,9 @@ class Learning:
                 "margin_bytes": after.margin_bytes,
                 "spread_bytes": after.spread_bytes,
                 "samples": after.samples,
-            },
+            }
+            # The task whose peak the record states.
+            | (learned.task.terms() if learned.task is not None else {}),
         )
         if widths_moved or moved or changed_basis:
             self._recorded_asks[key] = after
