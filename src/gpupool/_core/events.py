@@ -259,7 +259,7 @@ class Decision:
             are JSON scalars or tables of them (at most 256 rows of 16 scalars),
             and byte counts end in ``_bytes``.
         task: the one task the record is about, where it is about one (written as the
-            :data:`TASK_TERMS`).
+            terms ``task_id``, ``task_entry``, ``task_entries`` and ``task_label``).
         key_ask: the ask of the record's ``key`` itself (the bound's ``ask_bytes``
             is the ask the width was priced at, which for mixed keys is the
             largest current one); written as ``key_ask_bytes``, ``key_ask_basis``,
@@ -415,4 +415,4 @@ def run_record(
 
 # Re-exported by gpupool, which may not have imported this module yet (it loads it on
 # first use): the public path is set here, so reprs, docs and pickles name it whenever used.
-Decision.__module__ = "gpupool"
+Decision.__module__ = TaskIdentity.__module__ = "gpupool"

@@ -127,6 +127,8 @@ class Postmortem:
         verdicts: out-of-memory records per verdict.
         shutdown: the shutdown record's totals, or ``None`` if the log has none.
         devices: per device, the series the plot draws.
+        node: the cluster node the run's pool ran on (``gpupool.ray`` names it on
+            every record of a run's account), or ``None``.
         learned: what the pool learned beyond each key's distribution, as its records said:
             a feature of the calls that predicts a key's peaks, an outlier kept apart (at
             most :data:`MAX_LEARNED`).
@@ -154,6 +156,7 @@ class Postmortem:
     verdicts: dict[str, int] = field(default_factory=dict)
     shutdown: dict[str, Any] | None = None
     devices: dict[int, DevicePlot] = field(default_factory=dict)
+    node: str | None = None
     learned: list[str] = field(default_factory=list)
 
     @property
@@ -173,6 +176,7 @@ class Postmortem:
             "started_at": self.started_at,
             "pid": self.pid,
             "gpupool_version": self.gpupool_version,
+            "node": self.node,
             "settings": dict(self.settings),
             "schema": SCHEMA_VERSION,
             "records": self.records,
@@ -325,6 +329,8 @@ class _RunReader:
         pm.pid = record_int(record, "pid")
         version = record.get("gpupool_version")
         pm.gpupool_version = version if isinstance(version, str) else None
+        node = record.get("node")
+        pm.node = node[:200] if isinstance(node, str) and node else None
         pm.settings = {
             name[len(SETTING_PREFIX) :]: value
             for name, value in record.items()
@@ -576,9 +582,10 @@ def _format_run(pm: Postmortem) -> list[str]:
     started = f", started {pm.started_at}" if pm.started_at else ""
     by = f" by process {pm.pid}" if pm.pid is not None else ""
     version = f" (gpupool {pm.gpupool_version})" if pm.gpupool_version else ""
+    node = f" on node {pm.node}" if pm.node else ""
     lines = [
         f"gpupool postmortem: {pm.path}",
-        f"run {pm.run_index}: {pm.run_id}{started}{by}{version}",
+        f"run {pm.run_index}: {pm.run_id}{node}{started}{by}{version}",
     ]
     if pm.settings:
         lines.append(_settings_line(pm.settings))

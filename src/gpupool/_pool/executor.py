@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 from gpupool._core.census import Census
 from gpupool._core.events import TASK_LABEL_CHARS, Decision, truncate_text
@@ -160,12 +160,78 @@ def _check_label(label: object) -> str | None:
     return label
 
 
+def task_options(
+    *,
+    key: str | None,
+    task_peak: str | int | None,
+    size: float | None,
+    label: str | None = None,
+) -> tuple[TaskOptions, int | None]:
+    """Per-call options checked once, with ``task_peak`` in bytes (see
+    :meth:`GpuPoolExecutor.options`; ``gpupool.ray`` checks its own the same way).
+
+    Raises:
+        ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
+            non-empty str, ``size`` is not a positive, finite number, or ``label`` is
+            not a non-empty str of at most 200 characters without control characters.
+    """
+    hint_bytes = (
+        None
+        if task_peak is None
+        else parse_pool_size(task_peak, name="task_peak", allow_zero=False)
+    )
+    if key is not None and (not isinstance(key, str) or not key):
+        raise ConfigurationError(
+            f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
+            "one learned ask); pass a name such as 'embed', or leave key out for the "
+            "function's own name."
+        )
+    value: float | None = None
+    if size is not None:
+        # Any real number (numpy's included) is a size, read as a float; one too large
+        # for a float is refused as any other bad size is.
+        value = math.nan
+        if isinstance(size, numbers.Real) and not isinstance(size, bool):
+            try:
+                value = float(size)
+            except (ValueError, OverflowError):
+                pass
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigurationError(
+                f"size={size!r}: a task's input size must be a positive, finite number "
+                "(tokens, rows, bytes: one unit for every task of the key)."
+            )
+    options = TaskOptions(key=key, task_peak=task_peak, size=value, label=_check_label(label))
+    return options, hint_bytes
+
+
+class _Submitter(Protocol):
+    """What an options view submits through (``GpuPoolExecutor``, ``gpupool.ray``'s executor)."""
+
+    def _submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        view: _OptionsView | None,
+        key: str | None = None,
+    ) -> Future[Any]: ...
+
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        iterables: Sequence[Iterable[Any]],
+        timeout: float | None,
+        chunksize: int,
+        buffersize: int | None,
+        view: _OptionsView | None,
+    ) -> Iterator[Any]: ...
+
+
 class _OptionsView:
     """``submit`` and ``map`` with per-call options; see :meth:`GpuPoolExecutor.options`."""
 
-    def __init__(
-        self, executor: GpuPoolExecutor, options: TaskOptions, hint_bytes: int | None
-    ) -> None:
+    def __init__(self, executor: _Submitter, options: TaskOptions, hint_bytes: int | None) -> None:
         self._executor = executor
         self._options = options
         # ``options.task_peak`` in bytes, parsed once (by ``options()``), not at each submit.
@@ -417,33 +483,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 non-empty str, ``size`` is not a positive, finite number, or ``label`` is
                 not a non-empty str of at most 200 characters without control characters.
         """
-        hint_bytes = (
-            None
-            if task_peak is None
-            else parse_pool_size(task_peak, name="task_peak", allow_zero=False)
-        )
-        if key is not None and (not isinstance(key, str) or not key):
-            raise ConfigurationError(
-                f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
-                "one learned ask); pass a name such as 'embed', or leave key out for the "
-                "function's own name."
-            )
-        value: float | None = None
-        if size is not None:
-            # Any real number (numpy's included) is a size, read as a float; one too large
-            # for a float is refused as any other bad size is.
-            value = math.nan
-            if isinstance(size, numbers.Real) and not isinstance(size, bool):
-                try:
-                    value = float(size)
-                except (ValueError, OverflowError):
-                    pass
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigurationError(
-                    f"size={size!r}: a task's input size must be a positive, finite number "
-                    "(tokens, rows, bytes: one unit for every task of the key)."
-                )
-        options = TaskOptions(key=key, task_peak=task_peak, size=value, label=_check_label(label))
+        options, hint_bytes = task_options(key=key, task_peak=task_peak, size=size, label=label)
         return _OptionsView(self, options, hint_bytes)
 
     def _submit(
