@@ -10,7 +10,7 @@ command are in ``docs/compatibility.md``.
 
 Start methods: "spawn" always; "forkserver" too with
 ``GPUPOOL_CPYTHON_FORKSERVER=1``. gpupool starts its workers the same way for
-both (loky's fork+exec: ``mp_context`` only decides where the tests' own
+both (its own fork+exec of a spawn child: ``mp_context`` only decides where the tests' own
 semaphores, queues and managers live), so the second context doubles the run
 time for little. "fork" is not built: gpupool refuses a fork context by design,
 since CUDA does not survive ``fork``.
@@ -98,7 +98,7 @@ class _ProcessPoolExecutorSkips:
 
     @unittest.skip(
         "reads the private executor._mp_context; gpupool keeps the mp_context it was given (None "
-        "here) and always starts workers with loky's fork+exec, i.e. spawn semantics"
+        "here) and always starts its workers as spawn children (its own fork+exec)"
     )
     def test_max_tasks_per_child_defaults_to_spawn_context(self) -> None: ...
 
