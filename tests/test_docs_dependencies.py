@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,19 +52,18 @@ KNOWN = (
 )
 
 
-def _install_lines() -> list[tuple[str, str, set[str], str]]:
+def _install_lines() -> list[Any]:
     """Every ``pip install`` of the package in the pages: (page, line, extras, comment)."""
     found = []
     for page in PAGES:
-        for line in page.read_text().splitlines():
+        for number, line in enumerate(page.read_text().splitlines(), 1):
             match = _INSTALL.search(line)
             if match is None:
                 continue
             extras = re.search(r"\[([\w,]+)\]", match.group("target"))
             comment = line.partition("#")[2] if "#" in line[match.end() :] else ""
-            found.append(
-                (page.name, line, set(extras.group(1).split(",")) if extras else set(), comment)
-            )
+            names = set(extras.group(1).split(",")) if extras else set()
+            found.append(pytest.param(page.name, line, names, comment, id=f"{page.name}:{number}"))
     return found
 
 
@@ -74,14 +74,12 @@ def _named(text: str) -> set[str]:
 
 
 def test_the_pages_install_the_package_somewhere() -> None:
-    lines = _install_lines()
+    lines = [param.values for param in _install_lines()]
     assert any(page == "getting-started.md" and not extras for page, _, extras, _ in lines)
     assert {extra for _, _, extras, _ in lines for extra in extras} == set(EXTRAS)
 
 
-@pytest.mark.parametrize(
-    ("page", "line", "extras", "comment"), _install_lines(), ids=lambda v: str(v)[:40]
-)
+@pytest.mark.parametrize(("page", "line", "extras", "comment"), _install_lines())
 def test_an_install_line_names_what_it_installs(
     page: str, line: str, extras: set[str], comment: str
 ) -> None:

@@ -509,7 +509,7 @@ def _check_no_pool_kwargs(kwargs: Mapping[str, Any]) -> None:
 
 
 def register(name: str = BACKEND_NAME) -> None:
-    """Register :class:`GpuPoolBackend` with joblib under ``name`` (``import gpupool.joblib``
+    """Register ``GpuPoolBackend`` with joblib under ``name`` (``import gpupool.joblib``
     already registers it as ``"gpupool"``).
 
     Args:
