@@ -149,7 +149,7 @@ def build(session: nox.Session) -> None:
     session.run("python", "-m", "build", "--outdir", "dist")
     session.run("twine", "check", "--strict", *sorted(glob.glob("dist/*")))
     # The wheel carries the documentation: installed, `gpupool docs` reads it from the package.
-    session.install("--force-reinstall", "--no-deps", *sorted(glob.glob("dist/*.whl")))
+    session.install("--force-reinstall", *sorted(glob.glob("dist/*.whl")))
     page = session.run("gpupool", "docs", "demo", "--path", silent=True) or ""
     if "site-packages" not in page or not page.strip().endswith("gpupool/_docs/demo.md"):
         session.error(f"gpupool docs read {page.strip()!r}, not the installed package's page")

@@ -92,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         order = BACKENDS if round_ % 2 == 0 else tuple(reversed(BACKENDS))
         for workload in WORKLOADS:
             for backend in order:
-                results.setdefault((backend, workload), []).append(
-                    _run(backend, workload, args.warm)
+                run = _run(backend, workload, args.warm)
+                results.setdefault((backend, workload), []).append(run)
+                print(
+                    f"round {round_ + 1}: {workload} on {backend}: cold {run['cold_s']:.2f} s, "
+                    f"warm {run['warm_s']:.2f} s (load {os.getloadavg()[0]:.1f})",
+                    flush=True,
                 )
     print(f"n_jobs={N_JOBS}, {args.rounds} rounds, {args.warm} warm calls each; medians (s)")
     print(f"{'workload':<16} {'call':<5} {'loky':>8} {'gpupool':>8} {'ratio':>6}")

@@ -150,8 +150,11 @@ class _KeptPools:
         """The key's live pool (built now if there is none), counted as used by one more call."""
         with self._lock:
             kept = self._kept.pop(key, None)
+            dead: list[GpuPoolExecutor] = []
             if kept is not None and (kept.pool._shutdown or kept.pool._broken):
-                kept = None  # killed by an abort, or broken: build anew
+                if kept.users == 0:  # ended now; one in use ends at its last release
+                    dead.append(self._forget_popped(kept))
+                kept = None  # broken: build anew
             if kept is None:
                 kept = _Kept(key, build())
             if kept.idle_timer is not None:
@@ -159,7 +162,7 @@ class _KeptPools:
                 kept.idle_timer = None
             kept.users += 1
             self._kept[key] = kept  # most recently used last
-            retired = self._over_idle_limit()
+            retired = dead + self._over_idle_limit()
         _shut(retired)
         return kept
 
@@ -168,14 +171,19 @@ class _KeptPools:
         idle ones beyond the limit shut down."""
         with self._lock:
             kept.users -= 1
-            if kept.users > 0 or self._kept.get(kept.key) is not kept:
+            if kept.users > 0:
                 return
-            timer = threading.Timer(IDLE_POOL_TIMEOUT_S, self._time_out, args=(kept,))
-            timer.daemon = True
-            kept.idle_timer = timer
-            timer.start()
-            retired = self._over_idle_limit()
+            taken = self._kept.get(kept.key) is not kept  # by an abort, or broken: end it
+            retired = [kept.pool] if taken else self._idle(kept)
         _shut(retired)
+
+    def _idle(self, kept: _Kept) -> list[GpuPoolExecutor]:
+        """``kept`` has no user now: time it out, and retire what is over the idle limit."""
+        timer = threading.Timer(IDLE_POOL_TIMEOUT_S, self._time_out, args=(kept,))
+        timer.daemon = True
+        kept.idle_timer = timer
+        timer.start()
+        return self._over_idle_limit()
 
     def take_if_sole_user(self, kept: _Kept) -> bool:
         """Forget ``kept`` (no later call gets its pool) when the caller is its only user."""
@@ -192,6 +200,10 @@ class _KeptPools:
 
     def _forget(self, kept: _Kept) -> GpuPoolExecutor:
         del self._kept[kept.key]
+        return self._forget_popped(kept)
+
+    @staticmethod
+    def _forget_popped(kept: _Kept) -> GpuPoolExecutor:
         if kept.idle_timer is not None:
             kept.idle_timer.cancel()
         return kept.pool
@@ -202,6 +214,11 @@ class _KeptPools:
                 return
             pool = self._forget(kept)
         _shut([pool])
+
+    def forget_all(self) -> None:
+        """In a forked child: the parent's pools are not this process's to use or end."""
+        self._lock = threading.Lock()
+        self._kept = {}
 
     def shutdown_idle(self, wait: bool) -> int:
         """Shut down every pool no call is using; the count shut down."""
@@ -237,6 +254,7 @@ def shutdown_pools(wait: bool = True) -> int:
 
 
 threading._register_atexit(lambda: _KEPT.shutdown_idle(wait=False))  # type: ignore[attr-defined]
+os.register_at_fork(after_in_child=_KEPT.forget_all)
 
 
 def _in_daemonic_process() -> bool:

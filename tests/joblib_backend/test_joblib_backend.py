@@ -281,6 +281,14 @@ def test_an_exception_aborts_the_rest_and_kills_the_running_call(
     # The pool was shut down (its workers joined) before Parallel returned, and the gate
     # never opened: the running calls were killed, not waited for.
     assert list(gate.glob("finished-*")) == []
+    # The killed pool is not kept: the next call runs on a new one.
+    with joblib.parallel_config(backend="gpupool", n_jobs=2, task_peak="1GiB"):
+        assert [v for v, _ in joblib.Parallel()(joblib.delayed(_square)(i) for i in range(3))] == [
+            0,
+            1,
+            4,
+        ]
+    assert gj.shutdown_pools() == 1
 
 
 def test_a_pool_of_your_own_is_reused_and_never_shut_down(host: gt.SimulatedHost) -> None:
