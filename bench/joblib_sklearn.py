@@ -15,6 +15,7 @@ that both backends computed the same scores::
 
     python bench/joblib_sklearn.py              # 3 rounds, 3 warm calls each
     python bench/joblib_sklearn.py --rounds 5 --warm 5
+    python bench/joblib_sklearn.py --workload cross_val_score
 """
 
 from __future__ import annotations
@@ -82,15 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warm", type=int, default=3, help="warm calls after the cold one")
+    parser.add_argument(
+        "--workload", choices=WORKLOADS, action="append", help="only this one (repeatable)"
+    )
     parser.add_argument("--one", nargs=2, metavar=("BACKEND", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(_one(args.one[0], args.one[1], args.warm)))
         return 0
+    workloads = tuple(args.workload or WORKLOADS)
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for round_ in range(args.rounds):
         order = BACKENDS if round_ % 2 == 0 else tuple(reversed(BACKENDS))
-        for workload in WORKLOADS:
+        for workload in workloads:
             for backend in order:
                 run = _run(backend, workload, args.warm)
                 results.setdefault((backend, workload), []).append(run)
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"n_jobs={N_JOBS}, {args.rounds} rounds, {args.warm} warm calls each; medians (s)")
     print(f"{'workload':<16} {'call':<5} {'loky':>8} {'gpupool':>8} {'ratio':>6}")
     same = True
-    for workload in WORKLOADS:
+    for workload in workloads:
         loky_runs, ours = results[("loky", workload)], results[("gpupool", workload)]
         same &= all(r["scores"] == loky_runs[0]["scores"] for r in loky_runs + ours)
         for call in ("cold_s", "warm_s"):
