@@ -91,7 +91,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src."""
     _check_supported(session)
-    session.install("-e", ".[dask,joblib,top]", *_group("typing"))
+    session.install("-e", ".[dask,joblib,top,ray]", *_group("typing"))
     session.run("mypy", "--strict", "src/gpupool")
 
 
@@ -102,7 +102,7 @@ def tests(session: nox.Session) -> None:
     each at a time, so that a module's shared pool is built once: ``nox -s tests --
     -n 0`` runs it in one process, ``-- tests/core`` a part of it."""
     _check_supported(session)
-    session.install("-e", ".[plot,progress,dask,joblib,top]", *_group("test"), TORCH)
+    session.install("-e", ".[plot,progress,dask,joblib,top,ray]", *_group("test"), TORCH)
     session.run("pytest", "-n", _test_workers(), "--dist", "loadscope", *session.posargs)
 
 

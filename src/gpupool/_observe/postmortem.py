@@ -25,10 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpupool._core.attribution import OomAnalysis, analyse_oom, record_float, record_int
+from gpupool._core.attribution import (
+    OomAnalysis,
+    analyse_oom,
+    record_float,
+    record_int,
+    record_str,
+)
 from gpupool._core.events import (
     SCHEMA_VERSION,
     SETTING_PREFIX,
+    describe_task,
+    truncate_text,
 )
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
@@ -39,6 +47,7 @@ from gpupool._observe.plot_series import plot_point as _plot_point
 
 __all__ = [
     "MAX_OOM_DETAILS",
+    "MAX_TASK_DETAILS",
     "MAX_KEYS",
     "MAX_POINTS",
     "MAX_RUNS",
@@ -56,6 +65,17 @@ __all__ = [
 #: Out-of-memory analyses kept in full; the rest are counted.
 MAX_OOM_DETAILS = 256
 
+#: Records about one task in trouble (a lost worker, a deadline) listed by name; the rest are
+#: counted.
+MAX_TASK_DETAILS = 64
+
+
+def _names_trouble(event: str) -> bool:
+    """Whether a record of ``event`` that names its task is listed among the tasks in trouble
+    (out-of-memory records have their own analysis; a measurement is routine)."""
+    return event in ("worker_lost", "worker_replaced") or "timeout" in event or "timed_out" in event
+
+
 #: Runs read from one file; later runs are skipped (a file appended by
 #: thousands of runs still reads in bounded memory).
 MAX_RUNS = 256
@@ -63,8 +83,9 @@ MAX_RUNS = 256
 #: Task keys kept per run; later keys are not tabled.
 MAX_KEYS = 1024
 
-#: Events that set a device's width (``width_after``).
-_WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened"})
+#: Events that set a device's width (``width_after``): a lifted out-of-memory cap widens a
+#: card as a widened record does.
+_WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened", "cap_lifted"})
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -88,15 +109,23 @@ class Postmortem:
         widths: ``(time_s, total width)`` at each change of the pool's width
             (the sum of the devices' widths, or the pool's own for host pools).
         device_widths: per device, ``(time_s, width)`` at each change.
+        cap_lifts: ``(time_s, device, width_before, width_after)`` of each ``cap_lifted``
+            record (an out-of-memory's cap lifted, and the width it let the card reach).
         asks: per task key, its own ask's changes ``(time_s, ask_bytes, basis)``
             (from the records' ``key_ask_*`` terms).
         key_peaks: per task key, the largest device peak measured (a child's
             report, or what an out-of-memory showed it needed at least).
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
+        tasks: the records about one task in trouble (a lost worker, a deadline passed),
+            each naming it (its ``map`` entry, its label), at most
+            :data:`MAX_TASK_DETAILS`.
+        task_records: how many such records there were.
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
         shutdown: the shutdown record's totals, or ``None`` if the log has none.
         devices: per device, the series the plot draws.
+        node: the cluster node the run's pool ran on (``gpupool.ray`` names it on
+            every record of a run's account), or ``None``.
     """
 
     path: str
@@ -111,13 +140,17 @@ class Postmortem:
     events: dict[str, int] = field(default_factory=dict)
     widths: _Series = field(default_factory=_Series)
     device_widths: dict[int, _Series] = field(default_factory=dict)
+    cap_lifts: _Series = field(default_factory=_Series)
     asks: dict[str, _Series] = field(default_factory=dict)
     key_peaks: dict[str, int] = field(default_factory=dict)
     ooms: list[OomAnalysis] = field(default_factory=list)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    task_records: int = 0
     out_of_memory: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     shutdown: dict[str, Any] | None = None
     devices: dict[int, DevicePlot] = field(default_factory=dict)
+    node: str | None = None
 
     @property
     def tasks_lost(self) -> int | None:
@@ -136,12 +169,17 @@ class Postmortem:
             "started_at": self.started_at,
             "pid": self.pid,
             "gpupool_version": self.gpupool_version,
+            "node": self.node,
             "settings": dict(self.settings),
             "schema": SCHEMA_VERSION,
             "records": self.records,
             "duration_s": self.duration_s,
             "events": dict(sorted(self.events.items())),
             "widths": [{"time_s": t, "width": int(w)} for t, w in self.widths.points],
+            "cap_lifts": [
+                {"time_s": t, "device": int(d), "width_before": int(b), "width_after": int(w)}
+                for t, d, b, w in self.cap_lifts.points
+            ],
             "device_widths": {
                 str(d): [{"time_s": t, "width": int(w)} for t, w in s.points]
                 for d, s in sorted(self.device_widths.items())
@@ -164,6 +202,8 @@ class Postmortem:
             "tasks_lost": self.tasks_lost,
             "shutdown": self.shutdown,
             "ooms": [a.to_dict() for a in self.ooms],
+            "tasks": list(self.tasks),
+            "task_records": self.task_records,
         }
 
 
@@ -243,6 +283,9 @@ class _RunReader:
                 if not points or points[-1][1] != total_width:
                     pm.widths.add(time_s, total_width)
                 self.last_total = total_width
+        if event == "cap_lifted" and device is not None and width_after is not None:
+            before = record_int(record, "width_before")
+            pm.cap_lifts.add(time_s, device, before if before is not None else -1, width_after)
         self._key_terms(record, event, time_s)
         if plot is not None:
             _plot_point(plot, record, event, time_s)
@@ -253,6 +296,21 @@ class _RunReader:
             )
         elif event == "shutdown":
             pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
+        elif _names_trouble(event) and describe_task(record):
+            pm.task_records += 1
+            if len(pm.tasks) < MAX_TASK_DETAILS:
+                reason = record.get("reason")
+                pm.tasks.append(
+                    {
+                        "line": number,
+                        "time_s": time_s,
+                        "event": event,
+                        "device": device,
+                        "key": record_str(record, "key"),
+                        "task": describe_task(record),
+                        "reason": truncate_text(reason) if isinstance(reason, str) else None,
+                    }
+                )
 
     def _header(self, record: Mapping[str, Any]) -> None:
         pm = self.pm
@@ -261,6 +319,8 @@ class _RunReader:
         pm.pid = record_int(record, "pid")
         version = record.get("gpupool_version")
         pm.gpupool_version = version if isinstance(version, str) else None
+        node = record.get("node")
+        pm.node = node[:200] if isinstance(node, str) and node else None
         pm.settings = {
             name[len(SETTING_PREFIX) :]: value
             for name, value in record.items()
@@ -466,6 +526,14 @@ def format_postmortem(pm: Postmortem) -> list[str]:
             lines.append(
                 f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
             )
+    if pm.cap_lifts.points:
+        lines.append(
+            "caps lifted (an out-of-memory's cap, once the room it was set for was back): "
+            + ", ".join(
+                f"card {int(d)} at {t:.2f} s (width {int(b) if b >= 0 else '?'} -> {int(w)})"
+                for t, d, b, w in pm.cap_lifts.points
+            )
+        )
     lines += _format_asks(pm)
     refused = pm.events.get("widen_refused", 0)
     waits = pm.events.get("live_gate_wait", 0)
@@ -483,6 +551,16 @@ def format_postmortem(pm: Postmortem) -> list[str]:
         lines.append(f"  ({pm.out_of_memory - len(pm.ooms)} more not shown)")
     if pm.verdicts:
         lines.append("verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(pm.verdicts.items())))
+    if pm.task_records:
+        lines.append(f"tasks in trouble: {pm.task_records}")
+        for t in pm.tasks:
+            card = "-" if t["device"] is None else t["device"]
+            lines.append(
+                f"  {t['event']} at {t['time_s']:.2f} s (line {t['line']}), card {card}, "
+                f"task {t['key']} ({t['task']}): {t['reason']}"
+            )
+        if pm.task_records > len(pm.tasks):
+            lines.append(f"  ({pm.task_records - len(pm.tasks)} more not shown)")
     return lines
 
 
@@ -491,9 +569,10 @@ def _format_run(pm: Postmortem) -> list[str]:
     started = f", started {pm.started_at}" if pm.started_at else ""
     by = f" by process {pm.pid}" if pm.pid is not None else ""
     version = f" (gpupool {pm.gpupool_version})" if pm.gpupool_version else ""
+    node = f" on node {pm.node}" if pm.node else ""
     lines = [
         f"gpupool postmortem: {pm.path}",
-        f"run {pm.run_index}: {pm.run_id}{started}{by}{version}",
+        f"run {pm.run_index}: {pm.run_id}{node}{started}{by}{version}",
     ]
     if pm.settings:
         lines.append(_settings_line(pm.settings))
@@ -557,18 +636,14 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
     )
     rows = [
         f"out of memory #{number} at {a.time_s:.2f} s (line {a.line}), card {card}, "
-        f"task {a.key}; {fate}",
+        f"task {a.key}" + (f" ({a.task})" if a.task else "") + f"; {fate}",
         f"  card total             {format_size(a.total_bytes):>12}",
         f"  co-tenant (census)     {format_size(a.census_co_tenant_bytes):>12}   {co_live}",
         f"  own high-water         {format_size(a.own_high_water_bytes):>12}   {own_live}",
         f"  reserve                {format_size(a.reserve_bytes):>12}",
         f"  booked                 {format_size(a.booked_bytes):>12}   "
         f"{a.running} running, the failing task's included, each at its price when it started",
-        *(
-            f"    {n} x {key}: {format_size(b)}"
-            + (f" ({format_size(b // n)} each)" if n > 1 else "")
-            for key, n, b in a.runs_by_key
-        ),
+        *(f"    {n} x {key}: {format_size(b)}{_each(a, key, n)}" for key, n, b in a.runs_by_key),
         *(
             [
                 f"  the pool's workers     {format_size(a.children_bytes):>12}   "
@@ -577,7 +652,7 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
             if a.pool_read
             else []
         ),
-        f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   booked at its start; "
+        f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   {_booked_at_start(a)}; "
         f"the key was priced {format_size(a.key_ask_bytes)} ({a.ask_basis}) when it failed",
         f"  it had reached         {format_size(a.reached_bytes):>12}   "
         f"and {format_size(a.requested_bytes)} more was refused",
@@ -586,3 +661,34 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
         f"  wrong term: {a.verdict} - {a.explanation}",
     ]
     return rows
+
+
+#: Bookings of one key listed one by one in an out-of-memory's table; more are counted.
+_BOOKINGS_LISTED = 8
+
+
+def _each(a: OomAnalysis, key: str, running: int) -> str:
+    """What each of ``key``'s running tasks was booked at, as the record's ``runs`` states it:
+    one figure where they were all booked alike, else each (never an average no record
+    states)."""
+    if running < 2:
+        return ""
+    booked = dict(a.run_bookings).get(key, ())
+    if not booked:
+        return ""
+    if len(set(booked)) == 1:
+        return f" ({format_size(booked[0])} each)"
+    listed = " + ".join(format_size(b) for b in booked[:_BOOKINGS_LISTED])
+    more = len(booked) - _BOOKINGS_LISTED
+    return f" ({listed}{f' + {more} more' if more > 0 else ''}, each as booked when it started)"
+
+
+def _booked_at_start(a: OomAnalysis) -> str:
+    """How the failing task was booked when it started, as the record states it."""
+    booked = a.task_booked_bytes
+    if booked is None or booked == a.task_ask_bytes:
+        return "booked at its start"
+    return (
+        f"booked {format_size(booked)} at its start (its share of its key's price for the "
+        "tasks together)"
+    )
