@@ -136,6 +136,8 @@ EventName = Literal[
     "shutdown",
     "card_read",
     "peaks_vary",
+    "predicted",
+    "outlier",
 ]
 
 #: Every event a decision record can carry, and what it means.
@@ -175,6 +177,10 @@ EVENTS: Mapping[str, str] = {
     "peaks_vary": "a task key's measured peaks vary a lot (the largest more than twice the "
     "least and more than the margin floor above it, from three on): its margin is held to "
     "their range; give its tasks size= or keys of their own",
+    "predicted": "a feature of the calls (an argument's length, nbytes or value) began or "
+    "stopped explaining a task key's peaks: its tasks are priced one by one from it",
+    "outlier": "a task's peak lay far outside its key's distribution: kept apart, priced for "
+    "that task (and calls like it) while the key's other tasks keep their price",
 }
 
 JsonScalar = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)
