@@ -298,7 +298,9 @@ def read_frame(fd: int) -> bytearray | None:
         body = bytearray(size)
     except MemoryError:
         rest = _skip_frame(fd, size - len(magic))
-        raise NoRoomForFrame(size, (magic + rest)[: _TASK.size]) from None
+        raise NoRoomForFrame(
+            f"no memory for a frame of {size} bytes", head=(magic + rest)[: _TASK.size]
+        ) from None
     body[: len(magic)] = magic
     got = len(magic)
     with memoryview(body) as view:
@@ -314,8 +316,8 @@ class NoRoomForFrame(Exception):
     """The worker has no memory for a frame of ``size`` bytes (a task before it used it up):
     the frame was read past, its first bytes kept (``head``: a task frame's id)."""
 
-    def __init__(self, size: int, head: bytes) -> None:
-        super().__init__(f"no memory for a frame of {size} bytes")
+    def __init__(self, message: str, *, head: bytes = b"") -> None:
+        super().__init__(message)
         self.head = head
 
 
