@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import multiprocessing.util
 import os
 import threading
 import warnings
@@ -156,6 +157,7 @@ class _KeptPools:
                     dead.append(self._forget_popped(kept))
                 kept = None  # broken: build anew
             if kept is None:
+                _end_kept_pools_at_process_exit()
                 kept = _Kept(key, build())
             if kept.idle_timer is not None:
                 kept.idle_timer.cancel()
@@ -226,6 +228,27 @@ class _KeptPools:
             retired = [self._forget(k) for k in list(self._kept.values()) if k.users == 0]
         _shut(retired, wait=wait)
         return len(retired)
+
+
+#: The process that registered :func:`_end_kept_pools_at_process_exit`'s finalizer.
+_exit_hook_pid: int | None = None
+
+
+def _end_kept_pools_at_process_exit() -> None:
+    """Have this process's exit end its kept pools, in a ``multiprocessing`` child too.
+
+    A ``multiprocessing`` child (a loky or ``multiprocessing.Pool`` worker, a
+    ``Process``) exits through ``multiprocessing``'s own exit function, which
+    joins the child's non-daemonic children (the kept pools' workers) before
+    ``threading``'s exit hooks would shut those pools down: without this
+    finalizer, which runs before that join, such a child never exits. Registered
+    once per process (a forked child starts with an empty registry).
+    """
+    global _exit_hook_pid
+    if _exit_hook_pid == os.getpid():
+        return
+    _exit_hook_pid = os.getpid()
+    multiprocessing.util.Finalize(None, _KEPT.shutdown_idle, args=(True,), exitpriority=10)
 
 
 def _shut(pools: list[GpuPoolExecutor], wait: bool = True) -> None:

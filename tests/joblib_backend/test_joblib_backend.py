@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -382,3 +384,51 @@ def test_register_under_another_name(host: gt.SimulatedHost) -> None:
     assert [v for v, _ in results] == [0, 1]
     with pytest.raises(gpupool.ConfigurationError, match="non-empty backend name"):
         gj.register("")
+
+
+#: Bounds the wait for a ``multiprocessing`` child's exit, so a child that never exits
+#: fails the test instead of hanging it.
+CHILD_EXIT_WAIT_S = 60.0
+
+_PARALLEL_IN_A_CHILD = """
+import multiprocessing
+import sys
+
+import joblib
+
+
+def work():
+    import gpupool.joblib  # registers the backend
+
+    with joblib.parallel_config(backend="gpupool", n_jobs=2):
+        assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(4)) == [0, 1, 2, 3]
+
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context(sys.argv[1]).Process(target=work)
+    child.start()
+    child.join({wait_s})
+    print("exitcode", child.exitcode, flush=True)
+    if child.exitcode is None:
+        child.kill()
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_multiprocessing_child_that_used_the_backend_exits(
+    host: gt.SimulatedHost, tmp_path: Path, start_method: str
+) -> None:
+    # A multiprocessing child (a loky worker, a Process) exits through multiprocessing's
+    # exit function, which joins its non-daemonic children: the kept pool's workers.
+    # Before, nothing ended that pool first, and the child (and so its parent) hung.
+    script = tmp_path / "child.py"
+    script.write_text(_PARALLEL_IN_A_CHILD.format(wait_s=CHILD_EXIT_WAIT_S))
+    done = subprocess.run(
+        [sys.executable, str(script), start_method],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_EXIT_WAIT_S * 2,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["exitcode", "0"], done.stderr
