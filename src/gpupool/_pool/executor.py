@@ -184,6 +184,19 @@ def _stop_at_exit() -> None:
 threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
 
 
+def _forget_pools_in_forked_child() -> None:
+    """A forked child (a ``multiprocessing.Pool`` worker) holds copies of the parent's
+    pools but none of their threads: SIGTERM there (``Pool.terminate``) must end the
+    child as it would without gpupool, not stop pools whose dispatcher never ran in it
+    (that wait never ends, and neither does the child, nor its parent's ``terminate``)."""
+    global _terminated
+    _interruptible.clear()
+    _terminated = False
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_forked_child)
+
+
 def _check_label(label: object) -> str | None:
     """A task's label: ``None``, or a non-empty str of at most ``TASK_LABEL_CHARS`` characters
     without control characters (a label is printed on one line of a report)."""
