@@ -55,7 +55,8 @@ from gpupool._sensors.simulated import (
     ledger_at,
     simulated_uuid,
 )
-from gpupool._sensors.simulated_sensor import SimulatedSensor
+from gpupool._sensors.simulated_sensor import SimulatedSensor, simulated_sensor
+from gpupool._sensors.simulated_state import ROWS_MODES
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -260,14 +261,22 @@ class SimulatedHost:
         host_ram: the host's available RAM; ``None``: the real host's.
         driver: ``False`` simulates a host without an NVIDIA driver: the
             sensor raises :class:`~gpupool.NoDriverError`.
-        container: ``True`` simulates a container whose driver lists foreign
-            PIDs: per-process rows show only the co-tenants, never this host's
-            own processes.
+        container: ``True`` simulates a container: the driver lists this
+            host's processes under PIDs of another namespace, so no row is
+            theirs (``rows="hidden"``).
+        rows: how the driver lists this host's processes: ``"listed"`` (with
+            their bytes, as on bare metal), ``"hidden"`` (a container),
+            ``"zero"`` (0 bytes each, as drivers 535.113 to 560 do in a
+            container) or ``"unavailable"`` (no figure, as on a MIG instance).
+            Anything but ``"listed"`` is as strict as such a card: no process
+            reports its own exact peak, so a pool's workers measure as they
+            would there (frameworks' counters, the estimated context, and
+            peaks flagged incomplete where a task's descendants went unread).
 
     Raises:
         InvalidSizeError: a size could not be parsed.
-        ValueError: ``cpus`` is not a positive integer, or a device is not a
-            :class:`SimulatedDevice`.
+        ValueError: ``cpus`` is not a positive integer, a device is not a
+            :class:`SimulatedDevice`, or ``rows`` is not one of the four.
     """
 
     def __init__(
@@ -279,6 +288,7 @@ class SimulatedHost:
         host_ram: int | float | str | None = None,
         driver: bool = True,
         container: bool = False,
+        rows: str = "listed",
     ) -> None:
         for device in devices:
             if not isinstance(device, SimulatedDevice):
@@ -291,6 +301,11 @@ class SimulatedHost:
         self._host_ram_bytes = None if host_ram is None else parse_size(host_ram, name="host_ram")
         self._driver = bool(driver)
         self._container = bool(container)
+        if rows not in ROWS_MODES:
+            raise ValueError(f"rows={rows!r} must be one of {', '.join(ROWS_MODES)}")
+        if container and rows not in ("listed", "hidden"):
+            raise ValueError(f"container=True hides the rows; rows={rows!r} contradicts it")
+        self._rows = "hidden" if container else rows
         self._directory: str | None = None
         self._ledger: Ledger | None = None
         self._saved_env: str | None = None
@@ -356,6 +371,7 @@ class SimulatedHost:
             version=LEDGER_VERSION,
             driver=self._driver,
             container=self._container,
+            rows=self._rows,
             context=self._context_bytes,
             cpus=self._cpus,
             ram=self._host_ram_bytes,
@@ -404,7 +420,7 @@ class SimulatedHost:
         Raises:
             RuntimeError: outside the block.
         """
-        return SimulatedSensor(self._live().path)
+        return simulated_sensor(self._live().path)
 
     # -- co-tenants --------------------------------------------------------------------------
 

@@ -82,3 +82,13 @@ def in_spawned_processes(size: str, count: int) -> list[int | None]:
     for process in processes:
         process.join()
     return [process.exitcode for process in processes]
+
+
+def torch_and_a_subprocess(torch_bytes: int, size: str) -> int:
+    """Allocate ``torch_bytes`` with the worker's torch (the stand-in, charged on the simulated
+    card), then hold ``size`` in a child that exits before the task returns."""
+    cuda = sys.modules["torch"].cuda
+    cuda.allocate(torch_bytes)
+    in_a_subprocess(size)
+    cuda.free(torch_bytes)
+    return 0

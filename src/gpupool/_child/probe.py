@@ -63,7 +63,7 @@ from gpupool._child.frameworks import (
 )
 from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
 from gpupool._core.peak import PeakReport
-from gpupool._core.units import MiB, parse_size
+from gpupool._core.units import MiB, format_size, parse_size
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -441,6 +441,16 @@ class Probe:
         # allocator (its context, NCCL, other libraries), from its own device row:
         # it only grows, as a lazily loaded context does. None: never measured.
         self._context_bytes: int | None = None
+        # This task's readings of its tree while processes ran under the worker: how many
+        # told their bytes, and how many could not (rows hidden, 0, or not available).
+        self._whole_reads = 0
+        self._partial_reads = 0
+        # Whether the driver ever listed this worker's own row: it lists this host's
+        # processes, so a descendant without a row holds nothing (else it may be hidden).
+        self._root_listed = False
+        # The card's used bytes when the task's first reading was taken, and the most since.
+        self._card_used_at_start: int | None = None
+        self._card_used_peak: int | None = None
         # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
         # window is sampled.
         sensor = self._sensor
@@ -476,6 +486,8 @@ class Probe:
                 _reset_torch_peaks(cuda)
         held = self._frameworks.open()
         self._descendant_bytes = 0
+        self._whole_reads = self._partial_reads = 0
+        self._card_used_at_start = self._card_used_peak = None
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
             return
@@ -526,18 +538,43 @@ class Probe:
             tree, own = sensor.read_root_bytes(device, members)
         except Exception:
             return None
-        return self._note_tree(tree, own, held_before)
+        return self._note_tree(tree, own, held_before, members)
 
-    def _note_tree(self, tree: int | None, own: int | None, held_before: int | None) -> int | None:
+    def _note_tree(
+        self,
+        tree: int | None,
+        own: int | None,
+        held_before: int | None,
+        members: frozenset[int] | None = None,
+    ) -> int | None:
         """Note the worker's context and its descendants' bytes from one reading of the tree
-        (``tree``: its bytes, ``own``: the worker's row); the tree's bytes, or ``None``."""
+        (``tree``: its bytes, ``own``: the worker's row, ``members``: the tree it read), and
+        whether that reading told the descendants' bytes; the tree's bytes, or ``None``."""
         own = _trusted(own)
-        if own is not None and held_before is not None:  # else nothing to tell apart
-            self._note_context(own, held_before, self._frameworks.sample())
+        if own is not None:
+            self._root_listed = True
+            if held_before is not None:  # else nothing to tell apart
+                self._note_context(own, held_before, self._frameworks.sample())
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
+        if members is not None and len(members) > 1:  # processes ran under the worker
+            if tree is not None:
+                self._whole_reads += 1
+            else:
+                self._partial_reads += 1
+        self._note_card_used()
         return tree
+
+    def _note_card_used(self) -> None:
+        """Keep the card's used bytes of the reading just judged: the first, and the most."""
+        used = self._sensor.used_bytes if self._sensor is not None else None
+        if used is None:
+            return
+        if self._card_used_at_start is None:
+            self._card_used_at_start = used
+        if self._card_used_peak is None or used > self._card_used_peak:
+            self._card_used_peak = used
 
     def _sample(self, members: frozenset[int]) -> None:
         """One sample of the device, for the tree's sampler: the tree's bytes now."""
@@ -586,6 +623,9 @@ class Probe:
         rss_source = "vmhwm" if rss is not None else "none"
         if rss is not None and tree.rss_peak_bytes is not None:
             rss, rss_source = rss + tree.rss_peak_bytes, "vmhwm+descendants"
+        incomplete = None
+        if not self._exact and tree.descendants:
+            incomplete = self._partial_view(tree.descendants, peak)
         return PeakReport(
             device=self._device_index,
             device_peak_bytes=peak,
@@ -601,7 +641,47 @@ class Probe:
             outliving_descendants=len(tree.outliving_pids),
             outliving_device_bytes=tree.outliving_device_bytes,
             rejected_readings=tree.rejected,
+            incomplete_reason=incomplete,
+            card_used_peak_bytes=self._card_used_peak,
+            card_used_at_start_bytes=self._card_used_at_start,
         )
+
+    def _partial_view(self, descendants: int, peak: int | None) -> str | None:
+        """Why the peak is a partial view of a tree that had ``descendants``, or ``None``.
+
+        A reading of the tree while processes ran under the worker that told none of
+        their bytes (rows hidden by a container, rows of 0, MIG's "not available")
+        makes the peak partial; so does a tree whose descendants no reading caught
+        where the driver never listed this worker's own row (it may list none of
+        this host's processes). Where the card's used bytes were read, the reason
+        says what they bound the true peak by.
+        """
+        if self._partial_reads:
+            said = (
+                f"{descendants} process(es) ran under the worker and {self._partial_reads} "
+                f"reading(s) of the tree could not tell their device bytes (the driver lists "
+                "none of them, or only rows of 0 or without a figure)"
+            )
+        elif not self._whole_reads and not self._root_listed:
+            said = (
+                f"{descendants} process(es) ran under the worker and the driver never listed "
+                "this worker's processes, so their device bytes were not read"
+            )
+        else:
+            return None
+        used, start = self._card_used_peak, self._card_used_at_start
+        if used is not None and start is not None:
+            rise = max(0, used - start)
+            said += (
+                f"; the card's used bytes, as sampled, rose by {format_size(rise)} during the "
+                f"task (to {format_size(used)})"
+            )
+            if peak is not None and rise > peak - (self._baseline_bytes or 0):
+                said += (
+                    f", more than the {format_size(peak)} reported rose: the unread processes "
+                    "(or another tenant) held the difference"
+                )
+        return said
 
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
@@ -609,7 +689,7 @@ class Probe:
         held_before = self._frameworks.sample()
         # The high-water and the tree's rows, from one reading where the sensor can.
         peak, tree, own = sensor.read_peak_and_root(device, members)
-        self._note_tree(tree, own, held_before)
+        self._note_tree(tree, own, held_before, members)
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
     def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:

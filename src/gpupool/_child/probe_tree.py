@@ -378,6 +378,9 @@ class TreeSensor(Sensor):
         self.watch = watch
         self.name = inner.name
         watch.sensor = self
+        # The card's used bytes at the last reading judged (``None``: not read, or unified
+        # memory, where "used" is the host's): the probe's cross-check of a partial view.
+        self.used_bytes: int | None = None
         # The last judgement of a reading's rows (the very rows and memory objects, and the
         # tree): a sensor that gives the same objects for an unchanged card (the
         # simulator's) is not judged again for the same tree.
@@ -470,6 +473,7 @@ class TreeSensor(Sensor):
         members: Collection[int],
     ) -> tuple[int | None, int | None]:
         """``members``' bytes and the root's own row in one reading's rows (reasons kept)."""
+        self.used_bytes = memory.used_bytes if memory is not None and not memory.unified else None
         if rows is None:
             return None, None
         judged = self._judged

@@ -92,6 +92,9 @@ class Postmortem:
             (from the records' ``key_ask_*`` terms).
         key_peaks: per task key, the largest device peak measured (a child's
             report, or what an out-of-memory showed it needed at least).
+        partial_peaks: per task key, why a peak of it was a partial view (flagged
+            incomplete: processes under the worker whose bytes no reading told), the
+            first reason said.
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
@@ -113,6 +116,7 @@ class Postmortem:
     device_widths: dict[int, _Series] = field(default_factory=dict)
     asks: dict[str, _Series] = field(default_factory=dict)
     key_peaks: dict[str, int] = field(default_factory=dict)
+    partial_peaks: dict[str, str] = field(default_factory=dict)
     ooms: list[OomAnalysis] = field(default_factory=list)
     out_of_memory: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
@@ -158,6 +162,7 @@ class Postmortem:
                 }
                 for key, s in sorted(self.asks.items())
             },
+            "partial_peaks": dict(sorted(self.partial_peaks.items())),
             "out_of_memory": self.out_of_memory,
             "verdicts": dict(sorted(self.verdicts.items())),
             "retries": None if self.shutdown is None else self.shutdown.get("retries"),
@@ -277,6 +282,9 @@ class _RunReader:
             peak = record_int(record, name)
             if peak is not None:
                 pm.key_peaks[key] = max(pm.key_peaks.get(key, 0), peak)
+        if record.get("peak_incomplete") is True and len(pm.partial_peaks) < MAX_KEYS:
+            reason = record.get("incomplete_reason")
+            pm.partial_peaks.setdefault(key, str(reason)[:400] if reason else "no reason given")
         ask = record_int(record, "key_ask_bytes")
         if ask is None:
             if key not in pm.asks and len(pm.asks) < MAX_KEYS:
@@ -467,6 +475,12 @@ def format_postmortem(pm: Postmortem) -> list[str]:
                 f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
             )
     lines += _format_asks(pm)
+    if pm.partial_peaks:
+        lines.append(
+            "partial views (a peak that could not read the processes under its worker; "
+            "it never lowered an ask):"
+        )
+        lines += [f"  {key}: {reason}" for key, reason in sorted(pm.partial_peaks.items())]
     refused = pm.events.get("widen_refused", 0)
     waits = pm.events.get("live_gate_wait", 0)
     serial = pm.events.get("serial_start", 0)

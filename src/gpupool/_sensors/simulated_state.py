@@ -95,6 +95,7 @@ class LedgerState(TypedDict):
     version: int
     driver: bool
     container: bool
+    rows: str
     context: int
     cpus: int | None
     ram: int | None
@@ -216,6 +217,13 @@ def memory_of(device: DeviceInfo, dev: DeviceState) -> MemoryReading:
     )
 
 
+#: How the simulated driver lists this host's processes (``SimulatedHost(rows=...)``):
+#: with their bytes; not at all under any PID this host knows (a container: a real
+#: driver lists them under the host's PIDs); with 0 bytes (drivers 535.113 to 560 in a
+#: container); or without a figure (MIG's "not available").
+ROWS_MODES = ("listed", "hidden", "zero", "unavailable")
+
+
 def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] | None:
     if not dev["readable"]:
         return None
@@ -224,12 +232,25 @@ def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] 
         for name, entry in dev["tenants"].items()
         if entry[1] > 0
     ]
-    if not state["container"]:
+    mode = rows_mode(state)
+    if mode != "hidden":
         rows.extend(
-            ProcessReading(pid=int(key), used_bytes=process_bytes(proc), name=proc["name"])
+            ProcessReading(
+                pid=int(key),
+                used_bytes={"listed": process_bytes(proc), "zero": 0}.get(mode),
+                name=proc["name"],
+            )
             for key, proc in dev["procs"].items()
         )
     return tuple(rows)
+
+
+def rows_mode(state: LedgerState) -> str:
+    """How the driver lists this host's processes (:data:`ROWS_MODES`)."""
+    if state["container"]:
+        return "hidden"
+    mode = cast("dict[str, object]", state).get("rows", "listed")  # absent: an older ledger
+    return mode if isinstance(mode, str) else "listed"
 
 
 def _in_tree(key: str, proc: ProcessState, root: str) -> bool:
