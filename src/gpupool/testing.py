@@ -171,12 +171,15 @@ class SimulatedDevice:
             it as ``/proc/meminfo`` would, with ``total`` as ``MemTotal``.
         readable: ``False`` makes memory readings fail as a broken NVML does
             (:class:`~gpupool.DeviceUnreadableError`); allocation still works.
+        mig: the device is a MIG instance (``total`` is the instance's memory):
+            the driver lists its processes without a figure, as NVML's "not
+            available", whatever the host's ``rows``.
 
     Raises:
         InvalidSizeError: a size could not be parsed.
     """
 
-    __slots__ = ("_co_tenants", "_readable", "_total_bytes", "_unified")
+    __slots__ = ("_co_tenants", "_mig", "_readable", "_total_bytes", "_unified")
 
     def __init__(
         self,
@@ -185,8 +188,10 @@ class SimulatedDevice:
         co_tenants: Mapping[str, int | float | str] | None = None,
         unified: bool = False,
         readable: bool = True,
+        mig: bool = False,
     ) -> None:
         self._total_bytes = parse_size(total, name="total", allow_zero=False)
+        self._mig = bool(mig)
         self._co_tenants = MappingProxyType(
             {
                 str(name): parse_size(size, name=f"co_tenants[{name!r}]")
@@ -216,21 +221,27 @@ class SimulatedDevice:
         """Whether the card's memory can be read."""
         return self._readable
 
+    @property
+    def mig(self) -> bool:
+        """Whether the device is a MIG instance."""
+        return self._mig
+
     def __repr__(self) -> str:
         return (
             f"SimulatedDevice(total={self._total_bytes}, co_tenants={dict(self._co_tenants)!r}, "
-            f"unified={self._unified}, readable={self._readable})"
+            f"unified={self._unified}, readable={self._readable}, mig={self._mig})"
         )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SimulatedDevice):
             return NotImplemented
-        mine = (self._total_bytes, dict(self._co_tenants), self._unified, self._readable)
+        mine = (self._total_bytes, dict(self._co_tenants), self._unified, self._readable, self._mig)
         return mine == (
             other._total_bytes,
             dict(other._co_tenants),
             other._unified,
             other._readable,
+            other._mig,
         )
 
     def __hash__(self) -> int:
@@ -267,7 +278,8 @@ class SimulatedHost:
         rows: how the driver lists this host's processes: ``"listed"`` (with
             their bytes, as on bare metal), ``"hidden"`` (a container),
             ``"zero"`` (0 bytes each, as drivers 535.113 to 560 do in a
-            container) or ``"unavailable"`` (no figure, as on a MIG instance).
+            container) or ``"unavailable"`` (no figure, as on a MIG instance:
+            ``SimulatedDevice(mig=True)`` lists its rows so whatever this says).
             Anything but ``"listed"`` is as strict as such a card: no process
             reports its own exact peak, so a pool's workers measure as they
             would there (frameworks' counters, the estimated context, and
@@ -365,6 +377,7 @@ class SimulatedHost:
                     peaks={},
                     peak=sum(device.co_tenants.values()),
                     trees={},
+                    mig=device.mig,
                 )
             )
         return LedgerState(

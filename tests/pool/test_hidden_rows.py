@@ -24,14 +24,18 @@ def _records(log) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("rows", ["hidden", "zero", "unavailable"])
+@pytest.mark.parametrize("rows", ["hidden", "zero", "unavailable", "mig"])
 def test_a_child_whose_rows_are_hidden_flags_the_peak_and_keeps_the_ask(tmp_path, rows):
     """A worker whose torch holds 768 MiB and whose child holds 5 GiB, rows hidden: the
     peak (torch plus the estimated context) is flagged incomplete in the record, with the
     card's used bytes as its upper bound, and the key's ask stays at task_peak (7 GiB)
     instead of falling to about 1.4 GiB."""
     log = tmp_path / "log.jsonl"
-    with SimulatedHost([SimulatedDevice("24GiB")], context="500MiB", rows=rows):
+    mig = rows == "mig"  # a MIG instance lists rows without a figure, whatever the host's mode
+    host = SimulatedHost(
+        [SimulatedDevice("24GiB", mig=mig)], context="500MiB", rows="listed" if mig else rows
+    )
+    with host:
         with GpuPoolExecutor(
             max_workers=1,
             task_peak="7GiB",

@@ -706,3 +706,16 @@ def test_hosts_exited_out_of_order_leave_no_stale_variable() -> None:
     b.__exit__(None, None, None)
     assert os.environ.get(SIMULATOR_ENV) != path_b
     assert os.environ.get(SIMULATOR_ENV) == saved
+
+
+def test_a_mig_instance_is_named_so_and_lists_rows_without_a_figure() -> None:
+    """SimulatedDevice(mig=True) is a MIG instance to the sensor, and its rows have no figure
+    (NVML's "not available") on a host whose other cards list theirs."""
+    with gt.SimulatedHost([card(), gt.SimulatedDevice("10GiB", mig=True)]) as host:
+        sensor = host.sensor()
+        plain, instance = sensor.read_devices()
+        assert (plain.mig, instance.mig, instance.mig_index) == (False, True, 0)
+        with gt.hold("1GiB", device=1):
+            listed = {row.pid: row.used_bytes for row in sensor.read_processes(instance) or ()}
+            assert listed == {os.getpid(): None}
+            assert sensor.read_process_peak_bytes(instance, os.getpid()) is None

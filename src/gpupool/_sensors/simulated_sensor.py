@@ -26,6 +26,7 @@ from gpupool._sensors.simulated_state import (
     Snapshot,
     device_of,
     memory_of,
+    is_mig,
     rows_mode,
     rows_of,
 )
@@ -90,7 +91,13 @@ class SimulatedSensor(Sensor):
         """
         state = self._view()
         return tuple(
-            DeviceInfo(index=index, uuid=dev["uuid"], name=DEVICE_NAME)
+            DeviceInfo(
+                index=index,
+                uuid=dev["uuid"],
+                name=DEVICE_NAME,
+                mig=is_mig(dev),
+                mig_index=0 if is_mig(dev) else None,
+            )
             for index, dev in enumerate(state["devices"])
         )
 
@@ -228,7 +235,9 @@ def simulated_sensor(ledger_path: str) -> SimulatedSensor:
     :class:`SimulatedSensor`."""
     sensor = SimulatedSensor(ledger_path)
     try:
-        mode = rows_mode(sensor._view())
+        state = sensor._view()
     except NoDriverError:
         return sensor
-    return sensor if mode == "listed" else HiddenRowsSensor(ledger_path)
+    if rows_mode(state) == "listed" and not any(is_mig(dev) for dev in state["devices"]):
+        return sensor
+    return HiddenRowsSensor(ledger_path)

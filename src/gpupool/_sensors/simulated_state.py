@@ -76,6 +76,7 @@ class DeviceState(TypedDict):
     peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
     peak: int  # the device's high-water of used bytes over the run
     trees: dict[str, TreeWindow]  # str(root pid) -> its tree's high-water window
+    mig: bool  # a MIG instance (absent from older ledgers: not one)
 
 
 class OutOfMemoryRecord(TypedDict):
@@ -232,7 +233,7 @@ def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] 
         for name, entry in dev["tenants"].items()
         if entry[1] > 0
     ]
-    mode = rows_mode(state)
+    mode = "unavailable" if is_mig(dev) else rows_mode(state)
     if mode != "hidden":
         rows.extend(
             ProcessReading(
@@ -243,6 +244,11 @@ def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] 
             for key, proc in dev["procs"].items()
         )
     return tuple(rows)
+
+
+def is_mig(dev: DeviceState) -> bool:
+    """Whether ``dev`` is a MIG instance (``SimulatedDevice(mig=True)``)."""
+    return cast("dict[str, object]", dev).get("mig") is True
 
 
 def rows_mode(state: LedgerState) -> str:
