@@ -25,8 +25,8 @@ from gpupool._sensors.simulated_state import (
     LedgerState,
     Snapshot,
     device_of,
-    memory_of,
     is_mig,
+    memory_of,
     rows_mode,
     rows_of,
 )
