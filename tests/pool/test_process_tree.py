@@ -82,3 +82,17 @@ def test_processes_a_task_spawns_are_its_peak():
     assert codes == [0, 0]
     measured = _measured(decisions, "tree_tasks.in_spawned_processes")
     assert measured and measured[0]["peak_bytes"] == 2 * (2 * GiB + 300 * MiB)
+
+
+def test_a_double_forked_daemon_stays_in_the_tree():
+    """A task whose 3 GiB live in a double-forked daemon (orphaned before it allocates) is
+    measured with them: the worker is a child subreaper, so the daemon stays under it."""
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB", context="300MiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="4GiB", reserve=0) as ex:
+            for _ in range(2):  # the second task: the first's daemon was reaped, not counted
+                assert ex.submit(tree_tasks.in_a_double_forked_daemon, "3GiB").result(60) == 0
+            decisions = list(ex.decisions)
+    measured = _measured(decisions, "tree_tasks.in_a_double_forked_daemon")
+    assert measured, [d.to_dict() for d in decisions]
+    assert measured[0]["peak_bytes"] == 3 * GiB + 300 * MiB
+    assert measured[0]["descendants"] >= 1

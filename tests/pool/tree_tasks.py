@@ -92,3 +92,35 @@ def torch_and_a_subprocess(torch_bytes: int, size: str) -> int:
     in_a_subprocess(size)
     cuda.free(torch_bytes)
     return 0
+
+
+#: A daemon, double-forked: the first child forks and exits at once, so the second is an
+#: orphan before it allocates; it holds ``argv[1]``, says so, and waits until stdin closes.
+_DAEMON = """
+import os
+import sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+from gpupool.testing import hold
+with hold(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def in_a_double_forked_daemon(size: str) -> int:
+    """Hold ``size`` in a double-forked daemon, then let it go (it exits once its stdin,
+    which it shares with the first child, closes)."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _DAEMON, size],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert starter.stdout is not None and starter.stdin is not None
+    assert starter.stdout.readline().strip() == "held"
+    assert starter.wait() == 0  # the first child exited: the daemon is an orphan
+    starter.stdin.close()  # the daemon lets go and exits
+    starter.stdout.close()
+    return 0

@@ -55,6 +55,8 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 #: ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
+#: ``prctl`` option: orphans of this process's descendants are re-parented to it, not to init.
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
@@ -88,6 +90,9 @@ def die_with_parent(parent_pid: int) -> bool:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
             return False
+        # A child subreaper: a process a task double-forks (a daemon) stays under this
+        # worker, so its tree, and its device bytes, are still the task's.
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         return False
     if os.getppid() != parent_pid:
