@@ -304,6 +304,9 @@ class _CapState:
     # (None: never measured, the estimate stands in), and what the cap last left out.
     context_bytes: int | None = None
     outside_bytes: int | None = None
+    # What the worker's descendants hold now, by the probe's last reading of the tree's rows
+    # (0 where none was read: rows hidden leave them out, and the cap cannot see them).
+    descendant_bytes: int = 0
 
 
 _CAP = _CapState()
@@ -319,6 +322,7 @@ def allocator_cap_state() -> dict[str, Any]:
         "error": _CAP.error,
         "outside_bytes": _CAP.outside_bytes,
         "outside_source": "estimated" if _CAP.context_bytes is None else "process-row",
+        "descendant_bytes": _CAP.descendant_bytes,
     }
 
 
@@ -329,7 +333,9 @@ def apply_allocator_cap(ask_bytes: int) -> None:
 
     Outside torch: the bytes the probe measured outside every framework (its
     context; :data:`CONTEXT_ESTIMATE_BYTES` until a device row of this
-    process was read), plus what CuPy's and JAX's pools hold when the cap is set.
+    process was read), plus what CuPy's and JAX's pools hold when the cap is set,
+    plus what the worker's descendants hold by the probe's last reading of their
+    rows; the cap is set again each time a reading finds that changed.
 
     Called by the worker before each task when the pool has ``cap_allocator=True``.
     Where the task's CUDA is already initialised the fraction is set now
@@ -395,7 +401,7 @@ def _set_fraction(torch: Any) -> None:
         if _CAP.total_bytes is None:
             _CAP.total_bytes = int(cuda.get_device_properties(0).total_memory)
         context = _CAP.context_bytes if _CAP.context_bytes is not None else CONTEXT_ESTIMATE_BYTES
-        outside = context + read_held_bytes(leave_out="torch")
+        outside = context + read_held_bytes(leave_out="torch") + _CAP.descendant_bytes
         allowed = max(0, ask - outside)
         _CAP.outside_bytes = outside
         fraction = min(1.0, allowed / _CAP.total_bytes) if _CAP.total_bytes > 0 else 1.0
@@ -406,6 +412,17 @@ def _set_fraction(torch: Any) -> None:
         _CAP.error = None
     except Exception as exc:
         _CAP.error = f"{type(exc).__name__}: {exc}"
+
+
+def _note_descendants_for_cap(descendant_bytes: int) -> None:
+    """The worker's descendants hold ``descendant_bytes`` now: where a cap is wanted and the
+    figure moved, the cap is set again (now, where torch's CUDA is initialised)."""
+    if _CAP.ask_bytes is None or descendant_bytes == _CAP.descendant_bytes:
+        return
+    _CAP.descendant_bytes = max(0, descendant_bytes)
+    torch = sys.modules.get("torch")
+    if torch is not None and initialised_torch_cuda() is not None:
+        _set_fraction(torch)
 
 
 # -- the probe ----------------------------------------------------------------------------
@@ -506,6 +523,10 @@ class Probe:
             self._sampled_peak_bytes = self._baseline_bytes
             # Sampled on the tree's sampler thread, with the tree it just read.
             self._tree.tick_with(self._sample)
+        elif _CAP.ask_bytes is not None:
+            # The exact high-water needs no sampling, but the cap follows the descendants.
+            self._read_tree(sensor, device, held, members)
+            self._tree.tick_with(self._sample)
 
     def _note_context(
         self, process_bytes: int | None, held_before: int | None, held_after: int | None
@@ -558,6 +579,7 @@ class Probe:
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
+            _note_descendants_for_cap(tree - (own or 0))
         if members is not None and len(members) > 1:  # processes ran under the worker
             if tree is not None:
                 self._whole_reads += 1
@@ -619,6 +641,8 @@ class Probe:
                 _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
         tree = self._tree.close(self._device)
+        # What the task left running still holds its bytes; the next reading says more.
+        _CAP.descendant_bytes = tree.outliving_device_bytes or 0
         rss = read_rss_high_water()
         rss_source = "vmhwm" if rss is not None else "none"
         if rss is not None and tree.rss_peak_bytes is not None:
