@@ -809,3 +809,30 @@ def test_cap_takes_out_what_the_workers_descendants_hold_and_follows_them(monkey
         card.compute = [(pid, context)]
         probe.stop()
     assert allocator_cap_state()["descendant_bytes"] == 0
+
+
+def test_a_co_tenant_under_the_workers_pid_is_refused_not_taken_for_its_context(
+    monkeypatch, fresh_cap
+):
+    """In a container the driver lists host PIDs: a co-tenant's 9 GiB under the PID this worker
+    has in its namespace, beside torch's 768 MiB, is not an 8.25 GiB context (nor a cap of
+    almost 0): the row is refused as implausible, with the reason, and the context estimated."""
+    from gpupool._child.probe import CONTEXT_PLAUSIBLE_MAX_BYTES
+
+    pid = os.getpid()
+    card = h100(0)
+    card.compute = [(pid, 9 * GiB)]  # another namespace's process, under this worker's PID
+    card.free = card.total - card.reserved - 9 * GiB
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    probe = _nvml_probe(monkeypatch, card, torch)
+    torch.cuda.allocate(0)
+    probe.start()
+    torch.cuda.allocate(768 * MiB)
+    report = probe.stop()
+    assert 9 * GiB - 768 * MiB > CONTEXT_PLAUSIBLE_MAX_BYTES
+    assert (report.context_bytes, report.context_source) == (CONTEXT_ESTIMATE_BYTES, "estimated")
+    assert report.device_peak_bytes == 768 * MiB + CONTEXT_ESTIMATE_BYTES
+    assert any("another PID namespace" in reason for reason in report.rejected_readings)
+    apply_allocator_cap(4 * GiB)
+    assert allocator_cap_state()["outside_bytes"] == CONTEXT_ESTIMATE_BYTES

@@ -63,7 +63,7 @@ from gpupool._child.frameworks import (
 )
 from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
 from gpupool._core.peak import PeakReport
-from gpupool._core.units import MiB, format_size, parse_size
+from gpupool._core.units import GiB, MiB, format_size, parse_size
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALLOCATOR_CAP_NOTE",
     "CONTEXT_ESTIMATE_BYTES",
+    "CONTEXT_PLAUSIBLE_MAX_BYTES",
     "Probe",
     "allocator_cap_message",
     "allocator_cap_state",
@@ -101,6 +102,13 @@ SAMPLE_INTERVAL_S = TREE_SAMPLE_INTERVAL_S
 #: on it says so (``context_source="estimated"``); eager module loading,
 #: NCCL communicators and workspaces outside torch's allocator can hold more.
 CONTEXT_ESTIMATE_BYTES = 640 * MiB
+
+#: The most a process can hold outside the frameworks' allocators and be this worker: a
+#: judgement, set well above a CUDA context with its modules loaded eagerly, NCCL's
+#: buffers and library workspaces together. A row under this worker's PID that holds more
+#: than this beyond its frameworks is another namespace's process (a container's driver
+#: lists host PIDs, which may equal this worker's), refused as implausible.
+CONTEXT_PLAUSIBLE_MAX_BYTES = 6 * GiB
 
 #: How many exceptions of a ``__cause__`` / ``__context__`` / group chain are
 #: searched for an out-of-memory; a chain is never longer in practice, and a
@@ -462,6 +470,8 @@ class Probe:
         # told their bytes, and how many could not (rows hidden, 0, or not available).
         self._whole_reads = 0
         self._partial_reads = 0
+        # Whether a row under this worker's PID was found to be another namespace's process.
+        self._foreign = False
         # Whether the driver ever listed this worker's own row: it lists this host's
         # processes, so a descendant without a row holds nothing (else it may be hidden).
         self._root_listed = False
@@ -504,6 +514,7 @@ class Probe:
         held = self._frameworks.open()
         self._descendant_bytes = 0
         self._whole_reads = self._partial_reads = 0
+        self._foreign = False
         self._card_used_at_start = self._card_used_peak = None
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
@@ -520,6 +531,8 @@ class Probe:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
             self._read_tree(sensor, device, held, members)
+            if self._foreign:
+                self._baseline_bytes = None  # the row under this PID is not this worker's
             self._sampled_peak_bytes = self._baseline_bytes
             # Sampled on the tree's sampler thread, with the tree it just read.
             self._tree.tick_with(self._sample)
@@ -572,10 +585,14 @@ class Probe:
         (``tree``: its bytes, ``own``: the worker's row, ``members``: the tree it read), and
         whether that reading told the descendants' bytes; the tree's bytes, or ``None``."""
         own = _trusted(own)
+        if own is not None and held_before is not None:  # else nothing to tell apart
+            held_after = self._frameworks.sample()
+            if self._foreign_row(own, held_before, held_after):
+                own = tree = None  # another process's row: this reading measures nothing
+            else:
+                self._note_context(own, held_before, held_after)
         if own is not None:
             self._root_listed = True
-            if held_before is not None:  # else nothing to tell apart
-                self._note_context(own, held_before, self._frameworks.sample())
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
@@ -587,6 +604,26 @@ class Probe:
                 self._partial_reads += 1
         self._note_card_used()
         return tree
+
+    def _foreign_row(self, own: int, held_before: int, held_after: int | None) -> bool:
+        """Whether the row under this worker's PID holds more outside its frameworks than any
+        context could (:data:`CONTEXT_PLAUSIBLE_MAX_BYTES`): a process of another PID
+        namespace under the same PID (a container's driver lists host PIDs), not this one.
+        The reason is kept with the task's rejected readings."""
+        outside = own - max(held_before, held_after or 0)
+        if outside <= CONTEXT_PLAUSIBLE_MAX_BYTES:
+            return False
+        self._foreign = True
+        self._tree.note_rejections(
+            (
+                f"the row under this worker's PID ({self._pid}) holds {format_size(outside)} "
+                "outside its frameworks, more than any CUDA context "
+                f"({format_size(CONTEXT_PLAUSIBLE_MAX_BYTES)}): a process of another PID "
+                "namespace listed under the same PID (a container), not this worker; "
+                "refused as implausible",
+            )
+        )
+        return True
 
     def _note_card_used(self) -> None:
         """Keep the card's used bytes of the reading just judged: the first, and the most."""
@@ -727,6 +764,8 @@ class Probe:
             lifetime_max = _trusted(sensor.read_process_max_bytes(device, self._pid))
         except Exception:
             lifetime_max = None
+        if self._foreign:
+            lifetime_max = None  # the driver's maximum under this PID is another process's
         # The driver's own maximum rose during this task: it misses no spike of the
         # worker's. It is the worker's alone: its descendants' bytes are added.
         rose = lifetime_max is not None and lifetime_max > (self._max_at_start or 0)
