@@ -96,3 +96,25 @@ def test_a_double_forked_daemon_stays_in_the_tree():
     assert measured, [d.to_dict() for d in decisions]
     assert measured[0]["peak_bytes"] == 3 * GiB + 300 * MiB
     assert measured[0]["descendants"] >= 1
+
+
+def test_a_subprocess_that_runs_the_card_out_of_memory_is_retried(tmp_path):
+    """Six tasks priced at 1 GiB whose children hold 4.5 GiB, three at once on a 12 GiB card:
+    a child the card refused fails the task with a CalledProcessError whose stderr says so;
+    it is classified as out-of-memory from that output and retried, and no task is lost."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    with SimulatedHost([SimulatedDevice("12GiB")], cpus=4, host_ram="64GiB") as host:
+        with GpuPoolExecutor(max_workers=3, task_peak="1GiB") as ex:
+            futures = [
+                ex.submit(tree_tasks.in_a_subprocess_together, i, "4.5GiB", str(gate))
+                for i in range(6)
+            ]
+            assert sorted(f.result(timeout=120) for f in futures) == list(range(6))
+            stats = ex.statistics()
+            decisions = [d.to_dict() for d in ex.decisions]
+        refused = host.out_of_memory_events
+    assert refused, "three children of 4.5 GiB at once on a 12 GiB card: one was refused"
+    assert stats.retries >= 1
+    ooms = [d for d in decisions if d["event"] == "out_of_memory"]
+    assert ooms and all(d["oom_recognised"] == "subprocess-output" for d in ooms)

@@ -124,3 +124,41 @@ def in_a_double_forked_daemon(size: str) -> int:
     starter.stdin.close()  # the daemon lets go and exits
     starter.stdout.close()
     return 0
+
+
+#: A child that waits (at most 60 s) until three have started, then holds ``argv[1]`` until
+#: three hold or one was refused; a refused one fails with the simulator's out-of-memory
+#: traceback on its stderr, as a framework's child would.
+_TOGETHER = """
+import pathlib, sys, time
+import gpupool.testing as gt
+gate = pathlib.Path(sys.argv[2])
+
+def wait_for(pattern):
+    deadline = time.monotonic() + 60
+    while len(list(gate.glob(pattern))) < 3 and time.monotonic() < deadline:
+        if list(gate.glob("refused-*")):
+            return
+        time.sleep(0.01)
+
+(gate / f"started-{sys.argv[3]}").touch()
+wait_for("started-*")
+try:
+    with gt.hold(sys.argv[1]):
+        (gate / f"holding-{sys.argv[3]}").touch()
+        wait_for("holding-*")
+except gt.SimulatedOutOfMemory:
+    (gate / f"refused-{sys.argv[3]}").touch()
+    raise
+"""
+
+
+def in_a_subprocess_together(i: int, size: str, gate: str) -> int:
+    """Hold ``size`` in a child, three children at once (see ``_TOGETHER``); the child's
+    failure is the task's ``CalledProcessError``, its stderr captured."""
+    subprocess.run(
+        [sys.executable, "-c", _TOGETHER, size, gate, str(i)],
+        capture_output=True,
+        check=True,
+    )
+    return i

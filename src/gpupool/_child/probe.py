@@ -83,6 +83,8 @@ __all__ = [
     "apply_allocator_cap",
     "device_oom_of",
     "is_device_oom",
+    "oom_in_output",
+    "oom_recognised_by",
     "read_allocator_cap_message",
     "release_caches",
     "requested_bytes_of",
@@ -146,6 +148,7 @@ _OOM_TYPES = {
     ("cuda.core.experimental", "CUDAOutOfMemoryError"),
     ("cuda.core", "CUDAOutOfMemoryError"),
     ("gpupool.testing", "SimulatedOutOfMemory"),
+    ("gpupool._commands.run", "CommandOutOfMemory"),
 }
 
 # Sizes of the failed allocation, as each library words them. XLA's
@@ -205,11 +208,65 @@ def is_device_oom(exc: BaseException) -> bool:
 
 
 def _text(exc: BaseException) -> str:
-    """``str(exc)``, or ``""`` when the exception's own ``__str__`` raises."""
+    """``str(exc)``, with the tail of a subprocess's error output where the exception carries
+    it (:class:`subprocess.CalledProcessError`'s ``stderr``, ``output``), or ``""`` when the
+    exception's own ``__str__`` raises."""
     try:
-        return str(exc)
+        text = str(exc)
     except Exception:
-        return ""
+        text = ""
+    streams = [getattr(exc, name, None) for name in ("stderr", "output")]
+    tail = [_tail_text(stream) for stream in streams if isinstance(stream, (str, bytes))]
+    return "\n".join([text, *tail]) if tail else text
+
+
+#: How much of a subprocess's output is searched for an out-of-memory text (its end: a
+#: framework's error is the last thing a failed process writes).
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+
+def _tail_text(stream: str | bytes) -> str:
+    """The last :data:`OUTPUT_TAIL_BYTES` of ``stream``, as text."""
+    if isinstance(stream, bytes):
+        return stream[-OUTPUT_TAIL_BYTES:].decode("utf-8", "replace")
+    return stream[-OUTPUT_TAIL_BYTES:]
+
+
+def oom_in_output(output: str | bytes) -> str | None:
+    """The line of ``output`` (a command's error output) that says the device ran out of
+    memory (CUDA's, cuDNN's, cuBLAS's, NCCL's, torch's, CuPy's, JAX's words: the patterns
+    :func:`is_device_oom` searches), or ``None``. Only its last
+    :data:`OUTPUT_TAIL_BYTES` are read."""
+    text = _tail_text(output)
+    match = _OOM_PATTERNS.search(text)
+    if match is None:
+        return None
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.end())
+    return text[start : end if end >= 0 else len(text)].strip()[:400]
+
+
+def oom_recognised_by(exc: BaseException) -> str | None:
+    """How the device out-of-memory in ``exc``'s chain was recognised: ``"type"`` (a
+    framework's out-of-memory class), ``"message"`` (its words in the exception's message),
+    ``"subprocess-output"`` (in the error output of a subprocess the exception carries),
+    ``"command-output"`` (in a ``gpupool run`` command's error output), or ``None`` where
+    there is none."""
+    for linked in _chain(exc):
+        for cls in type(linked).__mro__:
+            if (cls.__module__, cls.__name__) == ("gpupool._commands.run", "CommandOutOfMemory"):
+                return "command-output"  # found in a gpupool run command's error output
+            if (cls.__module__, cls.__name__) in _OOM_TYPES:
+                return "type"
+        try:
+            own = str(linked)
+        except Exception:
+            own = ""
+        if _OOM_PATTERNS.search(own):
+            return "message"
+        if _OOM_PATTERNS.search(_text(linked)):
+            return "subprocess-output"
+    return None
 
 
 def requested_bytes_of(exc: BaseException) -> int | None:
@@ -698,6 +755,7 @@ class Probe:
             rss_source=rss_source,
             oom=oom is not None,
             oom_requested_bytes=requested,
+            oom_recognised=oom_recognised_by(oom) if oom is not None else None,
             descendants=tree.descendants,
             outliving_descendants=len(tree.outliving_pids),
             outliving_device_bytes=tree.outliving_device_bytes,

@@ -55,6 +55,11 @@ class PeakReport:
             hide), or ``None`` where the card's used bytes were not read.
         card_used_at_start_bytes: what the card used when the task started,
             or ``None``.
+        oom_recognised: how the out-of-memory was recognised, where ``oom``:
+            ``"type"`` (a framework's out-of-memory class), ``"message"`` (its
+            words in the error's message), ``"subprocess-output"`` (in the error
+            output of a subprocess the error carries) or ``"command-output"``
+            (in a ``gpupool run`` command's error output).
     """
 
     device: int | None
@@ -74,6 +79,7 @@ class PeakReport:
     incomplete_reason: str | None = None
     card_used_peak_bytes: int | None = None
     card_used_at_start_bytes: int | None = None
+    oom_recognised: str | None = None
 
     @property
     def incomplete(self) -> bool:
