@@ -437,11 +437,15 @@ class SimulatedHost:
 
     # -- co-tenants --------------------------------------------------------------------------
 
-    def grow(self, name: str, size: int | float | str, device: int = 0) -> None:
+    def grow(
+        self, name: str, size: int | float | str, device: int = 0, *, listed: bool = True
+    ) -> None:
         """Add ``size`` to co-tenant ``name`` on ``device``, creating it if new.
 
         A negative size shrinks it (see :meth:`shrink`). Call it while a pool
-        runs to simulate another process growing on the card.
+        runs to simulate another process growing on the card. A co-tenant made
+        with ``listed=False`` is in no row of the driver's list, only in the
+        card's used bytes: managed memory, or a process the driver does not list.
 
         Raises:
             SimulatedOutOfMemory: the card cannot hold the growth; nothing is
@@ -452,7 +456,7 @@ class SimulatedHost:
         if nbytes < 0:
             self.shrink(name, -nbytes, device)
             return
-        refusal = self._live().grow_tenant(device, name, nbytes)
+        refusal = self._live().grow_tenant(device, name, nbytes, listed=listed)
         if refusal is not None:
             raise SimulatedOutOfMemory._from_record(refusal)
 

@@ -162,3 +162,21 @@ def in_a_subprocess_together(i: int, size: str, gate: str) -> int:
         check=True,
     )
     return i
+
+
+def hold_until_released(size: str, gate: str) -> int:
+    """Hold ``size`` in this worker, say so (``gate/ready-<pid>``), and keep it until
+    ``gate/go`` exists (at most 60 s)."""
+    import os
+    import pathlib
+    import time
+
+    from gpupool.testing import hold
+
+    gate_dir = pathlib.Path(gate)
+    with hold(size):
+        (gate_dir / f"ready-{os.getpid()}").touch()
+        deadline = time.monotonic() + 60
+        while not (gate_dir / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return 0

@@ -115,6 +115,7 @@ EventName = Literal[
     "shutdown",
     "card_read",
     "peaks_vary",
+    "unexplained_memory",
 ]
 
 #: Every event a decision record can carry, and what it means.
@@ -150,6 +151,8 @@ EVENTS: Mapping[str, str] = {
     "peaks_vary": "a task key's measured peaks vary a lot (the largest more than twice the "
     "least and more than the margin floor above it, from three on): its margin is held to "
     "their range; give its tasks size= or keys of their own",
+    "unexplained_memory": "the card's used bytes that no process's row explains rose while "
+    "the pool's tasks ran: managed memory, a process the driver does not list, or a spike",
 }
 
 JsonScalar = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)

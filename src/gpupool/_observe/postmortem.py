@@ -95,6 +95,9 @@ class Postmortem:
         partial_peaks: per task key, why a peak of it was a partial view (flagged
             incomplete: processes under the worker whose bytes no reading told), the
             first reason said.
+        unexplained_rise_bytes: the most a card's used bytes that no process's row
+            explains rose while the pool's tasks ran (``unexplained_memory``
+            warnings), or ``None`` where no warning was recorded.
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
@@ -117,6 +120,7 @@ class Postmortem:
     asks: dict[str, _Series] = field(default_factory=dict)
     key_peaks: dict[str, int] = field(default_factory=dict)
     partial_peaks: dict[str, str] = field(default_factory=dict)
+    unexplained_rise_bytes: int | None = None
     ooms: list[OomAnalysis] = field(default_factory=list)
     out_of_memory: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
@@ -163,6 +167,7 @@ class Postmortem:
                 for key, s in sorted(self.asks.items())
             },
             "partial_peaks": dict(sorted(self.partial_peaks.items())),
+            "unexplained_rise_bytes": self.unexplained_rise_bytes,
             "out_of_memory": self.out_of_memory,
             "verdicts": dict(sorted(self.verdicts.items())),
             "retries": None if self.shutdown is None else self.shutdown.get("retries"),
@@ -256,6 +261,10 @@ class _RunReader:
             self.waiting.append(
                 (number, record, self.most.get(device, 0) if device is not None else 0)
             )
+        elif event == "unexplained_memory":
+            rise = record_int(record, "unexplained_rise_bytes")
+            if rise is not None:
+                pm.unexplained_rise_bytes = max(pm.unexplained_rise_bytes or 0, rise)
         elif event == "shutdown":
             pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
 
@@ -481,6 +490,13 @@ def format_postmortem(pm: Postmortem) -> list[str]:
             "it never lowered an ask):"
         )
         lines += [f"  {key}: {reason}" for key, reason in sorted(pm.partial_peaks.items())]
+    if pm.unexplained_rise_bytes is not None:
+        count = pm.events.get("unexplained_memory", 0)
+        lines.append(
+            f"memory no row explains: rose by up to {format_size(pm.unexplained_rise_bytes)} "
+            f"while tasks ran ({count} warning{'s' if count != 1 else ''}: managed memory, a "
+            "process the driver does not list, or a spike; no task's peak counts it)"
+        )
     refused = pm.events.get("widen_refused", 0)
     waits = pm.events.get("live_gate_wait", 0)
     serial = pm.events.get("serial_start", 0)

@@ -81,7 +81,7 @@ def ledger_problem(value: dict[str, object]) -> str | None:
         for name, entry in dev["tenants"].items():
             if not (
                 isinstance(entry, list)
-                and len(entry) == 2
+                and len(entry) in (2, 3)  # a third: 1 for a co-tenant the driver does not list
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry)
             ):
                 return f"{where}'s co-tenant {name!r} is {entry!r}"

@@ -71,7 +71,7 @@ class DeviceState(TypedDict):
     total: int
     unified: bool
     readable: bool
-    tenants: dict[str, list[int]]  # name -> [fake pid, bytes]
+    tenants: dict[str, list[int]]  # name -> [fake pid, bytes] (+ [1]: not listed in the rows)
     procs: dict[str, ProcessState]  # str(pid) -> charge
     peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
     peak: int  # the device's high-water of used bytes over the run
@@ -231,7 +231,7 @@ def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] 
     rows = [
         ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
         for name, entry in dev["tenants"].items()
-        if entry[1] > 0
+        if entry[1] > 0 and entry[2:] != [1]
     ]
     mode = "unavailable" if is_mig(dev) else rows_mode(state)
     if mode != "hidden":
