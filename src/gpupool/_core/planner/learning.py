@@ -188,12 +188,17 @@ class Learning:
         assert peak is not None
         self.settle(now_s)
         before = self._state.asks.ask(key)
+        floor = peak + self._state.asks.policy.margin_for(peak)
         if peak <= before.ask_bytes:
-            if report.incomplete:  # said once per key, with what it did not do
+            if report.incomplete:
+                # A lower bound of the task's peak: no later measurement prices the key
+                # below it; said once per key, with what it did not do.
+                after = self._state.asks.floor(key, floor)
+                self._state.rebook(key)
                 learned = Learned(device, report, [(peak, None)])
-                self._ask_changed(key, learned, before, before, now_s)
+                self._ask_changed(key, learned, before, after, now_s)
             return
-        after = self._state.asks.floor(key, peak + self._state.asks.policy.margin_for(peak))
+        after = self._state.asks.floor(key, floor)
         self._state.rebook(key)
         self._ask_changed(key, Learned(device, report, [(peak, None)]), before, after, now_s)
 
