@@ -423,6 +423,28 @@ def test_what_if_plans_do_not_read_this_machine(capsys: pytest.CaptureFixture[st
     assert any("max_workers not given" in note for note in data["notes"])
 
 
+def test_a_plan_without_max_workers_names_the_card_as_its_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without max_workers the plan is planned at what the card holds: the card's room set
+    the width, and the plan names the memory bound, never "max_workers"; a co-tenant typed
+    with --co-tenant is labelled given, not worked out from a reading."""
+    argv = ["plan", "--total", "24GiB", "--co-tenant", "3GiB", "--task-peak", "7GiB"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["width"], data["limit"]) == (2, "memory")
+    assert data["devices"][0]["limit"] == "memory"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "-> width 2 (limit: memory)" in out
+    assert "width 2, set by the memory bound" in out
+    assert re.search(r"^  co-tenant +3\.00 GiB +given$", out, re.M), out
+    assert "total - free - own" not in out
+    # Given, max_workers that sets the width is still named.
+    assert main([*argv, "--max-workers", "1"]) == 0
+    assert "(limit: max_workers)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -525,17 +547,22 @@ def test_ctrl_c_in_the_demo_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_demo_is_not_tuned_by_the_pool_settings_of_the_environment(tmp_path: Path) -> None:
     """The demo is a fixed scenario: GPUPOOL_* pool defaults and LOKY_MAX_CPU_COUNT in the
-    shell, bad or good, neither fail it nor change its pools."""
+    shell, bad or good, neither fail it nor change its pools. It writes nothing where it
+    runs (one run of the demo checks both)."""
+    tree, temp = tmp_path / "tree", tmp_path / "tmp"
+    tree.mkdir()
+    temp.mkdir()
     env = {
         **os.environ,
         "GPUPOOL_RESERVE": "zz",
         "GPUPOOL_MAX_WORKERS": "1",
         "GPUPOOL_ROOM_WAIT_S": "soon",
         "LOKY_MAX_CPU_COUNT": "abc",
+        "TMPDIR": str(temp),
     }
     done = subprocess.run(
         [sys.executable, "-m", "gpupool", "demo", "--simulate", "--no-progress"],
-        cwd=tmp_path,
+        cwd=tree,
         env=env,
         capture_output=True,
         text=True,
@@ -546,3 +573,35 @@ def test_the_demo_is_not_tuned_by_the_pool_settings_of_the_environment(tmp_path:
     assert "Traceback" not in done.stderr
     assert "1. GpuPoolExecutor(max_workers=4, " in done.stdout
     assert "36 completed, 0 failed" in done.stdout
+    # A tidy first run: nothing in the directory it ran in (a source tree); the log, in a
+    # directory of the user's own under the temporary directory, is named.
+    assert list(tree.iterdir()) == []
+    log = temp / f"gpupool-demo-{os.getuid()}" / "gpupool-demo.jsonl"
+    assert log.is_file()
+    assert f"decision log: {log}" in done.stdout
+
+
+def test_the_demo_directory_is_the_users_own(tmp_path: Path) -> None:
+    """The demo's default directory is reused when it is this user's private directory; a
+    link, a file or a directory others can write there is never used (a fresh private one
+    is made instead)."""
+    from gpupool._commands.demo import demo_directory
+
+    first = demo_directory(tmp_path)
+    assert first == tmp_path / f"gpupool-demo-{os.getuid()}"
+    assert (first.stat().st_mode & 0o777) == 0o700
+    assert demo_directory(tmp_path) == first
+    for plant in ("link", "file", "open"):
+        root = tmp_path / plant
+        root.mkdir()
+        planted = root / f"gpupool-demo-{os.getuid()}"
+        if plant == "link":
+            planted.symlink_to(tmp_path)
+        elif plant == "file":
+            planted.write_text("")
+        else:
+            planted.mkdir()
+            planted.chmod(0o777)
+        chosen = demo_directory(root)
+        assert chosen != planted and chosen.parent == root, plant
+        assert (chosen.stat().st_mode & 0o777) == 0o700

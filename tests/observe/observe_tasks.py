@@ -51,3 +51,13 @@ def entry_together(i: int, gate: str, together: int, size: str = "6.02GiB") -> i
     with hold(size):
         time.sleep(0.1)
     return i
+
+
+def hold_until(i: int, size: str, gate: str) -> int:
+    """Hold ``size`` until ``gate/release`` appears (or ``GATE_TIMEOUT_S``)."""
+    release = Path(gate) / "release"
+    with hold(size):
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return i

@@ -153,7 +153,7 @@ def test_the_memory_axis_is_fitted_to_the_card() -> None:
         name="card 0",
         total_bytes=80 * GiB,
         end_s=2.0,
-        priced=[(0.0, 10 * GiB, 5 * GiB, 40 * GiB)],
+        priced=[(0.0, 10 * GiB, 5 * GiB, 0, 40 * GiB)],
         width=[(0.0, 4)],
         ceiling=[(0.0, 8)],
         marks={"out_of_memory": [(1.0, 602 * GiB, "card 0: ran out")]},

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -456,3 +456,41 @@ def test_the_live_view_draws_the_pool_in_a_terminal(
         assert "co-tenants" in pane and "room left" in pane
     finally:
         subprocess.run([*tmux, "kill-server"], check=False, timeout=PATIENCE_S)
+
+
+def test_the_waiting_count_shown_is_the_current_one(tmp_path: Path) -> None:
+    """A pool's row is rewritten when its count of waiting tasks changes, not only when it
+    goes from none to some: with two tasks running on a card with room for two (6 GiB tasks
+    on 16 GiB, max_workers=6), one more waits, then three; `gpupool top` shows 1, then 3."""
+    import observe_tasks
+
+    from gpupool import GpuPoolExecutor
+
+    def wait_until(what: str, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        deadline = time.monotonic() + PATIENCE_S
+        while True:
+            gatherer = Gatherer()
+            try:
+                snapshot = gatherer.snapshot()
+            finally:
+                gatherer.close()
+            pools = snapshot["cards"][0]["pools"]
+            if pools and check(pools[0]):
+                return snapshot
+            assert time.monotonic() < deadline, f"top never showed {what}: {pools}"
+            time.sleep(0.05)
+
+    gate = str(tmp_path)
+    with gt.SimulatedHost([gt.SimulatedDevice("16GiB")], cpus=8, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=6, task_peak="6GiB") as pool:
+            futures = [pool.submit(observe_tasks.hold_until, i, "2GiB", gate) for i in range(2)]
+            wait_until("2 running", lambda p: len(p["running"]) == 2)
+            futures.append(pool.submit(observe_tasks.hold_until, 2, "2GiB", gate))
+            wait_until("1 waiting", lambda p: p["waiting"] == 1)
+            futures += [pool.submit(observe_tasks.hold_until, i, "2GiB", gate) for i in (3, 4)]
+            snapshot = wait_until(
+                "3 waiting", lambda p: p["waiting"] == 3 and len(p["running"]) == 2
+            )
+            assert "2 running, 3 waiting" in plain_text(snapshot)
+            Path(gate, "release").touch()
+            assert [f.result(timeout=PATIENCE_S) for f in futures] == list(range(5))

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bound import Ceiling, WidthDecision
@@ -501,10 +502,18 @@ MAX_PLANNED_WIDTH = 4096
 
 
 def _phase(
-    census: Census, *, asks: AskTable, ask: Ask | None, config: PlannerConfig
+    census: Census,
+    *,
+    asks: AskTable,
+    ask: Ask | None,
+    config: PlannerConfig,
+    planned_from_cards: bool = False,
 ) -> dict[str, Any]:
     """One width decision (estimated or measured) as a JSON-ready dict with every term: the
-    planner's own, asked of a planner built on ``census`` (the plan prices nothing itself)."""
+    planner's own, asked of a planner built on ``census`` (the plan prices nothing itself).
+
+    ``planned_from_cards``: ``max_workers`` was not given and was planned at what the cards
+    hold, so where it "set" a width the card's room did (its limit is named ``memory``)."""
     phase: dict[str, Any] = {
         "ask_bytes": None if ask is None else ask.ask_bytes,
         "ask_basis": None if ask is None else ask.basis,
@@ -524,7 +533,15 @@ def _phase(
         )
         return phase
     answer = what_if(census, asks, config, ask)
-    devices = [_bound_json(decision) for decision in answer.decisions]
+    decisions = [
+        dataclasses.replace(decision, limit="memory")
+        if planned_from_cards
+        and decision.limit == "max_workers"
+        and decision.width == decision.bound.tasks_fit
+        else decision
+        for decision in answer.decisions
+    ]
+    devices = [_bound_json(decision) for decision in decisions]
     phase["ceiling"] = _ceiling_json(answer.ceiling)
     phase["width"] = answer.width
     phase["devices"] = devices
@@ -572,11 +589,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.measured_peak is not None:
             measured_ask = table.measure("plan", args.measured_peak)
     config = _decide_plan_config(args, census, table, measured_ask or estimated_ask, notes)
-    estimated = _phase(census, asks=table, ask=estimated_ask, config=config)
+    # As _decide_plan_config: neither max_workers nor a CPU count, so the cards set it.
+    planned = args.max_workers is None and args.cpus is None and args.total is not None
+    estimated = _phase(
+        census, asks=table, ask=estimated_ask, config=config, planned_from_cards=planned
+    )
     measured = (
         None
         if measured_ask is None
-        else _phase(census, asks=table, ask=measured_ask, config=config)
+        else _phase(census, asks=table, ask=measured_ask, config=config, planned_from_cards=planned)
     )
     if not census.cards:
         notes.append(
@@ -596,7 +617,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         _json_out(result)
     else:
-        _print_plan(result, census.cards)
+        co_tenant = (
+            "total - free - own"
+            if args.total is None
+            else "given"
+            if args.co_tenant is not None
+            else "not given: 0"
+        )
+        _print_plan(result, census.cards, co_tenant_source=co_tenant, planned=planned)
     return 0
 
 
@@ -705,7 +733,13 @@ def _decide_plan_config(
     )
 
 
-def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
+def _print_plan(
+    result: dict[str, Any],
+    cards: Sequence[CardCensus],
+    *,
+    co_tenant_source: str,
+    planned: bool,
+) -> None:
     _out(f"gpupool plan ({'what-if numbers' if result['mode'] == 'what-if' else 'live census'})")
     for note in result["notes"]:
         _out(f"note: {note}")
@@ -714,7 +748,7 @@ def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
         _out(f"card {card.device} ({card.name}, {card.uuid}):")
         _out(f"  total            {format_size(device['total_bytes']):>12}   {card.source}")
         _out(
-            f"  co-tenant        {format_size(device['co_tenant_bytes']):>12}   total - free - own"
+            f"  co-tenant        {format_size(device['co_tenant_bytes']):>12}   {co_tenant_source}"
         )
         _out(
             f"  own high-water   {format_size(device['own_high_water_bytes']):>12}   "
@@ -732,6 +766,7 @@ def _print_plan(result: dict[str, Any], cards: Sequence[CardCensus]) -> None:
         f"ceiling          {ceiling['value']} (max_workers={ceiling['max_workers']}, "
         f"cpus={ceiling['cpus']}, host RAM {format_size(ceiling['host_ram_bytes'])}, "
         f"child RSS {format_size(ceiling['child_rss_bytes'])}), set by {ceiling['limit']}"
+        + (" (planned at what the card holds: the card sets the width)" if planned else "")
     )
     for label in ("estimated", "measured"):
         phase = result[label]
@@ -903,13 +938,16 @@ def _add_demo(sub: Any) -> None:
         ),
     )
     demo.add_argument(
-        "--log", default="gpupool-demo.jsonl", help="decision log to write (gpupool-demo.jsonl)"
+        "--log",
+        metavar="PATH",
+        help="decision log to write (default: gpupool-demo.jsonl in a directory of your own "
+        "under the temporary directory, named when the demo ends)",
     )
     demo.add_argument(
         "--plot",
-        default="gpupool-demo.png",
         metavar="PATH",
-        help="draw the run here when matplotlib is installed (gpupool-demo.png)",
+        help="draw the run here when matplotlib is installed (default: gpupool-demo.png "
+        "beside the log)",
     )
     demo.add_argument(
         "--simulate", action="store_true", help="use the simulated host even with a real card"
@@ -921,11 +959,23 @@ def _add_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gpupool._commands.demo import run_demo_isolated
+    from gpupool._commands.demo import (
+        DEMO_LOG_NAME,
+        DEMO_PLOT_NAME,
+        demo_directory,
+        run_demo_isolated,
+    )
 
+    # Nothing is written into the current directory (a source tree) unless asked.
+    log = Path(args.log) if args.log else None
+    plot = Path(args.plot) if args.plot else None
+    if log is None or plot is None:
+        directory = log.parent if log is not None else demo_directory()
+        log = log or directory / DEMO_LOG_NAME
+        plot = plot or directory / DEMO_PLOT_NAME
     return run_demo_isolated(
-        log_path=args.log,
-        plot_path=args.plot,
+        log_path=log,
+        plot_path=plot,
         simulate=args.simulate,
         progress=False if args.no_progress else None,
         say=_out,

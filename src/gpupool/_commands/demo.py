@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import shlex
 import signal
 import threading
 import time
@@ -32,7 +33,35 @@ from gpupool._core.units import format_size, parse_size
 if TYPE_CHECKING:
     import subprocess
 
-__all__ = ["INCIDENT", "entry", "run_demo", "torch_entry"]
+__all__ = ["INCIDENT", "demo_directory", "entry", "run_demo", "torch_entry"]
+
+#: The demo's files, in :func:`demo_directory` unless the command line names others.
+DEMO_LOG_NAME = "gpupool-demo.jsonl"
+DEMO_PLOT_NAME = "gpupool-demo.png"
+
+
+def demo_directory(temp: str | Path | None = None) -> Path:
+    """Where the demo writes its log and plot when not told: a directory of this user's own
+    under the system's temporary directory (``$TMPDIR/gpupool-demo-<uid>``), never the
+    current directory (a source tree the README was followed in stays clean).
+
+    A path there that is not a directory, is a link, or is not this user's alone (another
+    user on the host made it first) is not used: a fresh private directory is made instead.
+    """
+    import stat
+    import tempfile
+
+    root = Path(temp if temp is not None else tempfile.gettempdir())
+    path = root / f"gpupool-demo-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = path.lstat()
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="gpupool-demo-", dir=root))
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return Path(tempfile.mkdtemp(prefix="gpupool-demo-", dir=root))
+    return path
+
 
 #: The incident's figures, as the simulated host is built from.
 INCIDENT: dict[str, Any] = {
@@ -51,7 +80,7 @@ INCIDENT: dict[str, Any] = {
 #: four tasks overlap on the card (as the incident's did: an entry that cannot
 #: allocate fails at once, so the workers soon meet two that hold); short
 #: enough that the 36 entries hold under a second in all at gpupool's width of
-#: 2 (measured: the whole demo in about 3 s on two idle cores).
+#: 2 (measured: the whole demo in about 5 s on two idle cores).
 ENTRY_HOLD_S = 0.05
 
 #: The real-card workload: bytes each task allocates with torch, and its estimate
@@ -400,7 +429,7 @@ def _run_simulated(
         total_bytes = host.devices[0].total_bytes
     say("")
     say(f"decision log: {log}")
-    say(f"  read it back: gpupool postmortem {log}")
+    say(f"  read it back: gpupool postmortem {shlex.quote(str(log))}")
     if plot_path is not None:
         fixed = _fixed_pool_view(
             theirs, std_events, total_bytes=total_bytes, width=inc["max_workers"], end_s=std_s
@@ -568,7 +597,7 @@ def _run_real(
         f"gpupool: {done} completed, {failed} failed in {time.monotonic() - start:.1f} s; "
         f"{stats.out_of_memory} out-of-memory"
     )
-    say(f"decision log: {log}  (read it back: gpupool postmortem {log})")
+    say(f"decision log: {log}  (read it back: gpupool postmortem {shlex.quote(str(log))})")
     if plot_path is not None:
         _maybe_plot(log, plot_path, say)
     return 0 if failed == 0 else 1

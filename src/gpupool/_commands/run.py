@@ -32,15 +32,24 @@ import argparse
 import contextlib
 import os
 import queue
+import re
 import shlex
-import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, NoReturn
+
+from gpupool._commands.run_output import (
+    Halt,
+    InputEnded,
+    Job,
+    OutputMode,
+    describe_status,
+    follow_jobs,
+    parse_halt,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -48,13 +57,17 @@ if TYPE_CHECKING:
     from types import FrameType
 
 __all__ = [
+    "ARGUMENTS_MARKER",
     "COMMAND_GRACE_S",
     "CommandOutOfMemory",
     "MAX_FAILED_STATUS",
     "MAX_UNPRINTED_COMMANDS",
+    "REPLACEMENT_STRINGS",
     "add_run_parser",
     "build_command",
     "exit_status",
+    "read_lines",
+    "replacement",
     "run_command",
     "run_commands",
     "run_from_args",
@@ -72,9 +85,6 @@ COMMAND_GRACE_S = 1.0
 #: the input is read further: bounds the spool files and futures one slow command holds back.
 MAX_UNPRINTED_COMMANDS = 1024
 
-#: The most characters of a failed command's line, and of the command, its message shows.
-MAX_SHOWN_CHARS = 300
-
 #: How often a stopping worker looks whether its command's process group is empty.
 _GROUP_POLL_S = 0.02
 
@@ -82,19 +92,69 @@ _GROUP_POLL_S = 0.02
 #: :func:`_wait_unless_stopped`).
 _STOP_POLL_S = 0.1
 
-_PLACEHOLDER = "{}"
+#: GNU parallel's replacement strings that ``gpupool run`` knows: the input line, without
+#: its extension, its base name, its directory, its base name without extension, and the
+#: command's sequence number (from 1).
+REPLACEMENT_STRINGS = ("{}", "{.}", "{/}", "{//}", "{/.}", "{#}")
+#: How much of a NUL-separated input (``-0``) one read takes (what is there, up to this).
+_NULL_READ_BYTES = 1 << 16
+
+#: GNU parallel's marker of arguments given on the command line, after the command.
+ARGUMENTS_MARKER = ":::"
+
+_REPLACEMENT = re.compile(r"\{(?:|\.|/|//|/\.|#)\}")
+_EXTENSION = re.compile(r"\.[^/.]*\Z")
 
 
-def build_command(template: str, line: str) -> str:
-    """The command for one input line: every ``{}`` replaced by the line, shell-quoted.
+def _without_extension(text: str) -> str:
+    """``{.}``: the text less a last ``.ext`` that holds no ``/`` (GNU parallel's rule)."""
+    return _EXTENSION.sub("", text)
 
-    A template without ``{}`` gets the quoted line appended as its last word,
-    as GNU parallel does.
+
+def _base_name(text: str) -> str:
+    """``{/}``: everything after the last ``/``."""
+    return text.rpartition("/")[2]
+
+
+def _directory(text: str) -> str:
+    """``{//}``: the directory, as Perl's ``File::Basename::dirname`` (GNU parallel's) gives
+    it: ``.`` for a name without ``/``, ``/`` for one just under the root; trailing slashes
+    of the name are not a level."""
+    stripped = text.rstrip("/")
+    if not stripped:
+        return "/" if text else "."
+    head, slash, _ = stripped.rpartition("/")
+    if not slash:
+        return "."
+    return head.rstrip("/") or "/"
+
+
+def replacement(name: str, line: str, number: int) -> str:
+    """What replacement string ``name`` (one of :data:`REPLACEMENT_STRINGS`) stands for."""
+    if name == "{#}":
+        return str(number)
+    if name == "{.}":
+        return _without_extension(line)
+    if name == "{/}":
+        return _base_name(line)
+    if name == "{//}":
+        return _directory(line)
+    if name == "{/.}":
+        return _without_extension(_base_name(line))
+    return line
+
+
+def build_command(template: str, line: str, number: int = 1) -> str:
+    """The command for input ``line``, the ``number``-th: each replacement string (``{}``,
+    ``{.}``, ``{/}``, ``{//}``, ``{/.}``, ``{#}``) replaced by what it stands for,
+    shell-quoted.
+
+    A template without any of them gets the quoted line appended as its last word, as GNU
+    parallel does.
     """
-    quoted = shlex.quote(line)
-    if _PLACEHOLDER in template:
-        return template.replace(_PLACEHOLDER, quoted)
-    return f"{template} {quoted}"
+    if not _REPLACEMENT.search(template):
+        return f"{template} {shlex.quote(line)}"
+    return _REPLACEMENT.sub(lambda m: shlex.quote(replacement(m.group(0), line, number)), template)
 
 
 def exit_status(failed: int) -> int:
@@ -102,13 +162,23 @@ def exit_status(failed: int) -> int:
     return min(failed, MAX_FAILED_STATUS)
 
 
-def read_lines(stream: IO[bytes]) -> Iterator[str]:
-    """The input lines without their newline, decoded as file names are (undecodable bytes
-    kept, as surrogate escapes, so they reach the command unchanged); closes ``stream`` at
-    its end."""
+def read_lines(stream: IO[bytes], *, null: bool = False) -> Iterator[str]:
+    """The input items: lines without their newline, or (``null``) the items between NUL
+    bytes, decoded as file names are (undecodable bytes kept, as surrogate escapes, so they
+    reach the command unchanged); closes ``stream`` at its end."""
     with stream:
-        for raw in stream:
-            yield os.fsdecode(raw[:-1] if raw.endswith(b"\n") else raw)
+        if not null:
+            for raw in stream:
+                yield os.fsdecode(raw[:-1] if raw.endswith(b"\n") else raw)
+            return
+        rest = b""
+        read = getattr(stream, "read1", stream.read)
+        while chunk := read(_NULL_READ_BYTES):
+            *items, rest = (rest + chunk).split(b"\0")
+            for item in items:
+                yield os.fsdecode(item)
+        if rest:
+            yield os.fsdecode(rest)
 
 
 # -- the worker's side ---------------------------------------------------------------------
@@ -155,7 +225,7 @@ def _ran_out_of_memory(status: int, stderr_path: str) -> CommandOutOfMemory | No
     if line is None:
         return None
     return CommandOutOfMemory(
-        f"the command ran the device out of memory ({_describe_status(status)}): {line}", status
+        f"the command ran the device out of memory ({describe_status(status)}): {line}", status
     )
 
 
@@ -255,23 +325,6 @@ def _signal_group(group: int, sig: int) -> bool:
 # -- the parent's side ---------------------------------------------------------------------
 
 
-@dataclass(slots=True, kw_only=True)
-class _Job:
-    number: int
-    line: str
-    command: str
-    stdout_path: str
-    stderr_path: str
-    future: Future[int]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _InputEnded:
-    """The input thread's last word: the input ended, or reading or submitting raised."""
-
-    error: BaseException | None
-
-
 def run_commands(
     template: str,
     lines: Iterable[str],
@@ -280,57 +333,72 @@ def run_commands(
     pool_options: dict[str, Any],
     stdout: IO[bytes],
     stderr: IO[bytes],
+    mode: OutputMode = "group",
+    halt: Halt | None = None,
 ) -> int:
-    """Run ``template`` once per line on a :class:`~gpupool.GpuPoolExecutor`; the number
-    of commands that failed (a non-zero status, or a task that could not run).
+    """Run ``template`` once per line on a :class:`~gpupool.GpuPoolExecutor`; the exit
+    status (:func:`exit_status` of the commands that failed, a non-zero status or a task
+    that could not run; or, where ``halt`` was reached, the status it sets).
 
     The lines are read, and their commands submitted, by a thread of their own
-    (:func:`_submit_lines`), so output is printed while the input waits. Each
-    command's standard output and error are written to ``stdout`` and
-    ``stderr`` in input order, one command's after another's; a failed
-    command's status follows its own standard error, with its line.
+    (:func:`_submit_lines`), so output is printed while the input waits. ``mode`` says how
+    each command's standard output and error reach ``stdout`` and ``stderr``
+    (:func:`~gpupool._commands.run_output.follow_jobs`); a failed command's status follows
+    its own output, with its line.
 
     Raises:
         ConfigurationError: the pool refused ``pool_options``.
     """
     from gpupool import GpuPoolExecutor
 
-    failed = 0
     with (
         tempfile.TemporaryDirectory(prefix="gpupool-run-") as spool,
         # No bar among the commands' output; Ctrl-C always ends the commands, whatever
         # GPUPOOL_PROGRESS and GPUPOOL_ON_INTERRUPT say.
         GpuPoolExecutor(**pool_options, progress=False, on_interrupt="terminate") as pool,
     ):
-        jobs: queue.SimpleQueue[_Job | _InputEnded] = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[Job | InputEnded] = queue.SimpleQueue()
         room = threading.Semaphore(MAX_UNPRINTED_COMMANDS)
+        wake = threading.Event()
+        halted = threading.Event()
         view = pool.options(key=key)
 
         def submit(command: str, cwd: str, out: str, err: str) -> Future[int]:
-            return view.submit(run_command, command, cwd, out, err)
+            future = view.submit(run_command, command, cwd, out, err)
+            future.add_done_callback(lambda _: wake.set())
+            return future
+
+        def stop(reached: Halt) -> None:
+            halted.set()
+            room.release()  # the input thread, if it waits for room, sees the halt
+            if reached.when == "now":
+                pool.terminate_workers()
+            else:
+                pool.shutdown(wait=False, cancel_futures=True)
 
         # A daemon: at Ctrl-C it may be blocked reading a terminal, and must not hold the exit.
         threading.Thread(
             target=_submit_lines,
-            args=(template, lines, submit, spool, jobs, room),
+            args=(template, lines, submit, spool, jobs, room, wake, halted),
             name="gpupool-run-input",
             daemon=True,
         ).start()
         try:
-            number = 0
-            while not isinstance(job := jobs.get(), _InputEnded):
-                failed += _print_job(job, stdout, stderr)
-                number = job.number
-                room.release()
-            if job.error is not None:  # the input could not be read, or the pool broke
-                error = f"{type(job.error).__name__}: {job.error}"
-                stderr.write(os.fsencode(f"gpupool run: stopped after line {number}: {error}\n"))
-                failed += 1
+            failed, halt_status = follow_jobs(
+                jobs,
+                wake,
+                mode=mode,
+                halt=halt,
+                on_halt=stop,
+                on_printed=room.release,
+                stdout=stdout,
+                stderr=stderr,
+            )
         except Exception:
             # A closed output (``| head``): start nothing more; the running ones end.
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-    return failed
+    return exit_status(failed) if halt_status is None else halt_status
 
 
 def _submit_lines(
@@ -338,19 +406,24 @@ def _submit_lines(
     lines: Iterable[str],
     submit: Callable[[str, str, str, str], Future[int]],
     spool: str,
-    jobs: queue.SimpleQueue[_Job | _InputEnded],
+    jobs: queue.SimpleQueue[Job | InputEnded],
     room: threading.Semaphore,
+    wake: threading.Event,
+    halted: threading.Event,
 ) -> None:
-    """Submit a command per line, at most ``MAX_UNPRINTED_COMMANDS`` ahead of the printing."""
+    """Submit a command per line, at most ``MAX_UNPRINTED_COMMANDS`` ahead of the printing;
+    none once ``halted``."""
     cwd = os.getcwd()
     try:
         for number, line in enumerate(lines, 1):
             room.acquire()
-            command = build_command(template, line)
+            if halted.is_set():
+                break
+            command = build_command(template, line, number)
             out, err = (os.path.join(spool, f"{number}.{kind}") for kind in ("out", "err"))
             future = submit(command, cwd, out, err)
             jobs.put(
-                _Job(
+                Job(
                     number=number,
                     line=line,
                     command=command,
@@ -359,56 +432,12 @@ def _submit_lines(
                     future=future,
                 )
             )
-    except BaseException as exc:  # handed to the printing thread, which raises it
-        jobs.put(_InputEnded(error=exc))
-        return
-    jobs.put(_InputEnded(error=None))
-
-
-def _print_job(job: _Job, stdout: IO[bytes], stderr: IO[bytes]) -> int:
-    """Copy one command's output out (waiting for it to end); 1 when it failed, else 0."""
-    try:
-        status = job.future.result()
-        problem = None if status == 0 else _describe_status(status)
-    except CommandOutOfMemory as exc:  # and the pool's retries did not get it through
-        problem = str(exc)
-    except Exception as exc:  # the task could not run: the pool broke, the shell did not start
-        problem = f"could not run ({type(exc).__name__}: {str(exc).rstrip('.')})"
-    _copy_out(job.stdout_path, stdout)
-    _copy_out(job.stderr_path, stderr)
-    if problem is None:
-        return 0
-    line, command = _cut(repr(job.line)), _cut(job.command)
-    stderr.write(os.fsencode(f"gpupool run: line {job.number} ({line}): {problem}: {command}\n"))
-    stderr.flush()
-    return 1
-
-
-def _cut(text: str) -> str:
-    """``text`` for a failure's line: at most :data:`MAX_SHOWN_CHARS` characters."""
-    if len(text) <= MAX_SHOWN_CHARS:
-        return text
-    return f"{text[: MAX_SHOWN_CHARS - 3]}..."
-
-
-def _describe_status(status: int) -> str:
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"killed by {name}"
-    return f"exit status {status}"
-
-
-def _copy_out(path: str, stream: IO[bytes]) -> None:
-    try:
-        with open(path, "rb") as source:
-            shutil.copyfileobj(source, stream)
-    except FileNotFoundError:  # the task never started the command
-        return
-    stream.flush()
-    os.unlink(path)
+            wake.set()
+    except BaseException as exc:  # handed to the printing thread, which says it
+        jobs.put(InputEnded(error=None if halted.is_set() else exc))
+    else:
+        jobs.put(InputEnded(error=None))
+    wake.set()
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -425,16 +454,20 @@ def add_run_parser(
     run = sub.add_parser(
         "run",
         usage=(
-            "%(prog)s [-a FILE] [--task-peak SIZE] [--max-workers N] [--reserve SIZE] "
-            "[--key KEY] [--log LOG.jsonl] -- COMMAND..."
+            "%(prog)s [-a FILE] [-0] [--line-buffer | -u] [--halt WHEN,WHY=N] "
+            "[--task-peak SIZE] [--max-workers N] [--reserve SIZE] [--key KEY] "
+            "[--log LOG.jsonl] -- COMMAND... [::: ARG...]"
         ),
         help="run a shell command per input line, each a task priced by its memory",
         description=(
-            "Run COMMAND through the shell once per input line (standard input, or --input), "
-            "each {} replaced by the line, shell-quoted (without {}, the line is appended), "
-            "each command a task of a GpuPoolExecutor: as many run at once as the cards' "
-            "memory holds, priced by --task-peak and then by the measured peak of the "
-            "command's whole process tree. Output is printed per command, in input order."
+            "Run COMMAND through the shell once per input line (standard input, --input, or "
+            "the arguments after :::), with GNU parallel's replacement strings: {} the line, "
+            "{.} without its extension, {/} its base name, {//} its directory, {/.} its base "
+            "name without extension, {#} the command's number, each shell-quoted (with none, "
+            "the line is appended). Each command is a task of a GpuPoolExecutor: as many run "
+            "at once as the cards' memory holds, priced by --task-peak and then by the "
+            "measured peak of the command's whole process tree. Output is printed per "
+            "command, in input order, unless --line-buffer or -u streams it."
         ),
         epilog=(
             "exit status: 0 every command succeeded; 1-100 that many failed; 101 more than "
@@ -446,7 +479,7 @@ def add_run_parser(
         "command",
         nargs=argparse.REMAINDER,
         metavar="-- COMMAND",
-        help="the command; {} stands for the input line",
+        help="the command; {} stands for the input line; ::: ARG... gives the input",
     )
     run.set_defaults(handler=handler, parser=run)
 
@@ -486,6 +519,38 @@ def _add_pool_flags(
         help="the task key the commands share their learned peak under (default: COMMAND)",
     )
     run.add_argument("--log", metavar="LOG.jsonl", help="append the pool's decisions to LOG.jsonl")
+    run.add_argument(
+        "-0",
+        "--null",
+        action="store_true",
+        help="the input items end with a NUL byte, not a newline (find -print0)",
+    )
+    output = run.add_mutually_exclusive_group()
+    output.add_argument(
+        "--line-buffer",
+        "--lb",
+        dest="output",
+        action="store_const",
+        const="line",
+        default="group",
+        help="print each command's complete lines as they are written, from any command",
+    )
+    output.add_argument(
+        "-u",
+        "--ungroup",
+        dest="output",
+        action="store_const",
+        const="ungroup",
+        help="print each command's output as it is written (lines of two may mix)",
+    )
+    run.add_argument(
+        "--halt",
+        metavar="WHEN,WHY=N",
+        default="never",
+        help="stop once N commands failed (fail), succeeded (success) or ended (done): "
+        "now stops the running ones, soon lets them finish (GNU parallel's --halt; "
+        "default never)",
+    )
 
 
 def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[bytes]) -> int:
@@ -496,6 +561,11 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
     words = list(args.command)
     if words and words[0] == "--":
         words = words[1:]
+    arguments = _arguments(parser, args, words)
+    try:
+        halt = parse_halt(args.halt)
+    except ValueError as exc:
+        parser.error(str(exc))
     template = " ".join(words)
     if not template.strip():
         parser.error(
@@ -510,21 +580,53 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
         "reserve": args.reserve,
         "log_path": args.log,
     }
-    stream = _open_input(parser, args.input)
+    stream: IO[bytes] | None = None
+    lines: Iterable[str]
+    if arguments is not None:
+        lines = arguments
+    else:
+        stream = _open_input(parser, args.input)
+        lines = read_lines(stream, null=args.null)
     with _sigterm_interrupts():
         try:
-            failed = run_commands(
+            return run_commands(
                 template,
-                read_lines(stream),
+                lines,
                 key=args.key or template,
                 pool_options={name: value for name, value in options.items() if value is not None},
                 stdout=stdout,
                 stderr=stderr,
+                mode=args.output,
+                halt=halt,
             )
         except ConfigurationError as exc:
-            stream.close()  # refused before the input thread started
+            if stream is not None:
+                stream.close()  # refused before the input thread started
             parser.error(str(exc))
-    return exit_status(failed)
+
+
+def _arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, words: list[str]
+) -> list[str] | None:
+    """The arguments after ``:::`` (taken out of ``words``, the command), the input in place
+    of standard input or ``--input``; ``None`` when there is no ``:::``."""
+    if ARGUMENTS_MARKER not in words:
+        if "::::" in words:
+            parser.error(":::: FILE is not supported: give the file with -a FILE")
+        return None
+    at = words.index(ARGUMENTS_MARKER)
+    arguments = words[at + 1 :]
+    del words[at:]
+    if ARGUMENTS_MARKER in arguments or "::::" in arguments:
+        parser.error(
+            "one ::: input source only (GNU parallel combines several; gpupool run does "
+            "not): give the combinations as lines on standard input"
+        )
+    if args.input is not None:
+        parser.error(f"::: and --input {args.input!r} both give the input: give one of them")
+    if not arguments:
+        parser.error("::: with no argument after it: give the inputs after :::, or leave it out")
+    return arguments
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> NoReturn:

@@ -122,6 +122,11 @@ class OomAnalysis:
         verdict: the first wrong term, or ``"unattributed"``.
         explanation: the verdict in one sentence, every number in it.
         missing: the record's terms that were needed and absent.
+        task_booked_bytes: what the failing task was booked at when it started (the
+            record's ``task_booked_bytes``: below its ask where its key's tasks were priced
+            together), or ``None`` where the record does not say.
+        run_bookings: per key of ``runs_by_key``, each running task's booking when it
+            started, as the record's ``runs`` table states it (in the table's order).
     """
 
     line: int
@@ -157,6 +162,8 @@ class OomAnalysis:
     verdict: str
     explanation: str
     missing: tuple[str, ...]
+    task_booked_bytes: int | None = None
+    run_bookings: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able dict of every field."""
@@ -166,6 +173,7 @@ class OomAnalysis:
             {"key": k, "running": n, "booked_bytes": b} for k, n, b in self.runs_by_key
         ]
         out["missing"] = list(self.missing)
+        out["run_bookings"] = [{"key": k, "booked_bytes": list(b)} for k, b in self.run_bookings]
         return out
 
 
@@ -241,6 +249,8 @@ def analyse_oom(
         verdict=figures.wrong_terms[0][0] if figures.wrong_terms else "unattributed",
         explanation=_explain(terms, figures, missing),
         missing=tuple(missing),
+        task_booked_bytes=record_int(record, "task_booked_bytes"),
+        run_bookings=_run_bookings(record.get("runs")),
     )
 
 
@@ -471,6 +481,19 @@ def _runs_by_key(table: object) -> tuple[tuple[str, int, int], ...]:
         count, total = by_key.get(row["key"], (0, 0))
         by_key[row["key"]] = (count + 1, total + booked)
     return tuple((key, n, b) for key, (n, b) in by_key.items())
+
+
+def _run_bookings(table: object) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The record's ``runs`` table's bookings per key, each as stated (rows that are not rows
+    are skipped, as :func:`_runs_by_key` skips them)."""
+    if not isinstance(table, list):
+        return ()
+    by_key: dict[str, list[int]] = {}
+    for row in table:
+        if not isinstance(row, dict) or not isinstance(row.get("key"), str):
+            continue
+        by_key.setdefault(row["key"], []).append(record_int(row, "booked_bytes") or 0)
+    return tuple((key, tuple(booked)) for key, booked in by_key.items())
 
 
 def _explain(t: _Terms, f: _Figures, missing: list[str]) -> str:

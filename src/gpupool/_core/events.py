@@ -78,6 +78,8 @@ OOM_TERMS: Mapping[str, str] = {
     "booked_bytes": "the asks of the tasks running on the card, the failing one's included",
     "running": "how many tasks ran on the card",
     "task_ask_bytes": "the failing task's own ask (its price)",
+    "task_booked_bytes": "what the failing task was booked at when it started (its share of "
+    "its key's price where its key's tasks are priced together)",
     "ask_bytes": "the key's ask when it failed",
     "reached_bytes": "what the failing child held at its peak",
     "requested_bytes": "the allocation the card refused",

@@ -11,7 +11,9 @@ card of a run is three panels:
   task key and named in the legend; each reading holds until the next. The
   card's used bytes as read are a black line (a dot per reading); the census
   co-tenant the bound was priced at is a dashed grey line, and the bound's
-  price (census co-tenant + own high-water + width x ask) a dotted green one;
+  price (census co-tenant + other pools + own high-water + the width's price,
+  which for a key whose tasks are priced together is the pooled price the
+  record states, "X for the K together", never width x ask) a dotted green one;
   the card's total is a thick black line. A log without readings (written
   before them) stacks the priced terms instead. Each out-of-memory is a red
   cross at the bytes the card was asked for (used + refused). The axis is
@@ -123,15 +125,33 @@ def _pool_ceiling(pm: Postmortem) -> list[tuple[float, int]]:
     return [p for i, p in enumerate(points) if i == 0 or p[1] != points[i - 1][1]]
 
 
+def _width_price(width: int, ask_bytes: int, together_tasks: int, together_bytes: int) -> int:
+    """What a record states ``width`` tasks at ``ask_bytes`` were priced at together.
+
+    Unpooled (``together_tasks < 0``: the record states no pooled price): ``width x ask``.
+    Pooled, the record states the price of ``together_tasks`` tasks (``K``; of one task
+    where ``K`` is 0): at ``K`` that price; below ``K``, the lesser of it and ``width x
+    ask`` (the width's own price is at most either); above ``K`` (a floor or fixed width
+    past the room), that price and each further task at its full ask.
+    """
+    if together_tasks < 0 or together_bytes < 0:
+        return width * ask_bytes
+    priced_for = max(1, together_tasks)
+    if width <= priced_for:
+        return min(width * ask_bytes, together_bytes)
+    return together_bytes + (width - priced_for) * ask_bytes
+
+
 def _card_view(pm: Postmortem, card: DevicePlot, run: str, one_card: bool) -> CardView | None:
     points = card.terms.points
     if not points and not (card.reads.points and card.total_bytes > 0):
         return None  # a log of samples alone (a long log's tail) draws its readings
-    priced: list[tuple[float, int, int, int]] = []
+    priced: list[tuple[float, int, int, int, int]] = []
     width_now = 1
-    for time_s, _total, co, own, ask, width, _ceiling in points:
+    for time_s, _total, co, own, ask, width, _ceiling, others, k, together in points:
         width_now = int(width) if width >= 0 else width_now
-        priced.append((time_s, int(co), int(own), int(ask) * width_now))
+        price = _width_price(width_now, int(ask), int(k), int(together))
+        priced.append((time_s, int(co), int(own), int(others), price))
     series = pm.device_widths.get(card.device)
     total = int(points[-1][1]) if points else card.total_bytes
     marks = {event: m.points for event, m in card.marks.items()}
@@ -229,7 +249,7 @@ def write_plot(
         fmt = suffix or "png"
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r}: pass one of {', '.join(FORMATS)}")
-    figure, hover = _build(runs, columns=columns, title=title)
+    figure, hover = _build(runs, columns=columns, title=title, hover=fmt == "svg")
     if fmt != "svg":
         figure.savefig(output, format=fmt)
         return
@@ -260,8 +280,9 @@ def plot_figure(
     columns: Sequence[Sequence[View]] | None = None,
     title: str | None = None,
 ) -> Any:
-    """The figure :func:`write_plot` saves (a matplotlib ``Figure`` on the Agg canvas)."""
-    return _build(runs, columns=columns, title=title)[0]
+    """The figure :func:`write_plot` saves as PNG or PDF (a matplotlib ``Figure`` on the Agg
+    canvas; its legend says where the reasons are, as a PNG's does)."""
+    return _build(runs, columns=columns, title=title, hover=False)[0]
 
 
 def _build(
@@ -269,6 +290,7 @@ def _build(
     *,
     columns: Sequence[Sequence[View]] | None,
     title: str | None,
+    hover: bool,
 ) -> tuple[Any, dict[str, str]]:
     figure_cls, canvas_cls = _require_matplotlib()
     grid_views = card_views(runs) + [list(c) for c in columns or () if c]
@@ -290,7 +312,7 @@ def _build(
         layout="constrained",
     )
     canvas_cls(figure)
-    hover: dict[str, str] = {}
+    titles: dict[str, str] = {}
     outer = figure.add_gridspec(1, len(grid_views))
     axes: list[Any] = []
     for col, views in enumerate(grid_views):
@@ -308,21 +330,29 @@ def _build(
             row += len(panels)
             axes.extend(panels)
             if isinstance(view, CardView):
-                _draw_card(panels, view, hover)
+                _draw_card(panels, view, titles)
             else:
                 _draw_pool(panels[0], view)
     axes[0].set_xlim(0, max(v.end_s for c in grid_views for v in c))
     figure.suptitle(
         title or (f"gpupool run: {Path(pms[0].path).name}" if pms else "gpupool"), fontsize=12
     )
-    _legend(figure, axes, len(grid_views))
-    return figure, hover
+    _legend(figure, axes, len(grid_views), hover=hover)
+    return figure, titles
 
 
-def _legend(figure: Any, axes: list[Any], columns: int) -> None:
+#: What a marker's legend label ends with: where its reason is shown, by format (an SVG
+#: shows it on hover; a PNG or PDF cannot, and gpupool postmortem prints every reason).
+_REASON_NOTE = " (reason on hover)"
+_REASON_ELSEWHERE = " (why: postmortem)"
+
+
+def _legend(figure: Any, axes: list[Any], columns: int, *, hover: bool) -> None:
     handles: dict[str, Any] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if not hover and label.endswith(_REASON_NOTE):
+                label = label[: -len(_REASON_NOTE)] + _REASON_ELSEWHERE
             handles.setdefault(label, handle)
     figure.legend(
         list(handles.values()),
@@ -390,7 +420,7 @@ def _draw_memory(memory: Any, view: CardView, hover: dict[str, str]) -> None:
             color=_PRICE,
             linestyle=":",
             linewidth=1.4,
-            label="priced: census co-tenant + own high-water + width x ask",
+            label="priced: the bound's terms + the width's price",
         )
     memory.axhline(view.total_bytes / GiB, color="black", linewidth=2, label="card total")
     if view.used:
@@ -440,16 +470,21 @@ def _draw_read_stack(memory: Any, view: CardView) -> None:
 
 
 def _draw_priced_stack(memory: Any, view: CardView) -> None:
-    """A log without readings: the priced terms stacked (co-tenant, own high-water, width x ask)."""
+    """A log without readings: the priced terms stacked (co-tenant, own high-water, other
+    pools, the width's price)."""
     times, values = _steps(view.priced, view.end_s)
     co = [v[0] / GiB for v in values]
     own = [(v[0] + v[1]) / GiB for v in values]
-    booked = [(v[0] + v[1] + v[2]) / GiB for v in values]
+    others = [(v[0] + v[1] + v[2]) / GiB for v in values]
+    booked = [sum(v) / GiB for v in values]
     for low, high, color, label in (
         ([0.0] * len(co), co, _CO, "co-tenant (census)"),
         (co, own, _OWN, "own high-water"),
-        (own, booked, _KEYS[0], "booked: width x ask"),
+        (own, others, _OTHERS, "other gpupool pools (booked)"),
+        (others, booked, _KEYS[0], "priced: the width's tasks"),
     ):
+        if high == low:
+            continue
         memory.fill_between(times, low, high, step="post", color=color, linewidth=0, label=label)
 
 
@@ -483,7 +518,7 @@ def _draw_oom_crosses(memory: Any, ooms: list[Mark], top: float, hover: dict[str
             color=_OOM,
             markersize=5 if many else 9,
             alpha=0.5 if many else 1,
-            label="out of memory at used + refused (reason on hover)",
+            label=f"out of memory at used + refused{_REASON_NOTE}",
         )
         _hover(cross, f"{time_s:.2f} s: {reason}", hover)
     if ooms:
@@ -525,7 +560,7 @@ def _draw_events(ax: Any, view: CardView, hover: dict[str, str]) -> None:
             continue
         for time_s, _, reason in marks:
             (dot,) = ax.plot(
-                [time_s], [y], marker, color=color, markersize=8, label=f"{label} (reason on hover)"
+                [time_s], [y], marker, color=color, markersize=8, label=f"{label}{_REASON_NOTE}"
             )
             _hover(dot, f"{time_s:.2f} s, {event}: {reason}", hover)
 

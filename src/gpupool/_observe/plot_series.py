@@ -113,8 +113,10 @@ class DevicePlot:
 
     Attributes:
         device: the device index.
-        terms: ``(time_s, total, co_tenant, own_high_water, ask, width, ceiling)``
-            from every record that carries the bound (``-1``: not in the record).
+        terms: ``(time_s, total, co_tenant, own_high_water, ask, width, ceiling,
+            other_pools, together_tasks, together_bytes)`` from every record that carries
+            the bound (``-1``: not in the record; ``together_*``: the pooled price the bound
+            stated, "X for the K together", where the key's tasks were priced together).
         live_used: ``(time_s, live_used_bytes)`` where a record read the card, at the
             time of the reading (a sample's ``read_s``).
         reads: ``(time_s, used, co_tenant, own, other_pools)`` from each record that
@@ -193,6 +195,10 @@ def _terms(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s: floa
     ceiling = record_int(record, "ceiling")
     if event == "out_of_memory":
         width = None  # the narrowed record that follows carries the new width
+    others = record_int(record, "other_pools_bytes") or 0
+    together_tasks = record_int(record, "together_tasks")
+    together_bytes = record_int(record, "together_bytes")
+    stated = together_tasks is not None and together_bytes is not None
     plot.terms.add(
         time_s,
         total,
@@ -201,8 +207,11 @@ def _terms(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s: floa
         ask,
         width if width is not None else -1,
         ceiling if ceiling is not None else -1,
+        others,
+        together_tasks if stated and together_tasks is not None else -1,
+        together_bytes if stated and together_bytes is not None else -1,
     )
-    plot._census = (co, own, record_int(record, "other_pools_bytes") or 0)
+    plot._census = (co, own, others)
 
 
 def _reading(plot: DevicePlot, record: Mapping[str, Any], used: int, time_s: float) -> None:
@@ -266,8 +275,12 @@ class CardView:
         total_bytes: the card's capacity.
         end_s: the run's last second.
         name: names the card's panels (``"card 0"``, ``"run 2 card 0"``).
-        priced: ``(time_s, co_tenant_bytes, own_high_water_bytes, width_x_ask_bytes)``
-            steps: the bound's terms, as the width was priced.
+        priced: ``(time_s, co_tenant_bytes, own_high_water_bytes, other_pools_bytes,
+            price_bytes)`` steps: the bound's terms, as the width was priced. ``price_bytes``
+            is what the record states the tasks were priced at: for a key priced together,
+            the pooled price ("X for the K together"; where the width is below K, the
+            lesser of that price and width x ask, which the width's own price is under),
+            else width x ask.
         reads: ``(time_s, used, co_tenant, own, other_pools)`` steps: the card as read.
         key_names: the task keys ``keys`` books.
         keys: ``(time_s, booked_bytes per key of key_names)`` steps, with each reading.
@@ -289,7 +302,7 @@ class CardView:
     total_bytes: int
     end_s: float
     name: str = "card"
-    priced: list[tuple[float, int, int, int]] = field(default_factory=list)
+    priced: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     reads: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     key_names: list[str] = field(default_factory=list)
     keys: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)

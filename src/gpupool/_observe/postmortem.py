@@ -63,8 +63,9 @@ MAX_RUNS = 256
 #: Task keys kept per run; later keys are not tabled.
 MAX_KEYS = 1024
 
-#: Events that set a device's width (``width_after``).
-_WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened"})
+#: Events that set a device's width (``width_after``): a lifted out-of-memory cap widens a
+#: card as a widened record does.
+_WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened", "cap_lifted"})
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -88,6 +89,8 @@ class Postmortem:
         widths: ``(time_s, total width)`` at each change of the pool's width
             (the sum of the devices' widths, or the pool's own for host pools).
         device_widths: per device, ``(time_s, width)`` at each change.
+        cap_lifts: ``(time_s, device, width_before, width_after)`` of each ``cap_lifted``
+            record (an out-of-memory's cap lifted, and the width it let the card reach).
         asks: per task key, its own ask's changes ``(time_s, ask_bytes, basis)``
             (from the records' ``key_ask_*`` terms).
         key_peaks: per task key, the largest device peak measured (a child's
@@ -117,6 +120,7 @@ class Postmortem:
     events: dict[str, int] = field(default_factory=dict)
     widths: _Series = field(default_factory=_Series)
     device_widths: dict[int, _Series] = field(default_factory=dict)
+    cap_lifts: _Series = field(default_factory=_Series)
     asks: dict[str, _Series] = field(default_factory=dict)
     key_peaks: dict[str, int] = field(default_factory=dict)
     partial_peaks: dict[str, str] = field(default_factory=dict)
@@ -150,6 +154,10 @@ class Postmortem:
             "duration_s": self.duration_s,
             "events": dict(sorted(self.events.items())),
             "widths": [{"time_s": t, "width": int(w)} for t, w in self.widths.points],
+            "cap_lifts": [
+                {"time_s": t, "device": int(d), "width_before": int(b), "width_after": int(w)}
+                for t, d, b, w in self.cap_lifts.points
+            ],
             "device_widths": {
                 str(d): [{"time_s": t, "width": int(w)} for t, w in s.points]
                 for d, s in sorted(self.device_widths.items())
@@ -253,6 +261,9 @@ class _RunReader:
                 if not points or points[-1][1] != total_width:
                     pm.widths.add(time_s, total_width)
                 self.last_total = total_width
+        if event == "cap_lifted" and device is not None and width_after is not None:
+            before = record_int(record, "width_before")
+            pm.cap_lifts.add(time_s, device, before if before is not None else -1, width_after)
         self._key_terms(record, event, time_s)
         if plot is not None:
             _plot_point(plot, record, event, time_s)
@@ -483,6 +494,14 @@ def format_postmortem(pm: Postmortem) -> list[str]:
             lines.append(
                 f"  card {device}: " + ", ".join(f"{int(w)} at {t:.2f} s" for t, w in series.points)
             )
+    if pm.cap_lifts.points:
+        lines.append(
+            "caps lifted (an out-of-memory's cap, once the room it was set for was back): "
+            + ", ".join(
+                f"card {int(d)} at {t:.2f} s (width {int(b) if b >= 0 else '?'} -> {int(w)})"
+                for t, d, b, w in pm.cap_lifts.points
+            )
+        )
     lines += _format_asks(pm)
     if pm.partial_peaks:
         lines.append(
@@ -594,11 +613,7 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
         f"  reserve                {format_size(a.reserve_bytes):>12}",
         f"  booked                 {format_size(a.booked_bytes):>12}   "
         f"{a.running} running, the failing task's included, each at its price when it started",
-        *(
-            f"    {n} x {key}: {format_size(b)}"
-            + (f" ({format_size(b // n)} each)" if n > 1 else "")
-            for key, n, b in a.runs_by_key
-        ),
+        *(f"    {n} x {key}: {format_size(b)}{_each(a, key, n)}" for key, n, b in a.runs_by_key),
         *(
             [
                 f"  the pool's workers     {format_size(a.children_bytes):>12}   "
@@ -607,7 +622,7 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
             if a.pool_read
             else []
         ),
-        f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   booked at its start; "
+        f"  failing task's ask     {format_size(a.task_ask_bytes):>12}   {_booked_at_start(a)}; "
         f"the key was priced {format_size(a.key_ask_bytes)} ({a.ask_basis}) when it failed",
         f"  it had reached         {format_size(a.reached_bytes):>12}   "
         f"and {format_size(a.requested_bytes)} more was refused",
@@ -616,3 +631,34 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
         f"  wrong term: {a.verdict} - {a.explanation}",
     ]
     return rows
+
+
+#: Bookings of one key listed one by one in an out-of-memory's table; more are counted.
+_BOOKINGS_LISTED = 8
+
+
+def _each(a: OomAnalysis, key: str, running: int) -> str:
+    """What each of ``key``'s running tasks was booked at, as the record's ``runs`` states it:
+    one figure where they were all booked alike, else each (never an average no record
+    states)."""
+    if running < 2:
+        return ""
+    booked = dict(a.run_bookings).get(key, ())
+    if not booked:
+        return ""
+    if len(set(booked)) == 1:
+        return f" ({format_size(booked[0])} each)"
+    listed = " + ".join(format_size(b) for b in booked[:_BOOKINGS_LISTED])
+    more = len(booked) - _BOOKINGS_LISTED
+    return f" ({listed}{f' + {more} more' if more > 0 else ''}, each as booked when it started)"
+
+
+def _booked_at_start(a: OomAnalysis) -> str:
+    """How the failing task was booked when it started, as the record states it."""
+    booked = a.task_booked_bytes
+    if booked is None or booked == a.task_ask_bytes:
+        return "booked at its start"
+    return (
+        f"booked {format_size(booked)} at its start (its share of its key's price for the "
+        "tasks together)"
+    )

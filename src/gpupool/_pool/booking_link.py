@@ -44,11 +44,16 @@ if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
     from gpupool._sensors.bookings import BookingTable
 
-__all__ = ["COALESCE_S", "BookingLink"]
+__all__ = ["COALESCE_S", "WAITING_COUNT_S", "BookingLink"]
 
 #: The longest a release or a waiting state change waits to be written to the table (the
 #: changes of one window go in one write).
 COALESCE_S = 0.05
+
+#: The least time between two writes of a row that only a changed count of waiting tasks
+#: calls for (the count is for people, ``gpupool top``; whether tasks wait at all, which
+#: other pools share by, is told within :data:`COALESCE_S`).
+WAITING_COUNT_S = 0.5
 
 #: The most waiting tasks a row of the host's booking table describes by key (for people).
 _WAITS_SCANNED = 64
@@ -89,6 +94,8 @@ class BookingLink:
         self.shown: dict[int, tuple[_Row, dict[int, int]]] = {}
         # Per card: since when a change waits to be written (monotonic seconds).
         self.dirty_since_s: dict[int, float] = {}
+        # Per card: when its row was last written (monotonic seconds).
+        self.written_s: dict[int, float] = {}
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -177,17 +184,26 @@ class BookingLink:
 
     def waiting_changed(self) -> None:
         """After a scheduling pass: where other pools are, whether tasks wait for room is
-        told when it changed."""
-        waiting = self.planner.waiting_count() > 0
+        told when it changed (within :data:`COALESCE_S`); on every card where this pool has
+        a row, a changed count of them is told too, at most every :data:`WAITING_COUNT_S`."""
+        count = self.planner.waiting_count()
         for device in self.devices:
-            if not self.others_seen.get(device.index):
-                continue
             published = self.published.get(device.index)
-            if (published is not None and published[1] > 0) != waiting:
+            if self.others_seen.get(device.index) and (
+                published is not None and published[1] > 0
+            ) != (count > 0):
                 self._mark(device.index)
+            elif published is not None and published[1] != count:
+                self._mark_count(device.index)
 
     def _mark(self, device: int) -> None:
         self.dirty_since_s.setdefault(device, time.monotonic())
+
+    def _mark_count(self, device: int) -> None:
+        """A changed waiting count alone: written :data:`WAITING_COUNT_S` after the row's
+        last write at the soonest."""
+        soonest = self.written_s.get(device, -WAITING_COUNT_S) + WAITING_COUNT_S - COALESCE_S
+        self.dirty_since_s.setdefault(device, max(time.monotonic(), soonest))
 
     def flush(self, now_s: float, *, force: bool = False) -> float | None:
         """Write the changes that have waited :data:`COALESCE_S` (all of them: ``force``);
@@ -213,7 +229,12 @@ class BookingLink:
         last = self.published.get(device.index)
         same = last is not None and (last[0], last[1] > 0, last[2]) == (tasks, waiting > 0, row[2])
         if same and not seen:
-            return  # the same booking, and no one to tell
+            assert last is not None
+            if last[1] == waiting:
+                return  # the same booking, and no one to tell
+            if time.monotonic() < self.written_s.get(device.index, 0.0) + WAITING_COUNT_S:
+                self._mark_count(device.index)  # the count alone changed: told later
+                return
         others = self._exchange(device, row, self._told(device, tasks))
         self.planner.observe_others(device.index, others, now_s)
 
@@ -249,6 +270,7 @@ class BookingLink:
         notes = self._notes(waiting, starting)
         self.published[device.index] = row
         self.dirty_since_s.pop(device.index, None)
+        self.written_s[device.index] = time.monotonic()
         others = self.table.exchange(
             device.info.uuid,
             self.pool_id,

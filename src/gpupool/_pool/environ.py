@@ -9,6 +9,7 @@ value is refused with a message that names the variable and what to set it to. T
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -23,6 +24,7 @@ from gpupool._sensors.host import CPU_CAP_ENV, read_cpu_cap
 __all__ = [
     "CPU_CAP_ENV",
     "INTERRUPT_CHOICES",
+    "KNOWN_VARIABLES",
     "LOG_PATH_ENV",
     "MAX_RETRIES_ENV",
     "MAX_WORKERS_ENV",
@@ -42,6 +44,8 @@ __all__ = [
     "read_room_wait_s",
     "read_size",
     "read_task_peak",
+    "mistyped_variables",
+    "warn_mistyped_variables",
 ]
 
 MAX_WORKERS_ENV = "GPUPOOL_MAX_WORKERS"
@@ -52,6 +56,27 @@ PROGRESS_ENV = "GPUPOOL_PROGRESS"
 ON_INTERRUPT_ENV = "GPUPOOL_ON_INTERRUPT"
 MAX_RETRIES_ENV = "GPUPOOL_MAX_RETRIES"
 ROOM_WAIT_ENV = "GPUPOOL_ROOM_WAIT_S"
+
+#: Every ``GPUPOOL_*`` variable gpupool reads: the pool defaults above, the simulated
+#: host's ledger (``gpupool.testing``) and the booking table's directory.
+KNOWN_VARIABLES = (
+    MAX_WORKERS_ENV,
+    TASK_PEAK_ENV,
+    RESERVE_ENV,
+    LOG_PATH_ENV,
+    PROGRESS_ENV,
+    ON_INTERRUPT_ENV,
+    MAX_RETRIES_ENV,
+    ROOM_WAIT_ENV,
+    "GPUPOOL_SIMULATOR",
+    "GPUPOOL_BOOKINGS",
+)
+
+#: How alike a set name and a real one must be (``difflib``'s ratio) to be taken for a typo.
+_TYPO_RATIO = 0.8
+
+#: The mistyped names warned of in this process (each once, however many pools it builds).
+_warned_names: set[str] = set()
 
 #: What leaving a ``with`` block by ``KeyboardInterrupt`` does (see ``on_interrupt=``).
 OnInterrupt = Literal["terminate", "wait"]
@@ -164,3 +189,45 @@ def read_on_interrupt(environ: Mapping[str, str]) -> OnInterrupt:
         if value.strip().lower() == choice:
             return choice
     raise _refuse(ON_INTERRUPT_ENV, value, "set it to 'terminate' or 'wait'")
+
+
+def mistyped_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The ``GPUPOOL_*`` names set in ``environ`` that gpupool does not read but that look
+    like one it does (a letter or an underscore off, or lower case: ``GPUPOOL_MAXWORKERS``),
+    each with the closest real name. A name like none of them (a script's own ``GPUPOOL_TEST_X``) is
+    left alone."""
+    found = []
+    for name in sorted(environ):
+        if not name.upper().startswith("GPUPOOL_") or name in KNOWN_VARIABLES:
+            continue
+        closest = _closest(name)
+        if closest is not None:
+            found.append((name, closest))
+    return found
+
+
+def _closest(name: str) -> str | None:
+    """The real name ``name`` is most like, when it is alike enough to be its typo."""
+    import difflib
+
+    squashed = {known.replace("_", ""): known for known in KNOWN_VARIABLES}
+    same_letters = squashed.get(name.upper().replace("_", ""))
+    if same_letters is not None:
+        return same_letters
+    matches = difflib.get_close_matches(name.upper(), KNOWN_VARIABLES, n=1, cutoff=_TYPO_RATIO)
+    return matches[0] if matches else None
+
+
+def warn_mistyped_variables(environ: Mapping[str, str]) -> None:
+    """A ``UserWarning`` for each name of :func:`mistyped_variables`, once per process: a
+    mistyped variable is otherwise ignored without a word."""
+    for name, closest in mistyped_variables(environ):
+        if name in _warned_names:
+            continue
+        _warned_names.add(name)
+        warnings.warn(
+            f"{name} is set but gpupool reads no such variable; did you mean {closest}? "
+            f"(rename it, or unset {name})",
+            UserWarning,
+            stacklevel=4,
+        )

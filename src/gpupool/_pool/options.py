@@ -142,6 +142,7 @@ def read_options(
             fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
     """
     _check_not_daemonic()
+    variables.warn_mistyped_variables(environ)
     # The arguments are checked in this order (the keywords are evaluated left to right).
     return PoolOptions(
         max_workers=_resolve(max_workers, _check_max_workers, variables.read_max_workers, environ),
