@@ -48,14 +48,14 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src."""
-    session.install("-e", ".[dask,joblib,top]", *_group("typing"))
+    session.install("-e", ".[dask,joblib,top,ray]", *_group("typing"))
     session.run("mypy", "--strict", "src/gpupool")
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test suite on the simulated host (the gpu marker skips without a card)."""
-    session.install("-e", ".[plot,progress,dask,joblib,top]", *_group("test"), TORCH)
+    session.install("-e", ".[plot,progress,dask,joblib,top,ray]", *_group("test"), TORCH)
     session.run("pytest", *session.posargs)
 
 

@@ -10,16 +10,22 @@ and every finish, and a planner reads ``others`` before every start, so
 ``exchange + others`` is the cost of one start.
 
 Part 2 runs the same no-op tasks through ``GpuPoolExecutor`` on a simulated
-card with ``share_bookings=True`` and ``False`` in turn, and reports the
-wall time per task and the ratio (the table's share of a pool's per-task cost).
+card with ``share_bookings=False``, ``True`` and ``"host"`` in turn (beside
+the last, as root, another user's file of ``--foreign-rows`` rows, owned by
+``nobody``), and reports the wall time per task and the ratio to ``False``
+(the table's share of a pool's per-task cost). ``--against SRC`` runs part 2
+for this tree and for another tree's ``src`` in turn, in one run: before and
+after a change.
 
     python bench/bookings.py                         # both parts
     python bench/bookings.py --ops 20000 --no-pool   # the table alone
+    python bench/bookings.py --against ../main/src --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -133,26 +139,122 @@ def _bench_rows(
     print("  (the last row includes the other pool's exchange: subtract row 1)")
 
 
-def bench_pool(tasks: int, workers: int, repeat: int) -> None:
+MODES: tuple[bool | str, ...] = (False, True, "host")
+
+
+def _plant_foreign(directory: Path, rows: int) -> None:
+    """Another user's file on the card (``nobody``'s, where this runs as root), as an honest
+    pool of theirs writes it: ``rows`` rows, which every step of a ``"host"`` pool reads."""
+    import pwd
+
+    try:
+        uid = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return
+    if os.geteuid() != 0 or not rows:
+        return
+    from gpupool._sensors.simulated import simulated_uuid
+
+    uuid = simulated_uuid(0)
+    body = {
+        "version": 1,
+        "card_uuid": uuid,
+        "pools": {
+            f"{4_000_000 + n}.1": {
+                "pid": 4_000_000 + n,
+                "start": "1",
+                "label": "other-user",
+                "updated_s": time.time(),
+                "waiting": 0,
+                "need_bytes": 0,
+                "tasks": [[4_100_000 + i, "bench.other", 1 << 30, 0] for i in range(4)],
+            }
+            for n in range(rows)
+        },
+    }
+    directory.mkdir(mode=0o1777, exist_ok=True)
+    directory.chmod(0o1777)
+    path = directory / f"{uuid}.uid{uid}.json"
+    path.write_text(json.dumps(body, separators=(",", ":")))
+    os.chown(path, uid, -1)
+
+
+def pool_rounds(tasks: int, workers: int, repeat: int, foreign_rows: int) -> dict[str, list[float]]:
+    """Per mode of ``share_bookings``, the microseconds per task of each round (the modes
+    interleaved within each round: the host's load moves)."""
     from gpupool import GpuPoolExecutor
     from gpupool.testing import SimulatedDevice, SimulatedHost
 
-    results: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(repeat):
-        for share in (False, True):
-            with SimulatedHost([SimulatedDevice("256GiB")], cpus=64, host_ram="512GiB"):
+    results: dict[str, list[float]] = {repr(mode): [] for mode in MODES}
+    for round_ in range(repeat):
+        # Each mode takes each place in turn (the first pool of a process pays more).
+        for share in MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]:
+            with SimulatedHost([SimulatedDevice("256GiB")], cpus=64, host_ram="512GiB") as host:
+                if share == "host":
+                    _plant_foreign(Path(host.bookings_directory), foreign_rows)
                 with GpuPoolExecutor(workers, task_peak="1GiB", share_bookings=share) as pool:
                     list(pool.map(noop, range(workers * 4)))  # warm-up: start every worker
                     start = time.perf_counter()
                     futures = [pool.submit(noop, i) for i in range(tasks)]
                     for future in futures:
                         future.result()
-                    results[share].append((time.perf_counter() - start) / tasks * 1e6)
-    off, on = statistics.median(results[False]), statistics.median(results[True])
+                    results[repr(share)].append((time.perf_counter() - start) / tasks * 1e6)
+    return results
+
+
+def bench_pool(tasks: int, workers: int, repeat: int, foreign_rows: int) -> None:
+    results = pool_rounds(tasks, workers, repeat, foreign_rows)
+    off = statistics.median(results["False"])
     print(f"\nGpuPoolExecutor on a simulated card, {tasks} no-op tasks, {workers} workers")
     print(f"{'share_bookings':<16} {'us/task':>8} {'vs off':>7}")
-    print(f"{'False':<16} {off:>8.1f} {1.0:>7.2f}")
-    print(f"{'True':<16} {on:>8.1f} {on / off:>7.2f}")
+    for mode, figures in results.items():
+        median = statistics.median(figures)
+        print(f"{mode:<16} {median:>8.1f} {median / off:>7.2f}")
+
+
+def bench_against(other_src: str, tasks: int, workers: int, repeat: int, foreign_rows: int) -> None:
+    """Part 2 for this tree and for the tree at ``other_src`` (its ``src``), the two run in
+    turn, one round each, ``repeat`` times: before and after a change, in one run."""
+    trees = {"before": other_src, "after": str(Path(__file__).resolve().parents[1] / "src")}
+    results: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    ratios: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    for _ in range(repeat):
+        for name, src in trees.items():
+            env = {**os.environ, "PYTHONPATH": src}
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--pool-json",
+                    f"--pool-tasks={tasks}",
+                    f"--workers={workers}",
+                    f"--foreign-rows={foreign_rows}",
+                    f"--repeat={len(MODES)}",
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            run = json.loads(out.splitlines()[-1])
+            off = statistics.median(run["False"])
+            for mode, figures in run.items():
+                results[name].setdefault(mode, []).extend(figures)
+                ratios[name].setdefault(mode, []).append(statistics.median(figures) / off)
+    print(
+        f"\nbefore ({other_src}) and after, {tasks} no-op tasks, {workers} workers, "
+        f"{repeat} runs of each tree in turn ({len(MODES)} rounds a run, the modes rotated); "
+        "us/task (median of all rounds), and vs share_bookings=False (median of the runs' "
+        "ratios, each within one run)"
+    )
+    print(f"{'share_bookings':<16} {'before':>8} {'vs off':>7} {'after':>8} {'vs off':>7}")
+    for mode in results["after"]:
+        row = [
+            f"{statistics.median(results[name][mode]):>8.1f} "
+            f"{statistics.median(ratios[name][mode]):>7.2f}"
+            for name in trees
+        ]
+        print(f"{mode:<16} {' '.join(row)}")
 
 
 def main() -> None:
@@ -163,13 +265,32 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pool-tasks", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--foreign-rows",
+        type=int,
+        default=4,
+        help="rows of another user's file beside a \"host\" pool (as root: nobody's)",
+    )
     parser.add_argument("--no-pool", action="store_true", help="skip part 2")
+    parser.add_argument("--no-table", action="store_true", help="skip part 1")
+    parser.add_argument(
+        "--against", metavar="SRC", help="part 2 only, this tree and the src at SRC in turn"
+    )
+    parser.add_argument("--pool-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pool_json:
+        figures = pool_rounds(args.pool_tasks, args.workers, args.repeat, args.foreign_rows)
+        print(json.dumps(figures))
+        return
+    if args.against:
+        bench_against(args.against, args.pool_tasks, args.workers, args.repeat, args.foreign_rows)
+        return
     bases = [base for base in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(base)]
-    for base in bases:
-        bench_table(base, args.pools, args.tasks_per_pool, args.ops, args.repeat)
+    if not args.no_table:
+        for base in bases:
+            bench_table(base, args.pools, args.tasks_per_pool, args.ops, args.repeat)
     if not args.no_pool:
-        bench_pool(args.pool_tasks, args.workers, args.repeat)
+        bench_pool(args.pool_tasks, args.workers, args.repeat, args.foreign_rows)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
     if block.not_run:
         pytest.skip(f"{block.id}: {block.not_run}")
     every_code = "\n".join([block.code, *(code for _, code in block.modules)])
-    for module in ("dask", "distributed", "joblib", "matplotlib", "tqdm", "torch"):
+    for module in ("dask", "distributed", "joblib", "matplotlib", "ray", "tqdm", "torch"):
         imported = re.search(rf"^\s*(import|from) {module}\b", every_code, re.MULTILINE)
         if imported and importlib.util.find_spec(module) is None:
             pytest.skip(f"{block.id} needs {module} (an optional extra or framework)")

@@ -92,6 +92,7 @@ RECORDS = (
     "MemoryReading",
     "ProcessReading",
     "Sensor",
+    "TaskIdentity",
 )
 
 

@@ -44,7 +44,13 @@ if TYPE_CHECKING:
     from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
     from gpupool._core.bound import Bound, Ceiling
     from gpupool._core.census import CardCensus, Census, HostCensus
-    from gpupool._core.events import EVENTS, Decision, EventName, JsonValue  # noqa: F401 (hints)
+    from gpupool._core.events import (  # noqa: F401 (hints)
+        EVENTS,
+        Decision,
+        EventName,
+        JsonValue,
+        TaskIdentity,
+    )
     from gpupool._core.policy import Ask
     from gpupool._observe.progress import track
     from gpupool._pool.executor import GpuPoolExecutor, PoolStatistics, TaskOptions
@@ -74,6 +80,7 @@ __all__ = [
     "ProcessReading",
     "Sensor",
     "SensorError",
+    "TaskIdentity",
     "TaskOptions",
     "WidthError",
     "WorkerLostError",
@@ -105,6 +112,7 @@ _LAZY = {
     "EVENTS": "gpupool._core.events",
     "EventName": "gpupool._core.events",
     "JsonValue": "gpupool._core.events",
+    "TaskIdentity": "gpupool._core.events",
     "track": "gpupool._observe.progress",
     "GpuPoolExecutor": "gpupool._pool.executor",
     "PoolStatistics": "gpupool._pool.executor",

@@ -37,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
-import inspect
 import logging
 import multiprocessing
 import threading
@@ -58,6 +56,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from gpupool._child.dask import run_task
 from gpupool._errors import ConfigurationError
+from gpupool._integration import check_pool_keywords, jsonable
+from gpupool._integration import pool_report as _pool_report
 
 #: What Dask's worker hands an executor that is not a thread pool; a future
 #: distributed without it still works, its tasks reaching the pool unchanged.
@@ -271,13 +271,6 @@ class DaskGpuExecutor(concurrent.futures.Executor):
         self.pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def _pool_parameters() -> frozenset[str]:
-    from gpupool._pool.executor import GpuPoolExecutor
-
-    parameters = inspect.signature(GpuPoolExecutor.__init__).parameters
-    return frozenset(name for name in parameters if name != "self")
-
-
 class GpuPoolPlugin(WorkerPlugin):
     """A worker plugin: one :class:`~gpupool.GpuPoolExecutor` per worker, as a named executor.
 
@@ -322,12 +315,7 @@ class GpuPoolPlugin(WorkerPlugin):
                 f"name={name!r}: pick an executor name the worker does not own "
                 f"(not one of {sorted(_RESERVED)}), such as 'gpu'."
             )
-        unknown = sorted(set(executor_kwargs) - _pool_parameters())
-        if unknown:
-            raise ConfigurationError(
-                f"{', '.join(unknown)}: not a parameter of GpuPoolExecutor "
-                f"(it takes {', '.join(sorted(_pool_parameters()))})."
-            )
+        check_pool_keywords(executor_kwargs)
         if simulate is not None and not callable(simulate):
             raise ConfigurationError(
                 "simulate must be a function of the worker returning a SimulatedHost "
@@ -461,16 +449,6 @@ def unregister(client: Client, name: str = "gpu") -> None:
     client.unregister_worker_plugin(_plugin_name(name))  # type: ignore[no-untyped-call]
 
 
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def pool_report(dask_worker: Worker, name: str = "gpu") -> dict[str, Any]:
     """This worker's pool: census, width, decisions and statistics, as a JSON-able dict.
 
@@ -497,29 +475,11 @@ def pool_report(dask_worker: Worker, name: str = "gpu") -> dict[str, Any]:
             f"worker {dask_worker.address} has no gpupool executor named {name!r}; "
             "register one with gpupool.dask.register(client, name=...)."
         )
-    pool = executor.pool
-    census = _jsonable(pool.census)
-    for card, measured in zip(census["cards"], pool.census.cards, strict=True):
-        card["co_tenant_bytes"] = measured.co_tenant_bytes
-    simulated: dict[str, Any] | None = None
-    if executor.host is not None:
-        host = executor.host
-        simulated = {
-            "devices": [
-                {"total_bytes": device.total_bytes, "peak_bytes": host.device_peak(i)}
-                for i, device in enumerate(host.devices)
-            ],
-            "out_of_memory_events": [_jsonable(e) for e in host.out_of_memory_events],
-        }
     return {
         "worker": dask_worker.address,
-        "worker_name": _jsonable(dask_worker.name),
+        "worker_name": jsonable(dask_worker.name),
         "executor": name,
-        "width": pool.width,
-        "census": census,
-        "decisions": [decision.to_dict() for decision in pool.decisions],
-        "statistics": _jsonable(pool.statistics()),
-        "simulated": simulated,
+        **_pool_report(executor.pool, executor.host),
     }
 
 

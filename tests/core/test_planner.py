@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 )
 from test_fit_memo import walked_fit
 
-from gpupool._core.events import Decision
+from gpupool._core.events import Decision, TaskIdentity
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     GATE_RECORD_INTERVAL_S,
@@ -65,6 +65,7 @@ FIT_EVENTS = frozenset(
         "cap_lifted",
         "serial_start",
         "worker_lost",
+        "worker_replaced",
         "sensor_error",
     }
 )
@@ -190,7 +191,10 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS), hint_gib=st.none() | st.integers(1, 30))
     def submit(self, key: str, hint_gib: int | None) -> None:
-        self.planner.submit(self.next_task, key, None if hint_gib is None else hint_gib * GiB)
+        identity = TaskIdentity(task_id=self.next_task, entry=self.next_task, label=key)
+        self.planner.submit(
+            self.next_task, key, None if hint_gib is None else hint_gib * GiB, identity=identity
+        )
         self.next_task += 1
         self.submitted += 1
 
@@ -411,6 +415,24 @@ class PlannerMachine(RuleBasedStateMachine):
         self.worker_of.pop(task, None)  # its worker died: no idle worker comes back
         self.settled += 1
         self._requeued_in_order(task)
+
+    @precondition(lambda self: self.planner.state.running)
+    @rule(data=st.data())
+    def not_set_up(self, data: st.DataObject) -> None:
+        """A worker could not set up its task (a task before used up its descriptors): the
+        task goes back to the head of the queue unrun, before what was queued behind it; the
+        worker exits. The record names the task."""
+        task = data.draw(st.sampled_from(self.running_ids()))
+        behind = [q for q, run in self.queued_on.items() if run == task]
+        self._requeued_in_order(task)  # the pool takes back what was queued behind it first
+        before = len(self.records)
+        self.planner.not_run(task, self.now_s, message="no descriptor left", extra={"pid": 1})
+        assert task not in self.planner.state.running
+        assert list(self.planner.state.pending)[: 1 + len(behind)] == [task, *behind]
+        self.worker_of.pop(task, None)  # its worker exits: no idle worker comes back
+        replaced = [r for r in self.records[before:] if r.event == "worker_replaced"]
+        assert [r.task.task_id if r.task else None for r in replaced] == [task]
+        event("a task handed back by a worker that could not set it up")
 
     @precondition(lambda self: self.planner.state.running)
     @rule(data=st.data())

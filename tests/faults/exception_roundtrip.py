@@ -39,6 +39,7 @@ SAMPLES: dict[str, object] = {
     "total_bytes": 2**33,
     "run": "2",
     "runs": ("20261201T000000Z-0123456789ab",),
+    "node": "10.0.0.7/0123abcd",
 }
 
 

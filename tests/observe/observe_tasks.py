@@ -53,6 +53,22 @@ def entry_together(i: int, gate: str, together: int, size: str = "6.02GiB") -> i
     return i
 
 
+def entry_or_oom(i: int, victim: int, size: str = "64GiB") -> int:
+    """Hold 0.25 GiB briefly; entry ``victim`` asks ``size``, more than the card holds."""
+    with hold(size if i == victim else "0.25GiB"):
+        time.sleep(0.01)
+    return i
+
+
+def entry_or_die(i: int, victim: int) -> int:
+    """Return ``i``; entry ``victim`` kills its worker (SIGKILL) instead."""
+    if i == victim:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
 def hold_until(i: int, size: str, gate: str) -> int:
     """Hold ``size`` until ``gate/release`` appears (or ``GATE_TIMEOUT_S``)."""
     release = Path(gate) / "release"

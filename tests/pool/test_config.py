@@ -91,6 +91,45 @@ def test_fork_context_is_refused(host):
         GpuPoolExecutor(task_peak="1GiB", mp_context=multiprocessing.get_context("fork"))
 
 
+@pytest.mark.parametrize(
+    ("context", "pattern"),
+    [
+        (
+            "spawn",
+            r"^mp_context='spawn': pass a multiprocessing context, such as "
+            r"multiprocessing\.get_context\('spawn'\)",
+        ),
+        (object(), r"^mp_context=<object object at .*>: pass a multiprocessing context"),
+        (
+            multiprocessing.get_context("forkserver"),
+            r"^mp_context uses 'forkserver', .* only "
+            r"spawn is supported\. Pass mp_context=None or multiprocessing\.get_context\('spawn'\)",
+        ),
+    ],
+    ids=["string", "object", "forkserver"],
+)
+def test_what_is_not_a_spawn_context_is_refused(host, context, pattern):
+    """A string, any other object, or a forkserver context is refused with a message that
+    says what is supported (was: AttributeError, or forkserver taken and ignored)."""
+    with pytest.raises(ConfigurationError, match=pattern):
+        GpuPoolExecutor(task_peak="1GiB", mp_context=context)
+
+
+def test_spawn_contexts_are_taken(host):
+    """A spawn context is taken, and its pool runs tasks."""
+    with GpuPoolExecutor(
+        task_peak="1GiB", max_workers=1, mp_context=multiprocessing.get_context("spawn")
+    ) as ex:
+        assert ex.submit(abs, -3).result() == 3
+
+
+@pytest.mark.parametrize("devices", [[0, 0], ["GPU-a", 1, "GPU-a"]], ids=["index", "uuid"])
+def test_duplicate_devices_are_refused(host, devices):
+    """A device named twice is refused (was: taken silently)."""
+    with pytest.raises(ConfigurationError, match=r"names .* twice: name each device once\.$"):
+        GpuPoolExecutor(task_peak="1GiB", devices=devices)
+
+
 def test_strict_needs_max_workers(host):
     """strict=True without max_workers is refused."""
     with pytest.raises(ConfigurationError, match=r"^strict=True needs max_workers"):

@@ -81,6 +81,12 @@ def test_map_orders_results_and_honours_chunksize_and_buffersize(pool):
         pool.map(abs, [1], chunksize=0)
     with pytest.raises(ValueError, match=r"^buffersize must be None or >= 1\.$"):
         pool.map(abs, [1], buffersize=0)
+    # The wrong type is a TypeError, as on CPython 3.14 (was: ValueError); nothing is submitted.
+    submitted = pool.statistics().tasks_submitted
+    for wrong in (1.5, "2"):
+        with pytest.raises(TypeError, match=r"^buffersize must be an integer or None$"):
+            pool.map(abs, [1], buffersize=wrong)
+    assert pool.statistics().tasks_submitted == submitted
 
 
 def test_map_timeout_raises_timeout_error(pool):

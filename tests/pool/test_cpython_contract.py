@@ -8,17 +8,14 @@ copied. The few tests that read CPython internals or pin behaviour gpupool
 deliberately changes are skipped below, each with its reason; the list and the
 command are in ``docs/compatibility.md``.
 
-Start methods: "spawn" always; "forkserver" too with
-``GPUPOOL_CPYTHON_FORKSERVER=1``. gpupool starts its workers the same way for
-both (loky's fork+exec: ``mp_context`` only decides where the tests' own
-semaphores, queues and managers live), so the second context doubles the run
-time for little. "fork" is not built: gpupool refuses a fork context by design,
-since CUDA does not survive ``fork``.
+Start methods: "spawn" only. "fork" and "forkserver" are not built: gpupool
+refuses both contexts by design (every worker is a fresh interpreter with its
+card pinned in its environment; CUDA does not survive ``fork``, and a
+forkserver's child inherits the server's environment).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import unittest
 from pathlib import Path
@@ -39,8 +36,6 @@ pytestmark = [
 ]
 
 CONTEXTS = ["spawn"]
-if os.environ.get("GPUPOOL_CPYTHON_FORKSERVER", "") not in ("", "0"):
-    CONTEXTS.append("forkserver")
 
 
 def _module_root() -> str:
@@ -140,7 +135,6 @@ _MIXINS: list[tuple[type, type | None]] = [
 
 _CONTEXT_MIXINS = {
     "spawn": cf.ProcessPoolSpawnMixin,
-    "forkserver": cf.ProcessPoolForkserverMixin,
 }
 
 

@@ -2,14 +2,19 @@
 pool's do: a global the initializer sets is read by the tasks, and one a task sets by the tasks
 after it on that worker.
 
-The script runs as ``python script.py`` in a child process (so its functions are ``__main__``'s
-and travel by value), once on a simulated card and once on the host path; it runs the same
-calls on the standard pool (spawn) and prints both pools' results.
+Each script runs in a child process two ways: as ``python script.py`` (the workers import it
+as ``__mp_main__``, as the standard pool's do, and its functions go by name), where it runs the
+same calls on the standard pool (spawn) and prints both pools' results; and as ``python -c``
+(``by-value``: no file a worker could import, so its functions travel by value, and the
+standard pool cannot run them at all).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +22,30 @@ import pytest
 
 from gpupool._pool import by_value
 from support import run_script
+
+HOW = ["script", "by-value"]
+
+
+def run_main(directory: Path, name: str, text: str, how: str, *args: str):
+    """Run ``text`` as ``__main__``: as a script file, or (``by-value``) through ``python -c``,
+    where ``__main__`` has no file for a worker to import."""
+    if how == "script":
+        return run_script(directory, name, text, *args)
+    path = directory / name
+    path.write_text(text)
+    source = f"open({str(path)!r}).read(), {str(path)!r}, 'exec'"
+    code = f"import sys; sys.argv[1:] = {list(args)!r}; exec(compile({source}))"
+    env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_SIMULATOR"}
+    env["TMPDIR"] = str(directory)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=directory,
+    )
+
 
 SCRIPT = """\
 import concurrent.futures
@@ -86,39 +115,47 @@ def run(where):
 
 
 if __name__ == "__main__":
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(mp_context=spawn, **dict(
-        max_workers=1, initializer=init, initargs=(10,))) as ex:
-        standard = calls(ex)
+    standard = None
+    if "__file__" in globals():  # the standard pool cannot run a ``python -c`` script's
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(mp_context=spawn, **dict(
+            max_workers=1, initializer=init, initargs=(10,))) as ex:
+            standard = calls(ex)
     LIMIT = 3
     print(json.dumps({"standard": standard, "gpupool": run(sys.argv[1])}))
 """
 
 
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("where", ["card", "host"])
-def test_initializer_and_tasks_of_main_share_the_worker_namespace(tmp_path: Path, where: str):
-    """The initializer's global is the tasks' (as the standard pool's), a global a task sets
-    is read by the next task on that worker (as the standard pool's), and a global the
-    parent rebinds between submissions is sent with the function (by value, as before)."""
-    done = run_script(tmp_path, "main_namespace_script.py", textwrap.dedent(SCRIPT), where)
+def test_initializer_and_tasks_of_main_share_the_worker_namespace(
+    tmp_path: Path, where: str, how: str
+):
+    """The initializer's global is the tasks' (as the standard pool's), and a global a task
+    sets is read by the next task on that worker (as the standard pool's). A global the parent
+    rebinds between submissions: a worker that imported the script reads the script's own
+    value, as the standard pool's; sent by value, the function brings the parent's."""
+    done = run_main(tmp_path, "main_namespace_script.py", textwrap.dedent(SCRIPT), how, where)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     standard, ours = results["standard"], results["gpupool"]
+    if how == "by-value":
+        standard = {"predicted": [0, 10, 20], "counted": [1, 2, 3], "flag": "on", "limit": 5}
     assert ours["predicted"] == standard["predicted"] == [0, 10, 20]
     assert ours["counted"] == standard["counted"] == [1, 2, 3]
     assert ours["flag"] == standard["flag"] == "on"
-    # The standard worker imported the script: it sees the script's own value. gpupool sends
-    # the function by value with the parent's globals as they are when it is sent.
-    assert (standard["limit"], ours["limit"]) == (3, 5)
+    assert ours["limit"] == standard["limit"] == (3 if how == "script" else 5)
 
 
 # The end of the scripts below: the same calls on the standard pool (spawn) and on ours, on a
 # simulated card, each with the script's ``init``; both pools' results printed as JSON.
 _BOTH_POOLS_MAIN = """\
 if __name__ == "__main__":
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
-        standard = calls(ex)
+    standard = None
+    if "__file__" in globals():  # the standard pool cannot run a ``python -c`` script's
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=init) as ex:
+            standard = calls(ex)
     with SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=2, host_ram="8GiB"):
         with GpuPoolExecutor(1, task_peak="1GiB", initializer=init) as ex:
             ours = calls(ex)
@@ -175,14 +212,15 @@ def calls(ex):
 )
 
 
-def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path):
+@pytest.mark.parametrize("how", HOW)
+def test_a_global_the_initializer_or_a_task_deletes_stays_deleted(tmp_path: Path, how: str):
     """A script's global deleted in the worker (by the initializer, by a task) is not put
     back by the next task sent with it: those tasks raise NameError, as the standard pool's."""
-    done = run_script(tmp_path, "delete_script.py", DELETE_SCRIPT)
+    done = run_main(tmp_path, "delete_script.py", DELETE_SCRIPT, how)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     expected = ["NameError", 7, "NameError", "NameError"]
-    assert results["standard"] == expected
+    assert results["standard"] == (expected if how == "script" else None)
     assert results["gpupool"] == expected
 
 
@@ -240,24 +278,27 @@ def calls(ex):
 )
 
 
+@pytest.mark.parametrize("how", HOW)
 def test_a_global_filled_in_place_in_the_worker_is_kept_as_the_standard_pool_keeps_it(
-    tmp_path: Path,
+    tmp_path: Path, how: str
 ):
     """A script's dict the initializer fills, and a list the tasks append to, are the
-    worker's from then on (the script sends them again unchanged with each task): every task
-    sees what was put in them, as in the standard pool. A global the script rebinds between
-    submissions is still sent with the function."""
-    done = run_script(tmp_path, "cache_script.py", CACHE_SCRIPT)
+    worker's from then on: every task sees what was put in them, as in the standard pool. A
+    global the script rebinds between submissions: the script's own value where the worker
+    imported it (as the standard pool's), the parent's when the function went by value."""
+    done = run_main(tmp_path, "cache_script.py", CACHE_SCRIPT, how)
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     standard, ours = results["standard"], results["gpupool"]
     expected = [["loaded", 1, [1]], ["loaded", 1, [1, 2]], ["loaded", 1, [1, 2, 3]]]
-    assert standard["remembered"] == ours["remembered"] == expected
-    # The standard worker imported the script (its own value); gpupool sends the parent's,
-    # each time the parent rebound it, wherever the new object lies.
-    assert (standard["scaled"], ours["scaled"]) == ([2, 2], [10, 3])
-    assert standard["configs"] == [-1] * 20
-    assert ours["configs"] == list(range(20))
+    assert ours["remembered"] == expected
+    if how == "script":
+        assert standard == ours
+        assert (ours["scaled"], ours["configs"]) == ([2, 2], [-1] * 20)
+    else:
+        # Sent by value, each time the parent rebound it, wherever the new object lies.
+        assert standard is None
+        assert (ours["scaled"], ours["configs"]) == ([10, 3], list(range(20)))
 
 
 def test_a_rebound_global_gets_a_new_version_even_where_the_last_one_lay():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -22,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from second_user import NOBODY, Forked, needs_nobody
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
@@ -38,23 +38,6 @@ UUID = "GPU-00000000-1111-2222-3333-444444444444"
 TOTAL_BYTES = 40 * GiB
 #: A safety net so that a broken test fails instead of hanging; never asserted on.
 PATIENCE_S = 60.0
-
-
-def _nobody() -> tuple[int, int] | None:
-    """(uid, gid) of ``nobody`` where this process may become it (root), else ``None``."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        entry = pwd.getpwnam("nobody")
-    except KeyError:
-        return None
-    return entry.pw_uid, entry.pw_gid
-
-
-NOBODY = _nobody()
-needs_nobody = pytest.mark.skipif(
-    NOBODY is None, reason="needs root to run a child as the user 'nobody' (a second user)"
-)
 
 
 def _row(
@@ -109,44 +92,6 @@ class Sleeper:
             if stream is not None:
                 stream.close()
         self.process.wait(timeout=PATIENCE_S)
-
-
-class Forked:
-    """A forked child that runs ``work`` (as ``nobody`` when given a user), says "ready"
-    through a pipe, and lives until :meth:`close`."""
-
-    def __init__(self, work: Callable[[], None], user: tuple[int, int] | None = None) -> None:
-        ready_r, ready_w = os.pipe()
-        self.hold_r, self.hold_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 1
-            try:
-                os.close(ready_r)
-                os.close(self.hold_w)
-                if user is not None:
-                    os.setgroups([])
-                    os.setgid(user[1])
-                    os.setuid(user[0])
-                work()
-                os.write(ready_w, b"ready\n")
-                os.read(self.hold_r, 1)  # until the test closes its end
-                code = 0
-            except BaseException as exc:
-                os.write(ready_w, f"error {exc!r}\n".encode())
-            finally:
-                os._exit(code)
-        self.pid = pid
-        os.close(ready_w)
-        os.close(self.hold_r)
-        with os.fdopen(ready_r) as ready:
-            self.line = ready.readline().strip()
-
-    def close(self) -> None:
-        if self.hold_w >= 0:
-            os.close(self.hold_w)
-            self.hold_w = -1
-            os.waitpid(self.pid, 0)
 
 
 @pytest.fixture

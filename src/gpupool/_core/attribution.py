@@ -77,6 +77,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpupool._core.events import describe_task
 from gpupool._core.units import format_size
 
 __all__ = ["OomAnalysis", "analyse_oom", "record_float", "record_int", "record_str"]
@@ -127,6 +128,8 @@ class OomAnalysis:
             together), or ``None`` where the record does not say.
         run_bookings: per key of ``runs_by_key``, each running task's booking when it
             started, as the record's ``runs`` table states it (in the table's order).
+        task: the failing task in words (its ``map`` entry and label:
+            :func:`~gpupool._core.events.describe_task`), or empty.
     """
 
     line: int
@@ -164,6 +167,7 @@ class OomAnalysis:
     missing: tuple[str, ...]
     task_booked_bytes: int | None = None
     run_bookings: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    task: str = ""
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-able dict of every field."""
@@ -220,6 +224,7 @@ def analyse_oom(
         time_s=record_float(record.get("time_s")),
         device=record_int(record, "device"),
         key=record_str(record, "key"),
+        task=describe_task(record),
         total_bytes=terms.total,
         census_co_tenant_bytes=terms.census_co,
         own_high_water_bytes=terms.own_hw,

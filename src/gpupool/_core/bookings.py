@@ -223,13 +223,16 @@ class OtherPools:
 
     @property
     def waiting_pools(self) -> int:
-        """How many other pools have tasks waiting for room."""
-        return sum(1 for pool in self.pools if pool.waiting)
+        """How many other pools' processes have tasks waiting for room (the pools of one
+        process count once: rows are cheap to write, processes are what a user runs)."""
+        return len({pool.pid for pool in self.pools if pool.waiting})
 
     @property
     def active_pools(self) -> int:
-        """How many other pools run a task on the card or have tasks waiting."""
-        return sum(1 for pool in self.pools if pool.waiting or pool.tasks)
+        """How many other pools' processes run a task on the card or have tasks waiting
+        (the pools of one process count once, so that a process cannot claim many shares
+        by writing many rows)."""
+        return len({pool.pid for pool in self.pools if pool.waiting or pool.tasks})
 
     @property
     def overrun_bytes(self) -> int:
@@ -366,19 +369,37 @@ def _format_pool(pool: PoolBooking) -> str:
     return json.dumps(row, separators=(",", ":"))
 
 
-def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking]:
+def parse_booking_table(
+    data: bytes,
+    *,
+    card_uuid: str,
+    max_pools: int | None = None,
+    max_tasks: int | None = None,
+) -> dict[str, PoolBooking]:
     """The rows of a table file, by pool id; an empty or blank file has none.
 
+    Args:
+        data: the file's bytes.
+        card_uuid: the card the file must be for.
+        max_pools: the most rows the file may hold (``None``: no limit). Applied while the
+            text is decoded: decoding stops at the first row past it.
+        max_tasks: the most tasks a row may hold (``None``: no limit), applied likewise.
+
     Raises:
-        ValueError: the text is not a table of this version for ``card_uuid``,
-            naming what is wrong.
+        ValueError: the text is not a table of this version for ``card_uuid``, or is past
+            a limit, naming what is wrong.
     """
     if not data.strip():
         return {}
     try:
-        raw = json.loads(data)
+        if max_pools is None and max_tasks is None:
+            raw = json.loads(data)
+        else:
+            raw = json.loads(data, object_pairs_hook=_RowLimits(max_pools, max_tasks))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("not a table (nested deeper than any table is)") from None
     if not isinstance(raw, dict):
         raise ValueError("not a JSON object")
     if raw.get("version") != TABLE_VERSION:
@@ -392,6 +413,32 @@ def parse_booking_table(data: bytes, *, card_uuid: str) -> dict[str, PoolBooking
         str(pool_id): _parse_pool(str(pool_id), row)
         for pool_id, row in cast("dict[object, object]", pools).items()
     }
+
+
+class _RowLimits:
+    """A JSON object hook that counts rows (objects with ``tasks``) as they are decoded and
+    stops the decoding at the first one past the limits (a ``ValueError``)."""
+
+    def __init__(self, max_pools: int | None, max_tasks: int | None) -> None:
+        self.max_pools = max_pools
+        self.max_tasks = max_tasks
+        self.rows = 0
+
+    def __call__(self, pairs: list[tuple[str, object]]) -> dict[str, object]:
+        obj = dict(pairs)
+        tasks = obj.get("tasks")
+        if tasks is None:
+            return obj
+        self.rows += 1
+        if self.max_pools is not None and self.rows > self.max_pools:
+            raise ValueError(f"more than {self.max_pools} rows")
+        if (
+            self.max_tasks is not None
+            and isinstance(tasks, list)
+            and len(cast("list[object]", tasks)) > self.max_tasks
+        ):
+            raise ValueError(f"a row of more than {self.max_tasks} tasks")
+        return obj
 
 
 class _BadOptional(ValueError):

@@ -32,6 +32,8 @@ __all__ = [
     "READABLE_SCHEMAS",
     "SCHEMA_VERSION",
     "SETTING_PREFIX",
+    "TASK_LABEL_CHARS",
+    "TASK_TERMS",
     "Decision",
     "EventName",
     "JsonScalar",
@@ -39,6 +41,8 @@ __all__ = [
     "JsonValue",
     "TABLE_COLUMNS",
     "TABLE_ROWS",
+    "TaskIdentity",
+    "describe_task",
     "run_record",
     "truncate_text",
 ]
@@ -61,6 +65,19 @@ TABLE_COLUMNS = 16
 #: A message can carry what its author did not mean to log (a path, a token):
 #: the log keeps its start, marked as cut.
 ERROR_TEXT_CHARS = 200
+
+#: The most characters of a task's label (``options(label=...)``).
+TASK_LABEL_CHARS = 200
+
+#: The terms naming the task a record is about (:class:`TaskIdentity`), by name: on every
+#: record of one task (``serial_start``, ``measured``, ``out_of_memory``, which is also the
+#: retry's record, ``worker_lost``, ``worker_replaced``, and a deadline's record).
+TASK_TERMS: Mapping[str, str] = {
+    "task_id": "the pool's number for the task (unique in the parent process)",
+    "task_entry": "optional: its position in map's iterables, counted from 0 (its result's index)",
+    "task_entries": "optional: how many positions from task_entry one task of a chunked map covers",
+    "task_label": "optional: the label given with options(label=...)",
+}
 
 #: The prefix of the pool's settings in a ``run_started`` record
 #: (``setting_max_workers``, ``setting_task_peak_bytes``, ...).
@@ -109,6 +126,7 @@ EventName = Literal[
     "serial_start",
     "out_of_memory",
     "worker_lost",
+    "worker_replaced",
     "fixed_width_over_bound",
     "measured",
     "sensor_error",
@@ -140,11 +158,14 @@ EVENTS: Mapping[str, str] = {
     "serial_start": "a task started although the live gate was shut: nothing else ran",
     "out_of_memory": "a task ran its card out of memory",
     "worker_lost": "a worker process died while running a task",
+    "worker_replaced": "a worker could not set up its next task (descriptors or memory "
+    "used up by a task before it): the task goes to a fresh worker",
     "fixed_width_over_bound": "a fixed width is wider than the bound allows",
     "measured": "a task key's ask changed basis or value without changing any width",
     "sensor_error": "a live reading failed; what the pool does while it fails",
-    "bookings_skipped": "the host's booking table was passed over for a step (its lock was "
-    "held past the wait, or it could not be read or written); tried again later",
+    "bookings_skipped": "the host's booking table, or part of a shared one, was passed over "
+    "for a step (its lock was held past the wait, it could not be read or written, or another "
+    "user's file was refused or left for the read budget); tried again later",
     "bookings_unavailable": "the host's booking table cannot be used here: the pool no longer "
     "sees other pools' bookings, and prices its cards by live readings alone",
     "shutdown": "the pool shut down; the run's totals",
@@ -161,6 +182,59 @@ JsonScalar = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias 
 #: A table: rows of scalars (each task running on a card, each key booked there).
 JsonTable = list[dict[str, JsonScalar]]
 JsonValue = Union[JsonScalar, JsonTable]  # noqa: UP007
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskIdentity:
+    """Which task a record is about: the pool's number for it, its ``map`` position and the
+    label the caller gave it.
+
+    Attributes:
+        task_id: the pool's number for the task, unique in the parent process.
+        entry: its position in ``map``'s iterables, counted from 0 (the index of its result);
+            ``None`` for a task given to ``submit``.
+        entries: how many positions from ``entry`` it covers (a chunk of ``map``).
+        label: the caller's label (``options(label=...)``), or ``None``.
+    """
+
+    task_id: int
+    entry: int | None = None
+    entries: int = 1
+    label: str | None = None
+
+    def terms(self) -> dict[str, JsonValue]:
+        """The record's terms (:data:`TASK_TERMS`): those that are set."""
+        out: dict[str, JsonValue] = {"task_id": self.task_id}
+        if self.entry is not None:
+            out["task_entry"] = self.entry
+            if self.entries > 1:
+                out["task_entries"] = self.entries
+        if self.label is not None:
+            out["task_label"] = self.label
+        return out
+
+    def describe(self) -> str:
+        """``"entry 25, label 'resnet-ckpt-7'"``; ``"task 12"`` without either."""
+        return describe_task(self.terms()) or f"task {self.task_id}"
+
+
+def describe_task(record: Mapping[str, object]) -> str:
+    """The task a record (as read back from a log) is about, in words: ``"entry 25, label
+    'resnet-ckpt-7'"``, ``"entries 8-11"``, ``"task 12"``; empty when it names none."""
+    parts = []
+    entry, entries = record.get("task_entry"), record.get("task_entries")
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        if isinstance(entries, int) and not isinstance(entries, bool) and entries > 1:
+            parts.append(f"entries {entry}-{entry + entries - 1}")
+        else:
+            parts.append(f"entry {entry}")
+    label = record.get("task_label")
+    if isinstance(label, str):
+        parts.append(f"label {truncate_text(label, TASK_LABEL_CHARS)!r}")
+    task_id = record.get("task_id")
+    if not parts and isinstance(task_id, int) and not isinstance(task_id, bool):
+        parts.append(f"task {task_id}")
+    return ", ".join(parts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,6 +255,8 @@ class Decision:
         extra: further terms (``live_free_bytes``, ``exitcode``, ...); values
             are JSON scalars or tables of them (at most 256 rows of 16 scalars),
             and byte counts end in ``_bytes``.
+        task: the one task the record is about, where it is about one (written as the
+            terms ``task_id``, ``task_entry``, ``task_entries`` and ``task_label``).
         key_ask: the ask of the record's ``key`` itself (the bound's ``ask_bytes``
             is the ask the width was priced at, which for mixed keys is the
             largest current one); written as ``key_ask_bytes``, ``key_ask_basis``,
@@ -202,6 +278,7 @@ class Decision:
     extra: Mapping[str, JsonValue] = field(default_factory=dict)
     key_ask: Ask | None = None
     run_id: str | None = None
+    task: TaskIdentity | None = None
 
     @classmethod
     def from_width(
@@ -245,6 +322,8 @@ class Decision:
             "limit": self.limit,
             "key": self.key,
         }
+        if self.task is not None:
+            out.update(self.task.terms())
         if self.bound is not None:
             out.update(
                 total_bytes=self.bound.total_bytes,
@@ -333,4 +412,4 @@ def run_record(
 
 # Re-exported by gpupool, which may not have imported this module yet (it loads it on
 # first use): the public path is set here, so reprs, docs and pickles name it whenever used.
-Decision.__module__ = "gpupool"
+Decision.__module__ = TaskIdentity.__module__ = "gpupool"

@@ -187,6 +187,8 @@ def card_views(runs: Postmortem | Sequence[Postmortem]) -> list[list[View]]:
     columns: list[list[View]] = []
     for pm in runs:
         run = f"run {pm.run_index} " if len(runs) > 1 else ""
+        if pm.node:
+            run += f"(node {pm.node}) "
         one_card = len(pm.devices) == 1
         column: list[View] = [
             view

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool._core.attribution import record_int
+from gpupool._core.events import describe_task
 
 __all__ = [
     "MARK_EVENTS",
@@ -169,8 +170,10 @@ def plot_point(plot: DevicePlot, record: Mapping[str, Any], event: str, time_s: 
             else (width or 0)
         )
         reason = record.get("reason")
+        said = reason if isinstance(reason, str) else event
+        task = describe_task(record)  # the task the record is about, where it names one
         plot.marks.setdefault(event, Marks()).add(
-            time_s, value, reason if isinstance(reason, str) else event
+            time_s, value, f"{task}: {said}" if task else said
         )
 
 

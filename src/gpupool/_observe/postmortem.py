@@ -25,10 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpupool._core.attribution import OomAnalysis, analyse_oom, record_float, record_int
+from gpupool._core.attribution import (
+    OomAnalysis,
+    analyse_oom,
+    record_float,
+    record_int,
+    record_str,
+)
 from gpupool._core.events import (
     SCHEMA_VERSION,
     SETTING_PREFIX,
+    describe_task,
+    truncate_text,
 )
 from gpupool._core.units import format_size
 from gpupool._errors import GpuPoolError
@@ -39,6 +47,7 @@ from gpupool._observe.plot_series import plot_point as _plot_point
 
 __all__ = [
     "MAX_OOM_DETAILS",
+    "MAX_TASK_DETAILS",
     "MAX_KEYS",
     "MAX_POINTS",
     "MAX_RUNS",
@@ -55,6 +64,17 @@ __all__ = [
 
 #: Out-of-memory analyses kept in full; the rest are counted.
 MAX_OOM_DETAILS = 256
+
+#: Records about one task in trouble (a lost worker, a deadline) listed by name; the rest are
+#: counted.
+MAX_TASK_DETAILS = 64
+
+
+def _names_trouble(event: str) -> bool:
+    """Whether a record of ``event`` that names its task is listed among the tasks in trouble
+    (out-of-memory records have their own analysis; a measurement is routine)."""
+    return event in ("worker_lost", "worker_replaced") or "timeout" in event or "timed_out" in event
+
 
 #: Runs read from one file; later runs are skipped (a file appended by
 #: thousands of runs still reads in bounded memory).
@@ -102,10 +122,16 @@ class Postmortem:
             explains rose while the pool's tasks ran (``unexplained_memory``
             warnings), or ``None`` where no warning was recorded.
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
+        tasks: the records about one task in trouble (a lost worker, a deadline passed),
+            each naming it (its ``map`` entry, its label), at most
+            :data:`MAX_TASK_DETAILS`.
+        task_records: how many such records there were.
         out_of_memory: out-of-memory records seen.
         verdicts: out-of-memory records per verdict.
         shutdown: the shutdown record's totals, or ``None`` if the log has none.
         devices: per device, the series the plot draws.
+        node: the cluster node the run's pool ran on (``gpupool.ray`` names it on
+            every record of a run's account), or ``None``.
     """
 
     path: str
@@ -126,10 +152,13 @@ class Postmortem:
     partial_peaks: dict[str, str] = field(default_factory=dict)
     unexplained_rise_bytes: int | None = None
     ooms: list[OomAnalysis] = field(default_factory=list)
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    task_records: int = 0
     out_of_memory: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)
     shutdown: dict[str, Any] | None = None
     devices: dict[int, DevicePlot] = field(default_factory=dict)
+    node: str | None = None
 
     @property
     def tasks_lost(self) -> int | None:
@@ -148,6 +177,7 @@ class Postmortem:
             "started_at": self.started_at,
             "pid": self.pid,
             "gpupool_version": self.gpupool_version,
+            "node": self.node,
             "settings": dict(self.settings),
             "schema": SCHEMA_VERSION,
             "records": self.records,
@@ -182,6 +212,8 @@ class Postmortem:
             "tasks_lost": self.tasks_lost,
             "shutdown": self.shutdown,
             "ooms": [a.to_dict() for a in self.ooms],
+            "tasks": list(self.tasks),
+            "task_records": self.task_records,
         }
 
 
@@ -278,6 +310,21 @@ class _RunReader:
                 pm.unexplained_rise_bytes = max(pm.unexplained_rise_bytes or 0, rise)
         elif event == "shutdown":
             pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
+        elif _names_trouble(event) and describe_task(record):
+            pm.task_records += 1
+            if len(pm.tasks) < MAX_TASK_DETAILS:
+                reason = record.get("reason")
+                pm.tasks.append(
+                    {
+                        "line": number,
+                        "time_s": time_s,
+                        "event": event,
+                        "device": device,
+                        "key": record_str(record, "key"),
+                        "task": describe_task(record),
+                        "reason": truncate_text(reason) if isinstance(reason, str) else None,
+                    }
+                )
 
     def _header(self, record: Mapping[str, Any]) -> None:
         pm = self.pm
@@ -286,6 +333,8 @@ class _RunReader:
         pm.pid = record_int(record, "pid")
         version = record.get("gpupool_version")
         pm.gpupool_version = version if isinstance(version, str) else None
+        node = record.get("node")
+        pm.node = node[:200] if isinstance(node, str) and node else None
         pm.settings = {
             name[len(SETTING_PREFIX) :]: value
             for name, value in record.items()
@@ -532,6 +581,16 @@ def format_postmortem(pm: Postmortem) -> list[str]:
         lines.append(f"  ({pm.out_of_memory - len(pm.ooms)} more not shown)")
     if pm.verdicts:
         lines.append("verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(pm.verdicts.items())))
+    if pm.task_records:
+        lines.append(f"tasks in trouble: {pm.task_records}")
+        for t in pm.tasks:
+            card = "-" if t["device"] is None else t["device"]
+            lines.append(
+                f"  {t['event']} at {t['time_s']:.2f} s (line {t['line']}), card {card}, "
+                f"task {t['key']} ({t['task']}): {t['reason']}"
+            )
+        if pm.task_records > len(pm.tasks):
+            lines.append(f"  ({pm.task_records - len(pm.tasks)} more not shown)")
     return lines
 
 
@@ -540,9 +599,10 @@ def _format_run(pm: Postmortem) -> list[str]:
     started = f", started {pm.started_at}" if pm.started_at else ""
     by = f" by process {pm.pid}" if pm.pid is not None else ""
     version = f" (gpupool {pm.gpupool_version})" if pm.gpupool_version else ""
+    node = f" on node {pm.node}" if pm.node else ""
     lines = [
         f"gpupool postmortem: {pm.path}",
-        f"run {pm.run_index}: {pm.run_id}{started}{by}{version}",
+        f"run {pm.run_index}: {pm.run_id}{node}{started}{by}{version}",
     ]
     if pm.settings:
         lines.append(_settings_line(pm.settings))
@@ -606,7 +666,7 @@ def _format_oom(number: int, a: OomAnalysis) -> list[str]:
     )
     rows = [
         f"out of memory #{number} at {a.time_s:.2f} s (line {a.line}), card {card}, "
-        f"task {a.key}; {fate}",
+        f"task {a.key}" + (f" ({a.task})" if a.task else "") + f"; {fate}",
         f"  card total             {format_size(a.total_bytes):>12}",
         f"  co-tenant (census)     {format_size(a.census_co_tenant_bytes):>12}   {co_live}",
         f"  own high-water         {format_size(a.own_high_water_bytes):>12}   {own_live}",

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
+from gpupool._core.events import truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
     QUEUE_DEPTH,
@@ -404,7 +405,9 @@ class Dispatcher:
     def _drain_incoming(self) -> None:
         while (item := self.inbox.take()) is not None:
             if self.outcomes.take(item):  # else cancelled by its caller first
-                self.planner.submit(item.task_id, item.key, item.hint_bytes, item.size)
+                self.planner.submit(
+                    item.task_id, item.key, item.hint_bytes, item.size, item.identity()
+                )
                 self.unpublished_tasks = True
                 item.hint_bytes = None
 
@@ -454,7 +457,7 @@ class Dispatcher:
                 continue
             item = self.outcomes.items[verdict.task]
             if isinstance(verdict, Fail):
-                self.outcomes.fail(item, said.oom_error(item.key, verdict, None))
+                self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, None))
             elif isinstance(verdict, Warm):
                 retry_s = self._warm(item, verdict.device)
                 if retry_s is not None:
@@ -572,10 +575,13 @@ class Dispatcher:
         if item is None:
             return
         if kind == "declined":
-            # Queued behind a task that ran out of device memory, it never ran: back to the
-            # head of the queue (RUNNING to its future; not a failure, not a retry).
-            self.planner.requeue(item.task_id)
-            self.outcomes.counts["queued_declined"] += 1
+            if self.planner.is_queued(item.task_id):
+                # Queued behind a task that ran out of device memory, it never ran: back to
+                # the head of the queue (RUNNING to its future; not a failure, not a retry).
+                self.planner.requeue(item.task_id)
+                self.outcomes.counts["queued_declined"] += 1
+            else:
+                self._not_set_up(worker, item, event.payload)
             if worker.device is not None and self.link is not None:
                 self.link.changed(worker.device, self.now())
             return
@@ -599,6 +605,27 @@ class Dispatcher:
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self.outcomes.answered(item, kind, event.payload)
 
+    def _not_set_up(self, worker: Worker, item: WorkItem, payload: Any) -> None:
+        """``worker`` could not set up the task it was handed (a task before it used up its
+        descriptors or memory) and exits: the task never ran, so it goes back to the head of
+        the queue for a fresh worker, and nothing more is sent to this one."""
+        worker.retiring = True
+        for behind in self.workers.take_queue(worker):  # never ran: back first, in order
+            self.planner.requeue(behind.task_id)
+        raw = payload if isinstance(payload, (bytes, bytearray, memoryview)) else b""
+        why = bytes(raw).decode(errors="replace")
+        self.outcomes.counts["workers_replaced"] += 1
+        self.planner.not_run(
+            item.task_id,
+            self.now(),
+            message=(
+                f"worker {worker.pid} could not set up its next task ({truncate_text(why)}): "
+                "a task before it used up the worker's descriptors or memory; the worker "
+                "exits and the task runs on a fresh one"
+            ),
+            extra={"pid": worker.pid, "cause": truncate_text(why)},
+        )
+
     def _on_oom(self, worker: Worker, item: WorkItem, report: PeakReport, payload: Any) -> None:
         exc = said.load_exception(payload)
         device = self.cards.devices[worker.device] if worker.device is not None else None
@@ -614,7 +641,7 @@ class Dispatcher:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
-            self.outcomes.fail(item, said.oom_error(item.key, verdict, exc))
+            self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
 
     def _exited(self, event: Exited) -> None:
         """A worker's process ended: only the task it ran fails, and the tasks queued behind
@@ -638,7 +665,7 @@ class Dispatcher:
         for behind in queue:
             self.planner.requeue(behind.task_id)
         if run is not None:
-            lost, extra = said.lost_error(event, run.key)
+            lost, extra = said.lost_error(event, said.task_named(run))
             self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
             if worker.device is not None and self.link is not None:
                 self.link.changed(worker.device, self.now())

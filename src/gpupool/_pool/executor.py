@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 from gpupool._core.census import Census
-from gpupool._core.events import Decision
+from gpupool._core.events import TASK_LABEL_CHARS, Decision, truncate_text
 from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
@@ -62,11 +62,14 @@ class TaskOptions:
         size: the size of the task's input, in a unit of the caller's (tokens,
             rows, bytes), the same for every task of the key: its ask is
             predicted from the key's measurements at their sizes.
+        label: a name for the task, on every record about it and in
+            ``gpupool postmortem`` and ``gpupool plot``.
     """
 
     key: str | None = None
     task_peak: str | int | None = None
     size: float | None = None
+    label: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,7 +108,10 @@ class PoolStatistics:
             disk, a file-size limit); they are still in the pool's ``decisions``.
         bookings_skipped: steps the host's booking table was passed over (its
             lock held by another process past the wait, or a failed read or
-            write): the pool priced its cards by live readings alone then.
+            write): the pool priced its cards by live readings alone then; and
+            steps that passed part of a shared table over (another user's file
+            refused, or left for the step's read budget, or entries past the
+            directory scan).
         bookings_unavailable: why the host's booking table cannot be used
             (the pool then no longer sees other pools' bookings), or ``None``.
     """
@@ -132,12 +138,99 @@ class PoolStatistics:
 _NO_OPTIONS = TaskOptions()
 
 
+def _check_label(label: object) -> str | None:
+    """A task's label: ``None``, or a non-empty str of at most ``TASK_LABEL_CHARS`` characters
+    without control characters (a label is printed on one line of a report)."""
+    if label is None:
+        return None
+    fix = "pass a short name such as label='resnet-ckpt-7', or leave label out"
+    if not isinstance(label, str):
+        raise ConfigurationError(f"label={label!r}: a task's label is a str; {fix}.")
+    if not label or len(label) > TASK_LABEL_CHARS:
+        raise ConfigurationError(
+            f"label={truncate_text(label, 40)!r} has {len(label)} characters: a task's label "
+            f"has 1 to {TASK_LABEL_CHARS}; {fix}."
+        )
+    if any(not ch.isprintable() for ch in label):
+        raise ConfigurationError(
+            f"label={truncate_text(label, 40)!r} holds a control character (a newline, a "
+            f"tab...): a label is printed on one line; {fix}."
+        )
+    return label
+
+
+def task_options(
+    *,
+    key: str | None,
+    task_peak: str | int | None,
+    size: float | None,
+    label: str | None = None,
+) -> tuple[TaskOptions, int | None]:
+    """Per-call options checked once, with ``task_peak`` in bytes (see
+    :meth:`GpuPoolExecutor.options`; ``gpupool.ray`` checks its own the same way).
+
+    Raises:
+        ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
+            non-empty str, ``size`` is not a positive, finite number, or ``label`` is
+            not a non-empty str of at most 200 characters without control characters.
+    """
+    hint_bytes = (
+        None
+        if task_peak is None
+        else parse_pool_size(task_peak, name="task_peak", allow_zero=False)
+    )
+    if key is not None and (not isinstance(key, str) or not key):
+        raise ConfigurationError(
+            f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
+            "one learned ask); pass a name such as 'embed', or leave key out for the "
+            "function's own name."
+        )
+    value: float | None = None
+    if size is not None:
+        # Any real number (numpy's included) is a size, read as a float; one too large
+        # for a float is refused as any other bad size is.
+        value = math.nan
+        if isinstance(size, numbers.Real) and not isinstance(size, bool):
+            try:
+                value = float(size)
+            except (ValueError, OverflowError):
+                pass
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigurationError(
+                f"size={size!r}: a task's input size must be a positive, finite number "
+                "(tokens, rows, bytes: one unit for every task of the key)."
+            )
+    options = TaskOptions(key=key, task_peak=task_peak, size=value, label=_check_label(label))
+    return options, hint_bytes
+
+
+class _Submitter(Protocol):
+    """What an options view submits through (``GpuPoolExecutor``, ``gpupool.ray``'s executor)."""
+
+    def _submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        view: _OptionsView | None,
+        key: str | None = None,
+    ) -> Future[Any]: ...
+
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        iterables: Sequence[Iterable[Any]],
+        timeout: float | None,
+        chunksize: int,
+        buffersize: int | None,
+        view: _OptionsView | None,
+    ) -> Iterator[Any]: ...
+
+
 class _OptionsView:
     """``submit`` and ``map`` with per-call options; see :meth:`GpuPoolExecutor.options`."""
 
-    def __init__(
-        self, executor: GpuPoolExecutor, options: TaskOptions, hint_bytes: int | None
-    ) -> None:
+    def __init__(self, executor: _Submitter, options: TaskOptions, hint_bytes: int | None) -> None:
         self._executor = executor
         self._options = options
         # ``options.task_peak`` in bytes, parsed once (by ``options()``), not at each submit.
@@ -166,16 +259,19 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     positional parameters, ``submit``, ``map``, ``shutdown``, futures that work
     with ``concurrent.futures.wait`` and ``concurrent.futures.as_completed``,
     and exceptions re-raised with the child's traceback as their cause.
-    Functions and arguments travel with cloudpickle, so lambdas, closures and
-    functions defined in ``__main__`` work.
+    Workers import the script as ``__mp_main__``, as spawn workers do (its
+    top level runs in each, its functions and classes are theirs); lambdas,
+    closures and what a worker cannot import travel by value (cloudpickle).
 
     Args:
         max_workers: a ceiling on the width, never a promise; default: the
             usable CPUs. An explicit value is not capped by the CPU count (as
             in the standard pool); the construction record notes it.
-        mp_context: accepted for compatibility; workers always start with
-            spawn semantics (fork+exec), since CUDA does not survive
-            ``fork``. A ``fork`` context is refused.
+        mp_context: ``None`` or a spawn context: workers always start as
+            fresh interpreters (spawn), each with its card pinned in its
+            environment. A ``fork`` context (CUDA does not survive
+            ``fork``), a ``forkserver`` context and anything that is not a
+            context are refused with a :class:`ConfigurationError`.
         initializer: called in each worker before its first task.
         initargs: arguments for ``initializer``.
         max_tasks_per_child: a worker exits after this many tasks and is
@@ -356,6 +452,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         key: str | None = None,
         task_peak: str | int | None = None,
         size: float | None = None,
+        label: str | None = None,
     ) -> _OptionsView:
         """``submit``/``map`` with a task key, a peak hint and an input size, keeping
         CPython's signatures.
@@ -375,38 +472,17 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 task's ask is predicted from them, so small inputs are not priced at the
                 largest one's peak and an input larger than any before is priced above
                 them.
+            label: a name for the task (a checkpoint, a file), at most 200 characters
+                with no control characters. Every record about the task names it beside
+                its ``map`` position, and so do ``gpupool postmortem`` and ``gpupool
+                plot`` ("entry 25, label 'resnet-ckpt-7'").
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                non-empty str, or ``size`` is not a positive, finite number.
+                non-empty str, ``size`` is not a positive, finite number, or ``label`` is
+                not a non-empty str of at most 200 characters without control characters.
         """
-        hint_bytes = (
-            None
-            if task_peak is None
-            else parse_pool_size(task_peak, name="task_peak", allow_zero=False)
-        )
-        if key is not None and (not isinstance(key, str) or not key):
-            raise ConfigurationError(
-                f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
-                "one learned ask); pass a name such as 'embed', or leave key out for the "
-                "function's own name."
-            )
-        value: float | None = None
-        if size is not None:
-            # Any real number (numpy's included) is a size, read as a float; one too large
-            # for a float is refused as any other bad size is.
-            value = math.nan
-            if isinstance(size, numbers.Real) and not isinstance(size, bool):
-                try:
-                    value = float(size)
-                except (ValueError, OverflowError):
-                    pass
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigurationError(
-                    f"size={size!r}: a task's input size must be a positive, finite number "
-                    "(tokens, rows, bytes: one unit for every task of the key)."
-                )
-        options = TaskOptions(key=key, task_peak=task_peak, size=value)
+        options, hint_bytes = task_options(key=key, task_peak=task_peak, size=size, label=label)
         return _OptionsView(self, options, hint_bytes)
 
     def _submit(
@@ -416,6 +492,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         kwargs: dict[str, Any],
         view: _OptionsView | None,
         key: str | None = None,
+        entry: int | None = None,
+        entries: int = 1,
     ) -> Future[Any]:
         inbox = self._dispatcher.inbox
         with self._shutdown_lock:
@@ -430,7 +508,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             hint = view._hint_bytes if view is not None else None
             key = options.key or key or callable_name(fn)
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
-            inbox.put(WorkItem(future, (fn, args, kwargs), key, hint, options.size))
+            item = WorkItem(future, (fn, args, kwargs), key, hint, options.size)
+            item.entry, item.entries, item.label = entry, entries, options.label
+            inbox.put(item)
             return future
 
     def map(
@@ -453,6 +533,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ValueError: ``chunksize < 1`` or ``buffersize < 1``.
+            TypeError: ``buffersize`` is not an integer (as on CPython 3.14).
         """
         return self._map(fn, iterables, timeout, chunksize, buffersize, None)
 
@@ -476,19 +557,26 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     ) -> Iterator[Any]:
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        if buffersize is not None and (not isinstance(buffersize, int) or buffersize < 1):
-            raise ValueError("buffersize must be None or >= 1.")
+        if buffersize is not None:
+            # As CPython 3.14 checks it: the wrong type is a TypeError, a bad value a ValueError.
+            if not isinstance(buffersize, int):
+                raise TypeError("buffersize must be an integer or None")
+            if buffersize < 1:
+                raise ValueError("buffersize must be None or >= 1.")
         key = callable_name(fn)
         end_time = None if timeout is None else timeout + time.monotonic()
         args_iter = zip(*iterables, strict=False)
         calls: Iterator[Future[Any]]
+        # Each task knows its map position (a chunk: its first and how many).
         if chunksize == 1:
-            calls = map(lambda args: self._submit(fn, args, {}, view, key), args_iter)
+            calls = (
+                self._submit(fn, args, {}, view, key, entry) for entry, args in enumerate(args_iter)
+            )
         else:
             chunk_fn = partial(process_chunk, fn)
             calls = (
-                self._submit(chunk_fn, (list(chunk),), {}, view, key)
-                for chunk in _batched(args_iter, chunksize)
+                self._submit(chunk_fn, (list(chunk),), {}, view, key, n * chunksize, len(chunk))
+                for n, chunk in enumerate(_batched(args_iter, chunksize))
             )
         futures: collections.deque[Future[Any]] = collections.deque(
             calls if buffersize is None else itertools.islice(calls, buffersize)

@@ -20,6 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpupool._core.events import TaskIdentity
 from gpupool._errors import GpuPoolError
 
 __all__ = ["Inbox", "WorkItem", "copy_broken"]
@@ -43,6 +44,16 @@ class WorkItem:
     size: float | None = None
     started: bool = False
     task_id: int = field(default_factory=functools.partial(next, _task_ids))
+    # Its map position (and how many positions a chunk covers) and the caller's label.
+    entry: int | None = None
+    entries: int = 1
+    label: str | None = None
+
+    def identity(self) -> TaskIdentity:
+        """Which task this is, for the records about it."""
+        return TaskIdentity(
+            task_id=self.task_id, entry=self.entry, entries=self.entries, label=self.label
+        )
 
 
 class Inbox:

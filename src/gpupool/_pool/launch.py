@@ -12,8 +12,10 @@ started with three differences:
   in the script (or a lambda) reaches the worker by value; multiprocessing's
   own reducers still apply, so queues, locks and connections in its
   arguments work as with spawn;
-* the script's ``__main__`` is not run again in the worker (what a task
-  needs of it travels by value, :mod:`gpupool._pool.by_value`).
+* the script is imported as ``__mp_main__`` where the standard library's spawn
+  would import it (its top level runs in the worker before the target is
+  unpickled); its top-level functions and classes go by name, what the worker
+  cannot import by value (:mod:`gpupool._pool.by_value`).
 
 The child imports only the standard library's spawn module before it
 unpickles its target, so its start costs what a standard worker's does;
@@ -135,27 +137,32 @@ def _raise_exec_error(pid: int, executable: str, errpipe_read: int) -> None:
 
 @functools.cache
 def _pickler_class() -> type[Any]:
-    """cloudpickle (functions of the script by value) with multiprocessing's reducers
+    """The tasks' pickler (:mod:`gpupool._pool.by_value`) with multiprocessing's reducers
     (connections, sockets: passed as descriptors the child inherits).
 
     Made on first use, in the parent: a worker imports this module to unpickle its
     :class:`WorkerProcess`, and never needs cloudpickle to start."""
-    import cloudpickle
+    from gpupool._pool.by_value import pickler_class
 
+    # The tasks' pickler: the script's functions and classes by name where the worker
+    # imports it, else by value into the worker's one namespace for the script.
+    base = pickler_class()
     table = ChainMap(
         ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
-        cloudpickle.Pickler.dispatch_table,
+        base.dispatch_table,
         copyreg.dispatch_table,
     )
-    return type("_Pickler", (cloudpickle.Pickler,), {"dispatch_table": table})
+    return type("_Pickler", (base,), {"dispatch_table": table})
 
 
 def _preparation_data(name: str) -> dict[str, Any]:
     """What :func:`multiprocessing.spawn.prepare` sets up in the child before it unpickles
-    its target: the standard library's own data, less two entries. No ``start_method``:
-    reading it would fix this process's default start method as a side effect (a later
-    ``multiprocessing.set_start_method`` would raise). No ``init_main_from_*``: the
-    script is not run again in the worker; what a task needs of it goes by value."""
+    its target: the standard library's own data, less ``start_method``: reading it would
+    fix this process's default start method as a side effect (a later
+    ``multiprocessing.set_start_method`` would raise). The script is imported as the
+    standard library imports it (``init_main_from_*``: ``by_value.main_for_workers``)."""
+    from gpupool._pool.by_value import main_for_workers
+
     spawn._check_not_importing_main()  # type: ignore[attr-defined]
     sys_path = [p if p != "" else process.ORIGINAL_DIR for p in sys.path]  # type: ignore[attr-defined]
     data: dict[str, Any] = {
@@ -173,6 +180,7 @@ def _preparation_data(name: str) -> dict[str, Any]:
     logger = util._logger  # type: ignore[attr-defined]
     if logger is not None:
         data["log_level"] = logger.getEffectiveLevel()
+    data.update(main_for_workers())
     return data
 
 

@@ -27,6 +27,7 @@ from gpupool._core.units import format_size, parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool import environ as variables
+from gpupool._pool.by_value import note_pool_made
 from gpupool._pool.dispatcher import Dispatcher
 from gpupool._pool.workers import DeviceState, WorkerOptions
 from gpupool._sensors.select import default_sensor
@@ -141,6 +142,7 @@ def read_options(
         ConfigurationError: an argument or a variable is wrong; the message names it and the
             fix. ``TypeError``/``ValueError`` for the arguments CPython's pool checks too.
     """
+    _check_not_bootstrapping()
     _check_not_daemonic()
     variables.warn_mistyped_variables(environ)
     # The arguments are checked in this order (the keywords are evaluated left to right).
@@ -178,6 +180,17 @@ def _resolve(
     return check(given) if given is not None else read(environ)
 
 
+def _check_not_bootstrapping() -> None:
+    """A worker importing the script runs its top level: a pool made there would start
+    workers of its own, each importing the script again. Refused with the standard library's
+    RuntimeError and its advice. A pool the script's own top level makes, unguarded, makes
+    its workers take the script by value instead (``by_value.note_pool_made``)."""
+    from multiprocessing import spawn
+
+    spawn._check_not_importing_main()  # type: ignore[attr-defined]
+    note_pool_made()
+
+
 def _check_not_daemonic() -> None:
     if multiprocessing.current_process().daemon:
         raise ConfigurationError(
@@ -205,15 +218,22 @@ def _read_workers(
     cap_allocator: object,
 ) -> WorkerOptions:
     """How workers start; the compatibility arguments with CPython's exception types and words."""
-    if mp_context is not None and mp_context.get_start_method(allow_none=False) == "fork":
-        if max_tasks_per_child is not None:
-            raise ValueError(
-                "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
-                "start method; supply a different mp_context."
-            )
+    method = _start_method(mp_context)
+    if method == "fork" and max_tasks_per_child is not None:
+        raise ValueError(
+            "max_tasks_per_child is incompatible with the 'fork' multiprocessing "
+            "start method; supply a different mp_context."
+        )
+    if method not in (None, "spawn"):
+        why = {
+            "fork": "which CUDA does not survive",
+            "forkserver": "whose workers would inherit the server's environment and imports "
+            "instead of starting with their card's",
+        }.get(method, "which gpupool does not know")
         raise ConfigurationError(
-            "mp_context uses 'fork', which CUDA does not survive; gpupool starts "
-            "workers with spawn semantics. Pass mp_context=None or a spawn context."
+            f"mp_context uses {method!r}, {why}; gpupool starts every worker as a fresh "
+            "interpreter (spawn), so only spawn is supported. Pass mp_context=None or "
+            "multiprocessing.get_context('spawn')."
         )
     if initializer is not None and not callable(initializer):
         raise TypeError("initializer must be a callable")
@@ -236,6 +256,26 @@ def _read_workers(
         env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **checked_env},
         cap_allocator=cap_allocator,
     )
+
+
+def _start_method(mp_context: object) -> str | None:
+    """The start method of ``mp_context`` (``None`` for none given); a value that is not a
+    multiprocessing context (a string, any other object) is refused, naming the fix."""
+    if mp_context is None:
+        return None
+    get = getattr(mp_context, "get_start_method", None)
+    if not callable(get):
+        hint = (
+            f"get_context({mp_context!r})"
+            if isinstance(mp_context, str)
+            else "get_context('spawn')"
+        )
+        raise ConfigurationError(
+            f"mp_context={mp_context!r}: pass a multiprocessing context, such as "
+            f"multiprocessing.{hint}, or None (gpupool's workers start as spawn starts them)."
+        )
+    method: str = get(allow_none=False)
+    return method
 
 
 def _check_width(width: object) -> int | None:
@@ -388,6 +428,10 @@ def _check_devices(devices: object) -> tuple[int | str, ...] | None:
             )
         if isinstance(entry, int) and entry < 0:
             raise ConfigurationError(f"devices entry {entry!r}: an index is 0 or more.")
+        if entry in checked:
+            raise ConfigurationError(
+                f"devices={list(devices)!r} names {entry!r} twice: name each device once."
+            )
         checked.append(entry)
     if not checked:
         raise ConfigurationError("devices=[]: name at least one device, or pass None for all.")

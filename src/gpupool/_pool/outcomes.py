@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import cloudpickle
 
 from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
+from gpupool._core.events import describe_task
 from gpupool._core.units import format_size
 from gpupool._errors import DeviceOutOfMemoryError, WidthError
 from gpupool._observe.log import LOGGER
@@ -161,6 +162,14 @@ class Outcomes:
 # -- the wording of every error the pool gives a future ----------------------------------
 
 
+def task_named(item: WorkItem) -> str:
+    """``item``'s key, and its ``map`` entry and label where it has them, for an error's
+    message: ``pkg.embed (entry 25, label 'resnet-ckpt-7')``."""
+    if item.entry is None and item.label is None:
+        return item.key
+    return f"{item.key} ({describe_task(item.identity().terms())})"
+
+
 def oom_error(key: str, verdict: Fail, exc: BaseException | None) -> DeviceOutOfMemoryError:
     """A task of ``key`` ran out of device memory, and the planner will not try it again."""
     where = f"card {verdict.device}" if verdict.device is not None else "the pool"
@@ -257,7 +266,9 @@ def boot_error(exited: Exited, initializer: Callable[..., object] | None) -> Bro
         f"A process in the process pool was terminated abruptly while the future was "
         f"running or pending: {exited.boot_deaths} worker processes in a row (the last, "
         f"pid {pid}, {how}) died before they were ready; no task ran in them. "
-        "Check that the workers can start (imports, the environment, host memory)."
+        "Check that the workers can start (imports, the environment, host memory, the "
+        "script's top level, which each worker runs as the standard spawn pool's do: its "
+        "stderr says why)."
     )
 
 

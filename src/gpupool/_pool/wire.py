@@ -52,6 +52,7 @@ from gpupool._pool.channel import _LARGE, _SMALL, drop_written, frame_header
 
 __all__ = [
     "ANSWER_MAGIC",
+    "NoRoomForFrame",
     "MIN_ANSWER_BYTES",
     "NO_TASK",
     "Answer",
@@ -275,7 +276,10 @@ def read_frame(fd: int) -> bytearray | None:
         (size,) = _LARGE.unpack(large)
     elif size < 0:
         raise OSError(f"a frame of negative length {size} from the pool")
-    body = bytearray(size)
+    try:
+        body = bytearray(size)
+    except MemoryError:
+        raise NoRoomForFrame(size, _skip_frame(fd, size)) from None
     with memoryview(body) as view:
         got = 0
         while got < size:
@@ -284,6 +288,29 @@ def read_frame(fd: int) -> bytearray | None:
                 raise EOFError(f"the pool closed its end after {got} of a frame's {size} bytes")
             got += n
     return body
+
+
+class NoRoomForFrame(Exception):
+    """The worker has no memory for a frame of ``size`` bytes (a task before it used it up):
+    the frame was read past, its first bytes kept (``head``: a task frame's id)."""
+
+    def __init__(self, size: int, head: bytes) -> None:
+        super().__init__(f"no memory for a frame of {size} bytes")
+        self.head = head
+
+
+def _skip_frame(fd: int, size: int) -> bytes:
+    """Read past a frame's ``size`` bytes in small pieces, keeping its first ``_TASK.size``."""
+    head = b""
+    got = 0
+    while got < size:
+        part = os.read(fd, min(size - got, 1 << 16))
+        if not part:
+            raise EOFError(f"the pool closed its end after {got} of a frame's {size} bytes")
+        if len(head) < _TASK.size:
+            head += part[: _TASK.size - len(head)]
+        got += len(part)
+    return head
 
 
 def _read_exactly(fd: int, size: int) -> bytes | None:

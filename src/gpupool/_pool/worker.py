@@ -26,6 +26,7 @@ At start a worker
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import pickle
@@ -282,6 +283,11 @@ def worker_main(
         # Whether a task closed or replaced the socket was checked as its answer was sent.
         try:
             message = wire.read_frame(fd)
+        except wire.NoRoomForFrame as no_room:
+            # A task before this one used up the memory this one's frame needs: it goes to
+            # a fresh worker, unrun, and this worker exits (the pool replaces it).
+            _decline(conn, bytearray(no_room.head), f"MemoryError: {no_room}")
+            return
         except (EOFError, OSError):
             return
         if not message:
@@ -296,9 +302,17 @@ def worker_main(
             _decline(conn, message)
             continue
         last_oom = False
+        unfit = _unfit(fd)
+        if unfit is not None:
+            # A task before this one used up what a task needs: this one goes to a fresh
+            # worker, unrun, and this worker exits (the pool replaces it).
+            _decline(conn, message, unfit)
+            return
         task = _read_call(conn, message)
         del message
         if task is None:
+            return  # answered ``declined``, unable to set the task up: this worker exits
+        if not task:
             continue
         task_id, (fn, args, kwargs) = task
         del task
@@ -366,29 +380,69 @@ def _encoded(result: Any, failure: BaseException | None, report: PeakReport) -> 
         return "error", _dump_exception(exc)
 
 
-def _decline(conn: Connection, message: bytearray) -> None:
-    """Answer ``"declined"`` to the queued task frame ``message``, unrun (and unread)."""
+def _decline(conn: Connection, message: bytearray, why: str = "") -> None:
+    """Answer ``"declined"`` to the task frame ``message``, unrun (and unread): a task queued
+    behind one that ran out of device memory, or (``why`` says what is used up) one this
+    worker cannot set up."""
     task = wire.read_task(message)
-    assert task is not None
+    if task is None:  # not a task: the parent's fault, as _read_call answers it
+        _read_call(conn, message)
+        return
     task[1].release()
-    _answer(conn, task[0], "declined", None, b"")
+    _answer(conn, task[0], "declined", None, why.encode(errors="replace"))
 
 
-def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | None:
-    """The task id and the unpickled ``(fn, args, kwargs)`` of a task frame; ``None`` when
-    it could not be read (answered as ``"unpickle"``: the task never ran)."""
+#: What a task may have used up in its worker, by errno: with none of it left the worker
+#: cannot set up the next task.
+_USED_UP = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _unfit(fd: int) -> str | None:
+    """What this worker lacks to set up a task, in words (a task before left it without a
+    free descriptor), or ``None``: one ``dup`` of the channel ``fd`` and its ``close`` (a
+    few microseconds: no path is looked up)."""
+    try:
+        spare = os.dup(fd)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}" if exc.errno in _USED_UP else None
+    os.close(spare)
+    return None
+
+
+def _used_up(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the worker ran out of descriptors or memory."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, MemoryError):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _USED_UP:
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
+
+
+def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | tuple[()] | None:
+    """The task id and the unpickled ``(fn, args, kwargs)`` of a task frame; ``()`` when it
+    could not be read (answered as ``"unpickle"``: the task never ran); ``None`` when this
+    worker had no descriptor or memory left to read it (answered ``"declined"``: the task
+    goes to a fresh worker, and this one exits)."""
     task = wire.read_task(message)
     if task is None:  # not a task: the parent's fault; it kills this worker on the answer
         error = RuntimeError(f"the worker received {wire.describe(message)}, not a task")
         _answer(conn, wire.NO_TASK, "unpickle", None, _dump_exception(error))
-        return None
+        return ()
     task_id, call = task
     try:
         fn, args, kwargs = pickle.loads(call)
         return task_id, (fn, args, kwargs)
     except BaseException as exc:
+        if _used_up(exc):
+            del exc
+            _answer(conn, task_id, "declined", None, b"no memory or descriptor left to read it")
+            return None
         _answer(conn, task_id, "unpickle", None, _dump_exception(exc))
-        return None
+        return ()
     finally:
         call.release()
 

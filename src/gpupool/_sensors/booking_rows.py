@@ -11,6 +11,7 @@ where it speaks for a live pool of the file's owner::
                                          itself or one of its children
       booked bytes, need_bytes           within the card's total
     file                                 at most MAX_FILE_BYTES read; MAX_POOLS_PER_FILE rows
+                                         (another user's file: see booking_foreign)
 
 A row that fails any test is dropped whole. These reads cost one ``/proc``
 lookup per row and, the first time a worker is met, one per worker.
@@ -44,9 +45,7 @@ __all__ = [
     "directory_refusal",
     "flock_within",
     "process_owner",
-    "read_foreign",
     "read_start_token",
-    "user_files",
     "write_in_place",
 ]
 
@@ -62,8 +61,6 @@ MAX_FILE_BYTES = 1 << 20
 #: The most rows of one file that count, and the most tasks of one row.
 MAX_POOLS_PER_FILE = 256
 MAX_TASKS_PER_POOL = 1024
-#: The most entries of a shared table's directory looked at for other users' files.
-_MAX_DIRECTORY_ENTRIES = 4096
 _LOCK_POLL_S = 0.002
 #: Workers already found to be children of their pool: forgotten past this many.
 _KNOWN_WORKERS = 16384
@@ -253,56 +250,6 @@ def flock_within(fd: int, wait_s: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
         time.sleep(_LOCK_POLL_S)
-
-
-def user_files(dir_fd: int, prefix: str, own_uid: int) -> list[tuple[int, str]]:
-    """The other users' files ``<prefix><uid>.json`` in a shared table (its directory's
-    descriptor): ``(uid, name)``."""
-    found: list[tuple[int, str]] = []
-    try:
-        with os.scandir(dir_fd) as entries:
-            for n, entry in enumerate(entries):
-                if n >= _MAX_DIRECTORY_ENTRIES:
-                    break
-                name = entry.name
-                if name.startswith(prefix) and name.endswith(".json"):
-                    digits = name[len(prefix) : -len(".json")]
-                    if digits.isdigit() and int(digits) != own_uid:
-                        found.append((int(digits), name))
-    except OSError:
-        return []
-    return found
-
-
-def read_foreign(name: str, uid: int, card_uuid: str, dir_fd: int) -> dict[str, PoolBooking]:
-    """Another user's file ``name`` in the directory ``dir_fd``, if it is a regular file that
-    user owns and within the size limit (no lock: a torn read is read again once, then
-    passed over)."""
-    # Here, not at the top: a worker imports this module (start tokens) but never reads a table.
-    from gpupool._core.bookings import parse_booking_table
-
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
-    except OSError:
-        return {}
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode) or status.st_uid != uid:
-            return {}
-        for _ in range(2):
-            data = os.pread(fd, MAX_FILE_BYTES + 1, 0)
-            if len(data) > MAX_FILE_BYTES:
-                return {}
-            try:
-                return parse_booking_table(data, card_uuid=card_uuid)
-            except ValueError:
-                continue
-        return {}
-    except OSError:
-        return {}
-    finally:
-        os.close(fd)
 
 
 def write_in_place(fd: int, data: bytes, size: int) -> None:

@@ -58,15 +58,19 @@ from gpupool._core.bookings import (
     parse_booking_table,
 )
 from gpupool._observe.log import LOGGER
+from gpupool._sensors.booking_foreign import (
+    MAX_DIRECTORY_ENTRIES,
+    MAX_FOREIGN_FILE_BYTES,
+    ForeignReader,
+    ForeignStep,
+)
 from gpupool._sensors.booking_rows import (
     HEARTBEAT_S,
     MAX_FILE_BYTES,
     RowChecks,
     directory_refusal,
     flock_within,
-    read_foreign,
     read_start_token,
-    user_files,
     write_in_place,
 )
 
@@ -199,6 +203,8 @@ class BookingTable:
         self._own_start: str | None = None
         self._label = _program_label()
         self._checks: RowChecks | None = None
+        # Other users' files of a shared table: read within a budget, remembered.
+        self._foreign = ForeignReader()
         # Each pool's last row per card, put back with a fresh stamp when it ages.
         self._rows: dict[tuple[str, str], PoolBooking] = {}
         self._busy_until_s = 0.0
@@ -439,6 +445,82 @@ class BookingTable:
         with self._lock:
             self._notes.append(TableNote(event="bookings_skipped", reason=message, terms=terms))
 
+    def _passed_over(self, card_uuid: str, step: ForeignStep) -> None:
+        """Count a step that left part of a shared table unread (another user's file refused,
+        or left for the step's budget, or directory entries past the scan); warn once per
+        process, directory and cause, and note it at most once per :data:`NOTE_EVERY_S`."""
+        self.skipped_steps += 1
+        self._unnoted_steps += 1
+        causes = [
+            cause
+            for cause, found in (
+                ("refused", bool(step.refused)),
+                ("budget", bool(step.unread)),
+                ("scan_limit", step.scan_truncated),
+            )
+            if found
+        ]
+        for cause in causes:
+            if (str(self.directory), cause) not in _WARNED:  # the message is built once
+                self._warn(cause, self._passed_over_message(cause, step))
+        now_s = time.monotonic()
+        if now_s < self._next_note_s:
+            return
+        self._next_note_s = now_s + NOTE_EVERY_S
+        refused = _worst_first(step.refused)[:8]
+        reason = (
+            f"part of the shared booking table was not read for a step ({', '.join(causes)}): "
+            + "; ".join(f"{name} refused: {why}" for name, why in refused)
+            + (f"; {len(step.unread)} file(s) left for the read budget" if step.unread else "")
+            + ("; directory entries past the scan limit" if step.scan_truncated else "")
+            + ". The rest of the table was read; such steps are counted, at most one note "
+            f"per {NOTE_EVERY_S:g} s"
+        )
+        terms: dict[str, JsonValue] = {
+            "bookings_dir": str(self.directory),
+            "card_uuid": card_uuid,
+            "cause": ",".join(causes),
+            "files_refused": len(step.refused),
+            "files_unread": len(step.unread),
+            "scan_truncated": step.scan_truncated,
+            "read_bytes": step.read_bytes,
+            "read_s": round(step.spent_s, 6),
+            "read_budget_bytes": self._foreign.budget_bytes,
+            "read_budget_s": self._foreign.budget_s,
+            "max_foreign_file_bytes": MAX_FOREIGN_FILE_BYTES,
+            "max_directory_entries": MAX_DIRECTORY_ENTRIES,
+            "skipped_steps": self._unnoted_steps,
+        }
+        self._unnoted_steps = 0
+        # The caller (_apply, through _foreign_rows) holds self._lock.
+        self._notes.append(TableNote(event="bookings_skipped", reason=reason, terms=terms))
+
+    def _passed_over_message(self, cause: str, step: ForeignStep) -> str:
+        """What the warning for a step passed over in part says, for ``cause``."""
+        reader = self._foreign
+        if cause == "refused":
+            refused = _worst_first(step.refused)
+            said = "; ".join(f"{self.directory / name}: {why}" for name, why in refused[:3])
+            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+            return (
+                f"other users' files in the shared booking table are not read, as no pool "
+                f"writes them so: {said}{more}. Their rows count for nothing; the pool goes "
+                "on with the rest of the table (each step that passes a file over is counted "
+                "in statistics().bookings_skipped and bookings_skipped records)"
+            )
+        if cause == "budget":
+            return (
+                f"other users' files in the shared booking table {self.directory} took more "
+                f"than the read budget of a step ({reader.budget_bytes} bytes, "
+                f"{reader.budget_s} s); {len(step.unread)} were left unread for that "
+                "step (their last rows stand in for them) and are read first at the next"
+            )
+        return (
+            f"the shared booking table {self.directory} holds more than "
+            f"{reader.max_entries} entries; only the first {reader.max_entries} are looked "
+            "at for other users' files at each step. Remove what does not belong there"
+        )
+
     def _stop(self, exc: _Unavailable) -> None:
         self._unavailable = str(exc)
         self._warn(exc.kind, str(exc))
@@ -470,6 +552,7 @@ class BookingTable:
             self._memo = {}
             self._rows = {}
             self._own_start = None
+            self._foreign = ForeignReader()
         self._lock.acquire()
         try:
             fd, lock_fd = self._open(card_uuid)
@@ -629,19 +712,22 @@ class BookingTable:
         self, card_uuid: str, now_s: float, total_bytes: int | None
     ) -> list[PoolBooking]:
         """In a shared table, the other users' believed rows for the card: each user's own
-        file, read without its lock, each row believed only under its writer's processes."""
+        file, read without its lock and within the step's budget
+        (:mod:`gpupool._sensors.booking_foreign`), each row believed only under its writer's
+        processes."""
         if not self.shared:
             return []
-        rows: list[PoolBooking] = []
         checks = self._row_checks()
         prefix = _file_name(card_uuid)[: -len(".json")] + ".uid"
         assert self._dir_fd is not None  # opened by _open before any read
-        for uid, name in user_files(self._dir_fd, prefix, self._uid):
-            pools = read_foreign(name, uid, card_uuid, self._dir_fd)
-            if pools:
-                checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
-                rows.extend(pools.values())
-        return rows
+
+        def check(pools: dict[str, PoolBooking], uid: int) -> None:
+            checks.keep(pools, owner_uid=uid, now_s=now_s, total_bytes=total_bytes)
+
+        step = self._foreign.read(self._dir_fd, card_uuid, prefix, self._uid, check)
+        if step.passed_over:
+            self._passed_over(card_uuid, step)
+        return step.rows
 
     def _others(
         self,
@@ -687,6 +773,12 @@ class BookingTable:
             warnings.warn(f"gpupool: {message}", RuntimeWarning, stacklevel=2)
         except Exception:  # warnings turned into errors must not break the pool
             pass
+
+
+def _worst_first(refused: dict[str, str]) -> list[tuple[str, str]]:
+    """Refused files by name, those refused for what they hold before those refused for
+    their name alone (a hard link's other spellings)."""
+    return sorted(refused.items(), key=lambda item: (item[1].startswith("its name"), item[0]))
 
 
 def _flock_or_busy(fd: int) -> None:

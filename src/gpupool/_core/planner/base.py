@@ -16,6 +16,7 @@ import itertools
 
 from gpupool._core.bound import Ceiling, derive_ceiling
 from gpupool._core.census import Census
+from gpupool._core.events import TaskIdentity
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import LOOKAHEAD, PlannerConfig, Start, TaskId
 from gpupool._core.policy import Ask, AskTable
@@ -181,9 +182,11 @@ class PlannerState:
             state.hint_bytes = None
         return self.asks.ask_for(state.key, state.size)
 
-    def add(self, task: TaskId, key: str, size: float | None) -> None:
+    def add(
+        self, task: TaskId, key: str, size: float | None, identity: TaskIdentity | None = None
+    ) -> None:
         """A task was submitted: it is pending, at the back of the queue."""
-        self.tasks[task] = TaskState(key=key, hint_bytes=None, size=size)
+        self.tasks[task] = TaskState(key=key, hint_bytes=None, size=size, identity=identity)
         self.pending.append(task)
         self.pending_by_key[key] += 1
         self.last_key = key
@@ -239,6 +242,7 @@ class PlannerState:
             started_s=now_s,
             size=state.size,
             own_high_water_bytes=card.own_high_water_bytes if card is not None else 0,
+            identity=state.identity,
         )
         if card is not None:
             for other in card.runs.values():

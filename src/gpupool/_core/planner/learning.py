@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from gpupool._core.bound import Ceiling, derive_bound
-from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.events import Decision, EventName, JsonValue, TaskIdentity
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import PlannerState
@@ -98,14 +98,19 @@ class Learned:
     device: int
     report: PeakReport
     peaks: list[tuple[int, float | None]]
+    #: The task whose report a record states.
+    task: TaskIdentity | None = None
 
-    def add(self, device: int, report: PeakReport, size: float | None) -> None:
+    def add(
+        self, device: int, report: PeakReport, size: float | None, task: TaskIdentity | None
+    ) -> None:
         """One more peak of the key, measured on ``device`` for a task of ``size``."""
         assert report.device_peak_bytes is not None
         self.peaks.append((report.device_peak_bytes, size))
         self.device = device
         if _noteworthy(report) or not _noteworthy(self.report):
             self.report = report
+            self.task = task
 
 
 def _noteworthy(report: PeakReport) -> bool:
@@ -179,7 +184,7 @@ class Learning:
             self._raised_past(run.key, run.device, report, now_s)
             return
         learned = self._learned.setdefault(run.key, Learned(run.device, report, []))
-        learned.add(run.device, report, run.size)
+        learned.add(run.device, report, run.size, run.identity)
 
     def _raised_past(self, key: str, device: int, report: PeakReport, now_s: float) -> None:
         """A task of ``key`` raised after holding ``report``'s peak, or measured it partially:
@@ -324,7 +329,9 @@ class Learning:
                 "margin_bytes": after.margin_bytes,
                 "spread_bytes": after.spread_bytes,
                 "samples": after.samples,
-            },
+            }
+            # The task whose peak the record states.
+            | (learned.task.terms() if learned.task is not None else {}),
         )
         if widths_moved or moved or changed_basis:
             self._recorded_asks[key] = after

@@ -482,6 +482,7 @@ def _record(
         key=run.key,
         key_ask=facts.key_ask_after,
         limit="out_of_memory",
+        task=run.identity,
         extra=_oom_terms(facts, outcome, card, bound, report, reading, parent_pid, error),
     )
 

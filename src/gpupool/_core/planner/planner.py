@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from gpupool._core.bookings import OtherPools, TaskBooking
 from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import Census
-from gpupool._core.events import Decision, JsonValue
+from gpupool._core.events import Decision, JsonValue, TaskIdentity
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import Durations, PlannerState
@@ -136,14 +136,20 @@ class Planner:
         return refusal
 
     def submit(
-        self, task: TaskId, key: str, hint_bytes: int | None = None, size: float | None = None
+        self,
+        task: TaskId,
+        key: str,
+        hint_bytes: int | None = None,
+        size: float | None = None,
+        identity: TaskIdentity | None = None,
     ) -> None:
         """A task was submitted (it is pending, at the back of the queue). ``size``: the size
-        of its input, from which its ask may be predicted (:meth:`AskTable.ask_for`)."""
+        of its input, from which its ask may be predicted (:meth:`AskTable.ask_for`);
+        ``identity``: which task it is, on every record about it."""
         if hint_bytes is not None:
             self.state.asks.hint(key, hint_bytes)  # the width prices it at once
             self.state.rebook(key)
-        self.state.add(task, key, size)
+        self.state.add(task, key, size, identity)
         self.views.submitted()
 
     def withdraw(self, task: TaskId) -> None:
@@ -300,7 +306,26 @@ class Planner:
         key = run.key if run else state.key if state else self.state.last_key
         self.state.count("lost")
         ask, device = self.state.asks.ask(key), run.device if run else None
-        self.views.note("worker_lost", device, ask, message, now_s, extra=extra)
+        identity = run.identity if run else state.identity if state else None
+        self.views.note("worker_lost", device, ask, message, now_s, extra=extra, task=identity)
+
+    def not_run(
+        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+    ) -> None:
+        """``task`` was handed to a worker that could not set it up (a task before it used up
+        the worker's descriptors or memory): it never ran, so its booking is released and it
+        goes back to the head of the queue, for a fresh worker (not a retry)."""
+        run = self.state.end_run(task)
+        if run is None:
+            return
+        if run.device is not None:
+            note_freed(self.state.cards[run.device], run, now_s)
+        self.state.rebook(run.key)
+        self.state.put_back(task)
+        ask = self.state.asks.ask(run.key)
+        self.views.note(
+            "worker_replaced", run.device, ask, message, now_s, extra=extra, task=run.identity
+        )
 
     # -- verdicts out ------------------------------------------------------------------------
 

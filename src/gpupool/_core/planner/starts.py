@@ -419,6 +419,7 @@ class Starts:
             f"{task_state.key} starts past the bound (the serial floor); ask {ask.describe()}",
             now_s,
             limit="floor",
+            task=task_state.identity,
         )
         return Start(
             task=head,

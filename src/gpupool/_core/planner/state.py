@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from gpupool._core.bookings import OtherPools
 from gpupool._core.bound import Bound, Ceiling, Limit
 from gpupool._core.census import CardCensus
+from gpupool._core.events import TaskIdentity
 from gpupool._core.planner.verdicts import CardReading, TaskId
 
 __all__ = ["Card", "Critical", "Fit", "Run", "TaskState", "usable"]
@@ -86,6 +87,8 @@ class TaskState:
     waiting_since_s: float | None = None
     # How many tasks started past it while it waited at the queue's head.
     passed: int = 0
+    # Which task it is, for the records about it (its map position, its label).
+    identity: TaskIdentity | None = None
 
 
 @dataclass(slots=True)
@@ -105,6 +108,8 @@ class Run:
     size: float | None = None
     # The own high-water its start was priced at (an out-of-memory names growth past it).
     own_high_water_bytes: int = 0
+    # Which task it is, for the records about it (its map position, its label).
+    identity: TaskIdentity | None = None
 
 
 def usable(cards: Sequence[Card], avoid: set[int]) -> Sequence[Card]:

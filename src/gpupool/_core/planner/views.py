@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable, Mapping
 
 from gpupool._core.bound import Bound, WidthDecision
-from gpupool._core.events import Decision, EventName, JsonValue
+from gpupool._core.events import Decision, EventName, JsonValue, TaskIdentity
 from gpupool._core.planner.base import PlannerState
 from gpupool._core.planner.fit import (
     Booked,
@@ -270,8 +270,10 @@ class Views:
         *,
         limit: str | None = None,
         extra: Mapping[str, JsonValue] | None = None,
+        task: TaskIdentity | None = None,
     ) -> None:
-        """Record what moves no width: the card's width as the fit states it now."""
+        """Record what moves no width: the card's width as the fit states it now (``task``:
+        the one task it is about)."""
         bound = None
         width = self.width
         if device is not None and self._state.cards:
@@ -291,6 +293,7 @@ class Views:
                 key=ask.key or None,
                 extra=dict(extra or {}),
                 key_ask=ask if ask.key else None,
+                task=task,
             )
         )
 
