@@ -90,7 +90,14 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
-from packing_tasks import OOM_MARKER, entry  # noqa: E402
+from packing_tasks import (  # noqa: E402
+    ITEM_BYTES,
+    ITEMS_BASE_BYTES,
+    OOM_MARKER,
+    entry,
+    entry_items,
+    spec,
+)
 
 GiB = 1024**3
 MiB = 1024**2
@@ -105,6 +112,7 @@ class Task:
     peak: int
     sleep_s: float
     size: float | None = None  # the input size gpupool is told (``options(size=...)``)
+    items: int | None = None  # run as entry_items with a list of this many (its peak follows)
 
 
 @dataclass
@@ -115,7 +123,7 @@ class Scenario:
     title: str
     cards: list[tuple[float, dict[str, float]]]  # (total GiB, {co-tenant: GiB})
     tasks: list[Task]
-    estimate: int  # gpupool's task_peak
+    estimate: int | None  # gpupool's task_peak (None: not told)
     max_workers: int
     naive_ask: int  # the divisor of the free/ask policy
     hints: dict[str, int] = field(default_factory=dict)  # per-key task_peak
@@ -361,6 +369,158 @@ def limit_scenarios(quick: bool) -> list[Scenario]:
     ]
 
 
+# -- closer to the clairvoyant: arguments, an outlier, a second run, noise ----------------------
+
+#: The second-run scenario's memory file (``GPUPOOL_MEMORY``), fresh for each pair of runs.
+SECOND_RUN = "second-run"
+
+
+def issue39_scenarios(quick: bool) -> list[Scenario]:
+    """Scenarios where the arguments or an earlier run say more than the key's worst peak."""
+    scale = 0.5 if quick else 1.0
+    rng = random.Random(39)
+    n = 18 if quick else 36
+    lengths = [rng.randint(1, 4) for _ in range(n)]
+    predict = [
+        Task("entry", ITEMS_BASE_BYTES + ITEM_BYTES * k, round(0.5 * scale, 3), items=k)
+        for k in lengths
+    ]
+    outlier = [Task("entry", int(4.2 * GiB), round(0.5 * scale, 3)) for _ in range(n)]
+    outlier.insert(n // 3, Task("entry", int(12.5 * GiB), round(0.5 * scale, 3)))
+    second = [Task("entry", int(4.5 * GiB), round(1.5 * scale, 3)) for _ in range(12)]
+    # Peaks with no trend in any argument: uniform 3-6 GiB, a list of 1-4 items beside them.
+    noise = [Task("entry", int(rng.uniform(3, 6) * GiB), round(0.5 * scale, 3)) for _ in range(n)]
+    return [
+        Scenario(
+            name="args-predict",
+            title="peak 1 GiB + 1.75 GiB per item of a list argument (1-4 items), nothing told "
+            "(no task_peak, no size), 34 GiB card, 0.5 s",
+            cards=[(34.0, {})],
+            tasks=predict,
+            estimate=None,
+            max_workers=8,
+            naive_ask=0,
+        ),
+        Scenario(
+            name="outlier",
+            title=f"{n} entries of 4.2 GiB and one of 12.5 GiB (entry {n // 3}) on the incident's "
+            "card (44.39 GiB, 9.54 GiB co-tenant, parent 5.36 GiB), estimate 6 GiB, 0.5 s",
+            cards=[(44.39, {"serving": 9.54})],
+            parent_bytes=int(5.36 * GiB),
+            tasks=outlier,
+            estimate=6 * GiB,
+            max_workers=8,
+            naive_ask=0,
+        ),
+        Scenario(
+            name=SECOND_RUN,
+            title="12 tasks of 4.5 GiB for 1.5 s, estimate 9.5 GiB (2x the truth), 32 GiB card, "
+            "run twice (the second after the first, one memory file)",
+            cards=[(32.0, {})],
+            tasks=second,
+            estimate=int(9.5 * GiB),
+            max_workers=8,
+            naive_ask=0,
+        ),
+        Scenario(
+            name="noise",
+            title="peaks uniform 3-6 GiB with no trend in any argument, 40 GiB card, 7 GiB "
+            "co-tenant, estimate 7 GiB, 0.5 s",
+            cards=[LIMIT_CARD],
+            parent_bytes=LIMIT_PARENT,
+            tasks=noise,
+            estimate=7 * GiB,
+            max_workers=8,
+            naive_ask=0,
+        ),
+    ]
+
+
+def run_issue39(args: argparse.Namespace, log_dir: str, report: dict[str, Any]) -> None:
+    """One round of each chosen issue-39 scenario with the gpupool on ``sys.path`` (gpupool and
+    the oracle by bytes; the second-run scenario: gpupool twice on one memory file)."""
+    chosen = issue39_scenarios(args.quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        # The limit scenarios may be named too (no scenario worse than before).
+        chosen = [sc for sc in chosen + limit_scenarios(args.quick) if sc.name in wanted]
+    rows: dict[str, Any] = {}
+    for sc in chosen:
+        if sc.name == SECOND_RUN:
+            memory = os.path.join(tempfile.mkdtemp(prefix="gpupool-memory-"), "peaks.json")
+            os.environ["GPUPOOL_MEMORY"] = memory
+            first = _run_policy(sc, "gpupool", log_dir)
+            second = _run_policy(sc, "gpupool", log_dir)
+            os.environ["GPUPOOL_MEMORY"] = "off"
+            rows[sc.name] = {
+                "first_s": first.makespan_s,
+                "second_s": second.makespan_s,
+                "second_over_first": second.makespan_s / first.makespan_s,
+                "ooms": first.ooms + second.ooms,
+                "lost": first.lost + second.lost,
+                "ran_at_once": [first.extra["ran_at_once"], second.extra["ran_at_once"]],
+            }
+        else:
+            os.environ["GPUPOOL_MEMORY"] = "off"
+            g = _run_policy(sc, "gpupool", log_dir)
+            o = _run_policy(sc, "oracle/task", log_dir)
+            rows[sc.name] = {
+                "gpupool_s": g.makespan_s,
+                "oracle_s": o.makespan_s,
+                "gpupool_over_oracle": g.makespan_s / o.makespan_s,
+                "ooms": g.ooms,
+                "lost": g.lost,
+                "retries": g.extra.get("retries"),
+                "ran_at_once": g.extra["ran_at_once"],
+                "asks_gib": g.extra.get("asks_gib"),
+            }
+        print(f"[{sc.name}] {json.dumps(rows[sc.name], default=str)}", flush=True)
+    report["issue39"] = rows
+
+
+def compare_issue39(args: argparse.Namespace) -> dict[str, Any]:
+    """The issue-39 scenarios side by side: each round runs every scenario once with each
+    source tree (``--compare``: this tree's ``src`` and another's), interleaved, each in a
+    process of its own; prints the table of medians."""
+    here = os.path.join(os.path.dirname(BENCH_DIR), "src")
+    trees = {"before": os.path.abspath(args.compare), "after": here}
+    names = [sc.name for sc in issue39_scenarios(args.quick)]
+    if args.only:
+        names = args.only.split(",")
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in range(args.rounds):
+        for name in names:
+            order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
+            for label, src in order:
+                out = tempfile.mktemp(suffix=".json")
+                command = [sys.executable, os.path.abspath(__file__), "--set", "issue39"]
+                command += ["--only", name, "--json", out] + (["--quick"] if args.quick else [])
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join((src, BENCH_DIR)))
+                import subprocess
+
+                subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+                with open(out, encoding="utf-8") as fh:
+                    row = json.load(fh)["issue39"][name]
+                os.unlink(out)
+                runs.setdefault((name, label), []).append(row)
+                print(f"round {r} {name} {label}: {json.dumps(row, default=str)}", flush=True)
+    table: dict[str, Any] = {}
+    print("\n| scenario | before: gpupool / oracle | after | OOMs before / after | at once |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in names:
+        before, after = runs[(name, "before")], runs[(name, "after")]
+        ratio = "second_over_first" if name == SECOND_RUN else "gpupool_over_oracle"
+        b = [row[ratio] for row in before]
+        a = [row[ratio] for row in after]
+        table[name] = {"before": before, "after": after}
+        print(
+            f"| {name} | {_spread(b)} | {_spread(a)} | "
+            f"{max(row['ooms'] for row in before)} / {max(row['ooms'] for row in after)} | "
+            f"{before[-1]['ran_at_once']} / {after[-1]['ran_at_once']} |"
+        )
+    return table
+
+
 # -- running one policy ------------------------------------------------------------------------
 
 
@@ -484,7 +644,7 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
                 kwargs = {"margin": 0, "margin_fraction": 0.0, "reserve": 0}
             elif policy == "margin 0":
                 kwargs = {"task_peak": sc.estimate, "margin": 0, "margin_fraction": 0.0}
-            else:
+            elif sc.estimate is not None:
                 kwargs = {"task_peak": sc.estimate}
             if log_dir is not None:
                 kwargs["log_path"] = os.path.join(
@@ -505,9 +665,7 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
                         hint = t.peak if policy.startswith("oracle") else sc.hints.get(t.key)
                         size = t.size if sized else None
                         views[view_key] = ex.options(key=key, task_peak=hint, size=size)
-                    futures.append(
-                        views[view_key].submit(entry, i, t.peak - CONTEXT, t.sleep_s, None, False)
-                    )
+                    futures.append(views[view_key].submit(*_call(i, t, None, False)))
                 for i, f in enumerate(futures):
                     try:
                         results[i] = f.result()
@@ -527,7 +685,7 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
             with concurrent.futures.ProcessPoolExecutor(width, mp_context=spawn) as ex:
                 for i, t in enumerate(sc.tasks):
                     dev = i % ncards
-                    futures.append(ex.submit(entry, i, t.peak - CONTEXT, t.sleep_s, dev, True))
+                    futures.append(ex.submit(*_call(i, t, dev, True)))
                 for i, f in enumerate(futures):
                     try:
                         results[i] = f.result()
@@ -560,6 +718,14 @@ def _run_policy(sc: Scenario, policy: str, log_dir: str | None) -> Outcome:
         width=width,
         extra=extra,
     )
+
+
+def _call(i: int, t: Task, device: int | None, catch: bool) -> tuple[Any, ...]:
+    """Task ``i``'s call: its hold as a :func:`spec` string (its arguments say nothing of its
+    peak), or a list whose length its peak follows (:func:`entry_items`)."""
+    if t.items is not None:
+        return (entry_items, i, list(range(t.items)), t.sleep_s, device, catch)
+    return (entry, i, spec(t.peak - CONTEXT), t.sleep_s, device, catch)
 
 
 def _most_at_once(intervals: list[tuple[float, float]]) -> int:
@@ -776,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs", metavar="DIR", help="keep gpupool's decision logs here")
     parser.add_argument(
         "--set",
-        choices=("limit", "matrix", "all"),
+        choices=("limit", "matrix", "all", "issue39"),
         default="limit",
         help="limit: the packing-to-the-limit scenarios (default); matrix: the machine matrix "
         "a-f; all: both",
@@ -790,7 +956,21 @@ def main(argv: list[str] | None = None) -> int:
         help="limit scenarios: also run gpupool with margin=0, margin_fraction=0 (the margin's "
         "share of the gap)",
     )
+    parser.add_argument(
+        "--compare",
+        metavar="SRC",
+        help="issue39 set: run each scenario with this source tree (e.g. a worktree of main's "
+        "src) and with this tree's, interleaved, and print the two side by side",
+    )
     args = parser.parse_args(argv)
+    # Runs remember nothing of earlier runs unless a scenario says so (the second run).
+    os.environ.setdefault("GPUPOOL_MEMORY", "off")
+    if args.compare:
+        report = {"issue39": compare_issue39(args), "rounds": args.rounds}
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=2, default=str)
+        return 0
     # The decision records are in the JSON Lines logs; keep narrowing warnings off the table.
     logging.getLogger("gpupool").setLevel(logging.ERROR)
 
@@ -860,6 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     if args.set in ("limit", "all"):
         run_limit(args, log_dir, report)
+    if args.set == "issue39":
+        run_issue39(args, log_dir, report)
     total = time.perf_counter() - t_all
     report["total_s"] = total
     print(f"\ntotal {total:.0f}s; gpupool decision logs in {log_dir}")

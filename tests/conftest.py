@@ -32,6 +32,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_memory_between_tests() -> Iterator[None]:
+    """Pools under test remember no peaks between runs (the user's cache is not theirs to
+    read or write); the tests of that memory name a file of their own."""
+    saved = os.environ.get("GPUPOOL_MEMORY")
+    os.environ["GPUPOOL_MEMORY"] = "off"
+    yield
+    if saved is None:
+        os.environ.pop("GPUPOOL_MEMORY", None)
+    else:
+        os.environ["GPUPOOL_MEMORY"] = saved
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _session_booking_table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Pools under test (and the scripts they start) book in a directory of this session's own.
 

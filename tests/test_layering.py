@@ -234,7 +234,7 @@ PLANNER_SURFACE = frozenset(
         # events in
         "submit", "withdraw", "requeue", "observe", "observe_error", "observe_others",
         "sample_cards", "started", "finished", "ended", "settle", "out_of_memory", "lost",
-        "flush_asks", "construct", "not_run",
+        "flush_asks", "construct", "not_run", "remember",
         # verdicts out
         "next_start", "queue_behind", "run_queued", "still_admits", "take_grown",
         "strict_refusal", "shutdown_record",

@@ -11,6 +11,7 @@ from test_fit_memo import walked_fit
 from test_planner import PlannerMachine
 
 from gpupool._core.bookings import OtherPools, PoolBooking, TaskBooking
+from gpupool._core.events import TaskIdentity
 from gpupool._core.planner import Planner, PlannerConfig
 from gpupool._core.planner.fit import _card_bound, card_bound, card_widths
 from gpupool._core.policy import AskTable, Policy
@@ -67,7 +68,8 @@ class MemoTermsMachine(PlannerMachine):
 
     @rule(size=st.sampled_from(SIZES))
     def submit_sized(self, size: float) -> None:
-        self.planner.submit(self.next_task, SIZED, None, size=size)
+        identity = TaskIdentity(task_id=self.next_task, entry=self.next_task, label=SIZED)
+        self.planner.submit(self.next_task, SIZED, None, size=size, identity=identity)
         self.next_task += 1
         self.submitted += 1
 

@@ -97,6 +97,8 @@ class PlannerMachine(RuleBasedStateMachine):
         # measurement was ever taken.
         self.partial_peak: dict[str, int] = {}
         self.whole_keys: set[str] = set()
+        # How tasks peak (finish; build draws it): spread around their booking.
+        self.peaks = "spread"
 
     @initialize(
         totals=st.lists(st.integers(20, 80), min_size=1, max_size=3),
@@ -107,6 +109,8 @@ class PlannerMachine(RuleBasedStateMachine):
         learned=st.booleans(),
         cold=st.booleans(),
         strict=st.booleans(),
+        outliers=st.booleans(),
+        peaks=st.sampled_from(["spread", "linear", "rare"]),
     )
     def build(
         self,
@@ -118,7 +122,12 @@ class PlannerMachine(RuleBasedStateMachine):
         learned: bool,
         cold: bool,
         strict: bool,
+        outliers: bool,
+        peaks: str,
     ) -> None:
+        # How tasks peak (finish): spread around their booking; 1 GiB + 2 GiB per item of a
+        # list argument (a feature to find); or at their booking but for a rare 5x outlier.
+        self.peaks = peaks
         self.cold = cold
         cards = [
             card_census(
@@ -128,7 +137,7 @@ class PlannerMachine(RuleBasedStateMachine):
         ]
         self.census = census_of(cards, cpus=4, available_ram_bytes=64 * GiB)
         self.asks = AskTable(
-            policy=Policy(reserve_bytes=256 * MiB, learned=learned),
+            policy=Policy(reserve_bytes=256 * MiB, learned=learned, outliers=outliers),
             default_estimate_bytes=estimate_gib * GiB,
         )
         self.config = PlannerConfig(
@@ -189,14 +198,38 @@ class PlannerMachine(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------
 
-    @rule(key=st.sampled_from(KEYS), hint_gib=st.none() | st.integers(1, 30))
-    def submit(self, key: str, hint_gib: int | None) -> None:
+    @rule(
+        key=st.sampled_from(KEYS),
+        hint_gib=st.none() | st.integers(1, 30),
+        items=st.none() | st.integers(1, 6),
+    )
+    def submit(self, key: str, hint_gib: int | None, items: int | None) -> None:
+        """A task is submitted, its call's first argument a list of ``items`` (or none)."""
+        features = () if items is None else (("arg0.len", float(items)),)
         identity = TaskIdentity(task_id=self.next_task, entry=self.next_task, label=key)
         self.planner.submit(
-            self.next_task, key, None if hint_gib is None else hint_gib * GiB, identity=identity
+            self.next_task,
+            key,
+            None if hint_gib is None else hint_gib * GiB,
+            identity=identity,
+            features=features,
         )
         self.next_task += 1
         self.submitted += 1
+
+    @rule(
+        data=st.data(),
+        key=st.sampled_from(KEYS),
+        items=st.integers(1, 6),
+        rare=st.integers(0, 7),
+    )
+    def turn(self, data: st.DataObject, key: str, items: int, rare: int) -> None:
+        """One task submitted, a start tried, and one running task ended (settled at once):
+        enough measured tasks for a key's features to be found and its outliers seen."""
+        self.submit(key, None, items)
+        self.start()
+        if self.planner.state.running:
+            self.finish(data, 1.0, 500, True, rare)
 
     @rule()
     def start(self) -> None:
@@ -316,16 +349,29 @@ class PlannerMachine(RuleBasedStateMachine):
         rss_mib=st.integers(100, 4000),
         settle=st.booleans(),
         partial=st.booleans(),
+        rare=st.integers(0, 7),
     )
     def finish(
-        self, data: st.DataObject, factor: float, rss_mib: int, settle: bool, partial: bool
+        self,
+        data: st.DataObject,
+        factor: float,
+        rss_mib: int,
+        settle: bool,
+        partial: bool,
+        rare: int,
     ) -> None:
         """A task ends; its peak is priced at once, or (as the dispatcher does, once per turn)
         at a later :meth:`settle`, other events coming between. A ``partial`` one could not
         read its descendants' bytes (rows hidden): its peak is flagged incomplete."""
         task = data.draw(st.sampled_from(self.running_ids()))
         run = self.planner.state.running[task]
-        peak = int(run.booked_at_start_bytes * factor) if run.device is not None else None
+        peak: int | None = int(run.booked_at_start_bytes * factor)
+        if self.peaks == "linear" and run.features:
+            peak = GiB + 2 * GiB * int(run.features[0][1])
+        elif self.peaks == "rare":
+            peak = 3 * GiB * (5 if rare == 0 else 1)
+        if run.device is None:
+            peak = None
         report = PeakReport(
             device=run.device,
             device_peak_bytes=peak,
@@ -619,11 +665,18 @@ class PlannerMachine(RuleBasedStateMachine):
             return
         groups: dict[tuple[int, str], list[int]] = {}
         for run in self.planner.state.running.values():
-            if run.device is not None:
+            if run.device is not None and not self.planner.state.price(run).individual:
                 groups.setdefault((run.device, run.key), []).append(run.booked_bytes)
         for (_, key), booked in groups.items():
             ask = self.asks.ask(key)
-            assert sum(booked) == ask.together_bytes(len(booked)) <= len(booked) * ask.ask_bytes
+            k = len(booked)
+            reserve = ask.outlier_reserve_bytes(k)
+            assert sum(booked) == ask.together_bytes(k) <= k * ask.ask_bytes + reserve
+        for run in self.planner.state.running.values():
+            own = self.planner.state.price(run)
+            if run.device is not None and own.individual:
+                # Priced on its own (a feature, an outlier's call, its own floor).
+                assert run.booked_bytes == own.ask_bytes
 
     @invariant()
     def the_width_is_honest(self) -> None:

@@ -91,7 +91,7 @@ SIZED = st.lists(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(samples=SIZED, query=st.floats(min_value=0.01, max_value=1e7))
 def test_a_sized_ask_never_undercuts_what_was_measured_at_sizes_up_to_it(
     samples: list[tuple[float, int]], query: float

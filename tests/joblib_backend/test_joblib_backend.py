@@ -27,6 +27,7 @@ GATE_WAIT_S = 60.0
 def host() -> Iterator[gt.SimulatedHost]:
     with gt.SimulatedHost([gt.SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB") as h:
         yield h
+        assert gj.shutdown_pools() >= 0  # the kept pools end with the host they were built on
 
 
 def _square(i: int) -> tuple[int, int]:
@@ -87,20 +88,142 @@ def test_parallel_config_runs_calls_in_the_pool_with_its_options(
 
 @pytest.mark.parametrize(
     ("n_jobs", "max_workers"),
-    [(1, 1), (3, 3), (-1, None), (-2, "cpus - 1")],
+    [(3, 3), (-1, None), (-2, "cpus - 1")],
 )
 def test_n_jobs_is_the_pools_max_workers(
     host: gt.SimulatedHost, tmp_path: Path, n_jobs: int, max_workers: int | str | None
 ) -> None:
-    """n_jobs is max_workers (-1: the pool's default; -2: joblib's CPUs but one); even
-    n_jobs=1 runs the calls in a pool worker, not in the calling process."""
+    """n_jobs is max_workers (-1: the pool's default; -2: joblib's CPUs but one, which on
+    a 2-CPU host is one job: joblib's calling process, as with loky)."""
     log = tmp_path / "run.jsonl"
     with joblib.parallel_config(backend="gpupool", n_jobs=n_jobs, log_path=log):
         results = joblib.Parallel()(joblib.delayed(_square)(i) for i in range(3))
     assert [value for value, _ in results] == [0, 1, 4]
-    assert os.getpid() not in {pid for _, pid in results}
     expected = max(joblib.cpu_count() - 1, 1) if max_workers == "cpus - 1" else max_workers
+    if expected == 1 or (expected is None and joblib.cpu_count() == 1):
+        assert {pid for _, pid in results} == {os.getpid()}
+        assert not log.exists()
+        return
+    assert os.getpid() not in {pid for _, pid in results}
     assert _run_settings(log)["max_workers"] == expected
+
+
+@pytest.mark.parametrize("n_jobs", [None, 1])
+def test_n_jobs_none_and_1_run_in_the_calling_process(
+    host: gt.SimulatedHost, tmp_path: Path, n_jobs: int | None
+) -> None:
+    """As joblib documents: n_jobs=None (no config setting it) and n_jobs=1 run the calls
+    in the calling process, and build no pool."""
+    log = tmp_path / "run.jsonl"
+    results = joblib.Parallel(backend="gpupool", n_jobs=n_jobs, log_path=log)(
+        joblib.delayed(_square)(i) for i in range(3)
+    )
+    assert results == [(0, os.getpid()), (1, os.getpid()), (4, os.getpid())]
+    with joblib.parallel_config(backend="gpupool", log_path=log):
+        assert joblib.Parallel(n_jobs=n_jobs)(joblib.delayed(_square)(i) for i in range(2)) == [
+            (0, os.getpid()),
+            (1, os.getpid()),
+        ]
+    assert not log.exists()
+
+
+def test_a_pool_is_kept_for_the_next_call_with_the_same_options(
+    host: gt.SimulatedHost, tmp_path: Path
+) -> None:
+    """As loky's reusable executor: the second call runs on the first call's workers (one
+    run in the log, the ask learned); other options get another pool; shutdown_pools
+    ends the kept ones."""
+    log = tmp_path / "run.jsonl"
+    with joblib.parallel_config(backend="gpupool", n_jobs=2, log_path=log):
+        first = joblib.Parallel()(joblib.delayed(_square)(i) for i in range(4))
+        second = joblib.Parallel()(joblib.delayed(_square)(i) for i in range(4))
+    assert first == second or {p for _, p in first} & {p for _, p in second}
+    assert [v for v, _ in second] == [i * i for i in range(4)]
+    assert _run_settings(log)["max_workers"] == 2  # one pool: one run_started record
+    other = tmp_path / "other.jsonl"
+    with joblib.parallel_config(backend="gpupool", n_jobs=3, log_path=other):
+        third = joblib.Parallel()(joblib.delayed(_square)(i) for i in range(2))
+    assert not {p for _, p in third} & {p for _, p in first + second}
+    assert _run_settings(other)["max_workers"] == 3
+    assert gj.shutdown_pools() == 2
+    assert gj.shutdown_pools() == 0
+
+
+def _thread_variables() -> dict[str, str | None]:
+    names = [*gj.GpuPoolBackend.MAX_NUM_THREADS_VARS, gj.GpuPoolBackend.TBB_ENABLE_IPC_VAR]
+    return {name: os.environ.get(name) for name in names}
+
+
+def test_workers_threads_are_capped_as_lokys(
+    host: gt.SimulatedHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of joblib's thread variables is cpus // n_jobs in the workers (the caller's own
+    value where it sets one), and TBB's ENABLE_IPC is 1: what joblib's loky backend sets."""
+    for name in _thread_variables():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")
+    with joblib.parallel_config(backend="gpupool", n_jobs=2):
+        (seen,) = joblib.Parallel()(joblib.delayed(_thread_variables)() for _ in range(1))
+    with joblib.parallel_config(backend="loky", n_jobs=2):
+        (lokys,) = joblib.Parallel()(joblib.delayed(_thread_variables)() for _ in range(1))
+    cap = str(max(joblib.cpu_count() // 2, 1))
+    assert seen["OMP_NUM_THREADS"] == seen["OPENBLAS_NUM_THREADS"] == cap
+    assert seen["MKL_NUM_THREADS"] == "7"
+    assert seen["ENABLE_IPC"] == "1"
+    assert seen == lokys
+
+
+def _in_a_daemonic_process() -> tuple[list[tuple[int, int]], list[str]]:
+    """Run a gpupool Parallel of two jobs inside this (daemonic) process."""
+    import warnings
+
+    import gpupool.joblib  # noqa: F401  # registers the backend here
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = joblib.Parallel(backend="gpupool", n_jobs=2)(
+            joblib.delayed(_square)(i) for i in range(2)
+        )
+    return results, [str(w.message) for w in caught]
+
+
+def test_in_a_daemonic_process_it_warns_and_runs_in_it(host: gt.SimulatedHost) -> None:
+    """In a multiprocessing.Pool worker (daemonic: no children), as loky's backend: a
+    warning, and the calls run in that process instead of raising ConfigurationError."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as mp_pool:
+        results, messages = mp_pool.apply(_in_a_daemonic_process)
+        child_pid = mp_pool.apply(os.getpid)
+    assert results == [(0, child_pid), (1, child_pid)]
+    assert any("daemonic process" in m and "n_jobs=1" in m for m in messages)
+
+
+def _nested_call(i: int, log: str) -> list[int]:
+    """A gpupool Parallel made from a thread of an outer Parallel."""
+    with joblib.parallel_config(backend="gpupool", n_jobs=2, log_path=log):
+        return [v for v, _ in joblib.Parallel()(joblib.delayed(_square)(j) for j in (i, i + 1))]
+
+
+def test_re_entrant_and_nested_calls_never_end_a_pool_in_use(
+    host: gt.SimulatedHost, tmp_path: Path
+) -> None:
+    """A Parallel made while a managed ``with Parallel()`` is open (same config, so the
+    same backend object) leaves the outer call's pool working; calls from threads of
+    an outer Parallel share one kept pool and none ends it under another."""
+    log = tmp_path / "run.jsonl"
+    with joblib.parallel_config(backend="gpupool", n_jobs=2, log_path=log):
+        with joblib.Parallel() as outer:
+            first = outer(joblib.delayed(_square)(i) for i in range(2))
+            inner = joblib.Parallel(n_jobs=3)(joblib.delayed(_square)(i) for i in range(2))
+            again = outer(joblib.delayed(_square)(i) for i in range(2, 4))
+    assert [v for v, _ in first + inner + again] == [0, 1, 0, 1, 4, 9]
+    nested_log = tmp_path / "nested.jsonl"
+    nested = joblib.Parallel(backend="threading", n_jobs=4)(
+        joblib.delayed(_nested_call)(i, str(nested_log)) for i in range(8)
+    )
+    assert nested == [[i * i, (i + 1) * (i + 1)] for i in range(8)]
+    assert _run_settings(nested_log)["max_workers"] == 2  # one kept pool for all of them
 
 
 def test_parallel_backend_and_n_jobs_on_parallel(host: gt.SimulatedHost, tmp_path: Path) -> None:
@@ -158,6 +281,14 @@ def test_an_exception_aborts_the_rest_and_kills_the_running_call(
     # The pool was shut down (its workers joined) before Parallel returned, and the gate
     # never opened: the running calls were killed, not waited for.
     assert list(gate.glob("finished-*")) == []
+    # The killed pool is not kept: the next call runs on a new one.
+    with joblib.parallel_config(backend="gpupool", n_jobs=2, task_peak="1GiB"):
+        assert [v for v, _ in joblib.Parallel()(joblib.delayed(_square)(i) for i in range(3))] == [
+            0,
+            1,
+            4,
+        ]
+    assert gj.shutdown_pools() == 1
 
 
 def test_a_pool_of_your_own_is_reused_and_never_shut_down(host: gt.SimulatedHost) -> None:

@@ -131,7 +131,7 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert int(match.group(1)) > 0
     assert int(match.group(2)) == 0
     assert "36 completed, 0 failed" in out
-    assert "'The demo, explained' in gpupool's documentation" in out
+    assert "'The demo, explained': gpupool docs demo" in out
     short = [line for line in out.splitlines() if str(tmp_path) not in line]
     assert max(len(line) for line in short) <= 80, out
     assert main(["postmortem", str(log)]) == 0

@@ -10,8 +10,8 @@ type, as its own ``create_executor_tests`` does for ``ProcessPoolExecutor``.
 Workers must be able to re-import that module (tasks are module-level
 functions of it, pickled by reference) and the module that defines the
 generated test classes (``test_traceback`` submits a classmethod bound to
-one). gpupool's workers start through loky's process backend, which replaces
-the child's ``sys.path`` with the parent's before it unpickles anything, so a
+one). gpupool's workers are spawn children, whose preparation replaces the
+child's ``sys.path`` with the parent's before it unpickles anything, so a
 ``PYTHONPATH`` passed with ``env=`` would be overwritten; the parent's
 ``sys.path`` is the carrier instead. :func:`importable` puts a private
 directory holding a symlink to the file on it for the duration of the test

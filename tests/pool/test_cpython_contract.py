@@ -93,7 +93,7 @@ class _ProcessPoolExecutorSkips:
 
     @unittest.skip(
         "reads the private executor._mp_context; gpupool keeps the mp_context it was given (None "
-        "here) and always starts workers with loky's fork+exec, i.e. spawn semantics"
+        "here) and always starts its workers as spawn children (its own fork+exec)"
     )
     def test_max_tasks_per_child_defaults_to_spawn_context(self) -> None: ...
 

@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_demo(sub)
     _add_run(sub)
+    _add_docs(sub)
     return parser
 
 
@@ -995,6 +996,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from gpupool._commands.run import run_from_args
 
     return run_from_args(args, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+
+
+# -- gpupool docs ----------------------------------------------------------------
+
+
+def _add_docs(sub: Any) -> None:
+    from gpupool._commands.docs import add_docs_parser
+
+    add_docs_parser(sub, handler=_cmd_docs)
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    from gpupool._commands.docs import run_docs
+
+    return run_docs(args, out=_out)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -111,9 +111,9 @@ def torch_entry(index: int, nbytes: int = TORCH_ENTRY_BYTES, hold_s: float = 0.2
     return index
 
 
-#: Where the demo's numbers are explained, term by term: the page by its title, as a
-#: wheel has no docs folder.
-DOCS_PAGE = "'The demo, explained' in gpupool's documentation"
+#: Where the demo's numbers are explained, term by term: the page by its title, and the
+#: command that prints it from the installed package.
+DOCS_PAGE = "'The demo, explained': gpupool docs demo"
 
 #: How often the demo reads the simulated card for its plot.
 SAMPLE_INTERVAL_S = 0.02

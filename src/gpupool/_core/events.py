@@ -136,6 +136,8 @@ EventName = Literal[
     "card_read",
     "peaks_vary",
     "unexplained_memory",
+    "predicted",
+    "outlier",
 ]
 
 #: Every event a decision record can carry, and what it means.
@@ -176,6 +178,10 @@ EVENTS: Mapping[str, str] = {
     "their range; give its tasks size= or keys of their own",
     "unexplained_memory": "the card's used bytes that no process's row explains rose while "
     "the pool's tasks ran: managed memory, a process the driver does not list, or a spike",
+    "predicted": "a feature of the calls (an argument's length, nbytes or value) began or "
+    "stopped explaining a task key's peaks: its tasks are priced one by one from it",
+    "outlier": "a task's peak lay far outside its key's distribution: kept apart, priced for "
+    "that task (and calls like it) while the key's other tasks keep their price",
 }
 
 JsonScalar = Union[int, float, str, bool, None]  # noqa: UP007 (a runtime alias on 3.10)

@@ -21,14 +21,17 @@ Two rules hold whatever the measurements say:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpupool._core.bound import AskBasis
+from gpupool._core.predict import FEATURES_PER_KEY, Features, Fit, Line, choose, t_999
 from gpupool._core.units import MiB, format_size
+
+#: Every figure that prices a key's tasks on a card (:meth:`Ask.price_terms`).
+PriceTerms = tuple[str, int, str, bool, int, int, int, int, int, int]
 
 __all__ = [
     "DEFAULT_MARGIN_BYTES",
@@ -68,27 +71,9 @@ DEFAULT_MARGIN_FRACTION = 0.10
 #: priced at the room (:attr:`Ask.room_capped`).
 MARGIN_FLOOR_BYTES = 64 * MiB
 
-#: One-sided 99.9 % quantiles of Student's t by degrees of freedom (n - 1),
-#: for the upper prediction bound of the next peak from n samples.
-_T_999 = (
-    (1, 318.31),
-    (2, 22.327),
-    (3, 10.215),
-    (4, 7.173),
-    (5, 5.893),
-    (6, 5.208),
-    (7, 4.785),
-    (8, 4.501),
-    (9, 4.297),
-    (10, 4.144),
-    (12, 3.930),
-    (15, 3.733),
-    (20, 3.552),
-    (30, 3.385),
-    (60, 3.232),
-    (120, 3.160),
-)
-_T_999_LIMIT = 3.090
+#: One-sided 99.9 % quantiles of Student's t by degrees of freedom, for the upper prediction
+#: bound of the next peak from n samples (:func:`~gpupool._core.predict.t_999`).
+_t_999 = t_999
 
 #: The spread term starts at three samples (two degrees of freedom). With two,
 #: the 99.9 % quantile is 318: two peaks of the same task that differ by one
@@ -124,16 +109,6 @@ def _whole_bytes(value: float) -> int:
     if not value < _SIZED_ASK_LIMIT_BYTES:
         return _SIZED_ASK_LIMIT_BYTES
     return max(0, math.ceil(value))
-
-
-def _t_999(dof: int) -> float:
-    """The 99.9 % one-sided t quantile for ``dof`` degrees of freedom (rounded down: larger)."""
-    value = _T_999_LIMIT
-    for table_dof, quantile in reversed(_T_999):
-        if dof >= table_dof:
-            return quantile if dof == table_dof else value
-        value = quantile
-    return _T_999[0][1]
 
 
 def learned_margin(
@@ -216,6 +191,8 @@ class Policy:
             (:func:`learned_margin`), starting from ``margin_for`` as the
             prior; ``False`` adds ``margin_for(peak)`` to every measured peak.
         margin_floor_bytes: the least learned margin.
+        outliers: keep a peak far outside its key's distribution apart
+            (:meth:`AskTable.sample`; the pool's default) rather than pricing the key by it.
     """
 
     margin_bytes: int = DEFAULT_MARGIN_BYTES
@@ -223,6 +200,7 @@ class Policy:
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
     learned: bool = False
     margin_floor_bytes: int = MARGIN_FLOOR_BYTES
+    outliers: bool = False
 
     def margin_for(self, peak_bytes: int) -> int:
         """The margin for a measured peak: ``max(margin_bytes, fraction * peak)``."""
@@ -252,16 +230,29 @@ class Ask:
     least_peak_bytes: int | None = None
     room_capped: bool = False
     sized_samples: int = 0
+    # The feature of the call the ask was predicted from (``size`` is its value), if any.
+    feature: str | None = None
+    # Peaks measured far outside the key's distribution (:meth:`AskTable.sample`): how many,
+    # and what one more is priced at; ``outlier_rate``: their share of the key's measurements.
+    outliers: int = 0
+    outlier_bytes: int = 0
+    outlier_rate: float = 0.0
     # ``together_bytes`` by count, worked out once per ask (an ask is never changed: a new
     # price is a new ask, with an empty memo of its own).
     _together: dict[int, int] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
-    _price: tuple[str, int, str, bool, int, int, int, int] | None = field(
+    _price: PriceTerms | None = field(
         default=None, init=False, repr=False, compare=False, hash=False
     )
 
-    def price_terms(self) -> tuple[str, int, str, bool, int, int, int, int]:
+    @property
+    def individual(self) -> bool:
+        """Whether this ask prices one task on its own (a size, a feature, an outlier's call,
+        or the task's own out-of-memory floor), not the key's tasks together."""
+        return self.size is not None or self.feature is not None
+
+    def price_terms(self) -> PriceTerms:
         """Every figure that prices this key's tasks on a card (:meth:`together_bytes`,
         ``ask_bytes`` and ``basis``): two asks with the same terms price every count alike,
         so what a card fits at one it fits at the other. The count of samples counts only
@@ -278,6 +269,8 @@ class Ask:
                 self.granule_bytes if pooled else 0,
                 self.spread_bytes if pooled else 0,
                 self.samples if pooled and self.spread_bytes else 0,
+                self.outlier_bytes,
+                round(self.outlier_rate * 1e9),
             )
             object.__setattr__(self, "_price", terms)  # worked out once (a frozen ask)
         return terms
@@ -299,12 +292,21 @@ class Ask:
             raise ValueError(f"count must be 0 or more tasks, got {count}")
         if count == 0:
             return 0
-        if not self.pooled or count == 1:
+        if (not self.pooled and not self.outlier_rate) or count == 1:
             return count * self.ask_bytes
         known = self._together.get(count)
         if known is None:
-            known = self._together[count] = self._pooled_bytes(count)
+            known = count * self.ask_bytes if not self.pooled else self._pooled_bytes(count)
+            known += self.outlier_reserve_bytes(count)
+            self._together[count] = known
         return known
+
+    def outlier_reserve_bytes(self, count: int) -> int:
+        """What ``count`` tasks of this key together keep for outliers: as many as their rate
+        makes expected among ``count`` (rounded: ``floor(count x rate + 1/2)``), each at what
+        one is priced past the ask (none while the key had none)."""
+        expected = math.floor(count * self.outlier_rate + 0.5)
+        return expected * max(0, self.outlier_bytes - self.ask_bytes)
 
     def _pooled_bytes(self, count: int) -> int:
         """:meth:`together_bytes` of a pooled key, for ``count`` of 2 or more."""
@@ -333,12 +335,20 @@ class Ask:
         floor = ""
         if self.floor_bytes and self.floor_bytes >= self.ask_bytes:
             floor = f"; held at {format_size(self.floor_bytes)}, its price before an out-of-memory"
+        if self.feature == OUTLIER_FEATURE:
+            return (
+                f"{format_size(self.ask_bytes)} (measured: an outlier of {self.key} at "
+                f"{format_size(self.measured_peak_bytes)}, priced at its own peak for this "
+                f"task + {format_size(self.margin_bytes)} margin; the key's other tasks keep "
+                "their price)"
+            )
         if self.basis == "measured" and self.size is not None:
             held = ", held at the card's room for one task" if self.room_capped else ""
             return (
                 f"{format_size(self.ask_bytes)} (measured: {format_size(self.measured_peak_bytes)} "
-                f"predicted for size {self.size:g} from {self.samples} "
-                f"task{'s' if self.samples != 1 else ''} with sizes + "
+                f"predicted for {self.feature or 'size'} {self.size:g} from {self.samples} "
+                f"task{'s' if self.samples != 1 else ''} with "
+                f"{'that feature' if self.feature else 'sizes'} + "
                 f"{format_size(self.margin_bytes)} margin{held}{floor})"
             )
         if self.basis == "measured":
@@ -351,6 +361,12 @@ class Ask:
                     f"; tasks together priced from the mean {format_size(self.mean_bytes)} and "
                     f"spread {format_size(self.spread_bytes)}"
                 )
+            if self.outliers:
+                pooled += (
+                    f"; {self.outliers} outlier{'s' if self.outliers != 1 else ''} apart "
+                    f"(rate {self.outlier_rate:.3g}, one priced at "
+                    f"{format_size(self.outlier_bytes)})"
+                )
             return (
                 f"{format_size(self.ask_bytes)} (measured: "
                 f"{format_size(self.measured_peak_bytes)} peak over {self.samples} "
@@ -358,6 +374,48 @@ class Ask:
                 f"margin{capped}{floor}{pooled})"
             )
         return f"{format_size(self.ask_bytes)} (estimated: task_peak{floor})"
+
+
+#: A peak is an outlier of its key (:func:`outlier_above`) once the key has this many peaks ...
+OUTLIER_FROM = 5
+#: ... when it is more than this many times the key's mean peak (or the fit's prediction) ...
+OUTLIER_RATIO = 2.0
+#: ... and past the key's largest peak by more than this many times the range of its peaks.
+OUTLIER_RANGES = 2.0
+#: ... and by at least this many bytes (peaks a few allocator granules apart are one workload).
+OUTLIER_LEAST_BYTES = 1024 * MiB
+#: Outliers stop being kept apart once they are more than this share of the key's measurements
+#: (and more than one): they are part of the workload, and join its peaks.
+OUTLIER_SHARE = 0.1
+#: The most outlier peaks kept per key (their count goes on).
+OUTLIERS_KEPT = 64
+#: ``Ask.feature`` of a task priced at the peak of an outlier whose call it resembles.
+OUTLIER_FEATURE = "outlier"
+
+
+def outlier_above(state: _KeyState, features: Features) -> float:
+    """The peak above which a new measurement of a key in ``state`` is an outlier: past
+    :data:`OUTLIER_RATIO` times the key's mean peak and past its largest peak by
+    :data:`OUTLIER_RANGES` times the range of its peaks, from :data:`OUTLIER_FROM` peaks on
+    (infinite before). Where a feature of the calls explains the key's peaks and the task's
+    call has it, :data:`OUTLIER_RATIO` times the line's prediction there, plus six of its
+    errors, is the mark instead (a large input is no outlier)."""
+    if state.samples < OUTLIER_FROM or state.peak_bytes is None or state.least_bytes is None:
+        return math.inf
+    fit = state.chosen
+    if fit is not None:
+        value = next((v for name, v in features if name == fit.feature), None)
+        if value is not None:
+            predicted = max(0.0, fit.intercept_bytes + fit.slope_bytes * value)
+            return max(
+                OUTLIER_RATIO * predicted + 6 * fit.error_bytes,
+                predicted + OUTLIER_LEAST_BYTES,
+            )
+    spread = state.peak_bytes - state.least_bytes
+    return max(
+        OUTLIER_RATIO * state.mean_bytes,
+        state.peak_bytes + max(OUTLIER_RANGES * spread, OUTLIER_LEAST_BYTES),
+    )
 
 
 @dataclass(slots=True)
@@ -371,55 +429,56 @@ class _KeyState:
     m2: float = 0.0
     # What an out-of-memory proved: the ask never falls below it.
     floor_bytes: int = 0
-    # The measured tasks that were given a size: how many, and the running means and
-    # centred sums of squares and products of size and peak (Welford), so that pricing a
-    # size does not read every measurement again.
-    sized: int = 0
-    size_mean: float = 0.0
-    size_peak_mean: float = 0.0
-    size_sxx: float = 0.0
-    size_sxy: float = 0.0
-    size_spp: float = 0.0
-    largest_size: float = 0.0
-    peak_at_largest: int = 0
-    # The largest peak measured at a size up to each size: sizes ascending, each listed
-    # where that largest peak rises (a search finds it for any size).
-    step_sizes: list[float] = field(default_factory=list)
-    step_peaks: list[int] = field(default_factory=list)
+    # The measured tasks that were given a size (``options(size=...)``).
+    told: Line = field(default_factory=Line)
+    # By feature of the calls (:mod:`~gpupool._core.predict`), the measured tasks that carried it
+    # (the first FEATURES_PER_KEY features seen), and the one that explains the peaks, if any.
+    lines: dict[str, Line] = field(default_factory=dict)
+    chosen: Fit | None = None
+    # Peaks kept apart as outliers (AskTable.sample): how many, the largest, each peak with
+    # its call's features (the first OUTLIERS_KEPT), and by features the largest such peak
+    # where those features tell it from the key's other tasks; ``merged``: they were not rare,
+    # and joined the key's peaks (no more are kept apart).
+    outliers: int = 0
+    outlier_top_bytes: int = 0
+    outlier_peaks: list[tuple[int, Features]] = field(default_factory=list)
+    outlier_features: dict[Features, int] = field(default_factory=dict)
+    merged: bool = False
+    # What an earlier run measured the key to hold (AskTable.remember), until a measurement
+    # of this run contradicts it; ``contradicted``: one did.
+    remembered_bytes: int | None = None
+    contradicted: bool = False
+    # The features of the key's other measured tasks (the first OUTLIERS_KEPT * 16 kinds).
+    seen_features: set[Features] = field(default_factory=set)
 
-    def add_sized(self, size: float, peak_bytes: int) -> None:
-        """Count one measured task of ``size`` that peaked at ``peak_bytes``."""
-        self.sized += 1
-        d_size = size - self.size_mean
-        d_peak = peak_bytes - self.size_peak_mean
-        self.size_mean += d_size / self.sized
-        self.size_peak_mean += d_peak / self.sized
-        self.size_sxx += d_size * (size - self.size_mean)
-        self.size_sxy += d_size * (peak_bytes - self.size_peak_mean)
-        self.size_spp += d_peak * (peak_bytes - self.size_peak_mean)
-        if self.sized == 1 or size > self.largest_size:
-            self.largest_size, self.peak_at_largest = size, peak_bytes
-        elif size == self.largest_size:
-            self.peak_at_largest = max(self.peak_at_largest, peak_bytes)
-        at = bisect.bisect_right(self.step_sizes, size)
-        if at and self.step_peaks[at - 1] >= peak_bytes:
-            return  # a peak as large was measured at a size up to this one
-        if at and self.step_sizes[at - 1] == size:
-            at -= 1
-            self.step_peaks[at] = peak_bytes
-        else:
-            self.step_sizes.insert(at, size)
-            self.step_peaks.insert(at, peak_bytes)
-        end = at + 1
-        while end < len(self.step_peaks) and self.step_peaks[end] <= peak_bytes:
-            end += 1
-        del self.step_sizes[at + 1 : end]
-        del self.step_peaks[at + 1 : end]
+    def add_outlier(self, peak_bytes: int, features: Features) -> None:
+        """Keep one outlier's peak apart from the key's distribution."""
+        self.outliers += 1
+        self.outlier_top_bytes = max(self.outlier_top_bytes, peak_bytes)
+        if len(self.outlier_peaks) < OUTLIERS_KEPT:
+            self.outlier_peaks.append((peak_bytes, features))
+            if features and features not in self.seen_features:
+                known = self.outlier_features.get(features, 0)
+                self.outlier_features[features] = max(known, peak_bytes)
 
-    def peak_up_to(self, size: float) -> int | None:
-        """The largest peak measured at a size up to ``size`` (``None``: none was)."""
-        at = bisect.bisect_right(self.step_sizes, size)
-        return self.step_peaks[at - 1] if at else None
+    @property
+    def sized(self) -> int:
+        """How many measured tasks were given a size."""
+        return self.told.n
+
+    def add_features(self, features: Features, peak_bytes: int) -> None:
+        """Count one measured task whose call had ``features``; choose the feature again."""
+        if len(self.seen_features) < OUTLIERS_KEPT * 16:
+            self.seen_features.add(features)
+        self.outlier_features.pop(features, None)  # no longer tells an outlier apart
+        for name, value in features:
+            line = self.lines.get(name)
+            if line is None:
+                if len(self.lines) >= FEATURES_PER_KEY:
+                    continue
+                line = self.lines[name] = Line()
+            line.add(value, peak_bytes)
+        self.chosen = choose(self.lines)
 
 
 @dataclass(slots=True)
@@ -444,7 +503,7 @@ class AskTable:
     _keys: dict[str, _KeyState] = field(default_factory=dict)
     _cache: dict[str, Ask] = field(default_factory=dict)
     # ``ask_for`` by key and size, until the key's ask changes (dropped with ``_cache[key]``).
-    _sized_cache: dict[str, dict[float, Ask]] = field(default_factory=dict)
+    _sized_cache: dict[str, dict[tuple[str | None, float], Ask]] = field(default_factory=dict)
 
     def _forget(self, key: str) -> None:
         """``key``'s price may change: its asks are derived again when next read."""
@@ -495,13 +554,61 @@ class AskTable:
         self.sample(key, peak_bytes, size)
         return self.ask(key)
 
-    def sample(self, key: str, peak_bytes: int, size: float | None = None) -> None:
-        """Record a child's measured device peak for ``key`` (of a task given ``size``); the
-        new ask is derived when it is next asked for (:meth:`ask`)."""
+    def sample(
+        self, key: str, peak_bytes: int, size: float | None = None, features: Features = ()
+    ) -> bool:
+        """Record a child's measured device peak for ``key`` (of a task given ``size``, whose
+        call had ``features``); the new ask is derived when it is next asked for (:meth:`ask`).
+
+        A peak far outside the key's distribution (:func:`outlier_above`) is kept apart: it
+        does not join the key's peaks, it prices the tasks whose calls have the same features
+        (where those tell it from the others), and the rate of such peaks prices the risk of
+        another (:meth:`Ask.outlier_reserve_bytes`). Where they are no longer rare
+        (:data:`OUTLIER_SHARE`), they join the key's peaks. Returns whether it was an outlier."""
         self._forget(key)
         state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+        if self.is_outlier(key, peak_bytes, features) and size is None:
+            state.add_outlier(peak_bytes, features)
+            if state.outliers > max(1, OUTLIER_SHARE * (state.samples + state.outliers)):
+                state.merged = True  # not rare: one workload whose peaks vary
+                for peak, kept in state.outlier_peaks:
+                    self._add(state, peak, None, kept)
+            return not state.merged
+        self._add(state, peak_bytes, size, features)
+        return False
+
+    def remember(self, key: str, peak_bytes: int) -> Ask:
+        """An earlier run measured ``key``'s tasks at ``peak_bytes`` on this card model: until
+        this run measures one, the key is estimated at that peak plus the one-sample margin
+        (over the pool's ``task_peak``, and over a per-task hint before it). Returns the ask."""
+        state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+        if state.samples == 0 and not state.contradicted:
+            self._forget(key)
+            state.remembered_bytes = peak_bytes
+            state.estimate_bytes = peak_bytes + self.policy.margin_for(peak_bytes)
+        return self.ask(key)
+
+    def contradicted(self, key: str) -> bool:
+        """Whether a measurement of this run contradicted what an earlier run remembered."""
+        state = self._keys.get(key)
+        return state is not None and state.contradicted
+
+    def _add(
+        self, state: _KeyState, peak_bytes: int, size: float | None, features: Features
+    ) -> None:
+        remembered = state.remembered_bytes
+        if remembered is not None and state.samples == 0:
+            granule = self.policy.margin_floor_bytes
+            if not remembered / 2 - granule <= peak_bytes <= remembered + granule:
+                # The first new measurement contradicts the memory: it is dropped (the key is
+                # priced from this run's measurements over the pool's task_peak).
+                state.contradicted = True
+                state.estimate_bytes = None
+            state.remembered_bytes = None
         if size is not None:
-            state.add_sized(size, peak_bytes)
+            state.told.add(size, peak_bytes)
+        if features:
+            state.add_features(features, peak_bytes)
         state.samples += 1
         delta = peak_bytes - state.mean_bytes
         state.mean_bytes += delta / state.samples
@@ -510,6 +617,27 @@ class AskTable:
             state.peak_bytes = peak_bytes
         if state.least_bytes is None or peak_bytes < state.least_bytes:
             state.least_bytes = peak_bytes
+
+    def is_outlier(self, key: str, peak_bytes: int, features: Features = ()) -> bool:
+        """Whether ``peak_bytes`` (of a task of ``key`` whose call had ``features``) lies far
+        outside the key's distribution (:func:`outlier_above`), as :meth:`sample` would keep
+        it apart."""
+        state = self._keys.get(key)
+        return (
+            self.policy.outliers
+            and state is not None
+            and not state.sized
+            and not state.merged
+            and peak_bytes > outlier_above(state, features)
+        )
+
+    def predictor(self, key: str) -> Fit | None:
+        """The feature of the calls that explains ``key``'s peaks, with its fit (``None``:
+        none does, or its tasks are told their sizes)."""
+        state = self._keys.get(key)
+        if state is None or state.sized:
+            return None
+        return state.chosen
 
     def floor(self, key: str, floor_bytes: int) -> Ask:
         """Never price ``key`` below ``floor_bytes`` again (what an out-of-memory proved).
@@ -582,6 +710,17 @@ class AskTable:
             least_peak_bytes=state.least_bytes,
             room_capped=room_capped,
             sized_samples=state.sized,
+            outliers=state.outliers if not state.merged else 0,
+            outlier_bytes=(
+                state.outlier_top_bytes + granule_bytes
+                if state.outliers and not state.merged
+                else 0
+            ),
+            outlier_rate=(
+                state.outliers / (state.samples + state.outliers)
+                if state.outliers and not state.merged
+                else 0.0
+            ),
         )
 
     def _derive_margin(
@@ -614,7 +753,7 @@ class AskTable:
             room_capped = True
         return margin, capped, room_capped
 
-    def ask_for(self, key: str, size: float | None) -> Ask:
+    def ask_for(self, key: str, size: float | None, features: Features = ()) -> Ask:
         """The price of one task of ``key`` whose input has ``size`` (``None``: the key's ask).
 
         From :data:`_FIT_FROM_SAMPLES` measured tasks with sizes (two sizes at least, and
@@ -632,52 +771,77 @@ class AskTable:
         its floor.
         """
         base = self.ask(key)
-        if size is None:
-            return base
         state = self._keys.get(key)
-        if state is None or not state.sized or base.basis != "measured":
+        if state is None or base.basis != "measured":
             return base
-        sized = self._sized_cache.setdefault(key, {})
-        found = sized.get(size)
-        if found is None:
-            if len(sized) >= _SIZED_CACHE_LIMIT:
-                sized.clear()
-            found = sized[size] = self._sized_ask(base, state, size)
+        found = base
+        feature: str | None = None
+        line = state.told
+        if size is None and state.chosen is not None and not state.sized:
+            feature = state.chosen.feature
+            size = next((value for name, value in features if name == feature), None)
+            line = state.lines[feature]
+        if size is not None and line.n:
+            cache = self._sized_cache.setdefault(key, {})
+            slot = (feature, size)
+            cached = cache.get(slot)
+            if cached is None:
+                if len(cache) >= _SIZED_CACHE_LIMIT:
+                    cache.clear()
+                cached = cache[slot] = self._sized_ask(base, state, line, size, feature)
+            found = cached
+        if state.outlier_peaks and features and features in state.outlier_features:
+            # A call like an outlier's (its features told it from the key's other tasks): at
+            # that outlier's own peak.
+            peak = state.outlier_features[features]
+            granule = self.policy.margin_floor_bytes
+            if peak + granule > found.ask_bytes:
+                found = dataclasses.replace(
+                    found,
+                    ask_bytes=peak + granule,
+                    measured_peak_bytes=peak,
+                    margin_bytes=granule,
+                    pooled=False,
+                    outlier_rate=0.0,
+                    feature=OUTLIER_FEATURE,
+                )
         return found
 
-    def _sized_ask(self, base: Ask, state: _KeyState, size: float) -> Ask:
-        """:meth:`ask_for` a size of a key with sized measurements (its ask is ``base``)."""
+    def _sized_ask(
+        self, base: Ask, state: _KeyState, line: Line, size: float, feature: str | None
+    ) -> Ask:
+        """:meth:`ask_for` a value of a key's told size or chosen feature (``line``: its
+        measurements; the key's ask is ``base``)."""
         granule = self.policy.margin_floor_bytes
-        largest = state.largest_size
+        largest = line.largest_x
         predicted: float | None = None
         bound: float | None = None
-        n = state.sized
-        sxx, sxy = state.size_sxx, state.size_sxy
-        if (
-            n >= _FIT_FROM_SAMPLES
-            and sxx > 0
-            and sxy > 0
-            and math.isfinite(sxx)
-            and math.isfinite(sxy)
-            and math.isfinite(state.size_spp)
-        ):
+        n = line.n
+        sxx, sxy = line.sxx, line.sxy
+        if n >= _FIT_FROM_SAMPLES and sxx > 0 and sxy > 0 and line.finite():
             slope = sxy / sxx
-            intercept = state.size_peak_mean - slope * state.size_mean
-            sse = max(0.0, state.size_spp - slope * sxy)
+            intercept = line.mean_peak - slope * line.mean_x
+            sse = max(0.0, line.spp - slope * sxy)
             sigma = math.sqrt(sse / (n - 2))
             predicted = intercept + slope * size
-            away = size - state.size_mean
+            away = size - line.mean_x
             bound = predicted + _t_999(n - 2) * sigma * math.sqrt(1 + 1 / n + away * away / sxx)
         if bound is None or predicted is None:
             if size <= largest:
                 return base
             ask = _whole_bytes(base.ask_bytes * (size / largest))
-            predicted = state.peak_at_largest * (size / largest)
+            predicted = line.peak_at_largest * (size / largest)
         else:
-            below = state.peak_up_to(size) or 0
+            below = line.peak_up_to(size) or 0
             ask = max(_whole_bytes(bound + granule), below + granule)
             if size <= largest:
                 ask = min(ask, base.ask_bytes)
+            elif feature is not None:
+                # A feature's line passed a significance test (:mod:`~gpupool._core.predict`):
+                # past the largest value, its bound, within the key's ask scaled by the value,
+                # and never below the peak measured at the largest value.
+                scaled = _whole_bytes(base.ask_bytes * (size / largest))
+                ask = max(min(ask, scaled), line.peak_at_largest + granule)
             else:
                 # A peak grows at most in proportion to its input: the line's bound (t = 22.3
                 # with four tasks) prices no size past the key's ask scaled by it.
@@ -685,11 +849,11 @@ class AskTable:
                 ask = max(min(ask, scaled), base.ask_bytes)
         ask = max(1, ask, state.floor_bytes)
         peak = _whole_bytes(max(0.0, predicted))
-        room, room_capped = self.room_for(max(peak, state.peak_up_to(size) or 0)), False
+        room, room_capped = self.room_for(max(peak, line.peak_up_to(size) or 0)), False
         if self.policy.learned and room is not None and ask > room:
             # As the key's ask: no margin prices a task off the card (a predicted or
             # measured peak past the room, or an out-of-memory's floor: at that).
-            ask = max(1, room, peak, state.peak_up_to(size) or 0, state.floor_bytes)
+            ask = max(1, room, peak, line.peak_up_to(size) or 0, state.floor_bytes)
             room_capped = True
         return dataclasses.replace(
             base,
@@ -701,6 +865,8 @@ class AskTable:
             capped=False,
             size=size,
             room_capped=room_capped,
+            feature=feature,
+            outlier_rate=0.0,
         )
 
     def keys(self) -> tuple[str, ...]:

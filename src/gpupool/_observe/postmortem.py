@@ -83,6 +83,9 @@ MAX_RUNS = 256
 #: Task keys kept per run; later keys are not tabled.
 MAX_KEYS = 1024
 
+#: Records of features and outliers kept per run (``Postmortem.learned``).
+MAX_LEARNED = 64
+
 #: Events that set a device's width (``width_after``): a lifted out-of-memory cap widens a
 #: card as a widened record does.
 _WIDTH_EVENTS = frozenset({"constructed", "narrowed", "widened", "cap_lifted"})
@@ -132,6 +135,9 @@ class Postmortem:
         devices: per device, the series the plot draws.
         node: the cluster node the run's pool ran on (``gpupool.ray`` names it on
             every record of a run's account), or ``None``.
+        learned: what the pool learned beyond each key's distribution, as its records said:
+            a feature of the calls that predicts a key's peaks, an outlier kept apart (at
+            most :data:`MAX_LEARNED`).
     """
 
     path: str
@@ -159,6 +165,7 @@ class Postmortem:
     shutdown: dict[str, Any] | None = None
     devices: dict[int, DevicePlot] = field(default_factory=dict)
     node: str | None = None
+    learned: list[str] = field(default_factory=list)
 
     @property
     def tasks_lost(self) -> int | None:
@@ -214,6 +221,7 @@ class Postmortem:
             "ooms": [a.to_dict() for a in self.ooms],
             "tasks": list(self.tasks),
             "task_records": self.task_records,
+            "learned": list(self.learned),
         }
 
 
@@ -325,6 +333,8 @@ class _RunReader:
                         "reason": truncate_text(reason) if isinstance(reason, str) else None,
                     }
                 )
+        if event in ("predicted", "outlier") and len(pm.learned) < MAX_LEARNED:
+            pm.learned.append(f"{event} at {time_s:.2f} s: {record.get('reason')}")
 
     def _header(self, record: Mapping[str, Any]) -> None:
         pm = self.pm
@@ -565,6 +575,9 @@ def format_postmortem(pm: Postmortem) -> list[str]:
             f"while tasks ran ({count} warning{'s' if count != 1 else ''}: managed memory, a "
             "process the driver does not list, or a spike; no task's peak counts it)"
         )
+    if pm.learned:
+        lines.append("learned beyond the keys' distributions (features, outliers):")
+        lines += [f"  {line}" for line in pm.learned]
     refused = pm.events.get("widen_refused", 0)
     waits = pm.events.get("live_gate_wait", 0)
     serial = pm.events.get("serial_start", 0)

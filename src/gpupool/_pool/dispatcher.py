@@ -68,6 +68,7 @@ from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call
 from gpupool._pool.inbox import Inbox, WorkItem, copy_broken
 from gpupool._pool.launch import StartDataError
+from gpupool._pool.memory import PeakMemory, code_digest
 from gpupool._pool.outcomes import Outcomes, callable_name
 from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
 from gpupool._pool.workers import (
@@ -207,8 +208,12 @@ class Dispatcher:
         log: DecisionLog,
         bookings: BookingTable | None = None,
         pool_id: str = "",
+        memory: PeakMemory | None = None,
     ) -> None:
         self.asks = asks
+        # What earlier runs measured (gpupool._pool.memory), and each key's name there.
+        self.memory = memory
+        self.memory_keys: dict[str, str] = {}
         self.initializer = None if workers.initializer is None else workers.initializer[0]
         self.log = log
         self.started_at_s = time.monotonic()
@@ -325,6 +330,10 @@ class Dispatcher:
                 self.outcomes.counts["bookings_skipped"] = skipped
             lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
             self.planner.flush_asks(self.now())
+            try:
+                self._remember()
+            except Exception:  # a file of the user's: never a pool that cannot stop
+                LOGGER.exception("gpupool could not remember this run's peaks")
             counts = self.outcomes.counts
             self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
             self.publish()  # the last snapshot: what statistics() says from now on
@@ -405,11 +414,39 @@ class Dispatcher:
     def _drain_incoming(self) -> None:
         while (item := self.inbox.take()) is not None:
             if self.outcomes.take(item):  # else cancelled by its caller first
+                if self.memory is not None and item.key not in self.memory_keys:
+                    self._recall(item)
                 self.planner.submit(
-                    item.task_id, item.key, item.hint_bytes, item.size, item.identity()
+                    item.task_id,
+                    item.key,
+                    item.hint_bytes,
+                    item.size,
+                    item.identity(),
+                    features=item.features,
                 )
                 self.unpublished_tasks = True
                 item.hint_bytes = None
+
+    def _recall(self, item: WorkItem) -> None:
+        """The first task of its key: price the key from what earlier runs measured."""
+        assert self.memory is not None
+        name = f"{item.key}@{code_digest(item.call[0])}"
+        self.memory_keys[item.key] = name
+        peak = self.memory.recall(name)
+        if peak is not None:
+            self.planner.remember(item.key, peak, self.now())
+
+    def _remember(self) -> None:
+        """Keep what this run measured of each key for the next (at shutdown)."""
+        if self.memory is None:
+            return
+        for key, name in self.memory_keys.items():
+            ask = self.asks.ask(key)
+            if self.asks.contradicted(key):
+                self.memory.drop(name)
+            if ask.basis == "measured" and ask.measured_peak_bytes and ask.samples:
+                self.memory.learned(name, ask.measured_peak_bytes, ask.samples)
+        self.memory.save()
 
     def _read_cards(self, *, census: bool = False) -> None:
         """One live snapshot of every readable card, for the planner's live gate and own term,

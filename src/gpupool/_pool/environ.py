@@ -58,7 +58,8 @@ MAX_RETRIES_ENV = "GPUPOOL_MAX_RETRIES"
 ROOM_WAIT_ENV = "GPUPOOL_ROOM_WAIT_S"
 
 #: Every ``GPUPOOL_*`` variable gpupool reads: the pool defaults above, the simulated
-#: host's ledger (``gpupool.testing``) and the booking table's directory.
+#: host's ledger (``gpupool.testing``), the booking table's directory and the file of peaks
+#: remembered between runs.
 KNOWN_VARIABLES = (
     MAX_WORKERS_ENV,
     TASK_PEAK_ENV,
@@ -70,6 +71,7 @@ KNOWN_VARIABLES = (
     ROOM_WAIT_ENV,
     "GPUPOOL_SIMULATOR",
     "GPUPOOL_BOOKINGS",
+    "GPUPOOL_MEMORY",
 )
 
 #: How alike a set name and a real one must be (``difflib``'s ratio) to be taken for a typo.

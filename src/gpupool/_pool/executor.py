@@ -29,6 +29,7 @@ from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._pool.dispatcher import callable_name, interpreter_exiting
+from gpupool._pool.features import call_features
 from gpupool._pool.inbox import WorkItem, copy_broken
 from gpupool._pool.options import build_dispatcher, read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
@@ -496,6 +497,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         entries: int = 1,
     ) -> Future[Any]:
         inbox = self._dispatcher.inbox
+        told = view is not None and view._options.size is not None
+        # Read outside the lock: an argument's nbytes is a stranger's code.
+        features = () if told else call_features(args, kwargs)
         with self._shutdown_lock:
             if inbox.broken is not None:
                 raise copy_broken(inbox.broken_exc, inbox.broken)
@@ -509,6 +513,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             key = options.key or key or callable_name(fn)
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
             item = WorkItem(future, (fn, args, kwargs), key, hint, options.size)
+            item.features = features
             item.entry, item.entries, item.label = entry, entries, options.label
             inbox.put(item)
             return future

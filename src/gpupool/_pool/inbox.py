@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool._core.events import TaskIdentity
+from gpupool._core.predict import Features
 from gpupool._errors import GpuPoolError
 
 __all__ = ["Inbox", "WorkItem", "copy_broken"]
@@ -43,6 +44,8 @@ class WorkItem:
     hint_bytes: int | None
     size: float | None = None
     started: bool = False
+    # What the call's arguments say (gpupool._pool.features), read at submit.
+    features: Features = ()
     task_id: int = field(default_factory=functools.partial(next, _task_ids))
     # Its map position (and how many positions a chunk covers) and the caller's label.
     entry: int | None = None

@@ -29,6 +29,7 @@ from gpupool._observe.log import DecisionLog, check_log_path
 from gpupool._pool import environ as variables
 from gpupool._pool.by_value import note_pool_made
 from gpupool._pool.dispatcher import Dispatcher
+from gpupool._pool.memory import PeakMemory, memory_path
 from gpupool._pool.workers import DeviceState, WorkerOptions
 from gpupool._sensors.select import default_sensor
 
@@ -72,6 +73,8 @@ class PoolOptions:
     progress: bool | None
     on_interrupt: variables.OnInterrupt
     workers: WorkerOptions
+    # Where the pool remembers its keys' peaks between runs (None: off; GPUPOOL_MEMORY).
+    memory_path: Path | None = None
 
     def __post_init__(self) -> None:
         workers = self.max_workers
@@ -167,6 +170,7 @@ def read_options(
         on_interrupt=_resolve(
             on_interrupt, _check_on_interrupt, variables.read_on_interrupt, environ
         ),
+        memory_path=memory_path(environ),
     )
 
 
@@ -310,6 +314,7 @@ def _read_policy(
         # An explicit margin keeps meaning what it says; by default the
         # margin is learned from the spread of each key's measurements.
         learned=margin is None and margin_fraction is None,
+        outliers=True,
     )
 
 
@@ -566,6 +571,9 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         if devices
         else None,
         pool_id=new_pool_id(),
+        memory=None
+        if options.memory_path is None or options.width is not None
+        else PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards}))),
     )
     try:
         dispatcher.start(priced=options.task_peak_bytes is not None)

@@ -12,6 +12,7 @@ run (:mod:`~.queued`) whether a key is short and how deep its tasks may queue.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 
 from gpupool._core.bound import Ceiling, derive_ceiling
@@ -19,7 +20,8 @@ from gpupool._core.census import Census
 from gpupool._core.events import TaskIdentity
 from gpupool._core.planner.state import Card, Run, TaskState
 from gpupool._core.planner.verdicts import LOOKAHEAD, PlannerConfig, Start, TaskId
-from gpupool._core.policy import Ask, AskTable
+from gpupool._core.policy import OUTLIER_FEATURE, Ask, AskTable
+from gpupool._core.predict import Features
 
 __all__ = [
     "LONG_MEMORY_TASKS",
@@ -180,13 +182,36 @@ class PlannerState:
         if state.hint_bytes is not None:
             self.asks.hint(state.key, state.hint_bytes)
             state.hint_bytes = None
-        return self.asks.ask_for(state.key, state.size)
+        return self.price(state)
+
+    def price(self, state: TaskState | Run) -> Ask:
+        """The price of a task (pending or running): its key's ask for its size and its call's
+        features, never below what an out-of-memory of its own proved."""
+        ask = self.asks.ask_for(state.key, state.size, state.features)
+        if state.floor_bytes > ask.ask_bytes:
+            ask = dataclasses.replace(
+                ask,
+                ask_bytes=state.floor_bytes,
+                measured_peak_bytes=state.floor_bytes,
+                margin_bytes=0,
+                pooled=False,
+                outlier_rate=0.0,
+                feature=OUTLIER_FEATURE,
+            )
+        return ask
 
     def add(
-        self, task: TaskId, key: str, size: float | None, identity: TaskIdentity | None = None
+        self,
+        task: TaskId,
+        key: str,
+        size: float | None,
+        identity: TaskIdentity | None = None,
+        features: Features = (),
     ) -> None:
         """A task was submitted: it is pending, at the back of the queue."""
-        self.tasks[task] = TaskState(key=key, hint_bytes=None, size=size, identity=identity)
+        self.tasks[task] = TaskState(
+            key=key, hint_bytes=None, size=size, identity=identity, features=features
+        )
         self.pending.append(task)
         self.pending_by_key[key] += 1
         self.last_key = key
@@ -221,7 +246,7 @@ class PlannerState:
         """``task``, off the pending queue, runs on ``device`` in worker ``pid``: it books there
         what ``issued`` (the start that admitted it) carried, else its next booking there."""
         state = self.tasks[task]
-        price = self.asks.ask_for(state.key, state.size)
+        price = self.price(state)
         card = self.cards[device] if device is not None else None
         booked_bytes = 0
         if card is not None:
@@ -241,6 +266,8 @@ class PlannerState:
             shared=card is not None and bool(card.others_tasks or card.runs),
             started_s=now_s,
             size=state.size,
+            features=state.features,
+            floor_bytes=state.floor_bytes,
             own_high_water_bytes=card.own_high_water_bytes if card is not None else 0,
             identity=state.identity,
         )
@@ -273,8 +300,9 @@ class PlannerState:
                 if run.key != key:
                     continue
                 before_bytes = run.booked_bytes
-                if run.size is not None:
-                    card.rebook(run, self.asks.ask_for(key, run.size).ask_bytes)
+                own = self.price(run) if run.size or run.features or run.floor_bytes else ask
+                if own is not ask and own.individual:
+                    card.rebook(run, own.ask_bytes)
                 else:
                     card.rebook(run, ask.next_bytes(seen))
                     seen += 1

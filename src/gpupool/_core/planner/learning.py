@@ -31,6 +31,7 @@ from gpupool._core.planner.state import Card, Run
 from gpupool._core.planner.verdicts import ASK_RECORD_STEP, Refuse
 from gpupool._core.planner.views import Views
 from gpupool._core.policy import VARY_RATIO, Ask, peaks_vary
+from gpupool._core.predict import Features, Fit
 from gpupool._core.units import format_size
 
 __all__ = ["Learning", "rooms_alone_bytes", "varied_peaks"]
@@ -97,20 +98,53 @@ class Learned:
 
     device: int
     report: PeakReport
-    peaks: list[tuple[int, float | None]]
+    peaks: list[tuple[int, float | None, Features]]
     #: The task whose report a record states.
     task: TaskIdentity | None = None
 
     def add(
-        self, device: int, report: PeakReport, size: float | None, task: TaskIdentity | None
+        self,
+        device: int,
+        report: PeakReport,
+        size: float | None,
+        features: Features,
+        task: TaskIdentity | None,
     ) -> None:
-        """One more peak of the key, measured on ``device`` for a task of ``size``."""
+        """One more peak of the key, measured on ``device`` for a task of ``size`` whose call
+        had ``features``."""
         assert report.device_peak_bytes is not None
-        self.peaks.append((report.device_peak_bytes, size))
+        self.peaks.append((report.device_peak_bytes, size, features))
         self.device = device
         if _noteworthy(report) or not _noteworthy(self.report):
             self.report = report
             self.task = task
+
+
+class Predictions:
+    """The records of what the asks learned beyond a key's distribution: a feature of the
+    calls that explains its peaks (``predicted``), and a peak kept apart as an outlier
+    (``outlier``). Writes nothing but records."""
+
+    def __init__(self, state: PlannerState, views: Views) -> None:
+        self._state = state
+        self._views = views
+
+    def fitted(self, key: str, before: Fit | None, device: int, now_s: float) -> None:
+        """Record where the feature that explains ``key``'s peaks changed."""
+        fit = self._state.asks.predictor(key)
+        if (fit.feature if fit else None) == (before.feature if before else None):
+            return
+        reason, extra = records.predicted(key, fit, before)
+        self._views.note("predicted", device, self._state.asks.ask(key), reason, now_s, extra=extra)
+
+    def outlier(
+        self, key: str, peak_bytes: int, features: Features, device: int, now_s: float
+    ) -> None:
+        """Record a peak of ``key`` kept apart as an outlier."""
+        self._state.count("outliers")
+        ask = self._state.asks.ask(key)
+        reason, extra = records.outlier(key, peak_bytes, features, ask)
+        self._views.note("outlier", device, ask, reason, now_s, extra=extra)
 
 
 def _noteworthy(report: PeakReport) -> bool:
@@ -137,6 +171,7 @@ class Learning:
         # A term of the cards' rooms for one task moved (a co-tenant at census, the child's
         # RSS) since the asks were last held within them: the next measurement holds them.
         self._rooms_due = True
+        self._predict = Predictions(state, views)
 
     @property
     def unsettled(self) -> bool:
@@ -184,7 +219,7 @@ class Learning:
             self._raised_past(run.key, run.device, report, now_s)
             return
         learned = self._learned.setdefault(run.key, Learned(run.device, report, []))
-        learned.add(run.device, report, run.size, run.identity)
+        learned.add(run.device, report, run.size, run.features, run.identity)
 
     def _raised_past(self, key: str, device: int, report: PeakReport, now_s: float) -> None:
         """A task of ``key`` raised after holding ``report``'s peak, or measured it partially:
@@ -200,12 +235,12 @@ class Learning:
                 # below it; said once per key, with what it did not do.
                 after = self._state.asks.floor(key, floor)
                 self._state.rebook(key)
-                learned = Learned(device, report, [(peak, None)])
+                learned = Learned(device, report, [(peak, None, ())])
                 self._ask_changed(key, learned, before, after, now_s)
             return
         after = self._state.asks.floor(key, floor)
         self._state.rebook(key)
-        self._ask_changed(key, Learned(device, report, [(peak, None)]), before, after, now_s)
+        self._ask_changed(key, Learned(device, report, [(peak, None, ())]), before, after, now_s)
 
     def settle(self, now_s: float) -> Refuse | None:
         """Price what the tasks that ended since the last settle measured: for each key, its
@@ -218,8 +253,11 @@ class Learning:
             if self._rooms_due:
                 self.limit_asks()
             before = self._state.asks.ask(key)
-            for peak_bytes, size in learned.peaks:
-                self._state.asks.sample(key, peak_bytes, size)
+            fit_before = self._state.asks.predictor(key)
+            for peak_bytes, size, features in learned.peaks:
+                if self._state.asks.sample(key, peak_bytes, size, features):
+                    self._predict.outlier(key, peak_bytes, features, learned.device, now_s)
+            self._predict.fitted(key, fit_before, learned.device, now_s)
             after = self._state.asks.ask(key)
             self._peaks_vary(after, learned.device, now_s)
             self._state.rebook(key)

@@ -328,12 +328,20 @@ class OutOfMemory:
         # price an out-of-memory raised since.
         booked_then = sum(r.booked_at_start_bytes for r in others) + run.booked_at_start_bytes
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
-        before = self._state.asks.ask_for(run.key, run.size)
+        before = self._state.price(task_state)
         floor = before.ask_bytes
         if lower > floor:
             floor = lower + self._state.asks.policy.margin_for(lower)
-        self._state.asks.floor(run.key, floor)
-        after = self._state.asks.ask_for(run.key, run.size)
+        if self._state.asks.is_outlier(run.key, lower, run.features):
+            # Far outside its key's peaks: this task is priced for what it is, and the key's
+            # other tasks keep the price their own evidence supports.
+            task_state.floor_bytes = run.floor_bytes = max(task_state.floor_bytes, floor)
+            self._state.count("outlier_out_of_memory")
+            # Evidence never lowers a price: the key's ask stays at least what it was.
+            self._state.asks.floor(run.key, self._state.asks.ask(run.key).ask_bytes)
+        else:
+            self._state.asks.floor(run.key, floor)
+        after = self._state.price(task_state)
         self._state.rebook(run.key)
         child_bytes = 0
         if reading is not None and reading.process_bytes is not None and run.pid is not None:

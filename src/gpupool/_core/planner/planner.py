@@ -77,6 +77,7 @@ from gpupool._core.planner.verdicts import (
 )
 from gpupool._core.planner.views import Views
 from gpupool._core.policy import Ask, AskTable
+from gpupool._core.predict import Features
 from gpupool._core.units import GiB, format_size
 
 __all__ = ["Planner", "WhatIf", "what_if"]
@@ -142,15 +143,36 @@ class Planner:
         hint_bytes: int | None = None,
         size: float | None = None,
         identity: TaskIdentity | None = None,
+        features: Features = (),
     ) -> None:
         """A task was submitted (it is pending, at the back of the queue). ``size``: the size
-        of its input, from which its ask may be predicted (:meth:`AskTable.ask_for`);
-        ``identity``: which task it is, on every record about it."""
+        of its input, and ``features``: what its call's arguments say, from which its ask may
+        be predicted (:meth:`AskTable.ask_for`); ``identity``: which task it is, on every
+        record about it."""
         if hint_bytes is not None:
             self.state.asks.hint(key, hint_bytes)  # the width prices it at once
             self.state.rebook(key)
-        self.state.add(task, key, size, identity)
+        self.state.add(task, key, size, identity, features)
         self.views.submitted()
+
+    def remember(self, key: str, peak_bytes: int, now_s: float) -> None:
+        """An earlier run measured ``key`` at ``peak_bytes`` on these cards' model: the key is
+        estimated from it until this run measures it (:meth:`AskTable.remember`)."""
+        before = self.state.asks.ask(key)
+        after = self.state.asks.remember(key, peak_bytes)
+        if after.ask_bytes == before.ask_bytes:
+            return
+        self.state.rebook(key)
+        self.views.note(
+            "bound_changed",
+            None,
+            after,
+            f"{key}: an earlier run on these cards measured {format_size(peak_bytes)}; "
+            f"estimated at {format_size(after.ask_bytes)} until this run measures it "
+            f"(was {before.describe()})",
+            now_s,
+            extra={"remembered_peak_bytes": peak_bytes},
+        )
 
     def withdraw(self, task: TaskId) -> None:
         """A pending task left the queue (cancelled, or failed by the pool)."""
@@ -430,7 +452,7 @@ class Planner:
         if self.waiting_count(starting=starting) == 0 or len(self.state.pending) <= starting:
             return 0
         state = self.state.tasks[self.state.pending[int(starting)]]
-        return self.state.asks.ask_for(state.key, state.size).ask_bytes
+        return self.state.price(state).ask_bytes
 
     def waiting_for_room(self) -> tuple[TaskId, ...]:
         """Pending tasks that ran out of memory alone and wait for others to free the room."""
@@ -457,12 +479,14 @@ class Planner:
     def waiting_asks(self, first: int, count: int) -> list[tuple[str, int]]:
         """The key and ask of the pending tasks ``first`` to ``first + count``, in order."""
         tasks = self.state.tasks
-        asks: dict[tuple[str, float | None], int] = {}  # one price per key and size
+        # One price per key, size, features and floor.
+        asks: dict[tuple[str, float | None, Features, int], int] = {}
         entries: list[tuple[str, int]] = []
         for task in itertools.islice(self.state.pending, first, first + count):
-            slot = (tasks[task].key, tasks[task].size)
+            state = tasks[task]
+            slot = (state.key, state.size, state.features, state.floor_bytes)
             if slot not in asks:
-                asks[slot] = self.state.asks.ask_for(*slot).ask_bytes
+                asks[slot] = self.state.price(state).ask_bytes
             entries.append((slot[0], asks[slot]))
         return entries
 

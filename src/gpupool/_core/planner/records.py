@@ -15,15 +15,62 @@ from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
 from gpupool._core.planner.order import Hold
 from gpupool._core.planner.state import Card, Critical
+from gpupool._core.policy import Ask
+from gpupool._core.predict import Features, Fit
 from gpupool._core.units import format_size
 
 __all__ = [
     "critical_wait",
+    "outlier",
+    "predicted",
     "peak_terms",
     "head_wait",
     "live_gate_wait",
     "shutdown",
 ]
+
+
+def predicted(key: str, fit: Fit | None, before: Fit | None) -> tuple[str, dict[str, JsonValue]]:
+    """A feature of the calls began (or stopped) to explain ``key``'s peaks: the sentence and
+    the fit's terms (the feature, the line, its error)."""
+    if fit is None:
+        assert before is not None
+        reason = (
+            f"{key}: {before.feature} no longer explains the peaks; its tasks are priced by the "
+            "key's distribution"
+        )
+        return reason, {"feature": before.feature, "predicted": False}
+    reason = f"{key}: {fit.describe()}; each task is priced from its own {fit.feature}"
+    return reason, {
+        "feature": fit.feature,
+        "predicted": True,
+        "samples": fit.samples,
+        "slope_bytes_per_unit": fit.slope_bytes,
+        "intercept_bytes": round(fit.intercept_bytes),
+        "fit_error_bytes": round(fit.error_bytes),
+        "r2": round(fit.r2, 6),
+    }
+
+
+def outlier(
+    key: str, peak_bytes: int, features: Features, ask: Ask
+) -> tuple[str, dict[str, JsonValue]]:
+    """A peak far outside ``key``'s distribution, kept apart: the sentence and the terms."""
+    said = ", ".join(f"{name} {value:g}" for name, value in features[:4]) or "no features"
+    reason = (
+        f"{key}: a task peaked at {format_size(peak_bytes)}, far outside the key's "
+        f"{ask.samples} other peaks (mean {format_size(ask.mean_bytes)}, largest "
+        f"{format_size(ask.measured_peak_bytes)}): an outlier, kept apart (its call: {said}); "
+        f"{ask.outliers} so far, rate {ask.outlier_rate:.3g}; the key stays at {ask.describe()}"
+    )
+    return reason, {
+        "outlier_peak_bytes": peak_bytes,
+        "outliers": ask.outliers,
+        "outlier_rate": round(ask.outlier_rate, 6),
+        "mean_peak_bytes": ask.mean_bytes,
+        "largest_peak_bytes": ask.measured_peak_bytes,
+        "samples": ask.samples,
+    }
 
 
 def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict[str, JsonValue]]:

@@ -316,7 +316,7 @@ class Starts:
             return True
         card = self._state.cards[start.device]
         task_state = self._state.tasks[start.task]
-        ask = self._state.asks.ask_for(task_state.key, task_state.size)
+        ask = self._state.price(task_state)
         admitted = self._admits_on(card, ask, self._views.fit(card.index, ask), now_s) == "yes"
         if not admitted:
             self._issued.pop(start.task, None)

@@ -21,6 +21,8 @@ from gpupool._core.bound import Bound, Ceiling, Limit
 from gpupool._core.census import CardCensus
 from gpupool._core.events import TaskIdentity
 from gpupool._core.planner.verdicts import CardReading, TaskId
+from gpupool._core.policy import PriceTerms
+from gpupool._core.predict import Features
 
 __all__ = ["Card", "Critical", "Fit", "Run", "TaskState", "usable"]
 
@@ -63,7 +65,6 @@ class Fit:
 #: ceiling, the census and the card's terms (``fit.card_bound``, ``fit.fit_counts``).
 BoundMemo = tuple[Ceiling, CardCensus, tuple[int, ...], Bound]
 FitMemo = tuple[Ceiling, CardCensus, tuple[int | None, ...], Fit]
-PriceTerms = tuple[str, int, str, bool, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -74,6 +75,11 @@ class TaskState:
     hint_bytes: int | None
     # The size of the task's input the caller gave (the ask may be predicted from it).
     size: float | None = None
+    # What its call's arguments say (the ask may be predicted from one of them).
+    features: Features = ()
+    # What an out-of-memory of this task alone proved, where its peak was an outlier of its
+    # key's (the key's other tasks keep their price): its ask never falls below it.
+    floor_bytes: int = 0
     retries: int = 0
     # Fixed width after an out-of-memory: start only while fewer than this run there.
     wait_below: int | None = None
@@ -106,6 +112,8 @@ class Run:
     shared: bool = False
     started_s: float = 0.0
     size: float | None = None
+    features: Features = ()
+    floor_bytes: int = 0
     # The own high-water its start was priced at (an out-of-memory names growth past it).
     own_high_water_bytes: int = 0
     # Which task it is, for the records about it (its map position, its label).

@@ -446,7 +446,7 @@ class Views:
         # ceiling, so a long queue costs no more than the width it could add.
         skip = 1 if hold is not None else 0
         pending = itertools.islice(state.pending, skip, LOOKAHEAD)
-        asks = (state.asks.ask_for(state.tasks[t].key, state.tasks[t].size) for t in pending)
+        asks = (state.price(state.tasks[t]) for t in pending)
         # What the next submits could add: more of the last key seen.
         placed_pending = max(0, min(len(state.pending), LOOKAHEAD) - skip)
         more = itertools.repeat(

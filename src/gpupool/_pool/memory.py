@@ -1,0 +1,239 @@
+"""A pool that remembers: what each task key was measured to hold, per card model, between runs.
+
+One file per user, ``$XDG_CACHE_HOME/gpupool/peaks.json`` (``~/.cache/gpupool/peaks.json``), or
+the path ``GPUPOOL_MEMORY`` names; ``GPUPOOL_MEMORY=off`` turns it off, and
+:func:`forget_peaks` (``gpupool forget``) clears it. A pool reads it once when it is built and
+writes it once when it shuts down (to a temporary file renamed over it, so a reader never sees
+half of one; two pools that end at once: the last one's keys win where both measured them).
+
+An entry is ``{"key", "model", "peak_bytes", "samples", "saved_s"}``: the largest peak a key's
+tasks were measured to hold on a card of that model (an outlier's excluded), how many measured it,
+and when (seconds since the epoch). A key is the task key plus a digest of its function's code
+(:func:`code_digest`), so a new version of a task does not inherit an old version's price.
+
+The file is input from a stranger (anything that can write the user's cache can write it): at
+most :data:`MAX_FILE_BYTES` are read and :data:`MAX_ENTRIES` entries kept (the newest); an entry
+whose fields are not of their types and ranges is skipped; a file that is not JSON is ignored
+with a warning, and replaced at the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MAX_ENTRIES",
+    "MAX_FILE_BYTES",
+    "MEMORY_ENV",
+    "PeakMemory",
+    "code_digest",
+    "forget_peaks",
+    "memory_path",
+]
+
+LOGGER = logging.getLogger("gpupool")
+
+MEMORY_ENV = "GPUPOOL_MEMORY"
+#: The most bytes of the file read; a larger file is ignored (and replaced at the next save).
+MAX_FILE_BYTES = 1024 * 1024
+#: The most entries kept (the newest saved).
+MAX_ENTRIES = 2048
+#: The longest key or model name kept.
+MAX_NAME_CHARS = 512
+#: No peak past this is believed (1 PiB: more than any card).
+MAX_PEAK_BYTES = 2**50
+_OFF = frozenset({"off", "0", "false", "no", "none"})
+
+
+def memory_path(environ: Mapping[str, str]) -> Path | None:
+    """The file a pool remembers in (``None``: remembering is off)."""
+    named = environ.get(MEMORY_ENV, "").strip()
+    if named.lower() in _OFF:
+        return None
+    if named:
+        return Path(named).expanduser()
+    cache = environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(cache) if cache else Path.home() / ".cache"
+    return base / "gpupool" / "peaks.json"
+
+
+def forget_peaks(path: str | os.PathLike[str] | None = None) -> bool:
+    """Clear what pools remember of earlier runs' peaks.
+
+    Args:
+        path: the file to clear; by default the one pools use (``GPUPOOL_MEMORY``'s path,
+            else ``$XDG_CACHE_HOME/gpupool/peaks.json``, ``~/.cache/gpupool/peaks.json``).
+
+    Returns:
+        Whether there was a file to remove (``False`` also where ``GPUPOOL_MEMORY=off``).
+    """
+    target = Path(path) if path is not None else memory_path(os.environ)
+    if target is None:
+        return False
+    try:
+        target.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# Public as gpupool.forget_peaks: reprs and docs name it there.
+forget_peaks.__module__ = "gpupool"
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest_of(code: Any) -> str:
+    parts: list[bytes] = []
+    stack = [code]
+    while stack and len(parts) < 256:
+        current = stack.pop()
+        parts.append(current.co_code)
+        for const in current.co_consts:
+            if hasattr(const, "co_code"):
+                stack.append(const)
+            else:
+                parts.append(repr(const).encode("utf-8", "replace")[:256])
+        parts.append(" ".join(current.co_names).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
+def code_digest(fn: Callable[..., Any]) -> str:
+    """A digest of ``fn``'s code (its bytecode, constants and names, nested functions
+    included): it changes when the function's code does. ``""`` for a callable without code
+    (a builtin, a class)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    return _digest_of(code)
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """One key's measured peak on one card model, from an earlier run."""
+
+    peak_bytes: int
+    samples: int
+    saved_s: float
+
+
+class PeakMemory:
+    """The entries read from the file at construction, and what this run adds to them."""
+
+    def __init__(self, path: Path, models: tuple[str, ...]) -> None:
+        self.path = path
+        self.models = models
+        self._entries: dict[tuple[str, str], Remembered] = {}
+        self._learned: dict[tuple[str, str], Remembered] = {}
+        self._read()
+
+    def _read(self) -> None:
+        try:
+            with self.path.open("rb") as file:
+                raw = file.read(MAX_FILE_BYTES + 1)
+        except OSError:
+            return  # none yet, or unreadable: nothing remembered
+        if len(raw) > MAX_FILE_BYTES:
+            LOGGER.warning(
+                "gpupool: %s is larger than %d bytes: ignored", self.path, MAX_FILE_BYTES
+            )
+            return
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            LOGGER.warning("gpupool: %s is not a JSON file of peaks: ignored", self.path)
+            return
+        entries = data.get("entries") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            return
+        for entry in entries[:MAX_ENTRIES]:
+            found = _entry(entry)
+            if found is not None:
+                self._entries[found[0]] = found[1]
+
+    def recall(self, key: str) -> int | None:
+        """The largest peak ``key`` was remembered to hold on this pool's card models."""
+        peaks = [
+            entry.peak_bytes
+            for model in self.models
+            if (entry := self._entries.get((key, model))) is not None
+        ]
+        return max(peaks) if peaks else None
+
+    def learned(self, key: str, peak_bytes: int, samples: int) -> None:
+        """This run measured ``key`` at ``peak_bytes`` over ``samples`` tasks (kept for every
+        model of its cards: a pool's cards are one model, most often)."""
+        now = time.time()
+        for model in self.models:
+            self._learned[(key, model)] = Remembered(peak_bytes, samples, now)
+
+    def drop(self, key: str) -> None:
+        """What was remembered of ``key`` is contradicted: it is not written back."""
+        for model in self.models:
+            self._entries.pop((key, model), None)
+
+    def save(self) -> None:
+        """Write the entries (this run's over those read), the newest :data:`MAX_ENTRIES`."""
+        if not self._learned:
+            return
+        merged = dict(self._entries)
+        merged.update(self._learned)
+        newest = sorted(merged.items(), key=lambda item: item[1].saved_s, reverse=True)
+        entries = [
+            {
+                "key": key,
+                "model": model,
+                "peak_bytes": value.peak_bytes,
+                "samples": value.samples,
+                "saved_s": value.saved_s,
+            }
+            for (key, model), value in newest[:MAX_ENTRIES]
+        ]
+        body = json.dumps({"version": 1, "entries": entries}).encode()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".peaks-")
+            try:
+                with os.fdopen(handle, "wb") as file:
+                    file.write(body)
+                os.replace(temporary, self.path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
+        except OSError as exc:
+            LOGGER.warning("gpupool could not remember this run's peaks in %s: %s", self.path, exc)
+
+
+def _entry(entry: object) -> tuple[tuple[str, str], Remembered] | None:
+    """One entry of the file, validated (``None``: skipped)."""
+    if not isinstance(entry, dict):
+        return None
+    key, model = entry.get("key"), entry.get("model")
+    peak, samples, saved = entry.get("peak_bytes"), entry.get("samples"), entry.get("saved_s")
+    if not (
+        isinstance(key, str)
+        and isinstance(model, str)
+        and 0 < len(key) <= MAX_NAME_CHARS
+        and len(model) <= MAX_NAME_CHARS
+        and type(peak) is int
+        and 0 < peak <= MAX_PEAK_BYTES
+        and type(samples) is int
+        and samples > 0
+        and isinstance(saved, (int, float))
+        and not isinstance(saved, bool)
+        and 0 <= saved < 1e11
+    ):
+        return None
+    return (key, model), Remembered(peak, samples, float(saved))
