@@ -229,7 +229,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.submit(key, None, items)
         self.start()
         if self.planner.state.running:
-            self.finish(data, 1.0, 500, True, rare)
+            self.finish(data, 1.0, 500, True, False, rare)
 
     @rule()
     def start(self) -> None:
