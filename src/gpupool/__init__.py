@@ -36,6 +36,7 @@ from gpupool._errors import (
     InvalidSizeError,
     NoDriverError,
     SensorError,
+    TaskTimeoutError,
     WidthError,
 )
 from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
@@ -82,6 +83,7 @@ __all__ = [
     "SensorError",
     "TaskIdentity",
     "TaskOptions",
+    "TaskTimeoutError",
     "WidthError",
     "WorkerLostError",
     "WorkerProtocolError",

@@ -10,6 +10,7 @@
      |    +-- DeviceUnreadableError                driver present, the reading failed
      +-- WidthError (also RuntimeError)            strict mode refused to narrow
      +-- DeviceOutOfMemoryError                    a task ran a card out of memory
+     +-- TaskTimeoutError (also TimeoutError)      a task ran past its deadline (timeout_s)
      +-- WorkerLostError (also BrokenProcessPool)  a worker died while running a task
      |    +-- WorkerProtocolError                  it sent what is not its task's answer
      +-- InitializerError (also BrokenProcessPool) an initializer failed: the pool is broken
@@ -40,6 +41,7 @@ __all__ = [
     "InvalidSizeError",
     "NoDriverError",
     "SensorError",
+    "TaskTimeoutError",
     "WidthError",
 ]
 
@@ -123,3 +125,23 @@ class DeviceOutOfMemoryError(GpuPoolError):
         self.device = device
         self.ask_bytes = ask_bytes
         self.detail = detail
+
+
+class TaskTimeoutError(GpuPoolError, TimeoutError):
+    """A task ran past its deadline (``options(timeout_s=...)`` or
+    ``GPUPOOL_TASK_TIMEOUT_S``): the pool ended its worker's process tree (SIGTERM, then
+    SIGKILL after a grace) and replaced the worker; only this task failed.
+
+    Attributes:
+        task: the task, as the message names it (its key).
+        timeout_s: the deadline it ran past, in seconds from its start.
+        pid: the PID of the worker that ran it.
+    """
+
+    def __init__(
+        self, message: str, *, task: str = "", timeout_s: float = 0.0, pid: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.task = task
+        self.timeout_s = timeout_s
+        self.pid = pid

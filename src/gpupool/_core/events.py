@@ -126,6 +126,7 @@ EventName = Literal[
     "serial_start",
     "out_of_memory",
     "worker_lost",
+    "task_timeout",
     "worker_replaced",
     "fixed_width_over_bound",
     "measured",
@@ -160,6 +161,7 @@ EVENTS: Mapping[str, str] = {
     "serial_start": "a task started although the live gate was shut: nothing else ran",
     "out_of_memory": "a task ran its card out of memory",
     "worker_lost": "a worker process died while running a task",
+    "task_timeout": "a task ran past its deadline (timeout_s): its process tree was ended",
     "worker_replaced": "a worker could not set up its next task (descriptors or memory "
     "used up by a task before it): the task goes to a fresh worker",
     "fixed_width_over_bound": "a fixed width is wider than the bound allows",

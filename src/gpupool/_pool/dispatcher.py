@@ -97,6 +97,10 @@ __all__ = [
 #: How long shutdown waits for workers told to exit before it kills them.
 STOP_WAIT_S = 10.0
 
+#: How many times a task runs on another worker after its frame went unacknowledged (read
+#: by another reader of the worker's socket) before it fails with ``WorkerLostError``.
+UNREAD_TRIES = 3
+
 #: While tasks run, the cards are read at least this often (the planner samples
 #: these readings into the decision log, coalesced: see ``card_read``).
 READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
@@ -372,6 +376,10 @@ class Dispatcher:
                     self._read_cards()
                     due_s = READ_WHILE_RUNNING_S
                 poll_s = due_s if poll_s is None else min(poll_s, due_s)
+            # Unacknowledged frames, deadlines, stopped workers (their exits are events).
+            clocks_s = self.workers.due(time.monotonic())
+            if clocks_s is not None:
+                poll_s = clocks_s if poll_s is None else min(poll_s, clocks_s)
             self.planner.sample_cards(self.now())
             if self.link is not None:
                 flush_s = self.link.flush(self.now())
@@ -701,12 +709,31 @@ class Dispatcher:
         run = queue.pop(0) if queue and not self.planner.is_queued(queue[0].task_id) else None
         for behind in queue:
             self.planner.requeue(behind.task_id)
-        if run is not None:
-            lost, extra = said.lost_error(event, said.task_named(run))
-            self.planner.lost(run.task_id, self.now(), message=str(lost), extra=extra)
-            if worker.device is not None and self.link is not None:
-                self.link.changed(worker.device, self.now())
+        if run is None:
+            return
+        # Its frame not acknowledged: the worker never read it (another reader took it, the
+        # stream was garbled, or the worker died first), so it never ran.
+        unread = worker.ending == "unread" or (
+            worker.ending is None and worker.head_read is None and not event.by_pool
+        )
+        if unread and worker.fault is None and run.unread < UNREAD_TRIES:
+            # Back to the head of the queue, for another worker (not a retry).
+            run.unread += 1
+            message, extra = said.unread_note(event, said.task_named(run))
+            self.planner.not_run(run.task_id, self.now(), message=message, extra=extra)
+        else:
+            lost, extra = said.lost_error(event, said.task_named(run), timeout_s=run.timeout_s)
+            timed_out = worker.ending == "timeout"
+            self.planner.lost(
+                run.task_id,
+                self.now(),
+                message=str(lost),
+                extra=extra,
+                event="task_timeout" if timed_out else "worker_lost",
+            )
             self.outcomes.fail(run, lost)
+        if worker.device is not None and self.link is not None:
+            self.link.changed(worker.device, self.now())
 
     # -- ending ------------------------------------------------------------------------
 

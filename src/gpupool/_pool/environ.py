@@ -33,6 +33,7 @@ __all__ = [
     "RESERVE_ENV",
     "ROOM_WAIT_ENV",
     "TASK_PEAK_ENV",
+    "TASK_TIMEOUT_ENV",
     "OnInterrupt",
     "read_cpu_cap",
     "read_log_path",
@@ -44,6 +45,7 @@ __all__ = [
     "read_room_wait_s",
     "read_size",
     "read_task_peak",
+    "read_task_timeout_s",
     "mistyped_variables",
     "warn_mistyped_variables",
 ]
@@ -56,6 +58,7 @@ PROGRESS_ENV = "GPUPOOL_PROGRESS"
 ON_INTERRUPT_ENV = "GPUPOOL_ON_INTERRUPT"
 MAX_RETRIES_ENV = "GPUPOOL_MAX_RETRIES"
 ROOM_WAIT_ENV = "GPUPOOL_ROOM_WAIT_S"
+TASK_TIMEOUT_ENV = "GPUPOOL_TASK_TIMEOUT_S"
 
 #: Every ``GPUPOOL_*`` variable gpupool reads: the pool defaults above, the simulated
 #: host's ledger (``gpupool.testing``), the booking table's directory and the file of peaks
@@ -69,6 +72,7 @@ KNOWN_VARIABLES = (
     ON_INTERRUPT_ENV,
     MAX_RETRIES_ENV,
     ROOM_WAIT_ENV,
+    TASK_TIMEOUT_ENV,
     "GPUPOOL_SIMULATOR",
     "GPUPOOL_BOOKINGS",
     "GPUPOOL_MEMORY",
@@ -132,6 +136,22 @@ def read_room_wait_s(environ: Mapping[str, str]) -> float:
     what = "set it to a number of seconds, 0 or more, such as 120"
     seconds = _number(environ, ROOM_WAIT_ENV, float, 0.0, what)
     return DEFAULT_ROOM_WAIT_S if seconds is None else seconds
+
+
+def read_task_timeout_s(environ: Mapping[str, str]) -> float | None:
+    """``GPUPOOL_TASK_TIMEOUT_S``, every task's deadline in seconds unless ``options(timeout_s=)``
+    gives its own, or ``None`` (no deadline) when unset."""
+    value = environ.get(TASK_TIMEOUT_ENV)
+    if value is None:
+        return None
+    what = "set it to a number of seconds above 0, such as 3600"
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise _refuse(TASK_TIMEOUT_ENV, value, what) from None
+    if not seconds > 0 or seconds == math.inf:  # NaN is never > 0
+        raise _refuse(TASK_TIMEOUT_ENV, value, what)
+    return seconds
 
 
 def read_task_peak(environ: Mapping[str, str]) -> int | None:

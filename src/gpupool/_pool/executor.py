@@ -63,6 +63,9 @@ class TaskOptions:
         size: the size of the task's input, in a unit of the caller's (tokens,
             rows, bytes), the same for every task of the key: its ask is
             predicted from the key's measurements at their sizes.
+        timeout_s: the task's deadline, in seconds from when its worker starts
+            it; past it the task's process tree is ended and its future fails
+            with :class:`~gpupool.TaskTimeoutError`.
         label: a name for the task, on every record about it and in
             ``gpupool postmortem`` and ``gpupool plot``.
     """
@@ -70,6 +73,7 @@ class TaskOptions:
     key: str | None = None
     task_peak: str | int | None = None
     size: float | None = None
+    timeout_s: float | None = None
     label: str | None = None
 
 
@@ -138,6 +142,47 @@ class PoolStatistics:
 
 _NO_OPTIONS = TaskOptions()
 
+#: The pools with ``on_interrupt="terminate"`` that SIGTERM stops as Ctrl-C does.
+_interruptible: weakref.WeakSet[GpuPoolExecutor] = weakref.WeakSet()
+#: Whether SIGTERM came (its handler raised ``KeyboardInterrupt``): at the interpreter's
+#: exit, those pools stop their tasks rather than wait for them.
+_terminated = False
+
+
+def _watch_sigterm(executor: GpuPoolExecutor) -> None:
+    """SIGTERM raises ``KeyboardInterrupt`` in the main thread from now on, as Ctrl-C does,
+    where its handler is the default and this is the main thread (a program's own handler
+    is left alone)."""
+    _interruptible.add(executor)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while a pool with ``on_interrupt="terminate"`` is open: ``KeyboardInterrupt``,
+    as Ctrl-C. Once none is open, SIGTERM does what it did before any pool (the default)."""
+    global _terminated
+    if not any(not executor._shutdown for executor in _interruptible):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _terminated = True
+    raise KeyboardInterrupt
+
+
+def _stop_at_exit() -> None:
+    """After SIGTERM, the interpreter's exit stops the open pools' tasks (as leaving their
+    ``with`` block does) instead of waiting for them."""
+    if _terminated:
+        for executor in list(_interruptible):
+            executor._stop_on_interrupt()
+
+
+# Registered after the dispatcher's own exit hook, so it runs before that one.
+threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
+
 
 def _check_label(label: object) -> str | None:
     """A task's label: ``None``, or a non-empty str of at most ``TASK_LABEL_CHARS`` characters
@@ -166,14 +211,16 @@ def task_options(
     task_peak: str | int | None,
     size: float | None,
     label: str | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[TaskOptions, int | None]:
     """Per-call options checked once, with ``task_peak`` in bytes (see
     :meth:`GpuPoolExecutor.options`; ``gpupool.ray`` checks its own the same way).
 
     Raises:
         ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-            non-empty str, ``size`` is not a positive, finite number, or ``label`` is
-            not a non-empty str of at most 200 characters without control characters.
+            non-empty str, ``size`` is not a positive, finite number, ``timeout_s`` is
+            not a positive, finite number of seconds, or ``label`` is not a non-empty
+            str of at most 200 characters without control characters.
     """
     hint_bytes = (
         None
@@ -201,7 +248,13 @@ def task_options(
                 f"size={size!r}: a task's input size must be a positive, finite number "
                 "(tokens, rows, bytes: one unit for every task of the key)."
             )
-    options = TaskOptions(key=key, task_peak=task_peak, size=value, label=_check_label(label))
+    options = TaskOptions(
+        key=key,
+        task_peak=task_peak,
+        size=value,
+        timeout_s=_check_timeout_s(timeout_s),
+        label=_check_label(label),
+    )
     return options, hint_bytes
 
 
@@ -339,7 +392,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             (Ctrl-C) does: ``"terminate"`` (default) cancels the tasks not
             started, sends SIGTERM to the running tasks' workers and their
             processes, and SIGKILL to what is left after 2 s; ``"wait"`` waits for every task, as
-            the standard pool does.
+            the standard pool does. With ``"terminate"``, SIGTERM to this
+            process (what Slurm and Kubernetes send first) is handled as Ctrl-C
+            is: it raises ``KeyboardInterrupt`` in the main thread, where
+            SIGTERM had no handler of the program's own and the pool was made
+            in the main thread; a program that exits on it stops its pools'
+            tasks, ``with`` block or not. ``"wait"`` leaves SIGTERM alone (the
+            process dies at once, and its workers end their tasks' processes
+            as they do whenever the pool's process dies).
 
     Arguments left out are read from ``GPUPOOL_*`` environment variables
     where one is set (see ``docs/configuration.md``); ``LOKY_MAX_CPU_COUNT``
@@ -383,10 +443,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._progress = options.progress
         self._on_interrupt = options.on_interrupt
         self._mp_context = options.workers.mp_context
+        self._task_timeout_s = options.task_timeout_s
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
         weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
+        if self._on_interrupt == "terminate":
+            _watch_sigterm(self)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         if (
@@ -453,10 +516,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         key: str | None = None,
         task_peak: str | int | None = None,
         size: float | None = None,
+        timeout_s: float | None = None,
         label: str | None = None,
     ) -> _OptionsView:
-        """``submit``/``map`` with a task key, a peak hint and an input size, keeping
-        CPython's signatures.
+        """``submit``/``map`` with a task key, a peak hint, an input size, a deadline and a label,
+        keeping CPython's signatures.
 
         ::
 
@@ -473,6 +537,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 task's ask is predicted from them, so small inputs are not priced at the
                 largest one's peak and an input larger than any before is priced above
                 them.
+            timeout_s: the task's deadline in seconds, counted from when its worker
+                starts it (time queued in the pool does not count); default
+                ``GPUPOOL_TASK_TIMEOUT_S``, else none. Past it, the task's worker and
+                every process the task started get SIGTERM, then SIGKILL after 2 s; the
+                future fails with :class:`~gpupool.TaskTimeoutError`, a
+                ``task_timeout`` record says so, the worker is replaced and the pool
+                goes on.
             label: a name for the task (a checkpoint, a file), at most 200 characters
                 with no control characters. Every record about the task names it beside
                 its ``map`` position, and so do ``gpupool postmortem`` and ``gpupool
@@ -480,10 +551,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                non-empty str, ``size`` is not a positive, finite number, or ``label`` is
-                not a non-empty str of at most 200 characters without control characters.
+                non-empty str, ``size`` is not a positive, finite number, ``timeout_s``
+                is not a positive, finite number of seconds, or ``label`` is not a
+                non-empty str of at most 200 characters without control characters.
         """
-        options, hint_bytes = task_options(key=key, task_peak=task_peak, size=size, label=label)
+        options, hint_bytes = task_options(
+            key=key, task_peak=task_peak, size=size, label=label, timeout_s=timeout_s
+        )
         return _OptionsView(self, options, hint_bytes)
 
     def _submit(
@@ -513,6 +587,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             key = options.key or key or callable_name(fn)
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
             item = WorkItem(future, (fn, args, kwargs), key, hint, options.size)
+            item.timeout_s = options.timeout_s or self._task_timeout_s
             item.features = features
             item.entry, item.entries, item.label = entry, entries, options.label
             inbox.put(item)
@@ -671,6 +746,24 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             bookings_skipped=counts.get("bookings_skipped", 0),
             bookings_unavailable=snapshot.bookings_unavailable,
         )
+
+
+def _check_timeout_s(value: object) -> float | None:
+    """``options(timeout_s=)``: ``None``, or a positive, finite number of seconds."""
+    if value is None:
+        return None
+    seconds = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except (ValueError, OverflowError):
+            pass
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(
+            f"timeout_s={value!r}: a task's deadline must be a positive, finite number of "
+            "seconds (such as 600), or None for no deadline."
+        )
+    return seconds
 
 
 def _batched(iterable: Iterator[tuple[Any, ...]], n: int) -> Iterator[tuple[tuple[Any, ...], ...]]:

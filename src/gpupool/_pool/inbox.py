@@ -44,6 +44,10 @@ class WorkItem:
     hint_bytes: int | None
     size: float | None = None
     started: bool = False
+    # Seconds it may run once its worker read it (None: no deadline), and how many times a
+    # worker was lost before it read this task's frame (the task then runs on another).
+    timeout_s: float | None = None
+    unread: int = 0
     # What the call's arguments say (gpupool._pool.features), read at submit.
     features: Features = ()
     task_id: int = field(default_factory=functools.partial(next, _task_ids))

@@ -73,6 +73,8 @@ class PoolOptions:
     progress: bool | None
     on_interrupt: variables.OnInterrupt
     workers: WorkerOptions
+    #: Every task's deadline unless ``options(timeout_s=)`` gives one (``GPUPOOL_TASK_TIMEOUT_S``).
+    task_timeout_s: float | None = None
     # Where the pool remembers its keys' peaks between runs (None: off; GPUPOOL_MEMORY).
     memory_path: Path | None = None
 
@@ -105,6 +107,7 @@ class PoolOptions:
             "devices": devices,
             "max_retries": self.max_retries,
             "room_wait_s": self.room_wait_s,
+            "task_timeout_s": self.task_timeout_s,
             "learned_margin": self.policy.learned,
             "cap_allocator": self.workers.cap_allocator,
             "share_bookings": str(self.share_bookings),
@@ -170,6 +173,7 @@ def read_options(
         on_interrupt=_resolve(
             on_interrupt, _check_on_interrupt, variables.read_on_interrupt, environ
         ),
+        task_timeout_s=variables.read_task_timeout_s(environ),
         memory_path=memory_path(environ),
     )
 

@@ -24,8 +24,10 @@ import cloudpickle
 from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
 from gpupool._core.events import describe_task
 from gpupool._core.units import format_size
-from gpupool._errors import DeviceOutOfMemoryError, WidthError
+from gpupool._errors import DeviceOutOfMemoryError, TaskTimeoutError, WidthError
 from gpupool._observe.log import LOGGER
+from gpupool._pool.acks import ACK_BOUND_S
+from gpupool._pool.workers import STOPPED_LOST_S, TIMEOUT_GRACE_S
 
 if TYPE_CHECKING:
     from gpupool._core.planner import Fail, Refuse
@@ -205,13 +207,44 @@ def width_error(refused: Refuse) -> WidthError:
     return WidthError(refused.reason, decision=refused.decision.to_dict())
 
 
-def lost_error(exited: Exited, key: str) -> tuple[BaseException, dict[str, Any]]:
-    """The error of the task of ``key`` that the ``exited`` worker ran, and its record's
-    terms beside the message."""
+def lost_error(
+    exited: Exited, key: str, *, timeout_s: float | None = None
+) -> tuple[BaseException, dict[str, Any]]:
+    """The error of the task of ``key`` that the ``exited`` worker ran (``timeout_s``: its
+    deadline), and its record's terms beside the message."""
     pid, exitcode, by_pool = exited.worker.pid, exited.exitcode, exited.by_pool
     fault = exited.worker.fault if exited.worker.ready else None
     signal_name = _signal_name(exitcode)
     extra: dict[str, Any] = {"exitcode": exitcode, "signal": signal_name, "pid": pid}
+    ending = exited.worker.ending
+    if ending == "timeout" and timeout_s is not None:
+        extra["timeout_s"] = timeout_s
+        message = (
+            f"A task of {key} ran past its deadline of {timeout_s:g} s (timeout_s) in the "
+            f"worker process pid {pid}: the pool sent SIGTERM to the worker and every "
+            f"process below it, and SIGKILL to what was left after {TIMEOUT_GRACE_S:g} s "
+            f"(the worker {exit_how(exitcode)}). Only this task failed; the worker is "
+            "replaced and the pool goes on."
+        )
+        return TaskTimeoutError(message, task=key, timeout_s=timeout_s, pid=pid), extra
+    if ending == "stopped":
+        extra["stopped_s"] = STOPPED_LOST_S
+        message = (
+            f"A worker process (pid {pid}) running a task of {key} was stopped (SIGSTOP) "
+            f"and not resumed for {STOPPED_LOST_S:g} s, so the pool killed it; only this "
+            "task failed and the pool goes on. A task that stops its own process, or a "
+            "kill -STOP left without its SIGCONT, causes this."
+        )
+        return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
+    if ending == "unread":
+        extra["frame_unread"] = True
+        message = (
+            f"The worker process (pid {pid}) never read the frame of this task of {key} "
+            f"(no acknowledgement within {ACK_BOUND_S:g} s: another reader of the worker's "
+            "socket, such as a thread a task started, took it), on every worker it was "
+            "sent to; the pool killed them. The task never ran."
+        )
+        return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
     if fault is not None:
         extra["protocol_fault"] = fault
         message = (
@@ -240,6 +273,24 @@ def lost_error(exited: Exited, key: str) -> tuple[BaseException, dict[str, Any]]
         f"only this task failed and the pool goes on.{hint}"
     )
     return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
+
+
+def unread_note(exited: Exited, key: str) -> tuple[str, dict[str, Any]]:
+    """The record of a task of ``key`` whose frame the ``exited`` worker never acknowledged:
+    it never ran, and runs on another worker."""
+    pid = exited.worker.pid
+    message = (
+        f"The worker process (pid {pid}) did not acknowledge the frame of a task of {key} "
+        f"within {ACK_BOUND_S:g} s (another reader of its socket took it?): the pool "
+        "killed the worker; the task never ran, and runs on another worker."
+    )
+    return message, {
+        "pid": pid,
+        "exitcode": exited.exitcode,
+        "signal": _signal_name(exited.exitcode),
+        "frame_unread": True,
+        "retried": True,
+    }
 
 
 def boot_error(exited: Exited, initializer: Callable[..., object] | None) -> BrokenProcessPool:

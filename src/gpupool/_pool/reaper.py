@@ -22,13 +22,22 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import psutil
 
-__all__ = ["POLL_WITHOUT_PIDFD_S", "ProcessWatch", "kill_left_after", "signal_tree", "trees_below"]
+__all__ = [
+    "POLL_WITHOUT_PIDFD_S",
+    "ProcessWatch",
+    "end_tree",
+    "is_stopped",
+    "kill_left_after",
+    "signal_tree",
+    "trees_below",
+]
 
 #: Without pidfds, how often the dispatcher asks ``waitpid`` whether a worker exited.
 POLL_WITHOUT_PIDFD_S = 0.1
@@ -123,13 +132,53 @@ def trees_below(pids: Iterable[int]) -> list[psutil.Process]:
             found.update((p.pid, p) for p in psutil.Process(pid).children(recursive=True))
         except psutil.Error:
             continue
-    for pid in psutil.pids():  # a background process whose parent exited: only its group
+    try:
+        pids = psutil.pids()
+    except OSError:  # no descriptor left to list /proc with (EMFILE): the descendants only
+        pids = []
+    for pid in pids:  # a background process whose parent exited: only its group
         try:
             if pid not in roots and pid not in found and os.getpgid(pid) in roots:
                 found[pid] = psutil.Process(pid)
         except (OSError, psutil.Error):
             continue
     return [p for pid, p in found.items() if pid not in roots]
+
+
+def end_tree(pid: int, grace_s: float) -> None:
+    """End every process below ``pid`` (:func:`trees_below`): SIGTERM and SIGCONT (a stopped
+    one takes its SIGTERM then), SIGKILL to those left after ``grace_s``, and to any found
+    below it then (a child forked meanwhile, an orphan re-parented to a subreaper)."""
+    below = trees_below([pid])
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        for process in below:
+            try:
+                process.send_signal(sig)
+            except psutil.Error:
+                pass
+    kill_left_after(below, time.monotonic() + grace_s)
+    for process in trees_below([pid]):
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: state ``T``; a
+    debugger's stop, ``t``, is not counted); ``False`` when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # The state follows the command's name, which may hold any byte but ``)``'s last.
+            return stat.read().rpartition(b")")[2][:3] == b" T "
+    except OSError:
+        pass
+    if os.path.isdir("/proc"):
+        return False  # /proc is there but could not be read now (EMFILE): not known stopped
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_STOPPED)
+    except (psutil.Error, OSError):
+        return False
 
 
 def kill_left_after(processes: list[psutil.Process], deadline_s: float) -> None:

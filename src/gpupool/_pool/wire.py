@@ -11,7 +11,11 @@ ended), ``b"GPq1"`` in place of ``b"GPt1"``: the worker declines it (answers
 out-of-memory, since its booking was made before that was known.
 
 (beside it, on the same channel: the allocator cap of the next task, and an
-empty frame that asks the worker to exit). A worker sends every answer as
+empty frame that asks the worker to exit; a worker acknowledges each task
+frame it reads in memory shared with the pool, not on the wire:
+:mod:`gpupool._pool.acks`). A frame that does not begin as one of these is
+not the pool's (another reader of the socket cut into the stream): the worker
+reads no further and exits. A worker sends every answer as
 one frame, which names the task it is about and the worker's PID at both
 ends::
 
@@ -65,6 +69,7 @@ __all__ = [
     "read_task",
     "report_values",
     "send_answer",
+    "task_id_of",
     "task_prefix",
 ]
 
@@ -75,6 +80,10 @@ _QUEUED_MAGIC = b"GPq1"
 _PREFIX = struct.Struct("!4sqqI")
 _TRAILER = struct.Struct("!4sqq")
 _TASK = struct.Struct("!4sq")
+#: How a frame from the pool begins: a task, a queued task, an allocator cap
+#: (``gpupool-allocator-cap:``).
+_POOL_MAGICS = frozenset({_TASK_MAGIC, _QUEUED_MAGIC, b"gpup"})
+_MAGIC_BYTES = 4
 
 #: The task id of an answer about no task (``ready``, ``init``).
 NO_TASK = -1
@@ -276,12 +285,25 @@ def read_frame(fd: int) -> bytearray | None:
         (size,) = _LARGE.unpack(large)
     elif size < 0:
         raise OSError(f"a frame of negative length {size} from the pool")
+    if size == 0:
+        return bytearray()
+    # Its first bytes before room for the rest: a frame of ours begins with a magic of ours,
+    # so bytes that are not (a stream another reader cut into) allocate nothing.
+    magic = _read_exactly(fd, min(size, _MAGIC_BYTES))
+    if magic is None:
+        raise EOFError("the pool closed its end in a frame")
+    if magic not in _POOL_MAGICS:
+        raise OSError(f"a frame of {size} bytes beginning {magic!r}: not the pool's")
     try:
         body = bytearray(size)
     except MemoryError:
-        raise NoRoomForFrame(size, _skip_frame(fd, size)) from None
+        rest = _skip_frame(fd, size - len(magic))
+        raise NoRoomForFrame(
+            f"no memory for a frame of {size} bytes", head=(magic + rest)[: _TASK.size]
+        ) from None
+    body[: len(magic)] = magic
+    got = len(magic)
     with memoryview(body) as view:
-        got = 0
         while got < size:
             n = os.readv(fd, [view[got:]])
             if n == 0:
@@ -294,8 +316,8 @@ class NoRoomForFrame(Exception):
     """The worker has no memory for a frame of ``size`` bytes (a task before it used it up):
     the frame was read past, its first bytes kept (``head``: a task frame's id)."""
 
-    def __init__(self, size: int, head: bytes) -> None:
-        super().__init__(f"no memory for a frame of {size} bytes")
+    def __init__(self, message: str, *, head: bytes = b"") -> None:
+        super().__init__(message)
         self.head = head
 
 
@@ -332,6 +354,14 @@ def read_task(message: bytes | bytearray) -> tuple[int, memoryview] | None:
         return None
     _, task_id = _TASK.unpack_from(message)
     return task_id, memoryview(message)[_TASK.size :]
+
+
+def task_id_of(message: bytes | bytearray) -> int:
+    """The task id of a task frame; ``NO_TASK`` for any other frame."""
+    if len(message) < _TASK.size or not message.startswith((_TASK_MAGIC, _QUEUED_MAGIC)):
+        return NO_TASK
+    task_id: int = _TASK.unpack_from(message)[1]
+    return task_id
 
 
 def is_queued_task(message: bytes | bytearray) -> bool:

@@ -13,9 +13,17 @@ empty message asks it to exit. Its end of the socket blocks; the parent's never 
 
 At start a worker
 
-* asks the kernel to SIGKILL it when the pool's process dies
-  (``prctl(PR_SET_PDEATHSIG)`` on Linux), which needs no Python thread, so it
-  holds while a task keeps the GIL; elsewhere a thread polls ``getppid``;
+* asks the kernel to signal it when the pool's process dies, even by SIGKILL
+  (``prctl(PR_SET_PDEATHSIG)`` with :data:`PARENT_DEATH_SIGNAL` on Linux), and
+  becomes a subreaper (``PR_SET_CHILD_SUBREAPER``), so that what its tasks
+  started and left stays below it; on that signal (handled in the main thread,
+  or by a thread woken by Python's wake-up descriptor where the main thread is
+  in a C call that released the GIL, a hung CUDA or NCCL call) it ends its
+  whole tree (SIGTERM, SIGKILL after :data:`PARENT_DEATH_GRACE_S`) and exits
+  (:func:`_end_tree_and_exit`). A task in a C call that holds the GIL and never
+  checks for signals delays that until the call returns. Elsewhere a thread
+  polls ``getppid``. A worker that reads the end of its socket (the pool's end
+  closed without asking it to exit) does the same;
 * makes a process group of its own, so the pool can signal everything its
   tasks started (:func:`gpupool._pool.reaper.signal_tree`);
 * marks its inherited descriptors close-on-exec, so a program a task runs
@@ -27,13 +35,14 @@ At start a worker
 from __future__ import annotations
 
 import errno
+import functools
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpupool._core.peak import PeakReport
 from gpupool._pool import wire
@@ -45,6 +54,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from gpupool._child.probe import Probe
+    from gpupool._pool.acks import CellHandle
     from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = ["process_chunk", "worker_main"]
@@ -56,8 +66,20 @@ PARENT_CHECK_INTERVAL_S = 0.5
 
 #: ``prctl`` option: the signal the kernel sends this process when its parent dies.
 _PR_SET_PDEATHSIG = 1
-#: ``prctl`` option: orphans of this process's descendants are re-parented to it, not to init.
+#: ``prctl`` option: orphans below this process are re-parented to it, not to init.
 _PR_SET_CHILD_SUBREAPER = 36
+
+#: The signal a worker gets when the pool's process dies: a real-time signal no task is
+#: likely to handle (a task's own SIGTERM handler, as a trainer's checkpoint, is left alone).
+PARENT_DEATH_SIGNAL: int = getattr(signal, "SIGRTMAX", signal.SIGTERM + 4) - 4
+#: How long the processes below a worker whose pool died get to exit on SIGTERM before
+#: SIGKILL (the pool's own grace for Ctrl-C).
+PARENT_DEATH_GRACE_S = 2.0
+
+#: Held by the thread that ends this worker's tree as it exits; the other waits for the exit.
+_ending = threading.Lock()
+#: Whether the main thread is ending the tree (:func:`_on_parent_death` then returns).
+_main_ending = False
 
 
 #: This worker's PID, set by :func:`_guard_forks`; a process with another PID that runs
@@ -71,17 +93,68 @@ def _watch_parent(parent_pid: int) -> None:
     while True:
         threading.Event().wait(PARENT_CHECK_INTERVAL_S)
         if os.getppid() != parent_pid:
-            os._exit(1)
+            _end_tree_and_exit()
+
+
+def _await_parent_death(reader: int, parent_pid: int) -> None:
+    """A thread that wakes when the main thread's handler of :data:`PARENT_DEATH_SIGNAL` is
+    due (the wake-up descriptor: written at C level, whatever the main thread does), and
+    ends the tree itself where the main thread cannot run Python now (a C call that released
+    the GIL: a hung CUDA or NCCL call)."""
+    while True:
+        try:
+            woken = os.read(reader, 64)
+        except InterruptedError:
+            continue
+        except OSError:  # a task closed it: the handler in the main thread is left
+            return
+        if not woken:
+            return
+        # Checked: bytes a task's forked child wrote on every descriptor may land here.
+        if PARENT_DEATH_SIGNAL in woken and os.getppid() != parent_pid:
+            _end_tree_and_exit()
+
+
+def _on_parent_death(signum: int, frame: Any) -> None:
+    # The kernel signals again each time this process is re-parented (to another thread of
+    # the dying pool, then to a reaper): one handler runs, not one inside another; and none
+    # inside the main thread's own ending (it read the socket's end first).
+    signal.signal(PARENT_DEATH_SIGNAL, signal.SIG_IGN)
+    if not _main_ending:
+        _end_tree_and_exit()
+
+
+def _end_tree_and_exit() -> NoReturn:
+    """The pool is gone: SIGTERM (and SIGCONT, for a stopped one) to every process below this
+    worker, SIGKILL to those left after :data:`PARENT_DEATH_GRACE_S`, then exit (code 1).
+    Called from two threads at most; the second waits for the first to end the process."""
+    global _main_ending
+    if threading.current_thread() is threading.main_thread():
+        _main_ending = True  # the signal's handler, run inside this, returns at once
+    if not _ending.acquire(blocking=False):
+        while True:
+            threading.Event().wait()
+    try:
+        from gpupool._pool.reaper import end_tree
+
+        end_tree(os.getpid(), PARENT_DEATH_GRACE_S)
+    finally:
+        os._exit(1)
 
 
 def die_with_parent(parent_pid: int) -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies; whether it could.
+    """Have this process end its tree and exit when its parent dies; whether the kernel
+    says so (else the caller polls ``getppid``).
 
-    Linux only (``prctl(PR_SET_PDEATHSIG, SIGKILL)``). The signal comes when
-    the *thread* that started this process ends, which for a pool's worker is
-    the pool's dispatcher thread: it lives until the pool has stopped its
-    workers. A parent that died before the call is caught by the ``getppid``
-    check after it.
+    Linux only: ``prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)``, handled in the main
+    thread (:func:`_on_parent_death`: it runs between bytecodes, in a system call that the
+    signal interrupts, and in C code that checks for signals, as a regex's match does)
+    and by a thread of its own woken by Python's wake-up descriptor
+    (:func:`_await_parent_death`: the main thread may be in a C call that released the
+    GIL); and ``PR_SET_CHILD_SUBREAPER``. The signal comes when the *thread* that started
+    this process ends, which for a pool's worker is the pool's dispatcher thread: it
+    lives until the pool has stopped its workers. A parent that died before the call is
+    caught by the ``getppid`` check after it.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -89,16 +162,37 @@ def die_with_parent(parent_pid: int) -> bool:
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        signal.signal(PARENT_DEATH_SIGNAL, _on_parent_death)
+        reader, writer = os.pipe()
+        os.set_blocking(writer, False)
+        signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+        if libc.prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
             return False
-        # A child subreaper: a process a task double-forks (a daemon) stays under this
-        # worker, so its tree, and its device bytes, are still the task's.
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # best effort
+    except (OSError, AttributeError, ValueError):
         return False
+    os.register_at_fork(after_in_child=functools.partial(_to_devnull, reader, writer))
+    watch = threading.Thread(target=_await_parent_death, args=(reader, parent_pid), daemon=True)
+    watch.name = "gpupool-parent-watch"
+    watch.start()
     if os.getppid() != parent_pid:
-        os._exit(1)
+        _end_tree_and_exit()
     return True
+
+
+def _to_devnull(*fds: int) -> None:
+    """In a child forked off the worker: ``fds`` (the wake-up pipe's) become ``/dev/null``,
+    so that nothing it writes on every descriptor reaches the worker's threads."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            os.dup2(null, fd, inheritable=False)
+        except OSError:
+            pass
+    os.close(null)
 
 
 def _isolate() -> None:
@@ -267,10 +361,14 @@ def worker_main(
     initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     max_tasks: int | None,
     sensor_factory: Callable[[], Sensor] | None,
+    read_cell: CellHandle | None = None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
     probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
-    ``None`` without a device, so that a worker without one never imports a sensor)."""
+    ``None`` without a device, so that a worker without one never imports a sensor). Each task
+    frame read is acknowledged in ``read_cell`` (:mod:`gpupool._pool.acks`)."""
+    cell = None if read_cell is None else read_cell.open()
+    frames = 0  # task frames read
     probe = _start(conn, parent_pid, initializer, device, device_index, sensor_factory)
     if probe is None:
         return
@@ -286,16 +384,24 @@ def worker_main(
         except wire.NoRoomForFrame as no_room:
             # A task before this one used up the memory this one's frame needs: it goes to
             # a fresh worker, unrun, and this worker exits (the pool replaces it).
+            if cell is not None:
+                frames += 1
+                cell.note(frames, wire.task_id_of(no_room.head))
             _decline(conn, bytearray(no_room.head), f"MemoryError: {no_room}")
             return
         except (EOFError, OSError):
-            return
+            message = None
+        if message is None:  # the pool's end closed without asking this worker to exit
+            _end_tree_and_exit()
         if not message:
             return
         cap_bytes = read_allocator_cap_message(message)
         if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
             apply_allocator_cap(cap_bytes)
             continue
+        if cell is not None:  # read: acknowledged before anything of it is unpickled or run
+            frames += 1
+            cell.note(frames, wire.task_id_of(message))
         if last_oom and wire.is_queued_task(message):
             # Queued behind the task that just ran out of device memory, at a booking made
             # before that was known: the parent starts it again, checked against the bound.
@@ -329,7 +435,10 @@ def worker_main(
         del result, failure
         last_oom = kind == "oom"
         # The report as plain values (wire.parse_answer rebuilds it); a forked copy left above.
-        _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
+        try:
+            _answer(conn, task_id, kind, wire.report_values(report), payload, forked_checked=True)
+        except OSError:  # the pool is gone (its end closed)
+            _end_tree_and_exit()
         del payload
         done += 1
 

@@ -11,6 +11,7 @@ decisions it asks of the callables it is given (``counts``, ``retire_idle``).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import select
 import selectors
@@ -25,10 +26,18 @@ from gpupool._child.probe import allocator_cap_message
 from gpupool._core.planner import Workers
 from gpupool._observe.log import LOGGER
 from gpupool._pool import wire
+from gpupool._pool.acks import ACK_BOUND_S, CellHandle, ReadCell
 from gpupool._pool.by_value import sender_ids
 from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
 from gpupool._pool.launch import StartDataError, WorkerProcess
-from gpupool._pool.reaper import POLL_WITHOUT_PIDFD_S, ProcessWatch, signal_tree
+from gpupool._pool.reaper import (
+    POLL_WITHOUT_PIDFD_S,
+    ProcessWatch,
+    is_stopped,
+    kill_left_after,
+    signal_tree,
+    trees_below,
+)
 from gpupool._pool.worker import worker_main
 
 if TYPE_CHECKING:
@@ -56,6 +65,17 @@ SPAWN_FIRST_WAIT_S = 0.05
 #: How long the pool waits for a worker whose initializer raised to exit (it
 #: exits right after saying so) before it reports itself broken.
 INIT_EXIT_WAIT_S = 5.0
+
+#: How long the processes of a task past its deadline get to exit on SIGTERM before SIGKILL.
+TIMEOUT_GRACE_S = 2.0
+#: A worker running a task that stays stopped (SIGSTOP, state ``T``) this long is killed and
+#: its task fails (``shutdown()`` would otherwise wait for it for good); looked at every
+#: :data:`STOP_CHECK_S` while it runs a task.
+STOPPED_LOST_S = 10.0
+STOP_CHECK_S = 1.0
+#: Why the pool ends a worker such that nothing it sends after is read: it was SIGKILLed
+#: (a task past its deadline may still answer within its grace: that answer is taken).
+_UNHEARD = frozenset({"unread", "stopped"})
 
 
 @dataclass(slots=True)
@@ -89,6 +109,20 @@ class Worker:
     # model its initializer loaded, its context; None when unknown).
     ready: bool = False
     resident_bytes: int | None = None
+    # Where it acknowledges each task frame it reads (acks), how many task frames it answered
+    # (the head's frame is the next one), and since when (monotonic) the head is the head:
+    # when its ack is due from, and when its deadline counts from.
+    cell: ReadCell | None = None
+    answered: int = 0
+    head_since_s: float = 0.0
+    # At its exit: whether it had read its head's frame (None: it had no head).
+    head_read: bool | None = None
+    # Why the pool ends it ("timeout", "unread", "stopped"), once it does; when the SIGKILL
+    # of its tree is due, with what was below it then; since when it is seen stopped.
+    ending: str | None = None
+    kill_at_s: float | None = None
+    below: list[Any] = field(default_factory=list)
+    stopped_since_s: float | None = None
 
     def __post_init__(self) -> None:
         self.channel = Channel(
@@ -105,7 +139,20 @@ class Worker:
     @property
     def open(self) -> bool:
         """Whether it may be handed a task: ready, not retiring, not gone, not at fault."""
-        return self.ready and not self.retiring and not self.gone and self.fault is None
+        return (
+            self.ready
+            and not self.retiring
+            and not self.gone
+            and self.fault is None
+            and self.ending is None
+        )
+
+    def read_head(self) -> bool | None:
+        """Whether it read its head's frame (:meth:`ReadCell.read`); ``None``: not yet, or
+        it has no head."""
+        if not self.queue or self.cell is None:
+            return None
+        return self.cell.read(self.answered, [item.task_id for item in self.queue])
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +229,12 @@ class WorkerSet:
         self.boot_deaths = 0  # in a row, before they were ready (no task handed to them)
         # (pid, signal) the pool sent (terminate_workers, kill_workers).
         self.signalled: set[tuple[int, int]] = set()
+        # Processes below workers ended for a deadline that exited before their grace ended:
+        # SIGKILLed then, when still there.
+        self.leftovers: list[tuple[float, list[Any]]] = []
+        # When due() next has something to look at (monotonic; inf: nothing).
+        self.due_at_s = math.inf
+        self.stop_check_at_s = 0.0
 
     def all(self) -> list[Worker]:
         """Every worker not forgotten, on every card."""
@@ -256,6 +309,7 @@ class WorkerSet:
     def _spawn(self, card: int | None) -> Worker:
         info = None if card is None else self.cards[card].info
         initializer = self.options.initializer
+        cell, cell_fd = ReadCell.create()
         parent_conn, child_conn = Pipe(duplex=True)
         process = WorkerProcess(
             target=worker_main,
@@ -268,6 +322,7 @@ class WorkerSet:
                 (*initializer, sender_ids(initializer[0])) if initializer is not None else None,
                 self.options.max_tasks_per_child,
                 None if info is None else self.sensor.worker_factory(),
+                CellHandle(cell_fd),
             ),
             env={**self.options.env, **self.sensor.worker_env(info)},
             name="gpupool-worker",
@@ -276,10 +331,12 @@ class WorkerSet:
             process.start()
         except BaseException:
             parent_conn.close()
+            cell.close()
             raise
         finally:
             child_conn.close()
-        worker = Worker(process, parent_conn, card)
+            os.close(cell_fd)
+        worker = Worker(process, parent_conn, card, cell=cell)
         self.processes = {**self.processes, worker.pid: process}
         self.selector.register(worker.channel.fd, selectors.EVENT_READ, (worker, "conn"))
         self.selector.register(worker.watch.fd, selectors.EVENT_READ, (worker, "exit"))
@@ -301,6 +358,8 @@ class WorkerSet:
         the task it runs (which it declines after a device out-of-memory); ``now=False``:
         written at :meth:`flush`."""
         worker.queue.append(item)
+        if len(worker.queue) == 1:
+            self._new_head(worker)
         if self.options.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes), now=now)
@@ -397,7 +456,7 @@ class WorkerSet:
     def _receive(self, worker: Worker) -> Iterator[Answered]:
         """What ``worker`` sent, oldest first. At end of file the socket stops being watched:
         the worker's exit, seen from the process itself, is the next event."""
-        if worker.fault is not None:
+        if worker.fault is not None or worker.ending in _UNHEARD:
             return  # nothing it sends is read any more
         try:
             frames = worker.channel.receive()
@@ -408,7 +467,7 @@ class WorkerSet:
             frames = []
             self._unwatch(worker.channel.fd)
         frames.reverse()  # popped oldest first: nothing of a handled answer is kept
-        while frames and not worker.gone and worker.fault is None:
+        while frames and not worker.gone and worker.fault is None and worker.ending not in _UNHEARD:
             event = self._answer(worker, frames.pop())
             if event is None:
                 continue
@@ -416,7 +475,7 @@ class WorkerSet:
             if event.kind != "init" and worker.retiring:
                 self.retire(worker)
             del event  # keep nothing of a finished task
-        if worker.channel.corrupt is not None:
+        if worker.channel.corrupt is not None and worker.ending not in _UNHEARD:
             self._protocol_fault(worker, worker.channel.corrupt)
 
     def _answer(self, worker: Worker, frame: bytearray) -> Answered | None:
@@ -433,7 +492,12 @@ class WorkerSet:
                 running=head.task_id if head is not None else None,
             )
         except wire.ProtocolFault as fault:
-            self._protocol_fault(worker, str(fault))
+            if worker.read_head() is False:
+                # It answers a frame it read in place of its head's: another reader of its
+                # socket took the head's. Lost, as due() finds it; the head never ran.
+                self._end(worker, "unread", signal.SIGKILL)
+            else:
+                self._protocol_fault(worker, str(fault))
             return None
         kind = answer.kind
         if kind == "ready":  # no task's answer: the worker's initializer returned
@@ -442,6 +506,10 @@ class WorkerSet:
             self.boot_deaths = 0
             return None
         item = worker.queue.popleft() if worker.queue else None
+        if item is not None:
+            worker.answered += 1
+            if worker.queue:
+                self._new_head(worker)
         if kind == "init":
             # It exits right after this answer; wait for it (bounded), so that what it
             # logged on its way out (through a multiprocessing queue, say) is flushed
@@ -453,6 +521,104 @@ class WorkerSet:
             if limit is not None and worker.tasks_done >= limit:
                 worker.retiring = True
         return Answered(worker, item, kind, answer.peak, answer.payload)
+
+    # -- the workers' clocks ---------------------------------------------------------
+
+    def _new_head(self, worker: Worker) -> None:
+        """``worker``'s queue has a new head now: its frame is to be read, its deadline runs."""
+        now_s = worker.head_since_s = time.monotonic()
+        worker.stopped_since_s = None
+        head_timeout_s = worker.queue[0].timeout_s if worker.queue else None
+        at_s = now_s + min(ACK_BOUND_S, STOP_CHECK_S, head_timeout_s or math.inf)
+        self.due_at_s = min(self.due_at_s, at_s)
+
+    def due(self, now_s: float) -> float | None:
+        """Act on what is due at ``now_s`` (monotonic): a head's frame not acknowledged within
+        :data:`~gpupool._pool.acks.ACK_BOUND_S`, or another read in its place (the worker is
+        SIGKILLed: ``ending`` is ``"unread"``), a task past its deadline (SIGTERM to the
+        worker's tree, SIGKILL after :data:`TIMEOUT_GRACE_S`: ``"timeout"``), a worker running
+        a task stopped for :data:`STOPPED_LOST_S` (SIGKILLed: ``"stopped"``). Their exits are
+        events as any other. Returns how soon to call again (``None``: nothing to watch)."""
+        if now_s < self.due_at_s:
+            return None if self.due_at_s == math.inf else self.due_at_s - now_s
+        next_s = math.inf
+        check_stopped = now_s >= self.stop_check_at_s
+        if check_stopped:
+            self.stop_check_at_s = now_s + STOP_CHECK_S
+        busy = False
+        for worker in self.all():
+            if worker.gone:
+                continue
+            if worker.kill_at_s is not None:
+                if now_s >= worker.kill_at_s:
+                    self._kill_tree(worker)
+                else:
+                    next_s = min(next_s, worker.kill_at_s)
+                continue
+            head = worker.task
+            if head is None or worker.ending is not None or worker.fault is not None:
+                continue
+            busy = True
+            read = worker.read_head()
+            if read is False or (read is None and now_s >= worker.head_since_s + ACK_BOUND_S):
+                self._end(worker, "unread", signal.SIGKILL)
+                continue
+            if read is None:
+                next_s = min(next_s, worker.head_since_s + ACK_BOUND_S)
+            if head.timeout_s is not None:
+                deadline_s = worker.head_since_s + head.timeout_s
+                if now_s >= deadline_s:
+                    self._end(worker, "timeout", signal.SIGTERM)
+                    worker.kill_at_s = now_s + TIMEOUT_GRACE_S
+                    next_s = min(next_s, worker.kill_at_s)
+                    continue
+                next_s = min(next_s, deadline_s)
+            if check_stopped:
+                self._check_stopped(worker, now_s)
+        if busy:
+            next_s = min(next_s, self.stop_check_at_s)
+        for at_s, processes in list(self.leftovers):
+            if now_s >= at_s:
+                self.leftovers.remove((at_s, processes))
+                kill_left_after(processes, 0.0)
+            else:
+                next_s = min(next_s, at_s)
+        self.due_at_s = next_s
+        return None if next_s == math.inf else max(0.01, next_s - now_s)
+
+    def _check_stopped(self, worker: Worker, now_s: float) -> None:
+        if not is_stopped(worker.pid):
+            worker.stopped_since_s = None
+        elif worker.stopped_since_s is None:
+            worker.stopped_since_s = now_s
+            LOGGER.warning(
+                "gpupool: the worker process (pid %d) running a task is stopped (SIGSTOP); "
+                "unless it is resumed (SIGCONT) within %.0f s it is killed and its task fails",
+                worker.pid,
+                STOPPED_LOST_S,
+            )
+        elif now_s - worker.stopped_since_s >= STOPPED_LOST_S:
+            self._end(worker, "stopped", signal.SIGKILL)
+
+    def _end(self, worker: Worker, why: str, sig: int) -> None:
+        """End ``worker`` for ``why``: it takes nothing more, and ``sig`` goes to it and to
+        everything below it (listed first: a worker that ``sig`` ends is reaped at once)."""
+        worker.ending = why
+        worker.retiring = True
+        if why in _UNHEARD:
+            worker.channel.discard_output()
+            self._unwatch(worker.channel.fd)
+        worker.below = trees_below([worker.pid])
+        signal_tree(worker.pid, sig)
+        if sig != signal.SIGKILL:
+            signal_tree(worker.pid, signal.SIGCONT)  # a stopped process takes its SIGTERM
+        else:
+            kill_left_after(worker.below, 0.0)
+
+    def _kill_tree(self, worker: Worker) -> None:
+        worker.kill_at_s = None
+        signal_tree(worker.pid, signal.SIGKILL)
+        kill_left_after(worker.below, 0.0)
 
     def _protocol_fault(self, worker: Worker, what: str) -> None:
         """``worker`` sent what is not an answer it may send now (bytes that are not an
@@ -480,6 +646,11 @@ class WorkerSet:
 
     def _reap(self, worker: Worker) -> Exited:
         exitcode = worker.watch.wait(1.0)
+        worker.head_read = worker.read_head()
+        if worker.kill_at_s is not None:  # ended within its grace: what is left, at its end
+            self.leftovers.append((worker.kill_at_s, worker.below))
+            self.due_at_s = min(self.due_at_s, worker.kill_at_s)
+            worker.kill_at_s = None
         self._forget(worker)
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
         boot_deaths = 0
@@ -505,6 +676,8 @@ class WorkerSet:
             # object go (its finalizer closes loky's sentinel).
             worker.process.join(timeout=0)
         worker.watch.close()
+        if worker.cell is not None:
+            worker.cell.close()
         worker.channel.discard_output()
         if worker.pid in self.processes:
             self.processes = {p: v for p, v in self.processes.items() if p != worker.pid}
@@ -558,4 +731,7 @@ class WorkerSet:
             select.select(reads, writes, [], timeout)
 
     def close(self) -> None:
+        for _, processes in self.leftovers:  # the pool stops: no grace is waited for any more
+            kill_left_after(processes, 0.0)
+        self.leftovers.clear()
         self.selector.close()

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from gpupool._core.bookings import OtherPools, TaskBooking
 from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import Census
-from gpupool._core.events import Decision, JsonValue, TaskIdentity
+from gpupool._core.events import Decision, EventName, JsonValue, TaskIdentity
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import records
 from gpupool._core.planner.base import Durations, PlannerState
@@ -318,9 +318,16 @@ class Planner:
         return self.oom.handle(task, report, reading, now_s, error=error)
 
     def lost(
-        self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
+        self,
+        task: TaskId,
+        now_s: float,
+        *,
+        message: str,
+        extra: Mapping[str, JsonValue],
+        event: EventName = "worker_lost",
     ) -> None:
-        """``task``'s worker died: the task failed; its booking is released."""
+        """``task``'s worker died (``event``: or the pool ended it, ``task_timeout``): the task
+        failed; its booking is released."""
         run = self.state.end_run(task)
         state = self.state.forget(task)
         if run is not None:
@@ -329,7 +336,7 @@ class Planner:
         self.state.count("lost")
         ask, device = self.state.asks.ask(key), run.device if run else None
         identity = run.identity if run else state.identity if state else None
-        self.views.note("worker_lost", device, ask, message, now_s, extra=extra, task=identity)
+        self.views.note(event, device, ask, message, now_s, extra=extra, task=identity)
 
     def not_run(
         self, task: TaskId, now_s: float, *, message: str, extra: Mapping[str, JsonValue]
