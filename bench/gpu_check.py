@@ -32,13 +32,18 @@ Steps (each check is named in the output; ``report`` checks never fail):
 3. **context**: a throwaway process runs a matmul and a convolution, with
    lazy and with eager module loading (``CUDA_MODULE_LOADING=EAGER``); its
    context is the card's used delta minus torch's reserved bytes, compared
-   with the probe's fixed figure (``CONTEXT_ALLOWANCE_BYTES``, where the probe
-   has one). Its own NVML row must be there and above 0 on a bare-metal card.
+   with the probe's estimate (``CONTEXT_ESTIMATE_BYTES``, what a context is
+   priced at where no row of the worker can be read). ``nvidia-smi
+   --query-compute-apps`` is read while the throwaway process runs: whether
+   this machine lists per-process rows at all (a report). Its own NVML row
+   must be there and above 0 on a bare-metal card.
 4. **peaks**: tasks in a one-worker pool: torch (hold; a spike freed with
    ``empty_cache``; a matmul and a convolution), a CuPy spike freed with
    ``free_all_blocks`` before the task returns, JAX (asserted on the GPU,
    ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` so it gives memory back), a
-   subprocess that holds memory (the task's process tree), a managed
+   subprocess that holds memory (the task's process tree), a double-forked
+   daemon that holds memory (the worker is a child subreaper), torch in the
+   worker beside a child that holds as much, a managed
    allocation (``report``: it is expected to be invisible), and the
    matmul-and-convolution task again in a pool with eager loading. Each
    peak the pool recorded must reach the oracle less ``--tolerance-mib``; its

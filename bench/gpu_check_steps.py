@@ -32,12 +32,14 @@ from gpu_check_tasks import (
     card_reading,
     companion,
     cupy_spike_task,
+    double_fork_task,
     jax_task,
     managed_task,
     oom_task,
     start_holder,
     stop_holder,
     subprocess_task,
+    torch_child_task,
     torch_task,
 )
 
@@ -346,7 +348,8 @@ def _row_check(name: str, row: int | None, container: bool, report: bool = False
 def step_context(run: Run) -> None:
     from gpupool._child import probe as _probe
 
-    figure = getattr(_probe, "CONTEXT_ALLOWANCE_BYTES", None)
+    # The estimate the probe prices a context at where no row of the worker can be read.
+    figure = getattr(_probe, "CONTEXT_ESTIMATE_BYTES", None)
     checks: list[dict[str, Any]] = []
     figures: dict[str, Any] = {}
     for mode in ("lazy", "eager"):
@@ -355,6 +358,8 @@ def step_context(run: Run) -> None:
         proc, child = start_holder(0, "conv", run.deadline.timeout(), env)
         try:
             used = run.card()["used"]
+            if mode == "lazy":
+                checks.append(_compute_apps(run, int(child["pid"])))
         finally:
             stop_holder(proc)
         context = used - baseline - int(child["reserved_bytes"])
@@ -384,6 +389,30 @@ def step_context(run: Run) -> None:
     run.add("context", checks, probe_figure_bytes=figure, **figures)
 
 
+def _compute_apps(run: Run, pid: int) -> dict[str, Any]:
+    """Whether this machine lists per-process rows at all: ``nvidia-smi
+    --query-compute-apps`` while process ``pid`` holds a context (a report)."""
+    if run.dry_run:
+        return check("compute-apps", True, "simulated: rows listed", report=True)
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return check("compute-apps", True, f"nvidia-smi could not run: {exc!s:.200}", report=True)
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    mine = [line for line in lines if line.split(",")[0].strip() == str(pid)]
+    said = (
+        f"{len(lines)} row(s) listed; this holder's (PID {pid}): {mine[0] if mine else 'none'}"
+        f" ({'rows of this namespace listed' if mine else 'rows hidden or of another namespace'})"
+    )
+    run.result["compute_apps"] = lines[:32]
+    return check("compute-apps", True, said, report=True)
+
+
 # -- step 4: peaks ----------------------------------------------------------------------------
 
 
@@ -403,6 +432,8 @@ def peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
     if _have(run, "jax"):
         jobs.append(("jax", jax_task, (n, h)))
     jobs.append(("subprocess", subprocess_task, (n, h, WAIT_S / 2)))
+    jobs.append(("double-fork", double_fork_task, (n, h, WAIT_S / 2)))
+    jobs.append(("torch-child", torch_child_task, (n, h, WAIT_S / 2)))
     if _have(run, "cupy"):
         jobs.append(("managed", managed_task, (n, h)))
     missing = [m for m in ("cupy", "jax") if not _have(run, m)]
@@ -411,7 +442,7 @@ def peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
 
 
 #: Tasks that free what they allocated before returning: the peak must be caught while held.
-_RELEASING = ("torch-spike", "cupy-spike", "jax", "subprocess")
+_RELEASING = ("torch-spike", "cupy-spike", "jax", "subprocess", "double-fork")
 
 
 def _measured(ex: Any, key: str) -> tuple[int | None, str, str | None]:

@@ -265,6 +265,55 @@ def subprocess_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, A
     return _figures(held, nbytes, ok=True, row_bytes=_own_row_bytes(), child=child)
 
 
+#: A launcher that double-forks :data:`_HOLDER`: it forks, exits at once, and its child
+#: execs the holder, an orphan (a daemon) that shares the launcher's stdin and stdout.
+_DOUBLE_FORK = r"""
+import os, sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+os.execv(sys.executable, [sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+"""
+
+
+def double_fork_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, Any]:
+    """A double-forked daemon holds ``nbytes`` (orphaned before it allocates): the worker, a
+    child subreaper, keeps it in its tree; hold; stop it (its stdin closes)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DOUBLE_FORK, _HOLDER, str(nbytes), "plain"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        child = dict(json.loads(proc.stdout.readline() if ready else "{}"))
+        held = card_reading(os.environ["CUDA_VISIBLE_DEVICES"])
+        time.sleep(hold_s)
+    finally:
+        stop_holder(proc)  # the launcher exited at once; closing stdin ends the daemon
+    return _figures(held, nbytes, ok=bool(child), row_bytes=_own_row_bytes(), child=child)
+
+
+def torch_child_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, Any]:
+    """torch holds ``nbytes`` in the worker while a child holds as much: the tree's peak is
+    both (the worker's own figures, its counters or its row, are only half)."""
+    if os.environ.get(SIMULATOR_ENV):
+        import gpupool.testing as gt
+
+        with gt.hold(nbytes):
+            return subprocess_task(nbytes, hold_s, timeout_s)
+    import torch
+
+    kept = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    torch.cuda.synchronize()
+    try:
+        return subprocess_task(nbytes, hold_s, timeout_s)
+    finally:
+        del kept
+
+
 def _wait_for(path: str, limit_s: float) -> None:
     end = time.monotonic() + limit_s
     while not os.path.exists(path) and time.monotonic() < end:

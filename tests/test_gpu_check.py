@@ -25,6 +25,8 @@ PEAK_GUARDS = {
     "peaks.cupy-spike.floor",
     "peaks.jax.floor",
     "peaks.subprocess.floor",
+    "peaks.double-fork.floor",
+    "peaks.torch-child.floor",
     "peaks-eager.torch-conv-eager.floor",
     "co-tenant.width",
 }
@@ -126,6 +128,11 @@ def test_dry_run_passes_on_the_simulated_host(tmp_path: Path) -> None:
     assert not any(c["name"] == "raised" for c in report["checks"]), done.stdout
     assert report["failures"] == [], done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
+    # The context step compares the card's context with the probe's estimate (the figure
+    # the probe prices an unread context at), not a name that no longer exists.
+    from gpupool._child.probe import CONTEXT_ESTIMATE_BYTES
+
+    assert report["steps"]["context"]["probe_figure_bytes"] == CONTEXT_ESTIMATE_BYTES
 
 
 def test_dry_run_with_a_broken_probe_fails_naming_every_peak_guard(tmp_path: Path) -> None:
@@ -137,6 +144,6 @@ def test_dry_run_with_a_broken_probe_fails_naming_every_peak_guard(tmp_path: Pat
     assert set(report["break_probe_caught_by"]) == PEAK_GUARDS
     assert report["break_probe_missed_by"] == []
     assert set(report["failures"]) >= PEAK_GUARDS
-    caught_line = next(line for line in done.stdout.splitlines() if "caught by 8:" in line)
+    caught_line = next(line for line in done.stdout.splitlines() if "caught by 10:" in line)
     assert all(name in caught_line for name in PEAK_GUARDS)
     assert "gpu_check: FAILED" in (tmp_path / "gpu_check.txt").read_text()

@@ -769,3 +769,70 @@ def test_a_rejected_reading_of_an_unchanged_card_is_named_in_every_window():
     for report in reports:
         assert any("context" in reason for reason in report.rejected_readings), report
         assert report.context_bytes is None  # the row was never read as the context
+
+
+def test_cap_takes_out_what_the_workers_descendants_hold_and_follows_them(monkeypatch, fresh_cap):
+    """Booked 6 GiB, a 700 MiB context and a child holding 3 GiB: torch is capped at what is
+    left (2.3 GiB, not 5.3 GiB), set again when the child grows to 5 GiB (0.3 GiB left), and
+    the child's bytes leave the cap once it has gone."""
+    pid = os.getpid()
+    card = h100(0)
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    context = 700 * MiB
+    child_bytes = [3 * GiB]
+    with _a_child() as child:
+
+        def rows(cuda=None):
+            held = context + torch.cuda.reserved_bytes
+            card.compute = [(pid, held), (child.pid, child_bytes[0])]
+            card.free = card.total - card.reserved - held - child_bytes[0]
+
+        rows()
+        torch.cuda.on_change = rows
+        probe = _nvml_probe(monkeypatch, card, torch)
+        torch.cuda.allocate(0)  # the worker's CUDA initialised: its row is its context
+        probe.start()
+        probe.stop()  # the first task measures the context from the worker's row
+        apply_allocator_cap(6 * GiB)
+        probe.start()  # the tree's first reading sees the child
+        state = allocator_cap_state()
+        assert state["descendant_bytes"] == 3 * GiB
+        assert state["outside_bytes"] == context + 3 * GiB
+        assert torch.cuda.fractions[-1][0] == (6 * GiB - context - 3 * GiB) / (80 * GiB)
+        child_bytes[0] = 5 * GiB
+        rows()
+        probe._sample(frozenset({pid, child.pid}))  # the sampler's next reading
+        assert allocator_cap_state()["descendant_bytes"] == 5 * GiB
+        assert torch.cuda.fractions[-1][0] == (6 * GiB - context - 5 * GiB) / (80 * GiB)
+        child_bytes[0] = 0
+        card.compute = [(pid, context)]
+        probe.stop()
+    assert allocator_cap_state()["descendant_bytes"] == 0
+
+
+def test_a_co_tenant_under_the_workers_pid_is_refused_not_taken_for_its_context(
+    monkeypatch, fresh_cap
+):
+    """In a container the driver lists host PIDs: a co-tenant's 9 GiB under the PID this worker
+    has in its namespace, beside torch's 768 MiB, is not an 8.25 GiB context (nor a cap of
+    almost 0): the row is refused as implausible, with the reason, and the context estimated."""
+    from gpupool._child.probe import CONTEXT_PLAUSIBLE_MAX_BYTES
+
+    pid = os.getpid()
+    card = h100(0)
+    card.compute = [(pid, 9 * GiB)]  # another namespace's process, under this worker's PID
+    card.free = card.total - card.reserved - 9 * GiB
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    probe = _nvml_probe(monkeypatch, card, torch)
+    torch.cuda.allocate(0)
+    probe.start()
+    torch.cuda.allocate(768 * MiB)
+    report = probe.stop()
+    assert 9 * GiB - 768 * MiB > CONTEXT_PLAUSIBLE_MAX_BYTES
+    assert (report.context_bytes, report.context_source) == (CONTEXT_ESTIMATE_BYTES, "estimated")
+    assert report.device_peak_bytes == 768 * MiB + CONTEXT_ESTIMATE_BYTES
+    assert any("another PID namespace" in reason for reason in report.rejected_readings)
+    apply_allocator_cap(4 * GiB)
+    assert allocator_cap_state()["outside_bytes"] == CONTEXT_ESTIMATE_BYTES

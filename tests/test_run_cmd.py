@@ -444,3 +444,67 @@ def test_a_line_too_long_for_a_command_fails_with_a_short_message() -> None:
     assert failures[0].startswith("gpupool run: line 1 ('xxx")
     assert "could not run (OSError: [Errno 7] Argument list too long" in failures[0]
     assert len(done.stderr) < 2000
+
+
+# -- a command that runs the card out of memory -------------------------------------------
+
+#: Wait (at most 60 s) until three commands have started, then hold 4.5 GiB until three
+#: hold or one was refused: three at once do not fit a 12 GiB card, whatever the load. A
+#: refused one fails as a framework's out-of-memory does: its error on stderr.
+_HOLD_TOGETHER = """
+import pathlib, sys, time
+import gpupool.testing as gt
+gate = pathlib.Path(sys.argv[2])
+
+def wait_for(pattern):
+    deadline = time.monotonic() + 60
+    while len(list(gate.glob(pattern))) < 3 and time.monotonic() < deadline:
+        if list(gate.glob("refused-*")):
+            return
+        time.sleep(0.01)
+
+(gate / f"started-{sys.argv[1]}").touch()
+wait_for("started-*")
+try:
+    with gt.hold("4.5GiB"):
+        (gate / f"holding-{sys.argv[1]}").touch()
+        wait_for("holding-*")
+        print("held", sys.argv[1])
+except gt.SimulatedOutOfMemory:
+    (gate / f"refused-{sys.argv[1]}").touch()
+    raise
+"""
+
+
+def test_a_command_that_runs_the_card_out_of_memory_is_retried(tmp_path: Path) -> None:
+    """Six commands priced at 1 GiB that each hold 4.5 GiB, three at once on a 12 GiB card:
+    those the card refused say so on stderr, are classified as out-of-memory from it (the
+    record says how) and retried at a raised ask, and every command ends held."""
+    script = tmp_path / "hold.py"
+    script.write_text(_HOLD_TOGETHER)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    log = tmp_path / "run.jsonl"
+    with _host("12GiB") as host:
+        done = _gpupool_run(
+            "--task-peak",
+            "1GiB",
+            "--max-workers",
+            "3",
+            "--log",
+            str(log),
+            "--",
+            PYTHON,
+            shlex.quote(str(script)),
+            "{}",
+            shlex.quote(str(gate)),
+            stdin="".join(f"{n}\n" for n in range(1, 7)),
+        )
+        refused = host.out_of_memory_events
+    assert refused, "three commands of 4.5 GiB at once on a 12 GiB card: one was refused"
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == sorted(f"held {n}" for n in range(1, 7))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    ooms = [r for r in records if r["event"] == "out_of_memory"]
+    assert ooms and all(r["oom_recognised"] == "command-output" for r in ooms)
+    assert all(r["retry"] is True for r in ooms)

@@ -55,7 +55,8 @@ from gpupool._sensors.simulated import (
     ledger_at,
     simulated_uuid,
 )
-from gpupool._sensors.simulated_sensor import SimulatedSensor
+from gpupool._sensors.simulated_sensor import SimulatedSensor, simulated_sensor
+from gpupool._sensors.simulated_state import ROWS_MODES
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -170,12 +171,15 @@ class SimulatedDevice:
             it as ``/proc/meminfo`` would, with ``total`` as ``MemTotal``.
         readable: ``False`` makes memory readings fail as a broken NVML does
             (:class:`~gpupool.DeviceUnreadableError`); allocation still works.
+        mig: the device is a MIG instance (``total`` is the instance's memory):
+            the driver lists its processes without a figure, as NVML's "not
+            available", whatever the host's ``rows``.
 
     Raises:
         InvalidSizeError: a size could not be parsed.
     """
 
-    __slots__ = ("_co_tenants", "_readable", "_total_bytes", "_unified")
+    __slots__ = ("_co_tenants", "_mig", "_readable", "_total_bytes", "_unified")
 
     def __init__(
         self,
@@ -184,8 +188,10 @@ class SimulatedDevice:
         co_tenants: Mapping[str, int | float | str] | None = None,
         unified: bool = False,
         readable: bool = True,
+        mig: bool = False,
     ) -> None:
         self._total_bytes = parse_size(total, name="total", allow_zero=False)
+        self._mig = bool(mig)
         self._co_tenants = MappingProxyType(
             {
                 str(name): parse_size(size, name=f"co_tenants[{name!r}]")
@@ -215,21 +221,27 @@ class SimulatedDevice:
         """Whether the card's memory can be read."""
         return self._readable
 
+    @property
+    def mig(self) -> bool:
+        """Whether the device is a MIG instance."""
+        return self._mig
+
     def __repr__(self) -> str:
         return (
             f"SimulatedDevice(total={self._total_bytes}, co_tenants={dict(self._co_tenants)!r}, "
-            f"unified={self._unified}, readable={self._readable})"
+            f"unified={self._unified}, readable={self._readable}, mig={self._mig})"
         )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SimulatedDevice):
             return NotImplemented
-        mine = (self._total_bytes, dict(self._co_tenants), self._unified, self._readable)
+        mine = (self._total_bytes, dict(self._co_tenants), self._unified, self._readable, self._mig)
         return mine == (
             other._total_bytes,
             dict(other._co_tenants),
             other._unified,
             other._readable,
+            other._mig,
         )
 
     def __hash__(self) -> int:
@@ -260,14 +272,23 @@ class SimulatedHost:
         host_ram: the host's available RAM; ``None``: the real host's.
         driver: ``False`` simulates a host without an NVIDIA driver: the
             sensor raises :class:`~gpupool.NoDriverError`.
-        container: ``True`` simulates a container whose driver lists foreign
-            PIDs: per-process rows show only the co-tenants, never this host's
-            own processes.
+        container: ``True`` simulates a container: the driver lists this
+            host's processes under PIDs of another namespace, so no row is
+            theirs (``rows="hidden"``).
+        rows: how the driver lists this host's processes: ``"listed"`` (with
+            their bytes, as on bare metal), ``"hidden"`` (a container),
+            ``"zero"`` (0 bytes each, as drivers 535.113 to 560 do in a
+            container) or ``"unavailable"`` (no figure, as on a MIG instance:
+            ``SimulatedDevice(mig=True)`` lists its rows so whatever this says).
+            Anything but ``"listed"`` is as strict as such a card: no process
+            reports its own exact peak, so a pool's workers measure as they
+            would there (frameworks' counters, the estimated context, and
+            peaks flagged incomplete where a task's descendants went unread).
 
     Raises:
         InvalidSizeError: a size could not be parsed.
-        ValueError: ``cpus`` is not a positive integer, or a device is not a
-            :class:`SimulatedDevice`.
+        ValueError: ``cpus`` is not a positive integer, a device is not a
+            :class:`SimulatedDevice`, or ``rows`` is not one of the four.
     """
 
     def __init__(
@@ -279,6 +300,7 @@ class SimulatedHost:
         host_ram: int | float | str | None = None,
         driver: bool = True,
         container: bool = False,
+        rows: str = "listed",
     ) -> None:
         for device in devices:
             if not isinstance(device, SimulatedDevice):
@@ -291,6 +313,11 @@ class SimulatedHost:
         self._host_ram_bytes = None if host_ram is None else parse_size(host_ram, name="host_ram")
         self._driver = bool(driver)
         self._container = bool(container)
+        if rows not in ROWS_MODES:
+            raise ValueError(f"rows={rows!r} must be one of {', '.join(ROWS_MODES)}")
+        if container and rows not in ("listed", "hidden"):
+            raise ValueError(f"container=True hides the rows; rows={rows!r} contradicts it")
+        self._rows = "hidden" if container else rows
         self._directory: str | None = None
         self._ledger: Ledger | None = None
         self._saved_env: str | None = None
@@ -350,12 +377,14 @@ class SimulatedHost:
                     peaks={},
                     peak=sum(device.co_tenants.values()),
                     trees={},
+                    mig=device.mig,
                 )
             )
         return LedgerState(
             version=LEDGER_VERSION,
             driver=self._driver,
             container=self._container,
+            rows=self._rows,
             context=self._context_bytes,
             cpus=self._cpus,
             ram=self._host_ram_bytes,
@@ -404,15 +433,19 @@ class SimulatedHost:
         Raises:
             RuntimeError: outside the block.
         """
-        return SimulatedSensor(self._live().path)
+        return simulated_sensor(self._live().path)
 
     # -- co-tenants --------------------------------------------------------------------------
 
-    def grow(self, name: str, size: int | float | str, device: int = 0) -> None:
+    def grow(
+        self, name: str, size: int | float | str, device: int = 0, *, listed: bool = True
+    ) -> None:
         """Add ``size`` to co-tenant ``name`` on ``device``, creating it if new.
 
         A negative size shrinks it (see :meth:`shrink`). Call it while a pool
-        runs to simulate another process growing on the card.
+        runs to simulate another process growing on the card. A co-tenant made
+        with ``listed=False`` is in no row of the driver's list, only in the
+        card's used bytes: managed memory, or a process the driver does not list.
 
         Raises:
             SimulatedOutOfMemory: the card cannot hold the growth; nothing is
@@ -423,7 +456,7 @@ class SimulatedHost:
         if nbytes < 0:
             self.shrink(name, -nbytes, device)
             return
-        refusal = self._live().grow_tenant(device, name, nbytes)
+        refusal = self._live().grow_tenant(device, name, nbytes, listed=listed)
         if refusal is not None:
             raise SimulatedOutOfMemory._from_record(refusal)
 

@@ -93,6 +93,10 @@ class PlannerMachine(RuleBasedStateMachine):
         self.records_checked = 0
         # Tasks queued behind a run on its worker (queued task -> run).
         self.queued_on: dict[int, int] = {}
+        # By key: the largest partial view (a peak flagged incomplete) and whether a whole
+        # measurement was ever taken.
+        self.partial_peak: dict[str, int] = {}
+        self.whole_keys: set[str] = set()
         # How tasks peak (finish; build draws it): spread around their booking.
         self.peaks = "spread"
 
@@ -225,7 +229,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.submit(key, None, items)
         self.start()
         if self.planner.state.running:
-            self.finish(data, 1.0, 500, True, rare)
+            self.finish(data, 1.0, 500, True, False, rare)
 
     @rule()
     def start(self) -> None:
@@ -344,26 +348,41 @@ class PlannerMachine(RuleBasedStateMachine):
         factor=st.floats(0.3, 1.4),
         rss_mib=st.integers(100, 4000),
         settle=st.booleans(),
+        partial=st.booleans(),
         rare=st.integers(0, 7),
     )
     def finish(
-        self, data: st.DataObject, factor: float, rss_mib: int, settle: bool, rare: int
+        self,
+        data: st.DataObject,
+        factor: float,
+        rss_mib: int,
+        settle: bool,
+        partial: bool,
+        rare: int,
     ) -> None:
         """A task ends; its peak is priced at once, or (as the dispatcher does, once per turn)
-        at a later :meth:`settle`, other events coming between."""
+        at a later :meth:`settle`, other events coming between. A ``partial`` one could not
+        read its descendants' bytes (rows hidden): its peak is flagged incomplete."""
         task = data.draw(st.sampled_from(self.running_ids()))
         run = self.planner.state.running[task]
-        peak = int(run.booked_at_start_bytes * factor)
+        peak: int | None = int(run.booked_at_start_bytes * factor)
         if self.peaks == "linear" and run.features:
             peak = GiB + 2 * GiB * int(run.features[0][1])
         elif self.peaks == "rare":
             peak = 3 * GiB * (5 if rare == 0 else 1)
+        if run.device is None:
+            peak = None
         report = PeakReport(
             device=run.device,
-            device_peak_bytes=peak if run.device is not None else None,
-            device_source="simulator",
+            device_peak_bytes=peak,
+            device_source="nvml-sampled" if partial else "simulator",
             rss_peak_bytes=rss_mib * MiB,
+            incomplete_reason="rows hidden" if partial else None,
         )
+        if peak is not None and partial:
+            self.partial_peak[run.key] = max(self.partial_peak.get(run.key, 0), peak)
+        elif peak is not None:
+            self.whole_keys.add(run.key)
         if settle:
             self.planner.finished(task, report, self.now_s)
         else:
@@ -622,6 +641,16 @@ class PlannerMachine(RuleBasedStateMachine):
             for run in card.runs.values():
                 by_key[run.key] += run.booked_bytes
             assert +card.runs_booked_by_key == +by_key
+
+    @invariant()
+    def no_partial_view_lowers_an_ask(self) -> None:
+        """A peak flagged incomplete never prices its key below it, nor (before a whole
+        measurement) below the key's estimate."""
+        for key, peak in self.partial_peak.items():
+            ask = self.asks.ask(key)
+            assert ask.ask_bytes >= peak
+            if key not in self.whole_keys:
+                assert ask.ask_bytes >= ask.estimate_bytes
 
     @invariant()
     def no_ask_below_its_pre_oom_value(self) -> None:

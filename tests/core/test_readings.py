@@ -57,11 +57,16 @@ def test_a_row_of_exactly_the_floor_is_a_measurement():
 
 
 def test_a_member_row_without_a_figure_leaves_the_tree_unknown():
-    """A row whose bytes the driver does not say (WDDM, MIG) is not taken as 0."""
+    """A row whose bytes the driver does not say (WDDM, MIG) is not taken as 0, and the
+    reason names it."""
     judged = judge_tree_rows(
         [(WORKER, 2 * GiB), (CHILD, None)], {WORKER, CHILD}, device_used_bytes=20 * GiB
     )
-    assert (judged.tree_bytes, judged.reasons) == (None, ())
+    assert judged.tree_bytes is None
+    assert judged.reasons == (
+        f"PID {CHILD}'s row has no figure (the driver's \"not available\", as on a MIG "
+        "instance): not a measurement",
+    )
 
 
 def test_rows_above_the_devices_used_bytes_are_rejected_and_unknown_used_is_no_bound():

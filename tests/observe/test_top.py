@@ -164,10 +164,14 @@ def test_top_lists_every_row_of_a_hostile_table_without_its_bad_fields(
     assert all(pool["booked_bytes"] == 6 * GiB for pool in pools.values())
 
 
-def test_keys_with_escape_sequences_and_markup_are_shown_inert() -> None:
+def test_keys_with_escape_sequences_and_markup_are_shown_inert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A key or reason holding terminal escapes or rich markup is printed as text: no escape
     reaches the terminal, and the markup is shown as written."""
     key = "[bold]fit[/] \x1b]0;title\x07\x1b[2J\nnext"
+    # A terminal as wide as the row: a narrower one cuts the reason (the text is the view's).
+    monkeypatch.setenv("COLUMNS", "200")
     with gt.SimulatedHost([gt.SimulatedDevice("40GiB")]) as host:
         table = BookingTable(host.bookings_directory)
         row = _own_row("me.1")

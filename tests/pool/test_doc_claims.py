@@ -81,7 +81,13 @@ def test_the_legacy_mig_gpu_form_of_cuda_visible_devices_is_not_resolved() -> No
     assert note.startswith(f"CUDA_VISIBLE_DEVICES entry {legacy!r} matches no device")
 
 
-_WARNING_EVENTS = ("out_of_memory", "serial_start", "fixed_width_over_bound", "peaks_vary")
+_WARNING_EVENTS = (
+    "out_of_memory",
+    "serial_start",
+    "fixed_width_over_bound",
+    "peaks_vary",
+    "unexplained_memory",
+)
 _INFO_EVENTS = (
     "constructed",
     "widened",

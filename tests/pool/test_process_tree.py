@@ -82,3 +82,39 @@ def test_processes_a_task_spawns_are_its_peak():
     assert codes == [0, 0]
     measured = _measured(decisions, "tree_tasks.in_spawned_processes")
     assert measured and measured[0]["peak_bytes"] == 2 * (2 * GiB + 300 * MiB)
+
+
+def test_a_double_forked_daemon_stays_in_the_tree():
+    """A task whose 3 GiB live in a double-forked daemon (orphaned before it allocates) is
+    measured with them: the worker is a child subreaper, so the daemon stays under it."""
+    with SimulatedHost([SimulatedDevice("40GiB")], cpus=4, host_ram="64GiB", context="300MiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="4GiB", reserve=0) as ex:
+            for _ in range(2):  # the second task: the first's daemon was reaped, not counted
+                assert ex.submit(tree_tasks.in_a_double_forked_daemon, "3GiB").result(60) == 0
+            decisions = list(ex.decisions)
+    measured = _measured(decisions, "tree_tasks.in_a_double_forked_daemon")
+    assert measured, [d.to_dict() for d in decisions]
+    assert measured[0]["peak_bytes"] == 3 * GiB + 300 * MiB
+    assert measured[0]["descendants"] >= 1
+
+
+def test_a_subprocess_that_runs_the_card_out_of_memory_is_retried(tmp_path):
+    """Six tasks priced at 1 GiB whose children hold 4.5 GiB, three at once on a 12 GiB card:
+    a child the card refused fails the task with a CalledProcessError whose stderr says so;
+    it is classified as out-of-memory from that output and retried, and no task is lost."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    with SimulatedHost([SimulatedDevice("12GiB")], cpus=4, host_ram="64GiB") as host:
+        with GpuPoolExecutor(max_workers=3, task_peak="1GiB") as ex:
+            futures = [
+                ex.submit(tree_tasks.in_a_subprocess_together, i, "4.5GiB", str(gate))
+                for i in range(6)
+            ]
+            assert sorted(f.result(timeout=120) for f in futures) == list(range(6))
+            stats = ex.statistics()
+            decisions = [d.to_dict() for d in ex.decisions]
+        refused = host.out_of_memory_events
+    assert refused, "three children of 4.5 GiB at once on a 12 GiB card: one was refused"
+    assert stats.retries >= 1
+    ooms = [d for d in decisions if d["event"] == "out_of_memory"]
+    assert ooms and all(d["oom_recognised"] == "subprocess-output" for d in ooms)

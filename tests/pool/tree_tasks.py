@@ -82,3 +82,101 @@ def in_spawned_processes(size: str, count: int) -> list[int | None]:
     for process in processes:
         process.join()
     return [process.exitcode for process in processes]
+
+
+def torch_and_a_subprocess(torch_bytes: int, size: str) -> int:
+    """Allocate ``torch_bytes`` with the worker's torch (the stand-in, charged on the simulated
+    card), then hold ``size`` in a child that exits before the task returns."""
+    cuda = sys.modules["torch"].cuda
+    cuda.allocate(torch_bytes)
+    in_a_subprocess(size)
+    cuda.free(torch_bytes)
+    return 0
+
+
+#: A daemon, double-forked: the first child forks and exits at once, so the second is an
+#: orphan before it allocates; it holds ``argv[1]``, says so, and waits until stdin closes.
+_DAEMON = """
+import os
+import sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+from gpupool.testing import hold
+with hold(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def in_a_double_forked_daemon(size: str) -> int:
+    """Hold ``size`` in a double-forked daemon, then let it go (it exits once its stdin,
+    which it shares with the first child, closes)."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _DAEMON, size],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert starter.stdout is not None and starter.stdin is not None
+    assert starter.stdout.readline().strip() == "held"
+    assert starter.wait() == 0  # the first child exited: the daemon is an orphan
+    starter.stdin.close()  # the daemon lets go and exits
+    starter.stdout.close()
+    return 0
+
+
+#: A child that waits (at most 60 s) until three have started, then holds ``argv[1]`` until
+#: three hold or one was refused; a refused one fails with the simulator's out-of-memory
+#: traceback on its stderr, as a framework's child would.
+_TOGETHER = """
+import pathlib, sys, time
+import gpupool.testing as gt
+gate = pathlib.Path(sys.argv[2])
+
+def wait_for(pattern):
+    deadline = time.monotonic() + 60
+    while len(list(gate.glob(pattern))) < 3 and time.monotonic() < deadline:
+        if list(gate.glob("refused-*")):
+            return
+        time.sleep(0.01)
+
+(gate / f"started-{sys.argv[3]}").touch()
+wait_for("started-*")
+try:
+    with gt.hold(sys.argv[1]):
+        (gate / f"holding-{sys.argv[3]}").touch()
+        wait_for("holding-*")
+except gt.SimulatedOutOfMemory:
+    (gate / f"refused-{sys.argv[3]}").touch()
+    raise
+"""
+
+
+def in_a_subprocess_together(i: int, size: str, gate: str) -> int:
+    """Hold ``size`` in a child, three children at once (see ``_TOGETHER``); the child's
+    failure is the task's ``CalledProcessError``, its stderr captured."""
+    subprocess.run(
+        [sys.executable, "-c", _TOGETHER, size, gate, str(i)],
+        capture_output=True,
+        check=True,
+    )
+    return i
+
+
+def hold_until_released(size: str, gate: str) -> int:
+    """Hold ``size`` in this worker, say so (``gate/ready-<pid>``), and keep it until
+    ``gate/go`` exists (at most 60 s)."""
+    import os
+    import pathlib
+    import time
+
+    from gpupool.testing import hold
+
+    gate_dir = pathlib.Path(gate)
+    with hold(size):
+        (gate_dir / f"ready-{os.getpid()}").touch()
+        deadline = time.monotonic() + 60
+        while not (gate_dir / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return 0

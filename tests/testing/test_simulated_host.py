@@ -486,7 +486,8 @@ def test_no_driver_means_no_device() -> None:
 
 
 def test_a_container_lists_only_co_tenant_rows() -> None:
-    """container=True omits this host's processes from the rows; the exact peak still answers."""
+    """container=True omits this host's processes from the rows, and, as a real card in a
+    container, nothing answers a process's exact peak: the worker must sample."""
     with gt.SimulatedHost([card(co_tenants={"server": "1GiB"})], container=True) as host:
         sensor = host.sensor()
         [device] = sensor.read_devices()
@@ -496,7 +497,33 @@ def test_a_container_lists_only_co_tenant_rows() -> None:
             assert [row.name for row in rows] == ["server"]
             assert sensor.read_process_bytes(device, os.getpid()) is None
             assert sensor.read_memory(device).used_bytes == 2 * GiB + 300 * MiB
-            assert sensor.read_process_peak_bytes(device, os.getpid()) == 1 * GiB + 300 * MiB
+            assert sensor.read_process_peak_bytes(device, os.getpid()) is None
+            assert sensor.start_tree_window(device, os.getpid()) is None
+            assert sensor.read_tree_peak_bytes(device, os.getpid()) is None
+
+
+@pytest.mark.parametrize(("rows", "figure"), [("zero", 0), ("unavailable", None)])
+def test_rows_of_zero_and_without_a_figure_are_listed_as_such(
+    rows: str, figure: int | None
+) -> None:
+    """rows='zero' lists this host's processes at 0 bytes (drivers 535.113 to 560 in a
+    container), rows='unavailable' without a figure (a MIG instance); neither self-reports."""
+    with gt.SimulatedHost([card(co_tenants={"server": "1GiB"})], rows=rows) as host:
+        sensor = host.sensor()
+        [device] = sensor.read_devices()
+        with gt.hold("1GiB"):
+            listed = {row.pid: row.used_bytes for row in sensor.read_processes(device) or ()}
+            assert listed[os.getpid()] == figure
+            assert sensor.read_process_peak_bytes(device, os.getpid()) is None
+            assert sensor.read_memory(device).used_bytes == 2 * GiB + 300 * MiB
+
+
+def test_a_rows_mode_is_checked() -> None:
+    """An unknown rows mode, or one that contradicts container=True, is refused by name."""
+    with pytest.raises(ValueError, match="rows='none' must be one of listed, hidden, zero"):
+        gt.SimulatedHost([card()], rows="none")
+    with pytest.raises(ValueError, match="container=True hides the rows"):
+        gt.SimulatedHost([card()], container=True, rows="zero")
 
 
 def test_host_cpus_and_ram_are_given_or_the_real_hosts() -> None:
@@ -679,3 +706,16 @@ def test_hosts_exited_out_of_order_leave_no_stale_variable() -> None:
     b.__exit__(None, None, None)
     assert os.environ.get(SIMULATOR_ENV) != path_b
     assert os.environ.get(SIMULATOR_ENV) == saved
+
+
+def test_a_mig_instance_is_named_so_and_lists_rows_without_a_figure() -> None:
+    """SimulatedDevice(mig=True) is a MIG instance to the sensor, and its rows have no figure
+    (NVML's "not available") on a host whose other cards list theirs."""
+    with gt.SimulatedHost([card(), gt.SimulatedDevice("10GiB", mig=True)]) as host:
+        sensor = host.sensor()
+        plain, instance = sensor.read_devices()
+        assert (plain.mig, instance.mig, instance.mig_index) == (False, True, 0)
+        with gt.hold("1GiB", device=1):
+            listed = {row.pid: row.used_bytes for row in sensor.read_processes(instance) or ()}
+            assert listed == {os.getpid(): None}
+            assert sensor.read_process_peak_bytes(instance, os.getpid()) is None

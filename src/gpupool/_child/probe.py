@@ -63,7 +63,7 @@ from gpupool._child.frameworks import (
 )
 from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
 from gpupool._core.peak import PeakReport
-from gpupool._core.units import MiB, parse_size
+from gpupool._core.units import GiB, MiB, format_size, parse_size
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -76,12 +76,15 @@ if TYPE_CHECKING:
 __all__ = [
     "ALLOCATOR_CAP_NOTE",
     "CONTEXT_ESTIMATE_BYTES",
+    "CONTEXT_PLAUSIBLE_MAX_BYTES",
     "Probe",
     "allocator_cap_message",
     "allocator_cap_state",
     "apply_allocator_cap",
     "device_oom_of",
     "is_device_oom",
+    "oom_in_output",
+    "oom_recognised_by",
     "read_allocator_cap_message",
     "release_caches",
     "requested_bytes_of",
@@ -101,6 +104,13 @@ SAMPLE_INTERVAL_S = TREE_SAMPLE_INTERVAL_S
 #: on it says so (``context_source="estimated"``); eager module loading,
 #: NCCL communicators and workspaces outside torch's allocator can hold more.
 CONTEXT_ESTIMATE_BYTES = 640 * MiB
+
+#: The most a process can hold outside the frameworks' allocators and be this worker: a
+#: judgement, set well above a CUDA context with its modules loaded eagerly, NCCL's
+#: buffers and library workspaces together. A row under this worker's PID that holds more
+#: than this beyond its frameworks is another namespace's process (a container's driver
+#: lists host PIDs, which may equal this worker's), refused as implausible.
+CONTEXT_PLAUSIBLE_MAX_BYTES = 6 * GiB
 
 #: How many exceptions of a ``__cause__`` / ``__context__`` / group chain are
 #: searched for an out-of-memory; a chain is never longer in practice, and a
@@ -138,6 +148,7 @@ _OOM_TYPES = {
     ("cuda.core.experimental", "CUDAOutOfMemoryError"),
     ("cuda.core", "CUDAOutOfMemoryError"),
     ("gpupool.testing", "SimulatedOutOfMemory"),
+    ("gpupool._commands.run", "CommandOutOfMemory"),
 }
 
 # Sizes of the failed allocation, as each library words them. XLA's
@@ -197,11 +208,65 @@ def is_device_oom(exc: BaseException) -> bool:
 
 
 def _text(exc: BaseException) -> str:
-    """``str(exc)``, or ``""`` when the exception's own ``__str__`` raises."""
+    """``str(exc)``, with the tail of a subprocess's error output where the exception carries
+    it (:class:`subprocess.CalledProcessError`'s ``stderr``, ``output``), or ``""`` when the
+    exception's own ``__str__`` raises."""
     try:
-        return str(exc)
+        text = str(exc)
     except Exception:
-        return ""
+        text = ""
+    streams = [getattr(exc, name, None) for name in ("stderr", "output")]
+    tail = [_tail_text(stream) for stream in streams if isinstance(stream, (str, bytes))]
+    return "\n".join([text, *tail]) if tail else text
+
+
+#: How much of a subprocess's output is searched for an out-of-memory text (its end: a
+#: framework's error is the last thing a failed process writes).
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+
+def _tail_text(stream: str | bytes) -> str:
+    """The last :data:`OUTPUT_TAIL_BYTES` of ``stream``, as text."""
+    if isinstance(stream, bytes):
+        return stream[-OUTPUT_TAIL_BYTES:].decode("utf-8", "replace")
+    return stream[-OUTPUT_TAIL_BYTES:]
+
+
+def oom_in_output(output: str | bytes) -> str | None:
+    """The line of ``output`` (a command's error output) that says the device ran out of
+    memory (CUDA's, cuDNN's, cuBLAS's, NCCL's, torch's, CuPy's, JAX's words: the patterns
+    :func:`is_device_oom` searches), or ``None``. Only its last
+    :data:`OUTPUT_TAIL_BYTES` are read."""
+    text = _tail_text(output)
+    match = _OOM_PATTERNS.search(text)
+    if match is None:
+        return None
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.end())
+    return text[start : end if end >= 0 else len(text)].strip()[:400]
+
+
+def oom_recognised_by(exc: BaseException) -> str | None:
+    """How the device out-of-memory in ``exc``'s chain was recognised: ``"type"`` (a
+    framework's out-of-memory class), ``"message"`` (its words in the exception's message),
+    ``"subprocess-output"`` (in the error output of a subprocess the exception carries),
+    ``"command-output"`` (in a ``gpupool run`` command's error output), or ``None`` where
+    there is none."""
+    for linked in _chain(exc):
+        for cls in type(linked).__mro__:
+            if (cls.__module__, cls.__name__) == ("gpupool._commands.run", "CommandOutOfMemory"):
+                return "command-output"  # found in a gpupool run command's error output
+            if (cls.__module__, cls.__name__) in _OOM_TYPES:
+                return "type"
+        try:
+            own = str(linked)
+        except Exception:
+            own = ""
+        if _OOM_PATTERNS.search(own):
+            return "message"
+        if _OOM_PATTERNS.search(_text(linked)):
+            return "subprocess-output"
+    return None
 
 
 def requested_bytes_of(exc: BaseException) -> int | None:
@@ -304,6 +369,9 @@ class _CapState:
     # (None: never measured, the estimate stands in), and what the cap last left out.
     context_bytes: int | None = None
     outside_bytes: int | None = None
+    # What the worker's descendants hold now, by the probe's last reading of the tree's rows
+    # (0 where none was read: rows hidden leave them out, and the cap cannot see them).
+    descendant_bytes: int = 0
 
 
 _CAP = _CapState()
@@ -319,6 +387,7 @@ def allocator_cap_state() -> dict[str, Any]:
         "error": _CAP.error,
         "outside_bytes": _CAP.outside_bytes,
         "outside_source": "estimated" if _CAP.context_bytes is None else "process-row",
+        "descendant_bytes": _CAP.descendant_bytes,
     }
 
 
@@ -329,7 +398,9 @@ def apply_allocator_cap(ask_bytes: int) -> None:
 
     Outside torch: the bytes the probe measured outside every framework (its
     context; :data:`CONTEXT_ESTIMATE_BYTES` until a device row of this
-    process was read), plus what CuPy's and JAX's pools hold when the cap is set.
+    process was read), plus what CuPy's and JAX's pools hold when the cap is set,
+    plus what the worker's descendants hold by the probe's last reading of their
+    rows; the cap is set again each time a reading finds that changed.
 
     Called by the worker before each task when the pool has ``cap_allocator=True``.
     Where the task's CUDA is already initialised the fraction is set now
@@ -395,7 +466,7 @@ def _set_fraction(torch: Any) -> None:
         if _CAP.total_bytes is None:
             _CAP.total_bytes = int(cuda.get_device_properties(0).total_memory)
         context = _CAP.context_bytes if _CAP.context_bytes is not None else CONTEXT_ESTIMATE_BYTES
-        outside = context + read_held_bytes(leave_out="torch")
+        outside = context + read_held_bytes(leave_out="torch") + _CAP.descendant_bytes
         allowed = max(0, ask - outside)
         _CAP.outside_bytes = outside
         fraction = min(1.0, allowed / _CAP.total_bytes) if _CAP.total_bytes > 0 else 1.0
@@ -406,6 +477,17 @@ def _set_fraction(torch: Any) -> None:
         _CAP.error = None
     except Exception as exc:
         _CAP.error = f"{type(exc).__name__}: {exc}"
+
+
+def _note_descendants_for_cap(descendant_bytes: int) -> None:
+    """The worker's descendants hold ``descendant_bytes`` now: where a cap is wanted and the
+    figure moved, the cap is set again (now, where torch's CUDA is initialised)."""
+    if _CAP.ask_bytes is None or descendant_bytes == _CAP.descendant_bytes:
+        return
+    _CAP.descendant_bytes = max(0, descendant_bytes)
+    torch = sys.modules.get("torch")
+    if torch is not None and initialised_torch_cuda() is not None:
+        _set_fraction(torch)
 
 
 # -- the probe ----------------------------------------------------------------------------
@@ -441,6 +523,18 @@ class Probe:
         # allocator (its context, NCCL, other libraries), from its own device row:
         # it only grows, as a lazily loaded context does. None: never measured.
         self._context_bytes: int | None = None
+        # This task's readings of its tree while processes ran under the worker: how many
+        # told their bytes, and how many could not (rows hidden, 0, or not available).
+        self._whole_reads = 0
+        self._partial_reads = 0
+        # Whether a row under this worker's PID was found to be another namespace's process.
+        self._foreign = False
+        # Whether the driver ever listed this worker's own row: it lists this host's
+        # processes, so a descendant without a row holds nothing (else it may be hidden).
+        self._root_listed = False
+        # The card's used bytes when the task's first reading was taken, and the most since.
+        self._card_used_at_start: int | None = None
+        self._card_used_peak: int | None = None
         # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
         # window is sampled.
         sensor = self._sensor
@@ -476,6 +570,9 @@ class Probe:
                 _reset_torch_peaks(cuda)
         held = self._frameworks.open()
         self._descendant_bytes = 0
+        self._whole_reads = self._partial_reads = 0
+        self._foreign = False
+        self._card_used_at_start = self._card_used_peak = None
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
             return
@@ -491,8 +588,14 @@ class Probe:
             if self._baseline_bytes is not None and self._baseline_bytes <= 0:
                 self._baseline_bytes = None  # a 0 row is the driver's silence, not a reading
             self._read_tree(sensor, device, held, members)
+            if self._foreign:
+                self._baseline_bytes = None  # the row under this PID is not this worker's
             self._sampled_peak_bytes = self._baseline_bytes
             # Sampled on the tree's sampler thread, with the tree it just read.
+            self._tree.tick_with(self._sample)
+        elif _CAP.ask_bytes is not None:
+            # The exact high-water needs no sampling, but the cap follows the descendants.
+            self._read_tree(sensor, device, held, members)
             self._tree.tick_with(self._sample)
 
     def _note_context(
@@ -526,18 +629,68 @@ class Probe:
             tree, own = sensor.read_root_bytes(device, members)
         except Exception:
             return None
-        return self._note_tree(tree, own, held_before)
+        return self._note_tree(tree, own, held_before, members)
 
-    def _note_tree(self, tree: int | None, own: int | None, held_before: int | None) -> int | None:
+    def _note_tree(
+        self,
+        tree: int | None,
+        own: int | None,
+        held_before: int | None,
+        members: frozenset[int] | None = None,
+    ) -> int | None:
         """Note the worker's context and its descendants' bytes from one reading of the tree
-        (``tree``: its bytes, ``own``: the worker's row); the tree's bytes, or ``None``."""
+        (``tree``: its bytes, ``own``: the worker's row, ``members``: the tree it read), and
+        whether that reading told the descendants' bytes; the tree's bytes, or ``None``."""
         own = _trusted(own)
         if own is not None and held_before is not None:  # else nothing to tell apart
-            self._note_context(own, held_before, self._frameworks.sample())
+            held_after = self._frameworks.sample()
+            if self._foreign_row(own, held_before, held_after):
+                own = tree = None  # another process's row: this reading measures nothing
+            else:
+                self._note_context(own, held_before, held_after)
+        if own is not None:
+            self._root_listed = True
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
+            _note_descendants_for_cap(tree - (own or 0))
+        if members is not None and len(members) > 1:  # processes ran under the worker
+            if tree is not None:
+                self._whole_reads += 1
+            else:
+                self._partial_reads += 1
+        self._note_card_used()
         return tree
+
+    def _foreign_row(self, own: int, held_before: int, held_after: int | None) -> bool:
+        """Whether the row under this worker's PID holds more outside its frameworks than any
+        context could (:data:`CONTEXT_PLAUSIBLE_MAX_BYTES`): a process of another PID
+        namespace under the same PID (a container's driver lists host PIDs), not this one.
+        The reason is kept with the task's rejected readings."""
+        outside = own - max(held_before, held_after or 0)
+        if outside <= CONTEXT_PLAUSIBLE_MAX_BYTES:
+            return False
+        self._foreign = True
+        self._tree.note_rejections(
+            (
+                f"the row under this worker's PID ({self._pid}) holds {format_size(outside)} "
+                "outside its frameworks, more than any CUDA context "
+                f"({format_size(CONTEXT_PLAUSIBLE_MAX_BYTES)}): a process of another PID "
+                "namespace listed under the same PID (a container), not this worker; "
+                "refused as implausible",
+            )
+        )
+        return True
+
+    def _note_card_used(self) -> None:
+        """Keep the card's used bytes of the reading just judged: the first, and the most."""
+        used = self._sensor.used_bytes if self._sensor is not None else None
+        if used is None:
+            return
+        if self._card_used_at_start is None:
+            self._card_used_at_start = used
+        if self._card_used_peak is None or used > self._card_used_peak:
+            self._card_used_peak = used
 
     def _sample(self, members: frozenset[int]) -> None:
         """One sample of the device, for the tree's sampler: the tree's bytes now."""
@@ -582,10 +735,15 @@ class Probe:
                 _reset_torch_peaks(cuda)
         requested = requested_bytes_of(oom) if oom is not None else None
         tree = self._tree.close(self._device)
+        # What the task left running still holds its bytes; the next reading says more.
+        _CAP.descendant_bytes = tree.outliving_device_bytes or 0
         rss = read_rss_high_water()
         rss_source = "vmhwm" if rss is not None else "none"
         if rss is not None and tree.rss_peak_bytes is not None:
             rss, rss_source = rss + tree.rss_peak_bytes, "vmhwm+descendants"
+        incomplete = None
+        if not self._exact and tree.descendants:
+            incomplete = self._partial_view(tree.descendants, peak)
         return PeakReport(
             device=self._device_index,
             device_peak_bytes=peak,
@@ -597,11 +755,52 @@ class Probe:
             rss_source=rss_source,
             oom=oom is not None,
             oom_requested_bytes=requested,
+            oom_recognised=oom_recognised_by(oom) if oom is not None else None,
             descendants=tree.descendants,
             outliving_descendants=len(tree.outliving_pids),
             outliving_device_bytes=tree.outliving_device_bytes,
             rejected_readings=tree.rejected,
+            incomplete_reason=incomplete,
+            card_used_peak_bytes=self._card_used_peak,
+            card_used_at_start_bytes=self._card_used_at_start,
         )
+
+    def _partial_view(self, descendants: int, peak: int | None) -> str | None:
+        """Why the peak is a partial view of a tree that had ``descendants``, or ``None``.
+
+        A reading of the tree while processes ran under the worker that told none of
+        their bytes (rows hidden by a container, rows of 0, MIG's "not available")
+        makes the peak partial; so does a tree whose descendants no reading caught
+        where the driver never listed this worker's own row (it may list none of
+        this host's processes). Where the card's used bytes were read, the reason
+        says what they bound the true peak by.
+        """
+        if self._partial_reads:
+            said = (
+                f"{descendants} process(es) ran under the worker and {self._partial_reads} "
+                f"reading(s) of the tree could not tell their device bytes (the driver lists "
+                "none of them, or only rows of 0 or without a figure)"
+            )
+        elif not self._whole_reads and not self._root_listed:
+            said = (
+                f"{descendants} process(es) ran under the worker and the driver never listed "
+                "this worker's processes, so their device bytes were not read"
+            )
+        else:
+            return None
+        used, start = self._card_used_peak, self._card_used_at_start
+        if used is not None and start is not None:
+            rise = max(0, used - start)
+            said += (
+                f"; the card's used bytes, as sampled, rose by {format_size(rise)} during the "
+                f"task (to {format_size(used)})"
+            )
+            if peak is not None and rise > peak - (self._baseline_bytes or 0):
+                said += (
+                    f", more than the {format_size(peak)} reported rose: the unread processes "
+                    "(or another tenant) held the difference"
+                )
+        return said
 
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
@@ -609,7 +808,7 @@ class Probe:
         held_before = self._frameworks.sample()
         # The high-water and the tree's rows, from one reading where the sensor can.
         peak, tree, own = sensor.read_peak_and_root(device, members)
-        self._note_tree(tree, own, held_before)
+        self._note_tree(tree, own, held_before, members)
         return peak, "simulator" if sensor.name == "simulator" else f"{sensor.name}-exact"
 
     def _stop_sampling(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
@@ -623,6 +822,8 @@ class Probe:
             lifetime_max = _trusted(sensor.read_process_max_bytes(device, self._pid))
         except Exception:
             lifetime_max = None
+        if self._foreign:
+            lifetime_max = None  # the driver's maximum under this PID is another process's
         # The driver's own maximum rose during this task: it misses no spike of the
         # worker's. It is the worker's alone: its descendants' bytes are added.
         rose = lifetime_max is not None and lifetime_max > (self._max_at_start or 0)

@@ -36,9 +36,11 @@ from gpupool._sensors.base import Sensor
 from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.tree import (
     MAX_DESCENDANTS,
+    read_children_of,
     read_children_rss_high_water,
     read_descendants,
     read_rss_high_water_of,
+    reap_adopted,
 )
 
 if TYPE_CHECKING:
@@ -130,6 +132,10 @@ class TreeWatch:
         self._children_rss_at_start: int | None = None
         # Who ran at the window's end, read by end() for close() to sum up.
         self._ended: set[tuple[int, str]] | None = None
+        # Descendants first seen below a child of the root: if their parent exits they are
+        # re-parented to the root (a worker is a child subreaper), which reaps them once
+        # they exit (no task waits for them).
+        self._adoptable: set[int] = set()
         self._new_sampler()
 
     def _new_sampler(self) -> None:
@@ -164,6 +170,10 @@ class TreeWatch:
         found = read_descendants(self.root_pid, self._proc, own=own)
         if not found and not self._seen:
             return found, set()  # the usual case: no process under the worker, before or now
+        if found and own is not False and len(self._adoptable) < MAX_DESCENDANTS:
+            direct = read_children_of(self.root_pid, self._proc)
+            if direct is not None:
+                self._adoptable.update(pid for pid in found if pid not in direct)
         identities = self._identities(found) if found else set()
         known = set(found)
         with self._lock:
@@ -326,6 +336,8 @@ class TreeWatch:
         with self._lock:
             outliving = tuple(sorted(pid for pid, _ in running - self._at_start)) if running else ()
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
+        if self._adoptable and self.root_pid == self._owner_pid:
+            self._reap_adopted()
         children = read_children_rss_high_water()
         before = self._children_rss_at_start
         if children is not None and before is not None and children > before:
@@ -345,6 +357,14 @@ class TreeWatch:
             rss_peak_bytes=rss_bytes or None,
             rejected=reasons,
         )
+
+    def _reap_adopted(self) -> None:
+        """Reap the adopted orphans that have exited; forget those no longer running."""
+        reap_adopted(self._adoptable)
+        direct = read_children_of(self.root_pid, self._proc) or frozenset()
+        self._adoptable = {
+            pid for pid in self._adoptable if pid in direct or read_start_token(pid) is not None
+        }
 
 
 def _sample_while_watched(ref: weakref.ReferenceType[TreeWatch]) -> None:
@@ -378,6 +398,9 @@ class TreeSensor(Sensor):
         self.watch = watch
         self.name = inner.name
         watch.sensor = self
+        # The card's used bytes at the last reading judged (``None``: not read, or unified
+        # memory, where "used" is the host's): the probe's cross-check of a partial view.
+        self.used_bytes: int | None = None
         # The last judgement of a reading's rows (the very rows and memory objects, and the
         # tree): a sensor that gives the same objects for an unchanged card (the
         # simulator's) is not judged again for the same tree.
@@ -470,6 +493,7 @@ class TreeSensor(Sensor):
         members: Collection[int],
     ) -> tuple[int | None, int | None]:
         """``members``' bytes and the root's own row in one reading's rows (reasons kept)."""
+        self.used_bytes = memory.used_bytes if memory is not None and not memory.unified else None
         if rows is None:
             return None, None
         judged = self._judged

@@ -46,6 +46,7 @@ from gpupool._commands.run_output import (
     InputEnded,
     Job,
     OutputMode,
+    describe_status,
     follow_jobs,
     parse_halt,
 )
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ARGUMENTS_MARKER",
     "COMMAND_GRACE_S",
+    "CommandOutOfMemory",
     "MAX_FAILED_STATUS",
     "MAX_UNPRINTED_COMMANDS",
     "REPLACEMENT_STRINGS",
@@ -194,6 +196,39 @@ class _StopFlag:
         self.requested = True
 
 
+class CommandOutOfMemory(RuntimeError):
+    """A command failed and its error output says the device ran out of memory.
+
+    Raised in the worker in place of the command's exit status, so the pool
+    classifies and retries it as it does a task's own out-of-memory. The
+    message carries the status and the line that said so (kept for the error).
+    """
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return CommandOutOfMemory, (str(self), self.status)
+
+
+def _ran_out_of_memory(status: int, stderr_path: str) -> CommandOutOfMemory | None:
+    """The command's failure as an out-of-memory, where its error output says one."""
+    from gpupool._child.probe import OUTPUT_TAIL_BYTES, oom_in_output
+
+    try:
+        with open(stderr_path, "rb") as err:
+            err.seek(max(0, os.fstat(err.fileno()).st_size - OUTPUT_TAIL_BYTES))
+            line = oom_in_output(err.read())
+    except OSError:
+        return None
+    if line is None:
+        return None
+    return CommandOutOfMemory(
+        f"the command ran the device out of memory ({describe_status(status)}): {line}", status
+    )
+
+
 def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> int:
     """Run ``command`` through ``/bin/sh`` in a session of its own; its exit status.
 
@@ -203,7 +238,23 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
     is ended (:func:`_end_group`) once it exits, so no process of a command
     outlives its task. On SIGTERM (the pool stopping), the command's process
     group is ended before the worker exits by the same signal.
+
+    Raises:
+        CommandOutOfMemory: the command failed and the end of its error output
+            says the device ran out of memory (CUDA's, cuDNN's, cuBLAS's,
+            NCCL's, torch's, CuPy's or JAX's words), so the pool classifies and
+            retries it as a task's own out-of-memory.
     """
+    status = _run_in_session(command, cwd, stdout_path, stderr_path)
+    if status != 0:
+        oom = _ran_out_of_memory(status, stderr_path)
+        if oom is not None:
+            raise oom
+    return status
+
+
+def _run_in_session(command: str, cwd: str, stdout_path: str, stderr_path: str) -> int:
+    """:func:`run_command`'s run: the command's exit status."""
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         proc = subprocess.Popen(
             command,

@@ -36,6 +36,7 @@ __all__ = [
     "InputEnded",
     "Job",
     "OutputMode",
+    "describe_status",
     "follow_jobs",
     "parse_halt",
 ]
@@ -280,6 +281,11 @@ def _classify(job: Job, tally: _Tally) -> str | None:
             tally.stopped += 1  # stopped, or never started, by --halt
             return None
         tally.failed += 1
+        ran: object = getattr(exc, "status", None)
+        if type(exc).__name__ == "CommandOutOfMemory" and isinstance(ran, int):
+            # It ran, and the pool's retries of its out-of-memory did not get it through.
+            tally.last_failed_status = ran if ran > 0 else 128 - ran
+            return str(exc)
         tally.last_failed_status = 1
         return f"could not run ({type(exc).__name__}: {str(exc).rstrip('.')})"
     if status == 0:
@@ -290,7 +296,7 @@ def _classify(job: Job, tally: _Tally) -> str | None:
         return None
     tally.failed += 1
     tally.last_failed_status = status if status > 0 else 128 - status
-    return _describe_status(status)
+    return describe_status(status)
 
 
 def _say_problem(job: Job, stderr: IO[bytes]) -> None:
@@ -311,7 +317,8 @@ def _cut(text: str) -> str:
     return f"{text[: MAX_SHOWN_CHARS - 3]}..."
 
 
-def _describe_status(status: int) -> str:
+def describe_status(status: int) -> str:
+    """How a command with exit ``status`` ended, in words."""
     if status < 0:
         try:
             name = signal.Signals(-status).name

@@ -42,7 +42,8 @@ From them, in this order:
    price, ``others = max(B - A, (n - 1) * need)`` (tasks of one key are alike;
    the record does not name the others' keys), plus ``(W - n) * r`` for the
    idle or retiring workers' contexts (a context is at most what the failing
-   task reached: ``r`` includes its own context). A record that carries
+   task reached: ``r`` includes its own context; where the child could not
+   measure ``r``, as with rows hidden in a container, ``A`` stands for it). A record that carries
    ``live_pool_bytes`` (the pool's children as read) is used as is.
 3. **Outside the pool** then held at least ``outside = U - children``, which
    the census priced at ``C + O``. ``growth = outside - (C + O)`` is a lower
@@ -435,7 +436,10 @@ def _children_from_bookings(
     if shortfall and need is not None and running is not None:
         others = max(others, max(0, running - 1) * need)
     idle = max(0, (most_running or 0) - (running or 0))
-    return others + (reached or 0) * (1 + idle)
+    # Without the failing child's peak (rows hidden: a container, MIG), it and each idle
+    # worker count at its ask: from above, as the rest of the step (never 0, which would
+    # name the pool's own bytes a co-tenant's growth).
+    return others + (reached if reached is not None else ask) * (1 + idle)
 
 
 def _split_growth(

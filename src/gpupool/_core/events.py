@@ -136,6 +136,7 @@ EventName = Literal[
     "shutdown",
     "card_read",
     "peaks_vary",
+    "unexplained_memory",
     "predicted",
     "outlier",
 ]
@@ -177,6 +178,8 @@ EVENTS: Mapping[str, str] = {
     "peaks_vary": "a task key's measured peaks vary a lot (the largest more than twice the "
     "least and more than the margin floor above it, from three on): its margin is held to "
     "their range; give its tasks size= or keys of their own",
+    "unexplained_memory": "the card's used bytes that no process's row explains rose while "
+    "the pool's tasks ran: managed memory, a process the driver does not list, or a spike",
     "predicted": "a feature of the calls (an argument's length, nbytes or value) began or "
     "stopped explaining a task key's peaks: its tasks are priced one by one from it",
     "outlier": "a task's peak lay far outside its key's distribution: kept apart, priced for "

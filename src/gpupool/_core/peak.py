@@ -45,6 +45,21 @@ class PeakReport:
         rejected_readings: why readings were not taken as measurements
             (implausible per-process rows), at most
             :data:`~gpupool._core.readings.MAX_REJECTIONS`, each once.
+        incomplete_reason: why the peak is a partial view, or ``None`` where it
+            is whole: processes ran under the worker during the task and no
+            reading told their device bytes (their rows hidden, as in a
+            container, of 0, or not available, as on MIG). Such a peak is a
+            lower bound: the planner never lowers a key's ask on it.
+        card_used_peak_bytes: the most the whole card was seen using during
+            the task (an upper bound on the tree's peak, whatever its rows
+            hide), or ``None`` where the card's used bytes were not read.
+        card_used_at_start_bytes: what the card used when the task started,
+            or ``None``.
+        oom_recognised: how the out-of-memory was recognised, where ``oom``:
+            ``"type"`` (a framework's out-of-memory class), ``"message"`` (its
+            words in the error's message), ``"subprocess-output"`` (in the error
+            output of a subprocess the error carries) or ``"command-output"``
+            (in a ``gpupool run`` command's error output).
     """
 
     device: int | None
@@ -61,3 +76,12 @@ class PeakReport:
     outliving_descendants: int = 0
     outliving_device_bytes: int | None = None
     rejected_readings: tuple[str, ...] = ()
+    incomplete_reason: str | None = None
+    card_used_peak_bytes: int | None = None
+    card_used_at_start_bytes: int | None = None
+    oom_recognised: str | None = None
+
+    @property
+    def incomplete(self) -> bool:
+        """Whether the peak is a partial view of the task's tree (:attr:`incomplete_reason`)."""
+        return self.incomplete_reason is not None

@@ -121,8 +121,14 @@ def _sum_member_rows(
     for pid, used in rows:
         if pid not in members:
             continue
-        if used is None:
-            return TreeRows(tree_bytes=None)  # the driver does not say (WDDM, some MIG)
+        if used is None:  # the driver does not say (WDDM, MIG instances)
+            return TreeRows(
+                tree_bytes=None,
+                reasons=(
+                    f"PID {pid}'s row has no figure (the driver's \"not available\", as on a "
+                    "MIG instance): not a measurement",
+                ),
+            )
         if used < floor_bytes:
             return TreeRows(
                 tree_bytes=None,

@@ -77,7 +77,7 @@ LOGGER.addHandler(logging.NullHandler())
 #: vary a lot (give its tasks ``size=`` or keys of their own). Every other
 #: event is ``INFO``.
 WARNING_EVENTS = frozenset(
-    {"out_of_memory", "serial_start", "fixed_width_over_bound", "peaks_vary"}
+    {"out_of_memory", "serial_start", "fixed_width_over_bound", "peaks_vary", "unexplained_memory"}
 )
 
 #: Records that are samples, not decisions: not the pool's "last decision".

@@ -118,6 +118,12 @@ class Postmortem:
             (from the records' ``key_ask_*`` terms).
         key_peaks: per task key, the largest device peak measured (a child's
             report, or what an out-of-memory showed it needed at least).
+        partial_peaks: per task key, why a peak of it was a partial view (flagged
+            incomplete: processes under the worker whose bytes no reading told), the
+            first reason said.
+        unexplained_rise_bytes: the most a card's used bytes that no process's row
+            explains rose while the pool's tasks ran (``unexplained_memory``
+            warnings), or ``None`` where no warning was recorded.
         ooms: the analyses kept (at most :data:`MAX_OOM_DETAILS`).
         tasks: the records about one task in trouble (a lost worker, a deadline passed),
             each naming it (its ``map`` entry, its label), at most
@@ -149,6 +155,8 @@ class Postmortem:
     cap_lifts: _Series = field(default_factory=_Series)
     asks: dict[str, _Series] = field(default_factory=dict)
     key_peaks: dict[str, int] = field(default_factory=dict)
+    partial_peaks: dict[str, str] = field(default_factory=dict)
+    unexplained_rise_bytes: int | None = None
     ooms: list[OomAnalysis] = field(default_factory=list)
     tasks: list[dict[str, Any]] = field(default_factory=list)
     task_records: int = 0
@@ -203,6 +211,8 @@ class Postmortem:
                 }
                 for key, s in sorted(self.asks.items())
             },
+            "partial_peaks": dict(sorted(self.partial_peaks.items())),
+            "unexplained_rise_bytes": self.unexplained_rise_bytes,
             "out_of_memory": self.out_of_memory,
             "verdicts": dict(sorted(self.verdicts.items())),
             "retries": None if self.shutdown is None else self.shutdown.get("retries"),
@@ -302,6 +312,10 @@ class _RunReader:
             self.waiting.append(
                 (number, record, self.most.get(device, 0) if device is not None else 0)
             )
+        elif event == "unexplained_memory":
+            rise = record_int(record, "unexplained_rise_bytes")
+            if rise is not None:
+                pm.unexplained_rise_bytes = max(pm.unexplained_rise_bytes or 0, rise)
         elif event == "shutdown":
             pm.shutdown = {name: record.get(name) for name in _SHUTDOWN_TERMS}
         elif _names_trouble(event) and describe_task(record):
@@ -347,6 +361,9 @@ class _RunReader:
             peak = record_int(record, name)
             if peak is not None:
                 pm.key_peaks[key] = max(pm.key_peaks.get(key, 0), peak)
+        if record.get("peak_incomplete") is True and len(pm.partial_peaks) < MAX_KEYS:
+            reason = record.get("incomplete_reason")
+            pm.partial_peaks.setdefault(key, str(reason)[:400] if reason else "no reason given")
         ask = record_int(record, "key_ask_bytes")
         if ask is None:
             if key not in pm.asks and len(pm.asks) < MAX_KEYS:
@@ -545,6 +562,19 @@ def format_postmortem(pm: Postmortem) -> list[str]:
             )
         )
     lines += _format_asks(pm)
+    if pm.partial_peaks:
+        lines.append(
+            "partial views (a peak that could not read the processes under its worker; "
+            "it never lowered an ask):"
+        )
+        lines += [f"  {key}: {reason}" for key, reason in sorted(pm.partial_peaks.items())]
+    if pm.unexplained_rise_bytes is not None:
+        count = pm.events.get("unexplained_memory", 0)
+        lines.append(
+            f"memory no row explains: rose by up to {format_size(pm.unexplained_rise_bytes)} "
+            f"while tasks ran ({count} warning{'s' if count != 1 else ''}: managed memory, a "
+            "process the driver does not list, or a spike; no task's peak counts it)"
+        )
     if pm.learned:
         lines.append("learned beyond the keys' distributions (features, outliers):")
         lines += [f"  {line}" for line in pm.learned]

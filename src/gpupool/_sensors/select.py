@@ -24,9 +24,9 @@ def default_sensor() -> Sensor:
     """The simulator's sensor inside a ``SimulatedHost`` block, NVML everywhere else."""
     ledger = read_simulator_ledger()
     if ledger:
-        from gpupool._sensors.simulated_sensor import SimulatedSensor
+        from gpupool._sensors.simulated_sensor import simulated_sensor
 
-        return SimulatedSensor(ledger)
+        return simulated_sensor(ledger)
     from gpupool._sensors.nvml import NvmlSensor
 
     return NvmlSensor()

@@ -590,14 +590,17 @@ class Ledger:
 
         self._apply(change, writes=True)
 
-    def grow_tenant(self, device: int, name: str, nbytes: int) -> OutOfMemoryRecord | None:
-        """Add ``nbytes`` to co-tenant ``name`` (created if new); the refusal if it does not fit."""
+    def grow_tenant(
+        self, device: int, name: str, nbytes: int, *, listed: bool = True
+    ) -> OutOfMemoryRecord | None:
+        """Add ``nbytes`` to co-tenant ``name`` (created if new, in the rows unless not
+        ``listed``); the refusal if it does not fit."""
 
         def change(state: LedgerState) -> OutOfMemoryRecord | None:
             dev = device_of(state, device)
             entry = dev["tenants"].get(name)
             if entry is None:
-                entry = [state["next_fake_pid"], 0]
+                entry = [state["next_fake_pid"], 0] + ([] if listed else [1])
                 state["next_fake_pid"] += 1
                 dev["tenants"][name] = entry
             refusal = refuse(state, device, entry[0], nbytes)

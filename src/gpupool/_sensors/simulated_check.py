@@ -7,7 +7,7 @@ field's type is checked once per content before the state is used
 
 from __future__ import annotations
 
-from gpupool._sensors.simulated_state import is_pid_key, tree_window_problem
+from gpupool._sensors.simulated_state import ROWS_MODES, is_pid_key, tree_window_problem
 
 __all__ = ["ledger_problem"]
 
@@ -63,6 +63,9 @@ def ledger_problem(value: dict[str, object]) -> str | None:
     problem = _field_problem(value, _TOP_FIELDS, "the ledger")
     if problem is not None:
         return problem
+    rows = value.get("rows", "listed")  # absent from ledgers written before the modes
+    if rows not in ROWS_MODES:
+        return f"the ledger's 'rows' is {rows!r:.40}"
     writes = value.get("writes", 0)  # the count of writes, absent before the first
     if type(writes) is not int or writes < 0:
         return f"the ledger's 'writes' is {writes!r}"
@@ -78,7 +81,7 @@ def ledger_problem(value: dict[str, object]) -> str | None:
         for name, entry in dev["tenants"].items():
             if not (
                 isinstance(entry, list)
-                and len(entry) == 2
+                and len(entry) in (2, 3)  # a third: 1 for a co-tenant the driver does not list
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry)
             ):
                 return f"{where}'s co-tenant {name!r} is {entry!r}"

@@ -25,7 +25,9 @@ from gpupool._sensors.simulated_state import (
     LedgerState,
     Snapshot,
     device_of,
+    is_mig,
     memory_of,
+    rows_mode,
     rows_of,
 )
 
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 
     from gpupool._core.census import HostCensus
 
-__all__ = ["SimulatedSensor"]
+__all__ = ["HiddenRowsSensor", "SimulatedSensor", "simulated_sensor"]
 
 
 class SimulatedSensor(Sensor):
@@ -69,7 +71,7 @@ class SimulatedSensor(Sensor):
 
     def worker_factory(self) -> Callable[[], Sensor]:
         """A sensor on this ledger, whatever the worker's environment says."""
-        return functools.partial(SimulatedSensor, self._ledger.path)
+        return functools.partial(simulated_sensor, self._ledger.path)
 
     def _view(self) -> LedgerState:
         """The ledger's state, as a driver answers: not at all on a host without one."""
@@ -89,7 +91,13 @@ class SimulatedSensor(Sensor):
         """
         state = self._view()
         return tuple(
-            DeviceInfo(index=index, uuid=dev["uuid"], name=DEVICE_NAME)
+            DeviceInfo(
+                index=index,
+                uuid=dev["uuid"],
+                name=DEVICE_NAME,
+                mig=is_mig(dev),
+                mig_index=0 if is_mig(dev) else None,
+            )
             for index, dev in enumerate(state["devices"])
         )
 
@@ -201,3 +209,35 @@ class SimulatedSensor(Sensor):
         return HostCensus(
             cpus=cpus, available_ram_bytes=ram, cpu_source=cpu_source, ram_source=ram_source
         )
+
+
+class HiddenRowsSensor(SimulatedSensor):
+    """A simulated card whose driver does not list this host's processes' bytes.
+
+    As strict as such a card (a container, rows of 0, a MIG instance): no
+    process reports its own exact high-water, so the probe samples rows, as it
+    does with NVML there, and falls back on the frameworks' counters and the
+    estimated context; a task's descendants go unread and its peak is flagged
+    incomplete. Every other reading is :class:`SimulatedSensor`'s.
+    """
+
+    # The driver's view only: the base sensor's "cannot tell" for every exact window.
+    read_process_peak_bytes = Sensor.read_process_peak_bytes
+    reset_process_peak = Sensor.reset_process_peak
+    start_peak_window = Sensor.start_peak_window
+    start_tree_window = Sensor.start_tree_window
+    read_tree_peak_bytes = Sensor.read_tree_peak_bytes
+
+
+def simulated_sensor(ledger_path: str) -> SimulatedSensor:
+    """The sensor of the simulated host at ``ledger_path``: :class:`HiddenRowsSensor` where its
+    driver does not list this host's processes' bytes (``SimulatedHost(rows=...)``), else
+    :class:`SimulatedSensor`."""
+    sensor = SimulatedSensor(ledger_path)
+    try:
+        state = sensor._view()
+    except NoDriverError:
+        return sensor
+    if rows_mode(state) == "listed" and not any(is_mig(dev) for dev in state["devices"]):
+        return sensor
+    return HiddenRowsSensor(ledger_path)

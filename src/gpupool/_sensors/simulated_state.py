@@ -71,11 +71,12 @@ class DeviceState(TypedDict):
     total: int
     unified: bool
     readable: bool
-    tenants: dict[str, list[int]]  # name -> [fake pid, bytes]
+    tenants: dict[str, list[int]]  # name -> [fake pid, bytes] (+ [1]: not listed in the rows)
     procs: dict[str, ProcessState]  # str(pid) -> charge
     peaks: dict[str, int]  # str(pid) -> lifetime high-water (kept after death)
     peak: int  # the device's high-water of used bytes over the run
     trees: dict[str, TreeWindow]  # str(root pid) -> its tree's high-water window
+    mig: bool  # a MIG instance (absent from older ledgers: not one)
 
 
 class OutOfMemoryRecord(TypedDict):
@@ -95,6 +96,7 @@ class LedgerState(TypedDict):
     version: int
     driver: bool
     container: bool
+    rows: str
     context: int
     cpus: int | None
     ram: int | None
@@ -216,20 +218,45 @@ def memory_of(device: DeviceInfo, dev: DeviceState) -> MemoryReading:
     )
 
 
+#: How the simulated driver lists this host's processes (``SimulatedHost(rows=...)``):
+#: with their bytes; not at all under any PID this host knows (a container: a real
+#: driver lists them under the host's PIDs); with 0 bytes (drivers 535.113 to 560 in a
+#: container); or without a figure (MIG's "not available").
+ROWS_MODES = ("listed", "hidden", "zero", "unavailable")
+
+
 def rows_of(state: LedgerState, dev: DeviceState) -> tuple[ProcessReading, ...] | None:
     if not dev["readable"]:
         return None
     rows = [
         ProcessReading(pid=entry[0], used_bytes=entry[1], name=name)
         for name, entry in dev["tenants"].items()
-        if entry[1] > 0
+        if entry[1] > 0 and entry[2:] != [1]
     ]
-    if not state["container"]:
+    mode = "unavailable" if is_mig(dev) else rows_mode(state)
+    if mode != "hidden":
         rows.extend(
-            ProcessReading(pid=int(key), used_bytes=process_bytes(proc), name=proc["name"])
+            ProcessReading(
+                pid=int(key),
+                used_bytes={"listed": process_bytes(proc), "zero": 0}.get(mode),
+                name=proc["name"],
+            )
             for key, proc in dev["procs"].items()
         )
     return tuple(rows)
+
+
+def is_mig(dev: DeviceState) -> bool:
+    """Whether ``dev`` is a MIG instance (``SimulatedDevice(mig=True)``)."""
+    return cast("dict[str, object]", dev).get("mig") is True
+
+
+def rows_mode(state: LedgerState) -> str:
+    """How the driver lists this host's processes (:data:`ROWS_MODES`)."""
+    if state["container"]:
+        return "hidden"
+    mode = cast("dict[str, object]", state).get("rows", "listed")  # absent: an older ledger
+    return mode if isinstance(mode, str) else "listed"
 
 
 def _in_tree(key: str, proc: ProcessState, root: str) -> bool:

@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING
 from gpupool._sensors.ancestry import read_parent_pid
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from pathlib import Path
 
 __all__ = [
     "MAX_DESCENDANTS",
+    "read_children_of",
+    "reap_adopted",
     "read_children_rss_high_water",
     "read_descendants",
     "read_rss_high_water_of",
@@ -90,6 +93,30 @@ def _scan_parents(proc: str) -> dict[int, list[int]]:
             if parent is not None:
                 children.setdefault(parent, []).append(int(name))
     return children
+
+
+def read_children_of(pid: int, proc: Path | str = "/proc") -> frozenset[int] | None:
+    """``pid``'s direct children now; ``None`` where the kernel cannot list them."""
+    children = _children_of(pid, str(proc))
+    return None if children is None else frozenset(children)
+
+
+def reap_adopted(pids: Iterable[int]) -> int:
+    """Reap those of ``pids`` that are exited children of this process; how many were.
+
+    For a child subreaper (a pool's worker): an orphan re-parented to it that
+    exits stays a zombie until it is reaped, and no one else waits for it.
+    Only PIDs this process adopted may be passed: reaping a child a task
+    started itself would take the status its ``Popen.wait`` reads.
+    """
+    reaped = 0
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            continue  # not our child (never adopted, or reaped already)
+        reaped += done == pid
+    return reaped
 
 
 def _childless() -> bool:

@@ -148,7 +148,7 @@ class Predictions:
 
 
 def _noteworthy(report: PeakReport) -> bool:
-    return bool(report.outliving_descendants or report.rejected_readings)
+    return bool(report.outliving_descendants or report.rejected_readings or report.incomplete)
 
 
 class Learning:
@@ -197,7 +197,10 @@ class Learning:
 
         A task that raised (``failed``) is no sample of its key's peaks: it may have stopped
         before allocating what the work needs. Its peak only raises the key's ask, where it
-        passed it (as an out-of-memory's does), at once."""
+        passed it (as an out-of-memory's does), at once. So does a partial view (the report is
+        ``incomplete``: processes under the worker whose bytes no reading told): it is a
+        lower bound of the task's peak, so it never lowers the ask below ``task_peak`` or the
+        largest whole measurement, and it is recorded once per key."""
         self._learn_rss(report, now_s)
         if report.device is None or run.device is None:
             return
@@ -211,22 +214,31 @@ class Learning:
                 now_s,
             )
             return
-        if failed:
+        if failed or report.incomplete:
+            # A partial view (descendants' bytes unread) is a lower bound: it only raises.
             self._raised_past(run.key, run.device, report, now_s)
             return
         learned = self._learned.setdefault(run.key, Learned(run.device, report, []))
         learned.add(run.device, report, run.size, run.features, run.identity)
 
     def _raised_past(self, key: str, device: int, report: PeakReport, now_s: float) -> None:
-        """A task of ``key`` raised after holding ``report``'s peak: where that passed the
-        key's ask, the ask never falls below it again (with a margin)."""
+        """A task of ``key`` raised after holding ``report``'s peak, or measured it partially:
+        where that passed the key's ask, the ask never falls below it again (with a margin)."""
         peak = report.device_peak_bytes
         assert peak is not None
         self.settle(now_s)
         before = self._state.asks.ask(key)
+        floor = peak + self._state.asks.policy.margin_for(peak)
         if peak <= before.ask_bytes:
+            if report.incomplete:
+                # A lower bound of the task's peak: no later measurement prices the key
+                # below it; said once per key, with what it did not do.
+                after = self._state.asks.floor(key, floor)
+                self._state.rebook(key)
+                learned = Learned(device, report, [(peak, None, ())])
+                self._ask_changed(key, learned, before, after, now_s)
             return
-        after = self._state.asks.floor(key, peak + self._state.asks.policy.margin_for(peak))
+        after = self._state.asks.floor(key, floor)
         self._state.rebook(key)
         self._ask_changed(key, Learned(device, report, [(peak, None, ())]), before, after, now_s)
 
@@ -325,6 +337,11 @@ class Learning:
                     + ("the task" if count == 1 else "one of these tasks")
                     + " started outlived it, holding "
                     f"{format_size(report.outliving_device_bytes)} (the worker keeps them)"
+                )
+            if report.incomplete:
+                said += (
+                    f"; a partial view ({report.incomplete_reason}): it may raise the ask, "
+                    "never lower it"
                 )
             return said
 

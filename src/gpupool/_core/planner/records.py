@@ -180,4 +180,7 @@ def peak_terms(report: PeakReport) -> dict[str, JsonValue]:
         "outliving_descendants": report.outliving_descendants,
         "outliving_device_bytes": report.outliving_device_bytes,
         "rejected_readings": "; ".join(report.rejected_readings) or None,
+        "peak_incomplete": report.incomplete,
+        "incomplete_reason": report.incomplete_reason,
+        "card_used_peak_bytes": report.card_used_peak_bytes,
     }

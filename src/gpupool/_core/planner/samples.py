@@ -39,6 +39,7 @@ __all__ = [
     "SAMPLE_JUMP_FRACTION",
     "SAMPLE_MIN_GAP_S",
     "SAMPLE_STEP_BYTES",
+    "UNEXPLAINED_STEP_BYTES",
     "ReadingSplit",
     "Recorder",
     "card_read",
@@ -55,6 +56,11 @@ SAMPLE_MIN_GAP_S = 0.2
 SAMPLE_JUMP_FRACTION = 1 / 20
 #: Less movement than this is not movement (an idle card is not sampled for it).
 SAMPLE_STEP_BYTES = 64 * MiB
+
+#: How far the card's used bytes that no row explains must rise past their least, while the
+#: pool's tasks run, for an ``unexplained_memory`` warning (and how far past the last one
+#: warned about, doubled, for the next): more than a driver's or an allocator's own drift.
+UNEXPLAINED_STEP_BYTES = 512 * MiB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,6 +215,10 @@ class Recorder:
         self.widths: list[tuple[float, int]] = []
         # The kinds of failed reading recorded already, by card.
         self._errors: set[tuple[int, str]] = set()
+        # By card: the least of its used bytes that no row explains, over the readings whose
+        # rows list every running task, and the most of it already warned about.
+        self._unexplained_least: dict[int, int] = {}
+        self._unexplained_warned: dict[int, int] = {}
 
     def record(self, decision: Decision) -> None:
         """Write one record, after a sample of its card's reading where one is due."""
@@ -233,6 +243,54 @@ class Recorder:
         card.sampled_used_bytes = reading.used_bytes
         card.sampled_running = len(card.runs)
         self._emit(card_read(card, split, reading.free_bytes, now_s))
+        self._unexplained(card, reading, now_s)
+
+    def _unexplained(self, card: Card, reading: CardReading, now_s: float) -> None:
+        """An ``unexplained_memory`` warning where the card's used bytes that no row explains
+        (``used - every row``) rose by :data:`UNEXPLAINED_STEP_BYTES` or more past their
+        least while the pool's tasks ran: managed memory, a process the driver does not
+        list, or a spike. Judged only on readings whose rows list every running task with
+        its bytes (a container's or MIG's rows would make the pool's own bytes look
+        unexplained), and never on unified memory (its used bytes are the host's)."""
+        rows = reading.process_bytes
+        if rows is None or card.census.unified:
+            return
+        unexplained = max(0, reading.used_bytes - sum(rows.values()))
+        least = self._unexplained_least.get(card.index)
+        if least is None or unexplained < least:
+            self._unexplained_least[card.index] = unexplained
+            return
+        running = [run.pid for run in card.runs.values()]
+        if not running or any(pid is None or rows.get(pid, 0) <= 0 for pid in running):
+            return
+        rise = unexplained - least
+        warned = self._unexplained_warned.get(card.index, 0)
+        if rise < UNEXPLAINED_STEP_BYTES or rise < 2 * warned:
+            return
+        self._unexplained_warned[card.index] = rise
+        self._emit(
+            Decision(
+                event="unexplained_memory",
+                time_s=now_s,
+                device=card.index,
+                width_before=card.width,
+                width_after=card.width,
+                reason=(
+                    f"card {card.index}: {format_size(unexplained)} of its "
+                    f"{format_size(reading.used_bytes)} used is in no process's row, "
+                    f"{format_size(rise)} more than before while {len(running)} task(s) ran: "
+                    "managed (unified) memory, a process the driver does not list, or a "
+                    "spike; no task's peak counts it, so the pool may be priced short"
+                ),
+                extra={
+                    "unexplained_bytes": unexplained,
+                    "unexplained_rise_bytes": rise,
+                    "used_bytes": reading.used_bytes,
+                    "rows_bytes": sum(rows.values()),
+                    "running": len(running),
+                },
+            )
+        )
 
     def sample_cards(self, now_s: float) -> None:
         """The end of a turn of the process layer (its starts made): a sample of each card
