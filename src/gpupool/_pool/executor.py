@@ -250,12 +250,7 @@ def task_options(
     if size is not None:
         # Any real number (numpy's included) is a size, read as a float; one too large
         # for a float is refused as any other bad size is.
-        value = math.nan
-        if isinstance(size, numbers.Real) and not isinstance(size, bool):
-            try:
-                value = float(size)
-            except (ValueError, OverflowError):
-                pass
+        value = _real(size)
         if not math.isfinite(value) or value <= 0:
             raise ConfigurationError(
                 f"size={size!r}: a task's input size must be a positive, finite number "
@@ -765,12 +760,7 @@ def _check_timeout_s(value: object) -> float | None:
     """``options(timeout_s=)``: ``None``, or a positive, finite number of seconds."""
     if value is None:
         return None
-    seconds = math.nan
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except (ValueError, OverflowError):
-            pass
+    seconds = _real(value)
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigurationError(
             f"timeout_s={value!r}: a task's deadline must be a positive, finite number of "
@@ -817,3 +807,14 @@ def _results(
     finally:
         for future in futures:
             future.cancel()
+
+
+def _real(value: object) -> float:
+    """``value`` as a float where it is a real number (numpy's included, never a bool), else
+    NaN: a number too large for a float is NaN too, and refused as any other bad value is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (ValueError, OverflowError):
+            pass
+    return math.nan
