@@ -35,12 +35,10 @@ import os
 import queue
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -53,8 +51,7 @@ from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._integration import check_pool_keywords, pool_report
 from gpupool._pool.dispatcher import callable_name
-from gpupool._pool.executor import _batched, _OptionsView, _results, task_options
-from gpupool._pool.worker import process_chunk
+from gpupool._pool.executor import _OptionsView, map_calls, task_options
 
 if TYPE_CHECKING:
     from gpupool._pool.executor import GpuPoolExecutor
@@ -516,6 +513,8 @@ class RayGpuExecutor(concurrent.futures.Executor):
 
         Raises:
             ValueError: ``chunksize < 1`` or ``buffersize < 1``.
+            TypeError: ``buffersize`` is not an integer (as :meth:`GpuPoolExecutor.map
+                <gpupool.GpuPoolExecutor.map>`).
         """
         return self._map(fn, iterables, timeout, chunksize, buffersize, None)
 
@@ -528,26 +527,14 @@ class RayGpuExecutor(concurrent.futures.Executor):
         buffersize: int | None,
         view: _OptionsView | None,
     ) -> Iterator[Any]:
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
-        if buffersize is not None and (not isinstance(buffersize, int) or buffersize < 1):
-            raise ValueError("buffersize must be None or >= 1.")
         key = callable_name(fn)
-        end_time = None if timeout is None else timeout + time.monotonic()
-        args_iter = zip(*iterables, strict=False)
-        calls: Iterator[Future[Any]]
-        if chunksize == 1:
-            calls = (self._submit(fn, args, {}, view, key) for args in args_iter)
-        else:
-            chunk_fn = partial(process_chunk, fn)
-            calls = (
-                self._submit(chunk_fn, (list(chunk),), {}, view, key)
-                for chunk in _batched(args_iter, chunksize)
-            )
-        futures = collections.deque(
-            calls if buffersize is None else itertools.islice(calls, buffersize)
-        )
-        return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
+
+        def submit(
+            call: Callable[..., Any], args: tuple[Any, ...], _entry: int, _entries: int
+        ) -> Future[Any]:
+            return self._submit(call, args, {}, view, key)
+
+        return map_calls(submit, fn, iterables, timeout, chunksize, buffersize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; by default wait for every task, then shut each node's pool down.

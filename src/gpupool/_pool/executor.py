@@ -643,35 +643,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         buffersize: int | None,
         view: _OptionsView | None,
     ) -> Iterator[Any]:
-        if chunksize < 1:
-            raise ValueError("chunksize must be >= 1.")
-        if buffersize is not None:
-            # As CPython 3.14 checks it: the wrong type is a TypeError, a bad value a ValueError.
-            if not isinstance(buffersize, int):
-                raise TypeError("buffersize must be an integer or None")
-            if buffersize < 1:
-                raise ValueError("buffersize must be None or >= 1.")
         key = callable_name(fn)
-        end_time = None if timeout is None else timeout + time.monotonic()
-        args_iter = zip(*iterables, strict=False)
-        calls: Iterator[Future[Any]]
-        # Each task knows its map position (a chunk: its first and how many).
-        if chunksize == 1:
-            calls = (
-                self._submit(fn, args, {}, view, key, entry) for entry, args in enumerate(args_iter)
-            )
-        else:
-            chunk_fn = partial(process_chunk, fn)
-            calls = (
-                self._submit(chunk_fn, (list(chunk),), {}, view, key, n * chunksize, len(chunk))
-                for n, chunk in enumerate(_batched(args_iter, chunksize))
-            )
-        futures: collections.deque[Future[Any]] = collections.deque(
-            calls if buffersize is None else itertools.islice(calls, buffersize)
-        )
-        results = _results(
-            futures, calls if buffersize is not None else None, end_time, chunksize > 1
-        )
+
+        def submit(
+            call: Callable[..., Any], args: tuple[Any, ...], entry: int, entries: int
+        ) -> Future[Any]:
+            return self._submit(call, args, {}, view, key, entry, entries)
+
+        results = map_calls(submit, fn, iterables, timeout, chunksize, buffersize)
         return self._track(results, iterables)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -767,6 +746,44 @@ def _check_timeout_s(value: object) -> float | None:
             "seconds (such as 600), or None for no deadline."
         )
     return seconds
+
+
+def map_calls(
+    submit: Callable[[Callable[..., Any], tuple[Any, ...], int, int], Future[Any]],
+    fn: Callable[..., Any],
+    iterables: Sequence[Iterable[Any]],
+    timeout: float | None,
+    chunksize: int,
+    buffersize: int | None,
+) -> Iterator[Any]:
+    """``Executor.map``'s body for an executor that submits through ``submit(fn, args,
+    entry, entries)``: the arguments checked as CPython checks them, each call (or chunk of
+    ``chunksize`` calls) submitted with its map position, at most ``buffersize`` ahead of the
+    results, which come back in input order."""
+    if chunksize < 1:
+        raise ValueError("chunksize must be >= 1.")
+    if buffersize is not None:
+        # As CPython 3.14 checks it: the wrong type is a TypeError, a bad value a ValueError.
+        if not isinstance(buffersize, int):
+            raise TypeError("buffersize must be an integer or None")
+        if buffersize < 1:
+            raise ValueError("buffersize must be None or >= 1.")
+    end_time = None if timeout is None else timeout + time.monotonic()
+    args_iter = zip(*iterables, strict=False)
+    calls: Iterator[Future[Any]]
+    # Each task knows its map position (a chunk: its first and how many).
+    if chunksize == 1:
+        calls = (submit(fn, args, entry, 1) for entry, args in enumerate(args_iter))
+    else:
+        chunk_fn = partial(process_chunk, fn)
+        calls = (
+            submit(chunk_fn, (list(chunk),), n * chunksize, len(chunk))
+            for n, chunk in enumerate(_batched(args_iter, chunksize))
+        )
+    futures: collections.deque[Future[Any]] = collections.deque(
+        calls if buffersize is None else itertools.islice(calls, buffersize)
+    )
+    return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
 
 
 def _batched(iterable: Iterator[tuple[Any, ...]], n: int) -> Iterator[tuple[tuple[Any, ...], ...]]:
