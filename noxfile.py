@@ -100,10 +100,22 @@ def tests(session: nox.Session) -> None:
     """The whole test suite on the simulated host (the gpu marker skips without a card),
     in parallel test processes (pytest-xdist), a test module (a CPython test class) to
     each at a time, so that a module's shared pool is built once: ``nox -s tests --
-    -n 0`` runs it in one process, ``-- tests/core`` a part of it."""
+    -n 0`` runs it in one process, ``-- tests/core`` a part of it.
+
+    Hypothesis draws its examples from a fixed seed here, so the gate gives the same
+    verdict on every run; a bare ``pytest`` draws new ones each time, which is where new
+    counterexamples are found (add each one found as an ``@example``)."""
     _check_supported(session)
     session.install("-e", ".[plot,progress,dask,joblib,top,ray]", *_group("test"), TORCH)
-    session.run("pytest", "-n", _test_workers(), "--dist", "loadscope", *session.posargs)
+    session.run(
+        "pytest",
+        "-n",
+        _test_workers(),
+        "--dist",
+        "loadscope",
+        "--hypothesis-seed=0",
+        *session.posargs,
+    )
 
 
 @nox.session(name="tests-minimal", python=PYTHON)

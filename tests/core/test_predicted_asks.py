@@ -68,7 +68,8 @@ def test_peaks_with_no_trend_fall_back_to_the_keys_distribution(
     seed: int, count: int, low_gib: int, spread_gib: int
 ) -> None:
     """Peaks drawn at random, whatever the argument: no feature is taken (a 99.9 % slope
-    test over the few features a call has), and each task gets the key's ask."""
+    test over the few features a call has), and each task gets at least the key's ask (a
+    call like a kept outlier's gets that outlier's peak)."""
     rng = random.Random(seed)
     samples = [
         (items(rng.randint(1, 6)), low_gib * GiB + rng.randint(0, spread_gib * 1024) * MiB)
@@ -80,7 +81,14 @@ def test_peaks_with_no_trend_fall_back_to_the_keys_distribution(
         # Where chance made a line, it must be one that explains nearly all the spread.
         assert fit.r2 >= 0.9 and fit.samples >= FIT_FROM_SAMPLES
     else:
-        assert asks.ask_for("k", None, items(2)).ask_bytes == asks.ask("k").ask_bytes
+        key_ask_bytes = asks.ask("k").ask_bytes
+        # A call unlike any measured one (seven items: draws give one to six) is priced by
+        # the key's distribution.
+        assert asks.ask_for("k", None, items(7)).ask_bytes == key_ask_bytes
+        # A call like a measured one is never priced below the key: where the draw made that
+        # call's only task an outlier, it is priced at the outlier's own peak, above it.
+        for n in range(1, 7):
+            assert asks.ask_for("k", None, items(n)).ask_bytes >= key_ask_bytes
 
 
 def test_random_peaks_are_almost_never_taken_for_a_trend() -> None:
