@@ -479,7 +479,9 @@ def _measured(probe: Probe, failure: BaseException | None, device_index: int | N
     from gpupool._child.probe import is_device_oom
 
     try:
-        if failure is not None and is_device_oom(failure):
+        if failure is None:
+            return probe.stop()
+        if is_device_oom(failure):
             return probe.stop(oom=failure)
         # Any other failure: an out-of-memory all the same where the card was full meanwhile.
         return probe.stop(failure=failure)
