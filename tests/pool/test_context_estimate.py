@@ -192,3 +192,34 @@ def test_shared_table_files_are_refused_unless_their_owner_wrote_them(tmp_path):
     again.read()
     assert again.estimate(MODEL).context_bytes == GiB
     assert [p.name for p in table.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_names_that_are_not_short_printable_text_are_refused(tmp_path):
+    """A program name with a terminal escape, or a model name past 96 characters, is refused
+    (the source text goes into records and terminals): its entry does not count."""
+    table = tmp_path / "table"
+    table.mkdir(mode=0o700)
+    escaped = {**_entry(2 * GiB), "program": "evil\x1b[31m.py"}
+    (table / "contexts.json").write_bytes(_file({MODEL: escaped, "x" * 97: _entry(2 * GiB)}))
+    contexts = ContextFile(table, shared=False, pool_id="1.1")
+    contexts.read()
+    assert "not a short printable name" in contexts.refused["contexts.json"]
+    assert contexts.records == []
+
+
+def test_a_larger_measurement_replaces_the_recorded_one_and_a_smaller_does_not(tmp_path):
+    """A context that grew (700 MiB, then 900 MiB) is recorded at its largest; a second pool's
+    smaller measurement (800 MiB) leaves the file as it is; the estimate is the largest."""
+    table = tmp_path / "table"
+    first = ContextFile(table, shared=False, pool_id="1.1")
+    first.read()
+    assert first.note(MODEL, 700 * MiB) and first.note(MODEL, 900 * MiB)
+    second = ContextFile(table, shared=False, pool_id="2.1")
+    second.read()
+    assert second.note(MODEL, 800 * MiB) is False
+    assert first.writes == 2 and second.writes == 0
+    third = ContextFile(table, shared=False, pool_id="3.1")
+    third.read()
+    estimate = third.estimate(MODEL)
+    assert estimate.context_bytes == 900 * MiB
+    assert "pool 1.1" in estimate.source
