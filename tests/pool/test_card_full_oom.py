@@ -57,6 +57,21 @@ def test_a_subprocess_that_exits_1_on_a_card_with_room_is_not_retried():
     assert "out_of_memory" not in events
 
 
+@pytest.mark.slow
+def test_a_task_taken_for_card_full_that_fails_alone_gets_its_own_error():
+    """A child that asks for more than the 4 GiB card (5 GiB) is refused and exits 1 silently:
+    the task is taken for an out-of-memory (card-full), fails alone on the card, and its own
+    CalledProcessError reaches the future (not a DeviceOutOfMemoryError)."""
+    with SimulatedHost([SimulatedDevice("4GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="1GiB", reserve=0) as ex:
+            future = ex.submit(full_card_tasks.silent_failure, "5GiB")
+            with pytest.raises(subprocess.CalledProcessError):
+                future.result(timeout=60)
+            ooms = [d.to_dict() for d in ex.decisions if d.event == "out_of_memory"]
+    assert ooms and ooms[-1]["oom_recognised"] == "card-full"
+    assert ooms[-1]["retry"] is False
+
+
 # -- the probe's reading of a full card (rows hidden: sampled, as on a real card) -----------
 
 _HOLDER = """

@@ -704,7 +704,12 @@ class Dispatcher:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
-            self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
+            if report.oom_recognised == "card-full":
+                # Taken for an out-of-memory by the card's state, not by what it said: past
+                # the retries the task's own error reaches its future, as it was raised.
+                self.outcomes.fail(item, exc)
+            else:
+                self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
 
     def _exited(self, event: Exited) -> None:
         """A worker's process ended: only the task it ran fails, and the tasks queued behind
