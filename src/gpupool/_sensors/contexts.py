@@ -232,11 +232,10 @@ class ContextFile:
 
     def _replace(self, dir_fd: int, data: bytes) -> None:
         """Replace this user's file whole: a new file, renamed over the old one."""
-        temporary = f".{self._name}.{os.getpid()}.tmp"
+        # A name no other user can guess and take first (in a shared directory they could).
+        temporary = f".{self._name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
         mode = 0o644 if self.shared else 0o600
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary, dir_fd=dir_fd)  # left by a pool of this PID that was killed
         fd = os.open(temporary, flags, mode, dir_fd=dir_fd)
         try:
             os.fchmod(fd, mode)  # the umask may have narrowed it
@@ -258,8 +257,11 @@ class ContextFile:
         """The directory's descriptor, where it is safe to use (as the booking table judges
         it); ``None`` (the reason in :attr:`problem`, unless it does not exist yet)."""
         if create:
+            mode = 0o1777 if self.shared else 0o700
             with contextlib.suppress(OSError):
-                self.directory.mkdir(mode=0o1777 if self.shared else 0o700, parents=True)
+                self.directory.mkdir(mode=mode, parents=True)
+                if self.shared:
+                    os.chmod(self.directory, mode)  # the umask narrowed it (as the table does)
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             dir_fd = os.open(self.directory, flags)
