@@ -93,6 +93,7 @@ __all__ = [
     "apply_allocator_cap",
     "card_full_free_bytes",
     "card_full_in_task",
+    "context_figure",
     "device_oom_of",
     "is_device_oom",
     "oom_in_output",
@@ -270,7 +271,6 @@ def oom_recognised_by(exc: BaseException) -> str | None:
                 # Its error output said so, or its card was full as it failed ("card-full").
                 how = getattr(linked, "recognised", None)
                 return how if how in ("command-output", "card-full") else "command-output"
-
             if (cls.__module__, cls.__name__) in _OOM_TYPES:
                 return "type"
         try:
