@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,6 +77,7 @@ def test_a_task_taken_for_card_full_that_fails_alone_gets_its_own_error():
 
 _HOLDER = """
 import sys
+import time
 import gpupool.testing as gt
 with gt.hold(sys.argv[1]):
     print("held", flush=True)
@@ -129,3 +131,29 @@ def test_a_card_with_room_or_filled_by_another_is_no_out_of_memory(size, co_tena
     report = _fail_while_a_child_holds(size, co_tenant=co_tenant)
     assert report.oom is False
     assert report.oom_recognised is None and report.card_full_reason is None
+
+
+def test_the_simulator_tells_a_refusal_to_a_process_of_the_tree_and_to_no_other_tree():
+    """A child asking for more than the 8 GiB card has (9 GiB) is refused; the sensor tells the
+    refusal to its parent's tree (by the ancestors the ledger noted as it refused), after the
+    child exited, and not to a tree it is not in, nor to a window opened after it."""
+    code = (
+        "import gpupool.testing as gt\n"
+        "try:\n"
+        "    with gt.hold('9GiB'):\n"
+        "        pass\n"
+        "except gt.SimulatedOutOfMemory:\n"
+        "    pass\n"
+    )
+    with SimulatedHost([SimulatedDevice("8GiB")], context="300MiB") as host:
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        sensor = host.sensor()
+        since = time.time()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        refused_to_us = sensor.read_refused_bytes(info, os.getpid(), since)
+        stranger = sensor.read_refused_bytes(info, 2**22 - 1, since)  # no process's ancestor
+        refused_later = sensor.read_refused_bytes(info, os.getpid(), time.time() + 1)
+    assert refused_to_us == 9 * GiB
+    assert stranger == 0
+    assert [e.requested_bytes for e in host.out_of_memory_events] == [9 * GiB]
+    assert refused_later == 0
