@@ -264,3 +264,36 @@ def test_an_options_task_peak_is_parsed_once_not_at_each_submit(host, monkeypatc
         assert [f.result(timeout=60) for f in futures] == [0, 1, 2]
         assert ex.statistics().asks["big"].estimate_bytes == 2 * 1024**3
     assert parsed == ["2GiB"]
+
+
+@pytest.mark.parametrize("name", ["task_peak", "reserve", "margin"])
+def test_a_fraction_of_a_byte_is_refused_for_every_size(host, name):
+    """task_peak=1.5 (1.5 GiB with its unit left out) is refused, naming the unit, never
+    read as 1 byte: for every size the constructor takes."""
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"^{name}=1\.5 is a fraction of a byte: .*such as {name}='1\.5GiB'\.$",
+    ):
+        GpuPoolExecutor(**{"task_peak": "1GiB", name: 1.5})
+
+
+@pytest.mark.parametrize("variable", ["GPUPOOL_TASK_PEAK", "GPUPOOL_RESERVE"])
+def test_a_fraction_of_a_byte_in_a_variable_is_refused(host, monkeypatch, variable):
+    """A GPUPOOL_* size variable of "1.5" is refused as the argument would be, naming it."""
+    monkeypatch.setenv(variable, "1.5")
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"^{variable}='1\.5' is a fraction of a byte: .*\(read from the environment: "
+        rf"fix or unset {variable}\)$",
+    ):
+        GpuPoolExecutor(max_workers=1)
+
+
+def test_a_fraction_of_a_byte_in_options_is_refused_and_loses_nothing(host):
+    """options(task_peak=1.5) is refused at once; the pool and its work go on."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        before = ex.submit(tasks.sleep_return, 1, 0.0)
+        with pytest.raises(ConfigurationError, match=r"^task_peak=1\.5 is a fraction of a byte"):
+            ex.options(key="k", task_peak=1.5)
+        assert before.result(timeout=60) == 1
+        assert ex.submit(tasks.sleep_return, 2, 0.0).result(timeout=60) == 2
