@@ -284,6 +284,21 @@ class Dispatcher:
         self.workers.close()
         self.inbox.close()
 
+    def refused(self, exc: BaseException) -> None:
+        """The pool was refused as it was built (``exc``: strict mode's first width, or any
+        error of :meth:`start`): the run the log opened ends with its ``shutdown`` record,
+        and the descriptors are given back (no thread will)."""
+        try:
+            record = self.planner.shutdown_record(
+                self.now(),
+                self.outcomes.counts,
+                tasks_lost=0,
+                refused=f"{type(exc).__name__}: {exc}",
+            )
+            self.log.append(record)
+        finally:
+            self.close()
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
         if self.thread.ident is None or threading.current_thread() is self.thread:

@@ -563,25 +563,38 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         parent_pid=os.getpid(),
     )
     share, directory = options.share_bookings, options.bookings_dir
-    dispatcher = Dispatcher(
-        census=census,
-        devices=devices,
-        sensor=sensor,
-        asks=AskTable(policy=options.policy, default_estimate_bytes=peak_bytes),
-        config=config,
-        workers=options.workers,
-        log=DecisionLog(options.log_path, settings=options.settings()),
-        bookings=open_booking_table(share=share, directory=directory, sensor=sensor)
-        if devices
-        else None,
-        pool_id=new_pool_id(),
-        memory=None
-        if options.memory_path is None or options.width is not None
-        else PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards}))),
+    bookings = (
+        open_booking_table(share=share, directory=directory, sensor=sensor) if devices else None
     )
+    memory = (
+        None
+        if options.memory_path is None or options.width is not None
+        else PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards})))
+    )
+    # Opened last, so that nothing above can leave its run (run_started) without an end; a
+    # refusal from here on ends it (Dispatcher.refused).
+    log = DecisionLog(options.log_path, settings=options.settings())
+    try:
+        dispatcher = Dispatcher(
+            census=census,
+            devices=devices,
+            sensor=sensor,
+            asks=AskTable(policy=options.policy, default_estimate_bytes=peak_bytes),
+            config=config,
+            workers=options.workers,
+            log=log,
+            bookings=bookings,
+            pool_id=new_pool_id(),
+            memory=memory,
+        )
+    except BaseException:  # out of descriptors, say: no planner to write the run's end
+        log.close()
+        if bookings is not None:
+            bookings.close()
+        raise
     try:
         dispatcher.start(priced=options.task_peak_bytes is not None)
-    except BaseException:
-        dispatcher.close()  # no thread will: give its descriptors back
+    except BaseException as exc:
+        dispatcher.refused(exc)  # the run its log opened ends; its descriptors given back
         raise
     return dispatcher, census, config.max_workers

@@ -363,12 +363,20 @@ class Planner:
         return self.views.refused
 
     def shutdown_record(
-        self, now_s: float, counts: Mapping[str, int], *, tasks_lost: int
+        self,
+        now_s: float,
+        counts: Mapping[str, int],
+        *,
+        tasks_lost: int,
+        refused: str | None = None,
     ) -> Decision:
-        """The run's totals, as the last record."""
+        """The run's totals, as the last record (``refused``: the error that refused the pool
+        as it was built)."""
         totals = collections.Counter(self.state.counts)
         totals.update(counts)
-        return records.shutdown(now_s, self.views.width, totals, tasks_lost=tasks_lost)
+        return records.shutdown(
+            now_s, self.views.width, totals, tasks_lost=tasks_lost, refused=refused
+        )
 
     # -- views out (never the state itself) --------------------------------------------------
 
