@@ -299,6 +299,27 @@ def test_the_first_decision_goes_to_the_logger_and_the_file_at_once(host, tmp_pa
 # -- measurements ----------------------------------------------------------------------------
 
 
+def test_statistics_asks_lists_every_key_submitted_with_its_basis(host, tmp_path):
+    """statistics().asks lists a key as soon as its task is submitted, priced by the estimate
+    (the pool's task_peak, or the key's own) with basis "estimated", then "measured"."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        try:
+            running = ex.submit(tasks.touch_and_wait, str(started), str(release), 1)
+            waiting = ex.options(key="hinted", task_peak="2GiB").submit(tasks.sleep_return, 2, 0.0)
+            _wait_for(started.exists, "the first task to run in its worker")
+            _wait_for(lambda: "hinted" in ex.statistics().asks, "the hinted key's snapshot")
+            asks = ex.statistics().asks
+            assert {key: (a.basis, a.ask_bytes) for key, a in asks.items()} == {
+                "tasks.touch_and_wait": ("estimated", 1 * GiB),
+                "hinted": ("estimated", 2 * GiB),
+            }
+        finally:
+            release.touch()
+        assert (running.result(timeout=60), waiting.result(timeout=60)) == (1, 2)
+    assert {a.basis for a in ex.statistics().asks.values()} == {"measured"}
+
+
 def test_a_measured_peak_includes_the_context_and_gets_the_default_margin():
     """A task's peak counts its CUDA context; the ask adds max(256 MiB, 10 %) by default."""
     with SimulatedHost([SimulatedDevice("80GiB")], cpus=2, host_ram="64GiB"):  # 300 MiB context

@@ -104,7 +104,8 @@ class PoolStatistics:
             card, for the work it holds (with mixed keys: priced at each
             pending and running task's own ask).
         widths: ``(time_s, width)`` at each decision that changed the width.
-        asks: each task key's current ask, with its basis.
+        asks: every task key submitted so far: its current ask, with its basis
+            (``estimated`` until a task of the key is measured).
         widths_by_key: for each key with work pending or running, how many
             of its tasks could run at once beside the other keys' running tasks
             (each at the key's own ask, not at a size given with ``options``).

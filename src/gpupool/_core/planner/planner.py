@@ -149,6 +149,7 @@ class Planner:
         of its input, and ``features``: what its call's arguments say, from which its ask may
         be predicted (:meth:`AskTable.ask_for`); ``identity``: which task it is, on every
         record about it."""
+        self.state.asks.priced(key)  # statistics().asks lists it, estimated or not
         if hint_bytes is not None:
             self.state.asks.hint(key, hint_bytes)  # the width prices it at once
             self.state.rebook(key)
