@@ -389,6 +389,45 @@ def test_a_live_gate_wait_is_logged_once_per_wait_not_once_per_poll():
 # -- forced shutdown -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("method", "signal_name"),
+    [("kill_workers", "SIGKILL"), ("terminate_workers", "SIGTERM")],
+)
+def test_a_task_whose_worker_is_still_booting_fails_naming_the_pools_own_call(
+    host, tmp_path, method, signal_name
+):
+    """kill_workers()/terminate_workers() while the worker started for a task is still in its
+    initializer: that task (RUNNING: a worker was started for it) fails with WorkerLostError
+    naming the call and its signal, as a running task's does; what waited is cancelled, the
+    pool is not broken, and no task is lost."""
+    booting, release = tmp_path / "booting", tmp_path / "release"
+    ex = GpuPoolExecutor(
+        max_workers=1,
+        task_peak="1GiB",
+        initializer=tasks.touch_and_wait,
+        initargs=(str(booting), str(release)),
+    )
+    try:
+        handed = ex.submit(tasks.sleep_return, 1, 0.0)
+        waiting = ex.submit(tasks.sleep_return, 2, 0.0)
+        _wait_for(booting.exists, "the worker to run its initializer")
+        assert handed.running()
+        getattr(ex, method)()
+        with pytest.raises(WorkerLostError) as info:
+            handed.result(timeout=30)
+        assert info.value.signal_name == signal_name
+        assert f"{method}() stopped the pool before this task ran" in str(info.value)
+        assert waiting.cancelled()
+        with pytest.raises(RuntimeError, match=r"^cannot schedule new futures after shutdown$"):
+            ex.submit(abs, 1)
+    finally:
+        release.touch()
+        ex.shutdown()
+    stats = ex.statistics()
+    assert (stats.tasks_failed, stats.tasks_cancelled, stats.tasks_submitted) == (1, 1, 2)
+    assert [d.to_dict()["tasks_lost"] for d in ex.decisions if d.event == "shutdown"] == [0]
+
+
 def test_kill_workers_cancels_pending_tasks_and_sigkills_the_running_one(host, tmp_path):
     """kill_workers(): what has not started is cancelled; the running task's worker is SIGKILLed."""
     ex = GpuPoolExecutor(max_workers=1, task_peak="1GiB")

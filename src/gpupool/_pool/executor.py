@@ -669,11 +669,21 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             self._dispatcher.join()
 
     def terminate_workers(self) -> None:
-        """Shut down without waiting, cancel what has not started, and SIGTERM the workers."""
+        """Shut down without waiting, cancel what has not started, and SIGTERM the workers.
+
+        A task whose future is RUNNING fails with :class:`~gpupool.WorkerLostError` (a
+        ``BrokenProcessPool``, as in the standard pool) naming this call and its signal,
+        whether its worker was running it or was still starting for it.
+        """
         self._force(signal.SIGTERM)
 
     def kill_workers(self) -> None:
-        """Shut down without waiting, cancel what has not started, and SIGKILL the workers."""
+        """Shut down without waiting, cancel what has not started, and SIGKILL the workers.
+
+        A task whose future is RUNNING fails with :class:`~gpupool.WorkerLostError` (a
+        ``BrokenProcessPool``, as in the standard pool) naming this call and its signal,
+        whether its worker was running it or was still starting for it.
+        """
         self._force(signal.SIGKILL)
 
     def _force(self, sig: signal.Signals) -> None:
