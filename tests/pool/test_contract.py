@@ -89,6 +89,28 @@ def test_map_orders_results_and_honours_chunksize_and_buffersize(pool):
     assert pool.statistics().tasks_submitted == submitted
 
 
+def test_map_whose_iterable_raises_cancels_what_it_submitted(host, tmp_path):
+    """map over an iterable that raises part-way raises its error, and cancels the tasks it
+    had submitted and that have not started: the caller holds none of their futures."""
+    release = tmp_path / "release"
+
+    def paths():
+        for i in range(4):
+            yield str(tmp_path / f"started{i}")
+        raise ValueError("bad input after item 3")
+
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        try:
+            with pytest.raises(ValueError, match=r"^bad input after item 3$"):
+                ex.map(tasks.touch_and_wait, paths(), [str(release)] * 5)
+        finally:
+            release.touch()  # the one task that may have started ends
+    stats = ex.statistics()
+    assert stats.tasks_submitted == 4
+    assert stats.tasks_cancelled >= 3
+    assert stats.tasks_cancelled + stats.tasks_completed == 4
+
+
 def test_map_timeout_raises_timeout_error(pool):
     """A map result not ready within timeout raises concurrent.futures.TimeoutError.
 

@@ -623,6 +623,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         Raises:
             ValueError: ``chunksize < 1`` or ``buffersize < 1``.
             TypeError: ``buffersize`` is not an integer (as on CPython 3.14).
+
+        An error an iterable raises reaches the caller from this call, or, with
+        ``buffersize``, as the results are consumed; the tasks submitted before it that
+        have not started are cancelled then.
         """
         return self._map(fn, iterables, timeout, chunksize, buffersize, None)
 
@@ -791,9 +795,15 @@ def map_calls(
             submit(chunk_fn, (list(chunk),), n * chunksize, len(chunk))
             for n, chunk in enumerate(_batched(args_iter, chunksize))
         )
-    futures: collections.deque[Future[Any]] = collections.deque(
-        calls if buffersize is None else itertools.islice(calls, buffersize)
-    )
+    futures: collections.deque[Future[Any]] = collections.deque()
+    try:
+        futures.extend(calls if buffersize is None else itertools.islice(calls, buffersize))
+    except BaseException:
+        # An iterable raised (or a submit did): the caller holds none of these futures, so
+        # what has not started is cancelled, as when a consumer of the results stops early.
+        for future in futures:
+            future.cancel()
+        raise
     return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
 
 
