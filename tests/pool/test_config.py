@@ -155,6 +155,16 @@ def test_initializer_must_be_callable(host):
         GpuPoolExecutor(task_peak="1GiB", initializer=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("initargs", [5, None])
+def test_initargs_that_are_not_a_sequence_are_refused_saying_how(host, initargs):
+    """initargs that cannot be unpacked into the initializer's call (every worker would die
+    at boot) raise TypeError at construction, showing the tuple to pass."""
+    with pytest.raises(
+        TypeError, match=rf"^initargs={initargs!r}: pass the initializer's arguments as a tuple"
+    ):
+        GpuPoolExecutor(task_peak="1GiB", initializer=tasks.init_with, initargs=initargs)
+
+
 def test_no_task_peak_runs_the_first_task_alone(host):
     """Without task_peak the first task of a key is priced at the whole room: width 1."""
     with GpuPoolExecutor(max_workers=4) as ex:

@@ -14,7 +14,7 @@ import math
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -245,6 +245,12 @@ def _read_workers(
         )
     if initializer is not None and not callable(initializer):
         raise TypeError("initializer must be a callable")
+    if initializer is not None and not isinstance(initargs, Iterable):
+        # Every worker would die calling initializer(*initargs), and the pool break.
+        raise TypeError(
+            f"initargs={initargs!r}: pass the initializer's arguments as a tuple, such as "
+            f"initargs=({initargs!r},), or () for none."
+        )
     if max_tasks_per_child is not None:
         if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
             raise TypeError("max_tasks_per_child must be an integer")
