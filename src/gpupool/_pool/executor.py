@@ -12,6 +12,7 @@ import concurrent.futures
 import itertools
 import math
 import numbers
+import operator
 import os
 import signal
 import threading
@@ -615,14 +616,16 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         Args:
             *iterables: the arguments of ``fn``.
             timeout: seconds from this call after which a result not yet
-                ready raises :class:`concurrent.futures.TimeoutError`.
+                ready raises :class:`concurrent.futures.TimeoutError`; ``None``
+                (or ``math.inf``) waits without a limit.
             chunksize: items per task; larger chunks cut per-task overhead.
             buffersize: at most this many tasks are submitted ahead of the
                 results consumed (Python 3.14's parameter, on every version).
 
         Raises:
-            ValueError: ``chunksize < 1`` or ``buffersize < 1``.
-            TypeError: ``buffersize`` is not an integer (as on CPython 3.14).
+            ValueError: ``chunksize < 1``, ``buffersize < 1``, or ``timeout`` is NaN.
+            TypeError: ``buffersize`` is not an integer (as on CPython 3.14), nor
+                ``chunksize``; ``timeout`` is not a number.
 
         An error an iterable raises reaches the caller from this call, or, with
         ``buffersize``, as the results are consumed; the tasks submitted before it that
@@ -775,6 +778,12 @@ def map_calls(
     entry, entries)``: the arguments checked as CPython checks them, each call (or chunk of
     ``chunksize`` calls) submitted with its map position, at most ``buffersize`` ahead of the
     results, which come back in input order."""
+    try:
+        chunksize = operator.index(chunksize)  # an int, numpy's too
+    except TypeError:
+        raise TypeError(
+            f"chunksize={chunksize!r}: pass a whole number of calls per task, 1 or more."
+        ) from None
     if chunksize < 1:
         raise ValueError("chunksize must be >= 1.")
     if buffersize is not None:
@@ -783,7 +792,7 @@ def map_calls(
             raise TypeError("buffersize must be an integer or None")
         if buffersize < 1:
             raise ValueError("buffersize must be None or >= 1.")
-    end_time = None if timeout is None else timeout + time.monotonic()
+    end_time = None if timeout is None else _deadline(timeout)
     args_iter = zip(*iterables, strict=False)
     calls: Iterator[Future[Any]]
     # Each task knows its map position (a chunk: its first and how many).
@@ -805,6 +814,21 @@ def map_calls(
             future.cancel()
         raise
     return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
+
+
+def _deadline(timeout: object) -> float | None:
+    """``map``'s ``timeout`` as a deadline on the monotonic clock, checked before any task is
+    submitted; one no wait can hold (``math.inf``) is no deadline, as ``None`` is."""
+    seconds = _real(timeout)
+    if math.isnan(seconds):
+        real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+        raise (ValueError if real else TypeError)(
+            f"timeout={timeout!r}: pass a number of seconds after which a result not yet "
+            "ready raises TimeoutError, or None to wait without a limit."
+        )
+    if seconds >= threading.TIMEOUT_MAX:
+        return None
+    return seconds + time.monotonic()
 
 
 def _batched(iterable: Iterator[tuple[Any, ...]], n: int) -> Iterator[tuple[tuple[Any, ...], ...]]:
