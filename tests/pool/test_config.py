@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import stat
 
+import numpy as np
 import pytest
 import tasks
 
@@ -307,3 +309,23 @@ def test_a_fraction_of_a_byte_in_options_is_refused_and_loses_nothing(host):
             ex.options(key="k", task_peak=1.5)
         assert before.result(timeout=60) == 1
         assert ex.submit(tasks.sleep_return, 2, 0.0).result(timeout=60) == 2
+
+
+def test_numpy_integers_are_taken_where_an_int_is(host, tmp_path):
+    """max_workers, width, max_retries and a device index may be numpy integers (the standard
+    pool takes such a max_workers); the log states them as plain numbers."""
+    log = tmp_path / "run.jsonl"
+    two = np.int64(2)
+    with GpuPoolExecutor(
+        max_workers=two,
+        width=two,
+        max_retries=np.int32(1),
+        devices=[np.int64(0)],
+        task_peak="1GiB",
+        log_path=log,
+    ) as ex:
+        assert ex.submit(tasks.sleep_return, 7, 0.0).result(timeout=60) == 7
+        assert ex.width == 2
+    started = json.loads(log.read_text().splitlines()[0])
+    assert (started["setting_max_workers"], started["setting_width"]) == (2, 2)
+    assert (started["setting_max_retries"], started["setting_devices"]) == (1, "0")

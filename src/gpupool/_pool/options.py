@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -208,13 +209,24 @@ def _check_not_daemonic() -> None:
         )
 
 
+def _whole(value: object) -> int | None:
+    """``value`` as an int where it is one (numpy's integers too, never a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _check_max_workers(value: object) -> int:
-    """As CPython's pool checks it, with its exception types and words."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """As CPython's pool takes it (numpy's integers too), with its exception types and words."""
+    count = _whole(value)
+    if count is None:
         raise TypeError(f"max_workers must be an int, got {value!r}")
-    if value <= 0:
+    if count <= 0:
         raise ValueError("max_workers must be greater than 0")
-    return value
+    return count
 
 
 def _read_workers(
@@ -293,11 +305,14 @@ def _start_method(mp_context: object) -> str | None:
 
 
 def _check_width(width: object) -> int | None:
-    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+    if width is None:
+        return None
+    count = _whole(width)
+    if count is None or count <= 0:
         raise ConfigurationError(
             f"width={width!r}: a fixed width must be a positive int, or None for the bound."
         )
-    return width
+    return count
 
 
 def _read_policy(
@@ -437,10 +452,12 @@ def _check_devices(devices: object) -> tuple[int | str, ...] | None:
         )
     checked: list[int | str] = []
     for entry in devices:
-        if isinstance(entry, bool) or not isinstance(entry, (int, str)):
+        index = _whole(entry)
+        if index is None and not isinstance(entry, str):
             raise ConfigurationError(
                 f"devices entry {entry!r}: each entry is a device index (int) or UUID (str)."
             )
+        entry = entry if index is None else index  # numpy's integers are indexes too
         if isinstance(entry, int) and entry < 0:
             raise ConfigurationError(f"devices entry {entry!r}: an index is 0 or more.")
         if entry in checked:
@@ -454,11 +471,12 @@ def _check_devices(devices: object) -> tuple[int | str, ...] | None:
 
 
 def _check_max_retries(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    count = _whole(value)
+    if count is None or count < 0:
         raise ConfigurationError(
             f"max_retries={value!r}: pass a whole number of retries, 0 or more."
         )
-    return value
+    return count
 
 
 def _check_room_wait_s(value: object) -> float:
