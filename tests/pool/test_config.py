@@ -329,3 +329,17 @@ def test_numpy_integers_are_taken_where_an_int_is(host, tmp_path):
     started = json.loads(log.read_text().splitlines()[0])
     assert (started["setting_max_workers"], started["setting_width"]) == (2, 2)
     assert (started["setting_max_retries"], started["setting_devices"]) == (1, "0")
+
+
+def test_env_that_the_cards_pinning_would_override_is_refused(host):
+    """env= naming the variable that pins each worker to its card, with another value, is
+    refused (it would never reach a worker), pointing at devices=; the pinned value itself
+    is taken."""
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^env\['CUDA_VISIBLE_DEVICES'\]='0': the pool sets CUDA_VISIBLE_DEVICES in "
+        r"each worker to pin it to its card \('GPU-.*' on card 0\), .*devices=\[\.\.\.\]",
+    ):
+        GpuPoolExecutor(task_peak="1GiB", env={"CUDA_VISIBLE_DEVICES": "0"})
+    with GpuPoolExecutor(task_peak="1GiB", env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) as ex:
+        assert ex.submit(tasks.environ).result(timeout=60)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"

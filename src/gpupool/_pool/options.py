@@ -376,6 +376,21 @@ def _check_vendor(sensor: Sensor, infos: Sequence[DeviceInfo]) -> None:
             ) from None
 
 
+def _check_env_pinning(env: Mapping[str, str], sensor: Sensor, infos: Sequence[DeviceInfo]) -> None:
+    """Refuse an ``env=`` value that the variables pinning each worker to its card would
+    override (a worker pinned to another card than its bookings' is priced on the wrong one):
+    the cards are chosen with ``devices=``."""
+    for info in infos:
+        for name, value in sensor.worker_env(info).items():
+            if name in env and env[name] != value:
+                raise ConfigurationError(
+                    f"env[{name!r}]={env[name]!r}: the pool sets {name} in each worker to pin "
+                    f"it to its card ({value!r} on card {info.index}), so this value would "
+                    f"never reach a worker. Choose the cards with devices=[...], and leave "
+                    f"{name!r} out of env."
+                )
+
+
 def _check_env(env: object) -> dict[str, str]:
     """The ``env=`` mapping, refused unless every key and value can reach a worker as given,
     and unless a ``PYTHONHOME`` in it names a Python (:func:`_check_python_home`)."""
@@ -569,6 +584,7 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
     reserve_bytes = options.policy.reserve_bytes
     _check_reserve(census, reserve_bytes)
     _check_vendor(sensor, infos)
+    _check_env_pinning(options.workers.env, sensor, infos)
     devices = [
         DeviceState(i, *pair) for i, pair in enumerate(zip(infos, census.cards, strict=True))
     ]
