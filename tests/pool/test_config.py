@@ -343,3 +343,17 @@ def test_env_that_the_cards_pinning_would_override_is_refused(host):
         GpuPoolExecutor(task_peak="1GiB", env={"CUDA_VISIBLE_DEVICES": "0"})
     with GpuPoolExecutor(task_peak="1GiB", env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) as ex:
         assert ex.submit(tasks.environ).result(timeout=60)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_a_task_key_longer_than_a_name_is_refused(host):
+    """options(key=...) of more than 1000 characters (a str() of a whole object, say) is
+    refused, naming its length: every record about its tasks carries it, and past 1 MiB a
+    line of the log is more than gpupool postmortem reads."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^key='k{40}\.\.\. \[cut: .*\]' has 1001 characters: a task key is a name of "
+            r"at most 1000 \(it is on every record about its tasks\); pass a short name",
+        ):
+            ex.options(key="k" * 1001)
+        assert ex.options(key="k" * 1000).submit(tasks.sleep_return, 3, 0.0).result(timeout=60) == 3

@@ -25,7 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 from gpupool._core.census import Census
-from gpupool._core.events import TASK_LABEL_CHARS, Decision, truncate_text
+from gpupool._core.events import TASK_KEY_CHARS, TASK_LABEL_CHARS, Decision, truncate_text
 from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
@@ -233,9 +233,10 @@ def task_options(
 
     Raises:
         ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-            non-empty str, ``size`` is not a positive, finite number, ``timeout_s`` is
-            not a positive, finite number of seconds, or ``label`` is not a non-empty
-            str of at most 200 characters without control characters.
+            non-empty str of at most 1000 characters, ``size`` is not a positive, finite
+            number, ``timeout_s`` is not a positive, finite number of seconds, or
+            ``label`` is not a non-empty str of at most 200 characters without control
+            characters.
     """
     hint_bytes = (
         None
@@ -247,6 +248,12 @@ def task_options(
             f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
             "one learned ask); pass a name such as 'embed', or leave key out for the "
             "function's own name."
+        )
+    if key is not None and len(key) > TASK_KEY_CHARS:
+        raise ConfigurationError(
+            f"key={truncate_text(key, 40)!r} has {len(key)} characters: a task key is a name "
+            f"of at most {TASK_KEY_CHARS} (it is on every record about its tasks); pass a "
+            "short name such as 'embed', or a digest of what tells the tasks apart."
         )
     value: float | None = None
     if size is not None:
@@ -540,7 +547,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             future = sized.submit(compile_entry, entry)
 
         Args:
-            key: tasks with the same key share one learned ask.
+            key: tasks with the same key share one learned ask; a name of at most 1000
+                characters.
             task_peak: this key's estimated peak until a child measures it.
             size: the size of this task's input (tokens, rows, bytes: one unit for every
                 task of the key). Once tasks of the key were measured at their sizes, the
@@ -561,9 +569,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                non-empty str, ``size`` is not a positive, finite number, ``timeout_s``
-                is not a positive, finite number of seconds, or ``label`` is not a
-                non-empty str of at most 200 characters without control characters.
+                non-empty str of at most 1000 characters, ``size`` is not a positive,
+                finite number, ``timeout_s`` is not a positive, finite number of seconds,
+                or ``label`` is not a non-empty str of at most 200 characters without
+                control characters.
         """
         options, hint_bytes = task_options(
             key=key, task_peak=task_peak, size=size, label=label, timeout_s=timeout_s
