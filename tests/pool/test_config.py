@@ -357,3 +357,18 @@ def test_a_task_key_longer_than_a_name_is_refused(host):
         ):
             ex.options(key="k" * 1001)
         assert ex.options(key="k" * 1000).submit(tasks.sleep_return, 3, 0.0).result(timeout=60) == 3
+
+
+def test_more_workers_than_a_pool_runs_are_refused(host, monkeypatch):
+    """max_workers, width and GPUPOOL_MAX_WORKERS above 4096 (a process each) are refused,
+    naming the most, as CPython's pool refuses more than 61 on Windows; 4096 is taken."""
+    with pytest.raises(
+        ValueError, match=r"^max_workers must be <= 4096, got 100000000000000000000"
+    ):
+        GpuPoolExecutor(task_peak="1GiB", max_workers=10**20)
+    with pytest.raises(ConfigurationError, match=r"^width=4097: .*of at most 4096"):
+        GpuPoolExecutor(task_peak="1GiB", width=4097)
+    GpuPoolExecutor(task_peak="1GiB", max_workers=4096).shutdown()
+    monkeypatch.setenv("GPUPOOL_MAX_WORKERS", "4097")
+    with pytest.raises(ConfigurationError, match=r"^GPUPOOL_MAX_WORKERS='4097': .* 1 to 4096"):
+        GpuPoolExecutor(task_peak="1GiB")

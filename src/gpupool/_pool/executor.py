@@ -337,7 +337,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     Args:
         max_workers: a ceiling on the width, never a promise; default: the
             usable CPUs. An explicit value is not capped by the CPU count (as
-            in the standard pool); the construction record notes it.
+            in the standard pool); the construction record notes it. At most
+            4096.
         mp_context: ``None`` or a spawn context: workers always start as
             fresh interpreters (spawn), each with its card pinned in its
             environment. A ``fork`` context (CUDA does not survive

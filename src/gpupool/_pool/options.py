@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpupool._core.bound import MAX_WORKERS_LIMIT
 from gpupool._core.events import JsonValue
 from gpupool._core.planner import Planner, PlannerConfig
 from gpupool._core.policy import DEFAULT_MARGIN_BYTES, DEFAULT_MARGIN_FRACTION, AskTable, Policy
@@ -226,6 +227,11 @@ def _check_max_workers(value: object) -> int:
         raise TypeError(f"max_workers must be an int, got {value!r}")
     if count <= 0:
         raise ValueError("max_workers must be greater than 0")
+    if count > MAX_WORKERS_LIMIT:
+        raise ValueError(
+            f"max_workers must be <= {MAX_WORKERS_LIMIT}, got {count}: each worker is a process "
+            "with a CUDA context of its own; pass the most tasks that should run at once."
+        )
     return count
 
 
@@ -308,9 +314,10 @@ def _check_width(width: object) -> int | None:
     if width is None:
         return None
     count = _whole(width)
-    if count is None or count <= 0:
+    if count is None or not 0 < count <= MAX_WORKERS_LIMIT:
         raise ConfigurationError(
-            f"width={width!r}: a fixed width must be a positive int, or None for the bound."
+            f"width={width!r}: a fixed width must be a positive int of at most "
+            f"{MAX_WORKERS_LIMIT}, or None for the bound."
         )
     return count
 
