@@ -372,3 +372,13 @@ def test_more_workers_than_a_pool_runs_are_refused(host, monkeypatch):
     monkeypatch.setenv("GPUPOOL_MAX_WORKERS", "4097")
     with pytest.raises(ConfigurationError, match=r"^GPUPOOL_MAX_WORKERS='4097': .* 1 to 4096"):
         GpuPoolExecutor(task_peak="1GiB")
+
+
+def test_a_sensor_class_instead_of_a_sensor_is_refused(host):
+    """sensor= given the class rather than an object is refused at once, naming the fix
+    (its methods are callable, so it failed later with a missing 'self')."""
+    kind = type(host.sensor())
+    with pytest.raises(
+        ConfigurationError, match=rf"^sensor=<class '.*\.{kind.__name__}'> is a class: pass a"
+    ):
+        GpuPoolExecutor(task_peak="1GiB", sensor=kind)

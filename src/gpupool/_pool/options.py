@@ -549,6 +549,12 @@ def _check_reserve(census: Census, reserve_bytes: int) -> None:
 def _check_sensor(sensor: Sensor) -> Sensor:
     """Refuse a ``sensor=`` that lacks a method the census calls (it would fail there, far from
     where it was given, with an ``AttributeError``), naming what is missing."""
+    if isinstance(sensor, type):  # its methods are callable, but need an instance
+        raise ConfigurationError(
+            f"sensor={sensor!r} is a class: pass a sensor object, such as "
+            f"{sensor.__name__}(...) or gpupool.testing.SimulatedHost(...).sensor(), or None "
+            "for the default."
+        )
     missing = [name for name in SENSOR_METHODS if not callable(getattr(sensor, name, None))]
     if missing:
         raise ConfigurationError(
