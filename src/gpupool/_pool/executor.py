@@ -829,13 +829,18 @@ def map_calls(
 def _deadline(timeout: object) -> float | None:
     """``map``'s ``timeout`` as a deadline on the monotonic clock, checked before any task is
     submitted; one no wait can hold (``math.inf``) is no deadline, as ``None`` is."""
-    seconds = _real(timeout)
+    fix = (
+        f"timeout={timeout!r}: pass a number of seconds after which a result not yet ready "
+        "raises TimeoutError, or None to wait without a limit."
+    )
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool):
+        raise TypeError(fix)
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past any float: past any wait too
+        return None
     if math.isnan(seconds):
-        real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
-        raise (ValueError if real else TypeError)(
-            f"timeout={timeout!r}: pass a number of seconds after which a result not yet "
-            "ready raises TimeoutError, or None to wait without a limit."
-        )
+        raise ValueError(fix)
     if seconds >= threading.TIMEOUT_MAX:
         return None
     return seconds + time.monotonic()
