@@ -376,8 +376,8 @@ def break_probe() -> None:
 
     original = _probe.Probe.stop
 
-    def stop(self: Any, *, oom: BaseException | None = None) -> Any:
-        report = original(self, oom=oom)
+    def stop(self: Any, **kwargs: Any) -> Any:
+        report = original(self, **kwargs)
         if report.device_peak_bytes is None:
             return report
         return dataclasses.replace(report, device_peak_bytes=report.device_peak_bytes // 4)
