@@ -93,20 +93,36 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 from gpu_check_steps import (  # noqa: E402
+    DRY_RUN_CONTEXT,
     Deadline,
     Run,
     check,
     peak_jobs,
+    step_cap,
     step_census,
     step_co_tenant,
     step_context,
     step_environment,
+    step_hidden_rows,
     step_ooms,
     step_peaks,
 )
 from gpu_check_tasks import SIMULATOR_ENV, GiB, MiB, torch_task  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_SKIPPED_REQUIRED = 0, 1, 2, 3
+
+#: The steps, in the order they run (``--steps`` picks some of them).
+STEPS = (
+    "environment",
+    "census",
+    "context",
+    "peaks",
+    "peaks-eager",
+    "cap",
+    "hidden-rows",
+    "ooms",
+    "co-tenant",
+)
 
 #: The whole run must end within this (expected: 3-4 minutes), so that a second run fits
 #: in a lent machine's 15 minutes; the watchdog ends it ``WATCHDOG_GRACE_S`` later.
@@ -117,10 +133,16 @@ DRY_RUN_BUDGET_S = 240.0
 ROOT = BENCH.parent
 
 
-def _use_source_tree() -> None:
+#: The dry run's ``pynvml``: the simulator-fed NVML double (``nvml_double/pynvml.py``, and
+#: the modules it imports beside it), first on every process's path in a dry run only.
+NVML_DOUBLE = (ROOT / "tests" / "sensors" / "nvml_double", ROOT / "tests" / "sensors")
+
+
+def _use_source_tree(dry_run: bool = False) -> None:
     """Put ``src/``, ``wheels/*.whl`` and ``bench/`` on ``sys.path`` and on the workers'
-    ``PYTHONPATH``."""
-    paths = [str(ROOT / "src"), *sorted(glob.glob(str(ROOT / "wheels" / "*.whl")))]
+    ``PYTHONPATH``; for a dry run the NVML double first."""
+    paths = [str(p) for p in NVML_DOUBLE] if dry_run else []
+    paths += [str(ROOT / "src"), *sorted(glob.glob(str(ROOT / "wheels" / "*.whl")))]
     # The workers import the tasks by name (gpupool pickles them by reference): bench/ too.
     paths.append(str(BENCH))
     for path in reversed(paths):
@@ -189,15 +211,19 @@ def run_steps(run: Run) -> int:
     )
     timer = _watchdog(run)
     eager = [("torch-conv-eager", torch_task, (64 * MiB, "conv", run.hold_s))]
-    steps: list[tuple[str, Callable[[], None]]] = [
+    every: list[tuple[str, Callable[[], None]]] = [
         ("environment", lambda: step_environment(run)),
         ("census", lambda: step_census(run)),
         ("context", lambda: step_context(run)),
         ("peaks", lambda: step_peaks(run, "peaks", peak_jobs(run), CUDA_MODULE_LOADING="LAZY")),
         ("peaks-eager", lambda: step_peaks(run, "peaks-eager", eager, CUDA_MODULE_LOADING="EAGER")),
+        ("cap", lambda: step_cap(run)),
+        ("hidden-rows", lambda: step_hidden_rows(run)),
         ("ooms", lambda: step_ooms(run)),
         ("co-tenant", lambda: step_co_tenant(run)),
     ]
+    assert [name for name, _ in every] == list(STEPS)
+    steps = [(name, step) for name, step in every if name in (run.steps or STEPS)]
     started = time.monotonic()
     for name, step in steps:
         try:
@@ -244,7 +270,18 @@ def _dry_run(args: argparse.Namespace, out: Path) -> int:
     """Every step on a simulated card as large as an H200 (16 CPUs, 128 GiB of RAM, as lent)."""
     from gpupool.testing import SimulatedDevice, SimulatedHost
 
-    host = SimulatedHost([SimulatedDevice("140GiB")], context="300MiB", cpus=16, host_ram="128GiB")
+    missing = [str(p) for p in NVML_DOUBLE if not p.is_dir()]
+    if missing:
+        print(
+            f"gpu_check: SETUP FAILED: the dry run reads the simulated card through the NVML "
+            f"double in the source tree's tests/sensors, and {', '.join(missing)} is missing: "
+            "run it from a checkout or an sdist",
+            flush=True,
+        )
+        return EXIT_SETUP
+    host = SimulatedHost(
+        [SimulatedDevice("140GiB")], context=DRY_RUN_CONTEXT, cpus=16, host_ram="128GiB"
+    )
     with host:
         run = Run(
             out=out,
@@ -254,8 +291,22 @@ def _dry_run(args: argparse.Namespace, out: Path) -> int:
             tolerance_bytes=args.tolerance_mib * MiB,
             uuid=host.device_uuid(0),
             hold_s=0.2,
+            nvml_double=True,
+            steps=args.steps,
         )
         return run_steps(run)
+
+
+def _steps(text: str) -> tuple[str, ...]:
+    """``--steps``: known step names, comma-separated, run in their usual order."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(STEPS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown step(s) {', '.join(unknown) or '(none given)'}; the steps are "
+            f"{','.join(STEPS)}"
+        )
+    return tuple(name for name in STEPS if name in names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,11 +323,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--break-probe", action="store_true", help="dry run only: the probe reports peak / 4"
     )
+    parser.add_argument(
+        "--steps",
+        type=_steps,
+        default=STEPS,
+        help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all)",
+    )
     args = parser.parse_args(argv)
     if args.break_probe and not args.dry_run:
         parser.error("--break-probe is meant only for the dry run: add --dry-run")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    _use_source_tree()
+    _use_source_tree(dry_run=args.dry_run)
+    # Every pool of the check measures afresh: peaks remembered from an earlier run (of the
+    # check, or the user's own pools on this card model) would price its tasks, and the
+    # out-of-memory step's task would no longer be priced short; nor is the check remembered.
+    os.environ["GPUPOOL_MEMORY"] = "off"
     if args.dry_run:
         return _dry_run(args, out)
     os.environ.pop(SIMULATOR_ENV, None)  # never the simulated card on a real run
@@ -293,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         tolerance_bytes=args.tolerance_mib * MiB,
         index=args.device,
         uuid=card["uuid"],
+        steps=args.steps,
     )
     run.result["card"] = card
     return run_steps(run)

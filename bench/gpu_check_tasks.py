@@ -29,6 +29,11 @@ MiB = 1024**2
 #: One task or one helper process waits at most this long.
 WAIT_S = 120.0
 SIMULATOR_ENV = "GPUPOOL_SIMULATOR"
+#: The source tree's tests: the dry run's stand-in torch (``standin_torch.py``) and NVML double.
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+#: How long the allocator-cap task waits for the probe to see its child (the sampler reads
+#: the tree every 10 ms).
+CAP_WAIT_S = 5.0
 
 # -- the card, read without the library's rows (tasks and the parent) ----------------------
 
@@ -156,6 +161,36 @@ def _figures(held: dict[str, int], nbytes: int, settle: bool = True, **more: Any
     }
 
 
+def _standin_cuda() -> Any | None:
+    """The dry run's stand-in ``torch.cuda`` (:func:`dry_run_worker`), where it is installed."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return cuda if hasattr(cuda, "allocate") else None
+
+
+def _standin_torch_task(cuda: Any, nbytes: int, mode: str, hold_s: float) -> dict[str, Any]:
+    """:func:`torch_task` on the stand-in torch: its reserved bytes are charged on the simulated
+    card, and its peak counters are what the probe reads (as torch's, on a card)."""
+    total = nbytes + (32 * MiB if mode == "conv" else 0)
+    cuda.allocate(total)
+    held = card_reading(os.environ["CUDA_VISIBLE_DEVICES"])
+    row = _own_row_bytes()
+    time.sleep(hold_s)
+    reserved_peak = int(cuda.max_memory_reserved())
+    cuda.free(total)
+    if mode == "spike":
+        cuda.empty_cache()
+    return _figures(
+        held,
+        nbytes,
+        settle=mode == "spike",
+        ok=True,
+        row_bytes=row,
+        torch_reserved_peak=reserved_peak,
+        framework="standin-torch",
+    )
+
+
 def _simulated_task(nbytes: int, hold_s: float) -> dict[str, Any]:
     """The stand-in for every framework: hold ``nbytes`` on the simulated card, then free it."""
     import gpupool.testing as gt
@@ -171,6 +206,9 @@ def torch_task(nbytes: int, mode: str, hold_s: float) -> dict[str, Any]:
     """torch: ``hold`` keeps ``nbytes``; ``spike`` frees them at once with ``empty_cache``;
     ``conv`` runs a matmul and a convolution too (the context grows as modules load)."""
     if os.environ.get(SIMULATOR_ENV):
+        cuda = _standin_cuda()
+        if cuda is not None:
+            return _standin_torch_task(cuda, nbytes, mode, hold_s)
         return _simulated_task(nbytes + (32 * MiB if mode == "conv" else 0), hold_s)
     import torch
 
@@ -300,6 +338,13 @@ def torch_child_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, 
     """torch holds ``nbytes`` in the worker while a child holds as much: the tree's peak is
     both (the worker's own figures, its counters or its row, are only half)."""
     if os.environ.get(SIMULATOR_ENV):
+        cuda = _standin_cuda()
+        if cuda is not None:  # freed by the probe's empty_cache at the task's end, as torch's
+            cuda.allocate(nbytes)
+            try:
+                return subprocess_task(nbytes, hold_s, timeout_s)
+            finally:
+                cuda.free(nbytes)
         import gpupool.testing as gt
 
         with gt.hold(nbytes):
@@ -312,6 +357,38 @@ def torch_child_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, 
         return subprocess_task(nbytes, hold_s, timeout_s)
     finally:
         del kept
+
+
+def cap_child_task(nbytes: int, timeout_s: float) -> dict[str, Any]:
+    """With the allocator cap on: torch starts (the cap is set), then a child holds ``nbytes``;
+    wait (bounded) until the cap takes the child's bytes out, and report the cap's state and
+    what the child added to the card's used bytes."""
+    from gpupool._child.probe import allocator_cap_state
+
+    uuid = os.environ["CUDA_VISIBLE_DEVICES"]
+    cuda = _standin_cuda() if os.environ.get(SIMULATOR_ENV) else None
+    if cuda is not None:
+        cuda.allocate(16 * MiB)
+        kept: Any = None
+    else:
+        import torch
+
+        kept = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda").fill_(1)
+        torch.cuda.synchronize()
+    before = card_reading(uuid)["used"]
+    proc, child = start_holder(nbytes, "plain", timeout_s)
+    try:
+        held = card_reading(uuid)["used"]
+        end = time.monotonic() + CAP_WAIT_S
+        while allocator_cap_state()["descendant_bytes"] < nbytes and time.monotonic() < end:
+            time.sleep(0.02)
+        state = allocator_cap_state()
+    finally:
+        stop_holder(proc)
+    if cuda is not None:
+        cuda.free(16 * MiB)
+    del kept
+    return {"ok": True, "state": state, "child_used_bytes": held - before, "child": child}
 
 
 def _wait_for(path: str, limit_s: float) -> None:
@@ -368,6 +445,23 @@ def companion(nbytes: int, held: str, tried: str, after_s: float) -> int:
         holding.__exit__(None, None, None)
     del holding
     return os.getpid()
+
+
+def dry_run_worker(total_bytes: int, broken: bool) -> None:
+    """Worker initializer of the dry run: ``import torch`` finds the stand-in torch
+    (``tests/standin_torch.py``), whose reserved bytes are charged on the simulated card and
+    whose peak counters the probe reads; then :func:`break_probe` with ``--break-probe``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("standin_torch", TESTS / "standin_torch.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"the dry run needs {TESTS / 'standin_torch.py'} (the source tree)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["standin_torch"] = module
+    spec.loader.exec_module(module)
+    module.install_in_worker(total_bytes, mirror=True)
+    if broken:
+        break_probe()
 
 
 def break_probe() -> None:
