@@ -49,7 +49,17 @@ Steps (each check is named in the output; ``report`` checks never fail):
    peak the pool recorded must reach the oracle less ``--tolerance-mib``; its
    source must be a measurement (not ``none``, not an allowance or estimate);
    the freed tasks must have given their memory back (else the check has no
-   teeth); each worker's row must be there on a bare-metal card.
+   teeth); each worker's row must be there on a bare-metal card; the context
+   the probe priced the worker at must be measured from its row and reach the
+   context step's (a check in the dry run, a report on a card).
+4b. **cap**: with ``cap_allocator=True``, torch in the worker and then a child
+   that holds the task's bytes: torch's allowance plus the child's bytes on the
+   card must stay within the booked ask.
+4c. **hidden-rows**: torch in the worker beside a child that holds as much, on a
+   card that does not give the rows (the dry run: a container, rows of 0, rows
+   without a figure, a MIG instance; a card: the card as it is): the peak must
+   reach the oracle or be flagged incomplete, and the key's ask must not fall
+   below the oracle.
 5. **ooms**: per framework, a task that asks for 55 % of the free bytes
    beside a companion holding as much runs out, is counted, and is retried
    alone, where it succeeds; a task larger than the card is counted and
@@ -62,9 +72,16 @@ Steps (each check is named in the output; ``report`` checks never fail):
 Every wait has a timeout, pool shutdowns included (the workers are killed
 when one does not end); a watchdog ends the whole run past its budget.
 
-``--dry-run`` runs every step's logic on gpupool's simulated host (no card:
-simulated stand-ins allocate for the frameworks), so the script is known to
-work before a card is lent. ``--break-probe`` (dry run only) makes every
+``--dry-run`` runs every step's logic on gpupool's simulated host (no card), so
+the script is known to work before a card is lent. Its pools read the card
+through gpupool's real NVML sensor (the tree sensor, the probe's sampled path)
+over the ``pynvml`` double in ``tests/sensors/nvml_double`` that the simulated
+host feeds (rows listed, hidden, 0 or without a figure, as that host says), and
+their workers' torch is the stand-in of ``tests/standin_torch.py``, charged on
+the simulated card: a defect in the sensor code fails the dry run
+(``tests/test_gpu_check_defects.py``). It needs the source tree's ``tests/``.
+``--steps`` runs some steps only. No run reads or writes the peaks pools
+remember between runs. ``--break-probe`` (dry run only) makes every
 worker's probe report a quarter of the device peak; the summary names the
 checks that caught it, and any check that guards peaks and did not fire.
 
@@ -274,7 +291,7 @@ def _dry_run(args: argparse.Namespace, out: Path) -> int:
     if missing:
         print(
             f"gpu_check: SETUP FAILED: the dry run reads the simulated card through the NVML "
-            f"double in the source tree's tests/sensors, and {', '.join(missing)} is missing: "
+            f"double in the source tree's tests/sensors, which lacks {', '.join(missing)}: "
             "run it from a checkout or an sdist",
             flush=True,
         )
@@ -290,7 +307,9 @@ def _dry_run(args: argparse.Namespace, out: Path) -> int:
             broken=args.break_probe,
             tolerance_bytes=args.tolerance_mib * MiB,
             uuid=host.device_uuid(0),
-            hold_s=0.2,
+            # Long enough that the sampled path reads a hold on 2 loaded cores (its
+            # sampler reads every 10 ms; a process may wait far longer for a core).
+            hold_s=0.5,
             nvml_double=True,
             steps=args.steps,
         )

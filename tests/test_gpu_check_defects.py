@@ -39,12 +39,12 @@ COPIED = (
 
 @dataclass(frozen=True)
 class Defect:
-    """One change to the library's code: in ``path``, ``old`` (found exactly once) becomes
-    ``new``; the dry run's ``steps`` must then fail with every check of ``caught``."""
+    """One change to the library's code: in the first of ``places`` whose file holds ``old``
+    exactly once, ``old`` becomes ``new`` (``(path, old, new)``; more than one where the code
+    may live in either of two modules); the dry run's ``steps`` must then fail with every
+    check of ``caught``."""
 
-    path: str
-    old: str
-    new: str
+    places: tuple[tuple[str, str, str], ...]
     steps: str
     caught: frozenset[str]
 
@@ -54,9 +54,13 @@ HIDDEN = ("hidden", "zero", "unavailable", "mig")
 DEFECTS = {
     # The tree sensor sees no process under the worker: every child's bytes are dropped.
     "tree-without-descendants": Defect(
-        "src/gpupool/_child/probe_tree.py",
-        "found = read_descendants(self.root_pid, self._proc, own=own)",
-        "found = ()",
+        (
+            (
+                "src/gpupool/_child/probe_tree.py",
+                "found = read_descendants(self.root_pid, self._proc, own=own)",
+                "found = ()",
+            ),
+        ),
         "peaks,cap,hidden-rows",
         frozenset(
             {
@@ -71,9 +75,13 @@ DEFECTS = {
     ),
     # The worker's context, measured from its own row, is read as 0.
     "context-0": Defect(
-        "src/gpupool/_child/probe.py",
-        "outside = max(0, process_bytes - max(held_before, held_after))",
-        "outside = 0",
+        (
+            (
+                "src/gpupool/_child/probe.py",
+                "outside = max(0, process_bytes - max(held_before, held_after))",
+                "outside = 0",
+            ),
+        ),
         "context,peaks",
         frozenset(
             {"peaks.torch-first.context", "peaks.torch-spike.context", "peaks.torch-child.context"}
@@ -81,25 +89,34 @@ DEFECTS = {
     ),
     # The estimate a context is priced at where no row of the worker can be read is 0.
     "estimate-0": Defect(
-        "src/gpupool/_child/probe.py",
-        "CONTEXT_ESTIMATE_BYTES = 640 * MiB",
-        "CONTEXT_ESTIMATE_BYTES = 0",
+        tuple(
+            (path, "CONTEXT_ESTIMATE_BYTES = 640 * MiB", "CONTEXT_ESTIMATE_BYTES = 0")
+            for path in ("src/gpupool/_core/contexts.py", "src/gpupool/_child/probe.py")
+        ),
         "context",
         frozenset({"context.figure.lazy"}),
     ),
     # torch's allocator cap leaves out what the worker's descendants hold.
     "cap-ignores-descendants": Defect(
-        "src/gpupool/_child/probe.py",
-        'outside = context + read_held_bytes(leave_out="torch") + _CAP.descendant_bytes',
-        'outside = context + read_held_bytes(leave_out="torch")',
+        (
+            (
+                "src/gpupool/_child/probe.py",
+                'read_held_bytes(leave_out="torch") + _CAP.descendant_bytes',
+                'read_held_bytes(leave_out="torch")',
+            ),
+        ),
         "cap",
         frozenset({"cap.binds"}),
     ),
     # Rows hidden while a child ran: the peak is not flagged incomplete (and is learned from).
     "hidden-rows-not-flagged": Defect(
-        "src/gpupool/_child/probe.py",
-        "incomplete = self._partial_view(tree.descendants, peak)",
-        "incomplete = None",
+        (
+            (
+                "src/gpupool/_child/probe.py",
+                "incomplete = self._partial_view(tree.descendants, peak)",
+                "incomplete = None",
+            ),
+        ),
         "hidden-rows",
         frozenset(
             {
@@ -122,11 +139,14 @@ def _copy_tree(to: Path) -> None:
 
 
 def _inject(tree: Path, defect: Defect) -> None:
-    path = tree / defect.path
-    text = path.read_text()
-    # The anchor must be there once: code that moved fails here, never injects nothing.
-    assert text.count(defect.old) == 1, f"{defect.path} no longer holds {defect.old!r} once"
-    path.write_text(text.replace(defect.old, defect.new))
+    for name, old, new in defect.places:
+        path = tree / name
+        text = path.read_text() if path.is_file() else ""
+        if text.count(old) == 1:
+            path.write_text(text.replace(old, new))
+            return
+    # Code that moved fails here: a defect is never silently left out.
+    raise AssertionError(f"no place holds the defect's code once: {defect.places}")
 
 
 def _dry_run(

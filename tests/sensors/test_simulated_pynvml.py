@@ -3,6 +3,7 @@ simulator's own sensor does, rows hidden, 0 or without a figure where the host s
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -35,8 +36,14 @@ def _public(module: object) -> set[str]:
 
 
 def test_the_double_adds_no_name_to_the_fake() -> None:
-    """Every public name of the double is the fake's (held to nvidia-ml-py by the fidelity test)."""
+    """Every public name of the double is the fake's (held to nvidia-ml-py by the fidelity
+    test), and the functions it overrides take the fake's parameters."""
     assert _public(SimulatedPynvml()) <= _public(FakePynvml([]))
+    overridden = [n for n in vars(SimulatedPynvml) if n.startswith("nvml")]
+    assert overridden
+    for name in overridden:
+        ours = inspect.signature(getattr(SimulatedPynvml, name))
+        assert ours == inspect.signature(getattr(FakePynvml, name)), name
 
 
 @pytest.mark.parametrize(
