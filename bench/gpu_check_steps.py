@@ -449,12 +449,7 @@ def peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
         ("torch-first", torch_task, (n, "hold", h)),
         ("torch-spike", torch_task, (n, "spike", 0.0)),
         ("torch-conv", torch_task, (64 * MiB, "conv", h)),
-        ("subprocess", subprocess_task, (n, h, WAIT_S / 2)),
-        ("double-fork", double_fork_task, (n, h, WAIT_S / 2)),
-        ("torch-child", torch_child_task, (n, h, WAIT_S / 2)),
     ]
-    # CuPy and JAX last: in the dry run their stand-ins hold bytes no framework counter
-    # reads, which the probe then counts as the worker's context from there on.
     if _have(run, "cupy"):
         # The dry run's loaded CI cores can stall a process longer than a 50 ms spike: it
         # holds as long as the other tasks (it is sampled: CuPy keeps no peak counter).
@@ -462,6 +457,9 @@ def peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
         jobs.append(("cupy-spike", cupy_spike_task, (n, spike_s)))
     if _have(run, "jax"):
         jobs.append(("jax", jax_task, (n, h)))
+    jobs.append(("subprocess", subprocess_task, (n, h, WAIT_S / 2)))
+    jobs.append(("double-fork", double_fork_task, (n, h, WAIT_S / 2)))
+    jobs.append(("torch-child", torch_child_task, (n, h, WAIT_S / 2)))
     if _have(run, "cupy"):
         jobs.append(("managed", managed_task, (n, h)))
     missing = [m for m in ("cupy", "jax") if not _have(run, m)]
