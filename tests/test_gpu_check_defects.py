@@ -31,6 +31,8 @@ COPIED = (
     "bench/gpu_check_steps.py",
     "bench/gpu_check_tasks.py",
     "tests/standin_torch.py",
+    "tests/standin_cupy.py",
+    "tests/standin_jax.py",
     "tests/sensors/fake_pynvml.py",
     "tests/sensors/simulated_pynvml.py",
     "tests/sensors/nvml_double/pynvml.py",
