@@ -584,7 +584,8 @@ def step_peaks(
 def step_cap(run: Run) -> None:
     """With ``cap_allocator=True``: torch in the worker, then a child that holds the task's
     bytes; torch's cap must leave room for the child (booked ask >= torch's allowance + the
-    child's bytes on the card)."""
+    child's bytes on the card). In a container (rows of this host's processes hidden) the
+    cap cannot see the child: there its checks are reported."""
     checks: list[dict[str, Any]] = []
     n = run.task_bytes
     ask = n + 2 * GiB
@@ -602,12 +603,14 @@ def step_cap(run: Run) -> None:
             state["descendant_bytes"] >= n,
             f"the cap's count of the worker's descendants {state['descendant_bytes']} bytes; "
             f"its child holds {n} bytes (and its context)",
+            report=run.container,
         ),
         check(
             "binds",
             allowed is not None and allowed + child <= booked + run.tolerance_bytes,
             f"torch allowed {allowed} bytes + the child's {child} on the card; booked {booked} "
             f"(+ tolerance {run.tolerance_bytes // MiB} MiB)",
+            report=run.container,
         ),
     ]
     run.add("cap", checks, cap=out)
