@@ -187,3 +187,34 @@ def test_an_error_of_the_workers_own_code_on_a_card_a_co_tenant_filled_is_no_out
             ooms = [d.to_dict() for d in ex.decisions if d.event == "out_of_memory"]
     assert ooms == []
     assert stats.retries == 0
+
+
+_IDLE_CHILD = """
+import sys
+print("running", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_with_rows_hidden_a_co_tenant_growing_beside_a_child_is_taken_for_the_trees_growth():
+    """The limit of the free-bytes signal where rows are hidden: a child that holds no device
+    memory runs while a co-tenant fills the 8 GiB card (7.6 GiB) and the task fails. Nothing
+    tells the co-tenant's rise in the card's used bytes from the child's, so the failure is
+    taken for ``card-full`` (as docs/readings.md says); with no child it is not (above)."""
+    with SimulatedHost([SimulatedDevice("8GiB")], context="300MiB", container=True) as host:
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        probe = Probe(host.sensor(), info, 0, os.getpid())
+        probe.start()
+        with subprocess.Popen(
+            [sys.executable, "-c", _IDLE_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as child:
+            assert child.stdout is not None and child.stdout.readline().strip() == "running"
+            host.grow("other", "7.6GiB")
+            report = probe.stop(failure=subprocess.CalledProcessError(1, ["child"]))
+            assert child.stdin is not None
+            child.stdin.close()
+    assert report.descendants >= 1
+    assert report.oom is True and report.oom_recognised == "card-full"
