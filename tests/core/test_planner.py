@@ -110,7 +110,7 @@ class PlannerMachine(RuleBasedStateMachine):
         cold=st.booleans(),
         strict=st.booleans(),
         outliers=st.booleans(),
-        peaks=st.sampled_from(["spread", "linear", "rare"]),
+        peaks=st.sampled_from(["spread", "linear", "rare", "linear_rare"]),
     )
     def build(
         self,
@@ -126,7 +126,8 @@ class PlannerMachine(RuleBasedStateMachine):
         peaks: str,
     ) -> None:
         # How tasks peak (finish): spread around their booking; 1 GiB + 2 GiB per item of a
-        # list argument (a feature to find); or at their booking but for a rare 5x outlier.
+        # list argument (a feature to find); or at their booking but for a rare 5x outlier;
+        # or on the line, but for a rare 3x outlier of it (a feature-priced key's outliers).
         self.peaks = peaks
         self.cold = cold
         cards = [
@@ -231,6 +232,27 @@ class PlannerMachine(RuleBasedStateMachine):
         if self.planner.state.running:
             self.finish(data, 1.0, 500, True, False, rare)
 
+    @precondition(lambda self: self.peaks in ("rare", "linear_rare"))
+    @rule(
+        data=st.data(),
+        key=st.sampled_from(KEYS),
+        items=st.lists(st.integers(1, 6), min_size=6, max_size=10),
+        odd=st.integers(5, 9),
+        then=st.lists(st.integers(1, 6), max_size=8),
+    )
+    def measured_run(
+        self, data: st.DataObject, key: str, items: list[int], odd: int, then: list[int]
+    ) -> None:
+        """A run of turns of one key, the ``odd``-th an outlier (where there is one): a key
+        measured past the outlier rule's first peaks, with one kept apart; then tasks of it
+        submitted and started together (``then``: their lists' lengths), priced with a
+        reserve for outliers at the rate measured."""
+        for i, count in enumerate(items):
+            self.turn(data, key, count, 0 if i == odd else 1)
+        for count in then:
+            self.submit(key, None, count)
+            self.start()
+
     @rule()
     def start(self) -> None:
         for index in range(len(self.census.cards)):
@@ -275,8 +297,11 @@ class PlannerMachine(RuleBasedStateMachine):
             ask = self.planner.ask_of(task)
             busy = [r for r in self.planner.state.running.values() if r.device == device]
             bound = self.planner.views.bound(device, ask)
-            booking = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
-            assert verdict.booked_bytes == booking <= ask.ask_bytes
+            mine = [r for r in busy if r.key == ask.key]
+            booking = ask.next_bytes(len(mine), sum(1 for r in mine if not r.solo))
+            # Its ask, or its step of its key's price together, and one outlier's extra where
+            # the key's rate expects one more among its tasks there with this one.
+            assert verdict.booked_bytes == booking <= max(ask.ask_bytes, ask.outlier_bytes)
             # DESIGN, "The bound": a task starts only while what the tasks there book plus
             # its own booking (each beside its child's RSS on unified memory) fits the room;
             # an unreadable card runs one task at a time.
@@ -366,8 +391,10 @@ class PlannerMachine(RuleBasedStateMachine):
         task = data.draw(st.sampled_from(self.running_ids()))
         run = self.planner.state.running[task]
         peak: int | None = int(run.booked_at_start_bytes * factor)
-        if self.peaks == "linear" and run.features:
+        if self.peaks in ("linear", "linear_rare") and run.features:
             peak = GiB + 2 * GiB * int(run.features[0][1])
+            if self.peaks == "linear_rare" and rare == 0:
+                peak *= 3
         elif self.peaks == "rare":
             peak = 3 * GiB * (5 if rare == 0 else 1)
         if run.device is None:
@@ -660,23 +687,41 @@ class PlannerMachine(RuleBasedStateMachine):
     @invariant()
     def a_keys_bookings_are_its_price_together(self) -> None:
         """On every card the running tasks of a key are booked, between them, at the key's
-        price for that many together (K x ask unless its peaks are pooled), never more."""
+        price for those priced at its ask together (K x ask unless its peaks are pooled), the
+        own asks of those priced on their own (a feature, an outlier's call, their own floor),
+        and, however each is priced, the reserve for the outliers its measured rate expects
+        among all of them: one outlier's extra (its price past the task's own) at each task,
+        in the order they started, where the expected count steps up. Never more."""
         if not hasattr(self, "planner"):
             return
-        groups: dict[tuple[int, str], list[int]] = {}
-        for run in self.planner.state.running.values():
-            if run.device is not None and not self.planner.state.price(run).individual:
-                groups.setdefault((run.device, run.key), []).append(run.booked_bytes)
-        for (_, key), booked in groups.items():
-            ask = self.asks.ask(key)
-            k = len(booked)
-            reserve = ask.outlier_reserve_bytes(k)
-            assert sum(booked) == ask.together_bytes(k) <= k * ask.ask_bytes + reserve
-        for run in self.planner.state.running.values():
-            own = self.planner.state.price(run)
-            if run.device is not None and own.individual:
-                # Priced on its own (a feature, an outlier's call, its own floor).
-                assert run.booked_bytes == own.ask_bytes
+        for card in self.planner.state.cards:
+            by_key: dict[str, list[Run]] = {}
+            for run in card.runs.values():
+                by_key.setdefault(run.key, []).append(run)
+            for key, runs in by_key.items():
+                ask = self.asks.ask(key)
+                owns = [self.planner.state.price(run) for run in runs]
+                together = sum(1 for own in owns if not own.individual)
+                base = ask.together_bytes(together) - ask.outlier_reserve_bytes(together)
+                solo_bytes = sum(own.ask_bytes for own in owns if own.individual)
+                reserve = 0
+                for i, own in enumerate(owns):
+                    assert runs[i].solo == own.individual
+                    # Whatever prices it, it carries its key's outlier rate.
+                    assert (own.outlier_rate, own.outlier_bytes) == (
+                        ask.outlier_rate,
+                        ask.outlier_bytes,
+                    )
+                    steps = int((i + 1) * ask.outlier_rate + 0.5) - int(i * ask.outlier_rate + 0.5)
+                    extra = steps * max(0, ask.outlier_bytes - own.ask_bytes)
+                    reserve += extra
+                    assert runs[i].booked_bytes <= own.ask_bytes + extra
+                expected = int(len(runs) * ask.outlier_rate + 0.5)
+                if expected and any(own.individual for own in owns):
+                    event("tasks priced on their own beside an outlier reserve of their key")
+                assert sum(r.booked_bytes for r in runs) == base + solo_bytes + reserve
+                least = min(max(0, ask.outlier_bytes - own.ask_bytes) for own in owns)
+                assert reserve >= expected * least
 
     @invariant()
     def the_width_is_honest(self) -> None:
