@@ -562,11 +562,10 @@ class PlannerMachine(RuleBasedStateMachine):
         self.planner.run_queued(next_task, device, run.pid, self.now_s)
         assert next_task in self.planner.state.running
         if card is not None and run.device is not None:
-            key_bytes = sum(r.booked_bytes for r in card.runs.values() if r.key == run.key)
-            count = sum(1 for r in card.runs.values() if r.key == run.key)
+            runs = [r for r in card.runs.values() if r.key == run.key]
             # No start past the bound: the key's tasks there are booked together at its
             # price, as they were before the run ended (unless the price itself moved).
-            assert key_bytes == self.asks.ask(run.key).together_bytes(count)
+            assert sum(r.booked_bytes for r in runs) == self.key_bookings(run.key, runs)
 
     @precondition(lambda self: self.planner.state.pending)
     @rule(data=st.data())
@@ -699,29 +698,36 @@ class PlannerMachine(RuleBasedStateMachine):
             for run in card.runs.values():
                 by_key.setdefault(run.key, []).append(run)
             for key, runs in by_key.items():
-                ask = self.asks.ask(key)
-                owns = [self.planner.state.price(run) for run in runs]
-                together = sum(1 for own in owns if not own.individual)
-                base = ask.together_bytes(together) - ask.outlier_reserve_bytes(together)
-                solo_bytes = sum(own.ask_bytes for own in owns if own.individual)
-                reserve = 0
-                for i, own in enumerate(owns):
-                    assert runs[i].solo == own.individual
-                    # Whatever prices it, it carries its key's outlier rate.
-                    assert (own.outlier_rate, own.outlier_bytes) == (
-                        ask.outlier_rate,
-                        ask.outlier_bytes,
-                    )
-                    steps = int((i + 1) * ask.outlier_rate + 0.5) - int(i * ask.outlier_rate + 0.5)
-                    extra = steps * max(0, ask.outlier_bytes - own.ask_bytes)
-                    reserve += extra
-                    assert runs[i].booked_bytes <= own.ask_bytes + extra
-                expected = int(len(runs) * ask.outlier_rate + 0.5)
-                if expected and any(own.individual for own in owns):
-                    event("tasks priced on their own beside an outlier reserve of their key")
-                assert sum(r.booked_bytes for r in runs) == base + solo_bytes + reserve
-                least = min(max(0, ask.outlier_bytes - own.ask_bytes) for own in owns)
-                assert reserve >= expected * least
+                assert sum(r.booked_bytes for r in runs) == self.key_bookings(key, runs)
+
+    def key_bookings(self, key: str, runs: list[Run]) -> int:
+        """What ``runs`` (all of ``key``'s on one card, in the order they started) book
+        between them: the key's price together for those priced at its ask (without its
+        reserve), the own asks of the others, and one outlier's extra over its own ask at
+        each run where the count the key's rate expects steps up. Checks each run's terms."""
+        ask = self.asks.ask(key)
+        owns = [self.planner.state.price(run) for run in runs]
+        together = sum(1 for own in owns if not own.individual)
+        base = ask.together_bytes(together) - ask.outlier_reserve_bytes(together)
+        solo_bytes = sum(own.ask_bytes for own in owns if own.individual)
+        reserve = 0
+        for i, (run, own) in enumerate(zip(runs, owns, strict=True)):
+            assert run.solo == own.individual
+            # Whatever prices it (a feature, an outlier's call, its own floor), it carries
+            # its key's outlier rate: the fix for a feature-priced key's outliers.
+            assert (own.outlier_rate, own.outlier_bytes) == (ask.outlier_rate, ask.outlier_bytes)
+            steps = int((i + 1) * ask.outlier_rate + 0.5) - int(i * ask.outlier_rate + 0.5)
+            extra = steps * max(0, ask.outlier_bytes - own.ask_bytes)
+            reserve += extra
+            assert run.booked_bytes <= own.ask_bytes + extra
+        expected = int(len(runs) * ask.outlier_rate + 0.5)
+        if expected and any(own.individual for own in owns):
+            event("tasks priced on their own beside an outlier reserve of their key")
+        # The reserve is for as many outliers as expected among all of them, at least the
+        # least extra each.
+        least = min((max(0, ask.outlier_bytes - own.ask_bytes) for own in owns), default=0)
+        assert reserve >= expected * least
+        return base + solo_bytes + reserve
 
     @invariant()
     def the_width_is_honest(self) -> None:
