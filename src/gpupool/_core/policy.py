@@ -353,11 +353,9 @@ class Ask:
         """
         if together is None:
             together = running
-        if count < 0 or running < 0 or together < 0:
-            raise ValueError(
-                f"count, running and together must be 0 or more tasks, got {count}, "
-                f"{running} and {together}"
-            )
+        for name, value in (("count", count), ("running", running), ("together", together)):
+            if value < 0:
+                raise ValueError(f"{name} must be 0 or more tasks, got {value}")
         if not count:
             return 0
         if not self.pooled and not self.outlier_rate:
