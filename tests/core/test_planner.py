@@ -969,3 +969,64 @@ def test_a_settle_of_several_peaks_names_the_last_and_notes_a_descendant_once():
     assert len(told) == 1
     assert "2 peaks, the last 5.00 GiB" in told[0].reason
     assert told[0].reason.count("outlived") == 1
+
+
+def test_feature_priced_tasks_of_a_key_with_an_outlier_keep_a_reserve_for_one() -> None:
+    """A key whose peaks follow a list argument (1 GiB + 2 GiB per item, eight tasks) and
+    then one 9 GiB outlier of a one-item call: its one-item tasks are priced from the line
+    (about 3 GiB each), and five of them running together on a card book room for the one
+    outlier the rate (1 in 9) expects among five: one of them at the outlier's price. Tasks
+    of the key without the argument, priced at its ask, started beside them, book the key's
+    price together between them (the first at the full ask)."""
+    census = census_of(
+        [card_census(total_bytes=80 * GiB, free_bytes=80 * GiB)],
+        cpus=16,
+        available_ram_bytes=128 * GiB,
+    )
+    asks = AskTable(
+        policy=Policy(reserve_bytes=0, learned=True, outliers=True),
+        default_estimate_bytes=4 * GiB,
+    )
+    planner = Planner(
+        census=census,
+        asks=asks,
+        config=PlannerConfig(max_workers=8, reserve_bytes=0, parent_pid=PARENT),
+        emit=lambda record: None,
+    )
+    planner.construct(0.0)
+    task = 0
+
+    def started(items: int | None) -> int:
+        nonlocal task
+        features = () if items is None else (("arg0.len", float(items)),)
+        planner.submit(task, "k", features=features)
+        verdict = planner.next_start(0.1, None)
+        assert isinstance(verdict, Start), verdict
+        planner.started(verdict.task, verdict.device, 100 + task, 0.1)
+        task += 1
+        return verdict.task
+
+    for items, peak in [(n, GiB + 2 * GiB * n) for n in (1, 2, 3, 4, 1, 2, 3, 4)] + [(1, 9 * GiB)]:
+        done = started(items)
+        report = PeakReport(device=0, device_peak_bytes=peak, device_source="simulator")
+        planner.finished(done, report, 0.2)
+    ask = asks.ask("k")
+    assert asks.predictor("k") is not None and ask.outliers == 1
+    one = asks.ask_for("k", None, (("arg0.len", 1.0),))
+    assert one.feature == "arg0.len" and one.ask_bytes < 4 * GiB
+    assert one.outlier_rate == ask.outlier_rate > 0
+    runs = [started(1) for _ in range(5)]
+    booked = [planner.state.running[t].booked_bytes for t in runs]
+    extra = ask.outlier_bytes - one.ask_bytes
+    assert sum(booked) == 5 * one.ask_bytes + extra  # one outlier expected among five
+    assert booked.count(one.ask_bytes + extra) == 1
+    plain = [started(None) for _ in range(2)]
+    held = sum(planner.state.running[t].booked_bytes for t in plain)
+    assert held == ask.together_bytes(2) - ask.outlier_reserve_bytes(2) + sum(
+        max(0, ask.outlier_bytes - ask.ask_bytes) * step
+        for step in (
+            int(6 * ask.outlier_rate + 0.5) - int(5 * ask.outlier_rate + 0.5),
+            int(7 * ask.outlier_rate + 0.5) - int(6 * ask.outlier_rate + 0.5),
+        )
+    )
+    assert planner.state.running[plain[0]].booked_bytes >= ask.ask_bytes
