@@ -473,6 +473,9 @@ class _KeyState:
     m2: float = 0.0
     # What an out-of-memory proved: the ask never falls below it.
     floor_bytes: int = 0
+    # The key's own ask (not a size's or a feature's) before an out-of-memory of one of its
+    # tasks priced on its own: the key's ask never falls below it (AskTable.hold).
+    held_bytes: int = 0
     # The measured tasks that were given a size (``options(size=...)``).
     told: Line = field(default_factory=Line)
     # By feature of the calls (:mod:`~gpupool._core.predict`), the measured tasks that carried it
@@ -694,6 +697,16 @@ class AskTable:
         state.floor_bytes = max(state.floor_bytes, floor_bytes)
         return self.ask(key)
 
+    def hold(self, key: str, ask_bytes: int) -> Ask:
+        """Never price ``key``'s own ask below ``ask_bytes`` again, without raising the price
+        of its tasks priced on their own (a size, a feature): what an out-of-memory of such a
+        task, or of an outlier, says of the key's ask (evidence never lowers a price). Returns
+        the key's ask."""
+        self._forget(key)
+        state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+        state.held_bytes = max(state.held_bytes, ask_bytes)
+        return self.ask(key)
+
     def ask(self, key: str) -> Ask:
         """The current price of a task of ``key``."""
         cached = self._cache.get(key)
@@ -711,7 +724,7 @@ class AskTable:
             estimate = state.estimate_bytes
         if state is not None and state.peak_bytes is not None:
             return self._derive_measured(key, state, state.peak_bytes, estimate)
-        floor = state.floor_bytes if state is not None else 0
+        floor = max(state.floor_bytes, state.held_bytes) if state is not None else 0
         return Ask(
             key=key,
             ask_bytes=max(estimate, floor),
@@ -734,14 +747,14 @@ class AskTable:
         )
         return Ask(
             key=key,
-            ask_bytes=max(1, peak_bytes + margin, state.floor_bytes),
+            ask_bytes=max(1, peak_bytes + margin, state.floor_bytes, state.held_bytes),
             basis="measured",
             estimate_bytes=estimate_bytes,
             measured_peak_bytes=peak_bytes,
             margin_bytes=margin,
             samples=state.samples,
             spread_bytes=round(stdev_bytes),
-            floor_bytes=state.floor_bytes,
+            floor_bytes=max(state.floor_bytes, state.held_bytes),
             mean_bytes=round(state.mean_bytes),
             granule_bytes=granule_bytes,
             pooled=(
@@ -909,6 +922,7 @@ class AskTable:
             size=size,
             room_capped=room_capped,
             feature=feature,
+            floor_bytes=state.floor_bytes,
         )
 
     def keys(self) -> tuple[str, ...]:
