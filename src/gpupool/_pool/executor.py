@@ -267,9 +267,9 @@ def size_of_calls(
             ``None`` or a positive, finite number, for one of the calls.
     """
     name = getattr(size_of, "__qualname__", None) or repr(size_of)
-    where = "" if entry is None else f" (map entry {entry})"
     found: float | None = None
-    for args, kwargs in calls:
+    for offset, (args, kwargs) in enumerate(calls):
+        where = "" if entry is None else f" (map entry {entry + offset})"
         try:
             value = size_of(*args, **kwargs)
         except Exception as exc:
