@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import queue
 import re
@@ -50,6 +51,7 @@ from gpupool._commands.run_output import (
     follow_jobs,
     parse_halt,
 )
+from gpupool._core.events import TASK_KEY_CHARS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -65,6 +67,7 @@ __all__ = [
     "REPLACEMENT_STRINGS",
     "add_run_parser",
     "build_command",
+    "default_key",
     "exit_status",
     "read_lines",
     "replacement",
@@ -197,35 +200,48 @@ class _StopFlag:
 
 
 class CommandOutOfMemory(RuntimeError):
-    """A command failed and its error output says the device ran out of memory.
+    """A command failed and its error output says the device ran out of memory, or its card
+    was full as it ran (``recognised``: ``"command-output"`` or ``"card-full"``).
 
     Raised in the worker in place of the command's exit status, so the pool
     classifies and retries it as it does a task's own out-of-memory. The
-    message carries the status and the line that said so (kept for the error).
+    message carries the status and the line (or the reading) that said so
+    (kept for the error).
     """
 
-    def __init__(self, message: str, status: int = 1) -> None:
+    def __init__(self, message: str, status: int = 1, recognised: str = "command-output") -> None:
         super().__init__(message)
         self.status = status
+        # "command-output": its error output said so; "card-full": it failed while its card
+        # was full (gpupool._child.probe.card_full_in_task), whatever it said.
+        self.recognised = recognised
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return CommandOutOfMemory, (str(self), self.status)
+        return CommandOutOfMemory, (str(self), self.status, self.recognised)
 
 
 def _ran_out_of_memory(status: int, stderr_path: str) -> CommandOutOfMemory | None:
     """The command's failure as an out-of-memory, where its error output says one."""
-    from gpupool._child.probe import OUTPUT_TAIL_BYTES, oom_in_output
+    from gpupool._child.probe import OUTPUT_TAIL_BYTES, card_full_in_task, oom_in_output
 
     try:
         with open(stderr_path, "rb") as err:
             err.seek(max(0, os.fstat(err.fileno()).st_size - OUTPUT_TAIL_BYTES))
             line = oom_in_output(err.read())
     except OSError:
-        return None
-    if line is None:
+        line = None
+    if line is not None:
+        return CommandOutOfMemory(
+            f"the command ran the device out of memory ({describe_status(status)}): {line}",
+            status,
+        )
+    full = card_full_in_task()
+    if full is None:
         return None
     return CommandOutOfMemory(
-        f"the command ran the device out of memory ({describe_status(status)}): {line}", status
+        f"the command failed ({describe_status(status)}) while its card was full: {full}",
+        status,
+        "card-full",
     )
 
 
@@ -242,8 +258,11 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
     Raises:
         CommandOutOfMemory: the command failed and the end of its error output
             says the device ran out of memory (CUDA's, cuDNN's, cuBLAS's,
-            NCCL's, torch's, CuPy's or JAX's words), so the pool classifies and
-            retries it as a task's own out-of-memory.
+            NCCL's, torch's, CuPy's or JAX's words), or its card was full while
+            it ran (an allocation refused to a process of the worker's tree, or
+            the card's free bytes read below a few hundred MiB while the tree
+            grew), so the pool classifies and retries it as a task's own
+            out-of-memory.
     """
     status = _run_in_session(command, cwd, stdout_path, stderr_path)
     if status != 0:
@@ -323,6 +342,16 @@ def _signal_group(group: int, sig: int) -> bool:
 
 
 # -- the parent's side ---------------------------------------------------------------------
+
+
+def default_key(template: str) -> str:
+    """The commands' task key when ``--key`` is not given: the command template, or, for one
+    longer than a key may be (``TASK_KEY_CHARS``), its start and a digest of the whole, so
+    that two long templates never share a key."""
+    if len(template) <= TASK_KEY_CHARS:
+        return template
+    digest = hashlib.sha256(template.encode(errors="surrogateescape")).hexdigest()[:16]
+    return f"{template[: TASK_KEY_CHARS - 40]}... [sha256 {digest}]"
 
 
 def run_commands(
@@ -574,6 +603,11 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
         )
     if args.key is not None and not args.key:
         parser.error("--key '' is empty: give a name, or leave --key out for the command")
+    if args.key is not None and len(args.key) > TASK_KEY_CHARS:
+        parser.error(
+            f"--key has {len(args.key)} characters: a task key is a name of at most "
+            f"{TASK_KEY_CHARS}; give a shorter one, or leave --key out for the command"
+        )
     options: dict[str, Any] = {
         "max_workers": args.max_workers,
         "task_peak": args.task_peak,
@@ -592,7 +626,7 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
             return run_commands(
                 template,
                 lines,
-                key=args.key or template,
+                key=args.key or default_key(template),
                 pool_options={name: value for name, value in options.items() if value is not None},
                 stdout=stdout,
                 stderr=stderr,

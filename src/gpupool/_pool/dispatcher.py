@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
+from gpupool._core.contexts import CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE
 from gpupool._core.events import truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -81,6 +82,7 @@ from gpupool._pool.workers import (
     WorkerOptions,
     WorkerSet,
 )
+from gpupool._sensors.contexts import open_context_file
 from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
@@ -236,6 +238,15 @@ class Dispatcher:
                 bookings, pool_id, devices, sensor, self.planner, log, self.started_at_s
             )
         )
+        # The largest contexts measured on each card model, beside the table: each card's
+        # workers are priced at its model's until their own row is read (None: no table).
+        self.contexts = open_context_file(bookings, pool_id)
+        for device in devices:
+            device.context_estimate = (
+                (CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE)
+                if self.contexts is None
+                else self.contexts.estimate(device.info.name).pair()
+            )
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
         )
@@ -283,6 +294,21 @@ class Dispatcher:
             self.link.table.close()
         self.workers.close()
         self.inbox.close()
+
+    def refused(self, exc: BaseException) -> None:
+        """The pool was refused as it was built (``exc``: strict mode's first width, or any
+        error of :meth:`start`): the run the log opened ends with its ``shutdown`` record,
+        and the descriptors are given back (no thread will)."""
+        try:
+            record = self.planner.shutdown_record(
+                self.now(),
+                self.outcomes.counts,
+                tasks_lost=0,
+                refused=f"{type(exc).__name__}: {exc}",
+            )
+            self.log.append(record)
+        finally:
+            self.close()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
@@ -352,7 +378,7 @@ class Dispatcher:
             self.inbox.woken()
             kill_signal = self.inbox.kill_signal
             if kill_signal is not None:  # fail what waits to be retried, signal every worker
-                self._fail_pending("the pool's workers were stopped before this ran")
+                self._fail_pending(said.stopped_before_run_error(kill_signal))
                 self.workers.kill(kill_signal)
             # What the tasks that ended last turn measured is priced, once per key, before
             # this turn reads a card, starts a task, publishes or delivers a result.
@@ -630,6 +656,8 @@ class Dispatcher:
             if worker.device is not None and self.link is not None:
                 self.link.changed(worker.device, self.now())
             return
+        if event.report is not None and event.report.context_source == "process-row":
+            self._note_context(worker, event.report)
         oom = kind == "oom" and event.report is not None
         if oom:
             assert event.report is not None
@@ -649,6 +677,13 @@ class Dispatcher:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self.outcomes.answered(item, kind, event.payload)
+
+    def _note_context(self, worker: Worker, report: PeakReport) -> None:
+        """The worker measured its context from its own row: the host's contexts file keeps
+        the largest on its card's model (written only when this one is larger)."""
+        if self.contexts is not None and worker.device is not None and report.context_bytes:
+            model = self.cards.devices[worker.device].info.name
+            self.contexts.note(model, report.context_bytes)
 
     def _not_set_up(self, worker: Worker, item: WorkItem, payload: Any) -> None:
         """``worker`` could not set up the task it was handed (a task before it used up its
@@ -686,7 +721,12 @@ class Dispatcher:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
-            self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
+            if report.oom_recognised == "card-full":
+                # Taken for an out-of-memory by the card's state, not by what it said: past
+                # the retries the task's own error reaches its future, as it was raised.
+                self.outcomes.fail(item, exc)
+            else:
+                self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
 
     def _exited(self, event: Exited) -> None:
         """A worker's process ended: only the task it ran fails, and the tasks queued behind
@@ -755,9 +795,12 @@ class Dispatcher:
             for worker in self.workers.all():
                 self._fail_items(self.workers.take_queue(worker), exc)
 
-    def _fail_pending(self, lost: str = "the pool stopped before this task ran") -> None:
+    def _fail_pending(self, lost: WorkerLostError | None = None) -> None:
         """End every task not handed to a worker: with the pool's error when it is broken,
-        else cancelled, or (started to its future) failed with ``lost``."""
+        else cancelled, or (started to its future) failed with a copy of ``lost`` (by
+        default: the pool stopped before it ran)."""
+        if lost is None:
+            lost = WorkerLostError("the pool stopped before this task ran")
         self._drain_incoming()
         broken = self.inbox.broken
         for task in self.planner.pending_tasks():
@@ -767,7 +810,7 @@ class Dispatcher:
                 continue
             # Broken, or started to its future (or, broken, cancelled by its caller first:
             # counted so by the outcomes).
-            error = copy_broken(self.inbox.broken_exc, broken) if broken else WorkerLostError(lost)
+            error = copy_broken(self.inbox.broken_exc, broken) if broken else copy_broken(lost, "")
             self.outcomes.fail(item, error)
 
     def _cancel_pending(self) -> None:
