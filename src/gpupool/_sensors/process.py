@@ -27,39 +27,40 @@ def read_rss_high_water(path: str | os.PathLike[str] = _STATUS) -> int | None:
     Linux it comes from ``getrusage`` (``ru_maxrss``, KiB), one system call per
     task, where that is this process's own: ``ru_maxrss`` is the larger of
     ``VmHWM`` and the high-water of the memory the process replaced at ``exec``
-    (for a worker, the pool's process's); while it is not above the latter,
-    ``VmHWM`` is read from ``path``.
+    (for a worker, the pool's process's): where the latter is the larger when
+    first asked, ``VmHWM`` is read from ``path`` instead, at each call.
     """
-    if sys.platform == "linux" and (path is _STATUS or path == _STATUS):
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if maxrss > _inherited_bytes(maxrss):
-            return maxrss  # above what exec left: this process's own
+    if sys.platform == "linux" and (path is _STATUS or path == _STATUS) and not _inherits():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return _read_vmhwm(path)
 
 
 def _read_vmhwm(path: str | os.PathLike[str]) -> int | None:
     """``VmHWM`` of a ``/proc/<pid>/status`` file, in bytes; ``None`` if unknown."""
     try:
-        with open(path, encoding="ascii", errors="replace") as file:
-            text = file.read()
+        with open(path, "rb") as file:
+            text = file.read(65536)
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("VmHWM:"):
-            parts = line.split()
-            if len(parts) >= 2 and parts[1].isascii() and parts[1].isdigit():
-                return int(parts[1]) * 1024
+    start = text.find(b"VmHWM:")
+    if start < 0 or (start > 0 and text[start - 1 : start] != b"\n"):
+        return None
+    end = text.find(b"\n", start)
+    parts = (text[start:] if end < 0 else text[start:end]).split()
+    if len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1]) * 1024
     return None
 
 
-def _inherited_bytes(maxrss: int) -> int:
-    """What ``getrusage`` reports that is not this process's own (0: nothing), given its
-    ``ru_maxrss`` now (``maxrss``, bytes): found once per process, from ``VmHWM``."""
+def _inherits() -> bool:
+    """Whether this process's ``ru_maxrss`` holds a high-water that is not its own (found once
+    per process, from ``VmHWM``): then ``VmHWM`` is read at each call instead."""
     global _inherited
     pid = os.getpid()
     if _inherited is None or _inherited[0] != pid:
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         own = _read_vmhwm(_STATUS)
         # Above VmHWM, ru_maxrss is the replaced memory's high-water, fixed at exec; at or
         # below it, ru_maxrss follows VmHWM from now on (both only grow).
         _inherited = (pid, maxrss if own is not None and maxrss > own else 0)
-    return _inherited[1]
+    return _inherited[1] > 0

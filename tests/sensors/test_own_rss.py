@@ -1,0 +1,43 @@
+"""A process's own RSS high-water, as the probe reads it after each task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpupool._sensors.process import read_rss_high_water
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (b"Name:\tpython\nVmPeak:\t 9 kB\nVmHWM:\t    1234 kB\nVmRSS:\t 3 kB\n", 1234 * 1024),
+        (b"VmHWM:\t5 kB", 5 * 1024),  # the last line, without its newline
+        (b"Name:\tx\nVmHWM:\t x kB\n", None),  # not a number
+        (b"Name:\tx\nVmHWM:\n", None),
+        (b"Name:\tx\nVmRSS:\t 3 kB\n", None),  # no high-water
+        (b"", None),
+    ],
+)
+def test_the_high_water_of_a_status_file(tmp_path: Path, text: bytes, expected: int | None) -> None:
+    """``VmHWM`` of a status file given as ``path``, in bytes; ``None`` when it says none."""
+    status = tmp_path / "status"
+    status.write_bytes(text)
+    assert read_rss_high_water(status) == expected
+
+
+def test_a_missing_status_file_is_no_figure(tmp_path: Path) -> None:
+    """A status file that cannot be read is no figure, never 0."""
+    assert read_rss_high_water(tmp_path / "gone") is None
+
+
+def test_this_process_reads_its_own_high_water() -> None:
+    """This process's figure is its ``VmHWM`` (it only grows between the two reads)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("no /proc on this system")
+    figure = read_rss_high_water()
+    after = read_rss_high_water(status)
+    assert figure is not None and after is not None
+    assert figure <= after
