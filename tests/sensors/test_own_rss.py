@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,24 @@ def test_this_process_reads_its_own_high_water() -> None:
     after = read_rss_high_water(status)
     assert figure is not None and after is not None
     assert figure <= after
+
+
+def test_a_status_descriptor_a_task_replaced_is_opened_again(tmp_path: Path) -> None:
+    """The status file kept open is opened again where a task closed its descriptor and put
+    a file of its own on that number (which is left open, and never read as the status)."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc on this system")
+    from gpupool._sensors import process
+
+    kept = process._STATUS_FILE
+    assert kept.read() is not None
+    os.close(kept._fd)
+    other = tmp_path / "other"
+    other.write_bytes(b"VmHWM:\t1 kB\n")
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        text = kept.read()
+        assert text is not None and b"Name:" in text  # this process's status, not the file
+        assert os.read(fd, 64) == b"VmHWM:\t1 kB\n"  # the task's file is still its own
+    finally:
+        os.close(fd)

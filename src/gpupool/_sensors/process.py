@@ -30,8 +30,10 @@ def read_rss_high_water(path: str | os.PathLike[str] = _STATUS) -> int | None:
     (for a worker, the pool's process's): where the latter is the larger when
     first asked, ``VmHWM`` is read from ``path`` instead, at each call.
     """
-    if sys.platform == "linux" and (path is _STATUS or path == _STATUS) and not _inherits():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if sys.platform == "linux" and (path is _STATUS or path == _STATUS):
+        if not _inherits():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return _parse_vmhwm(_STATUS_FILE.read())
     return _read_vmhwm(path)
 
 
@@ -39,8 +41,14 @@ def _read_vmhwm(path: str | os.PathLike[str]) -> int | None:
     """``VmHWM`` of a ``/proc/<pid>/status`` file, in bytes; ``None`` if unknown."""
     try:
         with open(path, "rb") as file:
-            text = file.read(65536)
+            return _parse_vmhwm(file.read(_STATUS_MAX_BYTES))
     except OSError:
+        return None
+
+
+def _parse_vmhwm(text: bytes | None) -> int | None:
+    """``VmHWM`` in a status file's ``text``, in bytes; ``None`` where it says none."""
+    if text is None:
         return None
     start = text.find(b"VmHWM:")
     if start < 0 or (start > 0 and text[start - 1 : start] != b"\n"):
@@ -50,6 +58,55 @@ def _read_vmhwm(path: str | os.PathLike[str]) -> int | None:
     if len(parts) >= 2 and parts[1].isdigit():
         return int(parts[1]) * 1024
     return None
+
+
+#: More than a status file holds (about 1.5 KiB): one read takes it whole.
+_STATUS_MAX_BYTES = 65536
+
+
+class _StatusFile:
+    """This process's ``/proc/self/status``, kept open and read again at each call (a third
+    of the cost of opening it each time). A descriptor a task closed, or replaced by a file
+    of its own (its identity changed), or one inherited from the process a fork copied, is
+    opened again."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._id: tuple[int, int, int] | None = None  # pid, st_dev, st_ino
+
+    def read(self) -> bytes | None:
+        pid = os.getpid()
+        for _ in range(2):
+            if self._fd >= 0 and self._id is not None and self._id[0] == pid:
+                try:
+                    status = os.fstat(self._fd)
+                    if (pid, status.st_dev, status.st_ino) == self._id:
+                        return os.pread(self._fd, _STATUS_MAX_BYTES, 0)
+                except OSError:
+                    pass
+            self._open(pid)
+        return None
+
+    def _open(self, pid: int) -> None:
+        """Open the file anew; a descriptor of ours that is still the file (a fork's copy of it
+        included) is closed first."""
+        if self._fd >= 0 and self._id is not None:
+            try:
+                status = os.fstat(self._fd)
+                if (status.st_dev, status.st_ino) == self._id[1:]:
+                    os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self._id = -1, None
+        try:
+            fd = os.open(_STATUS, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        status = os.fstat(fd)
+        self._fd, self._id = fd, (pid, status.st_dev, status.st_ino)
+
+
+_STATUS_FILE = _StatusFile()
 
 
 def _inherits() -> bool:
