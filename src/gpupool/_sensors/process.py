@@ -27,12 +27,13 @@ def read_rss_high_water(path: str | os.PathLike[str] = _STATUS) -> int | None:
     Linux it comes from ``getrusage`` (``ru_maxrss``, KiB), one system call per
     task, where that is this process's own: ``ru_maxrss`` is the larger of
     ``VmHWM`` and the high-water of the memory the process replaced at ``exec``
-    (for a worker, the pool's process's): where the latter is the larger when
-    first asked, ``VmHWM`` is read from ``path`` instead, at each call.
+    (for a worker, the pool's process's): while ``ru_maxrss`` is not above the
+    latter, ``VmHWM`` is read from ``path`` instead.
     """
     if sys.platform == "linux" and (path is _STATUS or path == _STATUS):
-        if not _inherits():
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if maxrss > _inherited_bytes(maxrss):
+            return maxrss  # above what the exec left: this process's own, from now on
         return _parse_vmhwm(_STATUS_FILE.read())
     return _read_vmhwm(path)
 
@@ -109,15 +110,14 @@ class _StatusFile:
 _STATUS_FILE = _StatusFile()
 
 
-def _inherits() -> bool:
-    """Whether this process's ``ru_maxrss`` holds a high-water that is not its own (found once
-    per process, from ``VmHWM``): then ``VmHWM`` is read at each call instead."""
+def _inherited_bytes(maxrss: int) -> int:
+    """What ``ru_maxrss`` holds that is not this process's own (0: nothing), given its value
+    now (``maxrss``, bytes): found once per process, from ``VmHWM``."""
     global _inherited
     pid = os.getpid()
     if _inherited is None or _inherited[0] != pid:
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         own = _read_vmhwm(_STATUS)
         # Above VmHWM, ru_maxrss is the replaced memory's high-water, fixed at exec; at or
         # below it, ru_maxrss follows VmHWM from now on (both only grow).
         _inherited = (pid, maxrss if own is not None and maxrss > own else 0)
-    return _inherited[1] > 0
+    return _inherited[1]
