@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,31 @@ def test_a_status_descriptor_a_task_replaced_is_opened_again(tmp_path: Path) -> 
         assert os.read(fd, 64) == b"VmHWM:\t1 kB\n"  # the task's file is still its own
     finally:
         os.close(fd)
+
+
+def test_a_high_water_read_again_sees_what_was_kept_at_once_and_a_freed_peak_soon() -> None:
+    """Where the status file is read (a worker whose ru_maxrss is its pool's), memory kept
+    since the last reading is seen at once, and a peak freed since then once the reading is
+    :data:`VMHWM_MAX_AGE_S` old."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("no /proc on this system")
+    from gpupool._sensors import process
+
+    def touched(mib: int) -> bytearray:
+        data = bytearray(mib * 2**20)
+        data[::4096] = b"\x01" * len(range(0, len(data), 4096))
+        return data
+
+    before = process._own_high_water()
+    assert before is not None
+    kept = touched(64)
+    with_kept = process._own_high_water()
+    assert with_kept is not None and with_kept >= before + 60 * 2**20
+    del kept
+    peak = process._read_vmhwm("/proc/self/status")
+    touched(96)  # freed at once
+    fresh = process._read_vmhwm("/proc/self/status")
+    assert peak is not None and fresh is not None and fresh >= peak
+    time.sleep(process.VMHWM_MAX_AGE_S * 1.5)
+    later = process._own_high_water()
+    assert later is not None and later >= fresh
