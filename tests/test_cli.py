@@ -226,7 +226,15 @@ def test_plan_human_output_has_every_term(capsys: pytest.CaptureFixture[str]) ->
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--total", "lots"), ("--task-peak", "0"), ("--margin", "-1GiB"), ("--max-workers", "0")],
+    [
+        ("--total", "lots"),
+        ("--task-peak", "0"),
+        ("--margin", "-1GiB"),
+        ("--max-workers", "0"),
+        # More than a pool runs: an OverflowError's traceback, or a plan that never ended.
+        ("--max-workers", "99999999999999999999"),
+        ("--cpus", "4097"),
+    ],
 )
 def test_plan_bad_values_name_the_flag(
     capsys: pytest.CaptureFixture[str], flag: str, value: str

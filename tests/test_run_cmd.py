@@ -18,8 +18,10 @@ from gpupool._commands.run import (
     COMMAND_GRACE_S,
     MAX_FAILED_STATUS,
     build_command,
+    default_key,
     exit_status,
 )
+from gpupool._core.events import TASK_KEY_CHARS
 from gpupool._core.units import GiB
 from gpupool._pool.executor import INTERRUPT_GRACE_S
 from gpupool.testing import SimulatedDevice, SimulatedHost
@@ -86,6 +88,7 @@ def test_command_grace_ends_before_the_pools_grace() -> None:
         (["run", "--max-workers", "0", "--", "echo"], "--max-workers='0' must be at least 1"),
         (["run", "--reserve", "lots", "--", "echo"], "--reserve='lots' is not a byte size"),
         (["run", "--key", "", "--", "echo"], "--key '' is empty"),
+        (["run", "--key", "k" * 1001, "--", "echo"], "--key has 1001 characters: a task key"),
     ],
 )
 def test_bad_input_is_a_usage_error(
@@ -142,6 +145,23 @@ with open(d / "ended.txt", "a") as ended:
     ended.write(f"{n}\\n")
 (d / f"{n}.done").touch()
 """
+
+
+def test_a_command_longer_than_a_key_runs_under_a_bounded_key_of_its_own(tmp_path: Path) -> None:
+    """A command template longer than a task key may be runs, its key its start and a digest
+    of the whole (two such templates that differ only at the end keep keys of their own)."""
+    tail = "x" * 1500
+    assert len(default_key(f"echo {{}} # {tail}a")) <= TASK_KEY_CHARS
+    assert default_key(f"echo {{}} # {tail}a") != default_key(f"echo {{}} # {tail}b")
+    assert default_key("echo {}") == "echo {}"
+    log = tmp_path / "run.jsonl"
+    with _host():
+        done = _gpupool_run(
+            "--task-peak", "1GiB", "--log", str(log), "--", f"echo {{}} # {tail}", stdin="7\n"
+        )
+    assert (done.returncode, done.stdout) == (0, "7\n"), done.stderr
+    keys = {json.loads(line).get("key") for line in log.read_text().splitlines()}
+    assert default_key(f"echo {{}} # {tail}") in keys
 
 
 def test_output_is_in_input_order(tmp_path: Path) -> None:

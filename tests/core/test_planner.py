@@ -81,6 +81,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.next_task = 0
         self.next_pid = 1000
         self.submitted = 0
+        self.keys_submitted: set[str] = set()
         self.settled = 0
         self.pre_oom_ask: dict[str, int] = {}
         self.live_used: dict[int, int] = {}
@@ -216,6 +217,7 @@ class PlannerMachine(RuleBasedStateMachine):
         )
         self.next_task += 1
         self.submitted += 1
+        self.keys_submitted.add(key)
 
     @rule(
         data=st.data(),
@@ -677,6 +679,14 @@ class PlannerMachine(RuleBasedStateMachine):
             if run.device is not None and own.individual:
                 # Priced on its own (a feature, an outlier's call, its own floor).
                 assert run.booked_bytes == own.ask_bytes
+
+    @invariant()
+    def every_key_submitted_is_listed_with_its_price(self) -> None:
+        """statistics().asks (the ask table's keys) lists every key submitted, estimated or
+        measured, and never the construction's own "" key."""
+        listed = set(self.asks.keys())
+        assert self.keys_submitted <= listed
+        assert "" not in listed
 
     @invariant()
     def the_width_is_honest(self) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,7 +24,8 @@ from gpupool._core.units import GiB, KiB, MiB
         pytest.param("6gib", 6 * GiB, id="unit-case-insensitive"),
         pytest.param("  2 KiB ", 2 * KiB, id="surrounding-whitespace"),
         pytest.param(".5KiB", 512, id="leading-point"),
-        pytest.param("1.5 B", 1, id="fraction-rounds-down"),
+        pytest.param("1.3KiB", 1331, id="a-unit-rounds-down-to-whole-bytes"),
+        pytest.param("1.0B", 1, id="whole-bytes-written-with-a-point"),
         pytest.param("8.54 GB", 8_540_000_000, id="exact-decimal-no-float-loss"),
         pytest.param("0", 0, id="zero"),
     ],
@@ -39,11 +42,14 @@ def test_parse_size_accepts_written_sizes(text: str, expected: int) -> None:
         pytest.param(6 * GiB, 6 * GiB, id="int"),
         pytest.param(10**400, 10**400, id="int-larger-than-any-float"),
         pytest.param(6.5e9, 6_500_000_000, id="float"),
-        pytest.param(1.9, 1, id="float-rounds-down"),
+        pytest.param(6.0, 6, id="whole-float"),
+        pytest.param(np.int64(6 * GiB), 6 * GiB, id="numpy-int"),
+        pytest.param(np.float32(512.0), 512, id="numpy-float"),
+        pytest.param(Fraction(6, 1), 6, id="fraction-type-whole"),
     ],
 )
 def test_parse_size_accepts_numbers(value: float, expected: int) -> None:
-    """Numbers are bytes; ints are kept exactly and floats round down."""
+    """Numbers are bytes, numpy's included; ints are kept exactly, whole floats taken."""
     assert parse_size(value) == expected
 
 
@@ -90,7 +96,34 @@ def test_parse_size_names_the_option_and_how_to_write_it() -> None:
         parse_size("lots", name="task_peak")
 
 
-@pytest.mark.parametrize("value", [0, "0", "0 GiB", "0.4"])
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        pytest.param(1.5, r"write its unit, such as task_peak='1\.5GiB'", id="float"),
+        pytest.param("1.5", r"write its unit, such as task_peak='1\.5GiB'", id="text"),
+        pytest.param(" 0.4 B", r"write its unit, such as task_peak='0\.4GiB'", id="text-bytes"),
+        pytest.param(np.float64(2.5), r"write its unit, such as task_peak='2\.5GiB'", id="numpy"),
+        pytest.param(Fraction(3, 2), r"write its unit, such as task_peak='1\.5GiB'", id="ratio"),
+        pytest.param(
+            0.9 * 12 * GiB,
+            r"pass a whole number of bytes, such as 11596411699 \(int\(\) of a computed size\)",
+            id="computed",
+        ),
+        pytest.param("1234.5", r"pass a whole number of bytes, such as 1234 ", id="large-text"),
+    ],
+)
+def test_a_fraction_of_a_byte_is_refused_with_the_fix(value: object, fix: str) -> None:
+    """A bare number is bytes, which must be whole: task_peak=1.5 (1.5 GiB with its unit left
+    out) is refused, saying how to write it, never read as 1 byte."""
+    with pytest.raises(
+        InvalidSizeError,
+        match=rf"^task_peak={re.escape(repr(value))} is a fraction of a byte: .*; {fix}",
+    ) as caught:
+        parse_size(value, name="task_peak")
+    assert caught.value.value is value
+
+
+@pytest.mark.parametrize("value", [0, "0", "0 GiB", "0.0001 KiB", "0.0"])
 def test_parse_size_refuses_zero_when_asked(value: object) -> None:
     """With ``allow_zero=False`` a size that rounds to zero bytes is refused."""
     with pytest.raises(

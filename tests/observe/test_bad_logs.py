@@ -202,6 +202,7 @@ def test_a_fifo_is_refused_without_blocking(
     assert main(argv) == EXIT_BAD_LOG
     err = capsys.readouterr().err
     assert re.search(r"log\.fifo: a FIFO, not a decision log file; to read a stream, pass -", err)
+    assert err.count("postmortem") == (command == "postmortem")  # plot's hint names no other
 
 
 def test_a_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

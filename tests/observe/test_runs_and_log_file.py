@@ -15,7 +15,7 @@ from typing import Any
 import observe_tasks
 import pytest
 
-from gpupool import ConfigurationError, GpuPoolExecutor
+from gpupool import ConfigurationError, GpuPoolExecutor, WidthError
 from gpupool._commands.cli import EXIT_USAGE, main
 from gpupool._core.events import ERROR_TEXT_CHARS, OOM_TERMS, Decision, truncate_text
 from gpupool._core.units import GiB
@@ -91,6 +91,33 @@ def test_an_unknown_run_is_a_usage_error(
     assert "run '7' is not a run in the log; the log holds 2 runs (1: " in err
     with pytest.raises(NoSuchRunError):
         read_runs(two_runs, run="7")
+
+
+def test_a_run_refused_by_strict_mode_ends_in_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """strict=True refusing the first width: the run its log opened ends with a shutdown
+    record naming the refusal, and a pool that appends to the file next is a whole run too."""
+    log = tmp_path / "strict.jsonl"
+    with SimulatedHost([SimulatedDevice("10GiB")], cpus=4, host_ram="64GiB", context="0MiB"):
+        with pytest.raises(WidthError, match=r"^strict mode: the bound gives width 2"):
+            GpuPoolExecutor(max_workers=4, strict=True, task_peak="4GiB", reserve=0, log_path=log)
+        with GpuPoolExecutor(max_workers=2, task_peak="4GiB", reserve=0, log_path=log) as pool:
+            assert pool.submit(abs, -3).result(timeout=60) == 3
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    runs = list(dict.fromkeys(r["run_id"] for r in records))
+    assert len(runs) == 2
+    for run in runs:
+        events = [r["event"] for r in records if r["run_id"] == run]
+        assert (events[0], events[-1], events.count("shutdown")) == ("run_started", "shutdown", 1)
+    ended = [r for r in records if r["event"] == "shutdown"]
+    assert ended[0]["refused"].startswith("WidthError: strict mode: the bound gives width 2")
+    assert ended[0]["tasks_lost"] == ended[0]["tasks_completed"] == 0
+    assert "refused" not in ended[1] and ended[1]["tasks_completed"] == 1
+    assert main(["postmortem", "--run", "1", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "refused as it was built, before any task ran: WidthError: strict mode:" in out
+    assert "no shutdown record" not in out
 
 
 def test_a_legacy_log_splits_at_each_construction(tmp_path: Path, two_runs: Path) -> None:

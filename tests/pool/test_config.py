@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import stat
 
+import numpy as np
 import pytest
 import tasks
 
@@ -155,6 +157,16 @@ def test_initializer_must_be_callable(host):
         GpuPoolExecutor(task_peak="1GiB", initializer=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("initargs", [5, None])
+def test_initargs_that_are_not_a_sequence_are_refused_saying_how(host, initargs):
+    """initargs that cannot be unpacked into the initializer's call (every worker would die
+    at boot) raise TypeError at construction, showing the tuple to pass."""
+    with pytest.raises(
+        TypeError, match=rf"^initargs={initargs!r}: pass the initializer's arguments as a tuple"
+    ):
+        GpuPoolExecutor(task_peak="1GiB", initializer=tasks.init_with, initargs=initargs)
+
+
 def test_no_task_peak_runs_the_first_task_alone(host):
     """Without task_peak the first task of a key is priced at the whole room: width 1."""
     with GpuPoolExecutor(max_workers=4) as ex:
@@ -264,3 +276,109 @@ def test_an_options_task_peak_is_parsed_once_not_at_each_submit(host, monkeypatc
         assert [f.result(timeout=60) for f in futures] == [0, 1, 2]
         assert ex.statistics().asks["big"].estimate_bytes == 2 * 1024**3
     assert parsed == ["2GiB"]
+
+
+@pytest.mark.parametrize("name", ["task_peak", "reserve", "margin"])
+def test_a_fraction_of_a_byte_is_refused_for_every_size(host, name):
+    """task_peak=1.5 (1.5 GiB with its unit left out) is refused, naming the unit, never
+    read as 1 byte: for every size the constructor takes."""
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"^{name}=1\.5 is a fraction of a byte: .*such as {name}='1\.5GiB'\.$",
+    ):
+        GpuPoolExecutor(**{"task_peak": "1GiB", name: 1.5})
+
+
+@pytest.mark.parametrize("variable", ["GPUPOOL_TASK_PEAK", "GPUPOOL_RESERVE"])
+def test_a_fraction_of_a_byte_in_a_variable_is_refused(host, monkeypatch, variable):
+    """A GPUPOOL_* size variable of "1.5" is refused as the argument would be, naming it."""
+    monkeypatch.setenv(variable, "1.5")
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"^{variable}='1\.5' is a fraction of a byte: .*\(read from the environment: "
+        rf"fix or unset {variable}\)$",
+    ):
+        GpuPoolExecutor(max_workers=1)
+
+
+def test_a_fraction_of_a_byte_in_options_is_refused_and_loses_nothing(host):
+    """options(task_peak=1.5) is refused at once; the pool and its work go on."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        before = ex.submit(tasks.sleep_return, 1, 0.0)
+        with pytest.raises(ConfigurationError, match=r"^task_peak=1\.5 is a fraction of a byte"):
+            ex.options(key="k", task_peak=1.5)
+        assert before.result(timeout=60) == 1
+        assert ex.submit(tasks.sleep_return, 2, 0.0).result(timeout=60) == 2
+
+
+def test_numpy_integers_are_taken_where_an_int_is(host, tmp_path):
+    """max_workers, width, max_retries and a device index may be numpy integers (the standard
+    pool takes such a max_workers); the log states them as plain numbers."""
+    log = tmp_path / "run.jsonl"
+    two = np.int64(2)
+    with GpuPoolExecutor(
+        max_workers=two,
+        width=two,
+        max_retries=np.int32(1),
+        devices=[np.int64(0)],
+        task_peak="1GiB",
+        log_path=log,
+    ) as ex:
+        assert ex.submit(tasks.sleep_return, 7, 0.0).result(timeout=60) == 7
+        assert ex.width == 2
+    started = json.loads(log.read_text().splitlines()[0])
+    assert (started["setting_max_workers"], started["setting_width"]) == (2, 2)
+    assert (started["setting_max_retries"], started["setting_devices"]) == (1, "0")
+
+
+def test_env_that_the_cards_pinning_would_override_is_refused(host):
+    """env= naming the variable that pins each worker to its card, with another value, is
+    refused (it would never reach a worker), pointing at devices=; the pinned value itself
+    is taken."""
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^env\['CUDA_VISIBLE_DEVICES'\]='0': the pool sets CUDA_VISIBLE_DEVICES in "
+        r"each worker to pin it to its card \('GPU-.*' on card 0\), .*devices=\[\.\.\.\]",
+    ):
+        GpuPoolExecutor(task_peak="1GiB", env={"CUDA_VISIBLE_DEVICES": "0"})
+    with GpuPoolExecutor(task_peak="1GiB", env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) as ex:
+        assert ex.submit(tasks.environ).result(timeout=60)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_a_task_key_longer_than_a_name_is_refused(host):
+    """options(key=...) of more than 1000 characters (a str() of a whole object, say) is
+    refused, naming its length: every record about its tasks carries it, and past 1 MiB a
+    line of the log is more than gpupool postmortem reads."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^key='k{40}\.\.\. \[cut: .*\]' has 1001 characters: a task key is a name of "
+            r"at most 1000 \(it is on every record about its tasks\); pass a short name",
+        ):
+            ex.options(key="k" * 1001)
+        assert ex.options(key="k" * 1000).submit(tasks.sleep_return, 3, 0.0).result(timeout=60) == 3
+
+
+def test_more_workers_than_a_pool_runs_are_refused(host, monkeypatch):
+    """max_workers, width and GPUPOOL_MAX_WORKERS above 4096 (a process each) are refused,
+    naming the most, as CPython's pool refuses more than 61 on Windows; 4096 is taken."""
+    with pytest.raises(
+        ValueError, match=r"^max_workers must be <= 4096, got 100000000000000000000"
+    ):
+        GpuPoolExecutor(task_peak="1GiB", max_workers=10**20)
+    with pytest.raises(ConfigurationError, match=r"^width=4097: .*of at most 4096"):
+        GpuPoolExecutor(task_peak="1GiB", width=4097)
+    GpuPoolExecutor(task_peak="1GiB", max_workers=4096).shutdown()
+    monkeypatch.setenv("GPUPOOL_MAX_WORKERS", "4097")
+    with pytest.raises(ConfigurationError, match=r"^GPUPOOL_MAX_WORKERS='4097': .* 1 to 4096"):
+        GpuPoolExecutor(task_peak="1GiB")
+
+
+def test_a_sensor_class_instead_of_a_sensor_is_refused(host):
+    """sensor= given the class rather than an object is refused at once, naming the fix
+    (its methods are callable, so it failed later with a missing 'self')."""
+    kind = type(host.sensor())
+    with pytest.raises(
+        ConfigurationError, match=rf"^sensor=<class '.*\.{kind.__name__}'> is a class: pass a"
+    ):
+        GpuPoolExecutor(task_peak="1GiB", sensor=kind)

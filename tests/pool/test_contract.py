@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import signal
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 
+import numpy as np
 import pytest
 import tasks
 
@@ -87,6 +89,48 @@ def test_map_orders_results_and_honours_chunksize_and_buffersize(pool):
         with pytest.raises(TypeError, match=r"^buffersize must be an integer or None$"):
             pool.map(abs, [1], buffersize=wrong)
     assert pool.statistics().tasks_submitted == submitted
+
+
+def test_map_whose_iterable_raises_cancels_what_it_submitted(host, tmp_path):
+    """map over an iterable that raises part-way raises its error, and cancels the tasks it
+    had submitted and that have not started: the caller holds none of their futures."""
+    release = tmp_path / "release"
+
+    def paths():
+        for i in range(4):
+            yield str(tmp_path / f"started{i}")
+        raise ValueError("bad input after item 3")
+
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        try:
+            with pytest.raises(ValueError, match=r"^bad input after item 3$"):
+                ex.map(tasks.touch_and_wait, paths(), [str(release)] * 5)
+        finally:
+            release.touch()  # the one task that may have started ends
+    stats = ex.statistics()
+    assert stats.tasks_submitted == 4
+    assert stats.tasks_cancelled >= 3
+    assert stats.tasks_cancelled + stats.tasks_completed == 4
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "pattern"),
+    [
+        ({"timeout": "1"}, TypeError, r"^timeout='1': pass a number of seconds after which"),
+        ({"timeout": math.nan}, ValueError, r"^timeout=nan: pass a number of seconds after"),
+        ({"chunksize": "2"}, TypeError, r"^chunksize='2': pass a whole number of calls per task"),
+        ({"chunksize": 2.5}, TypeError, r"^chunksize=2\.5: pass a whole number of calls per"),
+    ],
+    ids=["timeout-text", "timeout-nan", "chunksize-text", "chunksize-fraction"],
+)
+def test_map_refuses_a_bad_timeout_or_chunksize_before_submitting(host, arguments, error, pattern):
+    """A timeout or chunksize that is not a number of seconds or of calls is refused by map,
+    naming it, before any task is submitted (Python's own errors named neither)."""
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        with pytest.raises(error, match=pattern):
+            ex.map(abs, [-1, -2], **arguments)
+        assert list(ex.map(abs, [-1, -2], timeout=math.inf, chunksize=np.int64(2))) == [1, 2]
+    assert ex.statistics().tasks_submitted == 1  # the one chunk of the good call
 
 
 def test_map_timeout_raises_timeout_error(pool):

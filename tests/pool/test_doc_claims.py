@@ -299,6 +299,27 @@ def test_the_first_decision_goes_to_the_logger_and_the_file_at_once(host, tmp_pa
 # -- measurements ----------------------------------------------------------------------------
 
 
+def test_statistics_asks_lists_every_key_submitted_with_its_basis(host, tmp_path):
+    """statistics().asks lists a key as soon as its task is submitted, priced by the estimate
+    (the pool's task_peak, or the key's own) with basis "estimated", then "measured"."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    with GpuPoolExecutor(max_workers=1, task_peak="1GiB") as ex:
+        try:
+            running = ex.submit(tasks.touch_and_wait, str(started), str(release), 1)
+            waiting = ex.options(key="hinted", task_peak="2GiB").submit(tasks.sleep_return, 2, 0.0)
+            _wait_for(started.exists, "the first task to run in its worker")
+            _wait_for(lambda: "hinted" in ex.statistics().asks, "the hinted key's snapshot")
+            asks = ex.statistics().asks
+            assert {key: (a.basis, a.ask_bytes) for key, a in asks.items()} == {
+                "tasks.touch_and_wait": ("estimated", 1 * GiB),
+                "hinted": ("estimated", 2 * GiB),
+            }
+        finally:
+            release.touch()
+        assert (running.result(timeout=60), waiting.result(timeout=60)) == (1, 2)
+    assert {a.basis for a in ex.statistics().asks.values()} == {"measured"}
+
+
 def test_a_measured_peak_includes_the_context_and_gets_the_default_margin():
     """A task's peak counts its CUDA context; the ask adds max(256 MiB, 10 %) by default."""
     with SimulatedHost([SimulatedDevice("80GiB")], cpus=2, host_ram="64GiB"):  # 300 MiB context
@@ -366,6 +387,45 @@ def test_a_live_gate_wait_is_logged_once_per_wait_not_once_per_poll():
 
 
 # -- forced shutdown -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "signal_name"),
+    [("kill_workers", "SIGKILL"), ("terminate_workers", "SIGTERM")],
+)
+def test_a_task_whose_worker_is_still_booting_fails_naming_the_pools_own_call(
+    host, tmp_path, method, signal_name
+):
+    """kill_workers()/terminate_workers() while the worker started for a task is still in its
+    initializer: that task (RUNNING: a worker was started for it) fails with WorkerLostError
+    naming the call and its signal, as a running task's does; what waited is cancelled, the
+    pool is not broken, and no task is lost."""
+    booting, release = tmp_path / "booting", tmp_path / "release"
+    ex = GpuPoolExecutor(
+        max_workers=1,
+        task_peak="1GiB",
+        initializer=tasks.touch_and_wait,
+        initargs=(str(booting), str(release)),
+    )
+    try:
+        handed = ex.submit(tasks.sleep_return, 1, 0.0)
+        waiting = ex.submit(tasks.sleep_return, 2, 0.0)
+        _wait_for(booting.exists, "the worker to run its initializer")
+        assert handed.running()
+        getattr(ex, method)()
+        with pytest.raises(WorkerLostError) as info:
+            handed.result(timeout=30)
+        assert info.value.signal_name == signal_name
+        assert f"{method}() stopped the pool before this task ran" in str(info.value)
+        assert waiting.cancelled()
+        with pytest.raises(RuntimeError, match=r"^cannot schedule new futures after shutdown$"):
+            ex.submit(abs, 1)
+    finally:
+        release.touch()
+        ex.shutdown()
+    stats = ex.statistics()
+    assert (stats.tasks_failed, stats.tasks_cancelled, stats.tasks_submitted) == (1, 1, 2)
+    assert [d.to_dict()["tasks_lost"] for d in ex.decisions if d.event == "shutdown"] == [0]
 
 
 def test_kill_workers_cancels_pending_tasks_and_sigkills_the_running_one(host, tmp_path):

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpupool._core.bound import Ceiling, WidthDecision
+from gpupool._core.bound import MAX_WORKERS_LIMIT, Ceiling, WidthDecision
 from gpupool._core.census import CardCensus, Census, HostCensus
 from gpupool._core.planner import DEFAULT_CHILD_RSS_PRIOR_BYTES, PlannerConfig, what_if
 from gpupool._core.policy import DEFAULT_RESERVE_BYTES, Ask, AskTable, Policy
@@ -395,6 +395,10 @@ def _count_type(flag: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{flag}={text!r} is not a whole number") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{flag}={text!r} must be at least 1")
+        if value > MAX_WORKERS_LIMIT:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} must be at most {MAX_WORKERS_LIMIT} (a pool's most workers)"
+            )
         return value
 
     return convert
@@ -498,8 +502,9 @@ def _ceiling_json(ceiling: Ceiling) -> dict[str, Any]:
     }
 
 
-#: The widest a plan without max_workers or a CPU count is planned at (what the cards hold).
-MAX_PLANNED_WIDTH = 4096
+#: The widest a plan without max_workers or a CPU count is planned at (what the cards hold):
+#: the most workers a pool runs.
+MAX_PLANNED_WIDTH = MAX_WORKERS_LIMIT
 
 
 def _phase(

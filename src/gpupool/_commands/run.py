@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import queue
 import re
@@ -50,6 +51,7 @@ from gpupool._commands.run_output import (
     follow_jobs,
     parse_halt,
 )
+from gpupool._core.events import TASK_KEY_CHARS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -65,6 +67,7 @@ __all__ = [
     "REPLACEMENT_STRINGS",
     "add_run_parser",
     "build_command",
+    "default_key",
     "exit_status",
     "read_lines",
     "replacement",
@@ -325,6 +328,16 @@ def _signal_group(group: int, sig: int) -> bool:
 # -- the parent's side ---------------------------------------------------------------------
 
 
+def default_key(template: str) -> str:
+    """The commands' task key when ``--key`` is not given: the command template, or, for one
+    longer than a key may be (``TASK_KEY_CHARS``), its start and a digest of the whole, so
+    that two long templates never share a key."""
+    if len(template) <= TASK_KEY_CHARS:
+        return template
+    digest = hashlib.sha256(template.encode(errors="surrogateescape")).hexdigest()[:16]
+    return f"{template[: TASK_KEY_CHARS - 40]}... [sha256 {digest}]"
+
+
 def run_commands(
     template: str,
     lines: Iterable[str],
@@ -574,6 +587,11 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
         )
     if args.key is not None and not args.key:
         parser.error("--key '' is empty: give a name, or leave --key out for the command")
+    if args.key is not None and len(args.key) > TASK_KEY_CHARS:
+        parser.error(
+            f"--key has {len(args.key)} characters: a task key is a name of at most "
+            f"{TASK_KEY_CHARS}; give a shorter one, or leave --key out for the command"
+        )
     options: dict[str, Any] = {
         "max_workers": args.max_workers,
         "task_peak": args.task_peak,
@@ -592,7 +610,7 @@ def run_from_args(args: argparse.Namespace, *, stdout: IO[bytes], stderr: IO[byt
             return run_commands(
                 template,
                 lines,
-                key=args.key or template,
+                key=args.key or default_key(template),
                 pool_options={name: value for name, value in options.items() if value is not None},
                 stdout=stdout,
                 stderr=stderr,

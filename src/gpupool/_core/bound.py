@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gpupool._core.census import CardCensus
 
 __all__ = [
+    "MAX_WORKERS_LIMIT",
     "AskBasis",
     "Bound",
     "Ceiling",
@@ -45,6 +46,13 @@ __all__ = [
 ]
 
 AskBasis = Literal["estimated", "measured"]
+
+#: The most workers a pool runs at once (``max_workers``, ``width``, ``GPUPOOL_MAX_WORKERS``,
+#: ``gpupool plan``'s ``--max-workers`` and ``--cpus``), as CPython's pool has one on Windows
+#: (61). A worker is a process with a CUDA context of its own, so no host runs more; and the
+#: planner's fit places a width one task at a time, so a larger ceiling would hold each
+#: decision for seconds (a what-if plan of 10**8 workers at 1 KiB did not end).
+MAX_WORKERS_LIMIT = 4096
 
 #: Which limit set a width: the memory bound, one of the ceiling's terms, an
 #: unreadable card (width 1), the pool-wide floor of 1 (width 1 on the card

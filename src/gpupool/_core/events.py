@@ -32,6 +32,7 @@ __all__ = [
     "READABLE_SCHEMAS",
     "SCHEMA_VERSION",
     "SETTING_PREFIX",
+    "TASK_KEY_CHARS",
     "TASK_LABEL_CHARS",
     "TASK_TERMS",
     "Decision",
@@ -68,6 +69,11 @@ ERROR_TEXT_CHARS = 200
 
 #: The most characters of a task's label (``options(label=...)``).
 TASK_LABEL_CHARS = 200
+
+#: The most characters of a task key a caller names (``options(key=...)``): a key is on
+#: every record about its tasks, and a card's table holds up to ``TABLE_ROWS`` of them, so
+#: a record stays far below the line a reader takes (``gpupool postmortem``: 1 MiB).
+TASK_KEY_CHARS = 1000
 
 #: The terms naming the task a record is about (:class:`TaskIdentity`), by name: on every
 #: record of one task (``serial_start``, ``measured``, ``out_of_memory``, which is also the

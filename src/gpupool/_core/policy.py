@@ -873,6 +873,11 @@ class AskTable:
         """Every key priced so far, in first-seen order."""
         return tuple(self._keys)
 
+    def priced(self, key: str) -> None:
+        """A task of ``key`` was submitted: :meth:`keys` lists the key from now on, at its
+        estimate until it is measured (its price is unchanged)."""
+        self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+
 
 # Re-exported by gpupool, which may not have imported this module yet (it loads it on
 # first use): the public path is set here, so reprs, docs and pickles name it whenever used.

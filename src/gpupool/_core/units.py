@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import TYPE_CHECKING
 
@@ -46,12 +47,14 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
 
     Binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``) are powers of 1024, decimal
     units (``KB``, ``MB``, ``GB``, ``TB``) powers of 1000, units are
-    case-insensitive, and a bare number is bytes. Fractions round down to
-    whole bytes.
+    case-insensitive, and a bare number is bytes. A size in a unit larger than
+    a byte rounds down to whole bytes (``"1.3GiB"``); a number of bytes must be
+    whole: ``1.5`` (or ``"1.5"``, ``"1.5B"``) is refused, since a byte does not
+    split and such a number is a unit left out far more often than a size.
 
     Args:
-        value: a ``str`` such as ``"6GiB"``, ``"6.5 GB"``, ``"7e9"``, or an
-            ``int``/``float`` number of bytes.
+        value: a ``str`` such as ``"6GiB"``, ``"6.5 GB"``, ``"7e9"``, or a
+            number of bytes (an ``int`` or ``float``, numpy's included).
         name: what the value is, for the error message (``"task_peak"``).
         allow_zero: whether ``0`` is acceptable.
 
@@ -59,8 +62,8 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
         The size in bytes.
 
     Raises:
-        InvalidSizeError: ``value`` is not a finite, non-negative size (a
-            ``ValueError``); the message quotes the input.
+        InvalidSizeError: ``value`` is not a finite, non-negative size, or is a
+            fraction of a byte (a ``ValueError``); the message quotes the input.
     """
     if isinstance(value, bool) or value is None:
         raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
@@ -72,19 +75,24 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
     from decimal import Decimal, localcontext
 
     number: Decimal | int
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, float):
-        if not math.isfinite(value):
+    scale = 1  # the unit's bytes: a number of bytes (scale 1) must be whole
+    if isinstance(value, numbers.Integral):  # numpy's integers too
+        number = int(value)
+    elif isinstance(value, numbers.Real):  # a float, numpy's, a Fraction
+        try:
+            real = float(value)
+        except (OverflowError, ValueError):
+            real = math.inf
+        if not math.isfinite(real):
             raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
-        number = Decimal(value)
+        number = Decimal(real)
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         unit = match.group("unit").lower() if match else ""
         if match is None or unit not in _UNITS:
             raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
-        text = match.group("number")
-        if not math.isfinite(float(text) * _UNITS[unit]):
+        text, scale = match.group("number"), _UNITS[unit]
+        if not math.isfinite(float(text) * scale):
             raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
         with localcontext() as context:
             context.prec = len(text) + 20  # enough digits for an exact product
@@ -97,9 +105,29 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
     if number < 0:
         raise InvalidSizeError(f"{name}={value!r} is negative; {_HOW}.", value=value)
     nbytes = math.floor(number)
+    if scale == 1 and nbytes != number:
+        # A small one is a unit left out (task_peak=1.5 for 1.5 GiB); a large one, a
+        # computed size whose fraction is float noise.
+        fix = (
+            f"write its unit, such as {name}='{_shown(value)}GiB'"
+            if number < KiB
+            else f"pass a whole number of bytes, such as {nbytes} (int() of a computed size)"
+        )
+        raise InvalidSizeError(
+            f"{name}={value!r} is a fraction of a byte: a number of bytes (what a number "
+            f"without a unit is) must be whole; {fix}.",
+            value=value,
+        )
     if nbytes == 0 and not allow_zero:
         raise InvalidSizeError(f"{name}={value!r} is zero; {name} must be positive.", value=value)
     return nbytes
+
+
+def _shown(value: object) -> str:
+    """The number of a bare size as the user wrote it (``"1.5"`` of ``1.5`` or ``"1.5 B"``)."""
+    if isinstance(value, str):
+        return value.strip().rstrip("bB").strip()
+    return f"{float(value):g}" if isinstance(value, numbers.Real) else str(value)
 
 
 #: The largest size a pool (and ``gpupool plan``) accepts for a task's peak, a

@@ -159,8 +159,8 @@ def _open_log(path: str | Path) -> IO[bytes]:
                 )
             )
             raise DecisionLogError(
-                f"{name}: {kind}, not a decision log file; to read a stream, pass - "
-                f"and redirect it (gpupool postmortem - < {name})",
+                f"{name}: {kind}, not a decision log file; to read a stream, pass - for "
+                f"the log and redirect the stream to standard input (- < {name})",
                 path=name,
                 line=None,
             )

@@ -242,6 +242,7 @@ _SHUTDOWN_TERMS = (
     "workers_lost",
     "tasks_lost",
     "reason",
+    "refused",
 )
 
 
@@ -649,6 +650,8 @@ def _format_shutdown(pm: Postmortem) -> list[str]:
     shutdown = pm.shutdown
     if shutdown is None:
         return ["no shutdown record: the pool did not shut down cleanly, or is still running"]
+    if shutdown.get("refused"):
+        return [f"refused as it was built, before any task ran: {shutdown['refused']}"]
     lost = pm.tasks_lost
     return [
         f"shutdown: {shutdown.get('tasks_completed')} completed, "

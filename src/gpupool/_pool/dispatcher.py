@@ -284,6 +284,21 @@ class Dispatcher:
         self.workers.close()
         self.inbox.close()
 
+    def refused(self, exc: BaseException) -> None:
+        """The pool was refused as it was built (``exc``: strict mode's first width, or any
+        error of :meth:`start`): the run the log opened ends with its ``shutdown`` record,
+        and the descriptors are given back (no thread will)."""
+        try:
+            record = self.planner.shutdown_record(
+                self.now(),
+                self.outcomes.counts,
+                tasks_lost=0,
+                refused=f"{type(exc).__name__}: {exc}",
+            )
+            self.log.append(record)
+        finally:
+            self.close()
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
         if self.thread.ident is None or threading.current_thread() is self.thread:
@@ -352,7 +367,7 @@ class Dispatcher:
             self.inbox.woken()
             kill_signal = self.inbox.kill_signal
             if kill_signal is not None:  # fail what waits to be retried, signal every worker
-                self._fail_pending("the pool's workers were stopped before this ran")
+                self._fail_pending(said.stopped_before_run_error(kill_signal))
                 self.workers.kill(kill_signal)
             # What the tasks that ended last turn measured is priced, once per key, before
             # this turn reads a card, starts a task, publishes or delivers a result.
@@ -755,9 +770,12 @@ class Dispatcher:
             for worker in self.workers.all():
                 self._fail_items(self.workers.take_queue(worker), exc)
 
-    def _fail_pending(self, lost: str = "the pool stopped before this task ran") -> None:
+    def _fail_pending(self, lost: WorkerLostError | None = None) -> None:
         """End every task not handed to a worker: with the pool's error when it is broken,
-        else cancelled, or (started to its future) failed with ``lost``."""
+        else cancelled, or (started to its future) failed with a copy of ``lost`` (by
+        default: the pool stopped before it ran)."""
+        if lost is None:
+            lost = WorkerLostError("the pool stopped before this task ran")
         self._drain_incoming()
         broken = self.inbox.broken
         for task in self.planner.pending_tasks():
@@ -767,7 +785,7 @@ class Dispatcher:
                 continue
             # Broken, or started to its future (or, broken, cancelled by its caller first:
             # counted so by the outcomes).
-            error = copy_broken(self.inbox.broken_exc, broken) if broken else WorkerLostError(lost)
+            error = copy_broken(self.inbox.broken_exc, broken) if broken else copy_broken(lost, "")
             self.outcomes.fail(item, error)
 
     def _cancel_pending(self) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from gpupool._core.bound import MAX_WORKERS_LIMIT
 from gpupool._core.planner import DEFAULT_MAX_RETRIES, DEFAULT_ROOM_WAIT_S
 from gpupool._core.policy import DEFAULT_RESERVE_BYTES
 from gpupool._core.units import parse_pool_size
@@ -120,8 +121,11 @@ def _number(
 
 def read_max_workers(environ: Mapping[str, str]) -> int | None:
     """``GPUPOOL_MAX_WORKERS``, the default for ``max_workers``, or ``None`` when unset."""
-    what = "set it to a whole number of at least 1, such as 4"
-    return _number(environ, MAX_WORKERS_ENV, int, 1, what)
+    what = f"set it to a whole number from 1 to {MAX_WORKERS_LIMIT}, such as 4"
+    workers = _number(environ, MAX_WORKERS_ENV, int, 1, what)
+    if workers is not None and workers > MAX_WORKERS_LIMIT:
+        raise _refuse(MAX_WORKERS_ENV, environ[MAX_WORKERS_ENV], what)
+    return workers
 
 
 def read_max_retries(environ: Mapping[str, str]) -> int:

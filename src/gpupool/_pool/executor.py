@@ -12,6 +12,7 @@ import concurrent.futures
 import itertools
 import math
 import numbers
+import operator
 import os
 import signal
 import threading
@@ -24,7 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 from gpupool._core.census import Census
-from gpupool._core.events import TASK_LABEL_CHARS, Decision, truncate_text
+from gpupool._core.events import TASK_KEY_CHARS, TASK_LABEL_CHARS, Decision, truncate_text
 from gpupool._core.policy import Ask
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
@@ -104,7 +105,8 @@ class PoolStatistics:
             card, for the work it holds (with mixed keys: priced at each
             pending and running task's own ask).
         widths: ``(time_s, width)`` at each decision that changed the width.
-        asks: each task key's current ask, with its basis.
+        asks: every task key submitted so far: its current ask, with its basis
+            (``estimated`` until a task of the key is measured).
         widths_by_key: for each key with work pending or running, how many
             of its tasks could run at once beside the other keys' running tasks
             (each at the key's own ask, not at a size given with ``options``).
@@ -231,9 +233,10 @@ def task_options(
 
     Raises:
         ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-            non-empty str, ``size`` is not a positive, finite number, ``timeout_s`` is
-            not a positive, finite number of seconds, or ``label`` is not a non-empty
-            str of at most 200 characters without control characters.
+            non-empty str of at most 1000 characters, ``size`` is not a positive, finite
+            number, ``timeout_s`` is not a positive, finite number of seconds, or
+            ``label`` is not a non-empty str of at most 200 characters without control
+            characters.
     """
     hint_bytes = (
         None
@@ -245,6 +248,12 @@ def task_options(
             f"key={key!r}: a task key must be a non-empty str (tasks of one key share "
             "one learned ask); pass a name such as 'embed', or leave key out for the "
             "function's own name."
+        )
+    if key is not None and len(key) > TASK_KEY_CHARS:
+        raise ConfigurationError(
+            f"key={truncate_text(key, 40)!r} has {len(key)} characters: a task key is a name "
+            f"of at most {TASK_KEY_CHARS} (it is on every record about its tasks); pass a "
+            "short name such as 'embed', or a digest of what tells the tasks apart."
         )
     value: float | None = None
     if size is not None:
@@ -328,7 +337,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     Args:
         max_workers: a ceiling on the width, never a promise; default: the
             usable CPUs. An explicit value is not capped by the CPU count (as
-            in the standard pool); the construction record notes it.
+            in the standard pool); the construction record notes it. At most
+            4096.
         mp_context: ``None`` or a spawn context: workers always start as
             fresh interpreters (spawn), each with its card pinned in its
             environment. A ``fork`` context (CUDA does not survive
@@ -538,7 +548,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             future = sized.submit(compile_entry, entry)
 
         Args:
-            key: tasks with the same key share one learned ask.
+            key: tasks with the same key share one learned ask; a name of at most 1000
+                characters.
             task_peak: this key's estimated peak until a child measures it.
             size: the size of this task's input (tokens, rows, bytes: one unit for every
                 task of the key). Once tasks of the key were measured at their sizes, the
@@ -559,9 +570,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                non-empty str, ``size`` is not a positive, finite number, ``timeout_s``
-                is not a positive, finite number of seconds, or ``label`` is not a
-                non-empty str of at most 200 characters without control characters.
+                non-empty str of at most 1000 characters, ``size`` is not a positive,
+                finite number, ``timeout_s`` is not a positive, finite number of seconds,
+                or ``label`` is not a non-empty str of at most 200 characters without
+                control characters.
         """
         options, hint_bytes = task_options(
             key=key, task_peak=task_peak, size=size, label=label, timeout_s=timeout_s
@@ -614,14 +626,20 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         Args:
             *iterables: the arguments of ``fn``.
             timeout: seconds from this call after which a result not yet
-                ready raises :class:`concurrent.futures.TimeoutError`.
+                ready raises :class:`concurrent.futures.TimeoutError`; ``None``
+                (or ``math.inf``) waits without a limit.
             chunksize: items per task; larger chunks cut per-task overhead.
             buffersize: at most this many tasks are submitted ahead of the
                 results consumed (Python 3.14's parameter, on every version).
 
         Raises:
-            ValueError: ``chunksize < 1`` or ``buffersize < 1``.
-            TypeError: ``buffersize`` is not an integer (as on CPython 3.14).
+            ValueError: ``chunksize < 1``, ``buffersize < 1``, or ``timeout`` is NaN.
+            TypeError: ``buffersize`` is not an integer (as on CPython 3.14), nor
+                ``chunksize``; ``timeout`` is not a number.
+
+        An error an iterable raises reaches the caller from this call, or, with
+        ``buffersize``, as the results are consumed; the tasks submitted before it that
+        have not started are cancelled then.
         """
         return self._map(fn, iterables, timeout, chunksize, buffersize, None)
 
@@ -668,11 +686,21 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             self._dispatcher.join()
 
     def terminate_workers(self) -> None:
-        """Shut down without waiting, cancel what has not started, and SIGTERM the workers."""
+        """Shut down without waiting, cancel what has not started, and SIGTERM the workers.
+
+        A task whose future is RUNNING fails with :class:`~gpupool.WorkerLostError` (a
+        ``BrokenProcessPool``, as in the standard pool) naming this call and its signal,
+        whether its worker was running it or was still starting for it.
+        """
         self._force(signal.SIGTERM)
 
     def kill_workers(self) -> None:
-        """Shut down without waiting, cancel what has not started, and SIGKILL the workers."""
+        """Shut down without waiting, cancel what has not started, and SIGKILL the workers.
+
+        A task whose future is RUNNING fails with :class:`~gpupool.WorkerLostError` (a
+        ``BrokenProcessPool``, as in the standard pool) naming this call and its signal,
+        whether its worker was running it or was still starting for it.
+        """
         self._force(signal.SIGKILL)
 
     def _force(self, sig: signal.Signals) -> None:
@@ -760,6 +788,12 @@ def map_calls(
     entry, entries)``: the arguments checked as CPython checks them, each call (or chunk of
     ``chunksize`` calls) submitted with its map position, at most ``buffersize`` ahead of the
     results, which come back in input order."""
+    try:
+        chunksize = operator.index(chunksize)  # an int, numpy's too
+    except TypeError:
+        raise TypeError(
+            f"chunksize={chunksize!r}: pass a whole number of calls per task, 1 or more."
+        ) from None
     if chunksize < 1:
         raise ValueError("chunksize must be >= 1.")
     if buffersize is not None:
@@ -768,7 +802,7 @@ def map_calls(
             raise TypeError("buffersize must be an integer or None")
         if buffersize < 1:
             raise ValueError("buffersize must be None or >= 1.")
-    end_time = None if timeout is None else timeout + time.monotonic()
+    end_time = None if timeout is None else _deadline(timeout)
     args_iter = zip(*iterables, strict=False)
     calls: Iterator[Future[Any]]
     # Each task knows its map position (a chunk: its first and how many).
@@ -780,10 +814,36 @@ def map_calls(
             submit(chunk_fn, (list(chunk),), n * chunksize, len(chunk))
             for n, chunk in enumerate(_batched(args_iter, chunksize))
         )
-    futures: collections.deque[Future[Any]] = collections.deque(
-        calls if buffersize is None else itertools.islice(calls, buffersize)
-    )
+    futures: collections.deque[Future[Any]] = collections.deque()
+    try:
+        futures.extend(calls if buffersize is None else itertools.islice(calls, buffersize))
+    except BaseException:
+        # An iterable raised (or a submit did): the caller holds none of these futures, so
+        # what has not started is cancelled, as when a consumer of the results stops early.
+        for future in futures:
+            future.cancel()
+        raise
     return _results(futures, calls if buffersize is not None else None, end_time, chunksize > 1)
+
+
+def _deadline(timeout: object) -> float | None:
+    """``map``'s ``timeout`` as a deadline on the monotonic clock, checked before any task is
+    submitted; one no wait can hold (``math.inf``) is no deadline, as ``None`` is."""
+    fix = (
+        f"timeout={timeout!r}: pass a number of seconds after which a result not yet ready "
+        "raises TimeoutError, or None to wait without a limit."
+    )
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool):
+        raise TypeError(fix)
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past any float: past any wait too
+        return None
+    if math.isnan(seconds):
+        raise ValueError(fix)
+    if seconds >= threading.TIMEOUT_MAX:
+        return None
+    return seconds + time.monotonic()
 
 
 def _batched(iterable: Iterator[tuple[Any, ...]], n: int) -> Iterator[tuple[tuple[Any, ...], ...]]:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import operator
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpupool._core.bound import MAX_WORKERS_LIMIT
 from gpupool._core.events import JsonValue
 from gpupool._core.planner import Planner, PlannerConfig
 from gpupool._core.policy import DEFAULT_MARGIN_BYTES, DEFAULT_MARGIN_FRACTION, AskTable, Policy
@@ -208,13 +210,29 @@ def _check_not_daemonic() -> None:
         )
 
 
+def _whole(value: object) -> int | None:
+    """``value`` as an int where it is one (numpy's integers too, never a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _check_max_workers(value: object) -> int:
-    """As CPython's pool checks it, with its exception types and words."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """As CPython's pool takes it (numpy's integers too), with its exception types and words."""
+    count = _whole(value)
+    if count is None:
         raise TypeError(f"max_workers must be an int, got {value!r}")
-    if value <= 0:
+    if count <= 0:
         raise ValueError("max_workers must be greater than 0")
-    return value
+    if count > MAX_WORKERS_LIMIT:
+        raise ValueError(
+            f"max_workers must be <= {MAX_WORKERS_LIMIT}, got {count}: each worker is a process "
+            "with a CUDA context of its own; pass the most tasks that should run at once."
+        )
+    return count
 
 
 def _read_workers(
@@ -245,6 +263,12 @@ def _read_workers(
         )
     if initializer is not None and not callable(initializer):
         raise TypeError("initializer must be a callable")
+    if initializer is not None and not isinstance(initargs, Iterable):
+        # Every worker would die calling initializer(*initargs), and the pool break.
+        raise TypeError(
+            f"initargs={initargs!r}: pass the initializer's arguments as a tuple, such as "
+            f"initargs=({initargs!r},), or () for none."
+        )
     if max_tasks_per_child is not None:
         if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
             raise TypeError("max_tasks_per_child must be an integer")
@@ -287,11 +311,15 @@ def _start_method(mp_context: object) -> str | None:
 
 
 def _check_width(width: object) -> int | None:
-    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+    if width is None:
+        return None
+    count = _whole(width)
+    if count is None or not 0 < count <= MAX_WORKERS_LIMIT:
         raise ConfigurationError(
-            f"width={width!r}: a fixed width must be a positive int, or None for the bound."
+            f"width={width!r}: a fixed width must be a positive int of at most "
+            f"{MAX_WORKERS_LIMIT}, or None for the bound."
         )
-    return width
+    return count
 
 
 def _read_policy(
@@ -353,6 +381,21 @@ def _check_vendor(sensor: Sensor, infos: Sequence[DeviceInfo]) -> None:
                 f"{kind}.worker_factory() cannot reach a worker: {type(exc).__name__}: {exc}. "
                 "Return a module-level class or function, or a functools.partial of one."
             ) from None
+
+
+def _check_env_pinning(env: Mapping[str, str], sensor: Sensor, infos: Sequence[DeviceInfo]) -> None:
+    """Refuse an ``env=`` value that the variables pinning each worker to its card would
+    override (a worker pinned to another card than its bookings' is priced on the wrong one):
+    the cards are chosen with ``devices=``."""
+    for info in infos:
+        for name, value in sensor.worker_env(info).items():
+            if name in env and env[name] != value:
+                raise ConfigurationError(
+                    f"env[{name!r}]={env[name]!r}: the pool sets {name} in each worker to pin "
+                    f"it to its card ({value!r} on card {info.index}), so this value would "
+                    f"never reach a worker. Choose the cards with devices=[...], and leave "
+                    f"{name!r} out of env."
+                )
 
 
 def _check_env(env: object) -> dict[str, str]:
@@ -431,10 +474,12 @@ def _check_devices(devices: object) -> tuple[int | str, ...] | None:
         )
     checked: list[int | str] = []
     for entry in devices:
-        if isinstance(entry, bool) or not isinstance(entry, (int, str)):
+        index = _whole(entry)
+        if index is None and not isinstance(entry, str):
             raise ConfigurationError(
                 f"devices entry {entry!r}: each entry is a device index (int) or UUID (str)."
             )
+        entry = entry if index is None else index  # numpy's integers are indexes too
         if isinstance(entry, int) and entry < 0:
             raise ConfigurationError(f"devices entry {entry!r}: an index is 0 or more.")
         if entry in checked:
@@ -448,11 +493,12 @@ def _check_devices(devices: object) -> tuple[int | str, ...] | None:
 
 
 def _check_max_retries(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    count = _whole(value)
+    if count is None or count < 0:
         raise ConfigurationError(
             f"max_retries={value!r}: pass a whole number of retries, 0 or more."
         )
-    return value
+    return count
 
 
 def _check_room_wait_s(value: object) -> float:
@@ -503,6 +549,12 @@ def _check_reserve(census: Census, reserve_bytes: int) -> None:
 def _check_sensor(sensor: Sensor) -> Sensor:
     """Refuse a ``sensor=`` that lacks a method the census calls (it would fail there, far from
     where it was given, with an ``AttributeError``), naming what is missing."""
+    if isinstance(sensor, type):  # its methods are callable, but need an instance
+        raise ConfigurationError(
+            f"sensor={sensor!r} is a class: pass a sensor object, such as "
+            f"{sensor.__name__}(...) or gpupool.testing.SimulatedHost(...).sensor(), or None "
+            "for the default."
+        )
     missing = [name for name in SENSOR_METHODS if not callable(getattr(sensor, name, None))]
     if missing:
         raise ConfigurationError(
@@ -545,6 +597,7 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
     reserve_bytes = options.policy.reserve_bytes
     _check_reserve(census, reserve_bytes)
     _check_vendor(sensor, infos)
+    _check_env_pinning(options.workers.env, sensor, infos)
     devices = [
         DeviceState(i, *pair) for i, pair in enumerate(zip(infos, census.cards, strict=True))
     ]
@@ -563,25 +616,38 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         parent_pid=os.getpid(),
     )
     share, directory = options.share_bookings, options.bookings_dir
-    dispatcher = Dispatcher(
-        census=census,
-        devices=devices,
-        sensor=sensor,
-        asks=AskTable(policy=options.policy, default_estimate_bytes=peak_bytes),
-        config=config,
-        workers=options.workers,
-        log=DecisionLog(options.log_path, settings=options.settings()),
-        bookings=open_booking_table(share=share, directory=directory, sensor=sensor)
-        if devices
-        else None,
-        pool_id=new_pool_id(),
-        memory=None
-        if options.memory_path is None or options.width is not None
-        else PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards}))),
+    bookings = (
+        open_booking_table(share=share, directory=directory, sensor=sensor) if devices else None
     )
+    memory = (
+        None
+        if options.memory_path is None or options.width is not None
+        else PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards})))
+    )
+    # Opened last, so that nothing above can leave its run (run_started) without an end; a
+    # refusal from here on ends it (Dispatcher.refused).
+    log = DecisionLog(options.log_path, settings=options.settings())
+    try:
+        dispatcher = Dispatcher(
+            census=census,
+            devices=devices,
+            sensor=sensor,
+            asks=AskTable(policy=options.policy, default_estimate_bytes=peak_bytes),
+            config=config,
+            workers=options.workers,
+            log=log,
+            bookings=bookings,
+            pool_id=new_pool_id(),
+            memory=memory,
+        )
+    except BaseException:  # out of descriptors, say: no planner to write the run's end
+        log.close()
+        if bookings is not None:
+            bookings.close()
+        raise
     try:
         dispatcher.start(priced=options.task_peak_bytes is not None)
-    except BaseException:
-        dispatcher.close()  # no thread will: give its descriptors back
+    except BaseException as exc:
+        dispatcher.refused(exc)  # the run its log opened ends; its descriptors given back
         raise
     return dispatcher, census, config.max_workers

@@ -207,6 +207,20 @@ def width_error(refused: Refuse) -> WidthError:
     return WidthError(refused.reason, decision=refused.decision.to_dict())
 
 
+def stopped_before_run_error(sig: int) -> WorkerLostError:
+    """The error of a task handed to a worker (its future RUNNING) that had not run when
+    ``terminate_workers()``/``kill_workers()`` (``sig``) stopped the pool: its worker was still
+    starting, or it waited for room or for a retry. Named as a running task's is: the pool
+    sent the signal itself."""
+    name = signal.Signals(sig).name
+    call = "kill_workers()" if sig == signal.SIGKILL else "terminate_workers()"
+    return WorkerLostError(
+        f"{call} stopped the pool before this task ran (its worker was still starting, or "
+        f"it waited for room or a retry): {name}, sent by the pool itself.",
+        signal_name=name,
+    )
+
+
 def lost_error(
     exited: Exited, key: str, *, timeout_s: float | None = None
 ) -> tuple[BaseException, dict[str, Any]]:

@@ -149,6 +149,7 @@ class Planner:
         of its input, and ``features``: what its call's arguments say, from which its ask may
         be predicted (:meth:`AskTable.ask_for`); ``identity``: which task it is, on every
         record about it."""
+        self.state.asks.priced(key)  # statistics().asks lists it, estimated or not
         if hint_bytes is not None:
             self.state.asks.hint(key, hint_bytes)  # the width prices it at once
             self.state.rebook(key)
@@ -363,12 +364,20 @@ class Planner:
         return self.views.refused
 
     def shutdown_record(
-        self, now_s: float, counts: Mapping[str, int], *, tasks_lost: int
+        self,
+        now_s: float,
+        counts: Mapping[str, int],
+        *,
+        tasks_lost: int,
+        refused: str | None = None,
     ) -> Decision:
-        """The run's totals, as the last record."""
+        """The run's totals, as the last record (``refused``: the error that refused the pool
+        as it was built)."""
         totals = collections.Counter(self.state.counts)
         totals.update(counts)
-        return records.shutdown(now_s, self.views.width, totals, tasks_lost=tasks_lost)
+        return records.shutdown(
+            now_s, self.views.width, totals, tasks_lost=tasks_lost, refused=refused
+        )
 
     # -- views out (never the state itself) --------------------------------------------------
 

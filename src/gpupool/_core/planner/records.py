@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 
-from gpupool._core.events import Decision, JsonValue
+from gpupool._core.events import Decision, JsonValue, truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner.fit import LiveGate
 from gpupool._core.planner.order import Hold
@@ -139,30 +139,42 @@ def head_wait(
 
 
 def shutdown(
-    now_s: float, width: int, counts: collections.Counter[str], *, tasks_lost: int
+    now_s: float,
+    width: int,
+    counts: collections.Counter[str],
+    *,
+    tasks_lost: int,
+    refused: str | None = None,
 ) -> Decision:
-    """The run's totals, as the last record."""
+    """The run's totals, as the last record; ``refused``: the error that refused the pool as
+    it was built (strict mode's first width), so that the run it started ends too."""
+    totals = (
+        f"{counts['completed']} completed, {counts['failed']} failed, {counts['cancelled']} "
+        f"cancelled tasks; {counts['oom']} out-of-memory, {counts['retries']} retries, "
+        f"{counts['lost']} workers lost"
+    )
+    extra: dict[str, JsonValue] = {
+        "tasks_completed": counts["completed"],
+        "tasks_failed": counts["failed"],
+        "tasks_cancelled": counts["cancelled"],
+        "out_of_memory": counts["oom"],
+        "retries": counts["retries"],
+        "workers_lost": counts["lost"],
+        # Futures the pool found unresolved when it stopped (it failed them).
+        "tasks_lost": tasks_lost,
+    }
+    reason = f"pool shut down after {totals}"
+    if refused is not None:
+        extra["refused"] = truncate_text(refused)
+        reason = f"pool refused as it was built, before any task ran: {refused}"
     return Decision(
         event="shutdown",
         time_s=now_s,
         device=None,
         width_before=width,
         width_after=0,
-        reason=(
-            f"pool shut down after {counts['completed']} completed, {counts['failed']} "
-            f"failed, {counts['cancelled']} cancelled tasks; {counts['oom']} out-of-memory, "
-            f"{counts['retries']} retries, {counts['lost']} workers lost"
-        ),
-        extra={
-            "tasks_completed": counts["completed"],
-            "tasks_failed": counts["failed"],
-            "tasks_cancelled": counts["cancelled"],
-            "out_of_memory": counts["oom"],
-            "retries": counts["retries"],
-            "workers_lost": counts["lost"],
-            # Futures the pool found unresolved when it stopped (it failed them).
-            "tasks_lost": tasks_lost,
-        },
+        reason=reason,
+        extra=extra,
     )
 
 
