@@ -49,7 +49,17 @@ Steps (each check is named in the output; ``report`` checks never fail):
    peak the pool recorded must reach the oracle less ``--tolerance-mib``; its
    source must be a measurement (not ``none``, not an allowance or estimate);
    the freed tasks must have given their memory back (else the check has no
-   teeth); each worker's row must be there on a bare-metal card.
+   teeth); each worker's row must be there on a bare-metal card; the context
+   the probe priced the worker at must be measured from its row and reach the
+   context step's (a check in the dry run, a report on a card).
+4b. **cap**: with ``cap_allocator=True``, torch in the worker and then a child
+   that holds the task's bytes: torch's allowance plus the child's bytes on the
+   card must stay within the booked ask.
+4c. **hidden-rows**: torch in the worker beside a child that holds as much, on a
+   card that does not give the rows (the dry run: a container, rows of 0, rows
+   without a figure, a MIG instance; a card: the card as it is): the peak must
+   reach the oracle or be flagged incomplete, and the key's ask must not fall
+   below the oracle.
 5. **ooms**: per framework, a task that asks for 55 % of the free bytes
    beside a companion holding as much runs out, is counted, and is retried
    alone, where it succeeds; a task larger than the card is counted and
@@ -62,9 +72,16 @@ Steps (each check is named in the output; ``report`` checks never fail):
 Every wait has a timeout, pool shutdowns included (the workers are killed
 when one does not end); a watchdog ends the whole run past its budget.
 
-``--dry-run`` runs every step's logic on gpupool's simulated host (no card:
-simulated stand-ins allocate for the frameworks), so the script is known to
-work before a card is lent. ``--break-probe`` (dry run only) makes every
+``--dry-run`` runs every step's logic on gpupool's simulated host (no card), so
+the script is known to work before a card is lent. Its pools read the card
+through gpupool's real NVML sensor (the tree sensor, the probe's sampled path)
+over the ``pynvml`` double in ``tests/sensors/nvml_double`` that the simulated
+host feeds (rows listed, hidden, 0 or without a figure, as that host says), and
+their workers' torch is the stand-in of ``tests/standin_torch.py``, charged on
+the simulated card: a defect in the sensor code fails the dry run
+(``tests/test_gpu_check_defects.py``). It needs the source tree's ``tests/``.
+``--steps`` runs some steps only. No run reads or writes the peaks pools
+remember between runs. ``--break-probe`` (dry run only) makes every
 worker's probe report a quarter of the device peak; the summary names the
 checks that caught it, and any check that guards peaks and did not fire.
 
@@ -93,20 +110,36 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 from gpu_check_steps import (  # noqa: E402
+    DRY_RUN_CONTEXT,
     Deadline,
     Run,
     check,
     peak_jobs,
+    step_cap,
     step_census,
     step_co_tenant,
     step_context,
     step_environment,
+    step_hidden_rows,
     step_ooms,
     step_peaks,
 )
 from gpu_check_tasks import SIMULATOR_ENV, GiB, MiB, torch_task  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_SKIPPED_REQUIRED = 0, 1, 2, 3
+
+#: The steps, in the order they run (``--steps`` picks some of them).
+STEPS = (
+    "environment",
+    "census",
+    "context",
+    "peaks",
+    "peaks-eager",
+    "cap",
+    "hidden-rows",
+    "ooms",
+    "co-tenant",
+)
 
 #: The whole run must end within this (expected: 3-4 minutes), so that a second run fits
 #: in a lent machine's 15 minutes; the watchdog ends it ``WATCHDOG_GRACE_S`` later.
@@ -117,10 +150,16 @@ DRY_RUN_BUDGET_S = 240.0
 ROOT = BENCH.parent
 
 
-def _use_source_tree() -> None:
+#: The dry run's ``pynvml``: the simulator-fed NVML double (``nvml_double/pynvml.py``, and
+#: the modules it imports beside it), first on every process's path in a dry run only.
+NVML_DOUBLE = (ROOT / "tests" / "sensors" / "nvml_double", ROOT / "tests" / "sensors")
+
+
+def _use_source_tree(dry_run: bool = False) -> None:
     """Put ``src/``, ``wheels/*.whl`` and ``bench/`` on ``sys.path`` and on the workers'
-    ``PYTHONPATH``."""
-    paths = [str(ROOT / "src"), *sorted(glob.glob(str(ROOT / "wheels" / "*.whl")))]
+    ``PYTHONPATH``; for a dry run the NVML double first."""
+    paths = [str(p) for p in NVML_DOUBLE] if dry_run else []
+    paths += [str(ROOT / "src"), *sorted(glob.glob(str(ROOT / "wheels" / "*.whl")))]
     # The workers import the tasks by name (gpupool pickles them by reference): bench/ too.
     paths.append(str(BENCH))
     for path in reversed(paths):
@@ -189,15 +228,19 @@ def run_steps(run: Run) -> int:
     )
     timer = _watchdog(run)
     eager = [("torch-conv-eager", torch_task, (64 * MiB, "conv", run.hold_s))]
-    steps: list[tuple[str, Callable[[], None]]] = [
+    every: list[tuple[str, Callable[[], None]]] = [
         ("environment", lambda: step_environment(run)),
         ("census", lambda: step_census(run)),
         ("context", lambda: step_context(run)),
         ("peaks", lambda: step_peaks(run, "peaks", peak_jobs(run), CUDA_MODULE_LOADING="LAZY")),
         ("peaks-eager", lambda: step_peaks(run, "peaks-eager", eager, CUDA_MODULE_LOADING="EAGER")),
+        ("cap", lambda: step_cap(run)),
+        ("hidden-rows", lambda: step_hidden_rows(run)),
         ("ooms", lambda: step_ooms(run)),
         ("co-tenant", lambda: step_co_tenant(run)),
     ]
+    assert [name for name, _ in every] == list(STEPS)
+    steps = [(name, step) for name, step in every if name in (run.steps or STEPS)]
     started = time.monotonic()
     for name, step in steps:
         try:
@@ -244,7 +287,18 @@ def _dry_run(args: argparse.Namespace, out: Path) -> int:
     """Every step on a simulated card as large as an H200 (16 CPUs, 128 GiB of RAM, as lent)."""
     from gpupool.testing import SimulatedDevice, SimulatedHost
 
-    host = SimulatedHost([SimulatedDevice("140GiB")], context="300MiB", cpus=16, host_ram="128GiB")
+    missing = [str(p) for p in NVML_DOUBLE if not p.is_dir()]
+    if missing:
+        print(
+            f"gpu_check: SETUP FAILED: the dry run reads the simulated card through the NVML "
+            f"double in the source tree's tests/sensors, which lacks {', '.join(missing)}: "
+            "run it from a checkout or an sdist",
+            flush=True,
+        )
+        return EXIT_SETUP
+    host = SimulatedHost(
+        [SimulatedDevice("140GiB")], context=DRY_RUN_CONTEXT, cpus=16, host_ram="128GiB"
+    )
     with host:
         run = Run(
             out=out,
@@ -253,9 +307,25 @@ def _dry_run(args: argparse.Namespace, out: Path) -> int:
             broken=args.break_probe,
             tolerance_bytes=args.tolerance_mib * MiB,
             uuid=host.device_uuid(0),
-            hold_s=0.2,
+            # Long enough that the sampled path reads a hold on 2 loaded cores (its
+            # sampler reads every 10 ms; a process may wait far longer for a core).
+            hold_s=0.5,
+            nvml_double=True,
+            steps=args.steps,
         )
         return run_steps(run)
+
+
+def _steps(text: str) -> tuple[str, ...]:
+    """``--steps``: known step names, comma-separated, run in their usual order."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(STEPS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown step(s) {', '.join(unknown) or '(none given)'}; the steps are "
+            f"{','.join(STEPS)}"
+        )
+    return tuple(name for name in STEPS if name in names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,11 +342,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--break-probe", action="store_true", help="dry run only: the probe reports peak / 4"
     )
+    parser.add_argument(
+        "--steps",
+        type=_steps,
+        default=STEPS,
+        help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all)",
+    )
     args = parser.parse_args(argv)
     if args.break_probe and not args.dry_run:
         parser.error("--break-probe is meant only for the dry run: add --dry-run")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    _use_source_tree()
+    _use_source_tree(dry_run=args.dry_run)
+    # Every pool of the check measures afresh: peaks remembered from an earlier run (of the
+    # check, or the user's own pools on this card model) would price its tasks, and the
+    # out-of-memory step's task would no longer be priced short; nor is the check remembered.
+    os.environ["GPUPOOL_MEMORY"] = "off"
     if args.dry_run:
         return _dry_run(args, out)
     os.environ.pop(SIMULATOR_ENV, None)  # never the simulated card on a real run
@@ -293,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         tolerance_bytes=args.tolerance_mib * MiB,
         index=args.device,
         uuid=card["uuid"],
+        steps=args.steps,
     )
     run.result["card"] = card
     return run_steps(run)

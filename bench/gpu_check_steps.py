@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -29,10 +30,12 @@ from gpu_check_tasks import (
     GiB,
     MiB,
     break_probe,
+    cap_child_task,
     card_reading,
     companion,
     cupy_spike_task,
     double_fork_task,
+    dry_run_worker,
     jax_task,
     managed_task,
     oom_task,
@@ -57,6 +60,11 @@ RESERVE_BYTES = 256 * MiB
 JAX_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
 #: A peak source that is not a measurement.
 FALLBACK_WORDS = ("allowance", "estimated")
+#: The dry run's simulated context (what a process is charged on its first allocation).
+DRY_RUN_CONTEXT = "300MiB"
+#: The dry run's cards whose rows the driver does not give (``SimulatedHost(rows=...)``, and a
+#: MIG instance): the hidden-rows step runs a torch worker with a child on each.
+HIDDEN_ROWS_MODES = ("hidden", "zero", "unavailable", "mig")
 
 
 # -- the run: its budget, its report, its pools ----------------------------------------------
@@ -102,6 +110,11 @@ class Run:
     uuid: str = ""
     total_bytes: int = 0
     hold_s: float = 1.0
+    #: The dry run: pools read the card through the real NVML sensor over the simulator-fed
+    #: ``pynvml`` double (``tests/sensors/nvml_double``), never the simulator's exact ledger.
+    nvml_double: bool = False
+    #: The steps to run (``--steps``; the command's ``STEPS`` by default).
+    steps: tuple[str, ...] = ()
     container: bool = False
     context_bytes: int = 0
     oracles: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -138,6 +151,15 @@ class Run:
     def card(self) -> dict[str, int]:
         return card_reading(self.uuid)
 
+    def sensor(self) -> Any:
+        """The sensor pools and the census read the card through: NVML (over the double in
+        the dry run), or ``None`` for the pool's default."""
+        if not self.nvml_double:
+            return None
+        from gpupool._sensors.nvml import NvmlSensor
+
+        return NvmlSensor()
+
     def child_env(self, **extra: str) -> dict[str, str]:
         return dict(
             os.environ, CUDA_VISIBLE_DEVICES=self.uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID", **extra
@@ -165,9 +187,10 @@ def pool(run: Run, checks: list[dict[str, Any]], **kwargs: Any) -> Iterator[Any]
     """A ``GpuPoolExecutor`` on the run's card; its shutdown is bounded (a check when it is not)."""
     from gpupool import GpuPoolExecutor
 
-    ex = GpuPoolExecutor(
-        devices=[run.uuid], initializer=break_probe if run.broken else None, **kwargs
-    )
+    initializer: Any = break_probe if run.broken else None
+    if run.nvml_double:  # the stand-in torch, charged on the simulated card
+        initializer = functools.partial(dry_run_worker, run.total_bytes, run.broken)
+    ex = GpuPoolExecutor(devices=[run.uuid], initializer=initializer, sensor=run.sensor(), **kwargs)
     try:
         yield ex
     except BaseException:
@@ -300,7 +323,7 @@ def step_census(run: Run) -> None:
     from gpupool._sensors.census import read_census
     from gpupool._sensors.select import default_sensor
 
-    sensor = default_sensor()
+    sensor = run.sensor() or default_sensor()
     try:
         census, _ = read_census(sensor, devices=[run.uuid], visible_devices=None)
     finally:
@@ -428,7 +451,10 @@ def peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
         ("torch-conv", torch_task, (64 * MiB, "conv", h)),
     ]
     if _have(run, "cupy"):
-        jobs.append(("cupy-spike", cupy_spike_task, (n, SPIKE_HOLD_S)))
+        # The dry run's loaded CI cores can stall a process longer than a 50 ms spike: it
+        # holds as long as the other tasks (it is sampled: CuPy keeps no peak counter).
+        spike_s = run.hold_s if run.dry_run else SPIKE_HOLD_S
+        jobs.append(("cupy-spike", cupy_spike_task, (n, spike_s)))
     if _have(run, "jax"):
         jobs.append(("jax", jax_task, (n, h)))
     jobs.append(("subprocess", subprocess_task, (n, h, WAIT_S / 2)))
@@ -445,21 +471,31 @@ def peak_jobs(run: Run) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]
 _RELEASING = ("torch-spike", "cupy-spike", "jax", "subprocess", "double-fork")
 
 
-def _measured(ex: Any, key: str) -> tuple[int | None, str, str | None]:
-    """The peak the pool recorded for ``key``, its source, and the key's ask basis."""
-    peak, source = None, "no measurement record"
+def _terms(ex: Any, key: str) -> dict[str, Any]:
+    """The terms of the pool's measurement record for ``key`` (``{}``: none)."""
     for decision in ex.decisions:
         if decision.key == key and "peak_bytes" in decision.extra:
-            peak, source = decision.extra["peak_bytes"], str(decision.extra.get("peak_source"))
-            break
+            return dict(decision.extra)
+    return {}
+
+
+def _measured(ex: Any, key: str) -> tuple[int | None, str, str | None, dict[str, Any]]:
+    """The peak the pool recorded for ``key``, its source, the key's ask basis, and the
+    measurement's terms."""
+    terms = _terms(ex, key)
+    peak = terms.get("peak_bytes")
+    source = str(terms.get("peak_source")) if terms else "no measurement record"
     ask = ex.statistics().asks.get(key)
-    return peak, source, None if ask is None else ask.basis
+    return peak, source, None if ask is None else ask.basis, terms
 
 
 def _peak_checks(
-    run: Run, key: str, out: dict[str, Any], measured: tuple[int | None, str, str | None]
+    run: Run,
+    key: str,
+    out: dict[str, Any],
+    measured: tuple[int | None, str, str | None, dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    peak, source, basis = measured
+    peak, source, basis, terms = measured
     oracle = int(out["held_used_bytes"]) - int(out["baseline_used_bytes"])
     run.oracles[key] = oracle
     floor = oracle - run.tolerance_bytes
@@ -484,6 +520,8 @@ def _peak_checks(
         ),
         _row_check(f"{key}.row", out.get("row_bytes"), run.container, report=managed),
     ]
+    if run.context_bytes and terms.get("context_source") not in (None, "none"):
+        checks.append(_context_check(run, key, terms))
     if key in _RELEASING:
         given_back = int(out["held_used_bytes"]) - int(out["released_used_bytes"])
         checks.append(
@@ -495,6 +533,23 @@ def _peak_checks(
             )
         )
     return checks
+
+
+def _context_check(run: Run, key: str, terms: dict[str, Any]) -> dict[str, Any]:
+    """The context the probe priced the worker at, against the context step's measurement.
+
+    Where the worker's own row is listed (bare metal) the probe measures its context
+    from it (``process-row``), and that must reach the card's. On a card only a report:
+    the context step's process loaded more modules (a convolution) than a task may.
+    """
+    context, source = terms.get("context_bytes"), terms.get("context_source")
+    floor = run.context_bytes - run.tolerance_bytes
+    ok = source == "process-row" and isinstance(context, int) and context >= floor
+    detail = (
+        f"probe's context {context} bytes ({source}); the context step measured "
+        f"{run.context_bytes} - tolerance {run.tolerance_bytes // MiB} MiB = {floor}"
+    )
+    return check(f"{key}.context", ok, detail, report=not run.dry_run or run.container)
 
 
 def step_peaks(
@@ -521,6 +576,98 @@ def step_peaks(
             run.add(step, _peak_checks(run, key, out, _measured(ex, key)), **{key: out})
     checks.append(_wait_idle(run, baseline))
     run.add(step, checks)
+
+
+# -- step 4b: the allocator cap and the worker's tree ----------------------------------------
+
+
+def step_cap(run: Run) -> None:
+    """With ``cap_allocator=True``: torch in the worker, then a child that holds the task's
+    bytes; torch's cap must leave room for the child (booked ask >= torch's allowance + the
+    child's bytes on the card). In a container (rows of this host's processes hidden) the
+    cap cannot see the child: there its checks are reported."""
+    checks: list[dict[str, Any]] = []
+    n = run.task_bytes
+    ask = n + 2 * GiB
+    with pool(run, checks, max_workers=1, cap_allocator=True, log_path=run.out / "cap.jsonl") as ex:
+        future = ex.options(key="cap-child", task_peak=ask).submit(cap_child_task, n, WAIT_S / 2)
+        out = dict(future.result(timeout=run.deadline.timeout()))
+    state, child = out["state"], int(out["child_used_bytes"])
+    fraction, total, booked = state["fraction"], state["total_bytes"], state["ask_bytes"]
+    allowed = None if fraction is None or total is None else int(fraction * total)
+    said = f"state {state}"
+    checks += [
+        check("set", allowed is not None and state["error"] is None, said),
+        check(
+            "descendants",
+            state["descendant_bytes"] >= n,
+            f"the cap's count of the worker's descendants {state['descendant_bytes']} bytes; "
+            f"its child holds {n} bytes (and its context)",
+            report=run.container,
+        ),
+        check(
+            "binds",
+            allowed is not None and allowed + child <= booked + run.tolerance_bytes,
+            f"torch allowed {allowed} bytes + the child's {child} on the card; booked {booked} "
+            f"(+ tolerance {run.tolerance_bytes // MiB} MiB)",
+            report=run.container,
+        ),
+    ]
+    run.add("cap", checks, cap=out)
+
+
+def _hidden_rows_case(run: Run, mode: str) -> list[dict[str, Any]]:
+    """torch in the worker beside a child that holds as much, on a card that does not give the
+    rows (``mode``): the recorded peak reaches the truth, or is flagged incomplete; the key's
+    ask is never learned below the truth."""
+    checks: list[dict[str, Any]] = []
+    n, key = run.task_bytes, f"hidden-{mode}"
+    baseline = run.card()["used"]
+    log = run.out / f"hidden-rows-{mode}.jsonl"
+    log.unlink(missing_ok=True)
+    with pool(run, checks, max_workers=1, log_path=log) as ex:
+        future = ex.options(key=key, task_peak=2 * n + 2 * GiB).submit(
+            torch_child_task, n, run.hold_s, WAIT_S / 2
+        )
+        out = dict(future.result(timeout=run.deadline.timeout()))
+        terms = _terms(ex, key)
+        ask = ex.statistics().asks.get(key)
+    oracle = int(out["held_used_bytes"]) - baseline
+    floor = oracle - run.tolerance_bytes
+    peak, flagged = terms.get("peak_bytes"), bool(terms.get("peak_incomplete"))
+    asked = None if ask is None else ask.ask_bytes
+    checks += [
+        check(
+            f"{mode}.flagged",
+            (peak is not None and peak >= floor) or flagged,
+            f"recorded {peak} bytes ({terms.get('peak_source')}), oracle {oracle} - tolerance = "
+            f"{floor}; incomplete: {terms.get('incomplete_reason')}",
+        ),
+        check(
+            f"{mode}.ask",
+            asked is not None and asked >= floor,
+            f"the key's ask {asked} bytes ({None if ask is None else ask.basis}) after it; "
+            f"the truth {oracle}",
+        ),
+    ]
+    return checks
+
+
+def step_hidden_rows(run: Run) -> None:
+    """Dry run: each card that hides the rows (a container, rows of 0, rows without a figure, a
+    MIG instance), each a simulated host of its own. On a card: the card as it is."""
+    if not run.dry_run:
+        run.add("hidden-rows", _hidden_rows_case(run, "this-card"))
+        return
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+
+    for mode in HIDDEN_ROWS_MODES:
+        device = SimulatedDevice(run.total_bytes, mig=mode == "mig")
+        rows = "listed" if mode == "mig" else mode
+        with SimulatedHost(
+            [device], context=DRY_RUN_CONTEXT, rows=rows, cpus=16, host_ram="128GiB"
+        ):
+            run.add("hidden-rows", _hidden_rows_case(run, mode))
 
 
 # -- step 5: out-of-memory --------------------------------------------------------------------

@@ -29,6 +29,11 @@ MiB = 1024**2
 #: One task or one helper process waits at most this long.
 WAIT_S = 120.0
 SIMULATOR_ENV = "GPUPOOL_SIMULATOR"
+#: The source tree's tests: the dry run's stand-in torch (``standin_torch.py``) and NVML double.
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+#: How long the allocator-cap task waits for the probe to see its child (the sampler reads
+#: the tree every 10 ms).
+CAP_WAIT_S = 5.0
 
 # -- the card, read without the library's rows (tasks and the parent) ----------------------
 
@@ -156,6 +161,67 @@ def _figures(held: dict[str, int], nbytes: int, settle: bool = True, **more: Any
     }
 
 
+def _standin_cuda() -> Any | None:
+    """The dry run's stand-in ``torch.cuda`` (:func:`dry_run_worker`), where it is installed."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return cuda if hasattr(cuda, "allocate") else None
+
+
+def _ledger() -> Any:
+    """The simulated host's ledger (the dry run's stand-ins charge the card through it)."""
+    from gpupool._sensors.simulated import ledger_at
+
+    return ledger_at(os.environ[SIMULATOR_ENV])
+
+
+def _charged(held: Callable[[], int]) -> Callable[[], None]:
+    """A call that charges this process, on the simulated card (device 0), what ``held()``
+    says a stand-in framework holds now (more, or back), as a driver would see it."""
+    charged = [0]
+
+    def sync() -> None:
+        delta = held() - charged[0]
+        if delta > 0:
+            refusal = _ledger().allocate(0, os.getpid(), delta)
+            if refusal is not None:
+                raise MemoryError(f"out of memory allocating {delta:,} bytes (simulated card)")
+        elif delta < 0:
+            _ledger().release(0, os.getpid(), -delta)
+        charged[0] += delta
+
+    return sync
+
+
+def _standin(name: str) -> Any | None:
+    """The dry run's stand-in ``name`` module (:func:`dry_run_worker`), where installed."""
+    module = sys.modules.get(name)
+    return module if getattr(module, "gpu_check_standin", False) else None
+
+
+def _standin_torch_task(cuda: Any, nbytes: int, mode: str, hold_s: float) -> dict[str, Any]:
+    """:func:`torch_task` on the stand-in torch: its reserved bytes are charged on the simulated
+    card, and its peak counters are what the probe reads (as torch's, on a card)."""
+    total = nbytes + (32 * MiB if mode == "conv" else 0)
+    cuda.allocate(total)
+    held = card_reading(os.environ["CUDA_VISIBLE_DEVICES"])
+    row = _own_row_bytes()
+    time.sleep(hold_s)
+    reserved_peak = int(cuda.max_memory_reserved())
+    cuda.free(total)
+    if mode == "spike":
+        cuda.empty_cache()
+    return _figures(
+        held,
+        nbytes,
+        settle=mode == "spike",
+        ok=True,
+        row_bytes=row,
+        torch_reserved_peak=reserved_peak,
+        framework="standin-torch",
+    )
+
+
 def _simulated_task(nbytes: int, hold_s: float) -> dict[str, Any]:
     """The stand-in for every framework: hold ``nbytes`` on the simulated card, then free it."""
     import gpupool.testing as gt
@@ -171,6 +237,9 @@ def torch_task(nbytes: int, mode: str, hold_s: float) -> dict[str, Any]:
     """torch: ``hold`` keeps ``nbytes``; ``spike`` frees them at once with ``empty_cache``;
     ``conv`` runs a matmul and a convolution too (the context grows as modules load)."""
     if os.environ.get(SIMULATOR_ENV):
+        cuda = _standin_cuda()
+        if cuda is not None:
+            return _standin_torch_task(cuda, nbytes, mode, hold_s)
         return _simulated_task(nbytes + (32 * MiB if mode == "conv" else 0), hold_s)
     import torch
 
@@ -202,7 +271,17 @@ def torch_task(nbytes: int, mode: str, hold_s: float) -> dict[str, Any]:
 def cupy_spike_task(nbytes: int, hold_s: float) -> dict[str, Any]:
     """CuPy: allocate, touch, hold ``hold_s``, free and ``free_all_blocks`` before returning."""
     if os.environ.get(SIMULATOR_ENV):
-        return _simulated_task(nbytes, hold_s)
+        standin = _standin("cupy")
+        if standin is None:
+            return _simulated_task(nbytes, hold_s)
+        pool = standin.get_default_memory_pool()  # charged on the card as it changes
+        pool.malloc(nbytes)
+        held = card_reading(os.environ["CUDA_VISIBLE_DEVICES"])
+        row = _own_row_bytes()
+        time.sleep(hold_s)
+        pool.free(nbytes)
+        pool.free_all_blocks()
+        return _figures(held, nbytes, ok=True, row_bytes=row, framework="standin-cupy")
     import cupy
 
     x = cupy.ones(nbytes, dtype=cupy.uint8)
@@ -219,7 +298,19 @@ def cupy_spike_task(nbytes: int, hold_s: float) -> dict[str, Any]:
 def jax_task(nbytes: int, hold_s: float) -> dict[str, Any]:
     """JAX: asserted on the GPU before it allocates; the array is deleted before returning."""
     if os.environ.get(SIMULATOR_ENV):
-        return _simulated_task(nbytes, hold_s)
+        jax = _standin("jax")
+        if jax is None:
+            return _simulated_task(nbytes, hold_s)
+        device = jax.standin_initialise(jax)  # the task's first JAX call starts its backend
+        device.allocate(nbytes)
+        jax.standin_charge()
+        held = card_reading(os.environ["CUDA_VISIBLE_DEVICES"])
+        row = _own_row_bytes()
+        time.sleep(hold_s)
+        device.free(nbytes)
+        device.pool = device.in_use  # XLA_PYTHON_CLIENT_ALLOCATOR=platform: given back
+        jax.standin_charge()
+        return _figures(held, nbytes, ok=True, row_bytes=row, framework="standin-jax")
     import jax
     import jax.numpy as jnp
 
@@ -239,7 +330,16 @@ def jax_task(nbytes: int, hold_s: float) -> dict[str, Any]:
 def managed_task(nbytes: int, hold_s: float) -> dict[str, Any]:
     """CuPy managed memory (``cudaMallocManaged``), touched on the device."""
     if os.environ.get(SIMULATOR_ENV):
-        return _simulated_task(nbytes, hold_s)
+        # Memory the card's used bytes show and no process row does, as managed memory.
+        name = f"gpu-check-managed-{os.getpid()}"
+        _ledger().grow_tenant(0, name, nbytes, listed=False)
+        try:
+            held = card_reading(os.environ["CUDA_VISIBLE_DEVICES"])
+            row = _own_row_bytes()
+            time.sleep(hold_s)
+        finally:
+            _ledger().shrink_tenant(0, name, nbytes)
+        return _figures(held, nbytes, ok=True, row_bytes=row, framework="simulated-managed")
     import cupy
 
     memory = cupy.cuda.memory.malloc_managed(nbytes)
@@ -300,6 +400,13 @@ def torch_child_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, 
     """torch holds ``nbytes`` in the worker while a child holds as much: the tree's peak is
     both (the worker's own figures, its counters or its row, are only half)."""
     if os.environ.get(SIMULATOR_ENV):
+        cuda = _standin_cuda()
+        if cuda is not None:  # freed by the probe's empty_cache at the task's end, as torch's
+            cuda.allocate(nbytes)
+            try:
+                return subprocess_task(nbytes, hold_s, timeout_s)
+            finally:
+                cuda.free(nbytes)
         import gpupool.testing as gt
 
         with gt.hold(nbytes):
@@ -312,6 +419,38 @@ def torch_child_task(nbytes: int, hold_s: float, timeout_s: float) -> dict[str, 
         return subprocess_task(nbytes, hold_s, timeout_s)
     finally:
         del kept
+
+
+def cap_child_task(nbytes: int, timeout_s: float) -> dict[str, Any]:
+    """With the allocator cap on: torch starts (the cap is set), then a child holds ``nbytes``;
+    wait (bounded) until the cap takes the child's bytes out, and report the cap's state and
+    what the child added to the card's used bytes."""
+    from gpupool._child.probe import allocator_cap_state
+
+    uuid = os.environ["CUDA_VISIBLE_DEVICES"]
+    cuda = _standin_cuda() if os.environ.get(SIMULATOR_ENV) else None
+    if cuda is not None:
+        cuda.allocate(16 * MiB)
+        kept: Any = None
+    else:
+        import torch
+
+        kept = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda").fill_(1)
+        torch.cuda.synchronize()
+    before = card_reading(uuid)["used"]
+    proc, child = start_holder(nbytes, "plain", timeout_s)
+    try:
+        held = card_reading(uuid)["used"]
+        end = time.monotonic() + CAP_WAIT_S
+        while allocator_cap_state()["descendant_bytes"] < nbytes and time.monotonic() < end:
+            time.sleep(0.02)
+        state = allocator_cap_state()
+    finally:
+        stop_holder(proc)
+    if cuda is not None:
+        cuda.free(16 * MiB)
+    del kept
+    return {"ok": True, "state": state, "child_used_bytes": held - before, "child": child}
 
 
 def _wait_for(path: str, limit_s: float) -> None:
@@ -370,14 +509,49 @@ def companion(nbytes: int, held: str, tried: str, after_s: float) -> int:
     return os.getpid()
 
 
+def _load_test_module(name: str) -> Any:
+    """``tests/<name>.py`` of the source tree, imported as ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"the dry run needs {TESTS / name}.py (the source tree)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def dry_run_worker(total_bytes: int, broken: bool) -> None:
+    """Worker initializer of the dry run: ``import torch``, ``cupy`` and ``jax`` find the
+    stand-ins of ``tests/`` (``standin_torch.py``, ``standin_cupy.py``, ``standin_jax.py``),
+    whose bytes are charged on the simulated card and whose counters the probe reads, as it
+    reads the frameworks'; then :func:`break_probe` with ``--break-probe``."""
+    _load_test_module("standin_torch").install_in_worker(total_bytes, mirror=True)
+    cupy = _load_test_module("standin_cupy").make_cupy()
+    pool = cupy.get_default_memory_pool()
+    charge_cupy = _charged(pool.total_bytes)
+    pool.on_change = lambda _pool: charge_cupy()
+    cupy.gpu_check_standin = True
+    sys.modules["cupy"] = cupy
+    standin_jax = _load_test_module("standin_jax")
+    jax = standin_jax.make_jax()
+    jax.standin_initialise = standin_jax.initialise
+    jax.standin_charge = _charged(lambda: jax.standin_device.pool)
+    jax.gpu_check_standin = True
+    standin_jax.install(sys.modules, jax)
+    if broken:
+        break_probe()
+
+
 def break_probe() -> None:
     """Worker initializer (``--break-probe``): the probe reports a quarter of each device peak."""
     from gpupool._child import probe as _probe
 
     original = _probe.Probe.stop
 
-    def stop(self: Any, *, oom: BaseException | None = None) -> Any:
-        report = original(self, oom=oom)
+    def stop(self: Any, **kwargs: Any) -> Any:
+        report = original(self, **kwargs)
         if report.device_peak_bytes is None:
             return report
         return dataclasses.replace(report, device_peak_bytes=report.device_peak_bytes // 4)

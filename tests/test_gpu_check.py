@@ -15,7 +15,17 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 
-STEPS = ["environment", "census", "context", "peaks", "peaks-eager", "ooms", "co-tenant"]
+STEPS = [
+    "environment",
+    "census",
+    "context",
+    "peaks",
+    "peaks-eager",
+    "cap",
+    "hidden-rows",
+    "ooms",
+    "co-tenant",
+]
 
 #: The checks that guard peaks, as the dry run has them (CuPy and JAX stand-ins included).
 PEAK_GUARDS = {
@@ -112,12 +122,17 @@ def test_break_probe_without_dry_run_is_refused(tmp_path: Path) -> None:
     assert "--dry-run" in done.stderr
 
 
-def test_dry_run_passes_on_the_simulated_host(tmp_path: Path) -> None:
-    """--dry-run runs every step on the simulated card, and every check holds (exit 0).
+def test_an_unknown_step_is_refused(tmp_path: Path) -> None:
+    """--steps with a name that is no step: a usage error (exit 2) that lists the steps."""
+    done = _run("--dry-run", "--steps", "peaks,nope", "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert "unknown step(s) nope" in done.stderr
+    assert ",".join(STEPS) in done.stderr
 
-    Until the probe counts a task's child processes, the subprocess task's floor is the
-    one check that fails; the test then expects exactly that failure and no other.
-    """
+
+def test_dry_run_passes_on_the_simulated_host(tmp_path: Path) -> None:
+    """--dry-run runs every step on the simulated card, through the real NVML sensor over the
+    simulator-fed pynvml double, and every check holds (exit 0)."""
     done = _run("--dry-run", "--out", str(tmp_path))
     report = _report(tmp_path)
     assert list(report["steps"]) == STEPS
@@ -133,6 +148,22 @@ def test_dry_run_passes_on_the_simulated_host(tmp_path: Path) -> None:
     from gpupool._child.probe import CONTEXT_ESTIMATE_BYTES
 
     assert report["steps"]["context"]["probe_figure_bytes"] == CONTEXT_ESTIMATE_BYTES
+    # The workers measured through NVML (sampled rows, torch's counters), never the
+    # simulator's exact ledger; on the cards that hide the rows, the peaks were flagged.
+    sources = {c["detail"] for c in report["checks"] if c["name"].endswith(".source")}
+    assert sources and not any("'simulator'" in detail for detail in sources)
+    assert any("'nvml-sampled'" in detail for detail in sources)
+    hidden = [c for c in report["checks"] if c["step"] == "hidden-rows"]
+    assert {c["name"] for c in hidden} == {
+        f"{mode}.{name}"
+        for mode in ("hidden", "zero", "unavailable", "mig")
+        for name in ("flagged", "ask")
+    }
+    assert all(
+        "reading(s) of the tree could not tell" in c["detail"]
+        for c in hidden
+        if c["name"].endswith(".flagged")
+    )
 
 
 def test_dry_run_with_a_broken_probe_fails_naming_every_peak_guard(tmp_path: Path) -> None:

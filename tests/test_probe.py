@@ -277,7 +277,10 @@ def test_hidden_rows_price_an_estimated_context_and_say_so(monkeypatch):
     report = probe.stop()
     assert report.device_peak_bytes == 8 * GiB + CONTEXT_ESTIMATE_BYTES
     assert report.device_source == "torch+context-estimated"
-    assert (report.context_bytes, report.context_source) == (CONTEXT_ESTIMATE_BYTES, "estimated")
+    assert (report.context_bytes, report.context_source) == (
+        CONTEXT_ESTIMATE_BYTES,
+        "estimated (default)",
+    )
 
 
 def test_a_zero_reading_is_not_a_measured_peak(monkeypatch):
@@ -298,7 +301,7 @@ def test_zero_readings_with_torch_use_the_estimate(monkeypatch):
     torch.cuda.allocate(GiB)
     report = probe.stop()
     assert report.device_peak_bytes == GiB + CONTEXT_ESTIMATE_BYTES
-    assert report.context_source == "estimated"
+    assert report.context_source == "estimated (default)"
 
 
 def test_a_small_task_after_a_large_one_reports_its_own_peak(monkeypatch):
@@ -831,7 +834,10 @@ def test_a_co_tenant_under_the_workers_pid_is_refused_not_taken_for_its_context(
     torch.cuda.allocate(768 * MiB)
     report = probe.stop()
     assert 9 * GiB - 768 * MiB > CONTEXT_PLAUSIBLE_MAX_BYTES
-    assert (report.context_bytes, report.context_source) == (CONTEXT_ESTIMATE_BYTES, "estimated")
+    assert (report.context_bytes, report.context_source) == (
+        CONTEXT_ESTIMATE_BYTES,
+        "estimated (default)",
+    )
     assert report.device_peak_bytes == 768 * MiB + CONTEXT_ESTIMATE_BYTES
     assert any("another PID namespace" in reason for reason in report.rejected_readings)
     apply_allocator_cap(4 * GiB)

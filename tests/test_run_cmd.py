@@ -528,3 +528,43 @@ def test_a_command_that_runs_the_card_out_of_memory_is_retried(tmp_path: Path) -
     ooms = [r for r in records if r["event"] == "out_of_memory"]
     assert ooms and all(r["oom_recognised"] == "command-output" for r in ooms)
     assert all(r["retry"] is True for r in ooms)
+
+
+def test_a_command_that_exits_1_silently_after_a_refused_allocation_is_retried(
+    tmp_path: Path,
+) -> None:
+    """Two commands priced at 1 GiB that each hold 3.5 GiB, together on a 6 GiB card: the one the
+    card refused exits 1 and says nothing; it is classified as out-of-memory from the card's
+    refusal (``card-full``), retried, and both commands end held (exit 0)."""
+    import full_card_tasks
+
+    script = tmp_path / "hold.py"
+    script.write_text(full_card_tasks.pair_script())
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    log = tmp_path / "run.jsonl"
+    with _host("6GiB") as host:
+        done = _gpupool_run(
+            "--task-peak",
+            "1GiB",
+            "--max-workers",
+            "2",
+            "--log",
+            str(log),
+            "--",
+            PYTHON,
+            shlex.quote(str(script)),
+            "3.5GiB",
+            shlex.quote(str(gate)),
+            "{}",
+            stdin="1\n2\n",
+        )
+        refused = host.out_of_memory_events
+    assert refused, "two commands of 3.5 GiB at once on a 6 GiB card: one was refused"
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["held 1", "held 2"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    ooms = [r for r in records if r["event"] == "out_of_memory"]
+    assert ooms and all(r["oom_recognised"] == "card-full" for r in ooms)
+    assert all(r["retry"] is True for r in ooms)
+    assert "refused an allocation of 3.50 GiB" in ooms[0]["card_full_reason"]

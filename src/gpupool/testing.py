@@ -496,7 +496,17 @@ class SimulatedHost:
     @property
     def out_of_memory_events(self) -> list[OutOfMemoryEvent]:
         """Every allocation a card refused, oldest first (a new list on each access)."""
-        return [OutOfMemoryEvent(**record) for record in self._state()["ooms"]]
+        return [
+            OutOfMemoryEvent(
+                pid=record["pid"],
+                device=record["device"],
+                requested_bytes=record["requested_bytes"],
+                used_bytes=record["used_bytes"],
+                total_bytes=record["total_bytes"],
+                time_s=record["time_s"],
+            )
+            for record in self._state()["ooms"]
+        ]
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -17,9 +17,13 @@ Sources of the device peak; the report takes the largest that is trusted:
    measured from this process's own device row, less what the frameworks
    held at the same moment (``torch+context``, ``cupy+context``, ...), the
    most such a worker was seen holding; where no row of this process was
-   ever read, it is :data:`CONTEXT_ESTIMATE_BYTES` and the source says so
+   ever read, it is the card's context estimate (:func:`set_context_estimate`: the
+   largest context the host's pools measured on the card's model, else
+   :data:`~gpupool._core.contexts.CONTEXT_ESTIMATE_BYTES`) and the source says so
    (``torch+context-estimated``). The report carries the figure and its
-   basis (``context_bytes``, ``context_source``).
+   basis (``context_bytes``, ``context_source``: ``"process-row"``, or the
+   estimate's own, ``"estimated (default)"`` or ``"estimated (largest measured on
+   <model>: ...)"``).
 
 The sensor's per-process figures (1 and 3) are the worker's process tree's:
 the worker and every process alive under it during the task
@@ -51,6 +55,7 @@ import builtins
 import importlib.util
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +67,13 @@ from gpupool._child.frameworks import (
     read_held_bytes,
 )
 from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
+from gpupool._core.contexts import (
+    CONTEXT_ESTIMATE_BYTES,
+    CONTEXT_PLAUSIBLE_MAX_BYTES,
+    DEFAULT_SOURCE,
+)
 from gpupool._core.peak import PeakReport
-from gpupool._core.units import GiB, MiB, format_size, parse_size
+from gpupool._core.units import MiB, format_size, parse_size
 from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
@@ -81,6 +91,9 @@ __all__ = [
     "allocator_cap_message",
     "allocator_cap_state",
     "apply_allocator_cap",
+    "card_full_free_bytes",
+    "card_full_in_task",
+    "context_figure",
     "device_oom_of",
     "is_device_oom",
     "oom_in_output",
@@ -88,6 +101,7 @@ __all__ = [
     "read_allocator_cap_message",
     "release_caches",
     "requested_bytes_of",
+    "set_context_estimate",
 ]
 
 #: Interval of the device sampling, when the sensor has no exact high-water: the
@@ -97,20 +111,19 @@ __all__ = [
 #: torch's own peak counters catch the shorter ones that torch allocates.
 SAMPLE_INTERVAL_S = TREE_SAMPLE_INTERVAL_S
 
-#: What this process is taken to hold outside the frameworks' allocators (its
-#: CUDA context, mostly) where no device row of it can be read (containers,
-#: MIG, drivers that report 0): a context measures 300-600 MiB on H100/H200
-#: with CUDA's lazy module loading. It is an estimate, and every figure built
-#: on it says so (``context_source="estimated"``); eager module loading,
-#: NCCL communicators and workspaces outside torch's allocator can hold more.
-CONTEXT_ESTIMATE_BYTES = 640 * MiB
+#: A card whose free bytes read below this (or :func:`card_full_free_bytes`'s share of a
+#: larger card) during a task is full: a task that failed then, while its tree grew, ran
+#: it out of memory even where no text said so. A framework that runs out leaves less
+#: than one more block free; a card left with a few hundred MiB by its tenants is full to
+#: any task that grows.
+CARD_FULL_FREE_BYTES = 512 * MiB
 
-#: The most a process can hold outside the frameworks' allocators and be this worker: a
-#: judgement, set well above a CUDA context with its modules loaded eagerly, NCCL's
-#: buffers and library workspaces together. A row under this worker's PID that holds more
-#: than this beyond its frameworks is another namespace's process (a container's driver
-#: lists host PIDs, which may equal this worker's), refused as implausible.
-CONTEXT_PLAUSIBLE_MAX_BYTES = 6 * GiB
+
+def card_full_free_bytes(total_bytes: int) -> int:
+    """Below how many free bytes a card of ``total_bytes`` is full: :data:`CARD_FULL_FREE_BYTES`,
+    or 1/64 of a card larger than 32 GiB."""
+    return max(CARD_FULL_FREE_BYTES, total_bytes // 64)
+
 
 #: How many exceptions of a ``__cause__`` / ``__context__`` / group chain are
 #: searched for an out-of-memory; a chain is never longer in practice, and a
@@ -273,7 +286,9 @@ def oom_recognised_by(exc: BaseException) -> str | None:
     for linked in _chain(exc):
         for cls in type(linked).__mro__:
             if (cls.__module__, cls.__name__) == ("gpupool._commands.run", "CommandOutOfMemory"):
-                return "command-output"  # found in a gpupool run command's error output
+                # Its error output said so, or its card was full as it failed ("card-full").
+                how = getattr(linked, "recognised", None)
+                return how if how in ("command-output", "card-full") else "command-output"
             if (cls.__module__, cls.__name__) in _OOM_TYPES:
                 return "type"
         try:
@@ -390,6 +405,10 @@ class _CapState:
     # What the worker's descendants hold now, by the probe's last reading of the tree's rows
     # (0 where none was read: rows hidden leave them out, and the cap cannot see them).
     descendant_bytes: int = 0
+    # The context this worker is priced at until its own row is read, and where it comes
+    # from (set_context_estimate: the pool tells it at the worker's start).
+    estimate_bytes: int = CONTEXT_ESTIMATE_BYTES
+    estimate_source: str = DEFAULT_SOURCE
 
 
 _CAP = _CapState()
@@ -404,9 +423,31 @@ def allocator_cap_state() -> dict[str, Any]:
         "total_bytes": _CAP.total_bytes,
         "error": _CAP.error,
         "outside_bytes": _CAP.outside_bytes,
-        "outside_source": "estimated" if _CAP.context_bytes is None else "process-row",
+        "outside_source": context_figure()[1],
         "descendant_bytes": _CAP.descendant_bytes,
     }
+
+
+def set_context_estimate(context_bytes: int, source: str) -> None:
+    """Price this worker's context at ``context_bytes`` (``source`` says where the figure comes
+    from) until a device row of it is read: the pool's estimate for the card's model
+    (:func:`gpupool._core.contexts.decide_context_estimate`), told at the worker's start."""
+    if type(context_bytes) is int and 0 < context_bytes <= CONTEXT_PLAUSIBLE_MAX_BYTES:
+        _CAP.estimate_bytes, _CAP.estimate_source = context_bytes, str(source)
+
+
+def context_figure() -> tuple[int, str]:
+    """What this worker holds outside the frameworks, and its source: the most its own row
+    was seen holding outside them (``"process-row"``), else the estimate. The one figure the
+    report and the allocator cap both use."""
+    if _CAP.context_bytes is not None:
+        return _CAP.context_bytes, "process-row"
+    return _context_estimate()
+
+
+def _context_estimate() -> tuple[int, str]:
+    """The context this worker is priced at while no row of it was read, and its source."""
+    return _CAP.estimate_bytes, _CAP.estimate_source
 
 
 def apply_allocator_cap(ask_bytes: int) -> None:
@@ -415,10 +456,10 @@ def apply_allocator_cap(ask_bytes: int) -> None:
     together stay within the booking.
 
     Outside torch: the bytes the probe measured outside every framework (its
-    context; :data:`CONTEXT_ESTIMATE_BYTES` until a device row of this
-    process was read), plus what CuPy's and JAX's pools hold when the cap is set,
-    plus what the worker's descendants hold by the probe's last reading of their
-    rows; the cap is set again each time a reading finds that changed.
+    context; the estimate until a device row of this process was read:
+    :func:`context_figure`, the report's figure), plus what CuPy's and JAX's pools hold
+    when the cap is set, plus what the worker's descendants hold by the probe's last
+    reading of their rows; the cap is set again each time a reading finds that changed.
 
     Called by the worker before each task when the pool has ``cap_allocator=True``.
     Where the task's CUDA is already initialised the fraction is set now
@@ -483,8 +524,7 @@ def _set_fraction(torch: Any) -> None:
         cuda = torch.cuda
         if _CAP.total_bytes is None:
             _CAP.total_bytes = int(cuda.get_device_properties(0).total_memory)
-        context = _CAP.context_bytes if _CAP.context_bytes is not None else CONTEXT_ESTIMATE_BYTES
-        outside = context + read_held_bytes(leave_out="torch") + _CAP.descendant_bytes
+        outside = context_figure()[0] + read_held_bytes(leave_out="torch") + _CAP.descendant_bytes
         allowed = max(0, ask - outside)
         _CAP.outside_bytes = outside
         fraction = min(1.0, allowed / _CAP.total_bytes) if _CAP.total_bytes > 0 else 1.0
@@ -514,6 +554,21 @@ def _note_descendants_for_cap(descendant_bytes: int) -> None:
 def _trusted(value: int | None) -> int | None:
     """A per-process reading, or ``None`` where it is missing or 0 (never a measurement)."""
     return value if value is not None and value > 0 else None
+
+
+#: The probe whose task window is open in this process (a worker runs one task at a time).
+_WINDOW: Probe | None = None
+
+
+def card_full_in_task() -> str | None:
+    """What has shown the card full so far in this process's open task window (see
+    :meth:`Probe.stop`), or ``None``: for a task that fails without raising, such as a
+    ``gpupool run`` command's exit status."""
+    probe = _WINDOW
+    if probe is None:
+        return None
+    full = probe._card_full(probe._sampled_peak_bytes, probe._tree.seen())
+    return full[0] if full is not None else None
 
 
 class Probe:
@@ -553,6 +608,11 @@ class Probe:
         # The card's used bytes when the task's first reading was taken, and the most since.
         self._card_used_at_start: int | None = None
         self._card_used_peak: int | None = None
+        # The least free bytes the card was read with during the task, and its total; and
+        # when the task's window opened (time.time(): the card's refusals since are its).
+        self._card_free_least: int | None = None
+        self._card_total: int | None = None
+        self._since_s = 0.0
         # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
         # window is sampled.
         sensor = self._sensor
@@ -591,6 +651,10 @@ class Probe:
         self._whole_reads = self._partial_reads = 0
         self._foreign = False
         self._card_used_at_start = self._card_used_peak = None
+        self._card_free_least = self._card_total = None
+        self._since_s = time.time()  # the card's refusals from now on are this task's
+        global _WINDOW
+        _WINDOW = self
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
             return
@@ -709,6 +773,10 @@ class Probe:
             self._card_used_at_start = used
         if self._card_used_peak is None or used > self._card_used_peak:
             self._card_used_peak = used
+        free = self._sensor.free_bytes if self._sensor is not None else None
+        if free is not None and (self._card_free_least is None or free < self._card_free_least):
+            self._card_free_least = free
+            self._card_total = self._sensor.total_bytes if self._sensor is not None else None
 
     def _sample(self, members: frozenset[int]) -> None:
         """One sample of the device, for the tree's sampler: the tree's bytes now."""
@@ -719,8 +787,15 @@ class Probe:
         if now is not None and (self._sampled_peak_bytes is None or now > self._sampled_peak_bytes):
             self._sampled_peak_bytes = now
 
-    def stop(self, *, oom: BaseException | None = None) -> PeakReport:
+    def stop(
+        self, *, oom: BaseException | None = None, failure: BaseException | None = None
+    ) -> PeakReport:
         """Close the window; return the task's peaks and how each was measured.
+
+        ``oom``: the task's device out-of-memory error, recognised by its type or text.
+        ``failure``: the task's error where it is none such: it is taken as an
+        out-of-memory all the same (``oom_recognised="card-full"``) where the card was
+        full during the task and the task's tree grew (:meth:`_card_full`).
 
         Then the allocators' cached blocks are given back (:func:`release_caches`)
         and torch's peak counters reset, in that order.
@@ -739,7 +814,7 @@ class Probe:
             context = (self._context_bytes, "process-row")
         if framework_peaks:
             if context is None:
-                context = (CONTEXT_ESTIMATE_BYTES, "estimated")
+                context = _context_estimate()  # no row of this worker was read
             names = "+".join(name for name in FRAMEWORKS if name in framework_peaks)
             # The frameworks' counters are the worker's: its descendants' bytes are added.
             counted = sum(framework_peaks.values()) + context[0] + self._descendant_bytes
@@ -751,8 +826,18 @@ class Probe:
             cuda = initialised_torch_cuda()
             if cuda is not None:
                 _reset_torch_peaks(cuda)
-        requested = requested_bytes_of(oom) if oom is not None else None
         tree = self._tree.close(self._device)
+        recognised = oom_recognised_by(oom) if oom is not None else None
+        full = None
+        if (oom is None and failure is not None) or recognised == "card-full":
+            full = self._card_full(peak, tree.descendants)
+            if full is not None and oom is None:
+                oom, recognised = failure, "card-full"
+        requested = requested_bytes_of(oom) if oom is not None else None
+        if full is not None and requested is None:
+            requested = full[1]  # the allocation the card refused, where it says
+        global _WINDOW
+        _WINDOW = None
         # What the task left running still holds its bytes; the next reading says more.
         _CAP.descendant_bytes = tree.outliving_device_bytes or 0
         rss = read_rss_high_water()
@@ -773,7 +858,8 @@ class Probe:
             rss_source=rss_source,
             oom=oom is not None,
             oom_requested_bytes=requested,
-            oom_recognised=oom_recognised_by(oom) if oom is not None else None,
+            oom_recognised=recognised,
+            card_full_reason=full[0] if full is not None else None,
             descendants=tree.descendants,
             outliving_descendants=len(tree.outliving_pids),
             outliving_device_bytes=tree.outliving_device_bytes,
@@ -781,6 +867,45 @@ class Probe:
             incomplete_reason=incomplete,
             card_used_peak_bytes=self._card_used_peak,
             card_used_at_start_bytes=self._card_used_at_start,
+        )
+
+    def _card_full(self, peak: int | None, descendants: int) -> tuple[str, int | None] | None:
+        """What showed the card full during the task, and the allocation it refused where it
+        says; ``None`` where nothing did.
+
+        The card refused an allocation to a process of the worker's tree (the sensor
+        keeps such a record: the simulator's ledger); or its free bytes were read below
+        :func:`card_full_free_bytes` while the task's tree grew (its bytes rose above
+        what it held at the start, or processes ran under the worker while the card's
+        used bytes rose). A card that never came near full is never taken for one.
+        """
+        sensor, device = self._sensor, self._device
+        if sensor is None or device is None:
+            return None
+        try:
+            refused = sensor.read_refused_bytes(device, self._pid, self._since_s)
+        except Exception:
+            refused = None
+        if refused:
+            return (
+                f"the card refused an allocation of {format_size(refused)} to a process of "
+                "the task's tree",
+                refused,
+            )
+        least, total = self._card_free_least, self._card_total
+        if least is None or total is None or least >= card_full_free_bytes(total):
+            return None
+        used, start = self._card_used_peak, self._card_used_at_start
+        rose = used is not None and start is not None and used > start
+        if not (
+            (peak is not None and peak > (self._baseline_bytes or 0)) or (descendants and rose)
+        ):
+            return None
+        return (
+            f"the card's free bytes were read at {format_size(least)} of {format_size(total)} "
+            f"during the task (full: below {format_size(card_full_free_bytes(total))}) while "
+            "the task's tree grew",
+            None,
         )
 
     def _partial_view(self, descendants: int, peak: int | None) -> str | None:

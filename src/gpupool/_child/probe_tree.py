@@ -206,6 +206,11 @@ class TreeWatch:
                 self._seen |= identities
         return frozenset((self.root_pid, *descendants))
 
+    def seen(self) -> int:
+        """How many processes were seen under the root in the open window so far."""
+        with self._lock:
+            return len(self._seen)
+
     def note_rejections(self, reasons: Iterable[str]) -> None:
         """Keep why a reading was rejected (each reason once, at most ``MAX_REJECTIONS``)."""
         with self._lock:
@@ -401,6 +406,10 @@ class TreeSensor(Sensor):
         # The card's used bytes at the last reading judged (``None``: not read, or unified
         # memory, where "used" is the host's): the probe's cross-check of a partial view.
         self.used_bytes: int | None = None
+        # Its free bytes and total at that reading (``None`` likewise): whether the card was
+        # full during a task (the probe's evidence of an out-of-memory no text named).
+        self.free_bytes: int | None = None
+        self.total_bytes: int | None = None
         # The last judgement of a reading's rows (the very rows and memory objects, and the
         # tree): a sensor that gives the same objects for an unchanged card (the
         # simulator's) is not judged again for the same tree.
@@ -432,6 +441,9 @@ class TreeSensor(Sensor):
 
     def read_host(self) -> HostCensus:
         return self.inner.read_host()
+
+    def read_refused_bytes(self, device: DeviceInfo, pid: int, since_s: float) -> int | None:
+        return self.inner.read_refused_bytes(device, pid, since_s)
 
     def close(self) -> None:
         self.inner.close()
@@ -493,7 +505,10 @@ class TreeSensor(Sensor):
         members: Collection[int],
     ) -> tuple[int | None, int | None]:
         """``members``' bytes and the root's own row in one reading's rows (reasons kept)."""
-        self.used_bytes = memory.used_bytes if memory is not None and not memory.unified else None
+        card = memory is not None and not memory.unified
+        self.used_bytes = memory.used_bytes if card and memory is not None else None
+        self.free_bytes = memory.free_bytes if card and memory is not None else None
+        self.total_bytes = memory.total_bytes if card and memory is not None else None
         if rows is None:
             return None, None
         judged = self._judged

@@ -200,35 +200,48 @@ class _StopFlag:
 
 
 class CommandOutOfMemory(RuntimeError):
-    """A command failed and its error output says the device ran out of memory.
+    """A command failed and its error output says the device ran out of memory, or its card
+    was full as it ran (``recognised``: ``"command-output"`` or ``"card-full"``).
 
     Raised in the worker in place of the command's exit status, so the pool
     classifies and retries it as it does a task's own out-of-memory. The
-    message carries the status and the line that said so (kept for the error).
+    message carries the status and the line (or the reading) that said so
+    (kept for the error).
     """
 
-    def __init__(self, message: str, status: int = 1) -> None:
+    def __init__(self, message: str, status: int = 1, recognised: str = "command-output") -> None:
         super().__init__(message)
         self.status = status
+        # "command-output": its error output said so; "card-full": it failed while its card
+        # was full (gpupool._child.probe.card_full_in_task), whatever it said.
+        self.recognised = recognised
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return CommandOutOfMemory, (str(self), self.status)
+        return CommandOutOfMemory, (str(self), self.status, self.recognised)
 
 
 def _ran_out_of_memory(status: int, stderr_path: str) -> CommandOutOfMemory | None:
     """The command's failure as an out-of-memory, where its error output says one."""
-    from gpupool._child.probe import OUTPUT_TAIL_BYTES, oom_in_output
+    from gpupool._child.probe import OUTPUT_TAIL_BYTES, card_full_in_task, oom_in_output
 
     try:
         with open(stderr_path, "rb") as err:
             err.seek(max(0, os.fstat(err.fileno()).st_size - OUTPUT_TAIL_BYTES))
             line = oom_in_output(err.read())
     except OSError:
-        return None
-    if line is None:
+        line = None
+    if line is not None:
+        return CommandOutOfMemory(
+            f"the command ran the device out of memory ({describe_status(status)}): {line}",
+            status,
+        )
+    full = card_full_in_task()
+    if full is None:
         return None
     return CommandOutOfMemory(
-        f"the command ran the device out of memory ({describe_status(status)}): {line}", status
+        f"the command failed ({describe_status(status)}) while its card was full: {full}",
+        status,
+        "card-full",
     )
 
 
@@ -245,8 +258,11 @@ def run_command(command: str, cwd: str, stdout_path: str, stderr_path: str) -> i
     Raises:
         CommandOutOfMemory: the command failed and the end of its error output
             says the device ran out of memory (CUDA's, cuDNN's, cuBLAS's,
-            NCCL's, torch's, CuPy's or JAX's words), so the pool classifies and
-            retries it as a task's own out-of-memory.
+            NCCL's, torch's, CuPy's or JAX's words), or its card was full while
+            it ran (an allocation refused to a process of the worker's tree, or
+            the card's free bytes read below a few hundred MiB while the tree
+            grew), so the pool classifies and retries it as a task's own
+            out-of-memory.
     """
     status = _run_in_session(command, cwd, stdout_path, stderr_path)
     if status != 0:

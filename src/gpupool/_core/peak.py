@@ -30,8 +30,10 @@ class PeakReport:
             (its CUDA context, other libraries), or ``None`` where the report
             neither measured nor needed it.
         context_source: ``"process-row"`` (the child's device row less what
-            the frameworks held), ``"estimated"`` (no row of the child could
-            be read: the probe's ``CONTEXT_ESTIMATE_BYTES``), or ``"none"``.
+            the frameworks held); where no row of the child could be read, the
+            estimate's: ``"estimated (default)"`` (``CONTEXT_ESTIMATE_BYTES``) or
+            ``"estimated (largest measured on <model>: <size>, by <who>)"`` (the
+            host's contexts file); or ``"none"``.
         rss_peak_bytes: the child's host RSS high-water, plus its descendants'
             high-water during the task.
         rss_source: how (``"vmhwm"``, ``"vmhwm+descendants"``, ``"none"``).
@@ -58,8 +60,14 @@ class PeakReport:
         oom_recognised: how the out-of-memory was recognised, where ``oom``:
             ``"type"`` (a framework's out-of-memory class), ``"message"`` (its
             words in the error's message), ``"subprocess-output"`` (in the error
-            output of a subprocess the error carries) or ``"command-output"``
-            (in a ``gpupool run`` command's error output).
+            output of a subprocess the error carries), ``"command-output"``
+            (in a ``gpupool run`` command's error output) or ``"card-full"`` (no
+            text said so, but the task failed while its card was full and its
+            tree had grown: :attr:`card_full_reason`).
+        card_full_reason: what showed the card full during a task that failed
+            (an allocation the card refused to a process of the task's tree, or
+            its free bytes read below the probe's threshold), where that made
+            the failure an out-of-memory; else ``None``.
     """
 
     device: int | None
@@ -80,6 +88,7 @@ class PeakReport:
     card_used_peak_bytes: int | None = None
     card_used_at_start_bytes: int | None = None
     oom_recognised: str | None = None
+    card_full_reason: str | None = None
 
     @property
     def incomplete(self) -> bool:

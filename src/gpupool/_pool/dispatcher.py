@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
+from gpupool._core.contexts import decide_context_estimate
 from gpupool._core.events import truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -81,6 +82,7 @@ from gpupool._pool.workers import (
     WorkerOptions,
     WorkerSet,
 )
+from gpupool._sensors.contexts import open_context_file
 from gpupool._sensors.host import read_ancestors
 
 if TYPE_CHECKING:
@@ -236,6 +238,13 @@ class Dispatcher:
                 bookings, pool_id, devices, sensor, self.planner, log, self.started_at_s
             )
         )
+        # The largest contexts measured on each card model, beside the table: each card's
+        # workers are priced at its model's until their own row is read (None: no table).
+        self.contexts = open_context_file(bookings, pool_id)
+        for device in devices:
+            records = self.contexts.records if self.contexts is not None else []
+            estimate = decide_context_estimate(records, device.info.name)
+            device.context_estimate = (estimate.context_bytes, estimate.source)
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
         )
@@ -645,6 +654,8 @@ class Dispatcher:
             if worker.device is not None and self.link is not None:
                 self.link.changed(worker.device, self.now())
             return
+        if event.report is not None and event.report.context_source == "process-row":
+            self._note_context(worker, event.report)
         oom = kind == "oom" and event.report is not None
         if oom:
             assert event.report is not None
@@ -664,6 +675,13 @@ class Dispatcher:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self.outcomes.answered(item, kind, event.payload)
+
+    def _note_context(self, worker: Worker, report: PeakReport) -> None:
+        """The worker measured its context from its own row: the host's contexts file keeps
+        the largest on its card's model (written only when this one is larger)."""
+        if self.contexts is not None and worker.device is not None and report.context_bytes:
+            model = self.cards.devices[worker.device].info.name
+            self.contexts.note(model, report.context_bytes)
 
     def _not_set_up(self, worker: Worker, item: WorkItem, payload: Any) -> None:
         """``worker`` could not set up the task it was handed (a task before it used up its
@@ -701,7 +719,12 @@ class Dispatcher:
             # After the record, which names the own high-water the tasks were priced at.
             self.planner.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
-            self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
+            if report.oom_recognised == "card-full":
+                # Taken for an out-of-memory by the card's state, not by what it said: past
+                # the retries the task's own error reaches its future, as it was raised.
+                self.outcomes.fail(item, exc)
+            else:
+                self.outcomes.fail(item, said.oom_error(said.task_named(item), verdict, exc))
 
     def _exited(self, event: Exited) -> None:
         """A worker's process ended: only the task it ran fails, and the tasks queued behind

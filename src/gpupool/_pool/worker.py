@@ -362,14 +362,19 @@ def worker_main(
     max_tasks: int | None,
     sensor_factory: Callable[[], Sensor] | None,
     read_cell: CellHandle | None = None,
+    context_estimate: tuple[int, str] | None = None,
 ) -> None:
     """Run tasks from ``conn`` until told to stop, the parent dies, or ``max_tasks`` ran; the
     probe reads ``device`` through ``sensor_factory()`` (the pool's sensor's ``worker_factory``;
     ``None`` without a device, so that a worker without one never imports a sensor). Each task
-    frame read is acknowledged in ``read_cell`` (:mod:`gpupool._pool.acks`)."""
+    frame read is acknowledged in ``read_cell`` (:mod:`gpupool._pool.acks`).
+    ``context_estimate``: the context this worker is priced at until its own row is read,
+    and its source (:func:`gpupool._child.probe.set_context_estimate`)."""
     cell = None if read_cell is None else read_cell.open()
     frames = 0  # task frames read
-    probe = _start(conn, parent_pid, initializer, device, device_index, sensor_factory)
+    probe = _start(
+        conn, parent_pid, initializer, device, device_index, sensor_factory, context_estimate
+    )
     if probe is None:
         return
     from gpupool._child.probe import apply_allocator_cap, read_allocator_cap_message
@@ -474,7 +479,12 @@ def _measured(probe: Probe, failure: BaseException | None, device_index: int | N
     from gpupool._child.probe import is_device_oom
 
     try:
-        return probe.stop(oom=failure if failure is not None and is_device_oom(failure) else None)
+        if failure is None:
+            return probe.stop()
+        if is_device_oom(failure):
+            return probe.stop(oom=failure)
+        # Any other failure: an out-of-memory all the same where the card was full meanwhile.
+        return probe.stop(failure=failure)
     except Exception:
         return PeakReport(device=device_index, device_peak_bytes=None, device_source="none")
 
@@ -563,6 +573,7 @@ def _start(
     device: DeviceInfo | None,
     device_index: int | None,
     sensor_factory: Callable[[], Sensor] | None,
+    context_estimate: tuple[int, str] | None = None,
 ) -> Probe | None:
     """Start as the module's docstring says, run the initializer, set up the probe and tell
     the parent this worker is ready, with its own device bytes now (what the initializer
@@ -575,8 +586,10 @@ def _start(
     size_buffers(conn.fileno())
     if initializer is not None and not _initialized(conn, initializer):
         return None
-    from gpupool._child.probe import Probe
+    from gpupool._child.probe import Probe, set_context_estimate
 
+    if context_estimate is not None:
+        set_context_estimate(*context_estimate)
     sensor = None
     if device is not None and sensor_factory is not None:
         try:

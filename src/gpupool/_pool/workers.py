@@ -85,6 +85,9 @@ class DeviceState:
     index: int
     info: DeviceInfo
     census: CardCensus
+    # The context its workers are priced at until their own row is read, and its source
+    # (gpupool._sensors.contexts: the host's largest measured on the card's model).
+    context_estimate: tuple[int, str] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -323,6 +326,7 @@ class WorkerSet:
                 self.options.max_tasks_per_child,
                 None if info is None else self.sensor.worker_factory(),
                 CellHandle(cell_fd),
+                None if card is None else self.cards[card].context_estimate,
             ),
             env={**self.options.env, **self.sensor.worker_env(info)},
             name="gpupool-worker",

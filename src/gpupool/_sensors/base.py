@@ -169,6 +169,12 @@ class Sensor:
         """The most ``pid``'s tree held together since :meth:`start_tree_window`, or ``None``."""
         return None
 
+    def read_refused_bytes(self, device: DeviceInfo, pid: int, since_s: float) -> int | None:
+        """The largest allocation ``device`` refused to ``pid`` or a process under it since
+        ``since_s`` (``time.time()``), 0 where it refused none; ``None`` where the driver keeps
+        no such record (NVML: a card that was full shows only in its free bytes)."""
+        return None
+
     def read_host(self) -> HostCensus:
         """Usable CPUs and available RAM."""
         raise NotImplementedError

@@ -559,6 +559,7 @@ class Ledger:
                 context = state["context"]
                 refusal = refuse(state, device, pid, context)
                 if refusal is not None:
+                    refusal["ancestors"] = list(read_ancestors(pid))
                     return refusal
                 name = _own_name() if pid == os.getpid() else "python"
                 proc = ProcessState(
@@ -573,6 +574,7 @@ class Ledger:
                 note_peaks(dev, key, proc)
             refusal = refuse(state, device, pid, nbytes)
             if refusal is not None:
+                refusal["ancestors"] = proc["ancestors"]  # as at its first touch
                 return refusal
             proc["held"] += nbytes
             note_peaks(dev, key, proc)

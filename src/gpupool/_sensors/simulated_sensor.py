@@ -190,6 +190,19 @@ class SimulatedSensor(Sensor):
         window = self._state_of(device)["trees"].get(str(pid))
         return None if window is None else window["window"]
 
+    def read_refused_bytes(self, device: DeviceInfo, pid: int, since_s: float) -> int | None:
+        """The largest allocation the simulated card refused to ``pid`` or a process under it
+        (by its ancestors when it asked) since ``since_s``; 0 where none. It stands for what a
+        real card shows of a refusal (its free bytes, read below a few hundred MiB while the
+        refused process held the rest), which a sampled reading may miss."""
+        largest = 0
+        for record in self._view()["ooms"]:
+            if record["device"] != device.index or record["time_s"] < since_s:
+                continue
+            if record["pid"] == pid or pid in record.get("ancestors", ()):
+                largest = max(largest, record["requested_bytes"])
+        return largest
+
     def read_host(self) -> HostCensus:
         """The host's CPUs and RAM as the ``SimulatedHost`` gives them, else the real host's."""
         from gpupool._core.census import HostCensus  # the parent's: a worker never loads it

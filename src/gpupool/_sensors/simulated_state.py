@@ -79,15 +79,21 @@ class DeviceState(TypedDict):
     mig: bool  # a MIG instance (absent from older ledgers: not one)
 
 
-class OutOfMemoryRecord(TypedDict):
-    """An allocation the simulated card refused (fields as ``OutOfMemoryEvent``)."""
-
+class _RefusalFields(TypedDict):
     pid: int
     device: int
     requested_bytes: int
     used_bytes: int
     total_bytes: int
     time_s: float
+
+
+class OutOfMemoryRecord(_RefusalFields, total=False):
+    """An allocation the simulated card refused (fields as ``OutOfMemoryEvent``), with the
+    asking process's ancestors where it is a real process (so its tree is known after it
+    exits)."""
+
+    ancestors: list[int]
 
 
 class LedgerState(TypedDict):

@@ -521,6 +521,7 @@ def _oom_terms(
         "reached_bytes": report.device_peak_bytes,
         "requested_bytes": report.oom_requested_bytes,
         "oom_recognised": report.oom_recognised,
+        "card_full_reason": report.card_full_reason,
         "live_free_bytes": reading.free_bytes if reading else None,
         "live_used_bytes": reading.used_bytes if reading else None,
         "live_own_bytes": split.own_bytes if split else None,
