@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -65,26 +66,29 @@ def test_a_status_descriptor_a_task_replaced_is_opened_again(tmp_path: Path) -> 
         os.close(fd)
 
 
-def test_after_a_task_the_high_water_is_read_again_once_its_reading_is_old(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """After a task, a reading younger than ``RSS_READ_INTERVAL_S`` is reported again, and an
-    older one is read anew (the interval set here to an hour, then to 0, so that no timing
-    of this host decides); a reading of another process (a fork's) is never given."""
-    import time
-
+def test_a_high_water_read_again_sees_what_was_kept_at_once_and_a_freed_peak_soon() -> None:
+    """Where the status file is read (a worker whose ru_maxrss is its pool's), memory kept
+    since the last reading is seen at once, and a peak freed since then once the reading is
+    :data:`VMHWM_MAX_AGE_S` old."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("no /proc on this system")
     from gpupool._sensors import process
 
-    monkeypatch.setattr(process, "RSS_READ_INTERVAL_S", 3600.0)
-    monkeypatch.setattr(process, "_last_after_task", (os.getpid(), 12345, time.monotonic()))
-    assert process.rss_high_water_after_task() == 12345  # young: given again
-    monkeypatch.setattr(process, "_last_after_task", (os.getpid() + 1, 12345, time.monotonic()))
-    fresh = process.rss_high_water_after_task()  # another process's reading: read anew
-    assert fresh is not None and fresh > 12345
-    assert process.rss_high_water_after_task() == fresh
-    monkeypatch.setattr(process, "RSS_READ_INTERVAL_S", 0.0)
-    monkeypatch.setattr(process, "_last_after_task", (os.getpid(), 12345, time.monotonic()))
-    later = process.rss_high_water_after_task()  # old: read anew
-    now = process.read_rss_high_water()
-    assert later is not None and now is not None
-    assert fresh <= later <= now
+    def touched(mib: int) -> bytearray:
+        data = bytearray(mib * 2**20)
+        data[::4096] = b"\x01" * len(range(0, len(data), 4096))
+        return data
+
+    before = process._own_high_water()
+    assert before is not None
+    kept = touched(64)
+    with_kept = process._own_high_water()
+    assert with_kept is not None and with_kept >= before + 60 * 2**20
+    del kept
+    peak = process._read_vmhwm("/proc/self/status")
+    touched(96)  # freed at once
+    fresh = process._read_vmhwm("/proc/self/status")
+    assert peak is not None and fresh is not None and fresh >= peak
+    time.sleep(process.VMHWM_MAX_AGE_S * 1.5)
+    later = process._own_high_water()
+    assert later is not None and later >= fresh

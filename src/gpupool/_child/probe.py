@@ -75,7 +75,7 @@ from gpupool._core.contexts import (
 from gpupool._core.peak import PeakReport
 from gpupool._core.units import MiB, format_size, parse_size
 from gpupool._sensors.base import Sensor
-from gpupool._sensors.process import rss_high_water_after_task
+from gpupool._sensors.process import read_rss_high_water
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -840,7 +840,7 @@ class Probe:
         _WINDOW = None
         # What the task left running still holds its bytes; the next reading says more.
         _CAP.descendant_bytes = tree.outliving_device_bytes or 0
-        rss = rss_high_water_after_task()
+        rss = read_rss_high_water()
         rss_source = "vmhwm" if rss is not None else "none"
         if rss is not None and tree.rss_peak_bytes is not None:
             rss, rss_source = rss + tree.rss_peak_bytes, "vmhwm+descendants"

@@ -7,7 +7,7 @@ import resource
 import sys
 import time
 
-__all__ = ["RSS_READ_INTERVAL_S", "read_rss_high_water", "rss_high_water_after_task"]
+__all__ = ["read_rss_high_water"]
 
 _STATUS = "/proc/self/status"
 
@@ -29,13 +29,14 @@ def read_rss_high_water(path: str | os.PathLike[str] = _STATUS) -> int | None:
     task, where that is this process's own: ``ru_maxrss`` is the larger of
     ``VmHWM`` and the high-water of the memory the process replaced at ``exec``
     (for a worker, the pool's process's): while ``ru_maxrss`` is not above the
-    latter, ``VmHWM`` is read from ``path`` instead.
+    latter, ``VmHWM`` is read from ``path`` instead (no more often than every
+    :data:`VMHWM_MAX_AGE_S` while the resident set stays below it).
     """
     if sys.platform == "linux" and (path is _STATUS or path == _STATUS):
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if maxrss > _inherited_bytes(maxrss):
             return maxrss  # above what the exec left: this process's own, from now on
-        return _parse_vmhwm(_STATUS_FILE.read())
+        return _own_high_water()
     return _read_vmhwm(path)
 
 
@@ -111,6 +112,46 @@ class _ProcFile:
 
 
 _STATUS_FILE = _ProcFile(_STATUS, _STATUS_MAX_BYTES)
+_STATM_FILE = _ProcFile("/proc/self/statm", 256)
+
+#: How old a ``VmHWM`` reading may be when it is given again (where ``ru_maxrss`` is not
+#: this process's own): the status file costs some 10-40 us to read, a no-op task less. A
+#: reading is given again only while the resident set now (``statm``, about 2 us) is not
+#: above it, so what a task kept is seen at its end; a peak a task freed before it ended is
+#: seen at the first end of a task this long after the last reading.
+VMHWM_MAX_AGE_S = 0.05
+
+#: ``(pid, VmHWM bytes, when read: monotonic seconds)`` of the last status reading.
+_last_vmhwm: tuple[int, int, float] | None = None
+
+
+def _own_high_water() -> int | None:
+    """This process's ``VmHWM``, read from its status file at most every
+    :data:`VMHWM_MAX_AGE_S` while its resident set stays below the last reading."""
+    global _last_vmhwm
+    pid, now_s = os.getpid(), time.monotonic()
+    last = _last_vmhwm
+    if last is not None and last[0] == pid and now_s - last[2] < VMHWM_MAX_AGE_S:
+        resident = _resident_bytes()
+        if resident is not None and resident <= last[1]:
+            return last[1]
+    figure = _parse_vmhwm(_STATUS_FILE.read())
+    _last_vmhwm = None if figure is None else (pid, figure, now_s)
+    return figure
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident set now (``statm``'s second figure, in pages), in bytes."""
+    text = _STATM_FILE.read()
+    if text is None:
+        return None
+    parts = text.split()
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None
+    return int(parts[1]) * _PAGE_BYTES
+
+
+_PAGE_BYTES = resource.getpagesize()
 
 
 def _inherited_bytes(maxrss: int) -> int:
@@ -124,30 +165,3 @@ def _inherited_bytes(maxrss: int) -> int:
         # below it, ru_maxrss follows VmHWM from now on (both only grow).
         _inherited = (pid, maxrss if own is not None and maxrss > own else 0)
     return _inherited[1]
-
-
-#: How often, at most, a worker reads its RSS high-water as a task ends; a task that ends
-#: sooner after the last reading reports that reading again. The reading, however made
-#: (``getrusage`` or the status file), took 100-300 us of wall time in a worker right after
-#: its task on a loaded 2-core host (5-10 us of CPU): 20-25 % of a no-op task's cost with
-#: 2 workers. A task that ran this long or longer is always read at its end (the last
-#: reading is older than the task), and so is a worker's first task.
-RSS_READ_INTERVAL_S = 0.1
-
-#: ``(pid, bytes or None, when read: monotonic seconds)`` of the last reading after a task.
-_last_after_task: tuple[int, int | None, float] | None = None
-
-
-def rss_high_water_after_task() -> int | None:
-    """This process's RSS high-water for the report of a task that just ended: read now
-    (:func:`read_rss_high_water`), or the last reading where it is less than
-    :data:`RSS_READ_INTERVAL_S` old. Growth that a burst of short tasks made is reported at
-    the first task end past that interval."""
-    global _last_after_task
-    pid, now_s = os.getpid(), time.monotonic()
-    last = _last_after_task
-    if last is not None and last[0] == pid and now_s - last[2] < RSS_READ_INTERVAL_S:
-        return last[1]
-    figure = read_rss_high_water()
-    _last_after_task = (pid, figure, now_s)
-    return figure
