@@ -409,7 +409,51 @@ def step_context(run: Run) -> None:
             )
         if mode == "lazy":
             run.context_bytes = context
-    run.add("context", checks, probe_figure_bytes=figure, **figures)
+    model = _model_figure(run)
+    if model.get("context_bytes") is not None:
+        # Host state (earlier pools' measurements, other users' files), not the code under
+        # check: reported beside the measurement, never judged.
+        ok = model["context_bytes"] >= run.context_bytes
+        detail = f"this host's figure for {model['model']}: {model['context_bytes'] / MiB:.0f} MiB"
+        checks.append(check("figure.model", ok, f"{detail} ({model['source']})", report=True))
+    run.add("context", checks, probe_figure_bytes=figure, model_figure=model, **figures)
+
+
+def _model_figure(run: Run) -> dict[str, Any]:
+    """The context a pool of the check would price a hidden worker of this card at: its
+    card model's figure from the contexts files beside the check's own booking table (read,
+    never written), or why there is none."""
+    try:
+        return _read_model_figure(run)
+    except Exception as exc:  # a report only: it never costs the step its judged checks
+        return {"reason": f"{type(exc).__name__}: {exc!s:.200}"}
+
+
+def _read_model_figure(run: Run) -> dict[str, Any]:
+    from gpupool._sensors.bookings import open_booking_table
+    from gpupool._sensors.census import read_census
+    from gpupool._sensors.contexts import open_context_file
+    from gpupool._sensors.select import default_sensor
+
+    sensor = run.sensor() or default_sensor()
+    try:
+        census, _ = read_census(sensor, devices=[run.uuid], visible_devices=None)
+        table = open_booking_table(share=True, directory=None, sensor=sensor)
+    finally:
+        sensor.close()
+    contexts = open_context_file(table, "gpu-check")
+    if contexts is None:
+        return {"reason": "no booking table"}
+    name = census.cards[0].name
+    estimate = contexts.estimate(name)
+    return {
+        "model": name,
+        "context_bytes": estimate.context_bytes,
+        "source": estimate.source,
+        "directory": str(contexts.directory),
+        "refused": dict(contexts.refused),
+        "problem": contexts.problem,
+    }
 
 
 def _compute_apps(run: Run, pid: int) -> dict[str, Any]:

@@ -148,6 +148,14 @@ def test_dry_run_passes_on_the_simulated_host(tmp_path: Path) -> None:
     from gpupool._child.probe import CONTEXT_ESTIMATE_BYTES
 
     assert report["steps"]["context"]["probe_figure_bytes"] == CONTEXT_ESTIMATE_BYTES
+    # Beside it, reported and never judged, the figure the check's own pools would price a
+    # hidden worker of this card's model at (nothing recorded yet on this fresh host).
+    model = report["steps"]["context"]["model_figure"]
+    assert (model["context_bytes"], model["source"]) == (
+        CONTEXT_ESTIMATE_BYTES,
+        "estimated (default)",
+    )
+    assert any(c["name"] == "figure.model" and c["report"] for c in report["checks"])
     # The workers measured through NVML (sampled rows, torch's counters), never the
     # simulator's exact ledger; on the cards that hide the rows, the peaks were flagged.
     sources = {c["detail"] for c in report["checks"] if c["name"].endswith(".source")}

@@ -6,15 +6,19 @@ container, rows of 0, MIG) it cannot, and is priced at an estimate instead. The
 estimate is grounded in what the host has measured: pools that could read a row keep
 the largest context seen on each card model in a small file beside the host's
 booking table (:mod:`gpupool._sensors.contexts`), and a pool that cannot read one
-prices its context at the largest recorded for its card's model, never below the
-built-in default (:data:`CONTEXT_ESTIMATE_BYTES`). The source says which.
+prices its context at the largest of the built-in default
+(:data:`CONTEXT_ESTIMATE_BYTES`), its own user's largest recorded for its card's
+model, and the largest that two users recorded (:func:`decide_context_estimate`).
+The source says which.
 
-The file may be written by another user (a table shared by every user): its text is
+The files may be written by other users (a table shared by every user): a text is
 refused past :data:`MAX_CONTEXT_FILE_BYTES` or :data:`MAX_MODELS` models, and an
 entry whose figure is not a whole number of bytes in
 ``(0, CONTEXT_PLAUSIBLE_MAX_BYTES]`` is refused with its reason. A figure below the
-default changes nothing, so a hostile file can raise a pool's context estimate (to
-at most :data:`CONTEXT_PLAUSIBLE_MAX_BYTES`), never lower it.
+default changes nothing, so no file can lower a pool's context estimate; and another
+user's figure counts only where a second user recorded as much, so one hostile user
+cannot raise it either (two colluding users can, to at most
+:data:`CONTEXT_PLAUSIBLE_MAX_BYTES`).
 """
 
 from __future__ import annotations
@@ -95,12 +99,21 @@ class ContextEstimate:
 
     Attributes:
         context_bytes: the figure.
-        source: where it comes from: :data:`DEFAULT_SOURCE`, or
-            ``"estimated (largest measured on <model>: <size>, by <who>)"``.
+        source: where it comes from: :data:`DEFAULT_SOURCE`,
+            ``"estimated (largest measured on <model>: <size>, by <who>)"`` (this user's
+            own largest), or ``"estimated (largest measured on <model> by two users:
+            <size>, by <who>; <who> measured <size>)"`` (the largest two users agree on).
+        set_aside: other users' records larger than the figure that no second user
+            matched: not used (one user's file alone never raises another's figure).
     """
 
     context_bytes: int
     source: str
+    set_aside: tuple[ContextRecord, ...] = ()
+
+    def pair(self) -> tuple[int, str]:
+        """``(context_bytes, source)``: what a worker is told at its start."""
+        return self.context_bytes, self.source
 
 
 def _name(value: object) -> str | None:
@@ -192,22 +205,44 @@ def format_context_file(entries: dict[str, ContextRecord]) -> bytes:
 
 
 def decide_context_estimate(
-    records: list[ContextRecord], model: str, default_bytes: int = CONTEXT_ESTIMATE_BYTES
+    records: list[ContextRecord],
+    model: str,
+    default_bytes: int = CONTEXT_ESTIMATE_BYTES,
+    *,
+    uid: int,
 ) -> ContextEstimate:
-    """The context a worker on a card of ``model`` is priced at where its row cannot be read:
-    the largest of ``records`` for that model where it is above ``default_bytes``, else the
-    default (a short figure risks an out-of-memory; a long one costs packing only)."""
-    largest = max(
-        (r for r in records if r.model == model),
-        key=lambda r: (r.context_bytes, -r.time_s),
-        default=None,
+    """The context a worker of user ``uid`` on a card of ``model`` is priced at where its row
+    cannot be read: the largest of ``default_bytes``, ``uid``'s own largest record for the
+    model, and the largest figure that at least two distinct users recorded (the
+    second-largest of the per-user largest). A short figure risks an out-of-memory, a long
+    one costs packing only, but one user's file alone must not raise another's figure: a
+    larger figure of another user's that no second user matches is set aside
+    (:attr:`ContextEstimate.set_aside`), never used."""
+    largest_by_uid: dict[int, ContextRecord] = {}
+    for record in records:
+        if record.model != model:
+            continue
+        held = largest_by_uid.get(record.uid)
+        if held is None or (record.context_bytes, -record.time_s) > (
+            held.context_bytes,
+            -held.time_s,
+        ):
+            largest_by_uid[record.uid] = record
+    ranked = sorted(
+        largest_by_uid.values(), key=lambda r: (r.context_bytes, -r.time_s), reverse=True
     )
-    if largest is None or largest.context_bytes <= default_bytes:
-        return ContextEstimate(context_bytes=default_bytes, source=DEFAULT_SOURCE)
-    return ContextEstimate(
-        context_bytes=largest.context_bytes,
-        source=(
-            f"estimated (largest measured on {model}: {format_size(largest.context_bytes)}, "
-            f"by {largest.by()})"
-        ),
-    )
+    own = largest_by_uid.get(uid)
+    corroborated = ranked[1] if len(ranked) >= 2 else None
+    figure, source = default_bytes, DEFAULT_SOURCE
+    if own is not None and own.context_bytes > figure:
+        figure = own.context_bytes
+        source = f"estimated (largest measured on {model}: {format_size(figure)}, by {own.by()})"
+    if corroborated is not None and corroborated.context_bytes > figure:
+        figure = corroborated.context_bytes
+        source = (
+            f"estimated (largest measured on {model} by two users: {format_size(figure)}, "
+            f"by {corroborated.by()}; {ranked[0].by()} measured "
+            f"{format_size(ranked[0].context_bytes)})"
+        )
+    set_aside = tuple(r for r in ranked if r.uid != uid and r.context_bytes > figure)
+    return ContextEstimate(context_bytes=figure, source=source, set_aside=set_aside)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
-from gpupool._core.contexts import decide_context_estimate
+from gpupool._core.contexts import CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE
 from gpupool._core.events import truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -242,9 +242,11 @@ class Dispatcher:
         # workers are priced at its model's until their own row is read (None: no table).
         self.contexts = open_context_file(bookings, pool_id)
         for device in devices:
-            records = self.contexts.records if self.contexts is not None else []
-            estimate = decide_context_estimate(records, device.info.name)
-            device.context_estimate = (estimate.context_bytes, estimate.source)
+            device.context_estimate = (
+                (CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE)
+                if self.contexts is None
+                else self.contexts.estimate(device.info.name).pair()
+            )
         self.snapshot: PoolSnapshot = take_snapshot(
             self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
         )

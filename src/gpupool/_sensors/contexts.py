@@ -112,14 +112,33 @@ class ContextFile:
             for uid, name in names:
                 entries = self._read_file(dir_fd, name, uid)
                 self.records.extend(entries.values())
+                if uid != self._uid:
+                    continue
+                # Only this user's own figures stop a note: another user's larger figure
+                # must not keep this user from recording (it is what corroborates theirs).
                 for model, record in entries.items():
                     self._known[model] = max(self._known.get(model, 0), record.context_bytes)
         finally:
             os.close(dir_fd)
+        self._set_aside({record.model for record in self.records}, dict(names))
 
     def estimate(self, model: str) -> ContextEstimate:
-        """The context a worker on a card of ``model`` is priced at until its row is read."""
-        return decide_context_estimate(self.records, model, CONTEXT_ESTIMATE_BYTES)
+        """The context a worker on a card of ``model`` is priced at until its row is read
+        (:func:`~gpupool._core.contexts.decide_context_estimate`, for this user)."""
+        return decide_context_estimate(self.records, model, CONTEXT_ESTIMATE_BYTES, uid=self._uid)
+
+    def _set_aside(self, models: set[str], names: dict[int, str]) -> None:
+        """Name, among the refusals, each other user's figure that no second user matched."""
+        for model in sorted(models):
+            for record in self.estimate(model).set_aside:
+                name = names.get(record.uid, f"uid {record.uid}")
+                why = (
+                    f"{model!r}: context_bytes {record.context_bytes} is not corroborated "
+                    "(no second user recorded as much; one user's figure alone never "
+                    "raises another's)"
+                )
+                held = self.refused.get(name)
+                self.refused[name] = why if held is None else f"{held}; {why}"
 
     def _names(self, dir_fd: int) -> list[tuple[int, str]]:
         """The files to read: ``(owner uid, name)``."""
