@@ -29,6 +29,12 @@ to loky:
 * first result: wall time from constructing the executor to the result of
   its first no-op task (ms), the cost of starting a worker and its imports.
 
+The first result includes the worker's imports: where gpupool's modules have no
+bytecode cache that a worker can read (an editable install beside
+``PYTHONDONTWRITEBYTECODE=1``), every worker compiles them from source, which an
+installed package never does; the report's header says which, and ``--compile``
+compiles the package first, as ``pip install`` does.
+
 The task functions live in ``bench/card_tasks.py`` (imported by name in every
 worker), so no executor pays for sending a function by value::
 
@@ -283,9 +289,59 @@ def _compare_round(name: str, args: argparse.Namespace, payload: bytes) -> dict[
     return {"noop_s": noop_s, "payload_s": payload_s, "first_result_s": first_result_s}
 
 
+def _bytecode(compile_first: bool) -> dict[str, Any]:
+    """Whether the modules a worker imports from gpupool have bytecode caches a worker reads.
+
+    Without one (an editable install beside ``PYTHONDONTWRITEBYTECODE=1``, or a tree the
+    user cannot write), every worker compiles them from source, some 25-40 ms on a 2-core
+    machine, which a wheel's install (``pip`` compiles) never pays and the standard
+    library's own modules never do. ``compile_first``: compile gpupool's package first
+    (``compileall``), as an install would."""
+    import compileall
+    import importlib
+    import importlib.util
+
+    import gpupool
+
+    package_dir = os.path.dirname(os.path.abspath(gpupool.__file__))
+    if compile_first:
+        compileall.compile_dir(package_dir, quiet=1)
+    for name in ("gpupool._pool.launch", "gpupool._pool.worker", "gpupool._child.probe"):
+        importlib.import_module(name)
+    modules = [m for n, m in sys.modules.items() if n == "gpupool" or n.startswith("gpupool.")]
+    missing = []
+    for module in modules:
+        source = getattr(module, "__file__", None)
+        if not source or not source.endswith(".py"):
+            continue
+        cached = importlib.util.cache_from_source(source)
+        if not os.path.exists(cached) or os.path.getmtime(cached) < os.path.getmtime(source):
+            missing.append(module.__name__)
+    return {
+        "package": package_dir,
+        "modules": len(modules),
+        "without_bytecode": sorted(missing),
+        "compiled_first": compile_first,
+        "dont_write_bytecode": sys.dont_write_bytecode,
+    }
+
+
+def _bytecode_line(info: dict[str, Any]) -> str:
+    missing = len(info["without_bytecode"])
+    if not missing:
+        how = "compiled by --compile" if info["compiled_first"] else "cached"
+        return f"gpupool's modules: bytecode {how} ({info['modules']} loaded)"
+    writes = "off (PYTHONDONTWRITEBYTECODE)" if info["dont_write_bytecode"] else "on"
+    return (
+        f"gpupool's modules: {missing} of {info['modules']} without bytecode, writing it "
+        f"{writes}: each worker compiles them from source (--compile to compile them first)"
+    )
+
+
 def _compare(args: argparse.Namespace) -> int:
     import loky
 
+    bytecode = _bytecode(args.compile)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p
     )
@@ -314,6 +370,7 @@ def _compare(args: argparse.Namespace) -> int:
         f"each way (Python {sys.version.split()[0]}, loky {loky.__version__}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})"
     )
+    print(_bytecode_line(bytecode))
     print(
         f"{'executor':<26}{'no-op us':>10}{'x spawn':>9}{'x loky':>8}"
         f"{'payload us':>12}{'x spawn':>9}{'x loky':>8}{'1st ms':>9}{'x spawn':>9}"
@@ -341,6 +398,7 @@ def _compare(args: argparse.Namespace) -> int:
                     "rounds": args.repeat,
                     "executors": names,
                     "load_average": os.getloadavg()[0],
+                    "gpupool_bytecode": bytecode,
                     **figures,
                 },
                 fh,
@@ -362,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         "--simulated", action="store_true", help="kept for old command lines: always measured"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile gpupool's package to bytecode first, as an install does",
+    )
     parser.add_argument("--scaling", action="store_true", help="tasks x workers matrix")
     parser.add_argument(
         "--task-counts",

@@ -15,6 +15,12 @@ task of the pool's process and its workers (``getrusage`` and each worker's CPU 
 from the first submit, every worker started, to the last result)::
 
     python bench/overhead_against.py --before ../base/src --after src --rounds 6
+
+The same rounds give the first result (construction to the first no-op's result) of each
+tree's gpupool beside that process's ``stdlib (spawn)``; for that figure alone::
+
+    python bench/overhead_against.py --before ../base/src --after src --rounds 15 \
+        --tasks 100 --no-cpu
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GPUPOOL = ("gpupool (host)", "gpupool (simulated card)")
 
 
-def _one(src: str, tasks: int, workers: int) -> dict[str, float]:
+def _one(src: str, tasks: int, workers: int, compile_first: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "o.json")
         env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
@@ -49,6 +55,7 @@ def _one(src: str, tasks: int, workers: int) -> dict[str, float]:
                 "0",
                 "--json",
                 out,
+                *(["--compile"] if compile_first else []),
             ],
             check=True,
             env=env,
@@ -56,9 +63,17 @@ def _one(src: str, tasks: int, workers: int) -> dict[str, float]:
             stderr=subprocess.DEVNULL,
         )
         with open(out, encoding="utf-8") as fh:
-            noop = json.load(fh)["noop_s"]["median"]
+            report = json.load(fh)
+    noop = report["noop_s"]["median"]
+    first = report["first_result_s"]["median"]
     figures = {name: noop[name] for name in GPUPOOL}
     figures.update({f"{name} / stdlib": noop[name] / noop["stdlib (spawn)"] for name in GPUPOOL})
+    # The first result, construction to the first no-op's result, beside stdlib spawn's in
+    # the same process.
+    figures["stdlib (spawn) first"] = first["stdlib (spawn)"]
+    for name in GPUPOOL:
+        figures[f"{name} first"] = first[name]
+        figures[f"{name} first / stdlib"] = first[name] / first["stdlib (spawn)"]
     return figures
 
 
@@ -112,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU-time figure")
+    parser.add_argument("--no-cpu", action="store_true", help="no CPU-time figure")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="overhead.py --compile: each tree's package compiled to bytecode first",
+    )
     args = parser.parse_args(argv)
     trees = {"before": args.before, "after": args.after}
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
@@ -119,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for label in ("before", "after") if r % 2 == 0 else ("after", "before"):
             if not args.cpu_only:
-                runs[label].append(_one(trees[label], args.tasks, args.workers))
-            cpu[label].append(_cpu_one(trees[label], args.tasks, args.workers))
+                runs[label].append(_one(trees[label], args.tasks, args.workers, args.compile))
+            if not args.no_cpu:
+                cpu[label].append(_cpu_one(trees[label], args.tasks, args.workers))
         print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(
         f"no-op cost per task, {args.tasks} tasks, {args.workers} workers, medians of "
@@ -144,6 +166,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"{a[name] / b[name]:>14.3f}{b[key]:>15.3f}{a[key]:>14.3f}"
                 f"{a[key] / b[key]:>17.3f}"
             )
+        print(
+            f"{'first result':<26}{'before ms':>11}{'after ms':>10}{'after/before':>14}"
+            f"{'before/stdlib':>15}{'after/stdlib':>14}{'ratio of ratios':>17}"
+        )
+        for name in ("stdlib (spawn)", *GPUPOOL):
+            b, a = medians["before"], medians["after"]
+            first = f"{name} first"
+            if name == "stdlib (spawn)":
+                print(f"{name:<26}{b[first] * 1e3:>11.1f}{a[first] * 1e3:>10.1f}")
+                continue
+            key = f"{name} first / stdlib"
+            print(
+                f"{name:<26}{b[first] * 1e3:>11.1f}{a[first] * 1e3:>10.1f}"
+                f"{a[first] / b[first]:>14.3f}{b[key]:>15.3f}{a[key]:>14.3f}"
+                f"{a[key] / b[key]:>17.3f}"
+            )
+    if args.no_cpu:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump({"runs": runs, "medians": medians, "args": vars(args)}, fh, indent=2)
+        return 0
     cpu_medians = {
         label: {k: statistics.median(run[k] for run in rows) for k in rows[0]}
         for label, rows in cpu.items()

@@ -493,7 +493,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
                 kwargs=kwargs,
                 key=(options.key if options is not None else None) or key or callable_name(fn),
                 hint_bytes=view._hint_bytes if view is not None else None,
-                size=options.size if options is not None else None,
+                size=(options.size if options is not None and not callable(options.size) else None),
                 label=options.label if options is not None else None,
             )
             self._tasks[task.task_id] = task

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpupool._core.bound import Ceiling, derive_ceiling, fits_together
-from gpupool._core.planner.fit import Booked, Fit, Held, _card_bound, card_bound, fit
+from gpupool._core.planner.fit import Booked, Fit, Held, _card_bound, card_bound, fit, key_counts
 from gpupool._core.planner.state import Card
 from gpupool._core.policy import Ask, AskTable, Policy
 from gpupool._core.units import GiB, MiB
@@ -39,14 +39,14 @@ def walked_fit(
     host = bound.host_per_task_bytes
     running = len(runs)
     booked_now = sum(run.booked_bytes + host for run in runs)
-    same = sum(1 for run in runs if run.key == ask.key)
+    same, together = key_counts(runs, ask.key)
     room = bound.room_bytes
     if room is None:
         more, limit = (0 if running else 1), "unreadable"
     else:
         more, total = 0, booked_now
         while more < max(0, slots):
-            step = ask.next_bytes(same + more) + host
+            step = ask.next_bytes(same + more, together + more) + host
             if total + step > room:
                 break
             total += step
@@ -63,7 +63,7 @@ def walked_fit(
         bound=bound,
         running=running,
         booked_bytes=booked_now,
-        next_bytes=ask.next_bytes(same) + host,
+        next_bytes=ask.next_bytes(same, together) + host,
         more=more,
         limit=limit,  # type: ignore[arg-type]
     )
@@ -111,8 +111,10 @@ def priced(peaks: list[int], learned: bool, estimate_gib: int) -> Ask:
     unified=st.booleans(),
     rss_mib=st.integers(0, 4000),
     runs=st.lists(
-        st.tuples(st.sampled_from(["k", "other"]), st.integers(0, 10 * GiB)), max_size=12
+        st.tuples(st.sampled_from(["k", "other"]), st.integers(0, 10 * GiB), st.booleans()),
+        max_size=12,
     ),
+    outlier=st.none() | st.tuples(st.sampled_from([0.05, 0.1, 1 / 6, 0.3]), st.integers(1, 40)),
     own_gib=st.integers(0, 20),
     others_gib=st.integers(0, 40),
     oom_cap=st.none() | st.integers(0, 6),
@@ -126,17 +128,24 @@ def test_a_fit_and_its_memo_are_the_walks(
     total_gib: int,
     unified: bool,
     rss_mib: int,
-    runs: list[tuple[str, int]],
+    runs: list[tuple[str, int, bool]],
+    outlier: tuple[float, int] | None,
     own_gib: int,
     others_gib: int,
     oom_cap: int | None,
     slots: int,
     max_workers: int,
 ) -> None:
-    """Whatever the ask (priced alone or together), the card's terms and what is booked there,
-    the fit is the walk's, the first time and when its card serves it again; after a term
-    of the card moves, it is the walk's at the new terms."""
+    """Whatever the ask (priced alone or together, with a reserve for outliers or not), the
+    card's terms and what is booked there (some of its key's runs at their own price), the
+    fit is the walk's, the first time and when its card serves it again; after a term of the
+    card moves, it is the walk's at the new terms."""
     ask = priced(peaks, learned, estimate_gib)
+    if outlier is not None and ask.basis == "measured":
+        rate, outlier_gib = outlier
+        ask = dataclasses.replace(
+            ask, outliers=1, outlier_bytes=outlier_gib * GiB, outlier_rate=rate
+        )
     census = card_census(total_bytes=total_gib * GiB, free_bytes=total_gib * GiB, unified=unified)
     card = Card(index=0, census=census, own_high_water_bytes=own_gib * GiB)
     card.others_bytes = others_gib * GiB
@@ -144,7 +153,7 @@ def test_a_fit_and_its_memo_are_the_walks(
     ceiling = derive_ceiling(
         max_workers=max_workers, cpus=None, host_ram_bytes=None, child_rss_bytes=rss_mib * MiB
     )
-    booked = [Booked(key, b) for key, b in runs]
+    booked = [Booked(key, b, solo) for key, b, solo in runs]
     terms = {"reserve_bytes": 256 * MiB, "ceiling": ceiling, "slots": slots}
     for _ in range(2):  # worked out, then served by the memo
         assert fit(card, ask, booked, **terms) == walked_fit(card, ask, booked, **terms)

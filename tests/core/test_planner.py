@@ -111,7 +111,7 @@ class PlannerMachine(RuleBasedStateMachine):
         cold=st.booleans(),
         strict=st.booleans(),
         outliers=st.booleans(),
-        peaks=st.sampled_from(["spread", "linear", "rare"]),
+        peaks=st.sampled_from(["spread", "linear", "rare", "linear_rare"]),
     )
     def build(
         self,
@@ -127,7 +127,8 @@ class PlannerMachine(RuleBasedStateMachine):
         peaks: str,
     ) -> None:
         # How tasks peak (finish): spread around their booking; 1 GiB + 2 GiB per item of a
-        # list argument (a feature to find); or at their booking but for a rare 5x outlier.
+        # list argument (a feature to find); or at their booking but for a rare 5x outlier;
+        # or on the line, but for a rare 3x outlier of it (a feature-priced key's outliers).
         self.peaks = peaks
         self.cold = cold
         cards = [
@@ -233,6 +234,27 @@ class PlannerMachine(RuleBasedStateMachine):
         if self.planner.state.running:
             self.finish(data, 1.0, 500, True, False, rare)
 
+    @precondition(lambda self: self.peaks in ("rare", "linear_rare"))
+    @rule(
+        data=st.data(),
+        key=st.sampled_from(KEYS),
+        items=st.lists(st.integers(1, 6), min_size=6, max_size=10),
+        odd=st.integers(5, 9),
+        then=st.lists(st.integers(1, 6), max_size=8),
+    )
+    def measured_run(
+        self, data: st.DataObject, key: str, items: list[int], odd: int, then: list[int]
+    ) -> None:
+        """A run of turns of one key, the ``odd``-th an outlier (where there is one): a key
+        measured past the outlier rule's first peaks, with one kept apart; then tasks of it
+        submitted and started together (``then``: their lists' lengths), priced with a
+        reserve for outliers at the rate measured."""
+        for i, count in enumerate(items):
+            self.turn(data, key, count, 0 if i == odd else 1)
+        for count in then:
+            self.submit(key, None, count)
+            self.start()
+
     @rule()
     def start(self) -> None:
         for index in range(len(self.census.cards)):
@@ -277,8 +299,11 @@ class PlannerMachine(RuleBasedStateMachine):
             ask = self.planner.ask_of(task)
             busy = [r for r in self.planner.state.running.values() if r.device == device]
             bound = self.planner.views.bound(device, ask)
-            booking = ask.next_bytes(sum(1 for r in busy if r.key == ask.key))
-            assert verdict.booked_bytes == booking <= ask.ask_bytes
+            mine = [r for r in busy if r.key == ask.key]
+            booking = ask.next_bytes(len(mine), sum(1 for r in mine if not r.solo))
+            # Its ask, or its step of its key's price together, and one outlier's extra where
+            # the key's rate expects one more among its tasks there with this one.
+            assert verdict.booked_bytes == booking <= max(ask.ask_bytes, ask.outlier_bytes)
             # DESIGN, "The bound": a task starts only while what the tasks there book plus
             # its own booking (each beside its child's RSS on unified memory) fits the room;
             # an unreadable card runs one task at a time.
@@ -368,8 +393,10 @@ class PlannerMachine(RuleBasedStateMachine):
         task = data.draw(st.sampled_from(self.running_ids()))
         run = self.planner.state.running[task]
         peak: int | None = int(run.booked_at_start_bytes * factor)
-        if self.peaks == "linear" and run.features:
+        if self.peaks in ("linear", "linear_rare") and run.features:
             peak = GiB + 2 * GiB * int(run.features[0][1])
+            if self.peaks == "linear_rare" and rare == 0:
+                peak *= 3
         elif self.peaks == "rare":
             peak = 3 * GiB * (5 if rare == 0 else 1)
         if run.device is None:
@@ -396,14 +423,20 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule()
     def settle(self) -> None:
         """What the tasks that ended since measured is priced: each key's ask takes every
-        peak kept for it."""
-        samples = {key: self.asks.ask(key).samples for key in self.planner.learning.learned()}
+        peak kept for it (in its distribution, or apart as an outlier: outliers that join
+        the distribution once they are not rare leave the count as it was)."""
+
+        def measured(key: str) -> int:
+            ask = self.asks.ask(key)
+            return ask.samples + ask.outliers
+
+        samples = {key: measured(key) for key in self.planner.learning.learned()}
         kept = {key: len(learned.peaks) for key, learned in self.planner.learning.learned().items()}
         self.planner.settle(self.now_s)
         assert not self.planner.learning.learned()
         for key, count in kept.items():
             if self.asks.ask(key).basis == "measured":
-                assert self.asks.ask(key).samples == samples[key] + count
+                assert measured(key) == samples[key] + count
 
     @precondition(lambda self: self.planner.state.running)
     @rule(
@@ -537,11 +570,10 @@ class PlannerMachine(RuleBasedStateMachine):
         self.planner.run_queued(next_task, device, run.pid, self.now_s)
         assert next_task in self.planner.state.running
         if card is not None and run.device is not None:
-            key_bytes = sum(r.booked_bytes for r in card.runs.values() if r.key == run.key)
-            count = sum(1 for r in card.runs.values() if r.key == run.key)
+            runs = [r for r in card.runs.values() if r.key == run.key]
             # No start past the bound: the key's tasks there are booked together at its
             # price, as they were before the run ended (unless the price itself moved).
-            assert key_bytes == self.asks.ask(run.key).together_bytes(count)
+            assert sum(r.booked_bytes for r in runs) == self.key_bookings(run.key, runs)
 
     @precondition(lambda self: self.planner.state.pending)
     @rule(data=st.data())
@@ -662,23 +694,48 @@ class PlannerMachine(RuleBasedStateMachine):
     @invariant()
     def a_keys_bookings_are_its_price_together(self) -> None:
         """On every card the running tasks of a key are booked, between them, at the key's
-        price for that many together (K x ask unless its peaks are pooled), never more."""
+        price for those priced at its ask together (K x ask unless its peaks are pooled), the
+        own asks of those priced on their own (a feature, an outlier's call, their own floor),
+        and, however each is priced, the reserve for the outliers its measured rate expects
+        among all of them: one outlier's extra (its price past the task's own) at each task,
+        in the order they started, where the expected count steps up. Never more."""
         if not hasattr(self, "planner"):
             return
-        groups: dict[tuple[int, str], list[int]] = {}
-        for run in self.planner.state.running.values():
-            if run.device is not None and not self.planner.state.price(run).individual:
-                groups.setdefault((run.device, run.key), []).append(run.booked_bytes)
-        for (_, key), booked in groups.items():
-            ask = self.asks.ask(key)
-            k = len(booked)
-            reserve = ask.outlier_reserve_bytes(k)
-            assert sum(booked) == ask.together_bytes(k) <= k * ask.ask_bytes + reserve
-        for run in self.planner.state.running.values():
-            own = self.planner.state.price(run)
-            if run.device is not None and own.individual:
-                # Priced on its own (a feature, an outlier's call, its own floor).
-                assert run.booked_bytes == own.ask_bytes
+        for card in self.planner.state.cards:
+            by_key: dict[str, list[Run]] = {}
+            for run in card.runs.values():
+                by_key.setdefault(run.key, []).append(run)
+            for key, runs in by_key.items():
+                assert sum(r.booked_bytes for r in runs) == self.key_bookings(key, runs)
+
+    def key_bookings(self, key: str, runs: list[Run]) -> int:
+        """What ``runs`` (all of ``key``'s on one card, in the order they started) book
+        between them: the key's price together for those priced at its ask (without its
+        reserve), the own asks of the others, and one outlier's extra over its own ask at
+        each run where the count the key's rate expects steps up. Checks each run's terms."""
+        ask = self.asks.ask(key)
+        owns = [self.planner.state.price(run) for run in runs]
+        together = sum(1 for own in owns if not own.individual)
+        base = ask.together_bytes(together) - ask.outlier_reserve_bytes(together)
+        solo_bytes = sum(own.ask_bytes for own in owns if own.individual)
+        reserve = 0
+        for i, (run, own) in enumerate(zip(runs, owns, strict=True)):
+            assert run.solo == own.individual
+            # Whatever prices it (a feature, an outlier's call, its own floor), it carries
+            # its key's outlier rate: the fix for a feature-priced key's outliers.
+            assert (own.outlier_rate, own.outlier_bytes) == (ask.outlier_rate, ask.outlier_bytes)
+            steps = int((i + 1) * ask.outlier_rate + 0.5) - int(i * ask.outlier_rate + 0.5)
+            extra = steps * max(0, ask.outlier_bytes - own.ask_bytes)
+            reserve += extra
+            assert run.booked_bytes <= own.ask_bytes + extra
+        expected = int(len(runs) * ask.outlier_rate + 0.5)
+        if expected and any(own.individual for own in owns):
+            event("tasks priced on their own beside an outlier reserve of their key")
+        # The reserve is for as many outliers as expected among all of them, at least the
+        # least extra each.
+        least = min((max(0, ask.outlier_bytes - own.ask_bytes) for own in owns), default=0)
+        assert reserve >= expected * least
+        return base + solo_bytes + reserve
 
     @invariant()
     def every_key_submitted_is_listed_with_its_price(self) -> None:
@@ -922,3 +979,64 @@ def test_a_settle_of_several_peaks_names_the_last_and_notes_a_descendant_once():
     assert len(told) == 1
     assert "2 peaks, the last 5.00 GiB" in told[0].reason
     assert told[0].reason.count("outlived") == 1
+
+
+def test_feature_priced_tasks_of_a_key_with_an_outlier_keep_a_reserve_for_one() -> None:
+    """A key whose peaks follow a list argument (1 GiB + 2 GiB per item, eight tasks) and
+    then one 9 GiB outlier of a one-item call: its one-item tasks are priced from the line
+    (about 3 GiB each), and five of them running together on a card book room for the one
+    outlier the rate (1 in 9) expects among five: one of them at the outlier's price. Tasks
+    of the key without the argument, priced at its ask, started beside them, book the key's
+    price together between them (the first at the full ask)."""
+    census = census_of(
+        [card_census(total_bytes=80 * GiB, free_bytes=80 * GiB)],
+        cpus=16,
+        available_ram_bytes=128 * GiB,
+    )
+    asks = AskTable(
+        policy=Policy(reserve_bytes=0, learned=True, outliers=True),
+        default_estimate_bytes=4 * GiB,
+    )
+    planner = Planner(
+        census=census,
+        asks=asks,
+        config=PlannerConfig(max_workers=8, reserve_bytes=0, parent_pid=PARENT),
+        emit=lambda record: None,
+    )
+    planner.construct(0.0)
+    task = 0
+
+    def started(items: int | None) -> int:
+        nonlocal task
+        features = () if items is None else (("arg0.len", float(items)),)
+        planner.submit(task, "k", features=features)
+        verdict = planner.next_start(0.1, None)
+        assert isinstance(verdict, Start), verdict
+        planner.started(verdict.task, verdict.device, 100 + task, 0.1)
+        task += 1
+        return verdict.task
+
+    for items, peak in [(n, GiB + 2 * GiB * n) for n in (1, 2, 3, 4, 1, 2, 3, 4)] + [(1, 9 * GiB)]:
+        done = started(items)
+        report = PeakReport(device=0, device_peak_bytes=peak, device_source="simulator")
+        planner.finished(done, report, 0.2)
+    ask = asks.ask("k")
+    assert asks.predictor("k") is not None and ask.outliers == 1
+    one = asks.ask_for("k", None, (("arg0.len", 1.0),))
+    assert one.feature == "arg0.len" and one.ask_bytes < 4 * GiB
+    assert one.outlier_rate == ask.outlier_rate > 0
+    runs = [started(1) for _ in range(5)]
+    booked = [planner.state.running[t].booked_bytes for t in runs]
+    extra = ask.outlier_bytes - one.ask_bytes
+    assert sum(booked) == 5 * one.ask_bytes + extra  # one outlier expected among five
+    assert booked.count(one.ask_bytes + extra) == 1
+    plain = [started(None) for _ in range(2)]
+    held = sum(planner.state.running[t].booked_bytes for t in plain)
+    assert held == ask.together_bytes(2) - ask.outlier_reserve_bytes(2) + sum(
+        max(0, ask.outlier_bytes - ask.ask_bytes) * step
+        for step in (
+            int(6 * ask.outlier_rate + 0.5) - int(5 * ask.outlier_rate + 0.5),
+            int(7 * ask.outlier_rate + 0.5) - int(6 * ask.outlier_rate + 0.5),
+        )
+    )
+    assert planner.state.running[plain[0]].booked_bytes >= ask.ask_bytes

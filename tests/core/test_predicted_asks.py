@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from gpupool._core.policy import MARGIN_FLOOR_BYTES, AskTable, Policy
@@ -180,23 +180,32 @@ def test_an_outlier_keeps_its_key_from_being_priced_by_it() -> None:
     outlier_gib=st.lists(st.integers(1, 60), min_size=1, max_size=6),
     seed=st.integers(0, 1000),
 )
+# A 3 GiB peak of the usual call kept apart, then two 2 GiB calls whose argument made a
+# line (arg0 chose itself): the usual call was priced from the line at 1.07 GiB with no
+# reserve for the outlier its own call had shown (found by a random draw, seed 101).
+@example(normal_gib=[1, 3, 1, 1, 1], outlier_gib=[2, 2], seed=1)
 def test_the_outlier_rule(normal_gib: list[int], outlier_gib: list[int], seed: int) -> None:
     """Whatever the order: the key's ask never falls below the largest peak it kept in its
     distribution (plus the granule); a task whose call was an outlier's (where the call tells
     it from the key's others) is priced at least at that outlier's peak; outliers that are not
     rare join the key's peaks; the reserve of ``k`` tasks together is for the outliers
-    expected among them at the rate measured."""
+    expected among them at the rate measured, whether they are priced at the key's ask or
+    one by one from a feature of their calls."""
     peaks = [(g * GiB, False) for g in normal_gib] + [(g * GiB, True) for g in outlier_gib]
     random.Random(seed).shuffle(peaks)
     asks = AskTable(policy=POLICY, default_estimate_bytes=40 * GiB)
     kept: list[int] = []
+    kept_common: list[int] = []
     apart: list[tuple[int, tuple[tuple[str, float], ...]]] = []
+    common = (("arg0", 1.0),)  # the calls of the key's usual tasks
     for i, (peak, odd) in enumerate(peaks):
-        call = (("arg0", 1000.0 + i),) if odd else (("arg0", 1.0),)
+        call = (("arg0", 1000.0 + i),) if odd else common
         if asks.sample("k", peak, None, call):
             apart.append((peak, call))
         else:
             kept.append(peak)
+            if call == common:
+                kept_common.append(peak)
     ask = asks.ask("k")
     assert ask.samples == len(kept) or ask.outliers == 0
     if ask.outliers == 0:
@@ -211,10 +220,36 @@ def test_the_outlier_rule(normal_gib: list[int], outlier_gib: list[int], seed: i
             assert ask.together_bytes(count) >= count * ask.ask_bytes + reserve - (
                 0 if not ask.pooled else count * ask.ask_bytes
             )
-        common = (("arg0", 1.0),)  # the calls of the key's usual tasks
-        for peak, call in apart:
+        fit = asks.predictor("k")
+        for peak, call in [*apart, (0, common)]:
+            priced = asks.ask_for("k", None, call)
             if call != common:  # its call tells it from the others: priced at its peak
-                assert asks.ask_for("k", None, call).ask_bytes >= peak
-            else:  # it does not: the key's price, with the reserve for outliers at their rate
-                assert asks.ask_for("k", None, call).ask_bytes == ask.ask_bytes
+                assert priced.ask_bytes >= peak
+            elif fit is None:  # it does not: the key's price
+                assert priced.ask_bytes == ask.ask_bytes
+            else:  # ... or, where a feature prices the key's tasks, the feature's price there,
+                # never below the peaks kept at that call (plus the granule)
+                assert priced.feature == fit.feature
+                assert priced.ask_bytes >= max(kept_common, default=0) + MARGIN_FLOOR_BYTES
+            # However it is priced, a task of the key carries the reserve for outliers at the
+            # rate measured: among as many tasks as make one expected, one is priced at the
+            # outlier's price, over its own.
+            assert (priced.outlier_rate, priced.outlier_bytes) == (
+                ask.outlier_rate,
+                ask.outlier_bytes,
+            )
+            for count in (1, 2, 8, 20):
+                expected = int(count * ask.outlier_rate + 0.5)
+                extra = max(0, ask.outlier_bytes - priced.ask_bytes)
+                assert priced.outlier_reserve_bytes(count) == expected * extra
+                if not priced.pooled:
+                    together = count * priced.ask_bytes + expected * extra
+                    assert priced.together_bytes(count) == together
+                    # Booked one by one beside its key's tasks (priced alike): the same.
+                    steps = [priced.next_bytes(i, 0) for i in range(count)]
+                    assert sum(steps) == together
+                    if expected:  # one of them at the outlier's price at least
+                        assert together >= (count - 1) * priced.ask_bytes + max(
+                            priced.ask_bytes, ask.outlier_bytes
+                        )
     assert ask.ask_bytes >= ask.measured_peak_bytes + (MARGIN_FLOOR_BYTES if ask.samples else 0)

@@ -45,3 +45,19 @@ def raise_where_nothing_imports(how: str) -> None:
             held.append(os.open(os.devnull, os.O_RDONLY))
     except OSError as exc:
         raise ValueError(f"raised with every descriptor in use ({len(held)} opened)") from exc
+
+
+def rss_high_water() -> int | None:
+    """This process's own resident-set high-water (``VmHWM``), in bytes."""
+    with open("/proc/self/status", encoding="ascii") as file:
+        for line in file:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def oom_patterns_compiled() -> bool:
+    """Whether this worker compiled the probe's out-of-memory patterns."""
+    from gpupool._child import probe
+
+    return probe._OOM_PATTERNS._compiled is not None

@@ -238,3 +238,41 @@ def test_initargs_that_cannot_be_pickled_break_the_pool_at_once() -> None:
         with pytest.raises(InitializerError):
             ex.submit(abs, -2)
         assert ex.statistics().workers_started == 0
+
+
+def test_a_workers_rss_high_water_is_its_own_not_its_pools() -> None:
+    """The host RSS a worker reports (which the host-RAM ceiling prices) is its own high-water,
+    not its pool's process's: a parent that touched 256 MiB more than it held before runs a
+    task on a simulated card, and the measurement's record states the worker's RSS, well
+    under that (before: the worker's getrusage reported the high-water of the memory its
+    exec replaced, the parent's, started by vfork: at least the 256 MiB)."""
+    ballast = bytearray(256 * 2**20)
+    ballast[::4096] = b"\x01" * len(range(0, len(ballast), 4096))  # every page resident
+    parent_bytes = start_tasks.rss_high_water()
+    assert parent_bytes is not None and parent_bytes >= len(ballast)
+    with _where("card") as options, GpuPoolExecutor(max_workers=1, **options) as ex:
+        worker_bytes = ex.submit(start_tasks.rss_high_water).result()
+        records = [d for d in ex.decisions if d.event == "measured"]
+    del ballast
+    assert worker_bytes is not None and worker_bytes < parent_bytes - 128 * 2**20
+    assert records, "no measured record"
+    reported = records[0].extra["rss_peak_bytes"]
+    assert isinstance(reported, int), records[0].extra
+    # The probe's figure is the worker's own VmHWM, read after the task (it only grows).
+    assert worker_bytes <= reported < parent_bytes - 128 * 2**20
+
+
+def test_a_worker_compiles_the_out_of_memory_patterns_only_for_a_failure() -> None:
+    """A worker that ran tasks that returned has not compiled the probe's out-of-memory
+    patterns (some 1.5 ms of its start, before); once a task raised, it has, and a device
+    out-of-memory is still recognised by its words."""
+    with _where("card") as options, GpuPoolExecutor(max_workers=1, **options) as ex:
+        assert ex.submit(start_tasks.oom_patterns_compiled).result() is False
+        error = ex.submit(start_tasks.loaded, (), "no_such_module_here").exception()
+        assert isinstance(error, ModuleNotFoundError)
+        assert ex.submit(start_tasks.oom_patterns_compiled).result() is True
+    from gpupool._child.probe import is_device_oom, oom_in_output
+
+    assert is_device_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_device_oom(MemoryError("host memory"))
+    assert oom_in_output("x\nRESOURCE_EXHAUSTED: Out of memory while trying to allocate\n")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import resource
 import subprocess
 import sys
 from typing import Any
@@ -38,12 +37,14 @@ def in_a_subprocess(size: str) -> int:
 
 
 def rss_in_a_subprocess(mib: int) -> int:
-    """Fill ``mib`` MiB of host memory in a child that exits; return this worker's own RSS peak."""
+    """Fill ``mib`` MiB of host memory in a child that exits; return this worker's own RSS peak
+    (its ``VmHWM``: its ``ru_maxrss`` holds its pool's process's, which its exec replaced)."""
     subprocess.run(
         [sys.executable, "-c", f"data = b'x' * ({mib} << 20)"],
         check=True,
     )
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def leave_a_subprocess(size: str) -> int:

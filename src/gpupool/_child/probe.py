@@ -130,8 +130,26 @@ def card_full_free_bytes(total_bytes: int) -> int:
 #: hostile cycle must not loop.
 _MAX_CHAIN = 64
 
+
+class _Pattern:
+    """A regular expression compiled at its first search, not at import: every worker imports
+    this module before its first task, and only a task that fails is searched (the patterns
+    below take about 1.5 ms to compile, on a worker's path to its first result)."""
+
+    __slots__ = ("_args", "_compiled")
+
+    def __init__(self, pattern: str, flags: int = 0) -> None:
+        self._args = (pattern, flags)
+        self._compiled: re.Pattern[str] | None = None
+
+    def search(self, text: str) -> re.Match[str] | None:
+        if self._compiled is None:
+            self._compiled = re.compile(*self._args)
+        return self._compiled.search(text)
+
+
 # Messages of device out-of-memory errors, by library.
-_OOM_PATTERNS = re.compile(
+_OOM_PATTERNS = _Pattern(
     r"CUDA out of memory|CUDA (?:driver )?error: out of memory|CUDA_ERROR_OUT_OF_MEMORY"
     # torch before 1.0: "cuda runtime error (2) : out of memory"
     r"|cuda runtime error \(2\)\s*:\s*out of memory"
@@ -166,11 +184,11 @@ _OOM_TYPES = {
 
 # Sizes of the failed allocation, as each library words them. XLA's
 # "15.65G" is binary (its HumanReadableNumBytes counts in 1024s).
-_REQUESTED_SIZED = re.compile(
+_REQUESTED_SIZED = _Pattern(
     r"(?:[Tt]ried to allocate|allocate request for)\s+([0-9.]+\s*[KMGTP]i?B)\b"
 )
-_REQUESTED_XLA = re.compile(r"[Aa]ttempting to allocate\s+([0-9.]+)\s*([KMGTP]?)(?:i?B)?\b")
-_REQUESTED_BYTES = re.compile(r"allocat\w*\s+([0-9][0-9,]*)\s*bytes", re.IGNORECASE)
+_REQUESTED_XLA = _Pattern(r"[Aa]ttempting to allocate\s+([0-9.]+)\s*([KMGTP]?)(?:i?B)?\b")
+_REQUESTED_BYTES = _Pattern(r"allocat\w*\s+([0-9][0-9,]*)\s*bytes", re.IGNORECASE)
 
 _EXCEPTION_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
 

@@ -1,4 +1,4 @@
-"""The command line: ``gpupool plan | census | top | demo | postmortem | plot | run``.
+"""The command line: ``gpupool plan | census | top | demo | postmortem | plot | run | forget``.
 
 The only module that prints.
 
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_run(sub)
     _add_docs(sub)
+    _add_forget(sub)
     return parser
 
 
@@ -1016,6 +1017,25 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     from gpupool._commands.docs import run_docs
 
     return run_docs(args, out=_out)
+
+
+# -- gpupool forget --------------------------------------------------------------
+
+
+def _add_forget(sub: Any) -> None:
+    from gpupool._commands.forget import add_forget_parser
+
+    add_forget_parser(sub, handler=_cmd_forget)
+
+
+def _cmd_forget(args: argparse.Namespace) -> int:
+    from gpupool._commands.forget import run_forget
+
+    return run_forget(args, out=_out, err=_err)
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -283,7 +283,9 @@ class Ask:
         ``max(ask + (count - 1) x (mean + granule), count x (mean + granule) + t(n - 1) x s x
         sqrt(count + count**2 / n))``, the upper 99.9 % prediction bound of the sum of
         ``count`` new peaks (each with its allocator granule), never below one task at its
-        full ask beside the others at the mean. It grows with every further task.
+        full ask beside the others at the mean. It grows with every further task. Where the
+        key had outliers, plus the reserve for those expected among ``count``
+        (:meth:`outlier_reserve_bytes`), whether the ask is the key's or one task's own.
 
         Raises:
             ValueError: ``count`` is negative.
@@ -292,21 +294,25 @@ class Ask:
             raise ValueError(f"count must be 0 or more tasks, got {count}")
         if count == 0:
             return 0
-        if (not self.pooled and not self.outlier_rate) or count == 1:
+        if not self.pooled and not self.outlier_rate:
             return count * self.ask_bytes
         known = self._together.get(count)
         if known is None:
-            known = count * self.ask_bytes if not self.pooled else self._pooled_bytes(count)
-            known += self.outlier_reserve_bytes(count)
+            known = self._base_bytes(count) + self.outlier_reserve_bytes(count)
             self._together[count] = known
         return known
+
+    def _base_bytes(self, count: int) -> int:
+        """:meth:`together_bytes` without the reserve for outliers."""
+        if count <= 1 or not self.pooled:
+            return max(0, count) * self.ask_bytes
+        return self._pooled_bytes(count)
 
     def outlier_reserve_bytes(self, count: int) -> int:
         """What ``count`` tasks of this key together keep for outliers: as many as their rate
         makes expected among ``count`` (rounded: ``floor(count x rate + 1/2)``), each at what
         one is priced past the ask (none while the key had none)."""
-        expected = math.floor(count * self.outlier_rate + 0.5)
-        return expected * max(0, self.outlier_bytes - self.ask_bytes)
+        return self._expected(count) * max(0, self.outlier_bytes - self.ask_bytes)
 
     def _pooled_bytes(self, count: int) -> int:
         """:meth:`together_bytes` of a pooled key, for ``count`` of 2 or more."""
@@ -319,16 +325,59 @@ class Ask:
         pooled = math.ceil(count * each + spread)
         return min(count * self.ask_bytes, max(self.ask_bytes + (count - 1) * each, pooled))
 
-    def next_bytes(self, running: int) -> int:
-        """The price of one more task of this key beside ``running`` of its own on a card:
-        ``together_bytes(running + 1) - together_bytes(running)`` (``ask_bytes`` unpooled).
+    def next_bytes(self, running: int, together: int | None = None) -> int:
+        """The price of one more task at this ask beside ``running`` of its key on a card,
+        ``together`` of which (default: all) are priced at the key's ask together (the others
+        on their own: a size, a feature, an outlier's call, a task's own floor).
+
+        Its step of the key's price together (``together_bytes(together + 1) -
+        together_bytes(together)`` without the reserve: ``ask_bytes`` unpooled), plus one
+        outlier's extra (``outlier_bytes - ask_bytes``) where one more is expected among the
+        key's ``running + 1`` tasks than among ``running`` (:meth:`outlier_reserve_bytes`): the
+        reserve for outliers counts every task of the key on the card, however each is
+        priced. With ``together == running`` this is ``together_bytes(running + 1) -
+        together_bytes(running)``.
 
         Raises:
-            ValueError: ``running`` is negative.
+            ValueError: ``running`` or ``together`` is negative.
         """
-        if running < 0:
-            raise ValueError(f"running must be 0 or more tasks, got {running}")
-        return self.together_bytes(running + 1) - self.together_bytes(running)
+        return self.more_bytes(1, running, together)
+
+    def more_bytes(self, count: int, running: int, together: int | None = None) -> int:
+        """What ``count`` more tasks at this ask book between them beside ``running`` of its key
+        on a card, ``together`` of which are priced at the key's ask together (the sum of
+        their :meth:`next_bytes`, each placed after the one before).
+
+        Raises:
+            ValueError: ``count``, ``running`` or ``together`` is negative.
+        """
+        if together is None:
+            together = running
+        for name, value in (("count", count), ("running", running), ("together", together)):
+            if value < 0:
+                raise ValueError(f"{name} must be 0 or more tasks, got {value}")
+        if not count:
+            return 0
+        if not self.pooled and not self.outlier_rate:
+            return count * self.ask_bytes
+        base = self._base_bytes(together + count) - self._base_bytes(together)
+        if self.outlier_rate:
+            expected = self._expected(running + count) - self._expected(running)
+            base += expected * max(0, self.outlier_bytes - self.ask_bytes)
+        return base
+
+    def _expected(self, count: int) -> int:
+        """How many outliers the rate makes expected among ``count`` tasks (rounded)."""
+        return math.floor(count * self.outlier_rate + 0.5)
+
+    def _reserve_words(self) -> str:
+        """The outliers kept apart from this ask's key, in words ("" where none were)."""
+        if not self.outliers:
+            return ""
+        return (
+            f"; {self.outliers} outlier{'s' if self.outliers != 1 else ''} apart "
+            f"(rate {self.outlier_rate:.3g}, one priced at {format_size(self.outlier_bytes)})"
+        )
 
     def describe(self) -> str:
         """The ask in words, e.g. ``"7.02 GiB (measured: 6.02 GiB peak + 1.00 GiB margin)"``."""
@@ -349,7 +398,7 @@ class Ask:
                 f"predicted for {self.feature or 'size'} {self.size:g} from {self.samples} "
                 f"task{'s' if self.samples != 1 else ''} with "
                 f"{'that feature' if self.feature else 'sizes'} + "
-                f"{format_size(self.margin_bytes)} margin{held}{floor})"
+                f"{format_size(self.margin_bytes)} margin{held}{floor}{self._reserve_words()})"
             )
         if self.basis == "measured":
             capped = ", held at the task_peak estimate" if self.capped else ""
@@ -361,12 +410,7 @@ class Ask:
                     f"; tasks together priced from the mean {format_size(self.mean_bytes)} and "
                     f"spread {format_size(self.spread_bytes)}"
                 )
-            if self.outliers:
-                pooled += (
-                    f"; {self.outliers} outlier{'s' if self.outliers != 1 else ''} apart "
-                    f"(rate {self.outlier_rate:.3g}, one priced at "
-                    f"{format_size(self.outlier_bytes)})"
-                )
+            pooled += self._reserve_words()
             return (
                 f"{format_size(self.ask_bytes)} (measured: "
                 f"{format_size(self.measured_peak_bytes)} peak over {self.samples} "
@@ -429,6 +473,9 @@ class _KeyState:
     m2: float = 0.0
     # What an out-of-memory proved: the ask never falls below it.
     floor_bytes: int = 0
+    # The key's own ask (not a size's or a feature's) before an out-of-memory of one of its
+    # tasks priced on its own: the key's ask never falls below it (AskTable.hold).
+    held_bytes: int = 0
     # The measured tasks that were given a size (``options(size=...)``).
     told: Line = field(default_factory=Line)
     # By feature of the calls (:mod:`~gpupool._core.predict`), the measured tasks that carried it
@@ -650,6 +697,16 @@ class AskTable:
         state.floor_bytes = max(state.floor_bytes, floor_bytes)
         return self.ask(key)
 
+    def hold(self, key: str, ask_bytes: int) -> Ask:
+        """Never price ``key``'s own ask below ``ask_bytes`` again, without raising the price
+        of its tasks priced on their own (a size, a feature): what an out-of-memory of such a
+        task, or of an outlier, says of the key's ask (evidence never lowers a price). Returns
+        the key's ask."""
+        self._forget(key)
+        state = self._keys.setdefault(key, _KeyState(estimate_bytes=None))
+        state.held_bytes = max(state.held_bytes, ask_bytes)
+        return self.ask(key)
+
     def ask(self, key: str) -> Ask:
         """The current price of a task of ``key``."""
         cached = self._cache.get(key)
@@ -667,7 +724,7 @@ class AskTable:
             estimate = state.estimate_bytes
         if state is not None and state.peak_bytes is not None:
             return self._derive_measured(key, state, state.peak_bytes, estimate)
-        floor = state.floor_bytes if state is not None else 0
+        floor = max(state.floor_bytes, state.held_bytes) if state is not None else 0
         return Ask(
             key=key,
             ask_bytes=max(estimate, floor),
@@ -690,14 +747,14 @@ class AskTable:
         )
         return Ask(
             key=key,
-            ask_bytes=max(1, peak_bytes + margin, state.floor_bytes),
+            ask_bytes=max(1, peak_bytes + margin, state.floor_bytes, state.held_bytes),
             basis="measured",
             estimate_bytes=estimate_bytes,
             measured_peak_bytes=peak_bytes,
             margin_bytes=margin,
             samples=state.samples,
             spread_bytes=round(stdev_bytes),
-            floor_bytes=state.floor_bytes,
+            floor_bytes=max(state.floor_bytes, state.held_bytes),
             mean_bytes=round(state.mean_bytes),
             granule_bytes=granule_bytes,
             pooled=(
@@ -802,7 +859,6 @@ class AskTable:
                     measured_peak_bytes=peak,
                     margin_bytes=granule,
                     pooled=False,
-                    outlier_rate=0.0,
                     feature=OUTLIER_FEATURE,
                 )
         return found
@@ -866,7 +922,7 @@ class AskTable:
             size=size,
             room_capped=room_capped,
             feature=feature,
-            outlier_rate=0.0,
+            floor_bytes=state.floor_bytes,
         )
 
     def keys(self) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import math
 import numbers
@@ -39,7 +40,11 @@ from gpupool._pool.worker import process_chunk
 if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
 
-__all__ = ["GpuPoolExecutor", "PoolStatistics", "TaskOptions"]
+__all__ = ["GpuPoolExecutor", "PoolStatistics", "SizeOf", "TaskOptions"]
+
+#: ``size=`` as a callable: applied to a call's arguments at submit, in the caller's process,
+#: it returns the call's input size (a positive, finite number), or ``None`` for none.
+SizeOf = Callable[..., object]
 
 #: How long running tasks get to exit on SIGTERM after Ctrl-C leaves a ``with`` block
 #: (``on_interrupt="terminate"``) before their workers get SIGKILL: time for a task's
@@ -63,7 +68,8 @@ class TaskOptions:
             of the key reports a measurement.
         size: the size of the task's input, in a unit of the caller's (tokens,
             rows, bytes), the same for every task of the key: its ask is
-            predicted from the key's measurements at their sizes.
+            predicted from the key's measurements at their sizes. Or a callable
+            (``len``) that gives each call's size from its arguments at submit.
         timeout_s: the task's deadline, in seconds from when its worker starts
             it; past it the task's process tree is ended and its future fails
             with :class:`~gpupool.TaskTimeoutError`.
@@ -73,7 +79,7 @@ class TaskOptions:
 
     key: str | None = None
     task_peak: str | int | None = None
-    size: float | None = None
+    size: float | SizeOf | None = None
     timeout_s: float | None = None
     label: str | None = None
 
@@ -220,22 +226,95 @@ def _check_label(label: object) -> str | None:
     return label
 
 
+def check_size(size: object, *, callable_ok: bool = True) -> float | SizeOf | None:
+    """``size=``: ``None``, a positive, finite number (read as a float), or (where
+    ``callable_ok``) a callable of each call's arguments (:func:`size_of_calls`).
+
+    Raises:
+        ConfigurationError: it is none of those.
+    """
+    if size is None:
+        return None
+    if callable(size) and not isinstance(size, numbers.Real):
+        if not callable_ok:
+            raise ConfigurationError(
+                f"size={size!r}: this executor takes a task's input size as a number; give "
+                "each call its own (options(size=len(entry)).submit(fn, entry))."
+            )
+        return size
+    # Any real number (numpy's included) is a size, read as a float; one too large for a
+    # float is refused as any other bad size is.
+    value = _real(size)
+    if not math.isfinite(value) or value <= 0:
+        calls = " or a callable that gives it from a call's arguments (size=len)"
+        raise ConfigurationError(
+            f"size={size!r}: a task's input size must be a positive, finite number "
+            "(tokens, rows, bytes: one unit for every task of the key)"
+            f"{calls if callable_ok else ''}."
+        )
+    return value
+
+
+def size_of_calls(
+    size_of: SizeOf,
+    calls: Iterable[tuple[tuple[Any, ...], Mapping[str, Any]]],
+    entry: int | None = None,
+) -> float | None:
+    """``size_of`` applied to each call's arguments (a ``map`` chunk's calls run one after
+    another in one task: its size is their largest); ``None`` where it returns ``None`` for
+    every one (the task is priced as an untold one).
+
+    Raises:
+        ConfigurationError: it raised (the error is the cause) or returned anything but
+            ``None`` or a positive, finite number, for one of the calls.
+    """
+    name = getattr(size_of, "__qualname__", None) or repr(size_of)
+    found: float | None = None
+    for offset, (args, kwargs) in enumerate(calls):
+        where = "" if entry is None else f" (map entry {entry + offset})"
+        try:
+            value = size_of(*args, **kwargs)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"size={name} raised {type(exc).__name__}: {truncate_text(str(exc), 200)} "
+                f"for this call{where}; the task was not submitted. A size callable runs at "
+                "submit in this process with the call's arguments: make it accept them and "
+                "return a positive number, or None for a call it cannot size."
+            ) from exc
+        if value is None:
+            continue
+        number = _real(value)
+        if not math.isfinite(number) or number <= 0:
+            raise ConfigurationError(
+                f"size={name} returned {truncate_text(repr(value), 80)} for this call"
+                f"{where}; the task was not submitted. A task's input size must be a "
+                "positive, finite number (tokens, rows, bytes: one unit for every task of "
+                "the key); return None for a call with no size, which is then priced by its "
+                "key's measurements."
+            )
+        found = number if found is None else max(found, number)
+    return found
+
+
 def task_options(
     *,
     key: str | None,
     task_peak: str | int | None,
-    size: float | None,
+    size: object,
     label: str | None = None,
     timeout_s: float | None = None,
+    size_callable: bool = False,
 ) -> tuple[TaskOptions, int | None]:
     """Per-call options checked once, with ``task_peak`` in bytes (see
-    :meth:`GpuPoolExecutor.options`; ``gpupool.ray`` checks its own the same way).
+    :meth:`GpuPoolExecutor.options`; ``gpupool.ray`` checks its own the same way, where
+    ``size`` is a number: ``size_callable`` lets it be a callable of each call's arguments).
 
     Raises:
         ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
             non-empty str of at most 1000 characters, ``size`` is not a positive, finite
-            number, ``timeout_s`` is not a positive, finite number of seconds, or
-            ``label`` is not a non-empty str of at most 200 characters without control
+            number (or a callable where that is allowed), ``timeout_s`` is not a positive,
+            finite number of seconds, or ``label`` is not a non-empty str of at most 200
+            characters without control
             characters.
     """
     hint_bytes = (
@@ -255,16 +334,7 @@ def task_options(
             f"of at most {TASK_KEY_CHARS} (it is on every record about its tasks); pass a "
             "short name such as 'embed', or a digest of what tells the tasks apart."
         )
-    value: float | None = None
-    if size is not None:
-        # Any real number (numpy's included) is a size, read as a float; one too large
-        # for a float is refused as any other bad size is.
-        value = _real(size)
-        if not math.isfinite(value) or value <= 0:
-            raise ConfigurationError(
-                f"size={size!r}: a task's input size must be a positive, finite number "
-                "(tokens, rows, bytes: one unit for every task of the key)."
-            )
+    value = check_size(size, callable_ok=size_callable)
     options = TaskOptions(
         key=key,
         task_peak=task_peak,
@@ -301,11 +371,20 @@ class _Submitter(Protocol):
 class _OptionsView:
     """``submit`` and ``map`` with per-call options; see :meth:`GpuPoolExecutor.options`."""
 
-    def __init__(self, executor: _Submitter, options: TaskOptions, hint_bytes: int | None) -> None:
+    def __init__(
+        self,
+        executor: _Submitter,
+        options: TaskOptions,
+        hint_bytes: int | None,
+        *,
+        size_callable: bool = False,
+    ) -> None:
         self._executor = executor
         self._options = options
         # ``options.task_peak`` in bytes, parsed once (by ``options()``), not at each submit.
         self._hint_bytes = hint_bytes
+        # Whether the executor takes ``size=`` as a callable of each call's arguments.
+        self._size_callable = size_callable
 
     def submit(self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_R]:
         """As :meth:`GpuPoolExecutor.submit`, with this view's key and peak hint."""
@@ -318,9 +397,25 @@ class _OptionsView:
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
+        size: float | SizeOf | None = None,
     ) -> Iterator[_R]:
-        """As :meth:`GpuPoolExecutor.map`, with this view's key and peak hint."""
-        return self._executor._map(fn, iterables, timeout, chunksize, buffersize, self)
+        """As :meth:`GpuPoolExecutor.map`, with this view's key and peak hint (and its size,
+        unless ``size`` is given here).
+
+        Raises:
+            ConfigurationError: ``size`` is not a positive, finite number (or a callable,
+                where the executor takes one).
+        """
+        view = self
+        if size is not None:
+            checked = check_size(size, callable_ok=self._size_callable)
+            view = _OptionsView(
+                self._executor,
+                dataclasses.replace(self._options, size=checked),
+                self._hint_bytes,
+                size_callable=self._size_callable,
+            )
+        return self._executor._map(fn, iterables, timeout, chunksize, buffersize, view)
 
 
 class GpuPoolExecutor(concurrent.futures.Executor):
@@ -555,7 +650,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 task of the key). Once tasks of the key were measured at their sizes, the
                 task's ask is predicted from them, so small inputs are not priced at the
                 largest one's peak and an input larger than any before is priced above
-                them.
+                them. Or a callable (``len``, ``lambda batch, model: batch.nbytes``)
+                applied to each call's arguments at submit, in this process: it returns
+                the call's size, or ``None`` for a call it cannot size (priced as one not
+                told). Where it raises or returns anything else, that task's future fails
+                with a :class:`~gpupool.ConfigurationError` (the callable's error its
+                cause) and is never sent; the other tasks run.
             timeout_s: the task's deadline in seconds, counted from when its worker
                 starts it (time queued in the pool does not count); default
                 ``GPUPOOL_TASK_TIMEOUT_S``, else none. Past it, the task's worker and
@@ -570,15 +670,20 @@ class GpuPoolExecutor(concurrent.futures.Executor):
 
         Raises:
             ConfigurationError: ``task_peak`` is not a positive size, ``key`` is not a
-                non-empty str of at most 1000 characters, ``size`` is not a positive,
-                finite number, ``timeout_s`` is not a positive, finite number of seconds,
-                or ``label`` is not a non-empty str of at most 200 characters without
-                control characters.
+                non-empty str of at most 1000 characters, ``size`` is not a callable nor a
+                positive, finite number, ``timeout_s`` is not a positive, finite number of
+                seconds, or ``label`` is not a non-empty str of at most 200 characters
+                without control characters.
         """
         options, hint_bytes = task_options(
-            key=key, task_peak=task_peak, size=size, label=label, timeout_s=timeout_s
+            key=key,
+            task_peak=task_peak,
+            size=size,
+            label=label,
+            timeout_s=timeout_s,
+            size_callable=True,
         )
-        return _OptionsView(self, options, hint_bytes)
+        return _OptionsView(self, options, hint_bytes, size_callable=True)
 
     def _submit(
         self,
@@ -589,11 +694,20 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         key: str | None = None,
         entry: int | None = None,
         entries: int = 1,
+        chunk: Sequence[tuple[Any, ...]] | None = None,
     ) -> Future[Any]:
         inbox = self._dispatcher.inbox
-        told = view is not None and view._options.size is not None
-        # Read outside the lock: an argument's nbytes is a stranger's code.
-        features = () if told else call_features(args, kwargs)
+        options = view._options if view is not None else _NO_OPTIONS
+        # Run outside the lock, as the features are read: a size callable and an argument's
+        # nbytes are a stranger's code. A size callable that fails fails this task alone.
+        size, refused = options.size, None
+        if callable(size):
+            calls = [(args, kwargs)] if chunk is None else [(call, {}) for call in chunk]
+            try:
+                size = size_of_calls(size, calls, entry)
+            except ConfigurationError as exc:
+                size, refused = None, exc
+        features = () if size is not None else call_features(args, kwargs)
         with self._shutdown_lock:
             if inbox.broken is not None:
                 raise copy_broken(inbox.broken_exc, inbox.broken)
@@ -602,11 +716,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             if interpreter_exiting():
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             future: Future[Any] = Future()
-            options = view._options if view is not None else _NO_OPTIONS
+            if refused is not None:
+                # Never sent: its future fails now, and no other task is touched.
+                future.set_exception(refused)
+                return future
             hint = view._hint_bytes if view is not None else None
             key = options.key or key or callable_name(fn)
             # Pickled when it is sent to a worker: waiting work costs no pickled copy.
-            item = WorkItem(future, (fn, args, kwargs), key, hint, options.size)
+            item = WorkItem(future, (fn, args, kwargs), key, hint, size)
             item.timeout_s = options.timeout_s or self._task_timeout_s
             item.features = features
             item.entry, item.entries, item.label = entry, entries, options.label
@@ -620,8 +737,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
+        size: float | SizeOf | None = None,
     ) -> Iterator[_R]:
         """Like :func:`map`, running ``fn`` in the pool; results come back in input order.
+
+        ::
+
+            for out in ex.map(embed, batches, size=len):  # each task priced for its batch
+                save(out)
 
         Args:
             *iterables: the arguments of ``fn``.
@@ -631,17 +754,27 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             chunksize: items per task; larger chunks cut per-task overhead.
             buffersize: at most this many tasks are submitted ahead of the
                 results consumed (Python 3.14's parameter, on every version).
+            size: each task's input size, as with :meth:`options`: a callable (``len``)
+                is applied to each call's arguments at submit, in this process (a chunk
+                of ``chunksize`` calls is sized by its largest). Where it raises, or
+                returns anything but a positive, finite number or ``None``, that task's
+                result raises a :class:`~gpupool.ConfigurationError` naming the entry,
+                with the callable's error as its cause; the other tasks run.
 
         Raises:
             ValueError: ``chunksize < 1``, ``buffersize < 1``, or ``timeout`` is NaN.
             TypeError: ``buffersize`` is not an integer (as on CPython 3.14), nor
                 ``chunksize``; ``timeout`` is not a number.
+            ConfigurationError: ``size`` is not a callable nor a positive, finite number.
 
         An error an iterable raises reaches the caller from this call, or, with
         ``buffersize``, as the results are consumed; the tasks submitted before it that
         have not started are cancelled then.
         """
-        return self._map(fn, iterables, timeout, chunksize, buffersize, None)
+        view = None
+        if size is not None:
+            view = _OptionsView(self, TaskOptions(size=check_size(size)), None, size_callable=True)
+        return self._map(fn, iterables, timeout, chunksize, buffersize, view)
 
     def _track(self, results: Iterator[Any], iterables: Sequence[Iterable[Any]]) -> Iterator[Any]:
         if self._progress is False:
@@ -666,7 +799,9 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         def submit(
             call: Callable[..., Any], args: tuple[Any, ...], entry: int, entries: int
         ) -> Future[Any]:
-            return self._submit(call, args, {}, view, key, entry, entries)
+            # A chunk's one argument is its calls' arguments (a size callable sizes each).
+            chunk = args[0] if call is not fn else None
+            return self._submit(call, args, {}, view, key, entry, entries, chunk)
 
         results = map_calls(submit, fn, iterables, timeout, chunksize, buffersize)
         return self._track(results, iterables)

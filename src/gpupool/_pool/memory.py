@@ -36,8 +36,10 @@ __all__ = [
     "MAX_ENTRIES",
     "MAX_FILE_BYTES",
     "MEMORY_ENV",
+    "Forgotten",
     "PeakMemory",
     "code_digest",
+    "forget_entries",
     "forget_peaks",
     "memory_path",
 ]
@@ -68,24 +70,132 @@ def memory_path(environ: Mapping[str, str]) -> Path | None:
     return base / "gpupool" / "peaks.json"
 
 
-def forget_peaks(path: str | os.PathLike[str] | None = None) -> bool:
-    """Clear what pools remember of earlier runs' peaks.
+def forget_peaks(path: str | os.PathLike[str] | None = None, *, key: str | None = None) -> bool:
+    """Clear what pools remember of earlier runs' peaks (``gpupool forget`` on the command line).
 
     Args:
         path: the file to clear; by default the one pools use (``GPUPOOL_MEMORY``'s path,
             else ``$XDG_CACHE_HOME/gpupool/peaks.json``, ``~/.cache/gpupool/peaks.json``).
+        key: forget only this task key's peaks (a function's ``module.qualname``, or the
+            ``key`` given with ``options``), of every version of its code; the others stay.
 
     Returns:
-        Whether there was a file to remove (``False`` also where ``GPUPOOL_MEMORY=off``).
+        Whether anything was forgotten (``False`` also where ``GPUPOOL_MEMORY=off``).
+
+    Raises:
+        OSError: the file could not be removed or rewritten.
+        ValueError: with ``key``, the file is not a file of peaks (without one it is removed).
     """
     target = Path(path) if path is not None else memory_path(os.environ)
     if target is None:
         return False
+    found = forget_entries(target, key)
+    if key is not None and found.unreadable:
+        raise ValueError(f"{target} is not a file of peaks: forget it whole (no key) to remove it")
+    return found.existed and (key is None or bool(found.removed))
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """What :func:`forget_entries` did to one file: the entries it removed (each a task key
+    with its code digest, ``key@digest``, a card model and the peak remembered); whether the
+    file was there, and whether it could not be read as a file of peaks."""
+
+    path: Path
+    existed: bool
+    unreadable: bool
+    removed: tuple[tuple[str, str, Remembered], ...]
+
+
+def forget_entries(path: Path, key: str | None = None) -> Forgotten:
+    """Remove every entry of ``path`` (the file itself), or only those of task ``key`` (every
+    code version: ``key@...``; or one version, named ``key@digest``), rewriting the rest as a
+    save does. A file that is not one of peaks is removed whole, and left alone where only a
+    key's entries were to go (``unreadable``).
+
+    Raises:
+        OSError: the file could not be removed or rewritten.
+    """
+    entries = read_entries(path)
+    existed = path.exists()
+    if not existed:
+        return Forgotten(path, False, False, ())
+    unreadable = entries is None
+    known = entries or {}
+
+    def matches(name: str) -> bool:
+        return key is None or name == key or name.rpartition("@")[0] == key
+
+    removed = tuple((name, model, value) for (name, model), value in known.items() if matches(name))
+    if key is None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    elif removed:
+        kept = {slot: value for slot, value in known.items() if not matches(slot[0])}
+        if kept:
+            _write_entries(path, kept)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return Forgotten(path, True, unreadable, removed)
+
+
+def read_entries(path: Path) -> dict[tuple[str, str], Remembered] | None:
+    """The valid entries of ``path``, by (key, model) (``{}``: none, or no file); ``None``
+    where it is not a file of peaks (larger than :data:`MAX_FILE_BYTES`, not JSON), said in a
+    warning."""
     try:
-        target.unlink()
-    except FileNotFoundError:
-        return False
-    return True
+        with path.open("rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)
+    except OSError:
+        return {}  # none yet, or unreadable: nothing remembered
+    if len(raw) > MAX_FILE_BYTES:
+        LOGGER.warning("gpupool: %s is larger than %d bytes: ignored", path, MAX_FILE_BYTES)
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        LOGGER.warning("gpupool: %s is not a JSON file of peaks: ignored", path)
+        return None
+    found: dict[tuple[str, str], Remembered] = {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return found
+    for entry in entries[:MAX_ENTRIES]:
+        valid = _entry(entry)
+        if valid is not None:
+            found[valid[0]] = valid[1]
+    return found
+
+
+def _write_entries(path: Path, merged: Mapping[tuple[str, str], Remembered]) -> None:
+    """Write ``merged``, the newest :data:`MAX_ENTRIES`, to a temporary file renamed over
+    ``path`` (a reader never sees half of one).
+
+    Raises:
+        OSError: it could not be written.
+    """
+    newest = sorted(merged.items(), key=lambda item: item[1].saved_s, reverse=True)
+    entries = [
+        {
+            "key": key,
+            "model": model,
+            "peak_bytes": value.peak_bytes,
+            "samples": value.samples,
+            "saved_s": value.saved_s,
+        }
+        for (key, model), value in newest[:MAX_ENTRIES]
+    ]
+    body = json.dumps({"version": 1, "entries": entries}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".peaks-")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(body)
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
 
 
 # Public as gpupool.forget_peaks: reprs and docs name it there.
@@ -140,28 +250,7 @@ class PeakMemory:
         self._read()
 
     def _read(self) -> None:
-        try:
-            with self.path.open("rb") as file:
-                raw = file.read(MAX_FILE_BYTES + 1)
-        except OSError:
-            return  # none yet, or unreadable: nothing remembered
-        if len(raw) > MAX_FILE_BYTES:
-            LOGGER.warning(
-                "gpupool: %s is larger than %d bytes: ignored", self.path, MAX_FILE_BYTES
-            )
-            return
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            LOGGER.warning("gpupool: %s is not a JSON file of peaks: ignored", self.path)
-            return
-        entries = data.get("entries") if isinstance(data, dict) else None
-        if not isinstance(entries, list):
-            return
-        for entry in entries[:MAX_ENTRIES]:
-            found = _entry(entry)
-            if found is not None:
-                self._entries[found[0]] = found[1]
+        self._entries = read_entries(self.path) or {}
 
     def recall(self, key: str) -> int | None:
         """The largest peak ``key`` was remembered to hold on this pool's card models."""
@@ -190,28 +279,8 @@ class PeakMemory:
             return
         merged = dict(self._entries)
         merged.update(self._learned)
-        newest = sorted(merged.items(), key=lambda item: item[1].saved_s, reverse=True)
-        entries = [
-            {
-                "key": key,
-                "model": model,
-                "peak_bytes": value.peak_bytes,
-                "samples": value.samples,
-                "saved_s": value.saved_s,
-            }
-            for (key, model), value in newest[:MAX_ENTRIES]
-        ]
-        body = json.dumps({"version": 1, "entries": entries}).encode()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".peaks-")
-            try:
-                with os.fdopen(handle, "wb") as file:
-                    file.write(body)
-                os.replace(temporary, self.path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temporary)
+            _write_entries(self.path, merged)
         except OSError as exc:
             LOGGER.warning("gpupool could not remember this run's peaks in %s: %s", self.path, exc)
 

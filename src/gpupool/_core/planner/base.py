@@ -195,7 +195,6 @@ class PlannerState:
                 measured_peak_bytes=state.floor_bytes,
                 margin_bytes=0,
                 pooled=False,
-                outlier_rate=0.0,
                 feature=OUTLIER_FEATURE,
             )
         return ask
@@ -253,7 +252,7 @@ class PlannerState:
             booked_bytes = (
                 issued.booked_bytes
                 if issued is not None and issued.device == device
-                else price.next_bytes(card.same_key(state.key))
+                else price.next_bytes(*card.key_counts(state.key))
             )
         run = Run(
             key=state.key,
@@ -270,6 +269,7 @@ class PlannerState:
             floor_bytes=state.floor_bytes,
             own_high_water_bytes=card.own_high_water_bytes if card is not None else 0,
             identity=state.identity,
+            solo=price.individual,
         )
         if card is not None:
             for other in card.runs.values():
@@ -290,22 +290,27 @@ class PlannerState:
         return run
 
     def rebook(self, key: str) -> None:
-        """Book the running tasks of ``key`` at its price now: on each card they hold
-        ``together_bytes(count)`` between them, the oldest at the full ask (a key's ask
-        prices its running tasks as well as its next ones, whichever way it moved)."""
+        """Book the running tasks of ``key`` at its price now, in the order they started, each
+        at its :meth:`~gpupool._core.policy.Ask.next_bytes` beside those before it: on each card
+        the ones priced at the key's ask hold ``together_bytes(count)`` between them without
+        the reserve, the oldest at the full ask; the others their own asks; and the key's
+        tasks there, however priced, the reserve for the outliers expected among them all (a
+        key's ask prices its running tasks as well as its next ones, whichever way it
+        moved)."""
         ask = self.asks.ask(key)
         for card in self.cards:
-            seen = 0
+            if not card.same_key(key):
+                continue
+            same = together = 0
             for run in card.runs.values():
                 if run.key != key:
                     continue
                 before_bytes = run.booked_bytes
                 own = self.price(run) if run.size or run.features or run.floor_bytes else ask
-                if own is not ask and own.individual:
-                    card.rebook(run, own.ask_bytes)
-                else:
-                    card.rebook(run, ask.next_bytes(seen))
-                    seen += 1
+                solo = own is not ask and own.individual
+                card.rebook(run, (own if solo else ask).next_bytes(same, together), solo)
+                same += 1
+                together += not solo
                 if run.booked_bytes > before_bytes:
                     self._grown_cards.add(card.index)
 

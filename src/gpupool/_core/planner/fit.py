@@ -12,7 +12,7 @@ now must cover the new booking, what the running tasks have not reached yet, and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +39,7 @@ __all__ = [
     "fit",
     "fit_counts",
     "host_per_task_bytes",
+    "key_counts",
     "live_gate",
 ]
 
@@ -57,13 +58,29 @@ class Held(Protocol):
     @property
     def booked_bytes(self) -> int: ...
 
+    @property
+    def solo(self) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Booked:
-    """A what-if booking (a task placed on a card by a view, or held for one, not started)."""
+    """A what-if booking (a task placed on a card by a view, or held for one, not started);
+    ``solo``: at its own price, not its share of its key's (:attr:`Run.solo`)."""
 
     key: str
     booked_bytes: int
+    solo: bool = False
+
+
+def key_counts(runs: Iterable[Held], key: str) -> tuple[int, int]:
+    """How many of ``runs`` are of ``key``, and how many of those are booked at their share of
+    the key's price together (:meth:`Card.key_counts` for a what-if)."""
+    same = together = 0
+    for run in runs:
+        if run.key == key:
+            same += 1
+            together += not run.solo
+    return same, together
 
 
 def host_per_task_bytes(card: Card, ceiling: Ceiling) -> int:
@@ -146,17 +163,19 @@ def fit(
     of ``ask``'s key: the card keeps the fits it worked out by those (``card.fit_memo``)
     and serves one while the card's terms are the ones it was worked out from."""
     if runs is None:
-        running, booked, same = len(card.runs), card.booked_bytes, card.same_key(ask.key)
+        running, booked = len(card.runs), card.booked_bytes
+        same, together = card.key_counts(ask.key)
     else:
         running = len(runs)
         booked = sum(run.booked_bytes for run in runs)
-        same = sum(1 for run in runs if run.key == ask.key)
+        same, together = key_counts(runs, ask.key)
     return fit_counts(
         card,
         ask,
         running=running,
         booked_bytes=booked,
         same=same,
+        together=together,
         reserve_bytes=reserve_bytes,
         ceiling=ceiling,
         slots=slots,
@@ -170,12 +189,16 @@ def fit_counts(
     running: int,
     booked_bytes: int,
     same: int,
+    together: int | None = None,
     reserve_bytes: int,
     ceiling: Ceiling,
     slots: int,
 ) -> Fit:
     """:func:`fit` beside ``running`` runs that book ``booked_bytes`` between them (without
-    their child RSS), ``same`` of them of ``ask``'s key."""
+    their child RSS), ``same`` of them of ``ask``'s key, ``together`` of those (default:
+    all) booked at their share of the key's price together (:meth:`Ask.next_bytes`)."""
+    if together is None:
+        together = same
     terms = (
         card.own_high_water_bytes,
         card.others_bytes,
@@ -183,11 +206,11 @@ def fit_counts(
         card.oom_cap,
         reserve_bytes,
     )
-    place = (ask.price_terms(), running, booked_bytes, same, slots)
+    place = (ask.price_terms(), running, booked_bytes, same, together, slots)
     memo = card.fit_memo.get(place)
     if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
         return memo[3]
-    found = _fit(card, ask, running, booked_bytes, same, reserve_bytes, ceiling, slots)
+    found = _fit(card, ask, running, booked_bytes, (same, together), reserve_bytes, ceiling, slots)
     if len(card.fit_memo) >= MEMO_LIMIT:
         card.fit_memo.clear()
     card.fit_memo[place] = (ceiling, card.census, terms, found)
@@ -199,12 +222,12 @@ def _fit(
     ask: Ask,
     running: int,
     booked_bytes: int,
-    same: int,
+    counts: tuple[int, int],
     reserve_bytes: int,
     ceiling: Ceiling,
     slots: int,
 ) -> Fit:
-    """:func:`fit_counts`, worked out."""
+    """:func:`fit_counts`, worked out (``counts``: its ``same`` and ``together``)."""
     bound = card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
     host = bound.host_per_task_bytes
     booked_now = booked_bytes + host * running
@@ -214,7 +237,7 @@ def _fit(
         # Unreadable is not empty: one task of the pool at a time.
         more, limit = (0 if running else 1), "unreadable"
     else:
-        more = _more_fit(ask, same, booked_now, host, room, max(0, slots))
+        more = _more_fit(ask, counts, booked_now, host, room, max(0, slots))
         limit = "memory"
         if more >= slots:
             limit = ceiling.limit
@@ -227,30 +250,32 @@ def _fit(
         bound=bound,
         running=running,
         booked_bytes=booked_now,
-        next_bytes=ask.next_bytes(same) + host,
+        next_bytes=ask.next_bytes(*counts) + host,
         more=more,
         limit=limit,
     )
 
 
-def _more_fit(ask: Ask, same: int, booked_now: int, host: int, room: int, slots: int) -> int:
+def _more_fit(
+    ask: Ask, counts: tuple[int, int], booked_now: int, host: int, room: int, slots: int
+) -> int:
     """The most tasks at ``ask``, up to ``slots``, that fit in ``room`` beside ``booked_now``
-    and ``same`` of their key: the count at which placing them one by one (each at
-    ``ask.next_bytes`` plus ``host``) would stop. The ``k`` placed book ``together_bytes(same
-    + k) - together_bytes(same) + k * host``, which grows with ``k``: for an ask priced
-    alone that is ``k`` steps of one size (a division), else a bisection."""
+    and ``counts`` (how many of their key, how many of those priced together): the count at
+    which placing them one by one (each at ``ask.next_bytes`` plus ``host``) would stop. The
+    ``k`` placed book ``ask.more_bytes(k, *counts) + k * host``, which grows with ``k``: for
+    an ask priced alone with no outliers that is ``k`` steps of one size (a division), else a
+    bisection."""
     if slots <= 0:
         return 0
-    if not ask.pooled:
+    if not ask.pooled and not ask.outlier_rate:
         step = ask.ask_bytes + host
         if booked_now + step > room:
             return 0
         return slots if step <= 0 else min(slots, (room - booked_now) // step)
-    held = ask.together_bytes(same)
     fits, fails = 0, slots + 1
     while fails - fits > 1:
         middle = (fits + fails) // 2
-        if booked_now + ask.together_bytes(same + middle) - held + middle * host <= room:
+        if booked_now + ask.more_bytes(middle, *counts) + middle * host <= room:
             fits = middle
         else:
             fails = middle
@@ -316,7 +341,7 @@ def live_gate(card: Card, ask: Ask, runs: Sequence[Run], *, reserve_bytes: int) 
     the card's free bytes now (plus what the idle worker it would run in already holds) must
     cover its booking, what the running tasks have not reached yet, and the reserve. No
     reading: the gate is open."""
-    next_bytes = ask.next_bytes(sum(1 for r in runs if r.key == ask.key))
+    next_bytes = ask.next_bytes(*key_counts(runs, ask.key))
     reading = card.reading
     admits, unreached, idle = True, 0, 0
     if reading is not None:

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 from gpupool._core.bound import Ceiling
 from gpupool._core.planner.base import Durations, PlannerState
-from gpupool._core.planner.fit import Booked, Held, card_bound, fit, host_per_task_bytes
+from gpupool._core.planner.fit import (
+    Booked,
+    Held,
+    card_bound,
+    fit,
+    host_per_task_bytes,
+    key_counts,
+)
 from gpupool._core.planner.state import Card, Critical, Run, usable
 from gpupool._core.planner.verdicts import LOOKAHEAD, TaskId
 from gpupool._core.policy import Ask
@@ -43,12 +50,14 @@ class Hold:
     key: str
     held_bytes: int
     ending: frozenset[TaskId]
+    # The head is priced on its own (an individual ask), not at its key's price together.
+    solo: bool = False
 
     def after(self, card: Card) -> list[Held]:
         """What the card holds once the ``ending`` runs end and the head starts: another
         start must fit beside these too, so that it never delays the head."""
         kept: list[Held] = [r for t, r in card.runs.items() if t not in self.ending]
-        return [*kept, Booked(self.key, self.held_bytes)]
+        return [*kept, Booked(self.key, self.held_bytes, self.solo)]
 
 
 def alone_width(cards: Sequence[Card], ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -> int:
@@ -126,7 +135,7 @@ def holds_for(
         if not ended or not fits(kept, card):
             continue
         host = host_per_task_bytes(card, ceiling)  # unified memory: each child's RSS too
-        need = ask.next_bytes(sum(1 for r in kept if r.key == ask.key)) + host
+        need = ask.next_bytes(*key_counts(kept, ask.key)) + host
         after = sum(r.booked_bytes + host for r in kept) + need
         for run in sorted(ended, key=lambda r: r.booked_bytes):
             if after + run.booked_bytes + host <= room:
@@ -154,7 +163,7 @@ def head_hold(
         alone = fit(card, ask, (), reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
         if alone.more == 0 or alone.bound.room_bytes is None:
             continue
-        held = ask.next_bytes(card.same_key(ask.key))
+        held = ask.next_bytes(*card.key_counts(ask.key))
         host = alone.bound.host_per_task_bytes  # unified memory: each child's RSS too
         need = held + host
         free = alone.bound.room_bytes - card.booked_bytes - host * len(card.runs)
@@ -168,7 +177,13 @@ def head_hold(
             when_s = expected_end_s(run)
         if free < need:
             continue
-        hold = Hold(device=card.index, key=ask.key, held_bytes=held, ending=frozenset(ending))
+        hold = Hold(
+            device=card.index,
+            key=ask.key,
+            held_bytes=held,
+            ending=frozenset(ending),
+            solo=ask.individual,
+        )
         if best is None or when_s < best[0]:
             best = (when_s, hold)
     return best[1] if best is not None else None
@@ -185,7 +200,13 @@ def keep_hold(
     found = fit(card, ask, stays, reserve_bytes=reserve_bytes, ceiling=ceiling, slots=1)
     if found.more == 0 or found.bound.room_bytes is None:
         return None
-    return Hold(device=hold.device, key=ask.key, held_bytes=found.next_booked_bytes, ending=ending)
+    return Hold(
+        device=hold.device,
+        key=ask.key,
+        held_bytes=found.next_booked_bytes,
+        ending=ending,
+        solo=ask.individual,
+    )
 
 
 class Order:

@@ -332,15 +332,18 @@ class OutOfMemory:
         floor = before.ask_bytes
         if lower > floor:
             floor = lower + self._state.asks.policy.margin_for(lower)
+        # Evidence never lowers a price: the key's own ask stays at least what it was, also
+        # where this task was priced on its own (a feature, a size, an outlier's call), without
+        # raising its key's other tasks priced on their own to it.
+        key_ask_bytes = self._state.asks.ask(run.key).ask_bytes
         if self._state.asks.is_outlier(run.key, lower, run.features):
             # Far outside its key's peaks: this task is priced for what it is, and the key's
             # other tasks keep the price their own evidence supports.
             task_state.floor_bytes = run.floor_bytes = max(task_state.floor_bytes, floor)
             self._state.count("outlier_out_of_memory")
-            # Evidence never lowers a price: the key's ask stays at least what it was.
-            self._state.asks.floor(run.key, self._state.asks.ask(run.key).ask_bytes)
         else:
             self._state.asks.floor(run.key, floor)
+        self._state.asks.hold(run.key, key_ask_bytes)
         after = self._state.price(task_state)
         self._state.rebook(run.key)
         child_bytes = 0

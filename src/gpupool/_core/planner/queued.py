@@ -99,13 +99,15 @@ class Queue:
         ``run``'s place, beside the card's other runs, as a start there would be checked:
         a price that rose past the card's room, or other pools that took it, stop the
         tasks queued behind the runs as they stop a start."""
+        same, together = card.key_counts(run.key)
         return (
             fit_counts(
                 card,
                 self._state.asks.ask(run.key),
                 running=len(card.runs) - 1,
                 booked_bytes=card.booked_bytes - run.booked_bytes,
-                same=card.same_key(run.key) - 1,
+                same=same - 1,
+                together=together - (not run.solo),
                 reserve_bytes=self._state.config.reserve_bytes,
                 ceiling=self._state.ceiling,
                 slots=1,

@@ -53,7 +53,7 @@ CAP_POLL_S = 0.25
 
 def _start_on(task: TaskId, card: Card, ask: Ask) -> Start:
     """``task`` starts on ``card``, booked at its share of its key's price together there."""
-    booked_bytes = ask.next_bytes(card.same_key(ask.key))
+    booked_bytes = ask.next_bytes(*card.key_counts(ask.key))
     return Start(task=task, device=card.index, ask_bytes=ask.ask_bytes, booked_bytes=booked_bytes)
 
 

@@ -118,6 +118,10 @@ class Run:
     own_high_water_bytes: int = 0
     # Which task it is, for the records about it (its map position, its label).
     identity: TaskIdentity | None = None
+    # Booked at its own price (an individual ask: a size, a feature, an outlier's call, its
+    # own floor), not at its share of its key's price together; the key's reserve for
+    # outliers counts it all the same (:meth:`~gpupool._core.policy.Ask.next_bytes`).
+    solo: bool = False
 
 
 def usable(cards: Sequence[Card], avoid: set[int]) -> Sequence[Card]:
@@ -203,11 +207,13 @@ class Card:
     runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
     # ... and what each key's runs book between them.
     runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    # ... and how many of each key's runs are booked at their own price (``Run.solo``).
+    solo_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
     # The bounds and fits worked out on this card, by the ask's price terms and, for a fit, what it
     # was placed beside (how many runs, what they book, how many of the key, the slots); each kept
     # with the terms it was worked out from, and served only while those are the card's terms still.
     bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
-    fit_memo: dict[tuple[PriceTerms, int, int, int, int], FitMemo] = field(
+    fit_memo: dict[tuple[PriceTerms, int, int, int, int, int], FitMemo] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -219,6 +225,7 @@ class Card:
         self.booked_bytes += run.booked_bytes
         self.runs_by_key[run.key] += 1
         self.runs_booked_by_key[run.key] += run.booked_bytes
+        self.solo_by_key[run.key] += run.solo
 
     def keep_workers(self, process_bytes: Mapping[int, int]) -> None:
         """A reading's per-process rows: a worker with no row holds nothing (or has exited),
@@ -236,17 +243,29 @@ class Card:
             self.booked_bytes -= run.booked_bytes
             self.runs_by_key[run.key] -= 1
             self.runs_booked_by_key[run.key] -= run.booked_bytes
+            self.solo_by_key[run.key] -= run.solo
         return run
 
-    def rebook(self, run: Run, booked_bytes: int) -> None:
-        """``run`` (one of this card's) is booked at ``booked_bytes`` from now on."""
+    def rebook(self, run: Run, booked_bytes: int, solo: bool | None = None) -> None:
+        """``run`` (one of this card's) is booked at ``booked_bytes`` from now on (``solo``: at
+        its own price, or its share of its key's; ``None``: as before)."""
         self.booked_bytes += booked_bytes - run.booked_bytes
         self.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
         run.booked_bytes = booked_bytes
+        if solo is not None and solo != run.solo:
+            self.solo_by_key[run.key] += 1 if solo else -1
+            run.solo = solo
 
     def same_key(self, key: str) -> int:
         """How many of the pool's runs on this card are of ``key``."""
         return self.runs_by_key.get(key, 0)
+
+    def key_counts(self, key: str) -> tuple[int, int]:
+        """How many of the pool's runs on this card are of ``key``, and how many of those are
+        booked at their share of the key's price together (not ``solo``): what the next
+        task's :meth:`~gpupool._core.policy.Ask.next_bytes` is placed after."""
+        same = self.runs_by_key.get(key, 0)
+        return same, same - self.solo_by_key.get(key, 0)
 
     @property
     def others_waiting(self) -> int:

@@ -44,19 +44,25 @@ class _Placed:
 
     running: int
     booked_bytes: int
-    keys: dict[str, int] | None = None
+    # By key: how many were placed, and how many of those at their own price (solo).
+    keys: dict[str, tuple[int, int]] | None = None
 
-    def place(self, key: str, booked_bytes: int) -> None:
-        """One more task of ``key``, booked at ``booked_bytes``, is placed here."""
+    def place(self, key: str, booked_bytes: int, solo: bool) -> None:
+        """One more task of ``key``, booked at ``booked_bytes`` (``solo``: at its own price),
+        is placed here."""
         self.running += 1
         self.booked_bytes += booked_bytes
         if self.keys is None:
             self.keys = {}
-        self.keys[key] = self.keys.get(key, 0) + 1
+        placed, alone = self.keys.get(key, (0, 0))
+        self.keys[key] = (placed + 1, alone + solo)
 
-    def same(self, card: Card, key: str) -> int:
-        """How many tasks of ``key`` ``card`` holds with those placed."""
-        return card.same_key(key) + (self.keys.get(key, 0) if self.keys else 0)
+    def counts(self, card: Card, key: str) -> tuple[int, int]:
+        """How many tasks of ``key`` ``card`` holds with those placed, and how many of those
+        at the key's price together (:meth:`Card.key_counts`)."""
+        same, together = card.key_counts(key)
+        placed, alone = self.keys.get(key, (0, 0)) if self.keys else (0, 0)
+        return same + placed, together + placed - alone
 
 
 class Views:
@@ -458,9 +464,9 @@ class Views:
             best = self._best_placed(ask, placed, after)
             if best is not None:
                 # Booked without the child's RSS: the fit prices that beside each booking.
-                placed[best.device].place(ask.key, best.next_booked_bytes)
+                placed[best.device].place(ask.key, best.next_booked_bytes, ask.individual)
                 if hold is not None and best.device == hold.device:
-                    after.append(Booked(ask.key, best.next_booked_bytes))
+                    after.append(Booked(ask.key, best.next_booked_bytes, ask.individual))
                 total += 1
         return max(1, min(total, state.ceiling.value))
 
@@ -470,12 +476,14 @@ class Views:
         state, hold = self._state, self._order.hold
         best: Fit | None = None
         for card, there in zip(state.cards, placed, strict=True):
+            same, together = there.counts(card, ask.key)
             option = fit_counts(
                 card,
                 ask,
                 running=there.running,
                 booked_bytes=there.booked_bytes,
-                same=there.same(card, ask.key),
+                same=same,
+                together=together,
                 reserve_bytes=state.config.reserve_bytes,
                 ceiling=state.ceiling,
                 slots=1,
