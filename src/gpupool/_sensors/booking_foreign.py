@@ -247,7 +247,7 @@ class ForeignReader:
             return {}  # else removed meanwhile
         try:
             status = os.fstat(fd)
-            why = _refusal(status, uid)
+            why = file_refusal(status, uid)
             if why is not None:
                 step.refused[name] = why
                 self._known.pop(name, None)
@@ -318,14 +318,17 @@ class ForeignReader:
         return dict(pools)
 
 
-def _refusal(status: os.stat_result, uid: int) -> str | None:
-    """Why an opened file is not one an honest pool of ``uid`` writes, or ``None``."""
+def file_refusal(
+    status: os.stat_result, uid: int, max_bytes: int = MAX_FOREIGN_FILE_BYTES
+) -> str | None:
+    """Why an opened file is not one an honest pool of ``uid`` writes (a regular file of
+    that owner, one link, at most ``max_bytes``), or ``None``."""
     if not stat.S_ISREG(status.st_mode):
         return f"it is not a regular file (mode {stat.filemode(status.st_mode)})"
     if status.st_uid != uid:
         return f"its owner (uid {status.st_uid}) is not the uid its name spells ({uid})"
     if status.st_nlink > 1:
         return f"it has {status.st_nlink} hard links (a pool's file has one)"
-    if status.st_size > MAX_FOREIGN_FILE_BYTES:
-        return f"it holds {status.st_size} bytes, more than the {MAX_FOREIGN_FILE_BYTES} read"
+    if status.st_size > max_bytes:
+        return f"it holds {status.st_size} bytes, more than the {max_bytes} read"
     return None

@@ -50,7 +50,7 @@ from gpupool._core.contexts import (
     format_context_file,
     parse_context_file,
 )
-from gpupool._sensors.booking_foreign import MAX_DIRECTORY_ENTRIES, canonical_uid
+from gpupool._sensors.booking_foreign import MAX_DIRECTORY_ENTRIES, canonical_uid, file_refusal
 from gpupool._sensors.booking_rows import directory_refusal, flock_within
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class ContextFile:
             self.refused[name] = f"it cannot be opened without following a link ({exc.strerror})"
             return {}
         try:
-            why = _refusal(os.fstat(fd), uid)
+            why = file_refusal(os.fstat(fd), uid, MAX_CONTEXT_FILE_BYTES)
             data = b"" if why is not None else os.pread(fd, MAX_CONTEXT_FILE_BYTES + 1, 0)
         except OSError as exc:
             why = f"it cannot be read ({exc.strerror})"
@@ -304,19 +304,6 @@ class ContextFile:
             os.close(dir_fd)
             return None
         return dir_fd
-
-
-def _refusal(status: os.stat_result, uid: int) -> str | None:
-    """Why an opened file is not one a pool of ``uid`` writes, or ``None``."""
-    if not stat.S_ISREG(status.st_mode):
-        return f"it is not a regular file (mode {stat.filemode(status.st_mode)})"
-    if status.st_uid != uid:
-        return f"its owner (uid {status.st_uid}) is not the uid its name spells ({uid})"
-    if status.st_nlink > 1:
-        return f"it has {status.st_nlink} hard links (a pool's file has one)"
-    if status.st_size > MAX_CONTEXT_FILE_BYTES:
-        return f"it holds {status.st_size} bytes, more than the {MAX_CONTEXT_FILE_BYTES} read"
-    return None
 
 
 def open_context_file(table: BookingTable | None, pool_id: str) -> ContextFile | None:
