@@ -4,7 +4,8 @@ One file per user, ``$XDG_CACHE_HOME/gpupool/peaks.json`` (``~/.cache/gpupool/pe
 the path ``GPUPOOL_MEMORY`` names; ``GPUPOOL_MEMORY=off`` turns it off, and
 :func:`forget_peaks` (``gpupool forget``) clears it. A pool reads it once when it is built and
 writes it once when it shuts down (to a temporary file renamed over it, so a reader never sees
-half of one; two pools that end at once: the last one's keys win where both measured them).
+half of one). A pool merges its keys into the file as it is when it saves, so two pools that ran
+at once both keep what they measured: where both measured a key, the last one to end wins.
 
 An entry is ``{"key", "model", "peak_bytes", "samples", "saved_s"}``: the largest peak a key's
 tasks were measured to hold on a card of that model (an outlier's excluded), how many measured it,
@@ -213,18 +214,31 @@ def _digest_of(code: Any) -> str:
             if hasattr(const, "co_code"):
                 stack.append(const)
             else:
-                parts.append(repr(const).encode("utf-8", "replace")[:256])
+                parts.append(_constant_text(const).encode("utf-8", "replace")[:256])
         parts.append(" ".join(current.co_names).encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
 
 
+def _constant_text(const: object) -> str:
+    """A constant's text, the same in every process: a frozenset's repr follows its items'
+    hashes, which differ between interpreters (``x in {"a", "b"}`` compiles to one)."""
+    if isinstance(const, frozenset):
+        return "frozenset({" + ", ".join(sorted(map(_constant_text, const))) + "})"
+    if isinstance(const, tuple):
+        return "(" + ", ".join(map(_constant_text, const)) + ")"
+    return repr(const)
+
+
 def code_digest(fn: Callable[..., Any]) -> str:
     """A digest of ``fn``'s code (its bytecode, constants and names, nested functions
-    included): it changes when the function's code does. ``""`` for a callable without code
+    included): it changes when the function's code does, and is the same in every process.
+    A callable object's is its class's ``__call__``'s. ``""`` for a callable without code
     (a builtin, a class)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     code = getattr(fn, "__code__", None)
+    if code is None and not isinstance(fn, type):
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
     if code is None:
         return ""
     return _digest_of(code)
@@ -247,6 +261,7 @@ class PeakMemory:
         self.models = models
         self._entries: dict[tuple[str, str], Remembered] = {}
         self._learned: dict[tuple[str, str], Remembered] = {}
+        self._dropped: set[tuple[str, str]] = set()
         self._read()
 
     def _read(self) -> None:
@@ -272,12 +287,16 @@ class PeakMemory:
         """What was remembered of ``key`` is contradicted: it is not written back."""
         for model in self.models:
             self._entries.pop((key, model), None)
+            self._dropped.add((key, model))
 
     def save(self) -> None:
-        """Write the entries (this run's over those read), the newest :data:`MAX_ENTRIES`."""
+        """Write this run's entries over the file's as it is now (another pool may have saved
+        since this one read it), less those dropped: the newest :data:`MAX_ENTRIES`."""
         if not self._learned:
             return
-        merged = dict(self._entries)
+        merged = read_entries(self.path) or {}
+        for slot in self._dropped:
+            merged.pop(slot, None)
         merged.update(self._learned)
         try:
             _write_entries(self.path, merged)

@@ -1,0 +1,82 @@
+"""The memory of peaks as a team's nightly runs meet it: two pools on one file at once, a task's
+code digest the same in every interpreter, a callable object's new version a new key, and a file
+that cannot be written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import predict_tasks
+import pytest
+
+import gpupool.testing as gt
+from gpupool import GpuPoolExecutor
+from gpupool._pool.memory import code_digest
+
+GiB = 1024**3
+SPEC = "{:020d}".format
+
+
+def keys_in(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    return sorted(str(entry["key"]).partition("@")[0] for entry in data["entries"])
+
+
+def test_two_pools_running_at_once_both_keep_what_they_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both built before either ends, each measuring its own key: the file keeps both (the
+    second to end used to write the file as it read it at construction, losing the first's)."""
+    path = tmp_path / "peaks.json"
+    monkeypatch.setenv("GPUPOOL_MEMORY", str(path))
+    with gt.SimulatedHost([gt.SimulatedDevice("32GiB")], cpus=8, host_ram="64GiB"):
+        first = GpuPoolExecutor(max_workers=1, task_peak="4GiB")
+        second = GpuPoolExecutor(max_workers=1, task_peak="4GiB")
+        try:
+            assert first.submit(predict_tasks.hold_spec, 0, SPEC(GiB)).result(timeout=120) == 0
+            assert second.submit(predict_tasks.hold_items, 1, [1]).result(timeout=120) == 1
+        finally:
+            first.shutdown()
+            second.shutdown()
+    assert keys_in(path) == ["predict_tasks.hold_items", "predict_tasks.hold_spec"]
+
+
+SET_TASK = """
+from gpupool._pool.memory import code_digest
+def task(x, mode):
+    if mode in {"alpha", "beta", "gamma", "delta", "epsilon"}:
+        return x
+    return -x
+print(code_digest(task))
+"""
+
+
+def test_a_task_s_digest_is_the_same_in_every_interpreter() -> None:
+    """A set literal compiles to a frozenset constant whose repr follows the strings' hashes,
+    which each interpreter seeds anew: the digest (and so the remembered key) changed from run
+    to run, and such a task was never recalled."""
+    source = SET_TASK
+    digests = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run(
+            [sys.executable, "-c", source], env=env, capture_output=True, text=True, check=True
+        )
+        digests.add(done.stdout.strip())
+    assert len(digests) == 1 and "" not in digests, digests
+
+
+def test_a_callable_object_s_new_version_is_a_new_key() -> None:
+    """A task given as an instance with ``__call__`` is keyed by its class's code: a changed
+    ``__call__`` is a new key (it had no digest, so every version shared one price)."""
+    namespace: dict[str, object] = {}
+    exec("class Step:\n    def __call__(self, x):\n        return x + 1\n", namespace)
+    before = code_digest(namespace["Step"]())  # type: ignore[operator]
+    exec("class Step:\n    def __call__(self, x):\n        return x + 2\n", namespace)
+    after = code_digest(namespace["Step"]())  # type: ignore[operator]
+    assert before and after and before != after
+    assert code_digest(namespace["Step"]) == ""  # type: ignore[arg-type]
