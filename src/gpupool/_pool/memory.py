@@ -238,7 +238,10 @@ def code_digest(fn: Callable[..., Any]) -> str:
         fn = fn.func
     code = getattr(fn, "__code__", None)
     if code is None and not isinstance(fn, type):
-        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+        call = next(
+            (vars(kind)["__call__"] for kind in type(fn).__mro__ if "__call__" in vars(kind)), None
+        )
+        code = getattr(call, "__code__", None)
     if code is None:
         return ""
     return _digest_of(code)
