@@ -15,7 +15,7 @@ import pytest
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
-from gpupool._pool.memory import code_digest
+from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks
 
 GiB = 1024**3
 SPEC = "{:020d}".format
@@ -46,7 +46,7 @@ def test_two_pools_running_at_once_both_keep_what_they_measured(
 
 
 SET_TASK = """
-from gpupool._pool.memory import code_digest
+from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks
 def task(x, mode):
     if mode in {"alpha", "beta", "gamma", "delta", "epsilon"}:
         return x
@@ -80,3 +80,39 @@ def test_a_callable_object_s_new_version_is_a_new_key() -> None:
     after = code_digest(namespace["Step"]())  # type: ignore[operator]
     assert before and after and before != after
     assert code_digest(namespace["Step"]) == ""  # type: ignore[arg-type]
+
+
+def test_a_changed_default_is_a_new_version() -> None:
+    """``def task(x, scale=2)`` changed to ``scale=3`` holds other memory: a new key. A default
+    that is an object (whose repr holds its address) keys by its type, the same every run."""
+    namespace: dict[str, object] = {}
+    digests = []
+    for source in (
+        "def task(x, scale=2, *, mode='fp16'):\n    return x * scale\n",
+        "def task(x, scale=3, *, mode='fp16'):\n    return x * scale\n",
+        "def task(x, scale=2, *, mode='fp32'):\n    return x * scale\n",
+        "def task(x, scale=2, *, mode='fp16'):\n    return x * scale\n",
+    ):
+        exec(source, namespace)
+        digests.append(code_digest(namespace["task"]))  # type: ignore[arg-type]
+    assert len(set(digests[:3])) == 3 and digests[0] == digests[3], digests
+    objects = []
+    for _ in range(2):
+        exec("def task(x, model=object(), big=10**5000):\n    return x\n", namespace)
+        objects.append(code_digest(namespace["task"]))  # type: ignore[arg-type]
+    assert objects[0] == objects[1] != ""
+
+
+def test_a_pool_running_while_you_forget_writes_back_only_its_own_keys(tmp_path: Path) -> None:
+    """The docs' promise: forgotten while a pool runs, another key's entry stays forgotten (the
+    pool used to write back every entry it had read when it was built)."""
+    path = tmp_path / "peaks.json"
+    earlier = PeakMemory(path, ("Simulated GPU",))
+    earlier.learned("pipeline.other@0", 3 * GiB, 4)
+    earlier.save()
+    running = PeakMemory(path, ("Simulated GPU",))
+    assert running.recall("pipeline.other@0") == 3 * GiB
+    assert forget_peaks(path) is True
+    running.learned("pipeline.mine@0", GiB, 2)
+    running.save()
+    assert keys_in(path) == ["pipeline.mine"]

@@ -229,22 +229,45 @@ def _constant_text(const: object) -> str:
     return repr(const)
 
 
+def _default_text(value: object) -> str:
+    """A default argument's text: a plain value's (a number, a string, bytes, ``None``, tuples
+    and frozensets of those), else only its type's name (an object's repr can hold its address,
+    which differs every run)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_default_text, value)) + ")"
+    if isinstance(value, frozenset):
+        return "frozenset({" + ", ".join(sorted(map(_default_text, value))) + "})"
+    if value is None or isinstance(value, (int, float, complex, str, bytes)):
+        with contextlib.suppress(ValueError):  # an int past the interpreter's digits limit
+            return repr(value)[:256]
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
 def code_digest(fn: Callable[..., Any]) -> str:
     """A digest of ``fn``'s code (its bytecode, constants and names, nested functions
-    included): it changes when the function's code does, and is the same in every process.
-    A callable object's is its class's ``__call__``'s. ``""`` for a callable without code
-    (a builtin, a class)."""
+    included) and of its default arguments' values: it changes when the function's code or
+    a default does, and is the same in every process. A callable object's is its class's
+    ``__call__``'s. ``""`` for a callable without code (a builtin, a class)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
+    owner: object = fn
     code = getattr(fn, "__code__", None)
     if code is None and not isinstance(fn, type):
         call = next(
             (vars(kind)["__call__"] for kind in type(fn).__mro__ if "__call__" in vars(kind)), None
         )
+        owner = call
         code = getattr(call, "__code__", None)
     if code is None:
         return ""
-    return _digest_of(code)
+    positional = getattr(owner, "__defaults__", None)
+    keywords = getattr(owner, "__kwdefaults__", None)
+    positional = positional if isinstance(positional, tuple) else ()
+    keywords = keywords if isinstance(keywords, dict) else {}
+    if not positional and not keywords:
+        return _digest_of(code)
+    text = _default_text(positional) + _default_text(tuple(sorted(keywords.items())))
+    return hashlib.sha256(f"{_digest_of(code)}\0{text}".encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True, slots=True)
