@@ -125,7 +125,8 @@ def forget_entries(path: Path, key: str | None = None) -> Forgotten:
     known = entries or {}
 
     def matches(name: str) -> bool:
-        return key is None or name == key or name.rpartition("@")[0] == key
+        head, at, _ = name.rpartition("@")
+        return key is None or name == key or (bool(at) and head == key)
 
     removed = tuple((name, model, value) for (name, model), value in known.items() if matches(name))
     if key is None:
