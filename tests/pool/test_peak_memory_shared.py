@@ -116,3 +116,36 @@ def test_a_pool_running_while_you_forget_writes_back_only_its_own_keys(tmp_path:
     running.learned("pipeline.mine@0", GiB, 2)
     running.save()
     assert keys_in(path) == ["pipeline.mine"]
+
+
+def test_a_fixed_width_pool_neither_reads_nor_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The docs' claim: ``width=`` pools leave the memory alone (an entry for the key there is
+    not recalled, and the file is not rewritten)."""
+    path = tmp_path / "peaks.json"
+    monkeypatch.setenv("GPUPOOL_MEMORY", str(path))
+    name = f"predict_tasks.hold_spec@{code_digest(predict_tasks.hold_spec)}"
+    earlier = PeakMemory(path, ("Simulated GPU",))
+    earlier.learned(name, 3 * GiB, 4)
+    earlier.save()
+    before = path.read_bytes()
+    with gt.SimulatedHost([gt.SimulatedDevice("16GiB")], cpus=4, host_ram="32GiB"):
+        with GpuPoolExecutor(max_workers=2, width=2, task_peak="2GiB") as ex:
+            assert ex.submit(predict_tasks.hold_spec, 0, SPEC(GiB)).result(timeout=120) == 0
+            reasons = [d.reason for d in ex.decisions]
+    assert not any("earlier run" in reason for reason in reasons)
+    assert path.read_bytes() == before
+
+
+def test_a_memory_that_cannot_be_written_loses_no_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``GPUPOOL_MEMORY`` under a plain file (as a read-only cache directory would): the tasks'
+    results come back, and a warning says the peaks could not be remembered."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GPUPOOL_MEMORY", str(tmp_path / "file" / "peaks.json"))
+    with gt.SimulatedHost([gt.SimulatedDevice("16GiB")], cpus=4, host_ram="32GiB"):
+        with GpuPoolExecutor(max_workers=1, task_peak="2GiB") as ex:
+            assert ex.submit(predict_tasks.hold_spec, 0, SPEC(GiB)).result(timeout=120) == 0
+    assert any("could not remember" in record.getMessage() for record in caplog.records)
