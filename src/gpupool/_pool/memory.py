@@ -4,8 +4,9 @@ One file per user, ``$XDG_CACHE_HOME/gpupool/peaks.json`` (``~/.cache/gpupool/pe
 the path ``GPUPOOL_MEMORY`` names; ``GPUPOOL_MEMORY=off`` turns it off, and
 :func:`forget_peaks` (``gpupool forget``) clears it. A pool reads it once when it is built and
 writes it once when it shuts down (to a temporary file renamed over it, so a reader never sees
-half of one). A pool merges its keys into the file as it is when it saves, so two pools that ran
-at once both keep what they measured: where both measured a key, the last one to end wins.
+half of one). A pool merges its keys into the file as it is when it saves, under an exclusive lock
+on ``peaks.json.lock`` beside it, so pools that ran (or end) at once all keep what they
+measured: where two measured a key, the last one to end wins.
 
 An entry is ``{"key", "model", "peak_bytes", "samples", "saved_s"}``: the largest peak a key's
 tasks were measured to hold on a card of that model (an outlier's excluded), how many measured it,
@@ -21,6 +22,7 @@ with a warning, and replaced at the next save.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -28,7 +30,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,13 @@ def forget_entries(path: Path, key: str | None = None) -> Forgotten:
     Raises:
         OSError: the file could not be removed or rewritten.
     """
+    if not path.exists():
+        return Forgotten(path, False, False, ())
+    with _locked(path):
+        return _forget_locked(path, key)
+
+
+def _forget_locked(path: Path, key: str | None) -> Forgotten:
     entries = read_entries(path)
     existed = path.exists()
     if not existed:
@@ -140,6 +149,21 @@ def forget_entries(path: Path, key: str | None = None) -> Forgotten:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     return Forgotten(path, True, unreadable, removed)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock file (``peaks.json.lock`` beside it) exclusively: one pool's
+    read, merge and write of the file at a time (without it, pools that saved at the same
+    moment each wrote the file as they read it, and one's keys were lost).
+
+    Raises:
+        OSError: the lock file could not be made or locked.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(path.with_name(path.name + ".lock"), "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def read_entries(path: Path) -> dict[tuple[str, str], Remembered] | None:
@@ -321,12 +345,13 @@ class PeakMemory:
         since this one read it), less those dropped: the newest :data:`MAX_ENTRIES`."""
         if not self._learned:
             return
-        merged = read_entries(self.path) or {}
-        for slot in self._dropped:
-            merged.pop(slot, None)
-        merged.update(self._learned)
         try:
-            _write_entries(self.path, merged)
+            with _locked(self.path):
+                merged = read_entries(self.path) or {}
+                for slot in self._dropped:
+                    merged.pop(slot, None)
+                merged.update(self._learned)
+                _write_entries(self.path, merged)
         except OSError as exc:
             LOGGER.warning("gpupool could not remember this run's peaks in %s: %s", self.path, exc)
 
