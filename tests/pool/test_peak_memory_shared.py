@@ -16,7 +16,7 @@ import pytest
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
-from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks
+from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks, memory_path
 
 GiB = 1024**3
 SPEC = "{:020d}".format
@@ -47,7 +47,7 @@ def test_two_pools_running_at_once_both_keep_what_they_measured(
 
 
 SET_TASK = """
-from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks
+from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks, memory_path
 def task(x, mode):
     if mode in {"alpha", "beta", "gamma", "delta", "epsilon"}:
         return x
@@ -167,3 +167,11 @@ def test_pools_saving_at_the_same_moment_lose_no_key(tmp_path: Path) -> None:
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         pool.starmap(save_keys, [(str(path), who) for who in range(4)])
     assert len(keys_in(path)) == 120
+
+
+def test_a_relative_cache_home_is_ignored(tmp_path: Path) -> None:
+    """The XDG spec: a relative ``XDG_CACHE_HOME`` is invalid, so the memory is ``~/.cache``'s,
+    not one per working directory."""
+    home = Path.home() / ".cache" / "gpupool" / "peaks.json"
+    assert memory_path({"XDG_CACHE_HOME": "cache"}) == home
+    assert memory_path({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "gpupool" / "peaks.json"

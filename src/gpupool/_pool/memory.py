@@ -68,8 +68,10 @@ def memory_path(environ: Mapping[str, str]) -> Path | None:
         return None
     if named:
         return Path(named).expanduser()
+    # A relative XDG_CACHE_HOME is invalid (the XDG spec: ignore it), else each working
+    # directory would hold a memory of its own.
     cache = environ.get("XDG_CACHE_HOME", "").strip()
-    base = Path(cache) if cache else Path.home() / ".cache"
+    base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
     return base / "gpupool" / "peaks.json"
 
 
