@@ -16,7 +16,13 @@ import pytest
 
 import gpupool.testing as gt
 from gpupool import GpuPoolExecutor
-from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks, memory_path
+from gpupool._pool.memory import (
+    MAX_ENTRIES,
+    PeakMemory,
+    code_digest,
+    forget_peaks,
+    memory_path,
+)
 
 GiB = 1024**3
 SPEC = "{:020d}".format
@@ -47,7 +53,13 @@ def test_two_pools_running_at_once_both_keep_what_they_measured(
 
 
 SET_TASK = """
-from gpupool._pool.memory import PeakMemory, code_digest, forget_peaks, memory_path
+from gpupool._pool.memory import (
+    MAX_ENTRIES,
+    PeakMemory,
+    code_digest,
+    forget_peaks,
+    memory_path,
+)
 def task(x, mode):
     if mode in {"alpha", "beta", "gamma", "delta", "epsilon"}:
         return x
@@ -175,3 +187,21 @@ def test_a_relative_cache_home_is_ignored(tmp_path: Path) -> None:
     home = Path.home() / ".cache" / "gpupool" / "peaks.json"
     assert memory_path({"XDG_CACHE_HOME": "cache"}) == home
     assert memory_path({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "gpupool" / "peaks.json"
+
+
+def test_a_hand_written_file_keeps_its_newest_entries(tmp_path: Path) -> None:
+    """The docs' "2,048 entries kept (the newest)", for a file listed oldest first and holding a
+    key twice: the newest 2,048 are kept (the first 2,048 listed were), and of a key listed twice
+    the newer entry."""
+    path = tmp_path / "peaks.json"
+    listed = [
+        {"key": f"k{n}@0", "model": "M", "peak_bytes": GiB, "samples": 1, "saved_s": float(n)}
+        for n in range(MAX_ENTRIES + 60)
+    ]
+    listed.append({"key": "k9999@0", "model": "M", "peak_bytes": GiB, "samples": 1, "saved_s": 1e6})
+    listed.append({**listed[-1], "peak_bytes": 2 * GiB, "saved_s": 5e5})
+    path.write_text(json.dumps({"version": 1, "entries": listed}))
+    memory = PeakMemory(path, ("M",))
+    assert memory.recall("k59@0") is None and memory.recall("k60@0") == GiB
+    assert memory.recall(f"k{MAX_ENTRIES + 59}@0") == GiB
+    assert memory.recall("k9999@0") == GiB

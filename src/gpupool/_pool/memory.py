@@ -189,10 +189,15 @@ def read_entries(path: Path) -> dict[tuple[str, str], Remembered] | None:
     entries = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return found
-    for entry in entries[:MAX_ENTRIES]:
+    for entry in entries:  # at most what 1 MiB holds
         valid = _entry(entry)
-        if valid is not None:
+        if valid is not None and (
+            valid[0] not in found or found[valid[0]].saved_s <= valid[1].saved_s
+        ):
             found[valid[0]] = valid[1]
+    if len(found) > MAX_ENTRIES:  # the newest, in whatever order the file lists them
+        newest = sorted(found.items(), key=lambda item: item[1].saved_s, reverse=True)
+        found = dict(newest[:MAX_ENTRIES])
     return found
 
 
