@@ -202,6 +202,6 @@ def test_a_hand_written_file_keeps_its_newest_entries(tmp_path: Path) -> None:
     listed.append({**listed[-1], "peak_bytes": 2 * GiB, "saved_s": 5e5})
     path.write_text(json.dumps({"version": 1, "entries": listed}))
     memory = PeakMemory(path, ("M",))
-    assert memory.recall("k59@0") is None and memory.recall("k60@0") == GiB
+    assert memory.recall("k60@0") is None and memory.recall("k61@0") == GiB  # 61 oldest go
     assert memory.recall(f"k{MAX_ENTRIES + 59}@0") == GiB
     assert memory.recall("k9999@0") == GiB
