@@ -205,3 +205,27 @@ def test_a_hand_written_file_keeps_its_newest_entries(tmp_path: Path) -> None:
     assert memory.recall("k60@0") is None and memory.recall("k61@0") == GiB  # 61 oldest go
     assert memory.recall(f"k{MAX_ENTRIES + 59}@0") == GiB
     assert memory.recall("k9999@0") == GiB
+
+
+def test_a_memory_twice_the_truth_is_dropped_at_the_first_measurement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The docs' lower bound: a first measurement under half the remembered peak contradicts it
+    (yesterday's inputs were larger): the key's estimate is its ``task_peak`` again, and the
+    file holds this run's peak."""
+    path = tmp_path / "peaks.json"
+    monkeypatch.setenv("GPUPOOL_MEMORY", str(path))
+    name = f"predict_tasks.hold_spec@{code_digest(predict_tasks.hold_spec)}"
+    earlier = PeakMemory(path, ("Simulated GPU",))
+    earlier.learned(name, 6 * GiB, 4)
+    earlier.save()
+    with gt.SimulatedHost([gt.SimulatedDevice("16GiB")], cpus=4, host_ram="32GiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="2GiB") as ex:
+            futures = [ex.submit(predict_tasks.hold_spec, i, SPEC(GiB)) for i in range(2)]
+            assert [f.result(timeout=120) for f in futures] == [0, 1]
+            reasons = [d.reason for d in ex.decisions]
+            estimate = ex.statistics().asks["predict_tasks.hold_spec"].estimate_bytes
+    assert any("earlier run" in reason and "6.00 GiB" in reason for reason in reasons), reasons
+    assert estimate == 2 * GiB  # the memory dropped: back to task_peak
+    (entry,) = json.loads(path.read_text())["entries"]
+    assert GiB < entry["peak_bytes"] < 2 * GiB
