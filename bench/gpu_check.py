@@ -351,6 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.break_probe and not args.dry_run:
         parser.error("--break-probe is meant only for the dry run: add --dry-run")
+    if args.dry_run and args.require_gpu:
+        parser.error(
+            "--require-gpu asks for a real card and --dry-run runs on a simulated one "
+            "(it would pass with no card): give one of them"
+        )
+    if args.dry_run and args.device != 0:
+        parser.error("--device: the dry run has one simulated card, index 0")
+    if args.tolerance_mib < 0:
+        parser.error("--tolerance-mib must be 0 or more (it is slack on the peaks floor)")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     _use_source_tree(dry_run=args.dry_run)
     # Every pool of the check measures afresh: peaks remembered from an earlier run (of the

@@ -63,3 +63,13 @@ def silent_failure(size: str) -> int:
 def pair_script() -> str:
     """The text of ``_SILENT_PAIR``, for a command (``gpupool run``)."""
     return _SILENT_PAIR
+
+
+def torch_then_error(nbytes: int) -> int:
+    """Allocate ``nbytes`` through the stand-in torch (the worker's own framework, which raises
+    its own out-of-memory when refused), give it back, then fail with an error that has
+    nothing to do with memory. No process is started."""
+    cuda = sys.modules["torch"].cuda
+    cuda.allocate(nbytes)
+    cuda.free(nbytes)
+    raise ValueError("row 7 of the input is malformed")

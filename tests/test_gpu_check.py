@@ -122,6 +122,32 @@ def test_break_probe_without_dry_run_is_refused(tmp_path: Path) -> None:
     assert "--dry-run" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--dry-run", "--require-gpu"), "--require-gpu asks for a real card"),
+        (("--dry-run", "--device", "3"), "one simulated card, index 0"),
+        (("--dry-run", "--tolerance-mib", "-5"), "--tolerance-mib must be 0 or more"),
+        (("--dry-run", "--out", "{file}"), "exists and is not a directory"),
+    ],
+    ids=["require-gpu", "device", "tolerance", "out-file"],
+)
+def test_options_that_cannot_hold_together_are_refused(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    """Options the run could not honour are a usage error (exit 2) naming the option, before
+    anything runs: a dry run with --require-gpu would pass with no card, --device picks a
+    card the dry run does not have, a negative slack, and --out naming a file (was a
+    traceback, exit 1: the code of a failed check)."""
+    file = tmp_path / "results.txt"
+    file.write_text("kept")
+    done = _run(*(arg.format(file=file) for arg in args), "--steps", "census")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr
+    assert file.read_text() == "kept"
+
+
 def test_an_unknown_step_is_refused(tmp_path: Path) -> None:
     """--steps with a name that is no step: a usage error (exit 2) that lists the steps."""
     done = _run("--dry-run", "--steps", "peaks,nope", "--out", str(tmp_path))

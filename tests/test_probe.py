@@ -842,3 +842,27 @@ def test_a_co_tenant_under_the_workers_pid_is_refused_not_taken_for_its_context(
     assert any("another PID namespace" in reason for reason in report.rejected_readings)
     apply_allocator_cap(4 * GiB)
     assert allocator_cap_state()["outside_bytes"] == CONTEXT_ESTIMATE_BYTES
+
+
+def test_a_co_tenant_under_the_workers_pid_within_a_plausible_context_is_taken_for_it(
+    monkeypatch, fresh_cap
+):
+    """The limit of the PID-collision check: a co-tenant's 5 GiB under this worker's PID (read
+    while torch holds nothing) is within what a context could be (6 GiB): nothing tells it from
+    the worker's context, and it is taken as one (docs/readings.md)."""
+    from gpupool._child.probe import CONTEXT_PLAUSIBLE_MAX_BYTES
+
+    pid = os.getpid()
+    card = h100(0)
+    card.compute = [(pid, 5 * GiB)]
+    card.free = card.total - card.reserved - 5 * GiB
+    torch = standin_torch.make_torch(total_bytes=80 * GiB)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    probe = _nvml_probe(monkeypatch, card, torch)
+    torch.cuda.allocate(0)
+    probe.start()
+    torch.cuda.allocate(768 * MiB)
+    report = probe.stop()
+    assert 5 * GiB <= CONTEXT_PLAUSIBLE_MAX_BYTES
+    assert (report.context_bytes, report.context_source) == (5 * GiB, "process-row")
+    assert not any("another PID namespace" in reason for reason in report.rejected_readings)

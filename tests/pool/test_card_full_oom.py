@@ -12,9 +12,10 @@ import time
 import pytest
 
 import full_card_tasks
+import standin_torch
 from gpupool import GpuPoolExecutor
 from gpupool._child.probe import Probe
-from gpupool._core.units import GiB
+from gpupool._core.units import GiB, MiB
 from gpupool._sensors.base import DeviceInfo
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
@@ -157,3 +158,63 @@ def test_the_simulator_tells_a_refusal_to_a_process_of_the_tree_and_to_no_other_
     assert stranger == 0
     assert [e.requested_bytes for e in host.out_of_memory_events] == [9 * GiB]
     assert refused_later == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", ["hidden", "listed"])
+def test_an_error_of_the_workers_own_code_on_a_card_a_co_tenant_filled_is_no_out_of_memory(rows):
+    """A co-tenant holds 15.3 GiB of a 16 GiB card (with the worker's 300 MiB context, free
+    bytes below 512 MiB from the start); a
+    task allocates 128 MiB through the worker's own torch (it succeeds: a refusal would raise
+    torch's own out-of-memory error), then raises a ValueError, starting no process. That is
+    no out-of-memory: the ValueError reaches the future, with no ``out_of_memory`` record and
+    no retry."""
+    kwargs = {"container": True} if rows == "hidden" else {}
+    device = SimulatedDevice("16GiB")
+    with SimulatedHost([device], context="300MiB", cpus=2, host_ram="64GiB", **kwargs) as host:
+        host.grow("other", "15.3GiB")
+        with GpuPoolExecutor(
+            max_workers=1,
+            task_peak="256MiB",
+            reserve=0,
+            initializer=standin_torch.install_in_worker,
+            initargs=(16 * GiB, True),
+        ) as ex:
+            future = ex.submit(full_card_tasks.torch_then_error, 128 * MiB)
+            with pytest.raises(ValueError, match="row 7"):
+                future.result(timeout=60)
+            stats = ex.statistics()
+            ooms = [d.to_dict() for d in ex.decisions if d.event == "out_of_memory"]
+    assert ooms == []
+    assert stats.retries == 0
+
+
+_IDLE_CHILD = """
+import sys
+print("running", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_with_rows_hidden_a_co_tenant_growing_beside_a_child_is_taken_for_the_trees_growth():
+    """The limit of the free-bytes signal where rows are hidden: a child that holds no device
+    memory runs while a co-tenant fills the 8 GiB card (7.6 GiB) and the task fails. Nothing
+    tells the co-tenant's rise in the card's used bytes from the child's, so the failure is
+    taken for ``card-full`` (as docs/readings.md says); with no child it is not (above)."""
+    with SimulatedHost([SimulatedDevice("8GiB")], context="300MiB", container=True) as host:
+        info = DeviceInfo(index=0, uuid=host.device_uuid(0), name="sim")
+        probe = Probe(host.sensor(), info, 0, os.getpid())
+        probe.start()
+        with subprocess.Popen(
+            [sys.executable, "-c", _IDLE_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as child:
+            assert child.stdout is not None and child.stdout.readline().strip() == "running"
+            host.grow("other", "7.6GiB")
+            report = probe.stop(failure=subprocess.CalledProcessError(1, ["child"]))
+            assert child.stdin is not None
+            child.stdin.close()
+    assert report.descendants >= 1
+    assert report.oom is True and report.oom_recognised == "card-full"

@@ -18,7 +18,7 @@ from gpupool._core.contexts import (
     parse_context_file,
 )
 from gpupool._core.units import GiB, MiB
-from gpupool._sensors.contexts import ContextFile
+from gpupool._sensors.contexts import MAX_CONTEXT_FILES, ContextFile
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 MODEL = "Simulated GPU"
@@ -223,3 +223,51 @@ def test_a_larger_measurement_replaces_the_recorded_one_and_a_smaller_does_not(t
     estimate = third.estimate(MODEL)
     assert estimate.context_bytes == 900 * MiB
     assert "pool 1.1" in estimate.source
+
+
+def test_a_fifo_or_a_hard_linked_file_is_refused_without_blocking(tmp_path):
+    """A FIFO under this user's contexts name (no writer: opening it to read would block) and a
+    file with a second hard link are refused with their reasons, and the read returns; a FIFO
+    in place of the lock leaves the file unwritten, saying why (it said nothing)."""
+    fifo_table = tmp_path / "fifo"
+    fifo_table.mkdir(mode=0o700)
+    os.mkfifo(fifo_table / "contexts.json")
+    contexts = ContextFile(fifo_table, shared=False, pool_id="1.1")
+    contexts.read()
+    assert "not a regular file" in contexts.refused["contexts.json"]
+
+    linked_table = tmp_path / "linked"
+    linked_table.mkdir(mode=0o700)
+    (linked_table / "contexts.json").write_bytes(_file({MODEL: _entry(2 * GiB)}))
+    os.link(linked_table / "contexts.json", tmp_path / "second-name.json")
+    contexts = ContextFile(linked_table, shared=False, pool_id="1.1")
+    contexts.read()
+    assert "hard links" in contexts.refused["contexts.json"]
+    assert contexts.estimate(MODEL).source == "estimated (default)"
+
+    lock_table = tmp_path / "lock"
+    lock_table.mkdir(mode=0o700)
+    os.mkfifo(lock_table / "contexts.lock")
+    contexts = ContextFile(lock_table, shared=False, pool_id="1.1")
+    contexts.read()
+    assert contexts.note(MODEL, GiB) is False
+    assert contexts.problem is not None and "not a regular file" in contexts.problem
+    assert not (lock_table / "contexts.json").exists()
+
+
+def test_a_shared_directory_of_ten_thousand_files_is_read_within_its_bounds(tmp_path):
+    """10,000 entries in a shared table's directory, every one named as some user's contexts
+    file: at most 64 users' files are opened, among the first 4,096 entries, and the pool
+    prices at the default."""
+    table = tmp_path / "shared"
+    table.mkdir()
+    os.chmod(table, 0o1777)
+    body = _file({MODEL: _entry(4 * GiB)})
+    for uid in range(100_000, 110_000):
+        (table / f"contexts.uid{uid}.json").write_bytes(body)
+    contexts = ContextFile(table, shared=True, pool_id="1.1")
+    contexts.read()
+    opened = [name for name, why in contexts.refused.items() if "its owner" in why]
+    assert 0 < len(opened) <= MAX_CONTEXT_FILES
+    assert contexts.records == []
+    assert contexts.estimate(MODEL).source == "estimated (default)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import tree_tasks
@@ -118,3 +119,39 @@ def test_a_subprocess_that_runs_the_card_out_of_memory_is_retried(tmp_path):
     assert stats.retries >= 1
     ooms = [d for d in decisions if d["event"] == "out_of_memory"]
     assert ooms and all(d["oom_recognised"] == "subprocess-output" for d in ooms)
+
+
+def _until_none_run(pid: int) -> list[str]:
+    """The states of ``pid``'s children once none of them runs any more (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    states = tree_tasks.children_states(pid)
+    while any(state != "Z" for state in states) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        states = tree_tasks.children_states(pid)
+    return states
+
+
+def test_orphans_adopted_by_the_worker_are_reaped_not_left_as_zombies():
+    """A task whose 12 shells each leave a background ``true`` behind (``sh -c "true & exit
+    0"``): the orphans are adopted by the worker, a child subreaper, and exit. Once the next
+    task has run, none is left a zombie of the worker."""
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB", container=True):
+        with GpuPoolExecutor(max_workers=1, task_peak="256MiB", reserve=0) as ex:
+            worker = ex.submit(tree_tasks.orphan_shells, 12).result(timeout=60)
+            _until_none_run(worker)
+            assert ex.submit(tree_tasks.nothing).result(timeout=60) == 0
+            states = tree_tasks.children_states(worker)
+    assert states == []
+
+
+def test_a_child_a_task_keeps_for_a_later_task_keeps_its_exit_status():
+    """A task starts a child that exits with status 3 and keeps its ``Popen`` unwaited; once the
+    child has exited and another task has run, a later task's ``wait`` still reads 3 (the
+    worker reaps only children nothing in it waits for)."""
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB", container=True):
+        with GpuPoolExecutor(max_workers=1, task_peak="256MiB", reserve=0) as ex:
+            assert ex.submit(tree_tasks.start_and_keep, 3).result(timeout=60) > 0
+            worker = ex.submit(os.getpid).result(timeout=60)
+            _until_none_run(worker)
+            assert ex.submit(tree_tasks.nothing).result(timeout=60) == 0
+            assert ex.submit(tree_tasks.wait_kept).result(timeout=60) == 3

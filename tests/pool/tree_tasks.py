@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 import sys
 from typing import Any
@@ -181,3 +182,49 @@ def hold_until_released(size: str, gate: str) -> int:
         while not (gate_dir / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
     return 0
+
+
+def orphan_shells(count: int) -> int:
+    """Start ``count`` shells that each start ``true`` in the background and exit at once: each
+    ``true`` is orphaned to the worker (a child subreaper) and exits soon after. Return the
+    worker's PID."""
+    for _ in range(count):
+        subprocess.run(["sh", "-c", "true & exit 0"], check=True)
+    return os.getpid()
+
+
+#: A child a task started and left for a later task to wait for.
+WAITING: list[subprocess.Popen[bytes]] = []
+
+
+def start_and_keep(code: int) -> int:
+    """Start a child that exits with status ``code`` and keep its ``Popen`` unwaited; its PID."""
+    WAITING.append(subprocess.Popen(["sh", "-c", f"exit {code}"]))
+    return WAITING[-1].pid
+
+
+def wait_kept() -> int:
+    """Wait for the child :func:`start_and_keep` left; its exit status."""
+    return WAITING.pop().wait()
+
+
+def nothing() -> int:
+    """Start no process."""
+    return 0
+
+
+def children_states(pid: int) -> list[str]:
+    """The states (``R``, ``S``, ``Z`` ...) of ``pid``'s children, from ``/proc``."""
+    states = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid:
+            states.append(fields[0])
+    return states

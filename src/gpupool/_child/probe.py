@@ -875,9 +875,11 @@ class Probe:
 
         The card refused an allocation to a process of the worker's tree (the sensor
         keeps such a record: the simulator's ledger); or its free bytes were read below
-        :func:`card_full_free_bytes` while the task's tree grew (its bytes rose above
-        what it held at the start, or processes ran under the worker while the card's
-        used bytes rose). A card that never came near full is never taken for one.
+        :func:`card_full_free_bytes` while processes ran under the worker and the task's
+        tree grew (its bytes rose above what it held at the start, or the card's used bytes
+        rose). A card that never came near full is never taken for one, and neither is an
+        error of a task that started no process (the worker's own frameworks say when they
+        run out).
         """
         sensor, device = self._sensor, self._device
         if sensor is None or device is None:
@@ -895,11 +897,13 @@ class Probe:
         least, total = self._card_free_least, self._card_total
         if least is None or total is None or least >= card_full_free_bytes(total):
             return None
+        if not descendants:
+            # Only the worker ran: its own frameworks raise their out-of-memory errors
+            # (recognised by type or text), so its other errors are not the card's doing.
+            return None
         used, start = self._card_used_peak, self._card_used_at_start
         rose = used is not None and start is not None and used > start
-        if not (
-            (peak is not None and peak > (self._baseline_bytes or 0)) or (descendants and rose)
-        ):
+        if not ((peak is not None and peak > (self._baseline_bytes or 0)) or rose):
             return None
         return (
             f"the card's free bytes were read at {format_size(least)} of {format_size(total)} "

@@ -23,7 +23,9 @@ pool kills a worker's whole tree when it retires the worker.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import threading
 import time
 import weakref
@@ -41,6 +43,7 @@ from gpupool._sensors.tree import (
     read_descendants,
     read_rss_high_water_of,
     reap_adopted,
+    reap_unclaimed_zombies,
 )
 
 if TYPE_CHECKING:
@@ -343,6 +346,8 @@ class TreeWatch:
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
         if self._adoptable and self.root_pid == self._owner_pid:
             self._reap_adopted()
+        if self.root_pid == self._owner_pid == os.getpid():
+            reap_unclaimed_zombies(_claimed_children)
         children = read_children_rss_high_water()
         before = self._children_rss_at_start
         if children is not None and before is not None and children > before:
@@ -370,6 +375,27 @@ class TreeWatch:
         self._adoptable = {
             pid for pid in self._adoptable if pid in direct or read_start_token(pid) is not None
         }
+
+
+def _claimed_children() -> set[int]:
+    """The PIDs of this process's children that a waiter here still owns: live
+    ``subprocess.Popen`` objects not yet waited for (asyncio's processes hold one), and
+    ``multiprocessing``'s children. Read only when an exited child was found."""
+    claimed: set[int] = set()
+    subprocess = sys.modules.get("subprocess")
+    popen = getattr(subprocess, "Popen", None)
+    if isinstance(popen, type):
+        for obj in gc.get_objects():
+            if isinstance(obj, popen) and getattr(obj, "returncode", 0) is None:
+                pid = getattr(obj, "pid", None)
+                if isinstance(pid, int):
+                    claimed.add(pid)
+    process = sys.modules.get("multiprocessing.process")
+    for child in list(getattr(process, "_children", ()) or ()):
+        pid = getattr(child, "_popen", None) and getattr(child._popen, "pid", None)
+        if isinstance(pid, int):
+            claimed.add(pid)
+    return claimed
 
 
 def _sample_while_watched(ref: weakref.ReferenceType[TreeWatch]) -> None:

@@ -223,9 +223,13 @@ class ContextFile:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         lock_fd = os.open(lock_name, flags, 0o600, dir_fd=dir_fd)
         try:
-            if not stat.S_ISREG(os.fstat(lock_fd).st_mode) or not flock_within(
-                lock_fd, LOCK_WAIT_S
-            ):
+            if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+                self.problem = (
+                    f"the contexts file {self.directory / self._name} is not written: its "
+                    f"lock {lock_name} is not a regular file"
+                )
+                return False
+            if not flock_within(lock_fd, LOCK_WAIT_S):
                 return False
             entries = self._read_file(dir_fd, self._name, self._uid)
             self.refused.pop(self._name, None)  # this user's own file: started afresh if damaged

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 from gpupool._sensors.ancestry import read_parent_pid
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
     from pathlib import Path
 
 __all__ = [
     "MAX_DESCENDANTS",
     "read_children_of",
     "reap_adopted",
+    "reap_unclaimed_zombies",
     "read_children_rss_high_water",
     "read_descendants",
     "read_rss_high_water_of",
@@ -117,6 +118,33 @@ def reap_adopted(pids: Iterable[int]) -> int:
             continue  # not our child (never adopted, or reaped already)
         reaped += done == pid
     return reaped
+
+
+def reap_unclaimed_zombies(claimed: Callable[[], Iterable[int]], proc: str = "/proc") -> int:
+    """Reap this process's exited children that nothing here will wait for; how many were.
+
+    For a child subreaper: an orphan adopted after its parent exited (``sh -c "cmd &"``)
+    is often first seen as a direct child, so :func:`reap_adopted` never learns of it,
+    and each one would stay a zombie. ``claimed`` is called only when an exited child is
+    found: the PIDs a waiter in this process still owns (live ``Popen`` objects,
+    ``multiprocessing`` children), whose status is theirs to read.
+    """
+    children = _children_of(os.getpid(), proc)
+    exited = [pid for pid in children or () if _is_zombie(pid, proc)]
+    if not exited:
+        return 0
+    owned = set(claimed())
+    return reap_adopted(pid for pid in exited if pid not in owned)
+
+
+def _is_zombie(pid: int, proc: str) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (state ``Z`` in its ``stat``)."""
+    try:
+        text = _read_small(f"{proc}/{pid}/stat")
+    except OSError:
+        return False
+    end = text.rfind(b")")
+    return end >= 0 and text[end + 2 : end + 3] == b"Z"
 
 
 def _childless() -> bool:
