@@ -102,3 +102,19 @@ def test_forget_with_memory_off_and_a_hostile_file(tmp_path: Path) -> None:
     whole = gpupool("forget", "--file", str(path))
     assert whole.returncode == 0 and "(not a file of peaks)" in whole.stdout
     assert not path.exists()
+
+
+def test_odd_keys_and_names_from_a_hand_edited_file(tmp_path: Path) -> None:
+    """A hand-edited file: an entry without a digest is not what ``forget ""`` names (it was
+    removed, as its empty head matched), and a key or model with control characters is printed
+    escaped (an escape sequence reached the terminal as it was)."""
+    path = tmp_path / "peaks.json"
+    entry = {"model": "M", "peak_bytes": GiB, "samples": 2, "saved_s": 1.0}
+    entries = [{**entry, "key": "plain"}, {**entry, "key": "odd\nname@3", "model": "M\x1b[31m"}]
+    path.write_text(json.dumps({"version": 1, "entries": entries}))
+    empty = gpupool("forget", "", "--file", str(path))
+    assert empty.returncode == 0 and "nothing remembered" in empty.stdout, empty
+    assert keys_in(path) == ["odd\nname@3", "plain"]
+    done = gpupool("forget", "--file", str(path))
+    assert done.returncode == 0 and "odd\\nname@3 on M\\x1b[31m: 1.00 GiB" in done.stdout, done
+    assert "\x1b" not in done.stdout and not path.exists()

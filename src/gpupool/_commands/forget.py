@@ -102,7 +102,7 @@ def run_forget(
 
 def _described(found: Forgotten, key: str | None) -> list[str]:
     """What was forgotten, in words."""
-    whose = "" if key is None else f" of {key}"
+    whose = "" if key is None else f" of {_shown(key)}"
     if not found.existed:
         return [f"nothing remembered: {found.path} does not exist"]
     if found.unreadable and key is None:
@@ -114,9 +114,16 @@ def _described(found: Forgotten, key: str | None) -> list[str]:
     lines = [f"forgot {count} remembered peak{'s' if count != 1 else ''}{whose} in {found.path}:"]
     for name, model, value in found.removed:
         lines.append(
-            f"  {name} on {model or 'an unnamed card model'}: {format_size(value.peak_bytes)} "
+            f"  {_shown(name)} on {_shown(model) or 'an unnamed card model'}: "
+            f"{format_size(value.peak_bytes)} "
             f"over {value.samples} task{'s' if value.samples != 1 else ''}"
         )
     if key is None:
         lines.append(f"removed {found.path}")
     return lines
+
+
+def _shown(text: str) -> str:
+    """``text`` (from a file anything could write) with its unprintable characters escaped,
+    so a key or model name cannot move the cursor or recolour the terminal."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)

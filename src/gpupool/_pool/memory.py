@@ -4,7 +4,9 @@ One file per user, ``$XDG_CACHE_HOME/gpupool/peaks.json`` (``~/.cache/gpupool/pe
 the path ``GPUPOOL_MEMORY`` names; ``GPUPOOL_MEMORY=off`` turns it off, and
 :func:`forget_peaks` (``gpupool forget``) clears it. A pool reads it once when it is built and
 writes it once when it shuts down (to a temporary file renamed over it, so a reader never sees
-half of one; two pools that end at once: the last one's keys win where both measured them).
+half of one). A pool merges its keys into the file as it is when it saves, under an exclusive lock
+on ``peaks.json.lock`` beside it, so pools that ran (or end) at once all keep what they
+measured: where two measured a key, the last one to end wins.
 
 An entry is ``{"key", "model", "peak_bytes", "samples", "saved_s"}``: the largest peak a key's
 tasks were measured to hold on a card of that model (an outlier's excluded), how many measured it,
@@ -20,6 +22,7 @@ with a warning, and replaced at the next save.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -27,7 +30,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +68,10 @@ def memory_path(environ: Mapping[str, str]) -> Path | None:
         return None
     if named:
         return Path(named).expanduser()
+    # A relative XDG_CACHE_HOME is invalid (the XDG spec: ignore it), else each working
+    # directory would hold a memory of its own.
     cache = environ.get("XDG_CACHE_HOME", "").strip()
-    base = Path(cache) if cache else Path.home() / ".cache"
+    base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
     return base / "gpupool" / "peaks.json"
 
 
@@ -116,6 +121,13 @@ def forget_entries(path: Path, key: str | None = None) -> Forgotten:
     Raises:
         OSError: the file could not be removed or rewritten.
     """
+    if not path.exists():
+        return Forgotten(path, False, False, ())
+    with _locked(path):
+        return _forget_locked(path, key)
+
+
+def _forget_locked(path: Path, key: str | None) -> Forgotten:
     entries = read_entries(path)
     existed = path.exists()
     if not existed:
@@ -124,7 +136,8 @@ def forget_entries(path: Path, key: str | None = None) -> Forgotten:
     known = entries or {}
 
     def matches(name: str) -> bool:
-        return key is None or name == key or name.rpartition("@")[0] == key
+        head, at, _ = name.rpartition("@")
+        return key is None or name == key or (bool(at) and head == key)
 
     removed = tuple((name, model, value) for (name, model), value in known.items() if matches(name))
     if key is None:
@@ -138,6 +151,21 @@ def forget_entries(path: Path, key: str | None = None) -> Forgotten:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     return Forgotten(path, True, unreadable, removed)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock file (``peaks.json.lock`` beside it) exclusively: one pool's
+    read, merge and write of the file at a time (without it, pools that saved at the same
+    moment each wrote the file as they read it, and one's keys were lost).
+
+    Raises:
+        OSError: the lock file could not be made or locked.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(path.with_name(path.name + ".lock"), "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def read_entries(path: Path) -> dict[tuple[str, str], Remembered] | None:
@@ -161,10 +189,15 @@ def read_entries(path: Path) -> dict[tuple[str, str], Remembered] | None:
     entries = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return found
-    for entry in entries[:MAX_ENTRIES]:
+    for entry in entries:  # at most what 1 MiB holds
         valid = _entry(entry)
-        if valid is not None:
+        if valid is not None and (
+            valid[0] not in found or found[valid[0]].saved_s <= valid[1].saved_s
+        ):
             found[valid[0]] = valid[1]
+    if len(found) > MAX_ENTRIES:  # the newest, in whatever order the file lists them
+        newest = sorted(found.items(), key=lambda item: item[1].saved_s, reverse=True)
+        found = dict(newest[:MAX_ENTRIES])
     return found
 
 
@@ -213,21 +246,60 @@ def _digest_of(code: Any) -> str:
             if hasattr(const, "co_code"):
                 stack.append(const)
             else:
-                parts.append(repr(const).encode("utf-8", "replace")[:256])
+                parts.append(_constant_text(const).encode("utf-8", "replace")[:256])
         parts.append(" ".join(current.co_names).encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
 
 
+def _constant_text(const: object) -> str:
+    """A constant's text, the same in every process: a frozenset's repr follows its items'
+    hashes, which differ between interpreters (``x in {"a", "b"}`` compiles to one)."""
+    if isinstance(const, frozenset):
+        return "frozenset({" + ", ".join(sorted(map(_constant_text, const))) + "})"
+    if isinstance(const, tuple):
+        return "(" + ", ".join(map(_constant_text, const)) + ")"
+    return repr(const)
+
+
+def _default_text(value: object) -> str:
+    """A default argument's text: a plain value's (a number, a string, bytes, ``None``, tuples
+    and frozensets of those), else only its type's name (an object's repr can hold its address,
+    which differs every run)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_default_text, value)) + ")"
+    if isinstance(value, frozenset):
+        return "frozenset({" + ", ".join(sorted(map(_default_text, value))) + "})"
+    if value is None or isinstance(value, (int, float, complex, str, bytes)):
+        with contextlib.suppress(ValueError):  # an int past the interpreter's digits limit
+            return repr(value)[:256]
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
 def code_digest(fn: Callable[..., Any]) -> str:
     """A digest of ``fn``'s code (its bytecode, constants and names, nested functions
-    included): it changes when the function's code does. ``""`` for a callable without code
-    (a builtin, a class)."""
+    included) and of its default arguments' values: it changes when the function's code or
+    a default does, and is the same in every process. A callable object's is its class's
+    ``__call__``'s. ``""`` for a callable without code (a builtin, a class)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
+    owner: object = fn
     code = getattr(fn, "__code__", None)
+    if code is None and not isinstance(fn, type):
+        call = next(
+            (vars(kind)["__call__"] for kind in type(fn).__mro__ if "__call__" in vars(kind)), None
+        )
+        owner = call
+        code = getattr(call, "__code__", None)
     if code is None:
         return ""
-    return _digest_of(code)
+    positional = getattr(owner, "__defaults__", None)
+    keywords = getattr(owner, "__kwdefaults__", None)
+    positional = positional if isinstance(positional, tuple) else ()
+    keywords = keywords if isinstance(keywords, dict) else {}
+    if not positional and not keywords:
+        return _digest_of(code)
+    text = _default_text(positional) + _default_text(tuple(sorted(keywords.items())))
+    return hashlib.sha256(f"{_digest_of(code)}\0{text}".encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +319,7 @@ class PeakMemory:
         self.models = models
         self._entries: dict[tuple[str, str], Remembered] = {}
         self._learned: dict[tuple[str, str], Remembered] = {}
+        self._dropped: set[tuple[str, str]] = set()
         self._read()
 
     def _read(self) -> None:
@@ -272,15 +345,20 @@ class PeakMemory:
         """What was remembered of ``key`` is contradicted: it is not written back."""
         for model in self.models:
             self._entries.pop((key, model), None)
+            self._dropped.add((key, model))
 
     def save(self) -> None:
-        """Write the entries (this run's over those read), the newest :data:`MAX_ENTRIES`."""
+        """Write this run's entries over the file's as it is now (another pool may have saved
+        since this one read it), less those dropped: the newest :data:`MAX_ENTRIES`."""
         if not self._learned:
             return
-        merged = dict(self._entries)
-        merged.update(self._learned)
         try:
-            _write_entries(self.path, merged)
+            with _locked(self.path):
+                merged = read_entries(self.path) or {}
+                for slot in self._dropped:
+                    merged.pop(slot, None)
+                merged.update(self._learned)
+                _write_entries(self.path, merged)
         except OSError as exc:
             LOGGER.warning("gpupool could not remember this run's peaks in %s: %s", self.path, exc)
 
