@@ -226,6 +226,13 @@ def _check_label(label: object) -> str | None:
     return label
 
 
+#: What ``size=`` must be, in every message that refuses one.
+_SIZE_RULE = (
+    "a task's input size must be a positive, finite number (tokens, rows, bytes: one unit "
+    "for every task of the key)"
+)
+
+
 def check_size(size: object, *, callable_ok: bool = True) -> float | SizeOf | None:
     """``size=``: ``None``, a positive, finite number (read as a float), or (where
     ``callable_ok``) a callable of each call's arguments (:func:`size_of_calls`).
@@ -247,11 +254,7 @@ def check_size(size: object, *, callable_ok: bool = True) -> float | SizeOf | No
     value = _real(size)
     if not math.isfinite(value) or value <= 0:
         calls = " or a callable that gives it from a call's arguments (size=len)"
-        raise ConfigurationError(
-            f"size={size!r}: a task's input size must be a positive, finite number "
-            "(tokens, rows, bytes: one unit for every task of the key)"
-            f"{calls if callable_ok else ''}."
-        )
+        raise ConfigurationError(f"size={size!r}: {_SIZE_RULE}{calls if callable_ok else ''}.")
     return value
 
 
@@ -287,10 +290,9 @@ def size_of_calls(
         if not math.isfinite(number) or number <= 0:
             raise ConfigurationError(
                 f"size={name} returned {truncate_text(repr(value), 80)} for this call"
-                f"{where}; the task was not submitted. A task's input size must be a "
-                "positive, finite number (tokens, rows, bytes: one unit for every task of "
-                "the key); return None for a call with no size, which is then priced by its "
-                "key's measurements."
+                f"{where}; the task was not submitted. {_SIZE_RULE[0].upper()}{_SIZE_RULE[1:]}; "
+                "return None for a call with no size, which is then priced by its key's "
+                "measurements."
             )
         found = number if found is None else max(found, number)
     return found
@@ -314,8 +316,7 @@ def task_options(
             non-empty str of at most 1000 characters, ``size`` is not a positive, finite
             number (or a callable where that is allowed), ``timeout_s`` is not a positive,
             finite number of seconds, or ``label`` is not a non-empty str of at most 200
-            characters without control
-            characters.
+            characters without control characters.
     """
     hint_bytes = (
         None
