@@ -326,6 +326,11 @@ def test_cancelling_a_task_its_node_holds_back_cancels_it_in_the_pool(
     assert not list(tmp_path.glob("started-1-*"))
 
 
+# Two executors, each of which may wait out a killed node's close (Ray notices a dead node
+# within its own heartbeat timeout; a node's close is waited for up to
+# DEFAULT_SHUTDOWN_TIMEOUT_S + 60 s): under a CPU hog on each core the module's 180 s guard
+# against a hang was reached once in four whole-suite runs, waiting in a node's close.
+@pytest.mark.timeout(420)
 def test_a_node_killed_mid_run_fails_or_retries_only_its_tasks(
     cluster: Cluster, tmp_path: Path
 ) -> None:
