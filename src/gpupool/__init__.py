@@ -10,9 +10,10 @@
 Heavy modules (the pool, which imports multiprocessing; the sensors, which import
 pynvml) load on first use, so ``import gpupool`` stays cheap and never
 touches a driver. So do the records only the pool's parent side uses (the
-census, the bound, the decisions, the asks, the progress helper) and the two
-errors that are also a ``BrokenProcessPool``: a worker, which imports this
-package first, does not load them.
+census, the bound, the decisions, the asks, the progress helper), the two
+errors that are also a ``BrokenProcessPool``, and the sensor interface and its
+records: a worker, which imports this package first, does not load them (one
+without a device never loads :mod:`dataclasses`).
 
 The records the pool returns (:class:`Census`, :class:`CardCensus`,
 :class:`HostCensus`, :class:`Decision`, :class:`Bound`, :class:`Ceiling`,
@@ -39,7 +40,6 @@ from gpupool._errors import (
     TaskTimeoutError,
     WidthError,
 )
-from gpupool._sensors.base import DeviceInfo, MemoryReading, ProcessReading, Sensor
 
 if TYPE_CHECKING:
     from gpupool._broken import InitializerError, WorkerLostError, WorkerProtocolError
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from gpupool._core.policy import Ask
     from gpupool._observe.progress import track
     from gpupool._pool.executor import GpuPoolExecutor, PoolStatistics, TaskOptions
+    from gpupool._sensors.base import Sensor
+    from gpupool._sensors.readings import DeviceInfo, MemoryReading, ProcessReading
 
 __version__ = "0.1.0"
 
@@ -94,16 +96,6 @@ __all__ = [
     "track",
 ]
 
-# The lazy ones set theirs where they are defined.
-for _public in (
-    DeviceInfo,
-    MemoryReading,
-    ProcessReading,
-    Sensor,
-):
-    _public.__module__ = __name__
-del _public
-
 _LAZY = {
     "Ask": "gpupool._core.policy",
     "Bound": "gpupool._core.bound",
@@ -121,6 +113,11 @@ _LAZY = {
     "GpuPoolExecutor": "gpupool._pool.executor",
     "PoolStatistics": "gpupool._pool.executor",
     "TaskOptions": "gpupool._pool.executor",
+    # A sensor's interface and records: a worker without a device loads neither.
+    "DeviceInfo": "gpupool._sensors.readings",
+    "MemoryReading": "gpupool._sensors.readings",
+    "ProcessReading": "gpupool._sensors.readings",
+    "Sensor": "gpupool._sensors.base",
     # Also BrokenProcessPool: their base's module is loaded with them, not by a worker.
     "InitializerError": "gpupool._broken",
     "WorkerLostError": "gpupool._broken",

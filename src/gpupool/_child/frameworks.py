@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -150,12 +149,14 @@ def read_held_bytes(*, leave_out: str | None = None) -> int:
 # -- torch's peak, kept across the task's own resets ------------------------------------------
 
 
-@dataclass(slots=True)
 class _Folded:
     """torch's reserved peak as it stood before each reset since the window opened."""
 
-    peak_bytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    __slots__ = ("lock", "peak_bytes")
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self.lock = threading.Lock()
 
 
 _FOLDED = _Folded()

@@ -56,7 +56,6 @@ import importlib.util
 import re
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpupool._child.frameworks import (
@@ -66,7 +65,7 @@ from gpupool._child.frameworks import (
     initialised_torch_cuda,
     read_held_bytes,
 )
-from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch, tree_sensor
+from gpupool._child.probe_tree import TREE_SAMPLE_INTERVAL_S, TreeWatch
 from gpupool._core.contexts import (
     CONTEXT_ESTIMATE_BYTES,
     CONTEXT_PLAUSIBLE_MAX_BYTES,
@@ -74,14 +73,13 @@ from gpupool._core.contexts import (
 )
 from gpupool._core.peak import PeakReport
 from gpupool._core.units import MiB, format_size, parse_size
-from gpupool._sensors.base import Sensor
 from gpupool._sensors.process import read_rss_high_water
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from gpupool._child.probe_tree import TreeSensor
-    from gpupool._sensors.base import DeviceInfo
+    from gpupool._child.tree_sensor import TreeSensor
+    from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = [
     "ALLOCATOR_CAP_NOTE",
@@ -391,24 +389,40 @@ def read_allocator_cap_message(message: bytes | bytearray) -> int | None:
     return int(digits)
 
 
-@dataclass(slots=True)
 class _CapState:
-    ask_bytes: int | None = None
-    hooked: bool = False
-    fraction: float | None = None
-    total_bytes: int | None = None
-    error: str | None = None
-    # What this process holds outside the frameworks, as its probe last measured it
-    # (None: never measured, the estimate stands in), and what the cap last left out.
-    context_bytes: int | None = None
-    outside_bytes: int | None = None
-    # What the worker's descendants hold now, by the probe's last reading of the tree's rows
-    # (0 where none was read: rows hidden leave them out, and the cap cannot see them).
-    descendant_bytes: int = 0
-    # The context this worker is priced at until its own row is read, and where it comes
-    # from (set_context_estimate: the pool tells it at the worker's start).
-    estimate_bytes: int = CONTEXT_ESTIMATE_BYTES
-    estimate_source: str = DEFAULT_SOURCE
+    """The allocator cap's state in this process (one, :data:`_CAP`)."""
+
+    __slots__ = (
+        "ask_bytes",
+        "context_bytes",
+        "descendant_bytes",
+        "error",
+        "estimate_bytes",
+        "estimate_source",
+        "fraction",
+        "hooked",
+        "outside_bytes",
+        "total_bytes",
+    )
+
+    def __init__(self) -> None:
+        self.ask_bytes: int | None = None
+        self.hooked = False
+        self.fraction: float | None = None
+        self.total_bytes: int | None = None
+        self.error: str | None = None
+        # What this process holds outside the frameworks, as its probe last measured it
+        # (None: never measured, the estimate stands in), and what the cap last left out.
+        self.context_bytes: int | None = None
+        self.outside_bytes: int | None = None
+        # What the worker's descendants hold now, by the probe's last reading of the tree's
+        # rows (0 where none was read: rows hidden leave them out, and the cap cannot see
+        # them).
+        self.descendant_bytes = 0
+        # The context this worker is priced at until its own row is read, and where it
+        # comes from (set_context_estimate: the pool tells it at the worker's start).
+        self.estimate_bytes = CONTEXT_ESTIMATE_BYTES
+        self.estimate_source = DEFAULT_SOURCE
 
 
 _CAP = _CapState()
@@ -580,7 +594,11 @@ class Probe:
     ) -> None:
         # The worker's bytes are its process tree's: see gpupool._child.probe_tree.
         self._tree = TreeWatch(pid)
-        self._sensor = tree_sensor(sensor, self._tree) if sensor is not None else None
+        self._sensor: TreeSensor | None = None
+        if sensor is not None:  # a worker without a device never loads a sensor's module
+            from gpupool._child.tree_sensor import tree_sensor
+
+            self._sensor = tree_sensor(sensor, self._tree)
         self._device = device
         self._device_index = device_index
         self._pid = pid
@@ -615,11 +633,7 @@ class Probe:
         self._since_s = 0.0
         # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
         # window is sampled.
-        sensor = self._sensor
-        self._exact = (
-            sensor is None
-            or type(sensor).read_process_peak_bytes is not Sensor.read_process_peak_bytes
-        )
+        self._exact = self._sensor is None or self._sensor.exact
 
     def resident_bytes(self) -> int | None:
         """This process's device bytes now (one per-process reading, no task window).

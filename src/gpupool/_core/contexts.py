@@ -23,9 +23,8 @@ cannot raise it either (two colluding users can, to at most
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpupool._core.units import GiB, MiB, format_size
 
@@ -68,8 +67,7 @@ DEFAULT_SOURCE = "estimated (default)"
 _VERSION = 1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ContextRecord:
+class ContextRecord(NamedTuple):
     """The largest context one user's pools measured on one card model.
 
     Attributes:
@@ -93,8 +91,7 @@ class ContextRecord:
         return f"uid {self.uid} ({self.program}, pool {self.pool})"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ContextEstimate:
+class ContextEstimate(NamedTuple):
     """The context a worker of a card is priced at where its own row cannot be read.
 
     Attributes:
@@ -165,6 +162,8 @@ def parse_context_file(data: bytes, *, uid: int) -> tuple[dict[str, ContextRecor
     """
     if len(data) > MAX_CONTEXT_FILE_BYTES:
         raise ValueError(f"it holds more than {MAX_CONTEXT_FILE_BYTES} bytes")
+    import json  # a worker imports this module for its figures, never to read a file
+
     try:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -201,6 +200,8 @@ def format_context_file(entries: dict[str, ContextRecord]) -> bytes:
         }
         for model, record in sorted(entries.items())[:MAX_MODELS]
     }
+    import json
+
     return json.dumps({"version": _VERSION, "models": models}, indent=1).encode() + b"\n"
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["PeakReport"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeakReport:
+class PeakReport(NamedTuple):
     """One task's peaks, as its child process measured them.
+
+    A named tuple, not a dataclass, so that a worker's start does not load
+    :mod:`dataclasses` (and the :mod:`inspect` it imports): it travels as its
+    values, in field order (:mod:`gpupool._pool.wire`). Build one by keyword.
 
     Attributes:
         device: the pool's device index the child is pinned to, or ``None``.

@@ -20,7 +20,7 @@ a guess: the task then reports what other sources measured, or no peak.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpupool._core.units import MiB
 
@@ -49,8 +49,7 @@ IMPOSSIBLE_PIDS = frozenset({0, 0xFFFFFFFF})
 MAX_REJECTIONS = 8
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TreeRows:
+class TreeRows(NamedTuple):
     """One reading of a device, judged for one process tree.
 
     Attributes:

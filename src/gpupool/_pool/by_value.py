@@ -40,7 +40,6 @@ as the standard pool's workers keep it) (:func:`_main_setstate`).
 
 from __future__ import annotations
 
-import ast
 import functools
 import io
 import itertools
@@ -50,7 +49,10 @@ import sys
 import types
 import weakref
 from collections import ChainMap
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import ast
 
 __all__ = [
     "adopt_main_namespace",
@@ -166,6 +168,8 @@ def _script_outline(main: types.ModuleType) -> tuple[frozenset[str], tuple[tuple
     """What the script ``main`` binds outside its main guards, and the lines those guards
     span (first, last), read once from its source; nothing where its workers do not import
     it or the source cannot be read."""
+    import ast  # the parent reads its script once; a worker never does
+
     global _outline
     if _outline is not None and _outline[0] is main:
         return _outline[1]
@@ -191,6 +195,8 @@ def _script_outline(main: types.ModuleType) -> tuple[frozenset[str], tuple[tuple
 def _guard_lines(body: list[ast.stmt]) -> list[tuple[int, int]]:
     """The lines each ``if __name__ == "__main__":`` block of ``body`` spans (not inside a
     function or class: those are not the script's top level)."""
+    import ast
+
     spans: list[tuple[int, int]] = []
     for node in body:
         if isinstance(node, ast.If) and _is_main_guard(node.test):
@@ -209,6 +215,8 @@ def _guard_lines(body: list[ast.stmt]) -> list[tuple[int, int]]:
 
 def _bound_names(body: list[ast.stmt]) -> frozenset[str]:
     """The names ``body`` binds when run as ``__mp_main__`` (a guard's body is skipped)."""
+    import ast
+
     names: set[str] = set()
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -233,6 +241,8 @@ def _bound_names(body: list[ast.stmt]) -> frozenset[str]:
 
 def _is_main_guard(test: ast.expr) -> bool:
     """``__name__ == "__main__"`` (either way round)."""
+    import ast
+
     if not isinstance(test, ast.Compare) or len(test.ops) != 1:
         return False
     if not isinstance(test.ops[0], ast.Eq):

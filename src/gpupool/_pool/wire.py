@@ -42,14 +42,12 @@ cannot pass for an answer: they break a frame's envelope, or the frame after.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import io
-import operator
 import os
 import pickle
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpupool._core.peak import PeakReport
 from gpupool._pool.channel import _LARGE, _SMALL, drop_written, frame_header
@@ -96,17 +94,17 @@ _WORKER_KINDS = frozenset({"ready", "init"})
 _QUOTE_BYTES = 32
 
 #: A task's report travels as the values of these fields of :class:`PeakReport`, in order.
-_REPORT_FIELDS = tuple(field.name for field in dataclasses.fields(PeakReport))
-#: A task's report as the worker sends it: its fields' values, in order.
-report_values: Callable[[PeakReport], tuple[Any, ...]] = operator.attrgetter(*_REPORT_FIELDS)
+_REPORT_FIELDS = PeakReport._fields
+#: A task's report as the worker sends it: its fields' values, in order (a plain tuple,
+#: which the header's unpickler takes, not the named one).
+report_values: Callable[[PeakReport], tuple[Any, ...]] = tuple
 
 
 class ProtocolFault(Exception):
     """What a worker sent is not the answer the parent waits for; the message says what came."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Answer:
+class Answer(NamedTuple):
     """One answer, as parsed: who sent it, about which task, and its payload (a view).
     ``report`` is a worker's (``ready``, ``init``), ``peak`` a task's report."""
 
@@ -225,7 +223,7 @@ def _peak_report(frame: bytearray, values: object) -> PeakReport:
             f"{describe(frame)}: not an answer (its report is not a tuple of the "
             f"{len(_REPORT_FIELDS)} fields of a task's report: {values!r:.80})"
         )
-    return PeakReport(**dict(zip(_REPORT_FIELDS, values, strict=True)))
+    return PeakReport._make(values)
 
 
 def check_answer(answer: Answer, *, worker_pid: int, ready: bool, running: int | None) -> None:

@@ -182,3 +182,6 @@ class Sensor:
     def close(self) -> None:
         """Release what the sensor holds (NVML's handle). Idempotent."""
         return None
+
+
+Sensor.__module__ = "gpupool"  # public as gpupool.Sensor

@@ -75,3 +75,7 @@ class ProcessReading:
     pid: int
     used_bytes: int | None
     name: str | None = None
+
+
+# Public as gpupool.DeviceInfo, ...: documentation, reprs and pickles name that path.
+DeviceInfo.__module__ = MemoryReading.__module__ = ProcessReading.__module__ = "gpupool"
