@@ -12,7 +12,6 @@ functions, so it imports before ``src/`` is on ``sys.path``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import select
@@ -554,6 +553,6 @@ def break_probe() -> None:
         report = original(self, **kwargs)
         if report.device_peak_bytes is None:
             return report
-        return dataclasses.replace(report, device_peak_bytes=report.device_peak_bytes // 4)
+        return report._replace(device_peak_bytes=report.device_peak_bytes // 4)
 
     _probe.Probe.stop = stop  # type: ignore[method-assign]

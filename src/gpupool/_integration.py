@@ -44,9 +44,14 @@ def check_pool_keywords(keywords: Mapping[str, Any]) -> None:
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with dataclasses and mappings turned into dicts, tuples into lists."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    """``value`` with dataclasses, records (named tuples and the sensor's readings: their
+    ``_asdict``) and mappings turned into dicts, tuples into lists."""
+    if isinstance(value, type):
+        return value
+    if dataclasses.is_dataclass(value):
         return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "_asdict", None)):
+        return jsonable(value._asdict())
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -52,8 +52,9 @@ def _where(path: str) -> Iterator[dict[str, Any]]:
 
 #: Modules a worker loads only when a task needs them: cloudpickle (a call, result or
 #: exception that goes by value), the standard pool's module and what comes with it
-#: (concurrent.futures, logging, traceback), the errors that are a BrokenProcessPool, and
-#: pathlib (the probe and the sensors read ``/proc`` without it).
+#: (concurrent.futures, logging, traceback), the errors that are a BrokenProcessPool,
+#: pathlib (the probe and the sensors read ``/proc`` without it), and dataclasses with the
+#: inspect and ast it loads (the worker's records are written out: most of its imports).
 ON_FIRST_USE = (
     "cloudpickle",
     "concurrent.futures",
@@ -61,6 +62,9 @@ ON_FIRST_USE = (
     "traceback",
     "gpupool._broken",
     "pathlib",
+    "dataclasses",
+    "inspect",
+    "ast",
 )
 
 
@@ -104,6 +108,19 @@ def test_an_initializer_that_raises_where_nothing_imports_is_the_pools_cause() -
     assert isinstance(error, InitializerError), repr(error)
     assert isinstance(error.__cause__, ValueError), repr(error.__cause__)
     assert str(error.__cause__) == "raised with sys.path emptied"
+
+
+def test_a_worker_without_a_device_loads_no_sensor() -> None:
+    """A worker on the host path (no card) loads neither a sensor's interface, its records,
+    the tree's sensor view, nor json (the contexts file is the parent's to read)."""
+    sensor_side = (
+        "gpupool._sensors.base",
+        "gpupool._sensors.readings",
+        "gpupool._child.tree_sensor",
+        "json",
+    )
+    with GpuPoolExecutor(max_workers=1) as ex:
+        assert ex.submit(start_tasks.loaded, sensor_side).result() == []
 
 
 @pytest.mark.parametrize("path", ["card", "host"])

@@ -23,7 +23,6 @@ import fcntl
 import os
 import stat
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpupool._sensors.ancestry import read_parent_pid
@@ -114,19 +113,28 @@ def _start_token_psutil(pid: int) -> str | None:
         return None
 
 
-@dataclass
 class RowChecks:
     """The checks of :mod:`gpupool._sensors.booking_rows`, with what they learned, for
-    ``own_pid`` (alive, owned by ``own_uid``; ``start_token`` gives ``None`` for a dead PID)."""
+    ``own_pid`` (alive, owned by ``own_uid``, this process's effective uid by default;
+    ``start_token`` gives ``None`` for a dead PID)."""
 
-    start_token: Callable[[int], str | None]
-    own_pid: int
-    own_start: str
-    own_uid: int = field(default_factory=os.geteuid)
-    _workers: set[tuple[int, str, int]] = field(default_factory=set)
-    # Rows (by identity: a row parsed once is met again while its file's text is unchanged)
-    # whose own terms and workers passed, for the card total they were checked against.
-    _formed: dict[int, tuple[PoolBooking, int | None]] = field(default_factory=dict)
+    def __init__(
+        self,
+        *,
+        start_token: Callable[[int], str | None],
+        own_pid: int,
+        own_start: str,
+        own_uid: int | None = None,
+    ) -> None:
+        self.start_token = start_token
+        self.own_pid = own_pid
+        self.own_start = own_start
+        self.own_uid = os.geteuid() if own_uid is None else own_uid
+        self._workers: set[tuple[int, str, int]] = set()
+        # Rows (by identity: a row parsed once is met again while its file's text is
+        # unchanged) whose own terms and workers passed, for the card total they were
+        # checked against.
+        self._formed: dict[int, tuple[PoolBooking, int | None]] = {}
 
     def keep(
         self,

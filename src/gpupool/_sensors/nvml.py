@@ -26,7 +26,6 @@ import functools
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -259,7 +258,7 @@ class NvmlSensor(Sensor):
                 raise _translate(exc, f"reading device {index} (nvmlDeviceGetMigMode)") from exc
             handles[uuid] = handle
             error = _failed("nvmlDeviceGetMigMode", exc, "tell whether it is in MIG mode")
-            return [replace(card, error=error)]
+            return [card.replace(error=error)]
         if not mig:
             handles[uuid] = handle
             return [card]
@@ -504,16 +503,16 @@ def _mig_instance(
     lib: ModuleType, card: DeviceInfo, mig_index: int, handle: Any, handles: dict[str, Any]
 ) -> DeviceInfo:
     """One MIG instance of ``card``; a failing call becomes the instance's ``error``."""
-    instance = replace(card, uuid="", mig=True, mig_index=mig_index, parent_uuid=card.uuid)
+    instance = card.replace(uuid="", mig=True, mig_index=mig_index, parent_uuid=card.uuid)
     try:
         uuid = _text(lib.nvmlDeviceGetUUID(handle))
     except lib.NVMLError as exc:
-        return replace(
-            instance, error=_failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
+        return instance.replace(
+            error=_failed("nvmlDeviceGetUUID", exc, "identify this MIG instance")
         )
     try:
         name = _text(lib.nvmlDeviceGetName(handle))
     except lib.NVMLError:
         name = card.name
     handles[uuid] = handle
-    return replace(instance, uuid=uuid, name=name)
+    return instance.replace(uuid=uuid, name=name)

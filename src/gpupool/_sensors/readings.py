@@ -6,13 +6,71 @@ grammar the base uses, reads devices without importing the base.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["DeviceInfo", "MemoryReading", "ProcessReading"]
 
+_R = TypeVar("_R", bound="_Reading")
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceInfo:
+
+class _Reading:
+    """A frozen record of named fields (its ``__slots__``, in order), built by keyword.
+
+    Written out rather than made with :mod:`dataclasses`, whose import (with the
+    :mod:`inspect` it loads) would be most of a worker's start on a card: equal where
+    their class and values are, hashable, immutable, pickled as their values, and
+    printed as they are built."""
+
+    __slots__: ClassVar[tuple[str, ...]] = ()
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen: cannot assign to {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen: cannot delete {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Reading) or other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__qualname__}({fields})"
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self._values()
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            object.__setattr__(self, name, value)
+
+    def replace(self: _R, **changes: Any) -> _R:
+        """A copy with ``changes`` (fields by name) made; also ``copy.replace`` (Python 3.13)."""
+        values = self._asdict()
+        unknown = sorted(set(changes) - set(values))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field {', '.join(unknown)}")
+        return type(self)(**{**values, **changes})
+
+    __replace__ = replace
+
+    def _asdict(self) -> dict[str, Any]:
+        """The fields and their values, in order (as a named tuple's ``_asdict``)."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+
+class DeviceInfo(_Reading):
     """A device as the driver names it.
 
     Attributes:
@@ -29,17 +87,39 @@ class DeviceInfo:
             and cannot be used, since children are pinned by UUID.
     """
 
+    __slots__ = ("index", "uuid", "name", "mig", "mig_index", "parent_uuid", "error")  # noqa: RUF023 (the fields, in order)
+    __match_args__ = ("index", "uuid", "name", "mig", "mig_index", "parent_uuid", "error")
     index: int
     uuid: str
     name: str
-    mig: bool = False
-    mig_index: int | None = None
-    parent_uuid: str | None = None
-    error: str | None = None
+    mig: bool
+    mig_index: int | None
+    parent_uuid: str | None
+    error: str | None
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        uuid: str,
+        name: str,
+        mig: bool = False,
+        mig_index: int | None = None,
+        parent_uuid: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        self._set(
+            index=index,
+            uuid=uuid,
+            name=name,
+            mig=mig,
+            mig_index=mig_index,
+            parent_uuid=parent_uuid,
+            error=error,
+        )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryReading:
+class MemoryReading(_Reading):
     """A device's memory right now.
 
     Attributes:
@@ -53,6 +133,22 @@ class MemoryReading:
         source: ``"nvml-v2"``, ``"nvml-v1"``, ``"meminfo"``, ``"simulator"``.
     """
 
+    __slots__ = (  # noqa: RUF023 (the fields, in order)
+        "total_bytes",
+        "free_bytes",
+        "used_bytes",
+        "reserved_bytes",
+        "unified",
+        "source",
+    )
+    __match_args__ = (
+        "total_bytes",
+        "free_bytes",
+        "used_bytes",
+        "reserved_bytes",
+        "unified",
+        "source",
+    )
     total_bytes: int
     free_bytes: int
     used_bytes: int
@@ -60,9 +156,27 @@ class MemoryReading:
     unified: bool
     source: str
 
+    def __init__(
+        self,
+        *,
+        total_bytes: int,
+        free_bytes: int,
+        used_bytes: int,
+        reserved_bytes: int | None,
+        unified: bool,
+        source: str,
+    ) -> None:
+        self._set(
+            total_bytes=total_bytes,
+            free_bytes=free_bytes,
+            used_bytes=used_bytes,
+            reserved_bytes=reserved_bytes,
+            unified=unified,
+            source=source,
+        )
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProcessReading:
+
+class ProcessReading(_Reading):
     """One process's device bytes, as the driver lists them.
 
     ``used_bytes`` is ``None`` where the driver does not say (Windows WDDM,
@@ -72,9 +186,14 @@ class ProcessReading:
     holds at least its context).
     """
 
+    __slots__ = ("pid", "used_bytes", "name")  # noqa: RUF023 (the fields, in order)
+    __match_args__ = ("pid", "used_bytes", "name")
     pid: int
     used_bytes: int | None
-    name: str | None = None
+    name: str | None
+
+    def __init__(self, *, pid: int, used_bytes: int | None, name: str | None = None) -> None:
+        self._set(pid=pid, used_bytes=used_bytes, name=name)
 
 
 # Public as gpupool.DeviceInfo, ...: documentation, reprs and pickles name that path.

@@ -1,0 +1,100 @@
+"""A sensor's readings (gpupool.DeviceInfo, MemoryReading, ProcessReading) behave as frozen
+records: built by keyword, equal by value, hashable, immutable, pickled and printed by their
+public path, matched by field, and turned into JSON by field name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpupool import DeviceInfo, MemoryReading, ProcessReading
+from gpupool._integration import jsonable
+
+sizes = st.integers(min_value=0, max_value=2**50)
+maybe = st.none() | sizes
+names = st.text(max_size=12)
+
+readings = st.one_of(
+    st.builds(
+        DeviceInfo,
+        index=st.integers(0, 64),
+        uuid=names,
+        name=names,
+        mig=st.booleans(),
+        mig_index=st.none() | st.integers(0, 7),
+        parent_uuid=st.none() | names,
+        error=st.none() | names,
+    ),
+    st.builds(
+        MemoryReading,
+        total_bytes=sizes,
+        free_bytes=sizes,
+        used_bytes=sizes,
+        reserved_bytes=maybe,
+        unified=st.booleans(),
+        source=names,
+    ),
+    st.builds(ProcessReading, pid=st.integers(1, 2**22), used_bytes=maybe, name=st.none() | names),
+)
+
+
+def _fields(reading: Any) -> dict[str, Any]:
+    return {name: getattr(reading, name) for name in type(reading).__match_args__}
+
+
+@given(readings)
+def test_a_reading_is_a_value(reading: Any) -> None:
+    """Equal to a copy, a deep copy, a pickle's round trip and a rebuild from its fields
+    (and so hashed alike); printed as it is built; its JSON names each field."""
+    rebuilt = type(reading)(**_fields(reading))
+    for twin in (
+        rebuilt,
+        copy.copy(reading),
+        copy.deepcopy(reading),
+        pickle.loads(pickle.dumps(reading)),
+    ):
+        assert twin == reading
+        assert hash(twin) == hash(reading)
+    assert eval(repr(reading), {type(reading).__name__: type(reading)}) == reading
+    assert reading.replace() == reading
+    assert reading.replace(**_fields(rebuilt)) == reading
+    assert json.loads(json.dumps(jsonable(reading))) == _fields(reading)
+
+
+def test_readings_are_frozen_built_by_keyword_and_named_by_their_public_path() -> None:
+    reading = ProcessReading(pid=7, used_bytes=None)
+    with pytest.raises(AttributeError, match="ProcessReading is frozen: cannot assign to 'pid'"):
+        reading.pid = 8  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="frozen"):
+        del reading.name  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        reading.other = 1  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        ProcessReading(7, None)  # type: ignore[call-arg]
+    assert reading != (7, None, None)
+    assert reading != ProcessReading(pid=7, used_bytes=0)
+    assert b"gpupool\x94\x8c\x0eProcessReading" in pickle.dumps(reading, protocol=4)
+    match MemoryReading(
+        total_bytes=8, free_bytes=3, used_bytes=5, reserved_bytes=None, unified=False, source="x"
+    ):
+        case MemoryReading(total, free):
+            assert (total, free) == (8, 3)
+
+
+def test_replace_changes_the_fields_named_and_refuses_others() -> None:
+    card = DeviceInfo(index=0, uuid="GPU-a", name="card")
+    instance = card.replace(uuid="MIG-b", mig=True, mig_index=1, parent_uuid=card.uuid)
+    assert instance == DeviceInfo(
+        index=0, uuid="MIG-b", name="card", mig=True, mig_index=1, parent_uuid="GPU-a"
+    )
+    assert card.uuid == "GPU-a"  # the original is unchanged
+    with pytest.raises(TypeError, match="DeviceInfo has no field colour"):
+        card.replace(colour="red")
+    if hasattr(copy, "replace"):  # Python 3.13's protocol
+        assert copy.replace(card, name="other") == card.replace(name="other")
