@@ -112,3 +112,25 @@ def test_a_size_callable_that_fails_fails_its_task_alone_and_leaves_nothing_pend
                 chunksize=2,
             )
             assert list(chunked) == [0, 1, 2, 3, 4]
+
+
+def test_a_size_may_be_a_zero_dimensional_array_or_tensor() -> None:
+    """``size=`` a 0-d numpy array or torch tensor (what ``batch.sum()`` returns), as a value
+    or from a callable, is its one number; a 0-d array of a bool or of NaN, or one with more
+    than one number, is refused as any other bad size is."""
+    np = pytest.importorskip("numpy", reason="numpy is the array library users size by")
+    torch = pytest.importorskip("torch", reason="the test session installs torch")
+    from gpupool._pool.executor import check_size, size_of_calls
+
+    for zero_d in (np.array(3), np.array(2.5), torch.tensor(4), torch.tensor([2.0, 3.0]).sum()):
+        assert check_size(zero_d) == float(zero_d.item())
+        assert size_of_calls(lambda batch: batch.sum(), [((zero_d,), {})]) == float(zero_d)
+    for bad in (np.array(True), np.array(float("nan")), np.array([1, 2]), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ConfigurationError, match="positive, finite number"):
+            check_size(bad)
+    with gt.SimulatedHost([gt.SimulatedDevice("8GiB")], cpus=4, host_ram="16GiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+            sized = ex.map(
+                sized_tasks.hold_for_size, range(3), [0.1] * 3, size=lambda i, s: np.array(i + 1)
+            )
+            assert list(sized) == [0, 1, 2]
