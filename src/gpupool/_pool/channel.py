@@ -33,7 +33,14 @@ import socket
 import struct
 from typing import Any
 
-__all__ = ["SOCKET_BUFFER_BYTES", "Channel", "ChannelClosed", "ChannelCorrupt", "size_buffers"]
+__all__ = [
+    "SOCKET_BUFFER_BYTES",
+    "Channel",
+    "ChannelClosed",
+    "ChannelCorrupt",
+    "ChildEnd",
+    "size_buffers",
+]
 
 #: Bytes asked of one ``read`` while a frame's header or a small frame is read.
 _READ_CHUNK_BYTES = 256 * 1024
@@ -304,3 +311,28 @@ class Channel:
             quoted = bytes(head[start : start + min(size, 32)])
             raise ChannelCorrupt(f"a frame of {size} bytes beginning {quoted!r}: not an answer")
         return True
+
+
+class ChildEnd:
+    """The worker's end of its channel, as the worker is given it: the descriptor,
+    duplicated into the worker as it is spawned under its own number (as a
+    ``multiprocessing`` connection's is), without the module that defines connections
+    (``multiprocessing.connection`` loads ``tempfile``, ``shutil`` and ``random``: a few
+    milliseconds of every worker's start). The worker only reads and writes the descriptor."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_child_end, (reduction.DupFd(self.fd),))
+
+
+def _child_end(dup: Any) -> ChildEnd:
+    return ChildEnd(dup.detach())

@@ -51,10 +51,10 @@ from gpupool._pool.channel import size_buffers
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from multiprocessing.connection import Connection
 
     from gpupool._child.probe import Probe
     from gpupool._pool.acks import CellHandle
+    from gpupool._pool.channel import ChildEnd
     from gpupool._sensors.base import DeviceInfo, Sensor
 
 __all__ = ["process_chunk", "worker_main"]
@@ -354,7 +354,7 @@ def _plain_traceback(exc: BaseException) -> str:
 
 
 def worker_main(
-    conn: Connection,
+    conn: ChildEnd,
     parent_pid: int,
     device: DeviceInfo | None,
     device_index: int | None,
@@ -448,9 +448,7 @@ def worker_main(
         done += 1
 
 
-def _initialized(
-    conn: Connection, initializer: tuple[Any, tuple[Any, ...], dict[str, int]]
-) -> bool:
+def _initialized(conn: ChildEnd, initializer: tuple[Any, tuple[Any, ...], dict[str, int]]) -> bool:
     """Run the initializer; ``False`` (answered ``"init"``: the worker exits) when it raised."""
     try:
         fn, args, ids = initializer
@@ -499,7 +497,7 @@ def _encoded(result: Any, failure: BaseException | None, report: PeakReport) -> 
         return "error", _dump_exception(exc)
 
 
-def _decline(conn: Connection, message: bytearray, why: str = "") -> None:
+def _decline(conn: ChildEnd, message: bytearray, why: str = "") -> None:
     """Answer ``"declined"`` to the task frame ``message``, unrun (and unread): a task queued
     behind one that ran out of device memory, or (``why`` says what is used up) one this
     worker cannot set up."""
@@ -541,7 +539,7 @@ def _used_up(exc: BaseException) -> bool:
     return False
 
 
-def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | tuple[()] | None:
+def _read_call(conn: ChildEnd, message: bytearray) -> tuple[int, Any] | tuple[()] | None:
     """The task id and the unpickled ``(fn, args, kwargs)`` of a task frame; ``()`` when it
     could not be read (answered as ``"unpickle"``: the task never ran); ``None`` when this
     worker had no descriptor or memory left to read it (answered ``"declined"``: the task
@@ -567,7 +565,7 @@ def _read_call(conn: Connection, message: bytearray) -> tuple[int, Any] | tuple[
 
 
 def _start(
-    conn: Connection,
+    conn: ChildEnd,
     parent_pid: int,
     initializer: tuple[Any, tuple[Any, ...], dict[str, int]] | None,
     device: DeviceInfo | None,
@@ -605,7 +603,7 @@ def _start(
 
 
 def _answer(
-    conn: Connection,
+    conn: ChildEnd,
     task_id: int,
     kind: str,
     report: dict[str, Any] | tuple[Any, ...] | None,

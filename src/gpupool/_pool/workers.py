@@ -28,7 +28,7 @@ from gpupool._observe.log import LOGGER
 from gpupool._pool import wire
 from gpupool._pool.acks import ACK_BOUND_S, CellHandle, ReadCell
 from gpupool._pool.by_value import sender_ids
-from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt
+from gpupool._pool.channel import Channel, ChannelClosed, ChannelCorrupt, ChildEnd
 from gpupool._pool.launch import StartDataError, WorkerProcess
 from gpupool._pool.reaper import (
     POLL_WITHOUT_PIDFD_S,
@@ -317,7 +317,7 @@ class WorkerSet:
         process = WorkerProcess(
             target=worker_main,
             args=(
-                child_conn,
+                ChildEnd(child_conn.fileno()),
                 os.getpid(),
                 info,
                 card,
