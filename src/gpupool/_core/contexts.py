@@ -21,7 +21,8 @@ cannot raise it either (two colluding users can, to at most
 :data:`CONTEXT_PLAUSIBLE_MAX_BYTES`).
 """
 
-from __future__ import annotations
+# No postponed annotations here: a named tuple's string annotations are compiled as it is made,
+# which a worker would pay at every start.
 
 import math
 from typing import NamedTuple

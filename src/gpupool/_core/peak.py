@@ -1,6 +1,7 @@
 """What a child reports about one task: its peaks and how each was measured (pure core)."""
 
-from __future__ import annotations
+# No postponed annotations here: a named tuple's string annotations are compiled as it is made,
+# which a worker would pay at every start.
 
 from typing import NamedTuple
 

@@ -17,7 +17,8 @@ to the decision log. A reading that is not a measurement is never replaced by
 a guess: the task then reports what other sources measured, or no peak.
 """
 
-from __future__ import annotations
+# No postponed annotations here: a named tuple's string annotations are compiled as it is made,
+# which a worker would pay at every start.
 
 from collections.abc import Collection, Sequence
 from typing import NamedTuple

@@ -19,7 +19,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import tempfile
 from collections.abc import Sequence
 from multiprocessing import reduction
 from typing import Any
@@ -52,6 +51,8 @@ class ReadCell:
         if hasattr(os, "memfd_create"):
             fd = os.memfd_create("gpupool-read-cell", os.MFD_CLOEXEC)
         else:
+            import tempfile  # the pool's side only, without memfd: a worker never loads it
+
             with tempfile.TemporaryFile() as file:
                 fd = os.dup(file.fileno())
         try:
