@@ -129,6 +129,8 @@ def reap_unclaimed_zombies(claimed: Callable[[], Iterable[int]], proc: str = "/p
     found: the PIDs a waiter in this process still owns (live ``Popen`` objects,
     ``multiprocessing`` children), whose status is theirs to read.
     """
+    if not _has_exited_child():
+        return 0  # the usual case, told by one system call: no child has exited
     children = _children_of(os.getpid(), proc)
     exited = [pid for pid in children or () if _is_zombie(pid, proc)]
     if not exited:
@@ -145,6 +147,19 @@ def _is_zombie(pid: int, proc: str) -> bool:
         return False
     end = text.rfind(b")")
     return end >= 0 and text[end + 2 : end + 3] == b"Z"
+
+
+def _has_exited_child() -> bool:
+    """Whether any child of this process (any thread's) has exited and waits to be reaped, by
+    one ``waitid`` that reaps nothing; ``True`` where that cannot be asked (look)."""
+    if not _CAN_ASK_CHILDREN:
+        return True
+    try:
+        return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False  # no child at all
+    except OSError:
+        return True
 
 
 def _childless() -> bool:
