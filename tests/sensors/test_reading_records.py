@@ -98,3 +98,39 @@ def test_replace_changes_the_fields_named_and_refuses_others() -> None:
         card.replace(colour="red")
     if hasattr(copy, "replace"):  # Python 3.13's protocol
         assert copy.replace(card, name="other") == card.replace(name="other")
+
+
+class _SlottedUsage(MemoryReading):
+    """A user's own kind of reading, kept slotted as its base is."""
+
+    __slots__ = ()
+
+    def free_fraction(self) -> float:
+        return self.free_bytes / self.total_bytes
+
+
+def test_a_slotted_subclass_keeps_its_base_fields() -> None:
+    """A subclass declaring ``__slots__ = ()`` compares, hashes, prints, pickles and turns
+    into JSON by its base's fields (as when the readings were slotted dataclasses)."""
+    fields = {
+        "total_bytes": 8,
+        "free_bytes": 2,
+        "used_bytes": 6,
+        "reserved_bytes": None,
+        "unified": False,
+        "source": "x",
+    }
+    usage = _SlottedUsage(**fields)
+    other = _SlottedUsage(**{**fields, "free_bytes": 3})
+    assert usage != other
+    assert hash(usage) != hash(other) or usage._asdict() != other._asdict()
+    assert repr(usage).endswith(
+        "_SlottedUsage(total_bytes=8, free_bytes=2, used_bytes=6, reserved_bytes=None, "
+        "unified=False, source='x')"
+    )
+    twin = pickle.loads(pickle.dumps(usage))
+    assert twin == usage
+    assert twin.free_fraction() == 0.25
+    assert copy.deepcopy(usage) == usage
+    assert usage.replace(free_bytes=3) == other
+    assert jsonable(usage) == fields
