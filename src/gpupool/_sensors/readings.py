@@ -50,7 +50,9 @@ class _Reading:
     def __getstate__(self) -> tuple[Any, ...]:
         return self._values()
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
+    def __setstate__(self, state: tuple[Any, ...] | dict[str, Any]) -> None:
+        if isinstance(state, dict):  # a dataclass's without slots (its __dict__): by name
+            state = tuple(state[name] for name in self._fields)
         for name, value in zip(self._fields, state, strict=True):
             object.__setattr__(self, name, value)
 
