@@ -134,3 +134,40 @@ def test_a_size_may_be_a_zero_dimensional_array_or_tensor() -> None:
                 sized_tasks.hold_for_size, range(3), [0.1] * 3, size=lambda i, s: np.array(i + 1)
             )
             assert list(sized) == [0, 1, 2]
+
+
+class _NoShapeYet:
+    """A lazy value whose ``ndim`` cannot be read (a closed dataset, a proxy not yet bound)."""
+
+    @property
+    def ndim(self) -> int:
+        raise RuntimeError("the dataset is closed")
+
+
+class _Grid:
+    """A value whose ``ndim`` is an array: comparing it to 0 has no one truth value."""
+
+    def __init__(self) -> None:
+        self.ndim = __import__("numpy").array([0, 0])
+
+
+def test_a_size_whose_dimensions_cannot_be_read_is_refused_as_a_bad_size() -> None:
+    """A size (or a size callable's return) whose ``ndim`` raises, or is not one number, is
+    refused with a ConfigurationError as any other bad size is: through ``options(size=)``
+    at once, and from a callable as its own task's failure, the other tasks running."""
+    pytest.importorskip("numpy", reason="numpy is the array library users size by")
+    from gpupool._pool.executor import check_size, size_of_calls
+
+    for odd in (_NoShapeYet(), _Grid()):
+        with pytest.raises(ConfigurationError, match="positive, finite number"):
+            check_size(odd)
+        with pytest.raises(ConfigurationError, match="positive, finite number"):
+            size_of_calls(lambda i, s, odd=odd: odd, [((0, 0.0), {})])
+    with gt.SimulatedHost([gt.SimulatedDevice("8GiB")], cpus=4, host_ram="16GiB"):
+        with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+            with pytest.raises(ConfigurationError):
+                ex.options(size=_NoShapeYet())
+            sized = ex.options(size=lambda i, s: _NoShapeYet() if i == 1 else i + 1)
+            futures = [sized.submit(sized_tasks.hold_for_size, i, 0.05) for i in range(3)]
+            assert isinstance(futures[1].exception(timeout=60), ConfigurationError)
+            assert [futures[0].result(timeout=60), futures[2].result(timeout=60)] == [0, 2]

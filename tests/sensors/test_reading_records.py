@@ -5,8 +5,11 @@ public path, matched by field, and turned into JSON by field name."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -98,3 +101,66 @@ def test_replace_changes_the_fields_named_and_refuses_others() -> None:
         card.replace(colour="red")
     if hasattr(copy, "replace"):  # Python 3.13's protocol
         assert copy.replace(card, name="other") == card.replace(name="other")
+
+
+class _SlottedUsage(MemoryReading):
+    """A user's own kind of reading, kept slotted as its base is."""
+
+    __slots__ = ()
+
+    def free_fraction(self) -> float:
+        return self.free_bytes / self.total_bytes
+
+
+def test_a_slotted_subclass_keeps_its_base_fields() -> None:
+    """A subclass declaring ``__slots__ = ()`` compares, hashes, prints, pickles and turns
+    into JSON by its base's fields (as when the readings were slotted dataclasses)."""
+    fields = {
+        "total_bytes": 8,
+        "free_bytes": 2,
+        "used_bytes": 6,
+        "reserved_bytes": None,
+        "unified": False,
+        "source": "x",
+    }
+    usage = _SlottedUsage(**fields)
+    other = _SlottedUsage(**{**fields, "free_bytes": 3})
+    assert usage != other
+    assert hash(usage) != hash(other) or usage._asdict() != other._asdict()
+    assert repr(usage).endswith(
+        "_SlottedUsage(total_bytes=8, free_bytes=2, used_bytes=6, reserved_bytes=None, "
+        "unified=False, source='x')"
+    )
+    twin = pickle.loads(pickle.dumps(usage))
+    assert twin == usage
+    assert twin.free_fraction() == 0.25
+    assert copy.deepcopy(usage) == usage
+    assert usage.replace(free_bytes=3) == other
+    assert jsonable(usage) == fields
+
+
+def _pickled_as_dataclass(**fields: Any) -> bytes:
+    """A pickle of a plain frozen dataclass named ``gpupool.ProcessReading`` with
+    ``fields`` (its state is its ``__dict__``)."""
+    fake = types.ModuleType("gpupool")
+    made = dataclasses.make_dataclass(
+        "ProcessReading", list(fields), frozen=True, kw_only=True, namespace={}
+    )
+    made.__module__ = "gpupool"
+    fake.ProcessReading = made  # type: ignore[attr-defined]
+    real = sys.modules["gpupool"]
+    sys.modules["gpupool"] = fake
+    try:
+        return pickle.dumps(made(**fields))
+    finally:
+        sys.modules["gpupool"] = real
+
+
+def test_a_pickle_of_a_dataclass_by_the_same_path_loads_by_field_name() -> None:
+    """A pickle made where the public path named a plain frozen dataclass loads with each
+    field's value, never the fields' names; one that lacks a field is refused."""
+    loaded = pickle.loads(_pickled_as_dataclass(pid=7, used_bytes=5, name="python"))
+    assert type(loaded) is ProcessReading
+    assert loaded == ProcessReading(pid=7, used_bytes=5, name="python")
+    with pytest.raises(KeyError, match="name"):
+        pickle.loads(_pickled_as_dataclass(pid=7, used_bytes=5, other=None))

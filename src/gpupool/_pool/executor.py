@@ -1026,11 +1026,11 @@ def _real(value: object) -> float:
     """``value`` as a float where it is a real number (numpy's included, and the one number
     of a 0-d array or tensor, as ``batch.sum()`` gives; never a bool), else NaN: a number
     too large for a float is NaN too, and refused as any other bad value is."""
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        try:
+    try:  # a stranger's object: its ndim may raise, or be an array with no one truth value
+        if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
             value = value.item()  # type: ignore[attr-defined]
-        except Exception:
-            return math.nan
+    except Exception:
+        return math.nan
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return float(value)

@@ -14,7 +14,7 @@ _R = TypeVar("_R", bound="_Reading")
 
 
 class _Reading:
-    """A frozen record of named fields (its ``__slots__``, in order), built by keyword.
+    """A frozen record of named fields (its ``_fields``, in order), built by keyword.
 
     Written out rather than made with :mod:`dataclasses`, whose import (with the
     :mod:`inspect` it loads) would be most of a worker's start on a card: equal where
@@ -22,9 +22,12 @@ class _Reading:
     printed as they are built."""
 
     __slots__: ClassVar[tuple[str, ...]] = ()
+    #: The fields, in order: a record's own ``__slots__``, kept apart from them so that a
+    #: subclass that declares its own (``__slots__ = ()``) still has its base's fields.
+    _fields: ClassVar[tuple[str, ...]] = ()
 
     def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
+        return tuple(getattr(self, name) for name in self._fields)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__} is frozen: cannot assign to {name!r}")
@@ -41,14 +44,16 @@ class _Reading:
         return hash(self._values())
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
         return f"{type(self).__qualname__}({fields})"
 
     def __getstate__(self) -> tuple[Any, ...]:
         return self._values()
 
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        for name, value in zip(self.__slots__, state, strict=True):
+    def __setstate__(self, state: tuple[Any, ...] | dict[str, Any]) -> None:
+        if isinstance(state, dict):  # a dataclass's without slots (its __dict__): by name
+            state = tuple(state[name] for name in self._fields)
+        for name, value in zip(self._fields, state, strict=True):
             object.__setattr__(self, name, value)
 
     def replace(self: _R, **changes: Any) -> _R:
@@ -63,7 +68,7 @@ class _Reading:
 
     def _asdict(self) -> dict[str, Any]:
         """The fields and their values, in order (as a named tuple's ``_asdict``)."""
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self._fields}
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():
@@ -89,6 +94,7 @@ class DeviceInfo(_Reading):
 
     __slots__ = ("index", "uuid", "name", "mig", "mig_index", "parent_uuid", "error")  # noqa: RUF023 (the fields, in order)
     __match_args__ = ("index", "uuid", "name", "mig", "mig_index", "parent_uuid", "error")
+    _fields = __match_args__
     index: int
     uuid: str
     name: str
@@ -149,6 +155,7 @@ class MemoryReading(_Reading):
         "unified",
         "source",
     )
+    _fields = __match_args__
     total_bytes: int
     free_bytes: int
     used_bytes: int
@@ -188,6 +195,7 @@ class ProcessReading(_Reading):
 
     __slots__ = ("pid", "used_bytes", "name")  # noqa: RUF023 (the fields, in order)
     __match_args__ = ("pid", "used_bytes", "name")
+    _fields = __match_args__
     pid: int
     used_bytes: int | None
     name: str | None
