@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -68,19 +69,65 @@ ON_FIRST_USE = (
 )
 
 
+#: What a worker has loaded, asked in a fresh interpreter whose script is ``-c`` code: a
+#: worker imports the parent's script as its ``__mp_main__`` (pytest's own, where it was
+#: started as the ``pytest`` command), and what that script imports is no part of a worker's
+#: start. Prints, as JSON: what the first task by name found loaded, what a task by value
+#: found, and the error of a task that raises (its type, its words, its cause's words).
+_LOADED_SCRIPT = """
+import contextlib, json, sys
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[3])
+    import start_tasks
+    from gpupool import GpuPoolExecutor
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+    names = tuple(json.loads(sys.argv[2]))
+    if sys.argv[1] == "card":
+        where = SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=4, host_ram="16GiB")
+        options = {"task_peak": "1GiB"}
+    else:
+        where, options = contextlib.nullcontext(), {}
+    with where, GpuPoolExecutor(max_workers=1, **options) as ex:
+        first = ex.submit(start_tasks.loaded, names).result()
+        by_value = ex.submit(lambda: start_tasks.loaded(names)).result()
+        error = ex.submit(start_tasks.loaded, names, "no_such_module_here").exception()
+    print(json.dumps([first, by_value, [type(error).__name__, str(error), str(error.__cause__)]]))
+"""
+
+
+def _loaded_in_a_worker(path: str, names: tuple[str, ...]) -> list[Any]:
+    """:data:`_LOADED_SCRIPT`'s findings on ``path`` (``"card"`` or ``"host"``) for ``names``."""
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LOADED_SCRIPT,
+            path,
+            json.dumps(names),
+            str(Path(start_tasks.__file__).parent),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    found: list[Any] = json.loads(completed.stdout.splitlines()[-1])
+    return found
+
+
 @pytest.mark.parametrize("path", ["card", "host"])
 def test_a_worker_starts_without_what_only_some_tasks_need(path: str) -> None:
     """A worker's first task by name, with a plain result, finds none of cloudpickle,
-    concurrent.futures, logging, traceback, the BrokenProcessPool errors or pathlib loaded; a task
-    by value loads cloudpickle there, and a task that raises comes back with its traceback."""
-    with _where(path) as options, GpuPoolExecutor(max_workers=1, **options) as ex:
-        assert ex.submit(start_tasks.loaded, ON_FIRST_USE).result() == []
-        by_value = ex.submit(lambda: start_tasks.loaded(ON_FIRST_USE)).result()
-        assert "cloudpickle" in by_value
-        error = ex.submit(start_tasks.loaded, ON_FIRST_USE, "no_such_module_here").exception()
-    assert isinstance(error, ModuleNotFoundError)
-    assert "no_such_module_here" in str(error)
-    assert "start_tasks.py" in str(error.__cause__)  # the worker's traceback, as text
+    concurrent.futures, logging, traceback, the BrokenProcessPool errors, pathlib, or
+    dataclasses (with the inspect and ast it loads) loaded; a task by value loads cloudpickle
+    there, and a task that raises comes back with its traceback (in a fresh interpreter)."""
+    first, by_value, (kind, words, cause) = _loaded_in_a_worker(path, ON_FIRST_USE)
+    assert first == []
+    assert "cloudpickle" in by_value
+    assert kind == "ModuleNotFoundError"
+    assert "no_such_module_here" in words
+    assert "start_tasks.py" in cause  # the worker's traceback, as text
 
 
 @pytest.mark.parametrize("how", ["path", "files"])
@@ -112,15 +159,16 @@ def test_an_initializer_that_raises_where_nothing_imports_is_the_pools_cause() -
 
 def test_a_worker_without_a_device_loads_no_sensor() -> None:
     """A worker on the host path (no card) loads neither a sensor's interface, its records,
-    the tree's sensor view, nor json (the contexts file is the parent's to read)."""
+    the tree's sensor view, nor json (the contexts file is the parent's to read), in a fresh
+    interpreter."""
     sensor_side = (
         "gpupool._sensors.base",
         "gpupool._sensors.readings",
         "gpupool._child.tree_sensor",
         "json",
     )
-    with GpuPoolExecutor(max_workers=1) as ex:
-        assert ex.submit(start_tasks.loaded, sensor_side).result() == []
+    first, _, _ = _loaded_in_a_worker("host", sensor_side)
+    assert first == []
 
 
 @pytest.mark.parametrize("path", ["card", "host"])
