@@ -218,10 +218,8 @@ class _ExactTreeSensor(TreeSensor):
 
 
 def tree_sensor(inner: Sensor, watch: TreeWatch) -> TreeSensor:
-    """``inner`` seen as ``watch``'s tree: exact where ``inner`` keeps tree windows, else sampled.
-
-    The probe tells the two apart as it tells any sensor: by whether it
-    overrides :meth:`~gpupool._sensors.base.Sensor.read_process_peak_bytes`.
-    """
+    """``inner`` seen as ``watch``'s tree: exact where ``inner`` keeps tree windows (it
+    overrides :meth:`~gpupool._sensors.base.Sensor.read_tree_peak_bytes`), else sampled;
+    the probe reads which from :attr:`TreeSensor.exact`."""
     exact = type(inner).read_tree_peak_bytes is not Sensor.read_tree_peak_bytes
     return (_ExactTreeSensor if exact else TreeSensor)(inner, watch)

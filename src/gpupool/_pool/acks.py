@@ -20,8 +20,8 @@ import mmap
 import os
 import struct
 from collections.abc import Sequence
-from multiprocessing import reduction
-from typing import Any
+
+from gpupool._pool.channel import InheritedFd
 
 __all__ = ["ACK_BOUND_S", "ReadCell"]
 
@@ -88,24 +88,13 @@ class ReadCell:
         self._map.close()
 
 
-class CellHandle:
-    """What the worker is given: the cell's descriptor, duplicated into the worker as it is
-    spawned (as a connection's is), mapped there by :meth:`open`."""
+class CellHandle(InheritedFd):
+    """What the worker is given: the cell's descriptor, mapped there by :meth:`open`."""
 
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (reduction.DupFd(self.fd),))
+    __slots__ = ()
 
     def open(self) -> ReadCell:
         try:
             return ReadCell(self.fd)
         finally:
             os.close(self.fd)
-
-
-def _rebuild(dup: Any) -> CellHandle:
-    return CellHandle(dup.detach())

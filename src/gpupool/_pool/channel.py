@@ -39,6 +39,7 @@ __all__ = [
     "ChannelClosed",
     "ChannelCorrupt",
     "ChildEnd",
+    "InheritedFd",
     "size_buffers",
 ]
 
@@ -313,26 +314,33 @@ class Channel:
         return True
 
 
-class ChildEnd:
-    """The worker's end of its channel, as the worker is given it: the descriptor,
-    duplicated into the worker as it is spawned under its own number (as a
-    ``multiprocessing`` connection's is), without the module that defines connections
-    (``multiprocessing.connection`` loads ``tempfile``, ``shutil`` and ``random``: a few
-    milliseconds of every worker's start). The worker only reads and writes the descriptor."""
+class InheritedFd:
+    """A descriptor a worker is given: duplicated into the worker as it is spawned, under
+    its own number (as a ``multiprocessing`` connection's is), and rebuilt there as the
+    same class."""
 
     __slots__ = ("fd",)
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def fileno(self) -> int:
-        return self.fd
-
     def __reduce__(self) -> tuple[Any, ...]:
         from multiprocessing import reduction
 
-        return (_child_end, (reduction.DupFd(self.fd),))
+        return (_inherited, (type(self), reduction.DupFd(self.fd)))
 
 
-def _child_end(dup: Any) -> ChildEnd:
-    return ChildEnd(dup.detach())
+def _inherited(cls: type[InheritedFd], dup: Any) -> InheritedFd:
+    return cls(dup.detach())
+
+
+class ChildEnd(InheritedFd):
+    """The worker's end of its channel, as the worker is given it: the bare descriptor,
+    without the module that defines connections (``multiprocessing.connection`` loads
+    ``tempfile``, ``shutil`` and ``random``: a few milliseconds of every worker's start).
+    The worker only reads and writes the descriptor."""
+
+    __slots__ = ()
+
+    def fileno(self) -> int:
+        return self.fd

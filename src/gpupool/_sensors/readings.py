@@ -92,9 +92,16 @@ class DeviceInfo(_Reading):
             and cannot be used, since children are pinned by UUID.
     """
 
-    __slots__ = ("index", "uuid", "name", "mig", "mig_index", "parent_uuid", "error")  # noqa: RUF023 (the fields, in order)
-    __match_args__ = ("index", "uuid", "name", "mig", "mig_index", "parent_uuid", "error")
-    _fields = __match_args__
+    # The fields, in order, written once (slots, match arguments, the record's fields).
+    __slots__ = __match_args__ = _fields = (
+        "index",
+        "uuid",
+        "name",
+        "mig",
+        "mig_index",
+        "parent_uuid",
+        "error",
+    )
     index: int
     uuid: str
     name: str
@@ -139,7 +146,7 @@ class MemoryReading(_Reading):
         source: ``"nvml-v2"``, ``"nvml-v1"``, ``"meminfo"``, ``"simulator"``.
     """
 
-    __slots__ = (  # noqa: RUF023 (the fields, in order)
+    __slots__ = __match_args__ = _fields = (
         "total_bytes",
         "free_bytes",
         "used_bytes",
@@ -147,15 +154,6 @@ class MemoryReading(_Reading):
         "unified",
         "source",
     )
-    __match_args__ = (
-        "total_bytes",
-        "free_bytes",
-        "used_bytes",
-        "reserved_bytes",
-        "unified",
-        "source",
-    )
-    _fields = __match_args__
     total_bytes: int
     free_bytes: int
     used_bytes: int
@@ -193,9 +191,7 @@ class ProcessReading(_Reading):
     holds at least its context).
     """
 
-    __slots__ = ("pid", "used_bytes", "name")  # noqa: RUF023 (the fields, in order)
-    __match_args__ = ("pid", "used_bytes", "name")
-    _fields = __match_args__
+    __slots__ = __match_args__ = _fields = ("pid", "used_bytes", "name")
     pid: int
     used_bytes: int | None
     name: str | None

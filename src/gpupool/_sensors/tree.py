@@ -129,7 +129,7 @@ def reap_unclaimed_zombies(claimed: Callable[[], Iterable[int]], proc: str = "/p
     found: the PIDs a waiter in this process still owns (live ``Popen`` objects,
     ``multiprocessing`` children), whose status is theirs to read.
     """
-    if not _has_exited_child():
+    if not _exited_child():
         return 0  # the usual case, told by one system call: no child has exited
     children = _children_of(os.getpid(), proc)
     exited = [pid for pid in children or () if _is_zombie(pid, proc)]
@@ -149,29 +149,18 @@ def _is_zombie(pid: int, proc: str) -> bool:
     return end >= 0 and text[end + 2 : end + 3] == b"Z"
 
 
-def _has_exited_child() -> bool:
-    """Whether any child of this process (any thread's) has exited and waits to be reaped, by
-    one ``waitid`` that reaps nothing; ``True`` where that cannot be asked (look)."""
+def _exited_child() -> bool | None:
+    """This process's children (any thread's), by one ``waitid`` that reaps nothing:
+    ``None`` where it has none at all, ``False`` where none has exited, ``True`` where one
+    has exited and waits to be reaped, or where that cannot be asked (then look)."""
     if not _CAN_ASK_CHILDREN:
         return True
     try:
         return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
-        return False  # no child at all
+        return None
     except OSError:
         return True
-
-
-def _childless() -> bool:
-    """Whether this process has no child at all, running or exited and not yet reaped, by
-    one ``waitid`` that reaps nothing (any thread's children count)."""
-    try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def read_descendants(
@@ -188,7 +177,7 @@ def read_descendants(
     """
     if own is None:
         own = pid == os.getpid()
-    if _CAN_ASK_CHILDREN and own and _childless():
+    if own and _exited_child() is None:
         return ()
     root = str(proc)
     scanned: dict[int, list[int]] | None = None
