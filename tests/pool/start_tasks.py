@@ -61,3 +61,13 @@ def oom_patterns_compiled() -> bool:
     from gpupool._child import probe
 
     return probe._OOM_PATTERNS._compiled is not None
+
+
+def compiled_at_start() -> list[str]:
+    """The text this worker compiled from a string before this task ran (``compile`` audit
+    events with the file name ``<string>``: a string annotation that typing turned into a
+    forward reference, as a named tuple's are), as the ``sitecustomize`` that
+    ``tests/pool/test_worker_start.py`` puts on the worker's path recorded them."""
+    import sitecustomize  # the test's, which installed the audit hook
+
+    return list(sitecustomize.COMPILED)

@@ -54,8 +54,9 @@ def _where(path: str) -> Iterator[dict[str, Any]]:
 #: Modules a worker loads only when a task needs them: cloudpickle (a call, result or
 #: exception that goes by value), the standard pool's module and what comes with it
 #: (concurrent.futures, logging, traceback), the errors that are a BrokenProcessPool,
-#: pathlib (the probe and the sensors read ``/proc`` without it), and dataclasses with the
-#: inspect and ast it loads (the worker's records are written out: most of its imports).
+#: pathlib (the probe and the sensors read ``/proc`` without it), dataclasses with the
+#: inspect and ast it loads (the worker's records are written out: most of its imports), and
+#: numbers (what parses a size loads it: a worker parses none to start).
 ON_FIRST_USE = (
     "cloudpickle",
     "concurrent.futures",
@@ -66,6 +67,7 @@ ON_FIRST_USE = (
     "dataclasses",
     "inspect",
     "ast",
+    "numbers",
 )
 
 
@@ -155,6 +157,64 @@ def test_an_initializer_that_raises_where_nothing_imports_is_the_pools_cause() -
     assert isinstance(error, InitializerError), repr(error)
     assert isinstance(error.__cause__, ValueError), repr(error.__cause__)
     assert str(error.__cause__) == "raised with sys.path emptied"
+
+
+#: A ``sitecustomize`` that records the text typing compiles (an audit hook on ``compile``
+#: events): put on a worker's ``PYTHONPATH``, it runs before the worker
+#: imports anything of gpupool.
+_RECORD_COMPILES = """
+import os, sys
+COMPILED = []
+
+def _record(event, args):
+    # What typing compiles: a string annotation or bound made into a forward reference (a
+    # named tuple's own code, which collections compiles, is the standard library's cost).
+    if event != "compile":
+        return  # (sys._getframe is audited too: asked only here)
+    caller = sys._getframe().f_back  # none for the command line, compiled from C
+    if caller is not None and os.path.basename(caller.f_code.co_filename) == "typing.py":
+        source = args[0]
+        COMPILED.append(source.decode() if isinstance(source, bytes) else str(source))
+
+sys.addaudithook(_record)
+"""
+
+_COMPILED_SCRIPT = """
+import contextlib, json, sys
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[2])
+    import start_tasks
+    from gpupool import GpuPoolExecutor
+    from gpupool.testing import SimulatedDevice, SimulatedHost
+    if sys.argv[1] == "card":
+        where = SimulatedHost(devices=[SimulatedDevice(total="8GiB")], cpus=4, host_ram="16GiB")
+        options = {"task_peak": "1GiB"}
+    else:
+        where, options = contextlib.nullcontext(), {}
+    with where, GpuPoolExecutor(max_workers=1, env={"PYTHONPATH": sys.argv[3]}, **options) as ex:
+        print(json.dumps(ex.submit(start_tasks.compiled_at_start).result()))
+"""
+
+
+@pytest.mark.parametrize("path", ["card", "host"])
+def test_a_worker_compiles_nothing_from_a_string_to_start(path: str, tmp_path: Path) -> None:
+    """A worker's start compiles no text (a named tuple's or a typed dict's string
+    annotations, a type variable's string bound: typing compiles each as it is made, and the
+    first compile of a process costs a millisecond or more), on either path, in a fresh
+    interpreter (before: 47 strings on a card, 11 on the host)."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text(_RECORD_COMPILES)
+    tasks_dir = str(Path(start_tasks.__file__).parent)
+    completed = subprocess.run(
+        [sys.executable, "-c", _COMPILED_SCRIPT, path, tasks_dir, str(boot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert json.loads(completed.stdout.splitlines()[-1]) == []
 
 
 def test_a_worker_without_a_device_loads_no_sensor() -> None:

@@ -19,7 +19,8 @@ report counts it (``outliving_descendants``, ``outliving_device_bytes``); the
 pool kills a worker's whole tree when it retires the worker.
 """
 
-from __future__ import annotations
+# No postponed annotations here: a named tuple's string annotations are compiled as it is made,
+# which a worker would pay at every start.
 
 import gc
 import os
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpupool._core.readings import MAX_REJECTIONS
@@ -42,7 +44,6 @@ from gpupool._sensors.tree import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection, Iterable
     from pathlib import Path
 
     from gpupool._child.tree_sensor import TreeSensor
@@ -117,7 +118,7 @@ class TreeWatch:
     the ``/proc`` to read (a fake tree in tests).
     """
 
-    def __init__(self, root_pid: int, *, proc: Path | str = "/proc") -> None:
+    def __init__(self, root_pid: int, *, proc: "Path | str" = "/proc") -> None:
         self.root_pid = root_pid
         self.sensor: TreeSensor | None = None
         self._proc = str(proc)
@@ -329,7 +330,7 @@ class TreeWatch:
         self._ended = running
         return frozenset((self.root_pid, *descendants))
 
-    def close(self, device: DeviceInfo | None) -> TreeSummary:
+    def close(self, device: "DeviceInfo | None") -> TreeSummary:
         """Close the window (ending it first, see :meth:`end`, unless it was); what it saw,
         and what the task left running on ``device``."""
         if self._ended is None:

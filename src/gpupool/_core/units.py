@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import math
-import numbers
 import re
 from typing import TYPE_CHECKING
 
@@ -35,9 +35,14 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
-_SIZE_RE = re.compile(
-    r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$"
-)
+
+@functools.cache
+def _size_pattern() -> re.Pattern[str]:
+    """A size as text: a number and its unit (compiled on first use: a worker parses none)."""
+    return re.compile(
+        r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$"
+    )
+
 
 _HOW = "write a non-negative number of bytes, optionally with a unit: 6GiB, 6.5 GB, 512MiB, 7e9"
 
@@ -70,8 +75,9 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
     # Exact arithmetic: a float product can land one byte short ("8.54 GB"
     # was 8539999999), and float() overflows on a large int. The float is
     # only the finiteness check, so "1e400GiB" is refused before any exact
-    # arithmetic is asked to build a 400-digit number. (decimal loads here: a worker
-    # imports this module but parses a size only when a task ran out of memory.)
+    # arithmetic is asked to build a 400-digit number. (decimal and numbers load here: a
+    # worker imports this module but parses a size only when a task ran out of memory.)
+    import numbers
     from decimal import Decimal, localcontext
 
     number: Decimal | int
@@ -87,7 +93,7 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
             raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
         number = Decimal(real)
     elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
+        match = _size_pattern().match(value)
         unit = match.group("unit").lower() if match else ""
         if match is None or unit not in _UNITS:
             raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
@@ -125,6 +131,8 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
 
 def _shown(value: object) -> str:
     """The number of a bare size as the user wrote it (``"1.5"`` of ``1.5`` or ``"1.5 B"``)."""
+    import numbers
+
     if isinstance(value, str):
         return value.strip().rstrip("bB").strip()
     return f"{float(value):g}" if isinstance(value, numbers.Real) else str(value)

@@ -39,7 +39,8 @@ marked at both ends, means bytes another process writes into the stream
 cannot pass for an answer: they break a frame's envelope, or the frame after.
 """
 
-from __future__ import annotations
+# No postponed annotations here: a named tuple's string annotations are compiled as it is made,
+# which a worker would pay at every start.
 
 import collections
 import io

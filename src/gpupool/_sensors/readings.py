@@ -6,11 +6,15 @@ grammar the base uses, reads devices without importing the base.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 __all__ = ["DeviceInfo", "MemoryReading", "ProcessReading"]
 
-_R = TypeVar("_R", bound="_Reading")
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    # Only for the checker: a string bound is compiled as the variable is made.
+    _R = TypeVar("_R", bound="_Reading")
 
 
 class _Reading:

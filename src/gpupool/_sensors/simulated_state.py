@@ -13,7 +13,8 @@ and its descendants held together since it opened, updated under the ledger's lo
 at every allocation: exact, as a driver's accounting would be, with no sampling.
 """
 
-from __future__ import annotations
+# No postponed annotations here: a typed dict's string annotations are compiled as it is made,
+# which every process that reads the simulated ledger (a worker's sensor too) would pay.
 
 import json
 import time
