@@ -19,8 +19,7 @@ report counts it (``outliving_descendants``, ``outliving_device_bytes``); the
 pool kills a worker's whole tree when it retires the worker.
 """
 
-# No postponed annotations here: a named tuple's string annotations are compiled as it is made,
-# which a worker would pay at every start.
+from __future__ import annotations
 
 import gc
 import os
@@ -28,9 +27,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
+from gpupool._core.peak import TreeSummary
 from gpupool._core.readings import MAX_REJECTIONS
 from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.tree import (
@@ -44,6 +43,7 @@ from gpupool._sensors.tree import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Collection, Iterable
     from pathlib import Path
 
     from gpupool._child.tree_sensor import TreeSensor
@@ -61,27 +61,6 @@ TREE_SAMPLE_INTERVAL_S = 0.010
 _PARK_AFTER_S = 0.25
 #: How often a parked sampler looks whether its watch is still there.
 _PARKED_CHECK_S = 1.0
-
-
-class TreeSummary(NamedTuple):
-    """What one task window saw of the worker's tree.
-
-    Attributes:
-        descendants: processes seen under the worker during the window.
-        outliving_pids: the descendants started during the window and still
-            running at its end.
-        outliving_device_bytes: what those held on the device then, from
-            trusted rows, or ``None`` when none said.
-        rss_peak_bytes: the descendants' host RSS high-water during the
-            window, or ``None`` when none was seen.
-        rejected: why readings of the tree were not measurements.
-    """
-
-    descendants: int
-    outliving_pids: tuple[int, ...]
-    outliving_device_bytes: int | None
-    rss_peak_bytes: int | None
-    rejected: tuple[str, ...]
 
 
 #: What a window that saw no process under the worker, and no rejected reading, sums up to.
@@ -118,7 +97,7 @@ class TreeWatch:
     the ``/proc`` to read (a fake tree in tests).
     """
 
-    def __init__(self, root_pid: int, *, proc: "Path | str" = "/proc") -> None:
+    def __init__(self, root_pid: int, *, proc: Path | str = "/proc") -> None:
         self.root_pid = root_pid
         self.sensor: TreeSensor | None = None
         self._proc = str(proc)
@@ -330,7 +309,7 @@ class TreeWatch:
         self._ended = running
         return frozenset((self.root_pid, *descendants))
 
-    def close(self, device: "DeviceInfo | None") -> TreeSummary:
+    def close(self, device: DeviceInfo | None) -> TreeSummary:
         """Close the window (ending it first, see :meth:`end`, unless it was); what it saw,
         and what the task left running on ``device``."""
         if self._ended is None:

@@ -5,7 +5,7 @@
 
 from typing import NamedTuple
 
-__all__ = ["PeakReport"]
+__all__ = ["PeakReport", "TreeSummary"]
 
 
 class PeakReport(NamedTuple):
@@ -98,3 +98,24 @@ class PeakReport(NamedTuple):
     def incomplete(self) -> bool:
         """Whether the peak is a partial view of the task's tree (:attr:`incomplete_reason`)."""
         return self.incomplete_reason is not None
+
+
+class TreeSummary(NamedTuple):
+    """What one task window saw of the worker's tree (the probe's tree watch).
+
+    Attributes:
+        descendants: processes seen under the worker during the window.
+        outliving_pids: the descendants started during the window and still
+            running at its end.
+        outliving_device_bytes: what those held on the device then, from
+            trusted rows, or ``None`` when none said.
+        rss_peak_bytes: the descendants' host RSS high-water during the
+            window, or ``None`` when none was seen.
+        rejected: why readings of the tree were not measurements.
+    """
+
+    descendants: int
+    outliving_pids: tuple[int, ...]
+    outliving_device_bytes: int | None
+    rss_peak_bytes: int | None
+    rejected: tuple[str, ...]
