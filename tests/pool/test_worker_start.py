@@ -219,12 +219,13 @@ def test_a_worker_compiles_nothing_from_a_string_to_start(path: str, tmp_path: P
 
 def test_a_worker_without_a_device_loads_no_sensor() -> None:
     """A worker on the host path (no card) loads neither a sensor's interface, its records,
-    the tree's sensor view, nor json (the contexts file is the parent's to read), in a fresh
-    interpreter."""
+    the tree's sensor view, the judging of a sensor's rows, nor json (the contexts file is the
+    parent's to read), in a fresh interpreter."""
     sensor_side = (
         "gpupool._sensors.base",
         "gpupool._sensors.readings",
         "gpupool._child.tree_sensor",
+        "gpupool._core.readings",
         "json",
     )
     first, _, _ = _loaded_in_a_worker("host", sensor_side)

@@ -29,8 +29,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from gpupool._core.peak import TreeSummary
-from gpupool._core.readings import MAX_REJECTIONS
+from gpupool._core.peak import MAX_REJECTIONS, TreeSummary
 from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.tree import (
     MAX_DESCENDANTS,

@@ -5,7 +5,11 @@
 
 from typing import NamedTuple
 
-__all__ = ["PeakReport", "TreeSummary"]
+__all__ = ["MAX_REJECTIONS", "PeakReport", "TreeSummary"]
+
+#: How many distinct reasons one task's report carries (the log grows with
+#: decisions, not with samples).
+MAX_REJECTIONS = 8
 
 
 class PeakReport(NamedTuple):
@@ -50,7 +54,7 @@ class PeakReport(NamedTuple):
             or ``None`` when no trusted row said.
         rejected_readings: why readings were not taken as measurements
             (implausible per-process rows), at most
-            :data:`~gpupool._core.readings.MAX_REJECTIONS`, each once.
+            :data:`MAX_REJECTIONS`, each once.
         incomplete_reason: why the peak is a partial view, or ``None`` where it
             is whole: processes ran under the worker during the task and no
             reading told their device bytes (their rows hidden, as in a

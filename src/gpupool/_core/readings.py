@@ -28,7 +28,6 @@ from gpupool._core.units import MiB
 __all__ = [
     "CONTEXT_FLOOR_BYTES",
     "IMPOSSIBLE_PIDS",
-    "MAX_REJECTIONS",
     "TreeRows",
     "judge_tree_rows",
 ]
@@ -44,10 +43,6 @@ CONTEXT_FLOOR_BYTES = 4 * MiB
 #: PIDs no process has: 0 is the kernel's idle task, which holds no context;
 #: ``0xFFFFFFFF`` is NVML's "not available". A list that holds one was misread.
 IMPOSSIBLE_PIDS = frozenset({0, 0xFFFFFFFF})
-
-#: How many distinct reasons one task's report carries (the log grows with
-#: decisions, not with samples).
-MAX_REJECTIONS = 8
 
 
 class TreeRows(NamedTuple):
