@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from gpupool._child.probe import Probe
-    from gpupool._pool.acks import CellHandle
+    from gpupool._pool.acks import CellHandle, ReadCell
     from gpupool._pool.channel import ChildEnd
     from gpupool._sensors.base import DeviceInfo, Sensor
 
@@ -371,42 +371,19 @@ def worker_main(
     ``context_estimate``: the context this worker is priced at until its own row is read,
     and its source (:func:`gpupool._child.probe.set_context_estimate`)."""
     cell = None if read_cell is None else read_cell.open()
-    frames = 0  # task frames read
     probe = _start(
         conn, parent_pid, initializer, device, device_index, sensor_factory, context_estimate
     )
     if probe is None:
         return
-    from gpupool._child.probe import apply_allocator_cap, read_allocator_cap_message
-
+    frames = _TaskFrames(conn, cell)
     done = 0
     last_oom = False  # whether the last task this worker ran ended in a device OOM
     fd = conn.fileno()
     while max_tasks is None or done < max_tasks:
-        # Whether a task closed or replaced the socket was checked as its answer was sent.
-        try:
-            message = wire.read_frame(fd)
-        except wire.NoRoomForFrame as no_room:
-            # A task before this one used up the memory this one's frame needs: it goes to
-            # a fresh worker, unrun, and this worker exits (the pool replaces it).
-            if cell is not None:
-                frames += 1
-                cell.note(frames, wire.task_id_of(no_room.head))
-            _decline(conn, bytearray(no_room.head), f"MemoryError: {no_room}")
-            return
-        except (EOFError, OSError):
-            message = None
-        if message is None:  # the pool's end closed without asking this worker to exit
-            _end_tree_and_exit()
-        if not message:
-            return
-        cap_bytes = read_allocator_cap_message(message)
-        if cap_bytes is not None:  # cap_allocator=True: the next task's booked ask
-            apply_allocator_cap(cap_bytes)
-            continue
-        if cell is not None:  # read: acknowledged before anything of it is unpickled or run
-            frames += 1
-            cell.note(frames, wire.task_id_of(message))
+        message = frames.next()
+        if message is None:
+            return  # asked to exit, or the frame went back unread (no room to read it)
         if last_oom and wire.is_queued_task(message):
             # Queued behind the task that just ran out of device memory, at a booking made
             # before that was known: the parent starts it again, checked against the bound.
@@ -446,6 +423,54 @@ def worker_main(
             _end_tree_and_exit()
         del payload
         done += 1
+
+
+class _TaskFrames:
+    """How a worker reads its task frames: each acknowledged in its read cell as it is read
+    (:mod:`gpupool._pool.acks`), before anything of it is unpickled or run; an allocator cap
+    message (``cap_allocator=True``: the next task's booked ask) applied where it comes."""
+
+    __slots__ = ("_apply_cap", "_cap_of", "_cell", "_conn", "_read")
+
+    def __init__(self, conn: ChildEnd, cell: ReadCell | None) -> None:
+        from gpupool._child.probe import apply_allocator_cap, read_allocator_cap_message
+
+        self._conn = conn
+        self._cell = cell
+        self._read = 0  # task frames read
+        self._cap_of = read_allocator_cap_message
+        self._apply_cap = apply_allocator_cap
+
+    def next(self) -> bytearray | None:
+        """The next task frame; ``None`` when this worker is to exit: asked to (an empty
+        message), or the frame is too large for the memory a task before left (answered
+        ``declined``: it goes to a fresh worker, unrun). Where the pool's end closed without
+        asking this worker to exit, its tree ends and it exits."""
+        fd = self._conn.fileno()
+        while True:
+            # Whether a task closed or replaced the socket was checked as its answer was sent.
+            try:
+                message = wire.read_frame(fd)
+            except wire.NoRoomForFrame as no_room:
+                self._note(wire.task_id_of(no_room.head))
+                _decline(self._conn, bytearray(no_room.head), f"MemoryError: {no_room}")
+                return None
+            except (EOFError, OSError):
+                message = None
+            if message is None:
+                _end_tree_and_exit()
+            if not message:
+                return None
+            cap_bytes = self._cap_of(message)
+            if cap_bytes is None:
+                self._note(wire.task_id_of(message))
+                return message
+            self._apply_cap(cap_bytes)
+
+    def _note(self, task_id: int) -> None:
+        if self._cell is not None:
+            self._read += 1
+            self._cell.note(self._read, task_id)
 
 
 def _initialized(conn: ChildEnd, initializer: tuple[Any, tuple[Any, ...], dict[str, int]]) -> bool:
