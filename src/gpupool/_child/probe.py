@@ -814,42 +814,14 @@ class Probe:
         Then the allocators' cached blocks are given back (:func:`release_caches`)
         and torch's peak counters reset, in that order.
         """
-        peak: int | None = None
-        source = "none"
-        sensor, device = self._sensor, self._device
-        if sensor is not None and device is not None:
-            if self._exact:
-                peak, source = self._read_exact(sensor, device)
-            else:
-                peak, source = self._stop_sampling(sensor, device)
-        framework_peaks, _ = self._frameworks.close()
-        context: tuple[int, str] | None = None
-        if self._context_bytes is not None:
-            context = (self._context_bytes, "process-row")
-        if framework_peaks:
-            if context is None:
-                context = _context_estimate()  # no row of this worker was read
-            names = "+".join(name for name in FRAMEWORKS if name in framework_peaks)
-            # The frameworks' counters are the worker's: its descendants' bytes are added.
-            counted = sum(framework_peaks.values()) + context[0] + self._descendant_bytes
-            if peak is None or counted > peak:
-                suffix = "" if context[1] == "process-row" else "-estimated"
-                peak, source = counted, f"{names}+context{suffix}{self._with_descendants()}"
+        peak, source, context = self._device_peak()
         if "torch" in sys.modules or "cupy" in sys.modules:  # else no cache to give back
             release_caches()
             cuda = initialised_torch_cuda()
             if cuda is not None:
                 _reset_torch_peaks(cuda)
         tree = self._tree.close(self._device)
-        recognised = oom_recognised_by(oom) if oom is not None else None
-        full = None
-        if (oom is None and failure is not None) or recognised == "card-full":
-            full = self._card_full(peak, tree.descendants)
-            if full is not None and oom is None:
-                oom, recognised = failure, "card-full"
-        requested = requested_bytes_of(oom) if oom is not None else None
-        if full is not None and requested is None:
-            requested = full[1]  # the allocation the card refused, where it says
+        oom, recognised, requested, full = self._oom_terms(oom, failure, peak, tree.descendants)
         global _WINDOW
         _WINDOW = None
         # What the task left running still holds its bytes; the next reading says more.
@@ -882,6 +854,54 @@ class Probe:
             card_used_peak_bytes=self._card_used_peak,
             card_used_at_start_bytes=self._card_used_at_start,
         )
+
+    def _device_peak(self) -> tuple[int | None, str, tuple[int, str] | None]:
+        """The task's device peak and its source, from the card (exact or sampled) and the
+        frameworks' counters (with the context and the descendants' bytes), whichever says
+        more; and the context counted, with its source (``None``: none read nor needed)."""
+        peak: int | None = None
+        source = "none"
+        sensor, device = self._sensor, self._device
+        if sensor is not None and device is not None:
+            if self._exact:
+                peak, source = self._read_exact(sensor, device)
+            else:
+                peak, source = self._stop_sampling(sensor, device)
+        framework_peaks, _ = self._frameworks.close()
+        context: tuple[int, str] | None = None
+        if self._context_bytes is not None:
+            context = (self._context_bytes, "process-row")
+        if framework_peaks:
+            if context is None:
+                context = _context_estimate()  # no row of this worker was read
+            names = "+".join(name for name in FRAMEWORKS if name in framework_peaks)
+            # The frameworks' counters are the worker's: its descendants' bytes are added.
+            counted = sum(framework_peaks.values()) + context[0] + self._descendant_bytes
+            if peak is None or counted > peak:
+                suffix = "" if context[1] == "process-row" else "-estimated"
+                peak, source = counted, f"{names}+context{suffix}{self._with_descendants()}"
+        return peak, source, context
+
+    def _oom_terms(
+        self,
+        oom: BaseException | None,
+        failure: BaseException | None,
+        peak: int | None,
+        descendants: int,
+    ) -> tuple[BaseException | None, str | None, int | None, tuple[str, int | None] | None]:
+        """The task's out-of-memory (its ``oom``, or its ``failure`` where the card was full
+        during the task and its tree grew), how it was recognised, the allocation refused
+        where it says, and what showed the card full (``None``: nothing did)."""
+        recognised = oom_recognised_by(oom) if oom is not None else None
+        full = None
+        if (oom is None and failure is not None) or recognised == "card-full":
+            full = self._card_full(peak, descendants)
+            if full is not None and oom is None:
+                oom, recognised = failure, "card-full"
+        requested = requested_bytes_of(oom) if oom is not None else None
+        if full is not None and requested is None:
+            requested = full[1]  # the allocation the card refused, where it says
+        return oom, recognised, requested, full
 
     def _card_full(self, peak: int | None, descendants: int) -> tuple[str, int | None] | None:
         """What showed the card full during the task, and the allocation it refused where it
