@@ -585,6 +585,49 @@ def card_full_in_task() -> str | None:
     return full[0] if full is not None else None
 
 
+class _CardSeen:
+    """What one task's readings showed of its whole card: its used bytes at the first
+    reading and the most since, the least free bytes it was read with (and its total then),
+    and when the task's window opened (``time.time()``: the card's refusals since are the
+    task's)."""
+
+    __slots__ = (
+        "free_least_bytes",
+        "since_s",
+        "total_bytes",
+        "used_at_start_bytes",
+        "used_peak_bytes",
+    )
+
+    def __init__(self, *, since_s: float) -> None:
+        self.since_s = since_s
+        self.used_at_start_bytes: int | None = None
+        self.used_peak_bytes: int | None = None
+        self.free_least_bytes: int | None = None
+        self.total_bytes: int | None = None
+
+    def note(self, sensor: TreeSensor) -> None:
+        """Keep the card's figures of the reading ``sensor`` just judged: its used bytes (the
+        first, and the most) and its free bytes (the least, with the card's total)."""
+        used = sensor.used_bytes
+        if used is None:
+            return
+        if self.used_at_start_bytes is None:
+            self.used_at_start_bytes = used
+        if self.used_peak_bytes is None or used > self.used_peak_bytes:
+            self.used_peak_bytes = used
+        free = sensor.free_bytes
+        if free is not None and (self.free_least_bytes is None or free < self.free_least_bytes):
+            self.free_least_bytes = free
+            self.total_bytes = sensor.total_bytes
+
+    def rise_bytes(self) -> int | None:
+        """How much the card's used bytes rose from the first reading to the most (``None``:
+        never read)."""
+        used, start = self.used_peak_bytes, self.used_at_start_bytes
+        return None if used is None or start is None else used - start
+
+
 class Probe:
     """Measures one task at a time in worker ``pid``, pinned to ``device`` (the pool's
     ``device_index``); ``sensor`` is ``None`` for a worker without a device."""
@@ -623,14 +666,8 @@ class Probe:
         # Whether the driver ever listed this worker's own row: it lists this host's
         # processes, so a descendant without a row holds nothing (else it may be hidden).
         self._root_listed = False
-        # The card's used bytes when the task's first reading was taken, and the most since.
-        self._card_used_at_start: int | None = None
-        self._card_used_peak: int | None = None
-        # The least free bytes the card was read with during the task, and its total; and
-        # when the task's window opened (time.time(): the card's refusals since are its).
-        self._card_free_least: int | None = None
-        self._card_total: int | None = None
-        self._since_s = 0.0
+        # What the task's readings showed of the whole card.
+        self._card = _CardSeen(since_s=0.0)
         # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
         # window is sampled.
         self._exact = self._sensor is None or self._sensor.exact
@@ -664,9 +701,7 @@ class Probe:
         self._descendant_bytes = 0
         self._whole_reads = self._partial_reads = 0
         self._foreign = False
-        self._card_used_at_start = self._card_used_peak = None
-        self._card_free_least = self._card_total = None
-        self._since_s = time.time()  # the card's refusals from now on are this task's
+        self._card = _CardSeen(since_s=time.time())  # the card's refusals since are its
         global _WINDOW
         _WINDOW = self
         sensor, device = self._sensor, self._device
@@ -755,7 +790,8 @@ class Probe:
                 self._whole_reads += 1
             else:
                 self._partial_reads += 1
-        self._note_card_used()
+        if self._sensor is not None:
+            self._card.note(self._sensor)
         return tree
 
     def _foreign_row(self, own: int, held_before: int, held_after: int | None) -> bool:
@@ -777,20 +813,6 @@ class Probe:
             )
         )
         return True
-
-    def _note_card_used(self) -> None:
-        """Keep the card's used bytes of the reading just judged: the first, and the most."""
-        used = self._sensor.used_bytes if self._sensor is not None else None
-        if used is None:
-            return
-        if self._card_used_at_start is None:
-            self._card_used_at_start = used
-        if self._card_used_peak is None or used > self._card_used_peak:
-            self._card_used_peak = used
-        free = self._sensor.free_bytes if self._sensor is not None else None
-        if free is not None and (self._card_free_least is None or free < self._card_free_least):
-            self._card_free_least = free
-            self._card_total = self._sensor.total_bytes if self._sensor is not None else None
 
     def _sample(self, members: frozenset[int]) -> None:
         """One sample of the device, for the tree's sampler: the tree's bytes now."""
@@ -851,8 +873,8 @@ class Probe:
             outliving_device_bytes=tree.outliving_device_bytes,
             rejected_readings=tree.rejected,
             incomplete_reason=incomplete,
-            card_used_peak_bytes=self._card_used_peak,
-            card_used_at_start_bytes=self._card_used_at_start,
+            card_used_peak_bytes=self._card.used_peak_bytes,
+            card_used_at_start_bytes=self._card.used_at_start_bytes,
         )
 
     def _device_peak(self) -> tuple[int | None, str, tuple[int, str] | None]:
@@ -919,7 +941,7 @@ class Probe:
         if sensor is None or device is None:
             return None
         try:
-            refused = sensor.read_refused_bytes(device, self._pid, self._since_s)
+            refused = sensor.read_refused_bytes(device, self._pid, self._card.since_s)
         except Exception:
             refused = None
         if refused:
@@ -928,15 +950,15 @@ class Probe:
                 "the task's tree",
                 refused,
             )
-        least, total = self._card_free_least, self._card_total
+        least, total = self._card.free_least_bytes, self._card.total_bytes
         if least is None or total is None or least >= card_full_free_bytes(total):
             return None
         if not descendants:
             # Only the worker ran: its own frameworks raise their out-of-memory errors
             # (recognised by type or text), so its other errors are not the card's doing.
             return None
-        used, start = self._card_used_peak, self._card_used_at_start
-        rose = used is not None and start is not None and used > start
+        rise = self._card.rise_bytes()
+        rose = rise is not None and rise > 0
         if not ((peak is not None and peak > (self._baseline_bytes or 0)) or rose):
             return None
         return (
@@ -969,9 +991,9 @@ class Probe:
             )
         else:
             return None
-        used, start = self._card_used_peak, self._card_used_at_start
-        if used is not None and start is not None:
-            rise = max(0, used - start)
+        rise, used = self._card.rise_bytes(), self._card.used_peak_bytes
+        if rise is not None and used is not None:
+            rise = max(0, rise)
             said += (
                 f"; the card's used bytes, as sampled, rose by {format_size(rise)} during the "
                 f"task (to {format_size(used)})"
