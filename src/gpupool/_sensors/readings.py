@@ -6,15 +6,9 @@ grammar the base uses, reads devices without importing the base.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["DeviceInfo", "MemoryReading", "ProcessReading"]
-
-if TYPE_CHECKING:
-    from typing import TypeVar
-
-    # Only for the checker: a string bound is compiled as the variable is made.
-    _R = TypeVar("_R", bound="_Reading")
 
 
 class _Reading:
@@ -77,6 +71,12 @@ class _Reading:
     def _set(self, **values: Any) -> None:
         for name, value in values.items():
             object.__setattr__(self, name, value)
+
+
+# Made after the class, bound to it rather than to its name: a string bound is compiled as
+# the variable is made, and a variable only the checker saw would leave ``replace``'s type
+# hints unresolved at run time (typing.get_type_hints).
+_R = TypeVar("_R", bound=_Reading)
 
 
 class DeviceInfo(_Reading):
