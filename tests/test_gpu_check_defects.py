@@ -115,8 +115,8 @@ DEFECTS = {
         (
             (
                 "src/gpupool/_child/probe.py",
-                "incomplete = self._partial_view(tree.descendants, peak)",
-                "incomplete = None",
+                "incomplete = self._reads.partial_view(",
+                "incomplete = None and self._reads.partial_view(",
             ),
         ),
         "hidden-rows",

@@ -628,6 +628,76 @@ class _CardSeen:
         return None if used is None or start is None else used - start
 
 
+class _TreeReads:
+    """How a worker's readings of its tree went: in this task, how many readings taken while
+    processes ran under the worker told their bytes and how many could not (rows hidden,
+    0, or not available); and whether the driver ever listed the worker's own row (it lists
+    this host's processes, so a descendant without a row holds nothing, else it may be
+    hidden), for the worker's life."""
+
+    __slots__ = ("partial", "root_listed", "whole")
+
+    def __init__(self) -> None:
+        self.whole = 0
+        self.partial = 0
+        self.root_listed = False
+
+    def start(self) -> None:
+        """A task's window opens: its readings are counted from none."""
+        self.whole = self.partial = 0
+
+    def note(self, *, root_listed: bool, tree: int | None, members: frozenset[int] | None) -> None:
+        """One reading: whether it listed the worker's row, the tree's bytes it told
+        (``None``: none), and the tree it read (``None``: not read with it)."""
+        if root_listed:
+            self.root_listed = True
+        if members is not None and len(members) > 1:  # processes ran under the worker
+            if tree is not None:
+                self.whole += 1
+            else:
+                self.partial += 1
+
+    def partial_view(
+        self, descendants: int, peak: int | None, baseline_bytes: int | None, card: _CardSeen
+    ) -> str | None:
+        """Why the peak is a partial view of a tree that had ``descendants``, or ``None``.
+
+        A reading of the tree while processes ran under the worker that told none of
+        their bytes (rows hidden by a container, rows of 0, MIG's "not available")
+        makes the peak partial; so does a tree whose descendants no reading caught
+        where the driver never listed this worker's own row (it may list none of
+        this host's processes). Where the card's used bytes were read, the reason
+        says what they bound the true peak by (against the task's ``peak`` over
+        ``baseline_bytes``).
+        """
+        if self.partial:
+            said = (
+                f"{descendants} process(es) ran under the worker and {self.partial} "
+                f"reading(s) of the tree could not tell their device bytes (the driver lists "
+                "none of them, or only rows of 0 or without a figure)"
+            )
+        elif not self.whole and not self.root_listed:
+            said = (
+                f"{descendants} process(es) ran under the worker and the driver never listed "
+                "this worker's processes, so their device bytes were not read"
+            )
+        else:
+            return None
+        rise, used = card.rise_bytes(), card.used_peak_bytes
+        if rise is not None and used is not None:
+            rise = max(0, rise)
+            said += (
+                f"; the card's used bytes, as sampled, rose by {format_size(rise)} during the "
+                f"task (to {format_size(used)})"
+            )
+            if peak is not None and rise > peak - (baseline_bytes or 0):
+                said += (
+                    f", more than the {format_size(peak)} reported rose: the unread processes "
+                    "(or another tenant) held the difference"
+                )
+        return said
+
+
 class Probe:
     """Measures one task at a time in worker ``pid``, pinned to ``device`` (the pool's
     ``device_index``); ``sensor`` is ``None`` for a worker without a device."""
@@ -657,15 +727,10 @@ class Probe:
         # allocator (its context, NCCL, other libraries), from its own device row:
         # it only grows, as a lazily loaded context does. None: never measured.
         self._context_bytes: int | None = None
-        # This task's readings of its tree while processes ran under the worker: how many
-        # told their bytes, and how many could not (rows hidden, 0, or not available).
-        self._whole_reads = 0
-        self._partial_reads = 0
+        # How the readings of the tree told (or could not tell) its bytes.
+        self._reads = _TreeReads()
         # Whether a row under this worker's PID was found to be another namespace's process.
         self._foreign = False
-        # Whether the driver ever listed this worker's own row: it lists this host's
-        # processes, so a descendant without a row holds nothing (else it may be hidden).
-        self._root_listed = False
         # What the task's readings showed of the whole card.
         self._card = _CardSeen(since_s=0.0)
         # Whether the sensor keeps an exact high-water (the simulator's tree window), or the
@@ -699,7 +764,7 @@ class Probe:
                 _reset_torch_peaks(cuda)
         held = self._frameworks.open()
         self._descendant_bytes = 0
-        self._whole_reads = self._partial_reads = 0
+        self._reads.start()
         self._foreign = False
         self._card = _CardSeen(since_s=time.time())  # the card's refusals since are its
         global _WINDOW
@@ -779,17 +844,11 @@ class Probe:
                 own = tree = None  # another process's row: this reading measures nothing
             else:
                 self._note_context(own, held_before, held_after)
-        if own is not None:
-            self._root_listed = True
         tree = _trusted(tree)
         if tree is not None:
             self._descendant_bytes = max(self._descendant_bytes, tree - (own or 0))
             _note_descendants_for_cap(tree - (own or 0))
-        if members is not None and len(members) > 1:  # processes ran under the worker
-            if tree is not None:
-                self._whole_reads += 1
-            else:
-                self._partial_reads += 1
+        self._reads.note(root_listed=own is not None, tree=tree, members=members)
         if self._sensor is not None:
             self._card.note(self._sensor)
         return tree
@@ -854,7 +913,9 @@ class Probe:
             rss, rss_source = rss + tree.rss_peak_bytes, "vmhwm+descendants"
         incomplete = None
         if not self._exact and tree.descendants:
-            incomplete = self._partial_view(tree.descendants, peak)
+            incomplete = self._reads.partial_view(
+                tree.descendants, peak, self._baseline_bytes, self._card
+            )
         return PeakReport(
             device=self._device_index,
             device_peak_bytes=peak,
@@ -967,43 +1028,6 @@ class Probe:
             "the task's tree grew",
             None,
         )
-
-    def _partial_view(self, descendants: int, peak: int | None) -> str | None:
-        """Why the peak is a partial view of a tree that had ``descendants``, or ``None``.
-
-        A reading of the tree while processes ran under the worker that told none of
-        their bytes (rows hidden by a container, rows of 0, MIG's "not available")
-        makes the peak partial; so does a tree whose descendants no reading caught
-        where the driver never listed this worker's own row (it may list none of
-        this host's processes). Where the card's used bytes were read, the reason
-        says what they bound the true peak by.
-        """
-        if self._partial_reads:
-            said = (
-                f"{descendants} process(es) ran under the worker and {self._partial_reads} "
-                f"reading(s) of the tree could not tell their device bytes (the driver lists "
-                "none of them, or only rows of 0 or without a figure)"
-            )
-        elif not self._whole_reads and not self._root_listed:
-            said = (
-                f"{descendants} process(es) ran under the worker and the driver never listed "
-                "this worker's processes, so their device bytes were not read"
-            )
-        else:
-            return None
-        rise, used = self._card.rise_bytes(), self._card.used_peak_bytes
-        if rise is not None and used is not None:
-            rise = max(0, rise)
-            said += (
-                f"; the card's used bytes, as sampled, rose by {format_size(rise)} during the "
-                f"task (to {format_size(used)})"
-            )
-            if peak is not None and rise > peak - (self._baseline_bytes or 0):
-                said += (
-                    f", more than the {format_size(peak)} reported rose: the unread processes "
-                    "(or another tenant) held the difference"
-                )
-        return said
 
     def _read_exact(self, sensor: TreeSensor, device: DeviceInfo) -> tuple[int | None, str]:
         """The sensor's exact high-water of the window; the context noted from its row now."""
