@@ -313,7 +313,9 @@ def test_a_children_file_longer_than_one_read_is_read_to_its_end():
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_sampler_that_ended_is_started_again_by_the_next_window(tmp_path: Path):
     """The sampler thread ends on an error of its own: the next window starts another, and
-    that one samples (a descendant only it saw counts in the window)."""
+    that one samples (a descendant only it saw counts in the window). The error is set
+    where no sample is in flight (before: one in flight set the next due time over it as it
+    ended, the sampler never failed, and the test waited for ever under load)."""
     listing = _fake_root(tmp_path)
     status = _fifo_status(tmp_path, _CHILD)
     watch = TreeWatch(_ROOT, proc=tmp_path)
@@ -321,6 +323,8 @@ def test_a_sampler_that_ended_is_started_again_by_the_next_window(tmp_path: Path
     first = watch._thread
     assert first is not None
     with watch._lock:
+        while watch._sampling:  # a sample in flight sets the next due time as it ends
+            watch._wake.wait()
         watch._due_s = None  # type: ignore[assignment]  # its next turn fails on this
     first.join()
     watch.close(None)
