@@ -452,7 +452,7 @@ class _TaskFrames:
             try:
                 message = wire.read_frame(fd)
             except wire.NoRoomForFrame as no_room:
-                self._note(wire.task_id_of(no_room.head))
+                self._note(no_room.head)
                 _decline(self._conn, bytearray(no_room.head), f"MemoryError: {no_room}")
                 return None
             except (EOFError, OSError):
@@ -463,14 +463,16 @@ class _TaskFrames:
                 return None
             cap_bytes = self._cap_of(message)
             if cap_bytes is None:
-                self._note(wire.task_id_of(message))
+                self._note(message)
                 return message
             self._apply_cap(cap_bytes)
 
-    def _note(self, task_id: int) -> None:
+    def _note(self, frame: bytes | bytearray) -> None:
+        """Acknowledge the task ``frame`` (its head at least) as read; without a read cell,
+        nothing (its task id is not even worked out)."""
         if self._cell is not None:
             self._read += 1
-            self._cell.note(self._read, task_id)
+            self._cell.note(self._read, wire.task_id_of(frame))
 
 
 def _initialized(conn: ChildEnd, initializer: tuple[Any, tuple[Any, ...], dict[str, int]]) -> bool:
