@@ -35,6 +35,7 @@ from gpupool._pool.features import call_features
 from gpupool._pool.inbox import WorkItem, copy_broken
 from gpupool._pool.options import build_dispatcher, read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
+from gpupool._pool.sigterm import watch_sigterm
 from gpupool._pool.worker import process_chunk
 
 if TYPE_CHECKING:
@@ -149,60 +150,6 @@ class PoolStatistics:
 
 
 _NO_OPTIONS = TaskOptions()
-
-#: The pools with ``on_interrupt="terminate"`` that SIGTERM stops as Ctrl-C does.
-_interruptible: weakref.WeakSet[GpuPoolExecutor] = weakref.WeakSet()
-#: Whether SIGTERM came (its handler raised ``KeyboardInterrupt``): at the interpreter's
-#: exit, those pools stop their tasks rather than wait for them.
-_terminated = False
-
-
-def _watch_sigterm(executor: GpuPoolExecutor) -> None:
-    """SIGTERM raises ``KeyboardInterrupt`` in the main thread from now on, as Ctrl-C does,
-    where its handler is the default and this is the main thread (a program's own handler
-    is left alone)."""
-    _interruptible.add(executor)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM while a pool with ``on_interrupt="terminate"`` is open: ``KeyboardInterrupt``,
-    as Ctrl-C. Once none is open, SIGTERM does what it did before any pool (the default)."""
-    global _terminated
-    if not any(not executor._shutdown for executor in _interruptible):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    _terminated = True
-    raise KeyboardInterrupt
-
-
-def _stop_at_exit() -> None:
-    """After SIGTERM, the interpreter's exit stops the open pools' tasks (as leaving their
-    ``with`` block does) instead of waiting for them."""
-    if _terminated:
-        for executor in list(_interruptible):
-            executor._stop_on_interrupt()
-
-
-# Registered after the dispatcher's own exit hook, so it runs before that one.
-threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
-
-
-def _forget_pools_in_forked_child() -> None:
-    """A forked child (a ``multiprocessing.Pool`` worker) holds copies of the parent's
-    pools but none of their threads: SIGTERM there (``Pool.terminate``) must end the
-    child as it would without gpupool, not stop pools whose dispatcher never ran in it
-    (that wait never ends, and neither does the child, nor its parent's ``terminate``)."""
-    global _terminated
-    _interruptible.clear()
-    _terminated = False
-
-
-os.register_at_fork(after_in_child=_forget_pools_in_forked_child)
 
 
 def _check_label(label: object) -> str | None:
@@ -563,7 +510,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
         weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
         if self._on_interrupt == "terminate":
-            _watch_sigterm(self)
+            watch_sigterm(self)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         if (

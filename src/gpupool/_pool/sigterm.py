@@ -1,0 +1,113 @@
+"""SIGTERM as Ctrl-C while a pool with ``on_interrupt="terminate"`` is open, and not in its forks.
+
+A pool made in the main thread, where SIGTERM has no handler of the program's
+own, installs :func:`_on_sigterm`: SIGTERM then raises ``KeyboardInterrupt``
+as Ctrl-C does, and the interpreter's exit stops the open pools' tasks rather
+than wait for them. Once no such pool is open, SIGTERM does what it did
+before (the default).
+
+A process forked while the handler is installed (a ``multiprocessing.Pool``
+worker made with ``fork``) inherits it, with copies of the pools but none of
+their threads. There SIGTERM (``Pool.terminate``) must end the child as it
+would without gpupool. Two windows would lose it: a signal that arrives before
+the interpreter's own after-fork reset is dropped with its pending flag, and
+one that arrives while the at-fork hooks of other modules run raises
+``KeyboardInterrupt`` inside a hook, where it is printed and ignored. So the
+forking thread blocks SIGTERM across the fork; the child puts the default
+action back and unblocks it, and a SIGTERM sent meanwhile, held pending by the
+kernel, then ends the child.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+# Imported for its exit hook: ``threading``'s run last registered first, so the one
+# registered below stops the pools before the dispatcher's waits for them.
+import gpupool._pool.dispatcher  # noqa: F401
+
+if TYPE_CHECKING:
+    from gpupool._pool.executor import GpuPoolExecutor
+
+__all__ = ["watch_sigterm"]
+
+#: The pools with ``on_interrupt="terminate"`` that SIGTERM stops as Ctrl-C does.
+_interruptible: weakref.WeakSet[GpuPoolExecutor] = weakref.WeakSet()
+#: Whether SIGTERM came (its handler raised ``KeyboardInterrupt``): at the interpreter's
+#: exit, those pools stop their tasks rather than wait for them.
+_terminated = False
+#: Per forking thread: whether :func:`_before_fork` blocked SIGTERM (and so unblocks it).
+_fork = threading.local()
+
+
+def watch_sigterm(executor: GpuPoolExecutor) -> None:
+    """SIGTERM raises ``KeyboardInterrupt`` in the main thread from now on, as Ctrl-C does,
+    where its handler is the default and this is the main thread (a program's own handler
+    is left alone)."""
+    _interruptible.add(executor)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while a pool with ``on_interrupt="terminate"`` is open: ``KeyboardInterrupt``,
+    as Ctrl-C. Once none is open, SIGTERM does what it did before any pool (the default)."""
+    global _terminated
+    if not any(not executor._shutdown for executor in _interruptible):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _terminated = True
+    raise KeyboardInterrupt
+
+
+def _stop_at_exit() -> None:
+    """After SIGTERM, the interpreter's exit stops the open pools' tasks (as leaving their
+    ``with`` block does) instead of waiting for them."""
+    if _terminated:
+        for executor in list(_interruptible):
+            executor._stop_on_interrupt()
+
+
+def _before_fork() -> None:
+    """Hold SIGTERM back in the forking thread while the handler is ours (the child
+    inherits the mask, so a SIGTERM sent to it before its hooks ran stays pending)."""
+    _fork.blocked = False
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        _fork.blocked = signal.SIGTERM not in held
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_fork, "blocked", False):
+        _fork.blocked = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds copies of the parent's pools but none of their threads:
+    SIGTERM there ends the child as it would without gpupool, not stop pools whose
+    dispatcher never ran in it (that wait would never end, nor the child, nor its
+    parent's ``Pool.terminate``)."""
+    global _terminated
+    _interruptible.clear()
+    _terminated = False
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    finally:
+        _after_fork_in_parent()  # a SIGTERM held meanwhile now ends the child
+
+
+threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
