@@ -320,17 +320,60 @@ def test_a_sampler_that_ended_is_started_again_by_the_next_window(tmp_path: Path
     status = _fifo_status(tmp_path, _CHILD)
     watch = TreeWatch(_ROOT, proc=tmp_path)
     watch.open()
-    first = watch._thread
+    sampler = watch._sampler
+    first = sampler.thread
     assert first is not None
-    with watch._lock:
-        while watch._sampling:  # a sample in flight sets the next due time as it ends
-            watch._wake.wait()
-        watch._due_s = None  # type: ignore[assignment]  # its next turn fails on this
+    with sampler.lock:
+        while sampler.sampling:  # a sample in flight sets the next due time as it ends
+            sampler.wake.wait()
+        sampler.due_s = None  # type: ignore[assignment]  # its next turn fails on this
     first.join()
+    assert sampler.thread is None  # the thread said so as it ended
     watch.close(None)
     watch.open()
-    assert watch._thread is not None and watch._thread is not first
+    assert watch._sampler is sampler  # the same process: the same sampler, a new thread
+    assert sampler.thread is not None and sampler.thread is not first
     assert _closed_over_a_child_only_the_sampler_saw(watch, listing, status) == 4096 * 1024
+
+
+# Python 3.12+ warns that forking a process with threads may deadlock: the parent's sampler
+# runs; that the child never takes the parent's lock, which a thread may have held, is the point.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_forked_copy_of_a_watch_samples_with_a_sampler_of_its_own(tmp_path: Path):
+    """A watch forked with its process makes its own sampler at its next window (its own
+    lock and thread: the parent's thread does not run there); the parent's is unchanged."""
+    _fake_root(tmp_path)
+    watch = TreeWatch(_ROOT, proc=tmp_path)
+    watch.open()
+    watch.close(None)
+    parents = watch._sampler
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            watch.open()
+            sampler = watch._sampler
+            thread = sampler.thread
+            fresh = (
+                sampler is not parents
+                and sampler.owner_pid == os.getpid()
+                and sampler.lock is not parents.lock
+                and thread is not None
+                and thread.is_alive()
+                and thread is not parents.thread
+            )
+            empty = watch.close(None).descendants == 0
+            os.write(write_end, b"ok" if fresh and empty else b"stale")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        answered = os.read(read_end, 64)
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    assert answered == b"ok"
+    assert watch._sampler is parents and parents.owner_pid == os.getpid()
 
 
 def test_a_window_with_nothing_under_the_worker_sums_up_to_nothing(tmp_path: Path):

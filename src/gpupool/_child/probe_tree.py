@@ -80,27 +80,128 @@ def read_start_token(pid: int) -> str | None:
     return read(pid)
 
 
+class _Sampler:
+    """When a watch's sampler thread samples, and the lock that the watch shares with it.
+
+    One per watch and process: made with the watch, and again in a forked copy of the
+    process, where the parent's thread does not run and its lock may have been held. It
+    holds the thread's schedule only; what a sample finds is the watch's. A window arms it
+    (:meth:`arm`), ending or reopening one disarms it (:meth:`disarm`). Armed, it samples
+    every :data:`TREE_SAMPLE_INTERVAL_S` from the window's opening, so a window shorter than
+    that is read only at its opening and its closing; while windows keep opening it wakes
+    at most once an interval, and with no window for :data:`_PARK_AFTER_S` it parks until
+    the next one opens. A sample taken for one window never counts in another: disarming
+    waits for a sample in flight, and each window has its own generation.
+    """
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        # Guards the watch's window as well as this schedule, so that a sample's check of
+        # its generation and its additions to the window are one step. Taken directly
+        # (``with sampler.lock``) where nothing waits: a Condition is entered through a
+        # Python call.
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.armed = False  # a window is open: its samples are due
+        self.generation = 0  # bumped at each opening and closing of a window
+        self.due_s = 0.0  # when the open window's next sample is due (monotonic)
+        self.parked = False  # the thread waits for a window to open
+        self.sampling = False  # the thread reads the tree (outside the lock)
+        self.tick: Callable[[frozenset[int]], None] | None = None
+        self.thread: threading.Thread | None = None
+
+    def disarm(self, *, closing: bool) -> None:
+        """Start no sample from now; a sample in flight ends first. ``closing``: the window
+        ends here, its generation and its tick with it (an opening's :meth:`arm` does that)."""
+        with self.lock:
+            self.armed = False
+            while self.sampling:  # an end keeps its sample; an opening's generation drops it
+                self.wake.wait()
+            if closing:
+                self.generation += 1
+                self.tick = None
+
+    def arm(self) -> None:
+        """Arm for a new window, its first sample due an interval from now, and wake a parked
+        thread. The caller holds :attr:`lock`: the watch sets the window's fresh accumulators
+        in the same step."""
+        self.generation += 1
+        self.tick = None
+        self.armed = True
+        self.due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
+        if self.parked:
+            self.parked = False
+            self.wake.notify()
+
+    def run_for(self, watch: TreeWatch) -> None:
+        """Start the thread that samples for ``watch``, unless it runs: at the first window,
+        or after the thread ended (it says so, as it ends: :meth:`thread_ended`)."""
+        if self.thread is None:
+            self.thread = thread = threading.Thread(
+                target=_sample_while_watched,
+                args=(weakref.ref(watch),),
+                name="gpupool-tree",
+                daemon=True,
+            )
+            thread.start()
+
+    def thread_ended(self) -> None:
+        """The thread ends: the next window starts another (if this one is still the one)."""
+        if self.thread is threading.current_thread():
+            self.thread = None
+
+    def set_tick(self, tick: Callable[[frozenset[int]], None]) -> None:
+        """Run ``tick`` after each sample of the open window; until it ends."""
+        with self.lock:
+            if self.armed:
+                self.tick = tick
+
+    def turn(self, watch: TreeWatch, quiet: list[float]) -> None:
+        """One turn of the thread: wait for an open window's due sample, have ``watch`` take it.
+
+        ``quiet`` is the thread's own ``[generation seen, since when]``: how long no
+        window has opened or closed, to know when to park.
+        """
+        with self.lock:
+            now_s = time.monotonic()
+            if self.generation != quiet[0]:
+                quiet[0], quiet[1] = self.generation, now_s
+            if not self.armed:
+                if now_s - quiet[1] < _PARK_AFTER_S:
+                    self.wake.wait(TREE_SAMPLE_INTERVAL_S)
+                else:
+                    self.parked = True  # the next opening wakes it
+                    self.wake.wait(_PARKED_CHECK_S)
+                    self.parked = False
+                return
+            if self.due_s > now_s:
+                self.wake.wait(self.due_s - now_s)
+                return
+            generation, tick = self.generation, self.tick
+            self.sampling = True
+        try:
+            watch._sample(generation, tick)
+        finally:
+            with self.lock:
+                self.sampling = False
+                self.due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
+                self.wake.notify_all()  # an opening or an end that waits for this sample
+
+
 class TreeWatch:
     """Follows the process tree under ``root_pid`` through one task window at a time.
 
-    One sampler thread per watch, started with the first window and kept: a
-    window arms it, closing the window disarms it. It samples an open window
-    every :data:`TREE_SAMPLE_INTERVAL_S` from the window's opening, so a
-    window shorter than that is read only at its opening and its closing;
-    while windows keep opening it wakes at most once an interval, and with no
-    window for :data:`_PARK_AFTER_S` it waits until the next one opens. A
-    sample taken for one window never counts in another: opening or ending a
-    window waits for a sample in flight, and each window has its own
-    generation. After each sample it runs the window's *tick*, if one was set
-    (:meth:`tick_with`: the probe's device sampling), with the tree it read. ``proc``:
-    the ``/proc`` to read (a fake tree in tests).
+    The watch keeps what the open window saw; its :class:`_Sampler` keeps when the
+    sampler thread (one per watch, started with the first window and kept) samples it,
+    and the lock both share. After each sample it runs the window's *tick*, if one was
+    set (:meth:`tick_with`: the probe's device sampling), with the tree it read.
+    ``proc``: the ``/proc`` to read (a fake tree in tests).
     """
 
     def __init__(self, root_pid: int, *, proc: Path | str = "/proc") -> None:
         self.root_pid = root_pid
         self.sensor: TreeSensor | None = None
         self._proc = str(proc)
-        self._open = False
         self._at_start: set[tuple[int, str]] = set()
         self._seen: set[tuple[int, str]] = set()
         self._reasons: dict[str, None] = {}
@@ -112,22 +213,14 @@ class TreeWatch:
         # re-parented to the root (a worker is a child subreaper), which reaps them once
         # they exit (no task waits for them).
         self._adoptable: set[int] = set()
-        self._new_sampler()
+        self._sampler = _Sampler()
 
-    def _new_sampler(self) -> None:
-        """The lock and the sampler's state, fresh: at first, and in a forked copy of the
-        process, where the parent's thread does not run and its lock may have been held."""
-        self._owner_pid = os.getpid()
-        self._lock = threading.Lock()
-        # Taken directly (``with self._lock``) where nothing waits: a Condition is entered
-        # through a Python call.
-        self._wake = threading.Condition(self._lock)
-        self._generation = 0  # bumped at each opening and closing of a window
-        self._due_s = 0.0  # when the open window's next sample is due (monotonic)
-        self._parked = False  # the sampler waits for a window to open
-        self._sampling = False  # the sampler reads the tree (outside the lock)
-        self._tick: Callable[[frozenset[int]], None] | None = None
-        self._thread: threading.Thread | None = None
+    def _own_sampler(self) -> _Sampler:
+        """The sampler of this process: a forked copy makes its own (see :class:`_Sampler`)."""
+        sampler = self._sampler
+        if sampler.owner_pid != own_pid():
+            self._sampler = sampler = _Sampler()
+        return sampler
 
     def _identities(self, pids: Iterable[int]) -> set[tuple[int, str]]:
         """``(pid, start token)`` of each process still running (a reused PID is another)."""
@@ -152,7 +245,7 @@ class TreeWatch:
                 self._adoptable.update(pid for pid in found if pid not in direct)
         identities = self._identities(found) if found else set()
         known = set(found)
-        with self._lock:
+        with self._sampler.lock:
             earlier = [(pid, token) for pid, token in self._seen if pid not in known]
         orphans = [(pid, token) for pid, token in earlier if read_start_token(pid) == token]
         if not orphans:
@@ -177,19 +270,19 @@ class TreeWatch:
     def members(self) -> frozenset[int]:
         """The root and its live descendants now (noted as seen while a window is open)."""
         descendants, identities = self._read()
-        if self._open and identities:
-            with self._lock:
+        if self._sampler.armed and identities:
+            with self._sampler.lock:
                 self._seen |= identities
         return frozenset((self.root_pid, *descendants))
 
     def seen(self) -> int:
         """How many processes were seen under the root in the open window so far."""
-        with self._lock:
+        with self._sampler.lock:
             return len(self._seen)
 
     def note_rejections(self, reasons: Iterable[str]) -> None:
         """Keep why a reading was rejected (each reason once, at most ``MAX_REJECTIONS``)."""
-        with self._lock:
+        with self._sampler.lock:
             for reason in reasons:
                 if len(self._reasons) < MAX_REJECTIONS:
                     self._reasons.setdefault(reason, None)
@@ -197,87 +290,37 @@ class TreeWatch:
     def open(self) -> frozenset[int]:
         """Open a window: note the descendants already running and their RSS, and arm the
         sampler. Returns the root and its live descendants now (one reading serves all)."""
-        if self._owner_pid != own_pid():
-            self._new_sampler()
-        with self._lock:
-            self._open = False
-            while self._sampling:  # a window left open: its sample in flight ends first
-                self._wake.wait()
-        descendants, at_start = self._read(own=self.root_pid == self._owner_pid)
+        sampler = self._own_sampler()
+        sampler.disarm(closing=False)
+        descendants, at_start = self._read(own=self.root_pid == sampler.owner_pid)
         rss_bytes = self._rss_of(descendants)
         children_rss = read_children_rss_high_water()
-        with self._lock:
-            self._generation += 1
-            self._tick = None
+        with sampler.lock:
             self._at_start = at_start
             self._seen = set(at_start)
             self._reasons = {}
             self._rss_peak_bytes = rss_bytes
             self._children_rss_at_start = children_rss
             self._ended = None
-            self._open = True
-            self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
-            if self._parked:
-                self._parked = False
-                self._wake.notify()
-        thread = self._thread
-        if thread is None:  # the first window, or the sampler ended (it says so, as it ends)
-            self._thread = thread = threading.Thread(
-                target=_sample_while_watched,
-                args=(weakref.ref(self),),
-                name="gpupool-tree",
-                daemon=True,
-            )
-            thread.start()
+            sampler.arm()
+        sampler.run_for(self)
         return frozenset((self.root_pid, *descendants))
 
     def tick_with(self, tick: Callable[[frozenset[int]], None]) -> None:
         """Run ``tick`` after each sample of the open window, with the tree it read (the root
         and its descendants), on the sampler thread; until the window ends."""
-        with self._lock:
-            if self._open:
-                self._tick = tick
-
-    def _turn(self, quiet: list[float]) -> None:
-        """One turn of the sampler: wait for an open window's due sample, take it, keep it.
-
-        ``quiet`` is the sampler's own ``[generation seen, since when]``: how long no
-        window has opened or closed, to know when to park.
-        """
-        with self._lock:
-            now_s = time.monotonic()
-            if self._generation != quiet[0]:
-                quiet[0], quiet[1] = self._generation, now_s
-            if not self._open:
-                if now_s - quiet[1] < _PARK_AFTER_S:
-                    self._wake.wait(TREE_SAMPLE_INTERVAL_S)
-                else:
-                    self._parked = True  # the next opening wakes it
-                    self._wake.wait(_PARKED_CHECK_S)
-                    self._parked = False
-                return
-            if self._due_s > now_s:
-                self._wake.wait(self._due_s - now_s)
-                return
-            generation, tick = self._generation, self._tick
-            self._sampling = True
-        try:
-            self._sample(generation, tick)
-        finally:
-            with self._lock:
-                self._sampling = False
-                self._due_s = time.monotonic() + TREE_SAMPLE_INTERVAL_S
-                self._wake.notify_all()  # an opening or an end that waits for this sample
+        self._sampler.set_tick(tick)
 
     def _sample(self, generation: int, tick: Callable[[frozenset[int]], None] | None) -> None:
-        """One sample of window ``generation``: who is in the tree, their RSS; then its tick."""
+        """One sample of window ``generation``: who is in the tree, their RSS; then its tick.
+        Taken on the sampler thread (:meth:`_Sampler.turn`), outside the lock."""
         try:
             descendants, identities = self._read()
             rss_bytes = self._rss_of(descendants)
         except Exception:
             return  # a sample lost; the window's end reads the tree again
-        with self._lock:
-            if generation != self._generation:
+        with self._sampler.lock:
+            if generation != self._sampler.generation:
                 return
             self._seen |= identities
             self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
@@ -291,18 +334,12 @@ class TreeWatch:
         """End the open window: disarm the sampler (a sample of the window in flight is
         kept), and take the window's last reading. Returns the root and its live
         descendants now; :meth:`close` then sums the window up."""
-        if self._owner_pid != own_pid():
-            self._new_sampler()
-        with self._lock:
-            self._open = False
-            while self._sampling:
-                self._wake.wait()
-            self._generation += 1
-            self._tick = None
-        descendants, running = self._read(own=self.root_pid == self._owner_pid)
+        sampler = self._own_sampler()
+        sampler.disarm(closing=True)
+        descendants, running = self._read(own=self.root_pid == sampler.owner_pid)
         if descendants:
             rss_bytes = self._rss_of(descendants)
-            with self._lock:
+            with sampler.lock:
                 self._seen |= running
                 self._rss_peak_bytes = max(self._rss_peak_bytes, rss_bytes)
         self._ended = running
@@ -314,12 +351,13 @@ class TreeWatch:
         if self._ended is None:
             self.end()
         running, self._ended = self._ended or set(), None
-        with self._lock:
+        with self._sampler.lock:
             outliving = tuple(sorted(pid for pid, _ in running - self._at_start)) if running else ()
             seen, rss_bytes, reasons = len(self._seen), self._rss_peak_bytes, tuple(self._reasons)
-        if self._adoptable and self.root_pid == self._owner_pid:
+        owner_pid = self._sampler.owner_pid
+        if self._adoptable and self.root_pid == owner_pid:
             self._reap_adopted()
-        if self.root_pid == self._owner_pid == os.getpid():
+        if self.root_pid == owner_pid == os.getpid():
             reap_unclaimed_zombies(_claimed_children)
         children = read_children_rss_high_water()
         before = self._children_rss_at_start
@@ -380,9 +418,9 @@ def _sample_while_watched(ref: weakref.ReferenceType[TreeWatch]) -> None:
             watch = ref()
             if watch is None:
                 return
-            watch._turn(quiet)
+            watch._sampler.turn(watch, quiet)
             del watch
     finally:
         watch = ref()
-        if watch is not None and watch._thread is threading.current_thread():
-            watch._thread = None  # the next window starts another
+        if watch is not None:
+            watch._sampler.thread_ended()
