@@ -3,9 +3,9 @@
 Caller threads reach the inbox (:class:`gpupool._pool.inbox.Inbox`) and what the
 dispatcher thread publishes whole (``PUBLISHED`` on each part: the snapshot, the
 processes). Every other attribute of the dispatcher's parts (the loop, the worker
-set, the outcomes, the card reader, the booking link, the planner) belongs to the
-dispatcher thread once it runs: here a ``__getattribute__`` guard, installed on
-those classes for the test only, fails any other thread that reads one.
+set and its clocks, the outcomes, the card reader, the booking link, the planner)
+belongs to the dispatcher thread once it runs: here a ``__getattribute__`` guard,
+installed on those classes for the test only, fails any other thread that reads one.
 """
 
 from __future__ import annotations
@@ -26,12 +26,19 @@ from gpupool._pool import inbox, outcomes, workers
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.dispatcher import CardReader, Dispatcher
 from gpupool._pool.outcomes import Outcomes
-from gpupool._pool.workers import WorkerSet
+from gpupool._pool.workers import WorkerClocks, WorkerSet
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: The dispatcher thread's parts, as the loop names them (its own attribute for each).
 PARTS = {"workers": WorkerSet, "outcomes": Outcomes, "cards": CardReader, "link": BookingLink}
-OWNED: tuple[type, ...] = (Dispatcher, Planner, *PARTS.values())
+#: The rooms of a part, as the part names them (the worker set's clocks).
+ROOMS = {"workers": ("clocks", WorkerClocks)}
+OWNED: tuple[type, ...] = (
+    Dispatcher,
+    Planner,
+    *PARTS.values(),
+    *(cls for _, cls in ROOMS.values()),
+)
 
 
 class Ownership:
@@ -77,6 +84,8 @@ def ownership(monkeypatch: pytest.MonkeyPatch) -> Ownership:
             part = getattr(self, name)
             if part is not None:
                 watch.claim(part)
+                if name in ROOMS:
+                    watch.claim(getattr(part, ROOMS[name][0]))
         run(self)
 
     monkeypatch.setattr(Dispatcher, "_run", claimed_run)
@@ -141,6 +150,10 @@ def test_caller_threads_reach_only_the_inbox_and_what_is_published(host, ownersh
             _ = ex._dispatcher.outcomes
         with pytest.raises(AssertionError, match=r"WorkerSet\.by_card"):
             _ = ex._dispatcher.workers.by_card
+        # A room is guarded as its part is (reached here past the part's own guard).
+        room = object.__getattribute__(ex._dispatcher.workers, "clocks")
+        with pytest.raises(AssertionError, match=r"WorkerClocks\.due_at_s"):
+            _ = room.due_at_s
         with pytest.raises(AssertionError, match=r"Dispatcher\.planner"):
             _ = ex._dispatcher.planner
         ownership.violations.clear()

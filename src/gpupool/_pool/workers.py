@@ -6,11 +6,14 @@ off), ``serve(timeout_s) -> Answered | Exited``. It never touches a
 future or the planner: what an answer or an exit means is the loop's
 (:mod:`gpupool._pool.dispatcher`), and what it counts or retires by the loop's
 decisions it asks of the callables it is given (``counts``, ``retire_idle``).
+When a worker is ended for an unacknowledged frame, a deadline or a stop is
+said by its clocks (:class:`WorkerClocks`), a room of the worker set's own.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import select
@@ -48,10 +51,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Answered",
+    "Clock",
     "DeviceState",
     "Exited",
     "SpawnFailed",
     "Worker",
+    "WorkerClocks",
     "WorkerSet",
 ]
 
@@ -90,11 +95,26 @@ class DeviceState:
     context_estimate: tuple[int, str] | None = None
 
 
+@dataclass(slots=True)
+class Clock:
+    """What the clocks hold for one worker. Only :class:`WorkerClocks` writes it."""
+
+    # Since when (monotonic) the head is the head: when its ack is due from, and when its
+    # deadline counts from.
+    head_since_s: float = 0.0
+    # Since when it is seen stopped (None: running, or not looked at yet).
+    stopped_since_s: float | None = None
+    # When the SIGKILL of its tree is due, with what was below it then.
+    kill_at_s: float | None = None
+    below: list[Any] = field(default_factory=list)
+
+
 @dataclass(eq=False, slots=True)
 class Worker:
     """One worker process and the tasks handed to it: ``queue[0]`` runs (a worker runs one
     task at a time), and a short task of its key may wait behind it (planner/queued).
-    Only the worker set changes a worker; the loop reads it."""
+    Only the worker set changes a worker (``ending`` and ``clock``: its clocks,
+    :class:`WorkerClocks`); the loop reads it."""
 
     process: Any
     conn: Any
@@ -112,20 +132,16 @@ class Worker:
     # model its initializer loaded, its context; None when unknown).
     ready: bool = False
     resident_bytes: int | None = None
-    # Where it acknowledges each task frame it reads (acks), how many task frames it answered
-    # (the head's frame is the next one), and since when (monotonic) the head is the head:
-    # when its ack is due from, and when its deadline counts from.
+    # Where it acknowledges each task frame it reads (acks), and how many task frames it
+    # answered (the head's frame is the next one).
     cell: ReadCell | None = None
     answered: int = 0
-    head_since_s: float = 0.0
     # At its exit: whether it had read its head's frame (None: it had no head).
     head_read: bool | None = None
-    # Why the pool ends it ("timeout", "unread", "stopped"), once it does; when the SIGKILL
-    # of its tree is due, with what was below it then; since when it is seen stopped.
+    # Why the pool ends it ("timeout", "unread", "stopped"), once it does (the clocks'), and
+    # the clocks' times for it: since when its head is the head, its SIGKILL, its stop.
     ending: str | None = None
-    kill_at_s: float | None = None
-    below: list[Any] = field(default_factory=list)
-    stopped_since_s: float | None = None
+    clock: Clock = field(default_factory=Clock)
 
     def __post_init__(self) -> None:
         self.channel = Channel(
@@ -207,10 +223,149 @@ class WorkerOptions:
     cap_allocator: bool
 
 
+class WorkerClocks:
+    """The worker set's clocks: when each head's ack and deadline are due, when stopped
+    workers are looked at, and the processes left below workers that ended within their
+    grace. A room of its own because none of this reads a channel or starts a process: it
+    keeps its own times and a :class:`Clock` per worker, and asks the worker set only to
+    stop watching a socket. It writes ``Worker.ending``, ``Worker.retiring`` (set as a
+    worker is ended, as the worker set sets it as one retires) and each worker's
+    :class:`Clock`. Only the worker set calls it, on the dispatcher thread."""
+
+    def __init__(self, unwatch: Callable[[int], None]) -> None:
+        # Stops the worker set's selector watching a socket (a worker ended unheard). Given
+        # the selector's function, not the worker set's method: the clocks hold no reference
+        # back to the worker set, which holds the initializer's arguments.
+        self.unwatch = unwatch
+        # Processes below workers ended for a deadline that exited before their grace ended:
+        # SIGKILLed then, when still there.
+        self.leftovers: list[tuple[float, list[Any]]] = []
+        # When due() next has something to look at (monotonic; inf: nothing).
+        self.due_at_s = math.inf
+        self.stop_check_at_s = 0.0
+
+    def new_head(self, worker: Worker) -> None:
+        """``worker``'s queue has a new head now: its frame is to be read, its deadline runs."""
+        clock = worker.clock
+        now_s = clock.head_since_s = time.monotonic()
+        clock.stopped_since_s = None
+        head_timeout_s = worker.queue[0].timeout_s if worker.queue else None
+        at_s = now_s + min(ACK_BOUND_S, STOP_CHECK_S, head_timeout_s or math.inf)
+        self.due_at_s = min(self.due_at_s, at_s)
+
+    def due(self, now_s: float, workers: Callable[[], list[Worker]]) -> float | None:
+        """Act on what is due at ``now_s`` (monotonic) among ``workers()`` (asked only when
+        something is due): a head's frame not acknowledged within
+        :data:`~gpupool._pool.acks.ACK_BOUND_S`, or another read in its place (the worker is
+        SIGKILLed: ``ending`` is ``"unread"``), a task past its deadline (SIGTERM to the
+        worker's tree, SIGKILL after :data:`TIMEOUT_GRACE_S`: ``"timeout"``), a worker running
+        a task stopped for :data:`STOPPED_LOST_S` (SIGKILLed: ``"stopped"``). Their exits are
+        events as any other. Returns how soon to call again (``None``: nothing to watch)."""
+        if now_s < self.due_at_s:
+            return None if self.due_at_s == math.inf else self.due_at_s - now_s
+        next_s = math.inf
+        check_stopped = now_s >= self.stop_check_at_s
+        if check_stopped:
+            self.stop_check_at_s = now_s + STOP_CHECK_S
+        busy = False
+        for worker in workers():
+            if worker.gone:
+                continue
+            clock = worker.clock
+            if clock.kill_at_s is not None:
+                if now_s >= clock.kill_at_s:
+                    self._kill_tree(worker)
+                else:
+                    next_s = min(next_s, clock.kill_at_s)
+                continue
+            head = worker.task
+            if head is None or worker.ending is not None or worker.fault is not None:
+                continue
+            busy = True
+            read = worker.read_head()
+            if read is False or (read is None and now_s >= clock.head_since_s + ACK_BOUND_S):
+                self.end(worker, "unread", signal.SIGKILL)
+                continue
+            if read is None:
+                next_s = min(next_s, clock.head_since_s + ACK_BOUND_S)
+            if head.timeout_s is not None:
+                deadline_s = clock.head_since_s + head.timeout_s
+                if now_s >= deadline_s:
+                    self.end(worker, "timeout", signal.SIGTERM)
+                    clock.kill_at_s = now_s + TIMEOUT_GRACE_S
+                    next_s = min(next_s, clock.kill_at_s)
+                    continue
+                next_s = min(next_s, deadline_s)
+            if check_stopped:
+                self._check_stopped(worker, now_s)
+        if busy:
+            next_s = min(next_s, self.stop_check_at_s)
+        for at_s, processes in list(self.leftovers):
+            if now_s >= at_s:
+                self.leftovers.remove((at_s, processes))
+                kill_left_after(processes, 0.0)
+            else:
+                next_s = min(next_s, at_s)
+        self.due_at_s = next_s
+        return None if next_s == math.inf else max(0.01, next_s - now_s)
+
+    def _check_stopped(self, worker: Worker, now_s: float) -> None:
+        clock = worker.clock
+        if not is_stopped(worker.pid):
+            clock.stopped_since_s = None
+        elif clock.stopped_since_s is None:
+            clock.stopped_since_s = now_s
+            LOGGER.warning(
+                "gpupool: the worker process (pid %d) running a task is stopped (SIGSTOP); "
+                "unless it is resumed (SIGCONT) within %.0f s it is killed and its task fails",
+                worker.pid,
+                STOPPED_LOST_S,
+            )
+        elif now_s - clock.stopped_since_s >= STOPPED_LOST_S:
+            self.end(worker, "stopped", signal.SIGKILL)
+
+    def end(self, worker: Worker, why: str, sig: int) -> None:
+        """End ``worker`` for ``why``: it takes nothing more, and ``sig`` goes to it and to
+        everything below it (listed first: a worker that ``sig`` ends is reaped at once)."""
+        worker.ending = why
+        worker.retiring = True
+        if why in _UNHEARD:
+            worker.channel.discard_output()
+            self.unwatch(worker.channel.fd)
+        worker.clock.below = trees_below([worker.pid])
+        signal_tree(worker.pid, sig)
+        if sig != signal.SIGKILL:
+            signal_tree(worker.pid, signal.SIGCONT)  # a stopped process takes its SIGTERM
+        else:
+            kill_left_after(worker.clock.below, 0.0)
+
+    def _kill_tree(self, worker: Worker) -> None:
+        worker.clock.kill_at_s = None
+        signal_tree(worker.pid, signal.SIGKILL)
+        kill_left_after(worker.clock.below, 0.0)
+
+    def reaped(self, worker: Worker) -> None:
+        """``worker`` exited; one ended within its grace leaves what is below it to be
+        SIGKILLed when that grace ends."""
+        clock = worker.clock
+        if clock.kill_at_s is not None:
+            self.leftovers.append((clock.kill_at_s, clock.below))
+            self.due_at_s = min(self.due_at_s, clock.kill_at_s)
+            clock.kill_at_s = None
+
+    def close(self) -> None:
+        """The pool stops: no grace is waited for any more."""
+        for _, processes in self.leftovers:
+            kill_left_after(processes, 0.0)
+        self.leftovers.clear()
+
+
 class WorkerSet:
     """The pool's worker processes by card (``None``: pinned to none), one selector over
-    their channels, their exits and ``wake_fd`` (the inbox's), the spawn back-off, and the
-    workers that died as they booted. Only the dispatcher thread calls it."""
+    their channels, their exits and ``wake_fd`` (the inbox's), the spawn back-off, the
+    workers that died as they booted, and the signals the pool sent. When a worker is ended
+    (an unacknowledged frame, a deadline, a stopped worker) is said by its clocks
+    (``clocks``, :class:`WorkerClocks`). Only the dispatcher thread calls it."""
 
     #: What other threads may read (replaced whole, never changed in place).
     PUBLISHED = frozenset({"processes"})
@@ -232,12 +387,7 @@ class WorkerSet:
         self.boot_deaths = 0  # in a row, before they were ready (no task handed to them)
         # (pid, signal) the pool sent (terminate_workers, kill_workers).
         self.signalled: set[tuple[int, int]] = set()
-        # Processes below workers ended for a deadline that exited before their grace ended:
-        # SIGKILLed then, when still there.
-        self.leftovers: list[tuple[float, list[Any]]] = []
-        # When due() next has something to look at (monotonic; inf: nothing).
-        self.due_at_s = math.inf
-        self.stop_check_at_s = 0.0
+        self.clocks = WorkerClocks(functools.partial(_unwatch, self.selector))
 
     def all(self) -> list[Worker]:
         """Every worker not forgotten, on every card."""
@@ -363,7 +513,7 @@ class WorkerSet:
         written at :meth:`flush`."""
         worker.queue.append(item)
         if len(worker.queue) == 1:
-            self._new_head(worker)
+            self.clocks.new_head(worker)
         if self.options.cap_allocator and worker.device is not None:
             # Before the call, on the same ordered channel: the cap is set when the task starts.
             self._write(worker, allocator_cap_message(ask_bytes), now=now)
@@ -469,7 +619,7 @@ class WorkerSet:
             return
         except ChannelClosed:
             frames = []
-            self._unwatch(worker.channel.fd)
+            _unwatch(self.selector, worker.channel.fd)
         frames.reverse()  # popped oldest first: nothing of a handled answer is kept
         while frames and not worker.gone and worker.fault is None and worker.ending not in _UNHEARD:
             event = self._answer(worker, frames.pop())
@@ -499,7 +649,7 @@ class WorkerSet:
             if worker.read_head() is False:
                 # It answers a frame it read in place of its head's: another reader of its
                 # socket took the head's. Lost, as due() finds it; the head never ran.
-                self._end(worker, "unread", signal.SIGKILL)
+                self.clocks.end(worker, "unread", signal.SIGKILL)
             else:
                 self._protocol_fault(worker, str(fault))
             return None
@@ -513,7 +663,7 @@ class WorkerSet:
         if item is not None:
             worker.answered += 1
             if worker.queue:
-                self._new_head(worker)
+                self.clocks.new_head(worker)
         if kind == "init":
             # It exits right after this answer; wait for it (bounded), so that what it
             # logged on its way out (through a multiprocessing queue, say) is flushed
@@ -528,101 +678,11 @@ class WorkerSet:
 
     # -- the workers' clocks ---------------------------------------------------------
 
-    def _new_head(self, worker: Worker) -> None:
-        """``worker``'s queue has a new head now: its frame is to be read, its deadline runs."""
-        now_s = worker.head_since_s = time.monotonic()
-        worker.stopped_since_s = None
-        head_timeout_s = worker.queue[0].timeout_s if worker.queue else None
-        at_s = now_s + min(ACK_BOUND_S, STOP_CHECK_S, head_timeout_s or math.inf)
-        self.due_at_s = min(self.due_at_s, at_s)
-
     def due(self, now_s: float) -> float | None:
-        """Act on what is due at ``now_s`` (monotonic): a head's frame not acknowledged within
-        :data:`~gpupool._pool.acks.ACK_BOUND_S`, or another read in its place (the worker is
-        SIGKILLed: ``ending`` is ``"unread"``), a task past its deadline (SIGTERM to the
-        worker's tree, SIGKILL after :data:`TIMEOUT_GRACE_S`: ``"timeout"``), a worker running
-        a task stopped for :data:`STOPPED_LOST_S` (SIGKILLed: ``"stopped"``). Their exits are
-        events as any other. Returns how soon to call again (``None``: nothing to watch)."""
-        if now_s < self.due_at_s:
-            return None if self.due_at_s == math.inf else self.due_at_s - now_s
-        next_s = math.inf
-        check_stopped = now_s >= self.stop_check_at_s
-        if check_stopped:
-            self.stop_check_at_s = now_s + STOP_CHECK_S
-        busy = False
-        for worker in self.all():
-            if worker.gone:
-                continue
-            if worker.kill_at_s is not None:
-                if now_s >= worker.kill_at_s:
-                    self._kill_tree(worker)
-                else:
-                    next_s = min(next_s, worker.kill_at_s)
-                continue
-            head = worker.task
-            if head is None or worker.ending is not None or worker.fault is not None:
-                continue
-            busy = True
-            read = worker.read_head()
-            if read is False or (read is None and now_s >= worker.head_since_s + ACK_BOUND_S):
-                self._end(worker, "unread", signal.SIGKILL)
-                continue
-            if read is None:
-                next_s = min(next_s, worker.head_since_s + ACK_BOUND_S)
-            if head.timeout_s is not None:
-                deadline_s = worker.head_since_s + head.timeout_s
-                if now_s >= deadline_s:
-                    self._end(worker, "timeout", signal.SIGTERM)
-                    worker.kill_at_s = now_s + TIMEOUT_GRACE_S
-                    next_s = min(next_s, worker.kill_at_s)
-                    continue
-                next_s = min(next_s, deadline_s)
-            if check_stopped:
-                self._check_stopped(worker, now_s)
-        if busy:
-            next_s = min(next_s, self.stop_check_at_s)
-        for at_s, processes in list(self.leftovers):
-            if now_s >= at_s:
-                self.leftovers.remove((at_s, processes))
-                kill_left_after(processes, 0.0)
-            else:
-                next_s = min(next_s, at_s)
-        self.due_at_s = next_s
-        return None if next_s == math.inf else max(0.01, next_s - now_s)
-
-    def _check_stopped(self, worker: Worker, now_s: float) -> None:
-        if not is_stopped(worker.pid):
-            worker.stopped_since_s = None
-        elif worker.stopped_since_s is None:
-            worker.stopped_since_s = now_s
-            LOGGER.warning(
-                "gpupool: the worker process (pid %d) running a task is stopped (SIGSTOP); "
-                "unless it is resumed (SIGCONT) within %.0f s it is killed and its task fails",
-                worker.pid,
-                STOPPED_LOST_S,
-            )
-        elif now_s - worker.stopped_since_s >= STOPPED_LOST_S:
-            self._end(worker, "stopped", signal.SIGKILL)
-
-    def _end(self, worker: Worker, why: str, sig: int) -> None:
-        """End ``worker`` for ``why``: it takes nothing more, and ``sig`` goes to it and to
-        everything below it (listed first: a worker that ``sig`` ends is reaped at once)."""
-        worker.ending = why
-        worker.retiring = True
-        if why in _UNHEARD:
-            worker.channel.discard_output()
-            self._unwatch(worker.channel.fd)
-        worker.below = trees_below([worker.pid])
-        signal_tree(worker.pid, sig)
-        if sig != signal.SIGKILL:
-            signal_tree(worker.pid, signal.SIGCONT)  # a stopped process takes its SIGTERM
-        else:
-            kill_left_after(worker.below, 0.0)
-
-    def _kill_tree(self, worker: Worker) -> None:
-        worker.kill_at_s = None
-        signal_tree(worker.pid, signal.SIGKILL)
-        kill_left_after(worker.below, 0.0)
+        """Act on what is due at ``now_s`` (monotonic): unacknowledged frames, deadlines,
+        stopped workers (:meth:`WorkerClocks.due`).
+        Returns how soon to call again (``None``: nothing to watch)."""
+        return self.clocks.due(now_s, self.all)
 
     def _protocol_fault(self, worker: Worker, what: str) -> None:
         """``worker`` sent what is not an answer it may send now (bytes that are not an
@@ -634,7 +694,7 @@ class WorkerSet:
         worker.fault = what
         worker.retiring = True
         worker.channel.discard_output()
-        self._unwatch(worker.channel.fd)
+        _unwatch(self.selector, worker.channel.fd)
         LOGGER.warning(
             "gpupool: a worker process (pid %d) broke the protocol with the pool: it sent %s; "
             "it is killed and replaced",
@@ -651,10 +711,7 @@ class WorkerSet:
     def _reap(self, worker: Worker) -> Exited:
         exitcode = worker.watch.wait(1.0)
         worker.head_read = worker.read_head()
-        if worker.kill_at_s is not None:  # ended within its grace: what is left, at its end
-            self.leftovers.append((worker.kill_at_s, worker.below))
-            self.due_at_s = min(self.due_at_s, worker.kill_at_s)
-            worker.kill_at_s = None
+        self.clocks.reaped(worker)  # ended within its grace: what is left, at its end
         self._forget(worker)
         by_pool = exitcode is not None and (worker.pid, -exitcode) in self.signalled
         boot_deaths = 0
@@ -663,18 +720,12 @@ class WorkerSet:
             boot_deaths = self.boot_deaths
         return Exited(worker, exitcode, by_pool, boot_deaths)
 
-    def _unwatch(self, fd: int) -> None:
-        try:
-            self.selector.unregister(fd)
-        except (KeyError, ValueError):
-            pass
-
     def _forget(self, worker: Worker) -> None:
         if worker.gone:
             return
         worker.gone = True
-        self._unwatch(worker.channel.fd)
-        self._unwatch(worker.watch.fd)
+        _unwatch(self.selector, worker.channel.fd)
+        _unwatch(self.selector, worker.watch.fd)
         if worker.watch.exitcode() is not None:
             # Reaped: join returns at once, and multiprocessing lets the process
             # object go (its finalizer closes loky's sentinel).
@@ -735,7 +786,13 @@ class WorkerSet:
             select.select(reads, writes, [], timeout)
 
     def close(self) -> None:
-        for _, processes in self.leftovers:  # the pool stops: no grace is waited for any more
-            kill_left_after(processes, 0.0)
-        self.leftovers.clear()
+        self.clocks.close()  # the pool stops: no grace is waited for any more
         self.selector.close()
+
+
+def _unwatch(selector: selectors.BaseSelector, fd: int) -> None:
+    """Stop ``selector`` watching ``fd`` (not watched, or closed already: nothing)."""
+    try:
+        selector.unregister(fd)
+    except (KeyError, ValueError):
+        pass
