@@ -75,7 +75,7 @@ OF_INTEREST = (
     "WorkerSet._receive",
     "WorkerSet.flush",
     "CardReader.read",
-    "Dispatcher.publish",
+    "Public.publish",
 )
 
 

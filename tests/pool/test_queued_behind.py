@@ -268,7 +268,7 @@ def test_tasks_a_shutdown_cancelled_are_not_counted_as_queued(tmp_path: Path) ->
         for future in queued:
             wait_for(future.running, what="the next tasks queued behind the busy worker")
         # Published before the queued futures were made RUNNING: they are counted in it.
-        before = pool._dispatcher.snapshot.counts.get("queued_behind", 0)
+        before = pool._dispatcher.public.snapshot.counts.get("queued_behind", 0)
         pending = [pool.submit(queue_tasks.step, "ok") for _ in range(20)]
         pool.shutdown(wait=False, cancel_futures=True)
         for future in pending:
@@ -282,4 +282,4 @@ def test_tasks_a_shutdown_cancelled_are_not_counted_as_queued(tmp_path: Path) ->
         last_gate.touch()
         pool.shutdown(wait=True)
     assert [f.result() for f in queued] == [running.result()] * len(queued)
-    assert pool._dispatcher.snapshot.counts.get("queued_behind", 0) == before
+    assert pool._dispatcher.public.snapshot.counts.get("queued_behind", 0) == before

@@ -1,9 +1,10 @@
 """Which thread may touch which state, checked on a real pool rather than said in prose.
 
 Caller threads reach the inbox (:class:`gpupool._pool.inbox.Inbox`) and what the
-dispatcher thread publishes whole (``PUBLISHED`` on each part: the snapshot, the
-processes). Every other attribute of the dispatcher's parts (the loop, the worker
-set and its clocks, the outcomes, the card reader, the booking link, the planner)
+dispatcher thread publishes whole (``PUBLISHED`` on each part: the snapshot and the
+thread's end, the processes). Every other attribute of the dispatcher's parts (the loop,
+the worker set and its clocks, the outcomes, the card reader, the booking link, the run
+memory, the public room's bookkeeping, the planner)
 belongs to the dispatcher thread once it runs: here a ``__getattribute__`` guard,
 installed on those classes for the test only, fails any other thread that reads one.
 """
@@ -25,12 +26,21 @@ from gpupool._core.planner import Planner
 from gpupool._pool import inbox, outcomes, workers
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.dispatcher import CardReader, Dispatcher
+from gpupool._pool.memory import RunMemory
 from gpupool._pool.outcomes import Outcomes
+from gpupool._pool.snapshot import Public
 from gpupool._pool.workers import WorkerClocks, WorkerSet
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: The dispatcher thread's parts, as the loop names them (its own attribute for each).
-PARTS = {"workers": WorkerSet, "outcomes": Outcomes, "cards": CardReader, "link": BookingLink}
+PARTS = {
+    "workers": WorkerSet,
+    "outcomes": Outcomes,
+    "cards": CardReader,
+    "link": BookingLink,
+    "memory": RunMemory,
+    "public": Public,
+}
 #: The rooms of a part, as the part names them (the worker set's clocks).
 ROOMS = {"workers": ("clocks", WorkerClocks)}
 OWNED: tuple[type, ...] = (
@@ -156,6 +166,17 @@ def test_caller_threads_reach_only_the_inbox_and_what_is_published(host, ownersh
             _ = room.due_at_s
         with pytest.raises(AssertionError, match=r"Dispatcher\.planner"):
             _ = ex._dispatcher.planner
+        with pytest.raises(AssertionError, match=r"Dispatcher\.memory"):
+            _ = ex._dispatcher.memory
+        # The public room shows its snapshot, and nothing else of its own.
+        assert ex._dispatcher.public.snapshot.width >= 1
+        with pytest.raises(AssertionError, match=r"Public\.unpublished_tasks"):
+            _ = ex._dispatcher.public.unpublished_tasks
+        with pytest.raises(AssertionError, match=r"Public\.planner"):
+            _ = ex._dispatcher.public.planner
+        memory = object.__getattribute__(ex._dispatcher, "memory")
+        with pytest.raises(AssertionError, match=r"RunMemory\.names"):
+            _ = memory.names
         ownership.violations.clear()
     finally:
         ex.shutdown(wait=True, cancel_futures=True)

@@ -12,13 +12,15 @@ Data flow::
                                WorkerSet.serve -> Answered / Exited         <- (pid, task, kind)
                                planner.ended / out_of_memory / lost
                                Outcomes: result or error -> one outbox
-    statistics(), width  <-    end of turn: publish the snapshot, then deliver the outbox
+    statistics(), width  <-    end of turn: Public.publish (the snapshot), then deliver the outbox
     futures              <-
 
 Each part owns its state. Caller threads touch the inbox only, and read what is
-published whole; the loop (:class:`Dispatcher`) is the only code that asks the
-planner: the parts return events and values, and the loop decides. Every
-price, admission and width decision is the planner's (:mod:`gpupool._core.planner`).
+published whole (:class:`~gpupool._pool.snapshot.Public`: the snapshot, the thread's
+end); what the pool keeps between runs is :class:`~gpupool._pool.memory.RunMemory`'s.
+The loop (:class:`Dispatcher`) is the only code that asks the planner: the parts
+return events and values, and the loop decides. Every price, admission and width
+decision is the planner's (:mod:`gpupool._core.planner`).
 Tasks held back for memory stay PENDING in the parent, so ``cancel()`` works on
 them; a task becomes RUNNING only when it is handed to a worker, and a worker
 runs one task at a time, so the pool always knows which task a dead worker ran.
@@ -46,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 from gpupool._broken import WorkerLostError
 from gpupool._child.probe import ALLOCATOR_CAP_NOTE
 from gpupool._core.census import Census
-from gpupool._core.contexts import CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE
 from gpupool._core.events import truncate_text
 from gpupool._core.peak import PeakReport
 from gpupool._core.planner import (
@@ -69,9 +70,9 @@ from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call
 from gpupool._pool.inbox import Inbox, WorkItem, copy_broken
 from gpupool._pool.launch import StartDataError
-from gpupool._pool.memory import PeakMemory, code_digest
+from gpupool._pool.memory import PeakMemory, RunMemory
 from gpupool._pool.outcomes import Outcomes, callable_name
-from gpupool._pool.snapshot import PoolSnapshot, take_snapshot
+from gpupool._pool.snapshot import Public
 from gpupool._pool.workers import (
     SPAWN_TRIES,
     Answered,
@@ -118,7 +119,7 @@ def _python_exit() -> None:
     for dispatcher in list(_dispatchers):
         dispatcher.inbox.request_shutdown()
     for dispatcher in list(_dispatchers):
-        dispatcher.join()
+        dispatcher.public.join()
 
 
 threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
@@ -199,8 +200,8 @@ class Dispatcher:
     planner. Caller threads reach what ``PUBLISHED`` names, and nothing else."""
 
     #: What other threads may reach: the inbox is theirs, the log has a lock of its own, the
-    #: rest is replaced whole.
-    PUBLISHED = frozenset({"inbox", "log", "snapshot", "workers", "thread", "join", "finished"})
+    #: rest (what ``public`` and ``workers`` publish) is replaced whole.
+    PUBLISHED = frozenset({"inbox", "log", "public", "workers"})
 
     def __init__(
         self,
@@ -217,9 +218,6 @@ class Dispatcher:
         memory: PeakMemory | None = None,
     ) -> None:
         self.asks = asks
-        # What earlier runs measured (gpupool._pool.memory), and each key's name there.
-        self.memory = memory
-        self.memory_keys: dict[str, str] = {}
         self.initializer = None if workers.initializer is None else workers.initializer[0]
         self.log = log
         self.started_at_s = time.monotonic()
@@ -238,53 +236,18 @@ class Dispatcher:
                 bookings, pool_id, devices, sensor, self.planner, log, self.started_at_s
             )
         )
-        # The largest contexts measured on each card model, beside the table: each card's
-        # workers are priced at its model's until their own row is read (None: no table).
-        self.contexts = open_context_file(bookings, pool_id)
-        for device in devices:
-            device.context_estimate = (
-                (CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE)
-                if self.contexts is None
-                else self.contexts.estimate(device.info.name).pair()
-            )
-        self.snapshot: PoolSnapshot = take_snapshot(
-            self.planner, asks, self.outcomes.counts, log_write_errors=0, last=None
+        # What earlier runs measured (gpupool._pool.memory), and the contexts file beside
+        # the table, which prices each card's workers until their own row is read.
+        self.memory = RunMemory(memory, open_context_file(bookings, pool_id), devices)
+        # The snapshot other threads read, and the thread (gpupool._pool.snapshot).
+        self.public = Public(
+            self.planner,
+            asks,
+            self.outcomes.counts,
+            log,
+            None if self.link is None else self.link.table,
+            self._run,
         )
-        self.publish_failed = False
-        # Tasks handed to the planner since the last snapshot (one taken before any of their
-        # futures is RUNNING, so that width and widths_by_key count them).
-        self.unpublished_tasks = False
-        self.thread = threading.Thread(target=self._run, name="gpupool-dispatcher", daemon=True)
-        # Set as the thread's last act. Waited on instead of the thread itself: on Python
-        # 3.10-3.12 a Thread.join that Ctrl-C interrupts leaves that thread marked stopped
-        # while it runs, so is_alive() and join() would lie from then on.
-        self.finished = threading.Event()
-
-    def publish(self) -> None:
-        """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
-
-        Called only where the planner is not shared: before the thread starts, then by the
-        thread at the end of every turn, before a future becomes RUNNING or done (a caller
-        never sees a future newer than the statistics it reads), and after the last record.
-        A value that did not change is the same object as before.
-        """
-        self.unpublished_tasks = False
-        try:
-            self.snapshot = take_snapshot(
-                self.planner,
-                self.asks,
-                self.outcomes.counts,
-                log_write_errors=self.log.write_errors,
-                bookings_unavailable=None
-                if self.link is None
-                else self.link.table.unavailable_reason,
-                last=self.snapshot,
-            )
-        except Exception:
-            # A stale snapshot, never a future left pending: this runs as futures are set.
-            if not self.publish_failed:
-                self.publish_failed = True
-                LOGGER.exception("gpupool could not take the statistics snapshot")
 
     def close(self) -> None:
         """Release the dispatcher's descriptors (its thread's last act, or a failed start)."""
@@ -310,15 +273,6 @@ class Dispatcher:
         finally:
             self.close()
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
-        if self.thread.ident is None or threading.current_thread() is self.thread:
-            return self.finished.is_set()  # never started, or asked from the thread itself
-        if not self.finished.wait(timeout):
-            return False
-        self.thread.join()  # its last lines: then nothing of the pool is held by its frames
-        return True
-
     def now(self) -> float:
         return time.monotonic() - self.started_at_s
 
@@ -335,8 +289,7 @@ class Dispatcher:
         if refused is not None:
             raise said.width_error(refused)
         _dispatchers.add(self)
-        self.publish()  # before the thread: the construction's width and records
-        self.thread.start()
+        self.public.start()  # published before the thread: the construction's width and records
 
     # -- the turn ----------------------------------------------------------------------
 
@@ -348,7 +301,7 @@ class Dispatcher:
             self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
         finally:
             self.inbox.stop()  # submit refuses from now on; what came before fails below
-            self.publish()  # what the turn that crashed had not delivered, delivered
+            self.public.publish()  # what the turn that crashed had not delivered, delivered
             self.outcomes.deliver(stopping=True)
             stopped = WorkerLostError("the pool stopped before this task finished")
             for worker in self.workers.stop(STOP_WAIT_S):
@@ -361,17 +314,17 @@ class Dispatcher:
             lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
             self.planner.flush_asks(self.now())
             try:
-                self._remember()
+                self.memory.keep(self.asks)
             except Exception:  # a file of the user's: never a pool that cannot stop
                 LOGGER.exception("gpupool could not remember this run's peaks")
             counts = self.outcomes.counts
             self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
-            self.publish()  # the last snapshot: what statistics() says from now on
+            self.public.publish()  # the last snapshot: what statistics() says from now on
             self.outcomes.deliver(stopping=True)
             try:
                 self.close()
             finally:
-                self.finished.set()
+                self.public.ended()
 
     def _loop(self) -> None:
         while True:
@@ -414,7 +367,7 @@ class Dispatcher:
                 # What the table could not do since the last turn: recorded, and counted.
                 if skipped := self.link.note(self.log.append, self.now()):
                     self.outcomes.counts["bookings_skipped"] = skipped
-            self.publish()  # the end of the turn
+            self.public.publish()  # the end of the turn
             self.outcomes.deliver()  # the turn's outcomes, counted by that snapshot
             if self.inbox.done(holding=bool(self.outcomes.items), busy=busy):
                 return
@@ -446,10 +399,15 @@ class Dispatcher:
     # -- placing tasks ----------------------------------------------------------------
 
     def _drain_incoming(self) -> None:
+        memory = self.memory
+        submitted = False
         while (item := self.inbox.take()) is not None:
             if self.outcomes.take(item):  # else cancelled by its caller first
-                if self.memory is not None and item.key not in self.memory_keys:
-                    self._recall(item)
+                if memory.peaks is not None and item.key not in memory.names:
+                    # The first task of its key: priced from what earlier runs measured.
+                    peak = memory.recall(item)
+                    if peak is not None:
+                        self.planner.remember(item.key, peak, self.now())
                 self.planner.submit(
                     item.task_id,
                     item.key,
@@ -458,29 +416,10 @@ class Dispatcher:
                     item.identity(),
                     features=item.features,
                 )
-                self.unpublished_tasks = True
+                submitted = True
                 item.hint_bytes = None
-
-    def _recall(self, item: WorkItem) -> None:
-        """The first task of its key: price the key from what earlier runs measured."""
-        assert self.memory is not None
-        name = f"{item.key}@{code_digest(item.call[0])}"
-        self.memory_keys[item.key] = name
-        peak = self.memory.recall(name)
-        if peak is not None:
-            self.planner.remember(item.key, peak, self.now())
-
-    def _remember(self) -> None:
-        """Keep what this run measured of each key for the next (at shutdown)."""
-        if self.memory is None:
-            return
-        for key, name in self.memory_keys.items():
-            ask = self.asks.ask(key)
-            if self.asks.contradicted(key):
-                self.memory.drop(name)
-            if ask.basis == "measured" and ask.measured_peak_bytes and ask.samples:
-                self.memory.learned(name, ask.measured_peak_bytes, ask.samples)
-        self.memory.save()
+        if submitted:  # once, after them: nothing between reads the flag
+            self.public.tasks_added()
 
     def _read_cards(self, *, census: bool = False) -> None:
         """One live snapshot of every readable card, for the planner's live gate and own term,
@@ -623,8 +562,8 @@ class Dispatcher:
         (it is withdrawn and counted)."""
         if item.started:
             return True
-        if self.unpublished_tasks:
-            self.publish()  # before its future is RUNNING: the width counts its task
+        if self.public.unpublished_tasks:
+            self.public.publish()  # before its future is RUNNING: the width counts its task
         if self.outcomes.claim(item):
             return True
         self.planner.withdraw(item.task_id)
@@ -657,7 +596,7 @@ class Dispatcher:
                 self.link.changed(worker.device, self.now())
             return
         if event.report is not None and event.report.context_source == "process-row":
-            self._note_context(worker, event.report)
+            self.memory.note_context(worker.device, event.report)
         oom = kind == "oom" and event.report is not None
         if oom:
             assert event.report is not None
@@ -677,13 +616,6 @@ class Dispatcher:
             # Last, and nothing of the task kept after it: a caller that drops the
             # result frees it (CPython's gh-58614 test), with no I/O in between.
             self.outcomes.answered(item, kind, event.payload)
-
-    def _note_context(self, worker: Worker, report: PeakReport) -> None:
-        """The worker measured its context from its own row: the host's contexts file keeps
-        the largest on its card's model (written only when this one is larger)."""
-        if self.contexts is not None and worker.device is not None and report.context_bytes:
-            model = self.cards.devices[worker.device].info.name
-            self.contexts.note(model, report.context_bytes)
 
     def _not_set_up(self, worker: Worker, item: WorkItem, payload: Any) -> None:
         """``worker`` could not set up the task it was handed (a task before it used up its

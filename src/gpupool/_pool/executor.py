@@ -539,13 +539,13 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self.terminate_workers()
         finished = False
         try:
-            finished = self._dispatcher.join(INTERRUPT_GRACE_S)
+            finished = self._dispatcher.public.join(INTERRUPT_GRACE_S)
             kill_left_after(below, deadline)
         finally:  # a second Ctrl-C during the grace kills at once
             if not finished:
                 self.kill_workers()
             kill_left_after(below, 0.0)
-            self._dispatcher.join()
+            self._dispatcher.public.join()
 
     # -- CPython compatibility attributes ------------------------------------------------
 
@@ -766,7 +766,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             self._shutdown = True
         self._dispatcher.inbox.request_shutdown(cancel_futures)
         if wait:
-            self._dispatcher.join()
+            self._dispatcher.public.join()
 
     def terminate_workers(self) -> None:
         """Shut down without waiting, cancel what has not started, and SIGTERM the workers.
@@ -797,7 +797,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     def width(self) -> int:
         """How many tasks the planner admits at once, over every card, for the work it holds,
         as of the dispatcher's last snapshot (see :meth:`statistics`)."""
-        return self._dispatcher.snapshot.width
+        return self._dispatcher.public.snapshot.width
 
     @property
     def census(self) -> Census:
@@ -820,7 +820,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         the ended tasks never outnumber it.
         """
         d = self._dispatcher
-        snapshot = d.snapshot
+        snapshot = d.public.snapshot
         # After the snapshot: every task it counts as ended was submitted before it.
         submitted = d.inbox.submitted
         counts = snapshot.counts

@@ -17,6 +17,9 @@ The file is input from a stranger (anything that can write the user's cache can 
 most :data:`MAX_FILE_BYTES` are read and :data:`MAX_ENTRIES` entries kept (the newest); an entry
 whose fields are not of their types and ranges is skipped; a file that is not JSON is ignored
 with a warning, and replaced at the next save.
+
+:class:`RunMemory` is the dispatcher's room for all it keeps between runs: this file, and the
+largest contexts measured on each card model (:mod:`gpupool._sensors.contexts`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,16 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gpupool._core.contexts import CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE
+
+if TYPE_CHECKING:
+    from gpupool._core.peak import PeakReport
+    from gpupool._core.policy import AskTable
+    from gpupool._pool.inbox import WorkItem
+    from gpupool._pool.workers import DeviceState
+    from gpupool._sensors.contexts import ContextFile
 
 __all__ = [
     "MAX_ENTRIES",
@@ -41,6 +53,7 @@ __all__ = [
     "MEMORY_ENV",
     "Forgotten",
     "PeakMemory",
+    "RunMemory",
     "code_digest",
     "forget_entries",
     "forget_peaks",
@@ -361,6 +374,60 @@ class PeakMemory:
                 _write_entries(self.path, merged)
         except OSError as exc:
             LOGGER.warning("gpupool could not remember this run's peaks in %s: %s", self.path, exc)
+
+
+class RunMemory:
+    """What the pool keeps between runs: each key's peak from earlier runs (``peaks``), and the
+    largest contexts measured on each card model (``contexts``, beside the booking table).
+    It returns what it recalls and asks nothing of the planner: the loop tells the planner.
+    Only the dispatcher thread calls it once the pool runs."""
+
+    def __init__(
+        self,
+        peaks: PeakMemory | None,
+        contexts: ContextFile | None,
+        devices: list[DeviceState],
+    ) -> None:
+        # What earlier runs measured (None: remembering is off), and each key's name there.
+        self.peaks = peaks
+        self.names: dict[str, str] = {}
+        # The largest contexts measured on each card model, beside the table: each card's
+        # workers are priced at its model's until their own row is read (None: no table).
+        self.contexts = contexts
+        self.devices = devices
+        for device in devices:
+            device.context_estimate = (
+                (CONTEXT_ESTIMATE_BYTES, DEFAULT_SOURCE)
+                if contexts is None
+                else contexts.estimate(device.info.name).pair()
+            )
+
+    def recall(self, item: WorkItem) -> int | None:
+        """The first task of its key (``peaks`` on): what earlier runs measured of the key,
+        to price it by (``None``: nothing)."""
+        assert self.peaks is not None
+        name = f"{item.key}@{code_digest(item.call[0])}"
+        self.names[item.key] = name
+        return self.peaks.recall(name)
+
+    def note_context(self, device: int | None, report: PeakReport) -> None:
+        """A worker on ``device`` measured its context from its own row: the host's contexts
+        file keeps the largest on its card's model (written only when this one is larger)."""
+        if self.contexts is not None and device is not None and report.context_bytes:
+            model = self.devices[device].info.name
+            self.contexts.note(model, report.context_bytes)
+
+    def keep(self, asks: AskTable) -> None:
+        """Keep what this run measured of each key for the next (at shutdown)."""
+        if self.peaks is None:
+            return
+        for key, name in self.names.items():
+            ask = asks.ask(key)
+            if asks.contradicted(key):
+                self.peaks.drop(name)
+            if ask.basis == "measured" and ask.measured_peak_bytes and ask.samples:
+                self.peaks.learned(name, ask.measured_peak_bytes, ask.samples)
+        self.peaks.save()
 
 
 def _entry(entry: object) -> tuple[tuple[str, str], Remembered] | None:

@@ -6,20 +6,28 @@ read from another thread can fail (a dict or deque changed size under it) or
 cache an ask built from half-updated state. Instead, the dispatcher thread
 copies what ``statistics()``, ``width`` and ``track`` need into a
 :class:`PoolSnapshot` and publishes it by one reference assignment.
+
+:class:`Public` is the dispatcher's room for what it shows other threads: the snapshot it
+replaces at the end of each turn, and its thread's end, which they wait on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
 
+from gpupool._observe.log import LOGGER
+
 if TYPE_CHECKING:
     from gpupool._core.planner import Planner
     from gpupool._core.policy import Ask, AskTable
+    from gpupool._observe.log import DecisionLog
+    from gpupool._sensors.bookings import BookingTable
 
-__all__ = ["PoolSnapshot", "take_snapshot"]
+__all__ = ["PoolSnapshot", "Public", "take_snapshot"]
 
 V = TypeVar("V")
 
@@ -99,3 +107,88 @@ def take_snapshot(
 def _kept(last: Mapping[str, V] | None, now: dict[str, V]) -> Mapping[str, V]:
     """``last`` where it equals ``now``, else a read-only view of ``now``."""
     return last if last is not None and last == now else MappingProxyType(now)
+
+
+class Public:
+    """What the dispatcher thread shows other threads: the snapshot it replaces whole, and its
+    own end, which they wait on. The thread writes every field; other threads read only what
+    ``PUBLISHED`` names (the snapshot, the thread and its end, through :meth:`join`)."""
+
+    #: What other threads may reach: each is replaced whole, or is a thread-safe object.
+    PUBLISHED = frozenset({"snapshot", "thread", "join", "finished"})
+
+    def __init__(
+        self,
+        planner: Planner,
+        asks: AskTable,
+        counts: Mapping[str, int],
+        log: DecisionLog,
+        table: BookingTable | None,
+        run: Callable[[], None],
+    ) -> None:
+        # What a snapshot is taken of: the planner, its ask table, the outcomes' counts, the
+        # log's write errors and the booking table's state (None: sharing is off).
+        self.planner = planner
+        self.asks = asks
+        self.counts = counts
+        self.log = log
+        self.table = table
+        self.snapshot: PoolSnapshot = take_snapshot(
+            planner, asks, counts, log_write_errors=0, last=None
+        )
+        self.publish_failed = False
+        # Tasks handed to the planner since the last snapshot (one taken before any of their
+        # futures is RUNNING, so that width and widths_by_key count them).
+        self.unpublished_tasks = False
+        self.thread = threading.Thread(target=run, name="gpupool-dispatcher", daemon=True)
+        # Set as the thread's last act. Waited on instead of the thread itself: on Python
+        # 3.10-3.12 a Thread.join that Ctrl-C interrupts leaves that thread marked stopped
+        # while it runs, so is_alive() and join() would lie from then on.
+        self.finished = threading.Event()
+
+    def publish(self) -> None:
+        """Replace :attr:`snapshot` with what the planner holds now, in one assignment.
+
+        Called only where the planner is not shared: before the thread starts, then by the
+        thread at the end of every turn, before a future becomes RUNNING or done (a caller
+        never sees a future newer than the statistics it reads), and after the last record.
+        A value that did not change is the same object as before.
+        """
+        self.unpublished_tasks = False
+        try:
+            self.snapshot = take_snapshot(
+                self.planner,
+                self.asks,
+                self.counts,
+                log_write_errors=self.log.write_errors,
+                bookings_unavailable=None if self.table is None else self.table.unavailable_reason,
+                last=self.snapshot,
+            )
+        except Exception:
+            # A stale snapshot, never a future left pending: this runs as futures are set.
+            if not self.publish_failed:
+                self.publish_failed = True
+                LOGGER.exception("gpupool could not take the statistics snapshot")
+
+    def tasks_added(self) -> None:
+        """Tasks were handed to the planner: the next future made RUNNING publishes first."""
+        self.unpublished_tasks = True
+
+    def start(self) -> None:
+        """Publish what the planner holds before the thread runs (the construction's width and
+        records), and start the thread."""
+        self.publish()
+        self.thread.start()
+
+    def ended(self) -> None:
+        """The thread's last act: :meth:`join` returns from now on."""
+        self.finished.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to finish (at most ``timeout`` seconds); whether it has."""
+        if self.thread.ident is None or threading.current_thread() is self.thread:
+            return self.finished.is_set()  # never started, or asked from the thread itself
+        if not self.finished.wait(timeout):
+            return False
+        self.thread.join()  # its last lines: then nothing of the pool is held by its frames
+        return True
