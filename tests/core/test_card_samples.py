@@ -60,11 +60,11 @@ def test_samples_grow_with_time_not_with_tasks(tasks: int, duration_s: float, ju
     for i in range(tasks + 1):
         now_s = (i + 1) * step_s
         used = (20 if jumpy and i % 2 else 2) * GiB
-        planner.observe(0, CardReading(free_bytes=40 * GiB - used, used_bytes=used), now_s)
+        planner.readings.observe(0, CardReading(free_bytes=40 * GiB - used, used_bytes=used), now_s)
         for run_task in list(planner.state.cards[0].runs):
             planner.finished(run_task, None, now_s)
         start_all(planner, now_s)
-        planner.sample_cards(now_s)
+        planner.readings.sample_cards(now_s)
     decisions = [r for r in records if r.event != "card_read" and r.device == 0]
     samples = samples_of(records)
     times = [s.time_s for s in samples]
@@ -80,22 +80,24 @@ def test_an_idle_card_whose_reading_stands_still_is_not_sampled() -> None:
     records: list[Decision] = []
     planner = planner_on([card(40)], records, estimate_bytes=GiB, max_workers=4)
     for second in range(1, 20):
-        planner.observe(0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), float(second))
-        planner.sample_cards(float(second))
+        planner.readings.observe(
+            0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), float(second)
+        )
+        planner.readings.sample_cards(float(second))
     assert len(samples_of(records)) == 1  # the first reading, then nothing moved
 
 
 def test_a_card_running_steadily_is_sampled_once_per_interval_and_a_start_soon() -> None:
     records: list[Decision] = []
     planner = planner_on([card(40)], records, estimate_bytes=GiB, max_workers=4)
-    planner.observe(0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), 0.0)
-    planner.sample_cards(0.0)
+    planner.readings.observe(0, CardReading(free_bytes=38 * GiB, used_bytes=2 * GiB), 0.0)
+    planner.readings.sample_cards(0.0)
     planner.submit(0, "a")
     start_all(planner, 0.05)
     for step in range(1, 201):  # read every 50 ms for 10 s; nothing moves
         now_s = 0.05 * step
-        planner.observe(0, CardReading(free_bytes=37 * GiB, used_bytes=3 * GiB), now_s)
-        planner.sample_cards(now_s)
+        planner.readings.observe(0, CardReading(free_bytes=37 * GiB, used_bytes=3 * GiB), now_s)
+        planner.readings.sample_cards(now_s)
     samples = samples_of(records)
     # The start is sampled at the first turn SAMPLE_MIN_GAP_S after the last sample.
     assert samples[1].to_dict()["running"] == 1
@@ -107,15 +109,15 @@ def test_a_co_tenant_that_grows_between_decisions_is_sampled_with_its_bytes() ->
     records: list[Decision] = []
     planner = planner_on([card(44, 4)], records, estimate_bytes=5 * GiB, max_workers=4)
     planner.submit(0, "a")
-    planner.observe(0, CardReading(free_bytes=40 * GiB, used_bytes=4 * GiB), 0.1)
+    planner.readings.observe(0, CardReading(free_bytes=40 * GiB, used_bytes=4 * GiB), 0.1)
     start_all(planner, 0.1)
     rows = {100: 5 * GiB, 999: 10 * GiB}
-    planner.observe(
+    planner.readings.observe(
         0,
         CardReading(free_bytes=29 * GiB, used_bytes=15 * GiB, process_bytes=rows),
         0.1 + SAMPLE_MIN_GAP_S,
     )
-    planner.sample_cards(0.1 + SAMPLE_MIN_GAP_S)
+    planner.readings.sample_cards(0.1 + SAMPLE_MIN_GAP_S)
     last = samples_of(records)[-1].to_dict()
     assert last["live_co_tenant_bytes"] == 10 * GiB
     assert last["live_pool_bytes"] == 5 * GiB

@@ -88,7 +88,7 @@ def simulate(
     while True:
         while True:
             held = sum(jobs[t].peak_bytes for t in planner.state.running)
-            planner.observe(
+            planner.readings.observe(
                 0,
                 CardReading(
                     free_bytes=TOTAL_BYTES - CO_TENANT_BYTES - OWN_BYTES - held,

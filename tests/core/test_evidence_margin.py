@@ -377,7 +377,7 @@ def test_a_running_task_is_rebooked_when_its_cards_room_shrinks() -> None:
     reading = CardReading(
         free_bytes=2 * GiB, used_bytes=22 * GiB, process_bytes={1: GiB, 500: 20 * GiB}
     )
-    planner.observe(0, reading, 6.0)
+    planner.readings.observe(0, reading, 6.0)
     after = planner.state.asks.ask("spread")
     assert after.ask_bytes == before.ask_bytes - GiB
     [run] = planner.state.running.values()
@@ -405,10 +405,10 @@ def test_room_freed_by_another_pool_at_census_lifts_the_held_ask_at_the_next_mea
         updated_s=0.0,
         tasks=(TaskBooking(worker_pid=701, key="o", booked_bytes=GiB // 2, reached_bytes=0),),
     )
-    planner.observe_others(
+    planner.neighbours.observe_others(
         0, OtherPools(card_uuid=uuid, pools=(other,)), 4.0, census=True, rows={701: GiB // 2}
     )
-    planner.observe_others(0, OtherPools(card_uuid=uuid), 4.5)  # its task ended
+    planner.neighbours.observe_others(0, OtherPools(card_uuid=uuid), 4.5)  # its task ended
     _run_one(planner, 3, 2 * GiB, 5.0)
     after = planner.state.asks.ask("spread")
     assert after.room_capped

@@ -322,12 +322,12 @@ def test_something_that_grew_caps_the_card_until_the_reading_shows_the_room_back
     assert planner.state.cards[0].oom_cap == 5
     # The spike goes on: readings show it, and the cap holds however long.
     for step in range(5):
-        planner.observe(0, reading(2 * GiB + spike), 2.0 + step)
+        planner.readings.observe(0, reading(2 * GiB + spike), 2.0 + step)
     assert planner.state.cards[0].oom_cap == 5
     # The spike ends: the cap lifts only after the room has been back CAP_LIFT_AFTER_S.
-    planner.observe(0, reading(2 * GiB), 10.0)
+    planner.readings.observe(0, reading(2 * GiB), 10.0)
     assert planner.state.cards[0].oom_cap == 5
-    planner.observe(0, reading(2 * GiB), 10.0 + CAP_LIFT_AFTER_S)
+    planner.readings.observe(0, reading(2 * GiB), 10.0 + CAP_LIFT_AFTER_S)
     assert planner.state.cards[0].oom_cap is None
     lifted = [r for r in records if r.event == "cap_lifted"]
     assert len(lifted) == 1
@@ -337,7 +337,7 @@ def test_something_that_grew_caps_the_card_until_the_reading_shows_the_room_back
     assert terms["width_after"] == 6
     while planner.state.running:
         planner.finished(min(planner.state.running), None, 11.0)
-    planner.observe(0, reading(2 * GiB), 12.0)
+    planner.readings.observe(0, reading(2 * GiB), 12.0)
     assert len(start_all(planner, 12.0)) == 6
 
 
@@ -360,7 +360,7 @@ def test_a_cap_does_not_lift_on_one_good_reading_between_bad_ones() -> None:
     assert planner.state.cards[0].oom_cap == 3
     for step in range(10):  # good, bad, good, bad: never CAP_LIFT_AFTER_S of good in a row
         co_tenant = 0 if step % 2 == 0 else 8 * GiB
-        planner.observe(0, reading(co_tenant), 1.0 + step * CAP_LIFT_AFTER_S * 0.6)
+        planner.readings.observe(0, reading(co_tenant), 1.0 + step * CAP_LIFT_AFTER_S * 0.6)
     assert planner.state.cards[0].oom_cap == 3
 
 
@@ -502,7 +502,7 @@ def test_a_task_waits_for_a_ready_worker_and_is_admitted_against_that_moment() -
     assert isinstance(planner.next_start(0.1, booting), Wait)  # no more than fit, nothing starts
     # The parent takes 8 GiB while the workers boot.
     own = 8 * GiB
-    planner.observe(
+    planner.readings.observe(
         0,
         CardReading(
             free_bytes=total - 4 * GiB - own, used_bytes=4 * GiB + own, process_bytes={PARENT: own}

@@ -225,7 +225,7 @@ def test_k_times_the_learned_ask_plus_the_terms_never_exceeds_the_room(
         # Start what the bound admits; each start checked against the card's total.
         while True:
             used = sum(r.booked_bytes // 2 for r in planner.state.running.values())
-            planner.observe(
+            planner.readings.observe(
                 0,
                 CardReading(
                     free_bytes=max(0, total - co_tenant - own - used),

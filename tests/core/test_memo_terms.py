@@ -96,14 +96,14 @@ class MemoTermsMachine(PlannerMachine):
         pool = PoolBooking(
             pool_id="9.1", pid=9, start="s", label="other", updated_s=0.0, tasks=tuple(tasks)
         )
-        self.planner.observe_others(
+        self.planner.neighbours.observe_others(
             device, OtherPools(card_uuid=uuid, pools=(pool,)), self.now_s, census=census
         )
 
     @rule(device=st.integers(0, 2))
     def sensor_fails(self, device: int) -> None:
         if device < len(self.census.cards):
-            self.planner.observe_error(device, "nvml: gone", self.now_s)
+            self.planner.readings.observe_error(device, "nvml: gone", self.now_s)
 
     @invariant()
     def a_keys_bookings_are_its_price_together(self) -> None:

@@ -258,7 +258,7 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule()
     def start(self) -> None:
         for index in range(len(self.census.cards)):
-            self.planner.observe(index, self.reading(index), self.now_s)
+            self.planner.readings.observe(index, self.reading(index), self.now_s)
         before = len(self.records)
         verdict = self.planner.next_start(self.now_s, self.workers())
         if verdict is None:
@@ -354,7 +354,9 @@ class PlannerMachine(RuleBasedStateMachine):
             planner.width,
         )
         by_key = planner.widths_by_key()
-        limits = [planner.warm_limit(i, self.now_s) for i in range(len(planner.state.cards))]
+        limits = [
+            planner.neighbours.warm_limit(i, self.now_s) for i in range(len(planner.state.cards))
+        ]
         after = (
             tuple(planner.state.pending),
             tuple(sorted(planner.state.running)),
@@ -591,7 +593,7 @@ class PlannerMachine(RuleBasedStateMachine):
     def own_growth(self, device: int, grow_mib: int) -> None:
         if device < len(self.census.cards):
             self.own_bytes[device] += grow_mib * MiB
-            self.planner.observe(device, self.reading(device), self.now_s)
+            self.planner.readings.observe(device, self.reading(device), self.now_s)
 
     @rule(step_s=st.floats(0.001, 20.0))
     def tick(self, step_s: float) -> None:
@@ -631,7 +633,8 @@ class PlannerMachine(RuleBasedStateMachine):
         for card in state.cards:
             assert card.runs == {t: r for t, r in state.running.items() if r.device == card.index}
             assert [
-                (b.worker_pid, b.key, b.booked_bytes) for b in planner.bookings_on(card.index)
+                (b.worker_pid, b.key, b.booked_bytes)
+                for b in planner.neighbours.bookings_on(card.index)
             ] == [(r.pid, r.key, r.booked_bytes) for r in card.runs.values() if r.pid is not None]
         assert planner.pending_tasks() == tuple(state.pending)
         assert planner.has_pending() == bool(state.pending)
@@ -639,7 +642,7 @@ class PlannerMachine(RuleBasedStateMachine):
         assert all(planner.is_queued(t) for t in planner.queue.queued)
         assert not any(planner.is_queued(t) for t in state.pending)
         assert set(planner.waiting_for_room()) <= set(state.pending)
-        assert [key for key, _ in planner.waiting_asks(0, len(state.pending))] == [
+        assert [key for key, _ in planner.neighbours.waiting_asks(0, len(state.pending))] == [
             state.tasks[t].key for t in state.pending
         ]
         assert planner.counts is state.counts
@@ -884,17 +887,17 @@ def test_a_gate_that_shuts_and_opens_a_thousand_times_is_recorded_once_and_keeps
     empty = CardReading(free_bytes=39 * GiB, used_bytes=GiB, process_bytes={100: 0})
     for step in range(1000):
         now = step * 0.004
-        planner.observe(0, full, now)
+        planner.readings.observe(0, full, now)
         assert isinstance(planner.next_start(now), Wait)
-        assert planner.warm_limit(0, now) >= 2  # one shut reading retires nothing
-        planner.observe(0, empty, now + 0.001)
+        assert planner.neighbours.warm_limit(0, now) >= 2  # one shut reading retires nothing
+        planner.readings.observe(0, empty, now + 0.001)
         planner.state.cards[0].gate_shut_since_s = None  # the gate opened (as a start would)
     gates = [r for r in records if r.event == "live_gate_wait"]
     assert len(gates) == 1
-    planner.observe(0, full, 10.0)
+    planner.readings.observe(0, full, 10.0)
     assert isinstance(planner.next_start(10.0), Wait)
     assert isinstance(planner.next_start(10.0 + RETIRE_AFTER_SHUT_S), Wait)
-    assert planner.warm_limit(0, 10.0 + RETIRE_AFTER_SHUT_S) == 1  # only the running one
+    assert planner.neighbours.warm_limit(0, 10.0 + RETIRE_AFTER_SHUT_S) == 1  # only the running one
 
 
 def test_the_live_gate_counts_an_idle_workers_context_once():
@@ -921,7 +924,7 @@ def test_the_live_gate_counts_an_idle_workers_context_once():
     def observe(idle: dict[int, int]) -> None:
         rows = {r.pid or 0: r.booked_bytes for r in planner.state.running.values()} | idle
         used = co_tenant + own + sum(rows.values())
-        planner.observe(
+        planner.readings.observe(
             0,
             CardReading(free_bytes=total - used, used_bytes=used, process_bytes=rows | {1: own}),
             0.1,

@@ -2,11 +2,11 @@
 
 The planner is one :class:`~gpupool._core.planner.Planner` composing rooms (its state,
 the log, the durations, the order, the views, learning, the queue, the starts, the
-out-of-memory room), not a chain of mixins over one bag of attributes. These tests read
-the package's source with ``ast``: no planner class inherits another, and no room writes
-another room's field (a store, an augmented store, a subscript store, ``del``, or a
-mutating call such as ``.append``), whether through ``self._room.field`` or a local
-alias of it. A room changes another room's state only by calling its methods.
+out-of-memory room, the readings, the neighbours), not a chain of mixins over one bag of
+attributes. These tests read the package's source with ``ast``: no planner class inherits
+another, and no room writes another room's field (a store, an augmented store, a subscript
+store, ``del``, or a mutating call such as ``.append``), whether through ``self._room.field``
+or a local alias of it. A room changes another room's state only by calling its methods.
 """
 
 from __future__ import annotations
@@ -136,8 +136,11 @@ def _written(node: ast.AST) -> list[ast.expr]:
 
 #: The names the rooms are held by (``self._state``, ``self.views``, ...).
 _REFS = frozenset(
-    {"state", "log", "durations", "order", "views", "learning", "queue", "starts", "oom"}
-)
+    {
+        "state", "log", "durations", "order", "views", "learning", "queue", "starts", "oom",
+        "readings", "neighbours",
+    }
+)  # fmt: skip
 
 
 def _sources() -> dict[str, str]:
@@ -239,10 +242,10 @@ def _record_writes(sources: dict[str, str], record: str) -> dict[str, set[str]]:
 def test_each_card_field_has_one_writing_module() -> None:
     """A card's fields are written by one rule each (the sharing terms by ``sharing``, the
     samples by the recorder, the cap by the out-of-memory room, the gate's clock by the
-    starts, the readings by the planner's events, the runs by the card's own methods)."""
+    starts, the readings by the readings room, the runs by the card's own methods)."""
     writers = _record_writes(_sources(), "Card")
     assert {f: w for f, w in writers.items() if len(w) > 1} == {}
     # Not vacuous: it sees who writes what.
     assert writers["oom_cap"] == {"out_of_memory.py"}
     assert writers["others_bytes"] == {"sharing.py"}
-    assert writers["reading"] == {"planner.py"}
+    assert writers["reading"] == writers["own_high_water_bytes"] == {"readings.py"}

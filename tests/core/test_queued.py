@@ -142,7 +142,7 @@ def test_a_task_queued_behind_a_lost_run_goes_back_to_the_head() -> None:
     planner.requeue(3)
     assert list(planner.state.pending) == [2, 3, 4]  # back at the head, in their order
     assert planner.queue.queued == {}
-    assert planner.waiting_count() == 2
+    assert planner.neighbours.waiting_count() == 2
 
 
 def test_a_queued_task_failed_or_withdrawn_leaves_no_trace() -> None:

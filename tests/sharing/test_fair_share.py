@@ -60,7 +60,7 @@ def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_n
     planner = _planner(records)
     for task in range(10):
         planner.submit(task, "k")
-    planner.observe_others(0, _other(tasks=1, waiting=11), 0.0)
+    planner.neighbours.observe_others(0, _other(tasks=1, waiting=11), 0.0)
     started = start_all(planner, 0.0)
     assert len(started) == 3  # 3 x 6.5 = 19.5 GiB <= 20 GiB; a fourth would pass it
     held = [r for r in records if r.event == "share_wait"]
@@ -73,7 +73,7 @@ def test_a_pool_stops_at_its_share_while_another_waits_and_takes_the_rest_when_n
     wait = planner.next_start(0.1)
     assert isinstance(wait, Wait) and wait.poll_s is not None  # it polls the table
     # The other pool waits no more (its tasks all started): the bound alone decides.
-    planner.observe_others(0, _other(tasks=1, waiting=0), 0.2)
+    planner.neighbours.observe_others(0, _other(tasks=1, waiting=0), 0.2)
     assert len(start_all(planner, 0.2)) == 2
 
 
@@ -83,7 +83,7 @@ def test_a_pool_without_a_running_task_may_always_start_one() -> None:
     planner = _planner(records)
     planner.submit(0, "k")
     # The other pool books five tasks and waits with more: the share would be 3.25 GiB.
-    planner.observe_others(0, _other(tasks=5, waiting=7), 0.0)
+    planner.neighbours.observe_others(0, _other(tasks=5, waiting=7), 0.0)
     started = start_all(planner, 0.0)
     assert [s.task for s in started] == [0]
     assert not [r for r in records if r.event == "share_wait"]
@@ -95,7 +95,7 @@ def test_with_no_other_pool_waiting_the_share_does_not_bind() -> None:
     planner = _planner(records)
     for task in range(10):
         planner.submit(task, "k")
-    planner.observe_others(0, _other(tasks=2, waiting=0), 0.0)
+    planner.neighbours.observe_others(0, _other(tasks=2, waiting=0), 0.0)
     assert len(start_all(planner, 0.0)) == 4  # (40 - 13) // 6.5
     assert not [r for r in records if r.event == "share_wait"]
 
@@ -106,11 +106,11 @@ def test_a_pool_at_its_own_ceiling_is_not_waiting_for_room() -> None:
     planner = _planner(records)
     for task in range(8):
         planner.submit(task, "k")
-    assert planner.waiting_count() == 6
-    assert planner.waiting_count(starting=True) == 5
+    assert planner.neighbours.waiting_count() == 6
+    assert planner.neighbours.waiting_count(starting=True) == 5
     assert len(start_all(planner, 0.0)) == 6  # the bound and max_workers agree: 6
     assert isinstance(planner.next_start(0.1), Wait)
-    assert len(planner.state.pending) == 2 and planner.waiting_count() == 0
+    assert len(planner.state.pending) == 2 and planner.neighbours.waiting_count() == 0
 
 
 def test_the_share_rounds_to_the_nearest_task() -> None:
@@ -133,7 +133,7 @@ def test_the_share_rounds_to_the_nearest_task() -> None:
         ),
         waiting=4,
     )
-    planner.observe_others(0, OtherPools(card_uuid=UUID, pools=(row,)), 0.0)
+    planner.neighbours.observe_others(0, OtherPools(card_uuid=UUID, pools=(row,)), 0.0)
     assert len(start_all(planner, 0.0)) == 3
 
 
@@ -202,7 +202,7 @@ def test_idle_workers_go_while_a_waiting_pool_is_owed_room() -> None:
     for task in range(2):
         planner.submit(task, "k")
     assert len(start_all(planner, 0.0)) == 2
-    assert planner.warm_limit(0, 0.0) == 5  # 40 // 8
+    assert planner.neighbours.warm_limit(0, 0.0) == 5  # 40 // 8
     waiting = PoolBooking(
         pool_id="9.1",
         pid=9,
@@ -212,5 +212,5 @@ def test_idle_workers_go_while_a_waiting_pool_is_owed_room() -> None:
         waiting=1,
         need_bytes=30 * GiB,
     )
-    planner.observe_others(0, OtherPools(card_uuid=UUID, pools=(waiting,)), 0.1)
-    assert planner.warm_limit(0, 0.1) == 2
+    planner.neighbours.observe_others(0, OtherPools(card_uuid=UUID, pools=(waiting,)), 0.1)
+    assert planner.neighbours.warm_limit(0, 0.1) == 2

@@ -33,8 +33,8 @@ def _row(planner: Planner, pid: int) -> OtherPools:
 
 
 def _exchange(a: Planner, b: Planner, now_s: float) -> None:
-    a.observe_others(0, _row(b, 2), now_s)
-    b.observe_others(0, _row(a, 1), now_s)
+    a.neighbours.observe_others(0, _row(b, 2), now_s)
+    b.neighbours.observe_others(0, _row(a, 1), now_s)
 
 
 def _starved(a_task: int, b_task: int) -> int:
@@ -105,7 +105,7 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
         b.finished(next(iter(b.state.running)), None, 0.2)
     assert b.state.cards[0].oom_cap == 1
     assert len(start_all(b, 0.3, 2000)) == 0  # B can start nothing more while one runs
-    assert b.waiting_count() == 0 and b.need_bytes() == 0
+    assert b.neighbours.waiting_count() == 0 and b.neighbours.need_bytes() == 0
 
 
 def test_a_pool_whose_task_needs_the_card_gets_its_turn_while_the_other_has_tasks() -> None:
@@ -138,9 +138,9 @@ def _idle_pair(now_s: float) -> tuple[Planner, Planner]:
             ),
         ),
     )
-    b.observe_others(0, held, now_s)
+    b.neighbours.observe_others(0, held, now_s)
     assert not isinstance(b.next_start(now_s), Start)  # B waits: 36 GiB beside the 8 GiB
-    a.observe_others(0, _row(b, 2), now_s)
+    a.neighbours.observe_others(0, _row(b, 2), now_s)
     return a, b
 
 
@@ -193,7 +193,7 @@ def test_fresh_rows_claiming_to_wait_hold_a_pool_at_most_half_the_time() -> None
         a.submit(t, "a")
     idle_s = 0
     for now_s in range(600):
-        a.observe_others(0, _claims_to_wait(now_s), float(now_s))
+        a.neighbours.observe_others(0, _claims_to_wait(now_s), float(now_s))
         len(start_all(a, float(now_s), 1000))
         if not a.state.running:
             idle_s += 1
@@ -235,11 +235,11 @@ def test_a_pool_that_got_its_turn_leaves_the_next_one_a_full_yield() -> None:
     for task in list(a.state.running)[1:]:
         a.finished(task, None, 0.0)  # one task of A left running
     for now_s in range(1, 25):
-        a.observe_others(0, _waiting_row("7.1", running=False), float(now_s))
+        a.neighbours.observe_others(0, _waiting_row("7.1", running=False), float(now_s))
         assert len(start_all(a, float(now_s), 1000)) == 0  # A yields to X
-    a.observe_others(0, _waiting_row("7.1", running=True), 25.0)  # X has its turn
-    a.observe_others(0, _waiting_row("8.1", running=False), 25.5)  # Y waits; X is done
+    a.neighbours.observe_others(0, _waiting_row("7.1", running=True), 25.0)  # X has its turn
+    a.neighbours.observe_others(0, _waiting_row("8.1", running=False), 25.5)  # Y waits; X is done
     a.finished(next(iter(a.state.running)), None, 26.0)
-    a.observe_others(0, _waiting_row("8.1", running=False), 26.5)
+    a.neighbours.observe_others(0, _waiting_row("8.1", running=False), 26.5)
     assert len(start_all(a, 27.0, 1000)) == 0  # A yields to Y, which waited before A ran nothing
     assert len(start_all(a, 25.5 + YIELD_S, 1000)) >= 1  # for at most YIELD_S

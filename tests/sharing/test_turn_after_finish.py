@@ -35,8 +35,8 @@ def _planner(records: list[Decision], pid: int, max_workers: int = 3) -> Planner
 
 
 def _exchange(a: Planner, b: Planner, now_s: float) -> None:
-    a.observe_others(0, other_pools(b, 2, UUID), now_s)
-    b.observe_others(0, other_pools(a, 1, UUID), now_s)
+    a.neighbours.observe_others(0, other_pools(b, 2, UUID), now_s)
+    b.neighbours.observe_others(0, other_pools(a, 1, UUID), now_s)
 
 
 def _two_and_one() -> tuple[Planner, Planner, list[Decision]]:
@@ -130,11 +130,11 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
     a = _planner(records, 1, max_workers=2)
     for t in range(200):
         a.submit(t, "a")
-    a.observe_others(0, _claims_to_wait(0.0), 0.0)
+    a.neighbours.observe_others(0, _claims_to_wait(0.0), 0.0)
     assert len(start_all(a, 0.0, 1000)) == 2
     for task in list(a.state.running):
         a.finished(task, None, TASK_S)
-    a.observe_others(0, _claims_to_wait(TASK_S), TASK_S)
+    a.neighbours.observe_others(0, _claims_to_wait(TASK_S), TASK_S)
     assert len(start_all(a, TASK_S, 1000)) == 1  # its one task; the second leaves the row room ...
     held = [r for r in records if r.event == "share_wait"]
     assert held[-1].extra["give_way_to_pool"] == "900.1"
@@ -149,7 +149,7 @@ def test_a_row_that_claims_to_wait_and_never_starts_holds_the_freed_room_a_bound
         for task, run in list(a.state.running.items()):
             if now_s - run.started_s >= TASK_S - 1e-9:
                 a.finished(task, None, now_s)
-        a.observe_others(0, _claims_to_wait(now_s), now_s)
+        a.neighbours.observe_others(0, _claims_to_wait(now_s), now_s)
         len(start_all(a, now_s, 2000 + step * 10))
         assert len(a.state.running) >= 1  # its one task always runs
         second_slot_steps += len(a.state.running) - 1
@@ -163,8 +163,8 @@ def test_a_pool_keeps_a_worker_for_its_share_while_the_room_goes_round() -> None
     boot another when its turn comes."""
     a, b, _ = _two_and_one()
     assert b.views.fit(0, b.state.asks.ask("b"), [], slots=3).more == 1
-    assert b.warm_limit(0, 0.0) == 2
-    assert a.warm_limit(0, 0.0) == 2  # A's two running tasks
+    assert b.neighbours.warm_limit(0, 0.0) == 2
+    assert a.neighbours.warm_limit(0, 0.0) == 2  # A's two running tasks
 
 
 def test_a_row_that_claims_to_wait_holds_the_room_at_most_half_the_time_with_mixed_tasks() -> None:
@@ -213,7 +213,7 @@ def _assert_the_row_holds_the_second_slot_at_most_half_the_time(
         for task, run in list(a.state.running.items()):
             if now_s - run.started_s >= (TASK_S if task % 2 else 0.3) - 1e-9:
                 a.finished(task, None, now_s)
-        a.observe_others(0, others_at(step, now_s), now_s)
+        a.neighbours.observe_others(0, others_at(step, now_s), now_s)
         len(start_all(a, now_s, 2000 + step * 10))
         assert len(a.state.running) >= 1  # its one task always runs
         second_slot_steps += len(a.state.running) - 1

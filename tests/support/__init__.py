@@ -94,8 +94,8 @@ def other_pools(planner: Planner, pid: int, card_uuid: str) -> OtherPools:
             )
             for r in planner.state.running.values()
         ),
-        waiting=planner.waiting_count(),
-        need_bytes=planner.need_bytes(),
+        waiting=planner.neighbours.waiting_count(),
+        need_bytes=planner.neighbours.need_bytes(),
     )
     return OtherPools(card_uuid=card_uuid, pools=(row,))
 

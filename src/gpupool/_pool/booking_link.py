@@ -105,14 +105,14 @@ class BookingLink:
             device.info.uuid, self.pool_id, total_bytes=device.census.total_bytes
         )
         self.others_seen[device.index] = bool(others is not None and others.pools)
-        self.planner.observe_others(device.index, others, now_s, census=census)
+        self.planner.neighbours.observe_others(device.index, others, now_s, census=census)
 
     def read_for_record(self, device: DeviceState, rows: Mapping[int, int], now_s: float) -> None:
         """The other pools as they stand now, priced by ``rows`` (an out-of-memory's record)."""
         others = self.table.others(
             device.info.uuid, self.pool_id, total_bytes=device.census.total_bytes
         )
-        self.planner.observe_others(device.index, others, now_s, rows=rows)
+        self.planner.neighbours.observe_others(device.index, others, now_s, rows=rows)
 
     # -- a start -------------------------------------------------------------------------
 
@@ -131,11 +131,11 @@ class BookingLink:
         new = TaskBooking(
             worker_pid=worker_pid, key=key, booked_bytes=start.booked_bytes, reached_bytes=0
         )
-        tasks = (*self.planner.bookings_on(device.index), new)
-        waiting = self.planner.waiting_count(starting=True)
-        row = (tasks, waiting, self.planner.need_bytes(starting=True))
+        tasks = (*self.planner.neighbours.bookings_on(device.index), new)
+        waiting = self.planner.neighbours.waiting_count(starting=True)
+        row = (tasks, waiting, self.planner.neighbours.need_bytes(starting=True))
         others = self._exchange(device, row, self._told(device, tasks), starting=True)
-        self.planner.observe_others(start.device, others, now_s)
+        self.planner.neighbours.observe_others(start.device, others, now_s)
         if self.planner.still_admits(start, now_s):
             return True
         self.published.pop(start.device, None)
@@ -186,7 +186,7 @@ class BookingLink:
         """After a scheduling pass: where other pools are, whether tasks wait for room is
         told when it changed (within :data:`COALESCE_S`); on every card where this pool has
         a row, a changed count of them is told too, at most every :data:`WAITING_COUNT_S`."""
-        count = self.planner.waiting_count()
+        count = self.planner.neighbours.waiting_count()
         for device in self.devices:
             published = self.published.get(device.index)
             if self.others_seen.get(device.index) and (
@@ -222,9 +222,9 @@ class BookingLink:
     def _write(self, device: DeviceState, now_s: float) -> None:
         """Write this pool's row on ``device`` if it differs from the last one written (or
         other pools are there, who read what its workers hold), and hear the others."""
-        tasks = self.planner.bookings_on(device.index)
-        waiting = self.planner.waiting_count()
-        row = (tasks, waiting, self.planner.need_bytes())
+        tasks = self.planner.neighbours.bookings_on(device.index)
+        waiting = self.planner.neighbours.waiting_count()
+        row = (tasks, waiting, self.planner.neighbours.need_bytes())
         seen = self.others_seen.get(device.index, False)
         last = self.published.get(device.index)
         same = last is not None and (last[0], last[1] > 0, last[2]) == (tasks, waiting > 0, row[2])
@@ -236,7 +236,7 @@ class BookingLink:
                 self._mark_count(device.index)  # the count alone changed: told later
                 return
         others = self._exchange(device, row, self._told(device, tasks))
-        self.planner.observe_others(device.index, others, now_s)
+        self.planner.neighbours.observe_others(device.index, others, now_s)
 
     def _told(self, device: DeviceState, tasks: tuple[TaskBooking, ...]) -> tuple[TaskBooking, ...]:
         """``tasks`` with what each worker holds now, read from the card only while another
@@ -287,7 +287,7 @@ class BookingLink:
         """What this pool's row tells people (no pool prices by it): its first ``waiting``
         tasks (at most ``_WAITS_SCANNED``) by key and ask, and its latest decision, stamped
         in seconds since the epoch. ``starting``: as in ``need_bytes``."""
-        entries = self.planner.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
+        entries = self.planner.neighbours.waiting_asks(int(starting), min(waiting, _WAITS_SCANNED))
         waits = group_waits(entries)
         last = self.log.last_decision
         if last is None:
@@ -297,7 +297,10 @@ class BookingLink:
 
     def _running(self, device: int) -> list[tuple[int, int]]:
         """This pool's running tasks on ``device`` as ``(worker pid, booked bytes)``."""
-        return [(row.worker_pid, row.booked_bytes) for row in self.planner.bookings_on(device)]
+        return [
+            (row.worker_pid, row.booked_bytes)
+            for row in self.planner.neighbours.bookings_on(device)
+        ]
 
     # -- the end ---------------------------------------------------------------------------
 

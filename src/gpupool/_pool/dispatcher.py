@@ -5,7 +5,7 @@ Data flow::
     caller threads           dispatcher thread (the loop)                 workers (processes)
     --------------           ----------------------------                 -------------------
     submit(fn, *a) -> Inbox -> Outcomes.take -> planner.submit (PENDING)
-                     (lock,    CardReader.read -> planner.observe
+                     (lock,    CardReader.read -> planner.readings.observe
                      flags,    planner.next_start -> Start / Warm / Wait / Fail
                      wake)     Start: WorkerSet.send (RUNNING)            -> (task id, task)
                                                                              fn(*a) -> report
@@ -347,7 +347,9 @@ class Dispatcher:
             if self.inbox.broken is None and kill_signal is None:
                 self._queue_behind_busy()
             # Idle workers a card cannot use now are given back (their contexts are its bytes).
-            self.workers.retire_idle(functools.partial(self.planner.warm_limit, now_s=self.now()))
+            self.workers.retire_idle(
+                functools.partial(self.planner.neighbours.warm_limit, now_s=self.now())
+            )
             busy = any(w.task is not None for w in self.workers.all())
             if busy:  # the cards are read every READ_WHILE_RUNNING_S while tasks run
                 due_s = self.cards.due_s()
@@ -359,7 +361,7 @@ class Dispatcher:
             clocks_s = self.workers.due(time.monotonic())
             if clocks_s is not None:
                 poll_s = clocks_s if poll_s is None else min(poll_s, clocks_s)
-            self.planner.sample_cards(self.now())
+            self.planner.readings.sample_cards(self.now())
             if self.link is not None:
                 flush_s = self.link.flush(self.now())
                 if flush_s is not None:
@@ -430,7 +432,7 @@ class Dispatcher:
             if device.census.readable:
                 reading = self._reading(device, now)
                 if reading is not None:
-                    self.planner.observe(device.index, reading, now)
+                    self.planner.readings.observe(device.index, reading, now)
                 if self.link is not None:
                     self.link.read(device, now, census=census)
 
@@ -439,7 +441,7 @@ class Dispatcher:
         the card runs one task of the pool at a time, as an unreadable card does."""
         reading = self.cards.read(device, [w.pid for w in self.workers.all()])
         if isinstance(reading, str):
-            self.planner.observe_error(device.index, reading, now)
+            self.planner.readings.observe_error(device.index, reading, now)
             return None
         return reading
 
@@ -651,7 +653,7 @@ class Dispatcher:
         )
         if device is not None and reading is not None:
             # After the record, which names the own high-water the tasks were priced at.
-            self.planner.observe(device.index, reading, self.now())
+            self.planner.readings.observe(device.index, reading, self.now())
         if not isinstance(verdict, Retry):  # else held pending again, at its queue's head
             if report.oom_recognised == "card-full":
                 # Taken for an out-of-memory by the card's state, not by what it said: past

@@ -2,12 +2,15 @@
 
 The dispatcher (:mod:`gpupool._pool.dispatcher`) keeps the thread, the pipes,
 the workers and the futures; it tells the planner what happened (``submit``,
-``started``, ``ended``, ``observe``, ``out_of_memory``, ``lost``, ...) and asks it
-before every start (``next_start``). The planner touches no process, pipe, future
+``started``, ``ended``, ``out_of_memory``, ``lost``, ...) and asks it before every
+start (``next_start``). The planner touches no process, pipe, future
 or clock: the time is passed in (``now_s``, seconds since the pool was constructed)
 and readings are values the dispatcher took. :class:`Planner` is that surface and
 nothing else (``PLANNER_SURFACE`` in ``tests/test_layering.py``): it composes rooms
-that each own their fields, and passes each event to the rooms it concerns::
+that each own their fields, and passes each event to the rooms it concerns. Two of
+them are asked directly, each by its own client, through the surface each lists
+(``ROOM_SURFACES`` there): the card reader tells ``readings`` what it read, and the
+booking link tells ``neighbours`` what the other pools book and asks what to tell them::
 
     state     PlannerState   cards (each with its runs), tasks, pending, running,
                              the ceiling, the counts               (:mod:`~.base`)
@@ -20,6 +23,9 @@ that each own their fields, and passes each event to the rooms it concerns::
     queue     Queue          tasks queued behind a run on its worker (:mod:`~.queued`)
     starts    Starts         the next start                        (:mod:`~.starts`)
     oom       OutOfMemory    an out-of-memory carried out, the caps (:mod:`~.out_of_memory`)
+    readings  Readings       each card's live reading, or why it failed (:mod:`~.readings`)
+    neighbours Neighbours    the other pools' bookings in, this pool's bookings and waits
+                             out, the warm limit                  (:mod:`~.neighbours`)
 
 A room reads the rooms built before it and writes only its own fields (and, for the state, through
 the state's methods). The rules on numbers are functions in modules of their own:
@@ -40,11 +46,9 @@ and says so.
 from __future__ import annotations
 
 import collections
-import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gpupool._core.bookings import OtherPools, TaskBooking
 from gpupool._core.bound import Ceiling, WidthDecision
 from gpupool._core.census import Census
 from gpupool._core.events import Decision, EventName, JsonValue, TaskIdentity
@@ -53,21 +57,15 @@ from gpupool._core.planner import records
 from gpupool._core.planner.base import Durations, PlannerState
 from gpupool._core.planner.fit import fit_counts
 from gpupool._core.planner.learning import Learning
+from gpupool._core.planner.neighbours import Neighbours
 from gpupool._core.planner.order import Order
 from gpupool._core.planner.out_of_memory import OutOfMemory
 from gpupool._core.planner.queued import Queue
+from gpupool._core.planner.readings import Readings
 from gpupool._core.planner.samples import Recorder
-from gpupool._core.planner.sharing import (
-    note_freed,
-    note_others,
-    owes_room,
-    share_tasks,
-    yields_to,
-)
+from gpupool._core.planner.sharing import note_freed
 from gpupool._core.planner.starts import Starts
 from gpupool._core.planner.verdicts import (
-    OWN_RECORD_STEP_BYTES,
-    RETIRE_AFTER_SHUT_S,
     CardReading,
     Fail,
     PlannerConfig,
@@ -87,10 +85,10 @@ class Planner:
     """Owns every price, admission and width decision of one pool: its events, verdicts and
     views (the process layer's whole surface), each passed to the rooms it concerns.
 
-    Past the house's ~25 methods and ~15 fields on purpose: the surface is fixed (the module
-    docstring); a member that is a room's own method is that method, bound here, and the rest are a
-    few lines over the rooms. ``now_s`` (the time of construction) is taken for the callers' sake:
-    nothing is recorded until :meth:`construct`.
+    A member that is a room's own method is that method, bound here, and the rest are a few lines
+    over the rooms; what the card reader and the booking link ask, they ask of :attr:`readings`
+    and :attr:`neighbours` (the module docstring). ``now_s`` (the time of construction) is taken
+    for the callers' sake: nothing is recorded until :meth:`construct`.
     """
 
     def __init__(
@@ -111,7 +109,9 @@ class Planner:
         self.queue = Queue(self.state, self.durations, self.order, self.views)
         self.starts = Starts(self.state, self.views, self.order)
         self.oom = OutOfMemory(self.state, self.views, self.log)
-        # The surface that is a room's own method (or a room's live record), bound.
+        self.readings = Readings(self.state, self.views, self.learning, self.oom, self.log)
+        self.neighbours = Neighbours(self.state, self.views, self.learning)
+        # The surface that is a room's own method, bound.
         self.requeue = self.queue.requeue
         self.queue_behind = self.queue.queue_behind
         self.settle = self.learning.settle
@@ -120,9 +120,6 @@ class Planner:
         self.still_admits = self.starts.still_admits
         self.take_grown = self.state.take_grown
         self.ask_of = self.state.ask_of
-        self.counts = self.state.counts
-        self.widths = self.log.widths
-        self.sample_cards = self.log.sample_cards
 
     # -- events in ---------------------------------------------------------------------------
 
@@ -183,81 +180,6 @@ class Planner:
             self.state.unqueue(task)
             self.state.forget(task)
 
-    def observe(self, device: int, reading: CardReading, now_s: float) -> None:
-        """A live snapshot of ``device``: the live gate reads it, the parent's own row raises
-        the own high-water (a term of the bound: recorded when it grows), and a cap an
-        out-of-memory set lifts once the readings show its room back."""
-        card = self.state.cards[device]
-        card.reading = reading
-        card.reading_s = now_s
-        card.reading_error = None
-        own, pid = None, self.state.config.parent_pid
-        if reading.process_bytes is not None:
-            card.keep_workers(reading.process_bytes)
-            own = reading.process_bytes.get(pid) if pid is not None else None
-        if own is not None and own > card.own_high_water_bytes:
-            card.own_high_water_bytes = own
-            self.learning.limit_asks()
-            if own - card.recorded_own_bytes >= OWN_RECORD_STEP_BYTES:
-                card.recorded_own_bytes = own
-                self.views.review(
-                    now_s,
-                    cause=(
-                        f"this process's own device bytes grew to {format_size(own)} "
-                        "(a term of the bound)"
-                    ),
-                    devices=(device,),
-                )
-        self.oom.lift_cap(card, reading, now_s)
-
-    def observe_others(
-        self,
-        device: int,
-        others: OtherPools | None,
-        now_s: float,
-        *,
-        census: bool = False,
-        rows: Mapping[int, int] | None = None,
-    ) -> None:
-        """The host's other pools' bookings on ``device`` (``None``: the table is unreachable,
-        so the live gate alone sees them). Each of their tasks is priced at the larger of its
-        booking and what ``rows`` (default: the card's last reading) show its worker holding.
-        ``census``: this reading stands beside the census, whose co-tenant bytes hold what
-        those pools hold now (they are priced by their bookings instead)."""
-        card = self.state.cards[device]
-        if rows is None:
-            rows = {}
-            if card.reading is not None and card.reading.process_bytes is not None:
-                rows = card.reading.process_bytes
-        before = card.others_bytes
-        terms = note_others(card, others, rows, now_s, census=census)
-        if census:
-            self.learning.rooms_moved()
-            return
-        if card.others_bytes != before:
-            self.views.review(
-                now_s,
-                cause=(
-                    f"other pools on the card book {format_size(card.others_bytes)} over "
-                    f"{terms.tasks} task{'s' if terms.tasks != 1 else ''} "
-                    f"({format_size(terms.unreached_bytes)} not yet reached)"
-                ),
-                devices=(device,),
-                quiet=True,
-                extra={
-                    "other_pools_bytes": card.others_bytes,
-                    "other_pools_unreached_bytes": terms.unreached_bytes,
-                    "other_pools_tasks": terms.tasks,
-                },
-            )
-
-    def observe_error(self, device: int, error: str, now_s: float) -> None:
-        """A live reading of ``device`` failed: it runs one task of the pool at a time meanwhile."""
-        card = self.state.cards[device]
-        card.reading = None
-        card.reading_error = error
-        self.views.sensor_error(device, error, "the live gate runs one task at a time", now_s)
-
     def started(self, task: TaskId, device: int | None, pid: int | None, now_s: float) -> None:
         """``task`` was handed to a worker (``pid``) on ``device``: it books there what the
         :class:`Start` that admitted it carried."""
@@ -313,9 +235,7 @@ class Planner:
         self.settle(now_s)
         device = self.state.running[task].device
         if device is not None and reading is not None:
-            # The reading the record states (the own high-water is observed after it).
-            card = self.state.cards[device]
-            card.reading, card.reading_s = reading, now_s
+            self.readings.took(device, reading, now_s)
         return self.oom.handle(task, report, reading, now_s, error=error)
 
     def lost(
@@ -391,6 +311,16 @@ class Planner:
         """Whether tasks ended whose peaks :meth:`settle` has not priced yet."""
         return self.learning.unsettled
 
+    @property
+    def counts(self) -> collections.Counter[str]:
+        """How many of each counted event the planner saw (the state's live count)."""
+        return self.state.counts
+
+    @property
+    def widths(self) -> list[tuple[float, int]]:
+        """The pool's width over time, where it moved (the recorder's live timeline)."""
+        return self.log.widths
+
     def widths_by_key(self) -> dict[str, int]:
         """For each key with work pending or running: how many of its tasks could run at once
         beside the other keys' running tasks."""
@@ -421,55 +351,6 @@ class Planner:
             out[key] = max(1, min(total, self.state.ceiling.value - others))
         return out
 
-    def warm_limit(self, device: int, now_s: float) -> int:
-        """How many workers ``device`` may keep (running and idle): its runs, as many tasks
-        of a present key as fit there alone, or, while other pools wait there, as many as
-        this pool's share holds (the room a pool's ended task frees goes round the pools
-        by turns: ``sharing.gives_way``), whichever is more."""
-        card = self.state.cards[device]
-        running = len(card.runs)
-        room = self.views.bound(device, self.state.asks.ask(self.state.last_key)).room_bytes
-        if (
-            (
-                card.gate_shut_since_s is not None
-                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
-            )
-            or owes_room(card, room)
-            or yields_to(card, 0, room, now_s) is not None
-        ):
-            # An idle worker's context is bytes the card needs: this pool's gate has been
-            # shut a while, or a waiting pool is owed room there that is not free (or this
-            # pool yields to one at the serial floor there).
-            return running
-        keys = self.state.present_keys() or [self.state.last_key]
-        fits = max(
-            self.views.fit(device, self.state.asks.ask(k), [], slots=self.state.ceiling.value).more
-            for k in keys
-        )
-        turns = share_tasks(card, room, self.state.asks.ask(self.state.last_key).ask_bytes)
-        return max(running, min(max(1, fits, turns), self.state.ceiling.value))
-
-    def waiting_count(self, *, starting: bool = False) -> int:
-        """How many pending tasks the pool's own ceiling (or fixed width) would let start now:
-        what other pools on its cards are told waits for room. ``starting``: one pending
-        task is being started (it counts as running)."""
-        pending = len(self.state.pending) - starting
-        running = len(self.state.running) + starting
-        count = min(pending, self.state.ceiling.value - running)
-        if self.state.cards and all(card.oom_cap is not None for card in self.state.cards):
-            # Every card runs at most its out-of-memory cap: no more can start than those.
-            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in self.state.cards)
-            count = min(count, free - starting)
-        return max(0, count)
-
-    def need_bytes(self, *, starting: bool = False) -> int:
-        """The ask of the first pending task that waits for room (0 when none does): the room
-        other pools are told this pool needs for its next task."""
-        if self.waiting_count(starting=starting) == 0 or len(self.state.pending) <= starting:
-            return 0
-        state = self.state.tasks[self.state.pending[int(starting)]]
-        return self.state.price(state).ask_bytes
-
     def waiting_for_room(self) -> tuple[TaskId, ...]:
         """Pending tasks that ran out of memory alone and wait for others to free the room."""
         tasks = self.state.tasks
@@ -491,31 +372,6 @@ class Planner:
     def is_queued(self, task: TaskId) -> bool:
         """Whether ``task`` waits behind a run on that run's worker."""
         return task in self.queue.queued
-
-    def waiting_asks(self, first: int, count: int) -> list[tuple[str, int]]:
-        """The key and ask of the pending tasks ``first`` to ``first + count``, in order."""
-        tasks = self.state.tasks
-        # One price per key, size, features and floor.
-        asks: dict[tuple[str, float | None, Features, int], int] = {}
-        entries: list[tuple[str, int]] = []
-        for task in itertools.islice(self.state.pending, first, first + count):
-            state = tasks[task]
-            slot = (state.key, state.size, state.features, state.floor_bytes)
-            if slot not in asks:
-                asks[slot] = self.state.price(state).ask_bytes
-            entries.append((slot[0], asks[slot]))
-        return entries
-
-    def bookings_on(self, device: int) -> tuple[TaskBooking, ...]:
-        """This pool's running tasks on ``device`` that have a worker, as booking-table rows
-        (what each reached is not the planner's to know: 0)."""
-        return tuple(
-            TaskBooking(
-                worker_pid=run.pid, key=run.key, booked_bytes=run.booked_bytes, reached_bytes=0
-            )
-            for run in self.state.running.values()
-            if run.device == device and run.pid is not None
-        )
 
     @staticmethod
     def price_without_peak(census: Census, reserve_bytes: int) -> int:
