@@ -577,24 +577,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     census = _read_plan_census(parser, args, notes)
     if census is None:
         return EXIT_FAILURE
-    for card in census.cards:
-        # The pool refuses this at construction (ConfigurationError): so does the plan.
-        if card.total_bytes is not None and reserve >= card.total_bytes:
-            parser.error(
-                f"--reserve {format_size(reserve)} is not smaller than card {card.device}'s "
-                f"{format_size(card.total_bytes)}; a pool refuses it. Pass a smaller reserve."
-            )
-    if args.margin is not None:
-        policy = Policy(margin_bytes=args.margin, margin_fraction=0.0, reserve_bytes=reserve)
-    else:
-        policy = Policy(reserve_bytes=reserve)
-    table = AskTable(policy=policy, default_estimate_bytes=args.task_peak)
-    estimated_ask: Ask | None = None
-    measured_ask: Ask | None = None
-    if args.task_peak is not None:
-        estimated_ask = table.ask("plan")
-        if args.measured_peak is not None:
-            measured_ask = table.measure("plan", args.measured_peak)
+    _check_plan_reserve(parser, census, reserve)
+    table, estimated_ask, measured_ask = _plan_asks(args, reserve)
     config = _decide_plan_config(args, census, table, measured_ask or estimated_ask, notes)
     # As _decide_plan_config: neither max_workers nor a CPU count, so the cards set it.
     planned = args.max_workers is None and args.cpus is None and args.total is not None
@@ -621,6 +605,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "measured": measured,
         "notes": notes,
     }
+    _show_plan(args, result, census, planned=planned)
+    return 0
+
+
+def _check_plan_reserve(parser: argparse.ArgumentParser, census: Census, reserve: int) -> None:
+    """Refuse a reserve as large as a card (a usage error, exit 2)."""
+    for card in census.cards:
+        # The pool refuses this at construction (ConfigurationError): so does the plan.
+        if card.total_bytes is not None and reserve >= card.total_bytes:
+            parser.error(
+                f"--reserve {format_size(reserve)} is not smaller than card {card.device}'s "
+                f"{format_size(card.total_bytes)}; a pool refuses it. Pass a smaller reserve."
+            )
+
+
+def _plan_asks(args: argparse.Namespace, reserve: int) -> tuple[AskTable, Ask | None, Ask | None]:
+    """The plan's ask table, and its task's ask from ``--task-peak`` and after
+    ``--measured-peak`` (``None``: not given)."""
+    if args.margin is not None:
+        policy = Policy(margin_bytes=args.margin, margin_fraction=0.0, reserve_bytes=reserve)
+    else:
+        policy = Policy(reserve_bytes=reserve)
+    table = AskTable(policy=policy, default_estimate_bytes=args.task_peak)
+    estimated_ask: Ask | None = None
+    measured_ask: Ask | None = None
+    if args.task_peak is not None:
+        estimated_ask = table.ask("plan")
+        if args.measured_peak is not None:
+            measured_ask = table.measure("plan", args.measured_peak)
+    return table, estimated_ask, measured_ask
+
+
+def _show_plan(
+    args: argparse.Namespace, result: dict[str, Any], census: Census, *, planned: bool
+) -> None:
+    """Print the plan: as JSON with ``--json``, else in words."""
     if args.json:
         _json_out(result)
     else:
@@ -632,7 +652,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             else "not given: 0"
         )
         _print_plan(result, census.cards, co_tenant_source=co_tenant, planned=planned)
-    return 0
 
 
 def _check_plan_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

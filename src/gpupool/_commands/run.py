@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
     from types import FrameType
 
+    from gpupool import GpuPoolExecutor
+    from gpupool._pool.executor import _OptionsView
+
 __all__ = [
     "ARGUMENTS_MARKER",
     "COMMAND_GRACE_S",
@@ -391,27 +394,8 @@ def run_commands(
         wake = threading.Event()
         halted = threading.Event()
         view = pool.options(key=key)
-
-        def submit(command: str, cwd: str, out: str, err: str) -> Future[int]:
-            future = view.submit(run_command, command, cwd, out, err)
-            future.add_done_callback(lambda _: wake.set())
-            return future
-
-        def stop(reached: Halt) -> None:
-            halted.set()
-            room.release()  # the input thread, if it waits for room, sees the halt
-            if reached.when == "now":
-                pool.terminate_workers()
-            else:
-                pool.shutdown(wait=False, cancel_futures=True)
-
-        # A daemon: at Ctrl-C it may be blocked reading a terminal, and must not hold the exit.
-        threading.Thread(
-            target=_submit_lines,
-            args=(template, lines, submit, spool, jobs, room, wake, halted),
-            name="gpupool-run-input",
-            daemon=True,
-        ).start()
+        stop = _halter(pool, room, halted)
+        _start_input(view, template, lines, spool, jobs, room, wake, halted)
         try:
             failed, halt_status = follow_jobs(
                 jobs,
@@ -428,6 +412,49 @@ def run_commands(
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return exit_status(failed) if halt_status is None else halt_status
+
+
+def _halter(
+    pool: GpuPoolExecutor, room: threading.Semaphore, halted: threading.Event
+) -> Callable[[Halt], None]:
+    """What stops the run once its ``halt`` is reached: the input, then the commands."""
+
+    def stop(reached: Halt) -> None:
+        halted.set()
+        room.release()  # the input thread, if it waits for room, sees the halt
+        if reached.when == "now":
+            pool.terminate_workers()
+        else:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    return stop
+
+
+def _start_input(
+    view: _OptionsView,
+    template: str,
+    lines: Iterable[str],
+    spool: str,
+    jobs: queue.SimpleQueue[Job | InputEnded],
+    room: threading.Semaphore,
+    wake: threading.Event,
+    halted: threading.Event,
+) -> None:
+    """Start the thread that reads the lines and submits their commands on ``view``
+    (:func:`_submit_lines`); each command's end wakes the printing."""
+
+    def submit(command: str, cwd: str, out: str, err: str) -> Future[int]:
+        future = view.submit(run_command, command, cwd, out, err)
+        future.add_done_callback(lambda _: wake.set())
+        return future
+
+    # A daemon: at Ctrl-C it may be blocked reading a terminal, and must not hold the exit.
+    threading.Thread(
+        target=_submit_lines,
+        args=(template, lines, submit, spool, jobs, room, wake, halted),
+        name="gpupool-run-input",
+        daemon=True,
+    ).start()
 
 
 def _submit_lines(
@@ -504,6 +531,7 @@ def add_run_parser(
         ),
     )
     _add_pool_flags(run, size_type=size_type, count_type=count_type)
+    _add_output_flags(run)
     run.add_argument(
         "command",
         nargs=argparse.REMAINDER,
@@ -519,6 +547,7 @@ def _add_pool_flags(
     size_type: Callable[..., Callable[[str], int]],
     count_type: Callable[[str], Callable[[str], int]],
 ) -> None:
+    """The flags for the input (``-a``, ``-0``) and the pool's options, in ``--help``'s order."""
     run.add_argument(
         "-a",
         "--input",
@@ -554,6 +583,10 @@ def _add_pool_flags(
         action="store_true",
         help="the input items end with a NUL byte, not a newline (find -print0)",
     )
+
+
+def _add_output_flags(run: argparse.ArgumentParser) -> None:
+    """The flags for how the commands' output is printed, and when the run halts."""
     output = run.add_mutually_exclusive_group()
     output.add_argument(
         "--line-buffer",

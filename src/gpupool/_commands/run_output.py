@@ -182,42 +182,13 @@ def follow_jobs(
     streaming = mode != "group"
     while True:
         wake.clear()
-        while ended is None:
-            try:
-                item = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, InputEnded):
-                ended = item
-            else:
-                pending.append(item)
+        if ended is None:
+            ended = _take_queued(jobs, pending)
         # How each command ended is counted when it ends (a --halt is reached then), and
         # said when its output is printed.
-        for job in pending:
-            if job.counted or not job.future.done():
-                continue
-            job.counted = True
-            job.problem = _classify(job, tally)
-            if (
-                halt is not None
-                and tally.halted is None
-                and halt.reached(tally.failed, tally.succeeded)
-            ):
-                tally.halted = halt
-                _say_halt(halt, job, pending, stderr)
-                on_halt(halt)
-        if streaming:
-            for job in pending:
-                if job.counted or job.future.running():  # one not started has written nothing
-                    _pump(job, stdout, stderr, line_mode=mode == "line", final=job.counted)
-        else:
-            for job in _ready_in_order(pending):
-                _copy_out(job.stdout_path, stdout)
-                _copy_out(job.stderr_path, stderr)
-        for job in [j for j in pending if j.counted and (streaming or j.printed)]:
-            _say_problem(job, stderr)
-            pending.remove(job)
-            on_printed()
+        _count_ended(pending, tally, halt, on_halt, stderr)
+        _print_output(pending, mode, stdout, stderr)
+        _drop_printed(pending, streaming, on_printed, stderr)
         if ended is not None and not pending:
             break
         wake.wait(STREAM_POLL_S if streaming else 0.5)
@@ -227,6 +198,70 @@ def follow_jobs(
         stderr.flush()
         tally.failed += 1
     return tally.failed, _halt_status(tally)
+
+
+def _take_queued(
+    jobs: queue.SimpleQueue[Job | InputEnded], pending: list[Job]
+) -> InputEnded | None:
+    """Move the jobs queued since the last turn to ``pending``; the input's end, once queued."""
+    while True:
+        try:
+            item = jobs.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, InputEnded):
+            return item
+        pending.append(item)
+
+
+def _count_ended(
+    pending: list[Job],
+    tally: _Tally,
+    halt: Halt | None,
+    on_halt: Callable[[Halt], None],
+    stderr: IO[bytes],
+) -> None:
+    """Count each job that ended since the last turn; say ``halt`` and call ``on_halt`` once
+    it is reached."""
+    for job in pending:
+        if job.counted or not job.future.done():
+            continue
+        job.counted = True
+        job.problem = _classify(job, tally)
+        if (
+            halt is not None
+            and tally.halted is None
+            and halt.reached(tally.failed, tally.succeeded)
+        ):
+            tally.halted = halt
+            _say_halt(halt, job, pending, stderr)
+            on_halt(halt)
+
+
+def _print_output(
+    pending: list[Job], mode: OutputMode, stdout: IO[bytes], stderr: IO[bytes]
+) -> None:
+    """Print what the jobs wrote as ``mode`` says: streamed as it comes, or each ended job's
+    whole, in input order."""
+    if mode != "group":
+        for job in pending:
+            if job.counted or job.future.running():  # one not started has written nothing
+                _pump(job, stdout, stderr, line_mode=mode == "line", final=job.counted)
+    else:
+        for job in _ready_in_order(pending):
+            _copy_out(job.stdout_path, stdout)
+            _copy_out(job.stderr_path, stderr)
+
+
+def _drop_printed(
+    pending: list[Job], streaming: bool, on_printed: Callable[[], None], stderr: IO[bytes]
+) -> None:
+    """Say how each ended job whose output is printed failed, if it did, and drop it from
+    ``pending``."""
+    for job in [j for j in pending if j.counted and (streaming or j.printed)]:
+        _say_problem(job, stderr)
+        pending.remove(job)
+        on_printed()
 
 
 def _ready_in_order(pending: list[Job]) -> list[Job]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from gpupool._errors import InvalidSizeError
 
 if TYPE_CHECKING:
+    import numbers
     from decimal import Decimal
 
 __all__ = ["MAX_SIZE_BYTES", "GiB", "KiB", "MiB", "format_size", "parse_pool_size", "parse_size"]
@@ -72,61 +73,83 @@ def parse_size(value: object, *, name: str = "size", allow_zero: bool = True) ->
     """
     if isinstance(value, bool) or value is None:
         raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
-    # Exact arithmetic: a float product can land one byte short ("8.54 GB"
-    # was 8539999999), and float() overflows on a large int. The float is
-    # only the finiteness check, so "1e400GiB" is refused before any exact
-    # arithmetic is asked to build a 400-digit number. (decimal and numbers load here: a
-    # worker imports this module but parses a size only when a task ran out of memory.)
-    import numbers
-    from decimal import Decimal, localcontext
-
-    number: Decimal | int
-    scale = 1  # the unit's bytes: a number of bytes (scale 1) must be whole
-    if isinstance(value, numbers.Integral):  # numpy's integers too
-        number = int(value)
-    elif isinstance(value, numbers.Real):  # a float, numpy's, a Fraction
-        try:
-            real = float(value)
-        except (OverflowError, ValueError):
-            real = math.inf
-        if not math.isfinite(real):
-            raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
-        number = Decimal(real)
-    elif isinstance(value, str):
-        match = _size_pattern().match(value)
-        unit = match.group("unit").lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
-        text, scale = match.group("number"), _UNITS[unit]
-        if not math.isfinite(float(text) * scale):
-            raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
-        with localcontext() as context:
-            context.prec = len(text) + 20  # enough digits for an exact product
-            number = Decimal(text) * _UNITS[unit]
-    else:
-        raise InvalidSizeError(
-            f"{name}={value!r} ({type(value).__name__}) is not a byte size; {_HOW}.",
-            value=value,
-        )
+    number, scale = _read_number(value, name)
     if number < 0:
         raise InvalidSizeError(f"{name}={value!r} is negative; {_HOW}.", value=value)
     nbytes = math.floor(number)
     if scale == 1 and nbytes != number:
-        # A small one is a unit left out (task_peak=1.5 for 1.5 GiB); a large one, a
-        # computed size whose fraction is float noise.
-        fix = (
-            f"write its unit, such as {name}='{_shown(value)}GiB'"
-            if number < KiB
-            else f"pass a whole number of bytes, such as {nbytes} (int() of a computed size)"
-        )
-        raise InvalidSizeError(
-            f"{name}={value!r} is a fraction of a byte: a number of bytes (what a number "
-            f"without a unit is) must be whole; {fix}.",
-            value=value,
-        )
+        raise _fraction_error(value, name, number, nbytes)
     if nbytes == 0 and not allow_zero:
         raise InvalidSizeError(f"{name}={value!r} is zero; {name} must be positive.", value=value)
     return nbytes
+
+
+def _read_number(value: object, name: str) -> tuple[Decimal | int, int]:
+    """The size ``value`` says, exactly, and its unit's bytes (1 for a number of bytes)."""
+    # Exact arithmetic: a float product can land one byte short ("8.54 GB"
+    # was 8539999999), and float() overflows on a large int. The float is
+    # only the finiteness check, so "1e400GiB" is refused before any exact
+    # arithmetic is asked to build a 400-digit number. (numbers loads here: a worker
+    # imports this module but parses a size only when a task ran out of memory.)
+    import numbers
+
+    if isinstance(value, numbers.Integral):  # numpy's integers too
+        return int(value), 1
+    if isinstance(value, numbers.Real):  # a float, numpy's, a Fraction
+        return _read_real(value, name), 1
+    if isinstance(value, str):
+        return _read_text(value, name)
+    raise InvalidSizeError(
+        f"{name}={value!r} ({type(value).__name__}) is not a byte size; {_HOW}.",
+        value=value,
+    )
+
+
+def _read_real(value: numbers.Real, name: str) -> Decimal:
+    """A real number of bytes as the exact value of its float, refused where it is not finite."""
+    from decimal import Decimal
+
+    try:
+        real = float(value)
+    except (OverflowError, ValueError):
+        real = math.inf
+    if not math.isfinite(real):
+        raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
+    return Decimal(real)
+
+
+def _read_text(value: str, name: str) -> tuple[Decimal, int]:
+    """A size written as text: its number times its unit, exactly, and the unit's bytes."""
+    from decimal import Decimal, localcontext
+
+    match = _size_pattern().match(value)
+    unit = match.group("unit").lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise InvalidSizeError(f"{name}={value!r} is not a byte size; {_HOW}.", value=value)
+    text, scale = match.group("number"), _UNITS[unit]
+    if not math.isfinite(float(text) * scale):
+        raise InvalidSizeError(f"{name}={value!r} is not finite; {_HOW}.", value=value)
+    with localcontext() as context:
+        context.prec = len(text) + 20  # enough digits for an exact product
+        return Decimal(text) * scale, scale
+
+
+def _fraction_error(
+    value: object, name: str, number: Decimal | int, nbytes: int
+) -> InvalidSizeError:
+    """The refusal of a number of bytes that is not whole, with the likelier fix."""
+    # A small one is a unit left out (task_peak=1.5 for 1.5 GiB); a large one, a
+    # computed size whose fraction is float noise.
+    fix = (
+        f"write its unit, such as {name}='{_shown(value)}GiB'"
+        if number < KiB
+        else f"pass a whole number of bytes, such as {nbytes} (int() of a computed size)"
+    )
+    return InvalidSizeError(
+        f"{name}={value!r} is a fraction of a byte: a number of bytes (what a number "
+        f"without a unit is) must be whole; {fix}.",
+        value=value,
+    )
 
 
 def _shown(value: object) -> str:

@@ -263,6 +263,7 @@ class _RunReader:
         self.most: dict[int, int] = {}
 
     def feed(self, number: int, record: dict[str, Any]) -> None:
+        """Fold one record of the run (``number``: its line in the log) into the postmortem."""
         pm = self.pm
         pm.records += 1
         event = str(record["event"])
@@ -273,41 +274,68 @@ class _RunReader:
             self._header(record)
             return
         device = record_int(record, "device")
-        own_hw = record_int(record, "own_high_water_bytes")
-        if device is not None and own_hw is not None and event != "out_of_memory":
-            self.own_after[device] = max(self.own_after.get(device, 0), own_hw)
-        if self.waiting and device is not None and own_hw is not None:
-            self.flush(device)
+        self._own_high_water(record, event, device)
         plot = pm.devices.setdefault(device, DevicePlot(device)) if device is not None else None
         width_after = record_int(record, "width_after")
-        if device is not None:
-            for value in (
-                record_int(record, "running"),
-                width_after if event in _WIDTH_EVENTS else None,
-            ):
-                if value is not None:
-                    self.most[device] = max(self.most.get(device, 0), value)
+        self._most_running(record, event, device, width_after)
         if event in _WIDTH_EVENTS and width_after is not None:
-            if device is not None:
-                pm.device_widths.setdefault(device, _Series()).add(time_s, width_after)
-            self.current[device] = width_after
-            per_device = {d: w for d, w in self.current.items() if d is not None}
-            total_width = max(1, sum(per_device.values())) if per_device else width_after
-            if total_width != self.last_total:
-                # One turn's records share a time: the pool's width then is the sum after
-                # them all, never one taken half-way through the turn.
-                points = pm.widths.points
-                if points and points[-1][0] == time_s:
-                    points.pop()
-                if not points or points[-1][1] != total_width:
-                    pm.widths.add(time_s, total_width)
-                self.last_total = total_width
+            self._width(device, width_after, time_s)
         if event == "cap_lifted" and device is not None and width_after is not None:
             before = record_int(record, "width_before")
             pm.cap_lifts.add(time_s, device, before if before is not None else -1, width_after)
         self._key_terms(record, event, time_s)
         if plot is not None:
             _plot_point(plot, record, event, time_s)
+        self._outcome(number, record, event, device, time_s)
+        if event in ("predicted", "outlier") and len(pm.learned) < MAX_LEARNED:
+            pm.learned.append(f"{event} at {time_s:.2f} s: {record.get('reason')}")
+
+    def _own_high_water(self, record: Mapping[str, Any], event: str, device: int | None) -> None:
+        """Note the card's own high-water after its out-of-memory records, and analyse those
+        that waited for it."""
+        own_hw = record_int(record, "own_high_water_bytes")
+        if device is not None and own_hw is not None and event != "out_of_memory":
+            self.own_after[device] = max(self.own_after.get(device, 0), own_hw)
+        if self.waiting and device is not None and own_hw is not None:
+            self.flush(device)
+
+    def _most_running(
+        self, record: Mapping[str, Any], event: str, device: int | None, width_after: int | None
+    ) -> None:
+        """Note the most tasks the card ran, or was widened to, so far."""
+        if device is None:
+            return
+        for value in (
+            record_int(record, "running"),
+            width_after if event in _WIDTH_EVENTS else None,
+        ):
+            if value is not None:
+                self.most[device] = max(self.most.get(device, 0), value)
+
+    def _width(self, device: int | None, width_after: int, time_s: float) -> None:
+        """A width record: the card's width over time, and the pool's (the cards' sum)."""
+        pm = self.pm
+        if device is not None:
+            pm.device_widths.setdefault(device, _Series()).add(time_s, width_after)
+        self.current[device] = width_after
+        per_device = {d: w for d, w in self.current.items() if d is not None}
+        total_width = max(1, sum(per_device.values())) if per_device else width_after
+        if total_width != self.last_total:
+            # One turn's records share a time: the pool's width then is the sum after
+            # them all, never one taken half-way through the turn.
+            points = pm.widths.points
+            if points and points[-1][0] == time_s:
+                points.pop()
+            if not points or points[-1][1] != total_width:
+                pm.widths.add(time_s, total_width)
+            self.last_total = total_width
+
+    def _outcome(
+        self, number: int, record: dict[str, Any], event: str, device: int | None, time_s: float
+    ) -> None:
+        """What the record says went wrong or ended: an out-of-memory (analysed later), memory
+        no row explains, the shutdown, or a task in trouble."""
+        pm = self.pm
         if event == "out_of_memory":
             pm.out_of_memory += 1
             self.waiting.append(
@@ -334,8 +362,6 @@ class _RunReader:
                         "reason": truncate_text(reason) if isinstance(reason, str) else None,
                     }
                 )
-        if event in ("predicted", "outlier") and len(pm.learned) < MAX_LEARNED:
-            pm.learned.append(f"{event} at {time_s:.2f} s: {record.get('reason')}")
 
     def _header(self, record: Mapping[str, Any]) -> None:
         pm = self.pm
@@ -545,10 +571,29 @@ def format_runs(runs: list[Postmortem]) -> list[str]:
 def format_postmortem(pm: Postmortem) -> list[str]:
     """One run in words, one string per line."""
     lines = _format_run(pm)
+    lines += _format_widths(pm)
+    lines += _format_asks(pm)
+    lines += _format_unmeasured(pm)
+    refused = pm.events.get("widen_refused", 0)
+    waits = pm.events.get("live_gate_wait", 0)
+    serial = pm.events.get("serial_start", 0)
+    over = pm.events.get("fixed_width_over_bound", 0)
     lines.append(
+        f"refused widens: {refused}; live-gate waits: {waits}; serial starts: {serial}"
+        + (f"; fixed width over the bound: {over}" if over else "")
+    )
+    lines += _format_shutdown(pm)
+    lines += _format_ooms(pm)
+    lines += _format_tasks(pm)
+    return lines
+
+
+def _format_widths(pm: Postmortem) -> list[str]:
+    """The pool's width over time, each card's where there are several, and the caps lifted."""
+    lines = [
         "widths over time: "
         + (", ".join(f"{int(w)} at {t:.2f} s" for t, w in pm.widths.points) or "none recorded")
-    )
+    ]
     for device, series in sorted(pm.device_widths.items()):
         if len(pm.device_widths) > 1:
             lines.append(
@@ -562,7 +607,13 @@ def format_postmortem(pm: Postmortem) -> list[str]:
                 for t, d, b, w in pm.cap_lifts.points
             )
         )
-    lines += _format_asks(pm)
+    return lines
+
+
+def _format_unmeasured(pm: Postmortem) -> list[str]:
+    """What the measurements could not see or explain, and what was learned beyond the keys'
+    distributions (none: no lines)."""
+    lines = []
     if pm.partial_peaks:
         lines.append(
             "partial views (a peak that could not read the processes under its worker; "
@@ -579,22 +630,24 @@ def format_postmortem(pm: Postmortem) -> list[str]:
     if pm.learned:
         lines.append("learned beyond the keys' distributions (features, outliers):")
         lines += [f"  {line}" for line in pm.learned]
-    refused = pm.events.get("widen_refused", 0)
-    waits = pm.events.get("live_gate_wait", 0)
-    serial = pm.events.get("serial_start", 0)
-    over = pm.events.get("fixed_width_over_bound", 0)
-    lines.append(
-        f"refused widens: {refused}; live-gate waits: {waits}; serial starts: {serial}"
-        + (f"; fixed width over the bound: {over}" if over else "")
-    )
-    lines += _format_shutdown(pm)
-    lines.append(f"out of memory: {pm.out_of_memory}")
+    return lines
+
+
+def _format_ooms(pm: Postmortem) -> list[str]:
+    """The run's out-of-memory errors, each analysed (up to those kept), and their verdicts."""
+    lines = [f"out of memory: {pm.out_of_memory}"]
     for number, analysis in enumerate(pm.ooms, 1):
         lines.extend(_format_oom(number, analysis))
     if pm.out_of_memory > len(pm.ooms):
         lines.append(f"  ({pm.out_of_memory - len(pm.ooms)} more not shown)")
     if pm.verdicts:
         lines.append("verdicts: " + ", ".join(f"{v} {n}" for v, n in sorted(pm.verdicts.items())))
+    return lines
+
+
+def _format_tasks(pm: Postmortem) -> list[str]:
+    """The tasks in trouble (a lost worker, a deadline), up to those kept (none: no lines)."""
+    lines = []
     if pm.task_records:
         lines.append(f"tasks in trouble: {pm.task_records}")
         for t in pm.tasks:

@@ -586,44 +586,20 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         WidthError: ``strict=True`` and the bound is narrower than ``max_workers``.
     """
     from gpupool._sensors.bookings import new_pool_id, open_booking_table
-    from gpupool._sensors.census import read_census
 
-    # The default: NVML, or the simulator inside a SimulatedHost.
-    sensor = options.sensor if options.sensor is not None else default_sensor()
-    visible = sensor.read_visible_devices()
-    census, infos = read_census(
-        sensor, devices=options.devices, visible_devices=visible, pid=os.getpid()
-    )
-    reserve_bytes = options.policy.reserve_bytes
-    _check_reserve(census, reserve_bytes)
-    _check_vendor(sensor, infos)
-    _check_env_pinning(options.workers.env, sensor, infos)
+    sensor, census, infos = _read_cards(options)
     devices = [
         DeviceState(i, *pair) for i, pair in enumerate(zip(infos, census.cards, strict=True))
     ]
     peak_bytes = options.task_peak_bytes
     if peak_bytes is None:
-        peak_bytes = Planner.price_without_peak(census, reserve_bytes)
-    config = PlannerConfig(
-        max_workers=options.max_workers or census.host.cpus,
-        max_workers_given=options.max_workers is not None,
-        fixed_width=options.width,
-        strict=options.strict,
-        retry_oom=options.retry_oom,
-        max_retries=options.max_retries,
-        room_wait_s=options.room_wait_s,
-        reserve_bytes=reserve_bytes,
-        parent_pid=os.getpid(),
-    )
+        peak_bytes = Planner.price_without_peak(census, options.policy.reserve_bytes)
+    config = _planner_config(options, census)
     share, directory = options.share_bookings, options.bookings_dir
     bookings = (
         open_booking_table(share=share, directory=directory, sensor=sensor) if devices else None
     )
-    memory = (
-        None
-        if options.memory_path is None or options.width is not None
-        else PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards})))
-    )
+    memory = _peak_memory(options, census)
     # Opened last, so that nothing above can leave its run (run_started) without an end; a
     # refusal from here on ends it (Dispatcher.refused).
     log = DecisionLog(options.log_path, settings=options.settings())
@@ -651,3 +627,43 @@ def build_dispatcher(options: PoolOptions) -> tuple[Dispatcher, Census, int]:
         dispatcher.refused(exc)  # the run its log opened ends; its descriptors given back
         raise
     return dispatcher, census, config.max_workers
+
+
+def _read_cards(options: PoolOptions) -> tuple[Sensor, Census, tuple[DeviceInfo, ...]]:
+    """The sensor, and the cards it reads once (before any child of the pool exists), checked
+    where a check needs them: a reserve as large as a card, the vendor's facts, ``env=``."""
+    from gpupool._sensors.census import read_census
+
+    # The default: NVML, or the simulator inside a SimulatedHost.
+    sensor = options.sensor if options.sensor is not None else default_sensor()
+    visible = sensor.read_visible_devices()
+    census, infos = read_census(
+        sensor, devices=options.devices, visible_devices=visible, pid=os.getpid()
+    )
+    _check_reserve(census, options.policy.reserve_bytes)
+    _check_vendor(sensor, infos)
+    _check_env_pinning(options.workers.env, sensor, infos)
+    return sensor, census, infos
+
+
+def _planner_config(options: PoolOptions, census: Census) -> PlannerConfig:
+    """The planner's settings; with no ``max_workers``, the host's CPUs bound the width."""
+    return PlannerConfig(
+        max_workers=options.max_workers or census.host.cpus,
+        max_workers_given=options.max_workers is not None,
+        fixed_width=options.width,
+        strict=options.strict,
+        retry_oom=options.retry_oom,
+        max_retries=options.max_retries,
+        room_wait_s=options.room_wait_s,
+        reserve_bytes=options.policy.reserve_bytes,
+        parent_pid=os.getpid(),
+    )
+
+
+def _peak_memory(options: PoolOptions, census: Census) -> PeakMemory | None:
+    """Where the keys' peaks are remembered between runs, for these cards' models (``None``:
+    off, and under a fixed width)."""
+    if options.memory_path is None or options.width is not None:
+        return None
+    return PeakMemory(options.memory_path, tuple(sorted({card.name for card in census.cards})))

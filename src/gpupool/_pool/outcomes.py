@@ -230,35 +230,9 @@ def lost_error(
     fault = exited.worker.fault if exited.worker.ready else None
     signal_name = _signal_name(exitcode)
     extra: dict[str, Any] = {"exitcode": exitcode, "signal": signal_name, "pid": pid}
-    ending = exited.worker.ending
-    if ending == "timeout" and timeout_s is not None:
-        extra["timeout_s"] = timeout_s
-        message = (
-            f"A task of {key} ran past its deadline of {timeout_s:g} s (timeout_s) in the "
-            f"worker process pid {pid}: the pool sent SIGTERM to the worker and every "
-            f"process below it, and SIGKILL to what was left after {TIMEOUT_GRACE_S:g} s "
-            f"(the worker {exit_how(exitcode)}). Only this task failed; the worker is "
-            "replaced and the pool goes on."
-        )
-        return TaskTimeoutError(message, task=key, timeout_s=timeout_s, pid=pid), extra
-    if ending == "stopped":
-        extra["stopped_s"] = STOPPED_LOST_S
-        message = (
-            f"A worker process (pid {pid}) running a task of {key} was stopped (SIGSTOP) "
-            f"and not resumed for {STOPPED_LOST_S:g} s, so the pool killed it; only this "
-            "task failed and the pool goes on. A task that stops its own process, or a "
-            "kill -STOP left without its SIGCONT, causes this."
-        )
-        return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
-    if ending == "unread":
-        extra["frame_unread"] = True
-        message = (
-            f"The worker process (pid {pid}) never read the frame of this task of {key} "
-            f"(no acknowledgement within {ACK_BOUND_S:g} s: another reader of the worker's "
-            "socket, such as a thread a task started, took it), on every worker it was "
-            "sent to; the pool killed them. The task never ran."
-        )
-        return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
+    ended = _ending_error(exited, key, timeout_s, extra)
+    if ended is not None:
+        return ended, extra
     if fault is not None:
         extra["protocol_fault"] = fault
         message = (
@@ -270,6 +244,54 @@ def lost_error(
         return WorkerProtocolError(
             message, pid=pid, received=fault, exitcode=exitcode, signal_name=signal_name
         ), extra
+    return _exit_error(pid, exitcode, signal_name, by_pool, key), extra
+
+
+def _ending_error(
+    exited: Exited, key: str, timeout_s: float | None, extra: dict[str, Any]
+) -> BaseException | None:
+    """The error where the pool ended the worker for its task's sake: past its deadline,
+    stopped too long, or never reading the task's frame (``None``: none of these); its
+    terms added to ``extra``."""
+    pid, exitcode = exited.worker.pid, exited.exitcode
+    signal_name = _signal_name(exitcode)
+    ending = exited.worker.ending
+    if ending == "timeout" and timeout_s is not None:
+        extra["timeout_s"] = timeout_s
+        message = (
+            f"A task of {key} ran past its deadline of {timeout_s:g} s (timeout_s) in the "
+            f"worker process pid {pid}: the pool sent SIGTERM to the worker and every "
+            f"process below it, and SIGKILL to what was left after {TIMEOUT_GRACE_S:g} s "
+            f"(the worker {exit_how(exitcode)}). Only this task failed; the worker is "
+            "replaced and the pool goes on."
+        )
+        return TaskTimeoutError(message, task=key, timeout_s=timeout_s, pid=pid)
+    if ending == "stopped":
+        extra["stopped_s"] = STOPPED_LOST_S
+        message = (
+            f"A worker process (pid {pid}) running a task of {key} was stopped (SIGSTOP) "
+            f"and not resumed for {STOPPED_LOST_S:g} s, so the pool killed it; only this "
+            "task failed and the pool goes on. A task that stops its own process, or a "
+            "kill -STOP left without its SIGCONT, causes this."
+        )
+        return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
+    if ending == "unread":
+        extra["frame_unread"] = True
+        message = (
+            f"The worker process (pid {pid}) never read the frame of this task of {key} "
+            f"(no acknowledgement within {ACK_BOUND_S:g} s: another reader of the worker's "
+            "socket, such as a thread a task started, took it), on every worker it was "
+            "sent to; the pool killed them. The task never ran."
+        )
+        return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
+    return None
+
+
+def _exit_error(
+    pid: int, exitcode: int | None, signal_name: str | None, by_pool: bool, key: str
+) -> WorkerLostError:
+    """The error of a worker that exited, or was killed: how, by whom where it was the pool,
+    and the likely cause of a SIGKILL that was not."""
     how = exit_how(exitcode)
     if by_pool:
         how += (
@@ -286,7 +308,7 @@ def lost_error(
         f"A worker process (pid {pid}) running a task of {key} {how}; "
         f"only this task failed and the pool goes on.{hint}"
     )
-    return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name), extra
+    return WorkerLostError(message, exitcode=exitcode, signal_name=signal_name)
 
 
 def unread_note(exited: Exited, key: str) -> tuple[str, dict[str, Any]]:

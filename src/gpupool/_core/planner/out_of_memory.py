@@ -89,6 +89,17 @@ class Facts:
 
 def judge(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement:
     """The rule an out-of-memory falls under (the caller applies the cap and the retry)."""
+    not_retried = _not_retried(facts, config)
+    if not_retried is not None:
+        return not_retried
+    if facts.shared:
+        return _shared(facts, config, card)
+    return _alone(facts, config)
+
+
+def _not_retried(facts: Facts, config: PlannerConfig) -> Judgement | None:
+    """The rules that fail the task wherever it ran: larger than any card, retries off or spent
+    (``None``: none applies)."""
     run = facts.run
     lower = (facts.reached_bytes or 0) + (facts.requested_bytes or 0)
     largest = facts.largest_total_bytes
@@ -111,48 +122,61 @@ def judge(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement:
             why=f"it ran out of memory {facts.tries} times, more than max_retries="
             f"{config.max_retries}",
         )
-    if facts.shared:
-        cap = max(1, facts.running_then - 1)
-        if config.fixed_width is not None:
-            return Judgement(
-                kind="fixed_width",
-                retry=True,
-                why=f"retrying once its card runs at most {cap - 1} other task(s) (the fixed "
-                f"width {config.fixed_width} stays)",
-                cap=cap,
-            )
-        if lower > run.ask_bytes:
-            return Judgement(
-                kind="underestimate",
-                retry=True,
-                why=f"the ask was underestimated: started at {format_size(run.ask_bytes)} "
-                f"(booked {format_size(run.booked_at_start_bytes)}), it reached "
-                f"{format_size(facts.reached_bytes)} and asked for "
-                f"{format_size(facts.requested_bytes)} more; {run.key} is priced "
-                f"{facts.key_ask_after.describe()} from now on (no card is capped for it)",
-            )
-        assert card is not None
-        cap = cap if card.oom_cap is None else min(card.oom_cap, cap)
-        if run.booked_at_start_bytes < run.ask_bytes:
-            return Judgement(
-                kind="pooled",
-                retry=True,
-                why=f"it stayed within its ask ({format_size(run.ask_bytes)}), but {run.key}'s "
-                "tasks were priced together (their peaks counted on not coinciding): either "
-                f"they, or something else on the card, grew past that; {run.key} is priced "
-                f"{format_size(facts.key_ask_after.ask_bytes)} per task from now on, and at "
-                f"most {cap} run at once there until the room is back",
-                cap=cap,
-            )
+    return None
+
+
+def _shared(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement:
+    """It ran out sharing its card: its width held below the fixed width, its key's ask raised
+    where it passed it, else its card capped."""
+    run = facts.run
+    lower = (facts.reached_bytes or 0) + (facts.requested_bytes or 0)
+    cap = max(1, facts.running_then - 1)
+    if config.fixed_width is not None:
         return Judgement(
-            kind="something_grew",
+            kind="fixed_width",
             retry=True,
-            why=f"it stayed within its ask ({format_size(run.ask_bytes)}), so something else "
-            f"on the card grew; at most {cap} at once there until the live reading shows the "
-            "room back",
+            why=f"retrying once its card runs at most {cap - 1} other task(s) (the fixed "
+            f"width {config.fixed_width} stays)",
             cap=cap,
         )
-    return _alone(facts, config)
+    if lower > run.ask_bytes:
+        return Judgement(
+            kind="underestimate",
+            retry=True,
+            why=f"the ask was underestimated: started at {format_size(run.ask_bytes)} "
+            f"(booked {format_size(run.booked_at_start_bytes)}), it reached "
+            f"{format_size(facts.reached_bytes)} and asked for "
+            f"{format_size(facts.requested_bytes)} more; {run.key} is priced "
+            f"{facts.key_ask_after.describe()} from now on (no card is capped for it)",
+        )
+    assert card is not None
+    cap = cap if card.oom_cap is None else min(card.oom_cap, cap)
+    return _capped(facts, cap)
+
+
+def _capped(facts: Facts, cap: int) -> Judgement:
+    """It stayed within its ask on a shared card: the card runs at most ``cap`` at once until
+    the room is back (its key's tasks, priced together, priced apart from now on)."""
+    run = facts.run
+    if run.booked_at_start_bytes < run.ask_bytes:
+        return Judgement(
+            kind="pooled",
+            retry=True,
+            why=f"it stayed within its ask ({format_size(run.ask_bytes)}), but {run.key}'s "
+            "tasks were priced together (their peaks counted on not coinciding): either "
+            f"they, or something else on the card, grew past that; {run.key} is priced "
+            f"{format_size(facts.key_ask_after.ask_bytes)} per task from now on, and at "
+            f"most {cap} run at once there until the room is back",
+            cap=cap,
+        )
+    return Judgement(
+        kind="something_grew",
+        retry=True,
+        why=f"it stayed within its ask ({format_size(run.ask_bytes)}), so something else "
+        f"on the card grew; at most {cap} at once there until the live reading shows the "
+        "room back",
+        cap=cap,
+    )
 
 
 def _alone(facts: Facts, config: PlannerConfig) -> Judgement:
@@ -327,6 +351,37 @@ class OutOfMemory:
         # What each was booked at when it started (the price it was admitted at), never a
         # price an out-of-memory raised since.
         booked_then = sum(r.booked_at_start_bytes for r in others) + run.booked_at_start_bytes
+        before, after = self._raise_price(run, task_state, report)
+        return Facts(
+            run=run,
+            tries=task_state.retries,
+            running_then=len(others) + 1,
+            shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
+            reached_bytes=report.device_peak_bytes,
+            requested_bytes=report.oom_requested_bytes,
+            key_ask_before=before,
+            key_ask_after=after,
+            held=self._held(run, card, reading, after),
+            elsewhere=self._roomier_elsewhere(run.device, after),
+            booked_bytes=booked_then,
+            largest_total_bytes=max(
+                (
+                    c.census.total_bytes
+                    for c in self._state.cards
+                    if c.census.total_bytes is not None
+                ),
+                default=None,
+            ),
+            priced_own_high_water_bytes=(
+                min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
+                if card is not None
+                else None
+            ),
+        )
+
+    def _raise_price(self, run: Run, task_state: TaskState, report: PeakReport) -> tuple[Ask, Ask]:
+        """Raise the price of ``run``'s key (an outlier's: its own) to what it reached where it
+        passed it, and rebook the key's runs; the task's price before and after."""
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
         before = self._state.price(task_state)
         floor = before.ask_bytes
@@ -346,43 +401,21 @@ class OutOfMemory:
         self._state.asks.hold(run.key, key_ask_bytes)
         after = self._state.price(task_state)
         self._state.rebook(run.key)
+        return before, after
+
+    def _held(self, run: Run, card: Card | None, reading: CardReading | None, after: Ask) -> bool:
+        """Whether the live free bytes do not cover the task's ask, yet the card without its
+        co-tenants (census or new) would: waiting for them can help."""
         child_bytes = 0
         if reading is not None and reading.process_bytes is not None and run.pid is not None:
             child_bytes = reading.process_bytes.get(run.pid, 0)
         needed = after.ask_bytes + self._state.config.reserve_bytes
-        return Facts(
-            run=run,
-            tries=task_state.retries,
-            running_then=len(others) + 1,
-            shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
-            reached_bytes=report.device_peak_bytes,
-            requested_bytes=report.oom_requested_bytes,
-            key_ask_before=before,
-            key_ask_after=after,
-            # Held: the live free bytes do not cover its ask, yet the card without
-            # its co-tenants (census or new) would: waiting for them can help.
-            held=(
-                reading is not None
-                and card is not None
-                and card.census.total_bytes is not None
-                and reading.free_bytes + child_bytes < needed
-                and card.census.total_bytes - card.own_high_water_bytes >= needed
-            ),
-            elsewhere=self._roomier_elsewhere(run.device, after),
-            booked_bytes=booked_then,
-            largest_total_bytes=max(
-                (
-                    c.census.total_bytes
-                    for c in self._state.cards
-                    if c.census.total_bytes is not None
-                ),
-                default=None,
-            ),
-            priced_own_high_water_bytes=(
-                min([run.own_high_water_bytes] + [r.own_high_water_bytes for r in others])
-                if card is not None
-                else None
-            ),
+        return (
+            reading is not None
+            and card is not None
+            and card.census.total_bytes is not None
+            and reading.free_bytes + child_bytes < needed
+            and card.census.total_bytes - card.own_high_water_bytes >= needed
         )
 
     def _roomier_elsewhere(self, device: int | None, ask: Ask) -> int | None:
