@@ -60,6 +60,91 @@ if __name__ == "__main__":
             assert ex.submit(abs, -4).result() == 4
 """
 
+#: SIGTERM tripped (as the signal's C handler does, in whichever thread the kernel chose)
+#: by a hook that runs among the parent's at-fork hooks, after ``logging``'s: before, its
+#: handler raised in gpupool's own hook, where ``KeyboardInterrupt`` was printed and
+#: ignored, before the hook unblocked SIGTERM, which the main thread then kept blocked.
+_SIGTERM_WHILE_THE_PARENT_FORKS = """
+import _thread
+import functools
+import logging
+import os
+import signal
+import warnings
+
+# 3.12+ warns of a fork in a process with threads; shown, its printing (Python code) would
+# take the KeyboardInterrupt, and os.fork() drops it (with or without gpupool).
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+os.register_at_fork(after_in_parent=functools.partial(_thread.interrupt_main, signal.SIGTERM))
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+if __name__ == "__main__":
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1) as ex:
+            assert ex.submit(abs, -3).result() == 3
+            try:
+                if os.fork() == 0:
+                    os._exit(0)
+                where = "nowhere"
+            except KeyboardInterrupt:
+                where = "fork"
+            os.wait()
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+            print(where, signal.SIGTERM in held)
+"""
+
+#: SIGTERM tripped by a profile hook as soon as gpupool's before-fork hook has blocked it
+#: (the signal can come at any time): before, ``KeyboardInterrupt`` left that hook after
+#: it had blocked SIGTERM but before it noted so; nothing unblocked it, in the parent or
+#: in the child (which ``Pool.terminate`` then could not end).
+_SIGTERM_AS_THE_FORK_BLOCKS_IT = """
+import _signal
+import _thread
+import os
+import signal
+import sys
+import warnings
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # as above
+
+
+def _sigterm_in_before_hook(frame, event, arg):
+    if event == "c_return" and arg is _signal.pthread_sigmask and _sigterm_held():
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_name == "_before_fork":
+            sys.setprofile(None)
+            _thread.interrupt_main(signal.SIGTERM)
+
+
+def _sigterm_held():
+    return signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+if __name__ == "__main__":
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1) as ex:
+            assert ex.submit(abs, -3).result() == 3
+            reader, writer = os.pipe()
+            try:
+                sys.setprofile(_sigterm_in_before_hook)
+                if os.fork() == 0:
+                    sys.setprofile(None)
+                    os.write(writer, b"%d" % _sigterm_held())
+                    os._exit(0)
+                where = "nowhere"
+            except KeyboardInterrupt:
+                where = "fork"
+            finally:
+                sys.setprofile(None)
+            os.wait()
+            print(where, _sigterm_held(), os.read(reader, 1) == b"1")
+"""
+
 
 def _run(tmp_path: Path, script_text: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
@@ -92,3 +177,17 @@ def test_sigterm_that_reaches_a_child_as_it_forks_ends_it(tmp_path: Path) -> Non
     done = _run(tmp_path, _SIGTERM_WHILE_THE_CHILD_FORKS)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(int(signal.SIGTERM)), "False"], done.stderr
+
+
+def test_sigterm_that_reaches_the_parent_as_it_forks_interrupts_it(tmp_path: Path) -> None:
+    # The handler holds off while the fork is under way, and the SIGTERM comes as os.fork()
+    # returns; the main thread does not keep SIGTERM blocked.
+    done = _run(tmp_path, _SIGTERM_WHILE_THE_PARENT_FORKS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fork", "False"], done.stderr
+
+
+def test_sigterm_as_the_fork_blocks_it_leaves_it_blocked_nowhere(tmp_path: Path) -> None:
+    done = _run(tmp_path, _SIGTERM_AS_THE_FORK_BLOCKS_IT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fork", "False", "False"], done.stderr

@@ -15,11 +15,16 @@ one that arrives while the at-fork hooks of other modules run raises
 ``KeyboardInterrupt`` inside a hook, where it is printed and ignored. So the
 forking thread blocks SIGTERM across the fork; the child puts the default
 action back and unblocks it, and a SIGTERM sent meanwhile, held pending by the
-kernel, then ends the child.
+kernel, then ends the child. In the parent the handler holds off while the fork
+is under way (raised in an at-fork hook, ``KeyboardInterrupt`` would be printed
+and ignored, and in one of ours would leave SIGTERM blocked for good): it comes
+as ``os.fork()`` returns.
 """
 
 from __future__ import annotations
 
+import _thread
+import functools
 import os
 import signal
 import threading
@@ -40,7 +45,9 @@ _interruptible: weakref.WeakSet[GpuPoolExecutor] = weakref.WeakSet()
 #: Whether SIGTERM came (its handler raised ``KeyboardInterrupt``): at the interpreter's
 #: exit, those pools stop their tasks rather than wait for them.
 _terminated = False
-#: Per forking thread: whether :func:`_before_fork` blocked SIGTERM (and so unblocks it).
+#: Per forking thread: whether it is forking (the handler then holds off there), whether
+#: :func:`_before_fork` blocked SIGTERM (and so unblocks it), and whether SIGTERM came
+#: meanwhile (``held``: it is raised once the fork is done).
 _fork = threading.local()
 
 
@@ -59,6 +66,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM while a pool with ``on_interrupt="terminate"`` is open: ``KeyboardInterrupt``,
     as Ctrl-C. Once none is open, SIGTERM does what it did before any pool (the default)."""
     global _terminated
+    if getattr(_fork, "forking", False):
+        _fork.held = True
+        return
     if not any(not executor._shutdown for executor in _interruptible):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -79,15 +89,26 @@ def _before_fork() -> None:
     """Hold SIGTERM back in the forking thread while the handler is ours (the child
     inherits the mask, so a SIGTERM sent to it before its hooks ran stays pending)."""
     _fork.blocked = False
-    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        _fork.blocked = signal.SIGTERM not in held
+    # Noted before it is blocked, so that an exception cannot leave it blocked unnoted.
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm and signal.SIGTERM not in (
+        signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    ):
+        _fork.blocked = True
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 def _after_fork_in_parent() -> None:
+    """Unblock SIGTERM; one that came during the fork is tripped again, last, where no
+    pending signal is looked for before ``os.fork()`` returns (unpacking does not look,
+    a call would: its handler would raise in this hook, printed and ignored)."""
+    again = map(_thread.interrupt_main, (signal.SIGTERM,))
     if getattr(_fork, "blocked", False):
         _fork.blocked = False
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    held = _fork.held  # no call between reading and clearing: none looks for a signal
+    _fork.forking = _fork.held = False
+    if held:
+        (_,) = again
 
 
 def _after_fork_in_child() -> None:
@@ -98,11 +119,14 @@ def _after_fork_in_child() -> None:
     global _terminated
     _interruptible.clear()
     _terminated = False
+    _fork.forking = _fork.held = False  # one held was the parent's
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     finally:
-        _after_fork_in_parent()  # a SIGTERM held meanwhile now ends the child
+        if getattr(_fork, "blocked", False):
+            _fork.blocked = False
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent ends it
 
 
 threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
@@ -111,3 +135,6 @@ os.register_at_fork(
     after_in_parent=_after_fork_in_parent,
     after_in_child=_after_fork_in_child,
 )
+# Registered last, so run first of gpupool's before-hooks; in C, where no handler runs.
+os.register_at_fork(before=functools.partial(setattr, _fork, "held", False))
+os.register_at_fork(before=functools.partial(setattr, _fork, "forking", True))
