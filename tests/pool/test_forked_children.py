@@ -145,6 +145,36 @@ if __name__ == "__main__":
             print(where, _sigterm_held(), os.read(reader, 1) == b"1")
 """
 
+#: Forked children that end by returning (a ``Process``'s target, a ``Pool`` worker retired
+#: by ``maxtasksperchild``) run the interpreter's thread-exit hooks: before, gpupool's there
+#: waited for the copied pools' dispatcher threads, which a forked child does not have.
+_FORKED_CHILDREN_THAT_RETURN = """
+import multiprocessing
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+
+def nothing():
+    pass
+
+
+if __name__ == "__main__":
+    fork = multiprocessing.get_context("fork")
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1) as ex:
+            assert ex.submit(abs, -3).result() == 3
+            child = fork.Process(target=nothing)
+            child.start()
+            child.join(30)
+            print("process", child.exitcode, flush=True)
+            if child.exitcode is None:
+                child.kill()
+            with fork.Pool(1, maxtasksperchild=1) as retiring:
+                print("pool", retiring.map(abs, [-1, -2, -3], chunksize=1), flush=True)
+            assert ex.submit(abs, -4).result() == 4
+"""
+
 
 def _run(tmp_path: Path, script_text: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
@@ -191,3 +221,9 @@ def test_sigterm_as_the_fork_blocks_it_leaves_it_blocked_nowhere(tmp_path: Path)
     done = _run(tmp_path, _SIGTERM_AS_THE_FORK_BLOCKS_IT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["fork", "False", "False"], done.stderr
+
+
+def test_forked_children_that_return_beside_an_open_pool_exit(tmp_path: Path) -> None:
+    done = _run(tmp_path, _FORKED_CHILDREN_THAT_RETURN)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["process 0", "pool [1, 2, 3]"], done.stderr

@@ -125,6 +125,17 @@ def _python_exit() -> None:
 threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
 
 
+def _forget_dispatchers_in_forked_child() -> None:
+    """A forked child (a ``fork`` ``Process``, a ``Pool`` worker) holds copies of the
+    parent's dispatchers but none of their threads: its exit must not wait for them (it
+    would for good, and so would whoever joins the child), nor wake the parent's through
+    their copied pipes."""
+    _dispatchers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_dispatchers_in_forked_child)
+
+
 def interpreter_exiting() -> bool:
     """Whether the interpreter has begun to exit (``submit`` then refuses new work)."""
     return _global_shutdown

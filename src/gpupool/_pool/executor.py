@@ -32,7 +32,7 @@ from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
 from gpupool._pool.dispatcher import callable_name, interpreter_exiting
 from gpupool._pool.features import call_features
-from gpupool._pool.inbox import WorkItem, copy_broken
+from gpupool._pool.inbox import Inbox, WorkItem, copy_broken
 from gpupool._pool.options import build_dispatcher, read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.sigterm import watch_sigterm
@@ -150,6 +150,14 @@ class PoolStatistics:
 
 
 _NO_OPTIONS = TaskOptions()
+
+
+def _request_shutdown_here(inbox: Inbox, pid: int) -> None:
+    """A pool dropped, or at the interpreter's exit: its dispatcher stops once its work is
+    done. Not from a forked copy of the process (``pid`` made the pool): the copy's inbox
+    is the parent's lock and wake pipe, copied."""
+    if os.getpid() == pid:
+        inbox.request_shutdown()
 
 
 def _check_label(label: object) -> str | None:
@@ -508,7 +516,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
-        weakref.finalize(self, self._dispatcher.inbox.request_shutdown)
+        weakref.finalize(self, _request_shutdown_here, self._dispatcher.inbox, os.getpid())
         if self._on_interrupt == "terminate":
             watch_sigterm(self)
 
