@@ -613,3 +613,20 @@ def test_the_demo_directory_is_the_users_own(tmp_path: Path) -> None:
         chosen = demo_directory(root)
         assert chosen != planted and chosen.parent == root, plant
         assert (chosen.stat().st_mode & 0o777) == 0o700
+
+
+@pytest.mark.parametrize(
+    "extra", [["--host-ram", "1GiB"], ["--child-rss", "1GiB"], ["--host-ram", "0", "--json"]]
+)
+def test_plan_without_task_peak_prices_as_a_pool_given_none(extra: list[str]) -> None:
+    """A what-if plan with a host RAM or child RSS figure but no --task-peak prices the task
+    as a pool given no task_peak does (the card's room), instead of failing on a missing
+    estimate with a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool", "plan", "--total", "10GiB", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr

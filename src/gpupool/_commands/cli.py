@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpupool._core.bound import MAX_WORKERS_LIMIT, Ceiling, WidthDecision
 from gpupool._core.census import CardCensus, Census, HostCensus
-from gpupool._core.planner import DEFAULT_CHILD_RSS_PRIOR_BYTES, PlannerConfig, what_if
+from gpupool._core.planner import DEFAULT_CHILD_RSS_PRIOR_BYTES, Planner, PlannerConfig, what_if
 from gpupool._core.policy import DEFAULT_RESERVE_BYTES, Ask, AskTable, Policy
 from gpupool._core.units import format_size, parse_pool_size, parse_size
 from gpupool._errors import ConfigurationError, InvalidSizeError, SensorError
@@ -578,7 +578,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if census is None:
         return EXIT_FAILURE
     _check_plan_reserve(parser, census, reserve)
-    table, estimated_ask, measured_ask = _plan_asks(args, reserve)
+    table, estimated_ask, measured_ask = _plan_asks(args, census, reserve)
     config = _decide_plan_config(args, census, table, measured_ask or estimated_ask, notes)
     # As _decide_plan_config: neither max_workers nor a CPU count, so the cards set it.
     planned = args.max_workers is None and args.cpus is None and args.total is not None
@@ -620,14 +620,20 @@ def _check_plan_reserve(parser: argparse.ArgumentParser, census: Census, reserve
             )
 
 
-def _plan_asks(args: argparse.Namespace, reserve: int) -> tuple[AskTable, Ask | None, Ask | None]:
+def _plan_asks(
+    args: argparse.Namespace, census: Census, reserve: int
+) -> tuple[AskTable, Ask | None, Ask | None]:
     """The plan's ask table, and its task's ask from ``--task-peak`` and after
-    ``--measured-peak`` (``None``: not given)."""
+    ``--measured-peak`` (``None``: not given). Without ``--task-peak`` the table prices a
+    task as a pool given no ``task_peak`` does (the roomiest card's room)."""
     if args.margin is not None:
         policy = Policy(margin_bytes=args.margin, margin_fraction=0.0, reserve_bytes=reserve)
     else:
         policy = Policy(reserve_bytes=reserve)
-    table = AskTable(policy=policy, default_estimate_bytes=args.task_peak)
+    default = args.task_peak
+    if default is None:
+        default = Planner.price_without_peak(census, reserve)
+    table = AskTable(policy=policy, default_estimate_bytes=default)
     estimated_ask: Ask | None = None
     measured_ask: Ask | None = None
     if args.task_peak is not None:
