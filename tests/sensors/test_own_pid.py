@@ -7,6 +7,7 @@ import os
 import pytest
 
 from gpupool._sensors.own_pid import own_pid
+from support import answered_in_a_fork
 
 
 def test_own_pid_is_this_process():
@@ -18,18 +19,6 @@ def test_own_pid_is_this_process():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_child_forked_through_python_knows_its_own_pid():
     """``os.fork``'s child answers its own PID, not its parent's; the parent's is unchanged."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.write(write_end, str(own_pid()).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    try:
-        answered = os.read(read_end, 64)
-    finally:
-        os.close(read_end)
-        os.waitpid(child, 0)
+    child, answered = answered_in_a_fork(lambda: str(own_pid()).encode())
     assert int(answered) == child
     assert own_pid() == os.getpid() != child

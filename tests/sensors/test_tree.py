@@ -18,6 +18,7 @@ from gpupool._sensors.tree import (
     read_descendants,
     read_rss_high_water_of,
 )
+from support import answered_in_a_fork
 
 #: A child that starts a grandchild, prints both PIDs, and waits for stdin to close.
 _PARENT = """
@@ -347,31 +348,23 @@ def test_a_forked_copy_of_a_watch_samples_with_a_sampler_of_its_own(tmp_path: Pa
     watch.open()
     watch.close(None)
     parents = watch._sampler
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            watch.open()
-            sampler = watch._sampler
-            thread = sampler.thread
-            fresh = (
-                sampler is not parents
-                and sampler.owner_pid == os.getpid()
-                and sampler.lock is not parents.lock
-                and thread is not None
-                and thread.is_alive()
-                and thread is not parents.thread
-            )
-            empty = watch.close(None).descendants == 0
-            os.write(write_end, b"ok" if fresh and empty else b"stale")
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    try:
-        answered = os.read(read_end, 64)
-    finally:
-        os.close(read_end)
-        os.waitpid(child, 0)
+
+    def answer() -> bytes:
+        watch.open()
+        sampler = watch._sampler
+        thread = sampler.thread
+        fresh = (
+            sampler is not parents
+            and sampler.owner_pid == os.getpid()
+            and sampler.lock is not parents.lock
+            and thread is not None
+            and thread.is_alive()
+            and thread is not parents.thread
+        )
+        empty = watch.close(None).descendants == 0
+        return b"ok" if fresh and empty else b"stale"
+
+    _, answered = answered_in_a_fork(answer)
     assert answered == b"ok"
     assert watch._sampler is parents and parents.owner_pid == os.getpid()
 

@@ -100,6 +100,25 @@ def other_pools(planner: Planner, pid: int, card_uuid: str) -> OtherPools:
     return OtherPools(card_uuid=card_uuid, pools=(row,))
 
 
+def answered_in_a_fork(answer: Callable[[], bytes]) -> tuple[int, bytes]:
+    """Run ``answer`` in a child made with ``os.fork``; the child's PID and what it answered
+    (at most 64 bytes). The child leaves with ``os._exit`` whatever ``answer`` does."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.write(write_end, answer())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        answered = os.read(read_end, 64)
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    return child, answered
+
+
 def wait_for(condition: Callable[[], bool], *, timeout_s: float = 30.0, what: str = "") -> None:
     """Poll ``condition`` until it holds; fail the test with ``what`` after ``timeout_s``.
 

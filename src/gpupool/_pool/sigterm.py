@@ -102,9 +102,7 @@ def _after_fork_in_parent() -> None:
     pending signal is looked for before ``os.fork()`` returns (unpacking does not look,
     a call would: its handler would raise in this hook, printed and ignored)."""
     again = map(_thread.interrupt_main, (signal.SIGTERM,))
-    if getattr(_fork, "blocked", False):
-        _fork.blocked = False
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    _unblock()
     held = _fork.held  # no call between reading and clearing: none looks for a signal
     _fork.forking = _fork.held = False
     if held:
@@ -124,9 +122,14 @@ def _after_fork_in_child() -> None:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     finally:
-        if getattr(_fork, "blocked", False):
-            _fork.blocked = False
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent ends it
+        _unblock()  # a SIGTERM sent meanwhile ends the child now
+
+
+def _unblock() -> None:
+    """Unblock SIGTERM in this thread where :func:`_before_fork` blocked it."""
+    if getattr(_fork, "blocked", False):
+        _fork.blocked = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
