@@ -8,6 +8,7 @@ narrow mid-run delivers what ran and fails only what had not started.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import subprocess
 import sys
 import threading
@@ -173,13 +174,15 @@ def test_a_strict_break_mid_run_delivers_what_ran_and_keeps_its_books(tmp_path: 
     assert totals == (4, 3, 0, 0)
 
 
-def _zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits to be reaped (its parent has not seen it yet)."""
+def _exited_unreaped(pid: int) -> bool:
+    """Whether the child ``pid`` has exited, all its threads, and waits to be reaped: what
+    the pool's own watch (a pidfd, or ``waitid``) sees. Its main thread shows as a zombie in
+    ``/proc`` earlier, while its other threads still exit; a pool that looks then does not
+    see the exit yet."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # reaped already
 
 
 def _submits_again(ex: GpuPoolExecutor, seen: list[str]) -> Callable[[object], None]:
@@ -227,7 +230,7 @@ def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_
             assert wait_until(sent.exists, TIMEOUT_S), "the measured task never answered"
             go.touch()
             worker_pid = int(pid_path.read_text())
-            assert wait_until(lambda: _zombie(worker_pid), TIMEOUT_S)
+            assert wait_until(lambda: _exited_unreaped(worker_pid), TIMEOUT_S)
             release.set()
             measured.result(timeout=TIMEOUT_S)
             with pytest.raises(WorkerLostError):
