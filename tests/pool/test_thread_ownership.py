@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,3 +215,43 @@ def test_only_the_outcomes_set_a_future(module: object) -> None:
     """The worker set and the inbox never read or set a task's future."""
     found = _names(module) & {"future", "set_result", "set_exception", "cancel"}
     assert found <= ({"future"} if module is inbox else set())  # WorkItem's own field
+
+
+def _worker_writes(source: str) -> list[str]:
+    """The fields of a :class:`~gpupool._pool.workers.Worker` that ``source`` assigns
+    (``worker.retiring = ...``), by field name."""
+    fields = {f.name for f in dataclasses.fields(workers.Worker)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id in {"worker", "w"}
+                and target.attr in fields
+            ):
+                found.append(target.attr)
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in Path(workers.__file__).parent.glob("*.py") if p.name != "workers.py"),
+    ids=lambda p: p.name,
+)
+def test_only_the_worker_set_writes_a_workers_fields(path: Path) -> None:
+    """A worker's fields are written in its own module alone (the worker set and its
+    clocks); the loop asks the worker set (``leaves``, ``retire``) instead."""
+    assert _worker_writes(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_worker_field_check_is_not_vacuous() -> None:
+    """It sees a write from outside, and the worker set's own."""
+    assert _worker_writes("worker.retiring = True\nw.tasks_done += 1\nworker.x = 1") == [
+        "retiring",
+        "tasks_done",
+    ]
+    assert "retiring" in _worker_writes(Path(workers.__file__).read_text(encoding="utf-8"))

@@ -634,7 +634,7 @@ class Dispatcher:
         """``worker`` could not set up the task it was handed (a task before it used up its
         descriptors or memory) and exits: the task never ran, so it goes back to the head of
         the queue for a fresh worker, and nothing more is sent to this one."""
-        worker.retiring = True
+        self.workers.leaves(worker)
         for behind in self.workers.take_queue(worker):  # never ran: back first, in order
             self.planner.requeue(behind.task_id)
         raw = payload if isinstance(payload, (bytes, bytearray, memoryview)) else b""

@@ -535,6 +535,11 @@ class WorkerSet:
         if worker.task is None:
             self._write(worker, b"")
 
+    def leaves(self, worker: Worker) -> None:
+        """``worker`` exits by itself (it could not set up its next task): it takes nothing
+        more, and is not asked to exit; its exit is then an event."""
+        worker.retiring = True
+
     def take_queue(self, worker: Worker) -> list[WorkItem]:
         """What was handed to ``worker`` and not answered for, taken off it, in order."""
         items = list(worker.queue)
