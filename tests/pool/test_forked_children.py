@@ -176,6 +176,40 @@ if __name__ == "__main__":
 """
 
 
+#: A child of ``os.fork()`` that leaves the ``with`` block itself: before, its exit waited for
+#: the copied pool's dispatcher thread, which the child does not have, and so did whoever
+#: waited for the child. Here it also tries the pool's other calls.
+_A_FORK_THAT_LEAVES_THE_BLOCK = """
+import os
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+if __name__ == "__main__":
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1) as ex:
+            assert ex.submit(abs, -3).result() == 3
+            workers = sorted(ex._processes)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    ex.submit(abs, -1)
+                except RuntimeError as exc:
+                    print("submit:", "is a fork of it" in str(exc), flush=True)
+                ex.kill_workers()
+                ex.terminate_workers()
+                ex.shutdown(wait=True)
+            else:
+                _, status = os.waitpid(pid, 0)
+                print("child:", os.waitstatus_to_exitcode(status), flush=True)
+                assert ex.submit(abs, -4).result() == 4
+                print("same workers:", sorted(ex._processes) == workers, flush=True)
+        if pid == 0:
+            print("child left the block", flush=True)
+            os._exit(0)
+"""
+
+
 def _run(tmp_path: Path, script_text: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(script_text)
@@ -227,3 +261,18 @@ def test_forked_children_that_return_beside_an_open_pool_exit(tmp_path: Path) ->
     done = _run(tmp_path, _FORKED_CHILDREN_THAT_RETURN)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["process 0", "pool [1, 2, 3]"], done.stderr
+
+
+def test_a_forked_child_that_leaves_the_block_exits_and_leaves_the_pool_alone(
+    tmp_path: Path,
+) -> None:
+    # In the child the pool is its parent's: submit raises, kill_workers, terminate_workers,
+    # shutdown and the block's end return at once, and the parent's workers go on.
+    done = _run(tmp_path, _A_FORK_THAT_LEAVES_THE_BLOCK)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "submit: True",
+        "child left the block",
+        "child: 0",
+        "same workers: True",
+    ], done.stderr

@@ -516,11 +516,16 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
-        weakref.finalize(self, _request_shutdown_here, self._dispatcher.inbox, os.getpid())
+        # The process that made the pool: a forked copy of it (``os.fork()`` beside an open
+        # pool) holds the pool's objects but none of its threads or workers.
+        self._owner_pid = os.getpid()
+        weakref.finalize(self, _request_shutdown_here, self._dispatcher.inbox, self._owner_pid)
         if self._on_interrupt == "terminate":
             watch_sigterm(self)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        if self._in_a_fork():
+            return  # a forked child leaving the block: the pool is its parent's
         if (
             isinstance(exc_type, type)
             and issubclass(exc_type, KeyboardInterrupt)
@@ -575,7 +580,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             InitializerError: the pool is broken: an initializer raised or killed
                 its worker (a ``BrokenProcessPool``).
             WidthError: the pool is broken: ``strict=True`` refused to narrow.
-            RuntimeError: the pool was shut down.
+            RuntimeError: the pool was shut down, or this process is a fork of the one
+                that made it.
         """
         return self._submit(fn, args, kwargs, None)
 
@@ -652,6 +658,12 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         entries: int = 1,
         chunk: Sequence[tuple[Any, ...]] | None = None,
     ) -> Future[Any]:
+        if self._in_a_fork():
+            raise RuntimeError(
+                f"this pool was made by process {self._owner_pid}, and this process "
+                f"({os.getpid()}) is a fork of it: it has none of the pool's threads or "
+                "workers. Make a pool in the child, or submit from the parent."
+            )
         inbox = self._dispatcher.inbox
         options = view._options if view is not None else _NO_OPTIONS
         # Run outside the lock, as the features are read: a size callable and an argument's
@@ -770,11 +782,19 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 the workers have exited.
             cancel_futures: cancel every task that has not started yet.
         """
+        if self._in_a_fork():
+            return  # nothing of the pool runs here; the parent's goes on
         with self._shutdown_lock:
             self._shutdown = True
         self._dispatcher.inbox.request_shutdown(cancel_futures)
         if wait:
             self._dispatcher.public.join()
+
+    def _in_a_fork(self) -> bool:
+        """Whether this process is a fork of the one that made the pool (``os.fork()``
+        beside an open pool): the pool's dispatcher and workers are the parent's, so here
+        ``shutdown`` and the ``with`` block's end return at once, and ``submit`` raises."""
+        return os.getpid() != self._owner_pid
 
     def terminate_workers(self) -> None:
         """Shut down without waiting, cancel what has not started, and SIGTERM the workers.
@@ -795,6 +815,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._force(signal.SIGKILL)
 
     def _force(self, sig: signal.Signals) -> None:
+        if self._in_a_fork():
+            return  # the workers are the parent's pool's: not this copy's to signal
         with self._shutdown_lock:
             self._shutdown = True
         self._dispatcher.inbox.request_kill(sig)
