@@ -34,7 +34,7 @@ def main() -> None:
         with hold("1GiB"):  # the ledger open, its layout known, in this process
             pass
         read_end, write_end = os.pipe()
-        fd = ledger._fd
+        fd = ledger._file.fd
         assert fd is not None
         fcntl.flock(fd, fcntl.LOCK_EX)  # as this process's operation holds it, in a thread
         child = None

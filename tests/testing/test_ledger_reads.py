@@ -383,12 +383,12 @@ def test_a_lock_free_reading_overtaken_by_changes_is_never_an_earlier_state(
         try:
             reader.view()  # the reader's earlier bytes: a and b at 2 GiB each
             host.grow("b", "1GiB")  # from here on a and b hold at least 5 GiB together
-            earlier = reader._raw
+            earlier = reader._reading.raw
             assert earlier is not None
             split = earlier.index(b'"b":')
 
             def overtaken(fd: int, length: int, offset: int) -> bytes:
-                if fd != reader._fd or offset != 0 or length != len(earlier) + 1:
+                if fd != reader._file.fd or offset != 0 or length != len(earlier) + 1:
                     return real_pread(fd, length, offset)
                 monkeypatch.setattr(os, "pread", real_pread)
                 head = real_pread(fd, split, 0)  # a's bytes, read before the two changes
