@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gpupool._core.bound import Ceiling, derive_ceiling, fits_together
 from gpupool._core.planner.fit import Booked, Fit, Held, _card_bound, card_bound, fit, key_counts
-from gpupool._core.planner.state import Card
+from gpupool._core.planner.state import Card, LiveTerms
 from gpupool._core.policy import Ask, AskTable, Policy
 from gpupool._core.units import GiB, MiB
 from support import card_census
@@ -54,8 +54,8 @@ def walked_fit(
         limit = "memory"
         if more >= slots:
             limit = ceiling.limit
-    if card.oom_cap is not None:
-        allowed = max(0, card.oom_cap - running)
+    if card.cap.oom_cap is not None:
+        allowed = max(0, card.cap.oom_cap - running)
         if more > allowed or (more == allowed and limit != "memory"):
             more, limit = allowed, "out_of_memory"
     return Fit(
@@ -147,9 +147,9 @@ def test_a_fit_and_its_memo_are_the_walks(
             ask, outliers=1, outlier_bytes=outlier_gib * GiB, outlier_rate=rate
         )
     census = card_census(total_bytes=total_gib * GiB, free_bytes=total_gib * GiB, unified=unified)
-    card = Card(index=0, census=census, own_high_water_bytes=own_gib * GiB)
-    card.others_bytes = others_gib * GiB
-    card.oom_cap = oom_cap
+    card = Card(index=0, census=census, live=LiveTerms(own_high_water_bytes=own_gib * GiB))
+    card.pools.others_bytes = others_gib * GiB
+    card.cap.oom_cap = oom_cap
     ceiling = derive_ceiling(
         max_workers=max_workers, cpus=None, host_ram_bytes=None, child_rss_bytes=rss_mib * MiB
     )
@@ -162,11 +162,11 @@ def test_a_fit_and_its_memo_are_the_walks(
     # Each term of the card moves in turn: the memo serves no fit worked out before.
     for move in ("oom_cap", "own", "others", "census"):
         if move == "oom_cap":
-            card.oom_cap = 1 if oom_cap is None else None
+            card.cap.oom_cap = 1 if oom_cap is None else None
         elif move == "own":
-            card.own_high_water_bytes += GiB
+            card.live.own_high_water_bytes += GiB
         elif move == "others":
-            card.others_bytes += GiB
+            card.pools.others_bytes += GiB
         else:
             card.census = dataclasses.replace(census, total_bytes=census.total_bytes + GiB)
         assert fit(card, ask, booked, **terms) == walked_fit(card, ask, booked, **terms)

@@ -92,7 +92,7 @@ def test_the_fit_counts_what_fits_beside_the_runs_and_names_what_stops_more() ->
     assert beside.left_bytes == 24 * GiB - 12 * GiB - 5 * GiB
     slots = fit(state, ask, [], reserve_bytes=0, ceiling=planner.state.ceiling, slots=2)
     assert (slots.more, slots.limit) == (2, "max_workers")
-    state.oom_cap = 2
+    state.cap.oom_cap = 2
     capped = fit(
         state, ask, [Booked("a", 5 * GiB)], reserve_bytes=0, ceiling=planner.state.ceiling, slots=8
     )
@@ -287,7 +287,7 @@ def test_an_underestimate_raises_its_ask_and_caps_no_card() -> None:
         assert isinstance(verdict, Retry)
         assert "underestimated" in verdict.reason
         assert "something else" not in verdict.reason
-    assert planner.state.cards[0].oom_cap is None
+    assert planner.state.cards[0].cap.oom_cap is None
     assert planner.state.asks.ask("big").ask_bytes >= 6 * GiB
     for task in planner.pending_tasks():
         planner.withdraw(task)
@@ -319,16 +319,16 @@ def test_something_that_grew_caps_the_card_until_the_reading_shows_the_room_back
         starts[0].task, oom_report(0, 3 * GiB, 2 * GiB), reading(2 * GiB + spike), 1.0, error="oom"
     )
     assert isinstance(verdict, Retry)
-    assert planner.state.cards[0].oom_cap == 5
+    assert planner.state.cards[0].cap.oom_cap == 5
     # The spike goes on: readings show it, and the cap holds however long.
     for step in range(5):
         planner.readings.observe(0, reading(2 * GiB + spike), 2.0 + step)
-    assert planner.state.cards[0].oom_cap == 5
+    assert planner.state.cards[0].cap.oom_cap == 5
     # The spike ends: the cap lifts only after the room has been back CAP_LIFT_AFTER_S.
     planner.readings.observe(0, reading(2 * GiB), 10.0)
-    assert planner.state.cards[0].oom_cap == 5
+    assert planner.state.cards[0].cap.oom_cap == 5
     planner.readings.observe(0, reading(2 * GiB), 10.0 + CAP_LIFT_AFTER_S)
-    assert planner.state.cards[0].oom_cap is None
+    assert planner.state.cards[0].cap.oom_cap is None
     lifted = [r for r in records if r.event == "cap_lifted"]
     assert len(lifted) == 1
     terms = lifted[0].to_dict()
@@ -357,11 +357,11 @@ def test_a_cap_does_not_lift_on_one_good_reading_between_bad_ones() -> None:
     planner.out_of_memory(
         starts[0].task, oom_report(0, 2 * GiB, GiB), reading(8 * GiB), 0.5, error="oom"
     )
-    assert planner.state.cards[0].oom_cap == 3
+    assert planner.state.cards[0].cap.oom_cap == 3
     for step in range(10):  # good, bad, good, bad: never CAP_LIFT_AFTER_S of good in a row
         co_tenant = 0 if step % 2 == 0 else 8 * GiB
         planner.readings.observe(0, reading(co_tenant), 1.0 + step * CAP_LIFT_AFTER_S * 0.6)
-    assert planner.state.cards[0].oom_cap == 3
+    assert planner.state.cards[0].cap.oom_cap == 3
 
 
 # -- the room held for a waiting head -------------------------------------------------------

@@ -314,7 +314,7 @@ class PlannerMachine(RuleBasedStateMachine):
                 booked = sum(r.booked_bytes + host for r in busy)
                 assert booked + booking + host <= bound.room_bytes
             assert len(self.planner.state.running) < self.planner.state.ceiling.value
-            cap = self.planner.state.cards[device].oom_cap
+            cap = self.planner.state.cards[device].cap.oom_cap
             assert cap is None or len(busy) < cap
             reading = self.reading(device)
             rows = reading.process_bytes or {}
@@ -472,14 +472,14 @@ class PlannerMachine(RuleBasedStateMachine):
                 reading = CardReading(
                     free_bytes=0, used_bytes=reading.used_bytes, process_bytes=reading.process_bytes
                 )
-        caps_before = [c.oom_cap for c in self.planner.state.cards]
+        caps_before = [c.cap.oom_cap for c in self.planner.state.cards]
         own_ask = run.ask_bytes
         verdict = self.planner.out_of_memory(task, report, reading, self.now_s, error="oom")
         lower = (report.device_peak_bytes or 0) + (report.oom_requested_bytes or 0)
         if lower > own_ask:
             # An underestimate (judged against the task's own ask when it started) raises
             # its key's ask and caps no card.
-            assert [c.oom_cap for c in self.planner.state.cards] == caps_before
+            assert [c.cap.oom_cap for c in self.planner.state.cards] == caps_before
         assert isinstance(verdict, (Retry, Fail))
         if isinstance(verdict, Retry):
             assert self.planner.state.pending[0] == task
@@ -620,8 +620,8 @@ class PlannerMachine(RuleBasedStateMachine):
         assert keys == +self.planner.state.pending_by_key
         # What a start, a finish and a fit read instead of walking a card's runs.
         for card in self.planner.state.cards:
-            assert card.booked_bytes == sum(r.booked_bytes for r in card.runs.values())
-            assert +card.runs_by_key == collections.Counter(r.key for r in card.runs.values())
+            assert card.sums.booked_bytes == sum(r.booked_bytes for r in card.runs.values())
+            assert +card.sums.runs_by_key == collections.Counter(r.key for r in card.runs.values())
 
     @invariant()
     def the_surface_is_a_view_of_the_rooms(self) -> None:
@@ -677,7 +677,7 @@ class PlannerMachine(RuleBasedStateMachine):
             by_key: collections.Counter[str] = collections.Counter()
             for run in card.runs.values():
                 by_key[run.key] += run.booked_bytes
-            assert +card.runs_booked_by_key == +by_key
+            assert +card.sums.runs_booked_by_key == +by_key
 
     @invariant()
     def no_partial_view_lowers_an_ask(self) -> None:
@@ -763,7 +763,7 @@ class PlannerMachine(RuleBasedStateMachine):
     @invariant()
     def the_own_high_water_only_grows(self) -> None:
         for index, card in enumerate(self.planner.state.cards):
-            assert card.own_high_water_bytes >= self.own_bytes[index]
+            assert card.live.own_high_water_bytes >= self.own_bytes[index]
 
 
 PlannerMachine.TestCase.settings = settings(
@@ -798,7 +798,7 @@ def test_the_reported_width_never_passes_an_out_of_memory_cap():
     oom = PeakReport(device=0, device_peak_bytes=2 * GiB, device_source="simulator", oom=True)
     verdict = planner.out_of_memory(0, oom, None, 0.2, error="oom")
     assert isinstance(verdict, Retry)
-    cap = planner.state.cards[0].oom_cap
+    cap = planner.state.cards[0].cap.oom_cap
     assert cap == 3
     for task in (1, 2, 3):
         small = PeakReport(device=0, device_peak_bytes=256 * MiB, device_source="simulator")
@@ -891,7 +891,7 @@ def test_a_gate_that_shuts_and_opens_a_thousand_times_is_recorded_once_and_keeps
         assert isinstance(planner.next_start(now), Wait)
         assert planner.neighbours.warm_limit(0, now) >= 2  # one shut reading retires nothing
         planner.readings.observe(0, empty, now + 0.001)
-        planner.state.cards[0].gate_shut_since_s = None  # the gate opened (as a start would)
+        planner.state.cards[0].gate.gate_shut_since_s = None  # the gate opened (as a start would)
     gates = [r for r in records if r.event == "live_gate_wait"]
     assert len(gates) == 1
     planner.readings.observe(0, full, 10.0)

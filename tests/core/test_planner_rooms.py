@@ -239,13 +239,87 @@ def _record_writes(sources: dict[str, str], record: str) -> dict[str, set[str]]:
     return writers
 
 
+#: The records a card holds, by field: each record's class and the one module that writes it
+#: (``state.py``: the card's own methods).
+CARD_PARTS = {
+    "sums": ("RunSums", "state.py"),
+    "live": ("LiveTerms", "readings.py"),
+    "cap": ("CapTerms", "out_of_memory.py"),
+    "gate": ("GateClock", "starts.py"),
+    "sample": ("LastSample", "samples.py"),
+    "pools": ("PoolsHere", "sharing.py"),
+    "turns": ("Turns", "sharing.py"),
+    "memo": ("Memos", "fit.py"),
+}
+
+
+def _card_parts(sources: dict[str, str]) -> dict[str, str]:
+    """The fields of ``Card`` that hold a record of the package, and the record's class."""
+    records = {
+        cls.name for source in sources.values() for cls in _classes(source) if _is_record(cls)
+    }
+    return {
+        node.target.id: ast.unparse(node.annotation)
+        for source in sources.values()
+        for cls in _classes(source)
+        if cls.name == "Card"
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and ast.unparse(node.annotation) in records
+    }
+
+
+def _card_writes_astray(sources: dict[str, str]) -> list[str]:
+    """Every write of a card that its rule does not own: a field of one of its records
+    written from another module than the record's owner, a record rebound from another
+    module, or a field of the card itself written from two modules (``"Class.field: modules"``)."""
+    found = []
+    for field, writers in sorted(_record_writes(sources, "Card").items()):
+        owner = CARD_PARTS[field][1] if field in CARD_PARTS else None
+        if len(writers) > 1 or (owner is not None and writers != {owner}):
+            found.append(f"Card.{field}: {', '.join(sorted(writers))}")
+    for record, owner in CARD_PARTS.values():
+        for field, writers in sorted(_record_writes(sources, record).items()):
+            if writers != {owner}:
+                found.append(f"{record}.{field}: {', '.join(sorted(writers))}")
+    return found
+
+
 def test_each_card_field_has_one_writing_module() -> None:
-    """A card's fields are written by one rule each (the sharing terms by ``sharing``, the
-    samples by the recorder, the cap by the out-of-memory room, the gate's clock by the
-    starts, the readings by the readings room, the runs by the card's own methods)."""
-    writers = _record_writes(_sources(), "Card")
-    assert {f: w for f, w in writers.items() if len(w) > 1} == {}
+    """A card's fields are written by one rule each: its runs and their sums by its own methods,
+    the width by the views, and each of its records (the live reading, the cap, the gate's
+    clock, the last sample, the other pools, the turns, the memos) by the one rule that owns it;
+    no rule writes another's record, nor rebinds one."""
+    sources = _sources()
+    assert _card_parts(sources) == {part: record for part, (record, _) in CARD_PARTS.items()}
+    assert _card_writes_astray(sources) == []
     # Not vacuous: it sees who writes what.
-    assert writers["oom_cap"] == {"out_of_memory.py"}
-    assert writers["others_bytes"] == {"sharing.py"}
-    assert writers["reading"] == writers["own_high_water_bytes"] == {"readings.py"}
+    writers = _record_writes(sources, "Card")
+    assert writers["width"] == {"views.py"}
+    for part, (record, owner) in CARD_PARTS.items():
+        assert set().union(*_record_writes(sources, record).values()) == {owner}, part
+    assert _record_writes(sources, "CapTerms")["oom_cap"] == {"out_of_memory.py"}
+    assert _record_writes(sources, "PoolsHere")["others_bytes"] == {"sharing.py"}
+    live = _record_writes(sources, "LiveTerms")
+    assert live["reading"] == live["own_high_water_bytes"] == {"readings.py"}
+
+
+def test_the_card_check_flags_a_write_of_another_rules_record() -> None:
+    """A rule that writes a field of another rule's record on a card (a store, a mutating
+    call), or rebinds that record, is flagged."""
+    sources = _sources()
+    sources["starts.py"] += """
+
+def _astray(card):
+    card.sample.sampled_s = 0.0
+    card.turns.starved_since_s.clear()
+    card.cap = None
+"""
+    assert _card_writes_astray(sources) == [
+        "Card.cap: out_of_memory.py, starts.py",
+        "Card.sample: samples.py, starts.py",
+        "Card.turns: sharing.py, starts.py",
+        "LastSample.sampled_s: samples.py, starts.py",
+        "Turns.starved_since_s: sharing.py, starts.py",
+    ]

@@ -269,6 +269,6 @@ def test_a_sized_task_that_passed_its_own_ask_is_not_taken_for_something_else_gr
     )
     outcome = planner.out_of_memory(0, report, None, 1.0, error="CUDA out of memory")
     assert isinstance(outcome, Retry)
-    assert planner.state.cards[0].oom_cap is None
+    assert planner.state.cards[0].cap.oom_cap is None
     assert "underestimated" in outcome.reason and "stayed within" not in outcome.reason
     assert asks.ask_for("k", 2.0).ask_bytes >= 5 * GiB

@@ -169,7 +169,7 @@ def test_the_reported_width_never_passes_an_out_of_memory_cap(tmp_path):
             (tmp_path / "b-go").touch()
             assert a.result(timeout=60) == 0  # retried once b was done, alone
             assert b.result(timeout=60) == 1
-            cap = ex._dispatcher.planner.state.cards[0].oom_cap
+            cap = ex._dispatcher.planner.state.cards[0].cap.oom_cap
             assert cap is not None
             after_s = max(d.time_s for d in ex.decisions if d.event == "out_of_memory")
             futures = [ex.options(key="b").submit(rt.sleep_for, 0.0) for _ in range(4)]

@@ -103,7 +103,7 @@ def test_a_pool_that_cannot_start_is_not_counted_as_waiting_for_room() -> None:
     b.out_of_memory(first, report, None, 0.1, error="CUDA out of memory")
     while len(b.state.running) > 1:  # its other tasks end
         b.finished(next(iter(b.state.running)), None, 0.2)
-    assert b.state.cards[0].oom_cap == 1
+    assert b.state.cards[0].cap.oom_cap == 1
     assert len(start_all(b, 0.3, 2000)) == 0  # B can start nothing more while one runs
     assert b.neighbours.waiting_count() == 0 and b.neighbours.need_bytes() == 0
 
@@ -149,7 +149,7 @@ def test_the_yield_to_a_pool_at_the_serial_floor_is_bounded() -> None:
     nothing) with a share_wait record naming B, for at most YIELD_S from when it first saw
     B wait; then A starts as the bound lets it."""
     a, _b = _idle_pair(0.0)
-    a.state.cards[0].idle_since_s = 5.0  # A last ran something here after B came to wait
+    a.state.cards[0].turns.idle_since_s = 5.0  # A last ran something here after B came to wait
     assert not isinstance(a.next_start(6.0), Start)
     assert a.counts["share_waits"] >= 1
     assert isinstance(a.next_start(0.0 + YIELD_S), Start)
@@ -159,7 +159,7 @@ def test_two_pools_at_the_serial_floor_do_not_yield_to_each_other() -> None:
     """A pool that runs nothing yields only to a pool that came to wait before it ran
     nothing: B, waiting since A's idleness began, is not yielded to, so A starts."""
     a, _b = _idle_pair(1.0)
-    a.state.cards[0].idle_since_s = 0.5  # A ran nothing here before it saw B wait
+    a.state.cards[0].turns.idle_since_s = 0.5  # A ran nothing here before it saw B wait
     assert isinstance(a.next_start(2.0), Start)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from gpupool._core.bound import AskBasis, Ceiling, WidthDecision
 from gpupool._core.census import CardCensus
 from gpupool._core.planner.fit import Fit, Held, card_widths, fit
-from gpupool._core.planner.state import Card
+from gpupool._core.planner.state import Card, LiveTerms
 from gpupool._core.policy import Ask
 
 __all__ = ["flat_ask", "planner_card", "planner_fit", "planner_width", "planner_widths"]
@@ -40,7 +40,7 @@ def planner_card(census: CardCensus, *, index: int, own_high_water_bytes: int = 
     return Card(
         index=index,
         census=census,
-        own_high_water_bytes=max(own_high_water_bytes, census.own_bytes or 0),
+        live=LiveTerms(own_high_water_bytes=max(own_high_water_bytes, census.own_bytes or 0)),
     )
 
 

@@ -18,7 +18,7 @@ import itertools
 from gpupool._core.bound import Ceiling, derive_ceiling
 from gpupool._core.census import Census
 from gpupool._core.events import TaskIdentity
-from gpupool._core.planner.state import Card, Run, TaskState
+from gpupool._core.planner.state import Card, LiveTerms, Run, TaskState
 from gpupool._core.planner.verdicts import LOOKAHEAD, PlannerConfig, Start, TaskId
 from gpupool._core.policy import OUTLIER_FEATURE, Ask, AskTable
 from gpupool._core.predict import Features
@@ -131,8 +131,10 @@ class PlannerState:
             Card(
                 index=i,
                 census=card,
-                own_high_water_bytes=card.own_bytes or 0,
-                recorded_own_bytes=card.own_bytes or 0,
+                live=LiveTerms(
+                    own_high_water_bytes=card.own_bytes or 0,
+                    recorded_own_bytes=card.own_bytes or 0,
+                ),
             )
             for i, card in enumerate(census.cards)
         ]
@@ -262,12 +264,12 @@ class PlannerState:
             booked_bytes=booked_bytes,
             booked_at_start_bytes=booked_bytes,
             # Another pool's task, or another of ours, on the card: not alone.
-            shared=card is not None and bool(card.others_tasks or card.runs),
+            shared=card is not None and bool(card.pools.others_tasks or card.runs),
             started_s=now_s,
             size=state.size,
             features=state.features,
             floor_bytes=state.floor_bytes,
-            own_high_water_bytes=card.own_high_water_bytes if card is not None else 0,
+            own_high_water_bytes=card.live.own_high_water_bytes if card is not None else 0,
             identity=state.identity,
             solo=price.individual,
         )

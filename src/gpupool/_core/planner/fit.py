@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 
-#: The most bounds, and the most fits, a card keeps (``card.bound_memo``, ``card.fit_memo``)
-#: before it forgets them all (and works them out again as they are asked for).
+#: The most bounds, and the most fits, a card keeps (``card.memo``: its ``bound_memo`` and
+#: ``fit_memo``) before it forgets them all (and works them out again as they are asked for).
 MEMO_LIMIT = 256
 
 
@@ -102,23 +102,23 @@ def card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) ->
     unified memory each task's child RSS beside its ask (:func:`host_per_task_bytes`).
 
     Worked out once per price and terms: the card keeps the bounds it worked out by the
-    ask's :meth:`~gpupool._core.policy.Ask.price_terms` (``card.bound_memo``) and serves one
+    ask's :meth:`~gpupool._core.policy.Ask.price_terms` (``card.memo.bound_memo``) and serves one
     while the card's terms (own high-water, other pools, reserve), its census and the
     ceiling are the ones it was worked out from."""
     terms = (
-        card.own_high_water_bytes,
-        card.others_bytes,
-        card.others_at_census_bytes,
+        card.live.own_high_water_bytes,
+        card.pools.others_bytes,
+        card.pools.others_at_census_bytes,
         reserve_bytes,
     )
     price = ask.price_terms()
-    memo = card.bound_memo.get(price)
+    memo = card.memo.bound_memo.get(price)
     if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
         return memo[3]
     bound = _card_bound(card, ask, reserve_bytes=reserve_bytes, ceiling=ceiling)
-    if len(card.bound_memo) >= MEMO_LIMIT:
-        card.bound_memo.clear()
-    card.bound_memo[price] = (ceiling, card.census, terms, bound)
+    if len(card.memo.bound_memo) >= MEMO_LIMIT:
+        card.memo.bound_memo.clear()
+    card.memo.bound_memo[price] = (ceiling, card.census, terms, bound)
     return bound
 
 
@@ -127,12 +127,12 @@ def _card_bound(card: Card, ask: Ask, *, reserve_bytes: int, ceiling: Ceiling) -
     host = host_per_task_bytes(card, ceiling)
     bound = derive_bound(
         card.census,
-        own_high_water_bytes=card.own_high_water_bytes,
+        own_high_water_bytes=card.live.own_high_water_bytes,
         reserve_bytes=reserve_bytes,
         ask_bytes=max(1, ask.ask_bytes),
         ask_basis=ask.basis,
-        other_pools_bytes=card.others_bytes,
-        other_pools_at_census_bytes=card.others_at_census_bytes,
+        other_pools_bytes=card.pools.others_bytes,
+        other_pools_at_census_bytes=card.pools.others_at_census_bytes,
     )
     if host:
         bound = dataclasses.replace(bound, host_per_task_bytes=host)
@@ -160,10 +160,10 @@ def fit(
     leaves the pool, named where it is what stops), and what stops the next.
 
     A fit reads the runs only through how many there are, what they book and how many are
-    of ``ask``'s key: the card keeps the fits it worked out by those (``card.fit_memo``)
+    of ``ask``'s key: the card keeps the fits it worked out by those (``card.memo.fit_memo``)
     and serves one while the card's terms are the ones it was worked out from."""
     if runs is None:
-        running, booked = len(card.runs), card.booked_bytes
+        running, booked = len(card.runs), card.sums.booked_bytes
         same, together = card.key_counts(ask.key)
     else:
         running = len(runs)
@@ -200,20 +200,20 @@ def fit_counts(
     if together is None:
         together = same
     terms = (
-        card.own_high_water_bytes,
-        card.others_bytes,
-        card.others_at_census_bytes,
-        card.oom_cap,
+        card.live.own_high_water_bytes,
+        card.pools.others_bytes,
+        card.pools.others_at_census_bytes,
+        card.cap.oom_cap,
         reserve_bytes,
     )
     place = (ask.price_terms(), running, booked_bytes, same, together, slots)
-    memo = card.fit_memo.get(place)
+    memo = card.memo.fit_memo.get(place)
     if memo is not None and memo[0] is ceiling and memo[1] is card.census and memo[2] == terms:
         return memo[3]
     found = _fit(card, ask, running, booked_bytes, (same, together), reserve_bytes, ceiling, slots)
-    if len(card.fit_memo) >= MEMO_LIMIT:
-        card.fit_memo.clear()
-    card.fit_memo[place] = (ceiling, card.census, terms, found)
+    if len(card.memo.fit_memo) >= MEMO_LIMIT:
+        card.memo.fit_memo.clear()
+    card.memo.fit_memo[place] = (ceiling, card.census, terms, found)
     return found
 
 
@@ -241,8 +241,8 @@ def _fit(
         limit = "memory"
         if more >= slots:
             limit = ceiling.limit
-    if card.oom_cap is not None:
-        allowed = max(0, card.oom_cap - running)
+    if card.cap.oom_cap is not None:
+        allowed = max(0, card.cap.oom_cap - running)
         if more > allowed or (more == allowed and limit != "memory"):
             more, limit = allowed, "out_of_memory"
     return Fit(
@@ -342,12 +342,12 @@ def live_gate(card: Card, ask: Ask, runs: Sequence[Run], *, reserve_bytes: int) 
     cover its booking, what the running tasks have not reached yet, and the reserve. No
     reading: the gate is open."""
     next_bytes = ask.next_bytes(*key_counts(runs, ask.key))
-    reading = card.reading
+    reading = card.live.reading
     admits, unreached, idle = True, 0, 0
     if reading is not None:
         rows = reading.process_bytes or {}
         unreached = sum(max(0, r.booked_bytes - rows.get(r.pid or -1, 0)) for r in runs)
-        unreached += card.others_unreached_bytes
+        unreached += card.pools.others_unreached_bytes
         if reading.process_bytes is not None and card.worker_pids:
             running_pids = {r.pid for r in runs}
             held = [rows[p] for p in card.worker_pids if p not in running_pids and p in rows]

@@ -46,11 +46,11 @@ def rooms_alone_bytes(
     for card in cards:
         bound = derive_bound(
             card.census,
-            own_high_water_bytes=card.own_high_water_bytes,
+            own_high_water_bytes=card.live.own_high_water_bytes,
             reserve_bytes=reserve_bytes,
             ask_bytes=1,
             ask_basis="estimated",
-            other_pools_at_census_bytes=card.others_at_census_bytes,
+            other_pools_at_census_bytes=card.pools.others_at_census_bytes,
         )
         if bound.room_bytes is not None:
             rooms.append(bound.room_bytes - host_per_task_bytes(card, ceiling))

@@ -7,9 +7,9 @@ this pool's is asked here: the bookings of its running tasks, how many of its pe
 wait for room and the ask of the first of them. How many workers a card may keep warm is asked
 here too, because an idle worker's context is bytes a waiting pool may be owed.
 
-A card's terms of its other pools (``others``, ``others_bytes`` and the rest that
-:func:`~.sharing.note_others` sets) are written from here only; what the other pools are told is
-read off the state as it stands, so that it is what this pool's next start would see.
+A card's terms of its other pools (``card.pools``: ``others``, ``others_bytes`` and the rest
+that :func:`~.sharing.note_others` sets) are written from here only; what the other pools are
+told is read off the state as it stands, so that it is what this pool's next start would see.
 """
 
 from __future__ import annotations
@@ -57,25 +57,25 @@ class Neighbours:
         card = self._state.cards[device]
         if rows is None:
             rows = {}
-            if card.reading is not None and card.reading.process_bytes is not None:
-                rows = card.reading.process_bytes
-        before = card.others_bytes
+            if card.live.reading is not None and card.live.reading.process_bytes is not None:
+                rows = card.live.reading.process_bytes
+        before = card.pools.others_bytes
         terms = note_others(card, others, rows, now_s, census=census)
         if census:
             self._learning.rooms_moved()
             return
-        if card.others_bytes != before:
+        if card.pools.others_bytes != before:
             self._views.review(
                 now_s,
                 cause=(
-                    f"other pools on the card book {format_size(card.others_bytes)} over "
+                    f"other pools on the card book {format_size(card.pools.others_bytes)} over "
                     f"{terms.tasks} task{'s' if terms.tasks != 1 else ''} "
                     f"({format_size(terms.unreached_bytes)} not yet reached)"
                 ),
                 devices=(device,),
                 quiet=True,
                 extra={
-                    "other_pools_bytes": card.others_bytes,
+                    "other_pools_bytes": card.pools.others_bytes,
                     "other_pools_unreached_bytes": terms.unreached_bytes,
                     "other_pools_tasks": terms.tasks,
                 },
@@ -92,8 +92,8 @@ class Neighbours:
         room = self._views.bound(device, state.asks.ask(state.last_key)).room_bytes
         if (
             (
-                card.gate_shut_since_s is not None
-                and now_s - card.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
+                card.gate.gate_shut_since_s is not None
+                and now_s - card.gate.gate_shut_since_s >= RETIRE_AFTER_SHUT_S
             )
             or owes_room(card, room)
             or yields_to(card, 0, room, now_s) is not None
@@ -118,9 +118,9 @@ class Neighbours:
         pending = len(state.pending) - starting
         running = len(state.running) + starting
         count = min(pending, state.ceiling.value - running)
-        if state.cards and all(card.oom_cap is not None for card in state.cards):
+        if state.cards and all(card.cap.oom_cap is not None for card in state.cards):
             # Every card runs at most its out-of-memory cap: no more can start than those.
-            free = sum(max(0, (card.oom_cap or 0) - len(card.runs)) for card in state.cards)
+            free = sum(max(0, (card.cap.oom_cap or 0) - len(card.runs)) for card in state.cards)
             count = min(count, free - starting)
         return max(0, count)
 

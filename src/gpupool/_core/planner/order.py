@@ -166,7 +166,7 @@ def head_hold(
         held = ask.next_bytes(*card.key_counts(ask.key))
         host = alone.bound.host_per_task_bytes  # unified memory: each child's RSS too
         need = held + host
-        free = alone.bound.room_bytes - card.booked_bytes - host * len(card.runs)
+        free = alone.bound.room_bytes - card.sums.booked_bytes - host * len(card.runs)
         ending: list[TaskId] = []
         when_s = 0.0
         for task, run in sorted(card.runs.items(), key=lambda item: expected_end_s(item[1])):

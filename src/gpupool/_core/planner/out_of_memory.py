@@ -150,7 +150,7 @@ def _shared(facts: Facts, config: PlannerConfig, card: Card | None) -> Judgement
             f"{facts.key_ask_after.describe()} from now on (no card is capped for it)",
         )
     assert card is not None
-    cap = cap if card.oom_cap is None else min(card.oom_cap, cap)
+    cap = cap if card.cap.oom_cap is None else min(card.cap.oom_cap, cap)
     return _capped(facts, cap)
 
 
@@ -224,11 +224,11 @@ def cap_lift_terms(card: Card, split: ReadingSplit) -> CapLift | None:
     co_tenant = card.census.co_tenant_bytes
     if total is None or co_tenant is None:
         return None
-    pool = split.pool_bytes if split.pool_bytes is not None else card.booked_bytes
+    pool = split.pool_bytes if split.pool_bytes is not None else card.sums.booked_bytes
     priced = (
-        max(0, co_tenant - card.others_at_census_bytes)
-        + card.others_bytes
-        + card.own_high_water_bytes
+        max(0, co_tenant - card.pools.others_at_census_bytes)
+        + card.pools.others_bytes
+        + card.live.own_high_water_bytes
     )
     not_pool = max(0, split.used_bytes - pool)
     return CapLift(
@@ -312,8 +312,8 @@ class OutOfMemory:
         if verdict.kind == "fixed_width":
             task_state.wait_below = verdict.cap
         elif verdict.cap is not None and card is not None:
-            card.oom_cap = verdict.cap
-            card.cap_clear_since_s = None
+            card.cap.oom_cap = verdict.cap
+            card.cap.cap_clear_since_s = None
         elif verdict.kind == "held":
             if task_state.room_wait_until_s is None:
                 task_state.room_wait_until_s = now_s + self._state.config.room_wait_s
@@ -356,7 +356,7 @@ class OutOfMemory:
             run=run,
             tries=task_state.retries,
             running_then=len(others) + 1,
-            shared=run.shared or bool(others) or bool(card is not None and card.others_tasks),
+            shared=run.shared or bool(others) or bool(card is not None and card.pools.others_tasks),
             reached_bytes=report.device_peak_bytes,
             requested_bytes=report.oom_requested_bytes,
             key_ask_before=before,
@@ -415,7 +415,7 @@ class OutOfMemory:
             and card is not None
             and card.census.total_bytes is not None
             and reading.free_bytes + child_bytes < needed
-            and card.census.total_bytes - card.own_high_water_bytes >= needed
+            and card.census.total_bytes - card.live.own_high_water_bytes >= needed
         )
 
     def _roomier_elsewhere(self, device: int | None, ask: Ask) -> int | None:
@@ -439,19 +439,19 @@ class OutOfMemory:
     def lift_cap(self, card: Card, reading: CardReading, now_s: float) -> None:
         """``card`` was read: its cap lifts once the readings have shown its room back for
         :data:`CAP_LIFT_AFTER_S` without a break."""
-        cap = card.oom_cap
+        cap = card.cap.oom_cap
         if cap is None:
             return
         lift = cap_lift_terms(card, split_reading(card, reading, self._state.config.parent_pid))
         if lift is None or not lift.lifts:
-            card.cap_clear_since_s = None
+            card.cap.cap_clear_since_s = None
             return
-        if card.cap_clear_since_s is None:
-            card.cap_clear_since_s = now_s
-        if now_s - card.cap_clear_since_s < CAP_LIFT_AFTER_S:
+        if card.cap.cap_clear_since_s is None:
+            card.cap.cap_clear_since_s = now_s
+        if now_s - card.cap.cap_clear_since_s < CAP_LIFT_AFTER_S:
             return
-        card.oom_cap = None
-        card.cap_clear_since_s = None
+        card.cap.oom_cap = None
+        card.cap.cap_clear_since_s = None
         reason, extra = _cap_lifted(card, cap, lift)
         self._views.review(
             now_s,
@@ -566,10 +566,10 @@ def _oom_terms(
         "live_co_tenant_bytes": split.co_tenant_bytes if split else None,
         "census_co_tenant_bytes": bound.co_tenant_bytes if bound else None,
         "priced_own_high_water_bytes": facts.priced_own_high_water_bytes,
-        "other_pools_bytes": card.others_bytes if card else None,
-        "other_pools_held_bytes": card.others_held_bytes if card else None,
-        "other_pools_overrun_bytes": card.others_overrun_bytes if card else None,
-        "other_pools_tasks": card.others_tasks if card else None,
+        "other_pools_bytes": card.pools.others_bytes if card else None,
+        "other_pools_held_bytes": card.pools.others_held_bytes if card else None,
+        "other_pools_overrun_bytes": card.pools.others_overrun_bytes if card else None,
+        "other_pools_tasks": card.pools.others_tasks if card else None,
         # What the card's runs were booked at when each started (not re-priced at an ask
         # the out-of-memory raised), and each of them.
         "booked_bytes": facts.booked_bytes,
@@ -578,7 +578,7 @@ def _oom_terms(
         "tries": facts.tries,
         "retry": isinstance(outcome, Retry),
         "outcome": outcome.kind if isinstance(outcome, Fail) else "retry",
-        "oom_cap": card.oom_cap if card else None,
+        "oom_cap": card.cap.oom_cap if card else None,
         "error": error[:500],
     }
 

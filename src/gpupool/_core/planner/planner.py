@@ -341,7 +341,7 @@ class Planner:
                     card,
                     ask,
                     running=len(card.runs) - same,
-                    booked_bytes=card.booked_bytes - card.runs_booked_by_key[key],
+                    booked_bytes=card.sums.booked_bytes - card.sums.runs_booked_by_key[key],
                     same=0,
                     reserve_bytes=self.state.config.reserve_bytes,
                     ceiling=self.state.ceiling,

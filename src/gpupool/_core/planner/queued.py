@@ -85,7 +85,7 @@ class Queue:
             card = state.cards[run.device]
             if (
                 run.device in task.avoid
-                or card.oom_cap is not None
+                or card.cap.oom_cap is not None
                 or state.asks.ask(run.key).ask_bytes > run.booked_bytes
                 or not self._fits_in_place(card, run)
             ):
@@ -105,7 +105,7 @@ class Queue:
                 card,
                 self._state.asks.ask(run.key),
                 running=len(card.runs) - 1,
-                booked_bytes=card.booked_bytes - run.booked_bytes,
+                booked_bytes=card.sums.booked_bytes - run.booked_bytes,
                 same=same - 1,
                 together=together - (not run.solo),
                 reserve_bytes=self._state.config.reserve_bytes,

@@ -24,10 +24,11 @@ __all__ = ["Readings"]
 
 
 class Readings:
-    """The cards' live readings, in (the only writer of a card's ``reading``, ``reading_s``,
-    ``reading_error``, ``own_high_water_bytes`` and ``recorded_own_bytes``). A reading that
-    raises the own high-water limits the asks (learning) and reviews the widths (the views);
-    one that shows a capped card's room back lifts the cap (the out-of-memory room).
+    """The cards' live readings, in (the only writer of a card's ``live`` terms: its
+    ``reading``, ``reading_s``, ``reading_error``, ``own_high_water_bytes`` and
+    ``recorded_own_bytes``). A reading that raises the own high-water limits the asks (learning)
+    and reviews the widths (the views); one that shows a capped card's room back lifts the cap
+    (the out-of-memory room).
     :attr:`sample_cards` is the recorder's, bound: the card reader's end of a turn."""
 
     def __init__(
@@ -49,18 +50,18 @@ class Readings:
         the own high-water (a term of the bound: recorded when it grows), and a cap an
         out-of-memory set lifts once the readings show its room back."""
         card = self._state.cards[device]
-        card.reading = reading
-        card.reading_s = now_s
-        card.reading_error = None
+        card.live.reading = reading
+        card.live.reading_s = now_s
+        card.live.reading_error = None
         own, pid = None, self._state.config.parent_pid
         if reading.process_bytes is not None:
             card.keep_workers(reading.process_bytes)
             own = reading.process_bytes.get(pid) if pid is not None else None
-        if own is not None and own > card.own_high_water_bytes:
-            card.own_high_water_bytes = own
+        if own is not None and own > card.live.own_high_water_bytes:
+            card.live.own_high_water_bytes = own
             self._learning.limit_asks()
-            if own - card.recorded_own_bytes >= OWN_RECORD_STEP_BYTES:
-                card.recorded_own_bytes = own
+            if own - card.live.recorded_own_bytes >= OWN_RECORD_STEP_BYTES:
+                card.live.recorded_own_bytes = own
                 self._views.review(
                     now_s,
                     cause=(
@@ -74,12 +75,12 @@ class Readings:
     def observe_error(self, device: int, error: str, now_s: float) -> None:
         """A live reading of ``device`` failed: it runs one task of the pool at a time meanwhile."""
         card = self._state.cards[device]
-        card.reading = None
-        card.reading_error = error
+        card.live.reading = None
+        card.live.reading_error = error
         self._views.sensor_error(device, error, "the live gate runs one task at a time", now_s)
 
     def took(self, device: int, reading: CardReading, now_s: float) -> None:
         """``reading`` of ``device`` came with an out-of-memory: the reading its record states,
         kept without the rest of :meth:`observe` (the own high-water is observed after it)."""
         card = self._state.cards[device]
-        card.reading, card.reading_s = reading, now_s
+        card.live.reading, card.live.reading_s = reading, now_s

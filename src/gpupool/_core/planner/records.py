@@ -79,7 +79,7 @@ def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict
         f"card {card.index}: {format_size(gate.free_bytes)} free now (+ "
         f"{format_size(gate.idle_worker_bytes)} the idle worker it would run in holds) does not "
         f"cover {format_size(gate.next_bytes)} ask + {format_size(gate.unreached_bytes)} not yet "
-        f"reached by {gate.running} running here and {card.others_tasks} of other pools + "
+        f"reached by {gate.running} running here and {card.pools.others_tasks} of other pools + "
         f"{format_size(gate.reserve_bytes)} reserve; the task waits ({episodes} shut "
         f"episode{'s' if episodes != 1 else ''} since the last such record)"
     )
@@ -91,8 +91,8 @@ def live_gate_wait(card: Card, gate: LiveGate, episodes: int) -> tuple[str, dict
         "unreached_bytes": gate.unreached_bytes,
         "running": gate.running,
         "gate_episodes": episodes,
-        "other_pools_unreached_bytes": card.others_unreached_bytes,
-        "other_pools_tasks": card.others_tasks,
+        "other_pools_unreached_bytes": card.pools.others_unreached_bytes,
+        "other_pools_tasks": card.pools.others_tasks,
     }
 
 
@@ -123,8 +123,9 @@ def head_wait(
         f"card {card.index}: a task of {hold.key} at the queue's head was passed {passed} "
         f"times by smaller tasks and has waited {waiting_s:.1f} s; "
         f"{format_size(hold.held_bytes)} is held for it there, freed by the end of "
-        f"{len(hold.ending)} of the {len(card.runs)} running ({format_size(card.booked_bytes)} "
-        "booked): other tasks start there only where they fit beside what stays then and it, "
+        f"{len(hold.ending)} of the {len(card.runs)} running "
+        f"({format_size(card.sums.booked_bytes)} booked): other tasks start there only where "
+        "they fit beside what stays then and it, "
         "so it starts as soon as those end"
     )
     return reason, {
@@ -134,7 +135,7 @@ def head_wait(
         "head_waiting_s": round(waiting_s, 3),
         "ending_runs": len(hold.ending),
         "running": len(card.runs),
-        "booked_bytes": card.booked_bytes,
+        "booked_bytes": card.sums.booked_bytes,
     }
 
 

@@ -99,7 +99,7 @@ def split_reading(
     """Whose bytes ``reading`` shows on ``card``. ``extra_pids`` are more of the pool's
     processes (a task that just ended, whose row may still be listed)."""
     rows = pool_rows(card, reading, parent_pid, extra_pids=extra_pids)
-    others = card.others_held_bytes
+    others = card.pools.others_held_bytes
     if rows is None:
         return ReadingSplit(
             used_bytes=reading.used_bytes,
@@ -145,16 +145,16 @@ def pool_rows(
 
 def sample_due(card: Card, now_s: float, *, decision: bool) -> bool:
     """Whether ``card``'s reading is to be sampled now (the rules of the module docstring)."""
-    reading = card.reading
-    if reading is None or reading is card.sampled_reading:
+    reading = card.live.reading
+    if reading is None or reading is card.sample.sampled_reading:
         return False
-    if decision or card.sampled_s is None or card.sampled_used_bytes is None:
+    if decision or card.sample.sampled_s is None or card.sample.sampled_used_bytes is None:
         return True
-    gap_s = now_s - card.sampled_s
-    moved = abs(reading.used_bytes - card.sampled_used_bytes)
+    gap_s = now_s - card.sample.sampled_s
+    moved = abs(reading.used_bytes - card.sample.sampled_used_bytes)
     total = card.census.total_bytes or 0
     jumped = moved >= max(SAMPLE_STEP_BYTES, total * SAMPLE_JUMP_FRACTION)
-    if gap_s >= SAMPLE_MIN_GAP_S and (jumped or len(card.runs) != card.sampled_running):
+    if gap_s >= SAMPLE_MIN_GAP_S and (jumped or len(card.runs) != card.sample.sampled_running):
         return True
     return gap_s >= SAMPLE_INTERVAL_S and (bool(card.runs) or moved >= SAMPLE_STEP_BYTES)
 
@@ -194,11 +194,11 @@ def card_read(card: Card, split: ReadingSplit, free_bytes: int, now_s: float) ->
         | {
             "live_free_bytes": free_bytes,
             "total_bytes": card.census.total_bytes,
-            "read_s": round(card.reading_s, 6),
+            "read_s": round(card.live.reading_s, 6),
             "running": len(card.runs),
             "booked_bytes": booked,
-            "priced_now_bytes": card.booked_bytes,
-            "oom_cap": card.oom_cap,
+            "priced_now_bytes": card.sums.booked_bytes,
+            "oom_cap": card.cap.oom_cap,
             "keys": keys,
         },
     )
@@ -230,7 +230,7 @@ class Recorder:
     def sample(self, card: Card, now_s: float, *, decision: bool) -> None:
         """A ``card_read`` sample of ``card``'s last reading, where one is due
         (:func:`sample_due`)."""
-        reading = card.reading
+        reading = card.live.reading
         if (
             reading is None
             or not self.widths  # not yet constructed: the census is the first record's
@@ -238,10 +238,10 @@ class Recorder:
         ):
             return
         split = split_reading(card, reading, self._state.config.parent_pid)
-        card.sampled_reading = reading
-        card.sampled_s = now_s
-        card.sampled_used_bytes = reading.used_bytes
-        card.sampled_running = len(card.runs)
+        card.sample.sampled_reading = reading
+        card.sample.sampled_s = now_s
+        card.sample.sampled_used_bytes = reading.used_bytes
+        card.sample.sampled_running = len(card.runs)
         self._emit(card_read(card, split, reading.free_bytes, now_s))
         self._unexplained(card, reading, now_s)
 

@@ -81,17 +81,17 @@ def note_others(
     (:func:`others_terms`), and who waits and who took a turn (:func:`note_starved`,
     :func:`note_turn_taken`). ``census``: what they hold stands in the census' co-tenant bytes."""
     terms = others_terms(others, rows)
-    card.others = others
-    card.others_bytes = terms.priced_bytes
-    card.others_unreached_bytes = terms.unreached_bytes
-    card.others_tasks = terms.tasks
-    card.others_held_bytes = terms.held_bytes
-    card.others_overrun_bytes = terms.overrun_bytes
-    card.others_since_s = None if terms.tasks == 0 else card.others_since_s or now_s
+    card.pools.others = others
+    card.pools.others_bytes = terms.priced_bytes
+    card.pools.others_unreached_bytes = terms.unreached_bytes
+    card.pools.others_tasks = terms.tasks
+    card.pools.others_held_bytes = terms.held_bytes
+    card.pools.others_overrun_bytes = terms.overrun_bytes
+    card.pools.others_since_s = None if terms.tasks == 0 else card.pools.others_since_s or now_s
     note_starved(card, now_s)
     note_turn_taken(card)
     if census:
-        card.others_at_census_bytes = terms.held_bytes
+        card.pools.others_at_census_bytes = terms.held_bytes
     return terms
 
 
@@ -130,14 +130,14 @@ class ShareWait:
 
 def share_bytes(card: Card, room_bytes: int) -> int:
     """An equal share of the room the pools on ``card`` have between them."""
-    return (room_bytes + card.others_bytes) // (1 + card.others_active)
+    return (room_bytes + card.pools.others_bytes) // (1 + card.pools.others_active)
 
 
 def share_tasks(card: Card, room_bytes: int | None, ask_bytes: int) -> int:
     """How many tasks of ``ask_bytes`` this pool's share of ``card`` admits (a start is
     admitted while the middle of its booking is within the share), where other pools
     wait there; 0 where none waits or the room is unknown."""
-    if not card.others_waiting or room_bytes is None or ask_bytes <= 0:
+    if not card.pools.others_waiting or room_bytes is None or ask_bytes <= 0:
         return 0
     return max(0, (share_bytes(card, room_bytes) - ask_bytes // 2) // ask_bytes + 1)
 
@@ -146,13 +146,13 @@ def owed_bytes(card: Card, room_bytes: int, mine_bytes: int, share: int) -> int:
     """The most room a waiting pool on ``card`` is owed for its next task: one that holds
     less than this pool (``mine_bytes``) and less than its share, whose task could fit the
     room the pools have between them."""
-    if card.others is None:
+    if card.pools.others is None:
         return 0
-    pools_room = room_bytes + card.others_bytes + mine_bytes
+    pools_room = room_bytes + card.pools.others_bytes + mine_bytes
     return max(
         (
             pool.need_bytes
-            for pool in card.others.pools
+            for pool in card.pools.others.pools
             if pool.waiting
             and pool.booked_bytes < mine_bytes
             and pool.booked_bytes < share
@@ -165,10 +165,15 @@ def owed_bytes(card: Card, room_bytes: int, mine_bytes: int, share: int) -> int:
 def share_wait(card: Card, next_bytes: int, room_bytes: int | None) -> ShareWait | None:
     """``None`` where a start of ``next_bytes`` on ``card`` keeps both rules (or no other
     pool waits there); otherwise why it waits."""
-    if not card.others_waiting or not card.runs or room_bytes is None or card.others is None:
+    if (
+        not card.pools.others_waiting
+        or not card.runs
+        or room_bytes is None
+        or card.pools.others is None
+    ):
         return None
     share = share_bytes(card, room_bytes)
-    mine = card.booked_bytes
+    mine = card.sums.booked_bytes
     owed = owed_bytes(card, room_bytes, mine, share)
     left = room_bytes - mine - next_bytes
     within = mine + next_bytes // 2 <= share
@@ -187,19 +192,20 @@ def share_wait(card: Card, next_bytes: int, room_bytes: int | None) -> ShareWait
 def share_record(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]]:
     """A start held to this pool's share, or to the room it owes, as a ``share_wait`` record:
     the sentence and the terms."""
-    room = wait.share_bytes * (1 + card.others_active) - card.others_bytes
+    room = wait.share_bytes * (1 + card.pools.others_active) - card.pools.others_bytes
     why = (
         f"one more ({format_size(wait.next_bytes)}) would pass its share "
         f"{format_size(wait.share_bytes)} (({format_size(room)} room + "
-        f"{format_size(card.others_bytes)} other pools') / {1 + card.others_active} pools)"
+        f"{format_size(card.pools.others_bytes)} other pools') / "
+        f"{1 + card.pools.others_active} pools)"
         if not wait.within_share
         else f"one more ({format_size(wait.next_bytes)}) would leave "
         f"{format_size(wait.left_bytes)}, less than the {format_size(wait.owed_bytes)} a "
         f"waiting pool below its share ({format_size(wait.share_bytes)}) needs for its next task"
     )
     reason = (
-        f"card {card.index}: {card.others_waiting} other pool(s) wait for room here, and this "
-        f"pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
+        f"card {card.index}: {card.pools.others_waiting} other pool(s) wait for room here, and "
+        f"this pool's {len(card.runs)} running task(s) book {format_size(wait.pool_booked_bytes)}; "
         f"{why}, so it waits"
     )
     return reason, _wait_terms(card, wait.share_bytes, wait.next_bytes, wait.owed_bytes)
@@ -207,9 +213,9 @@ def share_record(card: Card, wait: ShareWait) -> tuple[str, dict[str, JsonValue]
 
 def owes_room(card: Card, room_bytes: int | None) -> bool:
     """A waiting pool is owed room on ``card`` that is not free now."""
-    if not card.others_waiting or room_bytes is None:
+    if not card.pools.others_waiting or room_bytes is None:
         return False
-    mine = card.booked_bytes
+    mine = card.sums.booked_bytes
     owed = owed_bytes(card, room_bytes, mine, share_bytes(card, room_bytes))
     return owed > 0 and room_bytes - mine < owed
 
@@ -232,16 +238,18 @@ def note_starved(card: Card, now_s: float) -> None:
     to at once), or with none of them left to yield to (then :func:`_end_yield`)."""
     seen: dict[str, float] = {}
     turn = False
-    if card.others is not None:
-        for pool in card.others.pools:
+    if card.pools.others is not None:
+        for pool in card.pools.others.pools:
             if pool.waiting and pool.need_bytes and not pool.tasks:
-                seen[pool.pool_id] = card.starved_since_s.get(pool.pool_id, now_s)
-            elif pool.tasks and pool.pool_id in card.starved_since_s:
+                seen[pool.pool_id] = card.turns.starved_since_s.get(pool.pool_id, now_s)
+            elif pool.tasks and pool.pool_id in card.turns.starved_since_s:
                 turn = True
-    card.starved_since_s = seen
+    card.turns.starved_since_s = seen
     if turn:
-        card.yield_began_s = None
-    elif card.yield_began_s is not None and not any(now_s - t < YIELD_S for t in seen.values()):
+        card.turns.yield_began_s = None
+    elif card.turns.yield_began_s is not None and not any(
+        now_s - t < YIELD_S for t in seen.values()
+    ):
         _end_yield(card, now_s)
     _note_idle(card, now_s)
 
@@ -250,16 +258,16 @@ def _end_yield(card: Card, now_s: float) -> None:
     """This pool's yield on ``card`` ended with no pool it yielded to having run there (they
     left, or it yielded :data:`YIELD_S` in a row): it yields there no more for as long as
     the yield lasted."""
-    if card.yield_began_s is not None:
-        card.no_yield_until_s = now_s + (now_s - card.yield_began_s)
-        card.yield_began_s = None
+    if card.turns.yield_began_s is not None:
+        card.turns.no_yield_until_s = now_s + (now_s - card.turns.yield_began_s)
+        card.turns.yield_began_s = None
 
 
 def _note_idle(card: Card, now_s: float) -> None:
     if card.runs:
-        card.idle_since_s = None
-    elif card.idle_since_s is None:
-        card.idle_since_s = now_s
+        card.turns.idle_since_s = None
+    elif card.turns.idle_since_s is None:
+        card.turns.idle_since_s = now_s
 
 
 def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float) -> Yield | None:
@@ -272,26 +280,26 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
     whichever pools it yields to, and after a yield in which none of them ran there, not again there
     for as long as it lasted: rows that claim to wait under new pool ids, and never run, hold it at
     most half the time."""
-    if room_bytes is None or not card.starved_since_s or card.others is None:
+    if room_bytes is None or not card.turns.starved_since_s or card.pools.others is None:
         return None
     _note_idle(card, now_s)
-    if card.yield_began_s is not None and now_s - card.yield_began_s >= YIELD_S:
+    if card.turns.yield_began_s is not None and now_s - card.turns.yield_began_s >= YIELD_S:
         _end_yield(card, now_s)
-    if now_s < card.no_yield_until_s:
+    if now_s < card.turns.no_yield_until_s:
         return None
-    mine = card.booked_bytes
+    mine = card.sums.booked_bytes
     left = room_bytes - mine - next_bytes
-    pools_room = room_bytes + card.others_bytes + mine
+    pools_room = room_bytes + card.pools.others_bytes + mine
     found: tuple[float, Yield] | None = None
-    for pool in card.others.pools:
-        since = card.starved_since_s.get(pool.pool_id)
+    for pool in card.pools.others.pools:
+        since = card.turns.starved_since_s.get(pool.pool_id)
         if (
             since is None
             or now_s - since >= YIELD_S
             or pool.tasks
             or not pool.waiting
             or not left < pool.need_bytes <= pools_room
-            or (card.idle_since_s is not None and since >= card.idle_since_s)
+            or (card.turns.idle_since_s is not None and since >= card.turns.idle_since_s)
         ):
             continue
         if found is None or since < found[0]:
@@ -307,8 +315,8 @@ def yields_to(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
             )
     if found is None:
         return None
-    if card.yield_began_s is None:
-        card.yield_began_s = now_s
+    if card.turns.yield_began_s is None:
+        card.turns.yield_began_s = now_s
     return found[1]
 
 
@@ -317,11 +325,11 @@ def _wait_terms(card: Card, share: int, next_bytes: int, owed_bytes: int) -> dic
     next task's bytes, what another pool is owed or needs, and the pools there."""
     return {
         "share_bytes": share,
-        "pool_booked_bytes": card.booked_bytes,
+        "pool_booked_bytes": card.sums.booked_bytes,
         "next_bytes": next_bytes,
         "owed_bytes": owed_bytes,
-        "other_pools_waiting": card.others_waiting,
-        "other_pools_active": card.others_active,
+        "other_pools_waiting": card.pools.others_waiting,
+        "other_pools_active": card.pools.others_active,
     }
 
 
@@ -335,7 +343,7 @@ def yield_record(card: Card, wait: Yield, room_bytes: int) -> tuple[str, dict[st
         f"{format_size(wait.left_bytes)}, so this pool yields (it has for {wait.waited_s:.1f} "
         f"s, at most {YIELD_S:g} s)"
     )
-    next_bytes = room_bytes - card.booked_bytes - wait.left_bytes
+    next_bytes = room_bytes - card.sums.booked_bytes - wait.left_bytes
     return reason, _wait_terms(card, share_bytes(card, room_bytes), next_bytes, wait.need_bytes) | {
         "yield_to_pool": wait.pool_id,
         "yield_waited_s": round(wait.waited_s, 3),
@@ -363,14 +371,14 @@ def note_freed(card: Card, run: Run, now_s: float) -> None:
     when it opened books half its need more there since) is followed by as long without one: rows
     that say they wait and never start hold the room at most half the time, whatever the lengths of
     this pool's tasks."""
-    if now_s < card.give_way_until_s or now_s < card.give_way_rest_until_s:
+    if now_s < card.turns.give_way_until_s or now_s < card.turns.give_way_rest_until_s:
         return
     turn_s = min(max(0.0, now_s - run.started_s), TURN_S)
-    card.give_way_until_s = now_s + turn_s
-    card.give_way_turn_s = turn_s
-    card.give_way_below_bytes = card.booked_bytes + run.booked_bytes
-    pools = card.others.pools if card.others is not None else ()
-    card.give_way_booked = {
+    card.turns.give_way_until_s = now_s + turn_s
+    card.turns.give_way_turn_s = turn_s
+    card.turns.give_way_below_bytes = card.sums.booked_bytes + run.booked_bytes
+    pools = card.pools.others.pools if card.pools.others is not None else ()
+    card.turns.give_way_booked = {
         pool.pool_id: (pool.booked_bytes, pool.need_bytes) for pool in pools if pool.waiting
     }
 
@@ -380,11 +388,11 @@ def note_turn_taken(card: Card) -> None:
     when this pool's last turn opened books at least half the room it waited for more now,
     it took the turn, and the next may open at once (a pool that came since cannot have
     taken it; a row that books a byte more has not)."""
-    if card.others is not None and any(
-        _took(pool.booked_bytes, card.give_way_booked.get(pool.pool_id))
-        for pool in card.others.pools
+    if card.pools.others is not None and any(
+        _took(pool.booked_bytes, card.turns.give_way_booked.get(pool.pool_id))
+        for pool in card.pools.others.pools
     ):
-        card.give_way_rest_until_s = float("-inf")
+        card.turns.give_way_rest_until_s = float("-inf")
 
 
 def _took(booked_bytes: int, opened: tuple[int, int] | None) -> bool:
@@ -403,19 +411,19 @@ def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
     it above that pool, and a pool that ran no more than the others takes its room back at once. One
     task of its own always may run: with none running there, no start gives way."""
     if (
-        now_s >= card.give_way_until_s
+        now_s >= card.turns.give_way_until_s
         or not card.runs
         or room_bytes is None
-        or card.others is None
-        or not card.others_waiting
+        or card.pools.others is None
+        or not card.pools.others_waiting
     ):
         return None
-    mine = card.booked_bytes
+    mine = card.sums.booked_bytes
     free = room_bytes - mine
     left = free - next_bytes
-    below = min(mine + 1, card.give_way_below_bytes, share_bytes(card, room_bytes))
+    below = min(mine + 1, card.turns.give_way_below_bytes, share_bytes(card, room_bytes))
     found: GiveWay | None = None
-    for pool in card.others.pools:
+    for pool in card.pools.others.pools:
         held = pool.booked_bytes
         if not pool.waiting or held >= below or not left < pool.need_bytes <= free:
             continue
@@ -425,11 +433,11 @@ def gives_way(card: Card, next_bytes: int, room_bytes: int | None, now_s: float)
                 other_booked_bytes=held,
                 need_bytes=pool.need_bytes,
                 left_bytes=left,
-                turn_left_s=card.give_way_until_s - now_s,
+                turn_left_s=card.turns.give_way_until_s - now_s,
             )
     if found is not None:
         # This turn holds a start: unless a pool takes it, none opens for as long after it.
-        card.give_way_rest_until_s = card.give_way_until_s + card.give_way_turn_s
+        card.turns.give_way_rest_until_s = card.turns.give_way_until_s + card.turns.give_way_turn_s
     return found
 
 
@@ -439,12 +447,12 @@ def give_way_record(card: Card, way: GiveWay, room_bytes: int) -> tuple[str, dic
     reason = (
         f"card {card.index}: a task of this pool ended here, and pool {way.pool_id} waits "
         f"holding {format_size(way.other_booked_bytes)} (this pool: "
-        f"{format_size(card.booked_bytes)}) for {format_size(way.need_bytes)} for its next "
+        f"{format_size(card.sums.booked_bytes)}) for {format_size(way.need_bytes)} for its next "
         f"task; this start would leave {format_size(way.left_bytes)}, so this pool leaves "
         f"it the room (for {way.turn_left_s:.1f} s more, at most {TURN_S:g} s and as long "
         f"as the task ran)"
     )
-    next_bytes = room_bytes - card.booked_bytes - way.left_bytes
+    next_bytes = room_bytes - card.sums.booked_bytes - way.left_bytes
     return reason, _wait_terms(card, share_bytes(card, room_bytes), next_bytes, way.need_bytes) | {
         "give_way_to_pool": way.pool_id,
         "give_way_pool_booked_bytes": way.other_booked_bytes,

@@ -200,7 +200,7 @@ class Starts:
             if verdict == "gate":
                 gate_shut = True
                 continue
-            card.gate_shut_since_s = None
+            card.gate.gate_shut_since_s = None
             if not self._ready(found.device):
                 warm = warm or self._warm(found.device, task, found.more)
                 continue  # (its room may wait for the workers booting there)
@@ -284,7 +284,7 @@ class Starts:
         if wait is not None:
             self._share_wait(card, wait, now_s)
             return "no"
-        if card.reading_error is not None and card.runs:
+        if card.live.reading_error is not None and card.runs:
             return "no"
         gate = live_gate(
             card, ask, list(card.runs.values()), reserve_bytes=self._state.config.reserve_bytes
@@ -345,13 +345,13 @@ class Starts:
             self._views.note("share_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _gate_shut(self, card: Card, ask: Ask, gate: LiveGate, now_s: float) -> None:
-        if card.gate_shut_since_s is None:
-            card.gate_shut_since_s = now_s
-            card.gate_episodes += 1
+        if card.gate.gate_shut_since_s is None:
+            card.gate.gate_shut_since_s = now_s
+            card.gate.gate_episodes += 1
             self._state.count("gate_waits")
         if self._record_due("live_gate_wait", card.index, now_s):
-            reason, extra = records.live_gate_wait(card, gate, card.gate_episodes)
-            card.gate_episodes = 0
+            reason, extra = records.live_gate_wait(card, gate, card.gate.gate_episodes)
+            card.gate.gate_episodes = 0
             self._views.note("live_gate_wait", card.index, ask, reason, now_s, extra=extra)
 
     def _blocked(self, head: TaskId, now_s: float, gate_shut: bool) -> Wait | Warm | Start:
@@ -361,9 +361,11 @@ class Starts:
             return Wait(reason="workers are starting", poll_s=LIVE_POLL_S if gate_shut else None)
         if self._state.running:
             # Another pool's tasks end without an event here: poll while they hold a card.
-            others = any(card.others_tasks or card.others_waiting for card in self._state.cards)
+            others = any(
+                card.pools.others_tasks or card.pools.others_waiting for card in self._state.cards
+            )
             poll_s = LIVE_POLL_S if gate_shut or others else None
-            if poll_s is None and any(card.oom_cap is not None for card in self._state.cards):
+            if poll_s is None and any(card.cap.oom_cap is not None for card in self._state.cards):
                 # A cap lifts on the readings alone (no event says the room is back).
                 poll_s = CAP_POLL_S
             return Wait(
@@ -397,7 +399,7 @@ class Starts:
                 -i,
             ),
         )
-        others_since = self._state.cards[index].others_since_s
+        others_since = self._state.cards[index].pools.others_since_s
         if others_since is not None and now_s - others_since < self._state.config.room_wait_s:
             # Another pool's tasks hold the room: they end, so wait for them
             # (bounded) rather than start past the bound beside them.

@@ -4,10 +4,14 @@ One name for each idea: a task's price on its card is its ``booked_bytes`` (its 
 price together, :meth:`~gpupool._core.policy.Ask.next_bytes`); ``booked_at_start_bytes`` is what it
 was booked at when it started (an out-of-memory is judged against that, not against a price raised
 since); a card's runs are ``card.runs``, added and dropped through the card, which keeps their
-running sums (what they book, how many of each key, what each key books) so a start, a finish and a
-fit read them without walking the runs. A card also keeps the bounds and fits worked out on it
-(``bound_memo``, ``fit_memo``: see :func:`~gpupool._core.planner.fit.fit_counts`), each served only
+running sums (``card.sums``: what they book, how many of each key, what each key books) so a start,
+a finish and a fit read them without walking the runs. A card also keeps the bounds and fits worked
+out on it (``card.memo``: see :func:`~gpupool._core.planner.fit.fit_counts`), each served only
 while the terms it was worked out from are the card's terms still.
+
+A card's other terms are small records of their own, each written by the one rule that owns it
+(the live reading, the cap, the gate's clock, the last sample, the other pools, the turns between
+them and this pool): see :class:`Card`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,22 @@ from gpupool._core.planner.verdicts import CardReading, TaskId
 from gpupool._core.policy import PriceTerms
 from gpupool._core.predict import Features
 
-__all__ = ["Card", "Critical", "Fit", "Run", "TaskState", "usable"]
+__all__ = [
+    "Card",
+    "CapTerms",
+    "Critical",
+    "Fit",
+    "GateClock",
+    "LastSample",
+    "LiveTerms",
+    "Memos",
+    "PoolsHere",
+    "Run",
+    "RunSums",
+    "TaskState",
+    "Turns",
+    "usable",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,36 +160,72 @@ class Critical:
     width: int
 
 
-@dataclass(slots=True)
-class Card:
-    """One card: its census, the pool's runs on it, its live reading and its terms.
+@dataclass(slots=True, kw_only=True)
+class RunSums:
+    """The running sums of a card's runs, so a start, a finish and a fit read them without
+    walking the runs: what they book between them, how many of each key, what each key's runs
+    book, and how many of each key's runs are booked at their own price (``Run.solo``). Written
+    by the card's own methods only (:meth:`Card.add_run`, :meth:`Card.drop_run`,
+    :meth:`Card.rebook`)."""
 
-    A record past the house's ~15 fields, grouped by the one rule that writes each
-    (``tests/core/test_planner_rooms.py``): the runs and their sums (its own methods), the reading
-    (the planner's events), the width (``views``), the cap (``out_of_memory``), the gate's clock
-    (``starts``), the samples (``samples``), the other pools (``sharing``), the memos (``fit``)."""
+    booked_bytes: int = 0
+    runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
+    solo_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
 
-    index: int
-    census: CardCensus
-    own_high_water_bytes: int
-    runs: dict[TaskId, Run] = field(default_factory=dict)
-    oom_cap: int | None = None
-    # Since when the live readings have shown the room the cap was set for back.
-    cap_clear_since_s: float | None = None
+
+@dataclass(slots=True, kw_only=True)
+class LiveTerms:
+    """What the live readings of a card say (written by the readings room,
+    :class:`~gpupool._core.planner.readings.Readings`, only): the last reading, when, and why the
+    last one failed; this process's own high-water on the card (a term of the bound: it only
+    grows) and the own bytes last recorded (a width review is recorded each step past it)."""
+
+    own_high_water_bytes: int = 0
+    recorded_own_bytes: int = 0
     reading: CardReading | None = None
     reading_s: float = 0.0
     reading_error: str | None = None
-    # The last reading the log sampled (a ``card_read`` record), when, and its used bytes.
+
+
+@dataclass(slots=True, kw_only=True)
+class CapTerms:
+    """The out-of-memory cap on a card (written by the out-of-memory room,
+    :mod:`~gpupool._core.planner.out_of_memory`, only): how many tasks an out-of-memory left
+    it, and since when the live readings have shown the room the cap was set for back."""
+
+    oom_cap: int | None = None
+    cap_clear_since_s: float | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class GateClock:
+    """The live gate's clock on a card (written by the starts, :mod:`~.starts`, only): since
+    when the gate has held a start here shut, and how many shut episodes the next record
+    of a wait states."""
+
+    gate_shut_since_s: float | None = None
+    gate_episodes: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class LastSample:
+    """The last reading of a card the log sampled (a ``card_read`` record): the reading,
+    when, its used bytes and how many of the pool's runs were there (written by the recorder,
+    :mod:`~.samples`, only)."""
+
     sampled_reading: CardReading | None = None
     sampled_s: float | None = None
     sampled_used_bytes: int | None = None
     sampled_running: int = 0
-    gate_shut_since_s: float | None = None
-    gate_episodes: int = 0
-    width: int = 0
-    recorded_own_bytes: int = 0
-    # The host's other pools on this card: their tasks at max(booked, held),
-    # the part not reached yet, how many, and what they held at the census.
+
+
+@dataclass(slots=True, kw_only=True)
+class PoolsHere:
+    """The host's other pools on a card (written by :func:`~.sharing.note_others` only): their
+    rows, their tasks at max(booked, held), the part not reached yet, how many, what they held
+    at the census, what they hold and past their bookings, and since when they run tasks here."""
+
     others: OtherPools | None = None
     others_bytes: int = 0
     others_unreached_bytes: int = 0
@@ -179,6 +234,24 @@ class Card:
     others_held_bytes: int = 0
     others_overrun_bytes: int = 0
     others_since_s: float | None = None
+
+    @property
+    def others_waiting(self) -> int:
+        """Other pools with tasks waiting for room on this card."""
+        return self.others.waiting_pools if self.others is not None else 0
+
+    @property
+    def others_active(self) -> int:
+        """Other pools running a task or waiting for room on this card."""
+        return self.others.active_pools if self.others is not None else 0
+
+
+@dataclass(slots=True, kw_only=True)
+class Turns:
+    """Who goes first on a card between this pool and the others (written by
+    :mod:`~.sharing` only): the yields to a pool at the serial floor and the give-way of the
+    room an ended task freed."""
+
     # Other pools that run nothing here and wait for room, by pool id: since when this pool
     # saw them so; and since when this pool runs nothing here (``sharing.yields_to``).
     starved_since_s: dict[str, float] = field(default_factory=dict)
@@ -199,33 +272,57 @@ class Card:
     give_way_turn_s: float = 0.0
     give_way_rest_until_s: float = float("-inf")
     give_way_booked: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class Memos:
+    """The bounds and fits worked out on a card (written by :mod:`~.fit` only), by the ask's
+    price terms and, for a fit, what it was placed beside (how many runs, what they book, how
+    many of the key, the slots); each kept with the terms it was worked out from, and served only
+    while those are the card's terms still."""
+
+    bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict)
+    fit_memo: dict[tuple[PriceTerms, int, int, int, int, int], FitMemo] = field(
+        default_factory=dict
+    )
+
+
+@dataclass(slots=True)
+class Card:
+    """One card: its census, the pool's runs on it, and its parts, each a record written by
+    the one rule that owns it (``tests/core/test_planner_rooms.py``): the runs, their workers
+    and their sums (``sums``) by its own methods; the live reading and the own high-water
+    (``live``) by the readings; the width by ``views``; the cap (``cap``) by ``out_of_memory``;
+    the gate's clock (``gate``) by ``starts``; the last sample (``sample``) by ``samples``; the
+    other pools (``pools``) and the turns between them and this pool (``turns``) by
+    ``sharing``; the memos (``memo``) by ``fit``. Nothing else writes a card's fields."""
+
+    index: int
+    census: CardCensus
+    runs: dict[TaskId, Run] = field(default_factory=dict)
     # Every worker the pool ran a task in on this card: an idle one's row is
     # bytes (its context) that the next task's ask already counts.
     worker_pids: set[int] = field(default_factory=set)
-    # The running sums of ``runs``: what they book between them, and how many of each key.
-    booked_bytes: int = 0
-    runs_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    # ... and what each key's runs book between them.
-    runs_booked_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    # ... and how many of each key's runs are booked at their own price (``Run.solo``).
-    solo_by_key: collections.Counter[str] = field(default_factory=collections.Counter)
-    # The bounds and fits worked out on this card, by the ask's price terms and, for a fit, what it
-    # was placed beside (how many runs, what they book, how many of the key, the slots); each kept
-    # with the terms it was worked out from, and served only while those are the card's terms still.
-    bound_memo: dict[PriceTerms, BoundMemo] = field(default_factory=dict, repr=False, compare=False)
-    fit_memo: dict[tuple[PriceTerms, int, int, int, int, int], FitMemo] = field(
-        default_factory=dict, repr=False, compare=False
-    )
+    sums: RunSums = field(default_factory=RunSums)
+    live: LiveTerms = field(default_factory=LiveTerms)
+    width: int = 0
+    cap: CapTerms = field(default_factory=CapTerms)
+    gate: GateClock = field(default_factory=GateClock)
+    sample: LastSample = field(default_factory=LastSample)
+    pools: PoolsHere = field(default_factory=PoolsHere)
+    turns: Turns = field(default_factory=Turns)
+    memo: Memos = field(default_factory=Memos, repr=False, compare=False)
 
     def add_run(self, task: TaskId, run: Run) -> None:
         """``run`` runs here now (in its worker, which the card keeps)."""
         self.runs[task] = run
         if run.pid is not None:
             self.worker_pids.add(run.pid)
-        self.booked_bytes += run.booked_bytes
-        self.runs_by_key[run.key] += 1
-        self.runs_booked_by_key[run.key] += run.booked_bytes
-        self.solo_by_key[run.key] += run.solo
+        sums = self.sums
+        sums.booked_bytes += run.booked_bytes
+        sums.runs_by_key[run.key] += 1
+        sums.runs_booked_by_key[run.key] += run.booked_bytes
+        sums.solo_by_key[run.key] += run.solo
 
     def keep_workers(self, process_bytes: Mapping[int, int]) -> None:
         """A reading's per-process rows: a worker with no row holds nothing (or has exited),
@@ -240,39 +337,31 @@ class Card:
         """``task``'s run ended here (``None``: it had none)."""
         run = self.runs.pop(task, None)
         if run is not None:
-            self.booked_bytes -= run.booked_bytes
-            self.runs_by_key[run.key] -= 1
-            self.runs_booked_by_key[run.key] -= run.booked_bytes
-            self.solo_by_key[run.key] -= run.solo
+            sums = self.sums
+            sums.booked_bytes -= run.booked_bytes
+            sums.runs_by_key[run.key] -= 1
+            sums.runs_booked_by_key[run.key] -= run.booked_bytes
+            sums.solo_by_key[run.key] -= run.solo
         return run
 
     def rebook(self, run: Run, booked_bytes: int, solo: bool | None = None) -> None:
         """``run`` (one of this card's) is booked at ``booked_bytes`` from now on (``solo``: at
         its own price, or its share of its key's; ``None``: as before)."""
-        self.booked_bytes += booked_bytes - run.booked_bytes
-        self.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
+        sums = self.sums
+        sums.booked_bytes += booked_bytes - run.booked_bytes
+        sums.runs_booked_by_key[run.key] += booked_bytes - run.booked_bytes
         run.booked_bytes = booked_bytes
         if solo is not None and solo != run.solo:
-            self.solo_by_key[run.key] += 1 if solo else -1
+            sums.solo_by_key[run.key] += 1 if solo else -1
             run.solo = solo
 
     def same_key(self, key: str) -> int:
         """How many of the pool's runs on this card are of ``key``."""
-        return self.runs_by_key.get(key, 0)
+        return self.sums.runs_by_key.get(key, 0)
 
     def key_counts(self, key: str) -> tuple[int, int]:
         """How many of the pool's runs on this card are of ``key``, and how many of those are
         booked at their share of the key's price together (not ``solo``): what the next
         task's :meth:`~gpupool._core.policy.Ask.next_bytes` is placed after."""
-        same = self.runs_by_key.get(key, 0)
-        return same, same - self.solo_by_key.get(key, 0)
-
-    @property
-    def others_waiting(self) -> int:
-        """Other pools with tasks waiting for room on this card."""
-        return self.others.waiting_pools if self.others is not None else 0
-
-    @property
-    def others_active(self) -> int:
-        """Other pools running a task or waiting for room on this card."""
-        return self.others.active_pools if self.others is not None else 0
+        same = self.sums.runs_by_key.get(key, 0)
+        return same, same - self.sums.solo_by_key.get(key, 0)

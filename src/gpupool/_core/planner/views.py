@@ -382,7 +382,8 @@ class Views:
                     f"; width {old} -> {new}",
                     key=priced or None,
                     key_ask=ask if priced else None,
-                    extra=dict(extra or {}) | {"oom_cap": card.oom_cap, "running": len(card.runs)},
+                    extra=dict(extra or {})
+                    | {"oom_cap": card.cap.oom_cap, "running": len(card.runs)},
                 )
             )
         if self._state.config.fixed_width is not None and moved:
@@ -445,7 +446,7 @@ class Views:
             return state.config.fixed_width
         if not state.cards:
             return state.ceiling.value
-        placed = [_Placed(len(card.runs), card.booked_bytes) for card in state.cards]
+        placed = [_Placed(len(card.runs), card.sums.booked_bytes) for card in state.cards]
         after = hold.after(state.cards[hold.device]) if hold is not None else []
         total = len(state.running)
         # The held head's room is placed already. Priced one by one: the walk ends at the
