@@ -218,6 +218,15 @@ def analyse_oom(
     """
     terms = _parse_terms(record)
     figures = _derive_figures(terms, later_own_high_water_bytes, most_running)
+    return _report(record, line, terms, figures)
+
+
+def _report(
+    record: Mapping[str, object], line: int, terms: _Terms, figures: _Figures
+) -> OomAnalysis:
+    """Report: the terms and figures as an :class:`OomAnalysis`, beside what the record says
+    of its own (the time, the card, the task and its key's ask, the tasks running on the card,
+    whether the pool retried it)."""
     missing = terms.missing()
     return OomAnalysis(
         line=line,

@@ -111,6 +111,24 @@ def _whole_bytes(value: float) -> int:
     return max(0, math.ceil(value))
 
 
+def _predict_peak(line: Line, size: float) -> tuple[float, float] | None:
+    """The peak ``line`` predicts at ``size`` and its upper 99.9 % prediction bound (Student's
+    t with ``n - 2`` degrees of freedom); ``None`` before :data:`_FIT_FROM_SAMPLES` measured
+    tasks, with one size only, with peaks that do not grow with size, or sums not finite."""
+    n = line.n
+    sxx, sxy = line.sxx, line.sxy
+    if not (n >= _FIT_FROM_SAMPLES and sxx > 0 and sxy > 0 and line.finite()):
+        return None
+    slope = sxy / sxx
+    intercept = line.mean_peak - slope * line.mean_x
+    sse = max(0.0, line.spp - slope * sxy)
+    sigma = math.sqrt(sse / (n - 2))
+    predicted = intercept + slope * size
+    away = size - line.mean_x
+    bound = predicted + _t_999(n - 2) * sigma * math.sqrt(1 + 1 / n + away * away / sxx)
+    return predicted, bound
+
+
 def learned_margin(
     *,
     samples: int,
@@ -870,24 +888,14 @@ class AskTable:
         measurements; the key's ask is ``base``)."""
         granule = self.policy.margin_floor_bytes
         largest = line.largest_x
-        predicted: float | None = None
-        bound: float | None = None
-        n = line.n
-        sxx, sxy = line.sxx, line.sxy
-        if n >= _FIT_FROM_SAMPLES and sxx > 0 and sxy > 0 and line.finite():
-            slope = sxy / sxx
-            intercept = line.mean_peak - slope * line.mean_x
-            sse = max(0.0, line.spp - slope * sxy)
-            sigma = math.sqrt(sse / (n - 2))
-            predicted = intercept + slope * size
-            away = size - line.mean_x
-            bound = predicted + _t_999(n - 2) * sigma * math.sqrt(1 + 1 / n + away * away / sxx)
-        if bound is None or predicted is None:
+        fit = _predict_peak(line, size)
+        if fit is None:
             if size <= largest:
                 return base
             ask = _whole_bytes(base.ask_bytes * (size / largest))
             predicted = line.peak_at_largest * (size / largest)
         else:
+            predicted, bound = fit
             below = line.peak_up_to(size) or 0
             ask = max(_whole_bytes(bound + granule), below + granule)
             if size <= largest:
@@ -916,7 +924,7 @@ class AskTable:
             ask_bytes=ask,
             measured_peak_bytes=peak,
             margin_bytes=ask - peak,
-            samples=n,
+            samples=line.n,
             pooled=False,
             capped=False,
             size=size,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from gpupool._core.bound import MAX_WORKERS_LIMIT
 from gpupool._core.events import JsonValue
@@ -153,7 +153,7 @@ def read_options(
     _check_not_bootstrapping()
     _check_not_daemonic()
     variables.warn_mistyped_variables(environ)
-    # The arguments are checked in this order (the keywords are evaluated left to right).
+    # The arguments are checked in this order (keywords are evaluated left to right, in steps too).
     return PoolOptions(
         max_workers=_resolve(max_workers, _check_max_workers, variables.read_max_workers, environ),
         workers=_read_workers(
@@ -163,10 +163,70 @@ def read_options(
         strict=_check_flag(strict, "strict"),
         retry_oom=_check_flag(retry_oom, "retry_oom"),
         devices=_check_devices(devices),
+        **_read_prices(
+            environ, max_retries, room_wait_s, task_peak, margin, margin_fraction, reserve
+        ),
+        **_read_upkeep(
+            environ, log_path, progress, share_bookings, bookings_dir, sensor, on_interrupt
+        ),
+    )
+
+
+class _Prices(TypedDict):
+    """The options :func:`_read_prices` reads, by their :class:`PoolOptions` names."""
+
+    max_retries: int
+    room_wait_s: float
+    task_peak_bytes: int | None
+    policy: Policy
+
+
+def _read_prices(
+    environ: Mapping[str, str],
+    max_retries: int | None,
+    room_wait_s: float | None,
+    task_peak: str | int | None,
+    margin: str | int | None,
+    margin_fraction: float | None,
+    reserve: str | int | None,
+) -> _Prices:
+    """What a task is priced at and how the pool retries one that ran out of device memory,
+    checked in :func:`read_options`'s order (each left out read from ``environ``)."""
+    return _Prices(
         max_retries=_resolve(max_retries, _check_max_retries, variables.read_max_retries, environ),
         room_wait_s=_resolve(room_wait_s, _check_room_wait_s, variables.read_room_wait_s, environ),
         task_peak_bytes=_resolve(task_peak, _parse_task_peak, variables.read_task_peak, environ),
         policy=_read_policy(margin, margin_fraction, reserve, environ),
+    )
+
+
+class _Upkeep(TypedDict):
+    """The options :func:`_read_upkeep` reads, by their :class:`PoolOptions` names."""
+
+    log_path: Path | None
+    progress: bool | None
+    share_bookings: bool | str
+    bookings_dir: str | os.PathLike[str] | None
+    sensor: Sensor | None
+    on_interrupt: variables.OnInterrupt
+    task_timeout_s: float | None
+    memory_path: Path | None
+
+
+def _read_upkeep(
+    environ: Mapping[str, str],
+    log_path: str | os.PathLike[str] | None,
+    progress: bool | None,
+    share_bookings: bool | str,
+    bookings_dir: str | os.PathLike[str] | None,
+    sensor: Sensor | None,
+    on_interrupt: str | None,
+) -> _Upkeep:
+    """What the pool keeps and tells beside its tasks: its decision log and progress bar, the
+    bookings it shares with other pools, the sensor it reads, what Ctrl-C does, every task's
+    deadline and the peaks it remembers between runs; checked in :func:`read_options`'s
+    order (each left out read from ``environ``)."""
+    return _Upkeep(
         log_path=variables.read_log_path(environ) if log_path is None else check_log_path(log_path),
         progress=_resolve(progress, _check_progress, variables.read_progress, environ),
         share_bookings=_check_share_bookings(share_bookings),

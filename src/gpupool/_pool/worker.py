@@ -381,27 +381,9 @@ def worker_main(
     last_oom = False  # whether the last task this worker ran ended in a device OOM
     fd = conn.fileno()
     while max_tasks is None or done < max_tasks:
-        message = frames.next()
-        if message is None:
-            return  # asked to exit, or the frame went back unread (no room to read it)
-        if last_oom and wire.is_queued_task(message):
-            # Queued behind the task that just ran out of device memory, at a booking made
-            # before that was known: the parent starts it again, checked against the bound.
-            _decline(conn, message)
-            continue
-        last_oom = False
-        unfit = _unfit(fd)
-        if unfit is not None:
-            # A task before this one used up what a task needs: this one goes to a fresh
-            # worker, unrun, and this worker exits (the pool replaces it).
-            _decline(conn, message, unfit)
-            return
-        task = _read_call(conn, message)
-        del message
+        task = _next_task(conn, frames, fd, last_oom)
         if task is None:
-            return  # answered ``declined``, unable to set the task up: this worker exits
-        if not task:
-            continue
+            return  # asked to exit, or unable to read or set up the next task
         task_id, (fn, args, kwargs) = task
         del task
         probe.start()
@@ -423,6 +405,37 @@ def worker_main(
             _end_tree_and_exit()
         del payload
         done += 1
+
+
+def _next_task(
+    conn: ChildEnd, frames: _TaskFrames, fd: int, last_oom: bool
+) -> tuple[int, Any] | None:
+    """The next task to run: its id and its unpickled ``(fn, args, kwargs)``; ``None`` when
+    this worker is to exit. A frame it does not run is answered here and the next one read:
+    a task queued behind one that ran out of device memory (``last_oom``: the task this
+    worker ran last did) is declined, one that cannot be read is answered ``"unpickle"``."""
+    while True:
+        message = frames.next()
+        if message is None:
+            return None  # asked to exit, or the frame went back unread (no room to read it)
+        if last_oom and wire.is_queued_task(message):
+            # Queued behind the task that just ran out of device memory, at a booking made
+            # before that was known: the parent starts it again, checked against the bound.
+            _decline(conn, message)
+            continue
+        last_oom = False
+        unfit = _unfit(fd)
+        if unfit is not None:
+            # A task before this one used up what a task needs: this one goes to a fresh
+            # worker, unrun, and this worker exits (the pool replaces it).
+            _decline(conn, message, unfit)
+            return None
+        task = _read_call(conn, message)
+        del message
+        if task is None:
+            return None  # answered ``declined``, unable to set the task up: this worker exits
+        if task:
+            return task
 
 
 class _TaskFrames:
