@@ -605,7 +605,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             future = sized.submit(compile_entry, entry)
 
         Args:
-            key: tasks with the same key share one learned ask; a name of at most 1000 characters.
+            key: tasks with the same key share one learned ask; a name of at most 1000
+                characters.
             task_peak: this key's estimated peak until a child measures it.
             size: the size of this task's input (tokens, rows, bytes: one unit for every
                 task of the key). Once tasks of the key were measured at their sizes, the
@@ -636,9 +637,14 @@ class GpuPoolExecutor(concurrent.futures.Executor):
                 seconds, or ``label`` is not a non-empty str of at most 200 characters
                 without control characters.
         """
-        # Every parameter as given, by name (nothing else is local yet).
-        given = {name: value for name, value in locals().items() if name != "self"}
-        options, hint_bytes = task_options(**given, size_callable=True)
+        options, hint_bytes = task_options(
+            key=key,
+            task_peak=task_peak,
+            size=size,
+            label=label,
+            timeout_s=timeout_s,
+            size_callable=True,
+        )
         return _OptionsView(self, options, hint_bytes, size_callable=True)
 
     def _submit(
