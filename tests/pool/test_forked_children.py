@@ -269,6 +269,27 @@ if __name__ == "__main__":
 """
 
 
+#: A child of ``os.fork()`` that ends by ``sys.exit()``: ``multiprocessing``'s exit hook
+#: joined the parent's workers, which it listed as the child's own, and printed
+#: ``AssertionError: can only join a child process`` (the standard pool's workers do too).
+_A_FORK_THAT_EXITS = """
+import os
+import sys
+
+from gpupool import GpuPoolExecutor
+
+if __name__ == "__main__":
+    with GpuPoolExecutor(max_workers=1) as ex:
+        assert ex.submit(abs, -3).result() == 3
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child:", os.waitstatus_to_exitcode(status), flush=True)
+        assert ex.submit(abs, -4).result() == 4
+"""
+
+
 def _run(tmp_path: Path, script_text: str, *args: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(script_text)
@@ -351,3 +372,14 @@ def test_a_child_forked_in_a_done_callback_leaves_the_parents_pool_alone(
         "shutdown records: 1",
     ], done.stderr
     assert "dispatcher thread crashed" not in done.stderr, done.stderr
+
+
+def test_a_forked_child_that_exits_prints_nothing_of_the_parents_workers(
+    tmp_path: Path,
+) -> None:
+    # In the child the pool's workers are not its children: its exit neither joins them
+    # nor prints a traceback for them.
+    done = _run(tmp_path, _A_FORK_THAT_EXITS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child: 0"], done.stderr
+    assert done.stderr == ""
