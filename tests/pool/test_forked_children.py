@@ -210,12 +210,92 @@ if __name__ == "__main__":
 """
 
 
-def _run(tmp_path: Path, script_text: str) -> subprocess.CompletedProcess[str]:
+#: A done-callback runs on the pool's dispatcher thread: a child forked there runs on a copy
+#: of that thread. One child leaves by ``sys.exit()``, the other returns from the callback:
+#: before, ``SystemExit`` crashed the copied dispatcher, whose clean-up told the parent's
+#: workers to stop, waited for them 10 s and wrote the parent's decision log; the child that
+#: returned went on with the copied loop, on the parent's workers' sockets, for good.
+_A_FORK_IN_A_DONE_CALLBACK = """
+import json
+import os
+import sys
+import time
+
+from gpupool import GpuPoolExecutor
+from gpupool.testing import SimulatedDevice, SimulatedHost
+
+children = []
+
+
+def fork_and_leave(future, how):
+    pid = os.fork()
+    if pid == 0:
+        if how == "exit":
+            sys.exit(0)
+        return
+    children.append(pid)
+
+
+def waited(pid):
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+if __name__ == "__main__":
+    log = sys.argv[1]
+    with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB"):
+        with GpuPoolExecutor(max_workers=1, log_path=log) as ex:
+            assert ex.submit(abs, -2).result() == 2
+            workers = sorted(ex._processes)
+            for how in ("exit", "return"):
+                future = ex.submit(abs, -3)
+                future.add_done_callback(lambda f, how=how: fork_and_leave(f, how))
+                assert future.result() == 3
+                while len(children) < 1 + (how == "return"):
+                    time.sleep(0.01)
+                print(how, waited(children[-1]), flush=True)
+            assert ex.submit(abs, -4).result() == 4
+            print("same workers:", sorted(ex._processes) == workers, flush=True)
+    with open(log) as records:
+        events = [json.loads(line)["event"] for line in records]
+    print("shutdown records:", events.count("shutdown"), flush=True)
+"""
+
+
+#: A child of ``os.fork()`` that ends by ``sys.exit()``: ``multiprocessing``'s exit hook
+#: joined the parent's workers, which it listed as the child's own, and printed
+#: ``AssertionError: can only join a child process`` (the standard pool's workers do too).
+_A_FORK_THAT_EXITS = """
+import os
+import sys
+
+from gpupool import GpuPoolExecutor
+
+if __name__ == "__main__":
+    with GpuPoolExecutor(max_workers=1) as ex:
+        assert ex.submit(abs, -3).result() == 3
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child:", os.waitstatus_to_exitcode(status), flush=True)
+        assert ex.submit(abs, -4).result() == 4
+"""
+
+
+def _run(tmp_path: Path, script_text: str, *args: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(script_text)
     try:
         return subprocess.run(
-            [sys.executable, str(script)],
+            [sys.executable, str(script), *args],
             capture_output=True,
             text=True,
             timeout=SCRIPT_WAIT_S,
@@ -276,3 +356,30 @@ def test_a_forked_child_that_leaves_the_block_exits_and_leaves_the_pool_alone(
         "child: 0",
         "same workers: True",
     ], done.stderr
+
+
+def test_a_child_forked_in_a_done_callback_leaves_the_parents_pool_alone(
+    tmp_path: Path,
+) -> None:
+    # The copied dispatcher thread ends with the child's callback: nothing of the pool's
+    # clean-up runs in the child, and the parent's workers and log are its own.
+    done = _run(tmp_path, _A_FORK_IN_A_DONE_CALLBACK, str(tmp_path / "decisions.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "exit 0",
+        "return 0",
+        "same workers: True",
+        "shutdown records: 1",
+    ], done.stderr
+    assert "dispatcher thread crashed" not in done.stderr, done.stderr
+
+
+def test_a_forked_child_that_exits_prints_nothing_of_the_parents_workers(
+    tmp_path: Path,
+) -> None:
+    # In the child the pool's workers are not its children: its exit neither joins them
+    # nor prints a traceback for them.
+    done = _run(tmp_path, _A_FORK_THAT_EXITS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child: 0"], done.stderr
+    assert done.stderr == ""

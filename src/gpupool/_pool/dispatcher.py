@@ -308,34 +308,48 @@ class Dispatcher:
         try:
             self._loop()
         except BaseException as exc:  # never leave a future pending
+            if self.outcomes.forked():
+                raise  # a child's sys.exit() in a done-callback that forked: the child's own
             LOGGER.critical("the gpupool dispatcher thread crashed", exc_info=True)
             self._break(f"the gpupool dispatcher thread crashed: {exc!r}", exc)
         finally:
-            self.inbox.stop()  # submit refuses from now on; what came before fails below
-            self.public.publish()  # what the turn that crashed had not delivered, delivered
-            self.outcomes.deliver(stopping=True)
-            stopped = WorkerLostError("the pool stopped before this task finished")
-            for worker in self.workers.stop(STOP_WAIT_S):
-                self._fail_items(self.workers.take_queue(worker), stopped)
-            self._fail_pending()
-            if self.link is not None:
-                self.link.withdraw_all()
-            if self.link is not None and (skipped := self.link.note(self.log.append, self.now())):
-                self.outcomes.counts["bookings_skipped"] = skipped
-            lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
-            self.planner.flush_asks(self.now())
-            try:
-                self.memory.keep(self.asks)
-            except Exception:  # a file of the user's: never a pool that cannot stop
-                LOGGER.exception("gpupool could not remember this run's peaks")
-            counts = self.outcomes.counts
-            self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
-            self.public.publish()  # the last snapshot: what statistics() says from now on
-            self.outcomes.deliver(stopping=True)
-            try:
-                self.close()
-            finally:
-                self.public.ended()
+            if not self.outcomes.forked():
+                self._wind_up()
+
+    def _wind_up(self) -> None:
+        """The dispatcher thread's end: every future settled, the workers stopped, the
+        bookings withdrawn, the log's ``shutdown`` record written, the descriptors given
+        back. Never in a child a done-callback forked (``Outcomes.forked``): there the
+        workers, the log and the bookings are the parent's pool's."""
+        self.inbox.stop()  # submit refuses from now on; what came before fails below
+        self.public.publish()  # what the turn that crashed had not delivered, delivered
+        self.outcomes.deliver(stopping=True)
+        if self.outcomes.forked():
+            return  # a done-callback forked here, and the child returned from it
+        stopped = WorkerLostError("the pool stopped before this task finished")
+        for worker in self.workers.stop(STOP_WAIT_S):
+            self._fail_items(self.workers.take_queue(worker), stopped)
+        self._fail_pending()
+        if self.link is not None:
+            self.link.withdraw_all()
+        if self.link is not None and (skipped := self.link.note(self.log.append, self.now())):
+            self.outcomes.counts["bookings_skipped"] = skipped
+        lost = self.outcomes.fail_lost()  # never leave a future pending, even after a bug
+        self.planner.flush_asks(self.now())
+        try:
+            self.memory.keep(self.asks)
+        except Exception:  # a file of the user's: never a pool that cannot stop
+            LOGGER.exception("gpupool could not remember this run's peaks")
+        counts = self.outcomes.counts
+        self.log.append(self.planner.shutdown_record(self.now(), counts, tasks_lost=lost))
+        self.public.publish()  # the last snapshot: what statistics() says from now on
+        self.outcomes.deliver(stopping=True)
+        if self.outcomes.forked():
+            return
+        try:
+            self.close()
+        finally:
+            self.public.ended()
 
     def _loop(self) -> None:
         while True:
@@ -382,6 +396,8 @@ class Dispatcher:
                     self.outcomes.counts["bookings_skipped"] = skipped
             self.public.publish()  # the end of the turn
             self.outcomes.deliver()  # the turn's outcomes, counted by that snapshot
+            if self.outcomes.forked():
+                return  # a done-callback forked, and the child returned from it
             if self.inbox.done(holding=bool(self.outcomes.items), busy=busy):
                 return
             # Wait for the workers (or a wake-up), and act on each event as it comes.

@@ -267,3 +267,15 @@ class WorkerProcess(process.BaseProcess):
     @staticmethod
     def _Popen(process_obj: WorkerProcess) -> _Popen:
         return _Popen(process_obj)
+
+
+def _forget_workers_in_forked_child() -> None:
+    """A forked child (``os.fork()`` beside an open pool) holds copies of the pools' worker
+    processes in ``multiprocessing``'s list of its children: they are its parent's, and its
+    exit must not join them (``AssertionError: can only join a child process``, printed)."""
+    process._children.difference_update(  # type: ignore[attr-defined]
+        [child for child in process._children if isinstance(child, WorkerProcess)]  # type: ignore[attr-defined]
+    )
+
+
+os.register_at_fork(after_in_child=_forget_workers_in_forked_child)

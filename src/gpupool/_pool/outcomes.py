@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import os
 import signal
 import traceback
 import weakref
@@ -51,6 +52,15 @@ class Outcomes:
         # How tasks ended this turn, in order: set at its end (deliver), after its snapshot.
         self.outbox: list[tuple[Future[Any], bool, Any]] = []
         self.in_outbox: set[Future[Any]] = set()
+        # The process of the dispatcher thread: a done-callback may fork, and its child goes
+        # on with a copy of that thread (see :meth:`forked`).
+        self.pid = os.getpid()
+
+    def forked(self) -> bool:
+        """Whether this is a child forked on the dispatcher thread (by a done-callback): its
+        copy of the thread holds the parent's workers' sockets, log and bookings, none of
+        them its own. It delivers nothing more and ends without the pool's clean-up."""
+        return os.getpid() != self.pid
 
     def take(self, item: WorkItem) -> bool:
         """Hold ``item``; ``False`` when its caller cancelled it first (then settled:
@@ -138,7 +148,8 @@ class Outcomes:
         """Set the outbox's futures in order, keeping nothing of a result after it is set. A
         done-callback that raises a ``BaseException`` (``SystemExit``) crashes the
         dispatcher, but only after every other future of the outbox is set (``stopping``:
-        it is only logged, as the dispatcher stops anyway)."""
+        it is only logged, as the dispatcher stops anyway). In a child a callback forked
+        (:meth:`forked`), the rest is not set: those futures are the parent's."""
         outbox, self.outbox = self.outbox, []
         self.in_outbox.clear()
         crash: BaseException | None = None
@@ -155,6 +166,8 @@ class Outcomes:
             except BaseException as exc:  # raised by a callback, after the future was set
                 crash = crash or exc
             del future, value
+            if self.forked():
+                break
         if crash is not None and stopping:
             LOGGER.error("a done-callback raised as the pool stopped", exc_info=crash)
         elif crash is not None:
