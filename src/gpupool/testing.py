@@ -322,6 +322,7 @@ class SimulatedHost:
         self._ledger: Ledger | None = None
         self._saved_env: str | None = None
         self._final: LedgerState | None = None
+        self._owner_pid: int | None = None  # the process that entered the block
 
     # -- the block ---------------------------------------------------------------------------
 
@@ -336,12 +337,18 @@ class SimulatedHost:
         self._directory = directory
         self._ledger = ledger_at(path)
         self._saved_env = read_simulator_ledger()
+        self._owner_pid = os.getpid()
         os.environ[SIMULATOR_ENV] = path
         return self
 
     def __exit__(self, *exc: object) -> None:
         ledger, directory = self._ledger, self._directory
         if ledger is None or directory is None:
+            return
+        if os.getpid() != self._owner_pid:
+            # A forked child leaving the block: the host is its parent's, whose pools and
+            # processes go on reading the ledger. Nothing is removed.
+            self._ledger = self._directory = None
             return
         try:
             self._final = ledger.remove()

@@ -719,3 +719,41 @@ def test_a_mig_instance_is_named_so_and_lists_rows_without_a_figure() -> None:
             listed = {row.pid: row.used_bytes for row in sensor.read_processes(instance) or ()}
             assert listed == {os.getpid(): None}
             assert sensor.read_process_peak_bytes(instance, os.getpid()) is None
+
+
+_A_FORK_LEAVES_THE_HOST = """
+import os
+import sys
+
+from gpupool.testing import SimulatedDevice, SimulatedHost, hold
+
+with SimulatedHost([SimulatedDevice("8GiB")], cpus=2, host_ram="64GiB") as host:
+    ledger = os.environ["GPUPOOL_SIMULATOR"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            host.__exit__(None, None, None)  # as a child unwinding through the block does
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    print("ledger kept:", os.path.exists(ledger), flush=True)
+    with hold("1GiB"):
+        print("still a card", flush=True)
+print("removed at the end:", not os.path.exists(ledger), flush=True)
+"""
+
+
+def test_a_forked_child_leaving_the_block_leaves_the_host_to_its_parent(tmp_path: Path) -> None:
+    """The host is the process's that entered the block: a forked child that leaves it
+    removes nothing, and the parent's card goes on; the parent's exit removes the ledger."""
+    script = tmp_path / "script.py"
+    script.write_text(_A_FORK_LEAVES_THE_HOST)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "ledger kept: True",
+        "still a card",
+        "removed at the end: True",
+    ], done.stderr
