@@ -40,6 +40,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from gpupool._core.units import format_size, parse_size
+from gpupool._sensors.own_pid import own_pid
 from gpupool._sensors.select import SIMULATOR_ENV, read_simulator_ledger
 from gpupool._sensors.simulated import (
     BOOKINGS_DIRECTORY,
@@ -337,7 +338,7 @@ class SimulatedHost:
         self._directory = directory
         self._ledger = ledger_at(path)
         self._saved_env = read_simulator_ledger()
-        self._owner_pid = os.getpid()
+        self._owner_pid = own_pid()
         os.environ[SIMULATOR_ENV] = path
         return self
 
@@ -345,7 +346,7 @@ class SimulatedHost:
         ledger, directory = self._ledger, self._directory
         if ledger is None or directory is None:
             return
-        if os.getpid() != self._owner_pid:
+        if own_pid() != self._owner_pid:
             # A forked child leaving the block: the host is its parent's, whose pools and
             # processes go on reading the ledger. Nothing is removed.
             self._ledger = self._directory = None

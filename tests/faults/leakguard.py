@@ -24,6 +24,17 @@ def exited(pid: int) -> bool:
         return True
 
 
+def exited_unreaped(pid: int) -> bool:
+    """Whether the child ``pid`` has exited, all its threads, and waits to be reaped: what
+    the pool's own watch (a pidfd, or ``waitid``) sees. Its main thread shows as a zombie in
+    ``/proc`` earlier, while its other threads still exit; a pool that looks then does not
+    see the exit yet."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # reaped already
+
+
 def gone(pid: int) -> bool:
     """Whether ``pid`` has exited and been reaped (no process, not even a zombie)."""
     if not psutil.pid_exists(pid):

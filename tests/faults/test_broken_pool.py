@@ -8,7 +8,6 @@ narrow mid-run delivers what ran and fails only what had not started.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 import faulty
 import pytest
 import regress_tasks as rt
-from leakguard import LeakGuard, wait_until
+from leakguard import LeakGuard, exited_unreaped, wait_until
 
 from gpupool import GpuPoolExecutor, InitializerError, WidthError, WorkerLostError
 from gpupool._core.units import GiB, MiB
@@ -174,17 +173,6 @@ def test_a_strict_break_mid_run_delivers_what_ran_and_keeps_its_books(tmp_path: 
     assert totals == (4, 3, 0, 0)
 
 
-def _exited_unreaped(pid: int) -> bool:
-    """Whether the child ``pid`` has exited, all its threads, and waits to be reaped: what
-    the pool's own watch (a pidfd, or ``waitid``) sees. Its main thread shows as a zombie in
-    ``/proc`` earlier, while its other threads still exit; a pool that looks then does not
-    see the exit yet."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True  # reaped already
-
-
 def _submits_again(ex: GpuPoolExecutor, seen: list[str]) -> Callable[[object], None]:
     """A done-callback that submits to ``ex`` again and tells ``seen`` whether the submit
     raised ``WidthError`` (the pool broke before the future was done) or was accepted."""
@@ -230,7 +218,7 @@ def test_a_strict_break_comes_before_a_result_whose_turn_also_lost_a_worker(tmp_
             assert wait_until(sent.exists, TIMEOUT_S), "the measured task never answered"
             go.touch()
             worker_pid = int(pid_path.read_text())
-            assert wait_until(lambda: _exited_unreaped(worker_pid), TIMEOUT_S)
+            assert wait_until(lambda: exited_unreaped(worker_pid), TIMEOUT_S)
             release.set()
             measured.result(timeout=TIMEOUT_S)
             with pytest.raises(WorkerLostError):

@@ -37,6 +37,7 @@ from gpupool._pool.options import build_dispatcher, read_options
 from gpupool._pool.reaper import kill_left_after, trees_below
 from gpupool._pool.sigterm import watch_sigterm
 from gpupool._pool.worker import process_chunk
+from gpupool._sensors.own_pid import own_pid
 
 if TYPE_CHECKING:
     from gpupool._sensors.base import Sensor
@@ -156,7 +157,7 @@ def _request_shutdown_here(inbox: Inbox, pid: int) -> None:
     """A pool dropped, or at the interpreter's exit: its dispatcher stops once its work is
     done. Not from a forked copy of the process (``pid`` made the pool): the copy's inbox
     is the parent's lock and wake pipe, copied."""
-    if os.getpid() == pid:
+    if own_pid() == pid:
         inbox.request_shutdown()
 
 
@@ -518,7 +519,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         self._dispatcher, self._census, self._max_workers = build_dispatcher(options)
         # The process that made the pool: a forked copy of it (``os.fork()`` beside an open
         # pool) holds the pool's objects but none of its threads or workers.
-        self._owner_pid = os.getpid()
+        self._owner_pid = own_pid()
         weakref.finalize(self, _request_shutdown_here, self._dispatcher.inbox, self._owner_pid)
         if self._on_interrupt == "terminate":
             watch_sigterm(self)
@@ -794,7 +795,7 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         """Whether this process is a fork of the one that made the pool (``os.fork()``
         beside an open pool): the pool's dispatcher and workers are the parent's, so here
         ``shutdown`` and the ``with`` block's end return at once, and ``submit`` raises."""
-        return os.getpid() != self._owner_pid
+        return own_pid() != self._owner_pid
 
     def terminate_workers(self) -> None:
         """Shut down without waiting, cancel what has not started, and SIGTERM the workers.

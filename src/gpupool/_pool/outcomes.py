@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import os
 import signal
 import traceback
 import weakref
@@ -29,6 +28,7 @@ from gpupool._errors import DeviceOutOfMemoryError, TaskTimeoutError, WidthError
 from gpupool._observe.log import LOGGER
 from gpupool._pool.acks import ACK_BOUND_S
 from gpupool._pool.workers import STOPPED_LOST_S, TIMEOUT_GRACE_S
+from gpupool._sensors.own_pid import own_pid
 
 if TYPE_CHECKING:
     from gpupool._core.planner import Fail, Refuse
@@ -54,13 +54,13 @@ class Outcomes:
         self.in_outbox: set[Future[Any]] = set()
         # The process of the dispatcher thread: a done-callback may fork, and its child goes
         # on with a copy of that thread (see :meth:`forked`).
-        self.pid = os.getpid()
+        self.pid = own_pid()
 
     def forked(self) -> bool:
         """Whether this is a child forked on the dispatcher thread (by a done-callback): its
         copy of the thread holds the parent's workers' sockets, log and bookings, none of
         them its own. It delivers nothing more and ends without the pool's clean-up."""
-        return os.getpid() != self.pid
+        return own_pid() != self.pid
 
     def take(self, item: WorkItem) -> bool:
         """Hold ``item``; ``False`` when its caller cancelled it first (then settled:

@@ -1,7 +1,9 @@
 """This process's PID, kept by a fork hook rather than asked of the kernel each time (I/O edge).
 
 The probe and the simulator's ledger ask, at every reading, whether they run
-in the process that set them up (a forked copy must start afresh). Asking
+in the process that set them up (a forked copy must start afresh); a pool's
+objects ask whether they run in the process that made the pool (a forked copy
+leaves the pool to its parent). Asking
 ``os.getpid`` is a system call each time; a worker asks several times per
 task. :func:`own_pid` answers from a value that ``os.register_at_fork``
 renews in every child that ``os.fork`` (and ``multiprocessing``'s fork, and
