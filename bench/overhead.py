@@ -27,7 +27,14 @@ to loky:
 * payload: ``--payload-tasks`` tasks (300) whose argument and result are
   ``--payload-mib`` MiB of bytes (1), timed the same way;
 * first result: wall time from constructing the executor to the result of
-  its first no-op task (ms), the cost of starting a worker and its imports.
+  its first no-op task (ms), the cost of starting a worker and its imports;
+* cold start (``--cold`` rounds, 5 by default; 0 skips it): a fresh interpreter per
+  run, on a script that imports its executor at its top level, as a user's script
+  does, and makes the pool under ``if __name__ == "__main__":``; wall time from
+  starting the interpreter to its first no-op result (ms). It counts what the
+  warm figure cannot: importing the executor's package, the first pool's own
+  imports, and every spawn worker importing the script (and with it the
+  executor's package) again.
 
 The first result includes the worker's imports: where gpupool's modules have no
 bytecode cache that a worker can read (an editable install beside
@@ -338,7 +345,80 @@ def _bytecode_line(info: dict[str, Any]) -> str:
     )
 
 
+#: The script a cold start runs, per executor: its imports at the top level, as a user's.
+_COLD_IMPORTS = {
+    "stdlib (spawn)": "import concurrent.futures, multiprocessing",
+    "stdlib (forkserver)": "import concurrent.futures, multiprocessing",
+    "loky": "import loky",
+    "gpupool (host)": "from gpupool import GpuPoolExecutor",
+    "gpupool (simulated card)": (
+        "from gpupool import GpuPoolExecutor\n"
+        "from gpupool.testing import SimulatedDevice, SimulatedHost"
+    ),
+}
+_COLD_MAKERS = {
+    "stdlib (spawn)": (
+        "concurrent.futures.ProcessPoolExecutor(W, mp_context=multiprocessing.get_context('spawn'))"
+    ),
+    "stdlib (forkserver)": (
+        "concurrent.futures.ProcessPoolExecutor("
+        "W, mp_context=multiprocessing.get_context('forkserver'))"
+    ),
+    "loky": "loky.ProcessPoolExecutor(W)",
+    "gpupool (host)": "GpuPoolExecutor(W)",
+    "gpupool (simulated card)": "GpuPoolExecutor(W, task_peak='1GiB')",
+}
+_COLD_SCRIPT = """\
+import sys
+sys.path.insert(0, {bench_dir!r})
+{imports}
+from card_tasks import noop
+import contextlib
+
+if __name__ == "__main__":
+    outer = {outer}
+    with outer:
+        with {maker} as ex:
+            ex.submit(noop, 0).result()
+            print("first", flush=True)
+"""
+
+
+def _cold_round(name: str, workers: int, directory: str) -> float:
+    """One cold start of ``name``: seconds from starting a fresh interpreter on its script to
+    the line it prints at its first result."""
+    card = name == "gpupool (simulated card)"
+    outer = (
+        "SimulatedHost(devices=[SimulatedDevice(total='80GiB')], cpus=64, host_ram='256GiB')"
+        if card
+        else "contextlib.nullcontext()"
+    )
+    path = os.path.join(directory, "cold_" + "".join(c for c in name if c.isalnum()) + ".py")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(
+            _COLD_SCRIPT.format(
+                bench_dir=BENCH_DIR,
+                imports=_COLD_IMPORTS[name],
+                outer=outer,
+                maker=_COLD_MAKERS[name].replace("W", str(workers)),
+            )
+        )
+    started = time.perf_counter()
+    with subprocess.Popen(
+        [sys.executable, path], stdout=subprocess.PIPE, text=True, cwd=directory
+    ) as child:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        elapsed_s = time.perf_counter() - started
+        child.stdout.read()
+    if line.strip() != "first" or child.returncode != 0:
+        raise RuntimeError(f"{name}'s cold start failed (exit {child.returncode}): {line!r}")
+    return elapsed_s
+
+
 def _compare(args: argparse.Namespace) -> int:
+    import tempfile
+
     import loky
 
     bytecode = _bytecode(args.compile)
@@ -355,8 +435,17 @@ def _compare(args: argparse.Namespace) -> int:
             for figure, value in _compare_round(name, args, payload).items():
                 runs[name][figure].append(value)
         print(f"  round {r + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+    for n in names:
+        runs[n]["cold_start_s"] = []
+    with tempfile.TemporaryDirectory() as directory:
+        for r in range(args.cold):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name]["cold_start_s"].append(_cold_round(name, args.workers, directory))
+            print(f"  cold round {r + 1}/{args.cold} done", file=sys.stderr, flush=True)
     figures: dict[str, dict[str, Any]] = {}
-    for figure in ("noop_s", "payload_s", "first_result_s"):
+    for figure in ("noop_s", "payload_s", "first_result_s", "cold_start_s"):
+        if not runs[BASE][figure]:
+            continue
         median = {n: statistics.median(runs[n][figure]) for n in names}
         figures[figure] = {
             "median": median,
@@ -374,6 +463,7 @@ def _compare(args: argparse.Namespace) -> int:
     print(
         f"{'executor':<26}{'no-op us':>10}{'x spawn':>9}{'x loky':>8}"
         f"{'payload us':>12}{'x spawn':>9}{'x loky':>8}{'1st ms':>9}{'x spawn':>9}"
+        + (f"{'cold ms':>9}{'x spawn':>9}" if "cold_start_s" in figures else "")
     )
     for n in names:
         cells = ""
@@ -383,8 +473,10 @@ def _compare(args: argparse.Namespace) -> int:
                 f"{f['median'][n] * scale:>{width}.1f}{f['ratio_to_stdlib_spawn'][n]:>8.2f}x"
                 f"{f['ratio_to_loky'][n]:>7.2f}x"
             )
-        f = figures["first_result_s"]
-        cells += f"{f['median'][n] * 1e3:>9.1f}{f['ratio_to_stdlib_spawn'][n]:>8.2f}x"
+        for figure in ("first_result_s", "cold_start_s"):
+            if figure in figures:
+                f = figures[figure]
+                cells += f"{f['median'][n] * 1e3:>9.1f}{f['ratio_to_stdlib_spawn'][n]:>8.2f}x"
         print(f"{n:<26}{cells}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
@@ -396,6 +488,7 @@ def _compare(args: argparse.Namespace) -> int:
                     "payload_bytes": len(payload),
                     "workers": args.workers,
                     "rounds": args.repeat,
+                    "cold_rounds": args.cold,
                     "executors": names,
                     "load_average": os.getloadavg()[0],
                     "gpupool_bytecode": bytecode,
@@ -418,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload-mib", type=float, default=1.0)
     parser.add_argument(
         "--simulated", action="store_true", help="kept for old command lines: always measured"
+    )
+    parser.add_argument(
+        "--cold", type=int, default=5, help="cold-start rounds, a fresh interpreter each (0: none)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     parser.add_argument(

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
-from gpupool._core.bound import Bound, Ceiling, WidthDecision
-from gpupool._core.policy import Ask
+if TYPE_CHECKING:
+    # Named by the records' fields only: what imports the records (a pool's submitting
+    # side, which a worker imports with the user's script) loads no policy.
+    from gpupool._core.bound import Bound, Ceiling, WidthDecision
+    from gpupool._core.policy import Ask
 
 __all__ = [
     "ERROR_TEXT_CHARS",

@@ -68,10 +68,17 @@ from gpupool._observe.log import LOGGER, DecisionLog
 from gpupool._pool import outcomes as said
 from gpupool._pool.booking_link import BookingLink
 from gpupool._pool.by_value import dumps_call
-from gpupool._pool.inbox import Inbox, WorkItem, copy_broken
+from gpupool._pool.inbox import (
+    Inbox,
+    WorkItem,
+    callable_name,
+    copy_broken,
+    interpreter_exiting,
+    note_interpreter_exiting,
+)
 from gpupool._pool.launch import StartDataError
 from gpupool._pool.memory import PeakMemory, RunMemory
-from gpupool._pool.outcomes import Outcomes, callable_name
+from gpupool._pool.outcomes import Outcomes
 from gpupool._pool.snapshot import Public
 from gpupool._pool.workers import (
     SPAWN_TRIES,
@@ -109,13 +116,11 @@ UNREAD_TRIES = 3
 READ_WHILE_RUNNING_S = SAMPLE_MIN_GAP_S
 
 _dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
-_global_shutdown = False
 
 
 def _python_exit() -> None:
     """At interpreter exit, let every pool finish its submitted work, as CPython's does."""
-    global _global_shutdown
-    _global_shutdown = True
+    note_interpreter_exiting()
     for dispatcher in list(_dispatchers):
         dispatcher.inbox.request_shutdown()
     for dispatcher in list(_dispatchers):
@@ -134,11 +139,6 @@ def _forget_dispatchers_in_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_dispatchers_in_forked_child)
-
-
-def interpreter_exiting() -> bool:
-    """Whether the interpreter has begun to exit (``submit`` then refuses new work)."""
-    return _global_shutdown
 
 
 class CardReader:

@@ -25,21 +25,28 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
-from gpupool._core.census import Census
-from gpupool._core.events import TASK_KEY_CHARS, TASK_LABEL_CHARS, Decision, truncate_text
-from gpupool._core.policy import Ask
+from gpupool._core.events import TASK_KEY_CHARS, TASK_LABEL_CHARS, truncate_text
 from gpupool._core.units import parse_pool_size
 from gpupool._errors import ConfigurationError
-from gpupool._pool.dispatcher import callable_name, interpreter_exiting
 from gpupool._pool.features import call_features
-from gpupool._pool.inbox import Inbox, WorkItem, copy_broken
-from gpupool._pool.options import build_dispatcher, read_options
-from gpupool._pool.reaper import kill_left_after, trees_below
-from gpupool._pool.sigterm import watch_sigterm
+from gpupool._pool.inbox import (
+    Inbox,
+    WorkItem,
+    callable_name,
+    copy_broken,
+    interpreter_exiting,
+)
 from gpupool._pool.worker import process_chunk
 from gpupool._sensors.own_pid import own_pid
 
+# The machinery of a pool (its dispatcher, planner, policy, census and reaper, with
+# psutil) is imported as the first pool is made, not with this module: a spawn worker
+# imports the user's script, and with it this class, and makes no pool (see
+# docs/performance.md, "Where a worker's start goes").
 if TYPE_CHECKING:
+    from gpupool._core.census import Census
+    from gpupool._core.events import Decision
+    from gpupool._core.policy import Ask
     from gpupool._sensors.base import Sensor
 
 __all__ = ["GpuPoolExecutor", "PoolStatistics", "SizeOf", "TaskOptions"]
@@ -509,7 +516,11 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         on_interrupt: Literal["terminate", "wait"] | None = None,
     ) -> None:
         # Every parameter as given, by name (nothing else is local yet).
-        options = read_options(os.environ, **{k: v for k, v in locals().items() if k != "self"})
+        given = {k: v for k, v in locals().items() if k != "self"}
+        from gpupool._pool.options import build_dispatcher, read_options
+        from gpupool._pool.sigterm import watch_sigterm
+
+        options = read_options(os.environ, **given)
         self._progress = options.progress
         self._on_interrupt = options.on_interrupt
         self._mp_context = options.workers.mp_context
@@ -548,6 +559,8 @@ class GpuPoolExecutor(concurrent.futures.Executor):
         is reaped and forgotten at once, and a child of its task that ignores
         SIGTERM would be out of the pool's reach at the grace's end.
         """
+        from gpupool._pool.reaper import kill_left_after, trees_below
+
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         below = trees_below(self._processes)
         self.terminate_workers()

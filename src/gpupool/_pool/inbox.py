@@ -16,7 +16,6 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +23,41 @@ from gpupool._core.events import TaskIdentity
 from gpupool._core.predict import Features
 from gpupool._errors import GpuPoolError
 
-__all__ = ["Inbox", "WorkItem", "copy_broken"]
+__all__ = [
+    "Inbox",
+    "WorkItem",
+    "callable_name",
+    "copy_broken",
+    "interpreter_exiting",
+    "note_interpreter_exiting",
+]
 
 _task_ids = itertools.count()
+
+#: Set once, as the interpreter begins to exit (the dispatcher's exit hook): ``submit``
+#: refuses new work from then on, as CPython's pool does.
+_interpreter_exiting = False
+
+
+def interpreter_exiting() -> bool:
+    """Whether the interpreter has begun to exit (``submit`` then refuses new work)."""
+    return _interpreter_exiting
+
+
+def note_interpreter_exiting() -> None:
+    """The interpreter began to exit (called by the dispatcher's exit hook alone)."""
+    global _interpreter_exiting
+    _interpreter_exiting = True
+
+
+def callable_name(fn: Callable[..., object]) -> str:
+    """``module.qualname`` of a callable (a partial's function): a task's default key, and
+    the initializer's name in messages."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"
 
 
 @dataclass(eq=False, slots=True)
@@ -181,7 +212,12 @@ class Inbox:
 
 def copy_broken(exc: BaseException | None, message: str) -> BaseException:
     """A fresh copy of the pool's breaking error for one future or one ``submit`` (each
-    raise adds its own traceback), with its attributes and cause."""
+    raise adds its own traceback), with its attributes and cause. ``BrokenProcessPool``'s
+    module (``multiprocessing.connection``, ``tempfile``...) is imported here, where a pool
+    broke and its dispatcher has loaded it long since: not by what imports the inbox (a
+    worker, wherever the user's script imports the pool at its top level)."""
+    from concurrent.futures.process import BrokenProcessPool
+
     if isinstance(exc, GpuPoolError):
         copy = type(exc).__new__(type(exc), *exc.args)
         copy.args = exc.args

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import signal
 import traceback
 import weakref
@@ -27,6 +26,7 @@ from gpupool._core.units import format_size
 from gpupool._errors import DeviceOutOfMemoryError, TaskTimeoutError, WidthError
 from gpupool._observe.log import LOGGER
 from gpupool._pool.acks import ACK_BOUND_S
+from gpupool._pool.inbox import callable_name
 from gpupool._pool.workers import STOPPED_LOST_S, TIMEOUT_GRACE_S
 from gpupool._sensors.own_pid import own_pid
 
@@ -463,16 +463,6 @@ def _signal_name(exitcode: int | None) -> str | None:
         return signal.Signals(-exitcode).name
     except ValueError:
         return f"signal {-exitcode}"
-
-
-def callable_name(fn: Callable[..., object]) -> str:
-    """``module.qualname`` of a callable (a partial's function): a task's default key, and
-    the initializer's name in messages."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{name}"
 
 
 def broken_by(message: str, cause: BaseException) -> BrokenProcessPool:
