@@ -69,3 +69,36 @@ def test_a_worker_that_imports_the_script_loads_none_of_it_and_the_pool_still_ru
     # Not vacuous: the process that made the pool loaded what the worker did not.
     assert set(seen["parent"]) >= {"gpupool._pool.dispatcher", "gpupool._core.planner"}
     assert seen["worker"] == []
+
+
+AT_EXIT_SCRIPT = """\
+import atexit
+
+from gpupool import GpuPoolExecutor
+
+
+def late():
+    try:
+        with GpuPoolExecutor(1) as ex:
+            print("ran", ex.submit(abs, -1).result())
+    except RuntimeError as exc:
+        print("RuntimeError:", exc)
+
+
+if __name__ == "__main__":
+    atexit.register(late)
+"""
+
+
+def test_a_first_pool_made_as_the_interpreter_exits_is_refused_with_the_standard_words(
+    tmp_path: Path,
+):
+    """Its modules are imported then, and register exit hooks as CPython's pool module does,
+    which threading refuses once the interpreter exits: the pool says so, in the words
+    CPython's ``submit`` uses then, not threading's."""
+    done = run_script(tmp_path, "first_pool_at_exit.py", AT_EXIT_SCRIPT, timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "RuntimeError: cannot schedule new futures after interpreter shutdown"
+    ), done.stdout
+    assert "ran" not in done.stdout

@@ -517,8 +517,16 @@ class GpuPoolExecutor(concurrent.futures.Executor):
     ) -> None:
         # Every parameter as given, by name (nothing else is local yet).
         given = {k: v for k, v in locals().items() if k != "self"}
-        from gpupool._pool.options import build_dispatcher, read_options
-        from gpupool._pool.sigterm import watch_sigterm
+        try:
+            from gpupool._pool.options import build_dispatcher, read_options
+            from gpupool._pool.sigterm import watch_sigterm
+        except RuntimeError as exc:
+            # The first pool's modules register exit hooks (as CPython's pool module does),
+            # which threading refuses once the interpreter exits (an ``atexit`` function).
+            raise RuntimeError(
+                "cannot schedule new futures after interpreter shutdown: this process's "
+                "first pool was made as the interpreter exits"
+            ) from exc
 
         options = read_options(os.environ, **given)
         self._progress = options.progress
