@@ -41,8 +41,8 @@ from gpupool._sensors.own_pid import own_pid
 
 # The machinery of a pool (its dispatcher, planner, policy, census and reaper, with
 # psutil) is imported as the first pool is made, not with this module: a spawn worker
-# imports the user's script, and with it this class, and makes no pool (see
-# docs/performance.md, "Where a worker's start goes").
+# imports the user's script, and with it this class, and makes no pool (the performance
+# page, "A script's cold start").
 if TYPE_CHECKING:
     from gpupool._core.census import Census
     from gpupool._core.events import Decision
