@@ -297,10 +297,7 @@ class BookingLink:
 
     def _running(self, device: int) -> list[tuple[int, int]]:
         """This pool's running tasks on ``device`` as ``(worker pid, booked bytes)``."""
-        return [
-            (row.worker_pid, row.booked_bytes)
-            for row in self.planner.neighbours.bookings_on(device)
-        ]
+        return self.planner.neighbours.booked_on(device)
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -146,6 +146,15 @@ class Neighbours:
             entries.append((slot[0], asks[slot]))
         return entries
 
+    def booked_on(self, device: int) -> list[tuple[int, int]]:
+        """This pool's running tasks on ``device`` that have a worker, as ``(worker pid,
+        booked bytes)``: what a task's end asks of them (no row is built)."""
+        return [
+            (run.pid, run.booked_bytes)
+            for run in self._state.running.values()
+            if run.device == device and run.pid is not None
+        ]
+
     def bookings_on(self, device: int) -> tuple[TaskBooking, ...]:
         """This pool's running tasks on ``device`` that have a worker, as booking-table rows
         (what each reached is not the planner's to know: 0)."""
