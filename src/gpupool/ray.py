@@ -387,13 +387,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
     ) -> None:
         keywords = _pool_keywords(max_workers, mp_context, initializer, initargs, pool_keywords)
         options = _actor_options(actor_options)
-        if simulate is not None and not callable(simulate):
-            raise ConfigurationError(
-                "simulate must be a function of the RayNode returning a SimulatedHost "
-                "(a SimulatedHost object itself does not pickle)."
-            )
-        if not isinstance(retry_lost, int) or isinstance(retry_lost, bool) or retry_lost < 0:
-            raise ConfigurationError(f"retry_lost={retry_lost!r}: give a count, 0 or more.")
+        _check_ray_keywords(simulate, retry_lost)
         task_peak = keywords.get("task_peak")
         self._default_bytes = (
             None
@@ -404,12 +398,7 @@ class RayGpuExecutor(concurrent.futures.Executor):
         self._log_path = None if log_path is None else Path(log_path)
         self._shutdown_timeout_s = float(shutdown_timeout_s)
         self._run = uuid.uuid4().hex[:12]
-        if not ray.is_initialized():
-            ray.init(
-                address=address,
-                namespace=namespace,
-                runtime_env=dict(runtime_env) if runtime_env is not None else None,
-            )
+        _connect(address, namespace, runtime_env)
         chosen = _gpu_nodes(nodes)
         self._lock = threading.Condition(threading.RLock())
         self._ids = itertools.count()
@@ -837,6 +826,30 @@ def _pool_keywords(
         max_workers=max_workers, mp_context=mp_context, initializer=initializer, initargs=initargs
     )
     return keywords
+
+
+def _check_ray_keywords(simulate: object, retry_lost: object) -> None:
+    """Refuse a ``simulate`` that is no function, and a ``retry_lost`` that is no count."""
+    if simulate is not None and not callable(simulate):
+        raise ConfigurationError(
+            "simulate must be a function of the RayNode returning a SimulatedHost "
+            "(a SimulatedHost object itself does not pickle)."
+        )
+    if not isinstance(retry_lost, int) or isinstance(retry_lost, bool) or retry_lost < 0:
+        raise ConfigurationError(f"retry_lost={retry_lost!r}: give a count, 0 or more.")
+
+
+def _connect(
+    address: str | None, namespace: str | None, runtime_env: Mapping[str, Any] | None
+) -> None:
+    """Join the Ray cluster at ``address`` (``None``: Ray's own choice), unless this process
+    has joined one already."""
+    if not ray.is_initialized():
+        ray.init(
+            address=address,
+            namespace=namespace,
+            runtime_env=dict(runtime_env) if runtime_env is not None else None,
+        )
 
 
 def _actor_options(actor_options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -141,6 +141,13 @@ def _forget_dispatchers_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_forget_dispatchers_in_forked_child)
 
 
+def _sooner(wait_s: float | None, other_s: float | None) -> float | None:
+    """The shorter of two waits (``None``: no wait of that kind)."""
+    if other_s is None:
+        return wait_s
+    return other_s if wait_s is None else min(wait_s, other_s)
+
+
 class CardReader:
     """Reads the pool's cards (``devices``) through ``sensor`` (free and per-process bytes in
     one reading), and tells the pool's bytes from a co-tenant's; returns readings, asks
@@ -381,16 +388,12 @@ class Dispatcher:
                 if due_s <= 0:
                     self._read_cards()
                     due_s = READ_WHILE_RUNNING_S
-                poll_s = due_s if poll_s is None else min(poll_s, due_s)
+                poll_s = _sooner(poll_s, due_s)
             # Unacknowledged frames, deadlines, stopped workers (their exits are events).
-            clocks_s = self.workers.due(time.monotonic())
-            if clocks_s is not None:
-                poll_s = clocks_s if poll_s is None else min(poll_s, clocks_s)
+            poll_s = _sooner(poll_s, self.workers.due(time.monotonic()))
             self.planner.readings.sample_cards(self.now())
             if self.link is not None:
-                flush_s = self.link.flush(self.now())
-                if flush_s is not None:
-                    poll_s = flush_s if poll_s is None else min(poll_s, flush_s)
+                poll_s = _sooner(poll_s, self.link.flush(self.now()))
                 # What the table could not do since the last turn: recorded, and counted.
                 if skipped := self.link.note(self.log.append, self.now()):
                     self.outcomes.counts["bookings_skipped"] = skipped
