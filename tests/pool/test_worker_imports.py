@@ -93,12 +93,86 @@ if __name__ == "__main__":
 def test_a_first_pool_made_as_the_interpreter_exits_is_refused_with_the_standard_words(
     tmp_path: Path,
 ):
-    """Its modules are imported then, and register exit hooks as CPython's pool module does,
-    which threading refuses once the interpreter exits: the pool says so, in the words
-    CPython's ``submit`` uses then, not threading's."""
+    """Its modules are imported then, and CPython's pool module with them, which registers an
+    exit hook as CPython's pool module does, which threading refuses once the interpreter
+    exits: the pool says so, in the words CPython's ``submit`` uses then, not threading's."""
     done = run_script(tmp_path, "first_pool_at_exit.py", AT_EXIT_SCRIPT, timeout_s=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(
         "RuntimeError: cannot schedule new futures after interpreter shutdown"
     ), done.stdout
     assert "ran" not in done.stdout
+
+
+RELAY_AT_EXIT_SCRIPT = """\
+import time
+
+from gpupool import GpuPoolExecutor
+
+# Imported after the pool's class: its exit hook runs before the pool's.
+from concurrent.futures import ThreadPoolExecutor
+
+
+def relay(pool, x):
+    time.sleep(0.3)
+    try:
+        print("relayed", pool.submit(abs, -x).result(), flush=True)
+    except RuntimeError as exc:
+        print("refused:", exc, flush=True)
+
+
+if __name__ == "__main__":
+    pool = GpuPoolExecutor(1)
+    pool.submit(abs, 0).result()
+    threads = ThreadPoolExecutor(2)
+    for x in range(3):
+        threads.submit(relay, pool, x)
+"""
+
+
+def test_a_thread_pool_imported_before_the_first_pool_still_relays_to_it_at_exit(
+    tmp_path: Path,
+):
+    """The pool's exit hook is registered as its class is imported, as before its machinery
+    was imported with the first pool (and as CPython's pool module's is): threading runs the
+    hooks last registered first, so a ``ThreadPoolExecutor`` whose module was imported after
+    the class finishes its tasks, which submit to the pool, before the pool stops taking work.
+    Registered with the first pool instead, the pool's hook ran first and refused them."""
+    done = run_script(tmp_path, "relay_at_exit.py", RELAY_AT_EXIT_SCRIPT, timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["relayed 0", "relayed 1", "relayed 2"], done.stdout
+
+
+FAILING_IMPORT_SCRIPT = """\
+import sys
+
+from gpupool import GpuPoolExecutor
+
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "gpupool._pool.options":
+            raise RuntimeError("some library's own RuntimeError at import")
+        return None
+
+
+if __name__ == "__main__":
+    sys.meta_path.insert(0, Refuse())
+    try:
+        GpuPoolExecutor(1)
+    except RuntimeError as exc:
+        print(type(exc).__name__, exc, sep=": ")
+"""
+
+
+def test_a_runtime_error_while_the_first_pool_imports_is_not_called_the_interpreters_exit(
+    tmp_path: Path,
+):
+    """A ``RuntimeError`` (a ``RecursionError``: a first pool made deep in a recursion, whose
+    imports need some 40 frames more than the class did) raised while the first pool imports
+    its machinery, with the interpreter nowhere near its exit, reaches the caller as it is."""
+    done = run_script(tmp_path, "failing_import.py", FAILING_IMPORT_SCRIPT, timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "RuntimeError: some library's own RuntimeError at import", (
+        done.stdout
+    )

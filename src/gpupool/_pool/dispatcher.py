@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import time
 import weakref
 from collections.abc import Collection, Iterable, Mapping
@@ -71,6 +70,7 @@ from gpupool._pool.by_value import dumps_call
 from gpupool._pool.inbox import (
     Inbox,
     WorkItem,
+    at_interpreter_exit,
     callable_name,
     copy_broken,
     interpreter_exiting,
@@ -127,7 +127,8 @@ def _python_exit() -> None:
         dispatcher.public.join()
 
 
-threading._register_atexit(_python_exit)  # type: ignore[attr-defined]
+# Run by the inbox's exit hook, which threading took as the class was imported.
+at_interpreter_exit(_python_exit)
 
 
 def _forget_dispatchers_in_forked_child() -> None:

@@ -521,8 +521,10 @@ class GpuPoolExecutor(concurrent.futures.Executor):
             from gpupool._pool.options import build_dispatcher, read_options
             from gpupool._pool.sigterm import watch_sigterm
         except RuntimeError as exc:
-            # The first pool's modules register exit hooks (as CPython's pool module does),
-            # which threading refuses once the interpreter exits (an ``atexit`` function).
+            if not interpreter_exiting():
+                raise  # a RecursionError, a library's own: not the interpreter's exit
+            # The first pool's modules import CPython's pool module, which registers an exit
+            # hook that threading refuses once the interpreter exits (an ``atexit`` function).
             raise RuntimeError(
                 "cannot schedule new futures after interpreter shutdown: this process's "
                 "first pool was made as the interpreter exits"

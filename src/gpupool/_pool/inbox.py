@@ -26,6 +26,7 @@ from gpupool._errors import GpuPoolError
 __all__ = [
     "Inbox",
     "WorkItem",
+    "at_interpreter_exit",
     "callable_name",
     "copy_broken",
     "interpreter_exiting",
@@ -45,9 +46,36 @@ def interpreter_exiting() -> bool:
 
 
 def note_interpreter_exiting() -> None:
-    """The interpreter began to exit (called by the dispatcher's exit hook alone)."""
+    """The interpreter began to exit (called by the dispatcher's exit hook, and by this
+    module's once the pool's hooks ran)."""
     global _interpreter_exiting
     _interpreter_exiting = True
+
+
+#: The exit hooks of the pool's modules (the dispatcher's, sigterm's), run by
+#: :func:`_run_exit_hooks` last registered first, as ``threading`` runs its own.
+_exit_hooks: list[Callable[[], None]] = []
+
+
+def at_interpreter_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` as the interpreter begins to exit: a module imported with the first pool
+    registers here, not with ``threading``, whose turn this module took as the class was
+    imported (and which refuses a hook once the interpreter exits)."""
+    _exit_hooks.append(hook)
+
+
+def _run_exit_hooks() -> None:
+    for hook in reversed(_exit_hooks):
+        hook()
+    note_interpreter_exiting()  # no pool was made: ``submit`` refuses one made from now on
+
+
+# Registered as the class is imported, with the script's imports, not as the first pool is
+# made: ``threading`` runs its exit hooks last registered first, so a ``ThreadPoolExecutor``
+# whose module the script imports after this one still finishes its tasks (which may submit
+# to a pool) before the pools stop taking work, as before the pool's machinery was imported
+# with its first pool, and as with CPython's pool module (which registers as it is imported).
+threading._register_atexit(_run_exit_hooks)  # type: ignore[attr-defined]
 
 
 def callable_name(fn: Callable[..., object]) -> str:

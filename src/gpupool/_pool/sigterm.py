@@ -31,9 +31,10 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-# Imported for its exit hook: ``threading``'s run last registered first, so the one
+# Imported for its exit hook: the inbox runs them last registered first, so the one
 # registered below stops the pools before the dispatcher's waits for them.
 import gpupool._pool.dispatcher  # noqa: F401
+from gpupool._pool.inbox import at_interpreter_exit
 
 if TYPE_CHECKING:
     from gpupool._pool.executor import GpuPoolExecutor
@@ -132,7 +133,7 @@ def _unblock() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
+at_interpreter_exit(_stop_at_exit)
 os.register_at_fork(
     before=_before_fork,
     after_in_parent=_after_fork_in_parent,
