@@ -362,3 +362,48 @@ def test_a_top_level_that_fails_in_workers_breaks_the_pool_naming_it(tmp_path: P
     assert last.startswith("FAILED BrokenProcessPool"), last
     assert "the script's top level" in last
     assert "refuses to run in a worker" in done.stderr
+
+
+LEFT_AT_EXIT_SCRIPT = """\
+import sys
+
+from gpupool import GpuPoolExecutor
+
+
+def work(x):
+    return x * 10
+
+
+def said(future):
+    print("result", future.result(), flush=True)
+
+
+if __name__ == "__main__":
+    pool = GpuPoolExecutor(2, max_tasks_per_child=int(sys.argv[1]))
+    pool.submit(abs, -1).result()  # a worker started while the script runs
+    for x in range(6):
+        pool.submit(work, x).add_done_callback(said)
+    # No shutdown: the pool finishes its work at the interpreter's exit, as CPython's does.
+"""
+
+
+def test_work_a_script_leaves_at_its_end_runs_in_workers_started_after_it(tmp_path: Path):
+    """CPython removes ``__main__.__file__`` as the script's body ends: workers started after
+    that (at the interpreter's exit, for work submitted last) were not told to import the
+    script, and every task of a script function they were sent failed to unpickle there
+    (with ``max_tasks_per_child=1``, 0 of 6 ran; the standard pool runs them all). They import
+    it as the others did."""
+    for per_worker in ("1", "100"):
+        done = run_script(tmp_path, "left_at_exit.py", LEFT_AT_EXIT_SCRIPT, per_worker)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert sorted(done.stdout.split()) == sorted(
+            [
+                "result",
+                "result",
+                "result",
+                "result",
+                "result",
+                "result",
+                *map(str, range(0, 60, 10)),
+            ]
+        ), (per_worker, done.stdout, done.stderr[-2000:])

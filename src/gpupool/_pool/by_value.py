@@ -97,7 +97,12 @@ def main_for_workers() -> dict[str, str]:
     library's preparation entry (``init_main_from_name`` or ``init_main_from_path``), decided
     as :func:`multiprocessing.spawn.get_preparation_data` decides it; empty when the workers
     do not import it (no file: ``python -c``, the REPL, a notebook; a package's
-    ``__main__``, which the standard library does not run again either)."""
+    ``__main__``, which the standard library does not run again either).
+
+    CPython removes ``__main__.__file__`` as the script's body ends; work submitted then
+    (a pool left to finish at the interpreter's exit) goes to workers started after, which
+    import the script from where it was last found (each pool's construction finds it)."""
+    global _main_found
     main = sys.modules.get("__main__")
     if main is None or _unguarded:
         return {}
@@ -108,6 +113,10 @@ def main_for_workers() -> dict[str, str]:
             return {}
         return {"init_main_from_name": name}
     path = getattr(main, "__file__", None)
+    if path is None and _main_found is not None and _main_found[0] is main:
+        # The script's body ended (CPython removes ``__file__`` then) with work submitted:
+        # the workers started for it at the interpreter's exit import the script all the same.
+        return dict(_main_found[1])
     if not isinstance(path, str) or not os.path.isfile(path):
         return {}
     if os.path.splitext(os.path.basename(path))[0] == "ipython":
@@ -117,7 +126,9 @@ def main_for_workers() -> dict[str, str]:
     original = getattr(process, "ORIGINAL_DIR", None)
     if not os.path.isabs(path) and original is not None:
         path = os.path.join(original, path)
-    return {"init_main_from_path": os.path.normpath(path)}
+    found = {"init_main_from_path": os.path.normpath(path)}
+    _main_found = (main, found)
+    return dict(found)
 
 
 def by_name(obj: object) -> bool:
@@ -144,6 +155,7 @@ def note_pool_made() -> None:
     spawn workers would; its workers cannot import the script. From then on this process
     sends what its workers need of the script by value, as for ``python -c``."""
     global _unguarded
+    main_for_workers()  # found while the script's ``__file__`` is there (see its docstring)
     main = sys.modules.get("__main__")
     if _unguarded or main is None or getattr(main, "__name__", None) != "__main__":
         return
@@ -256,6 +268,9 @@ def _is_main_guard(test: ast.expr) -> bool:
 #: The script whose source was read, what it binds at its top level and the lines of its main
 #: guards (:func:`_script_outline`).
 _outline: tuple[types.ModuleType, tuple[frozenset[str], tuple[tuple[int, int], ...]]] | None = None
+#: This process's ``__main__`` and where its workers import it from, as last found with its
+#: ``__file__`` (:func:`main_for_workers`).
+_main_found: tuple[types.ModuleType, dict[str, str]] | None = None
 #: Whether the script's top level made a pool outside its main guard (:func:`note_pool_made`):
 #: then no worker imports it.
 _unguarded = False
