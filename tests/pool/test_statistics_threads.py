@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import pickle
 import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
-from types import CodeType, FrameType
+from types import CodeType, FrameType, MappingProxyType
 
 import pytest
 import tasks
@@ -157,6 +158,22 @@ def test_after_shutdown_statistics_read_one_unchanging_snapshot(host):
     assert first.tasks_completed + first.tasks_failed + first.tasks_cancelled == 21
     assert first.tasks_submitted == 21
     assert ex.width == first.width >= 1
+
+
+def test_statistics_pickle_and_come_back_equal_and_read_only(host):
+    """A snapshot's mappings are read-only views, which plain pickle refuses: statistics
+    pickle all the same (to a file, a queue, another process) and come back equal, with
+    read-only views again."""
+    with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
+        assert [f.result(timeout=60) for f in _submit_all(ex, 5)] == list(range(5))
+    stats = ex.statistics()
+    assert isinstance(stats.asks, MappingProxyType) and stats.asks  # what refused to pickle
+    back = pickle.loads(pickle.dumps(stats))
+    assert back == stats
+    assert isinstance(back.asks, MappingProxyType)
+    assert isinstance(back.widths_by_key, MappingProxyType)
+    with pytest.raises(TypeError):
+        back.asks["another"] = stats.asks[next(iter(stats.asks))]  # type: ignore[index]
 
 
 def test_a_broken_pool_counts_every_future_it_failed(host):
