@@ -213,14 +213,17 @@ def test_keyboard_interrupt_in_with_stops_running_tasks(tmp_path: Path, target: 
 
 
 def _interrupt_and_check_stopped(
-    process: subprocess.Popen[str], pids: Path, send: Callable[[int, int], None]
+    process: subprocess.Popen[str],
+    pids: Path,
+    send: Callable[[int, int], None],
+    sig: signal.Signals = signal.SIGINT,
 ) -> None:
-    """Once two tasks run, SIGINT the script with ``send``: it exits with the interrupt, only
-    the two tasks ever started, and their workers exit."""
+    """Once two tasks run, send the script ``sig`` with ``send``: it exits with the interrupt,
+    only the two tasks ever started, and their workers exit."""
     try:
         assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
         workers = _worker_pids(pids)
-        send(process.pid, signal.SIGINT)
+        send(process.pid, sig)
         # Generous: the grace is 2 s; a pool that waits for its tasks hangs for 600 s.
         _, err = _finish(process, 30)
     finally:
@@ -251,6 +254,25 @@ def test_keyboard_interrupt_while_the_with_block_waits_at_its_end_stops_running_
         """,
     )
     _interrupt_and_check_stopped(process, pids, os.kill)
+
+
+def test_sigterm_while_the_with_block_waits_at_its_end_stops_running_tasks(tmp_path: Path):
+    """With ``on_interrupt="terminate"``, SIGTERM while ``with`` waits for the pool at its end
+    is Ctrl-C there too: the running tasks end, no worker is left. Before, the pool counted
+    as closed once its shutdown began, so SIGTERM took its default action: the script died
+    at once (exit 143), its running tasks left to the workers' parent-death signal."""
+    process, pids = _start(
+        tmp_path,
+        """
+        never = os.path.join(directory, "never-released")
+        with host():
+            with GpuPoolExecutor(max_workers=2, task_peak="1GiB", on_interrupt="terminate") as ex:
+                for i in range(4):
+                    ex.submit(faulty.note_pid_then_wait_return, directory, i, never)
+        """,
+    )
+    _interrupt_and_check_stopped(process, pids, os.kill, signal.SIGTERM)
+    assert process.returncode != -signal.SIGTERM
 
 
 def test_keyboard_interrupt_in_with_kills_the_tasks_children_that_ignore_sigterm(

@@ -65,12 +65,14 @@ def watch_sigterm(executor: GpuPoolExecutor) -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM while a pool with ``on_interrupt="terminate"`` is open: ``KeyboardInterrupt``,
-    as Ctrl-C. Once none is open, SIGTERM does what it did before any pool (the default)."""
+    as Ctrl-C. A pool is open until its dispatcher has finished, shut down or not (``with``
+    waiting at its end is the commonest moment to send it). Once none is open, SIGTERM does
+    what it did before any pool (the default)."""
     global _terminated
     if getattr(_fork, "forking", False):
         _fork.held = True
         return
-    if not any(not executor._shutdown for executor in _interruptible):
+    if all(executor._dispatcher.public.finished.is_set() for executor in _interruptible):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
