@@ -35,8 +35,8 @@ __all__ = [
 
 _task_ids = itertools.count()
 
-#: Set once, as the interpreter begins to exit (the dispatcher's exit hook): ``submit``
-#: refuses new work from then on, as CPython's pool does.
+#: Set once, as the interpreter begins to exit (the exit hooks below): ``submit`` refuses
+#: new work from then on, as CPython's pool does.
 _interpreter_exiting = False
 
 
@@ -67,7 +67,7 @@ def at_interpreter_exit(hook: Callable[[], None]) -> None:
 def _run_exit_hooks() -> None:
     for hook in reversed(_exit_hooks):
         hook()
-    note_interpreter_exiting()  # no pool was made: ``submit`` refuses one made from now on
+    note_interpreter_exiting()  # also where no pool was made: a pool made now is refused
 
 
 # Registered as the class is imported, with the script's imports, not as the first pool is
