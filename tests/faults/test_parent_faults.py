@@ -275,6 +275,41 @@ def test_sigterm_while_the_with_block_waits_at_its_end_stops_running_tasks(tmp_p
     assert process.returncode != -signal.SIGTERM
 
 
+@pytest.mark.parametrize("shut", ["shutdown(wait=False)", "left to the exit"])
+def test_sigterm_while_the_exit_waits_for_the_pool_stops_running_tasks(tmp_path: Path, shut):
+    """With ``on_interrupt="terminate"``, SIGTERM while the interpreter's exit waits for a
+    pool's work (a script that ends after ``shutdown(wait=False)``, or leaves its work to the
+    pool without shutdown) stops the running tasks. Before, sigterm's exit hook had run
+    before the wait, when no SIGTERM had come: the KeyboardInterrupt cut the wait short,
+    and the exit then waited for the tasks' workers for as long as the tasks ran (for ever
+    here). Before SIGTERM counted a pool open until its dispatcher finished, the first case
+    took SIGTERM's default action (exit 143)."""
+    process, pids = _start(
+        tmp_path,
+        f"""
+        never = os.path.join(directory, "never-released")
+        ex = GpuPoolExecutor(max_workers=2, on_interrupt="terminate")
+        for i in range(4):
+            ex.submit(faulty.note_pid_then_wait_return, directory, i, never)
+        if {shut!r} == "shutdown(wait=False)":
+            ex.shutdown(wait=False)
+        """,
+    )
+    try:
+        assert wait_until(lambda: len(_worker_pids(pids)) >= 2, 60), process.poll()
+        workers = _worker_pids(pids)
+        time.sleep(0.5)  # the script's body has ended: its exit waits for the pool
+        os.kill(process.pid, signal.SIGTERM)
+        _, err = _finish(process, 30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert "KeyboardInterrupt" in err, err[-4000:]
+    assert sorted(int(p.stem) for p in pids.glob("*.pid")) == [0, 1]
+    _assert_workers_exit(workers, 5.0)
+
+
 def test_keyboard_interrupt_in_with_kills_the_tasks_children_that_ignore_sigterm(
     tmp_path: Path,
 ):

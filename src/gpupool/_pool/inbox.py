@@ -65,9 +65,19 @@ def at_interpreter_exit(hook: Callable[[], None]) -> None:
 
 
 def _run_exit_hooks() -> None:
-    for hook in reversed(_exit_hooks):
-        hook()
-    note_interpreter_exiting()  # also where no pool was made: a pool made now is refused
+    try:
+        for hook in reversed(_exit_hooks):
+            hook()
+    except KeyboardInterrupt:
+        # SIGTERM (``on_interrupt="terminate"``: raised as Ctrl-C) while the exit waited for
+        # the pools' work: sigterm's hook ran before the wait, when no SIGTERM had come, so
+        # the hooks run again and it stops the tasks instead of waiting for them (after
+        # Ctrl-C the wait goes on, as CPython's does). Raised again, as at any other moment.
+        for hook in reversed(_exit_hooks):
+            hook()
+        raise
+    finally:
+        note_interpreter_exiting()  # also where no pool was made: a pool made now is refused
 
 
 # Registered as the class is imported, with the script's imports, not as the first pool is
