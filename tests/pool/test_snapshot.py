@@ -7,7 +7,6 @@ from the dispatcher's values as they stand).
 from __future__ import annotations
 
 import collections
-from types import MappingProxyType
 
 import pytest
 
@@ -15,7 +14,7 @@ from gpupool._core.events import Decision
 from gpupool._core.planner import Planner, PlannerConfig, Start
 from gpupool._core.policy import AskTable, Policy
 from gpupool._core.units import GiB
-from gpupool._pool.snapshot import take_snapshot
+from gpupool._pool.snapshot import ReadOnlyDict, take_snapshot
 from support import card_census, census_of
 
 
@@ -83,7 +82,7 @@ def test_a_snapshot_is_read_only_and_keeps_its_values_when_the_sources_change() 
     planner, asks = _planner()
     counts = collections.Counter({"completed": 1})
     snapshot = take_snapshot(planner, asks, counts, log_write_errors=0, last=None)
-    assert isinstance(snapshot.counts, MappingProxyType)
+    assert isinstance(snapshot.counts, ReadOnlyDict)
     with pytest.raises(TypeError):
         snapshot.counts["completed"] = 9  # type: ignore[index]
     counts["completed"] += 1

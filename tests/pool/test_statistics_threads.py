@@ -4,13 +4,16 @@ dispatcher thread publishes, never its live planner, on real processes and the s
 from __future__ import annotations
 
 import concurrent.futures
+import copy
+import dataclasses
 import inspect
+import json
 import pickle
 import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
-from types import CodeType, FrameType, MappingProxyType
+from types import CodeType, FrameType
 
 import pytest
 import tasks
@@ -18,6 +21,7 @@ import tasks
 from gpupool import GpuPoolExecutor, PoolStatistics, track
 from gpupool._core.planner import Planner
 from gpupool._core.policy import AskTable
+from gpupool._pool.snapshot import ReadOnlyDict
 from gpupool.testing import SimulatedDevice, SimulatedHost
 
 #: Seven task keys, as a pipeline that mixes models submits them.
@@ -160,20 +164,26 @@ def test_after_shutdown_statistics_read_one_unchanging_snapshot(host):
     assert ex.width == first.width >= 1
 
 
-def test_statistics_pickle_and_come_back_equal_and_read_only(host):
-    """A snapshot's mappings are read-only views, which plain pickle refuses: statistics
-    pickle all the same (to a file, a queue, another process) and come back equal, with
-    read-only views again."""
+def test_statistics_pickle_copy_and_go_through_asdict_to_json_read_only(host):
+    """A snapshot's mappings cannot be written, and yet statistics pickle (to a file, a
+    queue, another process), deep-copy and go through ``dataclasses.asdict`` to JSON, as
+    the records they are. As read-only views (``MappingProxyType``), each of those raised
+    ``TypeError: cannot pickle 'mappingproxy' object``."""
     with GpuPoolExecutor(max_workers=2, task_peak="1GiB") as ex:
         assert [f.result(timeout=60) for f in _submit_all(ex, 5)] == list(range(5))
     stats = ex.statistics()
-    assert isinstance(stats.asks, MappingProxyType) and stats.asks  # what refused to pickle
-    back = pickle.loads(pickle.dumps(stats))
-    assert back == stats
-    assert isinstance(back.asks, MappingProxyType)
-    assert isinstance(back.widths_by_key, MappingProxyType)
-    with pytest.raises(TypeError):
-        back.asks["another"] = stats.asks[next(iter(stats.asks))]  # type: ignore[index]
+    assert stats.asks  # a mapping with something in it
+    for back in (pickle.loads(pickle.dumps(stats)), copy.deepcopy(stats)):
+        assert back == stats
+        assert isinstance(back.asks, ReadOnlyDict)
+        assert isinstance(back.widths_by_key, ReadOnlyDict)
+    plain = dataclasses.asdict(stats)
+    assert json.loads(json.dumps(plain))["asks"].keys() == stats.asks.keys()
+    key = next(iter(stats.asks))
+    with pytest.raises(TypeError, match="read-only"):
+        stats.asks[key] = stats.asks[key]  # type: ignore[index]
+    with pytest.raises(TypeError, match="read-only"):
+        stats.widths_by_key.update({"another": 1})  # type: ignore[attr-defined]
 
 
 def test_a_broken_pool_counts_every_future_it_failed(host):

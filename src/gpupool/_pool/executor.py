@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from concurrent.futures import Future
@@ -156,20 +155,6 @@ class PoolStatistics:
     log_write_errors: int = 0
     bookings_skipped: int = 0
     bookings_unavailable: str | None = None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled with its mappings as plain dicts (the read-only views ``statistics()``
-        gives do not pickle), read-only views again once unpickled."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["asks"] = dict(self.asks)
-        values["widths_by_key"] = dict(self.widths_by_key)
-        return (_unpickled_statistics, (values,))
-
-
-def _unpickled_statistics(values: dict[str, Any]) -> PoolStatistics:
-    values["asks"] = types.MappingProxyType(values["asks"])
-    values["widths_by_key"] = types.MappingProxyType(values["widths_by_key"])
-    return PoolStatistics(**values)
 
 
 _NO_OPTIONS = TaskOptions()

@@ -16,8 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from gpupool._observe.log import LOGGER
 
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from gpupool._observe.log import DecisionLog
     from gpupool._sensors.bookings import BookingTable
 
-__all__ = ["PoolSnapshot", "Public", "take_snapshot"]
+__all__ = ["PoolSnapshot", "Public", "ReadOnlyDict", "take_snapshot"]
 
 V = TypeVar("V")
 
@@ -104,9 +103,25 @@ def take_snapshot(
     )
 
 
+class ReadOnlyDict(dict[str, V]):
+    """A snapshot's mapping: a dict whose changing methods raise ``TypeError`` (as a read-only
+    view's do), which pickles, copies, goes to JSON and through ``dataclasses.asdict`` as a
+    dict does (a ``MappingProxyType`` does none of these)."""
+
+    __slots__ = ()
+
+    def _refused(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("a pool's statistics are read-only: copy them with dict() to change them")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refused
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+
 def _kept(last: Mapping[str, V] | None, now: dict[str, V]) -> Mapping[str, V]:
-    """``last`` where it equals ``now``, else a read-only view of ``now``."""
-    return last if last is not None and last == now else MappingProxyType(now)
+    """``last`` where it equals ``now``, else a read-only copy of ``now``."""
+    return last if last is not None and last == now else ReadOnlyDict(now)
 
 
 class Public:
