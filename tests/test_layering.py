@@ -253,7 +253,7 @@ ROOM_SURFACES = {
     "readings": frozenset({"observe", "observe_error", "sample_cards"}),
     "neighbours": frozenset(
         {"observe_others", "warm_limit", "waiting_count", "need_bytes", "waiting_asks",
-         "bookings_on"}
+         "bookings_on", "booked_on"}
     ),
 }  # fmt: skip
 
