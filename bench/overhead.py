@@ -358,15 +358,16 @@ _COLD_IMPORTS = {
 }
 _COLD_MAKERS = {
     "stdlib (spawn)": (
-        "concurrent.futures.ProcessPoolExecutor(W, mp_context=multiprocessing.get_context('spawn'))"
+        "concurrent.futures.ProcessPoolExecutor("
+        "{workers}, mp_context=multiprocessing.get_context('spawn'))"
     ),
     "stdlib (forkserver)": (
         "concurrent.futures.ProcessPoolExecutor("
-        "W, mp_context=multiprocessing.get_context('forkserver'))"
+        "{workers}, mp_context=multiprocessing.get_context('forkserver'))"
     ),
-    "loky": "loky.ProcessPoolExecutor(W)",
-    "gpupool (host)": "GpuPoolExecutor(W)",
-    "gpupool (simulated card)": "GpuPoolExecutor(W, task_peak='1GiB')",
+    "loky": "loky.ProcessPoolExecutor({workers})",
+    "gpupool (host)": "GpuPoolExecutor({workers})",
+    "gpupool (simulated card)": "GpuPoolExecutor({workers}, task_peak='1GiB')",
 }
 _COLD_SCRIPT = """\
 import sys
@@ -400,7 +401,7 @@ def _cold_round(name: str, workers: int, directory: str) -> float:
                 bench_dir=BENCH_DIR,
                 imports=_COLD_IMPORTS[name],
                 outer=outer,
-                maker=_COLD_MAKERS[name].replace("W", str(workers)),
+                maker=_COLD_MAKERS[name].format(workers=workers),
             )
         )
     started = time.perf_counter()

@@ -74,7 +74,6 @@ from gpupool._pool.inbox import (
     callable_name,
     copy_broken,
     interpreter_exiting,
-    note_interpreter_exiting,
 )
 from gpupool._pool.launch import StartDataError
 from gpupool._pool.memory import PeakMemory, RunMemory
@@ -119,8 +118,8 @@ _dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 
 
 def _python_exit() -> None:
-    """At interpreter exit, let every pool finish its submitted work, as CPython's does."""
-    note_interpreter_exiting()
+    """At interpreter exit (``submit`` refuses work by then: the inbox's hook, which runs this,
+    says so first), let every pool finish its submitted work, as CPython's does."""
     for dispatcher in list(_dispatchers):
         dispatcher.inbox.request_shutdown()
     for dispatcher in list(_dispatchers):

@@ -30,26 +30,18 @@ __all__ = [
     "callable_name",
     "copy_broken",
     "interpreter_exiting",
-    "note_interpreter_exiting",
 ]
 
 _task_ids = itertools.count()
 
-#: Set once, as the interpreter begins to exit (the exit hooks below): ``submit`` refuses
-#: new work from then on, as CPython's pool does.
+#: Set once, as the interpreter begins to exit (:func:`_run_exit_hooks`, before the pool's
+#: hooks run): ``submit`` refuses new work from then on, as CPython's pool does.
 _interpreter_exiting = False
 
 
 def interpreter_exiting() -> bool:
     """Whether the interpreter has begun to exit (``submit`` then refuses new work)."""
     return _interpreter_exiting
-
-
-def note_interpreter_exiting() -> None:
-    """The interpreter began to exit (called by the dispatcher's exit hook, and by this
-    module's once the pool's hooks ran)."""
-    global _interpreter_exiting
-    _interpreter_exiting = True
 
 
 #: The exit hooks of the pool's modules (the dispatcher's, sigterm's), run by
@@ -65,6 +57,8 @@ def at_interpreter_exit(hook: Callable[[], None]) -> None:
 
 
 def _run_exit_hooks() -> None:
+    global _interpreter_exiting
+    _interpreter_exiting = True  # a pool made from now on is refused, and no task submitted
     try:
         for hook in reversed(_exit_hooks):
             hook()
@@ -76,8 +70,6 @@ def _run_exit_hooks() -> None:
         for hook in reversed(_exit_hooks):
             hook()
         raise
-    finally:
-        note_interpreter_exiting()  # also where no pool was made: a pool made now is refused
 
 
 # Registered as the class is imported, with the script's imports, not as the first pool is
